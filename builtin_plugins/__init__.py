@@ -1,0 +1,1 @@
+"""furlong's built-in plugins. Reached only through entry points; the core never imports them."""

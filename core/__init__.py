@@ -1,0 +1,1 @@
+"""furlong core: CLI and config, plugin manager, the loop, rollout manager, checkpoints."""

@@ -1,0 +1,40 @@
+"""furlong's hook contract: hookspecs, the ``hookimpl`` marker, shared types, Protocols."""
+
+from . import answers, specs
+from .errors import PluginError
+from .markers import PROJECT, hookimpl, hookspec
+from .protocols import DataSource, RolloutContext, RolloutEngine, StepObjective, TrainBackend
+from .types import (
+    AdvantageInput,
+    AdvantageOutput,
+    FilterResult,
+    GenerateOutput,
+    LossInput,
+    LossOutput,
+    Sample,
+    Status,
+    TrainBatch,
+)
+
+__all__ = [
+    "PROJECT",
+    "AdvantageInput",
+    "AdvantageOutput",
+    "DataSource",
+    "FilterResult",
+    "GenerateOutput",
+    "LossInput",
+    "LossOutput",
+    "PluginError",
+    "RolloutContext",
+    "RolloutEngine",
+    "Sample",
+    "Status",
+    "StepObjective",
+    "TrainBackend",
+    "TrainBatch",
+    "hookimpl",
+    "hookspec",
+    "answers",
+    "specs",
+]

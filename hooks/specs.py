@@ -1,0 +1,262 @@
+"""The hook contract: every hook furlong's core emits, in loop order.
+
+Implementations take keyword arguments and may accept any subset of a spec's arguments.
+Any implementation may be ``async def``; the core awaits it. Implementation parameters
+take no defaults. Call styles:
+
+- *chosen*: only the implementation of the plugin named by the selection flag runs;
+  returning None is an error naming the plugin.
+- *broadcast*: every enabled implementation runs, each on its own; one failure does not
+  stop the others.
+- *observer*: broadcast, failures logged as warnings, never timed by ``on_hook_call``.
+"""
+
+from __future__ import annotations
+
+from argparse import ArgumentParser, Namespace
+
+from .markers import hookspec
+from .protocols import DataSource, RolloutContext, RolloutEngine, TrainBackend
+from .types import AdvantageInput, AdvantageOutput, FilterResult, LossInput, LossOutput, Sample
+
+__all__ = [
+    "abort",
+    "add_arguments",
+    "advantage",
+    "buffer_pop",
+    "data_source",
+    "filter",
+    "generate",
+    "loss",
+    "on_checkpoint_saved",
+    "on_eval_end",
+    "on_hook_call",
+    "on_rollout_end",
+    "on_train_step_end",
+    "reward",
+    "rollout",
+    "rollout_engine",
+    "train_backend",
+]
+
+
+# --- set-up --------------------------------------------------------------------------
+
+
+@hookspec
+def add_arguments(parser: ArgumentParser) -> None:
+    """Add flags that are new and specific to one plugin.
+
+    Call: broadcast, once, when the launch parser is built (before parsing).
+    Add an argument group named after the plugin; prefix every flag with the plugin name.
+    Flags of SPEC.md section 1 are defined by the core; do not add them again.
+
+    :param parser: the ``argparse.ArgumentParser`` of ``furlong train``.
+    :returns: nothing.
+    :raises PluginError: raised by the core when two plugins add the same flag (names both).
+    """
+
+
+@hookspec
+def rollout_engine(args: Namespace) -> RolloutEngine:
+    """Create the generation engine.
+
+    Call: chosen by name (``--rollout-backend NAME``, default ``embedded`` without SGLang).
+    Called once per run, before the first rollout.
+
+    :param args: resolved launch flags.
+    :returns: an object meeting :class:`~furlong.hooks.RolloutEngine`.
+    """
+
+
+@hookspec
+def train_backend(args: Namespace) -> TrainBackend:
+    """Create the training backend (the actor, and the reference when KL is used).
+
+    Call: chosen by name (``--train-backend NAME``, default ``fsdp`` without CUDA and
+    megatron-core). Called once per training rank, before ``init``.
+
+    :param args: resolved launch flags.
+    :returns: an object meeting :class:`~furlong.hooks.TrainBackend`.
+    """
+
+
+@hookspec
+def data_source(args: Namespace) -> DataSource:
+    """Create the prompt data source.
+
+    Call: chosen by name (``--data-source NAME``, default ``jsonl``). Called once per run,
+    before any model loads: a bad file must fail here, naming file and line.
+
+    :param args: resolved launch flags (``--prompt-data``, ``--input-key``, ...).
+    :returns: an object meeting :class:`~furlong.hooks.DataSource`.
+    :raises PluginError: the data is missing, empty or malformed (message names file and line).
+    """
+
+
+# --- rollout ---------------------------------------------------------------------------
+
+
+@hookspec
+def rollout(args: Namespace, rollout_id: int, context: RolloutContext) -> list[list[Sample]]:
+    """Produce the groups one rollout iteration trains on.
+
+    Call: chosen by name (``--rollout NAME``, default ``sync``; ``--rollout-function-path``).
+    Called once per rollout id by the rollout manager.
+
+    :param rollout_id: 0-based rollout iteration.
+    :param context: engine, data cursor and the core's hook callers (see RolloutContext).
+    :returns: exactly ``--rollout-batch-size`` groups of ``--n-samples-per-prompt``
+        generated, scored samples, sorted by their first sample's ``index``.
+    """
+
+
+@hookspec
+def generate(
+    args: Namespace, sample: Sample, sampling_params: dict, engine: RolloutEngine, evaluation: bool
+) -> Sample | list[Sample]:
+    """Generate the response of one sample.
+
+    Call: chosen by name (``--generate NAME`` / ``--agent-backend``, default
+    ``single_turn``; ``--custom-generate-function-path``). Called once per sample whose
+    status is ``pending`` or ``aborted``, inside the rollout concurrency limit.
+
+    :param sample: the sample to fill: ``tokens`` (prompt + response ids), ``response``,
+        ``response_length`` (tokens), ``rollout_log_probs`` (one float per response
+        token), ``weight_versions``, ``status``. A resumed partial sample already holds
+        tokens; continue it with the token budget that is left.
+    :param sampling_params: a private copy: ``temperature``, ``top_p``, ``top_k``,
+        ``max_new_tokens`` (tokens), ``stop``, ``stop_token_ids``, ...
+    :param engine: the rollout engine; ``engine.tokenizer`` tokenizes.
+    :param evaluation: True for eval rollouts.
+    :returns: the same sample, filled, or a list of samples (one trajectory split in parts).
+    """
+
+
+@hookspec
+def reward(args: Namespace, samples: list[Sample]) -> list[float | dict]:
+    """Score finished samples.
+
+    Call: chosen by name, per sample: ``--custom-rm-path`` wins, then
+    ``sample.metadata["rm_type"]``, then ``--rm-type``; ``boxed_<name>`` grades the last
+    ``\\boxed{}`` with plugin ``<name>``. Called with one sample, or with a whole group
+    under ``--group-rm``. Never called for aborted samples.
+
+    :param samples: finished samples (``response``, ``label``, ``metadata``).
+    :returns: one reward per sample, in order: a float, or a dict reduced with ``--reward-key``.
+    """
+
+
+@hookspec
+def filter(args: Namespace, samples: list[Sample], rollout_id: int) -> FilterResult | bool:
+    """Decide whether one finished, scored group is kept for training (dynamic sampling).
+
+    Call: every filter named by ``--dynamic-sampling-filter`` (and
+    ``--dynamic-sampling-filter-path``), one by one in flag order; the first that rejects
+    gives the reason. Called once per finished group.
+
+    :param samples: the group's samples (one prompt), rewards set.
+    :param rollout_id: the current rollout.
+    :returns: ``FilterResult(keep, reason)`` or a bare bool (= keep, no reason).
+    """
+
+
+@hookspec
+def buffer_pop(args: Namespace, rollout_id: int, buffer: list[list[Sample]], num_samples: int) -> list[list[Sample]]:
+    """Choose which buffered partial groups leave the buffer at the start of a rollout.
+
+    Call: chosen by name (``--buffer-filter NAME``, default ``pop_first``;
+    ``--buffer-filter-path``). Called when the partial-rollout buffer is not empty.
+
+    :param buffer: groups waiting in the buffer; remove the returned ones in place.
+    :param num_samples: the most groups to return.
+    :returns: at most ``num_samples`` groups, removed from ``buffer``.
+    """
+
+
+@hookspec
+def abort(args: Namespace, rollout_id: int) -> None:
+    """Tear down external work when a rollout aborts its leftovers.
+
+    Call: broadcast to every enabled implementation after the engine's abort requests were
+    sent and before pending tasks are awaited; failures are logged as warnings.
+
+    :param rollout_id: the rollout being aborted.
+    """
+
+
+# --- training ----------------------------------------------------------------------------
+
+
+@hookspec
+def advantage(args: Namespace, batch: AdvantageInput) -> AdvantageOutput:
+    """Turn one rollout batch's rewards into per-token advantages and returns.
+
+    Call: chosen by name (``--advantage-estimator NAME``, default ``grpo``;
+    ``--custom-advantage-function-path``). Called once per rollout on the whole batch,
+    after old/reference log-probs exist, between the core's reward post-processing and its
+    OPD and whitening stages.
+
+    Shapes: ``N`` samples, ``T_i`` response tokens of sample ``i``.
+
+    :param batch: ``rewards`` float32 [N]; ``group_ids`` int64 [N]; ``trajectory_ids``
+        int64 [N]; ``loss_masks`` N x [T_i]; optional ``log_probs``, ``ref_log_probs``,
+        ``kl``, ``values``, ``teacher_log_probs`` (N x float32 [T_i]).
+    :returns: ``AdvantageOutput(advantages, returns)``: N float32 tensors [T_i] each
+        (``returns`` may be None).
+    :raises PluginError: the batch lacks a field the estimator needs.
+    """
+
+
+@hookspec
+def loss(args: Namespace, batch: LossInput) -> LossOutput:
+    """Per-token objective of one micro-batch; the core reduces it.
+
+    Call: chosen by name (``--loss-type NAME``, default ``policy_loss``;
+    ``--custom-loss-function-path``). Called once per micro-batch with grad enabled.
+
+    :param batch: N x [T_i] float32 tensors: ``log_probs`` (grad), ``old_log_probs``,
+        ``advantages``, ``loss_masks``, optional ``ref_log_probs``, ``rollout_log_probs``,
+        ``entropy``, ``values``, ``returns``.
+    :returns: ``LossOutput(token_loss, token_metrics)``: per-token tensors only. Never
+        reduce: the core applies masks and denominators over the whole optimizer step.
+    """
+
+
+# --- observers ---------------------------------------------------------------------------
+
+
+@hookspec
+def on_rollout_end(args: Namespace, rollout_id: int, metrics: dict) -> None:
+    """Observer: a rollout iteration finished (rollout, training, weight sync).
+
+    :param metrics: ``rollout/...`` and ``perf/...`` values (floats), step key ``rollout/step``.
+    """
+
+
+@hookspec
+def on_train_step_end(args: Namespace, rollout_id: int, step: int, metrics: dict) -> None:
+    """Observer: one optimizer step finished.
+
+    :param step: global optimizer step (``rollout_id * num_steps_per_rollout + s``).
+    :param metrics: ``train/...`` values (floats).
+    """
+
+
+@hookspec
+def on_eval_end(args: Namespace, rollout_id: int, metrics: dict) -> None:
+    """Observer: an evaluation finished. ``metrics`` holds ``eval/<name>`` and friends."""
+
+
+@hookspec
+def on_checkpoint_saved(args: Namespace, rollout_id: int, path: str) -> None:
+    """Observer: checkpoint ``path`` (``<save>/iter_NNNNNNN``) is complete and marked latest."""
+
+
+@hookspec
+def on_hook_call(hook: str, plugin: str, seconds: float, error: str | None) -> None:
+    """Observer: a non-observer hook implementation returned or raised.
+
+    :param hook: hook name; :param plugin: plugin name; :param seconds: wall-clock
+        duration in seconds; :param error: ``"ExcType: message"`` when it raised, else None.
+    """
