@@ -46,6 +46,7 @@ class FurlongPluginManager(pluggy.PluginManager):
         self.records: dict[str, EntryRecord] = {}
         self.broken: dict[str, tuple[EntryRecord | None, str]] = {}
         self.conflicts: dict[str, list[EntryRecord]] = {}
+        self.path_flags: dict[str, str] = {}
         self.trace_calls = os.environ.get(TRACE_ENV, "") not in ("", "0")
 
     # --- describing plugins ------------------------------------------------------------
@@ -60,7 +61,11 @@ class FurlongPluginManager(pluggy.PluginManager):
     def origin(self, name: str) -> str:
         """``"dist version"`` of plugin ``name``, or where an in-process plugin came from."""
         record = self.records.get(name)
-        return record.label if record else "registered in-process"
+        if record:
+            return record.label
+        if name in self.path_flags:
+            return f"from {self.path_flags[name]}"
+        return "registered in-process"
 
     def names_for(self, hook: str) -> list[str]:
         """Enabled plugin names implementing ``hook``, sorted."""
@@ -126,7 +131,7 @@ class FurlongPluginManager(pluggy.PluginManager):
 
     # --- calling -----------------------------------------------------------------------
 
-    async def call_chosen(self, hook: str, name: str, flag: str, **kwargs: Any) -> Any:
+    async def call_chosen(self, hook: str, name: str, flag: str, /, **kwargs: Any) -> Any:
         """Call plugin ``name``'s implementation of ``hook``; await it if it is a coroutine.
 
         :raises PluginError: the plugin cannot be chosen (see :meth:`chosen_impl`) or
@@ -141,7 +146,7 @@ class FurlongPluginManager(pluggy.PluginManager):
             )
         return result
 
-    def call_chosen_sync(self, hook: str, name: str, flag: str, **kwargs: Any) -> Any:
+    def call_chosen_sync(self, hook: str, name: str, flag: str, /, **kwargs: Any) -> Any:
         """Like :meth:`call_chosen` for set-up hooks called outside an event loop."""
         impl = self.chosen_impl(hook, name, flag)
         result = self._call_sync(hook, impl, kwargs)
@@ -153,7 +158,7 @@ class FurlongPluginManager(pluggy.PluginManager):
             raise PluginError(f"plugin '{name}' ({self.origin(name)}) returned None from `{hook}` (chosen by {flag}).")
         return result
 
-    async def broadcast(self, hook: str, **kwargs: Any) -> list[Any]:
+    async def broadcast(self, hook: str, /, **kwargs: Any) -> list[Any]:
         """Call every implementation of ``hook`` separately; return their results.
 
         For ``abort`` and observers a failure is logged as a warning. For other hooks every
@@ -173,7 +178,7 @@ class FurlongPluginManager(pluggy.PluginManager):
             raise PluginError(f"plugin '{name}' ({self.origin(name)}) failed in `{hook}`: {type(exc).__name__}: {exc}") from exc
         return results
 
-    def broadcast_sync(self, hook: str, **kwargs: Any) -> list[Any]:
+    def broadcast_sync(self, hook: str, /, **kwargs: Any) -> list[Any]:
         """Synchronous broadcast for ``add_arguments``; an implementation may not be async."""
         results = []
         for impl in getattr(self.hook, hook).get_hookimpls():
@@ -183,11 +188,11 @@ class FurlongPluginManager(pluggy.PluginManager):
             results.append(result)
         return results
 
-    async def notify(self, hook: str, **kwargs: Any) -> None:
+    async def notify(self, hook: str, /, **kwargs: Any) -> None:
         """Broadcast an observer hook (failures are warnings)."""
         await self.broadcast(hook, **kwargs)
 
-    async def run_filters(self, names: Iterable[str], flag: str, **kwargs: Any) -> FilterResult:
+    async def run_filters(self, names: Iterable[str], flag: str, /, **kwargs: Any) -> FilterResult:
         """Run filters one by one in the given order; the first that rejects gives the reason."""
         for name in names:
             result = await self.call_chosen_allow_false("filter", name, flag, **kwargs)
@@ -202,7 +207,7 @@ class FurlongPluginManager(pluggy.PluginManager):
                 return result
         return FilterResult(keep=True)
 
-    async def call_chosen_allow_false(self, hook: str, name: str, flag: str, **kwargs: Any) -> Any:
+    async def call_chosen_allow_false(self, hook: str, name: str, flag: str, /, **kwargs: Any) -> Any:
         impl = self.chosen_impl(hook, name, flag)
         result = await self._call(hook, impl, kwargs)
         if result is None:
@@ -230,20 +235,42 @@ class FurlongPluginManager(pluggy.PluginManager):
                 )
 
     def _call_sync(self, hook: str, impl: pluggy.HookImpl, kwargs: dict) -> Any:
-        result = impl.function(**_select(impl, kwargs))
-        if self.trace_calls:
-            log.info("hook %s[%s](%s) -> %r", hook, impl.plugin_name, _brief(kwargs), result)
-        return result
+        start = time.perf_counter()
+        error = None
+        try:
+            result = impl.function(**_select(impl, kwargs))
+            if self.trace_calls:
+                log.info("hook %s[%s](%s) -> %r", hook, impl.plugin_name, _brief(kwargs), result)
+            return result
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if hook not in OBSERVER_HOOKS and self.hook.on_hook_call.get_hookimpls():
+                _run_sync(self.broadcast(
+                    "on_hook_call", hook=hook, plugin=impl.plugin_name,
+                    seconds=time.perf_counter() - start, error=error,
+                ))
 
     # --- registration --------------------------------------------------------------------
 
     def register_checked(self, plugin: object, name: str, record: EntryRecord | None = None) -> bool:
-        """Register ``plugin`` under ``name``; on a validation error mark it broken and return False."""
+        """Register ``plugin`` under ``name``; on a validation error mark it broken and return False.
+
+        :raises PluginError: ``name`` is already registered (the registered plugin stays).
+        """
+        if self.get_plugin(name) is not None:
+            raise PluginError(f"plugin name '{name}' is already registered ({self.origin(name)}).")
+        other = self.get_name(plugin)
+        if other is not None:
+            self.broken[name] = (record, f"it is the object already registered as plugin '{other}'; "
+                                         "give each name its own object (entry point 'module:object')")
+            return False
         try:
             self.register(plugin, name=name)
-        except (pluggy.PluginValidationError, ValueError) as exc:
+        except pluggy.PluginValidationError as exc:
             self.broken[name] = (record, f"{type(exc).__name__}: {exc}")
-            if self.get_plugin(name) is not None:
+            if self.get_plugin(name) is plugin:
                 self.unregister(name=name)
             return False
         unknown = self._unknown_hooks(name)
@@ -309,6 +336,20 @@ def _select(impl: pluggy.HookImpl, kwargs: dict) -> dict:
 
 async def _await(awaitable):
     return await awaitable
+
+
+def _run_sync(coro) -> Any:
+    """Run ``coro`` to the end from synchronous code, inside or outside an event loop."""
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def _brief(kwargs: dict) -> str:

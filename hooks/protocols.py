@@ -118,8 +118,9 @@ class RolloutContext:
     """What the core hands the ``rollout`` hook for one rollout.
 
     ``engine``: the :class:`RolloutEngine`. ``data``: the core's data cursor with
-    ``get_samples(k) -> list[list[Sample]]`` (buffer first, then the data source),
-    ``add_samples(groups)`` (partial-rollout buffer) and ``buffer_len()``.
+    ``await get_samples(k) -> list[list[Sample]]`` (buffer first through ``buffer_pop``,
+    then the data source), ``add_samples(groups)`` (partial-rollout buffer) and
+    ``buffer_len()``.
     ``generate_group(group, evaluation=False)``: coroutine that generates and scores every
     sample of one group through the ``generate`` and ``reward`` hooks, in place.
     ``filter_group(group, rollout_id) -> FilterResult``: every chosen filter in flag order.

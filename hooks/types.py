@@ -238,6 +238,7 @@ class TrainBatch:
     under ``--max-tokens-per-gpu``). ``objective``: the core's loss objective (a
     :class:`~furlong.hooks.StepObjective`) the backend calls once per micro-batch.
     Per-token lists (``loss_masks``, ``old_log_probs``, ...) are N float32 tensors [T_i].
+    ``truncated[i]``: sample i ran out of token budget (for ``--mask-truncated-samples``).
     """
 
     tokens: list
@@ -251,5 +252,6 @@ class TrainBatch:
     ref_log_probs: list | None = None
     rollout_log_probs: list | None = None
     rewards: list | None = None
+    truncated: list | None = None
     sample_indices: list | None = None
     temperature: float = 1.0

@@ -1,0 +1,33 @@
+"""GSPO advantages: GRPO's group-relative rewards (Zheng et al. 2025, Group Sequence Policy Optimization)."""
+
+from __future__ import annotations
+
+from furlong.hooks import AdvantageOutput, hookimpl
+
+from ._group import broadcast_to_tokens, check_batch, group_normalized_rewards
+
+
+@hookimpl
+def advantage(args, batch):
+    """Every token of sample ``i`` gets ``A = R = (r_i - mean_g) / (std_g + 1e-6)``, as GRPO.
+
+    GSPO differs from GRPO in the loss, not the advantage: its sequence-level importance
+    ratio is ``--policy-ratio-level sequence`` of ``policy_loss``, the default when this
+    estimator is chosen. Statistics as in ``grpo`` (float64, Bessel std over the group's
+    trajectories, no division for equal-reward or one-sample groups).
+
+    Flags read: ``disable_rewards_normalization``, ``disable_grpo_std_normalization``.
+
+    :returns: ``AdvantageOutput(advantages, returns)``: N float32 tensors [T_i] each.
+    :raises PluginError: a non-finite reward, or siblings of one trajectory that disagree.
+
+    Reference: Zheng et al. 2025, "Group Sequence Policy Optimization", sec. 4.1 (eq. 7).
+    """
+    check_batch(batch)
+    normalize = not args.disable_rewards_normalization
+    scores = group_normalized_rewards(
+        batch.rewards, batch.group_ids, batch.trajectory_ids,
+        subtract_mean=normalize, divide_std=normalize and not args.disable_grpo_std_normalization,
+    )
+    advantages = broadcast_to_tokens(scores, batch.loss_masks)
+    return AdvantageOutput(advantages=advantages, returns=[a.clone() for a in advantages])

@@ -1,0 +1,59 @@
+"""PPO advantages by generalized advantage estimation (Schulman et al. 2016, GAE)."""
+
+from __future__ import annotations
+
+from furlong.hooks import AdvantageOutput, hookimpl
+
+from ._group import check_batch, masked_kl, require, trajectory_rewards
+from ._scan import reverse_discounted_sum
+
+
+@hookimpl
+def advantage(args, batch):
+    """GAE over the trained positions of each sample, skipping masked ones.
+
+    With the ``K`` positions where ``m = 1``, in order (masked positions are removed, so
+    no decay crosses them): ``rho_k = -beta * kl_k``, ``rho_K += r`` (the raw reward);
+    ``delta_k = rho_k + gamma * V_{k+1} - V_k`` with ``V_{K+1} = 0`` (also for truncated
+    responses); ``A_k = delta_k + gamma * lambda * A_{k+1}``; ``R_k = A_k + V_k``. Masked
+    positions get ``A = R = 0``; a sample with no trained token gets zeros. float64 inside.
+
+    Flags read: ``gamma``, ``lambd``, ``kl_coef`` (the config requires 0 with ppo).
+
+    :param batch: needs ``values`` (critic values, N x [T_i]); ``kl`` when ``--kl-coef`` != 0.
+    :returns: ``AdvantageOutput(advantages, returns)``: N float32 tensors [T_i].
+    :raises PluginError: ``values`` is missing; a non-finite reward.
+
+    Reference: Schulman et al. 2016, "High-dimensional continuous control using
+    generalized advantage estimation", eq. 16; Schulman et al. 2017, PPO, eq. 11-12.
+    """
+    import torch
+
+    check_batch(batch)
+    values = require(batch, "values", "GAE")
+    trajectory_rewards(batch.rewards, batch.group_ids, batch.trajectory_ids)
+    rewards = batch.rewards.reshape(-1).tolist()
+    kl = masked_kl(batch, args.kl_coef)
+    positions, deltas, kept_values = [], [], []
+    for i, mask in enumerate(batch.loss_masks):
+        idx = (mask.reshape(-1) > 0).nonzero().reshape(-1)
+        v = values[i].reshape(-1).to(torch.float64)[idx]
+        rho = torch.zeros(idx.numel(), dtype=torch.float64, device=v.device)
+        if kl is not None:
+            rho = rho - args.kl_coef * kl[i][idx]
+        if idx.numel():
+            rho[-1] += rewards[i]
+        next_v = torch.cat([v[1:], v.new_zeros(1)]) if idx.numel() else v
+        positions.append(idx)
+        deltas.append(rho + args.gamma * next_v - v)
+        kept_values.append(v)
+    gae = reverse_discounted_sum(deltas, args.gamma * args.lambd)
+    advantages, returns = [], []
+    for mask, idx, a, v in zip(batch.loss_masks, positions, gae, kept_values):
+        adv = torch.zeros(int(mask.numel()), dtype=torch.float32, device=a.device)
+        ret = torch.zeros_like(adv)
+        adv[idx] = a.to(torch.float32)
+        ret[idx] = (a + v).to(torch.float32)
+        advantages.append(adv)
+        returns.append(ret)
+    return AdvantageOutput(advantages=advantages, returns=returns)

@@ -1,0 +1,64 @@
+"""One request per sample: prompt in, response out (SPEC.md section 4.1, ``single_turn``)."""
+
+from __future__ import annotations
+
+from furlong.hooks import PluginError, Status, hookimpl
+
+_FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+@hookimpl
+async def generate(args, sample, sampling_params, engine, evaluation):
+    """Generate ``sample``'s response with one engine request, or continue a partial one.
+
+    A resumed partial sample (``response_length > 0``) continues from its ``tokens`` with
+    the budget left: ``max_new_tokens - response_length`` (CASES.md C003); no budget left
+    means ``truncated`` without a request. ``--rollout-max-context-len`` caps prompt +
+    response tokens the same way. Appends output ids to ``tokens``, their log-probs to
+    ``rollout_log_probs``, the text to ``response``, the engine's weight version to
+    ``weight_versions``; status from the finish reason (stop → completed, length →
+    truncated, abort → aborted).
+
+    :raises PluginError: the prompt is a chat message list and ``--apply-chat-template``
+        is off.
+    """
+    if not isinstance(sample.prompt, str):
+        raise PluginError(
+            f"sample {sample.index}: the prompt is a list of chat messages; single_turn generation needs a "
+            "string. Pass --apply-chat-template to render message lists with the tokenizer's chat template."
+        )
+    params = dict(sampling_params)
+    budget = int(params["max_new_tokens"])
+    if sample.response_length > 0:
+        input_ids = list(sample.tokens)
+        budget -= sample.response_length
+    else:
+        input_ids = engine.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+        sample.tokens = list(input_ids)
+    context_cap = args.eval_max_context_len if evaluation else args.rollout_max_context_len
+    if context_cap:
+        budget = min(budget, int(context_cap) - len(input_ids))
+    if budget <= 0:
+        sample.status = Status.TRUNCATED
+        return sample
+    params["max_new_tokens"] = budget
+    out = await engine.generate(input_ids, params)
+    _append(args, sample, out, engine.tokenizer, params)
+    return sample
+
+
+def _append(args, sample, out, tokenizer, params) -> None:
+    new = len(out.output_ids)
+    previous = sample.response_length
+    sample.tokens.extend(out.output_ids)
+    sample.rollout_log_probs = (sample.rollout_log_probs or []) + list(out.output_log_probs)
+    text = out.text if out.text is not None else tokenizer.decode(
+        out.output_ids, skip_special_tokens=bool(params.get("skip_special_tokens", False)))
+    sample.response += text
+    sample.response_length = previous + new
+    if args.mask_offpolicy_in_partial_rollout and previous:
+        sample.loss_mask = [0] * previous + [1] * new
+    elif sample.loss_mask is not None:
+        sample.loss_mask = sample.loss_mask + [1] * new
+    sample.weight_versions.append(str(out.weight_version))
+    sample.status = _FINISH_STATUS.get(out.finish_reason, Status.COMPLETED)

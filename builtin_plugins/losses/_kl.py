@@ -1,0 +1,43 @@
+"""Per-token KL estimators k1, k2, k3 and low_var_kl (Schulman 2020, "Approximating KL divergence")."""
+
+from __future__ import annotations
+
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+
+_LOG_RATIO_LIMIT = 20.0
+_LOW_VAR_KL_LIMIT = 10.0
+
+
+def kl_estimate(log_probs, base_log_probs, kl_type: str):
+    """Per-token estimate of ``KL(p || base)`` from the log-probs of the sampled tokens.
+
+    With ``x = log_probs - base_log_probs`` computed in float32:
+    ``k1 = x``; ``k2 = x**2 / 2``; ``k3 = exp(-x) - 1 + x``; ``low_var_kl`` is k3 with
+    ``-x`` first sanitized (NaN -> 0, +-inf -> +-20) and clamped to [-20, 20], and the
+    result clamped to [-10, 10]. k3 has no clamp. Gradients flow through both inputs.
+
+    Shapes: any shape; both inputs broadcast together.
+
+    :param log_probs: log-probs under ``p`` (e.g. the current policy), natural log.
+    :param base_log_probs: log-probs under the base distribution (e.g. the reference).
+    :param kl_type: one of ``k1``, ``k2``, ``k3``, ``low_var_kl`` (``--kl-loss-type``).
+    :returns: float32 tensor of per-token estimates, the shape of ``x``.
+    :raises ValueError: unknown ``kl_type`` (the config rejects it before a run starts).
+
+    Reference: J. Schulman, "Approximating KL divergence", 2020
+    (http://joschu.net/blog/kl-approx.html); the clamps follow Miles' ``low_var_kl``.
+    """
+    import torch
+
+    x = log_probs.float() - base_log_probs.float()
+    if kl_type == "k1":
+        return x
+    if kl_type == "k2":
+        return x * x / 2.0
+    if kl_type == "k3":
+        return torch.exp(-x) - 1.0 + x
+    if kl_type == "low_var_kl":
+        neg = torch.nan_to_num(-x, nan=0.0, posinf=_LOG_RATIO_LIMIT, neginf=-_LOG_RATIO_LIMIT)
+        neg = neg.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+        return (torch.exp(neg) - 1.0 - neg).clamp(-_LOW_VAR_KL_LIMIT, _LOW_VAR_KL_LIMIT)
+    raise ValueError(f"--kl-loss-type {kl_type!r}: unknown KL estimator; choose one of {', '.join(KL_TYPES)}")

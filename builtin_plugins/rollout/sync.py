@@ -1,0 +1,76 @@
+"""Synchronous rollout with dynamic sampling waves, abort and partial rollout (SPEC.md 5.1)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from furlong.hooks import PluginError, hookimpl
+
+log = logging.getLogger("furlong.rollout")
+
+
+@hookimpl
+async def rollout(args, rollout_id, context):
+    """Generate groups until ``--rollout-batch-size`` of them pass every filter.
+
+    Each wave draws ``--over-sampling-batch-size`` groups; a new wave starts whenever the
+    groups in flight cannot fill what is still needed. Finished groups are filtered as they
+    arrive; kept groups beyond the target are surplus. Then the leftovers are aborted
+    (engine abort + ``abort`` hook); with ``--partial-rollout`` they go to the buffer with
+    their partial tokens, else they are dropped.
+
+    :returns: exactly ``rollout_batch_size`` groups, sorted by first sample index.
+    :raises PluginError: ``--max-sampling-waves`` waves did not fill the batch (names the
+        filters and the drop counts per reason).
+    """
+    target = args.rollout_batch_size
+    kept: list[list] = []
+    pending: set[asyncio.Task] = set()
+    waves = 0
+    try:
+        while len(kept) < target:
+            while len(pending) < target - len(kept):
+                if waves >= args.max_sampling_waves:
+                    raise PluginError(_too_many_waves(args, waves, len(kept), context.data.drop_counts))
+                waves += 1
+                if waves % 10 == 0:
+                    log.warning("rollout %d: %d sampling waves so far, %d of %d groups kept; drops: %s",
+                                rollout_id, waves, len(kept), target, context.data.drop_counts)
+                for group in await context.data.get_samples(args.over_sampling_batch_size):
+                    pending.add(asyncio.ensure_future(context.generate_group(group)))
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: t.result()[0].index):
+                group = task.result()
+                verdict = await context.filter_group(group, rollout_id)
+                if verdict.keep and len(kept) < target:
+                    kept.append(group)
+    except BaseException:
+        for task in pending:
+            task.cancel()
+        raise
+    context.metrics["rollout/dynamic_filter/waves"] = float(waves)
+    if pending:
+        await context.abort(rollout_id)
+        leftovers = [await task for task in pending]
+        if args.partial_rollout:
+            context.data.add_samples(sorted(leftovers, key=lambda g: g[0].index))
+    kept.sort(key=lambda g: g[0].index)
+    return kept
+
+
+def _too_many_waves(args, waves: int, kept: int, drops: dict) -> str:
+    filters = list(args.dynamic_sampling_filter or []) + _as_list(args.dynamic_sampling_filter_path)
+    counts = ", ".join(f"{reason}: {n}" for reason, n in sorted(drops.items())) or "none"
+    return (
+        f"dynamic sampling gave up after {waves} waves (--max-sampling-waves {args.max_sampling_waves}): "
+        f"{kept} of {args.rollout_batch_size} groups kept.\n"
+        f"  Filters: {', '.join(filters) or 'none'}. Groups dropped per reason: {counts}.\n"
+        "  Loosen the filters, raise --over-sampling-batch-size or --max-sampling-waves."
+    )
+
+
+def _as_list(value) -> list:
+    if not value:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]

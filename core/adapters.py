@@ -1,0 +1,158 @@
+"""Adapters that turn a Miles-style dotted ``module.function`` flag into a plugin.
+
+Each adapter is registered with the plugin manager under the dotted path itself, so the
+core calls it exactly like a plugin chosen by name. The user's function is called
+positionally, Miles-style (``async def rm(args, sample) -> float``); it may be sync or async.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable
+
+from furlong.hooks import PluginError, hookimpl
+
+__all__ = ["ADAPTERS", "import_dotted", "make_adapter", "agent_abort_adapter"]
+
+
+def import_dotted(path: str, flag: str) -> Any:
+    """Import ``package.module.attr`` named by ``flag``.
+
+    :raises PluginError: the path has no dot, the module cannot be imported, or it lacks
+        the attribute (the message names the flag, module and attribute).
+    """
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise PluginError(f"{flag} '{path}': expected a dotted path 'module.function'.")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - report any import failure the same way
+        raise PluginError(f"{flag} '{path}': cannot import module '{module_name}': {type(exc).__name__}: {exc}") from exc
+    if not hasattr(module, attr):
+        raise PluginError(f"{flag} '{path}': module '{module_name}' has no attribute '{attr}'")
+    return getattr(module, attr)
+
+
+async def _resolve(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+class _RolloutAdapter:
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def rollout(self, args, rollout_id, context):
+        return await _resolve(self.fn(args, rollout_id, context))
+
+
+class _GenerateAdapter:
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def generate(self, args, sample, sampling_params, evaluation):
+        if _accepts(self.fn, "evaluation"):
+            return await _resolve(self.fn(args, sample, sampling_params, evaluation=evaluation))
+        return await _resolve(self.fn(args, sample, sampling_params))
+
+
+class _RewardAdapter:
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def reward(self, args, samples):
+        if args.group_rm:
+            return list(await _resolve(self.fn(args, samples)))
+        return [await _resolve(self.fn(args, sample)) for sample in samples]
+
+
+class _FilterAdapter:
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def filter(self, args, samples, rollout_id):
+        if _accepts(self.fn, "rollout_id"):
+            return await _resolve(self.fn(args, samples, rollout_id=rollout_id))
+        return await _resolve(self.fn(args, samples))
+
+
+class _BufferPopAdapter:
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def buffer_pop(self, args, rollout_id, buffer, num_samples):
+        return await _resolve(self.fn(args, rollout_id, buffer, num_samples))
+
+
+class _AdvantageAdapter:
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def advantage(self, args, batch):
+        return await _resolve(self.fn(args, batch))
+
+
+class _LossAdapter:
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def loss(self, args, batch):
+        return await _resolve(self.fn(args, batch))
+
+
+class _DataSourceAdapter:
+    def __init__(self, cls):
+        self.cls = cls
+
+    @hookimpl
+    def data_source(self, args):
+        return self.cls(args)
+
+
+ADAPTERS: dict[str, type] = {
+    "rollout": _RolloutAdapter,
+    "generate": _GenerateAdapter,
+    "reward": _RewardAdapter,
+    "filter": _FilterAdapter,
+    "buffer_pop": _BufferPopAdapter,
+    "advantage": _AdvantageAdapter,
+    "loss": _LossAdapter,
+    "data_source": _DataSourceAdapter,
+}
+
+
+def make_adapter(hook: str, path: str, flag: str) -> object:
+    """Import ``path`` and wrap it in the adapter of ``hook``."""
+    return ADAPTERS[hook](import_dotted(path, flag))
+
+
+class _AgentAbort:
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def abort(self, args, rollout_id):
+        await _resolve(self.fn(args))
+
+
+def agent_abort_adapter(agent_path: str) -> object | None:
+    """The ``abort`` function beside ``--custom-agent-function-path``, wrapped, or None."""
+    import_dotted(agent_path, "--custom-agent-function-path")
+    module = importlib.import_module(agent_path.rpartition(".")[0])
+    fn = getattr(module, "abort", None)
+    return _AgentAbort(fn) if callable(fn) else None

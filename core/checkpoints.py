@@ -1,0 +1,280 @@
+"""Checkpoint cadence, crash-safe save order and the resume point (SPEC.md section 7).
+
+Layout under ``--save DIR``::
+
+    DIR/latest_checkpointed_iteration.txt   # rollout id of the newest complete checkpoint
+    DIR/iter_0000004/                       # weights etc. *after* training on rollout 4
+    DIR/rollout/state_4.json                # data source, cursor, buffer, counters (JSON)
+
+A save writes ``iter_N.tmp/``, renames it to ``iter_N/``, writes the state JSON, and only
+then replaces the marker (write a temp file, ``os.replace``), so a crash at any point
+leaves the previous marker and everything it points to intact. The training loop calls
+:func:`should_save`, :func:`save_checkpoint` and :func:`resolve_start`; the train backend
+only writes into the directory it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Any, Awaitable, Callable
+
+import attrs
+
+from furlong.hooks import PluginError
+
+__all__ = [
+    "MARKER_NAME",
+    "ResumePoint",
+    "iter_dir",
+    "periodic",
+    "read_marker",
+    "resolve_start",
+    "save_checkpoint",
+    "should_save",
+    "state_path",
+]
+
+log = logging.getLogger("furlong.checkpoints")
+
+MARKER_NAME = "latest_checkpointed_iteration.txt"
+_TMP_SUFFIX = ".tmp"
+_OLD_SUFFIX = ".old"
+
+
+def periodic(r: int, k: int | None, last: int | None = None) -> bool:
+    """Whether rollout ``r`` is on a cadence of every ``k`` rollouts (SPEC.md 6.6).
+
+    False when ``k`` is None; True when ``r == last - 1`` (the final rollout of a run of
+    ``last`` rollouts; pass ``last=None`` for a cadence without a forced final point);
+    otherwise ``(r + 1) % k == 0``, so ``k=100`` fires at r = 99, 199, ...
+
+    :param r: 0-based rollout id.
+    :param k: interval in rollouts (``--save-interval``, ``--eval-interval``), or None.
+    :param last: number of rollouts in the run (``--num-rollout``), or None.
+    :raises ValueError: ``k`` is not positive.
+    """
+    if k is None:
+        return False
+    if k <= 0:
+        raise ValueError(f"interval must be a positive number of rollouts, got {k}")
+    if last is not None and r == last - 1:
+        return True
+    return (r + 1) % k == 0
+
+
+def should_save(args: Any, rollout_id: int) -> bool:
+    """Whether the loop saves after training on ``rollout_id`` (SPEC.md 7.3).
+
+    True when ``args.save`` is set and either the cadence fires
+    (``periodic(rollout_id, args.save_interval, args.num_rollout)``) or the file
+    ``args.save_trigger_sentinel`` exists. ``--save-interval`` without ``--save`` is a
+    config error raised at validation, not here.
+    """
+    if not getattr(args, "save", None):
+        return False
+    if periodic(rollout_id, getattr(args, "save_interval", None), getattr(args, "num_rollout", None)):
+        return True
+    sentinel = getattr(args, "save_trigger_sentinel", None)
+    return bool(sentinel) and os.path.exists(sentinel)
+
+
+def iter_dir(save: str, rollout_id: int) -> str:
+    """``<save>/iter_<rollout_id:07d>``: the checkpoint holding the state after ``rollout_id``."""
+    return os.path.join(save, f"iter_{rollout_id:07d}")
+
+
+def state_path(save: str, rollout_id: int) -> str:
+    """``<save>/rollout/state_<rollout_id>.json``: data-side state saved with ``iter_<rollout_id>``."""
+    return os.path.join(save, "rollout", f"state_{rollout_id}.json")
+
+
+def _fsync_dir(path: str) -> None:
+    """Flush a directory entry to disk so a rename in it survives a power loss (best effort)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so readers see the old or the new content, never a mix."""
+    tmp = path + _TMP_SUFFIX
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+async def save_checkpoint(
+    args: Any,
+    rollout_id: int,
+    save_model: Callable[[str], Awaitable[Any]],
+    state: dict,
+) -> str:
+    """Save the checkpoint of ``rollout_id`` under ``args.save``; return its final directory.
+
+    Order (SPEC.md 7.1, 7.3): remove a stale ``iter_N.tmp/``; ``await save_model(tmp)``
+    (the train backend writes weights, optimizer, scheduler, RNG into it, every rank
+    finished when it returns); rename ``iter_N.tmp`` to ``iter_N`` (an existing
+    ``iter_N`` is moved aside to ``iter_N.old`` first and deleted afterwards); write
+    ``rollout/state_N.json`` atomically; replace the marker atomically with ``N``; delete
+    ``args.save_trigger_sentinel`` if it exists. If anything raises before the marker is
+    replaced, the previous marker and the checkpoint it names stay valid.
+
+    ``state`` is serialized to JSON before ``save_model`` is awaited, so later mutation by
+    the caller (train-async drawing the next batch) does not leak into this checkpoint.
+
+    :param args: needs ``save``; reads ``save_trigger_sentinel`` if present.
+    :param rollout_id: rollout just trained on.
+    :param save_model: coroutine function writing the model state into the given path.
+    :param state: JSON-serializable dict (data-source state, cursor counters, buffer of
+        groups as ``Sample.to_dict()`` lists, sample counters), built by the caller.
+    :returns: ``<save>/iter_<rollout_id:07d>``.
+    :raises PluginError: ``args.save`` is not set, or ``state`` is not JSON-serializable.
+    """
+    save = getattr(args, "save", None)
+    if not save:
+        raise PluginError("save_checkpoint needs --save DIR: pass the directory checkpoints go to.")
+    try:
+        state_text = json.dumps(state, indent=1, allow_nan=True)
+    except (TypeError, ValueError) as exc:
+        raise PluginError(
+            f"checkpoint of rollout {rollout_id}: the data state is not JSON-serializable ({exc}); "
+            "data-source state() and buffered samples must hold only JSON types."
+        ) from exc
+
+    final = iter_dir(save, rollout_id)
+    tmp = final + _TMP_SUFFIX
+    old = final + _OLD_SUFFIX
+    os.makedirs(save, exist_ok=True)
+    if os.path.lexists(tmp):
+        log.info("removing stale partial checkpoint %s", tmp)
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+
+    await save_model(tmp)
+    _fsync_dir(tmp)
+
+    if os.path.isdir(final):
+        # iter_N already exists (a re-run of rollout N): keep it as iter_N.old until the
+        # new one is in place, so a crash between the two renames can be recovered.
+        if os.path.lexists(old):
+            shutil.rmtree(old)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(save)
+    if os.path.lexists(old):
+        shutil.rmtree(old)
+
+    os.makedirs(os.path.dirname(state_path(save, rollout_id)), exist_ok=True)
+    _atomic_write_text(state_path(save, rollout_id), state_text)
+    _atomic_write_text(os.path.join(save, MARKER_NAME), str(rollout_id))
+
+    sentinel = getattr(args, "save_trigger_sentinel", None)
+    if sentinel and os.path.exists(sentinel):
+        os.remove(sentinel)
+        log.info("save trigger %s honoured at rollout %d and removed", sentinel, rollout_id)
+    log.info("saved checkpoint %s", final)
+    return final
+
+
+@attrs.define
+class ResumePoint:
+    """Where a run starts (SPEC.md 7.2).
+
+    ``start_rollout_id``: first rollout id to run. ``load_dir``: the ``iter_*`` directory to
+    load weights, optimizer, scheduler and RNG from, or None for a warm start (weights from
+    ``--ref-load`` / ``--hf-checkpoint``). ``state``: the data-side state dict saved with
+    rollout ``start_rollout_id - 1``, or None (start the data source fresh).
+    ``loaded_rollout_id``: the rollout id of ``load_dir``, or None.
+    """
+
+    start_rollout_id: int
+    load_dir: str | None = None
+    state: dict | None = None
+    loaded_rollout_id: int | None = None
+
+
+def read_marker(load: str) -> int | None:
+    """The rollout id in ``<load>/latest_checkpointed_iteration.txt``, or None without one.
+
+    :raises PluginError: the marker exists but does not hold an integer.
+    """
+    path = os.path.join(load, MARKER_NAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        text = f.read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise PluginError(
+            f"--load {load!r}: {path} holds {text!r}, not a rollout id; "
+            "write the id of the newest complete iter_* directory into it, or delete it to warm-start."
+        ) from None
+
+
+def resolve_start(args: Any) -> ResumePoint:
+    """Decide the start rollout id, the checkpoint to load and the data state (SPEC.md 7.2).
+
+    With ``args.load`` holding the marker ``M``: weights from ``iter_<M>``, or from
+    ``iter_<args.ckpt_step>`` when given (call that loaded id ``L``); start at ``L + 1``
+    unless ``args.start_rollout_id`` is given; data state from
+    ``<load>/rollout/state_<start - 1>.json`` (a missing file gives None and an info
+    log). Without ``--load``, or with an empty or marker-less one: warm start at
+    ``args.start_rollout_id`` if given, else 0. Examples (CASES.md C012): marker 7 ->
+    start 8 with state 7; empty dir and ``--start-rollout-id 3`` -> 3; empty dir -> 0.
+
+    An ``iter_<L>`` lost in the middle of replacing it with a re-save (only
+    ``iter_<L>.old`` left) is loaded from ``iter_<L>.old`` with a warning.
+
+    :raises PluginError: the marker is not an integer, or the checkpoint it (or
+        ``--ckpt-step``) names does not exist (the message names the path).
+    """
+    load = getattr(args, "load", None)
+    start_override = getattr(args, "start_rollout_id", None)
+    marker = read_marker(load) if load and os.path.isdir(load) else None
+
+    if marker is None:
+        start = start_override if start_override is not None else 0
+        if load:
+            log.info("--load %s has no %s: warm start at rollout %d", load, MARKER_NAME, start)
+        return ResumePoint(start_rollout_id=start)
+
+    ckpt_step = getattr(args, "ckpt_step", None)
+    loaded = ckpt_step if ckpt_step is not None else marker
+    load_dir = iter_dir(load, loaded)
+    if not os.path.isdir(load_dir):
+        if os.path.isdir(load_dir + _OLD_SUFFIX):
+            log.warning("%s is missing (a re-save was interrupted); loading %s", load_dir, load_dir + _OLD_SUFFIX)
+            load_dir = load_dir + _OLD_SUFFIX
+        else:
+            source = f"--ckpt-step {ckpt_step}" if ckpt_step is not None else f"{MARKER_NAME} ({marker})"
+            raise PluginError(
+                f"--load {load!r}: {source} names checkpoint {load_dir}, which does not exist. "
+                f"Point --load at the directory holding iter_* and {MARKER_NAME}, fix the marker, "
+                "or pass --ckpt-step with an existing iteration."
+            )
+
+    start = start_override if start_override is not None else loaded + 1
+    state = None
+    if start > 0:
+        path = state_path(load, start - 1)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                state = json.load(f)
+        else:
+            log.info("no data state %s: the data source starts fresh", path)
+    log.info("resuming from %s at rollout %d", load_dir, start)
+    return ResumePoint(start_rollout_id=start, load_dir=load_dir, state=state, loaded_rollout_id=loaded)

@@ -1,0 +1,136 @@
+"""The ``furlong`` command: ``plugins``, ``train``, ``train-async``, ``--version``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata as md
+import json
+import logging
+import sys
+import traceback
+
+from furlong.hooks import PluginError
+
+from .discovery import split_names
+from .plugins import FurlongPluginManager, get_plugin_manager
+
+__all__ = ["main"]
+
+log = logging.getLogger("furlong")
+
+USAGE = """usage: furlong [--version] COMMAND [ARGS]
+
+commands:
+  train        run the synchronous RL loop (rollout, train, weight sync)
+  train-async  run the loop with rollout k+1 overlapping training of rollout k
+  plugins      list installed plugins: name, hooks, distribution, version
+  plot         draw a run's metrics.jsonl into one PNG
+
+'furlong COMMAND --help' describes a command's flags."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``furlong`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"furlong {md.version('furlong')}")
+        return 0
+    command, rest = argv[0], argv[1:]
+    handlers = {"plugins": _plugins, "train": _train, "train-async": _train, "plot": _plot}
+    if command not in handlers:
+        print(f"furlong: unknown command '{command}'.\n{USAGE}", file=sys.stderr)
+        return 2
+    debug = "--debug" in rest
+    try:
+        return handlers[command](command, rest)
+    except PluginError as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _plugins(command: str, argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="furlong plugins", allow_abbrev=False,
+                                     description="List installed furlong plugins.")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--hook", help="only plugins implementing this hook")
+    parser.add_argument("--disable-plugins", action="append", default=[], help="NAME or DIST:NAME to skip")
+    opts = parser.parse_args(argv)
+    pm = get_plugin_manager(split_names(opts.disable_plugins))
+    rows = pm.describe()
+    if opts.hook:
+        if not hasattr(pm.hook, opts.hook):
+            raise PluginError(f"--hook '{opts.hook}': no such hook. Hooks: {', '.join(_hook_names(pm))}.")
+        rows = [r for r in rows if opts.hook in r["hooks"] or r["status"] != "ok"]
+    if opts.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(_table(rows))
+    return 0
+
+
+def _hook_names(pm: FurlongPluginManager) -> list[str]:
+    return sorted(name for name in vars(pm.hook) if not name.startswith("_"))
+
+
+def _table(rows: list[dict]) -> str:
+    header = ("NAME", "HOOKS", "DISTRIBUTION", "VERSION", "STATUS")
+    lines = [(r["name"], ",".join(r["hooks"]) or "-", r["distribution"], r["version"],
+              r["status"] if r["status"] == "ok" else f"{r['status']}: {r['detail']}") for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths[:-1]) + "  {}"
+    return "\n".join(fmt.format(*line) for line in [header, *lines])
+
+
+def warn_broken(pm: FurlongPluginManager) -> None:
+    """One warning per broken or conflicting plugin, at the start of every run."""
+    for name, (record, error) in sorted(pm.broken.items()):
+        where = record.label if record else "?"
+        log.warning("plugin '%s' (%s) is broken and cannot be chosen: %s", name, where, error)
+    for name, records in sorted(pm.conflicts.items()):
+        log.warning("plugin name '%s' is registered by %s; choose one with --disable-plugins DIST:%s",
+                    name, " and ".join(r.label for r in records), name)
+
+
+def _disable_list(argv: list[str]) -> list[str]:
+    """``--disable-plugins`` values, read before the parser exists (it needs the plugins)."""
+    found = []
+    for i, token in enumerate(argv):
+        if token == "--disable-plugins" and i + 1 < len(argv):
+            found.append(argv[i + 1])
+        elif token.startswith("--disable-plugins="):
+            found.append(token.split("=", 1)[1])
+    return split_names(found)
+
+
+def _train(command: str, argv: list[str]) -> int:
+    from .config import config_to_dict, parse_args
+    from .selection import resolve_selection
+
+    pm = get_plugin_manager(_disable_list(argv))
+    args = parse_args(argv, pm)
+    args.train_mode = "async" if command == "train-async" else "sync"
+    selection = resolve_selection(args, pm)
+    if args.print_config:
+        print(json.dumps({"args": config_to_dict(args), "plugins": selection.as_dict()}, indent=2, sort_keys=True))
+        return 0
+    warn_broken(pm)
+    from .loop import run
+
+    asyncio.run(run(args, pm, selection))
+    return 0
+
+
+def _plot(command: str, argv: list[str]) -> int:
+    from .plot import main as plot_main
+
+    return plot_main(argv)

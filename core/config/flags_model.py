@@ -1,0 +1,90 @@
+"""Flags of the ``model and checkpoints`` group (SPEC.md 1.2; Megatron architecture of 1.14).
+
+Megatron architecture flags default to None: the megatron backend then takes the value
+from the ``--hf-checkpoint`` config, and compares every given value against it.
+"""
+
+from __future__ import annotations
+
+from ._util import megatron
+
+__all__ = ["add"]
+
+
+def add(g, dev) -> None:
+    g.add_argument("--hf-checkpoint", default=None,
+                   help="HF model directory: tokenizer, config, engine boot weights, fsdp weights; "
+                        "also the reference model when --ref-load is absent.")
+    g.add_argument("--model-name", default=None,
+                   help="Model family for Megatron->HF weight conversion (default: from the HF config).")
+    g.add_argument("--ref-load", default=None,
+                   help="Frozen reference model (Megatron torch_dist dir or HF dir) and warm-start source.")
+    g.add_argument("--ref-ckpt-step", type=int, default=None, help="Iteration of --ref-load to read.")
+    g.add_argument("--load", default=None, help="Resume directory (the parent of iter_* directories).")
+    g.add_argument("--save", default=None, help="Checkpoint directory (the parent of iter_* directories).")
+    g.add_argument("--save-interval", type=int, default=100,
+                   help="Rollouts between saves; needs --save (default was 10 before 0.0.8).")
+    g.add_argument("--save-hf", default=None, help="Also export HF weights at each save, path template with "
+                                                   "{rollout_id} (not supported yet).")
+    g.add_argument("--save-trigger-sentinel", default=None,
+                   help="At a save point, if this file exists: save now, then delete it. Needs --save.")
+    g.add_argument("--no-save-optim", action="store_true", help="Do not save optimizer and scheduler state.")
+    g.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer state.")
+    g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG state.")
+    g.add_argument("--async-save", action="store_true", help="Write checkpoints in the background (not supported yet).")
+    g.add_argument("--start-rollout-id", type=int, default=None, help="Override the rollout id to start from.")
+    g.add_argument("--custom-megatron-post-save-hook-path", default=None,
+                   help="module.function called as hook(args, rollout_id, ckpt_dir, hf_dir) after each save; "
+                        "needs --save.")
+    g.add_argument("--tokenizer-model", default=None, help="Tokenizer directory (default: --hf-checkpoint).")
+    megatron(g, "--finetune", action="store_true", help="Megatron: load weights only, reset iteration counters.")
+    megatron(g, "--ckpt-step", type=int, default=None, help="Megatron: iteration of --load to read.")
+    megatron(g, "--use-checkpoint-opt_param-scheduler", action="store_true",
+             help="Megatron: take the LR schedule from the checkpoint.")
+    megatron(g, "--override-opt_param-scheduler", action="store_true",
+             help="Megatron: take the LR schedule from the flags, not the checkpoint.")
+    _architecture(g)
+
+
+def _architecture(g) -> None:
+    """Megatron architecture constants (MODEL_ARGS of a Miles script)."""
+    for flag, kind, text in (
+        ("--num-layers", int, "transformer layers"),
+        ("--hidden-size", int, "hidden size"),
+        ("--ffn-hidden-size", int, "MLP hidden size"),
+        ("--num-attention-heads", int, "attention heads"),
+        ("--num-query-groups", int, "key/value heads under --group-query-attention"),
+        ("--kv-channels", int, "projection size per head"),
+        ("--max-position-embeddings", int, "position table size (default: --seq-length)"),
+        ("--rotary-base", int, "RoPE theta"),
+        ("--rotary-percent", float, "fraction of the head dimension rotated"),
+        ("--norm-epsilon", float, "normalization epsilon"),
+        ("--vocab-size", int, "vocabulary size"),
+        ("--padded-vocab-size", int, "vocabulary size after padding"),
+        ("--make-vocab-size-divisible-by", int, "pad the vocabulary to a multiple of this"),
+        ("--num-experts", int, "MoE experts"),
+        ("--moe-router-topk", int, "experts per token"),
+        ("--moe-ffn-hidden-size", int, "MoE expert MLP hidden size"),
+        ("--moe-aux-loss-coeff", float, "MoE load-balancing loss coefficient"),
+        ("--mtp-num-layers", int, "multi-token-prediction layers"),
+    ):
+        megatron(g, flag, type=kind, default=None, help=f"Megatron: {text} (default: from the HF config).")
+    megatron(g, "--seq-length", type=int, default=4096, help="Megatron: maximum sequence length.")
+    megatron(g, "--position-embedding-type", default=None, choices=["learned_absolute", "rope", "mrope", "none"],
+             help="Megatron: position embedding.")
+    megatron(g, "--normalization", default=None, choices=["LayerNorm", "RMSNorm"], help="Megatron: normalization.")
+    megatron(g, "--moe-token-dispatcher-type", default="alltoall", choices=["allgather", "alltoall", "flex"],
+             help="Megatron: MoE token dispatcher (allgather is rewritten to alltoall).")
+    megatron(g, "--spec", nargs=2, default=None, metavar=("MODULE", "FN"),
+             help="Megatron: layer spec provider function.")
+    for flag, text in (
+        ("--group-query-attention", "grouped-query attention"),
+        ("--use-rotary-position-embeddings", "RoPE (legacy spelling of --position-embedding-type rope)"),
+        ("--swiglu", "SwiGLU MLP"),
+        ("--disable-bias-linear", "no bias in linear layers"),
+        ("--add-qkv-bias", "bias in the QKV projection only"),
+        ("--qk-layernorm", "normalize queries and keys"),
+        ("--untie-embeddings-and-output-weights", "separate input and output embeddings"),
+        ("--moe-grouped-gemm", "grouped GEMM for experts"),
+    ):
+        megatron(g, flag, action="store_true", help=f"Megatron: {text}.")

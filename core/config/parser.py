@@ -1,0 +1,146 @@
+"""The ``furlong train`` argument parser: core flags in the Miles groups, plus plugin flags."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from dataclasses import dataclass
+
+from furlong.hooks import PluginError
+
+from . import env
+from .errors import ConfigError
+
+__all__ = ["GROUP_TITLES", "DeviceDefaults", "FurlongArgumentParser", "build_parser", "device_defaults"]
+
+# Argument groups in --help order; titles as Miles users know the launch-script arrays.
+GROUP_TITLES: tuple[str, ...] = (
+    "cluster",
+    "model and checkpoints",
+    "rollout",
+    "eval",
+    "performance",
+    "algorithm",
+    "optimizer",
+    "SGLang and router",
+    "logging",
+    "debugging",
+    "plugins",
+)
+
+DESCRIPTION = """\
+Run the RL loop: generate, score, filter, compute advantages, optimize, sync weights.
+Flags follow Miles' names and groups; --sglang-* and --router-* flags are passed to
+SGLang and its router; arguments can be read from a file with @FILE (one or more flags
+per line, '#' starts a comment)."""
+
+
+class FurlongArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser that raises :class:`ConfigError` instead of exiting on errors
+    and reads ``@FILE`` argument files with shell quoting and ``#`` comments."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise ConfigError(message)
+
+    def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
+        """Split one line of an argument file like a shell would; ``#`` starts a comment."""
+        return shlex.split(arg_line, comments=True)
+
+
+@dataclass(frozen=True)
+class DeviceDefaults:
+    """Defaults that depend on the machine (DESIGN.md "Flags").
+
+    Without CUDA: one device per node, sdpa attention, fp32, gloo, the fsdp trainer.
+    Without SGLang: the embedded engine. With CUDA the Miles defaults stay.
+    """
+
+    cuda: bool
+    gpus_per_node: int
+    attn_implementation: str
+    bf16: bool
+    distributed_backend: str
+    rollout_backend: str
+    train_backend: str
+
+
+def device_defaults() -> DeviceDefaults:
+    """Probe this machine through :mod:`furlong.core.config.env` (monkeypatchable)."""
+    cuda = env.cuda_available()
+    return DeviceDefaults(
+        cuda=cuda,
+        gpus_per_node=8 if cuda else 1,
+        attn_implementation="flash_attention_2" if cuda else "sdpa",
+        bf16=cuda,
+        distributed_backend="nccl" if cuda else "gloo",
+        rollout_backend="sglang" if env.sglang_available() else "embedded",
+        train_backend="megatron" if cuda and env.megatron_available() else "fsdp",
+    )
+
+
+def build_parser(pm=None) -> argparse.ArgumentParser:
+    """The parser of ``furlong train``: every flag of SPEC.md section 1, in the Miles groups.
+
+    :param pm: a :class:`furlong.core.plugins.FurlongPluginManager`; when given, every
+        plugin's ``add_arguments`` is called (one at a time) so it can add its own group.
+    :returns: a :class:`FurlongArgumentParser` (``allow_abbrev=False``, ``@FILE`` files).
+    :raises PluginError: two plugins (or a plugin and core) add the same flag (both are
+        named), or a plugin's ``add_arguments`` fails.
+    """
+    from . import (flags_algo, flags_cluster, flags_eval, flags_logging, flags_model, flags_optim, flags_perf,
+                   flags_plugins, flags_rollout, flags_rollout_extra, flags_sglang)
+
+    dev = device_defaults()
+    parser = FurlongArgumentParser(
+        prog="furlong train",
+        description=DESCRIPTION,
+        allow_abbrev=False,
+        fromfile_prefix_chars="@",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    groups = {title: parser.add_argument_group(title) for title in GROUP_TITLES}
+    flags_cluster.add(groups["cluster"], dev)
+    flags_model.add(groups["model and checkpoints"], dev)
+    flags_rollout.add(groups["rollout"], dev)
+    flags_rollout_extra.add(groups["rollout"], dev)
+    flags_eval.add(groups["eval"], dev)
+    flags_perf.add(groups["performance"], dev)
+    flags_algo.add(groups["algorithm"], dev)
+    flags_optim.add(groups["optimizer"], dev)
+    flags_sglang.add(groups["SGLang and router"], dev)
+    flags_logging.add_logging(groups["logging"], dev)
+    flags_logging.add_debugging(groups["debugging"], dev)
+    flags_plugins.add(groups["plugins"], dev)
+    if pm is not None:
+        add_plugin_arguments(parser, pm)
+    return parser
+
+
+def add_plugin_arguments(parser: argparse.ArgumentParser, pm) -> None:
+    """Call each plugin's ``add_arguments`` separately, tracking who added which flag.
+
+    :raises PluginError: a flag added twice (names both owners: two plugins, or a plugin
+        and furlong core), or an ``add_arguments`` that raises.
+    """
+    owner: dict[str, str] = {opt: "furlong core" for opt in parser._option_string_actions}
+    for impl in pm.hook.add_arguments.get_hookimpls():
+        name = impl.plugin_name
+        before = set(parser._option_string_actions)
+        try:
+            impl.function(**({"parser": parser} if "parser" in impl.argnames else {}))
+        except argparse.ArgumentError as exc:
+            flags = [opt for opt in (exc.argument_name or "").split("/") if opt in owner] or ["?"]
+            flag, first = flags[0], owner.get(flags[0], "another plugin")
+            if first == "furlong core":
+                message = (f"plugin '{name}' adds the flag {flag}, which furlong core already defines; "
+                           f"a plugin adds only new flags, prefixed with its name (--{name.replace('_', '-')}-...).")
+            else:
+                message = (f"plugins '{first}' and '{name}' both add the flag {flag}; a flag may be added by one "
+                           f"plugin only: uninstall one of them or skip one with --disable-plugins {name}.")
+            raise PluginError(message) from exc
+        except PluginError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - name the plugin at fault
+            raise PluginError(f"plugin '{name}' failed in `add_arguments`: {type(exc).__name__}: {exc}") from exc
+        for opt in set(parser._option_string_actions) - before:
+            owner[opt] = name

@@ -1,0 +1,63 @@
+"""``--sglang-*``, ``--router-*`` and ``--eval-sglang-*`` pass-through flags.
+
+Any flag with one of these prefixes that core does not define itself is collected into
+a dict (key: the rest of the flag in snake_case) instead of being parsed:
+``--sglang-X=V`` always gives ``"V"``; a bare ``--sglang-X`` takes the next token as its
+value unless that token starts with ``--`` (or there is none), in which case the value
+is ``True``. Values stay strings: SGLang and the router parse their own arguments.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PREFIXES", "split_passthrough"]
+
+# (prefix, Namespace attribute); longest prefix first.
+PREFIXES: tuple[tuple[str, str], ...] = (
+    ("--eval-sglang-", "eval_sglang_passthrough"),
+    ("--sglang-", "sglang_passthrough"),
+    ("--router-", "router_passthrough"),
+)
+
+
+def split_passthrough(tokens: list[str], known: set[str]) -> tuple[list[str], dict[str, dict], list[str]]:
+    """Take pass-through flags out of ``tokens``.
+
+    :param tokens: command-line tokens (argument files expanded, deprecations mapped).
+    :param known: option strings the parser defines (``--sglang-router-ip`` stays a
+        real flag).
+    :returns: ``(rest, collected, given)``: the tokens left for argparse; ``collected``
+        maps each attribute of :data:`PREFIXES` to its dict; ``given`` lists the
+        pass-through flags in order, as typed (without values).
+    """
+    collected: dict[str, dict] = {attr: {} for _, attr in PREFIXES}
+    given: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        flag, eq, value = token.partition("=")
+        match = _match(flag) if token.startswith("--") and flag not in known else None
+        if match is None:
+            rest.append(token)
+            i += 1
+            continue
+        prefix, attr = match
+        key = flag[len(prefix):].replace("-", "_")
+        given.append(flag)
+        if eq:
+            collected[attr][key] = value
+            i += 1
+        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            collected[attr][key] = tokens[i + 1]
+            i += 2
+        else:
+            collected[attr][key] = True
+            i += 1
+    return rest, collected, given
+
+
+def _match(flag: str) -> tuple[str, str] | None:
+    for prefix, attr in PREFIXES:
+        if flag.startswith(prefix) and len(flag) > len(prefix):
+            return prefix, attr
+    return None

@@ -1,0 +1,184 @@
+"""The training loop (SPEC.md 6.6 sync, 9.2 train-async), written with async/await.
+
+``async def train(args)`` is the Miles-shaped entry: ``await group.train(...)``,
+``await rollout_manager.generate(rollout_id)``, ``await group.update_weights()``,
+``await group.save_model(...)``. ``run(args, pm, selection)`` is what ``furlong train`` calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+from argparse import Namespace
+
+import numpy as np
+import torch
+
+from .checkpoints import periodic, resolve_start, save_checkpoint, should_save
+from .data_cursor import DataCursor
+from .evaluation import Evaluator
+from .metrics_log import MetricsLog, rollout_metrics, summary_line
+from .plugins import FurlongPluginManager
+from .progress import RolloutProgress
+from .rollout_manager import RolloutManager
+from .selection import Selection
+from .train_group import LocalTrainGroup
+
+__all__ = ["run", "train"]
+
+log = logging.getLogger("furlong")
+
+
+async def train(args: Namespace) -> None:
+    """Run the loop with plugins from the installed entry points (as ``furlong train`` does)."""
+    from .plugins import get_plugin_manager
+    from .selection import resolve_selection
+
+    pm = get_plugin_manager(args.disable_plugins)
+    await run(args, pm, resolve_selection(args, pm))
+
+
+class Run:
+    """Everything one run holds: data, engine, trainer, rollout manager, logs."""
+
+    def __init__(self, args: Namespace, pm: FurlongPluginManager, selection: Selection):
+        self.args = args
+        self.pm = pm
+        self.selection = selection
+        self.metrics_dir = args.save or args.log_dir
+        self.metrics = MetricsLog(os.path.join(self.metrics_dir, "metrics.jsonl") if self.metrics_dir else None)
+
+    async def setup(self) -> int:
+        """Check data (before any model loads), create engine and trainer, resume; return the start id."""
+        args, pm, sel = self.args, self.pm, self.selection
+        _seed_everything(args.seed)
+        source = await pm.call_chosen("data_source", *sel.chosen["data_source"], args=args)
+        self.cursor = DataCursor(args, pm, source, sel.chosen["buffer_pop"])
+        self.evaluator = Evaluator(args, pm, sel)
+        resume = resolve_start(args)
+        self.engine = await pm.call_chosen("rollout_engine", *sel.chosen["rollout_engine"], args=args)
+        backend = await pm.call_chosen("train_backend", *sel.chosen["train_backend"], args=args)
+        self.group = LocalTrainGroup(args, pm, sel, backend)
+        await self.group.init()
+        if resume.load_dir:
+            log.info("resuming from %s at rollout %d", resume.load_dir, resume.start_rollout_id)
+            await self.group.load_model(resume.load_dir)
+        if resume.state:
+            self.cursor.load_state(resume.state)
+        self.manager = RolloutManager(args, pm, sel, self.engine, self.cursor)
+        return resume.start_rollout_id
+
+    async def update_weights(self) -> float:
+        start = time.perf_counter()
+        version = await self.group.update_weights(self.engine)
+        log.debug("weights synced, version %d", version)
+        return time.perf_counter() - start
+
+    async def evaluate(self, rollout_id: int) -> None:
+        metrics = await self.evaluator.evaluate(self.manager)
+        self.metrics.write(metrics, "eval/step", rollout_id)
+        log.info("eval at rollout %d: %s", rollout_id,
+                 ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.count("/") == 1 and "-" not in k))
+        await self.pm.notify("on_eval_end", args=self.args, rollout_id=rollout_id, metrics=metrics)
+
+    async def train_on(self, rollout_id: int, groups) -> dict:
+        """Train on one rollout's groups; log per-step metrics; return the rollout's metrics."""
+        args = self.args
+        start = time.perf_counter()
+        [metrics] = await self.group.train(rollout_id, groups)
+        steps = metrics.pop("train/steps")
+        for s, step in enumerate(steps):
+            step_id = rollout_id * args.num_steps_per_rollout + s
+            step_metrics = {f"train/{k}": float(v) for k, v in step.items()}
+            self.metrics.write(step_metrics, "train/step", step_id)
+            await self.pm.notify("on_train_step_end", args=args, rollout_id=rollout_id, step=step_id,
+                                 metrics=step_metrics)
+            metrics.update(step_metrics)
+        metrics["perf/train_time"] = time.perf_counter() - start
+        return metrics
+
+    async def save(self, rollout_id: int) -> None:
+        path = await save_checkpoint(self.args, rollout_id, self.group.save_model, self.cursor.state())
+        await self.pm.notify("on_checkpoint_saved", args=self.args, rollout_id=rollout_id, path=path)
+
+    async def finish_rollout(self, rollout_id: int, groups, metrics: dict) -> None:
+        metrics.update(rollout_metrics(groups, self.args.reward_key))
+        metrics.update(self.manager.rollout_metrics.pop(rollout_id, {}))
+        self.metrics.write(metrics, "rollout/step", rollout_id)
+        print(summary_line(rollout_id, metrics), flush=True)
+        await self.pm.notify("on_rollout_end", args=self.args, rollout_id=rollout_id, metrics=metrics)
+
+
+async def run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -> None:
+    """Run ``furlong train`` (sync) or ``furlong train-async`` (``args.train_mode == "async"``)."""
+    state = Run(args, pm, selection)
+    start_id = await state.setup()
+    sync_time = await state.update_weights()
+    if args.num_rollout == 0 and args.eval_interval and state.evaluator:
+        await state.evaluate(0)
+        return
+    if getattr(args, "train_mode", "sync") == "async":
+        await _async_loop(state, start_id, sync_time)
+    else:
+        await _sync_loop(state, start_id, sync_time)
+
+
+def _eval_first(args: Namespace, state: Run, rollout_id: int, start_id: int) -> bool:
+    return bool(args.eval_interval and state.evaluator and rollout_id == start_id and not args.skip_eval_before_train)
+
+
+async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
+    args = state.args
+    for rollout_id in range(start_id, args.num_rollout):
+        if _eval_first(args, state, rollout_id, start_id):
+            await state.evaluate(rollout_id)
+        with RolloutProgress(state.manager, rollout_id):
+            groups = await state.manager.generate(rollout_id)
+        metrics = await state.train_on(rollout_id, groups)
+        if should_save(args, rollout_id):
+            start = time.perf_counter()
+            await state.save(rollout_id)
+            metrics["perf/save_model_time"] = time.perf_counter() - start
+        metrics["perf/update_weights_time"] = await state.update_weights()
+        await state.finish_rollout(rollout_id, groups, metrics)
+        if args.eval_interval and state.evaluator and periodic(rollout_id, args.eval_interval, args.num_rollout):
+            await state.evaluate(rollout_id)
+
+
+async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
+    """Rollout ``r + 1`` is generated while ``r`` trains (one step off-policy, SPEC.md 9.2)."""
+    args = state.args
+    if args.eval_interval and state.evaluator and start_id == 0 and not args.skip_eval_before_train:
+        await state.evaluate(0)
+    future = asyncio.ensure_future(state.manager.generate(start_id)) if start_id < args.num_rollout else None
+    data = None
+    for rollout_id in range(start_id, args.num_rollout):
+        if future is not None:
+            data = await future
+        future = asyncio.ensure_future(state.manager.generate(rollout_id + 1)) if rollout_id + 1 < args.num_rollout else None
+        metrics = await state.train_on(rollout_id, data)
+        if should_save(args, rollout_id):
+            await state.save(rollout_id)
+        if (rollout_id + 1) % args.update_weights_interval == 0:
+            if future is not None:
+                data_next = await future
+                future = _done(data_next)
+            metrics["perf/update_weights_time"] = await state.update_weights()
+        await state.finish_rollout(rollout_id, data, metrics)
+        if args.eval_interval and state.evaluator and periodic(rollout_id, args.eval_interval, args.num_rollout):
+            await state.evaluate(rollout_id)
+
+
+def _done(value):
+    future = asyncio.get_event_loop().create_future()
+    future.set_result(value)
+    return future
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)

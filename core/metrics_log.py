@@ -1,0 +1,244 @@
+"""Metrics users see: the ``metrics.jsonl`` log, the console line, rollout and eval metrics.
+
+``MetricsLog`` appends one JSON object per line (flushed per line, so a killed run keeps
+everything it logged). ``rollout_metrics`` and ``eval_metrics`` compute the sample-side
+metrics of SPEC.md sections 5.5 and 10 from ``furlong.hooks.Sample`` objects.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from typing import Any, Iterable
+
+from furlong.hooks import PluginError, Sample, Status
+
+__all__ = ["MetricsLog", "eval_metrics", "rollout_metrics", "summary_line", "to_json_value"]
+
+STEP_KEYS = ("rollout/step", "train/step", "eval/step")
+
+
+def to_json_value(value: Any) -> Any:
+    """Plain JSON value of a metric: tensors and numpy values become Python numbers
+    (``.tolist()``), NaN and +-inf become None, containers are converted item by item."""
+    if hasattr(value, "tolist") and callable(value.tolist):
+        value = value.tolist()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): to_json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json_value(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    try:
+        return to_json_value(float(value))
+    except (TypeError, ValueError):
+        return str(value)
+
+
+class MetricsLog:
+    """Appends metrics to a JSONL file, one object per call.
+
+    Each object is the metrics dict plus its step key (``rollout/step``, ``train/step`` or
+    ``eval/step``) and ``time`` (Unix seconds). ``path`` is the file, or a directory (then
+    ``<path>/metrics.jsonl``); None disables writing (calls are no-ops). The file is opened
+    in append mode, so a resumed run continues the same log.
+
+    Example::
+
+        log = MetricsLog("/ckpt")               # writes /ckpt/metrics.jsonl
+        log.log({"rollout/raw_reward": 0.41}, "rollout/step", 3)
+    """
+
+    def __init__(self, path: str | None) -> None:
+        if path is not None and (os.path.isdir(path) or not path.endswith(".jsonl")):
+            path = os.path.join(path, "metrics.jsonl")
+        self.path = path
+        self._file = None
+
+    def log(self, metrics: dict, step_key: str, step: int) -> dict:
+        """Write ``metrics`` with ``{step_key: step, "time": now}``; return the written object.
+
+        :raises ValueError: ``step_key`` is not one of ``STEP_KEYS``.
+        """
+        if step_key not in STEP_KEYS:
+            raise ValueError(f"step key {step_key!r} is not one of {', '.join(STEP_KEYS)}")
+        record = {str(k): to_json_value(v) for k, v in metrics.items()}
+        record[step_key] = int(step)
+        record["time"] = time.time()
+        if self.path is not None:
+            if self._file is None:
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                self._file = open(self.path, "a", encoding="utf-8")
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
+        return record
+
+    def log_rollout(self, rollout_id: int, metrics: dict) -> dict:
+        """``log(metrics, "rollout/step", rollout_id)``."""
+        return self.log(metrics, "rollout/step", rollout_id)
+
+    def log_train(self, step: int, metrics: dict) -> dict:
+        """``log(metrics, "train/step", step)``, step = ``rollout_id * S + s``."""
+        return self.log(metrics, "train/step", step)
+
+    def log_eval(self, rollout_id: int, metrics: dict) -> dict:
+        """``log(metrics, "eval/step", rollout_id)``."""
+        return self.log(metrics, "eval/step", rollout_id)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "MetricsLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# (label, metric keys tried in order, format spec, unit)
+_SUMMARY_FIELDS = (
+    ("reward", ("rollout/raw_reward",), "6.3f", ""),
+    ("len", ("rollout/response_len/mean", "rollout/response_lengths"), "7.1f", ""),
+    ("kl", ("train/ppo_kl",), "7.4f", ""),
+    ("clip", ("train/pg_clipfrac",), "5.3f", ""),
+)
+_SUMMARY_TIMES = (
+    ("rollout", "perf/rollout_time"),
+    ("train", "perf/train_time"),
+    ("sync", "perf/update_weights_time"),
+)
+
+
+def _fmt(value: Any, spec: str, unit: str = "") -> str:
+    width = int(spec.split(".")[0])
+    value = to_json_value(value)
+    if value is None or isinstance(value, (list, dict, str)):
+        return "-".rjust(width) + " " * len(unit)
+    return format(float(value), spec) + unit
+
+
+def summary_line(rollout_id: int, metrics: dict) -> str:
+    """One fixed-width console line for a finished rollout; missing values print ``-``.
+
+    Fields: reward = ``rollout/raw_reward``; len = ``rollout/response_len/mean`` (else
+    ``rollout/response_lengths``), tokens; kl = ``train/ppo_kl``; clip =
+    ``train/pg_clipfrac``; times in seconds = ``perf/rollout_time``, ``perf/train_time``,
+    ``perf/update_weights_time``.
+
+    Example: ``rollout    3 | reward  0.412 | len    11.2 | kl  0.0012 | clip 0.031 |
+    rollout   4.1s train   1.2s sync   0.1s``.
+    """
+    parts = [f"rollout {rollout_id:>4}"]
+    for label, keys, spec, unit in _SUMMARY_FIELDS:
+        value = next((metrics[k] for k in keys if metrics.get(k) is not None), None)
+        parts.append(f"{label} {_fmt(value, spec, unit)}")
+    times = " ".join(f"{label} {_fmt(metrics.get(key), '5.1f', 's')}" for label, key in _SUMMARY_TIMES)
+    parts.append(times)
+    return " | ".join(parts)
+
+
+# --- sample-side metrics ---------------------------------------------------------------
+
+
+def _scalar_reward(sample: Sample, reward_key: str | None, flag: str) -> float | None:
+    """The sample's reward as a float (dicts reduced with ``reward_key``), None if unscored."""
+    reward = sample.reward
+    if reward is None:
+        return None
+    if isinstance(reward, dict):
+        if reward_key is None:
+            raise PluginError(
+                f"sample {sample.index}: the reward is a dict with keys {sorted(reward)}; "
+                f"pass {flag} naming the scalar to use."
+            )
+        if reward_key not in reward:
+            raise PluginError(
+                f"sample {sample.index}: {flag} {reward_key!r} is not in the reward dict "
+                f"(keys: {sorted(reward)})."
+            )
+        reward = reward[reward_key]
+    return float(reward)
+
+
+def _length_stats(prefix: str, lengths: list[int]) -> dict:
+    return {
+        f"{prefix}/mean": statistics.fmean(lengths),
+        f"{prefix}/median": float(statistics.median(lengths)),
+        f"{prefix}/max": max(lengths),
+        f"{prefix}/min": min(lengths),
+    }
+
+
+def _fraction(flags: Iterable[bool], n: int) -> float:
+    return sum(1 for f in flags if f) / n
+
+
+def rollout_metrics(groups: list[list[Sample]], reward_key: str | None, zero_std: bool = True) -> dict:
+    """Rollout-side metrics of the groups trained on (SPEC.md 5.5, 10). Empty input: ``{}``.
+
+    ``rollout/raw_reward``: mean scalar reward (dicts reduced with ``reward_key``; an
+    unscored sample counts 0). ``rollout/response_lengths``: mean ``response_length``
+    (tokens). ``rollout/response_len/{mean,median,max,min}``: over effective lengths
+    (``sum(loss_mask)``). ``rollout/truncated`` and ``rollout/truncated_ratio``: fraction of
+    samples with status ``truncated``. With ``zero_std`` (off for ppo):
+    ``rollout/zero_std/count_<r>`` = number of groups whose rewards are all equal to ``r``
+    (``r`` rounded to 1 decimal, e.g. ``count_1.0``), and
+    ``rollout/zero_std/all_{zero,one}_percentage`` = fraction (0..1) of all groups whose
+    rewards are all 0 / all 1 (the Miles names and definitions).
+
+    :raises PluginError: a dict reward without ``reward_key`` or lacking that key.
+    """
+    samples = [s for g in groups for s in g]
+    if not samples:
+        return {}
+    n = len(samples)
+    rewards = [_scalar_reward(s, reward_key, "--reward-key") or 0.0 for s in samples]
+    truncated = _fraction((s.status == Status.TRUNCATED for s in samples), n)
+    out = {
+        "rollout/raw_reward": statistics.fmean(rewards),
+        "rollout/response_lengths": statistics.fmean(s.response_length for s in samples),
+        **_length_stats("rollout/response_len", [s.effective_response_length for s in samples]),
+        "rollout/truncated": truncated,
+        "rollout/truncated_ratio": truncated,
+    }
+    if zero_std:
+        counts: dict[str, int] = {}
+        for group in groups:
+            values = [_scalar_reward(s, reward_key, "--reward-key") or 0.0 for s in group]
+            if values and all(v == values[0] for v in values):
+                label = str(round(values[0], 1))
+                counts[label] = counts.get(label, 0) + 1
+        out.update({f"rollout/zero_std/count_{r}": c for r, c in counts.items()})
+        out["rollout/zero_std/all_zero_percentage"] = counts.get("0.0", 0) / len(groups)
+        out["rollout/zero_std/all_one_percentage"] = counts.get("1.0", 0) / len(groups)
+    return out
+
+
+def eval_metrics(name: str, samples: list[Sample], reward_key: str | None) -> dict:
+    """Metrics of one eval dataset (SPEC.md 10). Empty input: ``{}``.
+
+    ``eval/<name>``: mean reward, an unscored (None) sample counting 0;
+    ``eval/<name>-truncated_ratio``: fraction with status ``truncated``;
+    ``eval/<name>-none_reward_ratio``: fraction with reward None;
+    ``eval/<name>/response_len/{mean,median,max,min}``: effective lengths in tokens.
+
+    :raises PluginError: a dict reward without ``reward_key`` (``--eval-reward-key``) or
+        lacking that key.
+    """
+    if not samples:
+        return {}
+    n = len(samples)
+    rewards = [_scalar_reward(s, reward_key, "--eval-reward-key") for s in samples]
+    return {
+        f"eval/{name}": sum(r for r in rewards if r is not None) / n,
+        f"eval/{name}-truncated_ratio": _fraction((s.status == Status.TRUNCATED for s in samples), n),
+        f"eval/{name}-none_reward_ratio": _fraction((r is None for r in rewards), n),
+        **_length_stats(f"eval/{name}/response_len", [s.effective_response_length for s in samples]),
+    }

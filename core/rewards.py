@@ -1,0 +1,110 @@
+"""Per-sample reward resolution and the ``boxed_<name>`` rule (DESIGN.md "Selecting plugins")."""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+import attrs
+
+from furlong.hooks import PluginError, Sample
+from furlong.hooks.answers import last_boxed_content
+
+from .plugins import FurlongPluginManager
+from .selection import Selection, boxed_base, check_reward_name
+
+__all__ = ["RewardScorer", "scalar_reward"]
+
+
+def scalar_reward(reward, reward_key: str | None) -> float:
+    """The training scalar of a reward: a number, or ``reward[reward_key]`` for a dict.
+
+    :raises PluginError: a dict reward without ``--reward-key`` or without that key.
+    """
+    if isinstance(reward, dict):
+        if not reward_key:
+            raise PluginError(f"reward {reward!r} is a dict; pass --reward-key to name the training scalar (e.g. 'score').")
+        if reward_key not in reward:
+            raise PluginError(f"--reward-key '{reward_key}' is not in reward {reward!r}.")
+        return float(reward[reward_key])
+    if reward is None:
+        return 0.0
+    return float(reward)
+
+
+class RewardScorer:
+    """Scores samples with the reward plugin each one resolves to.
+
+    Per sample: ``--custom-rm-path`` wins, then ``sample.metadata["rm_type"]``, then
+    ``--rm-type``. ``boxed_<name>`` (with no plugin of that exact name) grades the content
+    of the response's last ``\\boxed{}`` with plugin ``<name>``, handed over in the form
+    that plugin reads (its module-level ``boxed_response(content)``, default
+    ``\\boxed{content}``); a response without a box is graded as an empty response.
+    """
+
+    def __init__(self, args: Namespace, pm: FurlongPluginManager, selection: Selection):
+        self.args = args
+        self.pm = pm
+        self.default = selection.reward
+        self._checked: set[str] = set()
+
+    def resolve(self, sample: Sample) -> tuple[str, str]:
+        """``(plugin name, flag or source)`` that scores ``sample``."""
+        if self.default and self.default[1] == "--custom-rm-path":
+            return self.default
+        rm_type = sample.metadata.get("rm_type") if isinstance(sample.metadata, dict) else None
+        if rm_type:
+            if rm_type not in self._checked:
+                check_reward_name(self.pm, rm_type, "metadata['rm_type']")
+                self._checked.add(rm_type)
+            return rm_type, "metadata['rm_type']"
+        if self.default:
+            return self.default
+        raise PluginError(
+            f"sample {sample.index}: reward type not specified. Pass --rm-type NAME or --custom-rm-path "
+            "module.function, or give the sample metadata['rm_type']."
+        )
+
+    async def score(self, samples: list[Sample]) -> None:
+        """Set ``sample.reward`` for each sample (one call per resolved plugin, order kept).
+
+        :raises PluginError: a reward plugin raised or returned the wrong number of rewards;
+            the message names the plugin and the sample index.
+        """
+        by_name: dict[tuple[str, str], list[Sample]] = {}
+        for sample in samples:
+            by_name.setdefault(self.resolve(sample), []).append(sample)
+        for (name, flag), batch in by_name.items():
+            rewards = await self._call(name, flag, batch)
+            for sample, value in zip(batch, rewards):
+                sample.reward = value
+
+    async def _call(self, name: str, flag: str, samples: list[Sample]) -> list:
+        base = boxed_base(self.pm, name)
+        graded = [self._boxed(base, s) for s in samples] if base else samples
+        plugin = base or name
+        try:
+            rewards = await self.pm.call_chosen("reward", plugin, flag, args=self.args, samples=graded)
+        except PluginError:
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"reward plugin '{plugin}' ({self.pm.origin(plugin)}) failed on sample {samples[0].index}"
+                f"{'' if len(samples) == 1 else f' (one of {len(samples)}: indices {[s.index for s in samples]})'}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        rewards = list(rewards)
+        if len(rewards) != len(samples):
+            raise PluginError(
+                f"reward plugin '{plugin}' returned {len(rewards)} rewards for {len(samples)} samples "
+                f"(first sample index {samples[0].index}); return one per sample."
+            )
+        return rewards
+
+    def _boxed(self, base: str, sample: Sample) -> Sample:
+        content = last_boxed_content(sample.response)
+        if content is None:
+            response = ""
+        else:
+            make = getattr(self.pm.get_plugin(base), "boxed_response", None)
+            response = make(content) if callable(make) else f"\\boxed{{{content}}}"
+        return attrs.evolve(sample, response=response)

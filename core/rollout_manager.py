@@ -1,0 +1,248 @@
+"""The rollout manager: runs the ``rollout`` hook with the core's generate/reward/filter/abort callers.
+
+It owns what every rollout plugin shares: the concurrency limit, per-sample reward
+resolution, the aborted state, group accounting (drawn = trained + filtered + surplus +
+aborted-dropped + buffered), and the dump of a failed rollout's samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from argparse import Namespace
+from collections import Counter
+
+from furlong.hooks import FilterResult, PluginError, RolloutContext, RolloutEngine, Sample, Status
+
+from .data_cursor import DataCursor
+from .plugins import FurlongPluginManager
+from .rewards import RewardScorer
+from .selection import Selection
+
+__all__ = ["RolloutManager", "train_sampling_params"]
+
+log = logging.getLogger("furlong.rollout")
+
+
+def train_sampling_params(args: Namespace) -> dict:
+    """SGLang-style sampling parameters of training rollouts (SPEC.md 1.4)."""
+    params = {
+        "temperature": args.rollout_temperature,
+        "top_p": args.rollout_top_p,
+        "top_k": args.rollout_top_k,
+        "max_new_tokens": args.rollout_max_response_len,
+        "stop": args.rollout_stop,
+        "stop_token_ids": args.rollout_stop_token_ids,
+        "skip_special_tokens": args.rollout_skip_special_tokens,
+        "no_stop_trim": True,
+        "spaces_between_special_tokens": False,
+    }
+    return params
+
+
+class RolloutManager:
+    """Generates rollouts (``await manager.generate(rollout_id)``) and evaluations."""
+
+    def __init__(self, args: Namespace, pm: FurlongPluginManager, selection: Selection,
+                 engine: RolloutEngine, cursor: DataCursor):
+        self.args = args
+        self.pm = pm
+        self.selection = selection
+        self.engine = engine
+        self.cursor = cursor
+        self.scorer = RewardScorer(args, pm, selection)
+        self.aborted = False
+        self.semaphore = asyncio.Semaphore(max(1, int(args.sglang_server_concurrency)))
+        self._handed_out: list[list[Sample]] = []
+        self._drops: Counter = Counter()
+        self._rejected: set[int] = set()
+        self.rollout_metrics: dict[int, dict] = {}
+        self.progress = {"samples_done": 0, "tokens": 0, "samples_total": 0}
+
+    # --- the rollout ---------------------------------------------------------------------
+
+    async def generate(self, rollout_id: int) -> list[list[Sample]]:
+        """Run the chosen ``rollout`` plugin for ``rollout_id``; return the groups to train on.
+
+        :raises PluginError: the plugin (or a generate/reward it called) failed; the
+            rollout's samples were first written to ``failed_rollout_<id>.jsonl``.
+        """
+        self.aborted = False
+        self._handed_out = []
+        self._drops = Counter()
+        self._rejected = set()
+        self.progress = {"samples_done": 0, "tokens": 0, "samples_total": 0}
+        self.cursor.rollout_id = rollout_id
+        buffered_before = {id(g) for g in self.cursor.buffer}
+        context = RolloutContext(engine=self.engine, data=_TrackingCursor(self), generate_group=self.generate_group,
+                                 filter_group=self.filter_group, abort=self.abort)
+        name, flag = self.selection.chosen["rollout"]
+        start = time.perf_counter()
+        try:
+            groups = await self.pm.call_chosen("rollout", name, flag, args=self.args, rollout_id=rollout_id,
+                                               context=context)
+        except Exception as exc:
+            path = self.dump_failed(rollout_id)
+            message = str(exc) if isinstance(exc, PluginError) else f"{type(exc).__name__}: {exc}"
+            raise PluginError(f"rollout {rollout_id} failed: {message}\n  The rollout's samples are in {path}.") from exc
+        finally:
+            self.aborted = False
+        self._check_groups(name, groups)
+        groups.sort(key=lambda g: g[0].index)
+        context.metrics.update(self._account(groups, buffered_before))
+        context.metrics["perf/rollout_time"] = time.perf_counter() - start
+        self.rollout_metrics[rollout_id] = context.metrics
+        return groups
+
+    def _check_groups(self, name: str, groups: list[list[Sample]]) -> None:
+        if len(groups) != self.args.rollout_batch_size:
+            raise PluginError(f"rollout plugin '{name}' returned {len(groups)} groups; "
+                              f"--rollout-batch-size is {self.args.rollout_batch_size}.")
+        for group in groups:
+            for sample in group:
+                if sample.status in (Status.ABORTED, Status.PENDING):
+                    raise PluginError(f"rollout plugin '{name}' returned sample {sample.index} with status "
+                                      f"{sample.status.value}; only generated samples can be trained on.")
+
+    def _account(self, trained: list[list[Sample]], buffered_before: set[int]) -> dict:
+        trained_ids = {id(g) for g in trained}
+        buffered_now = {id(g) for g in self.cursor.buffer} - buffered_before
+        filtered = sum(self._drops.values())
+        counters = self.cursor.counters
+        counters["trained"] += len(trained)
+        counters["filtered"] += filtered
+        for group in self._handed_out:
+            gid = id(group)
+            if gid in trained_ids or gid in buffered_now or gid in self._rejected:
+                continue
+            if any(s.status in (Status.ABORTED, Status.PENDING) for s in group):
+                counters["aborted_dropped"] += 1
+            else:
+                counters["surplus"] += 1
+        metrics = {f"rollout/dynamic_filter/drop_{reason}": float(count) for reason, count in self._drops.items()}
+        metrics["rollout/dynamic_filter/groups_drawn"] = float(len(self._handed_out))
+        metrics["rollout/dynamic_filter/groups_kept"] = float(len(trained))
+        metrics["rollout/dynamic_filter/groups_dropped"] = float(filtered)
+        metrics.update({f"rollout/accounting/{k}": float(v) for k, v in counters.items()})
+        metrics["rollout/accounting/buffered"] = float(len(self.cursor.buffer))
+        return metrics
+
+    # --- what the rollout plugin calls -----------------------------------------------------
+
+    async def generate_group(self, group: list[Sample], evaluation: bool = False,
+                             sampling_params: dict | None = None) -> list[Sample]:
+        """Generate and score every sample of ``group`` (concurrently), in place; return the group.
+
+        Samples already ``completed``/``truncated`` (popped from the buffer) are kept as they
+        are. A sample reached after an abort is marked ``aborted`` without a request.
+        Rewards: one call per sample, or one per group under ``--group-rm``; aborted
+        samples are never scored.
+        """
+        params = sampling_params or train_sampling_params(self.args)
+        results = await asyncio.gather(*(self._generate_one(s, params, evaluation) for s in group))
+        flat = [s for r in results for s in (r if isinstance(r, list) else [r])]
+        group[:] = flat
+        to_score = [s for s in flat if s.status not in (Status.ABORTED, Status.PENDING) and s.reward is None]
+        if to_score and self.args.group_rm and not evaluation:
+            if not self.aborted_any(flat):
+                await self.scorer.score(to_score)
+        elif to_score:
+            await asyncio.gather(*(self.scorer.score([s]) for s in to_score))
+        return group
+
+    @staticmethod
+    def aborted_any(samples: list[Sample]) -> bool:
+        return any(s.status == Status.ABORTED for s in samples)
+
+    async def _generate_one(self, sample: Sample, params: dict, evaluation: bool):
+        if sample.status not in (Status.PENDING, Status.ABORTED):
+            return sample
+        async with self.semaphore:
+            if self.aborted:
+                sample.status = Status.ABORTED
+                return sample
+            name, flag = self.selection.chosen["generate"]
+            try:
+                result = await self.pm.call_chosen("generate", name, flag, args=self.args, sample=sample,
+                                                 sampling_params=dict(params), engine=self.engine,
+                                                 evaluation=evaluation)
+            except PluginError:
+                raise
+            except Exception as exc:
+                raise PluginError(f"generate plugin '{name}' ({self.pm.origin(name)}) failed on sample "
+                                  f"{sample.index}: {type(exc).__name__}: {exc}") from exc
+        if not evaluation:
+            for done in result if isinstance(result, list) else [result]:
+                self.progress["samples_done"] += 1
+                self.progress["tokens"] += done.response_length
+        return result
+
+    async def filter_group(self, group: list[Sample], rollout_id: int) -> FilterResult:
+        """Reject a group with an aborted sample (reason ``aborted``), then run the chosen filters."""
+        if self.aborted_any(group):
+            result = FilterResult(keep=False, reason="aborted")
+        elif self.selection.filters:
+            result = FilterResult(keep=True)
+            for name, flag in self.selection.filters:
+                result = await self.pm.run_filters([name], flag, args=self.args, samples=group, rollout_id=rollout_id)
+                if not result.keep:
+                    break
+        else:
+            result = FilterResult(keep=True)
+        if not result.keep:
+            if result.reason:
+                self._drops[result.reason] += 1
+            else:
+                self._drops["unspecified"] += 1
+            self._rejected.add(id(group))
+        return result
+
+    def drop_counts(self) -> dict:
+        """Groups dropped by the filters this rollout, per reason."""
+        return dict(self._drops)
+
+    async def abort(self, rollout_id: int) -> None:
+        """Abort leftovers: mark the rollout aborted, abort the engine, broadcast ``abort``."""
+        self.aborted = True
+        await self.engine.abort()
+        await self.pm.broadcast("abort", args=self.args, rollout_id=rollout_id)
+
+    # --- failures --------------------------------------------------------------------------
+
+    def dump_failed(self, rollout_id: int) -> str:
+        """Write every sample handed out this rollout to ``failed_rollout_<id>.jsonl``; return the path."""
+        folder = self.args.save or self.args.log_dir or os.getcwd()
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"failed_rollout_{rollout_id}.jsonl")
+        with open(path, "w", encoding="utf-8") as f:
+            for group in self._handed_out:
+                for sample in group:
+                    f.write(json.dumps(sample.to_dict(), default=str) + "\n")
+        return path
+
+
+class _TrackingCursor:
+    """The cursor as the rollout plugin sees it: records every group handed out."""
+
+    def __init__(self, manager: RolloutManager):
+        self._manager = manager
+        self._cursor = manager.cursor
+
+    async def get_samples(self, k: int) -> list[list[Sample]]:
+        groups = await self._cursor.get_samples(k)
+        self._manager._handed_out.extend(groups)
+        self._manager.progress["samples_total"] += sum(len(g) for g in groups)
+        return groups
+
+    def add_samples(self, groups: list[list[Sample]]) -> None:
+        self._cursor.add_samples(groups)
+
+    def buffer_len(self) -> int:
+        return self._cursor.buffer_len()
+
+    @property
+    def drop_counts(self) -> dict:
+        return self._manager.drop_counts()

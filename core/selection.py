@@ -1,0 +1,177 @@
+"""Which plugin serves each hook, from the launch flags (DESIGN.md "Selecting plugins")."""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+import attrs
+
+from furlong.hooks import PluginError
+
+from .adapters import agent_abort_adapter, make_adapter
+from .plugins import FurlongPluginManager
+
+__all__ = ["CHOSEN_HOOKS", "Selection", "resolve_selection"]
+
+
+@attrs.define(frozen=True)
+class ChosenHook:
+    """A hook chosen by a name flag, optionally replaced by a dotted-path flag."""
+
+    hook: str
+    name_attr: str
+    name_flag: str
+    path_attr: str | None = None
+    path_flag: str | None = None
+
+
+CHOSEN_HOOKS = (
+    ChosenHook("data_source", "data_source", "--data-source", "data_source_path", "--data-source-path"),
+    ChosenHook("rollout_engine", "rollout_backend", "--rollout-backend"),
+    ChosenHook("train_backend", "train_backend", "--train-backend"),
+    ChosenHook("rollout", "rollout", "--rollout", "rollout_function_path", "--rollout-function-path"),
+    ChosenHook("generate", "generate", "--generate", "custom_generate_function_path", "--custom-generate-function-path"),
+    ChosenHook("buffer_pop", "buffer_filter", "--buffer-filter", "buffer_filter_path", "--buffer-filter-path"),
+    ChosenHook("advantage", "advantage_estimator", "--advantage-estimator",
+               "custom_advantage_function_path", "--custom-advantage-function-path"),
+    ChosenHook("loss", "loss_type", "--loss-type", "custom_loss_function_path", "--custom-loss-function-path"),
+)
+
+
+@attrs.define
+class Selection:
+    """The resolved choice for every hook: ``chosen[hook] = (plugin name, flag that chose it)``.
+
+    ``filters``: ``(name, flag)`` in flag order. ``reward``: the run-wide default reward
+    ``(name, flag)`` or None (samples may still name one in ``metadata["rm_type"]``).
+    """
+
+    chosen: dict[str, tuple[str, str]] = attrs.field(factory=dict)
+    filters: list[tuple[str, str]] = attrs.field(factory=list)
+    reward: tuple[str, str] | None = None
+
+    def name(self, hook: str) -> str:
+        return self.chosen[hook][0]
+
+    def flag(self, hook: str) -> str:
+        return self.chosen[hook][1]
+
+    def as_dict(self) -> dict:
+        """``{hook: name}`` (filters as a list) for ``--print-config``."""
+        out = {hook: name for hook, (name, _) in self.chosen.items()}
+        out["filter"] = [name for name, _ in self.filters]
+        out["reward"] = self.reward[0] if self.reward else None
+        return out
+
+
+def resolve_selection(args: Namespace, pm: FurlongPluginManager, hooks: tuple[str, ...] | None = None) -> Selection:
+    """Resolve every chosen plugin, registering dotted-path adapters; fail before any model loads.
+
+    :param hooks: restrict to these hooks (default: all).
+    :raises PluginError: an unknown, broken, conflicting or hook-less plugin, or a bad
+        dotted path (see :meth:`FurlongPluginManager.chosen_impl`).
+    """
+    errors: list[str] = []
+    selection = Selection()
+    for spec in CHOSEN_HOOKS:
+        if hooks is not None and spec.hook not in hooks:
+            continue
+        try:
+            selection.chosen[spec.hook] = _resolve_one(args, pm, spec)
+        except PluginError as exc:
+            errors.append(str(exc))
+    if hooks is None or "filter" in hooks:
+        try:
+            selection.filters = _resolve_filters(args, pm)
+        except PluginError as exc:
+            errors.append(str(exc))
+    if hooks is None or "reward" in hooks:
+        try:
+            selection.reward = resolve_default_reward(args, pm)
+        except PluginError as exc:
+            errors.append(str(exc))
+    if getattr(args, "custom_agent_function_path", None) and (hooks is None or "abort" in hooks):
+        try:
+            _register_agent_abort(args.custom_agent_function_path, pm)
+        except PluginError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise PluginError("\n".join(errors))
+    return selection
+
+
+def register_path(pm: FurlongPluginManager, hook: str, path: str, flag: str) -> str:
+    """Register the adapter for dotted ``path`` under the path itself; return that name."""
+    if pm.get_plugin(path) is None:
+        pm.register_checked(make_adapter(hook, path, flag), path)
+        pm.path_flags[path] = flag
+    return path
+
+
+def _resolve_one(args: Namespace, pm: FurlongPluginManager, spec: ChosenHook) -> tuple[str, str]:
+    path = getattr(args, spec.path_attr, None) if spec.path_attr else None
+    if path:
+        name, flag = register_path(pm, spec.hook, path, spec.path_flag), spec.path_flag
+    else:
+        name, flag = getattr(args, spec.name_attr), spec.name_flag
+    pm.chosen_impl(spec.hook, name, flag)
+    return name, flag
+
+
+def _resolve_filters(args: Namespace, pm: FurlongPluginManager) -> list[tuple[str, str]]:
+    filters = [(name, "--dynamic-sampling-filter") for name in (args.dynamic_sampling_filter or [])]
+    for path in _as_list(args.dynamic_sampling_filter_path):
+        filters.append((register_path(pm, "filter", path, "--dynamic-sampling-filter-path"), "--dynamic-sampling-filter-path"))
+    errors = []
+    for name, flag in filters:
+        try:
+            pm.chosen_impl("filter", name, flag)
+        except PluginError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise PluginError("\n".join(errors))
+    return filters
+
+
+def resolve_default_reward(args: Namespace, pm: FurlongPluginManager) -> tuple[str, str] | None:
+    """The run-wide reward: ``--custom-rm-path`` over ``--rm-type``; checked, boxed rule included."""
+    if args.custom_rm_path:
+        return register_path(pm, "reward", args.custom_rm_path, "--custom-rm-path"), "--custom-rm-path"
+    if args.rm_type:
+        check_reward_name(pm, args.rm_type, "--rm-type")
+        return args.rm_type, "--rm-type"
+    return None
+
+
+def check_reward_name(pm: FurlongPluginManager, name: str, flag: str) -> None:
+    """Raise PluginError unless ``name`` (or the base of ``boxed_<name>``) implements ``reward``."""
+    base = boxed_base(pm, name)
+    if base is None:
+        pm.chosen_impl("reward", name, flag)
+        return
+    try:
+        pm.chosen_impl("reward", base, flag)
+    except PluginError as exc:
+        raise PluginError(f"{flag} '{name}' grades the last \\boxed{{}} with reward plugin '{base}':\n  {exc}") from exc
+
+
+def boxed_base(pm: FurlongPluginManager, name: str) -> str | None:
+    """For ``boxed_<base>`` with no plugin of that exact name, return ``<base>``; else None."""
+    if name.startswith("boxed_") and pm.get_plugin(name) is None:
+        return name[len("boxed_"):]
+    return None
+
+
+def _register_agent_abort(path: str, pm: FurlongPluginManager) -> None:
+    name = f"{path}:abort"
+    if pm.get_plugin(name) is None:
+        adapter = agent_abort_adapter(path)
+        if adapter is not None:
+            pm.register_checked(adapter, name)
+            pm.path_flags[name] = "--custom-agent-function-path"
+
+
+def _as_list(value) -> list:
+    if not value:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -1,0 +1,180 @@
+"""Shared pytest fixtures.
+
+Sections:
+- plugins: ``plugin_dist`` (a throwaway installed distribution), ``plugin_manager``,
+  ``register_plugin``, ``furlong_entry_points``, ``run_furlong`` (STYLE.md section 6).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import attrs
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- plugins ---------------------------------------------------------------------------
+
+
+@attrs.define(frozen=True)
+class InstalledDist:
+    """A distribution written by ``plugin_dist``: ``site`` is the folder put on ``sys.path``."""
+
+    site: Path
+    dist: str
+    version: str
+    package: str
+
+    @property
+    def label(self) -> str:
+        """``"dist version"``, as the plugin manager prints a plugin's origin."""
+        return f"{self.dist} {self.version}"
+
+
+@pytest.fixture
+def plugin_dist(tmp_path, monkeypatch):
+    """Factory that installs a throwaway plugin distribution for this test only.
+
+    ``plugin_dist(dist, package, source, entry_points, version="0.1.0", files=None)``
+    writes ``<tmp>/site/<package>/__init__.py`` (``source``, dedented), any extra
+    ``files`` (``{"<package>/other.py": text}``), and
+    ``<tmp>/site/<dist>-<version>.dist-info/{METADATA,entry_points.txt,RECORD}`` with
+    ``entry_points`` (``{name: "module[:object]"}``) in group ``furlong``. The site folder
+    is prepended to ``sys.path`` and import caches are invalidated, so discovery goes
+    through the real ``importlib.metadata``. ``site`` may be given to write a second copy
+    elsewhere. On teardown the package's modules are removed from ``sys.modules``.
+    Returns an :class:`InstalledDist`.
+    """
+    packages: list[str] = []
+    prepended: set[Path] = set()
+
+    def make(
+        dist: str,
+        package: str,
+        source: str,
+        entry_points: dict[str, str],
+        version: str = "0.1.0",
+        files: dict[str, str] | None = None,
+        site: Path | None = None,
+    ) -> InstalledDist:
+        site = Path(site or tmp_path / "site")
+        pkg_dir = site / package
+        pkg_dir.mkdir(parents=True, exist_ok=True)
+        (pkg_dir / "__init__.py").write_text(textwrap.dedent(source))
+        for rel, text in (files or {}).items():
+            path = site / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(textwrap.dedent(text))
+        info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        lines = ["[furlong]"] + [f"{name} = {value}" for name, value in entry_points.items()]
+        (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+        (info / "RECORD").write_text("")
+        if site not in prepended:
+            monkeypatch.syspath_prepend(str(site))
+            prepended.add(site)
+        importlib.invalidate_caches()
+        packages.append(package)
+        return InstalledDist(site=site, dist=dist, version=version, package=package)
+
+    yield make
+    for package in packages:
+        for mod in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            del sys.modules[mod]
+    importlib.invalidate_caches()
+
+
+@pytest.fixture
+def plugin_manager(monkeypatch):
+    """A fresh plugin manager with every installed ``furlong`` entry point loaded.
+
+    ``FURLONG_DISABLE_PLUGINS`` and ``FURLONG_TRACE_HOOKS`` are cleared first, so the
+    caller's environment does not change what a test sees.
+    """
+    from furlong.core.plugins import get_plugin_manager
+
+    monkeypatch.delenv("FURLONG_DISABLE_PLUGINS", raising=False)
+    monkeypatch.delenv("FURLONG_TRACE_HOOKS", raising=False)
+    return get_plugin_manager()
+
+
+@pytest.fixture
+def register_plugin(plugin_manager):
+    """``register_plugin(obj, name)``: register ``obj`` in ``plugin_manager`` for this test.
+
+    Fails the test with the manager's reason when the plugin does not validate (an
+    unknown hook, an argument the spec lacks). Unregistered on teardown.
+    """
+    names: list[str] = []
+
+    def register(obj: object, name: str) -> object:
+        if not plugin_manager.register_checked(obj, name):
+            _, reason = plugin_manager.broken.pop(name)
+            pytest.fail(f"plugin '{name}' did not register: {reason}")
+        names.append(name)
+        return obj
+
+    yield register
+    for name in names:
+        if plugin_manager.get_plugin(name) is not None:
+            plugin_manager.unregister(name=name)
+
+
+@pytest.fixture(scope="session")
+def furlong_entry_points() -> dict[str, str]:
+    """``[project.entry-points.furlong]`` of pyproject.toml: built-in name -> module."""
+    with open(REPO_ROOT / "pyproject.toml", "rb") as fh:
+        return dict(tomllib.load(fh)["project"]["entry-points"]["furlong"])
+
+
+@pytest.fixture
+def load_plugins(monkeypatch, furlong_entry_points):
+    """``load_plugins(disable=())``: a fresh manager with furlong's own built-ins disabled.
+
+    For tests whose expected text lists the plugins of a hook: only the distributions the
+    test made with ``plugin_dist`` (and what it registers itself) are seen. Built-ins are
+    disabled the way a user would, with ``furlong:NAME``.
+    """
+    from furlong.core.plugins import get_plugin_manager
+
+    monkeypatch.delenv("FURLONG_DISABLE_PLUGINS", raising=False)
+    monkeypatch.delenv("FURLONG_TRACE_HOOKS", raising=False)
+
+    def load(disable=()):
+        builtins = [f"furlong:{name}" for name in furlong_entry_points]
+        return get_plugin_manager(builtins + list(disable))
+
+    return load
+
+
+@pytest.fixture
+def run_furlong(tmp_path):
+    """``run_furlong(*argv, sites=(), env=None)``: run ``python -m furlong.core`` in a subprocess.
+
+    ``sites`` (folders from ``plugin_dist``) go first on ``PYTHONPATH``; ``env`` adds
+    variables. ``FURLONG_DISABLE_PLUGINS``/``FURLONG_TRACE_HOOKS`` are cleared unless
+    given. Runs in ``tmp_path``; returns the ``CompletedProcess`` (text, captured).
+    """
+
+    def run(*argv: str, sites=(), env: dict[str, str] | None = None, timeout: float = 120):
+        full_env = {k: v for k, v in os.environ.items()
+                    if k not in ("FURLONG_DISABLE_PLUGINS", "FURLONG_TRACE_HOOKS", "PYTHONPATH")}
+        paths = [str(s) for s in sites] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if paths:
+            full_env["PYTHONPATH"] = os.pathsep.join(paths)
+        full_env.update(env or {})
+        return subprocess.run(
+            [sys.executable, "-m", "furlong.core", *argv],
+            cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout,
+        )
+
+    return run
