@@ -79,7 +79,7 @@ class Run:
 
     async def evaluate(self, rollout_id: int) -> None:
         metrics = await self.evaluator.evaluate(self.manager)
-        self.metrics.write(metrics, "eval/step", rollout_id)
+        self.metrics.log(metrics, "eval/step", rollout_id)
         log.info("eval at rollout %d: %s", rollout_id,
                  ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.count("/") == 1 and "-" not in k))
         await self.pm.notify("on_eval_end", args=self.args, rollout_id=rollout_id, metrics=metrics)
@@ -93,7 +93,7 @@ class Run:
         for s, step in enumerate(steps):
             step_id = rollout_id * args.num_steps_per_rollout + s
             step_metrics = {f"train/{k}": float(v) for k, v in step.items()}
-            self.metrics.write(step_metrics, "train/step", step_id)
+            self.metrics.log(step_metrics, "train/step", step_id)
             await self.pm.notify("on_train_step_end", args=args, rollout_id=rollout_id, step=step_id,
                                  metrics=step_metrics)
             metrics.update(step_metrics)
@@ -107,7 +107,7 @@ class Run:
     async def finish_rollout(self, rollout_id: int, groups, metrics: dict) -> None:
         metrics.update(rollout_metrics(groups, self.args.reward_key))
         metrics.update(self.manager.rollout_metrics.pop(rollout_id, {}))
-        self.metrics.write(metrics, "rollout/step", rollout_id)
+        self.metrics.log(metrics, "rollout/step", rollout_id)
         print(summary_line(rollout_id, metrics), flush=True)
         await self.pm.notify("on_rollout_end", args=self.args, rollout_id=rollout_id, metrics=metrics)
 

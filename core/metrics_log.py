@@ -141,7 +141,7 @@ def summary_line(rollout_id: int, metrics: dict) -> str:
         parts.append(f"{label} {_fmt(value, spec, unit)}")
     times = " ".join(f"{label} {_fmt(metrics.get(key), '5.1f', 's')}" for label, key in _SUMMARY_TIMES)
     parts.append(times)
-    return " | ".join(parts)
+    return " | ".join(parts).rstrip()
 
 
 # --- sample-side metrics ---------------------------------------------------------------

@@ -184,6 +184,8 @@ class FurlongPluginManager(pluggy.PluginManager):
         for impl in getattr(self.hook, hook).get_hookimpls():
             result = self._call_sync(hook, impl, kwargs)
             if inspect.isawaitable(result):
+                if inspect.iscoroutine(result):
+                    result.close()  # never awaited on purpose: no "never awaited" warning
                 raise PluginError(f"plugin '{impl.plugin_name}': `{hook}` may not be async def.")
             results.append(result)
         return results

@@ -47,6 +47,18 @@ class FurlongArgumentParser(argparse.ArgumentParser):
         return shlex.split(arg_line, comments=True)
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to a flag's help when X says something (not None/False/[])."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default in (None, False, [], argparse.SUPPRESS) or not action.option_strings:
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        return f"{text} (default: {shown})"
+
+
 @dataclass(frozen=True)
 class DeviceDefaults:
     """Defaults that depend on the machine (DESIGN.md "Flags").
@@ -96,7 +108,7 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
         description=DESCRIPTION,
         allow_abbrev=False,
         fromfile_prefix_chars="@",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsFormatter,
     )
     groups = {title: parser.add_argument_group(title) for title in GROUP_TITLES}
     flags_cluster.add(groups["cluster"], dev)

@@ -1,0 +1,68 @@
+"""Flags of the ``algorithm`` group: the RL objective (GRPO_ARGS of a Miles script;
+SPEC.md 1.7). The estimator and the loss are chosen in the ``plugins`` group."""
+
+from __future__ import annotations
+
+__all__ = ["add"]
+
+
+def add(g, dev) -> None:
+    g.add_argument("--eps-clip", type=float, default=0.2, help="PPO clip range, lower side.")
+    g.add_argument("--eps-clip-high", type=float, default=None, help="PPO clip range, upper side (default: --eps-clip).")
+    g.add_argument("--eps-clip-c", type=float, default=None, help="Dual-clip constant c (> 1); off when unset.")
+    g.add_argument("--use-kl-loss", action="store_true",
+                   help="Load the reference model and add kl_loss_coef x KL to the loss (coef 0 = log only).")
+    g.add_argument("--kl-loss-coef", type=float, default=0.0, help="Weight of the KL loss term.")
+    g.add_argument("--kl-loss-type", choices=["k1", "k2", "k3", "low_var_kl"], default="k1",
+                   help="KL estimator, for the loss and for reward shaping.")
+    g.add_argument("--use-unbiased-kl", action="store_true", help="Multiply the KL by pi_theta / pi_old.")
+    g.add_argument("--kl-coef", type=float, default=0.0,
+                   help="KL folded into the rewards (ppo, reinforce++); exclusive with --kl-loss-coef.")
+    g.add_argument("--entropy-coef", type=float, default=0.0, help="Entropy bonus weight.")
+    g.add_argument("--observe-training-entropy", action="store_true", help="Log entropy even when its weight is 0.")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="Average the loss over all trainable tokens of a step instead of per sample.")
+    g.add_argument("--mask-truncated-samples", action="store_true",
+                   help="Truncated samples get loss mask 0 and leave the loss denominators.")
+    g.add_argument("--policy-ratio-level", choices=["token", "sequence"], default=None,
+                   help="PPO ratio per token, or GSPO's per sequence (default: sequence for gspo, else token).")
+    g.add_argument("--use-tis", action="store_true", help="Truncated importance sampling against rollout log-probs.")
+    g.add_argument("--tis-clip", type=float, default=2.0, help="TIS upper clip.")
+    g.add_argument("--tis-clip-low", type=float, default=0.0, help="TIS lower clip.")
+    g.add_argument("--custom-tis-function-path", default=None, help="module.function replacing the TIS weights.")
+    g.add_argument("--use-rollout-logprobs", action="store_true",
+                   help="Use the engine's log-probs as pi_old (exclusive with --use-tis).")
+    g.add_argument("--get-mismatch-metrics", action="store_true",
+                   help="Log train/rollout mismatch metrics; needs --custom-tis-function-path.")
+    g.add_argument("--custom-pg-loss-reducer-function-path", default=None,
+                   help="module.function reducing the policy-gradient term.")
+    g.add_argument("--use-opsm", action="store_true", help="Off-policy sequence masking.")
+    g.add_argument("--opsm-delta", type=float, default=1e-4, help="OPSM threshold.")
+    g.add_argument("--normalize-advantages", action="store_true",
+                   help="Whiten advantages over the rollout (required by the reinforce++ estimators).")
+    g.add_argument("--disable-grpo-std-normalization", action="store_true",
+                   help="Do not divide by the group std (forced when --n-samples-per-prompt is 1).")
+    g.add_argument("--disable-rewards-normalization", action="store_true", help="Do not subtract the group mean.")
+    g.add_argument("--gamma", type=float, default=1.0, help="Discount factor.")
+    g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda.")
+    g.add_argument("--value-clip", type=float, default=0.2, help="Critic value clip.")
+    g.add_argument("--num-critic-only-steps", type=int, default=0, help="ppo: rollouts that train only the critic.")
+    g.add_argument("--critic-load", default=None, help="ppo: critic checkpoint (default: --load).")
+    g.add_argument("--critic-save", default=None, help="ppo: critic save dir (default: --save + '_critic').")
+    g.add_argument("--critic-lr", type=float, default=None, help="ppo: critic learning rate (default: --lr).")
+    g.add_argument("--critic-lr-warmup-iters", type=int, default=0, help="ppo: critic warmup steps.")
+    g.add_argument("--ref-update-interval", type=int, default=None, help="Copy the actor into the reference every k rollouts.")
+    g.add_argument("--use-opd", action="store_true", help="On-policy distillation on top of the estimator.")
+    g.add_argument("--opd-type", choices=["sglang", "megatron"], default=None,
+                   help="OPD teacher: a served model (not supported yet) or a Megatron checkpoint; required with --use-opd.")
+    g.add_argument("--opd-kl-coef", type=float, default=1.0, help="OPD KL weight.")
+    g.add_argument("--opd-teacher-load", default=None, help="OPD megatron teacher checkpoint.")
+    g.add_argument("--opd-teacher-urls", nargs="+", default=None, metavar="NAME=URL", help="OPD sglang teachers.")
+    g.add_argument("--disable-compute-advantages-and-returns", action="store_true",
+                   help="Skip reference/old log-probs and advantages (SFT, custom losses).")
+    g.add_argument("--use-routing-replay", action="store_true", help="MoE routing replay (not supported yet).")
+    g.add_argument("--use-rollout-routing-replay", action="store_true",
+                   help="Replay the engine's MoE routing in training (not supported yet).")
+    g.add_argument("--true-on-policy-mode", action="store_true",
+                   help="Bit-identical rollout and training numerics (not supported yet).")
+    g.add_argument("--reset-optimizer-states", action="store_true", help="Zero the Adam state at each rollout.")

@@ -1,0 +1,65 @@
+"""Flags of the ``performance`` group: dynamic batching, FSDP options, and Megatron
+parallelism, recompute and numerics (SPEC.md 1.6, 1.14)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._util import megatron
+
+__all__ = ["add"]
+
+
+def add(g, dev) -> None:
+    g.add_argument("--use-dynamic-batch-size", action="store_true",
+                   help="Pack samples into micro-batches under --max-tokens-per-gpu (overrides --micro-batch-size).")
+    g.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                   help="Token cap per micro-batch per device (x context-parallel size); required with "
+                        "--use-dynamic-batch-size.")
+    g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None,
+                   help="Token cap for forward-only log-prob passes (default: --max-tokens-per-gpu).")
+    g.add_argument("--balance-by-flops", action="store_true",
+                   help="FLOPs-weighted micro-batch partitioning (not supported yet).")
+    g.add_argument("--qkv-format", choices=["thd", "bshd"], default="thd",
+                   help="Attention input layout: packed thd, or padded bshd (not supported yet).")
+    g.add_argument("--gradient-checkpointing", action="store_true", help="FSDP: recompute activations.")
+    g.add_argument("--fsdp-cpu-offload", action="store_true", help="FSDP: keep parameters and optimizer on CPU.")
+    g.add_argument("--fsdp-cpu-backend", default="gloo", help="FSDP: collective backend for CPU-offloaded state.")
+    g.add_argument("--dp-replicate-size", type=int, default=1,
+                   help="FSDP: replicas (HSDP); must divide the trainer world size.")
+    g.add_argument("--attn-implementation", default=dev.attn_implementation,
+                   help="FSDP: transformers attention implementation (sdpa without CUDA).")
+    g.add_argument("--keep-fp32-master", action=argparse.BooleanOptionalAction, default=True,
+                   help="FSDP: keep fp32 master weights.")
+    g.add_argument("--train-memory-margin-bytes", type=int, default=1 << 30,
+                   help="Memory kept free when offloading, in bytes.")
+    g.add_argument("--bf16", action="store_true", default=dev.bf16,
+                   help="Train in bfloat16 (the default with CUDA; fp32 without).")
+    g.add_argument("--fp16", action="store_true", help="Train in float16 (turns bf16 off).")
+    for flag, default, text in (
+        ("--tensor-model-parallel-size", 1, "tensor-parallel size (pair values > 1 with --sequence-parallel)"),
+        ("--pipeline-model-parallel-size", 1, "pipeline-parallel size"),
+        ("--virtual-pipeline-model-parallel-size", None, "virtual pipeline stages per rank"),
+        ("--context-parallel-size", 1, "context-parallel size (the fsdp backend needs 1)"),
+        ("--expert-model-parallel-size", 1, "expert-parallel size"),
+        ("--expert-tensor-parallel-size", None, "tensor-parallel size inside experts"),
+        ("--recompute-num-layers", None, "layers per recompute unit"),
+    ):
+        megatron(g, flag, type=int, default=default, help=f"Megatron: {text}.")
+    megatron(g, "--sequence-parallel", action="store_true", help="Megatron: sequence parallelism under TP.")
+    megatron(g, "--recompute-granularity", choices=["full", "selective"], default=None,
+             help="Megatron: activation recompute granularity.")
+    megatron(g, "--recompute-method", choices=["uniform", "block"], default=None,
+             help="Megatron: activation recompute method.")
+    megatron(g, "--attention-dropout", type=float, default=None, help="Megatron: attention dropout.")
+    megatron(g, "--hidden-dropout", type=float, default=None, help="Megatron: hidden dropout.")
+    megatron(g, "--attention-backend", default=None, choices=["flash", "fused", "unfused", "local", "auto"],
+             help="Megatron: attention kernel.")
+    for flag, text in (
+        ("--overlap-grad-reduce", "overlap gradient reduce-scatter with backward"),
+        ("--overlap-param-gather", "overlap parameter all-gather with forward"),
+        ("--use-distributed-optimizer", "shard optimizer state over data-parallel ranks"),
+        ("--attention-softmax-in-fp32", "attention softmax in fp32"),
+        ("--accumulate-allreduce-grads-in-fp32", "accumulate and all-reduce gradients in fp32"),
+    ):
+        megatron(g, flag, action="store_true", help=f"Megatron: {text}.")

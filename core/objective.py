@@ -1,0 +1,217 @@
+"""The step objective a train backend calls once per micro-batch (``furlong.hooks.StepObjective``).
+
+It builds the ``LossInput`` of the micro-batch, calls the chosen ``loss`` plugin, and
+reduces the plugin's per-token ``token_loss`` and every metric with the denominators of
+the whole optimizer step (:mod:`furlong.core.reduction`). Summing the returned losses and
+metrics over a step's micro-batches gives the step objective and metrics exactly.
+
+The loss plugin returns the *combined* per-token objective in ``token_loss`` (for
+``policy_loss``: ``l - entropy_coef*H + kl_loss_coef*kl``, SPEC.md 4.6); the core reduces
+it once, so ``loss = pg_loss - entropy_coef*entropy_loss + kl_loss_coef*kl_loss`` holds for
+the reduced values because the reducer is linear. With
+``--custom-pg-loss-reducer-function-path`` the policy-gradient term
+(``token_metrics["pg_loss"]``, which must carry grad) is reduced by the custom reducer
+and the rest (``token_loss - pg_loss``) by the core's.
+
+Data parallelism: each rank builds its own objective over its share of the samples. The
+denominators must then be global: compute them on the whole rollout batch before the
+split with :func:`~furlong.core.reduction.effective_loss_masks`,
+:func:`~furlong.core.reduction.sample_denominators` and
+:func:`~furlong.core.reduction.step_denominators`, and pass ``step_denominators`` (one per
+step) and ``sample_denominators`` (this rank's samples, in ``TrainBatch`` order). The
+returned loss is multiplied by ``dp_world_size`` because data-parallel gradient
+reduction (FSDP, DDP, Megatron) averages over ranks; metrics are not multiplied, so
+summing them over micro-batches and ranks gives the step's value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from furlong.hooks import LossInput, LossOutput, PluginError, TrainBatch
+
+from . import reduction
+
+__all__ = ["LossObjective"]
+
+
+class LossObjective:
+    """Loss of one micro-batch, reduced with whole-step denominators.
+
+    Flags read: ``calculate_per_token_loss``, ``mask_truncated_samples``,
+    ``custom_pg_loss_reducer_function_path``, ``use_rollout_logprobs`` (pi_old is then the
+    engine's log-probs, ``batch.rollout_log_probs``); the loss plugin reads its own.
+
+    :param args: the launch configuration (``argparse.Namespace``).
+    :param pm: the plugin manager (``furlong.core.plugins.FurlongPluginManager``).
+    :param batch: this rank's ``TrainBatch``; ``batch.steps[s][m]`` lists the sample ids
+        of micro-batch ``m`` of step ``s``.
+    :param loss_name: the chosen loss plugin (``--loss-type``, e.g. ``policy_loss``).
+    :param loss_flag: the flag that chose it, for error messages (``--loss-type``).
+    :param dp_world_size: data-parallel ranks; the loss is multiplied by it (see module doc).
+    :param trajectory_ids: N trajectory ids (siblings share ``D_i`` and count once in
+        ``n_s``), or None (each sample its own trajectory).
+    :param truncated: N bools, True for samples with finish reason ``length``; used with
+        ``--mask-truncated-samples``.
+    :param old_values: N float32 [T_i] critic values at scoring time (``value_loss``).
+    :param sample_denominators: N floats ``D_i``, global over ranks (required when
+        ``dp_world_size > 1`` and trajectories span ranks); default: from this batch.
+    :param step_denominators: one :class:`~furlong.core.reduction.StepDenominators` per
+        step, global over ranks (required when ``dp_world_size > 1``); default: from this
+        batch's ``steps``.
+    :raises PluginError: a bad ``--custom-pg-loss-reducer-function-path``.
+    :raises ValueError: ``dp_world_size > 1`` without global step denominators.
+    """
+
+    def __init__(
+        self,
+        args: Any,
+        pm: Any,
+        batch: TrainBatch,
+        loss_name: str,
+        loss_flag: str,
+        dp_world_size: int = 1,
+        *,
+        trajectory_ids: Sequence[int] | None = None,
+        truncated: Sequence[bool] | None = None,
+        old_values: list | None = None,
+        sample_denominators: Sequence[float] | None = None,
+        step_denominators: Sequence[reduction.StepDenominators] | None = None,
+    ) -> None:
+        self.args, self.pm, self.batch = args, pm, batch
+        self.loss_name, self.loss_flag = loss_name, loss_flag
+        self.dp_world_size = int(dp_world_size)
+        self.old_values = old_values
+        self.per_token = bool(args.calculate_per_token_loss)
+        self.masks = reduction.effective_loss_masks(batch.loss_masks, truncated, args.mask_truncated_samples)
+        n = len(self.masks)
+        self.step_of = {}
+        for s, step in enumerate(batch.steps):
+            for i in reduction._flatten(step):
+                self.step_of[i] = s
+        if step_denominators is None:
+            if self.dp_world_size > 1:
+                raise ValueError(
+                    "LossObjective: dp_world_size > 1 needs step_denominators computed over every rank's samples "
+                    "(furlong.core.reduction.step_denominators on the whole rollout batch)"
+                )
+            excluded = reduction.excluded_samples(truncated, args.mask_truncated_samples, n)
+            step_denominators = reduction.step_denominators(self.masks, batch.steps, trajectory_ids, excluded)
+        if len(step_denominators) != len(batch.steps):
+            raise ValueError(f"{len(step_denominators)} step denominators for {len(batch.steps)} steps")
+        self.step_denominators = list(step_denominators)
+        if sample_denominators is None:
+            if self.dp_world_size > 1 and trajectory_ids is not None:
+                raise ValueError(
+                    "LossObjective: dp_world_size > 1 with trajectory ids needs sample_denominators computed over "
+                    "every rank's siblings (furlong.core.reduction.sample_denominators on the whole rollout batch)"
+                )
+            sample_denominators = reduction.sample_denominators(self.masks, trajectory_ids)
+        reduction._check_len("sample_denominators", sample_denominators, n)
+        self.sample_denominators = [float(d) for d in sample_denominators]
+        path = args.custom_pg_loss_reducer_function_path
+        self.custom_reducer = reduction.load_custom_reducer(path) if path else None
+
+    async def __call__(
+        self, sample_ids: list[int], log_probs: list, entropy: list | None, values: list | None = None
+    ) -> tuple[Any, dict[str, float]]:
+        """Loss and metrics of one micro-batch (see :class:`furlong.hooks.StepObjective`).
+
+        :param sample_ids: indices into the ``TrainBatch``, all of one step.
+        :param log_probs: N float32 tensors [T_i] of the current policy, carrying grad.
+        :param entropy: N float32 tensors [T_i], or None when not computed.
+        :param values: N float32 tensors [T_i] of the current critic (``value_loss``), or None.
+        :returns: ``(loss, metrics)``: a 0-dim float32 tensor to ``backward()`` (times
+            ``dp_world_size``) and floats already divided by the step's denominators,
+            including ``loss`` (the reduced objective, not multiplied).
+        :raises PluginError: the loss plugin fails, returns the wrong shapes, or (custom
+            reducer) reports no grad-carrying ``pg_loss``.
+        """
+        import torch
+
+        sample_ids = [int(i) for i in sample_ids]
+        step = self._step(sample_ids)
+        device = log_probs[0].device if log_probs else torch.device("cpu")
+        masks = [self.masks[i].to(device) for i in sample_ids]
+        old = self.batch.rollout_log_probs if self.args.use_rollout_logprobs else self.batch.old_log_probs
+        loss_input = LossInput(
+            log_probs=list(log_probs),
+            old_log_probs=self._pick(old, sample_ids, device),
+            advantages=self._pick(self.batch.advantages, sample_ids, device),
+            loss_masks=masks,
+            ref_log_probs=self._pick(self.batch.ref_log_probs, sample_ids, device),
+            rollout_log_probs=self._pick(self.batch.rollout_log_probs, sample_ids, device),
+            entropy=list(entropy) if entropy is not None else None,
+            values=list(values) if values is not None else None,
+            old_values=self._pick(self.old_values, sample_ids, device),
+            returns=self._pick(self.batch.returns, sample_ids, device),
+        )
+        out = await self.pm.call_chosen("loss", self.loss_name, self.loss_flag, args=self.args, batch=loss_input)
+        self._check_output(out, masks)
+        weights = reduction.sample_weights(sample_ids, self.sample_denominators, step, self.per_token)
+        metrics = {
+            name: float(reduction.reduce_tokens([v.detach() for v in rows], masks, weights))
+            for name, rows in out.token_metrics.items()
+        }
+        if self.custom_reducer is None:
+            total = reduction.reduce_tokens(out.token_loss, masks, weights)
+        else:
+            pg = self._custom_pg(out, sample_ids, masks, step)
+            rest = [t - p for t, p in zip(out.token_loss, out.token_metrics["pg_loss"])]
+            total = pg + reduction.reduce_tokens(rest, masks, weights)
+            metrics["pg_loss"] = float(pg.detach())
+        metrics["loss"] = float(total.detach())
+        return total * self.dp_world_size, metrics
+
+    def _step(self, sample_ids: list[int]) -> reduction.StepDenominators:
+        steps = {self.step_of.get(i) for i in sample_ids}
+        if None in steps:
+            missing = [i for i in sample_ids if i not in self.step_of]
+            raise ValueError(f"samples {missing} are in no step of TrainBatch.steps")
+        if len(steps) > 1:
+            raise ValueError(f"one micro-batch mixes samples of steps {sorted(steps)}")
+        return self.step_denominators[steps.pop()] if steps else reduction.StepDenominators(0, 0.0)
+
+    @staticmethod
+    def _pick(rows: list | None, sample_ids: list[int], device) -> list | None:
+        if rows is None:
+            return None
+        return [rows[i].to(device) for i in sample_ids]
+
+    def _check_output(self, out: Any, masks: list) -> None:
+        where = f"{self.loss_flag} '{self.loss_name}'"
+        if not isinstance(out, LossOutput):
+            raise PluginError(f"{where}: `loss` returned {type(out).__name__}; it must return LossOutput.")
+        fields = [("token_loss", out.token_loss)] + [(f"token_metrics['{k}']", v) for k, v in out.token_metrics.items()]
+        for label, rows in fields:
+            if len(rows) != len(masks):
+                raise PluginError(
+                    f"{where}: {label} has {len(rows)} tensors for a micro-batch of {len(masks)} samples; "
+                    "return one per-token tensor per sample."
+                )
+            for i, (row, mask) in enumerate(zip(rows, masks)):
+                if row.numel() != mask.numel():
+                    raise PluginError(
+                        f"{where}: {label}[{i}] has {row.numel()} values but the sample has {mask.numel()} "
+                        "response tokens; return per-token values and let the core reduce them."
+                    )
+
+    def _custom_pg(self, out: LossOutput, sample_ids: list[int], masks: list, step) -> Any:
+        import torch
+
+        flag = reduction.REDUCER_FLAG
+        pg_rows = out.token_metrics.get("pg_loss")
+        grads = any(t.requires_grad for t in out.token_loss)
+        if pg_rows is None or (grads and not any(t.requires_grad for t in pg_rows)):
+            raise PluginError(
+                f"{flag}: {self.loss_flag} '{self.loss_name}' must report its per-token policy-gradient term, "
+                "carrying grad, as token_metrics['pg_loss'] for a custom pg reducer."
+            )
+        total_lengths = [len(self.batch.tokens[i]) for i in sample_ids]
+        response_lengths = [int(m.numel()) for m in masks]
+        reducer = self.custom_reducer(total_lengths, response_lengths, masks, self.per_token)
+        flat = torch.cat([p.reshape(-1).float() for p in pg_rows]) if pg_rows else torch.zeros(0)
+        value = reducer(flat)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise PluginError(f"{flag}: the reducer returned {type(value).__name__}; expected a 0-dim tensor.")
+        return value.reshape(()).float() * reduction.step_scale(step, self.per_token)

@@ -1,0 +1,208 @@
+"""The core's loss reducer: masks and denominators over a whole optimizer step (SPEC.md 4.6, 6.3).
+
+A loss plugin returns per-token values; this module turns them into the step objective.
+With ``m`` the loss mask, ``D_i`` the trained-token count of sample ``i``'s trajectory,
+``n_s`` the number of trajectories in step ``s`` and ``N_s`` its trained-token count (both
+over every micro-batch and data-parallel rank of the step):
+
+- per-sample mode (default): ``L_s = (1/n_s) * sum_i sum_t x_it m_it / max(D_i, 1)``;
+- per-token mode (``--calculate-per-token-loss``): ``L_s = sum_i sum_t x_it m_it / N_s``.
+
+Each micro-batch contributes its samples' share, so the sum over micro-batches is ``L_s``
+whatever the packing. A step with no trained token gives 0 (denominators are clamped to
+1). Samples whose mask is all 0 (``remove_sample``) still count in ``n_s``; under
+``--mask-truncated-samples`` truncated samples get mask 0 and leave ``n_s`` and ``N_s``
+(CASES.md C009).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Sequence
+
+import attrs
+
+from furlong.hooks import PluginError
+
+__all__ = [
+    "StepDenominators",
+    "effective_loss_masks",
+    "load_custom_reducer",
+    "reduce_tokens",
+    "sample_denominators",
+    "sample_weights",
+    "step_denominators",
+]
+
+REDUCER_FLAG = "--custom-pg-loss-reducer-function-path"
+
+
+@attrs.frozen
+class StepDenominators:
+    """Denominators of one optimizer step, over all its micro-batches and ranks.
+
+    ``samples``: trajectories in the step (a trajectory of several Samples counts once;
+    samples left out by ``--mask-truncated-samples`` do not count). ``tokens``: trained
+    tokens (``sum m``) in the step, after masking.
+    """
+
+    samples: int
+    tokens: float
+
+
+def effective_loss_masks(loss_masks: Sequence, truncated: Sequence[bool] | None, mask_truncated: bool) -> list:
+    """Loss masks with truncated samples zeroed when ``--mask-truncated-samples`` is on.
+
+    :param loss_masks: N tensors [T_i] (0/1, any dtype).
+    :param truncated: N bools (finish reason ``length``), or None (none truncated).
+    :param mask_truncated: ``args.mask_truncated_samples``.
+    :returns: N float32 tensors [T_i]; the input tensors are not modified.
+    """
+    import torch
+
+    masks = [torch.as_tensor(m).reshape(-1).to(torch.float32) for m in loss_masks]
+    if not mask_truncated or truncated is None:
+        return masks
+    _check_len("truncated", truncated, len(masks))
+    return [torch.zeros_like(m) if cut else m for m, cut in zip(masks, truncated)]
+
+
+def excluded_samples(truncated: Sequence[bool] | None, mask_truncated: bool, n: int) -> list[bool]:
+    """Which of ``n`` samples leave the step denominators (truncated, under masking)."""
+    if not mask_truncated or truncated is None:
+        return [False] * n
+    _check_len("truncated", truncated, n)
+    return [bool(t) for t in truncated]
+
+
+def sample_denominators(loss_masks: Sequence, trajectory_ids: Sequence[int] | None = None) -> list[float]:
+    """``D_i``: the trained-token count of sample ``i``'s trajectory (its own ``|m_i|``
+    when ``trajectory_ids`` is None). Pass the masks of every sibling (all ranks) so
+    siblings share one denominator.
+
+    :returns: N floats (may be 0; the reducer clamps to 1).
+    """
+    counts = [float(m.sum()) for m in loss_masks]
+    if trajectory_ids is None:
+        return counts
+    _check_len("trajectory_ids", trajectory_ids, len(counts))
+    totals: dict[int, float] = {}
+    for tid, count in zip(trajectory_ids, counts):
+        totals[int(tid)] = totals.get(int(tid), 0.0) + count
+    return [totals[int(tid)] for tid in trajectory_ids]
+
+
+def step_denominators(
+    loss_masks: Sequence,
+    steps: Sequence[Sequence],
+    trajectory_ids: Sequence[int] | None = None,
+    excluded: Sequence[bool] | None = None,
+) -> list[StepDenominators]:
+    """Denominators of each step, from masks indexed by the sample ids the steps list.
+
+    Run it on the whole rollout batch before the data-parallel split (``steps[s]`` = every
+    sample of step ``s`` on every rank) and hand the result to each rank's objective.
+
+    :param loss_masks: effective masks (see :func:`effective_loss_masks`), N x [T_i].
+    :param steps: per step, either a flat list of sample ids or a list of micro-batches
+        (lists of sample ids), as ``TrainBatch.steps``.
+    :param trajectory_ids: N trajectory ids, or None (each sample its own trajectory).
+    :param excluded: N bools: samples that leave the denominators (truncated, masked).
+    :returns: one :class:`StepDenominators` per step.
+    """
+    n = len(loss_masks)
+    excluded = list(excluded) if excluded is not None else [False] * n
+    _check_len("excluded", excluded, n)
+    out = []
+    for step in steps:
+        ids = _flatten(step)
+        units = {int(trajectory_ids[i]) if trajectory_ids is not None else ("s", i) for i in ids if not excluded[i]}
+        tokens = sum(float(loss_masks[i].sum()) for i in ids if not excluded[i])
+        out.append(StepDenominators(samples=len(units), tokens=tokens))
+    return out
+
+
+def sample_weights(
+    sample_ids: Sequence[int], denominators: Sequence[float], step: StepDenominators, per_token: bool
+) -> list[float]:
+    """Per-sample factor ``w_i`` of the reduction ``sum_i w_i sum_t x_it m_it``.
+
+    per-sample mode: ``w_i = 1 / (max(D_i, 1) * max(n_s, 1))``; per-token mode:
+    ``w_i = 1 / max(N_s, 1)``.
+    """
+    if per_token:
+        return [1.0 / max(step.tokens, 1.0)] * len(sample_ids)
+    scale = 1.0 / max(step.samples, 1)
+    return [scale / max(float(denominators[i]), 1.0) for i in sample_ids]
+
+
+def step_scale(step: StepDenominators, per_token: bool) -> float:
+    """The step factor alone: ``1/max(N_s, 1)`` per-token, ``1/max(n_s, 1)`` per-sample."""
+    return 1.0 / max(step.tokens, 1.0) if per_token else 1.0 / max(step.samples, 1)
+
+
+def reduce_tokens(values: Sequence, loss_masks: Sequence, weights: Sequence[float]):
+    """``sum_i w_i sum_t x_it m_it`` as a 0-dim float32 tensor that keeps the graph.
+
+    Masked positions are selected away (``torch.where``), never multiplied, so a NaN or
+    inf there changes neither the value nor the gradient.
+
+    :param values: N tensors [T_i] (any float or bool dtype); :param loss_masks: N [T_i];
+    :param weights: N floats from :func:`sample_weights`.
+    """
+    import torch
+
+    total = None
+    for x, m, w in zip(values, loss_masks, weights):
+        x = x.reshape(-1)
+        x = x.float() if x.dtype != torch.float64 else x
+        term = torch.where(m.reshape(-1).to(x.device) > 0, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() * w
+        total = term if total is None else total + term
+    if total is None:
+        return torch.zeros((), dtype=torch.float32)
+    return total.to(torch.float32)
+
+
+def load_custom_reducer(path: str) -> Callable[..., Any]:
+    """Import the ``--custom-pg-loss-reducer-function-path`` factory ``module.fn``.
+
+    The factory is Miles-compatible: ``fn(total_lengths, response_lengths, loss_masks,
+    calculate_per_token_loss) -> reducer``, and ``reducer(flat)`` maps the micro-batch's
+    per-token policy-gradient values, concatenated in sample order (float32
+    [sum T_i]), to a 0-dim sum; the core multiplies it by the step factor
+    (``1/n_s`` or ``1/N_s``), as Miles' trainer divides by the global batch size.
+
+    :raises PluginError: the path has no dot, the module cannot be imported, or it has no
+        such attribute (the message names the flag, the module and the attribute).
+    """
+    module_name, _, attr = str(path).rpartition(".")
+    if not module_name or not attr:
+        raise PluginError(f"{REDUCER_FLAG} {path!r}: expected a dotted path 'module.function'.")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's file
+        raise PluginError(
+            f"{REDUCER_FLAG} {path!r}: cannot import module '{module_name}': {type(exc).__name__}: {exc}"
+        ) from exc
+    try:
+        fn = getattr(module, attr)
+    except AttributeError as exc:
+        raise PluginError(f"{REDUCER_FLAG} {path!r}: module '{module_name}' has no attribute '{attr}'") from exc
+    if not callable(fn):
+        raise PluginError(f"{REDUCER_FLAG} {path!r}: '{attr}' in module '{module_name}' is not callable")
+    return fn
+
+
+def _flatten(step: Sequence) -> list[int]:
+    ids: list[int] = []
+    for item in step:
+        if isinstance(item, (list, tuple)):
+            ids.extend(int(i) for i in item)
+        else:
+            ids.append(int(item))
+    return ids
+
+
+def _check_len(name: str, values: Sequence, n: int) -> None:
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries for {n} samples")
