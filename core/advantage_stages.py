@@ -171,7 +171,8 @@ def _checked_output(out: Any, batch: AdvantageInput, name: str, flag: str) -> tu
         if rows is None or len(rows) != len(masks):
             count = "None" if rows is None else f"{len(rows)} tensors"
             raise PluginError(
-                f"{where}: {label} has {count} for a batch of {len(masks)} samples; return one per-token tensor per sample."
+                f"{where}: {label} has {count} for a batch of {len(masks)} samples; "
+                "return one per-token tensor per sample."
             )
         for i, (row, mask) in enumerate(zip(rows, masks)):
             if row.numel() != mask.numel():

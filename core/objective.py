@@ -32,11 +32,14 @@ from furlong.hooks import LossInput, LossOutput, PluginError, TrainBatch
 
 from . import reduction
 
-__all__ = ["LossObjective"]
+__all__ = ["StepObjective"]
 
 
-class LossObjective:
+class StepObjective:
     """Loss of one micro-batch, reduced with whole-step denominators.
+
+    Implements the :class:`furlong.hooks.StepObjective` protocol; the core stores it in
+    ``TrainBatch.objective``.
 
     Flags read: ``calculate_per_token_loss``, ``mask_truncated_samples``,
     ``custom_pg_loss_reducer_function_path``, ``use_rollout_logprobs`` (pi_old is then the
@@ -52,7 +55,7 @@ class LossObjective:
     :param trajectory_ids: N trajectory ids (siblings share ``D_i`` and count once in
         ``n_s``), or None (each sample its own trajectory).
     :param truncated: N bools, True for samples with finish reason ``length``; used with
-        ``--mask-truncated-samples``.
+        ``--mask-truncated-samples``; default ``batch.truncated``.
     :param old_values: N float32 [T_i] critic values at scoring time (``value_loss``).
     :param sample_denominators: N floats ``D_i``, global over ranks (required when
         ``dp_world_size > 1`` and trajectories span ranks); default: from this batch.
@@ -83,6 +86,8 @@ class LossObjective:
         self.dp_world_size = int(dp_world_size)
         self.old_values = old_values
         self.per_token = bool(args.calculate_per_token_loss)
+        if truncated is None:
+            truncated = batch.truncated
         self.masks = reduction.effective_loss_masks(batch.loss_masks, truncated, args.mask_truncated_samples)
         n = len(self.masks)
         self.step_of = {}
@@ -92,7 +97,7 @@ class LossObjective:
         if step_denominators is None:
             if self.dp_world_size > 1:
                 raise ValueError(
-                    "LossObjective: dp_world_size > 1 needs step_denominators computed over every rank's samples "
+                    "StepObjective: dp_world_size > 1 needs step_denominators computed over every rank's samples "
                     "(furlong.core.reduction.step_denominators on the whole rollout batch)"
                 )
             excluded = reduction.excluded_samples(truncated, args.mask_truncated_samples, n)
@@ -103,7 +108,7 @@ class LossObjective:
         if sample_denominators is None:
             if self.dp_world_size > 1 and trajectory_ids is not None:
                 raise ValueError(
-                    "LossObjective: dp_world_size > 1 with trajectory ids needs sample_denominators computed over "
+                    "StepObjective: dp_world_size > 1 with trajectory ids needs sample_denominators computed over "
                     "every rank's siblings (furlong.core.reduction.sample_denominators on the whole rollout batch)"
                 )
             sample_denominators = reduction.sample_denominators(self.masks, trajectory_ids)
@@ -133,7 +138,9 @@ class LossObjective:
         step = self._step(sample_ids)
         device = log_probs[0].device if log_probs else torch.device("cpu")
         masks = [self.masks[i].to(device) for i in sample_ids]
-        old = self.batch.rollout_log_probs if self.args.use_rollout_logprobs else self.batch.old_log_probs
+        old = self.batch.old_log_probs
+        if self.args.use_rollout_logprobs and self.batch.rollout_log_probs is not None:
+            old = self.batch.rollout_log_probs
         loss_input = LossInput(
             log_probs=list(log_probs),
             old_log_probs=self._pick(old, sample_ids, device),
@@ -149,10 +156,9 @@ class LossObjective:
         out = await self.pm.call_chosen("loss", self.loss_name, self.loss_flag, args=self.args, batch=loss_input)
         self._check_output(out, masks)
         weights = reduction.sample_weights(sample_ids, self.sample_denominators, step, self.per_token)
-        metrics = {
-            name: float(reduction.reduce_tokens([v.detach() for v in rows], masks, weights))
-            for name, rows in out.token_metrics.items()
-        }
+        names = list(out.token_metrics)
+        reduced = [reduction.reduce_tokens([v.detach() for v in out.token_metrics[k]], masks, weights) for k in names]
+        metrics = dict(zip(names, torch.stack(reduced).tolist())) if reduced else {}
         if self.custom_reducer is None:
             total = reduction.reduce_tokens(out.token_loss, masks, weights)
         else:

@@ -114,10 +114,10 @@ class FurlongPluginManager(pluggy.PluginManager):
         for impl in getattr(self.hook, hook).get_hookimpls():
             if impl.plugin_name == name:
                 return impl
-        implemented = ", ".join(self.hooks_of(name)) or "no hooks"
+        implemented = ", ".join(self.hooks_of(name))
         raise PluginError(
             f"{flag} '{name}': plugin '{name}' ({self.origin(name)}) does not implement `{hook}`; "
-            f"it implements: {implemented}."
+            + (f"it implements: {implemented}." if implemented else "it implements no hook.")
         )
 
     def _unknown_message(self, hook: str, name: str, flag: str) -> str:

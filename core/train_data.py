@@ -59,20 +59,30 @@ def to_train_batch(args: Namespace, samples: list[Sample]) -> TrainBatch:
     )
 
 
+def trajectory_ids(samples: list[Sample]) -> list[int]:
+    """Each sample's trajectory id: ``trajectory_id``, else its ``index``, else its position."""
+    return [s.trajectory_id if s.trajectory_id is not None else (s.index if s.index is not None else -1 - i)
+            for i, s in enumerate(samples)]
+
+
 def truncated_flags(samples: list[Sample]) -> list[bool]:
     return [s.status == Status.TRUNCATED for s in samples]
 
 
 def advantage_input(samples: list[Sample], rewards: list[float], batch: TrainBatch) -> AdvantageInput:
     """The ``advantage`` hook's input; trajectory siblings must share one reward (CASES.md C002)."""
-    trajectory = [s.trajectory_id if s.trajectory_id is not None else s.index for s in samples]
+    trajectory = trajectory_ids(samples)
     seen: dict[int, float] = {}
     for tid, reward, s in zip(trajectory, rewards, samples):
         if tid in seen and seen[tid] != reward:
             raise PluginError(f"samples of trajectory {tid} have different rewards ({seen[tid]} and {reward}, "
                               f"sample {s.index}); samples of one trajectory must share one reward.")
         seen[tid] = reward
+    teacher = None
+    if all(s.teacher_log_probs is not None for s in samples):
+        teacher = [torch.tensor(s.teacher_log_probs, dtype=torch.float32) for s in samples]
     return AdvantageInput(
+        teacher_log_probs=teacher,
         rewards=torch.tensor(rewards, dtype=torch.float32),
         group_ids=torch.tensor([s.group_index for s in samples], dtype=torch.long),
         trajectory_ids=torch.tensor(trajectory, dtype=torch.long),

@@ -21,7 +21,8 @@ from .batching import plan_steps
 from .objective import StepObjective
 from .plugins import FurlongPluginManager
 from .selection import Selection
-from .train_data import advantage_input, flatten, post_process_rewards, to_train_batch, truncated_flags
+from .train_data import (advantage_input, flatten, post_process_rewards, to_train_batch, trajectory_ids,
+                         truncated_flags)
 
 __all__ = ["LocalTrainGroup"]
 
@@ -75,7 +76,8 @@ class LocalTrainGroup:
         batch.advantages, batch.returns = adv.advantages, adv.returns
         batch.truncated = truncated_flags(samples)
         loss_name, loss_flag = self.selection.chosen["loss"]
-        batch.objective = StepObjective(args, self.pm, batch, loss_name, loss_flag)
+        batch.objective = StepObjective(args, self.pm, batch, loss_name, loss_flag,
+                                        trajectory_ids=trajectory_ids(samples))
         start = time.perf_counter()
         step_metrics = await self.backend.train(rollout_id, batch)
         metrics["perf/actor_train_time"] = time.perf_counter() - start

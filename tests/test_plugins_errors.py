@@ -77,6 +77,14 @@ def test_chosen_plugin_without_the_hook_says_which_hooks_it_implements(estimator
     )
 
 
+def test_chosen_plugin_without_any_hook(plugin_dist, load_plugins):
+    plugin_dist("furlong-empty", "furlong_empty_pkg", "HELPER = 1\n", {"empty": "furlong_empty_pkg"})
+    pm = load_plugins()
+    assert _raises(pm.chosen_impl, "loss", "empty", "--loss-type") == (
+        "--loss-type 'empty': plugin 'empty' (furlong-empty 0.1.0) does not implement `loss`; it implements no hook."
+    )
+
+
 # --- two distributions, one name -------------------------------------------------------
 
 

@@ -80,7 +80,8 @@ def trajectory_rewards(rewards, group_ids, trajectory_ids):
     r_max = torch.full((k,), float("-inf"), dtype=torch.float64, device=r.device)
     r_max = r_max.scatter_reduce(0, inverse, r, "amax", include_self=False)
     r_min = r_max.clone().scatter_reduce(0, inverse, r, "amin", include_self=False)
-    g_max = torch.zeros(k, dtype=torch.int64, device=r.device).scatter_reduce(0, inverse, groups, "amax", include_self=False)
+    g_max = torch.zeros(k, dtype=torch.int64, device=r.device)
+    g_max = g_max.scatter_reduce(0, inverse, groups, "amax", include_self=False)
     g_min = g_max.clone().scatter_reduce(0, inverse, groups, "amin", include_self=False)
     for values, per_traj, what in ((r, r_max != r_min, "rewards"), (groups, g_max != g_min, "group ids")):
         if per_traj.any():
@@ -135,7 +136,10 @@ def broadcast_to_tokens(values, loss_masks) -> list:
     """Sample values [N] as constant float32 tensors [T_i], one per sample (masked tokens included)."""
     import torch
 
-    return [torch.full((int(m.numel()),), float(v), dtype=torch.float32, device=m.device) for v, m in zip(values.tolist(), loss_masks)]
+    return [
+        torch.full((int(m.numel()),), float(v), dtype=torch.float32, device=m.device)
+        for v, m in zip(values.tolist(), loss_masks)
+    ]
 
 
 def masked_kl(batch, kl_coef: float) -> list | None:
@@ -148,4 +152,7 @@ def masked_kl(batch, kl_coef: float) -> list | None:
     if kl_coef == 0:
         return None
     rows = require(batch, "kl", f"--kl-coef {kl_coef}")
-    return [torch.where(m > 0, torch.nan_to_num(k.to(torch.float64), nan=0.0), 0.0) for k, m in zip(rows, batch.loss_masks)]
+    return [
+        torch.where(m.to(k.device) > 0, torch.nan_to_num(k.to(torch.float64), nan=0.0), 0.0)
+        for k, m in zip(rows, batch.loss_masks)
+    ]

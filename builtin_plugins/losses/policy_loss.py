@@ -153,28 +153,35 @@ def _tis_terms(args, old, rollout, active, seg, n, counts, ratio, metrics):
     sum_w2 = _segment_sum(masked_w * masked_w, seg, n)
     ess = sum_w * sum_w / (counts * sum_w2.clamp_min(1e-8))
     metrics.update(
-        tis=raw, tis_clipfrac=(weights != raw).float(), tis_abs=(raw - 1.0).abs(), ois=ratio.detach(), ess_ratio=ess[seg]
+        tis=raw, tis_clipfrac=(weights != raw).float(), tis_abs=(raw - 1.0).abs(),
+        ois=ratio.detach(), ess_ratio=ess[seg],
     )
     return weights
 
 
 def _check_args(args, batch) -> None:
     if args.eps_clip_c is not None and args.eps_clip_c <= 1.0:
-        raise PluginError(f"--eps-clip-c {args.eps_clip_c}: the dual-clip bound must be > 1; raise it or leave it unset.")
+        raise PluginError(
+            f"--eps-clip-c {args.eps_clip_c}: the dual-clip bound must be > 1; raise it or leave it unset."
+        )
     if args.policy_ratio_level not in _RATIO_LEVELS:
         raise PluginError(
             f"--policy-ratio-level {args.policy_ratio_level!r}: unknown ratio level; choose token or sequence."
         )
     if args.use_kl_loss and args.kl_loss_type not in KL_TYPES:
-        raise PluginError(f"--kl-loss-type {args.kl_loss_type!r}: unknown KL estimator; choose one of {', '.join(KL_TYPES)}.")
+        raise PluginError(
+            f"--kl-loss-type {args.kl_loss_type!r}: unknown KL estimator; choose one of {', '.join(KL_TYPES)}."
+        )
     if batch.old_log_probs is None:
-        raise PluginError("policy_loss needs old log-probs (pi_old) but the batch has none; do not combine "
-                          "--loss-type policy_loss with --disable-compute-advantages-and-returns.")
+        raise PluginError("the policy loss needs old log-probs (pi_old) but the batch has none; it cannot run "
+                          "with --disable-compute-advantages-and-returns.")
     if batch.advantages is None:
-        raise PluginError("policy_loss needs advantages but the batch has none; do not combine "
-                          "--loss-type policy_loss with --disable-compute-advantages-and-returns.")
+        raise PluginError("the policy loss needs advantages but the batch has none; it cannot run "
+                          "with --disable-compute-advantages-and-returns.")
     if args.use_kl_loss and batch.ref_log_probs is None:
-        raise PluginError("--use-kl-loss: the batch has no reference log-probs; set --ref-load so the reference is loaded.")
+        raise PluginError(
+            "--use-kl-loss: the batch has no reference log-probs; set --ref-load so the reference is loaded."
+        )
     if args.use_tis and batch.rollout_log_probs is None:
         raise PluginError("--use-tis: the batch has no rollout log-probs; the rollout engine must return per-token "
                           "log-probs (Sample.rollout_log_probs) for truncated importance sampling.")

@@ -28,7 +28,7 @@ def loss(args, batch):
     for field in ("values", "old_values", "returns"):
         if getattr(batch, field) is None:
             raise PluginError(
-                f"value_loss needs LossInput.{field} but the batch has none; it trains the critic of "
+                f"the clipped value loss needs LossInput.{field} but the batch has none; it trains the critic of "
                 "--advantage-estimator ppo, whose train backend must pass values, old values and returns."
             )
     token_loss, losses, clipfracs = [], [], []

@@ -4,15 +4,16 @@ math-verify (Hugging Face, https://github.com/huggingface/Math-Verify) parses bo
 with sympy and compares them (``\\frac{2}{4}`` = ``0.5``, ``1,000`` = ``1000``, ``x=5`` = ``5``).
 Its own time-out uses ``signal.alarm``, which only works in a main thread, and sympy can
 run for minutes on inputs like ``10^{10^{10}}``. So the comparison runs in one worker
-process started with the ``spawn`` method (safe next to torch's threads; the parent's
-``__main__`` must be import-safe, as for any ``spawn`` use), under furlong's own
-time-out: an ``ITIMER_REAL`` alarm inside the worker, and the parent kills and restarts
-the worker if even that does not return (a long C-level computation). A timed-out
-comparison counts as "not equal" and is counted in :func:`grading_stats`.
+process (a plain ``python`` subprocess: no ``fork`` next to torch's threads, no re-import
+of the parent's ``__main__``) under furlong's own time-out: an ``ITIMER_REAL`` alarm inside
+the worker, and the parent kills and restarts the worker if even that does not return (a
+long C-level computation). A timed-out comparison counts as "not equal" and is counted in
+:func:`grading_stats`.
 
 The worker is created lazily on first use, reused by every later call, recreated after a
-kill or a ``fork`` of the parent, and shut down at interpreter exit. Most answers never
-reach it: equal normalized strings (:func:`normalize_math_answer`) are accepted at once.
+kill or in a forked child, and shut down at interpreter exit (or when its parent dies).
+Most answers never reach it: equal normalized strings (:func:`normalize_math_answer`) are
+accepted at once.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ import atexit
 import importlib.util
 import logging
 import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -40,10 +48,9 @@ DEFAULT_TIMEOUT_S = 5.0
 _KILL_GRACE_S = 2.0  # extra seconds the parent waits for the worker's own alarm before killing it
 _STARTUP_TIMEOUT_S = 180.0  # spawning the worker and importing sympy/math-verify, on a slow machine
 
-_lock = threading.Lock()  # guards the worker pool
+_lock = threading.Lock()  # guards the worker process
 _executor_lock = threading.Lock()
-_pool: Any = None
-_pool_pid: int | None = None
+_worker: "_Worker | None" = None
 _executor: ThreadPoolExecutor | None = None
 _stats = {"timeouts": 0, "math_verify_calls": 0, "worker_restarts": 0}
 
@@ -116,58 +123,116 @@ def _fast_check(answer: str, label: str) -> bool | None:
 
 
 def run_in_worker(fn: Callable, args: tuple, timeout_s: float, grace_s: float = _KILL_GRACE_S) -> tuple[str, Any]:
-    """Run ``fn(*args)`` in the grading worker with a time-out.
+    """Run ``fn(*args)`` in the grading worker process with a time-out.
 
     :param fn: a picklable (module-level) function.
     :param timeout_s: the worker interrupts ``fn`` after this many seconds (SIGALRM);
-        the parent kills the worker ``grace_s`` seconds later if it has not answered.
+        the parent kills and later restarts the worker if it has not answered ``grace_s``
+        seconds after that.
     :returns: ``("ok", value)``, ``("timeout", None)`` (counted in ``grading_stats``), or
-        ``("error", "ExcType: message")`` when ``fn`` raised.
+        ``("error", "ExcType: message")`` when ``fn`` raised or the worker died.
+    :raises PluginError: the worker cannot start (math-verify missing or failing to import).
     """
-    import multiprocessing
-
     with _lock:
-        pool = _get_pool()
+        worker = _get_worker()
         _stats["math_verify_calls"] += fn is _check_pair
-        pending = pool.apply_async(_worker_call, (fn, args, timeout_s))
         try:
-            status, value = pending.get(timeout_s + grace_s)
-        except multiprocessing.TimeoutError:
-            log.warning("grading worker did not answer within %.1f s; restarting it", timeout_s + grace_s)
-            _kill_pool()
+            worker.send((fn, args, timeout_s))
+            status, value = worker.receive(timeout_s + grace_s)
+        except TimeoutError:
+            log.warning("math grading worker did not answer within %.1f s; restarting it", timeout_s + grace_s)
+            _drop_worker()
             status, value = "timeout", None
+        except (EOFError, OSError) as exc:
+            log.warning("math grading worker died (%s: %s); restarting it", type(exc).__name__, exc)
+            _drop_worker()
+            status, value = "error", f"worker died: {exc}"
         if status == "timeout":
             _stats["timeouts"] += 1
         elif status == "error":
-            log.debug("grading worker error: %s", value)
+            log.debug("math grading error: %s", value)
         return status, value
 
 
-def _get_pool():
-    global _pool, _pool_pid
-    if _pool is not None and _pool_pid == os.getpid():
-        return _pool
+class _Worker:
+    """One ``python`` child process speaking length-prefixed pickles over its stdin/stdout.
+
+    A plain subprocess rather than ``multiprocessing``: it never re-imports the parent's
+    ``__main__`` and exits by itself when the parent goes away (its stdin closes).
+    """
+
+    def __init__(self) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", f"from {__name__} import _serve; _serve()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env=env,
+        )
+        self.owner = os.getpid()
+        try:
+            self.receive(_STARTUP_TIMEOUT_S)
+        except (TimeoutError, EOFError, OSError) as exc:
+            self.kill()
+            raise PluginError(
+                f"the math answer grading worker ({sys.executable}) failed to start "
+                f"({type(exc).__name__}: {exc}; its error output is above). "
+                "Check that 'math-verify' imports in this environment: python -c 'import math_verify'"
+            ) from exc
+
+    def send(self, obj: Any) -> None:
+        data = pickle.dumps(obj)
+        self.proc.stdin.write(struct.pack("<Q", len(data)) + data)
+        self.proc.stdin.flush()
+
+    def receive(self, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        (size,) = struct.unpack("<Q", self._read(8, deadline))
+        return pickle.loads(self._read(size, deadline))
+
+    def _read(self, n: int, deadline: float) -> bytes:
+        fd = self.proc.stdout.fileno()
+        chunks, left = [], n
+        while left:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+                raise TimeoutError("no answer from the grading worker within the time-out")
+            chunk = os.read(fd, left)
+            if not chunk:
+                raise EOFError(f"grading worker exited with code {self.proc.poll()}")
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            pipe.close()
+
+
+def _get_worker() -> _Worker:
+    global _worker
+    if _worker is not None and _worker.owner == os.getpid() and _worker.proc.poll() is None:
+        return _worker
+    if _worker is not None and _worker.owner == os.getpid():
+        _drop_worker()
+    # A worker inherited through fork belongs to the parent process: leave it alone.
     if importlib.util.find_spec("math_verify") is None:
         raise PluginError(
             "math answer grading needs the 'math-verify' package, which is not installed. "
             "Install it with: pip install 'math-verify>=0.7'"
         )
-    import multiprocessing
-
-    # A pool inherited through fork belongs to the parent: leave it alone, make our own.
-    _pool = multiprocessing.get_context("spawn").Pool(processes=1, initializer=_init_worker)
-    _pool_pid = os.getpid()
-    _pool.apply_async(_ping).get(_STARTUP_TIMEOUT_S)
-    return _pool
+    _worker = _Worker()
+    return _worker
 
 
-def _kill_pool() -> None:
-    global _pool
-    if _pool is not None and _pool_pid == os.getpid():
-        _pool.terminate()
-        _pool.join()
+def _drop_worker() -> None:
+    global _worker
+    if _worker is not None and _worker.owner == os.getpid():
+        _worker.kill()
         _stats["worker_restarts"] += 1
-    _pool = None
+    _worker = None
 
 
 def _grading_thread() -> ThreadPoolExecutor:
@@ -180,11 +245,10 @@ def _grading_thread() -> ThreadPoolExecutor:
 
 @atexit.register
 def _shutdown() -> None:
-    global _pool, _executor
-    if _pool is not None and _pool_pid == os.getpid():
-        _pool.terminate()
-        _pool.join()
-    _pool = None
+    global _worker, _executor
+    if _worker is not None and _worker.owner == os.getpid():
+        _worker.kill()
+    _worker = None
     if _executor is not None:
         _executor.shutdown(wait=False, cancel_futures=True)
         _executor = None
@@ -201,22 +265,31 @@ def _on_alarm(signum, frame):
     raise _Timeout()
 
 
-def _init_worker() -> None:
-    import signal
-
+def _serve() -> None:
+    """Worker main loop: answer ``(fn, args, timeout_s)`` requests until stdin closes."""
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # stray prints from sympy or math-verify must not corrupt the protocol
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    signal.signal(signal.SIGALRM, _on_alarm)
     # math-verify warns that its own (signal-based) time-out is off: ours replaces it.
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
-    signal.signal(signal.SIGALRM, _on_alarm)
     _check_pair("1", "1")  # import sympy and math-verify now, not inside the first time-out
 
+    def write(obj: Any) -> None:
+        data = pickle.dumps(obj)
+        out.write(struct.pack("<Q", len(data)) + data)
 
-def _ping() -> int:
-    return os.getpid()
+    write(("ready", os.getpid()))
+    inp = sys.stdin.buffer
+    while True:
+        header = inp.read(8)
+        if len(header) < 8:
+            return
+        fn, args, timeout_s = pickle.loads(inp.read(struct.unpack("<Q", header)[0]))
+        write(_worker_call(fn, args, timeout_s))
 
 
 def _worker_call(fn: Callable, args: tuple, timeout_s: float) -> tuple[str, Any]:
-    import signal
-
     try:
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
         try:

@@ -30,5 +30,3 @@ def json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"k\": 1}}', got {text!r}")
     return value
-
-

@@ -55,21 +55,24 @@ def _architecture(g) -> None:
         ("--num-attention-heads", int, "attention heads"),
         ("--num-query-groups", int, "key/value heads under --group-query-attention"),
         ("--kv-channels", int, "projection size per head"),
-        ("--max-position-embeddings", int, "position table size (default: --seq-length)"),
         ("--rotary-base", int, "RoPE theta"),
         ("--rotary-percent", float, "fraction of the head dimension rotated"),
         ("--norm-epsilon", float, "normalization epsilon"),
         ("--vocab-size", int, "vocabulary size"),
         ("--padded-vocab-size", int, "vocabulary size after padding"),
-        ("--make-vocab-size-divisible-by", int, "pad the vocabulary to a multiple of this"),
         ("--num-experts", int, "MoE experts"),
         ("--moe-router-topk", int, "experts per token"),
         ("--moe-ffn-hidden-size", int, "MoE expert MLP hidden size"),
-        ("--moe-aux-loss-coeff", float, "MoE load-balancing loss coefficient"),
         ("--mtp-num-layers", int, "multi-token-prediction layers"),
     ):
         megatron(g, flag, type=kind, default=None, help=f"Megatron: {text} (default: from the HF config).")
     megatron(g, "--seq-length", type=int, default=4096, help="Megatron: maximum sequence length.")
+    megatron(g, "--max-position-embeddings", type=int, default=None,
+             help="Megatron: position table size (default: --seq-length).")
+    megatron(g, "--make-vocab-size-divisible-by", type=int, default=None,
+             help="Megatron: pad the vocabulary to a multiple of this (default: Megatron's).")
+    megatron(g, "--moe-aux-loss-coeff", type=float, default=None,
+             help="Megatron: MoE load-balancing loss coefficient (default: Megatron's).")
     megatron(g, "--position-embedding-type", default=None, choices=["learned_absolute", "rope", "mrope", "none"],
              help="Megatron: position embedding.")
     megatron(g, "--normalization", default=None, choices=["LayerNorm", "RMSNorm"], help="Megatron: normalization.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import shlex
 from dataclasses import dataclass
 
@@ -105,6 +106,7 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     dev = device_defaults()
     parser = FurlongArgumentParser(
         prog="furlong train",
+        usage="%(prog)s [-h] [FLAG ...] [@FILE ...]",
         description=DESCRIPTION,
         allow_abbrev=False,
         fromfile_prefix_chars="@",
@@ -139,7 +141,10 @@ def add_plugin_arguments(parser: argparse.ArgumentParser, pm) -> None:
         name = impl.plugin_name
         before = set(parser._option_string_actions)
         try:
-            impl.function(**({"parser": parser} if "parser" in impl.argnames else {}))
+            result = impl.function(**({"parser": parser} if "parser" in impl.argnames else {}))
+            if inspect.isawaitable(result):
+                getattr(result, "close", lambda: None)()
+                raise PluginError(f"plugin '{name}': `add_arguments` may not be async def.")
         except argparse.ArgumentError as exc:
             flags = [opt for opt in (exc.argument_name or "").split("/") if opt in owner] or ["?"]
             flag, first = flags[0], owner.get(flags[0], "another plugin")

@@ -1,0 +1,155 @@
+"""Process group, model loading, FSDP2 sharding and the optimizer of the fsdp backend."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from furlong.hooks import PluginError
+
+__all__ = ["build_optimizer", "dist_info", "is_hf_dir", "load_causal_lm", "shard", "tied_names"]
+
+log = logging.getLogger("furlong.backends.fsdp")
+
+
+def dist_info(args: Any) -> tuple[int, int]:
+    """``(world_size, rank)``; starts the default process group when launched with ``WORLD_SIZE > 1``.
+
+    Backend: nccl on CUDA (``cpu:gloo,cuda:nccl``, so host tensors can be reduced too),
+    else ``--fsdp-cpu-backend`` (gloo).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return 1, 0
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else getattr(args, "fsdp_cpu_backend", None) or "gloo"
+        dist.init_process_group(backend)
+    if dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def is_hf_dir(path: str | None) -> bool:
+    """True when ``path`` is a Hugging Face model directory (has ``config.json``)."""
+    return bool(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def load_causal_lm(path: str, args: Any, device, flag: str):
+    """Load a float32 causal LM from ``path`` into host memory (the caller moves or shards it).
+
+    Attention: ``--attn-implementation`` when it loads, else ``sdpa`` (always ``sdpa`` on CPU,
+    where flash attention does not exist). ``--gradient-checkpointing`` is switched on here.
+
+    :param flag: the flag that named ``path``, for the error message.
+    :raises PluginError: ``path`` is not a loadable Hugging Face model directory.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if not is_hf_dir(path):
+        raise PluginError(f"{flag} {path}: not a Hugging Face model directory (no config.json); the fsdp backend "
+                          "loads Hugging Face checkpoints.")
+    wanted = getattr(args, "attn_implementation", None) or "sdpa"
+    if device.type != "cuda" and wanted.startswith("flash"):
+        wanted = "sdpa"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=wanted)
+    except (ImportError, ValueError) as exc:
+        if wanted == "sdpa":
+            raise PluginError(f"{flag} {path}: cannot load the model ({exc}).") from exc
+        log.warning("fsdp: attention %r unavailable (%s); using sdpa", wanted, exc)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False
+    if getattr(args, "gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def tied_names(model) -> set[str]:
+    """State-dict names that alias an earlier entry (tied embeddings); Hugging Face files omit them."""
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, tensor in model.state_dict().items():
+        key = tensor.data_ptr()
+        if key in seen:
+            tied.add(name)
+        else:
+            seen[key] = name
+    return tied
+
+
+def shard(model, args: Any, world: int, device, *, trainable: bool) -> None:
+    """FSDP2: ``fully_shard`` each decoder layer, then the whole model (in place).
+
+    Mesh: 1-D over all ranks, or 2-D ``(dp_replicate, dp_shard)`` (HSDP) with
+    ``--dp-replicate-size``. Mixed precision on CUDA with ``--bf16``: bfloat16 compute,
+    float32 gradient reduction and master weights. ``--fsdp-cpu-offload``: parameters,
+    gradients and optimizer state live on the host.
+
+    Gradient reduction is a SUM over ranks, not FSDP's default mean: the core's step
+    objective already divides by the whole step's denominator (samples or tokens of
+    every rank), so each rank's gradient is its share of the global gradient and the
+    shares must be added. Implemented with ``set_gradient_divide_factor(1.0)`` plus
+    ``set_force_sum_reduction_for_comms(True)`` on every FSDP module (plain SUM
+    collectives, which gloo also supports).
+
+    :raises PluginError: ``--dp-replicate-size`` does not divide the world size.
+    """
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    replicate = int(getattr(args, "dp_replicate_size", 1) or 1)
+    if world % replicate:
+        raise PluginError(f"--dp-replicate-size {replicate} must divide the trainer world size {world}.")
+    if replicate > 1:
+        mesh = init_device_mesh(device.type, (replicate, world // replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+    bf16 = device.type == "cuda" and getattr(args, "bf16", False)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy() if getattr(args, "fsdp_cpu_offload", False) else OffloadPolicy()
+    kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+    for layer in _decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    if trainable:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+
+
+def _decoder_layers(model) -> list:
+    """The transformer blocks: modules whose class is in ``model._no_split_modules``."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def build_optimizer(model, args: Any):
+    """AdamW (``--optimizer adam``) or SGD (``sgd``) over the trainable parameters.
+
+    Decoupled weight decay ``--weight-decay`` applies to matrices only: biases and other
+    1-D parameters (norm scales) get none, as Megatron's default ``no_weight_decay_cond``.
+    Adam: ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``. SGD: ``--sgd-momentum``
+    (Megatron's default 0.9). The learning rate is set before each step by the schedule.
+
+    :raises PluginError: another ``--optimizer``.
+    """
+    import torch
+
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim < 2 or name.endswith(".bias") else decay).append(param)
+    wd = float(getattr(args, "weight_decay", 0.1))
+    groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+    kind = getattr(args, "optimizer", "adam") or "adam"
+    if kind == "adam":
+        return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=args.lr, momentum=float(getattr(args, "sgd_momentum", 0.9)))
+    raise PluginError(f"--optimizer {kind!r}: the fsdp backend supports adam (AdamW) and sgd.")

@@ -1,0 +1,74 @@
+"""Embedded rollout engine: batched generation with a Hugging Face transformers model in this process.
+
+Meant for CPU runs, tests and small models; SGLang serves production. The sampling
+semantics follow SGLang's native API (SPEC.md 8.3); see :mod:`.sampling`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from furlong.hooks import PluginError, hookimpl
+
+from .engine import EmbeddedEngine
+
+__all__ = ["EmbeddedEngine", "add_arguments", "load_engine", "rollout_engine"]
+
+log = logging.getLogger("furlong.engines.embedded")
+
+
+@hookimpl
+def add_arguments(parser):
+    """Add ``--embedded-max-batch-size`` (group "embedded")."""
+    group = parser.add_argument_group("embedded")
+    group.add_argument(
+        "--embedded-max-batch-size", type=int, default=64,
+        help="Most generate requests the embedded engine decodes together in one batch.",
+    )
+
+
+@hookimpl
+def rollout_engine(args):
+    """Create the embedded engine from ``--hf-checkpoint`` (its own copy of the weights).
+
+    Flags read: ``--hf-checkpoint``, ``--bf16``/``--fp16`` (CUDA only; CPU runs float32),
+    ``--embedded-max-batch-size``.
+
+    :returns: an :class:`EmbeddedEngine` (meets :class:`furlong.hooks.RolloutEngine`).
+    :raises PluginError: ``--hf-checkpoint`` is missing or cannot be loaded.
+    """
+    return load_engine(
+        args.hf_checkpoint,
+        max_batch_size=int(getattr(args, "embedded_max_batch_size", 64) or 64),
+        half=not getattr(args, "fp16", False) and getattr(args, "bf16", True),
+        fp16=bool(getattr(args, "fp16", False)),
+    )
+
+
+def load_engine(path: str | None, max_batch_size: int = 64, half: bool = True, fp16: bool = False) -> EmbeddedEngine:
+    """Load model and tokenizer from the Hugging Face directory ``path`` into an engine.
+
+    On CUDA the model runs in bfloat16 when ``half`` (float16 when ``fp16``), else float32;
+    on CPU always float32. Attention is ``sdpa`` when the model supports it, else eager.
+
+    :raises PluginError: ``path`` is None or not a loadable model directory.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not path:
+        raise PluginError("--rollout-backend embedded needs --hf-checkpoint (a Hugging Face model directory).")
+    cuda = torch.cuda.is_available()
+    dtype = (torch.float16 if fp16 else torch.bfloat16 if half else torch.float32) if cuda else torch.float32
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        except (ValueError, ImportError):
+            log.warning("embedded engine: %s does not support sdpa attention; using eager", path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    except OSError as exc:
+        raise PluginError(f"--hf-checkpoint {path}: cannot load the model or tokenizer ({exc}).") from exc
+    if cuda:
+        model = model.to("cuda")
+    return EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size)

@@ -1,0 +1,219 @@
+"""The embedded rollout engine: a transformers causal LM with its own weights and a batching scheduler.
+
+Concurrent ``generate`` calls are queued; a worker task takes every pending request (up
+to ``--embedded-max-batch-size``), runs one batched decode in a worker thread
+(:func:`~.decode.decode_batch`), and resolves each request as soon as it finishes, so
+the event loop stays free while the model runs. Requests arriving during a batch run in
+the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+from furlong.hooks import GenerateOutput, PluginError
+
+from .decode import Request, decode_batch
+from .sampling import SamplingParams
+
+__all__ = ["EmbeddedEngine"]
+
+log = logging.getLogger("furlong.engines.embedded")
+
+
+class EmbeddedEngine:
+    """A :class:`furlong.hooks.RolloutEngine` running a Hugging Face model in this process.
+
+    :param model: a causal LM (its own copy of the weights; the trainer mutates its own).
+    :param tokenizer: the model's tokenizer (``engine.tokenizer``).
+    :param max_batch_size: most requests decoded together.
+    """
+
+    def __init__(self, model, tokenizer, max_batch_size: int = 64) -> None:
+        import torch
+
+        if max_batch_size < 1:
+            raise PluginError(f"--embedded-max-batch-size {max_batch_size}: must be at least 1.")
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.device = next(model.parameters()).device
+        self.weight_version = 0
+        self._eos_ids = _eos_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._pad_id = int(pad) if pad is not None else 0
+        self._lock = threading.Lock()  # held by every forward pass and by weight copies
+        self._epoch = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: list[Request] = []
+        self._wakeup: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+        self._running: asyncio.Future | None = None
+        self._torch = torch
+
+    # --- RolloutEngine ------------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], sampling_params: dict) -> GenerateOutput:
+        """Generate one continuation of ``input_ids`` (see :class:`~.sampling.SamplingParams`).
+
+        :param input_ids: prompt (or prompt + earlier response) token ids, non-empty.
+        :param sampling_params: SGLang-style dict (``temperature``, ``top_p``, ``top_k``,
+            ``max_new_tokens``, ``min_new_tokens``, ``stop``, ``stop_token_ids``,
+            ``ignore_eos``, ``skip_special_tokens``, ``sampling_seed``).
+        :returns: :class:`~furlong.hooks.GenerateOutput`; ``output_ids`` include a matched
+            stop token or stop string (no trimming); ``output_log_probs`` are
+            ``log_softmax(logits / T)`` of each chosen token (before top-k/top-p);
+            ``weight_version`` is the version when the request finished.
+        :raises PluginError: empty ``input_ids`` or a bad sampling parameter.
+        """
+        params = SamplingParams.from_dict(sampling_params)
+        if not input_ids:
+            raise PluginError("embedded engine: generate() got empty input_ids; send at least one prompt token.")
+        seed = params.sampling_seed
+        if seed is None:
+            seed = int(self._torch.randint(0, 2**62, (1,)).item())
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_ids)
+        req = Request(input_ids=[int(t) for t in input_ids], params=params, seed=seed, epoch=self._epoch,
+                      stop_ids=stop_ids)
+        if params.max_new_tokens == 0:
+            return self._output(req, "length")
+        self._ensure_worker()
+        req.future = self._loop.create_future()
+        req.future.add_done_callback(lambda f: setattr(req, "cancelled", f.cancelled()))
+        self._pending.append(req)
+        self._wakeup.set()
+        return await req.future
+
+    async def abort(self) -> None:
+        """Finish every queued and in-flight request now with finish reason "abort".
+
+        In-flight requests keep the tokens generated so far (partial rollout resumes from
+        them); queued ones return no tokens. Returns once every request submitted before
+        the call is resolved. Later requests run normally.
+        """
+        self._epoch += 1
+        pending, self._pending = self._pending, []
+        for req in pending:
+            self._resolve(req, "abort")
+        if self._running is not None and self._loop is asyncio.get_running_loop():
+            await asyncio.wait([self._running])
+
+    async def update_weights(self, named_tensors: list[tuple[str, Any]], version: int) -> None:
+        """Copy Hugging Face-named tensors into the model in place, then set the weight version.
+
+        Runs between two decode steps of a running batch (later tokens use the new weights).
+
+        :param named_tensors: ``(name, tensor)`` pairs named as the model's ``state_dict``.
+        :param version: the new weight version (an int; reported as a string).
+        :raises PluginError: an unknown name or a shape mismatch (names the tensor).
+        """
+        await asyncio.to_thread(self._copy_weights, list(named_tensors), int(version))
+
+    async def release_memory(self) -> None:
+        """On CUDA, move the weights to host memory and empty the cache; a no-op on CPU."""
+        if self.device.type == "cuda":
+            await asyncio.to_thread(self._move, "cpu")
+
+    async def resume_memory(self) -> None:
+        """Move the weights back to the accelerator after :meth:`release_memory`."""
+        if self.device.type == "cuda":
+            await asyncio.to_thread(self._move, self.device)
+
+    async def health(self) -> bool:
+        """True unless the scheduler's worker task died."""
+        return self._worker is None or not self._worker.done() or self._worker.cancelled()
+
+    # --- scheduler ----------------------------------------------------------------------
+
+    def _ensure_worker(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._worker is None or self._worker.done():
+            self._loop = loop
+            self._wakeup = asyncio.Event()
+            self._pending = [r for r in self._pending if r.future is not None and not r.future.done()]
+            self._worker = loop.create_task(self._work())
+
+    async def _work(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._pending:
+                batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size:]
+                live = []
+                for req in batch:
+                    if self._aborted(req):
+                        self._resolve(req, "abort")
+                    else:
+                        live.append(req)
+                if not live:
+                    continue
+                self._running = asyncio.ensure_future(asyncio.to_thread(self._decode, live))
+                try:
+                    await self._running
+                except Exception as exc:  # noqa: BLE001 - handed to every waiting caller
+                    log.exception("embedded engine: batched decode failed")
+                    for req in live:
+                        if req.future is not None and not req.future.done():
+                            req.future.set_exception(exc)
+                finally:
+                    self._running = None
+
+    def _decode(self, requests: list[Request]) -> None:
+        loop = self._loop
+        decode_batch(
+            self.model, self.tokenizer, requests, device=self.device, pad_id=self._pad_id, lock=self._lock,
+            aborted=self._aborted,
+            on_finish=lambda req: loop.call_soon_threadsafe(self._resolve, req, req.finish_reason),
+        )
+
+    def _aborted(self, req: Request) -> bool:
+        return req.epoch < self._epoch or req.cancelled
+
+    def _resolve(self, req: Request, reason: str) -> None:
+        if req.future is not None and not req.future.done():
+            req.future.set_result(self._output(req, reason))
+
+    def _output(self, req: Request, reason: str) -> GenerateOutput:
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
+        return GenerateOutput(output_ids=list(req.output_ids), output_log_probs=list(req.log_probs),
+                              finish_reason=reason, weight_version=str(self.weight_version), text=text)
+
+    # --- weights ------------------------------------------------------------------------
+
+    def _copy_weights(self, named_tensors: list[tuple[str, Any]], version: int) -> None:
+        state = self.model.state_dict()
+        with self._lock, self._torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in state:
+                    raise PluginError(
+                        f"embedded engine: update_weights got unknown tensor '{name}'; "
+                        "names must match the model's Hugging Face state_dict."
+                    )
+                if tuple(state[name].shape) != tuple(tensor.shape):
+                    raise PluginError(
+                        f"embedded engine: update_weights tensor '{name}' has shape {tuple(tensor.shape)}, "
+                        f"the model expects {tuple(state[name].shape)}."
+                    )
+                state[name].copy_(tensor)
+            self.weight_version = version
+
+    def _move(self, device) -> None:
+        with self._lock:
+            self.model.to(device)
+            if self._torch.cuda.is_available():
+                self._torch.cuda.empty_cache()
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    """The tokenizer's EOS id plus the generation config's (which may be a list)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if extra is not None:
+        ids.update(int(t) for t in (extra if isinstance(extra, (list, tuple)) else [extra]))
+    return ids

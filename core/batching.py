@@ -1,0 +1,235 @@
+"""Micro-batch planning: which samples each data-parallel rank trains on, step by step.
+
+SPEC.md 6.2 (step split, fixed micro-batches) and 1.6 (dynamic batching): step ``s`` uses
+samples ``[s*gbs, (s+1)*gbs)`` of the rollout order; each step's samples are shared out
+over the ``D`` data-parallel ranks, either in fixed micro-batches of
+``--micro-batch-size`` or, under ``--use-dynamic-batch-size``, packed first-fit-decreasing
+into micro-batches of at most ``C`` tokens. Every rank runs the same number of
+micro-batches per step (FSDP and Megatron collectives need it). The gradient never
+depends on the plan: the core's objective reduces with whole-step denominators (6.3).
+
+Pure Python; no torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Sequence
+
+from furlong.hooks import PluginError
+
+__all__ = ["count_dp_size", "karmarkar_karp", "plan_steps", "split_steps"]
+
+
+def count_dp_size(args: Any) -> int:
+    """Data-parallel size ``D`` of the trainer.
+
+    World size = ``actor_num_nodes * actor_num_gpus_per_node``. The megatron backend
+    divides it by ``tensor_model_parallel_size * pipeline_model_parallel_size *
+    context_parallel_size`` (Megatron's rule); the fsdp backend shards every parameter
+    over all ranks, so ``D`` is the world size.
+
+    :raises PluginError: the model-parallel product does not divide the world size.
+    """
+    world = int(getattr(args, "actor_num_nodes", 1) or 1) * int(getattr(args, "actor_num_gpus_per_node", 1) or 1)
+    if getattr(args, "train_backend", None) != "megatron":
+        return world
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    if world % (tp * pp * cp):
+        raise PluginError(
+            f"--actor-num-nodes x --actor-num-gpus-per-node = {world} GPUs is not divisible by "
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x "
+            f"--context-parallel-size {cp} = {tp * pp * cp}; change the trainer size or the parallel sizes."
+        )
+    return world // (tp * pp * cp)
+
+
+def split_steps(
+    num_samples: int, global_batch_size: int, num_steps: int, trajectory_ids: Sequence[int] | None = None
+) -> list[list[int]]:
+    """Sample indices of each optimizer step, in rollout order (SPEC.md 6.2).
+
+    Without trajectories (or when every trajectory is one sample) step ``s`` holds samples
+    ``[s*gbs, (s+1)*gbs)`` and ``num_samples`` must equal ``gbs * num_steps``. With
+    multi-sample trajectories the unit is the trajectory (each counts once, SPEC.md 4.5):
+    trajectories are numbered by first appearance, step ``s`` holds every sample of
+    trajectories ``[s*gbs, (s+1)*gbs)``, so siblings never straddle two steps.
+
+    :raises ValueError: the sample (or trajectory) count is not ``gbs * num_steps``.
+    """
+    if global_batch_size <= 0 or num_steps <= 0:
+        raise ValueError(f"global_batch_size={global_batch_size} and num_steps={num_steps} must be positive")
+    expected = global_batch_size * num_steps
+    if trajectory_ids is not None:
+        if len(trajectory_ids) != num_samples:
+            raise ValueError(f"{len(trajectory_ids)} trajectory ids for {num_samples} samples")
+        order: dict[Any, int] = {}
+        for t in trajectory_ids:
+            order.setdefault(t, len(order))
+        if len(order) != num_samples:
+            if len(order) != expected:
+                raise ValueError(
+                    f"{len(order)} trajectories ({num_samples} samples) cannot fill {num_steps} steps of "
+                    f"global batch size {global_batch_size} ({expected} trajectories)"
+                )
+            steps: list[list[int]] = [[] for _ in range(num_steps)]
+            for i, t in enumerate(trajectory_ids):
+                steps[order[t] // global_batch_size].append(i)
+            return steps
+    if num_samples != expected:
+        raise ValueError(
+            f"{num_samples} samples cannot fill {num_steps} steps of global batch size {global_batch_size} "
+            f"({expected} samples)"
+        )
+    return [list(range(s * global_batch_size, (s + 1) * global_batch_size)) for s in range(num_steps)]
+
+
+def plan_steps(
+    lengths: list[int],
+    global_batch_size: int,
+    num_steps: int,
+    dp_size: int,
+    rank: int,
+    micro_batch_size: int,
+    max_tokens_per_gpu: int | None,
+    dynamic: bool,
+    balance: bool,
+    trajectory_ids: list[int] | None = None,
+) -> list[list[list[int]]]:
+    """Plan this rank's micro-batches: ``plan[s][m]`` = sample indices of micro-batch ``m`` of step ``s``.
+
+    :param lengths: total tokens (prompt + response) of each sample of the rollout, in order.
+    :param global_batch_size: samples (trajectories) per optimizer step, ``gbs``.
+    :param num_steps: optimizer steps in this rollout, ``S``.
+    :param dp_size: data-parallel ranks ``D``; :param rank: this rank, ``0 <= rank < D``.
+    :param micro_batch_size: samples per micro-batch per rank (fixed mode).
+    :param max_tokens_per_gpu: the token cap ``C`` of one micro-batch (dynamic mode; pass
+        ``max_tokens_per_gpu * context_parallel_size``).
+    :param dynamic: ``--use-dynamic-batch-size``; :param balance: ``--balance-data``.
+    :param trajectory_ids: per sample, or None (see :func:`split_steps`).
+    :returns: ``S`` lists of micro-batches, each a non-empty ascending list of indices.
+        Over all ranks every sample of step ``s`` appears in exactly one micro-batch, and
+        every rank gets the same number of micro-batches in each step.
+
+    Fixed mode: a step's samples go to ranks round-robin (position ``p`` to rank ``p % D``),
+    or by Karmarkar-Karp on lengths under ``balance``; each rank cuts its samples, in
+    order, into micro-batches of ``micro_batch_size``. Dynamic mode (SPEC.md 1.6):
+    first-fit-decreasing into bins of at most ``C`` tokens (a sample longer than ``C`` gets
+    a bin of its own), the bin count raised to a multiple of ``D`` by halving the heaviest
+    multi-sample bin, bins dealt to ranks round-robin or by Karmarkar-Karp on token sums.
+
+    :raises ValueError: bad sizes, a step with fewer samples than ``D`` ranks can share, or
+        ``dynamic`` without ``max_tokens_per_gpu``.
+    """
+    if dp_size <= 0 or not 0 <= rank < dp_size:
+        raise ValueError(f"rank {rank} is outside data-parallel size {dp_size}")
+    plan = []
+    for s, step in enumerate(split_steps(len(lengths), global_batch_size, num_steps, trajectory_ids)):
+        if dynamic:
+            if not max_tokens_per_gpu or max_tokens_per_gpu <= 0:
+                raise ValueError("dynamic batching needs a positive max_tokens_per_gpu (--max-tokens-per-gpu)")
+            per_rank = _dynamic_step(step, lengths, max_tokens_per_gpu, dp_size, balance, s)
+        else:
+            if micro_batch_size <= 0:
+                raise ValueError(f"micro_batch_size={micro_batch_size} must be positive")
+            per_rank = _fixed_step(step, lengths, micro_batch_size, dp_size, balance, s)
+        plan.append(per_rank[rank])
+    return plan
+
+
+def _fixed_step(step: list[int], lengths, mbs: int, dp: int, balance: bool, s: int) -> list[list[list[int]]]:
+    """Per rank, the micro-batches of one step in fixed-size mode."""
+    if balance:
+        parts = karmarkar_karp([lengths[i] for i in step], dp)
+        shares = [[step[p] for p in part] for part in parts]
+    else:
+        shares = [step[r::dp] for r in range(dp)]
+    count = -(-max(len(x) for x in shares) // mbs)
+    if min(len(x) for x in shares) < count:
+        raise ValueError(
+            f"step {s}: {len(step)} samples cannot give each of {dp} ranks {count} micro-batches of up to {mbs}"
+        )
+    return [_even_chunks(sorted(x), count) for x in shares]
+
+
+def _even_chunks(items: list[int], count: int) -> list[list[int]]:
+    """``items`` cut in order into ``count`` chunks whose sizes differ by at most one."""
+    size, extra = divmod(len(items), count)
+    out, start = [], 0
+    for c in range(count):
+        end = start + size + (1 if c < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def _dynamic_step(step: list[int], lengths, cap: int, dp: int, balance: bool, s: int) -> list[list[list[int]]]:
+    """Per rank, the micro-batches of one step under dynamic batching (SPEC.md 1.6)."""
+    bins: list[list[int]] = []  # each bin: sample indices
+    sums: list[int] = []
+    for i in sorted(step, key=lambda k: (-lengths[k], k)):
+        for b, total in enumerate(sums):
+            if total + lengths[i] <= cap:
+                bins[b].append(i)
+                sums[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            sums.append(lengths[i])
+    while len(bins) % dp:
+        splittable = [b for b in range(len(bins)) if len(bins[b]) > 1]
+        if not splittable:
+            raise ValueError(
+                f"step {s}: {len(step)} samples cannot fill a multiple of {dp} micro-batches (data-parallel size); "
+                "use a global batch size with at least that many samples per step"
+            )
+        b = max(splittable, key=lambda k: (sums[k], -k))
+        halves: list[list[int]] = [[], []]
+        half_sums = [0, 0]
+        for i in sorted(bins[b], key=lambda k: (-lengths[k], k)):
+            h = 1 if halves[0] and not halves[1] else int(half_sums[1] < half_sums[0])
+            halves[h].append(i)
+            half_sums[h] += lengths[i]
+        bins[b:b + 1] = halves
+        sums[b:b + 1] = half_sums
+    bins = [sorted(b) for b in bins]
+    if balance:
+        parts = karmarkar_karp(sums, dp)
+        return [[bins[b] for b in sorted(part)] for part in parts]
+    return [[bins[b] for b in range(r, len(bins), dp)] for r in range(dp)]
+
+
+def karmarkar_karp(weights: Sequence[int], k: int) -> list[list[int]]:
+    """Split item indices into ``k`` parts of (near-)equal count with balanced weight sums.
+
+    Largest differencing method for k-way partitioning (Karmarkar & Karp, 1982, "The
+    differencing method of set partitioning"), with equal cardinality: items sorted by
+    weight are dealt in rows of ``k`` (one item per part), then the two partial solutions
+    with the widest spread are merged repeatedly, heaviest part with lightest. When the
+    item count is not a multiple of ``k``, zero-weight padding items are added and removed
+    afterwards, so part sizes may differ.
+
+    :returns: ``k`` lists of indices into ``weights``, each ascending; parts ordered by
+        their first index (empty parts last).
+    """
+    n = len(weights)
+    padded = n + (-n) % k
+    order = sorted(range(padded), key=lambda i: (-(weights[i] if i < n else 0), i))
+    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
+    for row in range(padded // k):
+        parts = [((weights[i] if i < n else 0), [i]) for i in order[row * k:(row + 1) * k]]
+        parts.sort(key=lambda p: -p[0])
+        heap.append((-(parts[0][0] - parts[-1][0]), row, parts))
+    heapq.heapify(heap)
+    counter = len(heap)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))]
+        merged.sort(key=lambda p: -p[0])
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), counter, merged))
+        counter += 1
+    final = [sorted(i for i in idx if i < n) for _, idx in heap[0][2]] if heap else [[] for _ in range(k)]
+    return sorted(final, key=lambda p: (not p, p[0] if p else 0))

@@ -1,0 +1,176 @@
+"""``parse_args``: argument files, deprecations, pass-through, parsing, validation, overlay."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+from pathlib import PurePath
+
+from ._util import MEGATRON_ONLY
+from .deprecations import map_deprecated
+from .errors import ConfigError
+from .overlay import load_overlay
+from .parser import build_parser
+from .passthrough import split_passthrough
+from .validate import validate
+
+__all__ = ["config_to_dict", "expand_argsfiles", "parse_args"]
+
+log = logging.getLogger("furlong.config")
+
+
+def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argparse.Namespace:
+    """Parse, map deprecated flags, derive and validate the flags of ``furlong train``.
+
+    Order (SPEC.md 1.15): ``@FILE`` expansion, deprecation mapping, plugin flags
+    (``pm``), pass-through split, parse, validation (:func:`validate`), then the
+    ``--custom-config-path`` overlay and a second validation of the result.
+
+    Besides one attribute per flag the Namespace holds ``sglang_passthrough``,
+    ``router_passthrough``, ``eval_sglang_passthrough`` (dicts), ``explicit_args``
+    (sorted attribute names given on the command line or by the overlay),
+    ``megatron_flags_given`` (Megatron-only flags given, as typed), and derived values
+    such as ``data_parallel_size`` and ``sglang_tp_size``.
+
+    Touches no file except ``@FILE`` argument files and the ``--custom-config-path`` file.
+
+    :param argv: the arguments after ``furlong train``.
+    :param pm: plugin manager whose plugins may add flags (``add_arguments``).
+    :param command: ``"train"`` or ``"train-async"`` to run the loop-dependent checks
+        (``--fully-async`` needs train-async, train-async rejects ``--colocate``, ...).
+    :raises ConfigError: every problem found, one per line.
+    :raises PluginError: two plugins add one flag.
+    """
+    parser = build_parser(pm)
+    tokens = expand_argsfiles(list(argv), parser)
+    tokens, problems = map_deprecated(tokens)
+    actions = parser._option_string_actions
+    tokens, collected, _ = split_passthrough(tokens, set(actions))
+    parser.fromfile_prefix_chars = None  # files are expanded already
+    try:
+        args, extras = parser.parse_known_args(tokens)
+    except ConfigError as exc:
+        raise ConfigError(problems + exc.problems) from None
+    problems += _unrecognized(extras, actions)
+    if problems:
+        raise ConfigError(problems)
+    explicit, megatron_given = _given(tokens, actions)
+    for attr, values in collected.items():
+        setattr(args, attr, values)
+    args.explicit_args = sorted(explicit)
+    args.megatron_flags_given = megatron_given
+    raw = copy.deepcopy(args)
+    findings = validate(args, command)
+    if findings.errors:
+        _emit(findings)
+        raise ConfigError(findings.errors)
+    if not args.custom_config_path:
+        _emit(findings)
+        return args
+    overlay = load_overlay(args.custom_config_path)
+    final = copy.deepcopy(raw)
+    for key, value in overlay.items():
+        log.info("--custom-config-path sets %s = %r (was %r).", key, value, getattr(args, key, None))
+        setattr(final, key, value)
+    final.explicit_args = sorted(set(final.explicit_args) | set(overlay))
+    findings = validate(final, command)
+    for key, value in overlay.items():  # the overlay has the last word, also on derived attributes
+        setattr(final, key, value)
+    _emit(findings)
+    if findings.errors:
+        raise ConfigError([f"after --custom-config-path: {e}" for e in findings.errors])
+    return final
+
+
+def expand_argsfiles(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """Replace each ``@FILE`` token by the arguments in FILE (recursively).
+
+    Lines are split like a shell would (quotes kept together); ``#`` starts a comment;
+    blank lines are ignored.
+
+    :raises ConfigError: a file cannot be read.
+    """
+    out: list[str] = []
+    for token in argv:
+        if not token.startswith("@") or len(token) == 1:
+            out.append(token)
+            continue
+        try:
+            with open(token[1:], encoding="utf-8") as handle:
+                lines = handle.read().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"argument file {token[1:]}: cannot read it ({exc.strerror or exc}).") from None
+        inner = [arg for line in lines for arg in parser.convert_arg_line_to_args(line)]
+        out.extend(expand_argsfiles(inner, parser))
+    return out
+
+
+def config_to_dict(args: argparse.Namespace) -> dict:
+    """Every attribute of ``args`` as JSON-serializable values, keys sorted (``--print-config``)."""
+    return {key: _jsonable(value) for key, value in sorted(vars(args).items())}
+
+
+def _jsonable(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(_jsonable(v) for v in value)
+    if isinstance(value, PurePath):
+        return str(value)
+    return repr(value)
+
+
+def _unrecognized(extras: list[str], actions: dict) -> list[str]:
+    """One line per unknown flag (with a close match when there is one)."""
+    import difflib
+
+    problems = []
+    previous_flag = False
+    for token in extras:
+        if token.startswith("-") and not _is_number(token):
+            flag = token.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, [o for o in actions if o.startswith("--")], n=1, cutoff=0.75)
+            hint = f" (did you mean {close[0]}? flags are never abbreviated)" if close else ""
+            problems.append(f"unrecognized argument {flag}{hint}.")
+            previous_flag = True
+        elif not previous_flag:
+            problems.append(f"unexpected value {token!r}: it follows no flag that takes a value.")
+    return problems
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def _given(tokens: list[str], actions: dict) -> tuple[set[str], list[str]]:
+    """Attributes of the flags present in ``tokens`` and the Megatron-only flags among them."""
+    explicit: set[str] = set()
+    megatron: list[str] = []
+    for token in tokens:
+        if token == "--":
+            break
+        action = actions.get(token.split("=", 1)[0]) if token.startswith("-") else None
+        if action is None:
+            continue
+        explicit.add(action.dest)
+        flag = token.split("=", 1)[0]
+        if getattr(action, MEGATRON_ONLY, False) and flag not in megatron:
+            megatron.append(flag)
+    explicit.discard("help")
+    return explicit, megatron
+
+
+def _emit(findings) -> None:
+    for line in findings.infos:
+        log.info("%s", line)
+    for line in findings.warnings:
+        log.warning("%s", line)

@@ -1,0 +1,239 @@
+"""Validation rules after the four knobs and the cluster (SPEC.md 1.15 order), each one
+appending to a :class:`furlong.core.config.validate.Findings`."""
+
+from __future__ import annotations
+
+__all__ = ["async_and_agents", "defaults", "estimator", "evaluation", "importance_sampling", "kl_and_reference",
+           "lengths", "performance", "saving", "sglang"]
+
+REINFORCE_PP = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+# eval attribute <- rollout attribute it inherits when not given (SPEC.md 1.5).
+EVAL_INHERITS: tuple[tuple[str, str], ...] = (
+    ("eval_temperature", "rollout_temperature"),
+    ("eval_top_p", "rollout_top_p"),
+    ("eval_top_k", "rollout_top_k"),
+    ("eval_max_response_len", "rollout_max_response_len"),
+    ("eval_input_key", "input_key"),
+    ("eval_label_key", "label_key"),
+    ("eval_tool_key", "tool_key"),
+    ("eval_max_context_len", "rollout_max_context_len"),
+    ("eval_reward_key", "reward_key"),
+)
+
+
+def _unset(dest: str, args, given: set[str]) -> bool:
+    return dest not in given or getattr(args, dest) is None
+
+
+def defaults(args, f, given: set[str]) -> None:
+    """Defaults that follow other flags: clip, eval inheritance, caps, critic, schedule."""
+    if _unset("eps_clip_high", args, given):
+        args.eps_clip_high = args.eps_clip
+    for dest, source in EVAL_INHERITS:
+        if _unset(dest, args, given):
+            setattr(args, dest, getattr(args, source))
+    if "eval_temperature" in given and args.eval_temperature is not None and args.eval_temperature < 0:
+        f.error(f"--eval-temperature must be >= 0 (0 = greedy), got {args.eval_temperature:g}.")
+    if _unset("log_probs_max_tokens_per_gpu", args, given):
+        args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
+    if _unset("policy_ratio_level", args, given):
+        args.policy_ratio_level = "sequence" if args.advantage_estimator == "gspo" else "token"
+    if _unset("rollout_submission_granularity", args, given):
+        args.rollout_submission_granularity = "sample" if args.fully_async else "group"
+    if _unset("critic_load", args, given):
+        args.critic_load = args.load
+    if _unset("critic_save", args, given):
+        args.critic_save = f"{args.save}_critic" if args.save else None
+    if _unset("critic_lr", args, given):
+        args.critic_lr = args.lr
+    if _unset("tokenizer_model", args, given):
+        args.tokenizer_model = args.hf_checkpoint
+    if _unset("max_position_embeddings", args, given):
+        args.max_position_embeddings = args.seq_length
+    if _unset("lr_decay_iters", args, given):
+        steps = args.num_steps_per_rollout
+        ok = isinstance(args.num_rollout, int) and isinstance(steps, int)
+        args.lr_decay_iters = args.num_rollout * steps if ok else None
+    if "lr_warmup_iters" in given and args.lr_warmup_iters and args.lr_warmup_fraction is not None:
+        f.error("--lr-warmup-iters and --lr-warmup-fraction are exclusive; pass one.")
+
+
+def kl_and_reference(args, f) -> None:
+    """A KL term needs a reference model; KL goes into the rewards or into the loss."""
+    users = []
+    if args.use_kl_loss:
+        users.append("--use-kl-loss")
+    if args.kl_coef != 0:
+        users.append(f"--kl-coef {args.kl_coef:g}")
+    if users and not args.ref_load and not args.hf_checkpoint:
+        f.error(f"{' and '.join(users)} need a reference model: give --ref-load "
+                f"(or --hf-checkpoint, used as the reference when --ref-load is absent).")
+    if args.kl_coef != 0 and args.kl_loss_coef != 0:
+        f.error(f"--kl-coef ({args.kl_coef:g}) and --kl-loss-coef ({args.kl_loss_coef:g}) are exclusive: the KL goes "
+                f"into the rewards or into the loss, not both; set one of them to 0.")
+
+
+def estimator(args, f, command: str | None) -> None:
+    """Built-in estimators' requirements (SPEC.md 1.7)."""
+    name = args.advantage_estimator
+    if name in REINFORCE_PP and not args.normalize_advantages:
+        f.error(f"--advantage-estimator {name} requires --normalize-advantages "
+                f"(its advantages are whitened over the rollout).")
+    if name == "ppo":
+        if args.train_backend != "megatron":
+            f.error(f"--advantage-estimator ppo needs --train-backend megatron (the critic is Megatron only), "
+                    f"got {args.train_backend}.")
+        if args.kl_coef != 0:
+            f.error(f"--advantage-estimator ppo needs --kl-coef 0, got {args.kl_coef:g}.")
+        if command == "train-async" and not (args.use_rollout_logprobs or args.use_tis or args.keep_old_actor):
+            f.error("furlong train-async with --advantage-estimator ppo needs --use-rollout-logprobs, --use-tis "
+                    "or --keep-old-actor (the old policy is gone by the time the batch trains).")
+    if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
+        f.error("--loss-type custom_loss needs --custom-loss-function-path module.function.")
+
+
+def importance_sampling(args, f) -> None:
+    """TIS, rollout log-probs, mismatch metrics, on-policy distillation."""
+    if args.use_rollout_logprobs and args.use_tis:
+        f.error("--use-rollout-logprobs and --use-tis are exclusive: with the engine's log-probs as the old "
+                "policy the importance ratio is always 1.")
+    if args.get_mismatch_metrics and not args.custom_tis_function_path:
+        f.error("--get-mismatch-metrics needs --custom-tis-function-path.")
+    if args.use_opd:
+        if args.opd_type is None:
+            f.error("--use-opd needs --opd-type (megatron).")
+        elif args.opd_type == "megatron":
+            if not args.opd_teacher_load:
+                f.error("--use-opd --opd-type megatron needs --opd-teacher-load (the teacher checkpoint).")
+            if args.opd_teacher_urls:
+                f.error("--opd-type megatron takes no --opd-teacher-urls (the teacher runs in the trainer).")
+    for item in args.opd_teacher_urls or []:
+        name, eq, url = item.partition("=")
+        if not (name and eq and url):
+            f.error(f"--opd-teacher-urls takes NAME=URL items, got {item!r}.")
+
+
+def saving(args, f, given: set[str]) -> None:
+    """Flags that only mean something with --save."""
+    if args.save:
+        if "save_interval" not in given:
+            f.info(f"--save-interval defaults to {args.save_interval} rollouts (it was 10 before 0.0.8).")
+        return
+    for dest, flag in (("save_interval", "--save-interval"), ("save_trigger_sentinel", "--save-trigger-sentinel"),
+                       ("custom_megatron_post_save_hook_path", "--custom-megatron-post-save-hook-path")):
+        if dest in given and getattr(args, dest) is not None:
+            f.error(f"{flag} {getattr(args, dest)} has no effect without --save: give --save DIR or drop {flag}.")
+
+
+def evaluation(args, f) -> None:
+    """Eval sets: NAME PATH pairs; --eval-interval needs at least one set."""
+    data = args.eval_prompt_data
+    if data and len(data) % 2:
+        f.error(f"--eval-prompt-data takes NAME PATH pairs (or one PATH, read as 'aime PATH'); "
+                f"got {len(data)} values: {' '.join(data)}.")
+    if args.eval_interval is not None and not data and not args.eval_config:
+        f.error(f"--eval-interval {args.eval_interval} needs an eval set: give --eval-prompt-data NAME PATH "
+                f"or --eval-config FILE.")
+    if args.eval_sglang_passthrough and not args.eval_num_gpus:
+        shown = " ".join(f"--eval-sglang-{k.replace('_', '-')}" for k in args.eval_sglang_passthrough)
+        f.error(f"{shown}: --eval-sglang-* flags configure the dedicated eval fleet, which needs --eval-num-gpus > 0.")
+
+
+def async_and_agents(args, f, given: set[str], command: str | None) -> None:
+    """Fully async, partial rollout, train-async, agents and session servers."""
+    if args.fully_async:
+        reasons = (
+            ("colocate", "--colocate", "the producer generates while the trainer trains"),
+            ("partial_rollout", "--partial-rollout", "unfinished groups simply stay in flight"),
+            ("rollout_function_path", "--rollout-function-path", "both choose the rollout"),
+            ("rollout_all_samples_process_path", "--rollout-all-samples-process-path",
+             "there is no end of a rollout to see all samples at"),
+        )
+        for dest, flag, why in reasons:
+            if getattr(args, dest):
+                f.error(f"--fully-async cannot be combined with {flag} ({why}).")
+        if args.pause_generation_mode == "abort":
+            f.error("--fully-async cannot use --pause-generation-mode abort: generation is always in flight, so "
+                    "every weight update would throw it away; use retract or in_place.")
+        if command == "train":
+            f.error("--fully-async needs furlong train-async.")
+    if command == "train-async" and args.colocate:
+        f.error("furlong train-async cannot run with --colocate (training and generation overlap); "
+                "use furlong train.")
+    if args.colocate and args.update_weight_transfer_mode in ("p2p", "disk-delta"):
+        f.error(f"--colocate cannot use --update-weight-transfer-mode {args.update_weight_transfer_mode}; "
+                f"colocated engines receive weights in place.")
+    if args.partial_rollout and args.num_steps_per_rollout and args.num_steps_per_rollout > 1 and not args.use_tis:
+        f.warn(f"--partial-rollout with --num-steps-per-rollout {args.num_steps_per_rollout} trains on samples "
+               f"from older policies; add --use-tis to correct for it.")
+    limit = args.async_max_concurrent_samples
+    if limit is not None and limit < args.n_samples_per_prompt:
+        f.error(f"--async-max-concurrent-samples ({limit}) must be at least --n-samples-per-prompt "
+                f"({args.n_samples_per_prompt}): a whole group is in flight at once.")
+    if args.tito_model != "default" and not args.use_session_server:
+        f.error(f"--tito-model {args.tito_model} needs --use-session-server.")
+    if args.custom_agent_function_path and args.pause_generation_mode == "abort":
+        f.error("--custom-agent-function-path cannot use --pause-generation-mode abort (agents keep their "
+                "requests open across weight updates).")
+
+
+def lengths(args, f, given: set[str]) -> None:
+    """Prompt length cap from the context cap."""
+    context = args.rollout_max_context_len
+    if context is None:
+        return
+    if _unset("rollout_max_prompt_len", args, given):
+        args.rollout_max_prompt_len = context - 1
+    elif args.rollout_max_prompt_len > context - 1:
+        f.error(f"--rollout-max-prompt-len ({args.rollout_max_prompt_len}) must be at most "
+                f"--rollout-max-context-len - 1 ({context - 1}): a prompt needs room for one response token.")
+
+
+def performance(args, f, given: set[str]) -> None:
+    """Dynamic batching, tensor/sequence parallelism, FSDP limits."""
+    cap = args.max_tokens_per_gpu
+    if args.use_dynamic_batch_size:
+        if cap is None:
+            f.error("--use-dynamic-batch-size requires --max-tokens-per-gpu (the token cap per micro-batch per GPU).")
+        elif args.rollout_max_response_len is not None and args.rollout_max_response_len > cap:
+            f.warn(f"--rollout-max-response-len ({args.rollout_max_response_len}) is larger than --max-tokens-per-gpu "
+                   f"({cap}): a longer sample gets a micro-batch of its own above the cap and may run out of memory.")
+    tp = args.tensor_model_parallel_size
+    if args.train_backend == "megatron" and tp > 1 and not args.sequence_parallel:
+        f.warn(f"--tensor-model-parallel-size {tp} without --sequence-parallel keeps a full copy of the "
+               f"activations on every TP rank; add --sequence-parallel.")
+    if args.train_backend == "fsdp":
+        if args.context_parallel_size > 1:
+            f.error(f"--train-backend fsdp does not support --context-parallel-size {args.context_parallel_size}; "
+                    f"use 1 or --train-backend megatron.")
+        world = args.actor_num_nodes * args.actor_num_gpus_per_node
+        if args.dp_replicate_size >= 1 and world % args.dp_replicate_size:
+            f.error(f"--dp-replicate-size ({args.dp_replicate_size}) must divide the trainer world size {world}.")
+
+
+def sglang(args, f) -> None:
+    """Pass-through values that core derives or checks (SPEC.md 1.1, 1.10)."""
+    sg = args.sglang_passthrough
+    args.sglang_tp_size = args.rollout_num_gpus_per_engine
+    user_tp = sg.pop("tp_size", None)
+    if user_tp is not None and str(user_tp) != str(args.sglang_tp_size):
+        f.warn(f"--sglang-tp-size {user_tp} is replaced by --rollout-num-gpus-per-engine ({args.sglang_tp_size}).")
+    if args.colocate:
+        prefill = sg.setdefault("cuda_graph_backend_prefill", "disabled")
+        if prefill != "disabled":
+            f.warn(f"--sglang-cuda-graph-backend-prefill {prefill} under --colocate may run out of memory "
+                   f"(NVLS buffers); furlong's default there is 'disabled'.")
+    if args.chat_template_path:
+        sg.setdefault("chat_template", args.chat_template_path)
+    dp = sg.get("dp_size")
+    if dp is not None:
+        try:
+            dp_size = int(dp)
+        except (TypeError, ValueError):
+            f.error(f"--sglang-dp-size must be a whole number, got {dp!r}.")
+            return
+        if dp_size > 1 and not sg.get("enable_dp_attention"):
+            f.error(f"--sglang-dp-size {dp_size} requires --sglang-enable-dp-attention.")
+    if sg.get("enable_dp_attention"):
+        args.router_passthrough.setdefault("dp_aware", True)

@@ -1,0 +1,218 @@
+"""Derivations and validation of the parsed flags, in the order of SPEC.md 1.15.
+
+:func:`validate` mutates the Namespace (derived values) and returns every problem at
+once; warnings and info lines are returned too, so a second pass (after a
+``--custom-config-path`` overlay) does not log them twice. A derivation fills an
+attribute only when its flag was not given (``args.explicit_args``), so running it
+again on overlaid values gives the same result as running it once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import rules
+from .knobs import KNOBS, dp_problems, resolve_knobs
+from .unsupported import unsupported_problems
+
+__all__ = ["Findings", "validate"]
+
+FULLY_ASYNC_SUFFIX = "generate_rollout_fully_async"
+
+# (attribute, smallest allowed value): checked only when the value is not None.
+MINIMUMS: tuple[tuple[str, int], ...] = (
+    ("actor_num_nodes", 1), ("actor_num_gpus_per_node", 1), ("rollout_num_gpus", 1),
+    ("rollout_num_gpus_per_engine", 1), ("num_gpus_per_node", 1), ("num_rollout", 0),
+    ("micro_batch_size", 1), ("max_sampling_waves", 1), ("over_sampling_batch_size", 1),
+    ("n_samples_per_eval_prompt", 1), ("eval_interval", 1), ("save_interval", 1),
+    ("update_weights_interval", 1), ("log_interval", 1), ("sglang_server_concurrency", 1),
+    ("max_tokens_per_gpu", 1), ("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1),
+    ("context_parallel_size", 1), ("expert_model_parallel_size", 1), ("dp_replicate_size", 1),
+)
+
+
+@dataclass
+class Findings:
+    """What one validation pass found: errors (one line each), warnings, info lines."""
+
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    infos: list[str] = field(default_factory=list)
+
+    def error(self, message: str) -> None:
+        self.errors.append(message)
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+
+    def info(self, message: str) -> None:
+        self.infos.append(message)
+
+
+def validate(args, command: str | None = None) -> Findings:
+    """Derive defaults and check every rule; collect all problems.
+
+    :param args: the parsed Namespace; ``args.explicit_args`` lists the attributes given
+        on the command line (or by an overlay).
+    :param command: ``"train"`` or ``"train-async"`` enables the checks that depend on
+        the loop; None skips them.
+    :returns: :class:`Findings`; the caller raises ``ConfigError`` when it has errors.
+    """
+    f = Findings()
+    given = set(getattr(args, "explicit_args", []))
+    _normalize(args, f, given)
+    for message in unsupported_problems(args):
+        f.error(message)
+    _basic_values(args, f)
+    _four_knobs(args, f, given)
+    _cluster(args, f, given)
+    _offload(args, f, given)
+    rules.defaults(args, f, given)
+    if args.n_samples_per_prompt == 1 and not args.disable_grpo_std_normalization:
+        args.disable_grpo_std_normalization = True
+        f.info("--n-samples-per-prompt 1: group std normalization is off (a one-sample group has no std).")
+    _over_sampling(args, f, given)
+    rules.kl_and_reference(args, f)
+    rules.estimator(args, f, command)
+    rules.importance_sampling(args, f)
+    rules.saving(args, f, given)
+    rules.evaluation(args, f)
+    rules.async_and_agents(args, f, given, command)
+    rules.lengths(args, f, given)
+    rules.performance(args, f, given)
+    rules.sglang(args, f)
+    return f
+
+
+def _normalize(args, f: Findings, given: set[str]) -> None:
+    """Spellings that mean the same thing become one."""
+    args.disable_plugins = [p.strip() for item in args.disable_plugins or [] for p in item.split(",") if p.strip()]
+    path = args.rollout_function_path
+    if path and path.endswith(FULLY_ASYNC_SUFFIX):
+        f.info(f"--rollout-function-path {path} selects the built-in fully async rollout (--rollout fully_async).")
+        args.rollout_function_path = None
+        args.fully_async = True
+        if "rollout" not in given:
+            args.rollout = "fully_async"
+    if args.fully_async and args.rollout != "fully_async":
+        if "rollout" in given:
+            f.error(f"--fully-async and --rollout {args.rollout} both choose the rollout; pass only one.")
+        else:
+            args.rollout = "fully_async"
+    args.fully_async = args.rollout == "fully_async"
+    if args.moe_token_dispatcher_type == "allgather":
+        args.moe_token_dispatcher_type = "alltoall"
+        f.info("--moe-token-dispatcher-type allgather is run as alltoall.")
+    if args.load_debug_rollout_data and not args.debug_train_only:
+        args.debug_train_only = True
+        f.info("--load-debug-rollout-data implies --debug-train-only.")
+    if args.debug_rollout_only and args.debug_train_only:
+        f.error("--debug-rollout-only and --debug-train-only are exclusive: the first runs only the engines, "
+                "the second only the trainer.")
+    if args.eval_prompt_data and len(args.eval_prompt_data) == 1:
+        args.eval_prompt_data = ["aime", args.eval_prompt_data[0]]
+
+
+def _basic_values(args, f: Findings) -> None:
+    if args.num_rollout is None:
+        f.error("--num-rollout is required: give the number of rollout iterations to run "
+                "(it used to default to 1000; --num-rollout 0 only evaluates).")
+    for dest, low in MINIMUMS:
+        value = getattr(args, dest, None)
+        if value is not None and value < low:
+            f.error(f"--{dest.replace('_', '-')} must be at least {low}, got {value}.")
+    if args.rollout_temperature <= 0:
+        f.error(f"--rollout-temperature must be > 0, got {args.rollout_temperature:g} "
+                f"(greedy decoding is for evaluation only: --eval-temperature 0).")
+    if not 0 < args.rollout_top_p <= 1:
+        f.error(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p:g}.")
+    if args.eps_clip_c is not None and args.eps_clip_c <= 1:
+        f.error(f"--eps-clip-c must be greater than 1 (the dual-clip bound), got {args.eps_clip_c:g}.")
+    if args.fp16:
+        if args.bf16 and "bf16" in set(getattr(args, "explicit_args", [])):
+            f.error("--bf16 and --fp16 are exclusive; pass one.")
+        args.bf16 = False
+
+
+def world_size(args) -> int:
+    return args.actor_num_nodes * args.actor_num_gpus_per_node
+
+
+def data_parallel(args) -> tuple[int | None, str, str | None]:
+    """``(D, how D was computed, problem)`` for the trainer.
+
+    megatron: ``D = world / (TP x PP x CP)``; other backends shard data over the whole
+    world (the Megatron parallel sizes do not apply to them).
+    """
+    world = world_size(args)
+    base = f"actor_num_nodes {args.actor_num_nodes} x actor_num_gpus_per_node {args.actor_num_gpus_per_node}"
+    if args.train_backend != "megatron":
+        return world, f"{base}, --train-backend {args.train_backend}", None
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    model = tp * pp * cp
+    text = f"{base} / (TP {tp} x PP {pp} x CP {cp})"
+    if world % model:
+        return None, text, (f"trainer world size {world} ({base}) is not divisible by TP {tp} x PP {pp} x CP {cp} "
+                            f"= {model}.")
+    return world // model, text, None
+
+
+def _four_knobs(args, f: Findings, given: set[str]) -> None:
+    values = {k: getattr(args, k) for k in KNOBS}
+    knobs, problem = resolve_knobs(values, given & set(KNOBS))
+    if problem:
+        f.error(problem)
+        return
+    for k, v in knobs.items():
+        setattr(args, k, v)
+    if min(args.actor_num_nodes, args.actor_num_gpus_per_node, args.tensor_model_parallel_size,
+           args.pipeline_model_parallel_size, args.context_parallel_size, args.micro_batch_size) < 1:
+        return  # already reported
+    dp, text, problem = data_parallel(args)
+    if problem:
+        f.error(problem)
+        return
+    args.data_parallel_size = dp
+    for message in dp_problems(args.global_batch_size, args.micro_batch_size, args.use_dynamic_batch_size, dp, text):
+        f.error(message)
+
+
+def _cluster(args, f: Findings, given: set[str]) -> None:
+    if args.debug_rollout_only and (args.colocate or args.offload):
+        f.info("--debug-rollout-only turns --colocate and --offload off.")
+        args.colocate = args.offload = False
+    world = world_size(args)
+    if args.colocate:
+        if "rollout_num_gpus" in given and args.rollout_num_gpus != world:
+            f.warn(f"--rollout-num-gpus {args.rollout_num_gpus} is ignored under --colocate: the engines share "
+                   f"the trainer's {world} GPUs (actor_num_nodes x actor_num_gpus_per_node).")
+        args.rollout_num_gpus = world
+    needs_gpus = (args.rollout_backend == "sglang" and not args.colocate and not args.debug_train_only
+                  and not args.rollout_external)
+    if needs_gpus and args.rollout_num_gpus is None:
+        f.error("--rollout-num-gpus is required with --rollout-backend sglang (GPUs for the engines), "
+                "unless --colocate puts the engines on the trainer's GPUs.")
+    per_engine = args.rollout_num_gpus_per_engine
+    if args.rollout_backend == "sglang" and args.rollout_num_gpus and per_engine >= 1 \
+            and args.rollout_num_gpus % per_engine:
+        f.error(f"--rollout-num-gpus ({args.rollout_num_gpus}) must be a multiple of --rollout-num-gpus-per-engine "
+                f"({per_engine}): every engine gets the same number of GPUs.")
+    if "executor" not in given or args.executor is None:
+        args.executor = "local" if args.rollout_backend == "embedded" and world == 1 else "ray"
+
+
+def _offload(args, f: Findings, given: set[str]) -> None:
+    for dest in ("offload_train", "offload_rollout"):
+        if dest not in given or getattr(args, dest) is None:
+            setattr(args, dest, bool(args.offload or args.colocate))
+    if args.debug_rollout_only:
+        args.offload_train = args.offload_rollout = False
+
+
+def _over_sampling(args, f: Findings, given: set[str]) -> None:
+    rbs = args.rollout_batch_size
+    if "over_sampling_batch_size" not in given or args.over_sampling_batch_size is None:
+        args.over_sampling_batch_size = rbs
+    elif rbs is not None and args.over_sampling_batch_size < rbs:
+        f.error(f"--over-sampling-batch-size ({args.over_sampling_batch_size}) must be at least "
+                f"--rollout-batch-size ({rbs}): each wave draws at least one rollout's worth of prompts.")

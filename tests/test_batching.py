@@ -1,0 +1,185 @@
+"""Micro-batch planning (furlong.core.batching): SPEC.md 6.2 and 1.6, hand-worked plans."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+
+from furlong.core.batching import count_dp_size, karmarkar_karp, plan_steps, split_steps
+from furlong.hooks import PluginError
+
+
+def _plan(lengths, gbs, steps, dp, rank, mbs=1, cap=None, dynamic=False, balance=False, traj=None):
+    return plan_steps(lengths, global_batch_size=gbs, num_steps=steps, dp_size=dp, rank=rank, micro_batch_size=mbs,
+                      max_tokens_per_gpu=cap, dynamic=dynamic, balance=balance, trajectory_ids=traj)
+
+
+# --- steps ------------------------------------------------------------------------------
+
+
+def test_split_steps_takes_consecutive_slices_of_gbs():
+    assert split_steps(6, 2, 3) == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_split_steps_keeps_trajectory_siblings_in_one_step():
+    # trajectories 7, 8, 9 in order of first appearance; gbs 1 trajectory per step
+    assert split_steps(6, 1, 3, [7, 7, 8, 9, 9, 9]) == [[0, 1], [2], [3, 4, 5]]
+
+
+def test_split_steps_with_one_sample_trajectories_is_the_plain_rule():
+    assert split_steps(4, 2, 2, [10, 11, 12, 13]) == [[0, 1], [2, 3]]
+
+
+def test_split_steps_rejects_a_count_that_is_not_gbs_times_steps():
+    with pytest.raises(ValueError) as err:
+        split_steps(5, 2, 3)
+    assert str(err.value) == "5 samples cannot fill 3 steps of global batch size 2 (6 samples)"
+
+
+def test_split_steps_counts_trajectories_not_samples():
+    # 2 trajectories (3 samples) fill one step of gbs 2; 3 trajectories do not
+    assert split_steps(3, 2, 1, [1, 1, 2]) == [[0, 1, 2]]
+    with pytest.raises(ValueError) as err:
+        split_steps(4, 2, 1, [1, 1, 2, 3])
+    assert str(err.value) == "3 trajectories (4 samples) cannot fill 1 steps of global batch size 2 (2 trajectories)"
+
+
+# --- fixed micro-batches ------------------------------------------------------------------
+
+
+def test_fixed_round_robin_over_two_ranks():
+    lengths = [5] * 8
+    # step 0 = samples 0..3: position p goes to rank p % 2; micro-batch size 1
+    assert _plan(lengths, 4, 2, 2, 0) == [[[0], [2]], [[4], [6]]]
+    assert _plan(lengths, 4, 2, 2, 1) == [[[1], [3]], [[5], [7]]]
+
+
+def test_fixed_micro_batch_size_two_on_one_rank():
+    assert _plan([3] * 4, 4, 1, 1, 0, mbs=2) == [[[0, 1], [2, 3]]]
+
+
+def test_fixed_balanced_by_karmarkar_karp():
+    # lengths 10, 1, 9, 2: round-robin gives rank 0 {0, 2} = 19 tokens vs rank 1 {1, 3} = 3;
+    # KK rows (10, 9) and (2, 1) merge heaviest-with-lightest: {0, 1} = 11 and {2, 3} = 11
+    lengths = [10, 1, 9, 2]
+    assert _plan(lengths, 4, 1, 2, 0) == [[[0], [2]]]
+    assert _plan(lengths, 4, 1, 2, 0, balance=True) == [[[0], [1]]]
+    assert _plan(lengths, 4, 1, 2, 1, balance=True) == [[[2], [3]]]
+
+
+def test_fixed_rejects_a_step_too_small_for_the_ranks():
+    with pytest.raises(ValueError) as err:
+        _plan([1, 1], 2, 1, 4, 0)
+    assert str(err.value) == "step 0: 2 samples cannot give each of 4 ranks 1 micro-batches of up to 1"
+
+
+# --- dynamic micro-batches ----------------------------------------------------------------
+
+
+def test_dynamic_first_fit_decreasing_one_rank():
+    # cap 8; decreasing order 4(6) 0(5) 2(4) 1(3) 3(2) 5(1):
+    # 6 -> bin A; 5 -> bin B; 4 -> bin C; 3 -> B (8); 2 -> A (8); 1 -> C (5)
+    lengths = [5, 3, 4, 2, 6, 1]
+    assert _plan(lengths, 6, 1, 1, 0, cap=8, dynamic=True) == [[[3, 4], [0, 1], [2, 5]]]
+
+
+def test_dynamic_raises_bin_count_to_a_multiple_of_dp_round_robin():
+    # the 3 bins above (8, 8, 5 tokens) need a 4th for 2 ranks: the heaviest multi-sample bin
+    # A = {4: 6, 3: 2} splits into {4} and {3}; bins [4] [3] [0,1] [2,5] dealt round-robin
+    lengths = [5, 3, 4, 2, 6, 1]
+    assert _plan(lengths, 6, 1, 2, 0, cap=8, dynamic=True) == [[[4], [0, 1]]]
+    assert _plan(lengths, 6, 1, 2, 1, cap=8, dynamic=True) == [[[3], [2, 5]]]
+
+
+def test_dynamic_balanced_by_karmarkar_karp_on_token_sums():
+    # bin sums [6, 2, 8, 5]; KK rows (8, 6) spread 2 and (5, 2) spread 3 merge to
+    # {bin 3 + bin 0} = 11 and {bin 1 + bin 2} = 10
+    lengths = [5, 3, 4, 2, 6, 1]
+    assert _plan(lengths, 6, 1, 2, 0, cap=8, dynamic=True, balance=True) == [[[4], [2, 5]]]
+    assert _plan(lengths, 6, 1, 2, 1, cap=8, dynamic=True, balance=True) == [[[3], [0, 1]]]
+
+
+def test_dynamic_gives_an_oversized_sample_its_own_bin():
+    # cap 4: sample 0 (5 tokens) alone; samples 1 and 2 share a bin
+    assert _plan([5, 1, 1], 3, 1, 1, 0, cap=4, dynamic=True) == [[[0], [1, 2]]]
+
+
+def test_dynamic_needs_a_cap():
+    with pytest.raises(ValueError) as err:
+        _plan([1, 2], 2, 1, 1, 0, dynamic=True)
+    assert str(err.value) == "dynamic batching needs a positive max_tokens_per_gpu (--max-tokens-per-gpu)"
+
+
+def test_dynamic_splits_bins_down_to_single_samples_if_needed():
+    # one bin {0,1,2} (3 tokens, cap 100) must become 2 for 2 ranks: halves {0,2} and {1}
+    assert _plan([1, 1, 1], 3, 1, 2, 0, cap=100, dynamic=True) == [[[0, 2]]]
+    assert _plan([1, 1, 1], 3, 1, 2, 1, cap=100, dynamic=True) == [[[1]]]
+    # 4 ranks, 4 samples: every sample its own micro-batch
+    assert _plan([1, 1, 1, 1], 4, 1, 4, 3, cap=100, dynamic=True) == [[[3]]]
+
+
+def test_dynamic_errors_when_no_bin_can_be_split():
+    # 3 samples can make at most 3 micro-batches, never a multiple of 4 ranks
+    with pytest.raises(ValueError) as err:
+        _plan([1, 1, 1], 3, 1, 4, 0, cap=100, dynamic=True)
+    assert str(err.value) == (
+        "step 0: 3 samples cannot fill a multiple of 4 micro-batches (data-parallel size); "
+        "use a global batch size with at least that many samples per step"
+    )
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("balance", [False, True])
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_plan_properties_on_random_lengths(dynamic, balance, dp):
+    rng = random.Random(dp * 10 + dynamic * 2 + balance)
+    gbs, steps = 16, 3
+    lengths = [rng.randint(1, 40) for _ in range(gbs * steps)]
+    plans = [_plan(lengths, gbs, steps, dp, r, mbs=2, cap=50, dynamic=dynamic, balance=balance) for r in range(dp)]
+    for s in range(steps):
+        counts = {len(plans[r][s]) for r in range(dp)}
+        assert len(counts) == 1  # every rank runs the same number of micro-batches
+        seen = sorted(i for r in range(dp) for mb in plans[r][s] for i in mb)
+        assert seen == list(range(s * gbs, (s + 1) * gbs))  # each sample of the step exactly once
+        for r in range(dp):
+            for mb in plans[r][s]:
+                assert mb and mb == sorted(mb)
+                if dynamic:
+                    assert sum(lengths[i] for i in mb) <= 50 or len(mb) == 1
+                else:
+                    assert len(mb) == 2
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def test_karmarkar_karp_equal_counts_and_balance():
+    # rows (8, 7, 6) and (3, 2, 1) merge heaviest-with-lightest: 8+1, 7+2, 6+3 = 9 each
+    assert karmarkar_karp([8, 7, 6, 3, 2, 1], 3) == [[0, 5], [1, 4], [2, 3]]
+
+
+def test_karmarkar_karp_pads_uneven_counts():
+    parts = karmarkar_karp([5, 4, 3], 2)
+    assert sorted(i for p in parts for i in p) == [0, 1, 2]
+    assert sorted(len(p) for p in parts) == [1, 2]
+
+
+def test_count_dp_size():
+    fsdp = argparse.Namespace(actor_num_nodes=2, actor_num_gpus_per_node=4, train_backend="fsdp")
+    assert count_dp_size(fsdp) == 8
+    mega = argparse.Namespace(actor_num_nodes=2, actor_num_gpus_per_node=4, train_backend="megatron",
+                              tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=1)
+    assert count_dp_size(mega) == 2  # 8 GPUs / (tp 2 x pp 2 x cp 1)
+
+
+def test_count_dp_size_rejects_indivisible_parallel_sizes():
+    args = argparse.Namespace(actor_num_nodes=1, actor_num_gpus_per_node=4, train_backend="megatron",
+                              tensor_model_parallel_size=3, pipeline_model_parallel_size=1, context_parallel_size=1)
+    with pytest.raises(PluginError) as err:
+        count_dp_size(args)
+    assert str(err.value) == (
+        "--actor-num-nodes x --actor-num-gpus-per-node = 4 GPUs is not divisible by --tensor-model-parallel-size 3 x "
+        "--pipeline-model-parallel-size 1 x --context-parallel-size 1 = 3; change the trainer size or the parallel sizes."
+    )

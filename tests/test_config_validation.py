@@ -1,0 +1,464 @@
+"""Validation rules and derived defaults of the launch flags (SPEC.md 1.1-1.15): every
+error message compared whole, warnings read from the ``furlong.config`` logger."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+import furlong.core.config.env as env
+from furlong.core.config import UNSUPPORTED, ConfigError, config_to_dict, parse_args
+
+BASE = ["--num-rollout", "3", "--rollout-batch-size", "4"]
+
+
+@pytest.fixture(autouse=True)
+def cpu_machine(monkeypatch):
+    """The same defaults on every machine: no CUDA, no SGLang, no megatron-core."""
+    monkeypatch.setattr(env, "cuda_available", lambda: False)
+    monkeypatch.setattr(env, "sglang_available", lambda: False)
+    monkeypatch.setattr(env, "megatron_available", lambda: False)
+
+
+def error_of(argv: list[str], **kwargs) -> str:
+    with pytest.raises(ConfigError) as excinfo:
+        parse_args(argv, **kwargs)
+    return str(excinfo.value)
+
+
+def warnings_of(caplog, argv: list[str]) -> list[str]:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="furlong.config"):
+        parse_args(argv)
+    return [r.getMessage() for r in caplog.records if r.name == "furlong.config" and r.levelno == logging.WARNING]
+
+
+# --- errors: (extra flags after BASE, whole message) ------------------------------------
+
+ERRORS = [
+    (["--rollout-temperature", "0"],
+     "--rollout-temperature must be > 0, got 0 (greedy decoding is for evaluation only: --eval-temperature 0)."),
+    (["--rollout-temperature", "-0.5"],
+     "--rollout-temperature must be > 0, got -0.5 (greedy decoding is for evaluation only: --eval-temperature 0)."),
+    (["--eval-temperature", "-1"], "--eval-temperature must be >= 0 (0 = greedy), got -1."),
+    (["--rollout-top-p", "1.5"], "--rollout-top-p must be in (0, 1], got 1.5."),
+    (["--eps-clip-c", "1.0"], "--eps-clip-c must be greater than 1 (the dual-clip bound), got 1."),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be at least 1, got 0."),
+    (["--use-dynamic-batch-size"],
+     "--use-dynamic-batch-size requires --max-tokens-per-gpu (the token cap per micro-batch per GPU)."),
+    (["--rollout-backend", "sglang"],
+     "--rollout-num-gpus is required with --rollout-backend sglang (GPUs for the engines), unless --colocate "
+     "puts the engines on the trainer's GPUs."),
+    (["--rollout-backend", "sglang", "--rollout-num-gpus", "6", "--rollout-num-gpus-per-engine", "4"],
+     "--rollout-num-gpus (6) must be a multiple of --rollout-num-gpus-per-engine (4): every engine gets the "
+     "same number of GPUs."),
+    (["--use-kl-loss"],
+     "--use-kl-loss need a reference model: give --ref-load (or --hf-checkpoint, used as the reference when "
+     "--ref-load is absent)."),
+    (["--use-kl-loss", "--kl-coef", "0.1"],
+     "--use-kl-loss and --kl-coef 0.1 need a reference model: give --ref-load (or --hf-checkpoint, used as the "
+     "reference when --ref-load is absent)."),
+    (["--ref-load", "/ref", "--kl-coef", "0.1", "--kl-loss-coef", "0.01"],
+     "--kl-coef (0.1) and --kl-loss-coef (0.01) are exclusive: the KL goes into the rewards or into the loss, "
+     "not both; set one of them to 0."),
+    (["--advantage-estimator", "reinforce_plus_plus"],
+     "--advantage-estimator reinforce_plus_plus requires --normalize-advantages (its advantages are whitened "
+     "over the rollout)."),
+    (["--advantage-estimator", "reinforce_plus_plus_baseline"],
+     "--advantage-estimator reinforce_plus_plus_baseline requires --normalize-advantages (its advantages are "
+     "whitened over the rollout)."),
+    (["--advantage-estimator", "ppo"],
+     "--advantage-estimator ppo needs --train-backend megatron (the critic is Megatron only), got fsdp."),
+    (["--advantage-estimator", "ppo", "--train-backend", "megatron", "--ref-load", "/ref", "--kl-coef", "0.1"],
+     "--advantage-estimator ppo needs --kl-coef 0, got 0.1."),
+    (["--loss-type", "custom_loss"], "--loss-type custom_loss needs --custom-loss-function-path module.function."),
+    (["--use-rollout-logprobs", "--use-tis"],
+     "--use-rollout-logprobs and --use-tis are exclusive: with the engine's log-probs as the old policy the "
+     "importance ratio is always 1."),
+    (["--get-mismatch-metrics"], "--get-mismatch-metrics needs --custom-tis-function-path."),
+    (["--use-opd"], "--use-opd needs --opd-type (megatron)."),
+    (["--use-opd", "--opd-type", "megatron"],
+     "--use-opd --opd-type megatron needs --opd-teacher-load (the teacher checkpoint)."),
+    (["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/t", "--opd-teacher-urls", "a=http://x"],
+     "--opd-type megatron takes no --opd-teacher-urls (the teacher runs in the trainer)."),
+    (["--opd-teacher-urls", "http://x"], "--opd-teacher-urls takes NAME=URL items, got 'http://x'."),
+    (["--save-interval", "20"],
+     "--save-interval 20 has no effect without --save: give --save DIR or drop --save-interval."),
+    (["--save-trigger-sentinel", "/tmp/stop"],
+     "--save-trigger-sentinel /tmp/stop has no effect without --save: give --save DIR or drop "
+     "--save-trigger-sentinel."),
+    (["--custom-megatron-post-save-hook-path", "m.hook"],
+     "--custom-megatron-post-save-hook-path m.hook has no effect without --save: give --save DIR or drop "
+     "--custom-megatron-post-save-hook-path."),
+    (["--eval-interval", "5"],
+     "--eval-interval 5 needs an eval set: give --eval-prompt-data NAME PATH or --eval-config FILE."),
+    (["--eval-prompt-data", "a", "a.jsonl", "b"],
+     "--eval-prompt-data takes NAME PATH pairs (or one PATH, read as 'aime PATH'); got 3 values: a a.jsonl b."),
+    (["--eval-sglang-mem-fraction-static", "0.5"],
+     "--eval-sglang-mem-fraction-static: --eval-sglang-* flags configure the dedicated eval fleet, which needs "
+     "--eval-num-gpus > 0."),
+    (["--over-sampling-batch-size", "2"],
+     "--over-sampling-batch-size (2) must be at least --rollout-batch-size (4): each wave draws at least one "
+     "rollout's worth of prompts."),
+    (["--fully-async", "--colocate"],
+     "--fully-async cannot be combined with --colocate (the producer generates while the trainer trains)."),
+    (["--fully-async", "--partial-rollout"],
+     "--fully-async cannot be combined with --partial-rollout (unfinished groups simply stay in flight)."),
+    (["--fully-async", "--rollout-function-path", "my.rollout"],
+     "--fully-async cannot be combined with --rollout-function-path (both choose the rollout)."),
+    (["--fully-async", "--rollout-all-samples-process-path", "my.process"],
+     "--fully-async cannot be combined with --rollout-all-samples-process-path (there is no end of a rollout "
+     "to see all samples at)."),
+    (["--fully-async", "--pause-generation-mode", "abort"],
+     "--fully-async cannot use --pause-generation-mode abort: generation is always in flight, so every weight "
+     "update would throw it away; use retract or in_place."),
+    (["--fully-async", "--rollout", "sync"],
+     "--fully-async and --rollout sync both choose the rollout; pass only one."),
+    (["--n-samples-per-prompt", "4", "--async-max-concurrent-samples", "3"],
+     "--async-max-concurrent-samples (3) must be at least --n-samples-per-prompt (4): a whole group is in "
+     "flight at once."),
+    (["--tito-model", "qwen"], "--tito-model qwen needs --use-session-server."),
+    (["--custom-agent-function-path", "a.run", "--pause-generation-mode", "abort"],
+     "--custom-agent-function-path cannot use --pause-generation-mode abort (agents keep their requests open "
+     "across weight updates)."),
+    (["--debug-rollout-only", "--debug-train-only"],
+     "--debug-rollout-only and --debug-train-only are exclusive: the first runs only the engines, the second "
+     "only the trainer."),
+    (["--debug-rollout-only", "--load-debug-rollout-data", "/d/{rollout_id}.pt"],
+     "--debug-rollout-only and --debug-train-only are exclusive: the first runs only the engines, the second "
+     "only the trainer."),
+    (["--rollout-max-context-len", "100", "--rollout-max-prompt-len", "100"],
+     "--rollout-max-prompt-len (100) must be at most --rollout-max-context-len - 1 (99): a prompt needs room for "
+     "one response token."),
+    (["--context-parallel-size", "2"],
+     "--train-backend fsdp does not support --context-parallel-size 2; use 1 or --train-backend megatron."),
+    (["--actor-num-gpus-per-node", "2", "--dp-replicate-size", "3", "--global-batch-size", "2"],
+     "--dp-replicate-size (3) must divide the trainer world size 2."),
+    (["--lr-warmup-iters", "10", "--lr-warmup-fraction", "0.1"],
+     "--lr-warmup-iters and --lr-warmup-fraction are exclusive; pass one."),
+    (["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive; pass one."),
+    (["--sglang-dp-size", "2"], "--sglang-dp-size 2 requires --sglang-enable-dp-attention."),
+    (["--sglang-dp-size", "two"], "--sglang-dp-size must be a whole number, got 'two'."),
+    (["--colocate", "--update-weight-transfer-mode", "p2p"],
+     "--update-weight-transfer-mode p2p is not supported yet (supported: broadcast).\n"
+     "--colocate cannot use --update-weight-transfer-mode p2p; colocated engines receive weights in place."),
+]
+
+
+@pytest.mark.parametrize("extra, message", ERRORS, ids=lambda v: " ".join(v)[:50] if isinstance(v, list) else "")
+def test_validation_error_message(extra, message):
+    assert error_of(BASE + extra) == message
+
+
+def test_num_rollout_is_required_and_mentions_the_old_default():
+    assert error_of(["--rollout-batch-size", "4"]) == (
+        "--num-rollout is required: give the number of rollout iterations to run (it used to default to 1000; "
+        "--num-rollout 0 only evaluates).")
+
+
+def test_every_problem_is_reported_at_once_one_per_line():
+    message = error_of(["--rollout-batch-size", "4", "--rollout-temperature", "0", "--use-mlflow", "--use-kl-loss"])
+    assert message.splitlines() == [
+        "--use-mlflow is not supported yet; remove it.",
+        "--num-rollout is required: give the number of rollout iterations to run (it used to default to 1000; "
+        "--num-rollout 0 only evaluates).",
+        "--rollout-temperature must be > 0, got 0 (greedy decoding is for evaluation only: --eval-temperature 0).",
+        "--use-kl-loss need a reference model: give --ref-load (or --hf-checkpoint, used as the reference when "
+        "--ref-load is absent).",
+    ]
+
+
+def test_config_error_is_a_plugin_error_with_the_problem_list():
+    from furlong.hooks import PluginError
+
+    with pytest.raises(PluginError) as excinfo:
+        parse_args(["--rollout-batch-size", "4", "--use-mlflow"])
+    assert isinstance(excinfo.value, ConfigError)
+    assert len(excinfo.value.problems) == 2
+
+
+# --- command-dependent checks -------------------------------------------------------------
+
+@pytest.mark.parametrize("extra, command, message", [
+    (["--fully-async"], "train", "--fully-async needs furlong train-async."),
+    (["--colocate"], "train-async",
+     "furlong train-async cannot run with --colocate (training and generation overlap); use furlong train."),
+    (["--advantage-estimator", "ppo", "--train-backend", "megatron"], "train-async",
+     "furlong train-async with --advantage-estimator ppo needs --use-rollout-logprobs, --use-tis or "
+     "--keep-old-actor (the old policy is gone by the time the batch trains)."),
+])
+def test_command_dependent_errors(extra, command, message):
+    assert error_of(BASE + extra, command=command) == message
+
+
+def test_command_dependent_checks_pass_for_the_right_command():
+    assert parse_args(BASE + ["--fully-async"], command="train-async").fully_async is True
+    assert parse_args(BASE + ["--colocate"], command="train").colocate is True
+    assert parse_args(BASE + ["--fully-async"]).rollout == "fully_async"  # command unknown: not checked
+
+
+# --- not supported yet ------------------------------------------------------------------
+
+UNSUPPORTED_ARGV = {
+    "--use-routing-replay": ["--use-routing-replay"],
+    "--use-rollout-routing-replay": ["--use-rollout-routing-replay"],
+    "--true-on-policy-mode": ["--true-on-policy-mode"],
+    "--qkv-format": ["--qkv-format", "bshd"],
+    "--opd-type": ["--opd-type", "sglang"],
+    "--balance-by-flops": ["--balance-by-flops"],
+    "--eval-num-gpus": ["--eval-num-gpus", "2"],
+    "--async-save": ["--async-save"],
+    "--save-hf": ["--save-hf", "/hf/{rollout_id}"],
+    "--use-mlflow": ["--use-mlflow"],
+    "--use-prometheus": ["--use-prometheus"],
+    "--multimodal-keys": ["--multimodal-keys", '{"image": "images"}'],
+    "--rollout-external": ["--rollout-external"],
+    "--update-weight-transfer-mode": ["--update-weight-transfer-mode", "disk-delta"],
+    "--keep-old-actor": ["--keep-old-actor"],
+    "--use-session-server": ["--use-session-server"],
+}
+UNSUPPORTED_MESSAGES = {
+    "--qkv-format": "--qkv-format bshd is not supported yet (supported: thd).",
+    "--opd-type": "--opd-type sglang is not supported yet (supported: megatron).",
+    "--eval-num-gpus": "--eval-num-gpus 2 is not supported yet (supported: 0).",
+    "--update-weight-transfer-mode": "--update-weight-transfer-mode disk-delta is not supported yet "
+                                     "(supported: broadcast).",
+}
+
+
+@pytest.mark.parametrize("row", UNSUPPORTED, ids=lambda r: r.flag)
+def test_unsupported_flag_with_a_non_default_value_is_an_error(row):
+    message = UNSUPPORTED_MESSAGES.get(row.flag, f"{row.flag} is not supported yet; remove it.")
+    assert error_of(BASE + UNSUPPORTED_ARGV[row.flag]).splitlines()[0] == message
+
+
+def test_unsupported_flags_at_their_default_value_are_accepted():
+    args = parse_args(BASE + ["--qkv-format", "thd", "--eval-num-gpus", "0", "--update-weight-transfer-mode",
+                              "broadcast", "--opd-type", "megatron"])
+    assert (args.qkv_format, args.eval_num_gpus, args.update_weight_transfer_mode) == ("thd", 0, "broadcast")
+
+
+def test_unsupported_table_and_test_rows_match():
+    assert sorted(row.flag for row in UNSUPPORTED) == sorted(UNSUPPORTED_ARGV)
+
+
+# --- warnings ---------------------------------------------------------------------------
+
+def test_colocate_ignores_rollout_num_gpus_with_a_warning(caplog):
+    warned = warnings_of(caplog, BASE + ["--colocate", "--rollout-num-gpus", "4"])
+    assert warned == ["--rollout-num-gpus 4 is ignored under --colocate: the engines share the trainer's 1 GPUs "
+                      "(actor_num_nodes x actor_num_gpus_per_node)."]
+    assert parse_args(BASE + ["--colocate", "--rollout-num-gpus", "4"]).rollout_num_gpus == 1
+
+
+def test_dynamic_batching_warns_when_responses_exceed_the_token_cap(caplog):
+    warned = warnings_of(caplog, BASE + ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
+                                         "--rollout-max-response-len", "8192"])
+    assert warned == ["--rollout-max-response-len (8192) is larger than --max-tokens-per-gpu (4096): a longer "
+                      "sample gets a micro-batch of its own above the cap and may run out of memory."]
+    assert warnings_of(caplog, BASE + ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
+                                       "--rollout-max-response-len", "4096"]) == []
+
+
+def test_tensor_parallel_without_sequence_parallel_warns(caplog):
+    megatron = BASE + ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2",
+                       "--tensor-model-parallel-size", "2"]
+    assert warnings_of(caplog, megatron) == [
+        "--tensor-model-parallel-size 2 without --sequence-parallel keeps a full copy of the activations on every "
+        "TP rank; add --sequence-parallel."]
+    assert warnings_of(caplog, megatron + ["--sequence-parallel"]) == []
+
+
+def test_partial_rollout_with_several_steps_without_tis_warns(caplog):
+    argv = BASE + ["--n-samples-per-prompt", "2", "--num-steps-per-rollout", "2", "--partial-rollout"]
+    assert warnings_of(caplog, argv) == [
+        "--partial-rollout with --num-steps-per-rollout 2 trains on samples from older policies; add --use-tis to "
+        "correct for it."]
+    assert warnings_of(caplog, argv + ["--use-tis"]) == []
+
+
+def test_sglang_tp_size_is_replaced_by_gpus_per_engine(caplog):
+    argv = BASE + ["--rollout-num-gpus-per-engine", "2", "--sglang-tp-size", "4"]
+    assert warnings_of(caplog, argv) == ["--sglang-tp-size 4 is replaced by --rollout-num-gpus-per-engine (2)."]
+    args = parse_args(argv)
+    assert args.sglang_tp_size == 2 and "tp_size" not in args.sglang_passthrough
+
+
+def test_colocate_disables_cuda_graph_prefill_unless_given(caplog):
+    assert parse_args(BASE + ["--colocate"]).sglang_passthrough == {"cuda_graph_backend_prefill": "disabled"}
+    argv = BASE + ["--colocate", "--sglang-cuda-graph-backend-prefill", "full"]
+    assert warnings_of(caplog, argv) == [
+        "--sglang-cuda-graph-backend-prefill full under --colocate may run out of memory (NVLS buffers); furlong's "
+        "default there is 'disabled'."]
+    assert parse_args(argv).sglang_passthrough == {"cuda_graph_backend_prefill": "full"}
+
+
+# --- derivations ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra, expected", [
+    ([], (False, False)),
+    (["--colocate"], (True, True)),
+    (["--colocate", "--no-offload-train"], (False, True)),
+    (["--colocate", "--no-offload-rollout"], (True, False)),
+    (["--offload"], (True, True)),
+    (["--offload-rollout"], (False, True)),
+    (["--colocate", "--debug-rollout-only"], (False, False)),
+])
+def test_offload_defaults(extra, expected):
+    args = parse_args(BASE + extra)
+    assert (args.offload_train, args.offload_rollout) == expected
+
+
+def test_defaults_every_run_reads():
+    args = parse_args(BASE)
+    expected = {
+        "rollout_temperature": 1.0, "rollout_top_p": 1.0, "rollout_top_k": -1, "eps_clip": 0.2,
+        "eps_clip_high": 0.2, "eps_clip_c": None, "kl_loss_type": "k1", "kl_loss_coef": 0.0, "kl_coef": 0.0,
+        "lr": 1e-6, "min_lr": 0.0, "weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.98, "adam_eps": 1e-8,
+        "clip_grad": 1.0, "lr_decay_style": "constant", "lr_decay_iters": 3, "save_interval": 100,
+        "policy_ratio_level": "token", "rollout_seed": 42, "seed": 1234, "n_samples_per_eval_prompt": 1,
+        "micro_batch_size": 1, "over_sampling_batch_size": 4, "max_sampling_waves": 32, "rollout": "sync",
+        "generate": "single_turn", "buffer_filter": "pop_first", "advantage_estimator": "grpo",
+        "loss_type": "policy_loss", "data_source": "jsonl", "dynamic_sampling_filter": None,
+        "disable_plugins": [], "apply_chat_template": False, "input_key": "input", "metadata_key": "metadata",
+        "tool_key": "tools", "rollout_submission_granularity": "group", "fully_async": False,
+        "disable_grpo_std_normalization": True, "sglang_passthrough": {}, "router_passthrough": {},
+        "megatron_flags_given": [], "seq_length": 4096, "max_position_embeddings": 4096,
+        "sglang_server_concurrency": 512, "sglang_router_request_timeout_secs": 14400,
+        "update_weight_buffer_size": 512 * 2**20, "pause_generation_mode": "retract", "executor": "local",
+        "check_for_nan_in_loss_and_grad": True, "data_parallel_size": 1, "sglang_tp_size": 1,
+    }
+    assert {k: getattr(args, k) for k in expected} == expected
+
+
+def test_eps_clip_high_follows_eps_clip_unless_given():
+    assert parse_args(BASE + ["--eps-clip", "0.3"]).eps_clip_high == 0.3
+    assert parse_args(BASE + ["--eps-clip", "0.3", "--eps-clip-high", "0.28"]).eps_clip_high == 0.28
+
+
+def test_policy_ratio_level_is_sequence_for_gspo():
+    assert parse_args(BASE + ["--advantage-estimator", "gspo"]).policy_ratio_level == "sequence"
+    assert parse_args(BASE + ["--advantage-estimator", "gspo", "--policy-ratio-level", "token"]).policy_ratio_level \
+        == "token"
+
+
+def test_eval_values_inherit_the_rollout_ones_when_unset():
+    args = parse_args(BASE + ["--rollout-temperature", "0.7", "--rollout-top-p", "0.9", "--rollout-top-k", "20",
+                              "--rollout-max-response-len", "512", "--input-key", "q", "--label-key", "a",
+                              "--reward-key", "score", "--rollout-max-context-len", "1024",
+                              "--eval-top-p", "1.0", "--n-samples-per-prompt", "8"])
+    got = {k: getattr(args, k) for k in ("eval_temperature", "eval_top_p", "eval_top_k", "eval_max_response_len",
+                                         "eval_input_key", "eval_label_key", "eval_tool_key", "eval_reward_key",
+                                         "eval_max_context_len", "eval_max_prompt_len", "n_samples_per_eval_prompt")}
+    assert got == {"eval_temperature": 0.7, "eval_top_p": 1.0, "eval_top_k": 20, "eval_max_response_len": 512,
+                   "eval_input_key": "q", "eval_label_key": "a", "eval_tool_key": "tools", "eval_reward_key": "score",
+                   "eval_max_context_len": 1024, "eval_max_prompt_len": None, "n_samples_per_eval_prompt": 1}
+
+
+def test_eval_temperature_zero_is_greedy_and_allowed():
+    assert parse_args(BASE + ["--eval-temperature", "0"]).eval_temperature == 0.0
+
+
+def test_one_lone_eval_prompt_data_value_means_aime():
+    assert parse_args(BASE + ["--eval-prompt-data", "/d/aime.jsonl"]).eval_prompt_data == ["aime", "/d/aime.jsonl"]
+
+
+def test_group_std_normalization_forced_off_only_for_one_sample_groups():
+    assert parse_args(BASE + ["--n-samples-per-prompt", "1"]).disable_grpo_std_normalization is True
+    assert parse_args(BASE + ["--n-samples-per-prompt", "4"]).disable_grpo_std_normalization is False
+
+
+def test_over_sampling_batch_size_defaults_to_rollout_batch_size():
+    assert parse_args(BASE).over_sampling_batch_size == 4
+    assert parse_args(BASE + ["--over-sampling-batch-size", "6"]).over_sampling_batch_size == 6
+
+
+def test_hf_checkpoint_serves_as_the_reference():
+    args = parse_args(BASE + ["--use-kl-loss", "--hf-checkpoint", "/m"])
+    assert (args.ref_load, args.tokenizer_model) == (None, "/m")
+
+
+def test_fully_async_rollout_function_path_selects_the_fully_async_rollout():
+    args = parse_args(BASE + ["--rollout-function-path", "fully_async_rollout.generate_rollout_fully_async"])
+    assert (args.rollout, args.fully_async, args.rollout_function_path) == ("fully_async", True, None)
+    assert args.rollout_submission_granularity == "sample"
+
+
+def test_rollout_fully_async_sets_the_fully_async_flag():
+    args = parse_args(BASE + ["--rollout", "fully_async"])
+    assert (args.rollout, args.fully_async) == ("fully_async", True)
+
+
+def test_load_debug_rollout_data_implies_train_only():
+    assert parse_args(BASE + ["--load-debug-rollout-data", "/d/{rollout_id}.pt"]).debug_train_only is True
+
+
+def test_prompt_length_cap_defaults_to_context_minus_one():
+    assert parse_args(BASE + ["--rollout-max-context-len", "100"]).rollout_max_prompt_len == 99
+
+
+def test_fp16_turns_bf16_off():
+    args = parse_args(BASE + ["--fp16"])
+    assert (args.fp16, args.bf16) == (True, False)
+
+
+def test_dp_attention_makes_the_router_dp_aware():
+    args = parse_args(BASE + ["--sglang-dp-size", "2", "--sglang-enable-dp-attention"])
+    assert args.router_passthrough == {"dp_aware": True}
+
+
+def test_chat_template_path_is_sent_to_sglang():
+    assert parse_args(BASE + ["--chat-template-path", "/t.jinja"]).sglang_passthrough == {"chat_template": "/t.jinja"}
+
+
+def test_critic_defaults_follow_load_save_and_lr():
+    args = parse_args(BASE + ["--load", "/ck", "--save", "/ck", "--lr", "2e-6"])
+    assert (args.critic_load, args.critic_save, args.critic_lr) == ("/ck", "/ck_critic", 2e-6)
+
+
+def test_moe_allgather_dispatcher_runs_as_alltoall():
+    assert parse_args(BASE + ["--moe-token-dispatcher-type", "allgather"]).moe_token_dispatcher_type == "alltoall"
+
+
+def test_rollout_num_gpus_under_colocate_is_the_trainer_world_size():
+    args = parse_args(BASE + ["--colocate", "--rollout-backend", "sglang", "--actor-num-gpus-per-node", "4"])
+    assert (args.rollout_num_gpus, args.executor) == (4, "ray")
+
+
+# --- device-dependent defaults ----------------------------------------------------------
+
+DEVICE_KEYS = ("actor_num_gpus_per_node", "num_gpus_per_node", "attn_implementation", "bf16", "distributed_backend",
+               "rollout_backend", "train_backend", "executor")
+
+
+def test_cpu_defaults():
+    args = parse_args(BASE)
+    assert {k: getattr(args, k) for k in DEVICE_KEYS} == {
+        "actor_num_gpus_per_node": 1, "num_gpus_per_node": 1, "attn_implementation": "sdpa", "bf16": False,
+        "distributed_backend": "gloo", "rollout_backend": "embedded", "train_backend": "fsdp", "executor": "local"}
+
+
+def test_cuda_defaults_keep_the_miles_ones(monkeypatch):
+    monkeypatch.setattr(env, "cuda_available", lambda: True)
+    monkeypatch.setattr(env, "sglang_available", lambda: True)
+    monkeypatch.setattr(env, "megatron_available", lambda: True)
+    args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8", "--rollout-num-gpus", "8"])
+    assert {k: getattr(args, k) for k in DEVICE_KEYS} == {
+        "actor_num_gpus_per_node": 8, "num_gpus_per_node": 8, "attn_implementation": "flash_attention_2",
+        "bf16": True, "distributed_backend": "nccl", "rollout_backend": "sglang", "train_backend": "megatron",
+        "executor": "ray"}
+
+
+def test_cuda_without_megatron_core_trains_with_fsdp(monkeypatch):
+    monkeypatch.setattr(env, "cuda_available", lambda: True)
+    assert parse_args(["--num-rollout", "1", "--rollout-batch-size", "8"]).train_backend == "fsdp"
+
+
+def test_print_config_dict_is_json_serializable():
+    args = parse_args(BASE + ["--sglang-enable-metrics", "--dynamic-sampling-filter", "check_reward_nonzero_std"])
+    data = config_to_dict(args)
+    assert json.loads(json.dumps(data)) == data
+    assert data["explicit_args"] == ["dynamic_sampling_filter", "num_rollout", "rollout_batch_size"]
+    assert data["sglang_passthrough"] == {"enable_metrics": True}

@@ -1,0 +1,66 @@
+"""A tiny random Llama and a character-level tokenizer, written to a directory, for backend tests.
+
+The tokenizer maps every printable ASCII character and newline to one token, plus
+``<pad>`` (0), ``<unk>`` (1), ``<s>`` (2) and ``</s>`` (3). It adds no special tokens
+when encoding, so ``decode(encode(text)) == text`` for any ASCII text. The model is a
+2-layer Llama (hidden 32, 2 heads), random weights from a fixed seed, float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+def build_tiny_model(path: Path, seed: int = 0) -> Path:
+    """Write ``config.json``, weights and tokenizer files of the tiny model to ``path``; return it."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(SPECIALS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=len(vocab), max_position_embeddings=1024, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID, tie_word_embeddings=False,
+    )
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    torch.random.set_rng_state(state)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def train_args(hf_dir: Path | str, **overrides) -> argparse.Namespace:
+    """The launch flags the fsdp backend reads, at SPEC.md defaults, for a 1-rollout run.
+
+    Defaults: 1 rollout of 4 samples, ``gbs`` 4, Adam at lr 1e-2 (constant), no weight
+    decay, clip 1.0. ``overrides`` replace any of them.
+    """
+    values = dict(
+        hf_checkpoint=str(hf_dir), ref_load=None, use_kl_loss=False, kl_coef=0.0,
+        optimizer="adam", lr=1e-2, min_lr=0.0, lr_decay_style="constant", lr_decay_iters=None,
+        lr_warmup_iters=0, lr_warmup_fraction=None, lr_warmup_init=0.0, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-8, clip_grad=1.0,
+        num_rollout=1, rollout_batch_size=4, n_samples_per_prompt=1, global_batch_size=4,
+        num_steps_per_rollout=1, micro_batch_size=1, use_dynamic_batch_size=False, max_tokens_per_gpu=None,
+        no_check_for_nan_in_loss_and_grad=False, reset_optimizer_states=False,
+        no_load_optim=False, no_load_rng=False, no_save_optim=False,
+        gradient_checkpointing=False, attn_implementation="sdpa", bf16=False, fp16=False,
+        entropy_coef=0.0, seed=1234, megatron_flags_given=[],
+    )
+    values.update(overrides)
+    return argparse.Namespace(**values)
