@@ -117,7 +117,7 @@ def _train(command: str, argv: list[str]) -> int:
     from .selection import resolve_selection
 
     pm = get_plugin_manager(_disable_list(argv))
-    args = parse_args(argv, pm)
+    args = parse_args(argv, pm, command=command)
     args.train_mode = "async" if command == "train-async" else "sync"
     selection = resolve_selection(args, pm)
     if args.print_config:

@@ -45,12 +45,6 @@ def test_the_table():
     )
 
 
-def test_installed_version_is_a_development_build_below_the_removal():
-    from packaging.version import Version
-
-    assert Version(deprecations.furlong_version()) < Version("0.1.0")
-
-
 @pytest.mark.parametrize("argv, attr, value, message", [
     (["--rm-path", "my.rm"], "custom_rm_path", "my.rm",
      "--rm-path is deprecated since 0.0.9 and will be removed in furlong 0.1.0; use --custom-rm-path instead."),

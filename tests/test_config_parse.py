@@ -276,3 +276,17 @@ def test_async_add_arguments_is_refused(plugin_manager, register_plugin):
     with pytest.raises(PluginError) as excinfo:
         build_parser(plugin_manager)
     assert str(excinfo.value) == "plugin 'async_flags': `add_arguments` may not be async def."
+
+
+def test_overlay_text_values_of_typed_flags_are_converted(tmp_path):
+    path = tmp_path / "over.yaml"
+    path.write_text("lr: 1e-5\n")  # YAML 1.1 reads 1e-5 (no dot) as text
+    assert parse_args(BASE + ["--custom-config-path", str(path)]).lr == 1e-5
+
+
+def test_overlay_value_of_the_wrong_type_is_an_error(tmp_path):
+    path = tmp_path / "over.yaml"
+    path.write_text("rollout_batch_size: many\n")
+    assert error_of(BASE + ["--custom-config-path", str(path)]) == (
+        "--custom-config-path: rollout_batch_size: cannot read 'many' (invalid literal for int() with base 10: "
+        "'many').")

@@ -55,7 +55,7 @@ ERRORS = [
      "--rollout-num-gpus (6) must be a multiple of --rollout-num-gpus-per-engine (4): every engine gets the "
      "same number of GPUs."),
     (["--use-kl-loss"],
-     "--use-kl-loss need a reference model: give --ref-load (or --hf-checkpoint, used as the reference when "
+     "--use-kl-loss needs a reference model: give --ref-load (or --hf-checkpoint, used as the reference when "
      "--ref-load is absent)."),
     (["--use-kl-loss", "--kl-coef", "0.1"],
      "--use-kl-loss and --kl-coef 0.1 need a reference model: give --ref-load (or --hf-checkpoint, used as the "
@@ -165,7 +165,7 @@ def test_every_problem_is_reported_at_once_one_per_line():
         "--num-rollout is required: give the number of rollout iterations to run (it used to default to 1000; "
         "--num-rollout 0 only evaluates).",
         "--rollout-temperature must be > 0, got 0 (greedy decoding is for evaluation only: --eval-temperature 0).",
-        "--use-kl-loss need a reference model: give --ref-load (or --hf-checkpoint, used as the reference when "
+        "--use-kl-loss needs a reference model: give --ref-load (or --hf-checkpoint, used as the reference when "
         "--ref-load is absent).",
     ]
 

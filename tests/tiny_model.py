@@ -64,3 +64,47 @@ def train_args(hf_dir: Path | str, **overrides) -> argparse.Namespace:
     )
     values.update(overrides)
     return argparse.Namespace(**values)
+
+
+PROMPTS = ["Q: 2+3=", "Say hi:", "abc", "The sky is"]
+RESPONSES = [" 5.", " hi there", "def", " blue today"]
+
+
+def make_batch(tokenizer, steps, temperature: float = 1.0, advantages=(1.0, -0.5, 2.0, 1.0)):
+    """A ``TrainBatch`` of the four fixed prompt/response pairs, with a :class:`MeanPG` objective.
+
+    :param steps: ``TrainBatch.steps`` (micro-batches of sample indices per step).
+    """
+    import torch
+
+    from furlong.hooks import TrainBatch
+
+    tokens, lengths = [], []
+    for prompt, response in zip(PROMPTS, RESPONSES):
+        p, r = tokenizer.encode(prompt), tokenizer.encode(response)
+        tokens.append(p + r)
+        lengths.append(len(r))
+    batch = TrainBatch(tokens=tokens, response_lengths=lengths, loss_masks=[torch.ones(n) for n in lengths],
+                       steps=steps, temperature=temperature)
+    batch.objective = MeanPG(list(advantages), global_batch_size=len(tokens))
+    return batch
+
+
+class MeanPG:
+    """A per-sample policy-gradient objective (SPEC.md 4.6, per-sample mode, unit masks).
+
+    Micro-batch loss ``sum_i -A_i * mean_t(logp_{i,t}) / gbs``: summed over a step's
+    micro-batches (and ranks) it is the step objective, whatever the packing.
+    """
+
+    def __init__(self, advantages: list[float], global_batch_size: int, scale: float = 1.0):
+        self.advantages = advantages
+        self.gbs = global_batch_size
+        self.scale = scale
+        self.calls: list[list[int]] = []
+
+    async def __call__(self, sample_ids, log_probs, entropy, values=None):
+        self.calls.append(list(sample_ids))
+        loss = sum(-self.advantages[i] * lp.mean() for i, lp in zip(sample_ids, log_probs)) / self.gbs
+        loss = loss * self.scale
+        return loss, {"loss": float(loss.detach()), "entropy": float(sum(e.mean() for e in entropy)) / self.gbs}

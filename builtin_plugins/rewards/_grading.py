@@ -38,7 +38,8 @@ from furlong.hooks import PluginError
 
 from ._normalize import normalize_math_answer
 
-__all__ = ["DEFAULT_TIMEOUT_S", "equivalent", "equivalent_many", "equivalent_many_async", "grading_stats"]
+__all__ = ["DEFAULT_TIMEOUT_S", "equivalent", "equivalent_many", "equivalent_many_async", "grading_stats",
+           "run_in_worker"]
 
 log = logging.getLogger(__name__)
 
@@ -180,9 +181,7 @@ class _Worker:
             ) from exc
 
     def send(self, obj: Any) -> None:
-        data = pickle.dumps(obj)
-        self.proc.stdin.write(struct.pack("<Q", len(data)) + data)
-        self.proc.stdin.flush()
+        _write_frame(self.proc.stdin, obj)
 
     def receive(self, timeout_s: float) -> Any:
         deadline = time.monotonic() + timeout_s
@@ -213,11 +212,10 @@ class _Worker:
 
 def _get_worker() -> _Worker:
     global _worker
-    if _worker is not None and _worker.owner == os.getpid() and _worker.proc.poll() is None:
-        return _worker
-    if _worker is not None and _worker.owner == os.getpid():
+    if _worker is not None and _worker.owner == os.getpid():  # one inherited through fork is the parent's
+        if _worker.proc.poll() is None:
+            return _worker
         _drop_worker()
-    # A worker inherited through fork belongs to the parent process: leave it alone.
     if importlib.util.find_spec("math_verify") is None:
         raise PluginError(
             "math answer grading needs the 'math-verify' package, which is not installed. "
@@ -241,6 +239,14 @@ def _grading_thread() -> ThreadPoolExecutor:
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="furlong-grading")
         return _executor
+
+
+def _write_frame(pipe, obj: Any) -> None:
+    """Write one length-prefixed pickle to an unbuffered pipe (a raw write may be partial)."""
+    payload = pickle.dumps(obj)
+    data = memoryview(struct.pack("<Q", len(payload)) + payload)
+    while data:
+        data = data[pipe.write(data):]
 
 
 @atexit.register
@@ -275,18 +281,14 @@ def _serve() -> None:
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
     _check_pair("1", "1")  # import sympy and math-verify now, not inside the first time-out
 
-    def write(obj: Any) -> None:
-        data = pickle.dumps(obj)
-        out.write(struct.pack("<Q", len(data)) + data)
-
-    write(("ready", os.getpid()))
+    _write_frame(out, ("ready", os.getpid()))
     inp = sys.stdin.buffer
     while True:
         header = inp.read(8)
         if len(header) < 8:
             return
         fn, args, timeout_s = pickle.loads(inp.read(struct.unpack("<Q", header)[0]))
-        write(_worker_call(fn, args, timeout_s))
+        _write_frame(out, _worker_call(fn, args, timeout_s))
 
 
 def _worker_call(fn: Callable, args: tuple, timeout_s: float) -> tuple[str, Any]:

@@ -19,6 +19,8 @@ _BODY_CHARS = 300  # how much of an error body a message quotes
 
 @hookimpl
 def add_arguments(parser):
+    """Add ``--remote-rm-timeout`` (float seconds, default 60) and ``--remote-rm-max-retries``
+    (int, default 3), read by :func:`reward`."""
     group = parser.add_argument_group("remote_rm")
     group.add_argument("--remote-rm-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                        help="Seconds each remote_rm HTTP request may wait for the server (connect and each read).")

@@ -7,6 +7,7 @@ __all__ = ["add"]
 
 
 def add(g, dev) -> None:
+    """Add the flags to argument group ``g``; ``dev`` holds the machine-dependent defaults."""
     g.add_argument("--eps-clip", type=float, default=0.2, help="PPO clip range, lower side.")
     g.add_argument("--eps-clip-high", type=float, default=None, help="PPO clip range, upper side (default: --eps-clip).")
     g.add_argument("--eps-clip-c", type=float, default=None, help="Dual-clip constant c (> 1); off when unset.")

@@ -8,6 +8,7 @@ __all__ = ["add"]
 
 
 def add(g, dev) -> None:
+    """Add the flags to argument group ``g``; ``dev`` holds the machine-dependent defaults."""
     g.add_argument("--actor-num-nodes", type=int, default=1, help="Nodes for the trainer.")
     g.add_argument("--actor-num-gpus-per-node", type=int, default=dev.gpus_per_node,
                    help="Devices per node for the trainer; trainer world size = nodes x this (1 without CUDA).")

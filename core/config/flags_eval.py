@@ -7,6 +7,7 @@ __all__ = ["add"]
 
 
 def add(g, dev) -> None:
+    """Add the flags to argument group ``g``; ``dev`` holds the machine-dependent defaults."""
     g.add_argument("--eval-interval", type=int, default=None,
                    help="Rollouts between evaluations; needs --eval-prompt-data or --eval-config.")
     g.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="NAME PATH",

@@ -8,6 +8,7 @@ __all__ = ["add_debugging", "add_logging"]
 
 
 def add_logging(g, dev) -> None:
+    """Add the flags to argument group ``g``; ``dev`` holds the machine-dependent defaults."""
     g.add_argument("--log-dir", default=None, help="Directory for metrics.jsonl and the run log.")
     g.add_argument("--log-interval", type=int, default=1, help="Rollouts between stdout metric lines.")
     g.add_argument("--log-passrate", action="store_true", help="Log pass@k over each group.")
@@ -37,6 +38,7 @@ def add_logging(g, dev) -> None:
 
 
 def add_debugging(g, dev) -> None:
+    """Add the flags to argument group ``g``; ``dev`` holds the machine-dependent defaults."""
     g.add_argument("--debug", action="store_true", help="Show tracebacks of usage errors.")
     g.add_argument("--print-config", action="store_true", help="Print every resolved flag as JSON and exit.")
     g.add_argument("--custom-config-path", default=None,

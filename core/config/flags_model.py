@@ -12,6 +12,7 @@ __all__ = ["add"]
 
 
 def add(g, dev) -> None:
+    """Add the flags to argument group ``g``; ``dev`` holds the machine-dependent defaults."""
     g.add_argument("--hf-checkpoint", default=None,
                    help="HF model directory: tokenizer, config, engine boot weights, fsdp weights; "
                         "also the reference model when --ref-load is absent.")

@@ -9,6 +9,7 @@ __all__ = ["add"]
 
 
 def add(g, dev) -> None:
+    """Add the flags to argument group ``g``; ``dev`` holds the machine-dependent defaults."""
     g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="adam (AdamW) or sgd.")
     g.add_argument("--lr", type=float, default=1e-6, help="Learning rate.")
     g.add_argument("--min-lr", type=float, default=0.0, help="Floor of the decay schedules.")

@@ -11,6 +11,7 @@ __all__ = ["add"]
 
 
 def add(g, dev) -> None:
+    """Add the flags to argument group ``g``; ``dev`` holds the machine-dependent defaults."""
     g.add_argument("--use-dynamic-batch-size", action="store_true",
                    help="Pack samples into micro-batches under --max-tokens-per-gpu (overrides --micro-batch-size).")
     g.add_argument("--max-tokens-per-gpu", type=int, default=None,

@@ -8,6 +8,7 @@ __all__ = ["add"]
 
 
 def add(g, dev) -> None:
+    """Add the flags to argument group ``g``; ``dev`` holds the machine-dependent defaults."""
     g.add_argument("--rollout", default="sync", help="rollout plugin: sync or fully_async.")
     g.add_argument("--rollout-function-path", default=None,
                    help="module.function replacing the whole rollout; a path ending in "

@@ -8,6 +8,7 @@ __all__ = ["add"]
 
 
 def add(g, dev) -> None:
+    """Add the flags to argument group ``g``; ``dev`` holds the machine-dependent defaults."""
     g.add_argument("--prompt-data", default=None,
                    help="Prompt set: JSONL or .parquet; PATH@[a:b] keeps rows a..b.")
     g.add_argument("--input-key", default="input", help="Row field holding the prompt.")

@@ -7,6 +7,7 @@ __all__ = ["add"]
 
 
 def add(g, dev) -> None:
+    """Add the flags to argument group ``g``; ``dev`` holds the machine-dependent defaults."""
     g.add_argument("--rm-url", default=None, help="Endpoint of the remote_rm reward (and of an sglang OPD teacher).")
     g.add_argument("--reward-key", default=None, help="Key of the training scalar when rewards are dicts.")
     g.add_argument("--group-rm", action="store_true", help="Score each finished group in one reward call.")

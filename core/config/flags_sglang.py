@@ -9,6 +9,7 @@ MIB = 1 << 20
 
 
 def add(g, dev) -> None:
+    """Add the flags to argument group ``g``; ``dev`` holds the machine-dependent defaults."""
     g.add_argument("--sglang-router-ip", default=None,
                    help="Use this running router (no router is launched; engines register with it).")
     g.add_argument("--sglang-router-port", type=int, default=None, help="Port of the router.")

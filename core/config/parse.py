@@ -68,19 +68,35 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     if not args.custom_config_path:
         _emit(findings)
         return args
-    overlay = load_overlay(args.custom_config_path)
+    overlay = _typed(load_overlay(args.custom_config_path), parser)
     final = copy.deepcopy(raw)
     for key, value in overlay.items():
         log.info("--custom-config-path sets %s = %r (was %r).", key, value, getattr(args, key, None))
         setattr(final, key, value)
     final.explicit_args = sorted(set(final.explicit_args) | set(overlay))
-    findings = validate(final, command)
+    try:
+        findings = validate(final, command)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"after --custom-config-path: a value has the wrong type ({exc}).") from None
     for key, value in overlay.items():  # the overlay has the last word, also on derived attributes
         setattr(final, key, value)
     _emit(findings)
     if findings.errors:
         raise ConfigError([f"after --custom-config-path: {e}" for e in findings.errors])
     return final
+
+
+def _typed(overlay: dict, parser: argparse.ArgumentParser) -> dict:
+    """Convert text values of typed flags (YAML reads ``1e-6`` as text) with the flag's type."""
+    types = {a.dest: a.type for a in parser._actions if callable(a.type)}
+    out = dict(overlay)
+    for key, value in overlay.items():
+        if key in types and isinstance(value, str):
+            try:
+                out[key] = types[key](value)
+            except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+                raise ConfigError(f"--custom-config-path: {key}: cannot read {value!r} ({exc}).") from None
+    return out
 
 
 def expand_argsfiles(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:

@@ -67,7 +67,8 @@ def kl_and_reference(args, f) -> None:
     if args.kl_coef != 0:
         users.append(f"--kl-coef {args.kl_coef:g}")
     if users and not args.ref_load and not args.hf_checkpoint:
-        f.error(f"{' and '.join(users)} need a reference model: give --ref-load "
+        verb = "needs" if len(users) == 1 else "need"
+        f.error(f"{' and '.join(users)} {verb} a reference model: give --ref-load "
                 f"(or --hf-checkpoint, used as the reference when --ref-load is absent).")
     if args.kl_coef != 0 and args.kl_loss_coef != 0:
         f.error(f"--kl-coef ({args.kl_coef:g}) and --kl-loss-coef ({args.kl_loss_coef:g}) are exclusive: the KL goes "

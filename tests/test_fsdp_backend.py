@@ -1,0 +1,340 @@
+"""The fsdp train backend on a tiny random Llama (CPU): steps, exactness, LR schedule, checkpoints, FSDP2."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_model import build_tiny_model, make_batch, train_args  # noqa: E402
+
+from furlong.builtin_plugins.backends.fsdp import FSDPBackend, train_backend  # noqa: E402
+from furlong.builtin_plugins.backends.fsdp.schedule import LRSchedule, lr_at  # noqa: E402
+from furlong.hooks import PluginError, TrainBackend  # noqa: E402
+
+ALL_IN_ONE = [[[0, 1, 2, 3]]]
+ONE_BY_ONE = [[[0], [1], [2], [3]]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two cores are shared by parallel work; torch's spinning thread pool makes tiny models crawl."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def _backend(tiny_dir, **overrides) -> FSDPBackend:
+    backend = train_backend(args=train_args(tiny_dir, **overrides))
+    assert asyncio.run(backend.init(backend.args)) == 0
+    return backend
+
+
+def _weights(backend) -> dict:
+    return {name: t.clone() for name, t in asyncio.run(backend.named_weights())}
+
+
+def _objective_value(backend, batch) -> float:
+    lp = asyncio.run(backend.log_probs(batch))["log_probs"]
+    loss, _ = asyncio.run(batch.objective(list(range(len(lp))), lp, [torch.zeros(1)] * len(lp)))
+    return float(loss)
+
+
+# --- training ---------------------------------------------------------------------------
+
+
+def test_backend_meets_the_protocol(tiny_dir):
+    assert isinstance(_backend(tiny_dir), TrainBackend)
+
+
+def test_one_step_lowers_the_objective(tiny_dir):
+    backend = _backend(tiny_dir)
+    batch = make_batch(backend.tokenizer, ALL_IN_ONE)
+    before = _objective_value(backend, batch)
+    metrics = asyncio.run(backend.train(0, batch))
+    after = _objective_value(backend, batch)
+    assert after < before - 1e-3
+    assert len(metrics) == 1
+    assert metrics[0]["loss"] == pytest.approx(before, abs=1e-5)  # objective metric, summed over micro-batches
+    assert metrics[0]["lr"] == 1e-2
+    assert metrics[0]["grad_norm"] > 0
+    assert backend.global_step == 1
+
+
+def test_gradient_accumulation_is_exact(tiny_dir):
+    # SGD without momentum or clipping: the update is -lr * gradient, so equal weights
+    # after the step mean equal gradients for 1 micro-batch of 4 and 4 micro-batches of 1
+    kw = dict(optimizer="sgd", sgd_momentum=0.0, lr=1.0, clip_grad=0.0)
+    one, four = _backend(tiny_dir, **kw), _backend(tiny_dir, **kw)
+    start = _weights(one)
+    m1 = asyncio.run(one.train(0, make_batch(one.tokenizer, ALL_IN_ONE)))
+    m4 = asyncio.run(four.train(0, make_batch(four.tokenizer, ONE_BY_ONE)))
+    w1, w4 = _weights(one), _weights(four)
+    assert max((w1[k] - start[k]).abs().max().item() for k in start) > 1e-3  # the step moved the weights
+    for name in w1:
+        torch.testing.assert_close(w4[name], w1[name], rtol=0, atol=1e-6)
+    assert m4[0]["grad_norm"] == pytest.approx(m1[0]["grad_norm"], rel=1e-5)
+    assert m4[0]["loss"] == pytest.approx(m1[0]["loss"], abs=1e-6)
+
+
+def test_objective_gets_each_micro_batch_once(tiny_dir):
+    backend = _backend(tiny_dir)
+    batch = make_batch(backend.tokenizer, [[[0, 2], [1]], [[3]]])
+    metrics = asyncio.run(backend.train(0, batch))
+    assert batch.objective.calls == [[0, 2], [1], [3]]
+    assert len(metrics) == 2 and backend.global_step == 2
+
+
+def test_nan_loss_is_a_hard_error(tiny_dir):
+    backend = _backend(tiny_dir)
+    batch = make_batch(backend.tokenizer, ALL_IN_ONE)
+    batch.objective.scale = float("nan")
+    with pytest.raises(FloatingPointError) as err:
+        asyncio.run(backend.train(3, batch))
+    assert str(err.value) == (
+        "fsdp: rollout 3 step 0: non-finite loss or gradient (grad norm nan); lower --lr, check rewards and data, "
+        "or pass --no-check-for-nan-in-loss-and-grad to skip such steps."
+    )
+
+
+def test_nan_step_is_skipped_with_the_flag(tiny_dir):
+    backend = _backend(tiny_dir, no_check_for_nan_in_loss_and_grad=True)
+    start = _weights(backend)
+    batch = make_batch(backend.tokenizer, ALL_IN_ONE)
+    batch.objective.scale = float("inf")
+    metrics = asyncio.run(backend.train(0, batch))
+    assert math.isnan(metrics[0]["grad_norm"])
+    assert backend.global_step == 0  # neither the optimizer nor the LR schedule advanced
+    after = _weights(backend)
+    assert all(torch.equal(after[k], start[k]) for k in start)
+
+
+def test_reset_optimizer_states_restarts_adam(tiny_dir):
+    backend = _backend(tiny_dir, reset_optimizer_states=True)
+    for rollout in range(2):
+        asyncio.run(backend.train(rollout, make_batch(backend.tokenizer, ALL_IN_ONE)))
+    steps = {float(s["step"]) for s in backend.optimizer.state.values()}
+    assert steps == {1.0}  # one Adam step since the reset, though two were taken
+    assert backend.global_step == 2
+
+
+def test_reference_model_is_frozen(tiny_dir):
+    backend = _backend(tiny_dir, use_kl_loss=True)
+    batch = make_batch(backend.tokenizer, ALL_IN_ONE)
+    ref_before = asyncio.run(backend.log_probs(batch, model="ref"))["log_probs"]
+    actor_before = asyncio.run(backend.log_probs(batch, model="actor"))["log_probs"]
+    for a, b in zip(ref_before, actor_before):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    asyncio.run(backend.train(0, batch))
+    ref_after = asyncio.run(backend.log_probs(batch, model="ref"))["log_probs"]
+    actor_after = asyncio.run(backend.log_probs(batch, model="actor"))["log_probs"]
+    assert all(torch.equal(a, b) for a, b in zip(ref_before, ref_after))
+    assert not all(torch.equal(a, b) for a, b in zip(actor_before, actor_after))
+
+
+def test_reference_log_probs_need_a_reference(tiny_dir):
+    backend = _backend(tiny_dir)
+    with pytest.raises(PluginError) as err:
+        asyncio.run(backend.log_probs(make_batch(backend.tokenizer, ALL_IN_ONE), model="ref"))
+    assert str(err.value) == (
+        "fsdp: log_probs(model='ref') but no such model is loaded (the reference loads only with --use-kl-loss or "
+        "--kl-coef != 0)."
+    )
+
+
+def test_megatron_flags_give_one_warning(tiny_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="furlong.backends.fsdp"):
+        _backend(tiny_dir, megatron_flags_given=["--tensor-model-parallel-size", "--sequence-parallel"])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "fsdp backend ignores these Megatron flags (no FSDP meaning): --tensor-model-parallel-size --sequence-parallel"
+    ]
+
+
+# --- learning-rate schedule ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "step, style, expected",
+    [
+        (0, "constant", 1e-4),  # warmup start: init
+        (2, "constant", 5.5e-4),  # 1e-4 + (1e-3 - 1e-4) * 2/4
+        (4, "constant", 1e-3),  # after warmup: lr
+        (50, "constant", 1e-3),  # constant never decays, even after lr_decay_iters
+        (7, "linear", 5.5e-4),  # rho = (7-4)/(10-4) = 0.5: 1e-3 - (1e-3 - 1e-4) * 0.5
+        (10, "linear", 1e-4),  # rho = 1: min_lr
+        (11, "linear", 1e-4),  # after decay: min_lr
+        (7, "cosine", 5.5e-4),  # 1e-4 + 9e-4 * (1 + cos(pi/2))/2
+        (5.5, "cosine", 8.681981e-4),  # rho 0.25: 1e-4 + 9e-4 * (1 + cos(pi/4))/2
+        (11, "inverse-square-root", 1e-4),  # after decay: min_lr
+    ],
+)
+def test_lr_schedule_values(step, style, expected):
+    lr = lr_at(step, lr=1e-3, min_lr=1e-4, warmup=4, decay=10, style=style, init=1e-4)
+    assert lr == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "step, expected",
+    [
+        (16, 5e-4),  # 1e-3 * sqrt(4)/sqrt(16)
+        (40, 3.162278e-4),  # 1e-3 * sqrt(4/40)
+        (1600, 1e-4),  # 1e-3 * sqrt(4/1600) = 5e-5, floored at min_lr
+    ],
+)
+def test_inverse_square_root_values(step, expected):
+    lr = lr_at(step, lr=1e-3, min_lr=1e-4, warmup=4, decay=10_000, style="inverse-square-root")
+    assert lr == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "step, wsd_style, expected",
+    [
+        (6, "linear", 1.0),  # anneal starts at decay - wsd = 10 - 4 = 6: still lr
+        (8, "linear", 0.55),  # r = 0.5: 0.1 + 0.9 * (1 - 0.5)
+        (8, "exponential", 0.472792),  # 0.1 + 0.9 * (2 * 0.5**0.5 - 1)
+        (8, "minus_sqrt", 0.363604),  # 0.1 + 0.9 * (1 - sqrt(0.5)) = 0.1 + 0.9 * 0.292893
+        (8, "cosine", 0.55),  # 0.1 + 0.9 * (1 + cos(pi/2))/2
+    ],
+)
+def test_wsd_schedule_values(step, wsd_style, expected):
+    lr = lr_at(step, lr=1.0, min_lr=0.1, warmup=0, decay=10, style="WSD", wsd_decay=4, wsd_style=wsd_style)
+    assert lr == pytest.approx(expected, rel=1e-6)
+
+
+def test_schedule_defaults_decay_to_total_steps(tiny_dir):
+    # T = num_rollout * rbs * n / gbs = 3 * 4 * 4 / 8 = 6 steps; warmup 2
+    args = train_args(tiny_dir, num_rollout=3, rollout_batch_size=4, n_samples_per_prompt=4, global_batch_size=8,
+                      num_steps_per_rollout=2, lr=1.0, min_lr=0.0, lr_decay_style="linear", lr_warmup_iters=2)
+    schedule = LRSchedule.from_args(args)
+    assert schedule.decay == 6
+    assert [schedule(k) for k in range(7)] == pytest.approx([0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0])
+
+
+def test_schedule_warmup_fraction_is_of_the_decay_steps(tiny_dir):
+    args = train_args(tiny_dir, num_rollout=10, lr_decay_style="cosine", lr_warmup_fraction=0.2)
+    assert LRSchedule.from_args(args).warmup == pytest.approx(2.0)  # 0.2 * T, T = 10 rollouts x 1 step
+
+
+def test_wsd_needs_its_anneal_length(tiny_dir):
+    with pytest.raises(PluginError) as err:
+        LRSchedule.from_args(train_args(tiny_dir, lr_decay_style="WSD"))
+    assert str(err.value) == "--lr-decay-style WSD needs --lr-wsd-decay-iters (steps of the final anneal)."
+
+
+def test_train_reports_the_scheduled_lr(tiny_dir):
+    backend = _backend(tiny_dir, lr=1e-2, lr_warmup_iters=2, num_rollout=2, num_steps_per_rollout=2,
+                       global_batch_size=2, rollout_batch_size=4)
+    metrics = asyncio.run(backend.train(0, make_batch(backend.tokenizer, [[[0, 1]], [[2, 3]]])))
+    assert [m["lr"] for m in metrics] == pytest.approx([0.0, 5e-3])  # warmup: 0, then 1e-2 * 1/2
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+
+
+def test_save_then_load_continues_identically(tiny_dir, tmp_path):
+    first = _backend(tiny_dir)
+    asyncio.run(first.train(0, make_batch(first.tokenizer, ALL_IN_ONE)))
+    ckpt = tmp_path / "iter_0000000.tmp"
+    asyncio.run(first.save(str(ckpt)))
+    draw = torch.rand(3)
+    asyncio.run(first.train(1, make_batch(first.tokenizer, ALL_IN_ONE)))
+    expected = _weights(first)
+
+    second = _backend(tiny_dir)
+    asyncio.run(second.load(str(ckpt)))
+    assert torch.equal(torch.rand(3), draw)  # RNG restored
+    assert second.global_step == 1
+    asyncio.run(second.train(1, make_batch(second.tokenizer, ALL_IN_ONE)))
+    got = _weights(second)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)  # Adam moments restored exactly
+
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert {k: meta[k] for k in ("global_step", "world_size")} == {"global_step": 1, "world_size": 1}
+    assert sorted(p.name for p in ckpt.iterdir()) == ["meta.json", "model", "optimizer.pt", "rng.pt"]
+
+
+def test_checkpoint_model_dir_is_a_hugging_face_model(tiny_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    backend = _backend(tiny_dir)
+    asyncio.run(backend.train(0, make_batch(backend.tokenizer, ALL_IN_ONE)))
+    asyncio.run(backend.save(str(tmp_path / "ckpt")))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "ckpt" / "model")
+    trained = _weights(backend)
+    assert all(torch.equal(t, trained[k]) for k, t in model.state_dict().items())
+    assert tokenizer.decode(tokenizer.encode("Q: 2+3=")) == "Q: 2+3="
+
+
+def test_no_load_optim_keeps_the_step_but_not_adam(tiny_dir, tmp_path):
+    first = _backend(tiny_dir)
+    asyncio.run(first.train(0, make_batch(first.tokenizer, ALL_IN_ONE)))
+    asyncio.run(first.save(str(tmp_path / "ckpt")))
+    second = _backend(tiny_dir, no_load_optim=True)
+    asyncio.run(second.load(str(tmp_path / "ckpt")))
+    assert second.global_step == 1 and len(second.optimizer.state) == 0
+    assert all(torch.equal(a, b) for a, b in zip(_weights(second).values(), _weights(first).values()))
+
+
+def test_load_rejects_a_foreign_directory(tiny_dir, tmp_path):
+    backend = _backend(tiny_dir)
+    with pytest.raises(PluginError) as err:
+        asyncio.run(backend.load(str(tmp_path)))
+    assert str(err.value) == f"checkpoint {tmp_path}: no meta.json; it was not written by the fsdp backend."
+
+
+# --- FSDP2 over two ranks -----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_two_rank_fsdp2_matches_one_process(tiny_dir, tmp_path):
+    """Two gloo ranks, two samples each, must give the single-process gradient step exactly.
+
+    The objective divides by the global batch size (4) on each rank, so the ranks'
+    gradients must be summed, not averaged (FSDP2 divide factor 1).
+    """
+    worker = Path(__file__).with_name("fsdp_two_ranks.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
+           str(tiny_dir), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    dist_result = torch.load(tmp_path / "rank0.pt", weights_only=True)
+
+    single = _backend(tiny_dir)  # the worker uses these same flags (Adam, clip 1.0)
+    batch = make_batch(single.tokenizer, ALL_IN_ONE)
+    old = asyncio.run(single.log_probs(batch))["log_probs"]
+    metrics = asyncio.run(single.train(0, batch))
+    expected = _weights(single)
+    assert dist_result["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=1e-5)
+    assert dist_result["loss"] == pytest.approx(metrics[0]["loss"], abs=1e-6)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(dist_result["weights"][name], tensor, rtol=0, atol=1e-6)
+    for rank in (0, 1):  # each rank computed the log-probs of its own samples
+        mine = torch.load(tmp_path / f"logprobs{rank}.pt", weights_only=True)
+        assert sorted(mine) == [rank, rank + 2]  # round-robin: rank r gets samples r and r + 2
+        for i, lp in mine.items():
+            torch.testing.assert_close(lp, old[i], rtol=0, atol=1e-6)
+    # the 2-rank checkpoint loads into one process
+    reloaded = _backend(tiny_dir)
+    asyncio.run(reloaded.load(str(tmp_path / "ckpt")))
+    assert reloaded.global_step == 1
+    got = _weights(reloaded)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6)
