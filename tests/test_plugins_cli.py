@@ -67,14 +67,14 @@ def _usage_error(proc) -> str:
 # --- the stack itself ------------------------------------------------------------------
 
 
-def test_print_config_shows_the_chosen_test_plugins(stack, run_furlong):
+def test_print_config_shows_the_chosen_plugins_and_a_dotted_path(stack, run_furlong):
     sites, env = stack
-    proc = run_furlong(*_train_argv(), sites=sites, env=env)
+    proc = run_furlong(*_train_argv("--custom-rm-path", "my_rm.grade"), sites=sites, env=env)
     assert proc.returncode == 0, proc.stderr
     plugins = json.loads(proc.stdout)["plugins"]
     assert plugins == {"data_source": "t_data", "rollout_engine": "t_engine", "train_backend": "t_backend",
                        "rollout": "t_rollout", "generate": "t_generate", "buffer_pop": "t_pop",
-                       "advantage": "t_adv", "loss": "t_loss", "filter": [], "reward": "t_reward"}
+                       "advantage": "t_adv", "loss": "t_loss", "filter": [], "reward": "my_rm.grade"}
 
 
 # --- furlong train: choosing plugins ---------------------------------------------------
@@ -92,9 +92,11 @@ def test_unknown_name_lists_names_with_distributions_and_a_guess(stack, run_furl
 
 def test_every_bad_choice_is_reported_at_once(stack, run_furlong):
     sites, env = stack
-    proc = run_furlong(*_train_argv("--loss-type", "t_adv", "--rm-type", "boxed_t_rewrd"), sites=sites, env=env)
+    proc = run_furlong(*_train_argv("--loss-type", "t_adv", "--custom-generate-function-path", "my_rm.score",
+                                    "--rm-type", "boxed_t_rewrd"), sites=sites, env=env)
     assert _usage_error(proc) == (
-        "error: --loss-type 't_adv': plugin 't_adv' (furlong-cli-stack 0.1.0) does not implement `loss`; "
+        "error: --custom-generate-function-path 'my_rm.score': module 'my_rm' has no attribute 'score'\n"
+        "--loss-type 't_adv': plugin 't_adv' (furlong-cli-stack 0.1.0) does not implement `loss`; "
         "it implements: advantage.\n"
         "--rm-type 'boxed_t_rewrd' grades the last \\boxed{} with reward plugin 't_rewrd':\n"
         "  --rm-type 't_rewrd': no installed plugin of that name implements `reward`.\n"
@@ -135,9 +137,8 @@ def test_disable_plugins_flag_picks_one_of_two_distributions(twin, run_furlong):
 def test_disable_plugins_environment_variable_picks_one(twin, run_furlong):
     sites, env = twin
     env = {"FURLONG_DISABLE_PLUGINS": env["FURLONG_DISABLE_PLUGINS"] + ",furlong-cli-stack:t_adv"}
-    proc = run_furlong(*_train_argv(), sites=sites, env=env)
-    assert proc.returncode == 0, proc.stderr
     listed = run_furlong("plugins", "--json", "--hook", "advantage", sites=sites, env=env)
+    assert listed.returncode == 0, listed.stderr
     assert [(r["name"], r["distribution"]) for r in json.loads(listed.stdout)] == [("t_adv", "furlong-cli-twin")]
 
 
@@ -177,34 +178,24 @@ def test_plugins_lists_a_plugin_that_fails_to_import_as_broken(broken, run_furlo
     )
 
 
-def test_choosing_a_plugin_that_fails_to_import_names_entry_point_distribution_and_exception(broken, run_furlong):
+def test_choosing_broken_plugins_names_entry_point_distribution_and_error(broken, run_furlong):
     sites, env = broken
-    proc = run_furlong(*_train_argv("--advantage-estimator", "t_broken"), sites=sites, env=env)
+    proc = run_furlong(*_train_argv("--advantage-estimator", "t_broken", "--loss-type", "t_typo",
+                                    "--buffer-filter", "t_argname"), sites=sites, env=env)
     assert _usage_error(proc) == (
-        "error: --advantage-estimator 't_broken': plugin 't_broken' is broken: entry point "
-        f"'t_broken = furlong_cli_bad.t_broken' of furlong-cli-bad 0.0.1 failed to load: {BROKEN_IMPORT}\n"
-    )
-
-
-def test_choosing_a_plugin_with_a_misspelled_hook_names_the_plugin(broken, run_furlong):
-    sites, env = broken
-    proc = run_furlong(*_train_argv("--advantage-estimator", "t_typo"), sites=sites, env=env)
-    assert _usage_error(proc) == (
-        "error: --advantage-estimator 't_typo': plugin 't_typo' is broken: entry point "
-        "'t_typo = furlong_cli_bad.t_typo' of furlong-cli-bad 0.0.1 failed to load: "
-        "implements unknown hook `advantge` (did you mean `advantage`?)\n"
-    )
-
-
-def test_choosing_a_plugin_with_an_unknown_argument_names_the_plugin(broken, run_furlong):
-    sites, env = broken
-    proc = run_furlong(*_train_argv("--advantage-estimator", "t_argname"), sites=sites, env=env)
-    assert _usage_error(proc) == (
-        "error: --advantage-estimator 't_argname': plugin 't_argname' is broken: entry point "
+        # a plugin that fails to import
+        "error: --buffer-filter 't_argname': plugin 't_argname' is broken: entry point "
         "'t_argname = furlong_cli_bad.t_argname' of furlong-cli-bad 0.0.1 failed to load: "
+        # an implementation naming an argument its hookspec lacks
         "PluginValidationError: Plugin 't_argname' for hook 'advantage'\n"
         "hookimpl definition: advantage(args, batches)\n"
         "Argument(s) {'batches'} are declared in the hookimpl but can not be found in the hookspec\n"
+        "--advantage-estimator 't_broken': plugin 't_broken' is broken: entry point "
+        f"'t_broken = furlong_cli_bad.t_broken' of furlong-cli-bad 0.0.1 failed to load: {BROKEN_IMPORT}\n"
+        # a misspelled hook name
+        "--loss-type 't_typo': plugin 't_typo' is broken: entry point "
+        "'t_typo = furlong_cli_bad.t_typo' of furlong-cli-bad 0.0.1 failed to load: "
+        "implements unknown hook `advantge` (did you mean `advantage`?)\n"
     )
 
 
@@ -232,22 +223,6 @@ def test_debug_adds_the_traceback(stack, run_furlong):
     assert proc.returncode == 2
     assert "Traceback (most recent call last)" in proc.stderr
     assert proc.stderr.endswith("  Did you mean 't_adv'? List them with: furlong plugins --hook advantage\n")
-
-
-# --- dotted paths ----------------------------------------------------------------------
-
-
-def test_dotted_path_to_a_missing_function_names_flag_module_and_attribute(stack, run_furlong):
-    sites, env = stack
-    proc = run_furlong(*_train_argv("--custom-rm-path", "my_rm.score"), sites=sites, env=env)
-    assert _usage_error(proc) == "error: --custom-rm-path 'my_rm.score': module 'my_rm' has no attribute 'score'\n"
-
-
-def test_dotted_path_is_shown_as_the_chosen_plugin(stack, run_furlong):
-    sites, env = stack
-    proc = run_furlong(*_train_argv("--custom-rm-path", "my_rm.grade"), sites=sites, env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["plugins"]["reward"] == "my_rm.grade"
 
 
 # --- furlong plugins and the command itself --------------------------------------------

@@ -11,7 +11,7 @@ set -euo pipefail
 REPO="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/../.." &>/dev/null && pwd)"
 cd "${REPO}"
 MODEL_DIR="${MODEL_DIR:-/root/Qwen2.5-1.5B-Instruct}"
-DATA_DIR="${DATA_DIR:-examples/gsm8k}"
+DATA_DIR="${DATA_DIR:-examples/gsm8k/data}"
 RUN_DIR="${RUN_DIR:-/root/furlong-runs/qwen2.5-1.5b-gsm8k}"
 
 # Qwen2.5-1.5B; the megatron backend checks these against ${MODEL_DIR}/config.json.

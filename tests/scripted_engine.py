@@ -1,0 +1,74 @@
+"""A deterministic RolloutEngine for rollout-logic tests: answers come from a script.
+
+It implements the real Protocol (batching aside): a character tokenizer, per-token
+log-probs, finish reasons, abort that returns the partial tokens, weight versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from furlong.hooks import GenerateOutput
+
+
+class CharTokenizer:
+    """One token per character (ids = code points); id 0 is end-of-sequence."""
+
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids if i != 0)
+
+
+class ScriptedEngine:
+    """``answer(prompt_text, call_number) -> (text, finish_reason)``; ``delay`` seconds per token."""
+
+    def __init__(self, answer, delay: float = 0.0):
+        self.tokenizer = CharTokenizer()
+        self.answer = answer
+        self.delay = delay
+        self.requests: list[dict] = []
+        self.version = 0
+        self._aborted = asyncio.Event()
+        self.abort_calls = 0
+
+    async def generate(self, input_ids, sampling_params):
+        self.requests.append({"input_ids": list(input_ids), **sampling_params})
+        text, reason = self.answer(self.tokenizer.decode(input_ids), len(self.requests))
+        ids = [ord(c) for c in text]
+        out = []
+        for tok in ids[: sampling_params["max_new_tokens"]]:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            if self._aborted.is_set():
+                reason = "abort"
+                break
+            out.append(tok)
+        else:
+            if len(ids) > sampling_params["max_new_tokens"]:
+                reason = "length"
+        return GenerateOutput(output_ids=out, output_log_probs=[-0.5] * len(out), finish_reason=reason,
+                              weight_version=str(self.version), text=self.tokenizer.decode(out))
+
+    async def abort(self):
+        self.abort_calls += 1
+        self._aborted.set()
+        await asyncio.sleep(0)
+
+    def reset_abort(self):
+        self._aborted.clear()
+
+    async def update_weights(self, named_tensors, version):
+        self.version = version
+
+    async def release_memory(self):
+        return None
+
+    async def resume_memory(self):
+        return None
+
+    async def health(self):
+        return True
