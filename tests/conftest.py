@@ -39,11 +39,49 @@ class InstalledDist:
         return f"{self.dist} {self.version}"
 
 
+def _write_dist(
+    site: Path,
+    dist: str,
+    package: str,
+    source: str,
+    entry_points: dict[str, str],
+    version: str = "0.1.0",
+    files: dict[str, str] | None = None,
+) -> InstalledDist:
+    """Write package ``package`` and ``<dist>-<version>.dist-info`` (group ``furlong``) into ``site``."""
+    site = Path(site)
+    pkg_dir = site / package
+    pkg_dir.mkdir(parents=True, exist_ok=True)
+    (pkg_dir / "__init__.py").write_text(textwrap.dedent(source))
+    for rel, text in (files or {}).items():
+        path = site / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    lines = ["[furlong]"] + [f"{name} = {value}" for name, value in entry_points.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    (info / "RECORD").write_text("")
+    return InstalledDist(site=site, dist=dist, version=version, package=package)
+
+
+@pytest.fixture(scope="session")
+def write_dist():
+    """``write_dist(site, dist, package, source, entry_points, version="0.1.0", files=None)``.
+
+    Writes a distribution like ``plugin_dist`` does but leaves ``sys.path`` alone: for
+    module-scoped set-ups whose distributions are only seen by subprocesses (put ``site``
+    on their ``PYTHONPATH``).
+    """
+    return _write_dist
+
+
 @pytest.fixture
 def plugin_dist(tmp_path, monkeypatch):
     """Factory that installs a throwaway plugin distribution for this test only.
 
-    ``plugin_dist(dist, package, source, entry_points, version="0.1.0", files=None)``
+    ``plugin_dist(dist, package, source, entry_points, version="0.1.0", files=None, site=None)``
     writes ``<tmp>/site/<package>/__init__.py`` (``source``, dedented), any extra
     ``files`` (``{"<package>/other.py": text}``), and
     ``<tmp>/site/<dist>-<version>.dist-info/{METADATA,entry_points.txt,RECORD}`` with
@@ -56,35 +94,15 @@ def plugin_dist(tmp_path, monkeypatch):
     packages: list[str] = []
     prepended: set[Path] = set()
 
-    def make(
-        dist: str,
-        package: str,
-        source: str,
-        entry_points: dict[str, str],
-        version: str = "0.1.0",
-        files: dict[str, str] | None = None,
-        site: Path | None = None,
-    ) -> InstalledDist:
+    def make(dist, package, source, entry_points, version="0.1.0", files=None, site=None) -> InstalledDist:
         site = Path(site or tmp_path / "site")
-        pkg_dir = site / package
-        pkg_dir.mkdir(parents=True, exist_ok=True)
-        (pkg_dir / "__init__.py").write_text(textwrap.dedent(source))
-        for rel, text in (files or {}).items():
-            path = site / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(textwrap.dedent(text))
-        info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
-        info.mkdir(parents=True, exist_ok=True)
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-        lines = ["[furlong]"] + [f"{name} = {value}" for name, value in entry_points.items()]
-        (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
-        (info / "RECORD").write_text("")
+        installed = _write_dist(site, dist, package, source, entry_points, version=version, files=files)
         if site not in prepended:
             monkeypatch.syspath_prepend(str(site))
             prepended.add(site)
         importlib.invalidate_caches()
         packages.append(package)
-        return InstalledDist(site=site, dist=dist, version=version, package=package)
+        return installed
 
     yield make
     for package in packages:

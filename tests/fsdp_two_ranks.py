@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tiny_model import make_batch, train_args
+from tiny_model import TWO_RANK_FLAGS, make_batch, train_args
 
 from furlong.builtin_plugins.backends.fsdp import train_backend
 from furlong.core.batching import plan_steps
@@ -24,7 +24,7 @@ from furlong.core.batching import plan_steps
 
 async def main(hf_dir: str, out: Path) -> None:
     torch.set_num_threads(1)
-    backend = train_backend(args=train_args(hf_dir))
+    backend = train_backend(args=train_args(hf_dir, **TWO_RANK_FLAGS))
     await backend.init(backend.args)
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 2

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_model import build_tiny_model, make_batch, train_args  # noqa: E402
+from tiny_model import TWO_RANK_FLAGS, build_tiny_model, make_batch, train_args  # noqa: E402
 
 from furlong.builtin_plugins.backends.fsdp import FSDPBackend, train_backend  # noqa: E402
 from furlong.builtin_plugins.backends.fsdp.schedule import LRSchedule, lr_at  # noqa: E402
@@ -317,7 +317,7 @@ def test_two_rank_fsdp2_matches_one_process(tiny_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     dist_result = torch.load(tmp_path / "rank0.pt", weights_only=True)
 
-    single = _backend(tiny_dir)  # the worker uses these same flags (Adam, clip 1.0)
+    single = _backend(tiny_dir, **TWO_RANK_FLAGS)
     batch = make_batch(single.tokenizer, ALL_IN_ONE)
     old = asyncio.run(single.log_probs(batch))["log_probs"]
     metrics = asyncio.run(single.train(0, batch))
@@ -332,9 +332,15 @@ def test_two_rank_fsdp2_matches_one_process(tiny_dir, tmp_path):
         for i, lp in mine.items():
             torch.testing.assert_close(lp, old[i], rtol=0, atol=1e-6)
     # the 2-rank checkpoint loads into one process
-    reloaded = _backend(tiny_dir)
+    reloaded = _backend(tiny_dir, **TWO_RANK_FLAGS)
     asyncio.run(reloaded.load(str(tmp_path / "ckpt")))
     assert reloaded.global_step == 1
     got = _weights(reloaded)
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6)
+    # ...with the SGD momentum buffers: one more identical step stays identical
+    for backend in (single, reloaded):
+        asyncio.run(backend.train(1, make_batch(backend.tokenizer, ALL_IN_ONE)))
+    after_single, after_reloaded = _weights(single), _weights(reloaded)
+    for name, tensor in after_single.items():
+        torch.testing.assert_close(after_reloaded[name], tensor, rtol=0, atol=1e-6)

@@ -66,6 +66,10 @@ def train_args(hf_dir: Path | str, **overrides) -> argparse.Namespace:
     return argparse.Namespace(**values)
 
 
+# flags of the 2-rank FSDP2 test (worker and single-process reference): SGD's first update is
+# -lr * clipped gradient, so weights compare gradients without Adam's g/|g| amplification.
+TWO_RANK_FLAGS = dict(optimizer="sgd", sgd_momentum=0.9, lr=0.1, clip_grad=1.0)
+
 PROMPTS = ["Q: 2+3=", "Say hi:", "abc", "The sky is"]
 RESPONSES = [" 5.", " hi there", "def", " blue today"]
 

@@ -40,6 +40,9 @@ async def rollout(args, rollout_id, context):
                 for group in await context.data.get_samples(args.over_sampling_batch_size):
                     pending.add(asyncio.ensure_future(context.generate_group(group)))
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failed = [t.exception() for t in done if t.exception() is not None]
+            if failed:
+                raise failed[0]
             for task in sorted(done, key=lambda t: t.result()[0].index):
                 group = task.result()
                 verdict = await context.filter_group(group, rollout_id)
