@@ -64,7 +64,6 @@ class Run:
         self.group = LocalTrainGroup(args, pm, sel, backend)
         await self.group.init()
         if resume.load_dir:
-            log.info("resuming from %s at rollout %d", resume.load_dir, resume.start_rollout_id)
             await self.group.load_model(resume.load_dir)
         if resume.state:
             self.cursor.load_state(resume.state)
@@ -114,6 +113,7 @@ class Run:
 
 async def run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -> None:
     """Run ``furlong train`` (sync) or ``furlong train-async`` (``args.train_mode == "async"``)."""
+    _quiet_transformers()
     state = Run(args, pm, selection)
     start_id = await state.setup()
     sync_time = await state.update_weights()
@@ -176,6 +176,14 @@ def _done(value):
     future = asyncio.get_event_loop().create_future()
     future.set_result(value)
     return future
+
+
+def _quiet_transformers() -> None:
+    """No per-file progress bars from transformers: furlong prints one line per rollout."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 def _seed_everything(seed: int) -> None:

@@ -189,11 +189,12 @@ def test_builtin_plugins_import_no_core_and_no_other_plugin(furlong_entry_points
     plugin_modules = {value.partition(":")[0] for value in furlong_entry_points.values()}
     bad = []
     for path in _py_files("builtin_plugins"):
-        own = _module_name(path)
+        module = _module_name(path)
+        own = {m for m in plugin_modules if _within(module, m)}  # the plugin (module or package) it belongs to
         for line, name in _imports(path):
             if _within(name, "furlong.core") or _within(name, "core"):
                 bad.append(f"{path.relative_to(REPO)}:{line} imports {name}")
-            other = next((m for m in plugin_modules if _within(name, m) and m != own), None)
+            other = next((m for m in plugin_modules if _within(name, m) and m not in own), None)
             if other:
                 bad.append(f"{path.relative_to(REPO)}:{line} imports plugin {other}")
     assert bad == []

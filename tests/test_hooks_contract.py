@@ -85,8 +85,9 @@ def test_hook_add_arguments_broadcast_adds_each_plugin_s_flags(plugin_manager, r
     register_plugin(Shaping(), "shaping")
     parser = ArgumentParser()
     plugin_manager.broadcast_sync("add_arguments", parser=parser)
-    assert vars(parser.parse_args(["--leave-one-out-weight", "0.5", "--shaping-bonus", "3"])) == {
-        "leave_one_out_weight": 0.5, "shaping_bonus": 3}
+    parsed = vars(parser.parse_args(["--leave-one-out-weight", "0.5", "--shaping-bonus", "3"]))
+    assert (parsed["leave_one_out_weight"], parsed["shaping_bonus"]) == (0.5, 3)
+    assert "leave_one_out" in [group.title for group in parser._action_groups]
 
 
 def test_hook_rollout_engine_factory_returns_a_rollout_engine(plugin_manager, register_plugin):

@@ -103,14 +103,14 @@ def test_reject_all_filter_errors_after_max_waves_instead_of_hanging(tmp_path, p
 
     register_plugin(RejectAll(), "reject_all")
     args = _args(tmp_path, "--dynamic-sampling-filter", "reject_all", "--max-sampling-waves", "3",
-                 "--over-sampling-batch-size", "2")
+                 "--over-sampling-batch-size", "2", "--log-dir", str(tmp_path / "logs"))
     manager = _manager(args, plugin_manager, ScriptedEngine(_correct))
     with pytest.raises(PluginError) as excinfo:
         asyncio.run(asyncio.wait_for(manager.generate(0), timeout=30))
     message = str(excinfo.value)
     assert "dynamic sampling gave up after 3 waves (--max-sampling-waves 3): 0 of 2 groups kept." in message
     assert "Filters: reject_all. Groups dropped per reason: never: 6." in message
-    assert "The rollout's samples are in" in message
+    assert f"The rollout's samples are in {tmp_path / 'logs' / 'failed_rollout_0.jsonl'}." in message
 
 
 def test_dapo_filter_keeps_exactly_the_batch_and_counts_drops(tmp_path, plugin_manager):
