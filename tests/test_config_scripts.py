@@ -191,7 +191,7 @@ def test_gsm8k_megatron_script_parses():
     args = parse_args(example_argv("gsm8k_qwen_megatron.sh"))
     assert (args.train_backend, args.rollout_backend, args.executor) == ("megatron", "sglang", "ray")
     assert (args.tensor_model_parallel_size, args.sequence_parallel, args.data_parallel_size) == (2, True, 2)
-    assert (args.apply_chat_template, args.rm_type, args.prompt_data) == (True, "math", "examples/gsm8k/train.jsonl")
+    assert (args.apply_chat_template, args.rm_type, args.prompt_data) == (True, "math", "examples/gsm8k/data/train.jsonl")
     assert args.ref_load == args.hf_checkpoint == "/root/Qwen2.5-1.5B-Instruct"
     assert (args.rollout_num_gpus, args.sglang_tp_size) == (4, 1)
     assert args.sglang_passthrough == {"mem_fraction_static": "0.8"}

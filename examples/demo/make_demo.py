@@ -40,44 +40,54 @@ CHAT_TEMPLATE = (
 # --------------------------------------------------------------------------- data
 
 
-def _problem(rng: random.Random) -> tuple[str, int]:
-    """Draw one problem: a two-digit sum, a two-digit difference or a three-operand mix.
+def all_problems() -> list[tuple[str, int]]:
+    """Every problem of the demo task, in a fixed order.
 
-    Every result is a non-negative integer below 200.
+    Three kinds, 6,000 problems in all:
 
-    :param rng: the seeded generator to draw from.
-    :returns: ``(prompt, answer)``, e.g. ``("23 + 45 - 9 = ", 59)``.
+    - ``a + b`` and ``a - b`` with single digits ``a, b`` (200),
+    - ``a + b + c``, ``a + b - c``, ``a - b + c``, ``a - b - c`` with single digits (4,000),
+    - ``A + b`` and ``A - b`` with ``A`` in 10..99 and a single digit ``b`` (1,800).
+
+    Answers range from -18 to 108.
+
+    :returns: ``(prompt, answer)`` pairs, e.g. ``("7 - 2 + 9 = ", 14)``.
     """
-    kind = rng.random()
-    if kind < 0.4:
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        return f"{a} + {b} = ", a + b
-    if kind < 0.7:
-        a = rng.randint(0, 99)
-        b = rng.randint(0, a)
-        return f"{a} - {b} = ", a - b
-    a, b = rng.randint(0, 99), rng.randint(0, 99)
-    c = rng.randint(0, min(99, a + b))
-    return f"{a} + {b} - {c} = ", a + b - c
+    problems: list[tuple[str, int]] = []
+    sign = {"+": 1, "-": -1}
+    for a in range(10):
+        for op in "+-":
+            for b in range(10):
+                problems.append((f"{a} {op} {b} = ", a + sign[op] * b))
+    for a in range(10):
+        for op1 in "+-":
+            for b in range(10):
+                for op2 in "+-":
+                    for c in range(10):
+                        answer = a + sign[op1] * b + sign[op2] * c
+                        problems.append((f"{a} {op1} {b} {op2} {c} = ", answer))
+    for a in range(10, 100):
+        for op in "+-":
+            for b in range(10):
+                problems.append((f"{a} {op} {b} = ", a + sign[op] * b))
+    return problems
 
 
 def make_splits(n_train: int, n_test: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """Draw ``n_train + n_test`` distinct problems and split them into train and test rows.
+    """Shuffle every problem with ``seed`` and cut test rows, then train rows, from the front.
 
     :param n_train: number of training rows.
     :param n_test: number of test rows.
-    :param seed: seed of the ``random.Random`` that draws the problems.
+    :param seed: seed of the ``random.Random`` that shuffles the problems.
     :returns: two lists of ``{"prompt": str, "label": str}``; no prompt is in both.
+    :raises SystemExit: more rows are asked for than there are problems.
     """
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    rows: list[dict] = []
-    while len(rows) < n_train + n_test:
-        prompt, answer = _problem(rng)
-        if prompt not in seen:
-            seen.add(prompt)
-            rows.append({"prompt": prompt, "label": str(answer)})
-    return rows[n_test:], rows[:n_test]
+    problems = all_problems()
+    if n_train + n_test > len(problems):
+        raise SystemExit(f"--n-train + --n-test must be at most {len(problems)}")
+    random.Random(seed).shuffle(problems)
+    rows = [{"prompt": prompt, "label": str(answer)} for prompt, answer in problems]
+    return rows[n_test : n_test + n_train], rows[:n_test]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

@@ -97,6 +97,18 @@ class FSDPBackend:
             return model
         return model.to(self.device)
 
+    async def _in_thread(self, fn, *args, **kwargs):
+        """Run ``fn`` in a worker thread on this rank's CUDA device (the current device is per thread)."""
+
+        def call():
+            if self.device.type == "cuda":
+                import torch
+
+                torch.cuda.set_device(self.device)
+            return fn(*args, **kwargs)
+
+        return await asyncio.to_thread(call)
+
     def _autocast(self):
         import torch
 
@@ -140,7 +152,7 @@ class FSDPBackend:
         log_probs: list = [None] * n
         entropy: list = [None] * n
         for ids in chunks:
-            lp, ent = await asyncio.to_thread(self._forward, net, batch, ids, False)
+            lp, ent = await self._in_thread(self._forward, net, batch, ids, False)
             for i, a, b in zip(ids, lp, ent):
                 log_probs[i], entropy[i] = a.detach().to("cpu", torch.float32), b.detach().to("cpu", torch.float32)
         return {"log_probs": log_probs, "entropy": entropy}
@@ -171,13 +183,13 @@ class FSDPBackend:
             sums: dict[str, float] = defaultdict(float)
             finite_loss = True
             for mb in micro_batches:
-                lp, ent = await asyncio.to_thread(self._forward, self.model, batch, list(mb), True)
+                lp, ent = await self._in_thread(self._forward, self.model, batch, list(mb), True)
                 loss, metrics = await batch.objective(list(mb), lp, ent)
                 finite_loss &= bool(loss.detach().isfinite().all())
-                await asyncio.to_thread(loss.backward)
+                await self._in_thread(loss.backward)
                 for key, value in metrics.items():
                     sums[key] += float(value)
-            grad_norm, finite = await asyncio.to_thread(self._clip, finite_loss)
+            grad_norm, finite = await self._in_thread(self._clip, finite_loss)
             lr = self.schedule(self.global_step)
             if not finite:
                 message = (f"fsdp: rollout {rollout_id} step {s}: non-finite loss or gradient (grad norm {grad_norm}); "
@@ -190,7 +202,7 @@ class FSDPBackend:
             else:
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
-                await asyncio.to_thread(self.optimizer.step)
+                await self._in_thread(self.optimizer.step)
                 self.global_step += 1
             results.append({**sums, "grad_norm": grad_norm, "lr": lr})
         self.optimizer.zero_grad(set_to_none=True)
@@ -222,7 +234,7 @@ class FSDPBackend:
         tensors. Single process: detached views of the live weights; copy them before
         the next :meth:`train`.
         """
-        state = await asyncio.to_thread(checkpoint.full_model_state, self.model, self.world, False)
+        state = await self._in_thread(checkpoint.full_model_state, self.model, self.world, False)
         return [(name, tensor.detach()) for name, tensor in state.items() if name not in self._tied]
 
     async def save(self, path: str) -> None:
@@ -230,7 +242,7 @@ class FSDPBackend:
 
         ``--no-save-optim`` leaves out ``optimizer.pt`` (optimizer and scheduler).
         """
-        await asyncio.to_thread(
+        await self._in_thread(
             checkpoint.save_checkpoint, path, model=self.model, optimizer=self.optimizer, tokenizer=self.tokenizer,
             global_step=self.global_step, world=self.world, rank=self.rank, tied=self._tied,
             save_optim=not getattr(self.args, "no_save_optim", False),
@@ -245,9 +257,9 @@ class FSDPBackend:
         :raises PluginError: ``path`` is not an fsdp checkpoint.
         """
         meta = checkpoint.read_meta(path)
-        await asyncio.to_thread(checkpoint.load_weights, path, self.model, self.world, self.rank, self._tied)
+        await self._in_thread(checkpoint.load_weights, path, self.model, self.world, self.rank, self._tied)
         if not getattr(self.args, "no_load_optim", False):
-            found = await asyncio.to_thread(checkpoint.load_optimizer, path, self.model, self.optimizer, self.world,
+            found = await self._in_thread(checkpoint.load_optimizer, path, self.model, self.optimizer, self.world,
                                             self.rank)
             if found is None:
                 log.warning("fsdp: %s has no optimizer.pt (saved with --no-save-optim); Adam starts fresh", path)
@@ -258,12 +270,12 @@ class FSDPBackend:
     async def offload(self) -> None:
         """Move weights and optimizer state to host memory (a no-op on CPU)."""
         if self.device.type == "cuda":
-            await asyncio.to_thread(self._move, "cpu")
+            await self._in_thread(self._move, "cpu")
 
     async def onload(self) -> None:
         """Move weights and optimizer state back to the GPU (a no-op on CPU)."""
         if self.device.type == "cuda":
-            await asyncio.to_thread(self._move, self.device)
+            await self._in_thread(self._move, self.device)
 
     def _move(self, device) -> None:
         import torch

@@ -4,7 +4,9 @@ One call of :func:`decode_batch` prefills a left-padded batch of prompts and dec
 token per step for every unfinished request until all are finished. A request finishes
 on a stop token ("stop"), a stop string in its decoded tail ("stop"), its token budget
 ("length", checked first, as SGLang does), or an abort ("abort"; the tokens so far are
-kept). Each request is resolved as soon as it finishes, through ``on_finish``.
+kept). Each request is resolved as soon as it finishes, through ``on_finish``. Finished
+rows are dropped from the batch and its KV cache once they are half of it, so a long
+request at the tail decodes alone.
 """
 
 from __future__ import annotations
@@ -81,33 +83,38 @@ def decode_batch(
     except TypeError:  # transformers < 4.56
         cache = DynamicCache()
     extra = {keep_arg: 1} if keep_arg else {}
-    live = list(range(len(requests)))
+    rows = list(range(len(requests)))  # batch row -> index into requests
     with torch.no_grad():
         while True:
-            for i in [i for i in live if aborted(requests[i])]:
-                _finish(requests[i], "abort", on_finish)
-            live = [i for i in live if requests[i].finish_reason is None]
+            for q in rows:
+                if requests[q].finish_reason is None and aborted(requests[q]):
+                    _finish(requests[q], "abort", on_finish)
+            live = [r for r, q in enumerate(rows) if requests[q].finish_reason is None]
             if not live:
                 break
+            if len(live) <= len(rows) // 2 and hasattr(cache, "batch_select_indices"):
+                # drop finished rows once they are half the batch (long-tail requests decode alone)
+                keep = torch.tensor(live, device=device)
+                cache.batch_select_indices(keep)
+                ids, mask, positions = ids[keep], mask[keep], positions[keep]
+                rows = [rows[r] for r in live]
+                live = list(range(len(rows)))
             with lock:
                 out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                             **{cache_arg: cache}, **extra)
             logits = out.logits[:, -1, :].float()
-            next_ids = [pad_id] * len(requests)
-            still = []
-            for i in live:
-                req = requests[i]
+            next_ids = [pad_id] * len(rows)
+            for r in live:
+                req = requests[rows[r]]
                 banned = sorted(req.stop_ids) if len(req.output_ids) < req.params.min_new_tokens else []
-                token, log_prob = sample_token(logits[i], req.params, banned, generators[i])
+                token, log_prob = sample_token(logits[r], req.params, banned, generators[rows[r]])
                 req.output_ids.append(token)
                 req.log_probs.append(log_prob)
                 reason = _finish_reason(req, token, tokenizer)
                 if reason:
                     _finish(req, reason, on_finish)
                 else:
-                    next_ids[i] = token
-                    still.append(i)
-            live = still
+                    next_ids[r] = token
             ids = torch.tensor(next_ids, device=device)[:, None]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions[:, -1:] + 1

@@ -133,7 +133,7 @@ class EmbeddedEngine:
         if self._loop is not loop or self._worker is None or self._worker.done():
             self._loop = loop
             self._wakeup = asyncio.Event()
-            self._pending = [r for r in self._pending if r.future is not None and not r.future.done()]
+            self._pending = []  # requests of a closed event loop can never be answered
             self._worker = loop.create_task(self._work())
 
     async def _work(self) -> None:
@@ -163,6 +163,7 @@ class EmbeddedEngine:
 
     def _decode(self, requests: list[Request]) -> None:
         loop = self._loop
+        self._use_device()
         decode_batch(
             self.model, self.tokenizer, requests, device=self.device, pad_id=self._pad_id, lock=self._lock,
             aborted=self._aborted,
@@ -184,6 +185,7 @@ class EmbeddedEngine:
     # --- weights ------------------------------------------------------------------------
 
     def _copy_weights(self, named_tensors: list[tuple[str, Any]], version: int) -> None:
+        self._use_device()
         state = self.model.state_dict()
         with self._lock, self._torch.no_grad():
             for name, tensor in named_tensors:
@@ -200,7 +202,13 @@ class EmbeddedEngine:
                 state[name].copy_(tensor)
             self.weight_version = version
 
+    def _use_device(self) -> None:
+        """Worker threads start on CUDA device 0; switch to the model's device."""
+        if self.device.type == "cuda":
+            self._torch.cuda.set_device(self.device)
+
     def _move(self, device) -> None:
+        self._use_device()
         with self._lock:
             self.model.to(device)
             if self._torch.cuda.is_available():

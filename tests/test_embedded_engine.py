@@ -1,0 +1,313 @@
+"""The embedded rollout engine on a tiny random Llama (CPU): batching, sampling, stops, abort, weights."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_model import EOS_ID, build_tiny_model, train_args  # noqa: E402
+
+from furlong.builtin_plugins.backends.fsdp import train_backend  # noqa: E402
+from furlong.builtin_plugins.engines import embedded  # noqa: E402
+from furlong.builtin_plugins.engines.embedded.sampling import SamplingParams, filter_logits, sample_token  # noqa: E402
+from furlong.hooks import PluginError, RolloutEngine, TrainBatch  # noqa: E402
+
+PROMPTS = ["Hello there", "Q: 1+1=", "x"]
+GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two cores are shared by parallel work; torch's spinning thread pool makes tiny models crawl."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    """A shared engine; tests that change its weights make their own."""
+    return embedded.load_engine(str(tiny_dir))
+
+
+def _ids(engine, text):
+    return engine.tokenizer.encode(text)
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _all(engine, prompts, params):
+    return await asyncio.gather(*[engine.generate(_ids(engine, p), dict(params)) for p in prompts])
+
+
+# --- basics -------------------------------------------------------------------------------
+
+
+def test_engine_meets_the_protocol_and_round_trips_text(engine):
+    assert isinstance(engine, RolloutEngine)
+    text = "Q: what is 12 + 7?\n  A:"
+    assert engine.tokenizer.decode(engine.tokenizer.encode(text)) == text
+
+
+def test_rollout_engine_hook_reads_the_flags(tiny_dir):
+    args = argparse.Namespace(hf_checkpoint=str(tiny_dir), embedded_max_batch_size=3, bf16=True, fp16=False)
+    built = embedded.rollout_engine(args=args)
+    assert built.max_batch_size == 3
+    assert next(built.model.parameters()).dtype == torch.float32  # CPU always float32
+
+
+def test_add_arguments_defines_the_batch_size_flag():
+    parser = argparse.ArgumentParser()
+    embedded.add_arguments(parser=parser)
+    assert parser.parse_args([]).embedded_max_batch_size == 64
+    assert parser.parse_args(["--embedded-max-batch-size", "8"]).embedded_max_batch_size == 8
+
+
+def test_missing_checkpoint_is_a_plugin_error():
+    with pytest.raises(PluginError) as err:
+        embedded.load_engine(None)
+    assert str(err.value) == "--rollout-backend embedded needs --hf-checkpoint (a Hugging Face model directory)."
+
+
+# --- batching and determinism -----------------------------------------------------------------
+
+
+def test_batched_greedy_equals_one_at_a_time(engine):
+    batched = _run(_all(engine, PROMPTS, GREEDY))
+    for prompt, out in zip(PROMPTS, batched):
+        alone = _run(engine.generate(_ids(engine, prompt), dict(GREEDY)))
+        assert out.output_ids == alone.output_ids
+        assert out.output_log_probs == pytest.approx(alone.output_log_probs, abs=1e-5)
+        assert out.finish_reason == "length" and len(out.output_ids) == 16
+        assert out.text == engine.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+
+
+def test_batch_with_mixed_budgets_equals_one_at_a_time(engine):
+    # budgets 2, 3 and 20: the finished rows leave the batch (and its KV cache) midway
+    budgets = [2, 3, 20]
+
+    async def batched():
+        return await asyncio.gather(*[engine.generate(_ids(engine, p), {**GREEDY, "max_new_tokens": n})
+                                      for p, n in zip(PROMPTS, budgets)])
+
+    for prompt, n, out in zip(PROMPTS, budgets, _run(batched())):
+        alone = _run(engine.generate(_ids(engine, prompt), {**GREEDY, "max_new_tokens": n}))
+        assert len(out.output_ids) == n
+        assert out.output_ids == alone.output_ids
+        assert out.output_log_probs == pytest.approx(alone.output_log_probs, abs=1e-5)
+
+
+def test_sampling_is_deterministic_under_manual_seed(engine):
+    params = {"temperature": 1.0, "top_p": 0.9, "top_k": 20, "max_new_tokens": 12}
+    torch.manual_seed(7)
+    first = _run(_all(engine, PROMPTS, params))
+    torch.manual_seed(7)
+    second = _run(_all(engine, PROMPTS, params))
+    torch.manual_seed(8)
+    other = _run(_all(engine, PROMPTS, params))
+    assert [o.output_ids for o in first] == [o.output_ids for o in second]
+    assert [o.output_log_probs for o in first] == [o.output_log_probs for o in second]
+    assert [o.output_ids for o in first] != [o.output_ids for o in other]
+
+
+def test_sampling_seed_does_not_depend_on_the_batch(engine):
+    params = {"temperature": 1.0, "max_new_tokens": 10, "sampling_seed": 123, "ignore_eos": True}
+    alone = _run(engine.generate(_ids(engine, "x"), dict(params)))
+    together = _run(_all(engine, ["Hello there", "x"], params))[1]
+    assert together.output_ids == alone.output_ids
+
+
+def test_requests_beyond_the_batch_size_run_in_later_batches(tiny_dir):
+    small = embedded.load_engine(str(tiny_dir), max_batch_size=1)
+    outs = _run(_all(small, PROMPTS, GREEDY))
+    big = embedded.load_engine(str(tiny_dir))
+    assert [o.output_ids for o in outs] == [o.output_ids for o in _run(_all(big, PROMPTS, GREEDY))]
+
+
+# --- stopping -----------------------------------------------------------------------------
+
+
+def test_max_new_tokens_gives_length(engine):
+    out = _run(engine.generate(_ids(engine, "abc"), {"temperature": 1.0, "max_new_tokens": 5, "ignore_eos": True}))
+    assert (out.finish_reason, len(out.output_ids), len(out.output_log_probs)) == ("length", 5, 5)
+    zero = _run(engine.generate(_ids(engine, "abc"), {"max_new_tokens": 0}))
+    assert (zero.finish_reason, zero.output_ids, zero.text) == ("length", [], "")
+
+
+def test_stop_token_id_ends_the_output_and_is_kept(engine):
+    full = _run(engine.generate(_ids(engine, "Hello there"), dict(GREEDY))).output_ids
+    stop = full[5]
+    k = full.index(stop)  # first occurrence
+    out = _run(engine.generate(_ids(engine, "Hello there"), {**GREEDY, "stop_token_ids": [stop]}))
+    assert out.output_ids == full[: k + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_stop_string_ends_the_output_and_is_kept(engine):
+    full = _run(engine.generate(_ids(engine, "Q: 1+1="), dict(GREEDY)))
+    stop = full.text[6:8]
+    k = next(n for n in range(1, 17) if stop in engine.tokenizer.decode(full.output_ids[:n], skip_special_tokens=True))
+    out = _run(engine.generate(_ids(engine, "Q: 1+1="), {**GREEDY, "stop": [stop]}))
+    assert out.output_ids == full.output_ids[:k]
+    assert out.finish_reason == "stop" and out.text.endswith(stop)
+
+
+def test_min_new_tokens_bans_stop_tokens_early(engine):
+    full = _run(engine.generate(_ids(engine, "Hello there"), dict(GREEDY))).output_ids
+    stop = full[0]
+    out = _run(engine.generate(_ids(engine, "Hello there"), {**GREEDY, "stop_token_ids": [stop],
+                                                            "min_new_tokens": 3}))
+    assert stop not in out.output_ids[:3]
+    assert len(out.output_ids) >= 3
+    assert out.finish_reason == ("stop" if out.output_ids[-1] == stop else "length")
+
+
+def test_eos_stops_unless_ignore_eos(tiny_dir):
+    eng = embedded.load_engine(str(tiny_dir))
+    first = _run(eng.generate(_ids(eng, "x"), dict(GREEDY))).output_ids[0]
+    head = eng.model.state_dict()["lm_head.weight"].clone()
+    head[EOS_ID] = 1.5 * head[first]  # the greedy first token's logit (> 0) times 1.5: EOS wins
+    _run(eng.update_weights([("lm_head.weight", head)], 2))
+    stopped = _run(eng.generate(_ids(eng, "x"), {"temperature": 0, "max_new_tokens": 8}))
+    assert (stopped.output_ids, stopped.finish_reason, stopped.text) == ([EOS_ID], "stop", "")
+    kept = _run(eng.generate(_ids(eng, "x"), {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}))
+    assert kept.output_ids[0] == EOS_ID and kept.finish_reason == "length"
+
+
+# --- log-probs agree with the trainer ---------------------------------------------------------
+
+
+def test_log_probs_match_the_trainer_recomputation(tiny_dir, engine):
+    params = {"temperature": 0.7, "top_p": 0.95, "max_new_tokens": 10, "ignore_eos": True}
+    torch.manual_seed(0)
+    outs = _run(_all(engine, PROMPTS[:2], params))
+    backend = train_backend(args=train_args(tiny_dir))
+    _run(backend.init(backend.args))
+    tokens = [_ids(engine, p) + o.output_ids for p, o in zip(PROMPTS[:2], outs)]
+    lengths = [len(o.output_ids) for o in outs]
+    batch = TrainBatch(tokens=tokens, response_lengths=lengths, loss_masks=[torch.ones(n) for n in lengths],
+                       temperature=0.7)
+    recomputed = _run(backend.log_probs(batch))["log_probs"]
+    for out, lp in zip(outs, recomputed):
+        torch.testing.assert_close(torch.tensor(out.output_log_probs), lp, rtol=0, atol=1e-4)
+
+
+# --- abort --------------------------------------------------------------------------------
+
+
+def test_abort_returns_partial_tokens_and_clears_the_queue(tiny_dir):
+    eng = embedded.load_engine(str(tiny_dir), max_batch_size=1)
+    long = {"temperature": 0, "max_new_tokens": 100_000, "ignore_eos": True}
+
+    async def scenario():
+        running = asyncio.ensure_future(eng.generate(_ids(eng, "Hello there"), dict(long)))
+        queued = asyncio.ensure_future(eng.generate(_ids(eng, "x"), dict(long)))
+        await asyncio.sleep(0.5)
+        await eng.abort()
+        assert running.done() and queued.done()  # resolved by the time abort() returns
+        after = await eng.generate(_ids(eng, "Hello there"), {"temperature": 0, "max_new_tokens": 30,
+                                                              "ignore_eos": True})
+        return running.result(), queued.result(), after
+
+    running, queued, after = _run(scenario())
+    assert running.finish_reason == "abort"
+    assert 0 < len(running.output_ids) < 100_000
+    assert len(running.output_log_probs) == len(running.output_ids)
+    assert (queued.finish_reason, queued.output_ids) == ("abort", [])
+    assert after.finish_reason == "length"  # requests after the abort run normally
+    n = min(len(running.output_ids), 30)
+    assert running.output_ids[:n] == after.output_ids[:n]  # the partial tokens are the real greedy prefix
+
+
+# --- weights ------------------------------------------------------------------------------
+
+
+def test_update_weights_changes_outputs_and_version(tiny_dir):
+    eng = embedded.load_engine(str(tiny_dir))
+    before = _run(eng.generate(_ids(eng, "Hello there"), dict(GREEDY)))
+    assert before.weight_version == "0"
+    gen = torch.Generator().manual_seed(1)
+    new = [(k, v + 0.5 * torch.randn(v.shape, generator=gen)) for k, v in eng.model.state_dict().items()]
+    _run(eng.update_weights(new, 5))
+    after = _run(eng.generate(_ids(eng, "Hello there"), dict(GREEDY)))
+    assert after.weight_version == "5"
+    assert after.output_ids != before.output_ids
+    assert torch.equal(eng.model.state_dict()["lm_head.weight"], dict(new)["lm_head.weight"])
+
+
+def test_update_weights_rejects_unknown_names_and_shapes(engine):
+    with pytest.raises(PluginError) as err:
+        _run(engine.update_weights([("model.nope.weight", torch.zeros(1))], 1))
+    assert str(err.value) == (
+        "embedded engine: update_weights got unknown tensor 'model.nope.weight'; "
+        "names must match the model's Hugging Face state_dict."
+    )
+    with pytest.raises(PluginError) as err:
+        _run(engine.update_weights([("lm_head.weight", torch.zeros(2, 2))], 1))
+    assert str(err.value) == "embedded engine: update_weights tensor 'lm_head.weight' has shape (2, 2), the model expects (100, 32)."
+
+
+# --- sampling math ------------------------------------------------------------------------
+
+
+def test_filter_logits_top_k_keeps_exactly_k():
+    out = filter_logits(torch.tensor([1.0, 3.0, 2.0, 0.0]), top_k=2, top_p=1.0)
+    assert out.tolist() == [float("-inf"), 3.0, 2.0, float("-inf")]
+
+
+@pytest.mark.parametrize(
+    "top_p, kept",
+    [
+        # probabilities 0.5, 0.3, 0.15, 0.05; a token stays while the mass before it is < top_p
+        (0.4, [0]),  # mass before token 1 = 0.5 >= 0.4
+        (0.7, [0, 1]),  # before token 2 = 0.8 >= 0.7
+        (0.85, [0, 1, 2]),  # before token 3 = 0.95 >= 0.85
+        (1.0, [0, 1, 2, 3]),
+    ],
+)
+def test_filter_logits_top_p_nucleus(top_p, kept):
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    out = filter_logits(logits, top_k=-1, top_p=top_p)
+    assert [i for i in range(4) if out[i] > float("-inf")] == kept
+
+
+def test_greedy_sampler_skips_banned_tokens_but_reports_their_mass():
+    # logits [2, 0, 1], token 0 banned: greedy picks 2; log-prob from the full distribution
+    token, logp = sample_token(torch.tensor([2.0, 0.0, 1.0]), SamplingParams(temperature=0), [0], None)
+    expected = 1.0 - torch.logsumexp(torch.tensor([2.0, 0.0, 1.0]), 0).item()  # log_softmax([2, 0, 1])[2]
+    assert token == 2 and logp == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"temperature": -0.5}, "embedded engine: sampling_params['temperature'] = -0.5 must be >= 0 (0 = greedy)."),
+        ({"top_p": 0}, "embedded engine: sampling_params['top_p'] = 0.0 must be in (0, 1]."),
+        ({"top_k": 0}, "embedded engine: sampling_params['top_k'] = 0 must be -1 (off) or >= 1."),
+        ({"max_new_tokens": -1}, "embedded engine: sampling_params['max_new_tokens'] = -1 must be >= 0."),
+    ],
+)
+def test_bad_sampling_params_are_plugin_errors(params, message):
+    with pytest.raises(PluginError) as err:
+        SamplingParams.from_dict(params)
+    assert str(err.value) == message
+
+
+def test_sampling_params_defaults_and_unknown_keys():
+    p = SamplingParams.from_dict({"stop": "</a>", "no_stop_trim": True, "spaces_between_special_tokens": False,
+                                  "top_k": None})
+    assert (p.stop, p.top_k, p.temperature, p.max_new_tokens, p.skip_special_tokens) == (["</a>"], -1, 1.0, 128, True)
