@@ -19,9 +19,10 @@ split with :func:`~furlong.core.reduction.effective_loss_masks`,
 :func:`~furlong.core.reduction.sample_denominators` and
 :func:`~furlong.core.reduction.step_denominators`, and pass ``step_denominators`` (one per
 step) and ``sample_denominators`` (this rank's samples, in ``TrainBatch`` order). The
-returned loss is multiplied by ``dp_world_size`` because data-parallel gradient
-reduction (FSDP, DDP, Megatron) averages over ranks; metrics are not multiplied, so
-summing them over micro-batches and ranks gives the step's value.
+returned loss already carries the global denominators, so a train backend must SUM
+gradients over data-parallel ranks, never average them (the fsdp backend sets FSDP2's
+gradient divide factor to 1); summing metrics over micro-batches and ranks likewise
+gives the step's value.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class StepObjective:
         of micro-batch ``m`` of step ``s``.
     :param loss_name: the chosen loss plugin (``--loss-type``, e.g. ``policy_loss``).
     :param loss_flag: the flag that chose it, for error messages (``--loss-type``).
-    :param dp_world_size: data-parallel ranks; the loss is multiplied by it (see module doc).
+    :param dp_world_size: data-parallel ranks; above 1 the global denominators are required (see module doc).
     :param trajectory_ids: N trajectory ids (siblings share ``D_i`` and count once in
         ``n_s``), or None (each sample its own trajectory).
     :param truncated: N bools, True for samples with finish reason ``length``; used with
@@ -126,8 +127,8 @@ class StepObjective:
         :param log_probs: N float32 tensors [T_i] of the current policy, carrying grad.
         :param entropy: N float32 tensors [T_i], or None when not computed.
         :param values: N float32 tensors [T_i] of the current critic (``value_loss``), or None.
-        :returns: ``(loss, metrics)``: a 0-dim float32 tensor to ``backward()`` (times
-            ``dp_world_size``) and floats already divided by the step's denominators,
+        :returns: ``(loss, metrics)``: a 0-dim float32 tensor to ``backward()`` and floats
+            already divided by the step's denominators,
             including ``loss`` (the reduced objective, not multiplied).
         :raises PluginError: the loss plugin fails, returns the wrong shapes, or (custom
             reducer) reports no grad-carrying ``pg_loss``.
@@ -167,7 +168,7 @@ class StepObjective:
             total = pg + reduction.reduce_tokens(rest, masks, weights)
             metrics["pg_loss"] = float(pg.detach())
         metrics["loss"] = float(total.detach())
-        return total * self.dp_world_size, metrics
+        return total, metrics
 
     def _step(self, sample_ids: list[int]) -> reduction.StepDenominators:
         steps = {self.step_of.get(i) for i in sample_ids}

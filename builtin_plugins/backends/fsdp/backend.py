@@ -65,7 +65,9 @@ class FSDPBackend:
             log.warning("fsdp backend ignores these Megatron flags (no FSDP meaning): %s", " ".join(ignored))
         self.world, self.rank = dist_info(args)
         if torch.cuda.is_available():
-            local = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            if local >= torch.cuda.device_count():  # e.g. one visible GPU per Ray actor
+                local = torch.cuda.current_device()
             torch.cuda.set_device(local)
             self.device = torch.device("cuda", local)
         else:
@@ -261,7 +263,7 @@ class FSDPBackend:
         if not getattr(self.args, "no_load_optim", False):
             found = await self._in_thread(checkpoint.load_optimizer, path, self.model, self.optimizer, self.world,
                                             self.rank)
-            if found is None:
+            if not found and self.rank == 0:
                 log.warning("fsdp: %s has no optimizer.pt (saved with --no-save-optim); Adam starts fresh", path)
         self.global_step = int(meta["global_step"])
         if not getattr(self.args, "no_load_rng", False):

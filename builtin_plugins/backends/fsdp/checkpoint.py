@@ -28,7 +28,7 @@ from furlong.hooks import PluginError
 __all__ = ["load_rng", "load_weights", "load_optimizer", "rng_state", "save_checkpoint"]
 
 
-def _options(world: int, **kw):
+def _options(**kw):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, **kw)
@@ -38,7 +38,7 @@ def full_model_state(model, world: int, cpu: bool = True) -> dict:
     """Full state dict (collective under FSDP2); with ``cpu`` only rank 0 gets tensors."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=_options(world, cpu_offload=cpu and world > 1))
+    return get_model_state_dict(model, options=_options(cpu_offload=cpu and world > 1))
 
 
 def save_checkpoint(path: str, *, model, optimizer, tokenizer, global_step: int, world: int, rank: int,
@@ -48,7 +48,7 @@ def save_checkpoint(path: str, *, model, optimizer, tokenizer, global_step: int,
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state = full_model_state(model, world)
-    optim = get_optimizer_state_dict(model, optimizer, options=_options(world, cpu_offload=world > 1)) if save_optim else None
+    optim = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=world > 1)) if save_optim else None
     if rank == 0:
         os.makedirs(os.path.join(path, "model"), exist_ok=True)
         state = {k: v for k, v in state.items() if k not in tied}
@@ -83,23 +83,23 @@ def load_weights(path: str, model, world: int, rank: int, tied: set[str]) -> Non
     if rank == 0 or world == 1:
         for file in files:
             state.update(load_file(file))
-    result = set_model_state_dict(model, state, options=_options(world, strict=False, broadcast_from_rank0=world > 1))
+    result = set_model_state_dict(model, state, options=_options(strict=False, broadcast_from_rank0=world > 1))
     missing = set(getattr(result, "missing_keys", []) or []) - tied
     if missing and (rank == 0 or world == 1):
         raise PluginError(f"checkpoint {path}: model/ lacks {sorted(missing)[:5]}; it belongs to another model.")
 
 
-def load_optimizer(path: str, model, optimizer, world: int, rank: int) -> int | None:
-    """Restore the optimizer state; return the saved global step, or None without ``optimizer.pt``."""
+def load_optimizer(path: str, model, optimizer, world: int, rank: int) -> bool:
+    """Restore the optimizer state (read on rank 0, broadcast under FSDP2); False without ``optimizer.pt``."""
     import torch
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     file = os.path.join(path, "optimizer.pt")
     if not os.path.exists(file):
-        return None
-    saved = torch.load(file, weights_only=True) if rank == 0 or world == 1 else {"optimizer": {}, "scheduler": {}}
-    set_optimizer_state_dict(model, optimizer, saved["optimizer"], options=_options(world, broadcast_from_rank0=world > 1))
-    return saved["scheduler"].get("global_step")
+        return False
+    saved = torch.load(file, weights_only=True)["optimizer"] if rank == 0 or world == 1 else {}
+    set_optimizer_state_dict(model, optimizer, saved, options=_options(broadcast_from_rank0=world > 1))
+    return True
 
 
 def read_meta(path: str) -> dict:
