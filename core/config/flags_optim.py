@@ -21,6 +21,10 @@ def add(g, dev) -> None:
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="Warmup as a fraction of --lr-decay-iters (exclusive with --lr-warmup-iters).")
     g.add_argument("--lr-warmup-init", type=float, default=0.0, help="Learning rate at the start of warmup.")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="WSD: steps of the final anneal (Megatron name); required with --lr-decay-style WSD.")
+    g.add_argument("--lr-wsd-decay-style", choices=["exponential", "linear", "cosine", "minus_sqrt"],
+                   default="exponential", help="WSD: shape of the final anneal (Megatron name).")
     g.add_argument("--weight-decay", type=float, default=0.1, help="Decoupled weight decay.")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
     g.add_argument("--adam-beta2", type=float, default=0.98, help="Adam beta2.")
