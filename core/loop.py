@@ -50,6 +50,9 @@ class Run:
         self.selection = selection
         self.metrics_dir = args.save or args.log_dir
         self.metrics = MetricsLog(os.path.join(self.metrics_dir, "metrics.jsonl") if self.metrics_dir else None)
+        self.manager: RolloutManager | None = None
+        # train-async: rollout id -> {generate,train}_{start,end}, seconds since the loop started
+        self.timeline: dict[int, dict[str, float]] = {}
 
     async def setup(self) -> int:
         """Check data (before any model loads), create engine and trainer, resume; return the start id."""
@@ -73,6 +76,7 @@ class Run:
     async def update_weights(self) -> float:
         start = time.perf_counter()
         version = await self.group.update_weights(self.engine)
+        self.manager.set_weight_version(version)
         log.debug("weights synced, version %d", version)
         return time.perf_counter() - start
 
@@ -99,8 +103,10 @@ class Run:
         metrics["perf/train_time"] = time.perf_counter() - start
         return metrics
 
-    async def save(self, rollout_id: int) -> None:
-        path = await save_checkpoint(self.args, rollout_id, self.group.save_model, self.cursor.state())
+    async def save(self, rollout_id: int, data_state: dict | None = None) -> None:
+        """Checkpoint ``rollout_id`` with ``data_state`` (default: the cursor's state now)."""
+        data_state = data_state if data_state is not None else self.cursor.state()
+        path = await save_checkpoint(self.args, rollout_id, self.group.save_model, data_state)
         await self.pm.notify("on_checkpoint_saved", args=self.args, rollout_id=rollout_id, path=path)
 
     async def finish_rollout(self, rollout_id: int, groups, metrics: dict) -> None:
@@ -115,15 +121,19 @@ async def run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -
     """Run ``furlong train`` (sync) or ``furlong train-async`` (``args.train_mode == "async"``)."""
     _quiet_transformers()
     state = Run(args, pm, selection)
-    start_id = await state.setup()
-    sync_time = await state.update_weights()
-    if args.num_rollout == 0 and args.eval_interval and state.evaluator:
-        await state.evaluate(0)
-        return
-    if getattr(args, "train_mode", "sync") == "async":
-        await _async_loop(state, start_id, sync_time)
-    else:
-        await _sync_loop(state, start_id, sync_time)
+    try:
+        start_id = await state.setup()
+        sync_time = await state.update_weights()
+        if args.num_rollout == 0 and args.eval_interval and state.evaluator:
+            await state.evaluate(0)
+            return
+        if getattr(args, "train_mode", "sync") == "async":
+            await _async_loop(state, start_id, sync_time)
+        else:
+            await _sync_loop(state, start_id, sync_time)
+    finally:
+        if state.manager is not None:
+            await state.manager.dispose()  # stops work a rollout plugin keeps across rollouts
 
 
 def _eval_first(args: Namespace, state: Run, rollout_id: int, start_id: int) -> bool:
@@ -149,33 +159,67 @@ async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
 
 
 async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
-    """Rollout ``r + 1`` is generated while ``r`` trains (one step off-policy, SPEC.md 9.2)."""
+    """Rollout ``r + 1`` is generated while ``r`` trains (one step off-policy, SPEC.md 9.2).
+
+    Weights sync every ``--update-weights-interval`` rollouts, and only after the rollout
+    in flight finished (never mid-generation); a rollout finished that way is trained on
+    in the next iteration. A checkpoint of rollout ``r`` saves the data state taken when
+    rollout ``r``'s generate finished, so prompts already drawn by rollout ``r + 1`` are
+    drawn again on resume. Per rollout: ``perf/train_wait_time`` (seconds the trainer
+    waited for generation), ``perf/step_time``, ``perf/wait_time_ratio`` (wait / step) and
+    ``timeline/{generate,train}_{start,end}`` (seconds since the loop started, also in
+    ``state.timeline``).
+    """
     args = state.args
     if args.eval_interval and state.evaluator and start_id == 0 and not args.skip_eval_before_train:
         await state.evaluate(0)
-    future = asyncio.ensure_future(state.manager.generate(start_id)) if start_id < args.num_rollout else None
+    clock = time.perf_counter
+    origin = clock()
+
+    async def generate(rollout_id: int):
+        state.timeline[rollout_id] = {"generate_start": clock() - origin}
+        groups = await state.manager.generate(rollout_id)
+        state.timeline[rollout_id]["generate_end"] = clock() - origin
+        return groups
+
+    future = asyncio.ensure_future(generate(start_id)) if start_id < args.num_rollout else None
     data = None
-    for rollout_id in range(start_id, args.num_rollout):
-        if future is not None:
-            data = await future
-        future = asyncio.ensure_future(state.manager.generate(rollout_id + 1)) if rollout_id + 1 < args.num_rollout else None
-        metrics = await state.train_on(rollout_id, data)
-        if should_save(args, rollout_id):
-            await state.save(rollout_id)
-        if (rollout_id + 1) % args.update_weights_interval == 0:
+    step_start = clock()
+    try:
+        for rollout_id in range(start_id, args.num_rollout):
+            wait = clock()
             if future is not None:
-                data_next = await future
-                future = _done(data_next)
-            metrics["perf/update_weights_time"] = await state.update_weights()
-        await state.finish_rollout(rollout_id, data, metrics)
-        if args.eval_interval and state.evaluator and periodic(rollout_id, args.eval_interval, args.num_rollout):
-            await state.evaluate(rollout_id)
-
-
-def _done(value):
-    future = asyncio.get_event_loop().create_future()
-    future.set_result(value)
-    return future
+                data, future = await future, None
+            wait = clock() - wait
+            groups = data
+            if rollout_id + 1 < args.num_rollout:
+                future = asyncio.ensure_future(generate(rollout_id + 1))  # overlaps training of rollout_id
+            times = state.timeline[rollout_id]
+            times["train_start"] = clock() - origin
+            metrics = await state.train_on(rollout_id, groups)
+            times["train_end"] = clock() - origin
+            if should_save(args, rollout_id):
+                start = time.perf_counter()
+                await state.save(rollout_id, state.manager.data_states.get(rollout_id))
+                metrics["perf/save_model_time"] = time.perf_counter() - start
+            if (rollout_id + 1) % args.update_weights_interval == 0:
+                if future is not None:  # never update mid-generation
+                    waited = clock()
+                    data, future = await future, None
+                    wait += clock() - waited
+                metrics["perf/update_weights_time"] = await state.update_weights()
+            step = clock() - step_start
+            step_start = clock()
+            metrics.update({"perf/train_wait_time": wait, "perf/step_time": step,
+                            "perf/wait_time_ratio": wait / step if step > 0 else 0.0})
+            metrics.update({f"timeline/{k}": v for k, v in times.items()})
+            await state.finish_rollout(rollout_id, groups, metrics)
+            if args.eval_interval and state.evaluator and periodic(rollout_id, args.eval_interval, args.num_rollout):
+                await state.evaluate(rollout_id)
+    finally:
+        if future is not None and not future.done():
+            future.cancel()
+            await asyncio.gather(future, return_exceptions=True)
 
 
 def _quiet_transformers() -> None:

@@ -2,7 +2,9 @@
 
 It owns what every rollout plugin shares: the concurrency limit, per-sample reward
 resolution, the aborted state, group accounting (drawn = trained + filtered + surplus +
-aborted-dropped + buffered), and the dump of a failed rollout's samples.
+aborted-dropped + buffered + held), the dump of a failed rollout's samples, the rollout
+plugin's run-long ``state`` (tasks in it are cancelled by :meth:`RolloutManager.dispose`),
+the weight version last synced, and the data state snapshotted at the end of each rollout.
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ class RolloutManager:
         self._handed_out: list[list[Sample]] = []
         self._drops: Counter = Counter()
         self._rejected: set[int] = set()
+        self._held: dict[int, list[Sample]] = {}
+        self.rollout_state: dict = {}
+        self.weight_version: int | None = None
+        self.data_states: dict[int, dict] = {}
         self.rollout_metrics: dict[int, dict] = {}
         self.progress = {"samples_done": 0, "tokens": 0, "samples_total": 0}
 
@@ -67,18 +73,21 @@ class RolloutManager:
     async def generate(self, rollout_id: int) -> list[list[Sample]]:
         """Run the chosen ``rollout`` plugin for ``rollout_id``; return the groups to train on.
 
+        Right after accounting, the data state (:meth:`data_state`) is kept in
+        ``data_states[rollout_id]`` (the last two rollouts): train-async saves it with rollout
+        ``rollout_id``'s checkpoint while rollout ``rollout_id + 1`` is already drawing
+        (DESIGN.md "Checkpoints").
+
         :raises PluginError: the plugin (or a generate/reward it called) failed; the
             rollout's samples were first written to ``failed_rollout_<id>.jsonl``.
         """
         self.aborted = False
-        self._handed_out = []
-        self._drops = Counter()
-        self._rejected = set()
         self.progress = {"samples_done": 0, "tokens": 0, "samples_total": 0}
         self.cursor.rollout_id = rollout_id
         buffered_before = {id(g) for g in self.cursor.buffer}
         context = RolloutContext(engine=self.engine, data=_TrackingCursor(self), generate_group=self.generate_group,
-                                 filter_group=self.filter_group, abort=self.abort)
+                                 filter_group=self.filter_group, abort=self.abort, state=self.rollout_state,
+                                 weight_version=self.weight_version)
         name, flag = self.selection.chosen["rollout"]
         start = time.perf_counter()
         try:
@@ -86,6 +95,7 @@ class RolloutManager:
                                                context=context)
         except Exception as exc:
             path = self.dump_failed(rollout_id)
+            self._new_window()
             message = str(exc) if isinstance(exc, PluginError) else f"{type(exc).__name__}: {exc}"
             raise PluginError(f"rollout {rollout_id} failed: {message}\n  The rollout's samples are in {path}.") from exc
         finally:
@@ -93,9 +103,49 @@ class RolloutManager:
         self._check_groups(name, groups)
         groups.sort(key=lambda g: g[0].index)
         context.metrics.update(self._account(groups, buffered_before))
+        self.data_states[rollout_id] = self.data_state()
+        for old in [r for r in self.data_states if r < rollout_id - 1]:
+            del self.data_states[old]
         context.metrics["perf/rollout_time"] = time.perf_counter() - start
         self.rollout_metrics[rollout_id] = context.metrics
         return groups
+
+    def set_weight_version(self, version: int) -> None:
+        """Record the weight version the trainer just pushed to the engine (SPEC.md 6.5).
+
+        :raises PluginError: ``version`` is older than the one recorded (versions never go back).
+        """
+        if self.weight_version is not None and version < self.weight_version:
+            raise PluginError(f"weight version went backwards: {version} after {self.weight_version}; "
+                              "each weight sync must increase it.")
+        self.weight_version = int(version)
+
+    def data_state(self) -> dict:
+        """The cursor's checkpoint state, with the groups the rollout plugin holds added to the buffer.
+
+        Held groups (in flight or queued by a plugin that works across rollouts) were
+        drawn already: on resume they come back through the buffer. Finished ones keep
+        their responses and rewards; unfinished ones are saved reset for a fresh start.
+        """
+        state = self.cursor.state()
+        for group in self._held.values():
+            state["buffer"].append([_resumable(s, finished=_finished(group)) for s in group])
+        return state
+
+    async def dispose(self) -> None:
+        """End of the run: cancel and await every ``asyncio.Task`` kept in the rollout plugin's ``state``."""
+        loop = asyncio.get_running_loop()
+        tasks = [t for t in self.rollout_state.values()
+                 if isinstance(t, asyncio.Task) and not t.done() and t.get_loop() is loop]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - the run is over; report, do not mask the run's outcome
+                log.warning("rollout plugin task %s ended with %s: %s", task.get_name(), type(exc).__name__, exc)
 
     def _check_groups(self, name: str, groups: list[list[Sample]]) -> None:
         if len(groups) != self.args.rollout_batch_size:
@@ -109,15 +159,19 @@ class RolloutManager:
 
     def _account(self, trained: list[list[Sample]], buffered_before: set[int]) -> dict:
         trained_ids = {id(g) for g in trained}
+        for gid in trained_ids:
+            self._held.pop(gid, None)
         buffered_now = {id(g) for g in self.cursor.buffer} - buffered_before
         filtered = sum(self._drops.values())
         counters = self.cursor.counters
         counters["trained"] += len(trained)
         counters["filtered"] += filtered
+        seen: set[int] = set()
         for group in self._handed_out:
             gid = id(group)
-            if gid in trained_ids or gid in buffered_now or gid in self._rejected:
+            if gid in seen or gid in trained_ids or gid in buffered_now or gid in self._rejected or gid in self._held:
                 continue
+            seen.add(gid)
             if any(s.status in (Status.ABORTED, Status.PENDING) for s in group):
                 counters["aborted_dropped"] += 1
             else:
@@ -128,7 +182,16 @@ class RolloutManager:
         metrics["rollout/dynamic_filter/groups_dropped"] = float(filtered)
         metrics.update({f"rollout/accounting/{k}": float(v) for k, v in counters.items()})
         metrics["rollout/accounting/buffered"] = float(len(self.cursor.buffer))
+        metrics["rollout/accounting/held"] = float(len(self._held))
+        self._new_window()
         return metrics
+
+    def _new_window(self) -> None:
+        """Start counting the next rollout: what happens between two rollout calls (a
+        producer working across rollouts) is counted at the end of the next one."""
+        self._handed_out = []
+        self._drops = Counter()
+        self._rejected = set()
 
     # --- what the rollout plugin calls -----------------------------------------------------
 
@@ -198,6 +261,7 @@ class RolloutManager:
             else:
                 self._drops["unspecified"] += 1
             self._rejected.add(id(group))
+            self._held.pop(id(group), None)
         return result
 
     def drop_counts(self) -> dict:
@@ -239,6 +303,19 @@ class _TrackingCursor:
 
     def add_samples(self, groups: list[list[Sample]]) -> None:
         self._cursor.add_samples(groups)
+        for group in groups:
+            self._manager._held.pop(id(group), None)
+
+    def hold(self, groups: list[list[Sample]]) -> None:
+        """The plugin keeps ``groups`` after its call returns: do not count them yet."""
+        for group in groups:
+            self._manager._held[id(group)] = group
+
+    def release(self, groups: list[list[Sample]]) -> None:
+        """The plugin dropped these held groups: count them (surplus or aborted_dropped) at the end of the rollout."""
+        for group in groups:
+            self._manager._held.pop(id(group), None)
+            self._manager._handed_out.append(group)
 
     def buffer_len(self) -> int:
         return self._cursor.buffer_len()
@@ -246,3 +323,16 @@ class _TrackingCursor:
     @property
     def drop_counts(self) -> dict:
         return self._manager.drop_counts()
+
+
+def _finished(group: list[Sample]) -> bool:
+    return all(s.status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED) for s in group)
+
+
+def _resumable(sample: Sample, finished: bool) -> dict:
+    """``sample.to_dict()``, or for a group still generating, the sample reset to start over."""
+    if finished:
+        return sample.to_dict()
+    fresh = Sample.from_dict(sample.to_dict())
+    fresh.reset_for_retry()
+    return fresh.to_dict()

@@ -126,6 +126,19 @@ class RolloutContext:
     ``filter_group(group, rollout_id) -> FilterResult``: every chosen filter in flag order.
     ``abort(rollout_id)``: engine abort, then the ``abort`` hook broadcast.
     ``metrics``: dict the rollout adds ``rollout/...`` values to.
+    ``state``: a dict the core keeps for the whole run and passes, the same object, to
+    every call of the chosen rollout plugin: work that spans rollouts lives here (the
+    fully async producer). When the run ends the core cancels and awaits every
+    ``asyncio.Task`` stored as a value of ``state``. The callables and ``data`` of any
+    context stay valid for the whole run.
+    ``weight_version``: the weight version the core last pushed to the engine when this
+    call started (the first sync is 1; never goes backwards), or None before any sync.
+
+    A plugin that keeps groups after its call returns (in flight or queued) calls
+    ``data.hold(groups)`` when it takes them: held groups are not counted in
+    ``rollout/accounting/*`` until they are returned, buffered (``add_samples``), rejected
+    by ``filter_group``, or dropped with ``data.release(groups)`` (then counted as
+    surplus, or aborted_dropped when a sample was aborted).
     """
 
     engine: RolloutEngine
@@ -134,3 +147,5 @@ class RolloutContext:
     filter_group: Callable[..., Awaitable[FilterResult]]
     abort: Callable[[int], Awaitable[None]]
     metrics: dict = attrs.field(factory=dict)
+    state: dict = attrs.field(factory=dict)
+    weight_version: int | None = None

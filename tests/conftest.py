@@ -196,3 +196,25 @@ def run_furlong(tmp_path):
         )
 
     return run
+
+
+# --- end-to-end runs -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama with a character tokenizer (tests/tiny_model.py), built once per session."""
+    from .tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model") / "model")
+
+
+@pytest.fixture(scope="session")
+def arithmetic_jsonl(tmp_path_factory):
+    """60 prompts ``a+b=`` with integer labels, as JSONL (``prompt``/``label``)."""
+    import json
+
+    path = tmp_path_factory.mktemp("data") / "arith.jsonl"
+    rows = [{"prompt": f"{a}+{b}=", "label": str(a + b)} for a in range(10) for b in range(6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -39,6 +39,7 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--update-weight-transfer-mode", "update_weight_transfer_mode", ("broadcast",)),
     Unsupported("--keep-old-actor", "keep_old_actor"),
     Unsupported("--use-session-server", "use_session_server", (None,)),
+    Unsupported("--custom-async-data-buffer-path", "custom_async_data_buffer_path", (None,)),
 )
 
 

@@ -1,0 +1,1 @@
+"""Built-in logger plugins (observer hooks): TensorBoard and Weights & Biases."""
