@@ -22,6 +22,7 @@ from .data_cursor import DataCursor
 from .evaluation import Evaluator
 from .metrics_log import MetricsLog, rollout_metrics, summary_line
 from .plugins import FurlongPluginManager
+from .preflight import check_paths
 from .progress import RolloutProgress
 from .rollout_manager import RolloutManager
 from .selection import Selection
@@ -58,6 +59,7 @@ class Run:
         """Check data (before any model loads), create engine and trainer, resume; return the start id."""
         args, pm, sel = self.args, self.pm, self.selection
         _seed_everything(args.seed)
+        check_paths(args)
         source = await pm.call_chosen("data_source", *sel.chosen["data_source"], args=args)
         self.cursor = DataCursor(args, pm, source, sel.chosen["buffer_pop"])
         self.evaluator = Evaluator(args, pm, sel)

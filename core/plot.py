@@ -46,13 +46,22 @@ def _series(rows: list[dict], step_key: str, key: str) -> tuple[list, list]:
 
 
 def plot_run(run_dir: str, out: str | None = None) -> str:
-    """Draw reward, eval reward, KL, entropy, response length and the time split; return the PNG path."""
+    """Draw reward, eval reward, KL, entropy, response length and the time split; return the PNG path.
+
+    One 2 x 3 grid of panels, 1350 x 720 pixels (15 x 8 inches at 90 dpi), written to ``out``
+    (default ``RUN_DIR/metrics.png``, or beside the given ``metrics.jsonl``). Rollout-side
+    panels use the ``rollout/step`` rows, the eval panel every ``eval/<name>`` key of the
+    ``eval/step`` rows; a panel without data says "no data".
+
+    :raises PluginError: the metrics file is missing or holds a line that is not JSON.
+    """
+    rows = load_metrics(run_dir)  # before matplotlib loads: a wrong path fails at once
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    rows = load_metrics(run_dir)
     out = out or os.path.join(run_dir if os.path.isdir(run_dir) else os.path.dirname(run_dir), "metrics.png")
     rollout_rows = [r for r in rows if "rollout/step" in r]
     eval_rows = [r for r in rows if "eval/step" in r]
@@ -67,10 +76,13 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
                 ax.plot(xs, ys, marker="o", markersize=3, label=key)
         ax.set_title(title)
         ax.set_xlabel("rollout")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rollout ids are whole numbers
+        ax.ticklabel_format(axis="y", useOffset=False)  # 4.5987 rather than "1e-5 + 4.598" offsets
         if ax.lines:
             ax.legend(fontsize=8)
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(os.path.abspath(run_dir), fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)

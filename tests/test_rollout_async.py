@@ -307,3 +307,13 @@ def test_staleness_uses_the_oldest_version_of_the_group():
     assert fully_async._staleness(group, 6) == 3  # 6 - min(3, 5, 4)
     assert fully_async._staleness(group, None) == 0
     assert fully_async._staleness([Sample()], 6) == 0
+
+
+def test_weight_version_never_goes_backwards(tmp_path, plugin_manager):
+    manager = _manager(_args(tmp_path), plugin_manager, ScriptedEngine(_answer))
+    manager.set_weight_version(2)
+    manager.set_weight_version(2)
+    with pytest.raises(PluginError) as excinfo:
+        manager.set_weight_version(1)
+    assert str(excinfo.value) == "weight version went backwards: 1 after 2; each weight sync must increase it."
+    assert manager.weight_version == 2

@@ -147,7 +147,7 @@ def _split_slice(spec: str) -> tuple[str, int | None, int | None]:
 def _parse_line(path, lineno, line, input_key, label_key, metadata_key, tool_key) -> dict:
     where = f"{path}:{lineno}"
     try:
-        obj = json.loads(line)
+        obj = json.loads(line.rstrip("\r\n"))
     except json.JSONDecodeError as exc:
         raise PluginError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}).") from None
     if not isinstance(obj, dict):
