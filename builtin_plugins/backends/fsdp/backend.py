@@ -22,7 +22,7 @@ log = logging.getLogger("furlong.backends.fsdp")
 
 
 class FSDPBackend:
-    """A :class:`furlong.hooks.TrainBackend` over a Hugging Face model (see docs/builtins/backends.md).
+    """A :class:`furlong.hooks.TrainBackend` over a Hugging Face model (see PLUGINS.md, "Built-in plugins").
 
     Single process: plain torch on CPU (float32) or one GPU (bfloat16 autocast with
     ``--bf16``). With ``torch.distributed`` initialized over several ranks: FSDP2
