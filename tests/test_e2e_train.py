@@ -1,0 +1,111 @@
+"""`furlong train` end to end on a real (tiny) Hugging Face model: metrics, eval, observers."""
+
+import json
+
+import pytest
+
+from furlong.hooks import hookimpl
+
+REQUIRED_KEYS = {
+    "rollout/step": ["rollout/raw_reward", "rollout/response_lengths", "rollout/truncated", "train/pg_loss",
+                     "train/pg_clipfrac", "train/kl_loss", "train/entropy_loss", "train/grad_norm",
+                     "perf/rollout_time", "perf/train_time", "perf/update_weights_time"],
+    "train/step": ["train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/kl_loss", "train/entropy_loss",
+                   "train/grad_norm", "train/lr"],
+    "eval/step": ["eval/arith", "eval/arith-truncated_ratio", "eval/arith/response_len/mean"],
+}
+
+
+class Recorder:
+    """An observer plugin registered in-process: records what the loop tells observers."""
+
+    def __init__(self):
+        self.calls = []
+
+    @hookimpl
+    def on_rollout_end(self, rollout_id, metrics):
+        self.calls.append(("rollout", rollout_id, dict(metrics)))
+
+    @hookimpl
+    def on_train_step_end(self, rollout_id, step, metrics):
+        self.calls.append(("step", step, dict(metrics)))
+
+    @hookimpl
+    def on_eval_end(self, rollout_id, metrics):
+        self.calls.append(("eval", rollout_id, dict(metrics)))
+
+    @hookimpl
+    def on_checkpoint_saved(self, rollout_id, path):
+        self.calls.append(("checkpoint", rollout_id, path))
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory, tiny_model_dir, arithmetic_jsonl):
+    """Three rollouts, two optimizer steps each, KL loss on, eval every 2 rollouts, saves."""
+    import asyncio
+
+    from furlong.core.config import parse_args
+    from furlong.core.loop import run
+    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.selection import resolve_selection
+
+    save = tmp_path_factory.mktemp("run") / "save"
+    argv = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(arithmetic_jsonl), "--input-key", "prompt",
+            "--label-key", "label", "--rm-type", "math", "--num-rollout", "3", "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "2", "--rollout-max-response-len", "6",
+            "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl", "--lr", "1e-3",
+            "--eval-prompt-data", "arith", str(arithmetic_jsonl) + "@[0:6]", "--eval-interval", "2",
+            "--save", str(save), "--save-interval", "2"]
+    pm = get_plugin_manager()
+    recorder = Recorder()
+    pm.register(recorder, name="recorder")
+    args = parse_args(argv, pm)
+    asyncio.run(run(args, pm, resolve_selection(args, pm)))
+    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    return save, rows, recorder.calls
+
+
+def test_metrics_jsonl_has_every_documented_key(short_run):
+    _, rows, _ = short_run
+    for step_key, keys in REQUIRED_KEYS.items():
+        mine = [r for r in rows if step_key in r]
+        assert mine, step_key
+        for row in mine:
+            missing = [k for k in keys if k not in row]
+            assert not missing, (step_key, missing)
+    assert [r["rollout/step"] for r in rows if "rollout/step" in r] == [0, 1, 2]
+    assert [r["train/step"] for r in rows if "train/step" in r] == [0, 1, 2, 3, 4, 5]
+    # eval before training (rollout 0), then at rollout 1 ((1+1) % 2 == 0) and the last one (2).
+    assert [r["eval/step"] for r in rows if "eval/step" in r] == [0, 1, 2]
+
+
+def test_values_are_in_range(short_run):
+    _, rows, _ = short_run
+    for row in (r for r in rows if "rollout/step" in r):
+        assert 0.0 <= row["rollout/raw_reward"] <= 1.0
+        assert 0.0 < row["rollout/response_lengths"] <= 6
+        assert 0.0 <= row["rollout/truncated"] <= 1.0
+        assert row["train/kl_loss"] >= 0.0 and row["train/grad_norm"] >= 0.0
+    first_step = next(r for r in rows if r.get("train/step") == 0)
+    # The policy equals the reference before the first update: KL exactly 0, ratio 1.
+    assert first_step["train/kl_loss"] == pytest.approx(0.0, abs=1e-7)
+    assert first_step["train/pg_clipfrac"] == 0.0
+
+
+def test_hook_on_rollout_end_and_other_observers_fire_with_the_logged_metrics(short_run):
+    save, rows, calls = short_run
+    kinds = [c[0] for c in calls]
+    assert kinds.count("rollout") == 3 and kinds.count("step") == 6 and kinds.count("eval") == 3
+    assert [c[1:] for c in calls if c[0] == "checkpoint"] == [(1, str(save / "iter_0000001")),
+                                                             (2, str(save / "iter_0000002"))]
+    logged = next(r for r in rows if r.get("rollout/step") == 2)
+    observed = next(c[2] for c in calls if c[0] == "rollout" and c[1] == 2)
+    assert observed["rollout/raw_reward"] == logged["rollout/raw_reward"]
+
+
+def test_checkpoints_follow_the_save_cadence(short_run):
+    save, _, _ = short_run
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == ["iter_0000001", "iter_0000002"]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    state = json.loads((save / "rollout" / "state_2.json").read_text())
+    assert state["counters"]["trained"] == 6 and state["group_index"] == 6
