@@ -59,10 +59,10 @@ class Run:
         """Check data (before any model loads), create engine and trainer, resume; return the start id."""
         args, pm, sel = self.args, self.pm, self.selection
         _seed_everything(args.seed)
-        check_paths(args)
         source = await pm.call_chosen("data_source", *sel.chosen["data_source"], args=args)
         self.cursor = DataCursor(args, pm, source, sel.chosen["buffer_pop"])
         self.evaluator = Evaluator(args, pm, sel)
+        check_paths(args)
         resume = resolve_start(args)
         self.engine = await pm.call_chosen("rollout_engine", *sel.chosen["rollout_engine"], args=args)
         backend = await pm.call_chosen("train_backend", *sel.chosen["train_backend"], args=args)

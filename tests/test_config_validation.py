@@ -182,7 +182,7 @@ def test_config_error_is_a_plugin_error_with_the_problem_list():
 # --- command-dependent checks -------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, command, message", [
-    (["--fully-async"], "train", "--fully-async needs furlong train-async."),
+    (["--fully-async"], "train", "fully async rollout (--rollout fully_async, --fully-async) needs furlong train-async."),
     (["--colocate"], "train-async",
      "furlong train-async cannot run with --colocate (training and generation overlap); use furlong train."),
     (["--advantage-estimator", "ppo", "--train-backend", "megatron"], "train-async",
@@ -218,6 +218,7 @@ UNSUPPORTED_ARGV = {
     "--update-weight-transfer-mode": ["--update-weight-transfer-mode", "disk-delta"],
     "--keep-old-actor": ["--keep-old-actor"],
     "--use-session-server": ["--use-session-server"],
+    "--custom-async-data-buffer-path": ["--custom-async-data-buffer-path", "my.Buffer"],
 }
 UNSUPPORTED_MESSAGES = {
     "--qkv-format": "--qkv-format bshd is not supported yet (supported: thd).",

@@ -210,7 +210,9 @@ def test_producer_failure_is_raised_by_every_later_rollout(tmp_path, plugin_mana
     class Broken:
         @hookimpl
         def reward(self, samples):
-            raise ValueError("grader exploded")
+            if samples[0].index == 0:
+                raise ValueError("grader exploded")
+            return [1.0 for _ in samples]
 
     register_plugin(Broken(), "broken_rm")
     args = _args(tmp_path, "--rm-type", "broken_rm")
@@ -247,8 +249,8 @@ def test_warns_while_no_group_finishes(tmp_path, plugin_manager, monkeypatch, ca
     asyncio.run(main())
     warnings = [r.getMessage() for r in caplog.records if "no group finished" in r.getMessage()]
     assert len(warnings) >= 2
-    assert warnings[0].startswith("fully async rollout 0: no group finished in the last 0 s (0 of 2 groups taken, "
-                                  "4 samples in flight, queue empty)")
+    assert warnings[0].startswith("fully async rollout 0: no group finished in the last ")
+    assert warnings[0].endswith(" s (0 of 2 groups taken, 4 samples in flight, queue empty)")
 
 
 def test_sample_granularity_starts_a_group_when_enough_samples_finished(tmp_path, plugin_manager):

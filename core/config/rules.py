@@ -158,7 +158,7 @@ def async_and_agents(args, f, given: set[str], command: str | None) -> None:
             f.error("--fully-async cannot use --pause-generation-mode abort: generation is always in flight, so "
                     "every weight update would throw it away; use retract or in_place.")
         if command == "train":
-            f.error("--fully-async needs furlong train-async.")
+            f.error("fully async rollout (--rollout fully_async, --fully-async) needs furlong train-async.")
     if command == "train-async" and args.colocate:
         f.error("furlong train-async cannot run with --colocate (training and generation overlap); "
                 "use furlong train.")

@@ -1,0 +1,315 @@
+"""furlong against TRL's GRPOTrainer on furlong's demo workload, on this machine.
+
+One command, from the repository root (needs ``pip install -e ".[bench]"`` for TRL)::
+
+    python benchmarks/bench_demo.py
+
+It runs the same GRPO workload twice, each in its own process with the same torch thread
+count:
+
+1. ``furlong train`` (sync mode, embedded engine, fsdp backend) for ``--rollouts`` rollouts;
+   the time split comes from furlong's own ``metrics.jsonl`` (``perf/rollout_time``,
+   ``perf/train_time``, ``perf/update_weights_time``, per rollout);
+2. TRL's ``GRPOTrainer`` for as many optimizer steps, configured to match: same model and
+   tokenizer, same prompts in the same order (no shuffling), ``--prompts`` prompts x ``--group``
+   samples per step (``num_generations``), one optimizer step per generation batch
+   (``num_iterations=1``), the same maximum completion length, temperature 1.0 (top-p 1, no
+   top-k), ``beta=0`` (no KL, no reference model), clip 0.2 both sides, group-std-scaled
+   advantages, per-sequence token-mean loss (furlong's default reduction = TRL
+   ``loss_type="grpo"``), AdamW with furlong's defaults (betas 0.9/0.98, eps 1e-8, weight
+   decay 0.1), gradient clipping 1.0, constant learning rate, no warm-up, and a reward that
+   grades like furlong's ``math`` reward on these integer labels (last ``\\boxed{}`` content
+   equal to the label). TRL's step time is split into generation + scoring (its
+   ``_generate_and_score_completions``) and the rest (forward, backward, optimizer).
+
+Both train on the full batch in one micro-batch (furlong ``--micro-batch-size`` = TRL
+``per_device_train_batch_size`` = prompts x group). It prints seconds per iteration and
+samples per second side by side, the ratio, and the reward of the first and last iterations;
+``--json PATH`` also writes every figure. docs/benchmarks.md records a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "examples" / "demo"
+BOXED_INT = re.compile(r"\\boxed\{\s*(-?\d+)\s*\}")
+
+
+# --------------------------------------------------------------------------- shared
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def boxed_reward(completion: str, label: str) -> float:
+    """1.0 when the last ``\\boxed{}`` of ``completion`` holds the integer ``label``, else 0.0."""
+    found = re.findall(r"\\boxed\{([^{}]*)\}", completion)
+    if not found:
+        return 0.0
+    match = BOXED_INT.fullmatch("\\boxed{" + found[-1] + "}")
+    return float(match is not None and int(match.group(1)) == int(label))
+
+
+def machine_info() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__}
+    try:
+        import trl
+
+        info["trl"] = trl.__version__
+    except ImportError:
+        info["trl"] = "not installed"
+    return info
+
+
+def summarize(step_times: list[float], parts: dict[str, list[float]], rewards: list[float], samples: int) -> dict:
+    """Means over the iterations after the first (the first pays one-off warm-up costs)."""
+    steady = slice(1, None) if len(step_times) > 1 else slice(None)
+    mean_step = statistics.fmean(step_times[steady])
+    return {
+        "iterations": len(step_times),
+        "s_per_iteration": mean_step,
+        "samples_per_s": samples / mean_step,
+        "split_s": {k: statistics.fmean(v[steady]) for k, v in parts.items()},
+        "first_iteration_s": step_times[0],
+        "reward_first": rewards[0],
+        "reward_last": rewards[-1],
+        "reward_mean_last3": statistics.fmean(rewards[-3:]),
+        "rewards": rewards,
+    }
+
+
+# --------------------------------------------------------------------------- furlong
+
+
+def run_furlong(opts, out: Path) -> dict:
+    """``furlong train`` in a subprocess; figures from its metrics.jsonl."""
+    batch = opts.prompts * opts.group
+    cmd = [
+        sys.executable, "-m", "furlong.core", "train",
+        "--hf-checkpoint", str(opts.model), "--prompt-data", str(opts.data / "train.jsonl"),
+        "--input-key", "prompt", "--label-key", "label", "--rm-type", "math",
+        *(["--apply-chat-template"] if opts.chat_template else []),
+        "--num-rollout", str(opts.rollouts), "--rollout-batch-size", str(opts.prompts),
+        "--n-samples-per-prompt", str(opts.group), "--global-batch-size", str(batch),
+        "--micro-batch-size", str(batch), "--rollout-max-response-len", str(opts.max_len),
+        "--rollout-temperature", "1.0", "--lr", str(opts.lr), "--lr-decay-style", "constant",
+        "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--seed", str(opts.seed),
+        "--log-dir", str(out),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": str(opts.threads)}
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"furlong train failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "rollout/step" in r]
+    parts = {"rollout": [r["perf/rollout_time"] for r in rows], "train": [r["perf/train_time"] for r in rows],
+             "weight_sync": [r["perf/update_weights_time"] for r in rows]}
+    steps = [a + b + c for a, b, c in zip(*parts.values())]
+    result = summarize(steps, parts, [r["rollout/raw_reward"] for r in rows], batch)
+    result["wall_s"] = wall
+    result["command"] = " ".join(cmd[1:])
+    return result
+
+
+# --------------------------------------------------------------------------- TRL
+
+
+def run_trl_worker(opts, out: Path) -> dict:
+    """Train with TRL's GRPOTrainer in this process; return the figures (see the module docstring)."""
+    import torch
+
+    torch.set_num_threads(opts.threads)
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.utils import logging as hf_logging
+    from trl import GRPOConfig, GRPOTrainer
+
+    hf_logging.set_verbosity_error()
+    batch = opts.prompts * opts.group
+    rows = read_jsonl(opts.data / "train.jsonl")[: opts.prompts * opts.rollouts]
+    if len(rows) < opts.prompts * opts.rollouts:
+        raise SystemExit(f"{opts.data / 'train.jsonl'} has {len(rows)} rows; need {opts.prompts * opts.rollouts}.")
+    tokenizer = AutoTokenizer.from_pretrained(opts.model)
+    sample = rows[0]["prompt"]
+    if not opts.chat_template and tokenizer(sample)["input_ids"] != tokenizer(sample, add_special_tokens=False)["input_ids"]:
+        raise SystemExit("the tokenizer adds special tokens to a plain prompt, furlong does not: use --chat-template")
+    prompt = ((lambda p: [{"role": "user", "content": p}]) if opts.chat_template else (lambda p: p))
+    dataset = Dataset.from_list([{"prompt": prompt(r["prompt"]), "label": str(r["label"])} for r in rows])
+
+    def reward_boxed(completions, label, **kwargs):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [boxed_reward(t, lab) for t, lab in zip(texts, label)]
+
+    config = GRPOConfig(
+        output_dir=str(out), report_to="none", logging_steps=1, save_strategy="no", seed=opts.seed,
+        max_steps=opts.rollouts, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        num_generations=opts.group, steps_per_generation=1, num_iterations=1, shuffle_dataset=False,
+        max_completion_length=opts.max_len, temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=opts.lr, lr_scheduler_type="constant", warmup_steps=0, beta=0.0,
+        epsilon=0.2, scale_rewards="group", loss_type="grpo", optim="adamw_torch",
+        adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-8, weight_decay=0.1, max_grad_norm=1.0,
+        use_vllm=False, use_cpu=True, bf16=False, fp16=False, disable_tqdm=True, dataloader_num_workers=0,
+    )
+
+    class Timed(GRPOTrainer):
+        generation_times: list[float] = []
+
+        def _generate_and_score_completions(self, inputs):
+            start = time.perf_counter()
+            try:
+                return super()._generate_and_score_completions(inputs)
+            finally:
+                self.generation_times.append(time.perf_counter() - start)
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.times, self._start = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self._start)
+
+    clock = StepClock()
+    model = AutoModelForCausalLM.from_pretrained(opts.model, dtype=torch.float32)
+    trainer = Timed(model=model, reward_funcs=[reward_boxed], args=config, train_dataset=dataset,
+                    processing_class=tokenizer, callbacks=[clock])
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    gen = Timed.generation_times
+    parts = {"rollout": gen, "train": [s - g for s, g in zip(clock.times, gen)]}
+    result = summarize(clock.times, parts, rewards, batch)
+    result["train_wall_s"] = wall
+    return result
+
+
+def run_trl(opts, out: Path) -> dict:
+    """The TRL run in a subprocess of this script (``--trl-worker``), so neither run warms the other."""
+    result_path = out / "trl_result.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", "--result", str(result_path),
+           *_shared_argv(opts)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(opts.threads), "TOKENIZERS_PARALLELISM": "false"}
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"TRL run failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    result = json.loads(result_path.read_text())
+    result["wall_s"] = wall  # the whole process, like furlong's: imports, model load, training
+    return result
+
+
+# --------------------------------------------------------------------------- report
+
+
+def report(info: dict, opts, furlong: dict, trl: dict) -> str:
+    lines = [
+        f"machine: {info['cpu']}, {info['cores']} cores; torch {info['torch']}, transformers "
+        f"{info['transformers']}, trl {info['trl']}; {opts.threads} torch thread(s)",
+        f"workload: {opts.model.name} model, {opts.rollouts} iterations of {opts.prompts} prompts x {opts.group} "
+        f"samples = {opts.prompts * opts.group} samples, responses <= {opts.max_len} tokens, lr {opts.lr}",
+        "",
+        f"{'':28}{'furlong':>12}{'TRL':>12}{'TRL/furlong':>13}",
+    ]
+
+    def line(label, a, b, fmt="{:.2f}"):
+        ratio = f"{b / a:.2f}x" if a else "-"
+        lines.append(f"{label:28}{fmt.format(a):>12}{fmt.format(b):>12}{ratio:>13}")
+
+    line("s / iteration", furlong["s_per_iteration"], trl["s_per_iteration"])
+    line("samples / s", furlong["samples_per_s"], trl["samples_per_s"])
+    line("  rollout (gen + reward) s", furlong["split_s"]["rollout"], trl["split_s"]["rollout"])
+    line("  train s", furlong["split_s"]["train"], trl["split_s"]["train"])
+    lines.append(f"{'  weight sync s':28}{furlong['split_s']['weight_sync']:>12.3f}{'(shared)':>12}")
+    line("first iteration s", furlong["first_iteration_s"], trl["first_iteration_s"])
+    line("wall s (incl. start-up)", furlong["wall_s"], trl["wall_s"], "{:.1f}")
+    lines.append(f"{'reward first -> last':28}{furlong['reward_first']:>5.2f} -> {furlong['reward_last']:.2f}"
+                 f"{trl['reward_first']:>5.2f} -> {trl['reward_last']:.2f}")
+    lines.append(f"{'reward, mean of last 3':28}{furlong['reward_mean_last3']:>12.3f}{trl['reward_mean_last3']:>12.3f}")
+    lines.append("")
+    lines.append("Means exclude the first iteration (warm-up). TRL generates with the training model itself, "
+                 "so it has no weight sync.")
+    return "\n".join(lines)
+
+
+def _shared_argv(opts) -> list[str]:
+    return ["--model", str(opts.model), "--data", str(opts.data), "--rollouts", str(opts.rollouts),
+            "--prompts", str(opts.prompts), "--group", str(opts.group), "--max-len", str(opts.max_len),
+            "--lr", str(opts.lr), "--threads", str(opts.threads), "--seed", str(opts.seed),
+            *(["--chat-template"] if opts.chat_template else [])]
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=DEMO / "model", help="HF model folder (default: the demo model)")
+    parser.add_argument("--data", type=Path, default=DEMO / "data", help="folder with train.jsonl (prompt, label)")
+    parser.add_argument("--rollouts", type=int, default=10, help="iterations (rollouts = optimizer steps)")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per iteration")
+    parser.add_argument("--group", type=int, default=4, help="samples per prompt (TRL num_generations)")
+    parser.add_argument("--max-len", type=int, default=16, help="maximum response tokens")
+    parser.add_argument("--lr", type=float, default=1e-4, help="constant learning rate")
+    parser.add_argument("--threads", type=int, default=max(1, min(os.cpu_count() or 1, 4)), help="torch threads")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template to prompts")
+    parser.add_argument("--out", type=Path, default=None, help="keep the runs' files here (default: a temp folder)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
+    parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse(argv)
+    opts.model, opts.data = opts.model.resolve(), opts.data.resolve()
+    if opts.trl_worker:
+        result = run_trl_worker(opts, opts.result.parent)
+        opts.result.write_text(json.dumps(result))
+        return 0
+    if not (opts.model / "config.json").is_file():
+        raise SystemExit(f"no model at {opts.model}: build the demo first (python examples/demo/make_demo.py)")
+    with tempfile.TemporaryDirectory(prefix="bench_demo_") as tmp:
+        out = (opts.out or Path(tmp)).resolve()
+        (out / "furlong").mkdir(parents=True, exist_ok=True)
+        (out / "trl").mkdir(parents=True, exist_ok=True)
+        info = machine_info()
+        print(f"furlong: {opts.rollouts} rollouts ...", flush=True)
+        furlong = run_furlong(opts, out / "furlong")
+        print(f"TRL GRPOTrainer: {opts.rollouts} steps ...", flush=True)
+        trl = run_trl(opts, out / "trl")
+    print(report(info, opts, furlong, trl))
+    if opts.json:
+        opts.json.write_text(json.dumps({"machine": info, "options": {k: str(v) for k, v in vars(opts).items()},
+                                         "furlong": furlong, "trl": trl}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
