@@ -20,11 +20,11 @@ from typing import Any
 import attrs
 
 from furlong.hooks import AdvantageInput, AdvantageOutput, PluginError
+from furlong.hooks.kl import KL_TYPES, kl_estimate
 
 __all__ = ["compute_advantages", "shaping_kl", "apply_opd", "whiten"]
 
 WHITEN_EPS = 1e-8
-_LOG_RATIO_LIMIT = 20.0
 
 
 async def compute_advantages(
@@ -88,12 +88,14 @@ def shaping_kl(log_probs: list, ref_log_probs: list, loss_masks: list, kl_type: 
     """
     import torch
 
+    if kl_type not in KL_TYPES:
+        raise PluginError(f"--kl-loss-type {kl_type!r}: unknown KL estimator; choose one of {', '.join(KL_TYPES)}.")
     out = []
     for lp, ref, mask in zip(log_probs, ref_log_probs, loss_masks):
         active = mask.reshape(-1).to(lp.device) > 0
         lp = lp.detach().reshape(-1).float()
         ref = torch.where(active, ref.detach().reshape(-1).to(lp.device).float(), lp)
-        kl = _kl_estimate(lp - ref, kl_type)
+        kl = kl_estimate(lp, ref, kl_type)
         out.append(torch.where(active, torch.nan_to_num(kl, nan=0.0, posinf=0.0, neginf=0.0), 0.0))
     return out
 
@@ -143,22 +145,6 @@ def whiten(advantages: list, loss_masks: list) -> list:
         var = var * count / (count - 1)
     out = ((flat - mean) / torch.sqrt(var + WHITEN_EPS)).to(torch.float32)
     return list(torch.split(out, [int(a.numel()) for a in advantages]))
-
-
-def _kl_estimate(x, kl_type: str):
-    import torch
-
-    if kl_type == "k1":
-        return x
-    if kl_type == "k2":
-        return x * x / 2.0
-    if kl_type == "k3":
-        return torch.exp(-x) - 1.0 + x
-    if kl_type == "low_var_kl":
-        neg = torch.nan_to_num(-x, nan=0.0, posinf=_LOG_RATIO_LIMIT, neginf=-_LOG_RATIO_LIMIT)
-        neg = neg.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
-        return (torch.exp(neg) - 1.0 - neg).clamp(-10.0, 10.0)
-    raise PluginError(f"--kl-loss-type {kl_type!r}: unknown KL estimator; choose one of k1, k2, k3, low_var_kl.")
 
 
 def _checked_output(out: Any, batch: AdvantageInput, name: str, flag: str) -> tuple[list, list | None]:

@@ -1,6 +1,6 @@
 """furlong's hook contract: hookspecs, the ``hookimpl`` marker, shared types, Protocols."""
 
-from . import answers, specs
+from . import answers, kl, specs
 from .errors import PluginError
 from .markers import PROJECT, hookimpl, hookspec
 from .protocols import DataSource, RolloutContext, RolloutEngine, StepObjective, TrainBackend
@@ -36,5 +36,6 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "answers",
+    "kl",
     "specs",
 ]

@@ -300,11 +300,12 @@ def test_furlong_train_use_tensorboard_matches_metrics_jsonl(tmp_path, run_furlo
     build_tiny_model(tmp_path / "model")
     rows = [{"prompt": f"{i} + 1 = ", "label": str(i + 1)} for i in range(8)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
     done = run_furlong(
         "train", "--hf-checkpoint", "model", "--prompt-data", "train.jsonl", "--input-key", "prompt",
         "--label-key", "label", "--rm-type", "math", "--num-rollout", "2", "--rollout-batch-size", "2",
         "--n-samples-per-prompt", "2", "--global-batch-size", "2", "--rollout-max-response-len", "4",
-        "--eval-interval", "1", "--eval-prompt-data", "test", "train.jsonl", "--eval-max-response-len", "4",
+        "--eval-interval", "1", "--eval-prompt-data", "test", "test.jsonl", "--eval-max-response-len", "4",
         "--log-dir", "run", "--use-tensorboard", env={"OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stderr

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from furlong.builtin_plugins.losses._kl import kl_estimate
+from furlong.hooks.kl import kl_estimate
 from furlong.core.advantage_stages import shaping_kl
 
 # CASES.md C010: one token with logp - logp_ref = -0.5

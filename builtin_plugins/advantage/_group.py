@@ -156,3 +156,22 @@ def masked_kl(batch, kl_coef: float) -> list | None:
         torch.where(m.to(k.device) > 0, torch.nan_to_num(k.to(torch.float64), nan=0.0), 0.0)
         for k, m in zip(rows, batch.loss_masks)
     ]
+
+
+def group_relative_advantages(args, batch):
+    """GRPO/GSPO outcome advantages: each trajectory's group-normalized reward on every token.
+
+    Flags read: ``disable_rewards_normalization``, ``disable_grpo_std_normalization``.
+
+    :returns: ``AdvantageOutput(advantages, returns)``, N float32 tensors [T_i], equal.
+    """
+    from furlong.hooks import AdvantageOutput
+
+    check_batch(batch)
+    normalize = not args.disable_rewards_normalization
+    scores = group_normalized_rewards(
+        batch.rewards, batch.group_ids, batch.trajectory_ids,
+        subtract_mean=normalize, divide_std=normalize and not args.disable_grpo_std_normalization,
+    )
+    advantages = broadcast_to_tokens(scores, batch.loss_masks)
+    return AdvantageOutput(advantages=advantages, returns=[a.clone() for a in advantages])

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from furlong.hooks import AdvantageOutput, hookimpl
+from furlong.hooks import hookimpl
 
-from ._group import broadcast_to_tokens, check_batch, group_normalized_rewards
+from ._group import group_relative_advantages
 
 
 @hookimpl
@@ -27,11 +27,4 @@ def advantage(args, batch):
 
     Reference: Shao et al. 2024, DeepSeekMath, sec. 4.1.2 (outcome supervision).
     """
-    check_batch(batch)
-    normalize = not args.disable_rewards_normalization
-    scores = group_normalized_rewards(
-        batch.rewards, batch.group_ids, batch.trajectory_ids,
-        subtract_mean=normalize, divide_std=normalize and not args.disable_grpo_std_normalization,
-    )
-    advantages = broadcast_to_tokens(scores, batch.loss_masks)
-    return AdvantageOutput(advantages=advantages, returns=[a.clone() for a in advantages])
+    return group_relative_advantages(args, batch)

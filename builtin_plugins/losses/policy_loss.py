@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from furlong.hooks import LossOutput, PluginError, hookimpl
 
-from ._kl import KL_TYPES, kl_estimate
+from furlong.hooks.kl import KL_TYPES, kl_estimate
 
 _LOG_RATIO_LIMIT = 20.0
 _RATIO_LEVELS = ("token", "sequence")

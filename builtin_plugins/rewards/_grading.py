@@ -313,3 +313,13 @@ def _check_pair(answer: str, label: str) -> bool:
     if not gold or not target:
         return False
     return bool(verify(gold, target, timeout_seconds=None))
+
+
+async def score_pairs(pairs: list) -> list[int]:
+    """1/0 per ``(answer, label)`` pair by :func:`equivalent_many_async`; a None pair scores 0."""
+    todo = [i for i, pair in enumerate(pairs) if pair is not None]
+    equal = await equivalent_many_async([pairs[i] for i in todo])
+    scores = [0] * len(pairs)
+    for i, ok in zip(todo, equal):
+        scores[i] = int(ok)
+    return scores

@@ -8,7 +8,7 @@ from typing import Any
 from furlong.hooks import hookimpl
 from furlong.hooks.answers import last_boxed_content
 
-from ._grading import equivalent_many_async, grading_stats
+from ._grading import grading_stats, score_pairs
 from ._normalize import label_answer
 
 __all__ = ["boxed_response", "grading_stats", "reward"]
@@ -39,13 +39,7 @@ async def reward(args, samples):
     Reference: Hendrycks et al. 2021, "Measuring Mathematical Problem Solving With the MATH
     Dataset" (boxed answers, normalization); math-verify (Hugging Face) for equivalence.
     """
-    pairs = [_answer_and_label(s.response, s.label) for s in samples]
-    todo = [i for i, pair in enumerate(pairs) if pair is not None]
-    equal = await equivalent_many_async([pairs[i] for i in todo])
-    scores = [0] * len(samples)
-    for i, ok in zip(todo, equal):
-        scores[i] = int(ok)
-    return scores
+    return await score_pairs([_answer_and_label(s.response, s.label) for s in samples])
 
 
 def boxed_response(content: str) -> str:

@@ -1,6 +1,13 @@
-"""Per-token KL estimators k1, k2, k3 and low_var_kl (Schulman 2020, "Approximating KL divergence")."""
+"""Per-token KL estimators k1, k2, k3 and low_var_kl (Schulman 2020, "Approximating KL divergence").
+
+Part of the contract because two sides share them: the core's reward-shaping KL
+(``--kl-coef``) and loss plugins' KL term (``--use-kl-loss``), both chosen by
+``--kl-loss-type``. Third-party loss plugins use the same estimators from here.
+"""
 
 from __future__ import annotations
+
+__all__ = ["KL_TYPES", "kl_estimate"]
 
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
