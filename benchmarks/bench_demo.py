@@ -5,27 +5,30 @@ One command, from the repository root (needs ``pip install -e ".[bench]"`` for T
     python benchmarks/bench_demo.py
 
 It runs the same GRPO workload twice, each in its own process with the same torch thread
-count:
+count. The defaults are ``examples/demo/run_demo.sh``'s: the demo model and data, 32 prompts
+x 8 samples = 256 samples and one optimizer step per iteration, responses of at most 12
+tokens, micro-batches of 64, lr 1e-3 (constant, no warm-up), AdamW without weight decay,
+clip range 0.2 / 0.28.
 
 1. ``furlong train`` (sync mode, embedded engine, fsdp backend) for ``--rollouts`` rollouts;
    the time split comes from furlong's own ``metrics.jsonl`` (``perf/rollout_time``,
    ``perf/train_time``, ``perf/update_weights_time``, per rollout);
 2. TRL's ``GRPOTrainer`` for as many optimizer steps, configured to match: same model and
-   tokenizer, same prompts in the same order (no shuffling), ``--prompts`` prompts x ``--group``
-   samples per step (``num_generations``), one optimizer step per generation batch
-   (``num_iterations=1``), the same maximum completion length, temperature 1.0 (top-p 1, no
-   top-k), ``beta=0`` (no KL, no reference model), clip 0.2 both sides, group-std-scaled
-   advantages, per-sequence token-mean loss (furlong's default reduction = TRL
-   ``loss_type="grpo"``), AdamW with furlong's defaults (betas 0.9/0.98, eps 1e-8, weight
-   decay 0.1), gradient clipping 1.0, constant learning rate, no warm-up, and a reward that
-   grades like furlong's ``math`` reward on these integer labels (last ``\\boxed{}`` content
-   equal to the label). TRL's step time is split into generation + scoring (its
+   tokenizer, same prompts in the same order (neither run shuffles: the demo's train.jsonl is
+   shuffled already), ``num_generations`` = samples per prompt, one optimizer step per
+   generation batch (``steps_per_generation`` = ``gradient_accumulation_steps`` = batch /
+   micro-batch, ``num_iterations=1``), ``max_completion_length``, temperature 1.0 (top-p 1,
+   no top-k), ``beta=0`` (no KL, no reference model), ``epsilon`` / ``epsilon_high``,
+   group-std-scaled advantages, per-sequence token-mean loss averaged over the batch
+   (furlong's default reduction = TRL ``loss_type="grpo"``), AdamW with furlong's betas
+   (0.9, 0.98) and eps 1e-8, gradient clipping 1.0, ``lr_scheduler_type="constant"``, and a
+   reward that grades like furlong's ``math`` reward on these integer labels (the last
+   ``\\boxed{}`` holds the label). TRL's step time is split into generation + scoring (its
    ``_generate_and_score_completions``) and the rest (forward, backward, optimizer).
 
-Both train on the full batch in one micro-batch (furlong ``--micro-batch-size`` = TRL
-``per_device_train_batch_size`` = prompts x group). It prints seconds per iteration and
-samples per second side by side, the ratio, and the reward of the first and last iterations;
-``--json PATH`` also writes every figure. docs/benchmarks.md records a run.
+It prints seconds per iteration and samples per second side by side with the ratio, and the
+reward of the first and last iterations; ``--json PATH`` also writes every figure.
+docs/benchmarks.md records a run.
 """
 
 from __future__ import annotations
@@ -115,9 +118,10 @@ def run_furlong(opts, out: Path) -> dict:
         *(["--apply-chat-template"] if opts.chat_template else []),
         "--num-rollout", str(opts.rollouts), "--rollout-batch-size", str(opts.prompts),
         "--n-samples-per-prompt", str(opts.group), "--global-batch-size", str(batch),
-        "--micro-batch-size", str(batch), "--rollout-max-response-len", str(opts.max_len),
+        "--micro-batch-size", str(opts.micro_batch), "--rollout-max-response-len", str(opts.max_len),
         "--rollout-temperature", "1.0", "--lr", str(opts.lr), "--lr-decay-style", "constant",
-        "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--seed", str(opts.seed),
+        "--weight-decay", str(opts.weight_decay), "--advantage-estimator", "grpo", "--eps-clip", "0.2",
+        "--eps-clip-high", str(opts.eps_clip_high), "--seed", str(opts.seed),
         "--log-dir", str(out),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(opts.threads)}
@@ -167,12 +171,13 @@ def run_trl_worker(opts, out: Path) -> dict:
 
     config = GRPOConfig(
         output_dir=str(out), report_to="none", logging_steps=1, save_strategy="no", seed=opts.seed,
-        max_steps=opts.rollouts, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-        num_generations=opts.group, steps_per_generation=1, num_iterations=1, shuffle_dataset=False,
+        max_steps=opts.rollouts, per_device_train_batch_size=opts.micro_batch,
+        gradient_accumulation_steps=batch // opts.micro_batch, steps_per_generation=batch // opts.micro_batch,
+        num_generations=opts.group, num_iterations=1, shuffle_dataset=False,
         max_completion_length=opts.max_len, temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=opts.lr, lr_scheduler_type="constant", warmup_steps=0, beta=0.0,
-        epsilon=0.2, scale_rewards="group", loss_type="grpo", optim="adamw_torch",
-        adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-8, weight_decay=0.1, max_grad_norm=1.0,
+        epsilon=0.2, epsilon_high=opts.eps_clip_high, scale_rewards="group", loss_type="grpo", optim="adamw_torch",
+        adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-8, weight_decay=opts.weight_decay, max_grad_norm=1.0,
         use_vllm=False, use_cpu=True, bf16=False, fp16=False, disable_tqdm=True, dataloader_num_workers=0,
     )
 
@@ -262,8 +267,9 @@ def report(info: dict, opts, furlong: dict, trl: dict) -> str:
 
 def _shared_argv(opts) -> list[str]:
     return ["--model", str(opts.model), "--data", str(opts.data), "--rollouts", str(opts.rollouts),
-            "--prompts", str(opts.prompts), "--group", str(opts.group), "--max-len", str(opts.max_len),
-            "--lr", str(opts.lr), "--threads", str(opts.threads), "--seed", str(opts.seed),
+            "--prompts", str(opts.prompts), "--group", str(opts.group), "--micro-batch", str(opts.micro_batch),
+            "--max-len", str(opts.max_len), "--lr", str(opts.lr), "--weight-decay", str(opts.weight_decay),
+            "--eps-clip-high", str(opts.eps_clip_high), "--threads", str(opts.threads), "--seed", str(opts.seed),
             *(["--chat-template"] if opts.chat_template else [])]
 
 
@@ -272,10 +278,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=DEMO / "model", help="HF model folder (default: the demo model)")
     parser.add_argument("--data", type=Path, default=DEMO / "data", help="folder with train.jsonl (prompt, label)")
     parser.add_argument("--rollouts", type=int, default=10, help="iterations (rollouts = optimizer steps)")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per iteration")
-    parser.add_argument("--group", type=int, default=4, help="samples per prompt (TRL num_generations)")
-    parser.add_argument("--max-len", type=int, default=16, help="maximum response tokens")
-    parser.add_argument("--lr", type=float, default=1e-4, help="constant learning rate")
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per iteration (demo: 32)")
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt, TRL num_generations (demo: 8)")
+    parser.add_argument("--micro-batch", type=int, default=64,
+                        help="samples per forward/backward pass, TRL per_device_train_batch_size (demo: 64)")
+    parser.add_argument("--max-len", type=int, default=12, help="maximum response tokens (demo: 12)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="constant learning rate (demo: 1e-3)")
+    parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (demo: 0)")
+    parser.add_argument("--eps-clip-high", type=float, default=0.28, help="upper clip range (demo: 0.28)")
     parser.add_argument("--threads", type=int, default=max(1, min(os.cpu_count() or 1, 4)), help="torch threads")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template to prompts")
@@ -289,6 +299,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
     opts.model, opts.data = opts.model.resolve(), opts.data.resolve()
+    if (opts.prompts * opts.group) % opts.micro_batch:
+        raise SystemExit(f"--micro-batch {opts.micro_batch} must divide --prompts x --group = {opts.prompts * opts.group}")
     if opts.trl_worker:
         result = run_trl_worker(opts, opts.result.parent)
         opts.result.write_text(json.dumps(result))

@@ -30,6 +30,12 @@ BASE = ["--hf-checkpoint", "model", "--prompt-data", "train.jsonl", "--num-rollo
         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "2"]  # S = 2*2/2 = 2
 
 
+@pytest.fixture(autouse=True)
+def no_tensorboard_dir_variable(monkeypatch):
+    """TENSORBOARD_DIR would move the event folder of every test: cleared unless a test sets it."""
+    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
+
+
 def _args(pm, *extra):
     return parse_args([*BASE, *extra], pm)
 
@@ -141,6 +147,21 @@ def test_hook_on_train_step_end_tensorboard_after_close_opens_a_new_file(tmp_pat
     assert _read_tb(folder)["train/loss"] == [(0, 0.0), (1, 0.1), (2, 0.2), (3, 0.3), (4, 0.5)]
 
 
+@pytest.mark.parametrize("flags, env, expected", [
+    (["--tensorboard-dir", "tb", "--tb-project-name", "proj", "--save", "run"], "envdir", "tb"),
+    (["--tb-project-name", "proj", "--save", "run"], "envdir", "proj"),
+    (["--save", "run"], "envdir", "envdir"),
+    (["--save", "run", "--log-dir", "logs"], None, "run/tensorboard"),
+    (["--log-dir", "logs", "--tb-experiment-name", "exp"], None, "logs/tensorboard/exp"),
+])
+def test_tensorboard_folder_precedence(plugin_manager, monkeypatch, flags, env, expected):
+    from furlong.builtin_plugins.loggers.tensorboard import log_dir
+
+    if env:
+        monkeypatch.setenv("TENSORBOARD_DIR", env)
+    assert log_dir(_args(plugin_manager, *flags)) == expected
+
+
 def test_hook_on_eval_end_tensorboard_does_nothing_unless_enabled(tmp_path, plugin_manager):
     args = _args(plugin_manager, "--save", str(tmp_path / "run"), "--tensorboard-dir", str(tmp_path / "tb"))
     _run_events(plugin_manager, args, with_eval=True)
@@ -153,7 +174,8 @@ def test_tensorboard_without_a_folder_warns_with_the_flags_to_pass(plugin_manage
         _notify(plugin_manager, "on_rollout_end", args=args, rollout_id=0, metrics={"rollout/raw_reward": 1.0})
     assert [r.getMessage() for r in caplog.records] == [
         "plugin 'tensorboard' failed in `on_rollout_end`: PluginError: --use-tensorboard: no folder to write "
-        "events to. Pass --tensorboard-dir DIR, or --save / --log-dir DIR (events then go to DIR/tensorboard)."
+        "events to. Pass --tensorboard-dir DIR (or set TENSORBOARD_DIR), or --save / --log-dir DIR (events then "
+        "go to DIR/tensorboard)."
     ]
 
 

@@ -7,7 +7,8 @@ and ``perf/`` metrics at ``rollout/step`` = rollout id, optimizer-step metrics a
 ``train/`` values that ``on_rollout_end`` repeats (the rollout's last step) are skipped there,
 so each ``train/`` tag has one point per optimizer step.
 
-Folder: ``--tensorboard-dir``, else ``--tb-project-name``, else ``<--save or --log-dir>/tensorboard``;
+Folder: ``--tensorboard-dir``, else ``--tb-project-name`` (Miles' TensorBoard folder flag), else
+the ``TENSORBOARD_DIR`` environment variable, else ``<--save or --log-dir>/tensorboard``;
 ``--tb-experiment-name`` adds a sub-folder (one run in a shared folder). The writer flushes on
 every call and closes after the run's last event (see ``loggers._common``); an event after
 that opens a new event file in the same folder.
@@ -34,21 +35,24 @@ def add_arguments(parser):
     """Add ``--tensorboard-dir`` (group ``tensorboard``)."""
     group = parser.add_argument_group("tensorboard")
     group.add_argument("--tensorboard-dir", default=None, metavar="DIR",
-                       help="TensorBoard event folder (with --use-tensorboard; default: "
-                            "--tb-project-name, else <--save or --log-dir>/tensorboard).")
+                       help="TensorBoard event folder (with --use-tensorboard; default: --tb-project-name, "
+                            "else $TENSORBOARD_DIR, else <--save or --log-dir>/tensorboard).")
 
 
 def log_dir(args: Namespace) -> str:
     """The event folder of this run (see the module docstring).
 
-    :raises PluginError: no ``--tensorboard-dir``, ``--tb-project-name``, ``--save`` or ``--log-dir``.
+    :raises PluginError: no ``--tensorboard-dir``, ``--tb-project-name``, ``TENSORBOARD_DIR``,
+        ``--save`` or ``--log-dir``.
     """
-    base = getattr(args, "tensorboard_dir", None) or getattr(args, "tb_project_name", None)
+    base = (getattr(args, "tensorboard_dir", None) or getattr(args, "tb_project_name", None)
+            or os.environ.get("TENSORBOARD_DIR"))
     if not base:
         out = run_dir(args)
         if not out:
-            raise PluginError("--use-tensorboard: no folder to write events to. Pass --tensorboard-dir DIR, "
-                              "or --save / --log-dir DIR (events then go to DIR/tensorboard).")
+            raise PluginError("--use-tensorboard: no folder to write events to. Pass --tensorboard-dir DIR "
+                              "(or set TENSORBOARD_DIR), or --save / --log-dir DIR (events then go to "
+                              "DIR/tensorboard).")
         base = os.path.join(out, "tensorboard")
     experiment = getattr(args, "tb_experiment_name", None)
     return os.path.join(base, experiment) if experiment else base

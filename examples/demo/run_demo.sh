@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# GRPO on the demo model and task, on CPU: evaluate, train, evaluate again, print both.
+#
+#   bash examples/demo/run_demo.sh            # from the repository root, venv active
+#   OUT=runs/mine NUM_ROLLOUT=40 bash examples/demo/run_demo.sh
+#
+# Each rollout prints one summary line; the run's metrics land in $OUT/metrics.jsonl and
+# `furlong plot $OUT` draws them.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+OUT="${OUT:-runs/demo}"
+rm -rf "$OUT"
+
+ARGS=(
+  # model and data
+  --hf-checkpoint examples/demo/model
+  --prompt-data examples/demo/data/train.jsonl --input-key prompt --label-key label --rollout-shuffle
+  --rm-type math
+  # four knobs: 32 prompts x 8 samples = 256 samples = 1 optimizer step of 256
+  --num-rollout "${NUM_ROLLOUT:-30}" --rollout-batch-size 32 --n-samples-per-prompt 8 --global-batch-size 256
+  --rollout-max-response-len 12 --rollout-temperature 1.0
+  # eval on the test split before training, every 10 rollouts and at the end
+  --eval-prompt-data test examples/demo/data/test.jsonl --eval-interval 10 --n-samples-per-eval-prompt 4
+  # algorithm and optimizer
+  --advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28
+  --lr "${LR:-1e-3}" --weight-decay 0.0 --micro-batch-size 64
+  --save "$OUT" --save-interval 1000
+)
+furlong train "${ARGS[@]}" "$@"
+
+python - "$OUT/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+evals = [r for r in rows if "eval/step" in r]
+print(f"\ntest-split reward (4 samples per prompt, temperature 1.0): "
+      f"before {evals[0]['eval/test']:.3f} (rollout {evals[0]['eval/step']}), "
+      f"after {evals[-1]['eval/test']:.3f} (rollout {evals[-1]['eval/step']})")
+PY
+furlong plot "$OUT"
