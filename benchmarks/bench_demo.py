@@ -21,7 +21,8 @@ clip range 0.2 / 0.28.
    no top-k), ``beta=0`` (no KL, no reference model), ``epsilon`` / ``epsilon_high``,
    group-std-scaled advantages, per-sequence token-mean loss averaged over the batch
    (furlong's default reduction = TRL ``loss_type="grpo"``), AdamW with furlong's betas
-   (0.9, 0.98) and eps 1e-8, gradient clipping 1.0, ``lr_scheduler_type="constant"``, and a
+   (0.9, 0.98) and eps 1e-8, gradient clipping 1.0, ``lr_scheduler_type="constant"``, float32
+   without gradient checkpointing (TRL turns both bf16 and checkpointing on by default), and a
    reward that grades like furlong's ``math`` reward on these integer labels (the last
    ``\\boxed{}`` holds the label). TRL's step time is split into generation + scoring (its
    ``_generate_and_score_completions``) and the rest (forward, backward, optimizer).
@@ -178,7 +179,8 @@ def run_trl_worker(opts, out: Path) -> dict:
         learning_rate=opts.lr, lr_scheduler_type="constant", warmup_steps=0, beta=0.0,
         epsilon=0.2, epsilon_high=opts.eps_clip_high, scale_rewards="group", loss_type="grpo", optim="adamw_torch",
         adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-8, weight_decay=opts.weight_decay, max_grad_norm=1.0,
-        use_vllm=False, use_cpu=True, bf16=False, fp16=False, disable_tqdm=True, dataloader_num_workers=0,
+        use_vllm=False, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,  # TRL defaults: on, on
+        disable_tqdm=True, dataloader_num_workers=0,
     )
 
     class Timed(GRPOTrainer):
@@ -239,8 +241,9 @@ def report(info: dict, opts, furlong: dict, trl: dict) -> str:
     lines = [
         f"machine: {info['cpu']}, {info['cores']} cores; torch {info['torch']}, transformers "
         f"{info['transformers']}, trl {info['trl']}; {opts.threads} torch thread(s)",
-        f"workload: {opts.model.name} model, {opts.rollouts} iterations of {opts.prompts} prompts x {opts.group} "
-        f"samples = {opts.prompts * opts.group} samples, responses <= {opts.max_len} tokens, lr {opts.lr}",
+        f"workload: {_shown(opts.model)}, {opts.rollouts} iterations of {opts.prompts} prompts x {opts.group} "
+        f"samples = {opts.prompts * opts.group} samples, responses <= {opts.max_len} tokens, micro-batch "
+        f"{opts.micro_batch}, lr {opts.lr}",
         "",
         f"{'':28}{'furlong':>12}{'TRL':>12}{'TRL/furlong':>13}",
     ]
@@ -263,6 +266,13 @@ def report(info: dict, opts, furlong: dict, trl: dict) -> str:
     lines.append("Means exclude the first iteration (warm-up). TRL generates with the training model itself, "
                  "so it has no weight sync.")
     return "\n".join(lines)
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 def _shared_argv(opts) -> list[str]:

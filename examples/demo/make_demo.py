@@ -1,22 +1,25 @@
-"""Build furlong's demo: an integer-arithmetic task and a tiny, briefly warmed-up Llama model.
+"""Build furlong's demo: a small arithmetic task and a tiny Llama model with a short warm-up.
 
-Writes, under ``--out`` (default: this script's folder):
+Writes, under ``--out`` (default: the folder of this script):
 
-- ``data/train.jsonl`` and ``data/test.jsonl``: rows ``{"prompt": "23 + 45 - 9 = ", "label": "59"}``;
-  the two splits share no prompt.
+- ``data/train.jsonl`` (4,000 rows) and ``data/test.jsonl`` (200 rows), each row
+  ``{"prompt": "7 - 2 + 9 = ", "label": "14"}``; the two splits share no prompt.
 - ``model/``: a Hugging Face ``LlamaForCausalLM`` directory (``config.json``,
-  ``generation_config.json``, ``model.safetensors``, tokenizer files) with a character-level
-  tokenizer, trained for a fixed, deliberately short number of supervised steps to answer
-  ``\\boxed{59}`` followed by the end-of-sequence token.
+  ``generation_config.json``, ``model.safetensors``, tokenizer files with a character-level
+  tokenizer) made from scratch and trained for a fixed, short number of supervised steps.
 
-The warm-up stops early on purpose: the model knows the answer format but samples the right
-number only part of the time, which leaves room for reinforcement learning to improve it.
-Everything is seeded; with the same seed, thread count and library versions the files come out
-identical. ``--data-only`` writes just the two JSONL files (fast, no torch needed).
+The warm-up answers half of the training prompts with ``\\boxed{14}`` and the other half with
+the bare ``14``, so the model boxes about half of its answers; a reward that grades the boxed
+answer (furlong's ``math``) then starts well below its ceiling, and GRPO has two things to learn:
+box every answer, and get more digits right.
+
+Everything is seeded: the JSONL files are identical on every machine; the model files are
+identical with the same seed, thread count, CPU and library versions. ``--data-only`` writes
+just the JSONL files (fast; torch is not imported).
 
 Run from the repository root::
 
-    python examples/demo/make_demo.py            # data + model, a few minutes on 2 CPU cores
+    python examples/demo/make_demo.py                      # data + model, ~2 min on one core
     python examples/demo/make_demo.py --data-only --out /tmp/demo
 """
 from __future__ import annotations
@@ -33,9 +36,8 @@ from pathlib import Path
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 CHARACTERS = "0123456789+-= \\boxed{}"
 BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-)
+BARE = re.compile(r"-?\d+")
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
 # --------------------------------------------------------------------------- data
@@ -66,13 +68,13 @@ def all_problems() -> list[tuple[str, int]]:
 
 
 def make_splits(n_train: int, n_test: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """Shuffle every problem with ``seed`` and cut test rows, then train rows, from the front.
+    """Shuffle every problem with ``seed``; the first ``n_test`` are test rows, the next train rows.
 
     :param n_train: number of training rows.
     :param n_test: number of test rows.
     :param seed: seed of the ``random.Random`` that shuffles the problems.
-    :returns: two lists of ``{"prompt": str, "label": str}``; no prompt is in both.
-    :raises SystemExit: more rows are asked for than there are problems.
+    :returns: ``(train, test)``, lists of ``{"prompt": str, "label": str}``; no prompt is in both.
+    :raises SystemExit: more rows are asked for than there are problems (4,200).
     """
     problems = all_problems()
     if n_train + n_test > len(problems):
@@ -83,15 +85,15 @@ def make_splits(n_train: int, n_test: int, seed: int) -> tuple[list[dict], list[
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
-    """Write one JSON object per line (keys in insertion order, UTF-8, ``\\n`` line ends)."""
+    """Write one JSON object per line (UTF-8, ``\\n`` line ends), creating the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8", newline="\n") as handle:
         for row in rows:
             handle.write(json.dumps(row) + "\n")
 
 
-def response_text(label: str) -> str:
-    """The response the warm-up teaches for ``label`` (the tokenizer appends no EOS itself)."""
+def boxed_response(label: str) -> str:
+    """The boxed warm-up response for ``label``: ``\\boxed{14}``."""
     return "\\boxed{" + label + "}"
 
 
@@ -105,12 +107,14 @@ def boxed_answer(text: str) -> str | None:
 
 
 def build_tokenizer():
-    """A character-level tokenizer: one token per character, special tokens first.
+    """A character-level tokenizer: one token per character, the special tokens first.
 
-    Nothing is added around the text when encoding (no BOS), and decoding concatenates the
-    characters, so ``decode(encode(text)) == text`` for any text made of ``CHARACTERS``.
+    Encoding adds nothing around the text (no BOS) and decoding concatenates the characters,
+    so ``decode(encode(text)) == text`` for any text made of ``CHARACTERS``; any other
+    character becomes ``<unk>``.
 
-    :returns: a ``transformers.PreTrainedTokenizerFast``.
+    :returns: a ``transformers.PreTrainedTokenizerFast`` with pad/bos/eos/unk tokens and a
+        chat template that renders the messages' contents one after another.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -133,9 +137,9 @@ def build_tokenizer():
 
 
 def check_round_trip(tokenizer, texts: list[str]) -> None:
-    """Fail loudly unless every text encodes and decodes back to itself exactly.
+    """Stop unless every text encodes without ``<unk>`` and decodes back to itself exactly.
 
-    :raises SystemExit: a text does not round-trip (the message shows it).
+    :raises SystemExit: a text does not round-trip (the message shows it and its ids).
     """
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -147,8 +151,8 @@ def check_round_trip(tokenizer, texts: list[str]) -> None:
 # --------------------------------------------------------------------------- model
 
 
-def build_model(tokenizer, args):
-    """A freshly initialised ``LlamaForCausalLM`` sized by ``args`` (tied embeddings)."""
+def build_model(tokenizer, args: argparse.Namespace):
+    """A freshly initialised ``LlamaForCausalLM`` sized by ``args`` (seed torch first)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -159,7 +163,7 @@ def build_model(tokenizer, args):
         num_attention_heads=args.heads,
         num_key_value_heads=args.heads,
         max_position_embeddings=64,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -168,39 +172,43 @@ def build_model(tokenizer, args):
     return LlamaForCausalLM(config)
 
 
-def _encode(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int], list[bool]]]:
-    """Token ids of each row's prompt, of its response plus EOS, and which response ids are answer."""
-    encoded = []
+def warm_up_examples(tokenizer, rows: list[dict], bare_fraction: float, seed: int):
+    """Token ids of each row's prompt and of its warm-up response followed by EOS.
+
+    A seeded ``bare_fraction`` of the rows answer bare (``14``), the others boxed (``\\boxed{14}``).
+
+    :returns: list of ``(prompt_ids, response_ids)``.
+    """
+    rng = random.Random(seed + 1)
+    examples = []
     for row in rows:
-        prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        response = tokenizer(response_text(row["label"]), add_special_tokens=False)["input_ids"]
-        answer = [False] * len("\\boxed{") + [True] * len(row["label"]) + [False, False]
-        encoded.append((prompt, response + [tokenizer.eos_token_id], answer))
-    return encoded
+        bare = rng.random() < bare_fraction
+        response = row["label"] if bare else boxed_response(row["label"])
+        prompt_ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+        examples.append((prompt_ids, response_ids + [tokenizer.eos_token_id]))
+    return examples
 
 
-def _schedule(step: int, steps: int, warm: int) -> float:
-    """Learning-rate factor: linear warm-up over ``warm`` steps, then cosine decay to 0.1."""
+def lr_factor(step: int, steps: int, warm: int) -> float:
+    """Learning-rate multiplier at 0-based ``step``: linear warm-up over ``warm`` steps, then a
+    cosine decay from 1 to 0.1 at ``steps`` (Loshchilov & Hutter 2017, SGDR, eq. 5)."""
     if step < warm:
         return (step + 1) / warm
     progress = (step - warm) / max(1, steps - warm)
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def warm_up(model, tokenizer, rows: list[dict], args) -> None:
-    """Supervised warm-up: teacher forcing on prompt + response, loss on response tokens only.
+def warm_up(model, tokenizer, rows: list[dict], args: argparse.Namespace) -> None:
+    """Supervised warm-up: teacher forcing on prompt + response, cross-entropy on the response.
 
-    Runs exactly ``args.steps`` AdamW steps of ``args.batch_size`` rows drawn in a seeded order
-    (a fresh permutation each pass), with linear learning-rate warm-up over the first 10% of steps.
-    At answer positions the target is smoothed over the ten digits: loss
-    ``(1 - eps) * -log p(target) + eps * mean_d -log p(d)`` with ``eps = args.digit_smoothing``
-    (label smoothing, Szegedy et al. 2016, sec. 7, restricted to the digit tokens), so the model
-    writes the answer format reliably but is left unsure of the digits when sampling.
+    Exactly ``args.steps`` AdamW steps (no weight decay, gradient norm clipped to 1) of
+    ``args.batch_size`` rows, drawn in a seeded order (a fresh permutation each pass), with
+    the learning rate of :func:`lr_factor` times ``args.lr``. Prints the loss ten times.
     """
     import torch
 
-    encoded = _encode(tokenizer, rows)
-    digits = torch.tensor(tokenizer.convert_tokens_to_ids(list("0123456789")))
+    examples = warm_up_examples(tokenizer, rows, args.bare_fraction, args.seed)
     order_rng = random.Random(args.seed)
     order: list[int] = []
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -208,35 +216,23 @@ def warm_up(model, tokenizer, rows: list[dict], args) -> None:
     model.train()
     for step in range(args.steps):
         if len(order) < args.batch_size:
-            extra = list(range(len(encoded)))
-            order_rng.shuffle(extra)
-            order += extra
-        batch = [encoded[i] for i in order[: args.batch_size]]
+            more = list(range(len(examples)))
+            order_rng.shuffle(more)
+            order += more
+        batch = [examples[i] for i in order[: args.batch_size]]
         del order[: args.batch_size]
-        width = max(len(p) + len(r) for p, r, _ in batch)
+        width = max(len(p) + len(r) for p, r in batch)
         input_ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
-        targets = torch.zeros((len(batch), width), dtype=torch.long)
-        weight = torch.zeros((len(batch), width))
-        answer = torch.zeros((len(batch), width), dtype=torch.bool)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (prompt, response, is_answer) in enumerate(batch):
+        for i, (prompt, response) in enumerate(batch):
             ids = prompt + response
             input_ids[i, : len(ids)] = torch.tensor(ids)
+            labels[i, len(prompt) : len(ids)] = torch.tensor(response)
             mask[i, : len(ids)] = 1
-            # position t predicts token t + 1
-            start = len(prompt) - 1
-            targets[i, start : start + len(response)] = torch.tensor(response)
-            weight[i, start : start + len(response)] = 1.0
-            answer[i, start : start + len(response)] = torch.tensor(is_answer)
         for group in optimizer.param_groups:
-            group["lr"] = args.lr * _schedule(step, args.steps, warm)
-        logits = model(input_ids=input_ids, attention_mask=mask).logits.float()
-        logp = torch.log_softmax(logits, dim=-1)
-        nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        smooth = -logp[..., digits].mean(-1)
-        eps = args.digit_smoothing
-        per_token = torch.where(answer, (1 - eps) * nll + eps * smooth, nll)
-        loss = (per_token * weight).sum() / weight.sum()
+            group["lr"] = args.lr * lr_factor(step, args.steps, warm)
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -246,8 +242,11 @@ def warm_up(model, tokenizer, rows: list[dict], args) -> None:
     model.eval()
 
 
-def sample_answers(model, tokenizer, prompts: list[str], *, greedy: bool, max_new_tokens: int = 16):
-    """Generate one response per prompt (left-padded batch) and return the decoded texts."""
+def generate(model, tokenizer, prompts: list[str], *, greedy: bool, max_new_tokens: int = 16):
+    """One response per prompt (a left-padded batch; temperature 1 unless ``greedy``).
+
+    :returns: the decoded responses, special tokens removed.
+    """
     import torch
 
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -262,7 +261,7 @@ def sample_answers(model, tokenizer, prompts: list[str], *, greedy: bool, max_ne
             input_ids=input_ids,
             attention_mask=mask,
             do_sample=not greedy,
-            temperature=1.0 if not greedy else None,
+            temperature=None if greedy else 1.0,
             top_k=None,
             top_p=None,
             max_new_tokens=max_new_tokens,
@@ -273,48 +272,56 @@ def sample_answers(model, tokenizer, prompts: list[str], *, greedy: bool, max_ne
 
 
 def evaluate(model, tokenizer, rows: list[dict], *, samples: int, greedy: bool) -> dict:
-    """Grade responses to ``rows`` by exact integer match of the last boxed answer.
+    """Score responses to ``rows`` the way a boxed-answer reward does, with exact integers.
 
-    :param samples: responses per prompt (temperature 1.0 when not ``greedy``).
-    :returns: ``{"accuracy": fraction correct, "boxed": fraction with a boxed integer}``.
+    :param samples: responses per prompt.
+    :returns: ``reward`` (fraction whose last boxed integer equals the label), ``boxed``
+        (fraction with a boxed integer) and ``right`` (fraction whose boxed integer, or whole
+        bare response, equals the label).
     """
     prompts = [row["prompt"] for row in rows for _ in range(samples)]
     labels = [row["label"] for row in rows for _ in range(samples)]
-    texts = sample_answers(model, tokenizer, prompts, greedy=greedy)
-    answers = [boxed_answer(text) for text in texts]
-    correct = sum(a is not None and int(a) == int(l) for a, l in zip(answers, labels))
-    boxed = sum(a is not None for a in answers)
-    return {"accuracy": correct / len(texts), "boxed": boxed / len(texts)}
+    texts = generate(model, tokenizer, prompts, greedy=greedy)
+    boxed = [boxed_answer(text) for text in texts]
+    answers = [b if b is not None else (t if BARE.fullmatch(t) else None) for b, t in zip(boxed, texts)]
+    n = len(texts)
+    return {
+        "reward": sum(b == label for b, label in zip(boxed, labels)) / n,
+        "boxed": sum(b is not None for b in boxed) / n,
+        "right": sum(a == label for a, label in zip(answers, labels)) / n,
+    }
 
 
 # --------------------------------------------------------------------------- main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Command-line flags; every default reproduces the committed demo."""
+    """Command-line flags; the defaults reproduce the committed demo."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent,
                         help="folder that receives data/ and model/ (default: this script's).")
-    parser.add_argument("--seed", type=int, default=0, help="seed for data, init and warm-up.")
-    parser.add_argument("--n-train", type=int, default=4000, help="training prompts.")
-    parser.add_argument("--n-test", type=int, default=200, help="test prompts.")
+    parser.add_argument("--seed", type=int, default=0, help="seed of data, init and warm-up.")
+    parser.add_argument("--n-train", type=int, default=4000, help="training rows.")
+    parser.add_argument("--n-test", type=int, default=200, help="test rows.")
     parser.add_argument("--data-only", action="store_true", help="write the JSONL files only.")
     parser.add_argument("--steps", type=int, default=600, help="warm-up optimizer steps.")
     parser.add_argument("--batch-size", type=int, default=64, help="warm-up rows per step.")
-    parser.add_argument("--lr", type=float, default=3e-3, help="warm-up peak learning rate.")
-    parser.add_argument("--digit-smoothing", type=float, default=0.3,
-                        help="label smoothing over the digits at answer positions.")
+    parser.add_argument("--lr", type=float, default=1e-3, help="warm-up peak learning rate.")
+    parser.add_argument("--bare-fraction", type=float, default=0.5,
+                        help="fraction of warm-up responses that give the answer unboxed.")
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--intermediate-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads.")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (the model files depend on it).")
     parser.add_argument("--eval-samples", type=int, default=4,
                         help="sampled responses per test prompt in the final report.")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Write the data, then (unless ``--data-only``) build, warm up, save and score the model."""
     args = parse_args(argv)
     train, test = make_splits(args.n_train, args.n_test, args.seed)
     write_jsonl(args.out / "data" / "train.jsonl", train)
@@ -324,36 +331,33 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     tokenizer = build_tokenizer()
-    every_text = [row["prompt"] + response_text(row["label"]) for row in train + test]
-    check_round_trip(tokenizer, every_text)
+    texts = [row["prompt"] + boxed_response(row["label"]) for row in train + test]
+    check_round_trip(tokenizer, texts)
     model = build_model(tokenizer, args)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"model: {params:,} parameters")
-
+    print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
     start = time.perf_counter()
     warm_up(model, tokenizer, train, args)
-    print(f"warm-up took {time.perf_counter() - start:.0f} s")
+    print(f"warm-up: {time.perf_counter() - start:.0f} s")
 
     model_dir = args.out / "model"
     model.generation_config.max_new_tokens = 16
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    reloaded = AutoTokenizer.from_pretrained(model_dir)
-    check_round_trip(reloaded, every_text)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    check_round_trip(tokenizer, texts)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     torch.manual_seed(args.seed)
-    sampled = evaluate(model, reloaded, test, samples=args.eval_samples, greedy=False)
-    greedy = evaluate(model, reloaded, test, samples=1, greedy=True)
-    print(f"test accuracy, sampled at temperature 1.0 ({args.eval_samples} per prompt): "
-          f"{sampled['accuracy']:.3f} (boxed answer present: {sampled['boxed']:.3f})")
-    print(f"test accuracy, greedy: {greedy['accuracy']:.3f} (boxed: {greedy['boxed']:.3f})")
+    sampled = evaluate(model, tokenizer, test, samples=args.eval_samples, greedy=False)
+    greedy = evaluate(model, tokenizer, test, samples=1, greedy=True)
+    for name, scores in ((f"sampled, T=1, {args.eval_samples}/prompt", sampled), ("greedy", greedy)):
+        print(f"test {name}: reward {scores['reward']:.3f}, boxed {scores['boxed']:.3f}, "
+              f"right boxed or bare {scores['right']:.3f}")
     return 0
 
 
