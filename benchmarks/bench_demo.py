@@ -96,6 +96,8 @@ def summarize(step_times: list[float], parts: dict[str, list[float]], rewards: l
     return {
         "iterations": len(step_times),
         "s_per_iteration": mean_step,
+        "s_per_iteration_median": statistics.median(step_times[steady]),
+        "step_times_s": step_times,
         "samples_per_s": samples / mean_step,
         "split_s": {k: statistics.fmean(v[steady]) for k, v in parts.items()},
         "first_iteration_s": step_times[0],
@@ -253,6 +255,7 @@ def report(info: dict, opts, furlong: dict, trl: dict) -> str:
         lines.append(f"{label:28}{fmt.format(a):>12}{fmt.format(b):>12}{ratio:>13}")
 
     line("s / iteration", furlong["s_per_iteration"], trl["s_per_iteration"])
+    line("  median s / iteration", furlong["s_per_iteration_median"], trl["s_per_iteration_median"])
     line("samples / s", furlong["samples_per_s"], trl["samples_per_s"])
     line("  rollout (gen + reward) s", furlong["split_s"]["rollout"], trl["split_s"]["rollout"])
     line("  train s", furlong["split_s"]["train"], trl["split_s"]["train"])
