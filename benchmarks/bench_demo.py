@@ -27,6 +27,9 @@ clip range 0.2 / 0.28.
    ``\\boxed{}`` holds the label). TRL's step time is split into generation + scoring (its
    ``_generate_and_score_completions``) and the rest (forward, backward, optimizer).
 
+furlong's embedded engine generates the whole batch at once (``--embedded-max-batch-size`` =
+prompts x samples; its default is 64), as TRL does (``generation_batch_size``).
+
 It prints seconds per iteration and samples per second side by side with the ratio, and the
 reward of the first and last iterations; ``--json PATH`` also writes every figure.
 docs/benchmarks.md records a run.
@@ -122,6 +125,7 @@ def run_furlong(opts, out: Path) -> dict:
         "--num-rollout", str(opts.rollouts), "--rollout-batch-size", str(opts.prompts),
         "--n-samples-per-prompt", str(opts.group), "--global-batch-size", str(batch),
         "--micro-batch-size", str(opts.micro_batch), "--rollout-max-response-len", str(opts.max_len),
+        "--embedded-max-batch-size", str(batch),  # generate the whole batch at once, as TRL does
         "--rollout-temperature", "1.0", "--lr", str(opts.lr), "--lr-decay-style", "constant",
         "--weight-decay", str(opts.weight_decay), "--advantage-estimator", "grpo", "--eps-clip", "0.2",
         "--eps-clip-high", str(opts.eps_clip_high), "--seed", str(opts.seed),

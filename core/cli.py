@@ -7,6 +7,7 @@ import asyncio
 import importlib.metadata as md
 import json
 import logging
+import os
 import sys
 import traceback
 
@@ -56,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of our output went away (`furlong plugins | head`): stop quietly.
+        sys.stdout = open(os.devnull, "w")
+        return 0
 
 
 def _plugins(command: str, argv: list[str]) -> int:

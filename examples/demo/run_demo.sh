@@ -4,7 +4,7 @@
 #   bash examples/demo/run_demo.sh            # from the repository root, venv active
 #   OUT=runs/mine NUM_ROLLOUT=40 bash examples/demo/run_demo.sh
 #
-# Each rollout prints one summary line; the run's metrics land in $OUT/metrics.jsonl and
+# $OUT (default runs/demo) is replaced. Each rollout prints one summary line; the run's metrics land in $OUT/metrics.jsonl and
 # `furlong plot $OUT` draws them.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
