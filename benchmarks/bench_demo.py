@@ -141,6 +141,9 @@ def run_furlong(opts, out: Path) -> dict:
     parts = {"rollout": [r["perf/rollout_time"] for r in rows], "train": [r["perf/train_time"] for r in rows],
              "weight_sync": [r["perf/update_weights_time"] for r in rows]}
     steps = [a + b + c for a, b, c in zip(*parts.values())]
+    # inside train: the log-prob pass (pi_old, one forward) and the optimizer step(s)
+    parts["log_probs"] = [r.get("perf/log_probs_time", 0.0) for r in rows]
+    parts["actor_train"] = [r.get("perf/actor_train_time", 0.0) for r in rows]
     result = summarize(steps, parts, [r["rollout/raw_reward"] for r in rows], batch)
     result["wall_s"] = wall
     result["command"] = " ".join(cmd[1:])
@@ -263,6 +266,9 @@ def report(info: dict, opts, furlong: dict, trl: dict) -> str:
     line("samples / s", furlong["samples_per_s"], trl["samples_per_s"])
     line("  rollout (gen + reward) s", furlong["split_s"]["rollout"], trl["split_s"]["rollout"])
     line("  train s", furlong["split_s"]["train"], trl["split_s"]["train"])
+    lines.append(f"{'    log-prob pass s':28}{furlong['split_s']['log_probs']:>12.2f}{'(none)':>12}")
+    lines.append(f"{'    forward+backward+step s':28}{furlong['split_s']['actor_train']:>12.2f}"
+                 f"{trl['split_s']['train']:>12.2f}")
     lines.append(f"{'  weight sync s':28}{furlong['split_s']['weight_sync']:>12.3f}{'(shared)':>12}")
     line("first iteration s", furlong["first_iteration_s"], trl["first_iteration_s"])
     line("wall s (incl. start-up)", furlong["wall_s"], trl["wall_s"], "{:.1f}")
@@ -271,7 +277,8 @@ def report(info: dict, opts, furlong: dict, trl: dict) -> str:
     lines.append(f"{'reward, mean of last 3':28}{furlong['reward_mean_last3']:>12.3f}{trl['reward_mean_last3']:>12.3f}")
     lines.append("")
     lines.append("Means exclude the first iteration (warm-up). TRL generates with the training model itself, "
-                 "so it has no weight sync.")
+                 "so it has no weight sync;\nwith num_iterations=1 it reuses the training forward pass as pi_old, "
+                 "where furlong runs a separate log-prob pass.")
     return "\n".join(lines)
 
 

