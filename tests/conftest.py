@@ -201,6 +201,17 @@ def run_furlong(tmp_path):
 # --- end-to-end runs -------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Two cores are shared by parallel work; torch's spinning thread pool makes tiny models crawl."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama with a character tokenizer (tests/tiny_model.py), built once per session."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_model import EOS_ID, build_tiny_model, train_args  # noqa: E402
+from tiny_model import EOS_ID, train_args  # noqa: E402
 
 from furlong.builtin_plugins.backends.fsdp import train_backend  # noqa: E402
 from furlong.builtin_plugins.engines import embedded  # noqa: E402
@@ -22,18 +22,12 @@ PROMPTS = ["Hello there", "Q: 1+1=", "x"]
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two cores are shared by parallel work; torch's spinning thread pool makes tiny models crawl."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+def tiny_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_model import TWO_RANK_FLAGS, build_tiny_model, make_batch, train_args  # noqa: E402
+from tiny_model import TWO_RANK_FLAGS, make_batch, train_args  # noqa: E402
 
 from furlong.builtin_plugins.backends.fsdp import FSDPBackend, train_backend  # noqa: E402
 from furlong.builtin_plugins.backends.fsdp.schedule import LRSchedule, lr_at  # noqa: E402
@@ -25,18 +25,12 @@ ALL_IN_ONE = [[[0, 1, 2, 3]]]
 ONE_BY_ONE = [[[0], [1], [2], [3]]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two cores are shared by parallel work; torch's spinning thread pool makes tiny models crawl."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+def tiny_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 def _backend(tiny_dir, **overrides) -> FSDPBackend:
