@@ -25,6 +25,8 @@ import attrs
 
 from furlong.hooks import PluginError
 
+from .ranks import Ranks
+
 __all__ = [
     "MARKER_NAME",
     "ResumePoint",
@@ -120,7 +122,8 @@ async def save_checkpoint(
     args: Any,
     rollout_id: int,
     save_model: Callable[[str], Awaitable[Any]],
-    state: dict,
+    state: dict | None,
+    ranks: Ranks | None = None,
 ) -> str:
     """Save the checkpoint of ``rollout_id`` under ``args.save``; return its final directory.
 
@@ -139,33 +142,50 @@ async def save_checkpoint(
     :param rollout_id: rollout just trained on.
     :param save_model: coroutine function writing the model state into the given path.
     :param state: JSON-serializable dict (data-source state, cursor counters, buffer of
-        groups as ``Sample.to_dict()`` lists, sample counters), built by the caller.
+        groups as ``Sample.to_dict()`` lists, sample counters), built by the caller; None
+        on trainer ranks other than 0.
+    :param ranks: the trainer ranks (``torchrun``): rank 0 prepares ``iter_N.tmp/``, every
+        rank saves into it, rank 0 renames it and writes the state JSON and the marker,
+        with barriers between; default one rank.
     :returns: ``<save>/iter_<rollout_id:07d>``.
     :raises PluginError: ``args.save`` is not set, or ``state`` is not JSON-serializable.
     """
+    ranks = ranks or Ranks()
     save = getattr(args, "save", None)
     if not save:
         raise PluginError("save_checkpoint needs --save DIR: pass the directory checkpoints go to.")
+    state_text = _state_json(state, rollout_id) if ranks.is_main else None
+    final = iter_dir(save, rollout_id)
+    tmp = final + _TMP_SUFFIX
+    if ranks.is_main:
+        os.makedirs(save, exist_ok=True)
+        if os.path.lexists(tmp):
+            log.info("removing stale partial checkpoint %s", tmp)
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    await ranks.barrier()
+    await save_model(tmp)
+    await ranks.barrier()
+    if ranks.is_main:
+        _fsync_dir(tmp)
+        _publish(args, save, rollout_id, tmp, final, state_text)
+    await ranks.barrier()
+    return final
+
+
+def _state_json(state: dict, rollout_id: int) -> str:
     try:
-        state_text = json.dumps(state, indent=1, allow_nan=True)
+        return json.dumps(state, indent=1, allow_nan=True)
     except (TypeError, ValueError) as exc:
         raise PluginError(
             f"checkpoint of rollout {rollout_id}: the data state is not JSON-serializable ({exc}); "
             "data-source state() and buffered samples must hold only JSON types."
         ) from exc
 
-    final = iter_dir(save, rollout_id)
-    tmp = final + _TMP_SUFFIX
+
+def _publish(args: Any, save: str, rollout_id: int, tmp: str, final: str, state_text: str) -> None:
+    """Rename the complete ``iter_N.tmp`` into place, write the state JSON, then the marker."""
     old = final + _OLD_SUFFIX
-    os.makedirs(save, exist_ok=True)
-    if os.path.lexists(tmp):
-        log.info("removing stale partial checkpoint %s", tmp)
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-
-    await save_model(tmp)
-    _fsync_dir(tmp)
-
     if os.path.isdir(final):
         # iter_N already exists (a re-run of rollout N): keep it as iter_N.old until the
         # new one is in place, so a crash between the two renames can be recovered.
@@ -186,7 +206,6 @@ async def save_checkpoint(
         os.remove(sentinel)
         log.info("save trigger %s honoured at rollout %d and removed", sentinel, rollout_id)
     log.info("saved checkpoint %s", final)
-    return final
 
 
 @attrs.define

@@ -24,6 +24,7 @@ from .metrics_log import MetricsLog, rollout_metrics, summary_line
 from .plugins import FurlongPluginManager
 from .preflight import check_paths
 from .progress import RolloutProgress
+from .ranks import Ranks, start_ranks
 from .rollout_manager import RolloutManager
 from .selection import Selection
 from .train_group import LocalTrainGroup
@@ -49,36 +50,51 @@ class Run:
         self.args = args
         self.pm = pm
         self.selection = selection
+        self.ranks = Ranks()
         self.metrics_dir = args.save or args.log_dir
-        self.metrics = MetricsLog(os.path.join(self.metrics_dir, "metrics.jsonl") if self.metrics_dir else None)
+        self.metrics = MetricsLog(None)
         self.manager: RolloutManager | None = None
+        self.engine = None
+        self.evaluator: Evaluator | None = None
         # train-async: rollout id -> {generate,train}_{start,end}, seconds since the loop started
         self.timeline: dict[int, dict[str, float]] = {}
 
     async def setup(self) -> int:
-        """Check data (before any model loads), create engine and trainer, resume; return the start id."""
+        """Check data (before any model loads), create engine and trainer, resume; return the start id.
+
+        Under ``torchrun`` only rank 0 reads data, builds the engine, evaluates and logs;
+        every rank builds the train backend.
+        """
         args, pm, sel = self.args, self.pm, self.selection
         _seed_everything(args.seed)
-        source = await pm.call_chosen("data_source", *sel.chosen["data_source"], args=args)
-        self.cursor = DataCursor(args, pm, source, sel.chosen["buffer_pop"])
-        self.evaluator = Evaluator(args, pm, sel)
+        self.ranks = start_ranks(args)
+        main = self.ranks.is_main
+        if main:
+            source = await pm.call_chosen("data_source", *sel.chosen["data_source"], args=args)
+            self.cursor = DataCursor(args, pm, source, sel.chosen["buffer_pop"])
+            self.evaluator = Evaluator(args, pm, sel)
+            if self.metrics_dir:
+                self.metrics = MetricsLog(os.path.join(self.metrics_dir, "metrics.jsonl"))
         check_paths(args)
         resume = resolve_start(args)
-        self.engine = await pm.call_chosen("rollout_engine", *sel.chosen["rollout_engine"], args=args)
+        if main:
+            self.engine = await pm.call_chosen("rollout_engine", *sel.chosen["rollout_engine"], args=args)
         backend = await pm.call_chosen("train_backend", *sel.chosen["train_backend"], args=args)
-        self.group = LocalTrainGroup(args, pm, sel, backend)
+        self.group = LocalTrainGroup(args, pm, sel, backend, self.ranks)
         await self.group.init()
         if resume.load_dir:
             await self.group.load_model(resume.load_dir)
-        if resume.state:
-            self.cursor.load_state(resume.state)
-        self.manager = RolloutManager(args, pm, sel, self.engine, self.cursor)
+        if main:
+            if resume.state:
+                self.cursor.load_state(resume.state)
+            self.manager = RolloutManager(args, pm, sel, self.engine, self.cursor)
         return resume.start_rollout_id
 
     async def update_weights(self) -> float:
         start = time.perf_counter()
         version = await self.group.update_weights(self.engine)
-        self.manager.set_weight_version(version)
+        if self.manager is not None:
+            self.manager.set_weight_version(version)
         log.debug("weights synced, version %d", version)
         return time.perf_counter() - start
 
@@ -106,10 +122,12 @@ class Run:
         return metrics
 
     async def save(self, rollout_id: int, data_state: dict | None = None) -> None:
-        """Checkpoint ``rollout_id`` with ``data_state`` (default: the cursor's state now)."""
-        data_state = data_state if data_state is not None else self.cursor.state()
-        path = await save_checkpoint(self.args, rollout_id, self.group.save_model, data_state)
-        await self.pm.notify("on_checkpoint_saved", args=self.args, rollout_id=rollout_id, path=path)
+        """Checkpoint ``rollout_id`` with ``data_state`` (default: the cursor's state now; rank 0 only)."""
+        if self.ranks.is_main and data_state is None:
+            data_state = self.cursor.state()
+        path = await save_checkpoint(self.args, rollout_id, self.group.save_model, data_state, self.ranks)
+        if self.ranks.is_main:
+            await self.pm.notify("on_checkpoint_saved", args=self.args, rollout_id=rollout_id, path=path)
 
     async def finish_rollout(self, rollout_id: int, groups, metrics: dict) -> None:
         metrics.update(rollout_metrics(groups, self.args.reward_key))
@@ -129,13 +147,16 @@ async def run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -
         if args.num_rollout == 0 and args.eval_interval and state.evaluator:
             await state.evaluate(0)
             return
-        if getattr(args, "train_mode", "sync") == "async":
+        if not state.ranks.is_main:
+            await _follower_loop(state, start_id)
+        elif getattr(args, "train_mode", "sync") == "async":
             await _async_loop(state, start_id, sync_time)
         else:
             await _sync_loop(state, start_id, sync_time)
     finally:
         if state.manager is not None:
             await state.manager.dispose()  # stops work a rollout plugin keeps across rollouts
+        state.ranks.close()
 
 
 def _eval_first(args: Namespace, state: Run, rollout_id: int, start_id: int) -> bool:
@@ -204,7 +225,7 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
                 start = time.perf_counter()
                 await state.save(rollout_id, state.manager.data_states.get(rollout_id))
                 metrics["perf/save_model_time"] = time.perf_counter() - start
-            if (rollout_id + 1) % args.update_weights_interval == 0:
+            if _syncs_weights_after(args, rollout_id):
                 if future is not None:  # never update mid-generation
                     waited = clock()
                     data, future = await future, None
@@ -222,6 +243,26 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
         if future is not None and not future.done():
             future.cancel()
             await asyncio.gather(future, return_exceptions=True)
+
+
+def _syncs_weights_after(args: Namespace, rollout_id: int) -> bool:
+    """Whether the trainer pushes weights after training on ``rollout_id`` (every rollout in sync mode)."""
+    return getattr(args, "train_mode", "sync") != "async" or (rollout_id + 1) % args.update_weights_interval == 0
+
+
+async def _follower_loop(state: Run, start_id: int) -> None:
+    """Trainer ranks 1..D-1 under ``torchrun``: rank 0's trainer collectives in rank 0's order.
+
+    Per rollout both loops do: train (receiving rank 0's groups), save when due, then
+    gather weights for the sync when due. Generation, eval and logging stay on rank 0.
+    """
+    args = state.args
+    for rollout_id in range(start_id, args.num_rollout):
+        await state.group.train(rollout_id, None)
+        if should_save(args, rollout_id):
+            await state.save(rollout_id)
+        if _syncs_weights_after(args, rollout_id):
+            await state.update_weights()
 
 
 def _quiet_transformers() -> None:

@@ -80,13 +80,16 @@ class TrainBackend(Protocol):
         """Forward-only pass; returns ``{"log_probs": [...], "entropy": [...]}`` (N x [T_i]).
 
         ``model`` is ``"actor"`` or ``"ref"``. Logits are divided by ``batch.temperature``.
+        With several trainer ranks ``batch.steps`` holds this rank's micro-batches; entries
+        of the other ranks' samples are None (the core merges the ranks' lists).
         """
 
     async def train(self, rollout_id: int, batch: TrainBatch) -> list[dict]:
         """Run one optimizer step per entry of ``batch.steps`` (micro-batches in order, one
-        ``objective`` call and backward each, then clip, step, LR schedule); return one
-        metrics dict per step (objective metrics summed over micro-batches, plus
-        ``grad_norm`` (pre-clip) and ``lr``)."""
+        ``objective`` call and backward each, gradients summed over data-parallel ranks,
+        then clip, step, LR schedule); return one metrics dict per step (objective metrics
+        summed over micro-batches and ranks, plus ``grad_norm`` (pre-clip) and ``lr``),
+        the same on every rank."""
 
     async def named_weights(self) -> list[tuple[str, Any]]:
         """The policy's weights with Hugging Face names, for weight sync."""

@@ -24,6 +24,7 @@ from furlong.core.batching import plan_steps
 
 async def main(hf_dir: str, out: Path) -> None:
     torch.set_num_threads(1)
+    dist.init_process_group("gloo")
     backend = train_backend(args=train_args(hf_dir, **TWO_RANK_FLAGS))
     await backend.init(backend.args)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -35,12 +36,10 @@ async def main(hf_dir: str, out: Path) -> None:
     log_probs = (await backend.log_probs(batch))["log_probs"]
     torch.save({i: lp for i, lp in enumerate(log_probs) if lp is not None}, out / f"logprobs{rank}.pt")
     metrics = (await backend.train(0, batch))[0]
-    loss = torch.tensor([metrics["loss"]])
-    dist.all_reduce(loss)  # each rank's objective is its share of the step objective
     weights = {name: t.clone() for name, t in await backend.named_weights()}
     await backend.save(str(out / "ckpt"))
     if rank == 0:
-        torch.save({"weights": weights, "grad_norm": metrics["grad_norm"], "loss": float(loss)}, out / "rank0.pt")
+        torch.save({"weights": weights, "grad_norm": metrics["grad_norm"], "loss": metrics["loss"]}, out / "rank0.pt")
     dist.destroy_process_group()
 
 

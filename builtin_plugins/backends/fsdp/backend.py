@@ -169,8 +169,9 @@ class FSDPBackend:
         norm (pre-clip), a non-finite check, clipping to ``--clip-grad`` (0 = off), the
         learning rate of the schedule at this step, and the optimizer step.
 
-        :returns: per step, the objective's metrics summed over micro-batches plus
-            ``grad_norm`` and ``lr``.
+        :returns: per step, the objective's metrics summed over micro-batches and ranks
+            (each rank's share already carries the whole step's denominators, so the sum
+            is the step's value) plus ``grad_norm`` and ``lr``; the same on every rank.
         :raises FloatingPointError: a non-finite loss or gradient, unless
             ``--no-check-for-nan-in-loss-and-grad`` (then the step and its LR advance are
             skipped, with a warning).
@@ -191,6 +192,7 @@ class FSDPBackend:
                 await self._in_thread(loss.backward)
                 for key, value in metrics.items():
                     sums[key] += float(value)
+            sums = await self._in_thread(self._sum_over_ranks, sums)
             grad_norm, finite = await self._in_thread(self._clip, finite_loss)
             lr = self.schedule(self.global_step)
             if not finite:
@@ -211,6 +213,17 @@ class FSDPBackend:
         if getattr(self.args, "gradient_checkpointing", False):
             self.model.eval()
         return results
+
+    def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
+        """Metric sums of every rank (all ranks report the same keys: same loss plugin)."""
+        if self.world == 1 or not sums:
+            return dict(sums)
+        import torch
+
+        keys = sorted(sums)
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(values)
+        return dict(zip(keys, values.tolist()))
 
     def _clip(self, finite_loss: bool) -> tuple[float, bool]:
         """Global grad L2 norm before clipping, and whether loss and gradients are finite on every rank."""

@@ -14,21 +14,21 @@ log = logging.getLogger("furlong.backends.fsdp")
 
 
 def dist_info(args: Any) -> tuple[int, int]:
-    """``(world_size, rank)``; starts the default process group when launched with ``WORLD_SIZE > 1``.
+    """``(world_size, rank)`` of the default process group, ``(1, 0)`` without one.
 
-    Backend: nccl on CUDA (``cpu:gloo,cuda:nccl``, so host tensors can be reduced too),
-    else ``--fsdp-cpu-backend`` (gloo).
+    ``furlong train`` under ``torchrun`` initializes the group before the backend loads
+    (:mod:`furlong.core.ranks`); code that drives the backend on its own under
+    ``torchrun`` calls ``torch.distributed.init_process_group`` first.
+
+    :raises PluginError: ``WORLD_SIZE > 1`` but no process group is initialized.
     """
-    import torch
     import torch.distributed as dist
 
-    if not dist.is_available():
-        return 1, 0
-    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else getattr(args, "fsdp_cpu_backend", None) or "gloo"
-        dist.init_process_group(backend)
-    if dist.is_initialized():
+    if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise PluginError("fsdp: WORLD_SIZE > 1 but torch.distributed is not initialized; call "
+                          "torch.distributed.init_process_group before the backend's init (furlong train does).")
     return 1, 0
 
 

@@ -1,0 +1,98 @@
+"""`furlong train` under torchrun with two trainer ranks (gloo on CPU) against one process.
+
+Rank 0 generates; both ranks train on their share of every step with the whole step's
+denominators, so the two-rank run must reproduce the one-process run: the same rollouts
+(rewards), the same step losses and gradient norms, the same checkpointed weights; and
+only rank 0 writes metrics, checkpoint state and the marker.
+"""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from argparse import Namespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from furlong.core.ranks import start_ranks
+from furlong.hooks import PluginError
+
+
+def _flags(model, data):
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--input-key", "prompt",
+            "--label-key", "label", "--rm-type", "deterministic_random", "--num-rollout", "2", "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "4", "--global-batch-size", "8", "--micro-batch-size", "2",
+            "--rollout-max-response-len", "6", "--lr", "1e-3", "--use-kl-loss", "--kl-loss-coef", "0.1",
+            "--eval-prompt-data", "arith", str(data), "--eval-interval", "1", "--n-samples-per-eval-prompt", "1",
+            "--save-interval", "1"]
+
+
+def _rows(save, key):
+    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    return {r[key]: r for r in rows if key in r}
+
+
+def _run(cmd, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command", ["train", "train-async"])
+def test_two_trainer_ranks_reproduce_one_process(tmp_path, tiny_model_dir, arithmetic_jsonl, command):
+    one, two = tmp_path / "one", tmp_path / "two"
+    flags = [command, *_flags(tiny_model_dir, arithmetic_jsonl)]
+    _run([sys.executable, "-m", "furlong.core", *flags, "--save", str(one)], tmp_path)
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 "-m", "furlong.core", *flags, "--save", str(two), "--actor-num-gpus-per-node", "2"], tmp_path)
+    summaries = [line for line in proc.stdout.splitlines() if line.startswith("rollout ")]
+    assert len(summaries) == 2  # one summary line per rollout: rank 0 prints, rank 1 does not
+
+    for key in ("rollout/step", "eval/step"):
+        assert _rows(one, key).keys() == _rows(two, key).keys()
+    for rid, row in _rows(one, "rollout/step").items():
+        other = _rows(two, "rollout/step")[rid]
+        assert other["rollout/raw_reward"] == row["rollout/raw_reward"]  # same rollouts: rank 0 generated them
+        assert other["rollout/response_lengths"] == row["rollout/response_lengths"]
+    assert 0 < _rows(one, "rollout/step")[0]["rollout/raw_reward"] < 1  # non-zero advantages move the weights
+    train_one, train_two = _rows(one, "train/step"), _rows(two, "train/step")
+    assert sorted(train_one) == sorted(train_two) == [0, 1]
+    for step, row in train_one.items():
+        for name in ("train/loss", "train/pg_loss", "train/kl_loss", "train/grad_norm", "train/pg_clipfrac"):
+            assert train_two[step][name] == pytest.approx(row[name], rel=1e-4, abs=1e-6), name
+
+    for save in (one, two):
+        assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+        assert json.loads((save / "rollout" / "state_1.json").read_text())
+    assert not list(two.glob("iter_*.tmp"))
+    w_one = load_file(one / "iter_0000001" / "model" / "model.safetensors")
+    w_two = load_file(two / "iter_0000001" / "model" / "model.safetensors")
+    assert w_one.keys() == w_two.keys()
+    for name, tensor in w_one.items():
+        torch.testing.assert_close(w_two[name], tensor, rtol=0, atol=2e-5)
+    start = load_file(tiny_model_dir / "model.safetensors")
+    assert max(float((w_one[k] - start[k]).abs().max()) for k in start) > 1e-4  # the two steps did train
+
+
+def test_torchrun_size_must_match_the_trainer_flags(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = Namespace(actor_num_nodes=1, actor_num_gpus_per_node=1, fsdp_cpu_backend="gloo")
+    with pytest.raises(PluginError) as err:
+        start_ranks(args)
+    assert str(err.value) == (
+        "torchrun started 2 trainer processes but --actor-num-nodes 1 x --actor-num-gpus-per-node 1 = 1; pass "
+        "flags whose product is 2 (e.g. --actor-num-gpus-per-node 2) or change --nproc-per-node.")
+
+
+def test_one_process_is_rank_zero_of_one(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ranks = start_ranks(Namespace(actor_num_nodes=1, actor_num_gpus_per_node=1))
+    assert (ranks.world, ranks.rank, ranks.is_main) == (1, 0, True)
+    rows = [None, torch.ones(2)]
+    assert asyncio.run(ranks.merge(rows)) is rows
+    assert asyncio.run(ranks.broadcast({"a": 1})) == {"a": 1}
