@@ -77,6 +77,15 @@ def test_two_trainer_ranks_reproduce_one_process(tmp_path, tiny_model_dir, arith
         torch.testing.assert_close(w_two[name], tensor, rtol=0, atol=2e-5)
     start = load_file(tiny_model_dir / "model.safetensors")
     assert max(float((w_one[k] - start[k]).abs().max()) for k in start) > 1e-4  # the two steps did train
+    if command == "train":  # two ranks resume from their own checkpoint
+        more = [*flags, "--save", str(two), "--load", str(two), "--actor-num-gpus-per-node", "2"]
+        more[more.index("--num-rollout") + 1] = "3"
+        resumed = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "furlong.core", *more], tmp_path)
+        assert f"resuming from {two / 'iter_0000001'} at rollout 2" in resumed.stderr
+        assert [line.split()[1] for line in resumed.stdout.splitlines() if line.startswith("rollout ")] == ["2"]
+        assert (two / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+        assert sorted(_rows(two, "train/step")) == [0, 1, 2]
 
 
 def test_torchrun_size_must_match_the_trainer_flags(monkeypatch):
