@@ -22,7 +22,7 @@ from .data_cursor import DataCursor
 from .evaluation import Evaluator
 from .metrics_log import MetricsLog, rollout_metrics, summary_line
 from .plugins import FurlongPluginManager
-from .preflight import check_paths
+from .preflight import check_executor, check_paths
 from .progress import RolloutProgress
 from .ranks import Ranks, start_ranks
 from .rollout_manager import RolloutManager
@@ -67,6 +67,7 @@ class Run:
         """
         args, pm, sel = self.args, self.pm, self.selection
         _seed_everything(args.seed)
+        check_executor(args)
         self.ranks = start_ranks(args)
         main = self.ranks.is_main
         if main:

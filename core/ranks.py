@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from datetime import timedelta
 from typing import Any
 
 import attrs
@@ -25,6 +26,8 @@ from furlong.hooks import PluginError
 __all__ = ["Ranks", "start_ranks"]
 
 log = logging.getLogger("furlong")
+
+OBJECT_TIMEOUT = timedelta(hours=24)
 
 
 @attrs.frozen
@@ -93,8 +96,10 @@ class Ranks:
 def start_ranks(args: Any) -> Ranks:
     """Join the other trainer ranks when started with ``WORLD_SIZE > 1`` (``torchrun``).
 
-    Initializes the default process group (``cpu:gloo,cuda:nccl`` with CUDA, else
-    ``--fsdp-cpu-backend``, gloo by default) and a gloo group for object exchange.
+    Initializes the default process group (``--distributed-backend``: nccl means
+    ``cpu:gloo,cuda:nccl`` so host tensors reduce too; gloo without CUDA) with
+    ``--distributed-timeout-minutes``, and a gloo group for object exchange whose
+    time-out is a day: ranks 1..D-1 wait in it while rank 0 generates and evaluates.
 
     :raises PluginError: the number of processes differs from the trainer size in the
         flags (``--actor-num-nodes x --actor-num-gpus-per-node``), which sizes the data
@@ -114,9 +119,10 @@ def start_ranks(args: Any) -> Ranks:
             f"{world} (e.g. --actor-num-gpus-per-node {world}) or change --nproc-per-node."
         )
     if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else (args.fsdp_cpu_backend or "gloo")
-        dist.init_process_group(backend)
-    group = dist.new_group(backend="gloo")
+        nccl = torch.cuda.is_available() and getattr(args, "distributed_backend", "nccl") == "nccl"
+        minutes = getattr(args, "distributed_timeout_minutes", 10) or 10
+        dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", timeout=timedelta(minutes=minutes))
+    group = dist.new_group(backend="gloo", timeout=OBJECT_TIMEOUT)
     ranks = Ranks(world=dist.get_world_size(), rank=dist.get_rank(), group=group)
     if ranks.is_main:
         log.info("torchrun: %d trainer ranks; rank 0 runs the rollout", ranks.world)

@@ -428,6 +428,14 @@ def test_rollout_num_gpus_under_colocate_is_the_trainer_world_size():
     assert (args.rollout_num_gpus, args.executor) == (4, "ray")
 
 
+def test_executor_is_local_for_torchrun_ranks_and_ray_otherwise(monkeypatch):
+    argv = BASE + ["--actor-num-gpus-per-node", "2"]
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert parse_args(argv).executor == "ray"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert parse_args(argv).executor == "local"
+
+
 # --- device-dependent defaults ----------------------------------------------------------
 
 DEVICE_KEYS = ("actor_num_gpus_per_node", "num_gpus_per_node", "attn_implementation", "bf16", "distributed_backend",

@@ -90,12 +90,24 @@ def test_two_trainer_ranks_reproduce_one_process(tmp_path, tiny_model_dir, arith
 
 def test_torchrun_size_must_match_the_trainer_flags(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    args = Namespace(actor_num_nodes=1, actor_num_gpus_per_node=1, fsdp_cpu_backend="gloo")
+    args = Namespace(actor_num_nodes=1, actor_num_gpus_per_node=1)
     with pytest.raises(PluginError) as err:
         start_ranks(args)
     assert str(err.value) == (
         "torchrun started 2 trainer processes but --actor-num-nodes 1 x --actor-num-gpus-per-node 1 = 1; pass "
         "flags whose product is 2 (e.g. --actor-num-gpus-per-node 2) or change --nproc-per-node.")
+
+
+def test_ray_executor_stops_the_run_before_anything_loads(run_furlong, tiny_model_dir, arithmetic_jsonl, tmp_path):
+    result = run_furlong("train", *_flags(tiny_model_dir, arithmetic_jsonl),
+                         "--actor-num-gpus-per-node", "2", "--save", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert ("--executor ray (the default for --rollout-backend embedded with 2 trainer GPU(s)) is not available in "
+            "this version. Use --rollout-backend embedded --executor local; for several trainer ranks start one "
+            "process per rank: torchrun --nproc-per-node 2 -m furlong.core train ... (with --actor-num-nodes x "
+            "--actor-num-gpus-per-node = 2).") in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_one_process_is_rank_zero_of_one(monkeypatch):

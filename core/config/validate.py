@@ -9,6 +9,8 @@ again on overlaid values gives the same result as running it once.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 
 from . import rules
@@ -198,7 +200,9 @@ def _cluster(args, f: Findings, given: set[str]) -> None:
         f.error(f"--rollout-num-gpus ({args.rollout_num_gpus}) must be a multiple of --rollout-num-gpus-per-engine "
                 f"({per_engine}): every engine gets the same number of GPUs.")
     if "executor" not in given or args.executor is None:
-        args.executor = "local" if args.rollout_backend == "embedded" and world == 1 else "ray"
+        # under torchrun every trainer rank is already a process of its own
+        torchrun = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+        args.executor = "local" if args.rollout_backend == "embedded" and (world == 1 or torchrun) else "ray"
 
 
 def _offload(args, f: Findings, given: set[str]) -> None:
