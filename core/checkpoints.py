@@ -267,7 +267,9 @@ def resolve_start(args: Any) -> ResumePoint:
 
     if marker is None:
         start = start_override if start_override is not None else 0
-        if load:
+        if load and not os.path.isdir(load) and os.path.realpath(load) != os.path.realpath(getattr(args, "save", None) or ""):
+            log.warning("--load %s does not exist: warm start from the initial weights at rollout %d", load, start)
+        elif load:
             log.info("--load %s has no %s: warm start at rollout %d", load, MARKER_NAME, start)
         return ResumePoint(start_rollout_id=start)
 

@@ -31,6 +31,8 @@ class Evaluator:
         for ds in load_eval_datasets(args):
             ds_args = copy.copy(args)
             ds_args.prompt_data = ds.path
+            ds_args.prompt_data_flag = (f"--eval-config dataset '{ds.name}'" if getattr(args, "eval_config", None)
+                                        else f"--eval-prompt-data {ds.name}")
             ds_args.input_key = ds.input_key
             ds_args.label_key = ds.label_key
             ds_args.metadata_key = ds.metadata_key

@@ -7,6 +7,8 @@ from argparse import Namespace
 
 from furlong.hooks import PluginError
 
+from .checkpoints import read_marker
+
 __all__ = ["check_executor", "check_paths"]
 
 
@@ -48,10 +50,33 @@ def check_paths(args: Namespace) -> None:
         if not os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")):
             problems.append(f"--hf-checkpoint '{args.hf_checkpoint}': the directory has no config.json; "
                             "point it at a Hugging Face model directory.")
+    elif os.path.isfile(args.hf_checkpoint):
+        problems.append(f"--hf-checkpoint '{args.hf_checkpoint}': is a file; pass the model directory "
+                        f"('{os.path.dirname(args.hf_checkpoint) or '.'}' holds it).")
     elif not _hub_name(args.hf_checkpoint):
         problems.append(f"--hf-checkpoint '{args.hf_checkpoint}': no such directory.")
     for flag, value in (("--ref-load", args.ref_load), ("--chat-template-path", args.chat_template_path)):
         if value and not os.path.exists(value):
             problems.append(f"{flag} '{value}': no such file or directory.")
+    problems.extend(_save_problems(args))
     if problems:
         raise PluginError("\n".join(problems))
+
+
+def _save_problems(args: Namespace) -> list[str]:
+    """``--save`` must be a directory (or not exist yet) and must not hold another run.
+
+    A ``--save`` directory with a checkpoint marker is resumed only through ``--load`` of
+    the same directory; otherwise its checkpoints would be overwritten from rollout 0.
+    """
+    save = getattr(args, "save", None)
+    if not save:
+        return []
+    if os.path.exists(save) and not os.path.isdir(save):
+        return [f"--save '{save}': is an existing file; --save needs a directory (it is created if missing)."]
+    marker = read_marker(save) if os.path.isdir(save) else None
+    load = getattr(args, "load", None)
+    if marker is not None and not (load and os.path.realpath(load) == os.path.realpath(save)):
+        return [f"--save '{save}': already holds a run (latest checkpoint {marker}); pass --load {save} to resume "
+                "it, or choose an empty --save directory."]
+    return []

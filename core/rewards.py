@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from argparse import Namespace
 
 import attrs
@@ -14,6 +15,8 @@ from .selection import Selection, boxed_base, check_reward_name
 
 __all__ = ["RewardScorer", "scalar_reward"]
 
+log = logging.getLogger("furlong.rewards")
+
 
 def scalar_reward(reward, reward_key: str | None) -> float:
     """The training scalar of a reward: a number, or ``reward[reward_key]`` for a dict.
@@ -25,7 +28,11 @@ def scalar_reward(reward, reward_key: str | None) -> float:
             raise PluginError(f"reward {reward!r} is a dict; pass --reward-key to name the training scalar (e.g. 'score').")
         if reward_key not in reward:
             raise PluginError(f"--reward-key '{reward_key}' is not in reward {reward!r}.")
-        return float(reward[reward_key])
+        try:
+            return float(reward[reward_key])
+        except (TypeError, ValueError):
+            raise PluginError(f"--reward-key '{reward_key}': reward {reward!r} holds {reward[reward_key]!r} there, "
+                              "not a number.") from None
     if reward is None:
         return 0.0
     return float(reward)
@@ -46,6 +53,7 @@ class RewardScorer:
         self.pm = pm
         self.default = selection.reward
         self._checked: set[str] = set()
+        self._warned_none: set[str] = set()
 
     def resolve(self, sample: Sample) -> tuple[str, str]:
         """``(plugin name, flag or source)`` that scores ``sample``."""
@@ -98,7 +106,24 @@ class RewardScorer:
                 f"reward plugin '{plugin}' returned {len(rewards)} rewards for {len(samples)} samples "
                 f"(first sample index {samples[0].index}); return one per sample."
             )
+        for sample, value in zip(samples, rewards):
+            self._check_value(plugin, sample, value)
         return rewards
+
+    def _check_value(self, plugin: str, sample: Sample, value) -> None:
+        where = f"reward plugin '{plugin}' ({self.pm.origin(plugin)})"
+        if value is None:
+            if plugin not in self._warned_none:
+                self._warned_none.add(plugin)
+                log.warning("%s returned None for sample %s; scored 0.0 (return a number to silence this)",
+                            where, sample.index)
+            return
+        if isinstance(value, dict):
+            return
+        if isinstance(value, (int, float)) or (hasattr(value, "item") and getattr(value, "ndim", 1) == 0):
+            return
+        raise PluginError(f"{where} returned {value!r} for sample {sample.index}; a reward must be a number, None, "
+                          "or a dict whose --reward-key entry is the training scalar.")
 
     def _boxed(self, base: str, sample: Sample) -> Sample:
         content = last_boxed_content(sample.response)

@@ -86,7 +86,10 @@ def data_source(args: Namespace) -> DataSource:
     """Create the prompt data source.
 
     Call: chosen by name (``--data-source NAME``, default ``jsonl``). Called once per run,
-    before any model loads: a bad file must fail here, naming file and line.
+    before any model loads: a bad file must fail here, naming file and line. Called again
+    once per eval dataset, with ``args.prompt_data`` and the keys set to the dataset's and
+    ``args.prompt_data_flag`` naming where the path came from (e.g. ``--eval-prompt-data
+    gsm8k``; absent or None for the training data, whose flag is ``--prompt-data``).
 
     :param args: resolved launch flags (``--prompt-data``, ``--input-key``, ...).
     :returns: an object meeting :class:`~furlong.hooks.DataSource`.

@@ -164,6 +164,17 @@ def test_overlay_file_is_applied_and_validated_again(tmp_path, caplog):
     assert (args.rollout_temperature, args.eval_temperature, args.my_extra_knob) == (0.5, 0.5, [1, 2])
     assert {"global_batch_size", "rollout_temperature", "my_extra_knob"} <= set(args.explicit_args)
     assert "--custom-config-path sets global_batch_size = 2 (was 4)." in caplog.messages
+    assert ("--custom-config-path sets my_extra_knob = [1, 2], which is not a furlong flag; kept for custom "
+            "functions that read it.") in caplog.messages
+
+
+def test_overlay_key_that_looks_like_a_typo_gets_a_warning(tmp_path, caplog):
+    path = tmp_path / "over.yaml"
+    path.write_text("rollout_bach_size: 4\n")
+    with caplog.at_level(logging.WARNING, logger="furlong.config"):
+        parse_args(BASE + ["--custom-config-path", str(path)])
+    assert ("--custom-config-path sets rollout_bach_size = 4, which is not a furlong flag; kept for custom functions "
+            "that read it. Did you mean rollout_batch_size?") in caplog.messages
 
 
 def test_overlay_base64(tmp_path):

@@ -1,6 +1,9 @@
 """A catalogue of bad inputs: each ends in one clear error, exit code 2, and no traceback."""
 
 import json
+import re
+import shutil
+import sys
 
 import pytest
 
@@ -23,6 +26,34 @@ def _cases(tmp_path, model, good):
     no_label.write_text('{"prompt": "1+1="}\n')
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
+    (tmp_path / "folder").mkdir()
+    parquet = tmp_path / "data.parquet"
+    parquet.write_bytes(b"PAR1\x15\x04")
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"prompt": "1+1=", "label": "2"}\n{"prompt": "caf\xe9", "label": "2"}\n')
+    blank_prompt = tmp_path / "blank.jsonl"
+    blank_prompt.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "  ", "label": "2"}\n')
+    no_role = tmp_path / "norole.jsonl"
+    no_role.write_text('{"prompt": [{"content": "1+1="}], "label": "2"}\n')
+    save_file = tmp_path / "save.txt"
+    save_file.write_text("x")
+    old_run = tmp_path / "old_run"
+    old_run.mkdir()
+    (old_run / "latest_checkpointed_iteration.txt").write_text("2")
+    corrupt = tmp_path / "corrupt_model"
+    shutil.copytree(model, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"garbage")
+    no_tokenizer = tmp_path / "no_tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{model}/{name}", no_tokenizer / name)
+    no_template = tmp_path / "no_template"
+    shutil.copytree(model, no_template)
+    config = json.loads((no_template / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (no_template / "tokenizer_config.json").write_text(json.dumps(config))
+    for extra in no_template.glob("chat_template.*"):
+        extra.unlink()
     return [
         (["--hf-checkpoint", model, "--prompt-data", str(tmp_path / "missing.jsonl")],
          f"error: --prompt-data '{tmp_path / 'missing.jsonl'}': no such file."),
@@ -39,7 +70,42 @@ def _cases(tmp_path, model, good):
          "model directory."),
         (["--hf-checkpoint", model, "--prompt-data", good, "--eval-prompt-data", "t", str(tmp_path / "nope.jsonl"),
           "--eval-interval", "1"],
-         f"error: --prompt-data '{tmp_path / 'nope.jsonl'}': no such file."),
+         f"error: --eval-prompt-data t '{tmp_path / 'nope.jsonl'}': no such file."),
+        (["--hf-checkpoint", model, "--prompt-data", str(tmp_path / "folder")],
+         f"error: --prompt-data '{tmp_path / 'folder'}': is a directory; pass a JSONL file (one JSON object per line)."),
+        (["--hf-checkpoint", model, "--prompt-data", str(parquet)],
+         f"error: --prompt-data '{parquet}': Parquet files are not read by the jsonl data source; convert it to "
+         "JSONL (pandas: df.to_json('data.jsonl', orient='records', lines=True)) or choose a data source plugin "
+         "that reads it (--data-source NAME)."),
+        (["--hf-checkpoint", model, "--prompt-data", str(latin1)],
+         f"error: {latin1}:2: not valid UTF-8 (byte 0xe9 at column 16); save the file as UTF-8."),
+        (["--hf-checkpoint", model, "--prompt-data", str(blank_prompt)],
+         f"error: {blank_prompt}:2: 'prompt' (--input-key) is empty."),
+        (["--hf-checkpoint", model, "--prompt-data", str(no_role)],
+         f"error: {no_role}:1: 'prompt' message 0 must be an object with a string 'role' and a 'content' (chat "
+         'format), got {"content": "1+1="}.'),
+        (["--hf-checkpoint", model, "--prompt-data", f"{good}@[1:x]"],
+         f"error: --prompt-data '{good}@[1:x]': bad slice '@[1:x]'; write PATH@[START:END] with whole numbers "
+         "(either may be left out)."),
+        (["--hf-checkpoint", f"{model}/config.json", "--prompt-data", good],
+         f"error: --hf-checkpoint '{model}/config.json': is a file; pass the model directory ('{model}' holds it)."),
+        (["--hf-checkpoint", model, "--prompt-data", good, "--save", str(save_file)],
+         f"error: --save '{save_file}': is an existing file; --save needs a directory (it is created if missing)."),
+        (["--hf-checkpoint", model, "--prompt-data", good, "--save", str(old_run)],
+         f"error: --save '{old_run}': already holds a run (latest checkpoint 2); pass --load {old_run} to resume "
+         "it, or choose an empty --save directory."),
+        (["--hf-checkpoint", model, "--prompt-data", good, "--lr=-0.1"], "error: --lr must be at least 0, got -0.1."),
+        (["--hf-checkpoint", str(corrupt), "--prompt-data", good],
+         f"error: --hf-checkpoint {corrupt}: cannot read the weights in model.safetensors (SafetensorError: Error "
+         "while deserializing header: header too small); the file is corrupt or truncated: download or export it "
+         "again."),
+        (["--hf-checkpoint", str(no_tokenizer), "--prompt-data", good],
+         f"error: --hf-checkpoint {no_tokenizer}: no tokenizer files. The directory needs the model's tokenizer "
+         "files (tokenizer.json and tokenizer_config.json, or its vocabulary files); copy them from where the model "
+         "came from."),
+        (["--hf-checkpoint", str(no_template), "--prompt-data", good, "--apply-chat-template"],
+         f"error: --apply-chat-template: the tokenizer in {no_template} has no chat template; pass "
+         "--chat-template-path FILE (a Jinja template) or drop --apply-chat-template."),
     ]
 
 
@@ -53,3 +119,22 @@ def test_bad_inputs_end_in_one_clear_error(tmp_path, tiny_model_dir, good_data, 
         assert code == 2, (extra, err)
         assert "Traceback" not in err, err
         assert expected in err.splitlines(), (expected, err)
+
+
+def test_a_reward_that_is_not_a_number_names_the_plugin_and_keeps_the_samples(tmp_path, tiny_model_dir, good_data,
+                                                                             capsys, monkeypatch):
+    from furlong.core.cli import main
+
+    (tmp_path / "word_reward.py").write_text("def reward(args, sample):\n    return 'yes'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", *BASE, "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(good_data),
+                 "--custom-rm-path", "word_reward.reward"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert re.search(r"^error: rollout 0 failed: reward plugin 'word_reward\.reward' \(from --custom-rm-path\) "
+                     r"returned 'yes' for sample \d; a reward must be a number, None, or a dict whose --reward-key "
+                     r"entry is the training scalar\.", err, re.M), err
+    dumped = [json.loads(line) for line in (tmp_path / "failed_rollout_0.jsonl").read_text().splitlines()]
+    assert len(dumped) == 4 and dumped[0]["prompt"] == "1+1="
+    sys.modules.pop("word_reward", None)

@@ -9,9 +9,11 @@ import random
 import re
 
 from furlong.hooks import PluginError, hookimpl
+from furlong.hooks.hf import load_tokenizer
 
 log = logging.getLogger("furlong.data")
 
+_OTHER_FORMATS = {".parquet": "Parquet", ".csv": "CSV", ".tsv": "TSV", ".arrow": "Arrow", ".xlsx": "Excel"}
 _SLICE = re.compile(r"^(?P<path>.*)@\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
 
 
@@ -37,8 +39,12 @@ class JsonlDataSource:
         self.args = args
         if not args.prompt_data:
             raise PluginError("--prompt-data is required: a JSONL file with one prompt per line.")
-        self.rows = read_rows(args.prompt_data, args.input_key, args.label_key, args.metadata_key, args.tool_key)
+        self.rows = read_rows(args.prompt_data, args.input_key, args.label_key, args.metadata_key, args.tool_key,
+                              getattr(args, "prompt_data_flag", None) or "--prompt-data")
         self._tokenizer = None
+        if args.apply_chat_template and not getattr(self.tokenizer, "chat_template", None):
+            raise PluginError(f"--apply-chat-template: the tokenizer in {args.hf_checkpoint} has no chat template; "
+                              "pass --chat-template-path FILE (a Jinja template) or drop --apply-chat-template.")
         if args.rollout_max_prompt_len:
             self.rows = self._drop_long_prompts(self.rows, args.rollout_max_prompt_len)
         self.shuffle = bool(args.rollout_shuffle)
@@ -80,9 +86,7 @@ class JsonlDataSource:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.args.hf_checkpoint)
+            self._tokenizer = load_tokenizer(self.args.hf_checkpoint)
             if self.args.chat_template_path:
                 with open(self.args.chat_template_path, encoding="utf-8") as f:
                     self._tokenizer.chat_template = f.read()
@@ -113,35 +117,64 @@ class JsonlDataSource:
         return kept
 
 
-def read_rows(spec: str, input_key: str, label_key: str | None, metadata_key: str, tool_key: str | None) -> list[dict]:
+def read_rows(spec: str, input_key: str, label_key: str | None, metadata_key: str, tool_key: str | None,
+              flag: str = "--prompt-data") -> list[dict]:
     """Parse ``path`` or ``path@[a:b]`` into rows, checking every line.
 
-    :raises PluginError: the file is missing or empty, a line is not a JSON object, or a
-        row lacks ``input_key`` (or ``label_key`` when given); names file and line number.
+    :param flag: the flag that named the file, for error messages (``--prompt-data``, or
+        ``--eval-prompt-data NAME`` for an eval set).
+    :raises PluginError: the file is missing, a directory, not JSONL (Parquet, CSV, ...) or
+        empty; a bad ``@[a:b]`` slice; a line that is not UTF-8 or not a JSON object; a row
+        without ``input_key`` (or ``label_key`` when given), with an empty prompt or a chat
+        message lacking ``role``/``content``. Names file and line number.
     """
-    path, start, stop = _split_slice(spec)
+    path, start, stop = _split_slice(spec, flag)
+    if os.path.isdir(path):
+        raise PluginError(f"{flag} '{path}': is a directory; pass a JSONL file (one JSON object per line).")
     if not os.path.isfile(path):
-        raise PluginError(f"--prompt-data '{path}': no such file.")
+        raise PluginError(f"{flag} '{path}': no such file.")
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in _OTHER_FORMATS:
+        raise PluginError(
+            f"{flag} '{path}': {_OTHER_FORMATS[suffix]} files are not read by the jsonl data source; convert it to "
+            "JSONL (pandas: df.to_json('data.jsonl', orient='records', lines=True)) or choose a data source plugin "
+            "that reads it (--data-source NAME)."
+        )
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise PluginError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                                  f"{exc.start + 1}); save the file as UTF-8.") from None
             if not line.strip():
                 continue
             rows.append(_parse_line(path, lineno, line, input_key, label_key, metadata_key, tool_key))
     if not rows:
-        raise PluginError(f"--prompt-data '{path}': the file has no rows.")
+        raise PluginError(f"{flag} '{path}': the file has no rows.")
     rows = rows[start:stop]
     if not rows:
-        raise PluginError(f"--prompt-data '{spec}': the slice selects no rows (the file has some).")
+        raise PluginError(f"{flag} '{spec}': the slice selects no rows (the file has some).")
     return rows
 
 
-def _split_slice(spec: str) -> tuple[str, int | None, int | None]:
+def _split_slice(spec: str, flag: str) -> tuple[str, int | None, int | None]:
     match = _SLICE.match(spec)
     if not match:
+        if re.search(r"@\[[^\]]*\]$", spec) and not os.path.exists(spec):
+            raise PluginError(f"{flag} '{spec}': bad slice '{spec[spec.rindex('@'):]}'; write PATH@[START:END] with "
+                              "whole numbers (either may be left out).")
         return spec, None, None
     to_int = lambda s: int(s) if s else None  # noqa: E731
     return match["path"], to_int(match["start"]), to_int(match["stop"])
+
+
+def _check_messages(where: str, input_key: str, messages: list) -> None:
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+            raise PluginError(f"{where}: '{input_key}' message {i} must be an object with a string 'role' and a "
+                              f"'content' (chat format), got {json.dumps(message)[:80]}.")
 
 
 def _parse_line(path, lineno, line, input_key, label_key, metadata_key, tool_key) -> dict:
@@ -157,6 +190,10 @@ def _parse_line(path, lineno, line, input_key, label_key, metadata_key, tool_key
     prompt = obj[input_key]
     if not isinstance(prompt, (str, list)):
         raise PluginError(f"{where}: '{input_key}' must be a string or a list of chat messages.")
+    if not prompt or (isinstance(prompt, str) and not prompt.strip()):
+        raise PluginError(f"{where}: '{input_key}' (--input-key) is empty.")
+    if isinstance(prompt, list):
+        _check_messages(where, input_key, prompt)
     if label_key and label_key not in obj:
         raise PluginError(f"{where}: row has no key '{label_key}' (--label-key); keys: {', '.join(sorted(obj))}.")
     metadata = obj.get(metadata_key) or {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
 import logging
 from pathlib import PurePath
 
@@ -71,7 +72,13 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     overlay = _typed(load_overlay(args.custom_config_path), parser)
     final = copy.deepcopy(raw)
     for key, value in overlay.items():
-        log.info("--custom-config-path sets %s = %r (was %r).", key, value, getattr(args, key, None))
+        if hasattr(raw, key):
+            log.info("--custom-config-path sets %s = %r (was %r).", key, value, getattr(args, key, None))
+        else:
+            close = difflib.get_close_matches(key, vars(raw), n=1)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            log.warning("--custom-config-path sets %s = %r, which is not a furlong flag; kept for custom functions "
+                        "that read it.%s", key, value, hint)
         setattr(final, key, value)
     final.explicit_args = sorted(set(final.explicit_args) | set(overlay))
     try:

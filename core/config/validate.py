@@ -30,6 +30,9 @@ MINIMUMS: tuple[tuple[str, int], ...] = (
     ("update_weights_interval", 1), ("log_interval", 1), ("sglang_server_concurrency", 1),
     ("max_tokens_per_gpu", 1), ("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1),
     ("context_parallel_size", 1), ("expert_model_parallel_size", 1), ("dp_replicate_size", 1),
+    ("rollout_max_response_len", 1), ("eval_max_response_len", 1), ("rollout_max_prompt_len", 1),
+    ("eval_max_prompt_len", 1), ("lr", 0), ("min_lr", 0), ("weight_decay", 0), ("clip_grad", 0),
+    ("lr_warmup_iters", 0),
 )
 
 
@@ -122,7 +125,7 @@ def _basic_values(args, f: Findings) -> None:
     for dest, low in MINIMUMS:
         value = getattr(args, dest, None)
         if value is not None and value < low:
-            f.error(f"--{dest.replace('_', '-')} must be at least {low}, got {value}.")
+            f.error(f"--{dest.replace('_', '-')} must be at least {low}, got {value:g}.")
     if args.rollout_temperature <= 0:
         f.error(f"--rollout-temperature must be > 0, got {args.rollout_temperature:g} "
                 f"(greedy decoding is for evaluation only: --eval-temperature 0).")

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from furlong.hooks import PluginError
+from furlong.hooks.hf import load_causal_lm_weights
 
 __all__ = ["build_optimizer", "dist_info", "is_hf_dir", "load_causal_lm", "shard", "tied_names"]
 
@@ -47,7 +48,6 @@ def load_causal_lm(path: str, args: Any, device, flag: str):
     :raises PluginError: ``path`` is not a loadable Hugging Face model directory.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
     if not is_hf_dir(path):
         raise PluginError(f"{flag} {path}: not a Hugging Face model directory (no config.json); the fsdp backend "
@@ -56,12 +56,12 @@ def load_causal_lm(path: str, args: Any, device, flag: str):
     if device.type != "cuda" and wanted.startswith("flash"):
         wanted = "sdpa"
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=wanted)
+        model = load_causal_lm_weights(path, flag, dtype=torch.float32, attn_implementation=wanted)
     except (ImportError, ValueError) as exc:
         if wanted == "sdpa":
             raise PluginError(f"{flag} {path}: cannot load the model ({exc}).") from exc
         log.warning("fsdp: attention %r unavailable (%s); using sdpa", wanted, exc)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        model = load_causal_lm_weights(path, flag, dtype=torch.float32, attn_implementation="sdpa")
     model.config.use_cache = False
     if getattr(args, "gradient_checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

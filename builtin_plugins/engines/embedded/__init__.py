@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 from furlong.hooks import PluginError, hookimpl
+from furlong.hooks.hf import load_causal_lm_weights, load_tokenizer
 
 from .engine import EmbeddedEngine
 
@@ -54,21 +55,17 @@ def load_engine(path: str | None, max_batch_size: int = 64, half: bool = True, f
     :raises PluginError: ``path`` is None or not a loadable model directory.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not path:
         raise PluginError("--rollout-backend embedded needs --hf-checkpoint (a Hugging Face model directory).")
     cuda = torch.cuda.is_available()
     dtype = (torch.float16 if fp16 else torch.bfloat16 if half else torch.float32) if cuda else torch.float32
+    tokenizer = load_tokenizer(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-        except (ValueError, ImportError):
-            log.warning("embedded engine: %s does not support sdpa attention; using eager", path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
-    except OSError as exc:
-        raise PluginError(f"--hf-checkpoint {path}: cannot load the model or tokenizer ({exc}).") from exc
+        model = load_causal_lm_weights(path, "--hf-checkpoint", dtype=dtype, attn_implementation="sdpa")
+    except (ValueError, ImportError):
+        log.warning("embedded engine: %s does not support sdpa attention; using eager", path)
+        model = load_causal_lm_weights(path, "--hf-checkpoint", dtype=dtype, attn_implementation="eager")
     if cuda:
         model = model.to("cuda")
     return EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size)
