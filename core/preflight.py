@@ -27,11 +27,12 @@ def check_executor(args: Namespace) -> None:
     if args.executor != "ray":
         return
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    why = "" if "executor" in getattr(args, "explicit_args", []) else (
+        f" (the default for --rollout-backend {args.rollout_backend} with {world} trainer GPU(s))")
     raise PluginError(
-        f"--executor ray (the default for --rollout-backend {args.rollout_backend} with {world} trainer GPU(s)) is "
-        "not available in this version. Use --rollout-backend embedded --executor local; for several trainer "
-        f"ranks start one process per rank: torchrun --nproc-per-node {world} -m furlong.core train ... "
-        f"(with --actor-num-nodes x --actor-num-gpus-per-node = {world})."
+        f"--executor ray{why} is not available in this version. Use --rollout-backend embedded --executor local; "
+        f"for several trainer ranks start one process per rank: torchrun --nproc-per-node {world} -m furlong.core "
+        f"train ... (with --actor-num-nodes x --actor-num-gpus-per-node = {world})."
     )
 
 

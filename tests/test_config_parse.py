@@ -301,3 +301,8 @@ def test_overlay_value_of_the_wrong_type_is_an_error(tmp_path):
     assert error_of(BASE + ["--custom-config-path", str(path)]) == (
         "--custom-config-path: rollout_batch_size: cannot read 'many' (invalid literal for int() with base 10: "
         "'many').")
+
+
+def test_negative_values_in_scientific_notation_are_values_not_flags():
+    assert error_of(BASE + ["--lr", "-1e-4"]) == "--lr must be at least 0, got -0.0001."
+    assert parse_args(BASE + ["--entropy-coef", "-1e-3"]).entropy_coef == -1e-3

@@ -32,7 +32,8 @@ def add(g, dev) -> None:
                    help="Engine memory released after generation (CUDA graphs are always released).")
     g.add_argument("--executor", choices=["local", "ray"], default=None,
                    help="local: one process, no Ray; ray: Ray actors in placement groups. "
-                        "Default: local with --rollout-backend embedded and a trainer world size of 1, else ray.")
+                        "Default: ray with --rollout-backend sglang or a trainer of several GPUs not started by "
+                        "torchrun, else local.")
     g.add_argument("--seed", type=int, default=1234, help="Trainer random seed (engine i uses seed + i).")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=dev.distributed_backend,
                    help="torch.distributed backend of the trainer (gloo without CUDA).")

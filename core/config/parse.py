@@ -6,6 +6,7 @@ import argparse
 import copy
 import difflib
 import logging
+import re
 from pathlib import PurePath
 
 from ._util import MEGATRON_ONLY
@@ -48,6 +49,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     tokens, problems = map_deprecated(tokens)
     actions = parser._option_string_actions
     tokens, collected, _ = split_passthrough(tokens, set(actions))
+    tokens = _attach_negative_numbers(tokens, actions)
     parser.fromfile_prefix_chars = None  # files are expanded already
     try:
         args, extras = parser.parse_known_args(tokens)
@@ -91,6 +93,22 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     if findings.errors:
         raise ConfigError([f"after --custom-config-path: {e}" for e in findings.errors])
     return final
+
+
+_NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?|-inf|-nan", re.IGNORECASE)
+
+
+def _attach_negative_numbers(tokens: list[str], actions: dict) -> list[str]:
+    """``--lr -1e-4`` -> ``--lr=-1e-4``: argparse reads ``-1e-4`` as an option, not a value."""
+    out: list[str] = []
+    for token in tokens:
+        prev = out[-1] if out else ""
+        action = actions.get(prev)
+        if action is not None and action.nargs is None and _NEGATIVE_NUMBER.fullmatch(token):
+            out[-1] = f"{prev}={token}"
+        else:
+            out.append(token)
+    return out
 
 
 def _typed(overlay: dict, parser: argparse.ArgumentParser) -> dict:
