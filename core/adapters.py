@@ -137,8 +137,16 @@ ADAPTERS: dict[str, type] = {
 
 
 def make_adapter(hook: str, path: str, flag: str) -> object:
-    """Import ``path`` and wrap it in the adapter of ``hook``."""
-    return ADAPTERS[hook](import_dotted(path, flag))
+    """Import ``path`` and wrap it in the adapter of ``hook``.
+
+    :raises PluginError: as :func:`import_dotted`, or the attribute is not callable.
+    """
+    fn = import_dotted(path, flag)
+    if not callable(fn):
+        kind = "a class" if hook == "data_source" else "a function"
+        raise PluginError(f"{flag} '{path}': '{path.rpartition('.')[2]}' is a {type(fn).__name__}, not callable; "
+                          f"point the flag at {kind}.")
+    return ADAPTERS[hook](fn)
 
 
 class _AgentAbort:

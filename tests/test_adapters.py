@@ -10,7 +10,7 @@ from argparse import Namespace
 import pytest
 
 from furlong.core.selection import resolve_selection
-from furlong.hooks import FilterResult
+from furlong.hooks import FilterResult, PluginError
 
 USER_MODULE = '''
 CALLS = []
@@ -223,3 +223,12 @@ def test_one_path_given_twice_is_registered_once(user, load_plugins):
     assert pm.names_for("filter") == ["my_funcs.keep_all"]
     # the same selection resolved again reuses the registered adapters
     assert resolve_selection(args, pm, ("advantage", "filter")).filters == selection.filters
+
+
+def test_a_path_to_something_not_callable_is_an_error_before_anything_runs(user, load_plugins, tmp_path):
+    (tmp_path / "my_values.py").write_text("NOT_A_FUNCTION = 3\n")
+    with pytest.raises(PluginError) as err:
+        _select(load_plugins, ("generate",), custom_generate_function_path="my_values.NOT_A_FUNCTION")
+    assert str(err.value) == ("--custom-generate-function-path 'my_values.NOT_A_FUNCTION': 'NOT_A_FUNCTION' is a "
+                              "int, not callable; point the flag at a function.")
+    sys.modules.pop("my_values", None)
