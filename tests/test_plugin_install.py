@@ -84,7 +84,8 @@ def test_installed_plugin_is_called_through_the_chosen_reward_hook(installed_plu
 
         pm = get_plugin_manager()
         samples = [Sample(response="so the answer is\\n  ABC \\n", label="abc"),
-                   Sample(response="abd", label="abc"), Sample(response="", label="")]
+                   Sample(response="abd", label="abc"), Sample(response="", label=""),
+                   Sample(response="12</s>", label="12"), Sample(response="x\\n12<|im_end|>\\n", label="12")]
         out = {}
         for fold in (False, True):
             args = Namespace(exact_match_ignore_case=fold)
@@ -96,8 +97,9 @@ def test_installed_plugin_is_called_through_the_chosen_reward_hook(installed_plu
     assert proc.returncode == 0, proc.stderr
     origin, rewards = json.loads(proc.stdout)
     assert origin == f"{DIST} 0.1.0"
-    # last non-empty line vs label: "ABC" vs "abc" matches only case-folded; "abd" never; "" == "" always
-    assert rewards == {"False": [0.0, 0.0, 1.0], "True": [1.0, 0.0, 1.0]}
+    # last non-empty line vs label: "ABC" vs "abc" matches only case-folded; "abd" never; "" == "" always;
+    # the end-of-sequence text a response keeps is not part of the answer
+    assert rewards == {"False": [0.0, 0.0, 1.0, 1.0, 1.0], "True": [1.0, 0.0, 1.0, 1.0, 1.0]}
 
 
 @pytest.mark.timeout(180)
