@@ -338,3 +338,18 @@ def test_two_rank_fsdp2_matches_one_process(tiny_dir, tmp_path):
     after_single, after_reloaded = _weights(single), _weights(reloaded)
     for name, tensor in after_single.items():
         torch.testing.assert_close(after_reloaded[name], tensor, rtol=0, atol=1e-6)
+
+
+def test_flash_attention_that_is_not_installed_falls_back_to_sdpa(tiny_dir, caplog):
+    """On CUDA the default is flash_attention_2; without the package the model loads with sdpa."""
+    from argparse import Namespace
+
+    from furlong.builtin_plugins.backends.fsdp.model import load_causal_lm
+
+    if __import__("importlib").util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here, so there is nothing to fall back from")
+    args = Namespace(attn_implementation="flash_attention_2", gradient_checkpointing=False)
+    with caplog.at_level(logging.WARNING, logger="furlong.backends.fsdp"):
+        model = load_causal_lm(str(tiny_dir), args, torch.device("cuda"), "--hf-checkpoint")  # loads on the host
+    assert model.config._attn_implementation == "sdpa"
+    assert any("attention 'flash_attention_2' unavailable" in m for m in caplog.messages)
