@@ -107,8 +107,12 @@ class LocalTrainGroup:
         """Push the trainer's weights to ``engine`` with the next weight version; return it.
 
         Every rank calls it (gathering full weights is a collective); ranks without an
-        engine (None) only take part in the gather.
+        engine (None) only take part in the gather. The ranks meet first in the object
+        group, whose time-out is long: in train-async rank 0 arrives only after the
+        rollout in flight finished, which may take longer than the trainer's collective
+        time-out (``--distributed-timeout-minutes``).
         """
+        await self.ranks.barrier()
         self.weight_version += 1
         named = await self.backend.named_weights()
         if engine is not None:
