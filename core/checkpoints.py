@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from typing import Any, Awaitable, Callable
 
@@ -265,6 +266,11 @@ def resolve_start(args: Any) -> ResumePoint:
     start_override = getattr(args, "start_rollout_id", None)
     marker = read_marker(load) if load and os.path.isdir(load) else None
 
+    if marker is None and load and re.fullmatch(r"iter_\d+(\.old)?", os.path.basename(os.path.normpath(load))):
+        parent = os.path.dirname(os.path.normpath(load)) or "."
+        step = int(re.search(r"\d+", os.path.basename(os.path.normpath(load))).group())
+        raise PluginError(f"--load '{load}' is one checkpoint iteration; pass the directory that holds it: "
+                          f"--load {parent} (add --ckpt-step {step} to resume from this iteration).")
     if marker is None:
         start = start_override if start_override is not None else 0
         if load and not os.path.isdir(load) and os.path.realpath(load) != os.path.realpath(getattr(args, "save", None) or ""):
@@ -294,7 +300,15 @@ def resolve_start(args: Any) -> ResumePoint:
         path = state_path(load, start - 1)
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
-                state = json.load(f)
+                text = f.read()
+            try:
+                state = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise PluginError(
+                    f"{path}: not valid JSON ({exc.msg}: line {exc.lineno}, column {exc.colno}); the data state of "
+                    f"checkpoint {loaded} is damaged. Restore it, delete it to start the data source fresh, or "
+                    "resume from an earlier checkpoint with --ckpt-step."
+                ) from None
         else:
             log.info("no data state %s: the data source starts fresh", path)
     log.info("resuming from %s at rollout %d", load_dir, start)

@@ -68,6 +68,7 @@ class Run:
         args, pm, sel = self.args, self.pm, self.selection
         _seed_everything(args.seed)
         check_executor(args)
+        check_paths(args)
         self.ranks = start_ranks(args)
         main = self.ranks.is_main
         if main:
@@ -76,7 +77,6 @@ class Run:
             self.evaluator = Evaluator(args, pm, sel)
             if self.metrics_dir:
                 self.metrics = MetricsLog(os.path.join(self.metrics_dir, "metrics.jsonl"))
-        check_paths(args)
         resume = resolve_start(args)
         if main:
             self.engine = await pm.call_chosen("rollout_engine", *sel.chosen["rollout_engine"], args=args)

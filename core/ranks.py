@@ -54,7 +54,7 @@ class Ranks:
         import torch.distributed as dist
 
         box = [obj if self.is_main else None]
-        await asyncio.to_thread(dist.broadcast_object_list, box, 0, group=self.group)
+        await self._collective(dist.broadcast_object_list, box, 0, group=self.group)
         return box[0]
 
     async def merge(self, rows: list) -> list:
@@ -70,7 +70,7 @@ class Ranks:
 
         mine = {i: row for i, row in enumerate(rows) if row is not None}
         gathered: list = [None] * self.world
-        await asyncio.to_thread(dist.all_gather_object, gathered, mine, group=self.group)
+        await self._collective(dist.all_gather_object, gathered, mine, group=self.group)
         merged = list(rows)
         for part in gathered:
             for i, row in part.items():
@@ -82,7 +82,20 @@ class Ranks:
         if self.world > 1:
             import torch.distributed as dist
 
-            await asyncio.to_thread(dist.barrier, group=self.group)
+            await self._collective(dist.barrier, group=self.group)
+
+    async def _collective(self, fn, *args, **kwargs) -> None:
+        """Run an object-group collective in a thread; a lost peer becomes one clear error.
+
+        :raises PluginError: another rank left (it failed or was stopped); its own error
+            says why, so this rank's message only points there.
+        """
+        try:
+            await asyncio.to_thread(fn, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - gloo reports a lost peer with several types
+            who = "rank 0" if not self.is_main else "another trainer rank"
+            raise PluginError(f"trainer rank {self.rank}: lost contact with {who} ({type(exc).__name__}); "
+                              f"its own error above says what went wrong. Stopping this rank.") from exc
 
     def close(self) -> None:
         """Tear the process group down (on every rank, at the end of the run)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from argparse import Namespace
 
 import attrs
@@ -121,6 +122,9 @@ class RewardScorer:
         if isinstance(value, dict):
             return
         if isinstance(value, (int, float)) or (hasattr(value, "item") and getattr(value, "ndim", 1) == 0):
+            if not math.isfinite(float(value)):
+                raise PluginError(f"{where} returned {float(value)} for sample {sample.index}; a reward must be "
+                                  "a finite number.")
             return
         raise PluginError(f"{where} returned {value!r} for sample {sample.index}; a reward must be a number, None, "
                           "or a dict whose --reward-key entry is the training scalar.")

@@ -8,12 +8,15 @@ corrupt ``*.safetensors``, an unreadable ``config.json``) into one :class:`Plugi
 from __future__ import annotations
 
 import glob
+import logging
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from .errors import PluginError
 
 __all__ = ["load_causal_lm_weights", "load_tokenizer"]
+
+log = logging.getLogger("furlong")
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                     "merges.txt", "spiece.model")
@@ -38,30 +41,45 @@ def load_tokenizer(path: str, flag: str = "--hf-checkpoint") -> Any:
         ) from exc
 
 
-def load_causal_lm_weights(path: str, flag: str, **kwargs: Any) -> Any:
-    """``AutoModelForCausalLM.from_pretrained(path, **kwargs)``.
+def load_causal_lm_weights(path: str, flag: str, attn_implementations: Sequence[str] = ("sdpa", "eager"),
+                           **kwargs: Any) -> Any:
+    """``AutoModelForCausalLM.from_pretrained(path, attn_implementation=..., **kwargs)``.
 
-    ``ImportError`` and ``ValueError`` pass through unchanged, so a caller can fall back
-    to another attention implementation (and report them if it cannot).
+    Tries each attention implementation in order (one that is not installed or not
+    supported by the architecture raises ``ImportError``/``ValueError``; the next is tried
+    with a warning).
 
-    :raises PluginError: no weights, a corrupt or truncated weight file, or an unreadable
-        config (the message names ``flag``, ``path`` and, where known, the file).
+    :raises PluginError: no implementation loads (e.g. an unknown ``model_type``), no
+        weights, weights that do not match ``config.json``, a corrupt or truncated weight
+        file, or an unreadable config; the message names ``flag``, ``path`` and the cause.
     """
     from transformers import AutoModelForCausalLM
 
-    try:
-        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except (ImportError, ValueError):
-        raise  # e.g. an attention implementation that is not installed: the caller may fall back
-    except OSError as exc:
-        raise PluginError(f"{flag} {path}: cannot load the model ({_first_line(exc)}).") from exc
-    except Exception as exc:  # noqa: BLE001 - e.g. safetensors' SafetensorError on a corrupt file
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) or sorted(glob.glob(os.path.join(path, "*.bin")))
-        named = ", ".join(os.path.basename(f) for f in files) or "the weight files"
-        raise PluginError(
-            f"{flag} {path}: cannot read the weights in {named} ({type(exc).__name__}: {_first_line(exc)}); "
-            "the file is corrupt or truncated: download or export it again."
-        ) from exc
+    problem = ""
+    for i, attn in enumerate(attn_implementations):
+        try:
+            return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, **kwargs)
+        except (ImportError, ValueError) as exc:
+            problem = _first_line(exc)
+            if i + 1 < len(attn_implementations):
+                log.warning("%s %s: attention %r did not load (%s); trying %r", flag, path, attn, problem,
+                            attn_implementations[i + 1])
+        except OSError as exc:
+            raise PluginError(f"{flag} {path}: cannot load the model ({_first_line(exc)}).") from exc
+        except Exception as exc:  # noqa: BLE001 - e.g. safetensors' SafetensorError on a corrupt file
+            raise PluginError(f"{flag} {path}: {_weights_problem(path, exc)}") from exc
+    raise PluginError(f"{flag} {path}: cannot load the model ({problem}).")
+
+
+def _weights_problem(path: str, exc: Exception) -> str:
+    text = _first_line(exc)
+    if "size mismatch" in str(exc):
+        return (f"the weights do not match config.json ({text}); the config and the weight files come from "
+                "different models.")
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) or sorted(glob.glob(os.path.join(path, "*.bin")))
+    named = ", ".join(os.path.basename(f) for f in files) or "the weight files"
+    return (f"cannot read the weights in {named} ({type(exc).__name__}: {text}); the file is corrupt or truncated: "
+            "download or export it again.")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -48,6 +48,10 @@ ERRORS = [
     (["--micro-batch-size", "0"], "--micro-batch-size must be at least 1, got 0."),
     (["--rollout-max-response-len", "0"], "--rollout-max-response-len must be at least 1, got 0."),
     (["--lr=-1e-4"], "--lr must be at least 0, got -0.0001."),
+    (["--eps-clip", "-0.2"], "--eps-clip must be at least 0, got -0.2."),
+    (["--use-kl-loss", "--kl-loss-coef", "-1", "--ref-load", "m"], "--kl-loss-coef must be at least 0, got -1."),
+    (["--rollout-top-k", "0"], "--rollout-top-k must be -1 (off) or at least 1, got 0."),
+    (["--start-rollout-id", "5"], "--start-rollout-id 5 is not below --num-rollout 3: there is nothing to run."),
     (["--weight-decay=-0.1"], "--weight-decay must be at least 0, got -0.1."),
     (["--use-dynamic-batch-size"],
      "--use-dynamic-batch-size requires --max-tokens-per-gpu (the token cap per micro-batch per GPU)."),
@@ -249,6 +253,21 @@ def test_unsupported_table_and_test_rows_match():
 
 
 # --- warnings ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra, warning", [
+    (["--n-samples-per-prompt", "1", "--global-batch-size", "4"],
+     "--advantage-estimator grpo with --n-samples-per-prompt 1: a group of one sample has advantage r - mean(r) = 0, "
+     "so nothing is learned; sample several responses per prompt."),
+    (["--eval-prompt-data", "t", "t.jsonl", "--eval-temperature", "0", "--n-samples-per-eval-prompt", "4"],
+     "--eval-temperature 0 is greedy: the 4 samples per eval prompt (--n-samples-per-eval-prompt) are identical; 1 "
+     "gives the same numbers faster."),
+    (["--lr-warmup-iters", "3"],
+     "--lr-warmup-iters 3 is not below the run's 3 optimizer steps (--num-rollout x --num-steps-per-rollout): the "
+     "learning rate never reaches --lr."),
+])
+def test_settings_that_cannot_do_what_they_seem_to_warn(caplog, extra, warning):
+    assert warning in warnings_of(caplog, BASE + extra)
+
 
 def test_colocate_ignores_rollout_num_gpus_with_a_warning(caplog):
     warned = warnings_of(caplog, BASE + ["--colocate", "--rollout-num-gpus", "4"])

@@ -54,7 +54,35 @@ def _cases(tmp_path, model, good):
     (no_template / "tokenizer_config.json").write_text(json.dumps(config))
     for extra in no_template.glob("chat_template.*"):
         extra.unlink()
+    unknown_type = tmp_path / "unknown_type"
+    shutil.copytree(model, unknown_type)
+    config = json.loads((unknown_type / "config.json").read_text())
+    (unknown_type / "config.json").write_text(json.dumps({**config, "model_type": "frobnicator"}))
+    broken_template = tmp_path / "broken.jinja"
+    broken_template.write_text("{% for m in messages %}{{ m.content }\n")
+    damaged = tmp_path / "damaged_run"
+    (damaged / "iter_0000000").mkdir(parents=True)
+    (damaged / "rollout").mkdir()
+    (damaged / "rollout" / "state_0.json").write_text('{"data_source": {"epo')
+    (damaged / "latest_checkpointed_iteration.txt").write_text("0")
     return [
+        (["--hf-checkpoint", model, "--prompt-data", good, "--load", str(damaged / "iter_0000000")],
+         f"error: --load '{damaged / 'iter_0000000'}' is one checkpoint iteration; pass the directory that holds "
+         f"it: --load {damaged} (add --ckpt-step 0 to resume from this iteration)."),
+        (["--hf-checkpoint", model, "--prompt-data", good, "--load", str(damaged)],
+         f"error: {damaged / 'rollout' / 'state_0.json'}: not valid JSON (Unterminated string starting at: line 1, "
+         "column 18); the data state of checkpoint 0 is damaged. Restore it, delete it to start the data source "
+         "fresh, or resume from an earlier checkpoint with --ckpt-step."),
+        (["--hf-checkpoint", str(unknown_type), "--prompt-data", good],
+         f"error: --hf-checkpoint {unknown_type}: cannot load the model (The checkpoint you are trying to load has "
+         "model type `frobnicator` but Transformers does not recognize this architecture. This could be because of "
+         "an issue with the checkpoint, or because your version of Transformers is out of date.)."),
+        (["--hf-checkpoint", model, "--prompt-data", good, "--apply-chat-template", "--chat-template-path",
+          str(broken_template)],
+         f"error: --apply-chat-template: the chat template of --chat-template-path {broken_template} fails "
+         "(template line 1): TemplateSyntaxError: unexpected '}'"),
+        (["--hf-checkpoint", model, "--prompt-data", good, "--chat-template-path", str(tmp_path / "nope.jinja")],
+         f"error: --chat-template-path '{tmp_path / 'nope.jinja'}': no such file or directory."),
         (["--hf-checkpoint", model, "--prompt-data", str(tmp_path / "missing.jsonl")],
          f"error: --prompt-data '{tmp_path / 'missing.jsonl'}': no such file."),
         (["--hf-checkpoint", model, "--prompt-data", str(bad_json)],
@@ -121,20 +149,25 @@ def test_bad_inputs_end_in_one_clear_error(tmp_path, tiny_model_dir, good_data, 
         assert expected in err.splitlines(), (expected, err)
 
 
+@pytest.mark.parametrize("value, complaint", [
+    ("'yes'", "returned 'yes' for sample \\d; a reward must be a number, None, or a dict whose --reward-key entry is "
+              "the training scalar\\."),
+    ("float('nan')", "returned nan for sample \\d; a reward must be a finite number\\."),
+])
 def test_a_reward_that_is_not_a_number_names_the_plugin_and_keeps_the_samples(tmp_path, tiny_model_dir, good_data,
-                                                                             capsys, monkeypatch):
+                                                                             capsys, monkeypatch, value, complaint):
     from furlong.core.cli import main
 
-    (tmp_path / "word_reward.py").write_text("def reward(args, sample):\n    return 'yes'\n")
+    (tmp_path / "word_reward.py").write_text(f"def reward(args, sample):\n    return {value}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
+    sys.modules.pop("word_reward", None)
     code = main(["train", *BASE, "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(good_data),
                  "--custom-rm-path", "word_reward.reward"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
     assert re.search(r"^error: rollout 0 failed: reward plugin 'word_reward\.reward' \(from --custom-rm-path\) "
-                     r"returned 'yes' for sample \d; a reward must be a number, None, or a dict whose --reward-key "
-                     r"entry is the training scalar\.", err, re.M), err
+                     + complaint, err, re.M), err
     dumped = [json.loads(line) for line in (tmp_path / "failed_rollout_0.jsonl").read_text().splitlines()]
     assert len(dumped) == 4 and dumped[0]["prompt"] == "1+1="
     sys.modules.pop("word_reward", None)

@@ -117,3 +117,24 @@ def test_one_process_is_rank_zero_of_one(monkeypatch):
     rows = [None, torch.ones(2)]
     assert asyncio.run(ranks.merge(rows)) is rows
     assert asyncio.run(ranks.broadcast({"a": 1})) == {"a": 1}
+
+
+@pytest.mark.timeout(200)
+def test_a_failure_on_rank_0_stops_every_rank_with_one_line_each(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    (tmp_path / "failing_reward.py").write_text("def reward(args, sample):\n    raise RuntimeError('grader down')\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    flags = ["train", *_flags(tiny_model_dir, arithmetic_jsonl)[:-9]]  # no eval or saves: rollout 0 fails
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "furlong.core", *flags, "--save", str(tmp_path / "run"), "--actor-num-gpus-per-node",
+                           "2", "--custom-rm-path", "failing_reward.reward"],
+                          env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors[0].startswith("error: rollout 0 failed: reward plugin 'failing_reward.reward' (from "
+                                "--custom-rm-path) failed on sample "), errors
+    assert errors[0].endswith(": RuntimeError: grader down")
+    assert errors[1:] in ([], ["error: trainer rank 1: lost contact with rank 0 (RuntimeError); its own error above "
+                               "says what went wrong. Stopping this rank."])
+    # rank 1 either says in one line that it lost rank 0, or torchrun stopped it first; never a furlong traceback
+    assert "furlong/core" not in proc.stderr and "core/loop.py" not in proc.stderr, proc.stderr[-3000:]
+    assert len((tmp_path / "run" / "failed_rollout_0.jsonl").read_text().splitlines()) == 8

@@ -305,3 +305,12 @@ def test_sampling_params_defaults_and_unknown_keys():
     p = SamplingParams.from_dict({"stop": "</a>", "no_stop_trim": True, "spaces_between_special_tokens": False,
                                   "top_k": None})
     assert (p.stop, p.top_k, p.temperature, p.max_new_tokens, p.skip_special_tokens) == (["</a>"], -1, 1.0, 128, True)
+
+
+def test_a_prompt_longer_than_the_context_is_a_clear_error(engine):
+    with pytest.raises(PluginError) as err:
+        asyncio.run(engine.generate([5] * engine.context_len, {"max_new_tokens": 2}))
+    assert str(err.value) == (
+        f"embedded engine: a prompt of {engine.context_len} tokens does not fit the model's context of "
+        f"{engine.context_len} tokens (max_position_embeddings); drop long prompts with --rollout-max-prompt-len "
+        "(--eval-max-prompt-len for eval sets).")

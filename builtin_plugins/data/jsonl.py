@@ -42,9 +42,8 @@ class JsonlDataSource:
         self.rows = read_rows(args.prompt_data, args.input_key, args.label_key, args.metadata_key, args.tool_key,
                               getattr(args, "prompt_data_flag", None) or "--prompt-data")
         self._tokenizer = None
-        if args.apply_chat_template and not getattr(self.tokenizer, "chat_template", None):
-            raise PluginError(f"--apply-chat-template: the tokenizer in {args.hf_checkpoint} has no chat template; "
-                              "pass --chat-template-path FILE (a Jinja template) or drop --apply-chat-template.")
+        if args.apply_chat_template:
+            self._check_chat_template()
         if args.rollout_max_prompt_len:
             self.rows = self._drop_long_prompts(self.rows, args.rollout_max_prompt_len)
         self.shuffle = bool(args.rollout_shuffle)
@@ -92,13 +91,32 @@ class JsonlDataSource:
                     self._tokenizer.chat_template = f.read()
         return self._tokenizer
 
+    def _check_chat_template(self) -> None:
+        """The template exists and renders a one-message chat (so a syntax error stops the run now)."""
+        source = f"--chat-template-path {self.args.chat_template_path}" if self.args.chat_template_path else (
+            f"the tokenizer in {self.args.hf_checkpoint}")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise PluginError(f"--apply-chat-template: {source} has no chat template; pass --chat-template-path "
+                              "FILE (a Jinja template) or drop --apply-chat-template.")
+        try:
+            self.tokenizer.apply_chat_template([{"role": "user", "content": "1 + 1 = ?"}], tokenize=False,
+                                               add_generation_prompt=True, **self._template_kwargs())
+        except Exception as exc:  # noqa: BLE001 - jinja2 and transformers raise many types
+            line = getattr(exc, "lineno", None)
+            where = f" (template line {line})" if line else ""
+            raise PluginError(f"--apply-chat-template: the chat template of {source} fails{where}: "
+                              f"{type(exc).__name__}: {exc}") from None
+
+    def _template_kwargs(self) -> dict:
+        kwargs = self.args.apply_chat_template_kwargs
+        return dict(json.loads(kwargs or "{}")) if isinstance(kwargs, str) else dict(kwargs or {})
+
     def _render(self, row: dict) -> dict:
         if not self.args.apply_chat_template:
             return row
         prompt = row["prompt"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        kwargs = dict(json.loads(self.args.apply_chat_template_kwargs or "{}")) if isinstance(
-            self.args.apply_chat_template_kwargs, str) else dict(self.args.apply_chat_template_kwargs or {})
+        kwargs = self._template_kwargs()
         tools = row["metadata"].get("tools")
         if tools is not None:
             kwargs["tools"] = tools

@@ -57,6 +57,11 @@ def defaults(args, f, given: set[str]) -> None:
         args.lr_decay_iters = args.num_rollout * steps if ok else None
     if "lr_warmup_iters" in given and args.lr_warmup_iters and args.lr_warmup_fraction is not None:
         f.error("--lr-warmup-iters and --lr-warmup-fraction are exclusive; pass one.")
+    steps = args.num_steps_per_rollout
+    if isinstance(args.num_rollout, int) and isinstance(steps, int) and args.lr_warmup_iters \
+            and args.lr_warmup_iters >= args.num_rollout * steps > 0:
+        f.warn(f"--lr-warmup-iters {args.lr_warmup_iters} is not below the run's {args.num_rollout * steps} optimizer "
+               f"steps (--num-rollout x --num-steps-per-rollout): the learning rate never reaches --lr.")
 
 
 def kl_and_reference(args, f) -> None:
@@ -75,7 +80,7 @@ def kl_and_reference(args, f) -> None:
                 f"into the rewards or into the loss, not both; set one of them to 0.")
 
 
-def estimator(args, f, command: str | None) -> None:
+def estimator(args, f, command: str | None, given: set[str] = frozenset()) -> None:
     """Built-in estimators' requirements (SPEC.md 1.7)."""
     name = args.advantage_estimator
     if name in REINFORCE_PP and not args.normalize_advantages:
@@ -90,6 +95,9 @@ def estimator(args, f, command: str | None) -> None:
         if command == "train-async" and not (args.use_rollout_logprobs or args.use_tis or args.keep_old_actor):
             f.error("furlong train-async with --advantage-estimator ppo needs --use-rollout-logprobs, --use-tis "
                     "or --keep-old-actor (the old policy is gone by the time the batch trains).")
+    if name in ("grpo", "gspo") and args.n_samples_per_prompt == 1 and "n_samples_per_prompt" in given:
+        f.warn(f"--advantage-estimator {name} with --n-samples-per-prompt 1: a group of one sample has advantage "
+               "r - mean(r) = 0, so nothing is learned; sample several responses per prompt.")
     if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
         f.error("--loss-type custom_loss needs --custom-loss-function-path module.function.")
 
@@ -136,6 +144,9 @@ def evaluation(args, f) -> None:
     if args.eval_interval is not None and not data and not args.eval_config:
         f.error(f"--eval-interval {args.eval_interval} needs an eval set: give --eval-prompt-data NAME PATH "
                 f"or --eval-config FILE.")
+    if args.eval_temperature == 0 and args.n_samples_per_eval_prompt > 1:
+        f.warn(f"--eval-temperature 0 is greedy: the {args.n_samples_per_eval_prompt} samples per eval prompt "
+               "(--n-samples-per-eval-prompt) are identical; 1 gives the same numbers faster.")
     if args.eval_sglang_passthrough and not args.eval_num_gpus:
         shown = " ".join(f"--eval-sglang-{k.replace('_', '-')}" for k in args.eval_sglang_passthrough)
         f.error(f"{shown}: --eval-sglang-* flags configure the dedicated eval fleet, which needs --eval-num-gpus > 0.")

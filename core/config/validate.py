@@ -32,7 +32,7 @@ MINIMUMS: tuple[tuple[str, int], ...] = (
     ("context_parallel_size", 1), ("expert_model_parallel_size", 1), ("dp_replicate_size", 1),
     ("rollout_max_response_len", 1), ("eval_max_response_len", 1), ("rollout_max_prompt_len", 1),
     ("eval_max_prompt_len", 1), ("lr", 0), ("min_lr", 0), ("weight_decay", 0), ("clip_grad", 0),
-    ("lr_warmup_iters", 0),
+    ("lr_warmup_iters", 0), ("eps_clip", 0), ("eps_clip_high", 0), ("kl_loss_coef", 0), ("kl_coef", 0),
 )
 
 
@@ -78,7 +78,7 @@ def validate(args, command: str | None = None) -> Findings:
         f.info("--n-samples-per-prompt 1: group std normalization is off (a one-sample group has no std).")
     _over_sampling(args, f, given)
     rules.kl_and_reference(args, f)
-    rules.estimator(args, f, command)
+    rules.estimator(args, f, command, given)
     rules.importance_sampling(args, f)
     rules.saving(args, f, given)
     rules.evaluation(args, f)
@@ -131,6 +131,13 @@ def _basic_values(args, f: Findings) -> None:
                 f"(greedy decoding is for evaluation only: --eval-temperature 0).")
     if not 0 < args.rollout_top_p <= 1:
         f.error(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p:g}.")
+    for dest in ("rollout_top_k", "eval_top_k"):
+        value = getattr(args, dest, None)
+        if value is not None and value != -1 and value < 1:
+            f.error(f"--{dest.replace('_', '-')} must be -1 (off) or at least 1, got {value}.")
+    start, total = getattr(args, "start_rollout_id", None), args.num_rollout
+    if start is not None and total is not None and total > 0 and start >= total:
+        f.error(f"--start-rollout-id {start} is not below --num-rollout {total}: there is nothing to run.")
     if args.eps_clip_c is not None and args.eps_clip_c <= 1:
         f.error(f"--eps-clip-c must be greater than 1 (the dual-clip bound), got {args.eps_clip_c:g}.")
     if args.fp16:

@@ -78,7 +78,9 @@ def load_weights(path: str, model, world: int, rank: int, tied: set[str]) -> Non
 
     files = sorted(glob.glob(os.path.join(path, "model", "*.safetensors")))
     if not files:
-        raise PluginError(f"checkpoint {path}: no model/*.safetensors; it was not written by the fsdp backend.")
+        raise PluginError(f"checkpoint {path}: no model/*.safetensors; the checkpoint is incomplete or was not "
+                          "written by the fsdp backend. Restore its model/ folder or resume from an earlier "
+                          "checkpoint with --ckpt-step.")
     state: dict = {}
     if rank == 0 or world == 1:
         for file in files:

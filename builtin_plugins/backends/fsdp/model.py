@@ -55,13 +55,8 @@ def load_causal_lm(path: str, args: Any, device, flag: str):
     wanted = getattr(args, "attn_implementation", None) or "sdpa"
     if device.type != "cuda" and wanted.startswith("flash"):
         wanted = "sdpa"
-    try:
-        model = load_causal_lm_weights(path, flag, dtype=torch.float32, attn_implementation=wanted)
-    except (ImportError, ValueError) as exc:
-        if wanted == "sdpa":
-            raise PluginError(f"{flag} {path}: cannot load the model ({exc}).") from exc
-        log.warning("fsdp: attention %r unavailable (%s); using sdpa", wanted, exc)
-        model = load_causal_lm_weights(path, flag, dtype=torch.float32, attn_implementation="sdpa")
+    order = (wanted,) if wanted == "sdpa" else (wanted, "sdpa")
+    model = load_causal_lm_weights(path, flag, order, dtype=torch.float32)
     model.config.use_cache = False
     if getattr(args, "gradient_checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

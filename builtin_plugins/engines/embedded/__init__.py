@@ -61,11 +61,11 @@ def load_engine(path: str | None, max_batch_size: int = 64, half: bool = True, f
     cuda = torch.cuda.is_available()
     dtype = (torch.float16 if fp16 else torch.bfloat16 if half else torch.float32) if cuda else torch.float32
     tokenizer = load_tokenizer(path)
-    try:
-        model = load_causal_lm_weights(path, "--hf-checkpoint", dtype=dtype, attn_implementation="sdpa")
-    except (ValueError, ImportError):
-        log.warning("embedded engine: %s does not support sdpa attention; using eager", path)
-        model = load_causal_lm_weights(path, "--hf-checkpoint", dtype=dtype, attn_implementation="eager")
+    model = load_causal_lm_weights(path, "--hf-checkpoint", ("sdpa", "eager"), dtype=dtype)
+    vocab = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > vocab:
+        raise PluginError(f"--hf-checkpoint {path}: the tokenizer has {len(tokenizer)} tokens but the model's "
+                          f"embedding only {vocab} rows; the tokenizer files and the model do not belong together.")
     if cuda:
         model = model.to("cuda")
     return EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size)

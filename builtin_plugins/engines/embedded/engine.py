@@ -42,6 +42,7 @@ class EmbeddedEngine:
         self.max_batch_size = max_batch_size
         self.device = next(model.parameters()).device
         self.weight_version = 0
+        self.context_len = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         self._eos_ids = _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._pad_id = int(pad) if pad is not None else 0
@@ -67,11 +68,18 @@ class EmbeddedEngine:
             stop token or stop string (no trimming); ``output_log_probs`` are
             ``log_softmax(logits / T)`` of each chosen token (before top-k/top-p);
             ``weight_version`` is the version when the request finished.
-        :raises PluginError: empty ``input_ids`` or a bad sampling parameter.
+        :raises PluginError: empty ``input_ids``, a prompt as long as the model's context
+            (``max_position_embeddings``) or longer, or a bad sampling parameter.
         """
         params = SamplingParams.from_dict(sampling_params)
         if not input_ids:
             raise PluginError("embedded engine: generate() got empty input_ids; send at least one prompt token.")
+        if self.context_len and len(input_ids) >= self.context_len:
+            raise PluginError(
+                f"embedded engine: a prompt of {len(input_ids)} tokens does not fit the model's context of "
+                f"{self.context_len} tokens (max_position_embeddings); drop long prompts with "
+                "--rollout-max-prompt-len (--eval-max-prompt-len for eval sets)."
+            )
         seed = params.sampling_seed
         if seed is None:
             seed = int(self._torch.randint(0, 2**62, (1,)).item())
