@@ -155,7 +155,9 @@ class FurlongPluginManager(pluggy.PluginManager):
 
             result = asyncio.run(_await(result))
         if result is None:
-            raise PluginError(f"plugin '{name}' ({self.origin(name)}) returned None from `{hook}` (chosen by {flag}).")
+            expected = "; expected FilterResult or bool" if hook == "filter" else ""
+            raise PluginError(f"plugin '{name}' ({self.origin(name)}) returned None from `{hook}` (chosen by {flag})"
+                              f"{expected}.")
         return result
 
     async def broadcast(self, hook: str, /, **kwargs: Any) -> list[Any]:
@@ -197,7 +199,13 @@ class FurlongPluginManager(pluggy.PluginManager):
     async def run_filters(self, names: Iterable[str], flag: str, /, **kwargs: Any) -> FilterResult:
         """Run filters one by one in the given order; the first that rejects gives the reason."""
         for name in names:
-            result = await self.call_chosen_allow_false("filter", name, flag, **kwargs)
+            try:
+                result = await self.call_chosen_allow_false("filter", name, flag, **kwargs)
+            except PluginError:
+                raise
+            except Exception as exc:
+                raise PluginError(f"filter plugin '{name}' ({self.origin(name)}) failed: "
+                                  f"{type(exc).__name__}: {exc}") from exc
             if isinstance(result, bool):
                 result = FilterResult(keep=result)
             if not isinstance(result, FilterResult):
@@ -213,7 +221,9 @@ class FurlongPluginManager(pluggy.PluginManager):
         impl = self.chosen_impl(hook, name, flag)
         result = await self._call(hook, impl, kwargs)
         if result is None:
-            raise PluginError(f"plugin '{name}' ({self.origin(name)}) returned None from `{hook}` (chosen by {flag}).")
+            expected = "; expected FilterResult or bool" if hook == "filter" else ""
+            raise PluginError(f"plugin '{name}' ({self.origin(name)}) returned None from `{hook}` (chosen by {flag})"
+                              f"{expected}.")
         return result
 
     async def _call(self, hook: str, impl: pluggy.HookImpl, kwargs: dict) -> Any:

@@ -33,6 +33,8 @@ def _cases(tmp_path, model, good):
     latin1.write_bytes(b'{"prompt": "1+1=", "label": "2"}\n{"prompt": "caf\xe9", "label": "2"}\n')
     blank_prompt = tmp_path / "blank.jsonl"
     blank_prompt.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "  ", "label": "2"}\n')
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text('{"prompt": "1+1=", "prompt": "2+2=", "label": "4"}\n')
     no_role = tmp_path / "norole.jsonl"
     no_role.write_text('{"prompt": [{"content": "1+1="}], "label": "2"}\n')
     save_file = tmp_path / "save.txt"
@@ -109,6 +111,8 @@ def _cases(tmp_path, model, good):
          f"error: {latin1}:2: not valid UTF-8 (byte 0xe9 at column 16); save the file as UTF-8."),
         (["--hf-checkpoint", model, "--prompt-data", str(blank_prompt)],
          f"error: {blank_prompt}:2: 'prompt' (--input-key) is empty."),
+        (["--hf-checkpoint", model, "--prompt-data", str(twice)],
+         f"error: {twice}:1: key 'prompt' appears twice in one object; keep one."),
         (["--hf-checkpoint", model, "--prompt-data", str(no_role)],
          f"error: {no_role}:1: 'prompt' message 0 must be an object with a string 'role' and a 'content' (chat "
          'format), got {"content": "1+1="}.'),

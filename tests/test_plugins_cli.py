@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -229,7 +230,8 @@ def test_choosing_broken_plugins_names_entry_point_distribution_and_error(train)
     )
 
 
-RUN_WITH_BROKEN = _case("run_with_broken", extra_sites=("bad",), print_config=False)
+DEMO_MODEL = str(Path(__file__).resolve().parent.parent / "examples" / "demo" / "model")
+RUN_WITH_BROKEN = _case("run_with_broken", "--hf-checkpoint", DEMO_MODEL, extra_sites=("bad",), print_config=False)
 
 
 def test_a_run_warns_about_broken_plugins_and_a_chosen_none_is_an_error(train):

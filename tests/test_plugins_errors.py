@@ -244,6 +244,26 @@ def test_filter_returning_neither_result_nor_bool_is_an_error(plugin_manager, re
     )
 
 
+def test_filter_returning_none_or_raising_is_an_error_naming_the_plugin(plugin_manager, register_plugin):
+    class Filters:
+        @hookimpl
+        def filter(self, args, samples, rollout_id):
+            if samples:
+                raise ValueError("filter boom")
+            return None
+
+    register_plugin(Filters(), "picky")
+
+    def run(samples):
+        coro = plugin_manager.run_filters(["picky"], "--dynamic-sampling-filter", args=None, samples=samples,
+                                          rollout_id=0)
+        return _raises(asyncio.run, coro)
+
+    assert run([]) == ("plugin 'picky' (registered in-process) returned None from `filter` (chosen by "
+                       "--dynamic-sampling-filter); expected FilterResult or bool.")
+    assert run(["s"]) == "filter plugin 'picky' (registered in-process) failed: ValueError: filter boom"
+
+
 def test_async_add_arguments_is_an_error_naming_the_plugin(plugin_manager, register_plugin):
     class AsyncFlags:
         @hookimpl

@@ -195,12 +195,26 @@ def _check_messages(where: str, input_key: str, messages: list) -> None:
                               f"'content' (chat format), got {json.dumps(message)[:80]}.")
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
 def _parse_line(path, lineno, line, input_key, label_key, metadata_key, tool_key) -> dict:
     where = f"{path}:{lineno}"
     try:
-        obj = json.loads(line.rstrip("\r\n"))
+        obj = json.loads(line.rstrip("\r\n"), object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise PluginError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}).") from None
+    except _DuplicateKey as exc:
+        raise PluginError(f"{where}: key '{exc.args[0]}' appears twice in one object; keep one.") from None
     if not isinstance(obj, dict):
         raise PluginError(f"{where}: expected a JSON object, got {type(obj).__name__}.")
     if input_key not in obj:
