@@ -13,6 +13,7 @@ import traceback
 
 from furlong.hooks import PluginError
 
+from .config.errors import ConfigError
 from .discovery import split_names
 from .plugins import FurlongPluginManager, get_plugin_manager
 
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``furlong`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if _secondary_rank():  # rank 0 reports the same launch flags and their problems
+        logging.getLogger("furlong.config").setLevel(logging.ERROR)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
@@ -52,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     except PluginError as exc:
         if debug:
             traceback.print_exc()
-        print(f"error: {exc}", file=sys.stderr)
+        if not (isinstance(exc, ConfigError) and _secondary_rank()):
+            print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -61,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         # The reader of our output went away (`furlong plugins | head`): stop quietly.
         sys.stdout = open(os.devnull, "w")
         return 0
+
+
+def _secondary_rank() -> bool:
+    """A trainer rank other than 0 under ``torchrun`` (which sets ``RANK`` and ``WORLD_SIZE``)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and int(os.environ.get("RANK", "0") or 0) > 0
 
 
 def _plugins(command: str, argv: list[str]) -> int:

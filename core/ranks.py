@@ -23,6 +23,8 @@ import attrs
 
 from furlong.hooks import PluginError
 
+from .config.errors import ConfigError
+
 __all__ = ["Ranks", "start_ranks"]
 
 log = logging.getLogger("furlong")
@@ -114,7 +116,7 @@ def start_ranks(args: Any) -> Ranks:
     ``--distributed-timeout-minutes``, and a gloo group for object exchange whose
     time-out is a day: ranks 1..D-1 wait in it while rank 0 generates and evaluates.
 
-    :raises PluginError: the number of processes differs from the trainer size in the
+    :raises ConfigError: the number of processes differs from the trainer size in the
         flags (``--actor-num-nodes x --actor-num-gpus-per-node``), which sizes the data
         parallelism the batch flags were checked against.
     """
@@ -126,7 +128,7 @@ def start_ranks(args: Any) -> Ranks:
 
     flagged = int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node)
     if flagged != world:
-        raise PluginError(
+        raise ConfigError(
             f"torchrun started {world} trainer processes but --actor-num-nodes {args.actor_num_nodes} x "
             f"--actor-num-gpus-per-node {args.actor_num_gpus_per_node} = {flagged}; pass flags whose product is "
             f"{world} (e.g. --actor-num-gpus-per-node {world}) or change --nproc-per-node."

@@ -138,3 +138,16 @@ def test_a_failure_on_rank_0_stops_every_rank_with_one_line_each(tmp_path, tiny_
     # rank 1 either says in one line that it lost rank 0, or torchrun stopped it first; never a furlong traceback
     assert "furlong/core" not in proc.stderr and "core/loop.py" not in proc.stderr, proc.stderr[-3000:]
     assert len((tmp_path / "run" / "failed_rollout_0.jsonl").read_text().splitlines()) == 8
+
+
+def test_a_flag_problem_under_torchrun_is_printed_once(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "furlong.core", "train", *_flags(tiny_model_dir, arithmetic_jsonl), "--save",
+                           str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: torchrun started 2 trainer processes but --actor-num-nodes 1 x --actor-num-gpus-per-node "
+                      "1 = 1; pass flags whose product is 2 (e.g. --actor-num-gpus-per-node 2) or change "
+                      "--nproc-per-node."]
+    assert sum("--save-interval defaults" in line for line in proc.stderr.splitlines()) <= 1
