@@ -19,54 +19,57 @@ def good_data(tmp_path):
     return path
 
 
+def _write(path, content):
+    """Write ``content`` (text or bytes) to ``path``; return the path."""
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    return path
+
+
+def _model_copy(model, dest, edit_json=None):
+    """A copy of the tiny model at ``dest``; ``edit_json``: {file name: function of its JSON}."""
+    shutil.copytree(model, dest)
+    for name, edit in (edit_json or {}).items():
+        _write(dest / name, json.dumps(edit(json.loads((dest / name).read_text()))))
+    return dest
+
+
 def _cases(tmp_path, model, good):
-    bad_json = tmp_path / "bad.jsonl"
-    bad_json.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": 4\n')
-    no_label = tmp_path / "nolabel.jsonl"
-    no_label.write_text('{"prompt": "1+1="}\n')
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n")
+    bad_json = _write(tmp_path / "bad.jsonl", '{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": 4\n')
+    no_label = _write(tmp_path / "nolabel.jsonl", '{"prompt": "1+1="}\n')
+    empty = _write(tmp_path / "empty.jsonl", "\n")
     (tmp_path / "folder").mkdir()
-    parquet = tmp_path / "data.parquet"
-    parquet.write_bytes(b"PAR1\x15\x04")
-    latin1 = tmp_path / "latin1.jsonl"
-    latin1.write_bytes(b'{"prompt": "1+1=", "label": "2"}\n{"prompt": "caf\xe9", "label": "2"}\n')
-    blank_prompt = tmp_path / "blank.jsonl"
-    blank_prompt.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "  ", "label": "2"}\n')
-    twice = tmp_path / "twice.jsonl"
-    twice.write_text('{"prompt": "1+1=", "prompt": "2+2=", "label": "4"}\n')
-    no_role = tmp_path / "norole.jsonl"
-    no_role.write_text('{"prompt": [{"content": "1+1="}], "label": "2"}\n')
-    save_file = tmp_path / "save.txt"
-    save_file.write_text("x")
+    parquet = _write(tmp_path / "data.parquet", b"PAR1\x15\x04")
+    latin1 = _write(tmp_path / "latin1.jsonl",
+                    b'{"prompt": "1+1=", "label": "2"}\n{"prompt": "caf\xe9", "label": "2"}\n')
+    blank_prompt = _write(tmp_path / "blank.jsonl",
+                          '{"prompt": "1+1=", "label": "2"}\n{"prompt": "  ", "label": "2"}\n')
+    twice = _write(tmp_path / "twice.jsonl", '{"prompt": "1+1=", "prompt": "2+2=", "label": "4"}\n')
+    no_role = _write(tmp_path / "norole.jsonl", '{"prompt": [{"content": "1+1="}], "label": "2"}\n')
+    save_file = _write(tmp_path / "save.txt", "x")
     old_run = tmp_path / "old_run"
     old_run.mkdir()
-    (old_run / "latest_checkpointed_iteration.txt").write_text("2")
-    corrupt = tmp_path / "corrupt_model"
-    shutil.copytree(model, corrupt)
-    (corrupt / "model.safetensors").write_bytes(b"garbage")
+    _write(old_run / "latest_checkpointed_iteration.txt", "2")
+    corrupt = _model_copy(model, tmp_path / "corrupt_model")
+    _write(corrupt / "model.safetensors", b"garbage")
     no_tokenizer = tmp_path / "no_tokenizer"
     no_tokenizer.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(f"{model}/{name}", no_tokenizer / name)
-    no_template = tmp_path / "no_template"
-    shutil.copytree(model, no_template)
-    config = json.loads((no_template / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (no_template / "tokenizer_config.json").write_text(json.dumps(config))
+    no_template = _model_copy(model, tmp_path / "no_template", {
+        "tokenizer_config.json": lambda c: {k: v for k, v in c.items() if k != "chat_template"}})
     for extra in no_template.glob("chat_template.*"):
         extra.unlink()
-    unknown_type = tmp_path / "unknown_type"
-    shutil.copytree(model, unknown_type)
-    config = json.loads((unknown_type / "config.json").read_text())
-    (unknown_type / "config.json").write_text(json.dumps({**config, "model_type": "frobnicator"}))
-    broken_template = tmp_path / "broken.jinja"
-    broken_template.write_text("{% for m in messages %}{{ m.content }\n")
+    unknown_type = _model_copy(model, tmp_path / "unknown_type",
+                               {"config.json": lambda c: {**c, "model_type": "frobnicator"}})
+    broken_template = _write(tmp_path / "broken.jinja", "{% for m in messages %}{{ m.content }\n")
     damaged = tmp_path / "damaged_run"
     (damaged / "iter_0000000").mkdir(parents=True)
     (damaged / "rollout").mkdir()
-    (damaged / "rollout" / "state_0.json").write_text('{"data_source": {"epo')
-    (damaged / "latest_checkpointed_iteration.txt").write_text("0")
+    _write(damaged / "rollout" / "state_0.json", '{"data_source": {"epo')
+    _write(damaged / "latest_checkpointed_iteration.txt", "0")
     return [
         (["--hf-checkpoint", model, "--prompt-data", good, "--load", str(damaged / "iter_0000000")],
          f"error: --load '{damaged / 'iter_0000000'}' is one checkpoint iteration; pass the directory that holds "
