@@ -226,6 +226,11 @@ class ResumePoint:
     loaded_rollout_id: int | None = None
 
 
+def same_dir(a: str | None, b: str | None) -> bool:
+    """Whether two flag values name the same directory (both set)."""
+    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
 def read_marker(load: str) -> int | None:
     """The rollout id in ``<load>/latest_checkpointed_iteration.txt``, or None without one.
 
@@ -266,14 +271,14 @@ def resolve_start(args: Any) -> ResumePoint:
     start_override = getattr(args, "start_rollout_id", None)
     marker = read_marker(load) if load and os.path.isdir(load) else None
 
-    if marker is None and load and re.fullmatch(r"iter_\d+(\.old)?", os.path.basename(os.path.normpath(load))):
+    iteration = re.fullmatch(r"iter_(\d+)(\.old)?", os.path.basename(os.path.normpath(load))) if load else None
+    if marker is None and iteration:
         parent = os.path.dirname(os.path.normpath(load)) or "."
-        step = int(re.search(r"\d+", os.path.basename(os.path.normpath(load))).group())
         raise PluginError(f"--load '{load}' is one checkpoint iteration; pass the directory that holds it: "
-                          f"--load {parent} (add --ckpt-step {step} to resume from this iteration).")
+                          f"--load {parent} (add --ckpt-step {int(iteration[1])} to resume from this iteration).")
     if marker is None:
         start = start_override if start_override is not None else 0
-        if load and not os.path.isdir(load) and os.path.realpath(load) != os.path.realpath(getattr(args, "save", None) or ""):
+        if load and not os.path.isdir(load) and not same_dir(load, getattr(args, "save", None)):
             log.warning("--load %s does not exist: warm start from the initial weights at rollout %d", load, start)
         elif load:
             log.info("--load %s has no %s: warm start at rollout %d", load, MARKER_NAME, start)

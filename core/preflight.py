@@ -7,7 +7,7 @@ from argparse import Namespace
 
 from furlong.hooks import PluginError
 
-from .checkpoints import read_marker
+from .checkpoints import read_marker, same_dir
 
 __all__ = ["check_executor", "check_paths"]
 
@@ -77,7 +77,7 @@ def _save_problems(args: Namespace) -> list[str]:
         return [f"--save '{save}': is an existing file; --save needs a directory (it is created if missing)."]
     marker = read_marker(save) if os.path.isdir(save) else None
     load = getattr(args, "load", None)
-    if marker is not None and not (load and os.path.realpath(load) == os.path.realpath(save)):
+    if marker is not None and not same_dir(load, save):
         return [f"--save '{save}': already holds a run (latest checkpoint {marker}); pass --load {save} to resume "
                 "it, or choose an empty --save directory."]
     return []
