@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import inspect
 import time
 
 from furlong.hooks import PluginError, Sample
@@ -21,34 +22,45 @@ __all__ = ["Evaluator"]
 class Evaluator:
     """Loads every eval dataset once (through the ``data_source`` hook), then evaluates on demand.
 
-    Construct it before any model loads: bad eval files fail here, naming file and line.
+    Construct it before any model loads: a plain ``data_source`` is called here, so bad
+    eval files fail early, naming file and line. An ``async def`` one is awaited inside
+    the running event loop by :meth:`load` (which :meth:`evaluate` calls first; the loop
+    may call it right after construction to fail as early).
     """
 
     def __init__(self, args: argparse.Namespace, pm: FurlongPluginManager, selection: Selection):
         self.args = args
+        self.pm = pm
+        self.source = selection.chosen["data_source"]
         self.datasets: list[tuple[EvalDataset, list[dict]]] = []
-        name, flag = selection.chosen["data_source"]
-        for ds in load_eval_datasets(args):
-            ds_args = copy.copy(args)
-            ds_args.prompt_data = ds.path
-            ds_args.prompt_data_flag = (f"--eval-config dataset '{ds.name}'" if getattr(args, "eval_config", None)
-                                        else f"--eval-prompt-data {ds.name}")
-            ds_args.input_key = ds.input_key
-            ds_args.label_key = ds.label_key
-            ds_args.metadata_key = ds.metadata_key
-            ds_args.tool_key = ds.tool_key
-            ds_args.rollout_shuffle = False
-            ds_args.rollout_max_prompt_len = args.eval_max_prompt_len
-            source = pm.call_chosen_sync("data_source", name, flag, args=ds_args)
-            if not hasattr(source, "__len__"):
-                raise PluginError(f"{flag} '{name}': an eval data source must define __len__ (eval set '{ds.name}').")
-            self.datasets.append((ds, source.next_rows(len(source))))
+        self._to_load = [(ds, _source_args(args, ds)) for ds in load_eval_datasets(args)]
+        if self._to_load and not inspect.iscoroutinefunction(pm.chosen_impl("data_source", *self.source).function):
+            for ds, ds_args in self._to_load:
+                self._add(ds, pm.call_chosen_sync("data_source", *self.source, args=ds_args))
+            self._to_load = []
+
+    async def load(self) -> None:
+        """Create the eval data sources not created yet, awaiting the ``data_source`` hook.
+
+        :raises PluginError: a data source without ``__len__``, or the plugin's own error.
+        """
+        while self._to_load:
+            ds, ds_args = self._to_load[0]
+            self._add(ds, await self.pm.call_chosen("data_source", *self.source, args=ds_args))
+            self._to_load.pop(0)
+
+    def _add(self, ds: EvalDataset, source) -> None:
+        name, flag = self.source
+        if not hasattr(source, "__len__"):
+            raise PluginError(f"{flag} '{name}': an eval data source must define __len__ (eval set '{ds.name}').")
+        self.datasets.append((ds, source.next_rows(len(source))))
 
     def __bool__(self) -> bool:
-        return bool(self.datasets)
+        return bool(self.datasets or self._to_load)
 
     async def evaluate(self, manager: RolloutManager) -> dict:
         """Generate and score every eval dataset concurrently; return ``eval/...`` metrics."""
+        await self.load()
         start = time.perf_counter()
         per_set = await asyncio.gather(*(self._one(manager, ds, rows) for ds, rows in self.datasets))
         metrics: dict = {}
@@ -63,6 +75,21 @@ class Evaluator:
                    for j in range(ds.n_samples_per_eval_prompt)] for p, row in enumerate(rows)]
         await asyncio.gather(*(manager.generate_group(g, evaluation=True, sampling_params=params) for g in groups))
         return sorted((s for g in groups for s in g), key=lambda s: s.index)
+
+
+def _source_args(args: argparse.Namespace, ds: EvalDataset) -> argparse.Namespace:
+    """A copy of ``args`` that points the data source at eval set ``ds`` (its keys, no shuffle)."""
+    ds_args = copy.copy(args)
+    ds_args.prompt_data = ds.path
+    ds_args.prompt_data_flag = (f"--eval-config dataset '{ds.name}'" if getattr(args, "eval_config", None)
+                                else f"--eval-prompt-data {ds.name}")
+    ds_args.input_key = ds.input_key
+    ds_args.label_key = ds.label_key
+    ds_args.metadata_key = ds.metadata_key
+    ds_args.tool_key = ds.tool_key
+    ds_args.rollout_shuffle = False
+    ds_args.rollout_max_prompt_len = args.eval_max_prompt_len
+    return ds_args
 
 
 def _eval_sample(row: dict, ds: EvalDataset, index: int, group_index: int) -> Sample:

@@ -1,0 +1,161 @@
+"""Hooks implemented as ``async def`` are awaited in the running loop wherever they are called.
+
+The train path always awaited ``data_source``; eval data sources (``--eval-prompt-data``)
+used to be created with ``asyncio.run`` inside the running loop and failed with
+"asyncio.run() cannot be called from a running event loop".
+"""
+
+import asyncio
+import json
+
+import pytest
+
+from furlong.hooks import PluginError, hookimpl
+
+ASYNC_ROWS = '''
+import asyncio
+
+from furlong.builtin_plugins.data.jsonl import JsonlDataSource
+from furlong.hooks import hookimpl
+
+CALLS = []
+
+
+@hookimpl
+async def data_source(args):
+    await asyncio.sleep(0)
+    CALLS.append((args.prompt_data, id(asyncio.get_running_loop())))
+    return JsonlDataSource(args)
+'''
+
+
+def _selection(name):
+    from furlong.core.selection import Selection
+
+    return Selection(chosen={"data_source": (name, "--data-source")})
+
+
+def _eval_args(path, **extra):
+    from argparse import Namespace
+
+    values = dict(eval_config=None, eval_prompt_data=["arith", str(path)], prompt_data=None, input_key="prompt",
+                  label_key="label", metadata_key="metadata", tool_key="tools", eval_input_key=None,
+                  eval_label_key=None, eval_tool_key=None, eval_max_prompt_len=None, rollout_max_prompt_len=None,
+                  apply_chat_template=False, rollout_shuffle=False, rollout_seed=1, n_samples_per_eval_prompt=1,
+                  eval_temperature=None, eval_top_p=None, eval_top_k=None, eval_max_response_len=None,
+                  rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1, rollout_max_response_len=4,
+                  rollout_stop=None, rollout_stop_token_ids=None, hf_checkpoint=None)
+    values.update(extra)
+    return Namespace(**values)
+
+
+def test_async_eval_data_source_is_awaited_inside_the_running_loop(plugin_manager, register_plugin, tmp_path):
+    from furlong.core.evaluation import Evaluator
+
+    seen = []
+
+    class AsyncRows:
+        @hookimpl
+        async def data_source(self, args):
+            await asyncio.sleep(0)
+            seen.append(asyncio.get_running_loop())
+            return _Rows([{"prompt": "1+1=", "label": "2"}] * 3)
+
+    register_plugin(AsyncRows(), "async_rows")
+
+    async def main():
+        evaluator = Evaluator(_eval_args(tmp_path / "eval.jsonl"), plugin_manager, _selection("async_rows"))
+        assert evaluator and not evaluator.datasets and not seen  # nothing awaited yet
+        await evaluator.load()
+        await evaluator.load()  # idempotent
+        return evaluator, asyncio.get_running_loop()
+
+    evaluator, loop = asyncio.run(main())
+    assert seen == [loop]
+    [(ds, rows)] = evaluator.datasets
+    assert ds.name == "arith" and len(rows) == 3
+
+
+def test_plain_eval_data_source_still_fails_at_construction(plugin_manager, register_plugin, tmp_path):
+    """A synchronous data source is read when the Evaluator is built, before any model loads."""
+    from furlong.core.evaluation import Evaluator
+
+    class NoLen:
+        @hookimpl
+        def data_source(self, args):
+            return object()
+
+    register_plugin(NoLen(), "no_len")
+
+    async def main():
+        Evaluator(_eval_args(tmp_path / "x.jsonl"), plugin_manager, _selection("no_len"))
+
+    with pytest.raises(PluginError) as excinfo:
+        asyncio.run(main())
+    assert str(excinfo.value) == "--data-source 'no_len': an eval data source must define __len__ (eval set 'arith')."
+
+
+def test_async_eval_data_source_error_names_the_set_when_loaded(plugin_manager, register_plugin, tmp_path):
+    from furlong.core.evaluation import Evaluator
+
+    class AsyncNoLen:
+        @hookimpl
+        async def data_source(self, args):
+            return object()
+
+    register_plugin(AsyncNoLen(), "async_no_len")
+
+    async def main():
+        evaluator = Evaluator(_eval_args(tmp_path / "x.jsonl"), plugin_manager, _selection("async_no_len"))
+        await evaluator.load()
+
+    with pytest.raises(PluginError) as excinfo:
+        asyncio.run(main())
+    assert str(excinfo.value) == ("--data-source 'async_no_len': an eval data source must define __len__ "
+                                  "(eval set 'arith').")
+
+
+class _Rows:
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def next_rows(self, k):
+        return [dict(r) for r in self.rows[:k]]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_async_data_source_plugin_runs_with_eval_prompt_data(plugin_dist, tmp_path, tiny_model_dir, arithmetic_jsonl):
+    """An installed plugin with ``async def data_source`` serves training and eval data in one short run."""
+    import importlib
+
+    from furlong.core.config import parse_args
+    from furlong.core.loop import run
+    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.selection import resolve_selection
+
+    plugin_dist("furlong-async-rows", "furlong_async_rows", ASYNC_ROWS, {"async_rows": "furlong_async_rows"})
+    save = tmp_path / "save"
+    argv = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(arithmetic_jsonl), "--input-key", "prompt",
+            "--label-key", "label", "--rm-type", "math", "--num-rollout", "1", "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--data-source", "async_rows",
+            "--eval-prompt-data", "arith", str(arithmetic_jsonl) + "@[0:4]", "--eval-interval", "1",
+            "--save", str(save)]
+    pm = get_plugin_manager()
+    args = parse_args(argv, pm)
+    loops = []
+
+    async def main():
+        loops.append(id(asyncio.get_running_loop()))
+        await run(args, pm, resolve_selection(args, pm))
+
+    asyncio.run(main())
+    calls = importlib.import_module("furlong_async_rows").CALLS
+    assert [path for path, _ in calls] == [str(arithmetic_jsonl), str(arithmetic_jsonl) + "@[0:4]"]
+    assert {loop for _, loop in calls} == set(loops)
+    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/step" in r]
+    assert [r["eval/step"] for r in evals] == [0, 0]  # before training, and after the last rollout
+    assert all("eval/arith" in r for r in evals)
