@@ -128,14 +128,20 @@ def _disable_list(argv: list[str]) -> list[str]:
 
 def _train(command: str, argv: list[str]) -> int:
     from .config import config_to_dict, parse_args
+    from .config.parser import machine_defaults
+    from .configure import configure_plugins
     from .selection import resolve_selection
 
     pm = get_plugin_manager(_disable_list(argv))
     args = parse_args(argv, pm, command=command)
     args.train_mode = "async" if command == "train-async" else "sync"
     selection = resolve_selection(args, pm)
+    configured = configure_plugins(args, pm, selection)
     if args.print_config:
-        print(json.dumps({"args": config_to_dict(args), "plugins": selection.as_dict()}, indent=2, sort_keys=True))
+        print(json.dumps({"args": config_to_dict(args), "plugins": selection.as_dict(),
+                          "machine_defaults": config_to_dict(argparse.Namespace(**machine_defaults(args, pm))),
+                          "plugin_defaults": config_to_dict(argparse.Namespace(**configured.derived))},
+                         indent=2, sort_keys=True))
         return 0
     warn_broken(pm)
     from .loop import run

@@ -16,13 +16,18 @@ __all__ = ["CHOSEN_HOOKS", "Selection", "resolve_selection"]
 
 @attrs.define(frozen=True)
 class ChosenHook:
-    """A hook chosen by a name flag, optionally replaced by a dotted-path flag."""
+    """A hook chosen by a name flag, optionally replaced by a dotted-path flag.
+
+    ``path_value``: a name-flag value that only says "the dotted-path flag chooses"
+    (Miles' ``--loss-type custom_loss``); without the path it is an error.
+    """
 
     hook: str
     name_attr: str
     name_flag: str
     path_attr: str | None = None
     path_flag: str | None = None
+    path_value: str | None = None
 
 
 CHOSEN_HOOKS = (
@@ -34,7 +39,8 @@ CHOSEN_HOOKS = (
     ChosenHook("buffer_pop", "buffer_filter", "--buffer-filter", "buffer_filter_path", "--buffer-filter-path"),
     ChosenHook("advantage", "advantage_estimator", "--advantage-estimator",
                "custom_advantage_function_path", "--custom-advantage-function-path"),
-    ChosenHook("loss", "loss_type", "--loss-type", "custom_loss_function_path", "--custom-loss-function-path"),
+    ChosenHook("loss", "loss_type", "--loss-type", "custom_loss_function_path", "--custom-loss-function-path",
+               "custom_loss"),
 )
 
 
@@ -114,6 +120,8 @@ def _resolve_one(args: Namespace, pm: FurlongPluginManager, spec: ChosenHook) ->
         name, flag = register_path(pm, spec.hook, path, spec.path_flag), spec.path_flag
     else:
         name, flag = getattr(args, spec.name_attr), spec.name_flag
+        if spec.path_value is not None and name == spec.path_value:
+            raise PluginError(f"{flag} {name} needs {spec.path_flag} module.function.")
     pm.chosen_impl(spec.hook, name, flag)
     return name, flag
 

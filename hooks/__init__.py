@@ -1,6 +1,7 @@
 """furlong's hook contract: hookspecs, the ``hookimpl`` marker, shared types, Protocols."""
 
 from . import answers, kl, specs
+from .config_report import ConfigReport
 from .errors import PluginError
 from .markers import PROJECT, hookimpl, hookspec
 from .protocols import DataSource, RolloutContext, RolloutEngine, StepObjective, TrainBackend
@@ -20,6 +21,7 @@ __all__ = [
     "PROJECT",
     "AdvantageInput",
     "AdvantageOutput",
+    "ConfigReport",
     "DataSource",
     "FilterResult",
     "GenerateOutput",

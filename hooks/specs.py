@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from argparse import ArgumentParser, Namespace
 
+from .config_report import ConfigReport
 from .markers import hookspec
 from .protocols import DataSource, RolloutContext, RolloutEngine, TrainBackend
 from .types import AdvantageInput, AdvantageOutput, FilterResult, LossInput, LossOutput, Sample
@@ -24,6 +25,7 @@ __all__ = [
     "add_arguments",
     "advantage",
     "buffer_pop",
+    "configure",
     "data_source",
     "filter",
     "generate",
@@ -58,11 +60,50 @@ def add_arguments(parser: ArgumentParser) -> None:
 
 
 @hookspec
+def configure(args: Namespace, report: ConfigReport) -> None:
+    """Derive this plugin's flag defaults and check its flags, before any model loads.
+
+    Call: chosen by name: once per run, on every plugin the run chose (for each chosen
+    hook in the order data_source, rollout_engine, train_backend, rollout, generate,
+    buffer_pop, advantage, loss; then every filter in flag order; then the run-wide
+    reward; then the executor), each plugin once even when chosen for several hooks.
+    Called after the core validated the flags and resolved the selection, before
+    ``--print-config`` prints them. Not called for per-sample rewards
+    (``metadata["rm_type"]``) or dotted-path functions. May be ``async def``.
+
+    Derive a default only for a flag the user did not give (``report.default(args,
+    dest, value)`` does that; ``args.explicit_args`` lists the given ones); changing a
+    given flag is an error naming the plugin. Report problems on ``report`` rather than
+    raising: every plugin's errors are printed together, one per line.
+
+    :param args: the validated launch flags; set only your own derived attributes.
+    :param report: ``report.error(msg)`` stops the run (exit code 2), ``report.warn(msg)``
+        and ``report.info(msg)`` are logged on rank 0; ``report.plugin`` is your name,
+        ``report.flags`` the flags that chose you. Name the flag and value in each message.
+    :returns: nothing.
+    :raises PluginError: also accepted: its message is reported as one error, as written.
+        Any other exception is reported as ``plugin 'NAME' (DIST VERSION) failed in
+        `configure`: TYPE: MESSAGE``.
+
+    Reference: pytest's ``pytest_configure(config)``.
+
+    Example::
+
+        @hookimpl
+        def configure(args, report):
+            report.default(args, "policy_ratio_level", "sequence")
+            if args.kl_coef != 0:
+                report.error(f"--advantage-estimator {report.plugin} needs --kl-coef 0, got {args.kl_coef:g}.")
+    """
+
+
+@hookspec
 def rollout_engine(args: Namespace) -> RolloutEngine:
     """Create the generation engine.
 
-    Call: chosen by name (``--rollout-backend NAME``, default ``embedded`` without SGLang).
-    Called once per run, before the first rollout.
+    Call: chosen by name (``--rollout-backend NAME``; default ``sglang`` when a furlong
+    plugin of that name is installed and CUDA and the ``sglang`` package are present, else
+    ``embedded``). Called once per run, before the first rollout.
 
     :param args: resolved launch flags.
     :returns: an object meeting :class:`~furlong.hooks.RolloutEngine`.
@@ -73,8 +114,9 @@ def rollout_engine(args: Namespace) -> RolloutEngine:
 def train_backend(args: Namespace) -> TrainBackend:
     """Create the training backend (the actor, and the reference when KL is used).
 
-    Call: chosen by name (``--train-backend NAME``, default ``fsdp`` without CUDA and
-    megatron-core). Called once per training rank, before ``init``.
+    Call: chosen by name (``--train-backend NAME``; default ``megatron`` when a furlong
+    plugin of that name is installed and CUDA and megatron-core are present, else
+    ``fsdp``). Called once per training rank, before ``init``.
 
     :param args: resolved launch flags.
     :returns: an object meeting :class:`~furlong.hooks.TrainBackend`.

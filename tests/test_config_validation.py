@@ -70,17 +70,6 @@ ERRORS = [
     (["--ref-load", "/ref", "--kl-coef", "0.1", "--kl-loss-coef", "0.01"],
      "--kl-coef (0.1) and --kl-loss-coef (0.01) are exclusive: the KL goes into the rewards or into the loss, "
      "not both; set one of them to 0."),
-    (["--advantage-estimator", "reinforce_plus_plus"],
-     "--advantage-estimator reinforce_plus_plus requires --normalize-advantages (its advantages are whitened "
-     "over the rollout)."),
-    (["--advantage-estimator", "reinforce_plus_plus_baseline"],
-     "--advantage-estimator reinforce_plus_plus_baseline requires --normalize-advantages (its advantages are "
-     "whitened over the rollout)."),
-    (["--advantage-estimator", "ppo"],
-     "--advantage-estimator ppo needs --train-backend megatron (the critic is Megatron only), got fsdp."),
-    (["--advantage-estimator", "ppo", "--train-backend", "megatron", "--ref-load", "/ref", "--kl-coef", "0.1"],
-     "--advantage-estimator ppo needs --kl-coef 0, got 0.1."),
-    (["--loss-type", "custom_loss"], "--loss-type custom_loss needs --custom-loss-function-path module.function."),
     (["--use-rollout-logprobs", "--use-tis"],
      "--use-rollout-logprobs and --use-tis are exclusive: with the engine's log-probs as the old policy the "
      "importance ratio is always 1."),
@@ -109,18 +98,8 @@ ERRORS = [
     (["--over-sampling-batch-size", "2"],
      "--over-sampling-batch-size (2) must be at least --rollout-batch-size (4): each wave draws at least one "
      "rollout's worth of prompts."),
-    (["--fully-async", "--colocate"],
-     "--fully-async cannot be combined with --colocate (the producer generates while the trainer trains)."),
-    (["--fully-async", "--partial-rollout"],
-     "--fully-async cannot be combined with --partial-rollout (unfinished groups simply stay in flight)."),
     (["--fully-async", "--rollout-function-path", "my.rollout"],
      "--fully-async cannot be combined with --rollout-function-path (both choose the rollout)."),
-    (["--fully-async", "--rollout-all-samples-process-path", "my.process"],
-     "--fully-async cannot be combined with --rollout-all-samples-process-path (there is no end of a rollout "
-     "to see all samples at)."),
-    (["--fully-async", "--pause-generation-mode", "abort"],
-     "--fully-async cannot use --pause-generation-mode abort: generation is always in flight, so every weight "
-     "update would throw it away; use retract or in_place."),
     (["--fully-async", "--rollout", "sync"],
      "--fully-async and --rollout sync both choose the rollout; pass only one."),
     (["--n-samples-per-prompt", "4", "--async-max-concurrent-samples", "3"],
@@ -188,13 +167,12 @@ def test_config_error_is_a_plugin_error_with_the_problem_list():
 
 # --- command-dependent checks -------------------------------------------------------------
 
+# The rules of the chosen plugins (ppo, reinforce++, gspo, grpo, fully_async, --loss-type
+# custom_loss) run in their `configure` hooks after the selection: tests/test_configure.py.
+
 @pytest.mark.parametrize("extra, command, message", [
-    (["--fully-async"], "train", "fully async rollout (--rollout fully_async, --fully-async) needs furlong train-async."),
     (["--colocate"], "train-async",
      "furlong train-async cannot run with --colocate (training and generation overlap); use furlong train."),
-    (["--advantage-estimator", "ppo", "--train-backend", "megatron"], "train-async",
-     "furlong train-async with --advantage-estimator ppo needs --use-rollout-logprobs, --use-tis or "
-     "--keep-old-actor (the old policy is gone by the time the batch trains)."),
 ])
 def test_command_dependent_errors(extra, command, message):
     assert error_of(BASE + extra, command=command) == message
@@ -204,6 +182,12 @@ def test_command_dependent_checks_pass_for_the_right_command():
     assert parse_args(BASE + ["--fully-async"], command="train-async").fully_async is True
     assert parse_args(BASE + ["--colocate"], command="train").colocate is True
     assert parse_args(BASE + ["--fully-async"]).rollout == "fully_async"  # command unknown: not checked
+
+
+def test_the_command_sets_train_mode_for_the_plugins():
+    assert parse_args(BASE, command="train").train_mode == "sync"
+    assert parse_args(BASE, command="train-async").train_mode == "async"
+    assert not hasattr(parse_args(BASE), "train_mode")
 
 
 # --- not supported yet ------------------------------------------------------------------
@@ -255,9 +239,6 @@ def test_unsupported_table_and_test_rows_match():
 # --- warnings ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, warning", [
-    (["--n-samples-per-prompt", "1", "--global-batch-size", "4"],
-     "--advantage-estimator grpo with --n-samples-per-prompt 1: a group of one sample has advantage r - mean(r) = 0, "
-     "so nothing is learned; sample several responses per prompt."),
     (["--eval-prompt-data", "t", "t.jsonl", "--eval-temperature", "0", "--n-samples-per-eval-prompt", "4"],
      "--eval-temperature 0 is greedy: the 4 samples per eval prompt (--n-samples-per-eval-prompt) are identical; 1 "
      "gives the same numbers faster."),
@@ -346,8 +327,8 @@ def test_defaults_every_run_reads():
         "generate": "single_turn", "buffer_filter": "pop_first", "advantage_estimator": "grpo",
         "loss_type": "policy_loss", "data_source": "jsonl", "dynamic_sampling_filter": None,
         "disable_plugins": [], "apply_chat_template": False, "input_key": "input", "metadata_key": "metadata",
-        "tool_key": "tools", "rollout_submission_granularity": "group", "fully_async": False,
-        "disable_grpo_std_normalization": True, "sglang_passthrough": {}, "router_passthrough": {},
+        "tool_key": "tools", "rollout_submission_granularity": None, "fully_async": False,
+        "disable_grpo_std_normalization": False, "sglang_passthrough": {}, "router_passthrough": {},
         "megatron_flags_given": [], "seq_length": 4096, "max_position_embeddings": 4096,
         "sglang_server_concurrency": 512, "sglang_router_request_timeout_secs": 14400,
         "update_weight_buffer_size": 512 * 2**20, "pause_generation_mode": "retract", "executor": "local",
@@ -361,10 +342,11 @@ def test_eps_clip_high_follows_eps_clip_unless_given():
     assert parse_args(BASE + ["--eps-clip", "0.3", "--eps-clip-high", "0.28"]).eps_clip_high == 0.28
 
 
-def test_policy_ratio_level_is_sequence_for_gspo():
-    assert parse_args(BASE + ["--advantage-estimator", "gspo"]).policy_ratio_level == "sequence"
-    assert parse_args(BASE + ["--advantage-estimator", "gspo", "--policy-ratio-level", "token"]).policy_ratio_level \
-        == "token"
+def test_core_names_no_estimator_in_its_defaults():
+    # gspo's sequence ratio, grpo's one-sample rule and ppo's critic come from their configure hooks
+    args = parse_args(BASE + ["--advantage-estimator", "gspo", "--load", "/ck", "--lr", "2e-6"])
+    assert (args.policy_ratio_level, args.disable_grpo_std_normalization, args.critic_load, args.critic_lr) == \
+        ("token", False, None, None)
 
 
 def test_eval_values_inherit_the_rollout_ones_when_unset():
@@ -388,11 +370,6 @@ def test_one_lone_eval_prompt_data_value_means_aime():
     assert parse_args(BASE + ["--eval-prompt-data", "/d/aime.jsonl"]).eval_prompt_data == ["aime", "/d/aime.jsonl"]
 
 
-def test_group_std_normalization_forced_off_only_for_one_sample_groups():
-    assert parse_args(BASE + ["--n-samples-per-prompt", "1"]).disable_grpo_std_normalization is True
-    assert parse_args(BASE + ["--n-samples-per-prompt", "4"]).disable_grpo_std_normalization is False
-
-
 def test_over_sampling_batch_size_defaults_to_rollout_batch_size():
     assert parse_args(BASE).over_sampling_batch_size == 4
     assert parse_args(BASE + ["--over-sampling-batch-size", "6"]).over_sampling_batch_size == 6
@@ -406,7 +383,6 @@ def test_hf_checkpoint_serves_as_the_reference():
 def test_fully_async_rollout_function_path_selects_the_fully_async_rollout():
     args = parse_args(BASE + ["--rollout-function-path", "fully_async_rollout.generate_rollout_fully_async"])
     assert (args.rollout, args.fully_async, args.rollout_function_path) == ("fully_async", True, None)
-    assert args.rollout_submission_granularity == "sample"
 
 
 def test_rollout_fully_async_sets_the_fully_async_flag():
@@ -434,11 +410,6 @@ def test_dp_attention_makes_the_router_dp_aware():
 
 def test_chat_template_path_is_sent_to_sglang():
     assert parse_args(BASE + ["--chat-template-path", "/t.jinja"]).sglang_passthrough == {"chat_template": "/t.jinja"}
-
-
-def test_critic_defaults_follow_load_save_and_lr():
-    args = parse_args(BASE + ["--load", "/ck", "--save", "/ck", "--lr", "2e-6"])
-    assert (args.critic_load, args.critic_save, args.critic_lr) == ("/ck", "/ck_critic", 2e-6)
 
 
 def test_moe_allgather_dispatcher_runs_as_alltoall():
@@ -471,20 +442,113 @@ def test_cpu_defaults():
         "distributed_backend": "gloo", "rollout_backend": "embedded", "train_backend": "fsdp", "executor": "local"}
 
 
-def test_cuda_defaults_keep_the_miles_ones(monkeypatch):
+def _cuda(monkeypatch, gpus: int, packages: bool = True) -> None:
+    """A CUDA machine with ``gpus`` visible devices; ``packages``: sglang and megatron-core importable."""
     monkeypatch.setattr(env, "cuda_available", lambda: True)
-    monkeypatch.setattr(env, "sglang_available", lambda: True)
-    monkeypatch.setattr(env, "megatron_available", lambda: True)
-    args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8", "--rollout-num-gpus", "8"])
+    monkeypatch.setattr(env, "cuda_device_count", lambda: gpus)
+    monkeypatch.setattr(env, "sglang_available", lambda: packages)
+    monkeypatch.setattr(env, "megatron_available", lambda: packages)
+
+
+def test_cuda_defaults_use_the_gpus_torch_sees(monkeypatch):
+    _cuda(monkeypatch, gpus=1)
+    args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8"])
     assert {k: getattr(args, k) for k in DEVICE_KEYS} == {
-        "actor_num_gpus_per_node": 8, "num_gpus_per_node": 8, "attn_implementation": "flash_attention_2",
-        "bf16": True, "distributed_backend": "nccl", "rollout_backend": "sglang", "train_backend": "megatron",
-        "executor": "ray"}
+        "actor_num_gpus_per_node": 1, "num_gpus_per_node": 1, "attn_implementation": "flash_attention_2",
+        "bf16": True, "distributed_backend": "nccl", "rollout_backend": "embedded", "train_backend": "fsdp",
+        "executor": "local"}
+    _cuda(monkeypatch, gpus=4)
+    args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8"])
+    assert (args.actor_num_gpus_per_node, args.num_gpus_per_node, args.data_parallel_size) == (4, 4, 4)
+    args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8", "--actor-num-gpus-per-node", "2"])
+    assert (args.actor_num_gpus_per_node, args.num_gpus_per_node) == (2, 4)
 
 
-def test_cuda_without_megatron_core_trains_with_fsdp(monkeypatch):
-    monkeypatch.setattr(env, "cuda_available", lambda: True)
-    assert parse_args(["--num-rollout", "1", "--rollout-batch-size", "8"]).train_backend == "fsdp"
+def test_cuda_device_count_probe_is_zero_without_cuda(monkeypatch):
+    monkeypatch.setattr(env, "cuda_available", lambda: False)
+    assert env.cuda_device_count() == 0
+
+
+def test_sglang_and_megatron_packages_alone_change_no_default(monkeypatch):
+    _cuda(monkeypatch, gpus=2)  # both packages importable, no furlong plugin for them
+    args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8"])
+    assert (args.rollout_backend, args.train_backend) == ("embedded", "fsdp")
+
+
+BACKENDS = """
+    from furlong.hooks import hookimpl
+
+
+    class Engine:
+        @hookimpl
+        def rollout_engine(self, args):
+            raise AssertionError("not built while parsing")
+
+
+    class Trainer:
+        @hookimpl
+        def train_backend(self, args):
+            raise AssertionError("not built while parsing")
+
+
+    sglang = Engine()
+    megatron = Trainer()
+"""
+
+
+@pytest.fixture
+def backend_plugins(plugin_dist):
+    """furlong plugins named sglang and megatron, installed as a distribution."""
+    return plugin_dist("furlong-fake-backends", "furlong_fake_backends", BACKENDS,
+                       {"sglang": "furlong_fake_backends:sglang", "megatron": "furlong_fake_backends:megatron"})
+
+
+@pytest.mark.parametrize("cuda, packages, expected", [
+    (True, True, ("sglang", "megatron")),
+    (True, False, ("embedded", "fsdp")),  # the furlong plugins without their packages
+    (False, True, ("embedded", "fsdp")),  # no CUDA
+])
+def test_backend_defaults_need_their_furlong_plugin_and_the_machine(monkeypatch, backend_plugins, cuda, packages,
+                                                                    expected):
+    from furlong.core.plugins import get_plugin_manager
+
+    _cuda(monkeypatch, gpus=2, packages=packages)
+    monkeypatch.setattr(env, "cuda_available", lambda: cuda)
+    argv = ["--num-rollout", "3", "--rollout-batch-size", "8", "--rollout-num-gpus", "2"]
+    monkeypatch.delenv("FURLONG_DISABLE_PLUGINS", raising=False)
+    for pm in (None, get_plugin_manager()):
+        args = parse_args(argv, pm)
+        assert (args.rollout_backend, args.train_backend) == expected
+
+
+def test_a_disabled_backend_plugin_is_not_a_default(monkeypatch, backend_plugins):
+    from furlong.core.plugins import get_plugin_manager
+
+    _cuda(monkeypatch, gpus=2)
+    monkeypatch.delenv("FURLONG_DISABLE_PLUGINS", raising=False)
+    args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8"], get_plugin_manager(["sglang,megatron"]))
+    assert (args.rollout_backend, args.train_backend) == ("embedded", "fsdp")
+
+
+def test_furlong_plugin_installed_reads_the_entry_points(backend_plugins):
+    assert env.furlong_plugin_installed("sglang") and env.furlong_plugin_installed("megatron")
+    assert env.furlong_plugin_installed("grpo") and not env.furlong_plugin_installed("no_such_plugin")
+
+
+def test_machine_defaults_name_the_flags_that_came_from_the_machine(monkeypatch):
+    from furlong.core.config.parser import machine_defaults
+
+    _cuda(monkeypatch, gpus=2)
+    args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8", "--actor-num-gpus-per-node", "1", "--fp16"])
+    assert machine_defaults(args) == {
+        "num_gpus_per_node": {"value": 2, "probe": "torch.cuda.device_count() = 2"},
+        "attn_implementation": {"value": "flash_attention_2", "probe": "torch.cuda.is_available() = True"},
+        "distributed_backend": {"value": "nccl", "probe": "torch.cuda.is_available() = True"},
+        "rollout_backend": {"value": "embedded", "probe": "furlong plugin 'sglang' installed: False, CUDA: True, "
+                                                          "sglang package importable: True"},
+        "train_backend": {"value": "fsdp", "probe": "furlong plugin 'megatron' installed: False, CUDA: True, "
+                                                    "megatron.core importable: True"},
+    }  # actor_num_gpus_per_node was given; --fp16 turned bf16 off
 
 
 def test_print_config_dict_is_json_serializable():

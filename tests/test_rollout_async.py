@@ -14,6 +14,7 @@ import pytest
 
 from furlong.builtin_plugins.rollout import fully_async
 from furlong.core.config import parse_args
+from furlong.core.configure import configure_plugins
 from furlong.core.data_cursor import DataCursor
 from furlong.core.rollout_manager import RolloutManager
 from furlong.core.selection import resolve_selection
@@ -76,7 +77,9 @@ def test_miles_rollout_function_path_selects_fully_async(tmp_path, plugin_manage
     args = parse_args(["--num-rollout", "2", "--rollout-batch-size", "2", "--prompt-data", str(_data(tmp_path)),
                        "--rollout-function-path", "miles.rollout.fully_async_rollout.generate_rollout_fully_async"],
                       command="train-async")
-    assert resolve_selection(args, plugin_manager).chosen["rollout"][0] == "fully_async"
+    selection = resolve_selection(args, plugin_manager)
+    assert selection.chosen["rollout"][0] == "fully_async"
+    configure_plugins(args, plugin_manager, selection)  # the plugin derives its per-sample default
     assert args.rollout_submission_granularity == "sample"
 
 

@@ -5,6 +5,16 @@ from __future__ import annotations
 from furlong.hooks import hookimpl
 
 from ._group import group_relative_advantages
+from ._rules import check_group_size
+
+
+@hookimpl
+def configure(args, report):
+    """With one sample per prompt: a warning when that was asked for, and no std division.
+
+    Flags derived: ``disable_grpo_std_normalization`` (True with ``--n-samples-per-prompt 1``).
+    """
+    check_group_size(args, report)
 
 
 @hookimpl

@@ -5,6 +5,20 @@ from __future__ import annotations
 from furlong.hooks import hookimpl
 
 from ._group import group_relative_advantages
+from ._rules import check_group_size
+
+
+@hookimpl
+def configure(args, report):
+    """GSPO's sequence-level importance ratio by default, and grpo's one-sample rules.
+
+    Flags derived: ``policy_ratio_level`` = ``sequence`` unless given;
+    ``disable_grpo_std_normalization`` as grpo.
+
+    Reference: Zheng et al. 2025, "Group Sequence Policy Optimization", sec. 4.1 (eq. 7).
+    """
+    report.default(args, "policy_ratio_level", "sequence")
+    check_group_size(args, report)
 
 
 @hookimpl

@@ -9,6 +9,31 @@ from ._scan import reverse_discounted_sum
 
 
 @hookimpl
+def configure(args, report):
+    """PPO's requirements, and its critic's defaults.
+
+    Errors: a train backend other than ``megatron`` (the critic is Megatron only);
+    ``--kl-coef`` != 0; ``furlong train-async`` without ``--use-rollout-logprobs``,
+    ``--use-tis`` or ``--keep-old-actor`` (the old policy is gone when the batch trains).
+    Flags derived: ``critic_load`` = ``--load``, ``critic_save`` = ``--save`` + ``_critic``,
+    ``critic_lr`` = ``--lr``, each unless given.
+    """
+    name = report.plugin
+    if args.train_backend != "megatron":
+        report.error(f"--advantage-estimator {name} needs --train-backend megatron (the critic is Megatron only), "
+                     f"got {args.train_backend}.")
+    if args.kl_coef != 0:
+        report.error(f"--advantage-estimator {name} needs --kl-coef 0, got {args.kl_coef:g}.")
+    if getattr(args, "train_mode", None) == "async" and not (
+            args.use_rollout_logprobs or args.use_tis or args.keep_old_actor):
+        report.error(f"furlong train-async with --advantage-estimator {name} needs --use-rollout-logprobs, --use-tis "
+                     "or --keep-old-actor (the old policy is gone by the time the batch trains).")
+    report.default(args, "critic_load", args.load)
+    report.default(args, "critic_save", f"{args.save}_critic" if args.save else None)
+    report.default(args, "critic_lr", args.lr)
+
+
+@hookimpl
 def advantage(args, batch):
     """GAE over the trained positions of each sample, skipping masked ones.
 

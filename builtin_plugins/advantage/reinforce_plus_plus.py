@@ -5,7 +5,14 @@ from __future__ import annotations
 from furlong.hooks import AdvantageOutput, PluginError, hookimpl
 
 from ._group import check_batch, masked_kl, trajectory_rewards
+from ._rules import require_whitening
 from ._scan import reverse_discounted_sum
+
+
+@hookimpl
+def configure(args, report):
+    """Requires ``--normalize-advantages``: the batch-wide whitening does the scaling."""
+    require_whitening(args, report)
 
 
 @hookimpl

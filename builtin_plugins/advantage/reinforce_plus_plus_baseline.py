@@ -5,6 +5,13 @@ from __future__ import annotations
 from furlong.hooks import AdvantageOutput, hookimpl
 
 from ._group import check_batch, group_normalized_rewards, masked_kl
+from ._rules import require_whitening
+
+
+@hookimpl
+def configure(args, report):
+    """Requires ``--normalize-advantages``: the batch-wide whitening does the scaling."""
+    require_whitening(args, report)
 
 
 @hookimpl

@@ -14,6 +14,33 @@ log = logging.getLogger("furlong.rollout")
 
 WARN_AFTER = 30.0  # seconds without a finished group before (and between) warnings
 
+# (attribute, flag, why it cannot be combined with the fully async rollout)
+_EXCLUSIVE = (
+    ("colocate", "--colocate", "the producer generates while the trainer trains"),
+    ("partial_rollout", "--partial-rollout", "unfinished groups simply stay in flight"),
+    ("rollout_all_samples_process_path", "--rollout-all-samples-process-path",
+     "there is no end of a rollout to see all samples at"),
+)
+
+
+@hookimpl
+def configure(args, report):
+    """Per-sample submission by default; flags that cannot work with a run-long producer.
+
+    Flags derived: ``rollout_submission_granularity`` = ``sample`` unless given.
+    Errors: ``--colocate``, ``--partial-rollout``, ``--rollout-all-samples-process-path``,
+    ``--pause-generation-mode abort``, and ``furlong train`` (it needs train-async).
+    """
+    report.default(args, "rollout_submission_granularity", "sample")
+    for dest, flag, why in _EXCLUSIVE:
+        if getattr(args, dest, None):
+            report.error(f"--fully-async cannot be combined with {flag} ({why}).")
+    if args.pause_generation_mode == "abort":
+        report.error("--fully-async cannot use --pause-generation-mode abort: generation is always in flight, so "
+                     "every weight update would throw it away; use retract or in_place.")
+    if getattr(args, "train_mode", None) == "sync":
+        report.error("fully async rollout (--rollout fully_async, --fully-async) needs furlong train-async.")
+
 
 @hookimpl
 async def rollout(args, rollout_id, context):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 
-__all__ = ["cuda_available", "megatron_available", "sglang_available"]
+__all__ = ["cuda_available", "cuda_device_count", "furlong_plugin_installed", "megatron_available",
+           "sglang_available"]
 
 
 def cuda_available() -> bool:
@@ -19,6 +20,27 @@ def cuda_available() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def cuda_device_count() -> int:
+    """The number of CUDA devices torch can see (``CUDA_VISIBLE_DEVICES`` applies); 0 without CUDA."""
+    if not cuda_available():
+        return 0
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def furlong_plugin_installed(name: str) -> bool:
+    """True when an installed distribution registers plugin ``name`` in entry-point group ``furlong``.
+
+    Reads the metadata only (nothing is imported). Installing a third-party package such
+    as ``sglang`` or ``megatron-core`` does not register a furlong plugin: its furlong
+    plugin distribution does.
+    """
+    import importlib.metadata as md
+
+    return any(ep.name == name for ep in md.entry_points(group="furlong"))
 
 
 def sglang_available() -> bool:

@@ -26,7 +26,8 @@ def add(g, dev) -> None:
     g.add_argument("--mask-truncated-samples", action="store_true",
                    help="Truncated samples get loss mask 0 and leave the loss denominators.")
     g.add_argument("--policy-ratio-level", choices=["token", "sequence"], default=None,
-                   help="PPO ratio per token, or GSPO's per sequence (default: sequence for gspo, else token).")
+                   help="PPO ratio per token, or GSPO's per sequence (default: token; the gspo estimator "
+                        "makes it sequence unless given).")
     g.add_argument("--use-tis", action="store_true", help="Truncated importance sampling against rollout log-probs.")
     g.add_argument("--tis-clip", type=float, default=2.0, help="TIS upper clip.")
     g.add_argument("--tis-clip-low", type=float, default=0.0, help="TIS lower clip.")

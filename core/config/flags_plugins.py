@@ -41,9 +41,11 @@ def add(g, dev) -> None:
     g.add_argument("--custom-loss-function-path", default=None,
                    help="module.function(args, batch) -> LossOutput (the loss hook's signature).")
     g.add_argument("--rollout-backend", default=dev.rollout_backend,
-                   help="rollout_engine plugin: sglang, or embedded (the default when SGLang is absent).")
+                   help="rollout_engine plugin: embedded, or sglang (the default when its furlong plugin, "
+                        "CUDA and the sglang package are all present).")
     g.add_argument("--train-backend", default=dev.train_backend,
-                   help="train_backend plugin: megatron (default with CUDA and megatron-core) or fsdp.")
+                   help="train_backend plugin: fsdp, or megatron (the default when its furlong plugin, CUDA "
+                        "and megatron-core are all present).")
     g.add_argument("--data-source", default="jsonl", help="data_source plugin.")
     g.add_argument("--data-source-path", default=None, help="Custom data source class (module.Class).")
     g.add_argument("--disable-plugins", action="append", default=[], metavar="NAME[,DIST:NAME]",

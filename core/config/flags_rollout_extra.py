@@ -22,7 +22,8 @@ def add(g, dev) -> None:
     g.add_argument("--rollout-data-postprocess-path", default=None,
                    help="module.function(args) run on the trainer after log-probs.")
     g.add_argument("--rollout-submission-granularity", choices=["group", "sample"], default=None,
-                   help="When an in-flight slot frees: per group (default) or per sample (default when fully async).")
+                   help="When an in-flight slot frees in the fully async rollout: per group, or per sample "
+                        "(its default).")
     g.add_argument("--partial-rollout", action="store_true",
                    help="Keep unfinished groups in a buffer and resume them next rollout.")
     g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true",

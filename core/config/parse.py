@@ -27,7 +27,9 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
 
     Order (SPEC.md 1.15): ``@FILE`` expansion, deprecation mapping, plugin flags
     (``pm``), pass-through split, parse, validation (:func:`validate`), then the
-    ``--custom-config-path`` overlay and a second validation of the result.
+    ``--custom-config-path`` overlay and a second validation of the result. The rules
+    of the chosen plugins run later, in their ``configure`` hooks
+    (:func:`furlong.core.configure.configure_plugins`, after the selection).
 
     Besides one attribute per flag the Namespace holds ``sglang_passthrough``,
     ``router_passthrough``, ``eval_sglang_passthrough`` (dicts), ``explicit_args``
@@ -40,7 +42,8 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     :param argv: the arguments after ``furlong train``.
     :param pm: plugin manager whose plugins may add flags (``add_arguments``).
     :param command: ``"train"`` or ``"train-async"`` to run the loop-dependent checks
-        (``--fully-async`` needs train-async, train-async rejects ``--colocate``, ...).
+        (train-async rejects ``--colocate``, ...) and set ``args.train_mode`` (``"sync"``
+        or ``"async"``), which plugins' ``configure`` hooks read.
     :raises ConfigError: every problem found, one per line.
     :raises PluginError: two plugins add one flag.
     """
@@ -63,6 +66,8 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
         setattr(args, attr, values)
     args.explicit_args = sorted(explicit)
     args.megatron_flags_given = megatron_given
+    if command is not None:
+        args.train_mode = "async" if command == "train-async" else "sync"
     raw = copy.deepcopy(args)
     findings = validate(args, command)
     if findings.errors:

@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import inspect
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from furlong.hooks import PluginError
 
 from . import env
 from .errors import ConfigError
 
-__all__ = ["GROUP_TITLES", "DeviceDefaults", "FurlongArgumentParser", "build_parser", "device_defaults"]
+__all__ = ["GROUP_TITLES", "MACHINE_FLAGS", "DeviceDefaults", "FurlongArgumentParser", "build_parser",
+           "device_defaults", "machine_defaults"]
 
 # Argument groups in --help order; titles as Miles users know the launch-script arrays.
 GROUP_TITLES: tuple[str, ...] = (
@@ -62,10 +63,15 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
 @dataclass(frozen=True)
 class DeviceDefaults:
-    """Defaults that depend on the machine (DESIGN.md "Flags").
+    """Defaults that depend on the machine (DESIGN.md "Flags"; docs/flags.md).
 
-    Without CUDA: one device per node, sdpa attention, fp32, gloo, the fsdp trainer.
-    Without SGLang: the embedded engine. With CUDA the Miles defaults stay.
+    ``gpus_per_node``: the CUDA devices torch sees (1 without CUDA). Without CUDA: sdpa
+    attention, fp32, gloo. ``rollout_backend`` is ``sglang`` only when a furlong plugin
+    named ``sglang`` is registered and CUDA and the ``sglang`` package are present, else
+    ``embedded``; ``train_backend`` is ``megatron`` only when a furlong plugin named
+    ``megatron`` is registered and CUDA and megatron-core are present, else ``fsdp``:
+    installing the ``sglang`` or ``megatron-core`` packages alone changes no default.
+    ``probes`` says, per field, what the value came from (``--print-config``).
     """
 
     cuda: bool
@@ -75,20 +81,83 @@ class DeviceDefaults:
     distributed_backend: str
     rollout_backend: str
     train_backend: str
+    probes: dict = field(default_factory=dict, compare=False)
 
 
-def device_defaults() -> DeviceDefaults:
-    """Probe this machine through :mod:`furlong.core.config.env` (monkeypatchable)."""
+# flag attribute -> the DeviceDefaults field its default comes from
+MACHINE_FLAGS: tuple[tuple[str, str], ...] = (
+    ("actor_num_gpus_per_node", "gpus_per_node"),
+    ("num_gpus_per_node", "gpus_per_node"),
+    ("attn_implementation", "attn_implementation"),
+    ("bf16", "bf16"),
+    ("distributed_backend", "distributed_backend"),
+    ("rollout_backend", "rollout_backend"),
+    ("train_backend", "train_backend"),
+)
+
+
+def device_defaults(pm=None) -> DeviceDefaults:
+    """Probe this machine through :mod:`furlong.core.config.env` (monkeypatchable).
+
+    :param pm: the run's plugin manager: a backend plugin counts as installed when it is
+        registered there (so ``--disable-plugins`` applies), broken or conflicting
+        included (choosing it then says why it cannot load). Without ``pm`` the
+        ``furlong`` entry points are read (:func:`env.furlong_plugin_installed`).
+    """
     cuda = env.cuda_available()
+    count = env.cuda_device_count() if cuda else 0
+    gpus = max(count, 1)
+    sglang_plugin = _backend_plugin(pm, "sglang", "rollout_engine")
+    sglang_package = env.sglang_available()
+    megatron_plugin = _backend_plugin(pm, "megatron", "train_backend")
+    megatron_package = env.megatron_available()
+    on_cuda = f"torch.cuda.is_available() = {cuda}"
+    probes = {
+        "gpus_per_node": f"torch.cuda.device_count() = {count}" if cuda else "no CUDA device: 1",
+        "attn_implementation": on_cuda,
+        "bf16": on_cuda,
+        "distributed_backend": on_cuda,
+        "rollout_backend": f"furlong plugin 'sglang' installed: {sglang_plugin}, CUDA: {cuda}, "
+                           f"sglang package importable: {sglang_package}",
+        "train_backend": f"furlong plugin 'megatron' installed: {megatron_plugin}, CUDA: {cuda}, "
+                         f"megatron.core importable: {megatron_package}",
+    }
     return DeviceDefaults(
         cuda=cuda,
-        gpus_per_node=8 if cuda else 1,
+        gpus_per_node=gpus,
         attn_implementation="flash_attention_2" if cuda else "sdpa",
         bf16=cuda,
         distributed_backend="nccl" if cuda else "gloo",
-        rollout_backend="sglang" if env.sglang_available() else "embedded",
-        train_backend="megatron" if cuda and env.megatron_available() else "fsdp",
+        rollout_backend="sglang" if sglang_plugin and cuda and sglang_package else "embedded",
+        train_backend="megatron" if megatron_plugin and cuda and megatron_package else "fsdp",
+        probes=probes,
     )
+
+
+def _backend_plugin(pm, name: str, hook: str) -> bool:
+    """Is a furlong plugin ``name`` (serving ``hook``) installed and enabled?"""
+    if pm is None:
+        return env.furlong_plugin_installed(name)
+    if name in pm.broken or name in pm.conflicts:
+        return True
+    return pm.get_plugin(name) is not None and hook in pm.hooks_of(name)
+
+
+def machine_defaults(args: argparse.Namespace, pm=None) -> dict:
+    """``{attribute: {"value": v, "probe": text}}`` for the flags whose value came from the machine.
+
+    A flag counts when it was not given (``args.explicit_args``) and still holds the
+    machine-dependent default (a later rule, such as ``--fp16`` turning ``bf16`` off,
+    takes it out). Shown by ``furlong train --print-config`` as ``machine_defaults``.
+    """
+    dev = device_defaults(pm)
+    given = set(getattr(args, "explicit_args", ()) or ())
+    out = {}
+    for dest, name in MACHINE_FLAGS:
+        value = getattr(dev, name)
+        if dest not in given and hasattr(args, dest) and getattr(args, dest) == value:
+            out[dest] = {"value": value, "probe": dev.probes[name]}
+    return out
 
 
 def build_parser(pm=None) -> argparse.ArgumentParser:
@@ -103,7 +172,7 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     from . import (flags_algo, flags_cluster, flags_eval, flags_logging, flags_model, flags_optim, flags_perf,
                    flags_plugins, flags_rollout, flags_rollout_extra, flags_sglang)
 
-    dev = device_defaults()
+    dev = device_defaults(pm)
     parser = FurlongArgumentParser(
         prog="furlong train",
         usage="%(prog)s [-h] [FLAG ...] [@FILE ...]",

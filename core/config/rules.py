@@ -3,10 +3,8 @@ appending to a :class:`furlong.core.config.validate.Findings`."""
 
 from __future__ import annotations
 
-__all__ = ["async_and_agents", "defaults", "estimator", "evaluation", "importance_sampling", "kl_and_reference",
-           "lengths", "performance", "saving", "sglang"]
-
-REINFORCE_PP = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+__all__ = ["async_and_agents", "defaults", "evaluation", "importance_sampling", "kl_and_reference", "lengths",
+           "performance", "saving", "sglang"]
 
 # eval attribute <- rollout attribute it inherits when not given (SPEC.md 1.5).
 EVAL_INHERITS: tuple[tuple[str, str], ...] = (
@@ -27,7 +25,11 @@ def _unset(dest: str, args, given: set[str]) -> bool:
 
 
 def defaults(args, f, given: set[str]) -> None:
-    """Defaults that follow other flags: clip, eval inheritance, caps, critic, schedule."""
+    """Defaults that follow other flags: clip, eval inheritance, caps, schedule.
+
+    Defaults that belong to one plugin are derived by that plugin's ``configure`` hook,
+    after the selection (:mod:`furlong.core.configure`).
+    """
     if _unset("eps_clip_high", args, given):
         args.eps_clip_high = args.eps_clip
     for dest, source in EVAL_INHERITS:
@@ -38,15 +40,7 @@ def defaults(args, f, given: set[str]) -> None:
     if _unset("log_probs_max_tokens_per_gpu", args, given):
         args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
     if _unset("policy_ratio_level", args, given):
-        args.policy_ratio_level = "sequence" if args.advantage_estimator == "gspo" else "token"
-    if _unset("rollout_submission_granularity", args, given):
-        args.rollout_submission_granularity = "sample" if args.fully_async else "group"
-    if _unset("critic_load", args, given):
-        args.critic_load = args.load
-    if _unset("critic_save", args, given):
-        args.critic_save = f"{args.save}_critic" if args.save else None
-    if _unset("critic_lr", args, given):
-        args.critic_lr = args.lr
+        args.policy_ratio_level = "token"
     if _unset("tokenizer_model", args, given):
         args.tokenizer_model = args.hf_checkpoint
     if _unset("max_position_embeddings", args, given):
@@ -78,28 +72,6 @@ def kl_and_reference(args, f) -> None:
     if args.kl_coef != 0 and args.kl_loss_coef != 0:
         f.error(f"--kl-coef ({args.kl_coef:g}) and --kl-loss-coef ({args.kl_loss_coef:g}) are exclusive: the KL goes "
                 f"into the rewards or into the loss, not both; set one of them to 0.")
-
-
-def estimator(args, f, command: str | None, given: set[str] = frozenset()) -> None:
-    """Built-in estimators' requirements (SPEC.md 1.7)."""
-    name = args.advantage_estimator
-    if name in REINFORCE_PP and not args.normalize_advantages:
-        f.error(f"--advantage-estimator {name} requires --normalize-advantages "
-                f"(its advantages are whitened over the rollout).")
-    if name == "ppo":
-        if args.train_backend != "megatron":
-            f.error(f"--advantage-estimator ppo needs --train-backend megatron (the critic is Megatron only), "
-                    f"got {args.train_backend}.")
-        if args.kl_coef != 0:
-            f.error(f"--advantage-estimator ppo needs --kl-coef 0, got {args.kl_coef:g}.")
-        if command == "train-async" and not (args.use_rollout_logprobs or args.use_tis or args.keep_old_actor):
-            f.error("furlong train-async with --advantage-estimator ppo needs --use-rollout-logprobs, --use-tis "
-                    "or --keep-old-actor (the old policy is gone by the time the batch trains).")
-    if name in ("grpo", "gspo") and args.n_samples_per_prompt == 1 and "n_samples_per_prompt" in given:
-        f.warn(f"--advantage-estimator {name} with --n-samples-per-prompt 1: a group of one sample has advantage "
-               "r - mean(r) = 0, so nothing is learned; sample several responses per prompt.")
-    if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
-        f.error("--loss-type custom_loss needs --custom-loss-function-path module.function.")
 
 
 def importance_sampling(args, f) -> None:
@@ -153,23 +125,14 @@ def evaluation(args, f) -> None:
 
 
 def async_and_agents(args, f, given: set[str], command: str | None) -> None:
-    """Fully async, partial rollout, train-async, agents and session servers."""
-    if args.fully_async:
-        reasons = (
-            ("colocate", "--colocate", "the producer generates while the trainer trains"),
-            ("partial_rollout", "--partial-rollout", "unfinished groups simply stay in flight"),
-            ("rollout_function_path", "--rollout-function-path", "both choose the rollout"),
-            ("rollout_all_samples_process_path", "--rollout-all-samples-process-path",
-             "there is no end of a rollout to see all samples at"),
-        )
-        for dest, flag, why in reasons:
-            if getattr(args, dest):
-                f.error(f"--fully-async cannot be combined with {flag} ({why}).")
-        if args.pause_generation_mode == "abort":
-            f.error("--fully-async cannot use --pause-generation-mode abort: generation is always in flight, so "
-                    "every weight update would throw it away; use retract or in_place.")
-        if command == "train":
-            f.error("fully async rollout (--rollout fully_async, --fully-async) needs furlong train-async.")
+    """Train-async, partial rollout, agents and session servers.
+
+    The fully async rollout's own rules live in its ``configure``; the one left here is
+    a selection conflict: ``--fully-async`` and ``--rollout-function-path`` both choose
+    the rollout.
+    """
+    if args.fully_async and args.rollout_function_path:
+        f.error("--fully-async cannot be combined with --rollout-function-path (both choose the rollout).")
     if command == "train-async" and args.colocate:
         f.error("furlong train-async cannot run with --colocate (training and generation overlap); "
                 "use furlong train.")

@@ -73,12 +73,8 @@ def validate(args, command: str | None = None) -> Findings:
     _cluster(args, f, given)
     _offload(args, f, given)
     rules.defaults(args, f, given)
-    if args.n_samples_per_prompt == 1 and not args.disable_grpo_std_normalization:
-        args.disable_grpo_std_normalization = True
-        f.info("--n-samples-per-prompt 1: group std normalization is off (a one-sample group has no std).")
     _over_sampling(args, f, given)
     rules.kl_and_reference(args, f)
-    rules.estimator(args, f, command, given)
     rules.importance_sampling(args, f)
     rules.saving(args, f, given)
     rules.evaluation(args, f)

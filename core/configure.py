@@ -1,0 +1,147 @@
+"""The ``configure`` step: every chosen plugin derives and checks its own flags (DESIGN.md
+"Execution seam"), after the core validated the flags and resolved the selection, before
+any model loads. Core's config knows flags, never algorithm names (STYLE.md section 7)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from argparse import Namespace
+
+import attrs
+
+from furlong.hooks import ConfigReport, PluginError
+
+from .config.errors import ConfigError
+from .plugins import FurlongPluginManager, _run_sync
+from .selection import CHOSEN_HOOKS, Selection
+
+__all__ = ["Configured", "configure_order", "configure_plugins"]
+
+log = logging.getLogger("furlong.config")
+
+
+@attrs.define
+class Configured:
+    """What the ``configure`` step did.
+
+    ``derived``: attribute -> ``{"value": v, "plugin": name}`` for every flag value a
+    plugin's ``configure`` set (shown by ``--print-config`` as ``plugin_defaults``).
+    ``reports``: one :class:`ConfigReport` per plugin called, in call order.
+    """
+
+    derived: dict[str, dict] = attrs.field(factory=dict)
+    reports: list[ConfigReport] = attrs.field(factory=list)
+
+
+def configure_order(args: Namespace, pm: FurlongPluginManager,
+                    selection: Selection) -> list[tuple[str, tuple[str, ...]]]:
+    """``(plugin name, flags that chose it)`` in the order ``configure`` is called.
+
+    The chosen hooks in :data:`CHOSEN_HOOKS` order, then the filters in flag order, then
+    the run-wide reward, then the executor (``selection.chosen["executor"]`` when the
+    selection has it, else ``args.executor`` when a plugin of that name is registered).
+    A plugin chosen several times appears once, at its first place, with every flag.
+    """
+    known = [spec.hook for spec in CHOSEN_HOOKS]
+    hooks = [h for h in known if h in selection.chosen] + [h for h in selection.chosen if h not in known]
+    picks = [selection.chosen[hook] for hook in hooks if hook != "executor"]
+    picks.extend(selection.filters)
+    if selection.reward:
+        picks.append(selection.reward)
+    if "executor" in selection.chosen:
+        picks.append(selection.chosen["executor"])
+    else:
+        name = getattr(args, "executor", None)
+        if name and pm.get_plugin(name) is not None:
+            picks.append((name, "--executor"))
+    order: dict[str, list[str]] = {}
+    for name, flag in picks:
+        flags = order.setdefault(name, [])
+        if flag not in flags:
+            flags.append(flag)
+    return [(name, tuple(flags)) for name, flags in order.items()]
+
+
+def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Selection) -> Configured:
+    """Call ``configure(args, report)`` of every chosen plugin that implements it.
+
+    Warnings and notes go to the ``furlong.config`` logger (which ranks other than 0 keep
+    quiet). A plugin that changes a flag the user gave is an error naming it (the value
+    is put back); one that raises is an error naming it (a :class:`PluginError`'s message
+    is kept as written).
+
+    :returns: :class:`Configured`: the values plugins derived, and their reports.
+    :raises ConfigError: every error of every plugin, one per line, after the warnings
+        were logged.
+    """
+    impls = {impl.plugin_name: impl for impl in pm.hook.configure.get_hookimpls()}
+    given = set(getattr(args, "explicit_args", ()) or ())
+    done = Configured()
+    errors: list[str] = []
+    for name, flags in configure_order(args, pm, selection):
+        impl = impls.get(name)
+        if impl is None:
+            continue
+        report = ConfigReport(plugin=name, flags=flags)
+        before = _snapshot(args)
+        try:
+            result = pm._call_sync("configure", impl, {"args": args, "report": report})
+            if inspect.isawaitable(result):
+                _run_sync(_await(result))
+        except PluginError as exc:
+            report.error(str(exc))
+        except Exception as exc:  # noqa: BLE001 - name the plugin at fault
+            report.error(f"plugin '{name}' ({pm.origin(name)}) failed in `configure`: {type(exc).__name__}: {exc}")
+        for dest, (old, new) in _changes(before, args).items():
+            if dest in given:
+                setattr(args, dest, old)
+                report.error(f"plugin '{name}' ({pm.origin(name)}) changed {_flag(dest)} in `configure` from "
+                             f"{old!r} to {new!r}, but that flag was given; `configure` sets only flags that were "
+                             f"not given (args.explicit_args).")
+            else:
+                done.derived[dest] = {"value": new, "plugin": name}
+        done.reports.append(report)
+        errors.extend(report.errors)
+    for report in done.reports:
+        for line in report.infos:
+            log.info("%s", line)
+        for line in report.warnings:
+            log.warning("%s", line)
+    if errors:
+        raise ConfigError(errors)
+    return done
+
+
+async def _await(awaitable):
+    return await awaitable
+
+
+def _snapshot(args: Namespace) -> dict:
+    out = {}
+    for key, value in vars(args).items():
+        try:
+            out[key] = copy.deepcopy(value)
+        except Exception:  # noqa: BLE001 - an object that cannot be copied is compared by identity
+            out[key] = value
+    return out
+
+
+def _changes(before: dict, args: Namespace) -> dict[str, tuple]:
+    """``dest -> (old, new)`` for every attribute added or changed since ``before``."""
+    missing = object()
+    changed = {}
+    for key, new in vars(args).items():
+        old = before.get(key, missing)
+        try:
+            same = old is not missing and bool(old == new)
+        except Exception:  # noqa: BLE001 - e.g. tensors: compare by identity
+            same = old is new
+        if not same:
+            changed[key] = (None if old is missing else old, new)
+    return changed
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")

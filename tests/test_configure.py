@@ -1,0 +1,363 @@
+"""The ``configure`` hook: chosen plugins derive and check their own flags after the core
+validated them and resolved the selection, before any model loads; and the built-in
+plugins' rules that moved out of core/config (whole messages compared)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+import furlong.core.config.env as env
+from furlong.core.cli import main
+from furlong.core.config import ConfigError, parse_args
+from furlong.core.configure import configure_plugins
+from furlong.core.selection import resolve_selection
+from furlong.hooks import ConfigReport, PluginError, hookimpl
+
+BASE = ["--num-rollout", "3", "--rollout-batch-size", "4"]
+
+
+@pytest.fixture(autouse=True)
+def cpu_machine(monkeypatch):
+    """The same defaults on every machine: no CUDA, no SGLang, no megatron-core."""
+    monkeypatch.setattr(env, "cuda_available", lambda: False)
+    monkeypatch.setattr(env, "sglang_available", lambda: False)
+    monkeypatch.setattr(env, "megatron_available", lambda: False)
+
+
+@pytest.fixture
+def resolve(plugin_manager):
+    """``resolve(argv, command=None) -> (args, Configured)``: parse, select, configure, as ``furlong train``."""
+
+    def run(argv, command=None):
+        args = parse_args(argv, plugin_manager, command=command)
+        selection = resolve_selection(args, plugin_manager)
+        return args, configure_plugins(args, plugin_manager, selection)
+
+    return run
+
+
+@pytest.fixture
+def error_of(resolve):
+    def run(argv, command=None) -> str:
+        with pytest.raises(PluginError) as excinfo:
+            resolve(argv, command)
+        return str(excinfo.value)
+
+    return run
+
+
+def derived_by(configured, plugin: str) -> dict:
+    """The values ``plugin``'s configure derived (other chosen plugins may derive their own)."""
+    return {k: v["value"] for k, v in configured.derived.items() if v["plugin"] == plugin}
+
+
+class Megatron:
+    """Stands in for a megatron train backend plugin (none is installed yet); never built here."""
+
+    @hookimpl
+    def train_backend(self, args):
+        raise AssertionError("no model loads while configuring")
+
+
+@pytest.fixture
+def megatron(register_plugin):
+    register_plugin(Megatron(), "megatron")
+
+
+# --- the hook contract ------------------------------------------------------------------
+
+
+def _recording(calls: list, hooks: tuple[str, ...], body=None):
+    """A plugin implementing ``hooks`` (never called here) and ``configure``, which records its call."""
+
+    def configure(self, args, report):
+        calls.append((report.plugin, report.flags))
+        if body:
+            body(args, report)
+
+    def unused(self, args):
+        raise AssertionError("only configure runs here")
+
+    namespace = {hook: hookimpl(_renamed(unused, hook)) for hook in hooks}
+    namespace["configure"] = hookimpl(configure)
+    return type("Recording", (), namespace)()
+
+
+def _renamed(function, name):
+    def wrapper(self, args):
+        return function(self, args)
+
+    wrapper.__name__ = name
+    return wrapper
+
+
+def test_hook_configure_runs_once_per_chosen_plugin_in_a_fixed_order(resolve, register_plugin):
+    calls: list = []
+    register_plugin(_recording(calls, ("advantage",)), "c_adv")
+    register_plugin(_recording(calls, ("loss", "reward")), "c_both")  # also the run-wide reward
+    register_plugin(_recording(calls, ("filter",)), "c_f1")
+    register_plugin(_recording(calls, ("filter",)), "c_f2")
+    register_plugin(_recording(calls, ("advantage",)), "c_unused")
+    resolve(BASE + ["--advantage-estimator", "c_adv", "--loss-type", "c_both", "--rm-type", "c_both",
+                    "--dynamic-sampling-filter", "c_f2", "c_f1"])
+    assert calls == [
+        ("c_adv", ("--advantage-estimator",)),
+        ("c_both", ("--loss-type", "--rm-type")),
+        ("c_f2", ("--dynamic-sampling-filter",)),
+        ("c_f1", ("--dynamic-sampling-filter",)),
+    ]
+
+
+def test_hook_configure_derives_defaults_only_for_flags_not_given(resolve, register_plugin):
+    def body(args, report):
+        report.default(args, "eps_clip_c", 3.0)
+        report.default(args, "tis_clip", 5.0)
+
+    register_plugin(_recording([], ("advantage",), body), "c_adv")
+    args, configured = resolve(BASE + ["--advantage-estimator", "c_adv", "--tis-clip", "1.5"])
+    assert (args.eps_clip_c, args.tis_clip) == (3.0, 1.5)
+    assert configured.derived["eps_clip_c"] == {"value": 3.0, "plugin": "c_adv"}
+    assert derived_by(configured, "c_adv") == {"eps_clip_c": 3.0}
+
+
+def test_hook_configure_errors_of_every_plugin_are_reported_together(error_of, register_plugin):
+    def two_errors(args, report):
+        report.error("--advantage-estimator c_adv needs --use-tis.")
+        report.error("--advantage-estimator c_adv needs --gamma 1.")
+
+    def raises_plugin_error(args, report):
+        raise PluginError("--loss-type c_loss needs --calculate-per-token-loss.")
+
+    def crashes(args, report):
+        return {}["missing"]
+
+    register_plugin(_recording([], ("advantage",), two_errors), "c_adv")
+    register_plugin(_recording([], ("loss",), raises_plugin_error), "c_loss")
+    register_plugin(_recording([], ("filter",), crashes), "c_filter")
+    message = error_of(BASE + ["--advantage-estimator", "c_adv", "--loss-type", "c_loss",
+                               "--dynamic-sampling-filter", "c_filter"])
+    assert message == (
+        "--advantage-estimator c_adv needs --use-tis.\n"
+        "--advantage-estimator c_adv needs --gamma 1.\n"
+        "--loss-type c_loss needs --calculate-per-token-loss.\n"
+        "plugin 'c_filter' (registered in-process) failed in `configure`: KeyError: 'missing'"
+    )
+
+
+def test_hook_configure_errors_are_a_config_error_and_the_cli_exits_2(plugin_dist, run_furlong):
+    dist = plugin_dist("furlong-strict", "furlong_strict", """
+        from furlong.hooks import hookimpl
+
+        @hookimpl
+        def advantage(args, batch):
+            return None
+
+        @hookimpl
+        def configure(args, report):
+            report.error(f"--advantage-estimator {report.plugin} needs --normalize-advantages.")
+    """, {"strict": "furlong_strict"})
+    proc = run_furlong("train", *BASE, "--advantage-estimator", "strict", "--hf-checkpoint", "/nonexistent",
+                       "--prompt-data", "/nonexistent.jsonl", sites=[dist.site])
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == "error: --advantage-estimator strict needs --normalize-advantages."
+
+
+def test_hook_configure_changing_a_given_flag_is_an_error_and_is_undone(resolve, register_plugin):
+    def overrides(args, report):
+        args.eps_clip = 0.5
+
+    register_plugin(_recording([], ("advantage",), overrides), "c_adv")
+    with pytest.raises(ConfigError) as excinfo:
+        resolve(BASE + ["--advantage-estimator", "c_adv", "--eps-clip", "0.1"])
+    assert str(excinfo.value) == (
+        "plugin 'c_adv' (registered in-process) changed --eps-clip in `configure` from 0.1 to 0.5, but that flag "
+        "was given; `configure` sets only flags that were not given (args.explicit_args).")
+
+
+def test_hook_configure_warnings_and_notes_go_to_the_config_logger(resolve, register_plugin, caplog):
+    def notes(args, report):
+        report.warn("--advantage-estimator c_adv ignores --gamma.")
+        report.info("c_adv: baseline weight 1.")
+
+    register_plugin(_recording([], ("advantage",), notes), "c_adv")
+    with caplog.at_level(logging.INFO, logger="furlong.config"):
+        resolve(BASE + ["--advantage-estimator", "c_adv"])
+    logged = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "furlong.config"]
+    assert ("WARNING", "--advantage-estimator c_adv ignores --gamma.") in logged
+    assert ("INFO", "c_adv: baseline weight 1.") in logged
+
+
+def test_hook_configure_async_def_is_awaited(resolve, register_plugin):
+    class AsyncConfigure:
+        @hookimpl
+        def advantage(self, args, batch):
+            return None
+
+        @hookimpl
+        async def configure(self, args, report):
+            report.default(args, "gamma", 0.5)
+
+    register_plugin(AsyncConfigure(), "c_async")
+    args, configured = resolve(BASE + ["--advantage-estimator", "c_async"])
+    assert args.gamma == 0.5
+    assert derived_by(configured, "c_async") == {"gamma": 0.5}
+
+
+def test_config_report_default_and_given():
+    from argparse import Namespace
+
+    args = Namespace(gamma=1.0, lambd=1.0, explicit_args=["lambd"])
+    report = ConfigReport(plugin="p")
+    assert (report.default(args, "gamma", 0.9), report.default(args, "lambd", 0.9)) == (0.9, 1.0)
+    assert (report.given(args, "gamma"), report.given(args, "lambd")) == (False, True)
+
+
+def test_print_config_shows_plugin_and_machine_defaults(capsys):
+    assert main(["train", *BASE, "--advantage-estimator", "gspo", "--attn-implementation", "eager",
+                 "--print-config"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["args"]["policy_ratio_level"] == "sequence"
+    assert {k: v for k, v in data["plugin_defaults"].items() if v["plugin"] == "gspo"} == {
+        "policy_ratio_level": {"value": "sequence", "plugin": "gspo"},
+        "disable_grpo_std_normalization": {"value": True, "plugin": "gspo"},  # one sample per prompt
+    }
+    assert data["machine_defaults"] == {
+        "actor_num_gpus_per_node": {"value": 1, "probe": "no CUDA device: 1"},
+        "num_gpus_per_node": {"value": 1, "probe": "no CUDA device: 1"},
+        "bf16": {"value": False, "probe": "torch.cuda.is_available() = False"},
+        "distributed_backend": {"value": "gloo", "probe": "torch.cuda.is_available() = False"},
+        "rollout_backend": {"value": "embedded", "probe": "furlong plugin 'sglang' installed: False, CUDA: False, "
+                                                          "sglang package importable: False"},
+        "train_backend": {"value": "fsdp", "probe": "furlong plugin 'megatron' installed: False, CUDA: False, "
+                                                    "megatron.core importable: False"},
+    }
+
+
+# --- rules the built-in plugins own (moved from core/config) ------------------------------
+
+PLUGIN_ERRORS = [
+    (["--advantage-estimator", "reinforce_plus_plus"], None,
+     "--advantage-estimator reinforce_plus_plus requires --normalize-advantages (its advantages are whitened "
+     "over the rollout)."),
+    (["--advantage-estimator", "reinforce_plus_plus_baseline"], None,
+     "--advantage-estimator reinforce_plus_plus_baseline requires --normalize-advantages (its advantages are "
+     "whitened over the rollout)."),
+    (["--advantage-estimator", "ppo"], None,
+     "--advantage-estimator ppo needs --train-backend megatron (the critic is Megatron only), got fsdp."),
+    (["--advantage-estimator", "ppo", "--kl-coef", "0.1", "--ref-load", "/ref"], None,
+     "--advantage-estimator ppo needs --train-backend megatron (the critic is Megatron only), got fsdp.\n"
+     "--advantage-estimator ppo needs --kl-coef 0, got 0.1."),
+    (["--fully-async", "--colocate"], None,
+     "--fully-async cannot be combined with --colocate (the producer generates while the trainer trains)."),
+    (["--fully-async", "--partial-rollout"], None,
+     "--fully-async cannot be combined with --partial-rollout (unfinished groups simply stay in flight)."),
+    (["--rollout", "fully_async", "--rollout-all-samples-process-path", "my.process"], None,
+     "--fully-async cannot be combined with --rollout-all-samples-process-path (there is no end of a rollout "
+     "to see all samples at)."),
+    (["--fully-async", "--pause-generation-mode", "abort"], None,
+     "--fully-async cannot use --pause-generation-mode abort: generation is always in flight, so every weight "
+     "update would throw it away; use retract or in_place."),
+    (["--fully-async"], "train",
+     "fully async rollout (--rollout fully_async, --fully-async) needs furlong train-async."),
+    (["--loss-type", "custom_loss"], None,
+     "--loss-type custom_loss needs --custom-loss-function-path module.function."),
+]
+
+
+@pytest.mark.parametrize("extra, command, message", PLUGIN_ERRORS,
+                         ids=lambda v: " ".join(v)[:50] if isinstance(v, list) else str(v))
+def test_plugin_rule_error_message(error_of, extra, command, message):
+    assert error_of(BASE + extra, command) == message
+
+
+@pytest.mark.parametrize("extra, command, message", [
+    (["--advantage-estimator", "ppo", "--train-backend", "megatron", "--ref-load", "/ref", "--kl-coef", "0.1"], None,
+     "--advantage-estimator ppo needs --kl-coef 0, got 0.1."),
+    (["--advantage-estimator", "ppo", "--train-backend", "megatron"], "train-async",
+     "furlong train-async with --advantage-estimator ppo needs --use-rollout-logprobs, --use-tis or "
+     "--keep-old-actor (the old policy is gone by the time the batch trains)."),
+])
+def test_ppo_rules_with_a_megatron_backend(error_of, megatron, extra, command, message):
+    assert error_of(BASE + extra, command) == message
+
+
+def test_ppo_runs_with_megatron_and_derives_its_critic_defaults(resolve, megatron):
+    argv = BASE + ["--advantage-estimator", "ppo", "--train-backend", "megatron", "--load", "/ck", "--save", "/ck",
+                   "--lr", "2e-6"]
+    args, configured = resolve(argv, "train")
+    assert (args.critic_load, args.critic_save, args.critic_lr) == ("/ck", "/ck_critic", 2e-6)
+    assert derived_by(configured, "ppo") == {"critic_load": "/ck", "critic_save": "/ck_critic", "critic_lr": 2e-6}
+    args, _ = resolve(argv + ["--use-tis"], "train-async")
+    assert (args.critic_lr, args.critic_save) == (2e-6, "/ck_critic")
+
+
+def test_critic_defaults_are_ppo_s_only(resolve):
+    args, _ = resolve(BASE + ["--load", "/ck", "--save", "/ck", "--lr", "2e-6"])
+    assert (args.critic_load, args.critic_save, args.critic_lr) == (None, None, None)
+
+
+def test_rules_follow_the_plugin_actually_chosen(resolve):
+    # a dotted path replaces the named estimator: reinforce_plus_plus's rule does not apply
+    args, _ = resolve(BASE + ["--advantage-estimator", "reinforce_plus_plus", "--custom-advantage-function-path",
+                              "furlong.builtin_plugins.advantage._group.group_relative_advantages"])
+    assert args.normalize_advantages is False
+    assert resolve(BASE + ["--advantage-estimator", "reinforce_plus_plus", "--normalize-advantages"])
+
+
+def test_gspo_makes_the_ratio_sequence_level_unless_given(resolve):
+    two = ["--n-samples-per-prompt", "2"]
+    assert resolve(BASE + two)[0].policy_ratio_level == "token"
+    args, configured = resolve(BASE + two + ["--advantage-estimator", "gspo"])
+    assert (args.policy_ratio_level, derived_by(configured, "gspo")) == ("sequence", {"policy_ratio_level": "sequence"})
+    args, configured = resolve(BASE + two + ["--advantage-estimator", "gspo", "--policy-ratio-level", "token"])
+    assert (args.policy_ratio_level, derived_by(configured, "gspo")) == ("token", {})
+
+
+def test_a_third_party_estimator_may_choose_the_sequence_ratio_too(resolve, register_plugin):
+    def sequence(args, report):
+        report.default(args, "policy_ratio_level", "sequence")
+
+    register_plugin(_recording([], ("advantage",), sequence), "seq_adv")
+    assert resolve(BASE + ["--advantage-estimator", "seq_adv"])[0].policy_ratio_level == "sequence"
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gspo"])
+def test_group_estimators_warn_about_one_sample_groups(resolve, caplog, estimator):
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="furlong.config"):
+        args, _ = resolve(BASE + ["--advantage-estimator", estimator, "--n-samples-per-prompt", "1",
+                                  "--global-batch-size", "4"])
+    warned = [r.getMessage() for r in caplog.records if r.name == "furlong.config" and r.levelno == logging.WARNING]
+    assert warned == [f"--advantage-estimator {estimator} with --n-samples-per-prompt 1: a group of one sample has "
+                      "advantage r - mean(r) = 0, so nothing is learned; sample several responses per prompt."]
+    assert args.disable_grpo_std_normalization is True
+
+
+def test_group_std_normalization_is_forced_off_only_for_one_sample_groups(resolve, caplog):
+    with caplog.at_level(logging.INFO, logger="furlong.config"):
+        args, configured = resolve(BASE)  # one sample per prompt by default: no warning, a note
+    assert args.disable_grpo_std_normalization is True
+    assert derived_by(configured, "grpo") == {"disable_grpo_std_normalization": True}
+    logged = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "furlong.config"]
+    assert ("INFO", "--n-samples-per-prompt 1: group std normalization is off (a one-sample group has no std).") \
+        in logged
+    assert not [m for level, m in logged if level == "WARNING" and "a group of one sample" in m]
+    assert resolve(BASE + ["--n-samples-per-prompt", "4"])[0].disable_grpo_std_normalization is False
+
+
+def test_fully_async_submits_per_sample_unless_given(resolve):
+    assert resolve(BASE)[0].rollout_submission_granularity is None  # only the fully async rollout reads it
+    args, configured = resolve(BASE + ["--rollout", "fully_async"], "train-async")
+    assert args.rollout_submission_granularity == "sample"
+    assert derived_by(configured, "fully_async") == {"rollout_submission_granularity": "sample"}
+    args, _ = resolve(BASE + ["--fully-async", "--rollout-submission-granularity", "group"], "train-async")
+    assert args.rollout_submission_granularity == "group"
+
+
+def test_fully_async_function_path_selects_the_plugin_and_its_defaults(resolve):
+    args, _ = resolve(BASE + ["--rollout-function-path", "fully_async_rollout.generate_rollout_fully_async"],
+                      "train-async")
+    assert (args.rollout, args.rollout_submission_granularity) == ("fully_async", "sample")
