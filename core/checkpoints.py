@@ -15,6 +15,7 @@ only writes into the directory it is given.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -207,6 +208,34 @@ def _publish(args: Any, save: str, rollout_id: int, tmp: str, final: str, state_
         os.remove(sentinel)
         log.info("save trigger %s honoured at rollout %d and removed", sentinel, rollout_id)
     log.info("saved checkpoint %s", final)
+    _post_save_hook(args, rollout_id, final)
+
+
+def _post_save_hook(args: Any, rollout_id: int, ckpt_dir: str) -> None:
+    """Call ``--custom-megatron-post-save-hook-path`` as ``hook(args, rollout_id, ckpt_dir, hf_dir)``.
+
+    Runs once per save, after the marker names the new checkpoint, in the process that
+    wrote the marker. ``hf_dir`` is None: furlong writes no Hugging Face export per save
+    (``--save-hf`` is not supported yet).
+
+    :raises PluginError: the path cannot be imported, the hook raises, or it is ``async def``
+        (it is called synchronously).
+    """
+    path = getattr(args, "custom_megatron_post_save_hook_path", None)
+    if not path:
+        return
+    from .adapters import import_dotted
+
+    flag = "--custom-megatron-post-save-hook-path"
+    hook = import_dotted(path, flag)
+    try:
+        result = hook(args, rollout_id, ckpt_dir, None)
+    except Exception as exc:  # noqa: BLE001 - name the hook at fault
+        raise PluginError(f"{flag} '{path}' failed after saving {ckpt_dir}: {type(exc).__name__}: {exc}") from exc
+    if inspect.isawaitable(result):
+        getattr(result, "close", lambda: None)()
+        raise PluginError(f"{flag} '{path}' returned an awaitable: the hook is called synchronously after each save; "
+                          f"make it a plain function.")
 
 
 @attrs.define

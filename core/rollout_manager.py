@@ -10,6 +10,7 @@ the weight version last synced, and the data state snapshotted at the end of eac
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from collections import Counter
 
 from furlong.hooks import FilterResult, PluginError, RolloutContext, RolloutEngine, Sample, Status
 
+from .adapters import import_dotted
 from .data_cursor import DataCursor
 from .plugins import FurlongPluginManager
 from .rewards import RewardScorer
@@ -67,6 +69,8 @@ class RolloutManager:
         self.data_states: dict[int, dict] = {}
         self.rollout_metrics: dict[int, dict] = {}
         self.progress = {"samples_done": 0, "tokens": 0, "samples_total": 0}
+        self.sample_filter = _function(args, "rollout_sample_filter_path")
+        self.all_samples_process = _function(args, "rollout_all_samples_process_path")
 
     # --- the rollout ---------------------------------------------------------------------
 
@@ -102,6 +106,7 @@ class RolloutManager:
             self.aborted = False
         self._check_groups(name, groups)
         groups.sort(key=lambda g: g[0].index)
+        await self._postprocess(groups)
         context.metrics.update(self._account(groups, buffered_before))
         self.data_states[rollout_id] = self.data_state()
         for old in [r for r in self.data_states if r < rollout_id - 1]:
@@ -109,6 +114,23 @@ class RolloutManager:
         context.metrics["perf/rollout_time"] = time.perf_counter() - start
         self.rollout_metrics[rollout_id] = context.metrics
         return groups
+
+    async def _postprocess(self, groups: list[list[Sample]]) -> None:
+        """``--rollout-sample-filter-path`` on the groups to train on (it may set ``remove_sample``),
+        then ``--rollout-all-samples-process-path`` on every group that finished generating this
+        rollout, kept or not, sorted by first index, with the data cursor (SPEC.md 5.1)."""
+        if self.sample_filter:
+            await _call(self.args, "rollout_sample_filter_path", self.sample_filter, groups)
+        if self.all_samples_process:
+            seen = {id(g) for g in self.cursor.buffer}  # partial rollout: resumed next time, not seen yet
+            finished = []
+            for group in [*groups, *self._handed_out]:
+                if id(group) not in seen and _finished(group):
+                    seen.add(id(group))
+                    finished.append(group)
+            finished.sort(key=lambda g: g[0].index)
+            await _call(self.args, "rollout_all_samples_process_path", self.all_samples_process, finished,
+                        self.cursor)
 
     def set_weight_version(self, version: int) -> None:
         """Record the weight version the trainer just pushed to the engine (SPEC.md 6.5).
@@ -323,6 +345,32 @@ class _TrackingCursor:
     @property
     def drop_counts(self) -> dict:
         return self._manager.drop_counts()
+
+
+def _function(args: Namespace, dest: str):
+    """The function a dotted-path flag names (imported now, so a bad path fails at set-up), or None."""
+    path = getattr(args, dest, None)
+    if not path:
+        return None
+    flag = "--" + dest.replace("_", "-")
+    fn = import_dotted(path, flag)
+    if not callable(fn):
+        raise PluginError(f"{flag} '{path}': '{path.rpartition('.')[2]}' is a {type(fn).__name__}, not callable; "
+                          f"point the flag at a function.")
+    return fn
+
+
+async def _call(args: Namespace, dest: str, fn, *fn_args) -> None:
+    """Call the function of dotted-path flag ``dest`` (plain or ``async def``); a failure names the flag."""
+    try:
+        result = fn(args, *fn_args)
+        if inspect.isawaitable(result):
+            await result
+    except PluginError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - name the function at fault
+        flag = "--" + dest.replace("_", "-")
+        raise PluginError(f"{flag} '{getattr(args, dest)}' failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _finished(group: list[Sample]) -> bool:
