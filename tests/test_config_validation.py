@@ -73,13 +73,16 @@ ERRORS = [
     (["--use-rollout-logprobs", "--use-tis"],
      "--use-rollout-logprobs and --use-tis are exclusive: with the engine's log-probs as the old policy the "
      "importance ratio is always 1."),
-    (["--get-mismatch-metrics"], "--get-mismatch-metrics needs --custom-tis-function-path."),
+    (["--get-mismatch-metrics"],
+     "--get-mismatch-metrics is not supported yet; remove it.\n--get-mismatch-metrics needs --custom-tis-function-path."),
     (["--use-opd"], "--use-opd needs --opd-type (megatron)."),
     (["--use-opd", "--opd-type", "megatron"],
      "--use-opd --opd-type megatron needs --opd-teacher-load (the teacher checkpoint)."),
     (["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/t", "--opd-teacher-urls", "a=http://x"],
+     "--opd-teacher-urls is not supported yet; remove it.\n"
      "--opd-type megatron takes no --opd-teacher-urls (the teacher runs in the trainer)."),
-    (["--opd-teacher-urls", "http://x"], "--opd-teacher-urls takes NAME=URL items, got 'http://x'."),
+    (["--opd-teacher-urls", "http://x"],
+     "--opd-teacher-urls is not supported yet; remove it.\n--opd-teacher-urls takes NAME=URL items, got 'http://x'."),
     (["--save-interval", "20"],
      "--save-interval 20 has no effect without --save: give --save DIR or drop --save-interval."),
     (["--save-trigger-sentinel", "/tmp/stop"],
@@ -111,10 +114,12 @@ ERRORS = [
      "across weight updates)."),
     (["--debug-rollout-only", "--debug-train-only"],
      "--debug-rollout-only and --debug-train-only are exclusive: the first runs only the engines, the second "
-     "only the trainer."),
+     "only the trainer.\n--debug-rollout-only is not supported yet; remove it.\n"
+     "--debug-train-only is not supported yet; remove it."),
     (["--debug-rollout-only", "--load-debug-rollout-data", "/d/{rollout_id}.pt"],
      "--debug-rollout-only and --debug-train-only are exclusive: the first runs only the engines, the second "
-     "only the trainer."),
+     "only the trainer.\n--debug-rollout-only is not supported yet; remove it.\n"
+     "--load-debug-rollout-data is not supported yet; remove it."),
     (["--rollout-max-context-len", "100", "--rollout-max-prompt-len", "100"],
      "--rollout-max-prompt-len (100) must be at most --rollout-max-context-len - 1 (99): a prompt needs room for "
      "one response token."),
@@ -210,6 +215,55 @@ UNSUPPORTED_ARGV = {
     "--keep-old-actor": ["--keep-old-actor"],
     "--use-session-server": ["--use-session-server"],
     "--custom-async-data-buffer-path": ["--custom-async-data-buffer-path", "my.Buffer"],
+    "--disable-rollout-global-dataset": ["--disable-rollout-global-dataset"],
+    "--custom-convert-samples-to-train-data-path": ["--custom-convert-samples-to-train-data-path", "my.convert"],
+    "--rollout-data-postprocess-path": ["--rollout-data-postprocess-path", "my.post"],
+    "--generate-max-turns": ["--generate-max-turns", "4"],
+    "--generate-tool-specs-path": ["--generate-tool-specs-path", "tools.json"],
+    "--generate-tool-call-parser": ["--generate-tool-call-parser", "qwen25"],
+    "--generate-execute-tool-function-path": ["--generate-execute-tool-function-path", "my.execute"],
+    "--max-seq-len": ["--max-seq-len", "4096"],
+    "--session-server-ip": ["--session-server-ip", "10.0.0.1"],
+    "--session-server-port": ["--session-server-port", "8000"],
+    "--rollout-external-engine-addrs": ["--rollout-external-engine-addrs", "h:1"],
+    "--eval-function-path": ["--eval-function-path", "my.eval"],
+    "--eval-num-gpus-per-engine": ["--eval-num-gpus-per-engine", "2"],
+    "--eval-hf-dir": ["--eval-hf-dir", "/hf"],
+    "--eval-max-in-flight": ["--eval-max-in-flight", "4"],
+    "--eval-overflow-policy": ["--eval-overflow-policy", "skip"],
+    "--eval-keep-snapshots": ["--eval-keep-snapshots", "3"],
+    "--log-probs-max-tokens-per-gpu": ["--log-probs-max-tokens-per-gpu", "4096"],
+    "--fsdp-cpu-backend": ["--fsdp-cpu-backend", "nccl"],
+    "--no-keep-fp32-master": ["--no-keep-fp32-master"],
+    "--disable-compute-advantages-and-returns": ["--disable-compute-advantages-and-returns"],
+    "--custom-tis-function-path": ["--custom-tis-function-path", "my.tis"],
+    "--get-mismatch-metrics": ["--get-mismatch-metrics"],
+    "--ref-update-interval": ["--ref-update-interval", "5"],
+    "--opd-teacher-urls": ["--opd-teacher-urls", "t=http://h:1"],
+    "--num-critic-only-steps": ["--num-critic-only-steps", "2"],
+    "--critic-load": ["--critic-load", "/critic"],
+    "--critic-save": ["--critic-save", "/critic"],
+    "--critic-lr": ["--critic-lr", "1e-5"],
+    "--critic-lr-warmup-iters": ["--critic-lr-warmup-iters", "3"],
+    "--log-interval": ["--log-interval", "10"],
+    "--log-passrate": ["--log-passrate"],
+    "--log-multi-turn": ["--log-multi-turn"],
+    "--log-reward-category": ["--log-reward-category", "source"],
+    "--log-correct-samples": ["--log-correct-samples"],
+    "--custom-rollout-log-function-path": ["--custom-rollout-log-function-path", "my.log"],
+    "--custom-eval-rollout-log-function-path": ["--custom-eval-rollout-log-function-path", "my.log"],
+    "--mlflow-tracking-uri": ["--mlflow-tracking-uri", "http://mlflow:5000"],
+    "--mlflow-experiment-name": ["--mlflow-experiment-name", "mine"],
+    "--mlflow-run-name": ["--mlflow-run-name", "run1"],
+    "--prometheus-port": ["--prometheus-port", "9090"],
+    "--debug-rollout-only": ["--debug-rollout-only"],
+    "--debug-train-only": ["--debug-train-only"],
+    "--save-debug-rollout-data": ["--save-debug-rollout-data", "/d/{rollout_id}.pt"],
+    "--load-debug-rollout-data": ["--load-debug-rollout-data", "/d/{rollout_id}.pt"],
+    "--dump-details": ["--dump-details", "/d"],
+    "--debug-exit-after-rollout": ["--debug-exit-after-rollout", "2"],
+    "--check-weight-update-equal": ["--check-weight-update-equal"],
+    "--deterministic-mode": ["--deterministic-mode"],
 }
 UNSUPPORTED_MESSAGES = {
     "--qkv-format": "--qkv-format bshd is not supported yet (supported: thd).",
@@ -217,6 +271,16 @@ UNSUPPORTED_MESSAGES = {
     "--eval-num-gpus": "--eval-num-gpus 2 is not supported yet (supported: 0).",
     "--update-weight-transfer-mode": "--update-weight-transfer-mode disk-delta is not supported yet "
                                      "(supported: broadcast).",
+    "--generate-max-turns": "--generate-max-turns 4 is not supported yet (supported: 16).",
+    "--eval-num-gpus-per-engine": "--eval-num-gpus-per-engine 2 is not supported yet (supported: 1).",
+    "--eval-max-in-flight": "--eval-max-in-flight 4 is not supported yet (supported: 2).",
+    "--eval-overflow-policy": "--eval-overflow-policy skip is not supported yet (supported: backpressure).",
+    "--eval-keep-snapshots": "--eval-keep-snapshots 3 is not supported yet (supported: 2).",
+    "--fsdp-cpu-backend": "--fsdp-cpu-backend nccl is not supported yet (supported: gloo).",
+    "--num-critic-only-steps": "--num-critic-only-steps 2 is not supported yet (supported: 0).",
+    "--critic-lr-warmup-iters": "--critic-lr-warmup-iters 3 is not supported yet (supported: 0).",
+    "--log-interval": "--log-interval 10 is not supported yet (supported: 1).",
+    "--mlflow-experiment-name": "--mlflow-experiment-name mine is not supported yet (supported: furlong).",
 }
 
 
@@ -308,7 +372,6 @@ def test_colocate_disables_cuda_graph_prefill_unless_given(caplog):
     (["--colocate", "--no-offload-rollout"], (True, False)),
     (["--offload"], (True, True)),
     (["--offload-rollout"], (False, True)),
-    (["--colocate", "--debug-rollout-only"], (False, False)),
 ])
 def test_offload_defaults(extra, expected):
     args = parse_args(BASE + extra)
@@ -390,8 +453,10 @@ def test_rollout_fully_async_sets_the_fully_async_flag():
     assert (args.rollout, args.fully_async) == ("fully_async", True)
 
 
-def test_load_debug_rollout_data_implies_train_only():
-    assert parse_args(BASE + ["--load-debug-rollout-data", "/d/{rollout_id}.pt"]).debug_train_only is True
+def test_a_refused_flag_is_named_only_when_given():
+    """--load-debug-rollout-data implies --debug-train-only; both are refused, only the given one is named."""
+    assert error_of(BASE + ["--load-debug-rollout-data", "/d/{rollout_id}.pt"]) == (
+        "--load-debug-rollout-data is not supported yet; remove it.")
 
 
 def test_prompt_length_cap_defaults_to_context_minus_one():

@@ -3,6 +3,8 @@ SPEC.md 1.7). The estimator and the loss are chosen in the ``plugins`` group."""
 
 from __future__ import annotations
 
+from ._util import megatron
+
 __all__ = ["add"]
 
 
@@ -31,11 +33,12 @@ def add(g, dev) -> None:
     g.add_argument("--use-tis", action="store_true", help="Truncated importance sampling against rollout log-probs.")
     g.add_argument("--tis-clip", type=float, default=2.0, help="TIS upper clip.")
     g.add_argument("--tis-clip-low", type=float, default=0.0, help="TIS lower clip.")
-    g.add_argument("--custom-tis-function-path", default=None, help="module.function replacing the TIS weights.")
+    g.add_argument("--custom-tis-function-path", default=None,
+                   help="module.function replacing the TIS weights (not supported yet).")
     g.add_argument("--use-rollout-logprobs", action="store_true",
                    help="Use the engine's log-probs as pi_old (exclusive with --use-tis).")
     g.add_argument("--get-mismatch-metrics", action="store_true",
-                   help="Log train/rollout mismatch metrics; needs --custom-tis-function-path.")
+                   help="Log train/rollout mismatch metrics; needs --custom-tis-function-path (not supported yet).")
     g.add_argument("--custom-pg-loss-reducer-function-path", default=None,
                    help="module.function reducing the policy-gradient term.")
     g.add_argument("--use-opsm", action="store_true", help="Off-policy sequence masking.")
@@ -48,20 +51,26 @@ def add(g, dev) -> None:
     g.add_argument("--gamma", type=float, default=1.0, help="Discount factor.")
     g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda.")
     g.add_argument("--value-clip", type=float, default=0.2, help="Critic value clip.")
-    g.add_argument("--num-critic-only-steps", type=int, default=0, help="ppo: rollouts that train only the critic.")
-    g.add_argument("--critic-load", default=None, help="ppo: critic checkpoint (default: --load).")
-    g.add_argument("--critic-save", default=None, help="ppo: critic save dir (default: --save + '_critic').")
-    g.add_argument("--critic-lr", type=float, default=None, help="ppo: critic learning rate (default: --lr).")
-    g.add_argument("--critic-lr-warmup-iters", type=int, default=0, help="ppo: critic warmup steps.")
-    g.add_argument("--ref-update-interval", type=int, default=None, help="Copy the actor into the reference every k rollouts.")
+    g.add_argument("--num-critic-only-steps", type=int, default=0,
+                   help="ppo: rollouts that train only the critic (not supported yet).")
+    g.add_argument("--critic-load", default=None, help="ppo: critic checkpoint (default: --load) (not supported yet).")
+    g.add_argument("--critic-save", default=None,
+                   help="ppo: critic save dir (default: --save + '_critic') (not supported yet).")
+    g.add_argument("--critic-lr", type=float, default=None,
+                   help="ppo: critic learning rate (default: --lr) (not supported yet).")
+    g.add_argument("--critic-lr-warmup-iters", type=int, default=0,
+                   help="ppo: critic warmup steps (not supported yet).")
+    g.add_argument("--ref-update-interval", type=int, default=None,
+                   help="Copy the actor into the reference every k rollouts (not supported yet).")
     g.add_argument("--use-opd", action="store_true", help="On-policy distillation on top of the estimator.")
     g.add_argument("--opd-type", choices=["sglang", "megatron"], default=None,
                    help="OPD teacher: a served model (not supported yet) or a Megatron checkpoint; required with --use-opd.")
     g.add_argument("--opd-kl-coef", type=float, default=1.0, help="OPD KL weight.")
-    g.add_argument("--opd-teacher-load", default=None, help="OPD megatron teacher checkpoint.")
-    g.add_argument("--opd-teacher-urls", nargs="+", default=None, metavar="NAME=URL", help="OPD sglang teachers.")
+    megatron(g, "--opd-teacher-load", default=None, help="Megatron: the OPD teacher checkpoint (--opd-type megatron).")
+    g.add_argument("--opd-teacher-urls", nargs="+", default=None, metavar="NAME=URL",
+                   help="OPD sglang teachers (not supported yet).")
     g.add_argument("--disable-compute-advantages-and-returns", action="store_true",
-                   help="Skip reference/old log-probs and advantages (SFT, custom losses).")
+                   help="Skip reference/old log-probs and advantages (SFT, custom losses) (not supported yet).")
     g.add_argument("--use-routing-replay", action="store_true", help="MoE routing replay (not supported yet).")
     g.add_argument("--use-rollout-routing-replay", action="store_true",
                    help="Replay the engine's MoE routing in training (not supported yet).")

@@ -30,12 +30,15 @@ def add(g, dev) -> None:
                    help="Eval cap on prompt + response tokens (default: --rollout-max-context-len).")
     g.add_argument("--eval-reward-key", default=None, help="Eval reward dict key (default: --reward-key).")
     g.add_argument("--eval-function-path", default=None,
-                   help="module.function replacing the eval rollout (default: the rollout function).")
+                   help="module.function replacing the eval rollout (default: the rollout function) "
+                        "(not supported yet).")
     g.add_argument("--eval-num-gpus", type=int, default=0,
                    help="GPUs of a dedicated eval fleet, train-async only (not supported yet).")
-    g.add_argument("--eval-num-gpus-per-engine", type=int, default=1, help="GPUs per eval engine.")
-    g.add_argument("--eval-hf-dir", default=None, help="Where eval weight snapshots are written.")
-    g.add_argument("--eval-max-in-flight", type=int, default=2, help="Most eval snapshots evaluated at once.")
+    g.add_argument("--eval-num-gpus-per-engine", type=int, default=1, help="GPUs per eval engine (not supported yet).")
+    g.add_argument("--eval-hf-dir", default=None, help="Where eval weight snapshots are written (not supported yet).")
+    g.add_argument("--eval-max-in-flight", type=int, default=2,
+                   help="Most eval snapshots evaluated at once (not supported yet).")
     g.add_argument("--eval-overflow-policy", choices=["backpressure", "skip"], default="backpressure",
-                   help="What happens when more snapshots wait than --eval-max-in-flight.")
-    g.add_argument("--eval-keep-snapshots", type=int, default=2, help="Eval weight snapshots kept on disk.")
+                   help="What happens when more snapshots wait than --eval-max-in-flight (not supported yet).")
+    g.add_argument("--eval-keep-snapshots", type=int, default=2,
+                   help="Eval weight snapshots kept on disk (not supported yet).")

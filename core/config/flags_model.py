@@ -16,11 +16,11 @@ def add(g, dev) -> None:
     g.add_argument("--hf-checkpoint", default=None,
                    help="HF model directory: tokenizer, config, engine boot weights, fsdp weights; "
                         "also the reference model when --ref-load is absent.")
-    g.add_argument("--model-name", default=None,
-                   help="Model family for Megatron->HF weight conversion (default: from the HF config).")
+    megatron(g, "--model-name", default=None,
+             help="Megatron: model family for Megatron->HF weight conversion (default: from the HF config).")
     g.add_argument("--ref-load", default=None,
                    help="Frozen reference model (Megatron torch_dist dir or HF dir) and warm-start source.")
-    g.add_argument("--ref-ckpt-step", type=int, default=None, help="Iteration of --ref-load to read.")
+    megatron(g, "--ref-ckpt-step", type=int, default=None, help="Megatron: iteration of a torch_dist --ref-load to read.")
     g.add_argument("--load", default=None, help="Resume directory (the parent of iter_* directories).")
     g.add_argument("--save", default=None, help="Checkpoint directory (the parent of iter_* directories).")
     g.add_argument("--save-interval", type=int, default=100,
@@ -37,7 +37,9 @@ def add(g, dev) -> None:
     g.add_argument("--custom-megatron-post-save-hook-path", default=None,
                    help="module.function called as hook(args, rollout_id, ckpt_dir, hf_dir) after each save; "
                         "needs --save.")
-    g.add_argument("--tokenizer-model", default=None, help="Tokenizer directory (default: --hf-checkpoint).")
+    megatron(g, "--tokenizer-model", default=None,
+             help="Megatron: tokenizer directory (default: --hf-checkpoint, which the fsdp trainer, the embedded "
+                  "engine and the data always use).")
     megatron(g, "--finetune", action="store_true", help="Megatron: load weights only, reset iteration counters.")
     megatron(g, "--ckpt-step", type=int, default=None, help="Megatron: iteration of --load to read.")
     megatron(g, "--use-checkpoint-opt_param-scheduler", action="store_true",

@@ -18,20 +18,22 @@ def add(g, dev) -> None:
                    help="Token cap per micro-batch per device (x context-parallel size); required with "
                         "--use-dynamic-batch-size.")
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None,
-                   help="Token cap for forward-only log-prob passes (default: --max-tokens-per-gpu).")
+                   help="Token cap for forward-only log-prob passes (default: --max-tokens-per-gpu) "
+                        "(not supported yet).")
     g.add_argument("--balance-by-flops", action="store_true",
                    help="FLOPs-weighted micro-batch partitioning (not supported yet).")
     g.add_argument("--qkv-format", choices=["thd", "bshd"], default="thd",
                    help="Attention input layout: packed thd, or padded bshd (not supported yet).")
     g.add_argument("--gradient-checkpointing", action="store_true", help="FSDP: recompute activations.")
     g.add_argument("--fsdp-cpu-offload", action="store_true", help="FSDP: keep parameters and optimizer on CPU.")
-    g.add_argument("--fsdp-cpu-backend", default="gloo", help="FSDP: collective backend for CPU-offloaded state.")
+    g.add_argument("--fsdp-cpu-backend", default="gloo",
+                   help="FSDP: collective backend for CPU-offloaded state (not supported yet).")
     g.add_argument("--dp-replicate-size", type=int, default=1,
                    help="FSDP: replicas (HSDP); must divide the trainer world size.")
     g.add_argument("--attn-implementation", default=dev.attn_implementation,
                    help="FSDP: transformers attention implementation (sdpa without CUDA).")
     g.add_argument("--keep-fp32-master", action=argparse.BooleanOptionalAction, default=True,
-                   help="FSDP: keep fp32 master weights.")
+                   help="FSDP: keep fp32 master weights (--no-keep-fp32-master is not supported yet).")
     g.add_argument("--train-memory-margin-bytes", type=int, default=1 << 30,
                    help="Memory kept free when offloading, in bytes.")
     g.add_argument("--bf16", action="store_true", default=dev.bf16,

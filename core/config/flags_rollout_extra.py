@@ -14,13 +14,13 @@ def add(g, dev) -> None:
     g.add_argument("--custom-reward-post-process-path", default=None,
                    help="module.function(args, samples) -> (raw_rewards, rewards), replacing group normalization.")
     g.add_argument("--custom-convert-samples-to-train-data-path", default=None,
-                   help="module.function replacing the Sample -> train batch conversion.")
+                   help="module.function replacing the Sample -> train batch conversion (not supported yet).")
     g.add_argument("--rollout-sample-filter-path", default=None,
                    help="module.function(args, groups) that may mark samples remove_sample.")
     g.add_argument("--rollout-all-samples-process-path", default=None,
                    help="module.function(args, all_groups, data_source), also sees dropped groups.")
     g.add_argument("--rollout-data-postprocess-path", default=None,
-                   help="module.function(args) run on the trainer after log-probs.")
+                   help="module.function(args) run on the trainer after log-probs (not supported yet).")
     g.add_argument("--rollout-submission-granularity", choices=["group", "sample"], default=None,
                    help="When an in-flight slot frees in the fully async rollout: per group, or per sample "
                         "(its default).")
@@ -41,18 +41,24 @@ def add(g, dev) -> None:
                    help="Fully async: drop or retry groups more than this many weight versions old.")
     g.add_argument("--async-unused-samples-handler", choices=["drop", "retry"], default="drop",
                    help="Fully async: what happens to aborted or stale groups.")
-    g.add_argument("--custom-async-data-buffer-path", default=None, help="Fully async: custom buffer class.")
+    g.add_argument("--custom-async-data-buffer-path", default=None,
+                   help="Fully async: custom buffer class (not supported yet).")
     g.add_argument("--keep-old-actor", action="store_true",
                    help="Keep rollout-time weights to recompute old log-probs (not supported yet).")
-    g.add_argument("--generate-max-turns", type=int, default=16, help="multi_turn: most assistant turns.")
-    g.add_argument("--generate-tool-specs-path", default=None, help="multi_turn: JSON file of tool specs.")
-    g.add_argument("--generate-tool-call-parser", default=None, help="multi_turn: tool-call parser name.")
+    g.add_argument("--generate-max-turns", type=int, default=16,
+                   help="multi_turn: most assistant turns (not supported yet).")
+    g.add_argument("--generate-tool-specs-path", default=None,
+                   help="multi_turn: JSON file of tool specs (not supported yet).")
+    g.add_argument("--generate-tool-call-parser", default=None,
+                   help="multi_turn: tool-call parser name (not supported yet).")
     g.add_argument("--generate-execute-tool-function-path", default=None,
-                   help="multi_turn: module.function executing one tool call.")
-    g.add_argument("--max-seq-len", type=int, default=None, help="Agents: most tokens in a trajectory.")
+                   help="multi_turn: module.function executing one tool call (not supported yet).")
+    g.add_argument("--max-seq-len", type=int, default=None,
+                   help="Agents: most tokens in a trajectory (not supported yet).")
     g.add_argument("--use-session-server", nargs="?", const="v1", choices=["v1", "v2"], default=None,
                    help="Agents: route requests through a session server (not supported yet).")
     g.add_argument("--tito-model", default="default",
                    help="Agents: token-in/token-out model; values other than 'default' need --use-session-server.")
-    g.add_argument("--session-server-ip", default=None, help="Agents: session server host.")
-    g.add_argument("--session-server-port", type=int, default=None, help="Agents: session server port.")
+    g.add_argument("--session-server-ip", default=None, help="Agents: session server host (not supported yet).")
+    g.add_argument("--session-server-port", type=int, default=None,
+                   help="Agents: session server port (not supported yet).")

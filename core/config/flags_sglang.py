@@ -26,4 +26,4 @@ def add(g, dev) -> None:
     g.add_argument("--rollout-external", action="store_true",
                    help="Attach to already running engines (not supported yet).")
     g.add_argument("--rollout-external-engine-addrs", nargs="+", default=None, metavar="HOST:PORT",
-                   help="Addresses of the running engines for --rollout-external.")
+                   help="Addresses of the running engines for --rollout-external (not supported yet).")

@@ -40,17 +40,78 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--keep-old-actor", "keep_old_actor"),
     Unsupported("--use-session-server", "use_session_server", (None,)),
     Unsupported("--custom-async-data-buffer-path", "custom_async_data_buffer_path", (None,)),
+    # rollout data and agents
+    Unsupported("--disable-rollout-global-dataset", "disable_rollout_global_dataset"),
+    Unsupported("--custom-convert-samples-to-train-data-path", "custom_convert_samples_to_train_data_path", (None,)),
+    Unsupported("--rollout-data-postprocess-path", "rollout_data_postprocess_path", (None,)),
+    Unsupported("--generate-max-turns", "generate_max_turns", (16,)),
+    Unsupported("--generate-tool-specs-path", "generate_tool_specs_path", (None,)),
+    Unsupported("--generate-tool-call-parser", "generate_tool_call_parser", (None,)),
+    Unsupported("--generate-execute-tool-function-path", "generate_execute_tool_function_path", (None,)),
+    Unsupported("--max-seq-len", "max_seq_len", (None,)),
+    Unsupported("--session-server-ip", "session_server_ip", (None,)),
+    Unsupported("--session-server-port", "session_server_port", (None,)),
+    Unsupported("--rollout-external-engine-addrs", "rollout_external_engine_addrs", (None,)),
+    # evaluation: a custom eval rollout and the dedicated eval fleet (--eval-num-gpus)
+    Unsupported("--eval-function-path", "eval_function_path", (None,)),
+    Unsupported("--eval-num-gpus-per-engine", "eval_num_gpus_per_engine", (1,)),
+    Unsupported("--eval-hf-dir", "eval_hf_dir", (None,)),
+    Unsupported("--eval-max-in-flight", "eval_max_in_flight", (2,)),
+    Unsupported("--eval-overflow-policy", "eval_overflow_policy", ("backpressure",)),
+    Unsupported("--eval-keep-snapshots", "eval_keep_snapshots", (2,)),
+    # training
+    Unsupported("--log-probs-max-tokens-per-gpu", "log_probs_max_tokens_per_gpu", (None,)),
+    Unsupported("--fsdp-cpu-backend", "fsdp_cpu_backend", ("gloo",)),
+    Unsupported("--no-keep-fp32-master", "keep_fp32_master", (True,)),
+    Unsupported("--disable-compute-advantages-and-returns", "disable_compute_advantages_and_returns"),
+    Unsupported("--custom-tis-function-path", "custom_tis_function_path", (None,)),
+    Unsupported("--get-mismatch-metrics", "get_mismatch_metrics"),
+    Unsupported("--ref-update-interval", "ref_update_interval", (None,)),
+    Unsupported("--opd-teacher-urls", "opd_teacher_urls", (None,)),
+    # the ppo critic (needs a train backend with a critic; fsdp has none)
+    Unsupported("--num-critic-only-steps", "num_critic_only_steps", (0,)),
+    Unsupported("--critic-load", "critic_load", (None,)),
+    Unsupported("--critic-save", "critic_save", (None,)),
+    Unsupported("--critic-lr", "critic_lr", (None,)),
+    Unsupported("--critic-lr-warmup-iters", "critic_lr_warmup_iters", (0,)),
+    # logging
+    Unsupported("--log-interval", "log_interval", (1,)),
+    Unsupported("--log-passrate", "log_passrate"),
+    Unsupported("--log-multi-turn", "log_multi_turn"),
+    Unsupported("--log-reward-category", "log_reward_category", (None,)),
+    Unsupported("--log-correct-samples", "log_correct_samples"),
+    Unsupported("--custom-rollout-log-function-path", "custom_rollout_log_function_path", (None,)),
+    Unsupported("--custom-eval-rollout-log-function-path", "custom_eval_rollout_log_function_path", (None,)),
+    Unsupported("--mlflow-tracking-uri", "mlflow_tracking_uri", (None,)),
+    Unsupported("--mlflow-experiment-name", "mlflow_experiment_name", ("furlong",)),
+    Unsupported("--mlflow-run-name", "mlflow_run_name", (None,)),
+    Unsupported("--prometheus-port", "prometheus_port", (None,)),
+    # debugging
+    Unsupported("--debug-rollout-only", "debug_rollout_only"),
+    Unsupported("--debug-train-only", "debug_train_only"),
+    Unsupported("--save-debug-rollout-data", "save_debug_rollout_data", (None,)),
+    Unsupported("--load-debug-rollout-data", "load_debug_rollout_data", (None,)),
+    Unsupported("--dump-details", "dump_details", (None,)),
+    Unsupported("--debug-exit-after-rollout", "debug_exit_after_rollout", (None,)),
+    Unsupported("--check-weight-update-equal", "check_weight_update_equal"),
+    Unsupported("--deterministic-mode", "deterministic_mode"),
 )
 
 
 def unsupported_problems(args) -> list[str]:
-    """One message per row of :data:`UNSUPPORTED` whose attribute holds another value."""
+    """One message per row of :data:`UNSUPPORTED` whose attribute holds another value.
+
+    Only values that were given count (``args.explicit_args``, when present): a value
+    another flag implies (``--load-debug-rollout-data`` sets ``debug_train_only``) is
+    reported through the flag that was given.
+    """
+    given = getattr(args, "explicit_args", None)
     problems = []
     for row in UNSUPPORTED:
         value = getattr(args, row.dest, row.supported[0])
-        if value in row.supported:
+        if value in row.supported or (given is not None and row.dest not in given):
             continue
-        if all(v is False or v is None for v in row.supported):
+        if isinstance(value, bool) or all(v is False or v is None for v in row.supported):
             problems.append(f"{row.flag} is not supported yet; remove it.")
         else:
             shown = ", ".join(str(v) for v in row.supported if v is not None)

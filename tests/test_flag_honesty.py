@@ -1,0 +1,210 @@
+"""Every flag is honest: each flag of ``furlong train`` is read by the code, refused, or allow-listed.
+
+A flag that parses but changes nothing must either work or be refused at validation
+("not supported yet", :data:`furlong.core.config.UNSUPPORTED`). This test lists every flag
+the parser defines (core's and the installed plugins' ``add_arguments``) and looks for a
+use of its attribute in the package source (``hooks/``, ``core/``, ``builtin_plugins/``,
+and the module of every plugin that adds flags):
+
+- ``args.<dest>`` (or ``self.args.<dest>``, ``ds_args.<dest>``, ...),
+- ``getattr(x, "<dest>"...)``, or the text ``"<dest>"`` / the option string (``"--debug"``)
+  as a value (tables of attribute names, argv checks); docstrings do not count.
+
+Code that only defines or checks flags is not a use: ``core/config/flags_*.py``
+(definitions), ``validate.py``, ``rules.py`` and plugins' ``configure`` implementations
+(checks and derived defaults: ``--colocate`` was read there and nowhere else) and
+``unsupported.py``. Megatron-only flags (declared with
+``core.config._util.megatron``) are handed to the train backend unchanged; the fsdp backend
+warns that it ignores the ones given (``args.megatron_flags_given``).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from furlong.core.config import UNSUPPORTED, build_parser
+from furlong.core.config._util import MEGATRON_ONLY
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE_DIRS = ("hooks", "core", "builtin_plugins")
+NOT_A_USE = re.compile(r"core/config/(flags_\w+|validate|rules|unsupported)\.py$")
+ARGS_NAME = re.compile(r"(^|_)args$")
+
+# cluster flags, read by the executors (issue 11): placement, colocate/offload, weight sync,
+# fault tolerance. Listed here rather than refused while the Ray executor lands; drop an entry
+# once the executors read it.
+CLUSTER_FLAGS = {
+    "actor_num_nodes", "actor_num_gpus_per_node", "executor", "rollout_num_gpus", "rollout_num_gpus_per_engine",
+    "num_gpus_per_node", "colocate", "offload", "offload_train", "offload_rollout", "offload_rollout_level",
+    "update_weight_buffer_size", "update_weights_interval", "use_fault_tolerance", "train_env_vars",
+    # weight sync pauses engines this way (hooks.protocols.RolloutEngine.pause_generation)
+    "pause_generation_mode",
+    # memory kept free when the trainer offloads (--offload-train)
+    "train_memory_margin_bytes",
+}
+CLUSTER_PREFIXES = ("ray_", "rollout_health_check_")
+
+# Flags whose effect is, by design, somewhere this scan does not see. Keep it small.
+ALLOWED = {
+    # furlong's own SGLang-router flags: read by the sglang rollout engine plugin (not built in),
+    # like every --sglang-*/--router-* pass-through flag (args.sglang_passthrough / router_passthrough)
+    "sglang_router_ip": "sglang engine plugin",
+    "sglang_router_port": "sglang engine plugin",
+    "sglang_router_policy": "sglang engine plugin",
+    "sglang_router_request_timeout_secs": "sglang engine plugin",
+    # an alias: validation turns it into --rollout fully_async (and back), which selects the plugin
+    "fully_async": "alias of --rollout fully_async",
+    # train/entropy_loss is logged at every step whatever --entropy-coef is: nothing to turn on
+    "observe_training_entropy": "entropy is always logged",
+    # any value but 'default' is a validation error: it needs --use-session-server, which is refused
+    "tito_model": "refused through --use-session-server",
+}
+
+
+def _package_files() -> list[Path]:
+    files = [f for d in SOURCE_DIRS for f in sorted((REPO / d).rglob("*.py"))]
+    return [f for f in files if not NOT_A_USE.search(f.relative_to(REPO).as_posix())]
+
+
+def _is_args(node: ast.AST) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return bool(ARGS_NAME.search(name))
+
+
+def uses_in(source: str) -> set[str]:
+    """Attribute names read from an args namespace, and string values, in ``source``.
+
+    Skipped: docstrings, the bodies of ``configure`` hook implementations (which check flags
+    and derive defaults, as validation does), and a tuple or list naming a flag both ways,
+    ``("colocate", "--colocate", ...)``: a row of a table of error messages.
+    """
+    found: set[str] = set()
+
+    def visit(node: ast.AST, skip: frozenset = frozenset()) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "configure":
+            return
+        body = getattr(node, "body", None)
+        docstring = None
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstring = first
+        if isinstance(node, (ast.Tuple, ast.List)):
+            texts = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+            named = {t for t in texts if "--" + t.replace("_", "-") in texts}
+            skip = frozenset(named | {"--" + t.replace("_", "-") for t in named})
+        if isinstance(node, ast.Attribute) and _is_args(node.value):
+            found.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value not in skip:
+            found.add(node.value)
+        for child in ast.iter_child_nodes(node):
+            if child is not docstring:
+                visit(child, skip if isinstance(node, (ast.Tuple, ast.List)) else frozenset())
+
+    visit(ast.parse(source))
+    return found
+
+
+@pytest.fixture(scope="module")
+def plugin_manager_with_flags():
+    from furlong.core.plugins import get_plugin_manager
+
+    return get_plugin_manager()
+
+
+@pytest.fixture(scope="module")
+def parser(plugin_manager_with_flags):
+    return build_parser(plugin_manager_with_flags)
+
+
+@pytest.fixture(scope="module")
+def used(plugin_manager_with_flags) -> set[str]:
+    """Every use found in the package and in the plugins that add flags (third-party ones too)."""
+    files = set(_package_files())
+    for impl in plugin_manager_with_flags.hook.add_arguments.get_hookimpls():
+        path = Path(inspect.getsourcefile(impl.function))
+        files |= set(path.parent.rglob("*.py")) if path.name == "__init__.py" else {path}
+    found: set[str] = set()
+    for path in files:
+        found |= uses_in(path.read_text(encoding="utf-8"))
+    return found
+
+
+def _flags(parser):
+    """``{dest: action}`` of every flag, in parser order."""
+    return {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+
+
+def _cluster(dest: str) -> bool:
+    return dest in CLUSTER_FLAGS or dest.startswith(CLUSTER_PREFIXES)
+
+
+def test_every_flag_is_read_refused_or_allow_listed(parser, used):
+    refused = {row.dest for row in UNSUPPORTED}
+    offending = []
+    for dest, action in _flags(parser).items():
+        if dest in used or any(opt in used for opt in action.option_strings):
+            continue
+        if dest in refused or dest in ALLOWED or _cluster(dest) or getattr(action, MEGATRON_ONLY, False):
+            continue
+        offending.append(action.option_strings[0])
+    assert not offending, (
+        "flags parsed but never read: make each one work, or refuse a non-default value in "
+        f"core/config/unsupported.py (UNSUPPORTED): {' '.join(offending)}")
+
+
+def test_allow_list_holds_only_flags_that_need_it(parser, used):
+    """A flag of ALLOWED that is now read or refused leaves the list; every entry is a flag."""
+    flags = _flags(parser)
+    refused = {row.dest for row in UNSUPPORTED}
+    stale = sorted(d for d in ALLOWED if d in flags and (d in used or d in refused))
+    assert not stale, f"allow-listed but read or refused, remove them from the allow-list: {' '.join(stale)}"
+    unknown = sorted(d for d in ALLOWED if d not in flags)
+    assert not unknown, f"allow-listed but not a flag: {' '.join(unknown)}"
+
+
+def test_cluster_flags_are_never_refused():
+    """The executors read the cluster flags: none of them may sit in UNSUPPORTED."""
+    refused = sorted(d for d in CLUSTER_FLAGS if d in {row.dest for row in UNSUPPORTED})
+    assert not refused, f"cluster flags are read by the executors, not refused: {' '.join(refused)}"
+
+
+def test_refused_rows_name_real_flags_and_their_defaults(parser):
+    """Each row of UNSUPPORTED names a defined flag, and its default is a supported value."""
+    flags = _flags(parser)
+    for row in UNSUPPORTED:
+        assert row.dest in flags, row
+        assert row.flag in flags[row.dest].option_strings, row
+        assert flags[row.dest].default in row.supported, row
+
+
+def test_fsdp_backend_names_the_megatron_flags_it_ignores():
+    """The allow-list rule for Megatron-only flags holds only while the fsdp backend warns."""
+    source = (REPO / "builtin_plugins" / "backends" / "fsdp" / "backend.py").read_text(encoding="utf-8")
+    assert "megatron_flags_given" in uses_in(source)
+
+
+def test_the_scan_sees_a_flag_that_is_only_checked():
+    """What counts as a use: reads of an args namespace and string values, not docstrings."""
+    source = '''
+def f(args, self):
+    """args.in_docstring"""
+    x = args.read_plain + self.args.read_on_self + ds_args.read_copy
+    y = getattr(args, "read_by_getattr", None)
+    return "--read-by-option" in argv, self.not_args
+
+
+def configure(args, report):
+    report.default(args, "only_derived", args.only_checked)
+
+
+EXCLUSIVE = (("only_named", "--only-named", "why"), ("table_value", "rollout_value"))
+'''
+    found = uses_in(source)
+    assert {"read_plain", "read_on_self", "read_copy", "read_by_getattr", "--read-by-option", "table_value"} <= found
+    assert not {"in_docstring", "not_args", "only_derived", "only_checked", "only_named", "--only-named"} & found
