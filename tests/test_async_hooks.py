@@ -2,7 +2,8 @@
 
 The train path always awaited ``data_source``; eval data sources (``--eval-prompt-data``)
 used to be created with ``asyncio.run`` inside the running loop and failed with
-"asyncio.run() cannot be called from a running event loop".
+"asyncio.run() cannot be called from a running event loop". The last test chooses an
+``async def`` implementation for every hook a run calls and checks each one ran.
 """
 
 import asyncio
@@ -159,3 +160,120 @@ def test_async_data_source_plugin_runs_with_eval_prompt_data(plugin_dist, tmp_pa
     evals = [r for r in rows if "eval/step" in r]
     assert [r["eval/step"] for r in evals] == [0, 0]  # before training, and after the last rollout
     assert all("eval/arith" in r for r in evals)
+
+
+ASYNC_ALL = '''
+import asyncio
+
+from furlong.builtin_plugins.advantage import grpo
+from furlong.builtin_plugins.buffer import pop_first
+from furlong.builtin_plugins.data.jsonl import JsonlDataSource
+from furlong.builtin_plugins.generate import single_turn
+from furlong.builtin_plugins.losses import policy_loss
+from furlong.hooks import hookimpl
+
+CALLS = []
+
+
+async def _seen(hook):
+    await asyncio.sleep(0)
+    CALLS.append((hook, id(asyncio.get_running_loop())))
+
+
+@hookimpl
+async def data_source(args):
+    await _seen("data_source")
+    return JsonlDataSource(args)
+
+
+@hookimpl
+async def generate(args, sample, sampling_params, engine, evaluation):
+    await _seen("generate")
+    if not evaluation and sample.group_index % 4 >= 2:
+        await asyncio.sleep(0.3)  # still in flight when the batch is full: aborted, buffered, popped next time
+    return await single_turn.generate(args, sample, sampling_params, engine, evaluation)
+
+
+@hookimpl
+async def filter(args, samples, rollout_id):
+    await _seen("filter")
+    return True
+
+
+@hookimpl
+async def buffer_pop(args, rollout_id, buffer, num_samples):
+    await _seen("buffer_pop")
+    return pop_first.buffer_pop(buffer, num_samples)
+
+
+@hookimpl
+async def abort(args, rollout_id):
+    await _seen("abort")
+
+
+@hookimpl
+async def advantage(args, batch):
+    await _seen("advantage")
+    return grpo.advantage(args, batch)
+
+
+@hookimpl
+async def loss(args, batch):
+    await _seen("loss")
+    return policy_loss.loss(args, batch)
+
+
+@hookimpl
+async def on_rollout_end(rollout_id):
+    await _seen("on_rollout_end")
+
+
+@hookimpl
+async def on_train_step_end(step):
+    await _seen("on_train_step_end")
+
+
+@hookimpl
+async def on_eval_end(rollout_id):
+    await _seen("on_eval_end")
+
+
+@hookimpl
+async def on_checkpoint_saved(path):
+    await _seen("on_checkpoint_saved")
+'''
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_every_hook_of_a_run_may_be_async(plugin_dist, tmp_path, tiny_model_dir, arithmetic_jsonl):
+    import importlib
+
+    from furlong.core.config import parse_args
+    from furlong.core.loop import run
+    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.selection import resolve_selection
+
+    plugin_dist("furlong-async-all", "furlong_async_all", ASYNC_ALL, {"async_all": "furlong_async_all"})
+    argv = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(arithmetic_jsonl), "--input-key", "prompt",
+            "--label-key", "label", "--rm-type", "math", "--num-rollout", "2", "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--over-sampling-batch-size", "4", "--partial-rollout",
+            "--rollout-max-response-len", "4", "--data-source", "async_all", "--generate", "async_all",
+            "--dynamic-sampling-filter", "async_all", "--buffer-filter", "async_all",
+            "--advantage-estimator", "async_all", "--loss-type", "async_all",
+            "--eval-prompt-data", "arith", str(arithmetic_jsonl) + "@[0:2]", "--eval-interval", "1",
+            "--save", str(tmp_path / "save")]
+    pm = get_plugin_manager()
+    args = parse_args(argv, pm)
+    loops = []
+
+    async def main():
+        loops.append(id(asyncio.get_running_loop()))
+        await run(args, pm, resolve_selection(args, pm))
+
+    asyncio.run(main())
+    calls = importlib.import_module("furlong_async_all").CALLS
+    hooks = {hook for hook, _ in calls}
+    assert hooks == {"data_source", "generate", "filter", "buffer_pop", "abort", "advantage", "loss",
+                     "on_rollout_end", "on_train_step_end", "on_eval_end", "on_checkpoint_saved"}
+    driver = {loop for hook, loop in calls if hook != "loss"}  # the loss runs where the trainer runs
+    assert driver == set(loops)
