@@ -10,12 +10,12 @@ and the module of every plugin that adds flags):
 - ``getattr(x, "<dest>"...)``, or the text ``"<dest>"`` / the option string (``"--debug"``)
   as a value (tables of attribute names, argv checks); docstrings do not count.
 
-Code that only defines or checks flags is not a use: ``core/config/flags_*.py``
-(definitions), ``validate.py``, ``rules.py`` and plugins' ``configure`` implementations
-(checks and derived defaults: ``--colocate`` was read there and nowhere else) and
-``unsupported.py``. Megatron-only flags (declared with
-``core.config._util.megatron``) are handed to the train backend unchanged; the fsdp backend
-warns that it ignores the ones given (``args.megatron_flags_given``).
+Code that only defines or checks flags is not a use: the definitions
+(``core/config/flags_*.py``, a plugin's ``add_argument`` calls), the checks and derived
+defaults (``core/config/validate.py``, ``rules.py``, plugins' ``configure`` hooks:
+``--colocate`` was read there and nowhere else) and ``unsupported.py``. Megatron-only flags
+(declared with ``core.config._util.megatron``) are handed to the train backend unchanged;
+the fsdp backend warns that it ignores the ones given (``args.megatron_flags_given``).
 """
 
 from __future__ import annotations
@@ -76,12 +76,18 @@ def _is_args(node: ast.AST) -> bool:
     return bool(ARGS_NAME.search(name))
 
 
+def _called(node: ast.Call) -> str:
+    func = node.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+
+
 def uses_in(source: str) -> set[str]:
     """Attribute names read from an args namespace, and string values, in ``source``.
 
     Skipped: docstrings, the bodies of ``configure`` hook implementations (which check flags
-    and derive defaults, as validation does), and a tuple or list naming a flag both ways,
-    ``("colocate", "--colocate", ...)``: a row of a table of error messages.
+    and derive defaults, as validation does), a tuple or list naming a flag both ways,
+    ``("colocate", "--colocate", ...)`` (a row of a table of error messages), and the names
+    in an ``add_argument`` call (a plugin defining its own flag).
     """
     found: set[str] = set()
 
@@ -98,6 +104,13 @@ def uses_in(source: str) -> set[str]:
             texts = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
             named = {t for t in texts if "--" + t.replace("_", "-") in texts}
             skip = frozenset(named | {"--" + t.replace("_", "-") for t in named})
+        if isinstance(node, ast.Call) and _called(node) in ("add_argument", "megatron"):
+            defined = [a for a in node.args if isinstance(a, ast.Constant)]  # a plugin's own flag definition
+            defined += [k for k in node.keywords if k.arg == "dest"]
+            for child in ast.iter_child_nodes(node):
+                if not any(child is d for d in defined):
+                    visit(child)
+            return
         if isinstance(node, ast.Attribute) and _is_args(node.value):
             found.add(node.attr)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value not in skip:
@@ -122,17 +135,34 @@ def parser(plugin_manager_with_flags):
     return build_parser(plugin_manager_with_flags)
 
 
-@pytest.fixture(scope="module")
-def used(plugin_manager_with_flags) -> set[str]:
+def uses_of(pm) -> set[str]:
     """Every use found in the package and in the plugins that add flags (third-party ones too)."""
     files = set(_package_files())
-    for impl in plugin_manager_with_flags.hook.add_arguments.get_hookimpls():
+    for impl in pm.hook.add_arguments.get_hookimpls():
         path = Path(inspect.getsourcefile(impl.function))
         files |= set(path.parent.rglob("*.py")) if path.name == "__init__.py" else {path}
     found: set[str] = set()
     for path in files:
         found |= uses_in(path.read_text(encoding="utf-8"))
     return found
+
+
+@pytest.fixture(scope="module")
+def used(plugin_manager_with_flags) -> set[str]:
+    return uses_of(plugin_manager_with_flags)
+
+
+def unread(parser, used: set[str]) -> list[str]:
+    """Flags neither read, nor refused, nor allow-listed (nor Megatron-only), as typed."""
+    refused = {row.dest for row in UNSUPPORTED}
+    offending = []
+    for dest, action in _flags(parser).items():
+        if dest in used or any(opt in used for opt in action.option_strings):
+            continue
+        if dest in refused or dest in ALLOWED or _cluster(dest) or getattr(action, MEGATRON_ONLY, False):
+            continue
+        offending.append(action.option_strings[0])
+    return offending
 
 
 def _flags(parser):
@@ -145,17 +175,36 @@ def _cluster(dest: str) -> bool:
 
 
 def test_every_flag_is_read_refused_or_allow_listed(parser, used):
-    refused = {row.dest for row in UNSUPPORTED}
-    offending = []
-    for dest, action in _flags(parser).items():
-        if dest in used or any(opt in used for opt in action.option_strings):
-            continue
-        if dest in refused or dest in ALLOWED or _cluster(dest) or getattr(action, MEGATRON_ONLY, False):
-            continue
-        offending.append(action.option_strings[0])
+    offending = unread(parser, used)
     assert not offending, (
         "flags parsed but never read: make each one work, or refuse a non-default value in "
         f"core/config/unsupported.py (UNSUPPORTED): {' '.join(offending)}")
+
+
+TOY = '''
+from furlong.hooks import hookimpl
+
+
+@hookimpl
+def add_arguments(parser):
+    group = parser.add_argument_group("toy")
+    group.add_argument("--toy-used", type=int, default=1, help="Read below.")
+    group.add_argument("--toy-unused", action="store_true", help="Read nowhere.")
+
+
+@hookimpl
+def on_rollout_end(args, metrics):
+    metrics["toy"] = args.toy_used
+'''
+
+
+def test_a_plugin_flag_nobody_reads_is_named(plugin_dist):
+    """The scan covers plugins' own flags, read in the plugin's own source."""
+    from furlong.core.plugins import get_plugin_manager
+
+    plugin_dist("furlong-toy", "furlong_toy", TOY, {"toy": "furlong_toy"})
+    pm = get_plugin_manager()
+    assert unread(build_parser(pm), uses_of(pm)) == ["--toy-unused"]
 
 
 def test_allow_list_holds_only_flags_that_need_it(parser, used):
@@ -204,7 +253,13 @@ def configure(args, report):
 
 
 EXCLUSIVE = (("only_named", "--only-named", "why"), ("table_value", "rollout_value"))
+
+
+def add_arguments(parser):
+    parser.add_argument("--only-defined", dest="only_defined_dest", help="--help-text")
 '''
     found = uses_in(source)
-    assert {"read_plain", "read_on_self", "read_copy", "read_by_getattr", "--read-by-option", "table_value"} <= found
-    assert not {"in_docstring", "not_args", "only_derived", "only_checked", "only_named", "--only-named"} & found
+    assert {"read_plain", "read_on_self", "read_copy", "read_by_getattr", "--read-by-option", "table_value",
+            "--help-text"} <= found
+    assert not {"in_docstring", "not_args", "only_derived", "only_checked", "only_named", "--only-named",
+                "--only-defined", "only_defined_dest"} & found
