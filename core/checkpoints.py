@@ -27,7 +27,6 @@ import attrs
 
 from furlong.hooks import PluginError
 
-from .ranks import Ranks
 
 __all__ = [
     "MARKER_NAME",
@@ -124,8 +123,7 @@ async def save_checkpoint(
     args: Any,
     rollout_id: int,
     save_model: Callable[[str], Awaitable[Any]],
-    state: dict | None,
-    ranks: Ranks | None = None,
+    state: dict,
 ) -> str:
     """Save the checkpoint of ``rollout_id`` under ``args.save``; return its final directory.
 
@@ -142,36 +140,28 @@ async def save_checkpoint(
 
     :param args: needs ``save``; reads ``save_trigger_sentinel`` if present.
     :param rollout_id: rollout just trained on.
-    :param save_model: coroutine function writing the model state into the given path.
+    :param save_model: coroutine function writing the model state into the given path;
+        the train group's ``save_model``, which returns once every train rank wrote its
+        part (the driver alone renames, writes the state JSON and the marker).
     :param state: JSON-serializable dict (data-source state, cursor counters, buffer of
-        groups as ``Sample.to_dict()`` lists, sample counters), built by the caller; None
-        on trainer ranks other than 0.
-    :param ranks: the trainer ranks (``torchrun``): rank 0 prepares ``iter_N.tmp/``, every
-        rank saves into it, rank 0 renames it and writes the state JSON and the marker,
-        with barriers between; default one rank.
+        groups as ``Sample.to_dict()`` lists, sample counters), built by the caller.
     :returns: ``<save>/iter_<rollout_id:07d>``.
     :raises PluginError: ``args.save`` is not set, or ``state`` is not JSON-serializable.
     """
-    ranks = ranks or Ranks()
     save = getattr(args, "save", None)
     if not save:
         raise PluginError("save_checkpoint needs --save DIR: pass the directory checkpoints go to.")
-    state_text = _state_json(state, rollout_id) if ranks.is_main else None
+    state_text = _state_json(state, rollout_id)
     final = iter_dir(save, rollout_id)
     tmp = final + _TMP_SUFFIX
-    if ranks.is_main:
-        os.makedirs(save, exist_ok=True)
-        if os.path.lexists(tmp):
-            log.info("removing stale partial checkpoint %s", tmp)
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-    await ranks.barrier()
+    os.makedirs(save, exist_ok=True)
+    if os.path.lexists(tmp):
+        log.info("removing stale partial checkpoint %s", tmp)
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
     await save_model(tmp)
-    await ranks.barrier()
-    if ranks.is_main:
-        _fsync_dir(tmp)
-        _publish(args, save, rollout_id, tmp, final, state_text)
-    await ranks.barrier()
+    _fsync_dir(tmp)
+    _publish(args, save, rollout_id, tmp, final, state_text)
     return final
 
 

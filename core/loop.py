@@ -17,17 +17,21 @@ from argparse import Namespace
 import numpy as np
 import torch
 
+from furlong.hooks import PluginError
+
 from .checkpoints import periodic, resolve_start, save_checkpoint, should_save
 from .data_cursor import DataCursor
+from .engine_set import EngineFactory, EngineSet
 from .evaluation import Evaluator
 from .metrics_log import MetricsLog, rollout_metrics, summary_line
 from .plugins import FurlongPluginManager
-from .preflight import check_executor, check_paths
+from .preflight import check_paths
 from .progress import RolloutProgress
-from .ranks import Ranks, start_ranks
 from .rollout_manager import RolloutManager
 from .selection import Selection
-from .train_group import LocalTrainGroup
+from .train_group import TrainGroup
+from .train_worker import WorkerFactory
+from .weight_sync import WeightSync
 
 __all__ = ["run", "train"]
 
@@ -36,66 +40,86 @@ log = logging.getLogger("furlong")
 
 async def train(args: Namespace) -> None:
     """Run the loop with plugins from the installed entry points (as ``furlong train`` does)."""
+    from .configure import configure_plugins
     from .plugins import get_plugin_manager
     from .selection import resolve_selection
 
     pm = get_plugin_manager(args.disable_plugins)
-    await run(args, pm, resolve_selection(args, pm))
+    selection = resolve_selection(args, pm)
+    configure_plugins(args, pm, selection)
+    await run(args, pm, selection)
 
 
 class Run:
-    """Everything one run holds: data, engine, trainer, rollout manager, logs."""
+    """Everything one run holds: executor, data, engines, train group, rollout manager, logs."""
 
     def __init__(self, args: Namespace, pm: FurlongPluginManager, selection: Selection):
         self.args = args
         self.pm = pm
         self.selection = selection
-        self.ranks = Ranks()
+        self.executor = None
         self.metrics_dir = args.save or args.log_dir
         self.metrics = MetricsLog(None)
         self.manager: RolloutManager | None = None
         self.engine = None
+        self.weights: WeightSync | None = None
         self.evaluator: Evaluator | None = None
         # train-async: rollout id -> {generate,train}_{start,end}, seconds since the loop started
         self.timeline: dict[int, dict[str, float]] = {}
 
-    async def setup(self) -> int:
-        """Check data (before any model loads), create engine and trainer, resume; return the start id.
+    @property
+    def is_driver(self) -> bool:
+        return self.executor is None or self.executor.is_driver
 
-        Under ``torchrun`` only rank 0 reads data, builds the engine, evaluates and logs;
-        every rank builds the train backend.
+    async def setup(self) -> int:
+        """Start the executor, check data (before any model loads), start engines and train workers, resume.
+
+        Returns the start rollout id. In a process that only serves train workers
+        (``torchrun`` ranks above 0) this serves until the driver ends the run.
         """
         args, pm, sel = self.args, self.pm, self.selection
         _seed_everything(args.seed)
-        check_executor(args)
+        self.executor = _checked_executor(await pm.call_chosen("executor", *sel.chosen["executor"], args=args),
+                                          *sel.chosen["executor"])
         check_paths(args)
-        self.ranks = start_ranks(args)
-        main = self.ranks.is_main
-        if main:
-            source = await pm.call_chosen("data_source", *sel.chosen["data_source"], args=args)
-            self.cursor = DataCursor(args, pm, source, sel.chosen["buffer_pop"])
-            self.evaluator = Evaluator(args, pm, sel)
-            if self.metrics_dir:
-                self.metrics = MetricsLog(os.path.join(self.metrics_dir, "metrics.jsonl"))
+        make_worker = WorkerFactory(args, {h: sel.chosen[h] for h in ("train_backend", "loss")}, pm)
+        if not self.executor.is_driver:
+            await self.executor.start_train_workers(args, make_worker)
+            await self.executor.serve()
+            return args.num_rollout
+        source = await pm.call_chosen("data_source", *sel.chosen["data_source"], args=args)
+        self.cursor = DataCursor(args, pm, source, sel.chosen["buffer_pop"])
+        self.evaluator = Evaluator(args, pm, sel)
+        await self.evaluator.load()  # eval data sources, before any model loads
+        if self.metrics_dir:
+            self.metrics = MetricsLog(os.path.join(self.metrics_dir, "metrics.jsonl"))
         resume = resolve_start(args)
-        if main:
-            self.engine = await pm.call_chosen("rollout_engine", *sel.chosen["rollout_engine"], args=args)
-        backend = await pm.call_chosen("train_backend", *sel.chosen["train_backend"], args=args)
-        self.group = LocalTrainGroup(args, pm, sel, backend, self.ranks)
+        engines = await self.executor.start_engines(args, EngineFactory(args, sel.chosen["rollout_engine"], pm))
+        self.engine = engines[0] if len(engines) == 1 else EngineSet(engines)
+        if args.offload_rollout:  # the trainer loads first; the engines take their memory back at the first sync
+            await asyncio.gather(*(engine.release_memory() for engine in engines))
+        self.group = TrainGroup(args, pm, sel, await self.executor.start_train_workers(args, make_worker))
         await self.group.init()
         if resume.load_dir:
             await self.group.load_model(resume.load_dir)
-        if main:
-            if resume.state:
-                self.cursor.load_state(resume.state)
-            self.manager = RolloutManager(args, pm, sel, self.engine, self.cursor)
+        if args.offload_train:
+            await self.group.offload()
+        if resume.state:
+            self.cursor.load_state(resume.state)
+        self.manager = RolloutManager(args, pm, sel, self.engine, self.cursor)
+        self.weights = WeightSync(args, self.group, engines, self.executor.weights_in_process)
+        for engine in engines:
+            if hasattr(engine, "on_restart"):  # a remote engine that was replaced gets the current weights
+                engine.on_restart = self.weights.resync
         return resume.start_rollout_id
 
     async def update_weights(self) -> float:
+        """Sync weights to the engines (``--offload-rollout``: they take their memory back first)."""
         start = time.perf_counter()
-        version = await self.group.update_weights(self.engine)
-        if self.manager is not None:
-            self.manager.set_weight_version(version)
+        if self.args.offload_rollout:
+            await self.engine.resume_memory()
+        version = await self.weights.push()
+        self.manager.set_weight_version(version)
         log.debug("weights synced, version %d", version)
         return time.perf_counter() - start
 
@@ -110,6 +134,10 @@ class Run:
         """Train on one rollout's groups; log per-step metrics; return the rollout's metrics."""
         args = self.args
         start = time.perf_counter()
+        if args.offload_rollout:  # the engines give the device to the trainer (SPEC.md 6.7)
+            await self.engine.release_memory()
+        if args.offload_train:
+            await self.group.onload()
         [metrics] = await self.group.train(rollout_id, groups)
         steps = metrics.pop("train/steps")
         for s, step in enumerate(steps):
@@ -123,12 +151,11 @@ class Run:
         return metrics
 
     async def save(self, rollout_id: int, data_state: dict | None = None) -> None:
-        """Checkpoint ``rollout_id`` with ``data_state`` (default: the cursor's state now; rank 0 only)."""
-        if self.ranks.is_main and data_state is None:
+        """Checkpoint ``rollout_id`` with ``data_state`` (default: the cursor's state now)."""
+        if data_state is None:
             data_state = self.cursor.state()
-        path = await save_checkpoint(self.args, rollout_id, self.group.save_model, data_state, self.ranks)
-        if self.ranks.is_main:
-            await self.pm.notify("on_checkpoint_saved", args=self.args, rollout_id=rollout_id, path=path)
+        path = await save_checkpoint(self.args, rollout_id, self.group.save_model, data_state)
+        await self.pm.notify("on_checkpoint_saved", args=self.args, rollout_id=rollout_id, path=path)
 
     async def finish_rollout(self, rollout_id: int, groups, metrics: dict) -> None:
         metrics.update(rollout_metrics(groups, self.args.reward_key))
@@ -144,20 +171,30 @@ async def run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -
     state = Run(args, pm, selection)
     try:
         start_id = await state.setup()
+        if not state.is_driver:
+            return
         sync_time = await state.update_weights()
         if args.num_rollout == 0 and args.eval_interval and state.evaluator:
             await state.evaluate(0)
             return
-        if not state.ranks.is_main:
-            await _follower_loop(state, start_id)
-        elif getattr(args, "train_mode", "sync") == "async":
+        if getattr(args, "train_mode", "sync") == "async":
             await _async_loop(state, start_id, sync_time)
         else:
             await _sync_loop(state, start_id, sync_time)
     finally:
+        await _close(state)
+
+
+async def _close(state: Run) -> None:
+    """Stop what the run started, in reverse order; the first error of the run stays the one raised."""
+    try:
         if state.manager is not None:
             await state.manager.dispose()  # stops work a rollout plugin keeps across rollouts
-        state.ranks.close()
+        if state.weights is not None:
+            await state.weights.close()
+    finally:
+        if state.executor is not None:
+            await state.executor.shutdown()
 
 
 def _eval_first(args: Namespace, state: Run, rollout_id: int, start_id: int) -> bool:
@@ -176,6 +213,7 @@ async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
             start = time.perf_counter()
             await state.save(rollout_id)
             metrics["perf/save_model_time"] = time.perf_counter() - start
+        await (state.group.offload() if args.offload_train else state.group.clear_memory())
         metrics["perf/update_weights_time"] = await state.update_weights()
         await state.finish_rollout(rollout_id, groups, metrics)
         if args.eval_interval and state.evaluator and periodic(rollout_id, args.eval_interval, args.num_rollout):
@@ -251,19 +289,17 @@ def _syncs_weights_after(args: Namespace, rollout_id: int) -> bool:
     return getattr(args, "train_mode", "sync") != "async" or (rollout_id + 1) % args.update_weights_interval == 0
 
 
-async def _follower_loop(state: Run, start_id: int) -> None:
-    """Trainer ranks 1..D-1 under ``torchrun``: rank 0's trainer collectives in rank 0's order.
+def _checked_executor(executor, name: str, flag: str):
+    """The executor plugin's object, if it has what the loop calls.
 
-    Per rollout both loops do: train (receiving rank 0's groups), save when due, then
-    gather weights for the sync when due. Generation, eval and logging stay on rank 0.
+    :raises PluginError: it lacks an attribute of :class:`furlong.hooks.Executor` (named).
     """
-    args = state.args
-    for rollout_id in range(start_id, args.num_rollout):
-        await state.group.train(rollout_id, None)
-        if should_save(args, rollout_id):
-            await state.save(rollout_id)
-        if _syncs_weights_after(args, rollout_id):
-            await state.update_weights()
+    missing = [a for a in ("is_driver", "weights_in_process", "start_train_workers", "start_engines", "serve",
+                           "shutdown") if not hasattr(executor, a)]
+    if missing:
+        raise PluginError(f"{flag} '{name}': `executor` returned {type(executor).__name__}, which lacks "
+                          f"{', '.join(missing)}; return an object meeting furlong.hooks.Executor.")
+    return executor
 
 
 def _quiet_transformers() -> None:

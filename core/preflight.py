@@ -9,31 +9,12 @@ from furlong.hooks import PluginError
 
 from .checkpoints import read_marker, same_dir
 
-__all__ = ["check_executor", "check_paths"]
+__all__ = ["check_paths"]
 
 
 def _hub_name(path: str) -> bool:
     """``org/model``: a Hugging Face hub name rather than a local path."""
     return path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.exists(path)
-
-
-def check_executor(args: Namespace) -> None:
-    """The run can start with the resolved ``--executor``.
-
-    :raises PluginError: ``--executor ray`` (chosen or the default for a trainer of several
-        GPUs or the sglang engine): this version runs the ``local`` executor only, one
-        process or one process per trainer rank under ``torchrun``.
-    """
-    if args.executor != "ray":
-        return
-    world = args.actor_num_nodes * args.actor_num_gpus_per_node
-    why = "" if "executor" in getattr(args, "explicit_args", []) else (
-        f" (the default for --rollout-backend {args.rollout_backend} with {world} trainer GPU(s))")
-    raise PluginError(
-        f"--executor ray{why} is not available in this version. Use --rollout-backend embedded --executor local; "
-        f"for several trainer ranks start one process per rank: torchrun --nproc-per-node {world} -m furlong.core "
-        f"train ... (with --actor-num-nodes x --actor-num-gpus-per-node = {world})."
-    )
 
 
 def check_paths(args: Namespace) -> None:

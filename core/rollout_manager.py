@@ -10,6 +10,7 @@ the weight version last synced, and the data state snapshotted at the end of eac
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import json
 import logging
@@ -26,7 +27,7 @@ from .plugins import FurlongPluginManager
 from .rewards import RewardScorer
 from .selection import Selection
 
-__all__ = ["RolloutManager", "train_sampling_params"]
+__all__ = ["RolloutManager", "sample_seed", "train_sampling_params"]
 
 log = logging.getLogger("furlong.rollout")
 
@@ -45,6 +46,18 @@ def train_sampling_params(args: Namespace) -> dict:
         "spaces_between_special_tokens": False,
     }
     return params
+
+
+def sample_seed(seed: int, index: int | None, evaluation: bool) -> int:
+    """The ``sampling_seed`` of a sample's requests: a hash of ``--seed``, the sample index and the phase.
+
+    Fixed per sample, so a run samples the same tokens whatever process, engine or
+    request order serves it, and a resumed run (whose sample counters come from the
+    checkpoint) samples what the uninterrupted run would have. Evaluation samples get
+    the same seeds at every evaluation (common random numbers across checkpoints).
+    """
+    key = f"{int(seed)}:{'eval' if evaluation else 'train'}:{index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 2
 
 
 class RolloutManager:
@@ -250,9 +263,11 @@ class RolloutManager:
                 sample.status = Status.ABORTED
                 return sample
             name, flag = self.selection.chosen["generate"]
+            params = dict(params)
+            params.setdefault("sampling_seed", sample_seed(self.args.seed, sample.index, evaluation))
             try:
                 result = await self.pm.call_chosen("generate", name, flag, args=self.args, sample=sample,
-                                                 sampling_params=dict(params), engine=self.engine,
+                                                 sampling_params=params, engine=self.engine,
                                                  evaluation=evaluation)
             except PluginError:
                 raise

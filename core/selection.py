@@ -31,6 +31,7 @@ class ChosenHook:
 
 
 CHOSEN_HOOKS = (
+    ChosenHook("executor", "executor", "--executor"),
     ChosenHook("data_source", "data_source", "--data-source", "data_source_path", "--data-source-path"),
     ChosenHook("rollout_engine", "rollout_backend", "--rollout-backend"),
     ChosenHook("train_backend", "train_backend", "--train-backend"),

@@ -1,14 +1,14 @@
-"""The local executor's train group: this process's train backend behind the async group API.
+"""The driver's train group: the loop's handle on the train workers, whatever executor placed them.
 
-``await group.train(rollout_id, groups)``: old/reference log-probs once per rollout, the
-advantage stages, then ``--num-steps-per-rollout`` optimizer steps through the backend
-with the core's objective. ``await group.update_weights(...)`` pushes the new weights to the
-rollout engine. Every method returns the list of this process's results (one rank).
-
-Under ``torchrun`` (:mod:`furlong.core.ranks`) every trainer rank holds one group: rank 0
-passes the rollout's groups and the others None; each rank plans its own micro-batches
-of every step, computes log-probs of its samples (merged so every rank sees all), and
-reduces its loss with denominators of the whole step over all ranks.
+``await group.train(rollout_id, groups)`` does the driver's part of training (SPEC.md 5.2,
+6.1-6.3) and hands each worker only plain data: it turns the groups into the train batch,
+plans each data-parallel rank's micro-batches, collects the workers' old and reference
+log-probs, runs the advantage stages, computes the whole step's denominators, and sends
+each rank its :class:`~furlong.core.train_worker.WorkerShare`. Workers run forward,
+backward and optimizer steps (:class:`~furlong.core.train_worker.TrainWorker`).
+Tensor/pipeline/context-parallel peers (ranks sharing a ``dp_rank`` in their backend's
+:class:`~furlong.hooks.ParallelLayout`) receive the same share; only ranks that return
+outputs are read. Methods return the list of per-rank results, as Miles' group does.
 """
 
 from __future__ import annotations
@@ -19,111 +19,187 @@ from argparse import Namespace
 
 import torch
 
-from furlong.hooks import RolloutEngine, Sample, TrainBackend
+from furlong.hooks import ParallelLayout, PluginError, Sample, TrainBatch, WorkerGroup
 
 from .advantage_stages import compute_advantages
 from .batching import plan_steps, split_steps
-from .objective import StepObjective
 from .plugins import FurlongPluginManager
-from .ranks import Ranks
 from .reduction import effective_loss_masks, excluded_samples, sample_denominators, step_denominators
 from .selection import Selection
 from .train_data import (advantage_input, flatten, post_process_rewards, to_train_batch, trajectory_ids,
                          truncated_flags)
+from .train_worker import WorkerShare
 
-__all__ = ["LocalTrainGroup"]
+__all__ = ["TrainGroup"]
 
 log = logging.getLogger("furlong.train")
 
+PER_TOKEN_FIELDS = ("loss_masks", "old_log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "returns")
 
-class LocalTrainGroup:
-    """One train backend in this process (``--executor local``)."""
 
-    def __init__(self, args: Namespace, pm: FurlongPluginManager, selection: Selection, backend: TrainBackend,
-                 ranks: Ranks | None = None):
-        self.args = args
-        self.pm = pm
-        self.selection = selection
-        self.backend = backend
-        self.ranks = ranks or Ranks()
-        self.weight_version = 0
+class TrainGroup:
+    """The train workers of one run behind Miles' async group API.
+
+    :param workers: the :class:`~furlong.hooks.WorkerGroup` the executor started.
+    """
+
+    def __init__(self, args: Namespace, pm: FurlongPluginManager, selection: Selection, workers: WorkerGroup):
+        self.args, self.pm, self.selection, self.workers = args, pm, selection, workers
+        self.layouts: list[ParallelLayout] = []
+
+    @property
+    def dp_size(self) -> int:
+        return self.layouts[0].dp_size if self.layouts else 1
 
     async def init(self) -> list[int]:
-        return [await self.backend.init(self.args)]
+        """Initialize every worker's backend; return the start rollout ids (one per rank).
+
+        :raises PluginError: the backends report inconsistent layouts (data-parallel
+            sizes that differ, a data-parallel rank nobody returns outputs for).
+        """
+        results = await self.workers.call("init", [()] * self.workers.size)
+        self.layouts = [layout for _, layout in results]
+        sizes = {layout.dp_size for layout in self.layouts}
+        returning = {layout.dp_rank for layout in self.layouts if layout.returns_outputs}
+        if len(sizes) != 1 or returning != set(range(sizes.pop())):
+            raise PluginError(f"--train-backend {self.args.train_backend}: inconsistent parallel layouts {self.layouts}; "
+                              "every rank must report the same dp_size and each data-parallel rank needs one rank "
+                              "with returns_outputs.")
+        if self.dp_size != getattr(self.args, "data_parallel_size", self.dp_size):
+            raise PluginError(f"--train-backend {self.args.train_backend}: the backend runs {self.dp_size} "
+                              f"data-parallel ranks but the flags give {self.args.data_parallel_size}.")
+        return [start for start, _ in results]
 
     def needs_ref(self) -> bool:
         return bool(self.args.use_kl_loss or self.args.kl_coef)
 
-    async def train(self, rollout_id: int, groups: list[list[Sample]] | None) -> list[dict]:
-        """Train on one rollout; returns ``[metrics]`` with ``rollout/*``, ``perf/*`` and per-step ``train/*``.
-
-        :param groups: the rollout's groups on rank 0; None on the other ranks, which
-            receive rank 0's.
-        """
-        args, ranks = self.args, self.ranks
-        groups = await ranks.broadcast(groups)
+    async def train(self, rollout_id: int, groups: list[list[Sample]]) -> list[dict]:
+        """Train on one rollout; returns ``[metrics]`` with ``rollout/*``, ``perf/*`` and ``train/steps``."""
+        args = self.args
         samples = flatten(groups)
         raw, rewards = post_process_rewards(args, samples)
         batch = to_train_batch(args, samples)
         batch.rewards = rewards
         batch.truncated = truncated_flags(samples)
         tids = trajectory_ids(samples)
-        batch.steps = plan_steps(
+        plans = [plan_steps(
             lengths=[len(t) for t in batch.tokens], global_batch_size=args.global_batch_size,
-            num_steps=args.num_steps_per_rollout, dp_size=ranks.world, rank=ranks.rank,
+            num_steps=args.num_steps_per_rollout, dp_size=self.dp_size, rank=r,
             micro_batch_size=args.micro_batch_size, max_tokens_per_gpu=args.max_tokens_per_gpu,
             dynamic=args.use_dynamic_batch_size, balance=args.balance_data, trajectory_ids=tids,
-        )
+        ) for r in range(self.dp_size)]
+        shares = [_share(batch, plan) for plan in plans]
         metrics: dict = {}
         start = time.perf_counter()
         if self.needs_ref():
-            batch.ref_log_probs = await ranks.merge((await self.backend.log_probs(batch, model="ref"))["log_probs"])
+            batch.ref_log_probs = (await self._log_probs(shares, len(samples), "ref"))[0]
         metrics["perf/ref_log_probs_time"] = time.perf_counter() - start
         start = time.perf_counter()
         if args.use_rollout_logprobs and batch.rollout_log_probs is not None:
-            batch.old_log_probs = batch.rollout_log_probs
-            entropy = None
+            batch.old_log_probs, entropy = batch.rollout_log_probs, None
         else:
-            out = await self.backend.log_probs(batch, model="actor")
-            batch.old_log_probs = await ranks.merge(out["log_probs"])
-            entropy = await ranks.merge(out["entropy"]) if out.get("entropy") is not None else None
+            batch.old_log_probs, entropy = await self._log_probs(shares, len(samples), "actor")
         metrics["perf/log_probs_time"] = time.perf_counter() - start
         name, flag = self.selection.chosen["advantage"]
         adv = await compute_advantages(args, self.pm, advantage_input(samples, rewards, batch), name, flag)
         batch.advantages, batch.returns = adv.advantages, adv.returns
-        loss_name, loss_flag = self.selection.chosen["loss"]
-        batch.objective = StepObjective(args, self.pm, batch, loss_name, loss_flag, ranks.world, trajectory_ids=tids,
-                                        **_global_denominators(args, batch, tids))
+        denominators = _global_denominators(args, batch, tids)
+        for share in shares:
+            _fill(share, batch, tids, denominators)
         start = time.perf_counter()
-        step_metrics = await self.backend.train(rollout_id, batch)
+        results = await self.workers.call("train", self._per_rank(lambda s: (rollout_id, s), shares))
         metrics["perf/actor_train_time"] = time.perf_counter() - start
         metrics.update(_token_means(batch, entropy))
         metrics["rollout/rewards"] = float(torch.tensor(rewards).mean()) if rewards else 0.0
         metrics["rollout/raw_reward"] = float(torch.tensor(raw).mean()) if raw else 0.0
-        metrics["train/steps"] = step_metrics
+        metrics["train/steps"] = next(r for r, lay in zip(results, self.layouts) if lay.returns_outputs)
         return [metrics]
 
-    async def update_weights(self, engine: RolloutEngine | None) -> int:
-        """Push the trainer's weights to ``engine`` with the next weight version; return it.
+    async def _log_probs(self, shares: list[WorkerShare], n: int, model: str) -> tuple[list, list | None]:
+        """Every sample's log-probs and entropy (float32 [T_i]) in batch order, from the workers' shares."""
+        results = await self.workers.call("log_probs", self._per_rank(lambda s: (s, model), shares))
+        log_probs, entropy = [None] * n, [None] * n
+        for result, layout in zip(results, self.layouts):
+            if not layout.returns_outputs:
+                continue
+            share = shares[layout.dp_rank]
+            ent = result.get("entropy") or [None] * len(share.sample_ids)
+            for local, i in enumerate(share.sample_ids):
+                log_probs[i], entropy[i] = result["log_probs"][local], ent[local]
+        missing = [i for i, row in enumerate(log_probs) if row is None]
+        if missing:
+            raise PluginError(f"--train-backend {self.args.train_backend}: log_probs(model={model!r}) returned no "
+                              f"log-probs for samples {missing[:8]}.")
+        return log_probs, (entropy if all(e is not None for e in entropy) else None)
 
-        Every rank calls it (gathering full weights is a collective); ranks without an
-        engine (None) only take part in the gather. The ranks meet first in the object
-        group, whose time-out is long: in train-async rank 0 arrives only after the
-        rollout in flight finished, which may take longer than the trainer's collective
-        time-out (``--distributed-timeout-minutes``).
-        """
-        await self.ranks.barrier()
-        self.weight_version += 1
-        named = await self.backend.named_weights()
-        if engine is not None:
-            await engine.update_weights(named, self.weight_version)
-        return self.weight_version
+    def _per_rank(self, make, shares: list[WorkerShare]) -> list[tuple]:
+        """Arguments for every rank: its data-parallel rank's share (peers get the same)."""
+        return [make(shares[layout.dp_rank]) for layout in self.layouts]
 
-    async def save_model(self, path: str) -> None:
-        await self.backend.save(path)
+    async def _all(self, method: str, *args) -> list:
+        return await self.workers.call(method, [args] * self.workers.size)
 
-    async def load_model(self, path: str) -> None:
-        await self.backend.load(path)
+    async def save_model(self, path: str) -> list:
+        """Every rank writes its part of the checkpoint into ``path``."""
+        return await self._all("save", path)
+
+    async def load_model(self, path: str) -> list:
+        return await self._all("load", path)
+
+    async def offload(self) -> list:
+        """Trainer memory to the host while the engines generate (``--offload-train``)."""
+        return await self._all("offload")
+
+    async def onload(self) -> list:
+        return await self._all("onload")
+
+    async def clear_memory(self) -> list:
+        return await self._all("clear_memory")
+
+    # --- weight stream, driven by :mod:`furlong.core.weight_sync` ----------------------------
+
+    async def begin_weights(self) -> None:
+        await self._all("begin_weights")
+
+    async def next_weight_bucket(self, max_bytes: int, with_tensors: bool):
+        """Rank 0's next bucket (every rank takes part: gathering full tensors may be a collective)."""
+        return (await self._all("next_weight_bucket", max_bytes, with_tensors))[0]
+
+    async def call_rank0(self, method: str, *args):
+        """``method`` on train rank 0 alone (the weight-update group's rank 0)."""
+        return (await self.workers.call(method, [args] + [None] * (self.workers.size - 1)))[0]
+
+
+def _share(batch: TrainBatch, plan: list[list[list[int]]]) -> WorkerShare:
+    """The samples of one rank's plan as a batch of their own, micro-batches in local indices."""
+    ids = [i for step in plan for mb in step for i in mb]
+    local = {i: k for k, i in enumerate(ids)}
+    sub = TrainBatch(
+        tokens=[batch.tokens[i] for i in ids],
+        response_lengths=[batch.response_lengths[i] for i in ids],
+        loss_masks=[batch.loss_masks[i] for i in ids],
+        steps=[[[local[i] for i in mb] for mb in step] for step in plan],
+        truncated=[batch.truncated[i] for i in ids] if batch.truncated is not None else None,
+        sample_indices=[batch.sample_indices[i] for i in ids] if batch.sample_indices is not None else None,
+        rollout_log_probs=_pick(batch.rollout_log_probs, ids),
+        temperature=batch.temperature,
+    )
+    return WorkerShare(batch=sub, sample_ids=ids)
+
+
+def _fill(share: WorkerShare, batch: TrainBatch, tids: list[int], denominators: dict) -> None:
+    """Add what training needs once the driver has it: per-token tensors and the denominators."""
+    ids = share.sample_ids
+    for field in PER_TOKEN_FIELDS:
+        setattr(share.batch, field, _pick(getattr(batch, field), ids))
+    share.batch.rewards = [batch.rewards[i] for i in ids] if batch.rewards is not None else None
+    share.step_denominators = denominators["step_denominators"]
+    share.sample_denominators = [denominators["sample_denominators"][i] for i in ids]
+    share.trajectory_ids = [tids[i] for i in ids]
+
+
+def _pick(rows: list | None, ids: list[int]) -> list | None:
+    return None if rows is None else [rows[i] for i in ids]
 
 
 def _global_denominators(args: Namespace, batch, tids: list[int]) -> dict:

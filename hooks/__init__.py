@@ -4,7 +4,8 @@ from . import answers, kl, specs
 from .config_report import ConfigReport
 from .errors import PluginError
 from .markers import PROJECT, hookimpl, hookspec
-from .protocols import DataSource, RolloutContext, RolloutEngine, StepObjective, TrainBackend
+from .protocols import (DataSource, Executor, RolloutContext, RolloutEngine, StepObjective, TrainBackend,
+                        WorkerGroup)
 from .types import (
     AdvantageInput,
     AdvantageOutput,
@@ -12,9 +13,11 @@ from .types import (
     GenerateOutput,
     LossInput,
     LossOutput,
+    ParallelLayout,
     Sample,
     Status,
     TrainBatch,
+    WeightBucket,
 )
 
 __all__ = [
@@ -23,10 +26,12 @@ __all__ = [
     "AdvantageOutput",
     "ConfigReport",
     "DataSource",
+    "Executor",
     "FilterResult",
     "GenerateOutput",
     "LossInput",
     "LossOutput",
+    "ParallelLayout",
     "PluginError",
     "RolloutContext",
     "RolloutEngine",
@@ -35,6 +40,8 @@ __all__ = [
     "StepObjective",
     "TrainBackend",
     "TrainBatch",
+    "WeightBucket",
+    "WorkerGroup",
     "hookimpl",
     "hookspec",
     "answers",

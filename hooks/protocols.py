@@ -6,18 +6,25 @@ meeting these Protocols; the core never checks their class, only their methods.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Protocol, runtime_checkable
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence, runtime_checkable
 
 import attrs
 
-from .types import FilterResult, GenerateOutput, Sample, TrainBatch
+from .types import FilterResult, GenerateOutput, ParallelLayout, Sample, TrainBatch
 
-__all__ = ["DataSource", "RolloutContext", "RolloutEngine", "StepObjective", "TrainBackend"]
+__all__ = ["DataSource", "Executor", "RolloutContext", "RolloutEngine", "StepObjective", "TrainBackend",
+           "WorkerGroup"]
 
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """Generates tokens. Implementations: ``embedded`` (transformers), ``sglang``."""
+    """Generates tokens. Implementations: ``embedded`` (transformers), ``sglang``.
+
+    Weight updates come in phases, the shape of SGLang's HTTP API (SPEC.md 6.5, 8.4):
+    ``pause_generation`` → ``flush_cache`` → one ``load_weights`` (in-process) or
+    ``update_weights_from_distributed`` (broadcast) per bucket → ``set_weight_version``
+    → ``continue_generation``.
+    """
 
     tokenizer: Any
 
@@ -34,8 +41,34 @@ class RolloutEngine(Protocol):
     async def abort(self) -> None:
         """Finish every in-flight request now with finish reason ``abort``."""
 
-    async def update_weights(self, named_tensors: list[tuple[str, Any]], version: int) -> None:
-        """Load HF-named tensors in place and set the weight version."""
+    async def pause_generation(self, mode: str) -> None:
+        """Stop decoding until :meth:`continue_generation` (``--pause-generation-mode``).
+
+        ``abort``: in-flight requests finish now with finish reason ``abort``;
+        ``retract`` and ``in_place``: they wait and resume after the update.
+        """
+
+    async def flush_cache(self) -> None:
+        """Drop cached prefixes (their KV was computed with the old weights)."""
+
+    async def load_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
+        """Load one bucket of Hugging Face-named tensors in place (in-process transport)."""
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        """Join the weight-update process group (trainer rank 0 is rank 0 of it)."""
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str) -> None:
+        """Receive one bucket broadcast by trainer rank 0 over ``group_name`` and load it."""
+
+    async def destroy_weights_update_group(self, group_name: str) -> None: ...
+
+    async def set_weight_version(self, version: int) -> None:
+        """Report ``version`` from now on (``GenerateOutput.weight_version``)."""
+
+    async def continue_generation(self) -> None:
+        """Resume decoding after :meth:`pause_generation`."""
 
     async def release_memory(self) -> None: ...
 
@@ -91,8 +124,22 @@ class TrainBackend(Protocol):
         summed over micro-batches and ranks, plus ``grad_norm`` (pre-clip) and ``lr``),
         the same on every rank."""
 
-    async def named_weights(self) -> list[tuple[str, Any]]:
-        """The policy's weights with Hugging Face names, for weight sync."""
+    def layout(self) -> ParallelLayout:
+        """This rank's place in the backend's parallelism; called after :meth:`init`.
+
+        The core plans micro-batches per data-parallel rank and sends tensor/pipeline/
+        context-parallel peers the same share; it keeps outputs of ranks with
+        ``returns_outputs`` only.
+        """
+
+    def iter_weights(self) -> AsyncIterator[tuple[str, Any]]:
+        """Yield ``(hf_name, tensor)`` one tensor at a time, for weight sync.
+
+        A collective when the weights are sharded: every rank iterates, in the same
+        order. Tensors must be full (unsharded) on rank 0; other ranks may yield
+        anything. The core buckets them by ``--update-weight-buffer-size``, so the whole
+        state dict is never held at once.
+        """
 
     async def save(self, path: str) -> None: ...
 
@@ -152,3 +199,59 @@ class RolloutContext:
     metrics: dict = attrs.field(factory=dict)
     state: dict = attrs.field(factory=dict)
     weight_version: int | None = None
+
+
+@runtime_checkable
+class WorkerGroup(Protocol):
+    """The train workers an :class:`Executor` started, one per train rank.
+
+    ``size``: the number of ranks. Workers are objects the core defines; the executor only
+    places them and carries calls and results.
+    """
+
+    size: int
+
+    async def call(self, method: str, args_per_rank: Sequence[tuple | None]) -> list:
+        """Call ``method(*args_per_rank[r])`` on every worker ``r`` at once and wait for all.
+
+        ``args_per_rank[r] is None`` skips rank ``r`` (its result is None). Results come
+        back in rank order. Calls are issued in the order the driver makes them, so
+        collectives inside the methods line up across ranks.
+
+        :raises PluginError: a worker died, raised, or did not answer in time; the message
+            names the worker (rank, where it ran) and the cause.
+        """
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Places the run's processes (``--executor``): train workers and rollout engines.
+
+    ``is_driver``: False in processes that only serve train workers (``torchrun`` ranks
+    above 0), which call :meth:`serve` instead of running the loop.
+    ``weights_in_process``: True when train rank 0, the engines and the driver share one
+    process, so weight buckets travel as tensors; otherwise they travel by broadcast over
+    a weight-update process group.
+    """
+
+    is_driver: bool
+    weights_in_process: bool
+
+    async def start_train_workers(self, args: Any, make_worker: Callable[[int, int], Any]) -> WorkerGroup:
+        """Start one worker per train rank; ``make_worker(rank, world)`` builds it where it runs.
+
+        ``make_worker`` is picklable (an executor may send it to another process).
+        """
+
+    async def start_engines(self, args: Any, make_engine: Callable[[int], Awaitable[RolloutEngine]]
+                            ) -> list[RolloutEngine]:
+        """Start the rollout engines; ``await make_engine(i)`` builds engine ``i`` where it runs.
+
+        Returns objects meeting :class:`RolloutEngine` in the driver (proxies for remote ones).
+        """
+
+    async def serve(self) -> None:
+        """Non-driver processes: run the driver's calls on this process's worker until the run ends."""
+
+    async def shutdown(self) -> None:
+        """Stop every process and actor the executor started (idempotent)."""

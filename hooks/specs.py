@@ -17,7 +17,7 @@ from argparse import ArgumentParser, Namespace
 
 from .config_report import ConfigReport
 from .markers import hookspec
-from .protocols import DataSource, RolloutContext, RolloutEngine, TrainBackend
+from .protocols import DataSource, Executor, RolloutContext, RolloutEngine, TrainBackend
 from .types import AdvantageInput, AdvantageOutput, FilterResult, LossInput, LossOutput, Sample
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "buffer_pop",
     "configure",
     "data_source",
+    "executor",
     "filter",
     "generate",
     "loss",
@@ -94,6 +95,29 @@ def configure(args: Namespace, report: ConfigReport) -> None:
             report.default(args, "policy_ratio_level", "sequence")
             if args.kl_coef != 0:
                 report.error(f"--advantage-estimator {report.plugin} needs --kl-coef 0, got {args.kl_coef:g}.")
+    """
+
+
+@hookspec
+def executor(args: Namespace) -> Executor:
+    """Create the executor: what places the train workers and the rollout engines.
+
+    Call: chosen by name (``--executor NAME``; default ``ray`` under ``ray job submit``
+    (``RAY_ADDRESS`` set) or when a trainer of several GPUs is not started by ``torchrun``
+    or with ``--rollout-backend sglang``, else ``local``). Called once per process, first
+    thing when a run starts, before any data or model loads.
+
+    The loop is written once against what the executor starts: the core hands it a
+    picklable ``make_worker(rank, world)`` for each train rank and ``make_engine(i)`` for
+    each engine, and drives the workers through the returned
+    :class:`~furlong.hooks.WorkerGroup` (``await group.call(method, args_per_rank)``).
+
+    :param args: resolved launch flags; read the cluster flags (``--actor-num-nodes``,
+        ``--actor-num-gpus-per-node``, ``--rollout-num-gpus``,
+        ``--rollout-num-gpus-per-engine``, ``--colocate``, ``--offload-*``).
+    :returns: an object meeting :class:`~furlong.hooks.Executor`.
+    :raises PluginError: the placement the flags ask for cannot be had (the message
+        names the flags and what the machine or cluster offers).
     """
 
 

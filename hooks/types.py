@@ -18,9 +18,11 @@ __all__ = [
     "GenerateOutput",
     "LossInput",
     "LossOutput",
+    "ParallelLayout",
     "Sample",
     "Status",
     "TrainBatch",
+    "WeightBucket",
 ]
 
 
@@ -255,3 +257,48 @@ class TrainBatch:
     truncated: list | None = None
     sample_indices: list | None = None
     temperature: float = 1.0
+
+
+@attrs.define(frozen=True)
+class ParallelLayout:
+    """Where one train rank sits in its backend's parallelism (reported by ``TrainBackend.layout()``).
+
+    ``dp_rank``/``dp_size``: the data-parallel rank and size; ranks that share a
+    ``dp_rank`` (tensor, pipeline or context-parallel peers) receive the same
+    micro-batches. ``returns_outputs``: whether this rank's log-probs and step metrics
+    are the ones the core keeps (one rank per data-parallel rank, e.g. TP rank 0 on the
+    last pipeline stage). ``rank``/``world``: the rank among all train ranks.
+    Plain values only: a layout travels from a remote worker to the driver.
+    """
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    returns_outputs: bool = True
+    rank: int = 0
+    world: int = 1
+
+
+@attrs.define
+class WeightBucket:
+    """One bucket of a weight sync: Hugging Face names with their dtypes and shapes.
+
+    ``dtypes`` are torch dtype names without the ``torch.`` prefix (``"bfloat16"``), as
+    SGLang's ``/update_weights_from_distributed`` takes them; ``shapes`` are lists of
+    ints. ``tensors`` holds the tensors when the bucket travels in-process, and is None
+    when only the metadata travels (the tensors follow by broadcast over the weight
+    update group).
+    """
+
+    names: list
+    dtypes: list
+    shapes: list
+    tensors: list | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the bucket's tensors (from dtypes and shapes)."""
+        import math
+
+        import torch
+
+        return sum(math.prod(shape) * getattr(torch, dtype).itemsize for dtype, shape in zip(self.dtypes, self.shapes))

@@ -34,6 +34,7 @@ class ScriptedEngine:
         self.version = 0
         self._aborted = asyncio.Event()
         self.abort_calls = 0
+        self.phases: list[tuple] = []  # weight-update calls in order
 
     async def generate(self, input_ids, sampling_params):
         self.requests.append({"input_ids": list(input_ids), **sampling_params})
@@ -61,8 +62,25 @@ class ScriptedEngine:
     def reset_abort(self):
         self._aborted.clear()
 
-    async def update_weights(self, named_tensors, version):
+    async def pause_generation(self, mode):
+        self.phases.append(("pause", mode))
+
+    async def flush_cache(self):
+        self.phases.append(("flush",))
+
+    async def load_weights(self, named_tensors):
+        self.phases.append(("load", [name for name, _ in named_tensors]))
+
+    async def set_weight_version(self, version):
+        self.phases.append(("version", version))
         self.version = version
+
+    async def continue_generation(self):
+        self.phases.append(("continue",))
+
+    async def update_weights(self, named_tensors, version):
+        await self.load_weights(named_tensors)
+        await self.set_weight_version(version)
 
     async def release_memory(self):
         return None

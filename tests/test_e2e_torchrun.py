@@ -17,8 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from furlong.core.ranks import start_ranks
-from furlong.hooks import PluginError
+from furlong.builtin_plugins.executors.local import InProcessWorkers, LocalExecutor, configure, executor
+from furlong.builtin_plugins.executors.torchrun import TorchrunExecutor
+from furlong.hooks.config_report import ConfigReport
 
 
 def _flags(model, data):
@@ -90,33 +91,36 @@ def test_two_trainer_ranks_reproduce_one_process(tmp_path, tiny_model_dir, arith
 
 def test_torchrun_size_must_match_the_trainer_flags(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    args = Namespace(actor_num_nodes=1, actor_num_gpus_per_node=1)
-    with pytest.raises(PluginError) as err:
-        start_ranks(args)
-    assert str(err.value) == (
+    report = ConfigReport("local", ("--executor",))
+    configure(Namespace(actor_num_nodes=1, actor_num_gpus_per_node=1), report)
+    assert report.errors == [
         "torchrun started 2 trainer processes but --actor-num-nodes 1 x --actor-num-gpus-per-node 1 = 1; pass "
-        "flags whose product is 2 (e.g. --actor-num-gpus-per-node 2) or change --nproc-per-node.")
+        "flags whose product is 2 (e.g. --actor-num-gpus-per-node 2) or change --nproc-per-node."]
+    matching = ConfigReport("local", ("--executor",))
+    configure(Namespace(actor_num_nodes=1, actor_num_gpus_per_node=2), matching)
+    assert matching.errors == []
 
 
-def test_ray_executor_stops_the_run_before_anything_loads(run_furlong, tiny_model_dir, arithmetic_jsonl, tmp_path):
-    result = run_furlong("train", *_flags(tiny_model_dir, arithmetic_jsonl),
-                         "--actor-num-gpus-per-node", "2", "--save", str(tmp_path / "run"))
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    assert ("--executor ray (the default for --rollout-backend embedded with 2 trainer GPU(s)) is not available in "
-            "this version. Use --rollout-backend embedded --executor local; for several trainer ranks start one "
-            "process per rank: torchrun --nproc-per-node 2 -m furlong.core train ... (with --actor-num-nodes x "
-            "--actor-num-gpus-per-node = 2).") in result.stderr
-    assert not (tmp_path / "run").exists()
-
-
-def test_one_process_is_rank_zero_of_one(monkeypatch):
+def test_one_process_runs_its_one_worker_in_process(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    ranks = start_ranks(Namespace(actor_num_nodes=1, actor_num_gpus_per_node=1))
-    assert (ranks.world, ranks.rank, ranks.is_main) == (1, 0, True)
-    rows = [None, torch.ones(2)]
-    assert asyncio.run(ranks.merge(rows)) is rows
-    assert asyncio.run(ranks.broadcast({"a": 1})) == {"a": 1}
+    local = executor(Namespace(actor_num_nodes=1, actor_num_gpus_per_node=1))
+    assert isinstance(local, LocalExecutor) and local.is_driver and local.weights_in_process
+
+    class Worker:
+        async def double(self, x):
+            return 2 * x
+
+    workers = asyncio.run(local.start_train_workers(None, lambda rank, world: Worker()))
+    assert isinstance(workers, InProcessWorkers) and workers.size == 1
+    assert asyncio.run(workers.call("double", [(21,)])) == [42]
+    assert asyncio.run(workers.call("double", [None])) == [None]  # a skipped rank answers None
+
+
+def test_torchrun_processes_are_the_torchrun_executor(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    ranks = executor(Namespace(actor_num_nodes=1, actor_num_gpus_per_node=2))
+    assert isinstance(ranks, TorchrunExecutor) and not ranks.is_driver and ranks.size == 2
 
 
 @pytest.mark.timeout(200)

@@ -21,6 +21,7 @@ from furlong.hooks import (
     GenerateOutput,
     LossInput,
     LossOutput,
+    ParallelLayout,
     RolloutContext,
     RolloutEngine,
     Sample,
@@ -56,7 +57,29 @@ class CountingEngine:
     async def abort(self):
         pass
 
-    async def update_weights(self, named_tensors, version):
+    async def pause_generation(self, mode):
+        pass
+
+    async def flush_cache(self):
+        pass
+
+    async def load_weights(self, named_tensors):
+        pass
+
+    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
+                                        backend):
+        pass
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name):
+        pass
+
+    async def destroy_weights_update_group(self, group_name):
+        pass
+
+    async def set_weight_version(self, version):
+        pass
+
+    async def continue_generation(self):
         pass
 
     async def release_memory(self):
@@ -117,8 +140,11 @@ def test_hook_train_backend_factory_returns_a_train_backend(plugin_manager, regi
         async def train(self, rollout_id, batch):
             return []
 
-        async def named_weights(self):
-            return []
+        def layout(self):
+            return ParallelLayout()
+
+        async def iter_weights(self):
+            yield "w", None
 
         async def save(self, path):
             pass

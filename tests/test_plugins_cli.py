@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(240)
 
 KNOBS = ["--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4"]
 STACK = {  # entry-point name -> (hook, flag); t_data's data_source returns None
+    "t_executor": ("executor", "--executor"),
     "t_data": ("data_source", "--data-source"),
     "t_engine": ("rollout_engine", "--rollout-backend"),
     "t_backend": ("train_backend", "--train-backend"),
@@ -32,7 +33,7 @@ STACK = {  # entry-point name -> (hook, flag); t_data's data_source returns None
     "t_loss": ("loss", "--loss-type"),
     "t_reward": ("reward", "--rm-type"),
 }
-ARGNAMES = {"data_source": "args", "rollout_engine": "args", "train_backend": "args",
+ARGNAMES = {"executor": "args", "data_source": "args", "rollout_engine": "args", "train_backend": "args",
             "rollout": "args, rollout_id, context", "generate": "args, sample", "buffer_pop": "buffer, num_samples",
             "advantage": "args, batch", "loss": "args, batch", "reward": "args, samples"}
 BROKEN_IMPORT = "ModuleNotFoundError: No module named 'furlong_missing_dependency_xyz'"
@@ -50,6 +51,8 @@ def sites(tmp_path_factory, write_dist):
     root = tmp_path_factory.mktemp("cli_sites")
     stack_files = {f"furlong_cli_stack/{name}.py": _module(hook, "None" if name == "t_data" else "'ok'")
                    for name, (hook, _) in STACK.items()}
+    stack_files["furlong_cli_stack/t_executor.py"] = _module(
+        "executor", "__import__('furlong.builtin_plugins.executors.local', fromlist=['local']).LocalExecutor()")
     stack_files["my_rm.py"] = "def grade(args, sample):\n    return 1.0\n"
     write_dist(root / "stack", "furlong-cli-stack", "furlong_cli_stack", "",
                {n: f"furlong_cli_stack.{n}" for n in STACK}, files=stack_files)
@@ -126,7 +129,7 @@ def test_print_config_shows_the_chosen_plugins_and_a_dotted_path(train):
     proc = train[PRINT_CONFIG]
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["plugins"] == {
-        "data_source": "t_data", "rollout_engine": "t_engine", "train_backend": "t_backend", "rollout": "t_rollout",
+        "executor": "t_executor", "data_source": "t_data", "rollout_engine": "t_engine", "train_backend": "t_backend", "rollout": "t_rollout",
         "generate": "t_generate", "buffer_pop": "t_pop", "advantage": "t_adv", "loss": "t_loss", "filter": [],
         "reward": "my_rm.grade"}
 
@@ -273,8 +276,8 @@ def test_plugins_with_an_unknown_hook(furlong_with):
     proc = furlong_with("plugins", "--hook", "advantge")
     assert _usage_error(proc) == (
         "error: --hook 'advantge': no such hook. Hooks: abort, add_arguments, advantage, buffer_pop, configure, "
-        "data_source, filter, generate, loss, on_checkpoint_saved, on_eval_end, on_hook_call, on_rollout_end, "
-        "on_train_step_end, reward, rollout, rollout_engine, train_backend.\n"
+        "data_source, executor, filter, generate, loss, on_checkpoint_saved, on_eval_end, on_hook_call, "
+        "on_rollout_end, on_train_step_end, reward, rollout, rollout_engine, train_backend.\n"
     )
 
 

@@ -30,8 +30,9 @@ def add(g, dev) -> None:
     g.add_argument("--offload-rollout-level", nargs="+", choices=["kv_cache", "weight"],
                    default=["kv_cache", "weight"],
                    help="Engine memory released after generation (CUDA graphs are always released).")
-    g.add_argument("--executor", choices=["local", "ray"], default=None,
-                   help="local: one process, no Ray; ray: Ray actors in placement groups. "
+    g.add_argument("--executor", default=None,
+                   help="executor plugin: local (one process, or the processes of a torchrun job) or ray (Ray actors "
+                        "in a placement group). "
                         "Default: ray with --rollout-backend sglang or a trainer of several GPUs not started by "
                         "torchrun, else local.")
     g.add_argument("--seed", type=int, default=1234, help="Trainer random seed (engine i uses seed + i).")

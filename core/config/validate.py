@@ -208,7 +208,9 @@ def _cluster(args, f: Findings, given: set[str]) -> None:
     if "executor" not in given or args.executor is None:
         # under torchrun every trainer rank is already a process of its own
         torchrun = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
-        args.executor = "ray" if args.rollout_backend == "sglang" or (world > 1 and not torchrun) else "local"
+        submitted = bool(os.environ.get("RAY_ADDRESS"))  # under `ray job submit`
+        args.executor = "ray" if submitted or args.rollout_backend == "sglang" or (world > 1 and not torchrun) \
+            else "local"
 
 
 def _offload(args, f: Findings, given: set[str]) -> None:

@@ -9,7 +9,7 @@ import os
 from collections import defaultdict
 from typing import Any
 
-from furlong.hooks import PluginError, TrainBatch
+from furlong.hooks import ParallelLayout, PluginError, TrainBatch
 
 from . import checkpoint
 from .logprobs import forward_log_probs
@@ -242,15 +242,28 @@ class FSDPBackend:
 
     # --- weights and checkpoints ---------------------------------------------------------
 
-    async def named_weights(self) -> list[tuple[str, Any]]:
-        """Full tensors with Hugging Face names (tied aliases left out), for weight sync.
+    def layout(self) -> ParallelLayout:
+        """Every rank is a data-parallel rank of its own (FSDP shards parameters, not data)."""
+        return ParallelLayout(dp_rank=self.rank, dp_size=self.world, returns_outputs=True, rank=self.rank,
+                              world=self.world)
 
-        Under FSDP2 this is a collective (every rank calls it) and every rank gets full
-        tensors. Single process: detached views of the live weights; copy them before
-        the next :meth:`train`.
+    async def iter_weights(self):
+        """Yield ``(hf_name, tensor)`` one parameter or buffer at a time (tied aliases left out).
+
+        Under FSDP2 each sharded tensor is gathered in full on every rank as it is
+        yielded (a collective: every rank iterates). Single process: detached views of
+        the live weights; copy them before the next :meth:`train`.
         """
-        state = await self._in_thread(checkpoint.full_model_state, self.model, self.world, False)
-        return [(name, tensor.detach()) for name, tensor in state.items() if name not in self._tied]
+        for name, tensor in self.model.state_dict().items():
+            if name in self._tied:
+                continue
+            if hasattr(tensor, "full_tensor"):
+                tensor = await self._in_thread(tensor.full_tensor)
+            yield name, tensor.detach()
+
+    async def named_weights(self) -> list[tuple[str, Any]]:
+        """Every tensor of :meth:`iter_weights` in one list (tests and tools; weight sync streams)."""
+        return [(name, tensor) async for name, tensor in self.iter_weights()]
 
     async def save(self, path: str) -> None:
         """Write the checkpoint into ``path`` (layout in :mod:`.checkpoint`); every rank calls it.

@@ -33,7 +33,8 @@ def rollout_engine(args):
     """Create the embedded engine from ``--hf-checkpoint`` (its own copy of the weights).
 
     Flags read: ``--hf-checkpoint``, ``--bf16``/``--fp16`` (CUDA only; CPU runs float32),
-    ``--embedded-max-batch-size``.
+    ``--embedded-max-batch-size``, ``--seed`` (engine ``i`` seeds its sampling with
+    ``seed + i``, ``i`` = ``args.rollout_engine_index``).
 
     :returns: an :class:`EmbeddedEngine` (meets :class:`furlong.hooks.RolloutEngine`).
     :raises PluginError: ``--hf-checkpoint`` is missing or cannot be loaded.
@@ -43,10 +44,12 @@ def rollout_engine(args):
         max_batch_size=int(getattr(args, "embedded_max_batch_size", 64) or 64),
         half=not getattr(args, "fp16", False) and getattr(args, "bf16", True),
         fp16=bool(getattr(args, "fp16", False)),
+        seed=int(getattr(args, "seed", 0) or 0) + int(getattr(args, "rollout_engine_index", 0) or 0),
     )
 
 
-def load_engine(path: str | None, max_batch_size: int = 64, half: bool = True, fp16: bool = False) -> EmbeddedEngine:
+def load_engine(path: str | None, max_batch_size: int = 64, half: bool = True, fp16: bool = False,
+                seed: int = 0) -> EmbeddedEngine:
     """Load model and tokenizer from the Hugging Face directory ``path`` into an engine.
 
     On CUDA the model runs in bfloat16 when ``half`` (float16 when ``fp16``), else float32;
@@ -68,4 +71,4 @@ def load_engine(path: str | None, max_batch_size: int = 64, half: bool = True, f
                           f"embedding only {vocab} rows; the tokenizer files and the model do not belong together.")
     if cuda:
         model = model.to("cuda")
-    return EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size)
+    return EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size, seed=seed)

@@ -10,6 +10,7 @@ the next one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -30,9 +31,12 @@ class EmbeddedEngine:
     :param model: a causal LM (its own copy of the weights; the trainer mutates its own).
     :param tokenizer: the model's tokenizer (``engine.tokenizer``).
     :param max_batch_size: most requests decoded together.
+    :param seed: seeds the engine's own generator of per-request sampling seeds (a request
+        without ``sampling_seed`` takes the next one), so the same requests in the same
+        order sample the same tokens in whatever process the engine runs.
     """
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 64) -> None:
+    def __init__(self, model, tokenizer, max_batch_size: int = 64, seed: int = 0) -> None:
         import torch
 
         if max_batch_size < 1:
@@ -48,12 +52,15 @@ class EmbeddedEngine:
         self._pad_id = int(pad) if pad is not None else 0
         self._lock = threading.Lock()  # held by every forward pass and by weight copies
         self._epoch = 0
+        self._paused = False
+        self._groups: dict[str, Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: list[Request] = []
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._running: asyncio.Future | None = None
         self._torch = torch
+        self._seeds = torch.Generator().manual_seed(int(seed))
 
     # --- RolloutEngine ------------------------------------------------------------------
 
@@ -82,7 +89,7 @@ class EmbeddedEngine:
             )
         seed = params.sampling_seed
         if seed is None:
-            seed = int(self._torch.randint(0, 2**62, (1,)).item())
+            seed = int(self._torch.randint(0, 2**62, (1,), generator=self._seeds).item())
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_ids)
         req = Request(input_ids=[int(t) for t in input_ids], params=params, seed=seed, epoch=self._epoch,
                       stop_ids=stop_ids)
@@ -109,16 +116,76 @@ class EmbeddedEngine:
         if self._running is not None and self._loop is asyncio.get_running_loop():
             await asyncio.wait([self._running])
 
-    async def update_weights(self, named_tensors: list[tuple[str, Any]], version: int) -> None:
-        """Copy Hugging Face-named tensors into the model in place, then set the weight version.
+    # --- weight updates, in SGLang's phases ---------------------------------------------
 
-        Runs between two decode steps of a running batch (later tokens use the new weights).
+    weight_update_ranks = 1  # ranks this engine takes in a weight-update group
 
-        :param named_tensors: ``(name, tensor)`` pairs named as the model's ``state_dict``.
-        :param version: the new weight version (an int; reported as a string).
+    async def pause_generation(self, mode: str = "retract") -> None:
+        """Hold decoding between two decode steps until :meth:`continue_generation`.
+
+        ``abort`` first finishes every request with finish reason "abort" (partial tokens
+        kept); ``retract`` and ``in_place`` keep them: they continue after the update.
+        """
+        if mode == "abort":
+            await self.abort()
+        if not self._paused:
+            await asyncio.to_thread(self._lock.acquire)
+            self._paused = True
+
+    async def continue_generation(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._lock.release()
+
+    async def flush_cache(self) -> None:
+        """Nothing to drop: the engine keeps no prefix cache across requests."""
+
+    async def set_weight_version(self, version: int) -> None:
+        self.weight_version = int(version)
+
+    async def load_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
+        """Copy one bucket of Hugging Face-named tensors into the model in place.
+
         :raises PluginError: an unknown name or a shape mismatch (names the tensor).
         """
-        await asyncio.to_thread(self._copy_weights, list(named_tensors), int(version))
+        await asyncio.to_thread(self._copy_weights, list(named_tensors))
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str = "gloo") -> None:
+        """Join the weight-update group as rank ``rank_offset`` (trainer rank 0 broadcasts)."""
+        from furlong.hooks.dist import new_weight_update_group
+
+        self._groups[group_name] = await asyncio.to_thread(
+            new_weight_update_group, master_address, int(master_port), int(rank_offset), int(world_size),
+            group_name, backend)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str) -> None:
+        """Receive one bucket over ``group_name`` and load it (SGLang's ``/update_weights_from_distributed``)."""
+        from furlong.hooks.dist import receive_bucket
+
+        group = self._groups.get(group_name)
+        if group is None:
+            raise PluginError(f"embedded engine: no weight-update group '{group_name}'; "
+                              "call init_weights_update_group first.")
+        tensors = await asyncio.to_thread(receive_bucket, dtypes, shapes, group, self.device)
+        await self.load_weights(list(zip(names, tensors)))
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        group = self._groups.pop(group_name, None)
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(group)
+
+    async def update_weights(self, named_tensors: list[tuple[str, Any]], version: int) -> None:
+        """All phases at once: pause in place, load ``named_tensors``, set ``version``, continue."""
+        await self.pause_generation("in_place")
+        try:
+            await self.load_weights(named_tensors)
+            await self.set_weight_version(version)
+        finally:
+            await self.continue_generation()
 
     async def release_memory(self) -> None:
         """On CUDA, move the weights to host memory and empty the cache; a no-op on CPU."""
@@ -192,10 +259,11 @@ class EmbeddedEngine:
 
     # --- weights ------------------------------------------------------------------------
 
-    def _copy_weights(self, named_tensors: list[tuple[str, Any]], version: int) -> None:
+    def _copy_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
+        """Copy under the decode lock, which :meth:`pause_generation` already holds while paused."""
         self._use_device()
         state = self.model.state_dict()
-        with self._lock, self._torch.no_grad():
+        with contextlib.nullcontext() if self._paused else self._lock, self._torch.no_grad():
             for name, tensor in named_tensors:
                 if name not in state:
                     raise PluginError(
@@ -208,7 +276,6 @@ class EmbeddedEngine:
                         f"the model expects {tuple(state[name].shape)}."
                     )
                 state[name].copy_(tensor)
-            self.weight_version = version
 
     def _use_device(self) -> None:
         """Worker threads start on CUDA device 0; switch to the model's device."""

@@ -1,0 +1,1 @@
+"""Executors: where train workers and rollout engines run (``--executor``)."""

@@ -1,0 +1,81 @@
+"""The ``local`` executor: everything in this process, or one process per train rank under ``torchrun``.
+
+One process: the train worker and the engines live in the driver's process and weight
+buckets are handed over as tensors. Under ``torchrun --nproc-per-node D`` every process is
+one train rank; rank 0 is the driver (data, engines, rollout, eval, logs, checkpoint
+bookkeeping) and also train rank 0; ranks 1..D-1 only serve train calls
+(:mod:`.torchrun`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from furlong.hooks import hookimpl
+
+from .torchrun import TorchrunExecutor
+
+__all__ = ["LocalExecutor", "executor"]
+
+
+class InProcessWorkers:
+    """One worker in this process behind :class:`furlong.hooks.WorkerGroup`."""
+
+    size = 1
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+
+    async def call(self, method: str, args_per_rank):
+        [args] = args_per_rank
+        if args is None:
+            return [None]
+        return [await getattr(self.worker, method)(*args)]
+
+
+class LocalExecutor:
+    """:class:`furlong.hooks.Executor` for one process."""
+
+    is_driver = True
+    weights_in_process = True
+
+    async def start_train_workers(self, args, make_worker):
+        return InProcessWorkers(make_worker(0, 1))
+
+    async def start_engines(self, args, make_engine):
+        return [await make_engine(0)]
+
+    async def serve(self) -> None:
+        return None
+
+    async def shutdown(self) -> None:
+        return None
+
+
+@hookimpl
+def configure(args, report):
+    """Under ``torchrun`` the trainer size in the flags must be the number of processes.
+
+    ``--actor-num-nodes x --actor-num-gpus-per-node`` sizes the data parallelism the batch
+    flags were checked against.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    flagged = int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node)
+    if world > 1 and flagged != world:
+        report.error(
+            f"torchrun started {world} trainer processes but --actor-num-nodes {args.actor_num_nodes} x "
+            f"--actor-num-gpus-per-node {args.actor_num_gpus_per_node} = {flagged}; pass flags whose product is "
+            f"{world} (e.g. --actor-num-gpus-per-node {world}) or change --nproc-per-node.")
+
+
+@hookimpl
+def executor(args):
+    """One process, or the ranks ``torchrun`` started (``WORLD_SIZE > 1``).
+
+    Flags read: ``--actor-num-nodes``, ``--actor-num-gpus-per-node`` (their product must
+    equal the number of ``torchrun`` processes), ``--distributed-backend``,
+    ``--distributed-timeout-minutes``.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return TorchrunExecutor(args)
+    return LocalExecutor()

@@ -1,0 +1,411 @@
+"""The ``ray`` executor: train ranks and rollout engines as Ray actors in one placement group.
+
+Placement (DESIGN.md "Execution seam", RAY_SGLANG.md section 1): one bundle per device
+slot, ``{"GPU": 1, "CPU": 1}`` on machines with GPUs and ``{"CPU": 1}`` on machines
+without, so the same flags run on a laptop. The trainer takes
+``--actor-num-nodes x --actor-num-gpus-per-node`` bundles; the engines take
+``--rollout-num-gpus`` more (default ``--rollout-num-gpus-per-engine``, one engine), or,
+under ``--colocate``, share the trainer's bundles. A train actor asks for 0.4 of its
+bundle and an engine actor 0.2, so both fit one bundle when colocated. Rank 0 is
+created first and names the rendezvous address; every rank then joins the trainer's
+process group (NCCL on GPUs, gloo on CPUs).
+
+Without ``RAY_ADDRESS`` the executor starts a private local Ray (``address="local"``)
+and shuts it down at the end; under ``ray job submit`` (``RAY_ADDRESS`` set) it joins
+that cluster and leaves it running. Every remote wait has a time-out
+(``--ray-call-timeout``); a train actor that dies or raises ends the run with one
+error naming its rank, node and process; an engine actor that dies is replaced (at most
+``--ray-engine-restarts`` times), given the current weights, and its in-flight requests
+are sent again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from furlong.hooks import PluginError, hookimpl
+
+from .ray_actors import EngineActor, TrainActor
+
+__all__ = ["RayExecutor", "add_arguments", "executor"]
+
+log = logging.getLogger("furlong.ray")
+
+TRAIN_SHARE = 0.4  # of a bundle: a train actor and an engine actor (0.2) fit one bundle under --colocate
+ENGINE_SHARE = 0.2
+FAILURE_GRACE_S = 10.0  # after one rank fails, how long to wait for the others' errors
+ENGINE_CONCURRENCY = 4096  # requests one engine actor takes at once (the engine batches them)
+
+
+@hookimpl
+def add_arguments(parser):
+    """Add the ``ray`` group: ``--ray-call-timeout``, ``--ray-engine-restarts``."""
+    group = parser.add_argument_group("ray")
+    group.add_argument("--ray-call-timeout", type=float, default=3600.0,
+                       help="Seconds any call to a Ray actor may take before the run stops with an error naming it.")
+    group.add_argument("--ray-engine-restarts", type=int, default=3,
+                       help="Times a dead rollout-engine actor is replaced in one run before the run stops.")
+
+
+@hookimpl
+def executor(args):
+    """Place train ranks and engines as Ray actors (needs ``pip install "furlong[ray]"``).
+
+    Flags read: ``--actor-num-nodes``, ``--actor-num-gpus-per-node``, ``--rollout-num-gpus``,
+    ``--rollout-num-gpus-per-engine``, ``--colocate``, ``--distributed-backend``,
+    ``--distributed-timeout-minutes``, ``--ray-call-timeout``, ``--ray-engine-restarts``.
+
+    :raises PluginError: Ray is not installed.
+    """
+    try:
+        import ray  # noqa: F401
+    except ImportError as exc:
+        raise PluginError('--executor ray needs Ray: pip install "furlong[ray]" (or pass --executor local).') from exc
+    return RayExecutor(args)
+
+
+class RayExecutor:
+    """:class:`furlong.hooks.Executor` over Ray actors (see the module doc)."""
+
+    is_driver = True
+    weights_in_process = False
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.timeout = float(getattr(args, "ray_call_timeout", 3600.0) or 3600.0)
+        self.gpu = _has_gpus()
+        self.train_world = int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node)
+        per_engine = int(args.rollout_num_gpus_per_engine or 1)
+        self.rollout_slots = int(args.rollout_num_gpus or per_engine)
+        self.num_engines = max(1, self.rollout_slots // per_engine)
+        self.per_engine = per_engine
+        self.colocate = bool(getattr(args, "colocate", False))
+        self.started_ray = False
+        self.pg = None
+        self.actors: list = []
+        self.engines: list[RemoteEngine] = []
+        self._connect()
+
+    # --- cluster and placement ---------------------------------------------------------
+
+    def _connect(self) -> None:
+        import ray
+
+        slots = max(self.train_world, self.rollout_slots) if self.colocate else self.train_world + self.rollout_slots
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS")
+            kwargs = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
+            if address:
+                ray.init(address=address, **kwargs)
+            else:
+                gpus = _gpu_count() if self.gpu else 0
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots + 1), num_gpus=gpus, **kwargs)
+                self.started_ray = True
+        from ray.util.placement_group import placement_group
+
+        bundle = {"GPU": 1, "CPU": 1} if self.gpu else {"CPU": 1}
+        self.slots = slots
+        self.pg = placement_group([dict(bundle) for _ in range(slots)], strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=min(self.timeout, 300))
+        except Exception as exc:  # noqa: BLE001 - GetTimeoutError, or the cluster went away
+            have = ray.cluster_resources()
+            self._release()
+            raise PluginError(
+                f"--executor ray: no room for {slots} bundles of {bundle} (trainer {self.train_world} = "
+                f"--actor-num-nodes x --actor-num-gpus-per-node, engines {self.rollout_slots} "
+                f"{'shared with the trainer (--colocate)' if self.colocate else '(--rollout-num-gpus)'}); the cluster "
+                f"has {have}.") from exc
+        log.info("ray: placement group of %d bundle(s) %s ready", slots, bundle)
+
+    def _options(self, bundle_index: int, share: float, concurrency: int) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle_index,
+                                                    placement_group_capture_child_tasks=True)
+        resources = {"num_cpus": share, "num_gpus": share if self.gpu else 0}
+        return {"scheduling_strategy": strategy, "max_restarts": 0, "max_concurrency": concurrency, **resources}
+
+    # --- train workers -------------------------------------------------------------------
+
+    async def start_train_workers(self, args, make_worker):
+        import ray
+
+        env = _forwarded_env()
+        cls = ray.remote(TrainActor)
+        handles = [cls.options(**self._options(r, TRAIN_SHARE, 4)).remote(r, self.train_world, env)
+                   for r in range(self.train_world)]
+        self.actors.extend(handles)
+        group = RayWorkers(handles, self.timeout)
+        await group.describe()
+        master = await group.one(0, handles[0].master_address.remote(), "master_address")
+        backend = "nccl" if self.gpu and args.distributed_backend == "nccl" else "gloo"
+        minutes = int(getattr(args, "distributed_timeout_minutes", 10) or 10)
+        await group.all([h.setup.remote(make_worker, master, backend, minutes) for h in handles], "setup")
+        log.info("ray: %d train actor(s) started (%s)", len(handles), backend)
+        return group
+
+    # --- engines -------------------------------------------------------------------------
+
+    async def start_engines(self, args, make_engine):
+        restarts = int(getattr(args, "ray_engine_restarts", 3))
+        budget = _RestartBudget(restarts)
+        self.engines = [RemoteEngine(self, i, make_engine, budget) for i in range(self.num_engines)]
+        await asyncio.gather(*(e.start() for e in self.engines))
+        log.info("ray: %d engine actor(s) started", len(self.engines))
+        return list(self.engines)
+
+    def engine_bundle(self, index: int) -> int:
+        base = 0 if self.colocate else self.train_world
+        return base + index * self.per_engine
+
+    def new_engine_actor(self, index: int):
+        import ray
+
+        cls = ray.remote(EngineActor)
+        handle = cls.options(**self._options(self.engine_bundle(index), ENGINE_SHARE, ENGINE_CONCURRENCY)).remote(
+            index, _forwarded_env())
+        self.actors.append(handle)
+        return handle
+
+    # --- end -----------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        return None
+
+    async def shutdown(self) -> None:
+        """Kill every actor, remove the placement group, stop the private Ray (idempotent)."""
+        await asyncio.to_thread(self._release)
+
+    def _release(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for handle in self.actors:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        self.actors = []
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001 - the cluster may be gone already
+                pass
+            self.pg = None
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False
+
+
+class RayWorkers:
+    """:class:`furlong.hooks.WorkerGroup` over train actors; errors name the actor, rank, node and process."""
+
+    def __init__(self, handles: list, timeout: float) -> None:
+        self.handles, self.timeout = handles, timeout
+        self.size = len(handles)
+        self.places: list[dict] = [{} for _ in handles]
+
+    async def describe(self) -> None:
+        self.places = await self.all([h.where.remote() for h in self.handles], "where")
+
+    async def call(self, method: str, args_per_rank) -> list:
+        refs = [None if a is None else h.call.remote(method, tuple(a)) for h, a in zip(self.handles, args_per_rank)]
+        return await self.all(refs, method)
+
+    async def one(self, rank: int, ref, method: str):
+        return await _await(ref, self.timeout, self._who(rank), method)
+
+    async def all(self, refs: list, method: str) -> list:
+        """Results of every call; on failure, the error of a dead actor first (the others' follow from it)."""
+        tasks = [asyncio.ensure_future(self.one(r, ref, method)) if ref is not None else None
+                 for r, ref in enumerate(refs)]
+        live = [t for t in tasks if t is not None]
+        done, pending = await asyncio.wait(live, return_when=asyncio.FIRST_EXCEPTION)
+        if pending and any(t.exception() is not None for t in done):
+            more, pending = await asyncio.wait(pending, timeout=FAILURE_GRACE_S)  # peers of a dead rank fail too
+            done |= more
+        for t in pending:
+            t.cancel()
+        errors = [t.exception() for t in live if t in done and t.exception() is not None]
+        if errors:
+            from ray.exceptions import RayActorError
+
+            errors.sort(key=lambda e: not isinstance(e.__cause__, RayActorError))
+            raise errors[0]
+        return [t.result() if t is not None else None for t in tasks]
+
+    def _who(self, rank: int) -> str:
+        place = self.places[rank] if rank < len(self.places) else {}
+        where = f" on node {place['node']}, pid {place['pid']}" if place else ""
+        return f"train actor rank {rank}{where}"
+
+
+async def _await(ref, timeout: float, who: str, method: str):
+    """Await one actor call with a time-out; turn Ray's errors into one PluginError naming the actor."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+    except asyncio.TimeoutError as exc:
+        raise PluginError(f"{who}: {method} did not answer within --ray-call-timeout {timeout:g} s.") from exc
+    except RayActorError as exc:
+        raise PluginError(f"{who}: the actor died during {method} ({_first_line(exc)}).") from exc
+    except RayTaskError as exc:
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        if isinstance(cause, PluginError):
+            raise PluginError(f"{who}: {cause}") from exc
+        raise PluginError(f"{who}: {method} raised {type(cause).__name__}: {_first_line(cause)}") from exc
+
+
+class _RestartBudget:
+    def __init__(self, total: int) -> None:
+        self.left = total
+
+
+class RemoteEngine:
+    """A :class:`furlong.hooks.RolloutEngine` in the driver for one engine actor.
+
+    When the actor dies, the first call that notices starts a replacement, which gets the
+    current weights through ``on_restart`` (set by the core's weight sync) before any
+    request is sent again; calls that failed meanwhile are retried once on it.
+    """
+
+    def __init__(self, executor: RayExecutor, index: int, make_engine, budget: _RestartBudget) -> None:
+        self.executor, self.index, self.make_engine, self.budget = executor, index, make_engine, budget
+        self.handle = None
+        self.tokenizer = None
+        self.weight_update_ranks = 1
+        self.on_restart = None
+        self.restarts = 0
+        self._epoch = 0
+        self._seq = 0
+        self._restarting: asyncio.Future | None = None
+        self._place: dict = {}
+
+    @property
+    def who(self) -> str:
+        where = f" on node {self._place['node']}, pid {self._place['pid']}" if self._place else ""
+        return f"engine actor {self.index}{where}"
+
+    async def start(self) -> None:
+        self.handle = self.executor.new_engine_actor(self.index)
+        timeout = self.executor.timeout
+        self._place = await _await(self.handle.where.remote(), timeout, f"engine actor {self.index}", "where")
+        self.tokenizer, self.weight_update_ranks = await _await(
+            self.handle.start.remote(self.make_engine), timeout, self.who, "start")
+        self._epoch += 1
+        self._seq = 0
+
+    async def _call(self, method: str, *args, retry: bool = True):
+        from ray.exceptions import RayActorError
+
+        epoch = self._epoch
+        if method == "generate":
+            ref = self.handle.generate.remote(self._seq, *args)
+            self._seq += 1
+        else:
+            ref = self.handle.call.remote(method, args)
+        try:
+            return await _await(ref, self.executor.timeout, self.who, method)
+        except PluginError as exc:
+            if not retry or not isinstance(exc.__cause__, RayActorError):
+                raise
+            await self._recover(epoch, exc)
+            return await self._call(method, *args, retry=False)
+
+    async def _recover(self, epoch: int, error: Exception) -> None:
+        """Replace the dead actor once per death, however many calls noticed it."""
+        if self._epoch != epoch:
+            return  # another call already replaced it
+        if self._restarting is not None:
+            await asyncio.shield(self._restarting)
+            return
+        if self.budget.left <= 0:
+            raise PluginError(f"{error}; no engine restarts left (--ray-engine-restarts).") from error
+        self.budget.left -= 1
+        self.restarts += 1
+        log.warning("%s died; starting a replacement (%d restart(s) left)", self.who, self.budget.left)
+        self._restarting = asyncio.get_running_loop().create_future()
+        try:
+            await self.start()
+            if self.on_restart is not None:
+                await self.on_restart(self)
+            self._restarting.set_result(None)
+        except BaseException as exc:
+            self._restarting.set_exception(exc)
+            raise
+        finally:
+            self._restarting = None
+
+    async def generate(self, input_ids, sampling_params):
+        return await self._call("generate", list(input_ids), dict(sampling_params))
+
+    async def abort(self) -> None:
+        await self._call("abort", retry=False)
+
+    async def pause_generation(self, mode: str) -> None:
+        await self._call("pause_generation", mode, retry=False)
+
+    async def continue_generation(self) -> None:
+        await self._call("continue_generation", retry=False)
+
+    async def flush_cache(self) -> None:
+        await self._call("flush_cache", retry=False)
+
+    async def load_weights(self, named_tensors) -> None:
+        await self._call("load_weights", list(named_tensors), retry=False)
+
+    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
+                                        backend) -> None:
+        await self._call("init_weights_update_group", master_address, master_port, rank_offset, world_size,
+                         group_name, backend, retry=False)
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name) -> None:
+        await self._call("update_weights_from_distributed", names, dtypes, shapes, group_name, retry=False)
+
+    async def destroy_weights_update_group(self, group_name) -> None:
+        await self._call("destroy_weights_update_group", group_name, retry=False)
+
+    async def set_weight_version(self, version: int) -> None:
+        await self._call("set_weight_version", int(version), retry=False)
+
+    async def release_memory(self) -> None:
+        await self._call("release_memory")
+
+    async def resume_memory(self) -> None:
+        await self._call("resume_memory")
+
+    async def health(self) -> bool:
+        try:
+            return bool(await self._call("health", retry=False))
+        except PluginError:
+            return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _has_gpus() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _forwarded_env() -> dict:
+    """Variables an actor needs as the driver has them (thread counts, furlong's own switches)."""
+    keys = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "FURLONG_TRACE_HOOKS", "FURLONG_DISABLE_PLUGINS", "PYTHONPATH")
+    return {k: os.environ[k] for k in keys if k in os.environ}
