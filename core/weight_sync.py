@@ -65,7 +65,11 @@ class WeightSync:
             return self.version
 
     async def resync(self, engine: Any) -> None:
-        """Bring one (restarted) engine to the current weights and version, then let it serve."""
+        """After ``engine`` was replaced: rebuild the weight-update group and sync every engine to the current version.
+
+        The new process must join the group, which means building it again with all
+        engines; the others receive the weights they already hold.
+        """
         async with self.lock:
             await self.close()  # a new process joins: the weight-update group is built again
             if self.version:

@@ -229,3 +229,16 @@ def arithmetic_jsonl(tmp_path_factory):
     rows = [{"prompt": f"{a}+{b}=", "label": str(a + b)} for a in range(10) for b in range(6)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+@pytest.fixture
+def cpu_machine(monkeypatch):
+    """The same flag defaults on every machine: no CUDA, no SGLang, no megatron-core.
+
+    Use with ``pytestmark = pytest.mark.usefixtures("cpu_machine")``.
+    """
+    import furlong.core.config.env as env
+
+    monkeypatch.setattr(env, "cuda_available", lambda: False)
+    monkeypatch.setattr(env, "sglang_available", lambda: False)
+    monkeypatch.setattr(env, "megatron_available", lambda: False)

@@ -8,18 +8,12 @@ import logging
 import pytest
 
 import furlong.core.config.deprecations as deprecations
-import furlong.core.config.env as env
 from furlong.core.config import DEPRECATIONS, ConfigError, Deprecation, parse_args
 
 BASE = ["--num-rollout", "3", "--rollout-batch-size", "4"]
 
 
-@pytest.fixture(autouse=True)
-def cpu_machine(monkeypatch):
-    """The same defaults on every machine: no CUDA, no SGLang, no megatron-core."""
-    monkeypatch.setattr(env, "cuda_available", lambda: False)
-    monkeypatch.setattr(env, "sglang_available", lambda: False)
-    monkeypatch.setattr(env, "megatron_available", lambda: False)
+pytestmark = pytest.mark.usefixtures("cpu_machine")  # the same defaults on every machine
 
 
 @pytest.fixture

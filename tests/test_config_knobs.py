@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-import furlong.core.config.env as env
 from furlong.core.config import ConfigError, parse_args
 
 R, N, G, S = "--rollout-batch-size", "--n-samples-per-prompt", "--global-batch-size", "--num-steps-per-rollout"
@@ -14,12 +13,7 @@ REQUIRED = ("--rollout-batch-size is required: --rollout-batch-size (?) x --n-sa
             "--global-batch-size to be given.")
 
 
-@pytest.fixture(autouse=True)
-def cpu_machine(monkeypatch):
-    """The same defaults on every machine: no CUDA, no SGLang, no megatron-core."""
-    monkeypatch.setattr(env, "cuda_available", lambda: False)
-    monkeypatch.setattr(env, "sglang_available", lambda: False)
-    monkeypatch.setattr(env, "megatron_available", lambda: False)
+pytestmark = pytest.mark.usefixtures("cpu_machine")  # the same defaults on every machine
 
 
 def knobs_argv(given: dict) -> list[str]:

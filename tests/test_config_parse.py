@@ -8,19 +8,13 @@ import logging
 
 import pytest
 
-import furlong.core.config.env as env
 from furlong.core.config import GROUP_TITLES, ConfigError, build_parser, parse_args
 from furlong.hooks import PluginError, hookimpl
 
 BASE = ["--num-rollout", "3", "--rollout-batch-size", "4"]
 
 
-@pytest.fixture(autouse=True)
-def cpu_machine(monkeypatch):
-    """The same defaults on every machine: no CUDA, no SGLang, no megatron-core."""
-    monkeypatch.setattr(env, "cuda_available", lambda: False)
-    monkeypatch.setattr(env, "sglang_available", lambda: False)
-    monkeypatch.setattr(env, "megatron_available", lambda: False)
+pytestmark = pytest.mark.usefixtures("cpu_machine")  # the same defaults on every machine
 
 
 def error_of(argv, **kwargs) -> str:

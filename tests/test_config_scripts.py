@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-import furlong.core.config.env as env
 from furlong.core.config import parse_args
 
 REPO = Path(__file__).resolve().parent.parent
@@ -128,12 +127,7 @@ printf '%s\n' --actor-num-nodes 1 --actor-num-gpus-per-node 4 --rollout-num-gpus
 """
 
 
-@pytest.fixture(autouse=True)
-def cpu_machine(monkeypatch):
-    """The same defaults on every machine: no CUDA, no SGLang, no megatron-core."""
-    monkeypatch.setattr(env, "cuda_available", lambda: False)
-    monkeypatch.setattr(env, "sglang_available", lambda: False)
-    monkeypatch.setattr(env, "megatron_available", lambda: False)
+pytestmark = pytest.mark.usefixtures("cpu_machine")  # the same defaults on every machine
 
 
 def bash_argv(script: str) -> list[str]:

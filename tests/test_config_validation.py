@@ -14,12 +14,7 @@ from furlong.core.config import UNSUPPORTED, ConfigError, config_to_dict, parse_
 BASE = ["--num-rollout", "3", "--rollout-batch-size", "4"]
 
 
-@pytest.fixture(autouse=True)
-def cpu_machine(monkeypatch):
-    """The same defaults on every machine: no CUDA, no SGLang, no megatron-core."""
-    monkeypatch.setattr(env, "cuda_available", lambda: False)
-    monkeypatch.setattr(env, "sglang_available", lambda: False)
-    monkeypatch.setattr(env, "megatron_available", lambda: False)
+pytestmark = pytest.mark.usefixtures("cpu_machine")  # the same defaults on every machine
 
 
 def error_of(argv: list[str], **kwargs) -> str:

@@ -9,7 +9,6 @@ import logging
 
 import pytest
 
-import furlong.core.config.env as env
 from furlong.core.cli import main
 from furlong.core.config import ConfigError, parse_args
 from furlong.core.configure import configure_plugins
@@ -19,12 +18,7 @@ from furlong.hooks import ConfigReport, PluginError, hookimpl
 BASE = ["--num-rollout", "3", "--rollout-batch-size", "4"]
 
 
-@pytest.fixture(autouse=True)
-def cpu_machine(monkeypatch):
-    """The same defaults on every machine: no CUDA, no SGLang, no megatron-core."""
-    monkeypatch.setattr(env, "cuda_available", lambda: False)
-    monkeypatch.setattr(env, "sglang_available", lambda: False)
-    monkeypatch.setattr(env, "megatron_available", lambda: False)
+pytestmark = pytest.mark.usefixtures("cpu_machine")  # the same defaults on every machine
 
 
 @pytest.fixture

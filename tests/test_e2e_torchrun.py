@@ -155,3 +155,13 @@ def test_a_flag_problem_under_torchrun_is_printed_once(tmp_path, tiny_model_dir,
                       "1 = 1; pass flags whose product is 2 (e.g. --actor-num-gpus-per-node 2) or change "
                       "--nproc-per-node."]
     assert sum("--save-interval defaults" in line for line in proc.stderr.splitlines()) <= 1
+
+
+def test_local_executor_outside_torchrun_refuses_several_train_ranks(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    report = ConfigReport("local", ("--executor",))
+    configure(Namespace(actor_num_nodes=1, actor_num_gpus_per_node=2), report)
+    assert report.errors == [
+        "--executor local runs one train rank in this process, but --actor-num-nodes 1 x --actor-num-gpus-per-node "
+        "2 = 2; start one process per rank (torchrun --nproc-per-node 2 -m furlong.core train ...), use --executor "
+        "ray, or pass --actor-num-gpus-per-node 1."]

@@ -5,8 +5,8 @@ down) shows what crosses the seam: plain calls by name, each rank's share of the
 weight buckets bounded by ``--update-weight-buffer-size``, engine phases in SGLang's order.
 """
 
+import argparse
 import asyncio
-import json
 import pickle
 
 import pytest
@@ -21,15 +21,10 @@ from furlong.core.train_group import _share
 from furlong.core.train_worker import TrainWorker, WorkerFactory
 from furlong.hooks import Executor, GenerateOutput, PluginError, TrainBatch, WorkerGroup, hookimpl
 
-from .tiny_model import build_tiny_model
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    data = root / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(20)))
-    return build_tiny_model(root / "model"), data
+@pytest.fixture
+def tiny(tiny_model_dir, arithmetic_jsonl):
+    return tiny_model_dir, arithmetic_jsonl
 
 
 class RecordingWorkers(InProcessWorkers):
@@ -71,6 +66,18 @@ class RecordingExecutor(LocalExecutor):
     async def start_engines(self, args, make_engine):
         return [PhaseRecorder(await make_engine(0), self.phases)]
 
+    @hookimpl
+    def executor(self, args):
+        return self
+
+
+@pytest.fixture
+def recording(register_plugin):
+    """The recording executor, registered as plugin ``recording`` (``--executor recording``)."""
+    executor = RecordingExecutor()
+    register_plugin(executor, "recording")
+    return executor
+
 
 def _args(tiny, tmp_path, pm, *extra):
     model, data = tiny
@@ -82,15 +89,7 @@ def _args(tiny, tmp_path, pm, *extra):
 
 
 def test_hook_executor_places_workers_and_engines_and_the_loop_drives_them(tiny, tmp_path, plugin_manager,
-                                                                           register_plugin):
-    recording = RecordingExecutor()
-
-    class Plugin:
-        @hookimpl
-        def executor(self, args):
-            return recording
-
-    register_plugin(Plugin(), "recording")
+                                                                           recording):
     args = _args(tiny, tmp_path, plugin_manager, "--executor", "recording", "--update-weight-buffer-size", "2000")
     asyncio.run(run(args, plugin_manager, resolve_selection(args, plugin_manager)))
 
@@ -117,15 +116,7 @@ def test_hook_executor_places_workers_and_engines_and_the_loop_drives_them(tiny,
     assert [p for p in recording.phases if p[0] == "set_weight_version"] == [("set_weight_version", v) for v in (1, 2, 3)]
 
 
-def test_pause_in_place_skips_the_cache_flush(tiny, tmp_path, plugin_manager, register_plugin):
-    recording = RecordingExecutor()
-
-    class Plugin:
-        @hookimpl
-        def executor(self, args):
-            return recording
-
-    register_plugin(Plugin(), "recording")
+def test_pause_in_place_skips_the_cache_flush(tiny, tmp_path, plugin_manager, recording):
     args = _args(tiny, tmp_path, plugin_manager, "--executor", "recording", "--pause-generation-mode", "in_place")
     args.num_rollout = 0
     asyncio.run(run(args, plugin_manager, resolve_selection(args, plugin_manager)))
@@ -190,15 +181,7 @@ def test_an_engine_set_spreads_requests_and_broadcasts_control_calls():
     assert all(e.calls[-1] == "abort" for e in engines)
 
 
-def test_colocate_takes_turns_on_the_device_in_spec_order(tiny, tmp_path, plugin_manager, register_plugin):
-    recording = RecordingExecutor()
-
-    class Plugin:
-        @hookimpl
-        def executor(self, args):
-            return recording
-
-    register_plugin(Plugin(), "recording")
+def test_colocate_takes_turns_on_the_device_in_spec_order(tiny, tmp_path, plugin_manager, recording):
     args = _args(tiny, tmp_path, plugin_manager, "--executor", "recording", "--colocate")
     assert args.offload_train and args.offload_rollout  # implied by --colocate
     args.num_rollout = 1
@@ -223,3 +206,16 @@ def test_an_executor_plugin_returning_the_wrong_object_is_named(tiny, tmp_path, 
     assert str(err.value) == ("--executor 'wrong': `executor` returned str, which lacks is_driver, weights_in_process, "
                               "start_train_workers, start_engines, serve, shutdown; return an object meeting "
                               "furlong.hooks.Executor.")
+
+
+def test_ray_configure_checks_that_an_engine_fits_a_node():
+    from furlong.builtin_plugins.executors.ray_executor import configure
+    from furlong.hooks.config_report import ConfigReport
+
+    report = ConfigReport("ray", ("--executor",))
+    configure(argparse.Namespace(rollout_num_gpus_per_engine=4, num_gpus_per_node=2), report)
+    assert report.errors == ["--rollout-num-gpus-per-engine 4 is more than --num-gpus-per-node 2: an engine spanning "
+                             "nodes is not supported yet."]
+    fits = ConfigReport("ray", ("--executor",))
+    configure(argparse.Namespace(rollout_num_gpus_per_engine=2, num_gpus_per_node=2), fits)
+    assert fits.errors == []

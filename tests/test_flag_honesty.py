@@ -35,20 +35,6 @@ SOURCE_DIRS = ("hooks", "core", "builtin_plugins")
 NOT_A_USE = re.compile(r"core/config/(flags_\w+|validate|rules|unsupported)\.py$")
 ARGS_NAME = re.compile(r"(^|_)args$")
 
-# cluster flags, read by the executors (issue 11): placement, colocate/offload, weight sync,
-# fault tolerance. Listed here rather than refused while the Ray executor lands; drop an entry
-# once the executors read it.
-CLUSTER_FLAGS = {
-    "actor_num_nodes", "actor_num_gpus_per_node", "executor", "rollout_num_gpus", "rollout_num_gpus_per_engine",
-    "num_gpus_per_node", "colocate", "offload", "offload_train", "offload_rollout", "offload_rollout_level",
-    "update_weight_buffer_size", "update_weights_interval", "use_fault_tolerance", "train_env_vars",
-    # weight sync pauses engines this way (hooks.protocols.RolloutEngine.pause_generation)
-    "pause_generation_mode",
-    # memory kept free when the trainer offloads (--offload-train)
-    "train_memory_margin_bytes",
-}
-CLUSTER_PREFIXES = ("ray_", "rollout_health_check_")
-
 # Flags whose effect is, by design, somewhere this scan does not see. Keep it small.
 ALLOWED = {
     # furlong's own SGLang-router flags: read by the sglang rollout engine plugin (not built in),
@@ -159,7 +145,7 @@ def unread(parser, used: set[str]) -> list[str]:
     for dest, action in _flags(parser).items():
         if dest in used or any(opt in used for opt in action.option_strings):
             continue
-        if dest in refused or dest in ALLOWED or _cluster(dest) or getattr(action, MEGATRON_ONLY, False):
+        if dest in refused or dest in ALLOWED or getattr(action, MEGATRON_ONLY, False):
             continue
         offending.append(action.option_strings[0])
     return offending
@@ -168,10 +154,6 @@ def unread(parser, used: set[str]) -> list[str]:
 def _flags(parser):
     """``{dest: action}`` of every flag, in parser order."""
     return {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
-
-
-def _cluster(dest: str) -> bool:
-    return dest in CLUSTER_FLAGS or dest.startswith(CLUSTER_PREFIXES)
 
 
 def test_every_flag_is_read_refused_or_allow_listed(parser, used):
@@ -215,12 +197,6 @@ def test_allow_list_holds_only_flags_that_need_it(parser, used):
     assert not stale, f"allow-listed but read or refused, remove them from the allow-list: {' '.join(stale)}"
     unknown = sorted(d for d in ALLOWED if d not in flags)
     assert not unknown, f"allow-listed but not a flag: {' '.join(unknown)}"
-
-
-def test_cluster_flags_are_never_refused():
-    """The executors read the cluster flags: none of them may sit in UNSUPPORTED."""
-    refused = sorted(d for d in CLUSTER_FLAGS if d in {row.dest for row in UNSUPPORTED})
-    assert not refused, f"cluster flags are read by the executors, not refused: {' '.join(refused)}"
 
 
 def test_refused_rows_name_real_flags_and_their_defaults(parser):

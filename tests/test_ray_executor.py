@@ -10,6 +10,7 @@ leaves the last checkpoint readable.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -145,7 +146,7 @@ def test_a_train_actor_killed_mid_run_stops_the_run_with_one_error_and_keeps_the
     proc = _furlong(["train", *_flags(tiny_model_dir, arithmetic_jsonl), "--custom-rm-path", "killer.reward",
                      "--save", str(save), "--executor", "ray", "--actor-num-gpus-per-node", "2"], tmp_path,
                     env=_killer(tmp_path, "ray::TrainActor", 8))
-    assert proc.returncode != 0
+    assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, proc.stderr[-3000:]
@@ -154,4 +155,69 @@ def test_a_train_actor_killed_mid_run_stops_the_run_with_one_error_and_keeps_the
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     weights = load_file(save / "iter_0000000" / "model" / "model.safetensors")
     assert weights and json.loads((save / "rollout" / "state_0.json").read_text())
+    _no_ray_left()
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_a_ray_run_and_leaves_no_ray_process(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RAY_ADDRESS", None)
+    flags = _flags(tiny_model_dir, arithmetic_jsonl, rollouts=200)
+    proc = subprocess.Popen([sys.executable, "-m", "furlong.core", "train", *flags, "--save", str(tmp_path / "run"),
+                             "--executor", "ray"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=tmp_path)
+    try:
+        for line in proc.stdout:
+            if line.startswith("rollout    1 "):
+                proc.send_signal(signal.SIGINT)
+                break
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output[-2000:]
+    assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text().strip() in ("0", "1")
+    _no_ray_left()
+
+
+@pytest.mark.timeout(300)
+def test_under_ray_job_submit_the_run_joins_the_cluster_and_leaves_it_running(tmp_path, tiny_model_dir,
+                                                                              arithmetic_jsonl):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    temp = tmp_path / "ray-tmp"
+    start = subprocess.run(["ray", "start", "--head", "--num-cpus", "4", "--include-dashboard=false",
+                            "--port", "0", f"--temp-dir={temp}"], env=env, capture_output=True, text=True, timeout=120)
+    try:
+        assert start.returncode == 0, start.stderr[-2000:]
+        address = next(line.split("'")[1] for line in start.stdout.splitlines() if "ray start --address=" in line)
+        save = tmp_path / "run"
+        proc = _furlong(["train", *_flags(tiny_model_dir, arithmetic_jsonl, rollouts=1), "--save", str(save)],
+                        tmp_path, env={"RAY_ADDRESS": address})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "placement group of 2 bundle(s)" in proc.stderr  # --executor ray by default under RAY_ADDRESS
+        assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
+        alive = subprocess.run(["ray", "status", f"--address={address}"], env=env, capture_output=True, text=True,
+                               timeout=60)
+        assert alive.returncode == 0, alive.stderr[-2000:]  # the cluster outlives the job
+    finally:
+        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+    _no_ray_left()
+
+
+RAISING_LOSS = '''
+def loss(args, batch):
+    raise ValueError("loss exploded")
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_train_actor_that_raises_names_itself_and_the_cause(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    (tmp_path / "raising_loss.py").write_text(RAISING_LOSS)
+    proc = _furlong(["train", *_flags(tiny_model_dir, arithmetic_jsonl, rollouts=1), "--save", str(tmp_path / "run"),
+                     "--executor", "ray", "--custom-loss-function-path", "raising_loss.loss"], tmp_path,
+                    env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: train actor rank 0 on node "), proc.stderr[-3000:]
+    assert "loss exploded" in errors[0]
     _no_ray_left()

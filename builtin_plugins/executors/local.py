@@ -54,14 +54,20 @@ class LocalExecutor:
 
 @hookimpl
 def configure(args, report):
-    """Under ``torchrun`` the trainer size in the flags must be the number of processes.
+    """The trainer size in the flags must be the number of processes: 1, or ``torchrun``'s.
 
     ``--actor-num-nodes x --actor-num-gpus-per-node`` sizes the data parallelism the batch
     flags were checked against.
     """
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     flagged = int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node)
-    if world > 1 and flagged != world:
+    if world == 1 and flagged > 1:
+        report.error(
+            f"--executor local runs one train rank in this process, but --actor-num-nodes {args.actor_num_nodes} x "
+            f"--actor-num-gpus-per-node {args.actor_num_gpus_per_node} = {flagged}; start one process per rank "
+            f"(torchrun --nproc-per-node {flagged} -m furlong.core train ...), use --executor ray, or pass "
+            "--actor-num-gpus-per-node 1.")
+    elif world > 1 and flagged != world:
         report.error(
             f"torchrun started {world} trainer processes but --actor-num-nodes {args.actor_num_nodes} x "
             f"--actor-num-gpus-per-node {args.actor_num_gpus_per_node} = {flagged}; pass flags whose product is "

@@ -33,6 +33,7 @@ __all__ = ["RayExecutor", "add_arguments", "executor"]
 
 log = logging.getLogger("furlong.ray")
 
+NEEDS_RAY = '--executor ray needs Ray: pip install "furlong[ray]" (or pass --executor local).'
 TRAIN_SHARE = 0.4  # of a bundle: a train actor and an engine actor (0.2) fit one bundle under --colocate
 ENGINE_SHARE = 0.2
 FAILURE_GRACE_S = 10.0  # after one rank fails, how long to wait for the others' errors
@@ -50,6 +51,19 @@ def add_arguments(parser):
 
 
 @hookimpl
+def configure(args, report):
+    """Ray must be installed, and one engine must fit on one node (``--num-gpus-per-node``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        report.error(NEEDS_RAY)
+    per_engine, per_node = int(args.rollout_num_gpus_per_engine or 1), int(args.num_gpus_per_node or 1)
+    if per_engine > per_node:
+        report.error(f"--rollout-num-gpus-per-engine {per_engine} is more than --num-gpus-per-node {per_node}: an "
+                     "engine spanning nodes is not supported yet.")
+
+
+@hookimpl
 def executor(args):
     """Place train ranks and engines as Ray actors (needs ``pip install "furlong[ray]"``).
 
@@ -62,7 +76,7 @@ def executor(args):
     try:
         import ray  # noqa: F401
     except ImportError as exc:
-        raise PluginError('--executor ray needs Ray: pip install "furlong[ray]" (or pass --executor local).') from exc
+        raise PluginError(NEEDS_RAY) from exc
     return RayExecutor(args)
 
 

@@ -40,6 +40,9 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--keep-old-actor", "keep_old_actor"),
     Unsupported("--use-session-server", "use_session_server", (None,)),
     Unsupported("--custom-async-data-buffer-path", "custom_async_data_buffer_path", (None,)),
+    # engines release all their memory (weights and KV cache) under --offload-rollout
+    Unsupported("--offload-rollout-level", "offload_rollout_level", (["kv_cache", "weight"], ["weight", "kv_cache"])),
+    Unsupported("--train-memory-margin-bytes", "train_memory_margin_bytes", (1 << 30,)),
     # rollout data and agents
     Unsupported("--disable-rollout-global-dataset", "disable_rollout_global_dataset"),
     Unsupported("--custom-convert-samples-to-train-data-path", "custom_convert_samples_to_train_data_path", (None,)),
