@@ -13,6 +13,7 @@ outputs are read. Methods return the list of per-rank results, as Miles' group d
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from argparse import Namespace
@@ -46,6 +47,9 @@ class TrainGroup:
     def __init__(self, args: Namespace, pm: FurlongPluginManager, selection: Selection, workers: WorkerGroup):
         self.args, self.pm, self.selection, self.workers = args, pm, selection, workers
         self.layouts: list[ParallelLayout] = []
+        # held by a rollout's training and by a weight sync: a sync started by an engine's
+        # recovery (train-async) waits for the training in flight, never reads weights mid-step
+        self.busy = asyncio.Lock()
 
     @property
     def dp_size(self) -> int:
@@ -57,7 +61,7 @@ class TrainGroup:
         :raises PluginError: the backends report inconsistent layouts (data-parallel
             sizes that differ, a data-parallel rank nobody returns outputs for).
         """
-        results = await self.workers.call("init", [()] * self.workers.size)
+        results = await self._call("init", [()] * self.workers.size)
         self.layouts = [layout for _, layout in results]
         sizes = {layout.dp_size for layout in self.layouts}
         returning = {layout.dp_rank for layout in self.layouts if layout.returns_outputs}
@@ -70,11 +74,18 @@ class TrainGroup:
                               f"data-parallel ranks but the flags give {self.args.data_parallel_size}.")
         return [start for start, _ in results]
 
+    async def _call(self, method: str, args_per_rank: list) -> list:
+        return await self.workers.call(method, args_per_rank)
+
     def needs_ref(self) -> bool:
         return bool(self.args.use_kl_loss or self.args.kl_coef)
 
     async def train(self, rollout_id: int, groups: list[list[Sample]]) -> list[dict]:
         """Train on one rollout; returns ``[metrics]`` with ``rollout/*``, ``perf/*`` and ``train/steps``."""
+        async with self.busy:
+            return await self._train(rollout_id, groups)
+
+    async def _train(self, rollout_id: int, groups: list[list[Sample]]) -> list[dict]:
         args = self.args
         samples = flatten(groups)
         raw, rewards = post_process_rewards(args, samples)
@@ -107,7 +118,7 @@ class TrainGroup:
         for share in shares:
             _fill(share, batch, tids, denominators)
         start = time.perf_counter()
-        results = await self.workers.call("train", self._per_rank(lambda s: (rollout_id, s), shares))
+        results = await self._call("train", self._per_rank(lambda s: (rollout_id, s), shares))
         metrics["perf/actor_train_time"] = time.perf_counter() - start
         metrics.update(_token_means(batch, entropy))
         metrics["rollout/rewards"] = float(torch.tensor(rewards).mean()) if rewards else 0.0
@@ -117,7 +128,7 @@ class TrainGroup:
 
     async def _log_probs(self, shares: list[WorkerShare], n: int, model: str) -> tuple[list, list | None]:
         """Every sample's log-probs and entropy (float32 [T_i]) in batch order, from the workers' shares."""
-        results = await self.workers.call("log_probs", self._per_rank(lambda s: (s, model), shares))
+        results = await self._call("log_probs", self._per_rank(lambda s: (s, model), shares))
         log_probs, entropy = [None] * n, [None] * n
         for result, layout in zip(results, self.layouts):
             if not layout.returns_outputs:
@@ -137,7 +148,7 @@ class TrainGroup:
         return [make(shares[layout.dp_rank]) for layout in self.layouts]
 
     async def _all(self, method: str, *args) -> list:
-        return await self.workers.call(method, [args] * self.workers.size)
+        return await self._call(method, [args] * self.workers.size)
 
     async def save_model(self, path: str) -> list:
         """Every rank writes its part of the checkpoint into ``path``."""
@@ -167,7 +178,7 @@ class TrainGroup:
 
     async def call_rank0(self, method: str, *args):
         """``method`` on train rank 0 alone (the weight-update group's rank 0)."""
-        return (await self.workers.call(method, [args] + [None] * (self.workers.size - 1)))[0]
+        return (await self._call(method, [args] + [None] * (self.workers.size - 1)))[0]
 
 
 def _share(batch: TrainBatch, plan: list[list[list[int]]]) -> WorkerShare:

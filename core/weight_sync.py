@@ -90,22 +90,27 @@ class WeightSync:
                 await asyncio.gather(*(e.flush_cache() for e in engines))
             if not self.in_process and self._connected != engines:
                 await self._connect(engines)
-            await self.group.begin_weights()
-            self.buckets = 0
-            while (bucket := await self.group.next_weight_bucket(self.max_bytes, self.in_process)) is not None:
-                if self.in_process:
-                    named = list(zip(bucket.names, bucket.tensors))
-                    await asyncio.gather(*(e.load_weights(named) for e in engines))
-                else:
-                    await asyncio.gather(
-                        self.group.call_rank0("broadcast_weight_bucket", self._group_name),
-                        *(e.update_weights_from_distributed(bucket.names, bucket.dtypes, bucket.shapes,
-                                                            self._group_name) for e in engines))
-                self.buckets += 1
+            async with self.group.busy:
+                await self._stream(engines)
             await asyncio.gather(*(e.set_weight_version(version) for e in engines))
         finally:
             await asyncio.gather(*(_quiet(e.continue_generation()) for e in engines))
         log.debug("weights version %d sent in %d bucket(s)", version, self.buckets)
+
+    async def _stream(self, engines: list) -> None:
+        """Every bucket of the trainer's weights to every engine."""
+        await self.group.begin_weights()
+        self.buckets = 0
+        while (bucket := await self.group.next_weight_bucket(self.max_bytes, self.in_process)) is not None:
+            if self.in_process:
+                named = list(zip(bucket.names, bucket.tensors))
+                await asyncio.gather(*(e.load_weights(named) for e in engines))
+            else:
+                await asyncio.gather(
+                    self.group.call_rank0("broadcast_weight_bucket", self._group_name),
+                    *(e.update_weights_from_distributed(bucket.names, bucket.dtypes, bucket.shapes, self._group_name)
+                      for e in engines))
+            self.buckets += 1
 
     async def _connect(self, engines: list) -> None:
         """Build the weight-update group: trainer rank 0 is rank 0, engine ranks follow in order."""

@@ -10,9 +10,11 @@ leaves the last checkpoint readable.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -41,8 +43,8 @@ def _ray_processes() -> list[str]:
 
 
 def _furlong(args, cwd, env=None, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0", **(env or {}))
-    env.pop("RAY_ADDRESS", None)
+    base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray unless the test sets one
+    env = dict(base, OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0", **(env or {}))
     return subprocess.run([sys.executable, "-m", "furlong.core", *args], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
 
@@ -183,8 +185,8 @@ def test_ctrl_c_stops_a_ray_run_and_leaves_no_ray_process(tmp_path, tiny_model_d
 @pytest.mark.timeout(300)
 def test_under_ray_job_submit_the_run_joins_the_cluster_and_leaves_it_running(tmp_path, tiny_model_dir,
                                                                               arithmetic_jsonl):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    temp = tmp_path / "ray-tmp"
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="disabled")  # the job gets the cluster's own setting
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
     start = subprocess.run(["ray", "start", "--head", "--num-cpus", "4", "--include-dashboard=false",
                             "--port", "0", f"--temp-dir={temp}"], env=env, capture_output=True, text=True, timeout=120)
     try:
@@ -192,7 +194,7 @@ def test_under_ray_job_submit_the_run_joins_the_cluster_and_leaves_it_running(tm
         address = next(line.split("'")[1] for line in start.stdout.splitlines() if "ray start --address=" in line)
         save = tmp_path / "run"
         proc = _furlong(["train", *_flags(tiny_model_dir, arithmetic_jsonl, rollouts=1), "--save", str(save)],
-                        tmp_path, env={"RAY_ADDRESS": address})
+                        tmp_path, env={"RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled"})
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "placement group of 2 bundle(s)" in proc.stderr  # --executor ray by default under RAY_ADDRESS
         assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
@@ -201,6 +203,7 @@ def test_under_ray_job_submit_the_run_joins_the_cluster_and_leaves_it_running(tm
         assert alive.returncode == 0, alive.stderr[-2000:]  # the cluster outlives the job
     finally:
         subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
     _no_ray_left()
 
 

@@ -112,7 +112,11 @@ class RayExecutor:
             address = os.environ.get("RAY_ADDRESS")
             kwargs = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
             if address:
-                ray.init(address=address, **kwargs)
+                try:
+                    ray.init(address=address, **kwargs)
+                except Exception as exc:  # noqa: BLE001 - ConnectionError, auth and version mismatches
+                    raise PluginError(f"--executor ray: could not join the Ray cluster at RAY_ADDRESS={address}: "
+                                      f"{_first_line(exc)}") from exc
             else:
                 gpus = _gpu_count() if self.gpu else 0
                 ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots + 1), num_gpus=gpus, **kwargs)
