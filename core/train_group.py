@@ -66,7 +66,8 @@ class TrainGroup:
         sizes = {layout.dp_size for layout in self.layouts}
         returning = {layout.dp_rank for layout in self.layouts if layout.returns_outputs}
         if len(sizes) != 1 or returning != set(range(sizes.pop())):
-            raise PluginError(f"--train-backend {self.args.train_backend}: inconsistent parallel layouts {self.layouts}; "
+            raise PluginError(f"--train-backend {self.args.train_backend}: inconsistent parallel layouts "
+                              f"{self.layouts}; "
                               "every rank must report the same dp_size and each data-parallel rank needs one rank "
                               "with returns_outputs.")
         if self.dp_size != getattr(self.args, "data_parallel_size", self.dp_size):

@@ -17,9 +17,15 @@ from furlong.core.config import parse_args
 from furlong.core.engine_set import EngineFactory, EngineSet
 from furlong.core.loop import run
 from furlong.core.selection import resolve_selection
-from furlong.core.train_group import _share
+from furlong.core.advantage_stages import compute_advantages
+from furlong.core.batching import plan_steps
+from furlong.core.objective import StepObjective
+from furlong.core.train_data import (advantage_input, flatten, post_process_rewards, to_train_batch, trajectory_ids,
+                                     truncated_flags)
+from furlong.core.train_group import TrainGroup, _global_denominators, _share
 from furlong.core.train_worker import TrainWorker, WorkerFactory
-from furlong.hooks import Executor, GenerateOutput, PluginError, TrainBatch, WorkerGroup, hookimpl
+from furlong.hooks import (Executor, GenerateOutput, ParallelLayout, PluginError, Sample, Status, TrainBatch,
+                           WorkerGroup, hookimpl)
 
 
 @pytest.fixture
@@ -113,7 +119,8 @@ def test_hook_executor_places_workers_and_engines_and_the_loop_drives_them(tiny,
     assert first[:2] == [("pause_generation", "retract"), ("flush_cache",)]
     assert [p[0] for p in first[2:-2]] == ["load_weights"] * len(first[2:-2])
     assert first[-2:] == [("set_weight_version", 1), ("continue_generation",)]
-    assert [p for p in recording.phases if p[0] == "set_weight_version"] == [("set_weight_version", v) for v in (1, 2, 3)]
+    versions = [p for p in recording.phases if p[0] == "set_weight_version"]
+    assert versions == [("set_weight_version", v) for v in (1, 2, 3)]
 
 
 def test_pause_in_place_skips_the_cache_flush(tiny, tmp_path, plugin_manager, recording):
@@ -219,3 +226,112 @@ def test_ray_configure_checks_that_an_engine_fits_a_node():
     fits = ConfigReport("ray", ("--executor",))
     configure(argparse.Namespace(rollout_num_gpus_per_engine=2, num_gpus_per_node=2), fits)
     assert fits.errors == []
+
+
+def _fixed_groups(n_groups=4, per_group=2):
+    """Rollout groups with fixed tokens, lengths and rewards (ids of the tiny model's vocabulary)."""
+    groups = []
+    for g in range(n_groups):
+        group = []
+        for k in range(per_group):
+            i = g * per_group + k
+            response = [5 + (i * 7 + t) % 40 for t in range(2 + i % 4)]
+            group.append(Sample(prompt=f"p{g}", group_index=g, index=i, tokens=[3, 4 + g, 9] + response,
+                                response_length=len(response), reward=float((i * 5) % 3 == 0),
+                                status=Status.COMPLETED))
+        groups.append(group)
+    return groups
+
+
+def test_the_driver_worker_split_reproduces_the_whole_batch_computation_exactly(tiny_model_dir, plugin_manager):
+    """Losses, gradient norms and weights of the seam equal one objective over the whole batch in one place."""
+    args = parse_args(["--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
+                       "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
+                       "--use-kl-loss", "--kl-loss-coef", "0.1", "--lr", "1e-3"], plugin_manager, command="train")
+    selection = resolve_selection(args, plugin_manager)
+    chosen = {h: selection.chosen[h] for h in ("train_backend", "loss")}
+
+    async def seam():
+        worker = TrainWorker(args, chosen, 0, 1, plugin_manager)
+        group = TrainGroup(args, plugin_manager, selection, InProcessWorkers(worker))
+        await group.init()
+        [metrics] = await group.train(0, _fixed_groups())
+        return metrics["train/steps"], await worker.backend.named_weights()
+
+    async def whole_batch():
+        backend = await plugin_manager.call_chosen("train_backend", *chosen["train_backend"], args=args)
+        await backend.init(args)
+        samples = flatten(_fixed_groups())
+        raw, rewards = post_process_rewards(args, samples)
+        batch = to_train_batch(args, samples)
+        batch.rewards, batch.truncated, tids = rewards, truncated_flags(samples), trajectory_ids(samples)
+        batch.steps = plan_steps(lengths=[len(t) for t in batch.tokens], global_batch_size=4, num_steps=2,
+                                 dp_size=1, rank=0, micro_batch_size=2, max_tokens_per_gpu=None, dynamic=False,
+                                 balance=False, trajectory_ids=tids)
+        batch.ref_log_probs = (await backend.log_probs(batch, model="ref"))["log_probs"]
+        batch.old_log_probs = (await backend.log_probs(batch, model="actor"))["log_probs"]
+        adv = await compute_advantages(args, plugin_manager, advantage_input(samples, rewards, batch),
+                                       *selection.chosen["advantage"])
+        batch.advantages, batch.returns = adv.advantages, adv.returns
+        batch.objective = StepObjective(args, plugin_manager, batch, *chosen["loss"], trajectory_ids=tids,
+                                        **_global_denominators(args, batch, tids))
+        return await backend.train(0, batch), await backend.named_weights()
+
+    torch.manual_seed(0)
+    steps, weights = asyncio.run(seam())
+    torch.manual_seed(0)
+    ref_steps, ref_weights = asyncio.run(whole_batch())
+    assert len(steps) == 2 and steps == ref_steps  # every metric of both optimizer steps, bit for bit
+    assert steps[0]["kl_loss"] == 0.0 and steps[1]["kl_loss"] > 0  # the second step moved away from the reference
+    for (name, tensor), (ref_name, ref) in zip(weights, ref_weights):
+        assert name == ref_name and torch.equal(tensor, ref)
+
+
+class TensorParallelPeers:
+    """Four fake ranks: two data-parallel ranks, each with a tensor-parallel peer that returns no outputs."""
+
+    size = 4
+    layouts = [ParallelLayout(dp_rank=d, dp_size=2, returns_outputs=r == 0, rank=2 * d + r, world=4)
+               for d in (0, 1) for r in (0, 1)]
+
+    def __init__(self):
+        self.received = {}
+
+    async def call(self, method, args_per_rank):
+        self.received[method] = args_per_rank
+        out = []
+        for rank, args in enumerate(args_per_rank):
+            layout = self.layouts[rank]
+            if method == "init":
+                out.append((0, layout))
+            elif method == "log_probs":
+                share = args[0]  # the sample's global index, or garbage from a rank whose outputs are not kept
+                value = (lambda i: float(i)) if layout.returns_outputs else (lambda i: -1.0)
+                out.append({"log_probs": [torch.full((share.batch.response_lengths[k],), value(i))
+                                          for k, i in enumerate(share.sample_ids)], "entropy": None})
+            else:  # train
+                out.append([{"loss": float(layout.dp_rank) if layout.returns_outputs else -1.0}])
+        return out
+
+
+def test_parallel_peers_get_the_same_share_and_only_returning_ranks_are_read(tiny_model_dir, plugin_manager):
+    args = parse_args(["--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
+                       "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--micro-batch-size", "2",
+                       "--actor-num-gpus-per-node", "4", "--executor", "ray"], plugin_manager, command="train")
+    args.data_parallel_size = 2  # a backend with TP 2 on 4 ranks
+    workers = TensorParallelPeers()
+    group = TrainGroup(args, plugin_manager, resolve_selection(args, plugin_manager), workers)
+
+    async def main():
+        await group.init()
+        return await group.train(0, _fixed_groups())
+
+    [metrics] = asyncio.run(main())
+    shares = [a[0] for a in workers.received["log_probs"]]
+    assert shares[0] is shares[1] and shares[2] is shares[3] and shares[0] is not shares[2]
+    assert sorted(shares[0].sample_ids + shares[2].sample_ids) == list(range(8))
+    assert metrics["train/steps"] == [{"loss": 0.0}]  # from data-parallel rank 0's returning rank
+    trained = [a[1] for a in workers.received["train"]]
+    assert trained[0] is trained[1] and trained[2] is trained[3]
+    for share in (trained[0], trained[2]):  # old log-probs put back from the returning ranks, by global index
+        assert [float(t[0]) for t in share.batch.old_log_probs] == [float(i) for i in share.sample_ids]

@@ -131,7 +131,8 @@ def test_an_engine_actor_killed_mid_rollout_is_replaced_and_the_run_is_unchanged
                       env=_killer(tmp_path, "ray::EngineActor", 8))
     assert killed.returncode == 0, killed.stderr[-3000:]
     assert (tmp_path / "kill-flag").read_text().strip()  # the reward did kill the engine actor
-    assert "engine actor 0 on node" in killed.stderr and "died; starting a replacement (2 restart(s) left)" in killed.stderr
+    assert "engine actor 0 on node" in killed.stderr
+    assert "died; starting a replacement (2 restart(s) left)" in killed.stderr
     assert killed.stderr.count("starting a replacement") == 1  # one restart, however many requests noticed
     for rid, row in _rows(tmp_path / "clean", "rollout/step").items():
         other = _rows(tmp_path / "killed", "rollout/step")[rid]
