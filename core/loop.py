@@ -10,24 +10,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import time
 from argparse import Namespace
-
-import numpy as np
-import torch
 
 from furlong.hooks import PluginError
 
 from .checkpoints import periodic, resolve_start, save_checkpoint, should_save
-from .data_cursor import DataCursor
 from .engine_set import EngineFactory, EngineSet
-from .evaluation import Evaluator
 from .metrics_log import MetricsLog, rollout_metrics, summary_line
 from .plugins import FurlongPluginManager
 from .preflight import check_paths
 from .progress import RolloutProgress
-from .rollout_manager import RolloutManager
+from .rollout_side import RolloutSideFactory
+from .seeding import seed_everything
 from .selection import Selection
 from .train_group import TrainGroup
 from .train_worker import WorkerFactory
@@ -60,10 +55,10 @@ class Run:
         self.executor = None
         self.metrics_dir = args.save or args.log_dir
         self.metrics = MetricsLog(None)
-        self.manager: RolloutManager | None = None
+        self.rollout = None  # the rollout side (RolloutSide, or the executor's handle on it)
+        self.has_eval = False
         self.engine = None
         self.weights: WeightSync | None = None
-        self.evaluator: Evaluator | None = None
         # train-async: rollout id -> {generate,train}_{start,end}, seconds since the loop started
         self.timeline: dict[int, dict[str, float]] = {}
 
@@ -78,7 +73,7 @@ class Run:
         (``torchrun`` ranks above 0) this serves until the driver ends the run.
         """
         args, pm, sel = self.args, self.pm, self.selection
-        _seed_everything(args.seed)
+        seed_everything(args.seed)
         self.executor = _checked_executor(await pm.call_chosen("executor", *sel.chosen["executor"], args=args),
                                           *sel.chosen["executor"])
         check_paths(args)
@@ -87,10 +82,8 @@ class Run:
             await self.executor.start_train_workers(args, make_worker)
             await self.executor.serve()
             return args.num_rollout
-        source = await pm.call_chosen("data_source", *sel.chosen["data_source"], args=args)
-        self.cursor = DataCursor(args, pm, source, sel.chosen["buffer_pop"])
-        self.evaluator = Evaluator(args, pm, sel)
-        await self.evaluator.load()  # eval data sources, before any model loads
+        self.rollout = await self.executor.start_rollout_side(args, RolloutSideFactory(args, sel, pm))
+        self.has_eval = await self.rollout.load_data()  # train and eval data, before any model loads
         if self.metrics_dir:
             self.metrics = MetricsLog(os.path.join(self.metrics_dir, "metrics.jsonl"))
         resume = resolve_start(args)
@@ -104,9 +97,7 @@ class Run:
             await self.group.load_model(resume.load_dir)
         if args.offload_train:
             await self.group.offload()
-        if resume.state:
-            self.cursor.load_state(resume.state)
-        self.manager = RolloutManager(args, pm, sel, self.engine, self.cursor)
+        await self.rollout.start(engines, resume.state)
         self.weights = WeightSync(args, self.group, engines, self.executor.weights_in_process)
         for engine in engines:
             if hasattr(engine, "on_restart"):  # a remote engine that was replaced gets the current weights
@@ -119,12 +110,12 @@ class Run:
         if self.args.offload_rollout:
             await self.engine.resume_memory()
         version = await self.weights.push()
-        self.manager.set_weight_version(version)
+        await self.rollout.set_weight_version(version)
         log.debug("weights synced, version %d", version)
         return time.perf_counter() - start
 
     async def evaluate(self, rollout_id: int) -> None:
-        metrics = await self.evaluator.evaluate(self.manager)
+        metrics = await self.rollout.evaluate()
         self.metrics.log(metrics, "eval/step", rollout_id)
         log.info("eval at rollout %d: %s", rollout_id,
                  ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.count("/") == 1 and "-" not in k))
@@ -151,15 +142,15 @@ class Run:
         return metrics
 
     async def save(self, rollout_id: int, data_state: dict | None = None) -> None:
-        """Checkpoint ``rollout_id`` with ``data_state`` (default: the cursor's state now)."""
+        """Checkpoint ``rollout_id`` with ``data_state`` (default: the data side's state now)."""
         if data_state is None:
-            data_state = self.cursor.state()
+            data_state = await self.rollout.data_state()
         path = await save_checkpoint(self.args, rollout_id, self.group.save_model, data_state)
         await self.pm.notify("on_checkpoint_saved", args=self.args, rollout_id=rollout_id, path=path)
 
     async def finish_rollout(self, rollout_id: int, groups, metrics: dict) -> None:
         metrics.update(rollout_metrics(groups, self.args.reward_key))
-        metrics.update(self.manager.rollout_metrics.pop(rollout_id, {}))
+        metrics.update(await self.rollout.pop_metrics(rollout_id))
         self.metrics.log(metrics, "rollout/step", rollout_id)
         print(summary_line(rollout_id, metrics), flush=True)
         await self.pm.notify("on_rollout_end", args=self.args, rollout_id=rollout_id, metrics=metrics)
@@ -174,7 +165,7 @@ async def run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -
         if not state.is_driver:
             return
         sync_time = await state.update_weights()
-        if args.num_rollout == 0 and args.eval_interval and state.evaluator:
+        if args.num_rollout == 0 and args.eval_interval and state.has_eval:
             await state.evaluate(0)
             return
         if getattr(args, "train_mode", "sync") == "async":
@@ -188,8 +179,8 @@ async def run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -
 async def _close(state: Run) -> None:
     """Stop what the run started, in reverse order; the first error of the run stays the one raised."""
     try:
-        if state.manager is not None:
-            await state.manager.dispose()  # stops work a rollout plugin keeps across rollouts
+        if state.rollout is not None:
+            await state.rollout.dispose()  # stops work a rollout plugin keeps across rollouts
         if state.weights is not None:
             await state.weights.close()
     finally:
@@ -198,7 +189,7 @@ async def _close(state: Run) -> None:
 
 
 def _eval_first(args: Namespace, state: Run, rollout_id: int, start_id: int) -> bool:
-    return bool(args.eval_interval and state.evaluator and rollout_id == start_id and not args.skip_eval_before_train)
+    return bool(args.eval_interval and state.has_eval and rollout_id == start_id and not args.skip_eval_before_train)
 
 
 async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
@@ -206,8 +197,8 @@ async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
     for rollout_id in range(start_id, args.num_rollout):
         if _eval_first(args, state, rollout_id, start_id):
             await state.evaluate(rollout_id)
-        with RolloutProgress(state.manager, rollout_id):
-            groups = await state.manager.generate(rollout_id)
+        with RolloutProgress(state.rollout.progress, rollout_id):
+            groups = await state.rollout.generate(rollout_id)
         metrics = await state.train_on(rollout_id, groups)
         if should_save(args, rollout_id):
             start = time.perf_counter()
@@ -216,7 +207,7 @@ async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
         await (state.group.offload() if args.offload_train else state.group.clear_memory())
         metrics["perf/update_weights_time"] = await state.update_weights()
         await state.finish_rollout(rollout_id, groups, metrics)
-        if args.eval_interval and state.evaluator and periodic(rollout_id, args.eval_interval, args.num_rollout):
+        if args.eval_interval and state.has_eval and periodic(rollout_id, args.eval_interval, args.num_rollout):
             await state.evaluate(rollout_id)
 
 
@@ -233,14 +224,14 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
     ``state.timeline``).
     """
     args = state.args
-    if args.eval_interval and state.evaluator and start_id == 0 and not args.skip_eval_before_train:
+    if args.eval_interval and state.has_eval and start_id == 0 and not args.skip_eval_before_train:
         await state.evaluate(0)
     clock = time.perf_counter
     origin = clock()
 
     async def generate(rollout_id: int):
         state.timeline[rollout_id] = {"generate_start": clock() - origin}
-        groups = await state.manager.generate(rollout_id)
+        groups = await state.rollout.generate(rollout_id)
         state.timeline[rollout_id]["generate_end"] = clock() - origin
         return groups
 
@@ -262,7 +253,7 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
             times["train_end"] = clock() - origin
             if should_save(args, rollout_id):
                 start = time.perf_counter()
-                await state.save(rollout_id, state.manager.data_states.get(rollout_id))
+                await state.save(rollout_id, await state.rollout.data_state(rollout_id))
                 metrics["perf/save_model_time"] = time.perf_counter() - start
             if _syncs_weights_after(args, rollout_id):
                 if future is not None:  # never update mid-generation
@@ -276,7 +267,7 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
                             "perf/wait_time_ratio": wait / step if step > 0 else 0.0})
             metrics.update({f"timeline/{k}": v for k, v in times.items()})
             await state.finish_rollout(rollout_id, groups, metrics)
-            if args.eval_interval and state.evaluator and periodic(rollout_id, args.eval_interval, args.num_rollout):
+            if args.eval_interval and state.has_eval and periodic(rollout_id, args.eval_interval, args.num_rollout):
                 await state.evaluate(rollout_id)
     finally:
         if future is not None and not future.done():
@@ -294,8 +285,8 @@ def _checked_executor(executor, name: str, flag: str):
 
     :raises PluginError: it lacks an attribute of :class:`furlong.hooks.Executor` (named).
     """
-    missing = [a for a in ("is_driver", "weights_in_process", "start_train_workers", "start_engines", "serve",
-                           "shutdown") if not hasattr(executor, a)]
+    missing = [a for a in ("is_driver", "weights_in_process", "start_train_workers", "start_engines",
+                           "start_rollout_side", "serve", "shutdown") if not hasattr(executor, a)]
     if missing:
         raise PluginError(f"{flag} '{name}': `executor` returned {type(executor).__name__}, which lacks "
                           f"{', '.join(missing)}; return an object meeting furlong.hooks.Executor.")
@@ -308,9 +299,3 @@ def _quiet_transformers() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)

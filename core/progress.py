@@ -10,14 +10,17 @@ __all__ = ["RolloutProgress"]
 
 
 class RolloutProgress:
-    """Context manager polling ``manager.progress`` twice a second into a tqdm bar on stderr.
+    """Context manager polling ``await progress()`` twice a second into a tqdm bar on stderr.
+
+    ``progress`` returns ``{"samples_done", "samples_total", "tokens"}`` of the rollout
+    generating now (the rollout side's ``progress``, wherever it runs).
 
     When stderr is not a terminal (CI logs, files) it draws nothing: the one summary line
     per rollout is the record there.
     """
 
-    def __init__(self, manager, rollout_id: int, interval: float = 0.5):
-        self.manager = manager
+    def __init__(self, progress, rollout_id: int, interval: float = 0.5):
+        self.progress = progress
         self.rollout_id = rollout_id
         self.interval = interval
         self.enabled = sys.stderr.isatty()
@@ -35,11 +38,10 @@ class RolloutProgress:
 
     async def _poll(self) -> None:
         while True:
-            self._refresh()
+            self._refresh(await self.progress())
             await asyncio.sleep(self.interval)
 
-    def _refresh(self) -> None:
-        p = self.manager.progress
+    def _refresh(self, p: dict) -> None:
         self._bar.total = max(p["samples_total"], 1)
         self._bar.n = p["samples_done"]
         elapsed = max(time.perf_counter() - self._start, 1e-6)
@@ -49,5 +51,4 @@ class RolloutProgress:
     def __exit__(self, *exc) -> None:
         if self._task is not None:
             self._task.cancel()
-            self._refresh()
             self._bar.close()

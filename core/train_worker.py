@@ -23,6 +23,7 @@ from furlong.hooks.dist import broadcast_bucket, free_port, host_address, new_we
 
 from .objective import StepObjective
 from .reduction import StepDenominators
+from .seeding import seed_everything
 
 __all__ = ["TrainWorker", "WorkerFactory", "WorkerShare"]
 
@@ -72,6 +73,7 @@ class TrainWorker:
             from .plugins import get_plugin_manager
             from .selection import resolve_selection
 
+            seed_everything(self.args.seed)  # a process of its own (a Ray actor)
             self.pm = get_plugin_manager(self.args.disable_plugins)
             resolve_selection(self.args, self.pm, hooks=("train_backend", "loss"))  # registers dotted-path losses
         name, flag = self.chosen["train_backend"]

@@ -250,6 +250,15 @@ class Executor(Protocol):
         Returns objects meeting :class:`RolloutEngine` in the driver (proxies for remote ones).
         """
 
+    async def start_rollout_side(self, args: Any, make_rollout_side: Callable[[], Any]) -> Any:
+        """Place the rollout side (data, rollout manager, rewards, eval): ``make_rollout_side()`` builds it.
+
+        Returns it, or a handle with the same coroutine methods (``load_data``, ``start(engines,
+        state)``, ``generate``, ``evaluate``, ``data_state``, ``pop_metrics``,
+        ``set_weight_version``, ``progress``, ``dispose``) that runs them where it was placed.
+        ``start`` receives the engines :meth:`start_engines` returned.
+        """
+
     async def serve(self) -> None:
         """Non-driver processes: run the driver's calls on this process's worker until the run ends."""
 

@@ -211,8 +211,8 @@ def test_an_executor_plugin_returning_the_wrong_object_is_named(tiny, tmp_path, 
     with pytest.raises(PluginError) as err:
         asyncio.run(run(args, plugin_manager, resolve_selection(args, plugin_manager)))
     assert str(err.value) == ("--executor 'wrong': `executor` returned str, which lacks is_driver, weights_in_process, "
-                              "start_train_workers, start_engines, serve, shutdown; return an object meeting "
-                              "furlong.hooks.Executor.")
+                              "start_train_workers, start_engines, start_rollout_side, serve, shutdown; return an "
+                              "object meeting furlong.hooks.Executor.")
 
 
 def test_ray_configure_checks_that_an_engine_fits_a_node():

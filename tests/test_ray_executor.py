@@ -37,9 +37,9 @@ def _rows(save, key):
     return {r[key]: r for r in rows if key in r}
 
 
-def _ray_processes() -> list[str]:
+def _ray_processes() -> set[str]:
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
-    return [line.strip() for line in out if any(m in line for m in RAY_PROCESS_MARKERS)]
+    return {line.strip() for line in out if any(m in line for m in RAY_PROCESS_MARKERS)}
 
 
 def _furlong(args, cwd, env=None, timeout=240):
@@ -49,11 +49,15 @@ def _furlong(args, cwd, env=None, timeout=240):
                           timeout=timeout, cwd=cwd)
 
 
-def _no_ray_left():
+@pytest.fixture(autouse=True)
+def no_ray_left():
+    """After each test, no Ray process that was not there before it (a run's own Ray is gone)."""
+    before = _ray_processes()
+    yield
     deadline = time.monotonic() + 20
-    while _ray_processes() and time.monotonic() < deadline:
+    while _ray_processes() - before and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _ray_processes() == []
+    assert sorted(_ray_processes() - before) == []
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +100,6 @@ def test_two_ray_train_actors_reproduce_the_local_executor(local_run, tmp_path, 
     start = load_file(tiny_model_dir / "model.safetensors")
     trained = load_file(save / "iter_0000002" / "model" / "model.safetensors")
     assert max(float((trained[k] - start[k]).abs().max()) for k in start) > 1e-4  # the steps did train
-    _no_ray_left()
 
 
 KILLER = '''
@@ -139,7 +142,6 @@ def test_an_engine_actor_killed_mid_rollout_is_replaced_and_the_run_is_unchanged
         # retried requests keep their sampling seeds: nothing lost, nothing counted twice
         assert other["rollout/raw_reward"] == row["rollout/raw_reward"]
         assert other["rollout/response_lengths"] == row["rollout/response_lengths"]
-    _no_ray_left()
 
 
 @pytest.mark.timeout(300)
@@ -158,7 +160,6 @@ def test_a_train_actor_killed_mid_run_stops_the_run_with_one_error_and_keeps_the
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     weights = load_file(save / "iter_0000000" / "model" / "model.safetensors")
     assert weights and json.loads((save / "rollout" / "state_0.json").read_text())
-    _no_ray_left()
 
 
 @pytest.mark.timeout(300)
@@ -180,7 +181,6 @@ def test_ctrl_c_stops_a_ray_run_and_leaves_no_ray_process(tmp_path, tiny_model_d
             proc.kill()
     assert proc.returncode == 130, output[-2000:]
     assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text().strip() in ("0", "1")
-    _no_ray_left()
 
 
 @pytest.mark.timeout(300)
@@ -205,7 +205,6 @@ def test_under_ray_job_submit_the_run_joins_the_cluster_and_leaves_it_running(tm
     finally:
         subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
         shutil.rmtree(temp, ignore_errors=True)
-    _no_ray_left()
 
 
 RAISING_LOSS = '''
@@ -224,4 +223,3 @@ def test_a_train_actor_that_raises_names_itself_and_the_cause(tmp_path, tiny_mod
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: train actor rank 0 on node "), proc.stderr[-3000:]
     assert "loss exploded" in errors[0]
-    _no_ray_left()

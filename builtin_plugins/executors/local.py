@@ -45,6 +45,9 @@ class LocalExecutor:
     async def start_engines(self, args, make_engine):
         return [await make_engine(0)]
 
+    async def start_rollout_side(self, args, make_rollout_side):
+        return make_rollout_side()
+
     async def serve(self) -> None:
         return None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-__all__ = ["EngineActor", "TrainActor"]
+__all__ = ["EngineActor", "RolloutActor", "TrainActor"]
 
 
 def _where() -> dict:
@@ -92,6 +92,112 @@ class EngineActor:
             self._next = seq + 1
             self._turn.notify_all()
         return await request
+
+
+class RolloutActor:
+    """The rollout-manager actor: the core's rollout side (data, rollout manager, rewards, eval).
+
+    It generates through :class:`EngineClient` objects that call the engine actors
+    directly. A client that finds its engine dead reports it (:meth:`next_dead_engine`,
+    which the driver watches), waits for the driver's replacement (:meth:`replace_engine`:
+    a new actor that already has the current weights) and sends its request again.
+    """
+
+    def __init__(self, env: dict) -> None:
+        import asyncio
+
+        os.environ.update({k: str(v) for k, v in env.items()})
+        _quiet_transformers()
+        self.side = None
+        self.clients: list[EngineClient] = []
+        self.dead: asyncio.Queue = asyncio.Queue()
+
+    def where(self) -> dict:
+        return _where()
+
+    def build(self, make_rollout_side) -> None:
+        self.side = make_rollout_side()
+
+    async def start(self, engines: list, state, timeout: float) -> None:
+        """``engines``: ``(index, actor handle, tokenizer)`` of each engine actor."""
+        self.clients = [EngineClient(self, index, handle, tokenizer, timeout) for index, handle, tokenizer in engines]
+        await self.side.start(self.clients, state)
+
+    async def call(self, method: str, args: tuple):
+        return await getattr(self.side, method)(*args)
+
+    async def next_dead_engine(self) -> tuple:
+        """``(index, dead actor handle)`` of the next engine a client found dead (waits for one)."""
+        return await self.dead.get()
+
+    def replace_engine(self, index: int, handle, error: str | None = None) -> None:
+        """The driver's answer to a death report: the replacement's handle, or why there is none."""
+        self.clients[index].replaced(handle, error)
+
+
+class EngineClient:
+    """The rollout manager's :class:`furlong.hooks.RolloutEngine` for one engine actor (generate, abort)."""
+
+    def __init__(self, owner: RolloutActor, index: int, handle, tokenizer, timeout: float) -> None:
+        self.owner, self.index, self.handle, self.tokenizer, self.timeout = owner, index, handle, tokenizer, timeout
+        self._seq = 0
+        self._waiting = None
+        self._error: str | None = None
+
+    async def generate(self, input_ids: list, sampling_params: dict):
+        from ray.exceptions import RayActorError
+
+        handle = self.handle
+        ref = handle.generate.remote(self._seq, list(input_ids), dict(sampling_params))
+        self._seq += 1
+        try:
+            return await self._wait(ref)
+        except RayActorError:
+            await self._replacement(handle)
+        ref = self.handle.generate.remote(self._seq, list(input_ids), dict(sampling_params))
+        self._seq += 1
+        return await self._wait(ref)
+
+    async def abort(self) -> None:
+        from ray.exceptions import RayActorError
+
+        try:
+            await self._wait(self.handle.call.remote("abort", ()))
+        except RayActorError:
+            pass  # a dead engine has nothing in flight
+
+    async def health(self) -> bool:
+        try:
+            return bool(await self._wait(self.handle.call.remote("health", ())))
+        except Exception:  # noqa: BLE001 - any failure means unhealthy
+            return False
+
+    async def _wait(self, ref):
+        import asyncio
+
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout)
+
+    async def _replacement(self, dead) -> None:
+        """Report ``dead`` once and wait until the driver replaced it (or gave up)."""
+        import asyncio
+
+        from furlong.hooks import PluginError
+
+        if self.handle is dead:
+            if self._waiting is None:
+                self._waiting = asyncio.get_running_loop().create_future()
+                self.owner.dead.put_nowait((self.index, dead))
+            await asyncio.wait_for(asyncio.shield(self._waiting), self.timeout)
+        if self._error:
+            raise PluginError(self._error)
+
+    def replaced(self, handle, error: str | None) -> None:
+        if handle is not None:
+            self.handle, self._seq = handle, 0
+        self._error = error
+        if self._waiting is not None and not self._waiting.done():
+            self._waiting.set_result(None)
+        self._waiting = None
 
 
 def _quiet_transformers() -> None:

@@ -27,7 +27,7 @@ import os
 
 from furlong.hooks import PluginError, hookimpl
 
-from .ray_actors import EngineActor, TrainActor
+from .ray_actors import EngineActor, RolloutActor, TrainActor
 
 __all__ = ["RayExecutor", "add_arguments", "executor"]
 
@@ -37,7 +37,8 @@ NEEDS_RAY = '--executor ray needs Ray: pip install "furlong[ray]" (or pass --exe
 TRAIN_SHARE = 0.4  # of a bundle: a train actor and an engine actor (0.2) fit one bundle under --colocate
 ENGINE_SHARE = 0.2
 FAILURE_GRACE_S = 10.0  # after one rank fails, how long to wait for the others' errors
-ENGINE_CONCURRENCY = 4096  # requests one engine actor takes at once (the engine batches them)
+ENGINE_CONCURRENCY = 4096
+ROLLOUT_CONCURRENCY = 64  # generate, data-state and progress calls, and the engine watcher, at once  # requests one engine actor takes at once (the engine batches them)
 
 
 @hookimpl
@@ -175,6 +176,20 @@ class RayExecutor:
         log.info("ray: %d engine actor(s) started", len(self.engines))
         return list(self.engines)
 
+    # --- the rollout-manager actor --------------------------------------------------------
+
+    async def start_rollout_side(self, args, make_rollout_side):
+        """The rollout-manager actor (1 CPU, outside the placement group, as Miles places it)."""
+        import ray
+
+        handle = ray.remote(RolloutActor).options(num_cpus=1, num_gpus=0, max_restarts=0,
+                                                  max_concurrency=ROLLOUT_CONCURRENCY).remote(_forwarded_env())
+        self.actors.append(handle)
+        side = RemoteRolloutSide(handle, self.timeout)
+        await side.build(make_rollout_side)
+        log.info("ray: rollout-manager actor started")
+        return side
+
     def engine_bundle(self, index: int) -> int:
         base = 0 if self.colocate else self.train_world
         return base + index * self.per_engine
@@ -281,6 +296,70 @@ async def _await(ref, timeout: float, who: str, method: str):
         raise PluginError(f"{who}: {method} raised {type(cause).__name__}: {_first_line(cause)}") from exc
 
 
+class RemoteRolloutSide:
+    """The driver's handle on the rollout-manager actor: the rollout side's coroutines, run there.
+
+    While the run goes on it also answers the actor's reports of dead engines: the driver
+    replaces the engine (which gets the current weights) and hands the actor the new one.
+    """
+
+    def __init__(self, handle, timeout: float) -> None:
+        self.handle, self.timeout = handle, timeout
+        self.who = "rollout-manager actor"
+        self._watcher: asyncio.Task | None = None
+
+    async def build(self, make_rollout_side) -> None:
+        place = await _await(self.handle.where.remote(), self.timeout, self.who, "where")
+        self.who = f"rollout-manager actor on node {place['node']}, pid {place['pid']}"
+        await _await(self.handle.build.remote(make_rollout_side), self.timeout, self.who, "build")
+
+    async def _call(self, method: str, *args):
+        return await _await(self.handle.call.remote(method, args), self.timeout, self.who, method)
+
+    async def load_data(self) -> bool:
+        return await self._call("load_data")
+
+    async def start(self, engines: list, state) -> None:
+        specs = [(e.index, e.handle, e.tokenizer) for e in engines]
+        await _await(self.handle.start.remote(specs, state, self.timeout), self.timeout, self.who, "start")
+        self._watcher = asyncio.ensure_future(self._watch(engines))
+
+    async def _watch(self, engines: list) -> None:
+        """Replace each engine the actor reports dead, then tell the actor (or why it cannot be)."""
+        while True:
+            index, dead = await asyncio.wrap_future(self.handle.next_dead_engine.remote().future())
+            error = None
+            try:
+                await engines[index].replace_if(dead)
+            except PluginError as exc:
+                error = str(exc)
+            self.handle.replace_engine.remote(index, engines[index].handle, error)
+
+    async def generate(self, rollout_id: int):
+        return await self._call("generate", rollout_id)
+
+    async def evaluate(self) -> dict:
+        return await self._call("evaluate")
+
+    async def data_state(self, rollout_id: int | None = None):
+        return await self._call("data_state", rollout_id)
+
+    async def pop_metrics(self, rollout_id: int) -> dict:
+        return await self._call("pop_metrics", rollout_id)
+
+    async def set_weight_version(self, version: int) -> None:
+        await self._call("set_weight_version", version)
+
+    async def progress(self) -> dict:
+        return await self._call("progress")
+
+    async def dispose(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+        await self._call("dispose")
+
+
 class _RestartBudget:
     def __init__(self, total: int) -> None:
         self.left = total
@@ -319,6 +398,11 @@ class RemoteEngine:
             self.handle.start.remote(self.make_engine), timeout, self.who, "start")
         self._epoch += 1
         self._seq = 0
+
+    async def replace_if(self, dead) -> None:
+        """Replace the actor if ``dead`` (an actor handle another process found dead) is still the current one."""
+        if self.handle._actor_id == dead._actor_id:
+            await self._recover(self._epoch, PluginError(f"{self.who}: the actor died"))
 
     async def _call(self, method: str, *args, retry: bool = True):
         from ray.exceptions import RayActorError

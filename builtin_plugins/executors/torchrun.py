@@ -72,6 +72,9 @@ class TorchrunExecutor:
     async def start_engines(self, args, make_engine):
         return [await make_engine(0)]
 
+    async def start_rollout_side(self, args, make_rollout_side):
+        return make_rollout_side()
+
     async def call(self, method: str, args_per_rank) -> list:
         """Run ``method`` on every rank's worker (WorkerGroup); rank 0's result never leaves this process."""
         import torch.distributed as dist
