@@ -215,17 +215,30 @@ def test_an_executor_plugin_returning_the_wrong_object_is_named(tiny, tmp_path, 
                               "object meeting furlong.hooks.Executor.")
 
 
-def test_ray_configure_checks_that_an_engine_fits_a_node():
-    from furlong.builtin_plugins.executors.ray_executor import configure
+def test_ray_configure_checks_engines_and_machine_size_on_gpus(monkeypatch):
+    from furlong.builtin_plugins.executors import ray_executor
     from furlong.hooks.config_report import ConfigReport
 
-    report = ConfigReport("ray", ("--executor",))
-    configure(argparse.Namespace(rollout_num_gpus_per_engine=4, num_gpus_per_node=2), report)
-    assert report.errors == ["--rollout-num-gpus-per-engine 4 is more than --num-gpus-per-node 2: an engine spanning "
-                             "nodes is not supported yet."]
-    fits = ConfigReport("ray", ("--executor",))
-    configure(argparse.Namespace(rollout_num_gpus_per_engine=2, num_gpus_per_node=2), fits)
-    assert fits.errors == []
+    def check(gpus, **flags):
+        monkeypatch.setattr(ray_executor, "_has_gpus", lambda: gpus > 0)
+        monkeypatch.setattr(ray_executor, "_gpu_count", lambda: gpus)
+        values = dict(rollout_num_gpus_per_engine=1, num_gpus_per_node=8, actor_num_nodes=1,
+                      actor_num_gpus_per_node=4, rollout_num_gpus=None, colocate=False)
+        report = ConfigReport("ray", ("--executor",))
+        ray_executor.configure(argparse.Namespace(**{**values, **flags}), report)
+        return report.errors
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert check(8, rollout_num_gpus=4) == []
+    assert check(0, rollout_num_gpus_per_engine=4, num_gpus_per_node=1) == []  # CPU slots: no node to span
+    assert check(8, rollout_num_gpus_per_engine=16, rollout_num_gpus=16) == [
+        "--rollout-num-gpus-per-engine 16 is more than --num-gpus-per-node 8: an engine spanning nodes is not "
+        "supported yet; use at most 8 GPUs per engine.",
+        "--executor ray on this machine needs 20 GPUs (trainer 4, engines 16) but torch sees 8; lower "
+        "--actor-num-gpus-per-node or --rollout-num-gpus, or run on a Ray cluster (ray job submit, docs/ray.md)."]
+    assert check(4, rollout_num_gpus=4, colocate=True) == []  # colocated: max(4, 4) bundles
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert check(1, rollout_num_gpus=4) == []  # a cluster has its own size
 
 
 def _fixed_groups(n_groups=4, per_group=2):

@@ -93,7 +93,7 @@ def test_two_ray_train_actors_reproduce_the_local_executor(local_run, tmp_path, 
                      "--actor-num-gpus-per-node", "2"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "placement group of 3 bundle(s) {'CPU': 1} ready" in proc.stderr  # 2 train ranks + 1 engine
-    assert "2 train actor(s) started (gloo)" in proc.stderr
+    assert "2 train actor(s) started (gloo)" in proc.stderr and "rollout-manager actor started" in proc.stderr
     _assert_same_run(local_run, save)
     rollouts = _rows(save, "rollout/step")
     assert all(row["perf/update_weights_time"] > 0 for row in rollouts.values())

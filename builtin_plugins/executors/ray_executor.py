@@ -53,15 +53,40 @@ def add_arguments(parser):
 
 @hookimpl
 def configure(args, report):
-    """Ray must be installed, and one engine must fit on one node (``--num-gpus-per-node``)."""
+    """Ray must be installed; on GPUs an engine must fit one node and a private Ray must fit this machine.
+
+    Without ``RAY_ADDRESS`` the executor starts a Ray of this machine alone, so the bundles
+    the flags ask for (:func:`bundles_needed`) must not exceed the GPUs torch sees.
+    """
     import importlib.util
+    import os
 
     if importlib.util.find_spec("ray") is None:
         report.error(NEEDS_RAY)
+    if not _has_gpus():
+        return  # CPU slots: any number fits a private Ray
     per_engine, per_node = int(args.rollout_num_gpus_per_engine or 1), int(args.num_gpus_per_node or 1)
     if per_engine > per_node:
         report.error(f"--rollout-num-gpus-per-engine {per_engine} is more than --num-gpus-per-node {per_node}: an "
-                     "engine spanning nodes is not supported yet.")
+                     f"engine spanning nodes is not supported yet; use at most {per_node} GPUs per engine.")
+    needed, have = bundles_needed(args), _gpu_count()
+    if not os.environ.get("RAY_ADDRESS") and needed > have:
+        report.error(f"--executor ray on this machine needs {needed} GPUs (trainer "
+                     f"{args.actor_num_nodes * args.actor_num_gpus_per_node}, engines {_rollout_slots(args)}"
+                     f"{' shared with the trainer (--colocate)' if args.colocate else ''}) but torch sees {have}; "
+                     "lower --actor-num-gpus-per-node or --rollout-num-gpus, or run on a Ray cluster "
+                     "(ray job submit, docs/ray.md).")
+
+
+def bundles_needed(args) -> int:
+    """Bundles of the placement group: trainer + engines, or the larger of the two under ``--colocate``."""
+    train, rollout = int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node), _rollout_slots(args)
+    return max(train, rollout) if getattr(args, "colocate", False) else train + rollout
+
+
+def _rollout_slots(args) -> int:
+    """``--rollout-num-gpus``, or one engine of ``--rollout-num-gpus-per-engine`` when unset."""
+    return int(args.rollout_num_gpus or args.rollout_num_gpus_per_engine or 1)
 
 
 @hookimpl
@@ -93,7 +118,7 @@ class RayExecutor:
         self.gpu = _has_gpus()
         self.train_world = int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node)
         per_engine = int(args.rollout_num_gpus_per_engine or 1)
-        self.rollout_slots = int(args.rollout_num_gpus or per_engine)
+        self.rollout_slots = _rollout_slots(args)
         self.num_engines = max(1, self.rollout_slots // per_engine)
         self.per_engine = per_engine
         self.colocate = bool(getattr(args, "colocate", False))
@@ -108,7 +133,7 @@ class RayExecutor:
     def _connect(self) -> None:
         import ray
 
-        slots = max(self.train_world, self.rollout_slots) if self.colocate else self.train_world + self.rollout_slots
+        slots = bundles_needed(self.args)
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
             kwargs = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
@@ -116,8 +141,9 @@ class RayExecutor:
                 try:
                     ray.init(address=address, **kwargs)
                 except Exception as exc:  # noqa: BLE001 - ConnectionError, auth and version mismatches
+                    reason = " ".join(str(exc).split())  # Ray's reason (auth, versions) may span lines
                     raise PluginError(f"--executor ray: could not join the Ray cluster at RAY_ADDRESS={address}: "
-                                      f"{_first_line(exc)}") from exc
+                                      f"{reason}") from exc
             else:
                 gpus = _gpu_count() if self.gpu else 0
                 ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots + 1), num_gpus=gpus, **kwargs)
@@ -127,6 +153,8 @@ class RayExecutor:
         bundle = {"GPU": 1, "CPU": 1} if self.gpu else {"CPU": 1}
         self.slots = slots
         self.pg = placement_group([dict(bundle) for _ in range(slots)], strategy="PACK")
+        log.info("ray: waiting for a placement group of %d bundle(s) %s (at most %.0f s)", slots, bundle,
+                 min(self.timeout, 300))
         try:
             ray.get(self.pg.ready(), timeout=min(self.timeout, 300))
         except Exception as exc:  # noqa: BLE001 - GetTimeoutError, or the cluster went away

@@ -157,6 +157,11 @@ def machine_defaults(args: argparse.Namespace, pm=None) -> dict:
         value = getattr(dev, name)
         if dest not in given and hasattr(args, dest) and getattr(args, dest) == value:
             out[dest] = {"value": value, "probe": dev.probes[name]}
+    if "executor" not in given and hasattr(args, "actor_num_nodes"):
+        from .validate import default_executor
+
+        value, why = default_executor(args)
+        out["executor"] = {"value": value, "probe": why}
     return out
 
 

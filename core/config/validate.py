@@ -206,11 +206,20 @@ def _cluster(args, f: Findings, given: set[str]) -> None:
         f.error(f"--rollout-num-gpus ({args.rollout_num_gpus}) must be a multiple of --rollout-num-gpus-per-engine "
                 f"({per_engine}): every engine gets the same number of GPUs.")
     if "executor" not in given or args.executor is None:
-        # under torchrun every trainer rank is already a process of its own
-        torchrun = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
-        submitted = bool(os.environ.get("RAY_ADDRESS"))  # under `ray job submit`
-        args.executor = "ray" if submitted or args.rollout_backend == "sglang" or (world > 1 and not torchrun) \
-            else "local"
+        args.executor = default_executor(args)[0]
+
+
+def default_executor(args) -> tuple[str, str]:
+    """``(executor, why)`` when ``--executor`` is not given (DESIGN.md "Selecting plugins")."""
+    world = world_size(args)
+    if os.environ.get("RAY_ADDRESS"):
+        return "ray", "RAY_ADDRESS is set (ray job submit)"
+    if args.rollout_backend == "sglang":
+        return "ray", "--rollout-backend sglang runs its engines as actors"
+    torchrun = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1  # every rank is a process of its own already
+    if world > 1 and not torchrun:
+        return "ray", f"a trainer of {world} ranks, not started by torchrun"
+    return "local", "torchrun started this process" if torchrun else "one train rank"
 
 
 def _offload(args, f: Findings, given: set[str]) -> None:
