@@ -127,9 +127,15 @@ def rollout_engine(args: Namespace) -> RolloutEngine:
 
     Call: chosen by name (``--rollout-backend NAME``; default ``sglang`` when a furlong
     plugin of that name is installed and CUDA and the ``sglang`` package are present, else
-    ``embedded``). Called once per run, before the first rollout.
+    ``embedded``). Called once per engine, before the first rollout, in the process the
+    executor puts the engine in (the driver's, or an engine actor).
 
-    :param args: resolved launch flags.
+    Every request the core sends carries ``sampling_params["sampling_seed"]`` (a hash of
+    ``--seed``, the sample's index and train/eval): honour it and a run samples the same
+    tokens in any process and after a resume.
+
+    :param args: resolved launch flags, plus ``args.rollout_engine_index``: which engine
+        this is (0, 1, ...), e.g. for a per-engine seed.
     :returns: an object meeting :class:`~furlong.hooks.RolloutEngine`.
     """
 
@@ -140,7 +146,9 @@ def train_backend(args: Namespace) -> TrainBackend:
 
     Call: chosen by name (``--train-backend NAME``; default ``megatron`` when a furlong
     plugin of that name is installed and CUDA and megatron-core are present, else
-    ``fsdp``). Called once per training rank, before ``init``.
+    ``fsdp``). Called once per training rank, before ``init``, in that rank's process (the
+    driver's, a ``torchrun`` process or a Ray actor). The backend receives only its rank's
+    share of each rollout batch and reports its parallel layout (``layout()``).
 
     :param args: resolved launch flags.
     :returns: an object meeting :class:`~furlong.hooks.TrainBackend`.

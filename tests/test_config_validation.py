@@ -210,6 +210,8 @@ UNSUPPORTED_ARGV = {
     "--keep-old-actor": ["--keep-old-actor"],
     "--use-session-server": ["--use-session-server"],
     "--custom-async-data-buffer-path": ["--custom-async-data-buffer-path", "my.Buffer"],
+    "--offload-rollout-level": ["--offload-rollout-level", "kv_cache"],
+    "--train-memory-margin-bytes": ["--train-memory-margin-bytes", "1024"],
     "--disable-rollout-global-dataset": ["--disable-rollout-global-dataset"],
     "--custom-convert-samples-to-train-data-path": ["--custom-convert-samples-to-train-data-path", "my.convert"],
     "--rollout-data-postprocess-path": ["--rollout-data-postprocess-path", "my.post"],
@@ -261,6 +263,9 @@ UNSUPPORTED_ARGV = {
     "--deterministic-mode": ["--deterministic-mode"],
 }
 UNSUPPORTED_MESSAGES = {
+    "--offload-rollout-level": "--offload-rollout-level ['kv_cache'] is not supported yet (supported: "
+                               "['kv_cache', 'weight'], ['weight', 'kv_cache']).",
+    "--train-memory-margin-bytes": "--train-memory-margin-bytes 1024 is not supported yet (supported: 1073741824).",
     "--qkv-format": "--qkv-format bshd is not supported yet (supported: thd).",
     "--opd-type": "--opd-type sglang is not supported yet (supported: megatron).",
     "--eval-num-gpus": "--eval-num-gpus 2 is not supported yet (supported: 0).",
@@ -608,6 +613,7 @@ def test_machine_defaults_name_the_flags_that_came_from_the_machine(monkeypatch)
                                                           "sglang package importable: True"},
         "train_backend": {"value": "fsdp", "probe": "furlong plugin 'megatron' installed: False, CUDA: True, "
                                                     "megatron.core importable: True"},
+        "executor": {"value": "local", "probe": "one train rank"},
     }  # actor_num_gpus_per_node was given; --fp16 turned bf16 off
 
 

@@ -227,6 +227,7 @@ def test_print_config_shows_plugin_and_machine_defaults(capsys):
                                                           "sglang package importable: False"},
         "train_backend": {"value": "fsdp", "probe": "furlong plugin 'megatron' installed: False, CUDA: False, "
                                                     "megatron.core importable: False"},
+        "executor": {"value": "local", "probe": "one train rank"},
     }
 
 
