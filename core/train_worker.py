@@ -177,26 +177,29 @@ class TrainWorker:
         """Join the weight-update group as its rank 0 (the engines join concurrently)."""
         import asyncio
 
-        self._weight_groups[group_name] = await asyncio.to_thread(
-            new_weight_update_group, address, port, 0, world_size, group_name, backend, timeout_s)
+        group = await asyncio.to_thread(new_weight_update_group, address, port, 0, world_size, group_name, backend,
+                                        timeout_s)
+        self._weight_groups[group_name] = (group, backend)
 
     async def leave_weight_group(self, group_name: str) -> None:
-        group = self._weight_groups.pop(group_name, None)
+        group, _ = self._weight_groups.pop(group_name, (None, None))
         if group is not None:
             import torch.distributed as dist
 
             dist.destroy_process_group(group)
 
     async def broadcast_weight_bucket(self, group_name: str) -> None:
-        """Broadcast the tensors of the bucket :meth:`next_weight_bucket` returned last (rank 0)."""
+        """Broadcast the tensors of the bucket :meth:`next_weight_bucket` returned last (rank 0).
+
+        NCCL sends from the GPU, gloo from host memory: tensors move to where the group's
+        backend needs them.
+        """
         import asyncio
 
-        import torch
-
-        tensors = self._held_tensors
-        if torch.cuda.is_available() and self.args.distributed_backend == "nccl":
-            tensors = [t.cuda() for t in tensors]
-        await asyncio.to_thread(broadcast_bucket, tensors, self._weight_groups[group_name])
+        group, backend = self._weight_groups[group_name]
+        device = "cuda" if backend == "nccl" else "cpu"
+        tensors = [t.to(device) for t in self._held_tensors]
+        await asyncio.to_thread(broadcast_bucket, tensors, group)
         self._held_tensors = []
 
 

@@ -121,7 +121,8 @@ class WeightSync:
         address, port = await self.group.call_rank0("weight_group_address")
         ranks = [int(getattr(e, "weight_update_ranks", 1) or 1) for e in engines]
         world = 1 + sum(ranks)
-        backend = "nccl" if self.args.distributed_backend == "nccl" and _cuda() else "gloo"
+        # NCCL cannot put two ranks of one group on one GPU: colocated engines share the trainer's
+        backend = "nccl" if self.args.distributed_backend == "nccl" and _cuda() and not self.args.colocate else "gloo"
         timeout = 60.0 * float(getattr(self.args, "distributed_timeout_minutes", 10) or 10)
         offsets = [1 + sum(ranks[:i]) for i in range(len(engines))]
         try:

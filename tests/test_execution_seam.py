@@ -219,7 +219,8 @@ def test_ray_configure_checks_engines_and_machine_size_on_gpus(monkeypatch):
     from furlong.builtin_plugins.executors import ray_executor
     from furlong.hooks.config_report import ConfigReport
 
-    def check(gpus, **flags):
+    def check(gpus, ray=True, **flags):
+        monkeypatch.setattr(ray_executor, "_ray_installed", lambda: ray)
         monkeypatch.setattr(ray_executor, "_has_gpus", lambda: gpus > 0)
         monkeypatch.setattr(ray_executor, "_gpu_count", lambda: gpus)
         values = dict(rollout_num_gpus_per_engine=1, num_gpus_per_node=8, actor_num_nodes=1,
@@ -237,6 +238,7 @@ def test_ray_configure_checks_engines_and_machine_size_on_gpus(monkeypatch):
         "--executor ray on this machine needs 20 GPUs (trainer 4, engines 16) but torch sees 8; lower "
         "--actor-num-gpus-per-node or --rollout-num-gpus, or run on a Ray cluster (ray job submit, docs/ray.md)."]
     assert check(4, rollout_num_gpus=4, colocate=True) == []  # colocated: max(4, 4) bundles
+    assert check(0, ray=False) == ['--executor ray needs Ray: pip install "furlong[ray]" (or pass --executor local).']
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     assert check(1, rollout_num_gpus=4) == []  # a cluster has its own size
 

@@ -58,10 +58,9 @@ def configure(args, report):
     Without ``RAY_ADDRESS`` the executor starts a Ray of this machine alone, so the bundles
     the flags ask for (:func:`bundles_needed`) must not exceed the GPUs torch sees.
     """
-    import importlib.util
     import os
 
-    if importlib.util.find_spec("ray") is None:
+    if not _ray_installed():
         report.error(NEEDS_RAY)
     if not _has_gpus():
         return  # CPU slots: any number fits a private Ray
@@ -521,6 +520,12 @@ class RemoteEngine:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+def _ray_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is not None
 
 
 def _has_gpus() -> bool:

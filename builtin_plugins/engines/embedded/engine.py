@@ -155,24 +155,25 @@ class EmbeddedEngine:
         """Join the weight-update group as rank ``rank_offset`` (trainer rank 0 broadcasts)."""
         from furlong.hooks.dist import new_weight_update_group
 
-        self._groups[group_name] = await asyncio.to_thread(
-            new_weight_update_group, master_address, int(master_port), int(rank_offset), int(world_size),
-            group_name, backend)
+        group = await asyncio.to_thread(new_weight_update_group, master_address, int(master_port), int(rank_offset),
+                                        int(world_size), group_name, backend)
+        self._groups[group_name] = (group, "cuda" if backend == "nccl" else "cpu")
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str) -> None:
         """Receive one bucket over ``group_name`` and load it (SGLang's ``/update_weights_from_distributed``)."""
         from furlong.hooks.dist import receive_bucket
 
-        group = self._groups.get(group_name)
-        if group is None:
+        if group_name not in self._groups:
             raise PluginError(f"embedded engine: no weight-update group '{group_name}'; "
                               "call init_weights_update_group first.")
-        tensors = await asyncio.to_thread(receive_bucket, dtypes, shapes, group, self.device)
+        group, where = self._groups[group_name]  # NCCL receives on the GPU, gloo in host memory
+        device = self.device if where == "cuda" else "cpu"
+        tensors = await asyncio.to_thread(receive_bucket, dtypes, shapes, group, device)
         await self.load_weights(list(zip(names, tensors)))
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
-        group = self._groups.pop(group_name, None)
+        group, _ = self._groups.pop(group_name, (None, None))
         if group is not None:
             import torch.distributed as dist
 
