@@ -90,3 +90,20 @@ class ScriptedEngine:
 
     async def health(self):
         return True
+
+
+def rollout_manager(args, pm, engine):
+    """A RolloutManager over the chosen data source and ``engine`` (as a run builds it), for rollout-logic tests."""
+    from furlong.core.data_cursor import DataCursor
+    from furlong.core.rollout_manager import RolloutManager
+    from furlong.core.selection import resolve_selection
+
+    selection = resolve_selection(args, pm)
+    source = pm.call_chosen_sync("data_source", *selection.chosen["data_source"], args=args)
+    cursor = DataCursor(args, pm, source, selection.chosen["buffer_pop"])
+    return RolloutManager(args, pm, selection, engine, cursor)
+
+
+def boxed_first_operand(prompt, call):
+    """An answer script: ``\\boxed{a}`` for prompt ``a+b=``, finishing on a stop."""
+    return "\\boxed{" + prompt.split("+")[0] + "}", "stop"

@@ -132,11 +132,6 @@ def test_async_data_source_plugin_runs_with_eval_prompt_data(plugin_dist, tmp_pa
     """An installed plugin with ``async def data_source`` serves training and eval data in one short run."""
     import importlib
 
-    from furlong.core.config import parse_args
-    from furlong.core.loop import run
-    from furlong.core.plugins import get_plugin_manager
-    from furlong.core.selection import resolve_selection
-
     plugin_dist("furlong-async-rows", "furlong_async_rows", ASYNC_ROWS, {"async_rows": "furlong_async_rows"})
     save = tmp_path / "save"
     argv = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(arithmetic_jsonl), "--input-key", "prompt",
@@ -144,15 +139,7 @@ def test_async_data_source_plugin_runs_with_eval_prompt_data(plugin_dist, tmp_pa
             "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--data-source", "async_rows",
             "--eval-prompt-data", "arith", str(arithmetic_jsonl) + "@[0:4]", "--eval-interval", "1",
             "--save", str(save)]
-    pm = get_plugin_manager()
-    args = parse_args(argv, pm)
-    loops = []
-
-    async def main():
-        loops.append(id(asyncio.get_running_loop()))
-        await run(args, pm, resolve_selection(args, pm))
-
-    asyncio.run(main())
+    loops = _run_recording_the_loop(argv)
     calls = importlib.import_module("furlong_async_rows").CALLS
     assert [path for path, _ in calls] == [str(arithmetic_jsonl), str(arithmetic_jsonl) + "@[0:4]"]
     assert {loop for _, loop in calls} == set(loops)
@@ -248,11 +235,6 @@ async def on_checkpoint_saved(path):
 def test_every_hook_of_a_run_may_be_async(plugin_dist, tmp_path, tiny_model_dir, arithmetic_jsonl):
     import importlib
 
-    from furlong.core.config import parse_args
-    from furlong.core.loop import run
-    from furlong.core.plugins import get_plugin_manager
-    from furlong.core.selection import resolve_selection
-
     plugin_dist("furlong-async-all", "furlong_async_all", ASYNC_ALL, {"async_all": "furlong_async_all"})
     argv = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(arithmetic_jsonl), "--input-key", "prompt",
             "--label-key", "label", "--rm-type", "math", "--num-rollout", "2", "--rollout-batch-size", "2",
@@ -262,6 +244,22 @@ def test_every_hook_of_a_run_may_be_async(plugin_dist, tmp_path, tiny_model_dir,
             "--advantage-estimator", "async_all", "--loss-type", "async_all",
             "--eval-prompt-data", "arith", str(arithmetic_jsonl) + "@[0:2]", "--eval-interval", "1",
             "--save", str(tmp_path / "save")]
+    loops = _run_recording_the_loop(argv)
+    calls = importlib.import_module("furlong_async_all").CALLS
+    hooks = {hook for hook, _ in calls}
+    assert hooks == {"data_source", "generate", "filter", "buffer_pop", "abort", "advantage", "loss",
+                     "on_rollout_end", "on_train_step_end", "on_eval_end", "on_checkpoint_saved"}
+    driver = {loop for hook, loop in calls if hook != "loss"}  # the loss runs where the trainer runs
+    assert driver == set(loops)
+
+
+def _run_recording_the_loop(argv: list[str]) -> list[int]:
+    """Run ``furlong train`` in-process with the installed plugins; ``[id of the run's event loop]``."""
+    from furlong.core.config import parse_args
+    from furlong.core.loop import run
+    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.selection import resolve_selection
+
     pm = get_plugin_manager()
     args = parse_args(argv, pm)
     loops = []
@@ -271,9 +269,4 @@ def test_every_hook_of_a_run_may_be_async(plugin_dist, tmp_path, tiny_model_dir,
         await run(args, pm, resolve_selection(args, pm))
 
     asyncio.run(main())
-    calls = importlib.import_module("furlong_async_all").CALLS
-    hooks = {hook for hook, _ in calls}
-    assert hooks == {"data_source", "generate", "filter", "buffer_pop", "abort", "advantage", "loss",
-                     "on_rollout_end", "on_train_step_end", "on_eval_end", "on_checkpoint_saved"}
-    driver = {loop for hook, loop in calls if hook != "loss"}  # the loss runs where the trainer runs
-    assert driver == set(loops)
+    return loops

@@ -15,12 +15,10 @@ import pytest
 from furlong.builtin_plugins.rollout import fully_async
 from furlong.core.config import parse_args
 from furlong.core.configure import configure_plugins
-from furlong.core.data_cursor import DataCursor
-from furlong.core.rollout_manager import RolloutManager
 from furlong.core.selection import resolve_selection
 from furlong.hooks import FilterResult, PluginError, Status, hookimpl
 
-from .scripted_engine import ScriptedEngine
+from .scripted_engine import ScriptedEngine, rollout_manager
 
 
 def _data(tmp_path, n=40):
@@ -34,13 +32,6 @@ def _args(tmp_path, *extra):
                        "--prompt-data", str(_data(tmp_path)), "--input-key", "prompt", "--label-key", "label",
                        "--rm-type", "math", "--rollout-max-response-len", "16", "--rollout", "fully_async",
                        "--log-dir", str(tmp_path / "logs"), *extra])
-
-
-def _manager(args, pm, engine):
-    selection = resolve_selection(args, pm)
-    source = pm.call_chosen_sync("data_source", *selection.chosen["data_source"], args=args)
-    cursor = DataCursor(args, pm, source, selection.chosen["buffer_pop"])
-    return RolloutManager(args, pm, selection, engine, cursor)
 
 
 def _answer(prompt, call):
@@ -86,7 +77,7 @@ def test_miles_rollout_function_path_selects_fully_async(tmp_path, plugin_manage
 def test_hook_rollout_fully_async_carries_queue_leftovers_to_the_next_rollout(tmp_path, plugin_manager):
     args = _args(tmp_path)
     engine = ScriptedEngine(_answer, delay=0.001)
-    manager = _manager(args, plugin_manager, engine)
+    manager = rollout_manager(args, plugin_manager, engine)
 
     async def main():
         first = await manager.generate(0)
@@ -122,7 +113,7 @@ def test_hook_rollout_fully_async_carries_queue_leftovers_to_the_next_rollout(tm
 def test_stale_groups_go_to_the_unused_handler(tmp_path, plugin_manager, handler):
     args = _args(tmp_path, "--max-weight-staleness", "0", "--async-unused-samples-handler", handler)
     engine = ScriptedEngine(_answer, delay=0.001)
-    manager = _manager(args, plugin_manager, engine)
+    manager = rollout_manager(args, plugin_manager, engine)
 
     async def main():
         await engine.update_weights([], 1)
@@ -165,7 +156,7 @@ def test_aborted_groups_go_to_the_unused_handler(tmp_path, plugin_manager, handl
         return _answer(prompt, call)
 
     engine = ScriptedEngine(answer, delay=0.001)
-    manager = _manager(args, plugin_manager, engine)
+    manager = rollout_manager(args, plugin_manager, engine)
 
     async def main():
         batch = await manager.generate(0)
@@ -194,7 +185,7 @@ def test_filter_drops_are_counted(tmp_path, plugin_manager, register_plugin):
 
     register_plugin(RejectFirst(), "reject_first")
     args = _args(tmp_path, "--dynamic-sampling-filter", "reject_first")
-    manager = _manager(args, plugin_manager, ScriptedEngine(_answer, delay=0.001))
+    manager = rollout_manager(args, plugin_manager, ScriptedEngine(_answer, delay=0.001))
 
     async def main():
         batch = await manager.generate(0)
@@ -219,7 +210,7 @@ def test_producer_failure_is_raised_by_every_later_rollout(tmp_path, plugin_mana
 
     register_plugin(Broken(), "broken_rm")
     args = _args(tmp_path, "--rm-type", "broken_rm")
-    manager = _manager(args, plugin_manager, ScriptedEngine(_answer))
+    manager = rollout_manager(args, plugin_manager, ScriptedEngine(_answer))
 
     async def main():
         errors = []
@@ -242,7 +233,7 @@ def test_producer_failure_is_raised_by_every_later_rollout(tmp_path, plugin_mana
 def test_warns_while_no_group_finishes(tmp_path, plugin_manager, monkeypatch, caplog):
     monkeypatch.setattr(fully_async, "WARN_AFTER", 0.05)
     args = _args(tmp_path)
-    manager = _manager(args, plugin_manager, ScriptedEngine(_answer, delay=0.03))  # >= 0.27 s per group
+    manager = rollout_manager(args, plugin_manager, ScriptedEngine(_answer, delay=0.03))  # >= 0.27 s per group
 
     async def main():
         with caplog.at_level(logging.WARNING, logger="furlong.rollout"):
@@ -276,7 +267,7 @@ def test_sample_granularity_starts_a_group_when_enough_samples_finished(tmp_path
 
     # the first request of each group is short, the second long
     engine = Tracking(lambda p, call: ("\\boxed{" + p[0] + "}" + ("" if call % 2 else "      "), "stop"), delay=0.002)
-    manager = _manager(args, plugin_manager, engine)
+    manager = rollout_manager(args, plugin_manager, engine)
 
     async def main():
         await manager.generate(0)
@@ -315,7 +306,7 @@ def test_staleness_uses_the_oldest_version_of_the_group():
 
 
 def test_weight_version_never_goes_backwards(tmp_path, plugin_manager):
-    manager = _manager(_args(tmp_path), plugin_manager, ScriptedEngine(_answer))
+    manager = rollout_manager(_args(tmp_path), plugin_manager, ScriptedEngine(_answer))
     manager.set_weight_version(2)
     manager.set_weight_version(2)
     with pytest.raises(PluginError) as excinfo:

@@ -13,12 +13,9 @@ import pytest
 
 from furlong.core import checkpoints as ck
 from furlong.core.config import parse_args
-from furlong.core.data_cursor import DataCursor
-from furlong.core.rollout_manager import RolloutManager
-from furlong.core.selection import resolve_selection
-from furlong.hooks import PluginError, Status
+from furlong.hooks import PluginError
 
-from .scripted_engine import ScriptedEngine
+from .scripted_engine import ScriptedEngine, boxed_first_operand, rollout_manager
 
 FUNCTIONS = '''
 import os
@@ -91,20 +88,9 @@ def _args(tmp_path, *extra):
                        "--rm-type", "math", "--rollout-max-response-len", "16", *extra])
 
 
-def _manager(args, pm, engine):
-    selection = resolve_selection(args, pm)
-    source = pm.call_chosen_sync("data_source", *selection.chosen["data_source"], args=args)
-    cursor = DataCursor(args, pm, source, selection.chosen["buffer_pop"])
-    return RolloutManager(args, pm, selection, engine, cursor)
-
-
-def _correct(prompt, call):
-    return "\\boxed{" + prompt.split("+")[0] + "}", "stop"
-
-
 def test_sample_filter_sees_the_sorted_batch_and_may_remove_samples(tmp_path, plugin_manager, functions):
     args = _args(tmp_path, "--rollout-sample-filter-path", f"{functions}.mark_odd")
-    manager = _manager(args, plugin_manager, ScriptedEngine(_correct))
+    manager = rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand))
     groups = asyncio.run(manager.generate(0))
     assert _calls(functions) == [("mark_odd", [[0, 1], [2, 3]])]
     assert [[s.remove_sample for s in g] for g in groups] == [[False, True], [False, True]]
@@ -112,7 +98,7 @@ def test_sample_filter_sees_the_sorted_batch_and_may_remove_samples(tmp_path, pl
 
 def test_sample_filter_may_be_async(tmp_path, plugin_manager, functions):
     args = _args(tmp_path, "--rollout-sample-filter-path", f"{functions}.async_mark_all")
-    groups = asyncio.run(_manager(args, plugin_manager, ScriptedEngine(_correct)).generate(0))
+    groups = asyncio.run(rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand)).generate(0))
     assert all(s.remove_sample for g in groups for s in g)
 
 
@@ -124,7 +110,7 @@ def test_all_samples_process_sees_kept_and_dropped_groups(tmp_path, plugin_manag
         i = int(prompt.split("+")[0])
         return "\\boxed{" + (str(i) if i % 2 == 0 or call % 2 else "x") + "}", "stop"
 
-    manager = _manager(args, plugin_manager, ScriptedEngine(answer))
+    manager = rollout_manager(args, plugin_manager, ScriptedEngine(answer))
     groups = asyncio.run(manager.generate(0))
     [(_, seen, cursor)] = _calls(functions)
     counters = manager.cursor.counters
@@ -137,7 +123,7 @@ def test_all_samples_process_sees_kept_and_dropped_groups(tmp_path, plugin_manag
 
 def test_a_failing_rollout_function_names_its_flag(tmp_path, plugin_manager, functions):
     args = _args(tmp_path, "--rollout-sample-filter-path", f"{functions}.boom")
-    manager = _manager(args, plugin_manager, ScriptedEngine(_correct))
+    manager = rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand))
     with pytest.raises(PluginError) as excinfo:
         asyncio.run(manager.generate(0))
     assert str(excinfo.value) == f"--rollout-sample-filter-path '{functions}.boom' failed: ValueError: boom"
@@ -146,7 +132,7 @@ def test_a_failing_rollout_function_names_its_flag(tmp_path, plugin_manager, fun
 def test_a_bad_rollout_function_path_fails_when_the_manager_is_built(tmp_path, plugin_manager, functions):
     args = _args(tmp_path, "--rollout-all-samples-process-path", f"{functions}.missing")
     with pytest.raises(PluginError) as excinfo:
-        _manager(args, plugin_manager, ScriptedEngine(_correct))
+        rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand))
     assert str(excinfo.value) == (f"--rollout-all-samples-process-path '{functions}.missing': module '{functions}' "
                                   f"has no attribute 'missing'")
 

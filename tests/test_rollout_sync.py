@@ -11,12 +11,9 @@ import json
 import pytest
 
 from furlong.core.config import parse_args
-from furlong.core.data_cursor import DataCursor
-from furlong.core.rollout_manager import RolloutManager
-from furlong.core.selection import resolve_selection
 from furlong.hooks import FilterResult, PluginError, Sample, Status, hookimpl
 
-from .scripted_engine import ScriptedEngine
+from .scripted_engine import ScriptedEngine, boxed_first_operand, rollout_manager
 
 
 def _data(tmp_path, n=40):
@@ -31,17 +28,6 @@ def _args(tmp_path, *extra):
                        "--rm-type", "math", "--rollout-max-response-len", "16", *extra])
 
 
-def _manager(args, pm, engine):
-    selection = resolve_selection(args, pm)
-    source = pm.call_chosen_sync("data_source", *selection.chosen["data_source"], args=args)
-    cursor = DataCursor(args, pm, source, selection.chosen["buffer_pop"])
-    return RolloutManager(args, pm, selection, engine, cursor)
-
-
-def _correct(prompt, call):
-    return "\\boxed{" + prompt.split("+")[0] + "}", "stop"
-
-
 def _alternating(prompt, call):
     """Right on odd calls, wrong on even ones: groups of 2 get different rewards."""
     answer = prompt.split("+")[0] if call % 2 else "x"
@@ -50,7 +36,7 @@ def _alternating(prompt, call):
 
 def test_hook_rollout_sync_returns_scored_groups_in_order(tmp_path, plugin_manager):
     args = _args(tmp_path)
-    manager = _manager(args, plugin_manager, ScriptedEngine(_correct))
+    manager = rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand))
     groups = asyncio.run(manager.generate(0))
     assert [[s.index for s in g] for g in groups] == [[0, 1], [2, 3]]
     assert all(s.reward == 1 and s.status == Status.COMPLETED for g in groups for s in g)
@@ -88,7 +74,7 @@ def test_single_turn_rejects_message_lists_without_chat_template(tmp_path, plugi
     sample = Sample(prompt=[{"role": "user", "content": "hi"}], index=3)
     with pytest.raises(PluginError) as excinfo:
         asyncio.run(plugin_manager.call_chosen("generate", "single_turn", "--generate", args=args, sample=sample,
-                                               sampling_params={"max_new_tokens": 4}, engine=ScriptedEngine(_correct),
+                                               sampling_params={"max_new_tokens": 4}, engine=ScriptedEngine(boxed_first_operand),
                                                evaluation=False))
     assert str(excinfo.value) == (
         "sample 3: the prompt is a list of chat messages; single_turn generation needs a string. Pass "
@@ -104,7 +90,7 @@ def test_reject_all_filter_errors_after_max_waves_instead_of_hanging(tmp_path, p
     register_plugin(RejectAll(), "reject_all")
     args = _args(tmp_path, "--dynamic-sampling-filter", "reject_all", "--max-sampling-waves", "3",
                  "--over-sampling-batch-size", "2", "--log-dir", str(tmp_path / "logs"))
-    manager = _manager(args, plugin_manager, ScriptedEngine(_correct))
+    manager = rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand))
     with pytest.raises(PluginError) as excinfo:
         asyncio.run(asyncio.wait_for(manager.generate(0), timeout=30))
     message = str(excinfo.value)
@@ -122,7 +108,7 @@ def test_dapo_filter_keeps_exactly_the_batch_and_counts_drops(tmp_path, plugin_m
         i = int(prompt.split("+")[0])
         return "\\boxed{" + (str(i) if i % 2 == 0 or call % 2 else "x") + "}", "stop"
 
-    manager = _manager(args, plugin_manager, ScriptedEngine(answer))
+    manager = rollout_manager(args, plugin_manager, ScriptedEngine(answer))
     groups = asyncio.run(manager.generate(0))
     assert len(groups) == 2
     for g in groups:
@@ -142,7 +128,7 @@ def test_abort_with_partial_rollout_buffers_leftovers_and_resumes_them(tmp_path,
         return ("\\boxed{" + str(i) + "}" if i < 2 else "\\boxed{" + str(i) + "}..."), "stop"
 
     engine = ScriptedEngine(answer, delay=0.002)
-    manager = _manager(args, plugin_manager, engine)
+    manager = rollout_manager(args, plugin_manager, engine)
     # Prompts 2 and 3 take longer: rollout 0 keeps prompts 0 and 1 and aborts the rest.
     groups = asyncio.run(manager.generate(0))
     assert [g[0].prompt for g in groups] == ["0+0=", "1+0="]
@@ -175,7 +161,7 @@ def test_failing_reward_dumps_the_rollout_and_names_plugin_and_sample(tmp_path, 
 
     register_plugin(Broken(), "broken_rm")
     args = _args(tmp_path, "--rm-type", "broken_rm", "--log-dir", str(tmp_path / "logs"))
-    manager = _manager(args, plugin_manager, ScriptedEngine(_correct))
+    manager = rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand))
     with pytest.raises(PluginError) as excinfo:
         asyncio.run(manager.generate(0))
     dump = tmp_path / "logs" / "failed_rollout_0.jsonl"
