@@ -56,13 +56,27 @@ class WeightSync:
     async def push(self) -> int:
         """Sync every engine to the trainer's weights under the next version; return it.
 
-        :raises PluginError: an engine or a worker failed during the sync (the engines
-            are still told to continue).
+        An engine found dead during the sync that can be replaced (``engine.recover()``, as
+        the Ray executor's engines can) is replaced, and the replacement's sync delivers
+        this version to every engine.
+
+        :raises PluginError: a worker failed, or an engine failed and cannot be replaced
+            (the engines are still told to continue).
         """
         async with self.lock:
             self.version += 1
-            await self._push(self.engines, self.version)
-            return self.version
+            try:
+                await self._push(self.engines, self.version)
+                return self.version
+            except PluginError:
+                health = await asyncio.gather(*(e.health() for e in self.engines))
+                dead = [e for e, ok in zip(self.engines, health) if not ok and hasattr(e, "recover")]
+                if not dead:
+                    raise
+        for engine in dead:  # outside the lock: the replacement's resync sends this version to every engine
+            log.warning("weight sync: %s is gone; replacing it", getattr(engine, "who", type(engine).__name__))
+            await engine.recover()
+        return self.version
 
     async def resync(self, engine: Any) -> None:
         """After ``engine`` was replaced: rebuild the weight-update group and sync every engine to the current version.

@@ -74,7 +74,11 @@ class RolloutEngine(Protocol):
 
     async def resume_memory(self) -> None: ...
 
-    async def health(self) -> bool: ...
+    async def health(self) -> bool:
+        """False when the engine cannot serve. An engine that can replace its own process
+        (a remote one) may also offer ``async recover()``: the core calls it when a weight
+        sync finds the engine unhealthy, and the replacement must get the current weights
+        (through its ``on_restart`` callback, which the core sets)."""
 
 
 class StepObjective(Protocol):

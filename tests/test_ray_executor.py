@@ -223,3 +223,38 @@ def test_a_train_actor_that_raises_names_itself_and_the_cause(tmp_path, tiny_mod
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: train actor rank 0 on node "), proc.stderr[-3000:]
     assert "loss exploded" in errors[0]
+
+
+KILL_ON_TRAIN_STEP = '''
+import os, signal, subprocess
+
+from furlong.hooks import hookimpl
+
+
+@hookimpl
+def on_train_step_end(rollout_id):
+    flag = os.path.join(os.environ["KILL_DIR"], "kill-flag")
+    if rollout_id == 1 and not os.path.exists(flag):
+        pids = subprocess.run(["pgrep", "-f", "ray::EngineActor"], capture_output=True, text=True).stdout.split()
+        open(flag, "w").write(" ".join(pids))
+        os.kill(int(pids[-1]), signal.SIGKILL)
+'''
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_actor_dead_at_weight_sync_is_replaced_and_the_run_is_unchanged(
+        local_run, tmp_path, tiny_model_dir, arithmetic_jsonl, write_dist):
+    site = tmp_path / "site"
+    write_dist(site, "furlong-kill-engine", "furlong_kill_engine", KILL_ON_TRAIN_STEP,
+               {"kill_engine": "furlong_kill_engine"})
+    save = tmp_path / "run"
+    proc = _furlong(["train", *_flags(tiny_model_dir, arithmetic_jsonl), "--save", str(save), "--executor", "ray"],
+                    tmp_path, env={"KILL_DIR": str(tmp_path),
+                                   "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "kill-flag").read_text().strip()  # the observer killed the engine actor after training
+    assert "weight sync: engine actor 0 on node" in proc.stderr and "is gone; replacing it" in proc.stderr
+    for rid, row in _rows(local_run, "rollout/step").items():  # the replacement got rollout 1's weights
+        other = _rows(save, "rollout/step")[rid]
+        assert other["rollout/raw_reward"] == row["rollout/raw_reward"]
+        assert other["rollout/response_lengths"] == row["rollout/response_lengths"]

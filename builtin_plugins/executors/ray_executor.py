@@ -426,6 +426,10 @@ class RemoteEngine:
         self._epoch += 1
         self._seq = 0
 
+    async def recover(self) -> None:
+        """Replace this engine's actor now (the core calls it when a weight sync found it dead)."""
+        await self.replace_if(self.handle)
+
     async def replace_if(self, dead) -> None:
         """Replace the actor if ``dead`` (an actor handle another process found dead) is still the current one."""
         if self.handle._actor_id == dead._actor_id:
