@@ -118,10 +118,6 @@ ERRORS = [
     (["--rollout-max-context-len", "100", "--rollout-max-prompt-len", "100"],
      "--rollout-max-prompt-len (100) must be at most --rollout-max-context-len - 1 (99): a prompt needs room for "
      "one response token."),
-    (["--context-parallel-size", "2"],
-     "--train-backend fsdp does not support --context-parallel-size 2; use 1 or --train-backend megatron."),
-    (["--actor-num-gpus-per-node", "2", "--dp-replicate-size", "3", "--global-batch-size", "2"],
-     "--dp-replicate-size (3) must divide the trainer world size 2."),
     (["--lr-warmup-iters", "10", "--lr-warmup-fraction", "0.1"],
      "--lr-warmup-iters and --lr-warmup-fraction are exclusive; pass one."),
     (["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive; pass one."),

@@ -234,6 +234,10 @@ def test_print_config_shows_plugin_and_machine_defaults(capsys):
 # --- rules the built-in plugins own (moved from core/config) ------------------------------
 
 PLUGIN_ERRORS = [
+    (["--context-parallel-size", "2"], None,
+     "--train-backend fsdp does not support --context-parallel-size 2; use 1 or --train-backend megatron."),
+    (["--actor-num-gpus-per-node", "2", "--dp-replicate-size", "3", "--global-batch-size", "2", "--executor", "ray"],
+     None, "--dp-replicate-size (3) must divide the trainer world size 2."),
     (["--advantage-estimator", "reinforce_plus_plus"], None,
      "--advantage-estimator reinforce_plus_plus requires --normalize-advantages (its advantages are whitened "
      "over the rollout)."),

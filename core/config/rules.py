@@ -166,7 +166,7 @@ def lengths(args, f, given: set[str]) -> None:
 
 
 def performance(args, f, given: set[str]) -> None:
-    """Dynamic batching, tensor/sequence parallelism, FSDP limits."""
+    """Dynamic batching, tensor/sequence parallelism (the fsdp backend checks its own limits in ``configure``)."""
     cap = args.max_tokens_per_gpu
     if args.use_dynamic_batch_size:
         if cap is None:
@@ -178,13 +178,6 @@ def performance(args, f, given: set[str]) -> None:
     if args.train_backend == "megatron" and tp > 1 and not args.sequence_parallel:
         f.warn(f"--tensor-model-parallel-size {tp} without --sequence-parallel keeps a full copy of the "
                f"activations on every TP rank; add --sequence-parallel.")
-    if args.train_backend == "fsdp":
-        if args.context_parallel_size > 1:
-            f.error(f"--train-backend fsdp does not support --context-parallel-size {args.context_parallel_size}; "
-                    f"use 1 or --train-backend megatron.")
-        world = args.actor_num_nodes * args.actor_num_gpus_per_node
-        if args.dp_replicate_size >= 1 and world % args.dp_replicate_size:
-            f.error(f"--dp-replicate-size ({args.dp_replicate_size}) must divide the trainer world size {world}.")
 
 
 def sglang(args, f) -> None:
