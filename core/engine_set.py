@@ -40,7 +40,8 @@ class EngineFactory:
         args.rollout_engine_index = index  # e.g. per-engine sampling seeds (seed + index)
         engine = await pm.call_chosen("rollout_engine", name, flag, args=args)
         missing = [m for m in ("generate", "abort", "pause_generation", "continue_generation", "flush_cache",
-                               "load_weights", "set_weight_version") if not callable(getattr(engine, m, None))]
+                               "load_weights", "set_weight_version", "release_memory", "resume_memory", "health")
+                   if not callable(getattr(engine, m, None))]
         if missing:
             raise PluginError(f"{flag} '{name}': the engine it returned ({type(engine).__name__}) lacks "
                               f"{', '.join(missing)} (see furlong.hooks.RolloutEngine).")

@@ -172,12 +172,18 @@ async def run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -
             await _async_loop(state, start_id, sync_time)
         else:
             await _sync_loop(state, start_id, sync_time)
-    finally:
+    except BaseException:
+        try:
+            await _close(state)
+        except Exception:  # noqa: BLE001 - the run's own error is the one to report
+            log.warning("clean-up after the error failed too", exc_info=True)
+        raise
+    else:
         await _close(state)
 
 
 async def _close(state: Run) -> None:
-    """Stop what the run started, in reverse order; the first error of the run stays the one raised."""
+    """Stop what the run started, in reverse order."""
     try:
         if state.rollout is not None:
             await state.rollout.dispose()  # stops work a rollout plugin keeps across rollouts

@@ -47,8 +47,9 @@ class TrainGroup:
     def __init__(self, args: Namespace, pm: FurlongPluginManager, selection: Selection, workers: WorkerGroup):
         self.args, self.pm, self.selection, self.workers = args, pm, selection, workers
         self.layouts: list[ParallelLayout] = []
-        # held by a rollout's training and by a weight sync: a sync started by an engine's
-        # recovery (train-async) waits for the training in flight, never reads weights mid-step
+        # held by every operation on the workers (train, save, load, offload, onload, a whole
+        # weight sync): a sync started by an engine's recovery (train-async) waits for the
+        # training or save in flight, so the ranks' collectives never interleave
         self.busy = asyncio.Lock()
 
     @property
@@ -151,24 +152,28 @@ class TrainGroup:
     async def _all(self, method: str, *args) -> list:
         return await self._call(method, [args] * self.workers.size)
 
+    async def _all_exclusive(self, method: str, *args) -> list:
+        async with self.busy:
+            return await self._all(method, *args)
+
     async def save_model(self, path: str) -> list:
         """Every rank writes its part of the checkpoint into ``path``."""
-        return await self._all("save", path)
+        return await self._all_exclusive("save", path)
 
     async def load_model(self, path: str) -> list:
-        return await self._all("load", path)
+        return await self._all_exclusive("load", path)
 
     async def offload(self) -> list:
         """Trainer memory to the host while the engines generate (``--offload-train``)."""
-        return await self._all("offload")
+        return await self._all_exclusive("offload")
 
     async def onload(self) -> list:
-        return await self._all("onload")
+        return await self._all_exclusive("onload")
 
     async def clear_memory(self) -> list:
-        return await self._all("clear_memory")
+        return await self._all_exclusive("clear_memory")
 
-    # --- weight stream, driven by :mod:`furlong.core.weight_sync` ----------------------------
+    # --- weight stream, driven by :mod:`furlong.core.weight_sync`, which holds ``busy`` -------
 
     async def begin_weights(self) -> None:
         await self._all("begin_weights")

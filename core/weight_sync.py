@@ -87,7 +87,9 @@ class WeightSync:
         async with self.lock:
             await self.close()  # a new process joins: the weight-update group is built again
             if self.version:
-                await self._push(self.engines, self.version)
+                # engines still dead (several died at once) join when their own replacement syncs
+                health = await asyncio.gather(*(e.health() for e in self.engines))
+                await self._push([e for e, ok in zip(self.engines, health) if ok], self.version)
 
     async def close(self) -> None:
         """Leave the weight-update group (end of run)."""
@@ -98,17 +100,17 @@ class WeightSync:
 
     async def _push(self, engines: list, version: int) -> None:
         mode = getattr(self.args, "pause_generation_mode", "retract") or "retract"
-        await asyncio.gather(*(e.pause_generation(mode) for e in engines))
-        try:
-            if mode != "in_place":
-                await asyncio.gather(*(e.flush_cache() for e in engines))
-            if not self.in_process and self._connected != engines:
-                await self._connect(engines)
-            async with self.group.busy:
+        async with self.group.busy:  # engines pause only once the trainer is free (train-async)
+            await asyncio.gather(*(e.pause_generation(mode) for e in engines))
+            try:
+                if mode != "in_place":
+                    await asyncio.gather(*(e.flush_cache() for e in engines))
+                if not self.in_process and self._connected != engines:
+                    await self._connect(engines)
                 await self._stream(engines)
-            await asyncio.gather(*(e.set_weight_version(version) for e in engines))
-        finally:
-            await asyncio.gather(*(_quiet(e.continue_generation()) for e in engines))
+                await asyncio.gather(*(e.set_weight_version(version) for e in engines))
+            finally:
+                await asyncio.gather(*(_quiet(e.continue_generation()) for e in engines))
         log.debug("weights version %d sent in %d bucket(s)", version, self.buckets)
 
     async def _stream(self, engines: list) -> None:

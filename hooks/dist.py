@@ -69,7 +69,16 @@ def receive_bucket(dtypes: list[str], shapes: list[list[int]], group: Any, devic
 
 
 def host_address() -> str:
-    """This host's IPv4 address from its own name (loopback when the name does not resolve)."""
+    """This host's address as other hosts reach it.
+
+    ``FURLONG_HOST_IP`` when set (executors set it to the node's address: Ray's view of the
+    node), else the address of the host's own name, which on many hosts is loopback, so
+    only good for one machine.
+    """
+    import os
+
+    if os.environ.get("FURLONG_HOST_IP"):
+        return os.environ["FURLONG_HOST_IP"]
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

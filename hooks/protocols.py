@@ -140,9 +140,9 @@ class TrainBackend(Protocol):
         """Yield ``(hf_name, tensor)`` one tensor at a time, for weight sync.
 
         A collective when the weights are sharded: every rank iterates, in the same
-        order. Tensors must be full (unsharded) on rank 0; other ranks may yield
-        anything. The core buckets them by ``--update-weight-buffer-size``, so the whole
-        state dict is never held at once.
+        order, yielding the same names with tensors of the full shape and dtype (their
+        values matter on rank 0 only): each rank cuts the same buckets from them by
+        ``--update-weight-buffer-size``, so the whole state dict is never held at once.
         """
 
     async def save(self, path: str) -> None: ...

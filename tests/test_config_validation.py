@@ -169,6 +169,9 @@ def test_config_error_is_a_plugin_error_with_the_problem_list():
 @pytest.mark.parametrize("extra, command, message", [
     (["--colocate"], "train-async",
      "furlong train-async cannot run with --colocate (training and generation overlap); use furlong train."),
+    (["--offload-rollout"], "train-async",
+     "furlong train-async cannot run with --offload-rollout: the engines generate the next rollout while the "
+     "trainer trains, so they cannot give their memory up; use furlong train."),
 ])
 def test_command_dependent_errors(extra, command, message):
     assert error_of(BASE + extra, command=command) == message

@@ -41,7 +41,8 @@ class TrainActor:
         import torch.distributed as dist
 
         os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(self.rank),
-                           "WORLD_SIZE": str(self.world), "LOCAL_RANK": "0"})
+                           "WORLD_SIZE": str(self.world), "LOCAL_RANK": "0",
+                           "FURLONG_HOST_IP": _where()["node"]})  # the weight-update group's address
         if self.world > 1 and not dist.is_initialized():
             nccl = torch.cuda.is_available() and backend == "nccl"
             dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", rank=self.rank, world_size=self.world,
@@ -66,6 +67,7 @@ class EngineActor:
         _quiet_transformers()
         self.engine = None
         self._next = 0
+        self._done: set[int] = set()
         self._turn = None
 
     def where(self) -> dict:
@@ -80,17 +82,23 @@ class EngineActor:
         return await getattr(self.engine, method)(*args)
 
     async def generate(self, seq: int, input_ids: list, sampling_params: dict):
+        """``engine.generate`` once every lower sequence number reached the engine (or gave up its turn)."""
         import asyncio
 
         if self._turn is None:
             self._turn = asyncio.Condition()
-        async with self._turn:
-            await self._turn.wait_for(lambda: self._next >= seq)
-        request = asyncio.ensure_future(self.engine.generate(input_ids, sampling_params))
-        await asyncio.sleep(0)  # the engine takes the request (and its seed) before the next one
-        async with self._turn:
-            self._next = seq + 1
-            self._turn.notify_all()
+        try:
+            async with self._turn:
+                await self._turn.wait_for(lambda: self._next >= seq)
+            request = asyncio.ensure_future(self.engine.generate(input_ids, sampling_params))
+            await asyncio.sleep(0)  # the engine takes the request (and its seed) before the next one
+        finally:  # a call that failed or was cancelled before the engine took it still passes its turn on
+            self._done.add(seq)
+            async with self._turn:
+                while self._next in self._done:
+                    self._done.discard(self._next)
+                    self._next += 1
+                self._turn.notify_all()
         return await request
 
 
@@ -175,7 +183,13 @@ class EngineClient:
     async def _wait(self, ref):
         import asyncio
 
-        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout)
+        from furlong.hooks import PluginError
+
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout)
+        except asyncio.TimeoutError as exc:
+            raise PluginError(f"engine actor {self.index}: no answer within --ray-call-timeout {self.timeout:g} s "
+                              "(from the rollout-manager actor).") from exc
 
     async def _replacement(self, dead) -> None:
         """Report ``dead`` once and wait until the driver replaced it (or gave up)."""
@@ -187,7 +201,11 @@ class EngineClient:
             if self._waiting is None:
                 self._waiting = asyncio.get_running_loop().create_future()
                 self.owner.dead.put_nowait((self.index, dead))
-            await asyncio.wait_for(asyncio.shield(self._waiting), self.timeout)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._waiting), self.timeout)
+            except asyncio.TimeoutError as exc:
+                raise PluginError(f"engine actor {self.index} died and the driver did not replace it within "
+                                  f"--ray-call-timeout {self.timeout:g} s.") from exc
         if self._error:
             raise PluginError(self._error)
 

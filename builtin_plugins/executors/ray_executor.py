@@ -125,7 +125,13 @@ class RayExecutor:
         self.pg = None
         self.actors: list = []
         self.engines: list[RemoteEngine] = []
-        self._connect()
+        self._connected: asyncio.Task | None = None
+
+    async def _ready(self) -> None:
+        """Join or start Ray and reserve the placement group, once, off the event loop (Ctrl-C stays prompt)."""
+        if self._connected is None:
+            self._connected = asyncio.ensure_future(asyncio.to_thread(self._connect))
+        await asyncio.shield(self._connected)
 
     # --- cluster and placement ---------------------------------------------------------
 
@@ -179,6 +185,7 @@ class RayExecutor:
     async def start_train_workers(self, args, make_worker):
         import ray
 
+        await self._ready()
         env = _forwarded_env()
         cls = ray.remote(TrainActor)
         handles = [cls.options(**self._options(r, TRAIN_SHARE, 4)).remote(r, self.train_world, env)
@@ -196,6 +203,7 @@ class RayExecutor:
     # --- engines -------------------------------------------------------------------------
 
     async def start_engines(self, args, make_engine):
+        await self._ready()
         restarts = int(getattr(args, "ray_engine_restarts", 3))
         budget = _RestartBudget(restarts)
         self.engines = [RemoteEngine(self, i, make_engine, budget) for i in range(self.num_engines)]
@@ -208,6 +216,8 @@ class RayExecutor:
     async def start_rollout_side(self, args, make_rollout_side):
         """The rollout-manager actor (1 CPU, outside the placement group, as Miles places it)."""
         import ray
+
+        await self._ready()
 
         handle = ray.remote(RolloutActor).options(num_cpus=1, num_gpus=0, max_restarts=0,
                                                   max_concurrency=ROLLOUT_CONCURRENCY).remote(_forwarded_env())
@@ -358,8 +368,8 @@ class RemoteRolloutSide:
             error = None
             try:
                 await engines[index].replace_if(dead)
-            except PluginError as exc:
-                error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - whatever stops the replacement, the waiting requests say it
+                error = str(exc) if isinstance(exc, PluginError) else f"{engines[index].who}: {type(exc).__name__}: {exc}"
             self.handle.replace_engine.remote(index, engines[index].handle, error)
 
     async def generate(self, rollout_id: int):
@@ -427,12 +437,21 @@ class RemoteEngine:
         self._seq = 0
 
     async def recover(self) -> None:
-        """Replace this engine's actor now (the core calls it when a weight sync found it dead)."""
-        await self.replace_if(self.handle)
+        """Replace this engine's actor unless it answers (the core calls it when a weight sync found it dead)."""
+        if self._restarting is not None:
+            await asyncio.shield(self._restarting)
+        elif not await self.health():
+            await self._recover(self._epoch, PluginError(f"{self.who}: the actor died"))
 
     async def replace_if(self, dead) -> None:
-        """Replace the actor if ``dead`` (an actor handle another process found dead) is still the current one."""
-        if self.handle._actor_id == dead._actor_id:
+        """Replace the actor if ``dead`` (an actor handle another process found dead) is still the current one.
+
+        Returns once the engine serves again with the current weights, also when another
+        call had already started the replacement.
+        """
+        if self._restarting is not None:
+            await asyncio.shield(self._restarting)
+        elif self.handle._actor_id == dead._actor_id:
             await self._recover(self._epoch, PluginError(f"{self.who}: the actor died"))
 
     async def _call(self, method: str, *args, retry: bool = True):
@@ -465,6 +484,8 @@ class RemoteEngine:
         self.restarts += 1
         log.warning("%s died; starting a replacement (%d restart(s) left)", self.who, self.budget.left)
         self._restarting = asyncio.get_running_loop().create_future()
+        self._restarting.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen by the caller
+        _kill(self.handle)  # an unreachable actor may still hold its share of the bundle
         try:
             await self.start()
             if self.on_restart is not None:
@@ -519,6 +540,15 @@ class RemoteEngine:
             return bool(await self._call("health", retry=False))
         except PluginError:
             return False
+
+
+def _kill(handle) -> None:
+    import ray
+
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
 
 
 def _first_line(exc: BaseException) -> str:

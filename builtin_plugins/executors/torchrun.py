@@ -87,10 +87,10 @@ class TorchrunExecutor:
         gathered = [None] * self.world
         await self._collective(dist.gather_object, None, gathered, dst=0, group=self.group)
         gathered[0] = mine
+        self._clean = True  # every rank is back waiting for the next call: STOP can reach them
         failed = [r for r in gathered if isinstance(r, _Failure)]
         if failed:
             raise PluginError("; ".join(f"trainer rank {f.rank}: {f.error}" for f in failed))
-        self._clean = True
         return gathered
 
     async def _run(self, method: str, args):

@@ -136,6 +136,9 @@ def async_and_agents(args, f, given: set[str], command: str | None) -> None:
     if command == "train-async" and args.colocate:
         f.error("furlong train-async cannot run with --colocate (training and generation overlap); "
                 "use furlong train.")
+    elif command == "train-async" and args.offload_rollout:
+        f.error("furlong train-async cannot run with --offload-rollout: the engines generate the next rollout "
+                "while the trainer trains, so they cannot give their memory up; use furlong train.")
     if args.colocate and args.update_weight_transfer_mode in ("p2p", "disk-delta"):
         f.error(f"--colocate cannot use --update-weight-transfer-mode {args.update_weight_transfer_mode}; "
                 f"colocated engines receive weights in place.")
