@@ -274,6 +274,8 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
             metrics.update({f"timeline/{k}": v for k, v in times.items()})
             await state.finish_rollout(rollout_id, groups, metrics)
             if args.eval_interval and state.has_eval and periodic(rollout_id, args.eval_interval, args.num_rollout):
+                if future is not None:  # evaluation shares the rollout manager: the rollout in flight ends first
+                    data, future = await future, None
                 await state.evaluate(rollout_id)
     finally:
         if future is not None and not future.done():

@@ -314,3 +314,30 @@ def test_a_prompt_longer_than_the_context_is_a_clear_error(engine):
         f"embedded engine: a prompt of {engine.context_len} tokens does not fit the model's context of "
         f"{engine.context_len} tokens (max_position_embeddings); drop long prompts with --rollout-max-prompt-len "
         "(--eval-max-prompt-len for eval sets).")
+
+
+def test_a_continue_that_overtakes_a_waiting_pause_leaves_the_engine_running(engine):
+    async def main():
+        engine._lock.acquire()  # a decode step in progress: the pause waits for it
+        pausing = asyncio.ensure_future(engine.pause_generation("retract"))
+        await asyncio.sleep(0.05)
+        await engine.continue_generation()
+        engine._lock.release()
+        await pausing
+        assert not engine._paused and not engine._lock.locked()
+        out = await asyncio.wait_for(engine.generate([1, 2, 3], {"max_new_tokens": 3, "temperature": 0}), 30)
+        assert len(out.output_ids) == 3
+
+    _run(main())
+
+
+def test_abort_while_paused_returns_and_the_request_ends_aborted_on_continue(engine):
+    async def main():
+        await engine.pause_generation("retract")
+        request = asyncio.ensure_future(engine.generate([1, 2, 3], {"max_new_tokens": 3, "temperature": 0}))
+        await asyncio.sleep(0.1)
+        await asyncio.wait_for(engine.abort(), 5)  # does not wait for a batch that cannot step while paused
+        await engine.continue_generation()
+        assert (await asyncio.wait_for(request, 30)).finish_reason == "abort"
+
+    _run(main())

@@ -53,6 +53,7 @@ class EmbeddedEngine:
         self._lock = threading.Lock()  # held by every forward pass and by weight copies
         self._epoch = 0
         self._paused = False
+        self._pausing = False
         self._groups: dict[str, Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: list[Request] = []
@@ -113,7 +114,8 @@ class EmbeddedEngine:
         pending, self._pending = self._pending, []
         for req in pending:
             self._resolve(req, "abort")
-        if self._running is not None and self._loop is asyncio.get_running_loop():
+        if self._running is not None and self._loop is asyncio.get_running_loop() and not self._paused:
+            # (while paused the running batch cannot take a step: it finishes, as aborted, on continue)
             await asyncio.wait([self._running])
 
     # --- weight updates, in SGLang's phases ---------------------------------------------
@@ -128,11 +130,17 @@ class EmbeddedEngine:
         """
         if mode == "abort":
             await self.abort()
-        if not self._paused:
-            await asyncio.to_thread(self._lock.acquire)
-            self._paused = True
+        if self._paused or self._pausing:
+            return
+        self._pausing = True
+        await asyncio.to_thread(self._lock.acquire)
+        if self._pausing:
+            self._paused, self._pausing = True, False
+        else:  # continue_generation came while the pause waited for the decode step: do not stay paused
+            self._lock.release()
 
     async def continue_generation(self) -> None:
+        self._pausing = False
         if self._paused:
             self._paused = False
             self._lock.release()
