@@ -103,7 +103,7 @@ def executor(args: Namespace) -> Executor:
     """Create the executor: what places the train workers and the rollout engines.
 
     Call: chosen by name (``--executor NAME``; default ``ray`` under ``ray job submit``
-    (``RAY_ADDRESS`` set) or when a trainer of several GPUs is not started by ``torchrun``
+    (``RAY_ADDRESS`` set) or when a trainer of several ranks is not started by ``torchrun``
     or with ``--rollout-backend sglang``, else ``local``). Called once per process, first
     thing when a run starts, before any data or model loads.
 

@@ -219,8 +219,12 @@ class EngineClient:
 
 
 def _quiet_transformers() -> None:
-    """No per-file progress bars from transformers in actor logs."""
+    """No per-file progress bars from transformers in actor logs; furlong's own INFO lines as in the driver."""
+    import logging
+
     from transformers.utils import logging as hf_logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()

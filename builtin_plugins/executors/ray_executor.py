@@ -128,14 +128,20 @@ class RayExecutor:
         self._connected: asyncio.Task | None = None
 
     async def _ready(self) -> None:
-        """Join or start Ray and reserve the placement group, once, off the event loop (Ctrl-C stays prompt)."""
+        """Join or start Ray, then reserve the placement group, once.
+
+        ``ray.init`` runs in the main thread (Ray sets its SIGTERM handler there, so a
+        terminated run still shuts its Ray down); the wait for the bundles runs off the
+        event loop, so Ctrl-C stays prompt.
+        """
         if self._connected is None:
-            self._connected = asyncio.ensure_future(asyncio.to_thread(self._connect))
+            self._init_ray()
+            self._connected = asyncio.ensure_future(asyncio.to_thread(self._reserve))
         await asyncio.shield(self._connected)
 
     # --- cluster and placement ---------------------------------------------------------
 
-    def _connect(self) -> None:
+    def _init_ray(self) -> None:
         import ray
 
         slots = bundles_needed(self.args)
@@ -153,7 +159,13 @@ class RayExecutor:
                 gpus = _gpu_count() if self.gpu else 0
                 ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots + 1), num_gpus=gpus, **kwargs)
                 self.started_ray = True
+
+    def _reserve(self) -> None:
+        """The placement group of :func:`bundles_needed` bundles, or one error saying what the cluster has."""
+        import ray
         from ray.util.placement_group import placement_group
+
+        slots = bundles_needed(self.args)
 
         bundle = {"GPU": 1, "CPU": 1} if self.gpu else {"CPU": 1}
         self.slots = slots
@@ -296,7 +308,14 @@ class RayWorkers:
         tasks = [asyncio.ensure_future(self.one(r, ref, method)) if ref is not None else None
                  for r, ref in enumerate(refs)]
         live = [t for t in tasks if t is not None]
-        done, pending = await asyncio.wait(live, return_when=asyncio.FIRST_EXCEPTION)
+        for t in live:  # errors of calls nobody waits for any more (a cancelled run) are not reported twice
+            t.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            done, pending = await asyncio.wait(live, return_when=asyncio.FIRST_EXCEPTION)
+        except BaseException:
+            for t in live:
+                t.cancel()
+            raise
         if pending and any(t.exception() is not None for t in done):
             more, pending = await asyncio.wait(pending, timeout=FAILURE_GRACE_S)  # peers of a dead rank fail too
             done |= more
