@@ -162,26 +162,38 @@ def test_a_train_actor_killed_mid_run_stops_the_run_with_one_error_and_keeps_the
     assert weights and json.loads((save / "rollout" / "state_0.json").read_text())
 
 
-@pytest.mark.timeout(300)
-def test_ctrl_c_stops_a_ray_run_and_leaves_no_ray_process(tmp_path, tiny_model_dir, arithmetic_jsonl):
+def _signal_after_rollout_1(tmp_path, tiny_model_dir, arithmetic_jsonl, signum) -> tuple[int, str]:
+    """Start a long Ray run, send ``signum`` once rollout 1 is printed; ``(exit code, output)``."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["OMP_NUM_THREADS"] = "1"
-    flags = _flags(tiny_model_dir, arithmetic_jsonl, rollouts=200)
-    proc = subprocess.Popen([sys.executable, "-m", "furlong.core", "train", *flags, "--save", str(tmp_path / "run"),
+    proc = subprocess.Popen([sys.executable, "-m", "furlong.core", "train",
+                             *_flags(tiny_model_dir, arithmetic_jsonl, rollouts=200), "--save", str(tmp_path / "run"),
                              "--executor", "ray"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=tmp_path)
     try:
         for line in proc.stdout:
             if line.startswith("rollout    1 "):
-                proc.send_signal(signal.SIGINT)
+                proc.send_signal(signum)
                 break
         output = proc.communicate(timeout=120)[0]
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, output[-2000:]
+    return proc.returncode, output
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_a_ray_run_and_leaves_no_ray_process(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    code, output = _signal_after_rollout_1(tmp_path, tiny_model_dir, arithmetic_jsonl, signal.SIGINT)
+    assert code == 130, output[-2000:]
     assert "Task exception was never retrieved" not in output
     assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text().strip() in ("0", "1")
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_stops_a_ray_run_and_leaves_no_ray_process(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    code, output = _signal_after_rollout_1(tmp_path, tiny_model_dir, arithmetic_jsonl, signal.SIGTERM)
+    assert code == 15, output[-2000:]  # Ray's handler exits with the signal's number
 
 
 @pytest.mark.timeout(300)
@@ -259,23 +271,3 @@ def test_an_engine_actor_dead_at_weight_sync_is_replaced_and_the_run_is_unchange
         other = _rows(save, "rollout/step")[rid]
         assert other["rollout/raw_reward"] == row["rollout/raw_reward"]
         assert other["rollout/response_lengths"] == row["rollout/response_lengths"]
-
-
-@pytest.mark.timeout(300)
-def test_sigterm_stops_a_ray_run_and_leaves_no_ray_process(tmp_path, tiny_model_dir, arithmetic_jsonl):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.Popen([sys.executable, "-m", "furlong.core", "train",
-                             *_flags(tiny_model_dir, arithmetic_jsonl, rollouts=200), "--save", str(tmp_path / "run"),
-                             "--executor", "ray"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=tmp_path)
-    try:
-        for line in proc.stdout:
-            if line.startswith("rollout    1 "):
-                proc.send_signal(signal.SIGTERM)
-                break
-        output = proc.communicate(timeout=120)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 15, output[-2000:]  # Ray's handler exits with the signal's number
