@@ -1,5 +1,5 @@
 """Validation rules after the four knobs and the cluster (SPEC.md 1.15 order), each one
-appending to a :class:`furlong.core.config.validate.Findings`."""
+appending to a :class:`furlong.hooks.ConfigReport` (the core's own findings)."""
 
 from __future__ import annotations
 

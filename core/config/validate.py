@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 
-from dataclasses import dataclass, field
+from furlong.hooks.config_report import ConfigReport
 
 from . import rules
 from .knobs import KNOBS, dp_problems, resolve_knobs
 from .unsupported import unsupported_problems
 
-__all__ = ["Findings", "validate"]
+__all__ = ["validate"]
 
 FULLY_ASYNC_SUFFIX = "generate_rollout_fully_async"
 
@@ -36,34 +36,17 @@ MINIMUMS: tuple[tuple[str, int], ...] = (
 )
 
 
-@dataclass
-class Findings:
-    """What one validation pass found: errors (one line each), warnings, info lines."""
-
-    errors: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    infos: list[str] = field(default_factory=list)
-
-    def error(self, message: str) -> None:
-        self.errors.append(message)
-
-    def warn(self, message: str) -> None:
-        self.warnings.append(message)
-
-    def info(self, message: str) -> None:
-        self.infos.append(message)
-
-
-def validate(args, command: str | None = None) -> Findings:
+def validate(args, command: str | None = None) -> ConfigReport:
     """Derive defaults and check every rule; collect all problems.
 
     :param args: the parsed Namespace; ``args.explicit_args`` lists the attributes given
         on the command line (or by an overlay).
     :param command: ``"train"`` or ``"train-async"`` enables the checks that depend on
         the loop; None skips them.
-    :returns: :class:`Findings`; the caller raises ``ConfigError`` when it has errors.
+    :returns: a :class:`~furlong.hooks.ConfigReport` of the core's findings; the caller
+        raises ``ConfigError`` when it has errors.
     """
-    f = Findings()
+    f = ConfigReport(plugin="core")  # the core reports the way plugins' configure hooks do
     given = set(getattr(args, "explicit_args", []))
     _normalize(args, f, given)
     for message in unsupported_problems(args):
@@ -85,7 +68,7 @@ def validate(args, command: str | None = None) -> Findings:
     return f
 
 
-def _normalize(args, f: Findings, given: set[str]) -> None:
+def _normalize(args, f: ConfigReport, given: set[str]) -> None:
     """Spellings that mean the same thing become one."""
     args.disable_plugins = [p.strip() for item in args.disable_plugins or [] for p in item.split(",") if p.strip()]
     path = args.rollout_function_path
@@ -114,7 +97,7 @@ def _normalize(args, f: Findings, given: set[str]) -> None:
         args.eval_prompt_data = ["aime", args.eval_prompt_data[0]]
 
 
-def _basic_values(args, f: Findings) -> None:
+def _basic_values(args, f: ConfigReport) -> None:
     if args.num_rollout is None:
         f.error("--num-rollout is required: give the number of rollout iterations to run "
                 "(it used to default to 1000; --num-rollout 0 only evaluates).")
@@ -165,7 +148,7 @@ def data_parallel(args) -> tuple[int | None, str, str | None]:
     return world // model, text, None
 
 
-def _four_knobs(args, f: Findings, given: set[str]) -> None:
+def _four_knobs(args, f: ConfigReport, given: set[str]) -> None:
     values = {k: getattr(args, k) for k in KNOBS}
     knobs, problem = resolve_knobs(values, given & set(KNOBS))
     if problem:
@@ -185,7 +168,7 @@ def _four_knobs(args, f: Findings, given: set[str]) -> None:
         f.error(message)
 
 
-def _cluster(args, f: Findings, given: set[str]) -> None:
+def _cluster(args, f: ConfigReport, given: set[str]) -> None:
     if args.debug_rollout_only and (args.colocate or args.offload):
         f.info("--debug-rollout-only turns --colocate and --offload off.")
         args.colocate = args.offload = False
@@ -222,7 +205,7 @@ def default_executor(args) -> tuple[str, str]:
     return "local", "torchrun started this process" if torchrun else "one train rank"
 
 
-def _offload(args, f: Findings, given: set[str]) -> None:
+def _offload(args, f: ConfigReport, given: set[str]) -> None:
     for dest in ("offload_train", "offload_rollout"):
         if dest not in given or getattr(args, dest) is None:
             setattr(args, dest, bool(args.offload or args.colocate))
@@ -230,7 +213,7 @@ def _offload(args, f: Findings, given: set[str]) -> None:
         args.offload_train = args.offload_rollout = False
 
 
-def _over_sampling(args, f: Findings, given: set[str]) -> None:
+def _over_sampling(args, f: ConfigReport, given: set[str]) -> None:
     rbs = args.rollout_batch_size
     if "over_sampling_batch_size" not in given or args.over_sampling_batch_size is None:
         args.over_sampling_batch_size = rbs
