@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from argparse import Namespace
 
 import attrs
@@ -9,9 +10,12 @@ import attrs
 from furlong.hooks import PluginError
 
 from .adapters import agent_abort_adapter, make_adapter
+from .miles_paths import miles_builtin
 from .plugins import FurlongPluginManager
 
 __all__ = ["CHOSEN_HOOKS", "Selection", "resolve_selection"]
+
+log = logging.getLogger("furlong.config")
 
 
 @attrs.define(frozen=True)
@@ -108,7 +112,16 @@ def resolve_selection(args: Namespace, pm: FurlongPluginManager, hooks: tuple[st
 
 
 def register_path(pm: FurlongPluginManager, hook: str, path: str, flag: str) -> str:
-    """Register the adapter for dotted ``path`` under the path itself; return that name."""
+    """Register the adapter for dotted ``path`` under the path itself; return that name.
+
+    Miles' own paths to functions furlong has as built-in plugins
+    (:data:`furlong.core.miles_paths.MILES_BUILTINS`) return the plugin's name instead,
+    when that plugin is installed and enabled.
+    """
+    builtin = miles_builtin(path, hook)
+    if builtin is not None and pm.get_plugin(builtin) is not None:
+        log.info("%s %s: furlong's built-in plugin '%s' does this; using it.", flag, path, builtin)
+        return builtin
     if pm.get_plugin(path) is None:
         pm.register_checked(make_adapter(hook, path, flag), path)
         pm.path_flags[path] = flag

@@ -232,3 +232,34 @@ def test_a_path_to_something_not_callable_is_an_error_before_anything_runs(user,
     assert str(err.value) == ("--custom-generate-function-path 'my_values.NOT_A_FUNCTION': 'NOT_A_FUNCTION' is a "
                               "int, not callable; point the flag at a function.")
     sys.modules.pop("my_values", None)
+
+
+MILES_FILTER = "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
+
+
+def test_miles_filter_hub_paths_resolve_to_the_built_in_plugins(caplog):
+    from furlong.core.miles_paths import MILES_BUILTINS
+    from furlong.core.plugins import get_plugin_manager
+
+    pm = get_plugin_manager()
+    paths = [path for path, (hook, _) in MILES_BUILTINS.items() if hook == "filter"]
+    with caplog.at_level("INFO", logger="furlong.config"):
+        selection = resolve_selection(_args(dynamic_sampling_filter_path=paths), pm, ("filter",))
+    assert selection.filters == [(MILES_BUILTINS[p][1], "--dynamic-sampling-filter-path") for p in paths]
+    assert (f"--dynamic-sampling-filter-path {MILES_FILTER}: furlong's built-in plugin 'check_reward_nonzero_std' "
+            "does this; using it.") in caplog.messages
+    from furlong.hooks import Sample
+
+    def verdict(rewards):
+        group = [Sample(reward=r) for r in rewards]
+        return asyncio.run(pm.run_filters([selection.filters[0][0]], "--dynamic-sampling-filter-path",
+                                          args=_args(reward_key=None), samples=group, rollout_id=0)).keep
+
+    assert (verdict([0.0, 1.0]), verdict([1.0, 1.0])) == (True, False)  # the built-in's behaviour
+
+
+def test_a_miles_path_whose_built_in_is_disabled_is_imported_as_written(load_plugins):
+    pm = load_plugins()  # built-ins disabled: the path is the user's to provide
+    with pytest.raises(PluginError) as err:
+        resolve_selection(_args(dynamic_sampling_filter_path=[MILES_FILTER]), pm, ("filter",))
+    assert str(err.value).startswith(f"--dynamic-sampling-filter-path '{MILES_FILTER}': ")
