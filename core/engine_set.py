@@ -31,10 +31,10 @@ class EngineFactory:
 
     async def __call__(self, index: int) -> RolloutEngine:
         pm = self.pm
-        if pm is None:
-            from .plugins import get_plugin_manager
+        if pm is None:  # a process of its own (an engine actor)
+            from .selection import plugins_of_this_process
 
-            pm = get_plugin_manager(self.args.disable_plugins)
+            pm = plugins_of_this_process(self.args, hooks=("rollout_engine",))
         name, flag = self.chosen
         args = copy.copy(self.args)
         args.rollout_engine_index = index  # e.g. per-engine sampling seeds (seed + index)

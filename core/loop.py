@@ -16,7 +16,7 @@ from argparse import Namespace
 from furlong.hooks import PluginError
 
 from .checkpoints import periodic, resolve_start, save_checkpoint, should_save
-from .engine_set import EngineFactory, EngineSet
+from .engine_set import EngineFactory
 from .metrics_log import MetricsLog, rollout_metrics, summary_line
 from .plugins import FurlongPluginManager
 from .preflight import check_paths
@@ -57,7 +57,7 @@ class Run:
         self.metrics = MetricsLog(None)
         self.rollout = None  # the rollout side (RolloutSide, or the executor's handle on it)
         self.has_eval = False
-        self.engine = None
+        self.engines: list = []
         self.weights: WeightSync | None = None
         # train-async: rollout id -> {generate,train}_{start,end}, seconds since the loop started
         self.timeline: dict[int, dict[str, float]] = {}
@@ -88,9 +88,9 @@ class Run:
             self.metrics = MetricsLog(os.path.join(self.metrics_dir, "metrics.jsonl"))
         resume = resolve_start(args)
         engines = await self.executor.start_engines(args, EngineFactory(args, sel.chosen["rollout_engine"], pm))
-        self.engine = engines[0] if len(engines) == 1 else EngineSet(engines)
+        self.engines = engines
         if args.offload_rollout:  # the trainer loads first; the engines take their memory back at the first sync
-            await asyncio.gather(*(engine.release_memory() for engine in engines))
+            await self.all_engines("release_memory")
         self.group = TrainGroup(args, pm, sel, await self.executor.start_train_workers(args, make_worker))
         await self.group.init()
         if resume.load_dir:
@@ -104,11 +104,14 @@ class Run:
                 engine.on_restart = self.weights.resync
         return resume.start_rollout_id
 
+    async def all_engines(self, method: str) -> None:
+        await asyncio.gather(*(getattr(engine, method)() for engine in self.engines))
+
     async def update_weights(self) -> float:
         """Sync weights to the engines (``--offload-rollout``: they take their memory back first)."""
         start = time.perf_counter()
         if self.args.offload_rollout:
-            await self.engine.resume_memory()
+            await self.all_engines("resume_memory")
         version = await self.weights.push()
         await self.rollout.set_weight_version(version)
         log.debug("weights synced, version %d", version)
@@ -126,7 +129,7 @@ class Run:
         args = self.args
         start = time.perf_counter()
         if args.offload_rollout:  # the engines give the device to the trainer (SPEC.md 6.7)
-            await self.engine.release_memory()
+            await self.all_engines("release_memory")
         if args.offload_train:
             await self.group.onload()
         [metrics] = await self.group.train(rollout_id, groups)

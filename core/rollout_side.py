@@ -19,8 +19,7 @@ from .data_cursor import DataCursor
 from .engine_set import EngineSet
 from .evaluation import Evaluator
 from .rollout_manager import RolloutManager
-from .seeding import seed_everything
-from .selection import Selection
+from .selection import Selection, plugins_of_this_process
 
 __all__ = ["RolloutSide", "RolloutSideFactory"]
 
@@ -43,13 +42,8 @@ class RolloutSide:
 
         :raises PluginError: the data source plugin's own error (bad files are named there).
         """
-        if self.pm is None:
-            from .plugins import get_plugin_manager
-            from .selection import resolve_selection
-
-            seed_everything(self.args.seed)  # a process of its own (the rollout-manager actor)
-            self.pm = get_plugin_manager(self.args.disable_plugins)
-            resolve_selection(self.args, self.pm)  # registers the dotted-path adapters in this process
+        if self.pm is None:  # a process of its own (the rollout-manager actor)
+            self.pm = plugins_of_this_process(self.args)
         sel = self.selection
         source = await self.pm.call_chosen("data_source", *sel.chosen["data_source"], args=self.args)
         self.cursor = DataCursor(self.args, self.pm, source, sel.chosen["buffer_pop"])

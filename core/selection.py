@@ -13,7 +13,7 @@ from .adapters import agent_abort_adapter, make_adapter
 from .miles_paths import miles_builtin
 from .plugins import FurlongPluginManager
 
-__all__ = ["CHOSEN_HOOKS", "Selection", "resolve_selection"]
+__all__ = ["CHOSEN_HOOKS", "Selection", "plugins_of_this_process", "resolve_selection"]
 
 log = logging.getLogger("furlong.config")
 
@@ -109,6 +109,22 @@ def resolve_selection(args: Namespace, pm: FurlongPluginManager, hooks: tuple[st
     if errors:
         raise PluginError("\n".join(errors))
     return selection
+
+
+def plugins_of_this_process(args: Namespace, hooks: tuple[str, ...] | None = None) -> FurlongPluginManager:
+    """The plugin manager of a process the executor started (a Ray actor): seeded, with the run's selection.
+
+    Seeds the process's generators from ``--seed``, loads the installed plugins (less
+    ``--disable-plugins``) and registers the dotted-path adapters of ``hooks`` (all by
+    default), as the driver did for the run.
+    """
+    from .plugins import get_plugin_manager
+    from .seeding import seed_everything
+
+    seed_everything(args.seed)
+    pm = get_plugin_manager(args.disable_plugins)
+    resolve_selection(args, pm, hooks)
+    return pm
 
 
 def register_path(pm: FurlongPluginManager, hook: str, path: str, flag: str) -> str:

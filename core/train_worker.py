@@ -6,8 +6,7 @@ and picklable: the launch flags, the names of the chosen plugins, its share of t
 (:class:`WorkerShare`) and the step denominators. It builds its own plugin manager (unless
 the driver's is handed to it in-process) and its own :class:`~furlong.core.objective.StepObjective`,
 so nothing that holds a plugin manager ever travels between processes. It runs forward,
-backward and optimizer steps; the driver does everything else (SPEC.md 6, DESIGN.md
-"Execution seam").
+backward and optimizer steps; the driver does everything else (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from furlong.hooks.dist import broadcast_bucket, free_port, host_address, new_we
 
 from .objective import StepObjective
 from .reduction import StepDenominators
-from .seeding import seed_everything
+from .selection import plugins_of_this_process
 
 __all__ = ["TrainWorker", "WorkerFactory", "WorkerShare"]
 
@@ -69,13 +68,8 @@ class TrainWorker:
 
     async def init(self) -> tuple[int, ParallelLayout]:
         """Create and initialize the backend; return ``(start rollout id, layout)``."""
-        if self.pm is None:
-            from .plugins import get_plugin_manager
-            from .selection import resolve_selection
-
-            seed_everything(self.args.seed)  # a process of its own (a Ray actor)
-            self.pm = get_plugin_manager(self.args.disable_plugins)
-            resolve_selection(self.args, self.pm, hooks=("train_backend", "loss"))  # registers dotted-path losses
+        if self.pm is None:  # a process of its own (a Ray actor)
+            self.pm = plugins_of_this_process(self.args, hooks=("train_backend", "loss"))
         name, flag = self.chosen["train_backend"]
         self.backend = await self.pm.call_chosen("train_backend", name, flag, args=self.args)
         start = await self.backend.init(self.args)

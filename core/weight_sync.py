@@ -69,8 +69,7 @@ class WeightSync:
                 await self._push(self.engines, self.version)
                 return self.version
             except PluginError:
-                health = await asyncio.gather(*(e.health() for e in self.engines))
-                dead = [e for e, ok in zip(self.engines, health) if not ok and hasattr(e, "recover")]
+                dead = [e for e in (await self._split_by_health())[1] if hasattr(e, "recover")]
                 if not dead:
                     raise
         for engine in dead:  # outside the lock: the replacement's resync sends this version to every engine
@@ -88,8 +87,12 @@ class WeightSync:
             await self.close()  # a new process joins: the weight-update group is built again
             if self.version:
                 # engines still dead (several died at once) join when their own replacement syncs
-                health = await asyncio.gather(*(e.health() for e in self.engines))
-                await self._push([e for e, ok in zip(self.engines, health) if ok], self.version)
+                await self._push((await self._split_by_health())[0], self.version)
+
+    async def _split_by_health(self) -> tuple[list, list]:
+        """``(healthy, dead)`` engines, asking each one."""
+        health = await asyncio.gather(*(e.health() for e in self.engines))
+        return ([e for e, ok in zip(self.engines, health) if ok], [e for e, ok in zip(self.engines, health) if not ok])
 
     async def close(self) -> None:
         """Leave the weight-update group (end of run)."""

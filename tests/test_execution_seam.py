@@ -224,7 +224,8 @@ def test_ray_configure_checks_engines_and_machine_size_on_gpus(monkeypatch):
         monkeypatch.setattr(ray_executor, "_has_gpus", lambda: gpus > 0)
         monkeypatch.setattr(ray_executor, "_gpu_count", lambda: gpus)
         values = dict(rollout_num_gpus_per_engine=1, num_gpus_per_node=8, actor_num_nodes=1,
-                      actor_num_gpus_per_node=4, rollout_num_gpus=None, colocate=False)
+                      actor_num_gpus_per_node=4, rollout_num_gpus=None, colocate=False, ray_call_timeout=3600.0,
+                      ray_engine_restarts=3)
         report = ConfigReport("ray", ("--executor",))
         ray_executor.configure(argparse.Namespace(**{**values, **flags}), report)
         return report.errors
@@ -239,6 +240,9 @@ def test_ray_configure_checks_engines_and_machine_size_on_gpus(monkeypatch):
         "--actor-num-gpus-per-node or --rollout-num-gpus, or run on a Ray cluster (ray job submit, docs/ray.md)."]
     assert check(4, rollout_num_gpus=4, colocate=True) == []  # colocated: max(4, 4) bundles
     assert check(0, ray=False) == ['--executor ray needs Ray: pip install "furlong[ray]" (or pass --executor local).']
+    assert check(0, ray_call_timeout=-5.0, ray_engine_restarts=-1) == [
+        "--ray-call-timeout must be a positive number of seconds, got -5.",
+        "--ray-engine-restarts must be at least 0, got -1."]
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     assert check(1, rollout_num_gpus=4) == []  # a cluster has its own size
 

@@ -49,6 +49,20 @@ def _furlong(args, cwd, env=None, timeout=240):
                           timeout=timeout, cwd=cwd)
 
 
+def _stop_processes(lines: set[str]) -> None:
+    """SIGTERM the processes of ``ps`` lines, then SIGKILL what is left after 10 s."""
+    pids = [int(line.split()[0]) for line in lines]
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in pids):
+            time.sleep(0.5)
+
+
 @pytest.fixture(autouse=True)
 def no_ray_left():
     """After each test, no Ray process that was not there before it (a run's own Ray is gone)."""
@@ -201,6 +215,7 @@ def test_under_ray_job_submit_the_run_joins_the_cluster_and_leaves_it_running(tm
                                                                               arithmetic_jsonl):
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="disabled")  # the job gets the cluster's own setting
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    before = _ray_processes()
     start = subprocess.run(["ray", "start", "--head", "--num-cpus", "4", "--include-dashboard=false",
                             "--port", "0", f"--temp-dir={temp}"], env=env, capture_output=True, text=True, timeout=120)
     try:
@@ -216,7 +231,7 @@ def test_under_ray_job_submit_the_run_joins_the_cluster_and_leaves_it_running(tm
                                timeout=60)
         assert alive.returncode == 0, alive.stderr[-2000:]  # the cluster outlives the job
     finally:
-        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_processes(_ray_processes() - before)  # this test's cluster only, not other Ray users'
         shutil.rmtree(temp, ignore_errors=True)
 
 

@@ -13,8 +13,6 @@ import os
 
 from furlong.hooks import hookimpl
 
-from .torchrun import TorchrunExecutor
-
 __all__ = ["LocalExecutor", "executor"]
 
 
@@ -86,5 +84,7 @@ def executor(args):
     ``--distributed-timeout-minutes``.
     """
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        from .torchrun import TorchrunExecutor
+
         return TorchrunExecutor(args)
     return LocalExecutor()

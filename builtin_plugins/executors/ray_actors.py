@@ -9,7 +9,43 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-__all__ = ["EngineActor", "RolloutActor", "TrainActor"]
+__all__ = ["EngineActor", "RolloutActor", "TrainActor", "actor_died", "await_call"]
+
+
+async def await_call(ref, timeout: float, who: str, method: str):
+    """Await one actor call with a time-out; turn Ray's errors into one PluginError naming the actor.
+
+    The error of a dead actor keeps Ray's error as its cause (:func:`actor_died` tells).
+    """
+    import asyncio
+
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from furlong.hooks import PluginError
+
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+    except asyncio.TimeoutError as exc:
+        raise PluginError(f"{who}: {method} did not answer within --ray-call-timeout {timeout:g} s.") from exc
+    except RayActorError as exc:
+        raise PluginError(f"{who}: the actor died during {method} ({_first_line(exc)}).") from exc
+    except RayTaskError as exc:
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        if isinstance(cause, PluginError):
+            raise PluginError(f"{who}: {cause}") from exc
+        raise PluginError(f"{who}: {method} raised {type(cause).__name__}: {_first_line(cause)}") from exc
+
+
+def actor_died(error: BaseException) -> bool:
+    """Whether an :func:`await_call` error means the actor is gone."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(error.__cause__, RayActorError)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def _where() -> dict:
@@ -153,43 +189,39 @@ class EngineClient:
         self._error: str | None = None
 
     async def generate(self, input_ids: list, sampling_params: dict):
-        from ray.exceptions import RayActorError
+        from furlong.hooks import PluginError
 
         handle = self.handle
         ref = handle.generate.remote(self._seq, list(input_ids), dict(sampling_params))
         self._seq += 1
         try:
-            return await self._wait(ref)
-        except RayActorError:
+            return await self._wait(ref, "generate")
+        except PluginError as exc:
+            if not actor_died(exc):
+                raise
             await self._replacement(handle)
         ref = self.handle.generate.remote(self._seq, list(input_ids), dict(sampling_params))
         self._seq += 1
-        return await self._wait(ref)
+        return await self._wait(ref, "generate")
 
     async def abort(self) -> None:
-        from ray.exceptions import RayActorError
-
-        try:
-            await self._wait(self.handle.call.remote("abort", ()))
-        except RayActorError:
-            pass  # a dead engine has nothing in flight
-
-    async def health(self) -> bool:
-        try:
-            return bool(await self._wait(self.handle.call.remote("health", ())))
-        except Exception:  # noqa: BLE001 - any failure means unhealthy
-            return False
-
-    async def _wait(self, ref):
-        import asyncio
-
         from furlong.hooks import PluginError
 
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout)
-        except asyncio.TimeoutError as exc:
-            raise PluginError(f"engine actor {self.index}: no answer within --ray-call-timeout {self.timeout:g} s "
-                              "(from the rollout-manager actor).") from exc
+            await self._wait(self.handle.call.remote("abort", ()), "abort")
+        except PluginError as exc:
+            if not actor_died(exc):  # a dead engine has nothing in flight
+                raise
+
+    async def health(self) -> bool:
+        try:
+            return bool(await self._wait(self.handle.call.remote("health", ()), "health"))
+        except Exception:  # noqa: BLE001 - any failure means unhealthy
+            return False
+
+    async def _wait(self, ref, method: str):
+        return await await_call(ref, self.timeout, f"engine actor {self.index} (from the rollout-manager actor)",
+                                method)
 
     async def _replacement(self, dead) -> None:
         """Report ``dead`` once and wait until the driver replaced it (or gave up)."""

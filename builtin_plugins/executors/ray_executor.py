@@ -1,6 +1,6 @@
 """The ``ray`` executor: train ranks and rollout engines as Ray actors in one placement group.
 
-Placement (DESIGN.md "Execution seam", RAY_SGLANG.md section 1): one bundle per device
+Placement (docs/ray.md, "Cluster flags"): one bundle per device
 slot, ``{"GPU": 1, "CPU": 1}`` on machines with GPUs and ``{"CPU": 1}`` on machines
 without, so the same flags run on a laptop. The trainer takes
 ``--actor-num-nodes x --actor-num-gpus-per-node`` bundles; the engines take
@@ -27,7 +27,8 @@ import os
 
 from furlong.hooks import PluginError, hookimpl
 
-from .ray_actors import EngineActor, RolloutActor, TrainActor
+from .ray_actors import EngineActor, RolloutActor, TrainActor, actor_died
+from .ray_actors import await_call as _await
 
 __all__ = ["RayExecutor", "add_arguments", "executor"]
 
@@ -62,6 +63,10 @@ def configure(args, report):
 
     if not _ray_installed():
         report.error(NEEDS_RAY)
+    if args.ray_call_timeout <= 0:
+        report.error(f"--ray-call-timeout must be a positive number of seconds, got {args.ray_call_timeout:g}.")
+    if args.ray_engine_restarts < 0:
+        report.error(f"--ray-engine-restarts must be at least 0, got {args.ray_engine_restarts}.")
     if not _has_gpus():
         return  # CPU slots: any number fits a private Ray
     per_engine, per_node = int(args.rollout_num_gpus_per_engine or 1), int(args.num_gpus_per_node or 1)
@@ -113,7 +118,7 @@ class RayExecutor:
 
     def __init__(self, args) -> None:
         self.args = args
-        self.timeout = float(getattr(args, "ray_call_timeout", 3600.0) or 3600.0)
+        self.timeout = float(args.ray_call_timeout)
         self.gpu = _has_gpus()
         self.train_world = int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node)
         per_engine = int(args.rollout_num_gpus_per_engine or 1)
@@ -157,7 +162,11 @@ class RayExecutor:
                                       f"{reason}") from exc
             else:
                 gpus = _gpu_count() if self.gpu else 0
-                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots + 1), num_gpus=gpus, **kwargs)
+                try:
+                    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots + 1), num_gpus=gpus, **kwargs)
+                except Exception as exc:  # noqa: BLE001 - Ray reports a failed start with a bare Exception
+                    reason = " ".join(str(exc).split())
+                    raise PluginError(f"--executor ray: the local Ray did not start: {reason}") from exc
                 self.started_ray = True
 
     def _reserve(self) -> None:
@@ -216,7 +225,7 @@ class RayExecutor:
 
     async def start_engines(self, args, make_engine):
         await self._ready()
-        restarts = int(getattr(args, "ray_engine_restarts", 3))
+        restarts = int(args.ray_engine_restarts)
         budget = _RestartBudget(restarts)
         self.engines = [RemoteEngine(self, i, make_engine, budget) for i in range(self.num_engines)]
         await asyncio.gather(*(e.start() for e in self.engines))
@@ -323,9 +332,7 @@ class RayWorkers:
             t.cancel()
         errors = [t.exception() for t in live if t in done and t.exception() is not None]
         if errors:
-            from ray.exceptions import RayActorError
-
-            errors.sort(key=lambda e: not isinstance(e.__cause__, RayActorError))
+            errors.sort(key=lambda e: not actor_died(e))
             raise errors[0]
         return [t.result() if t is not None else None for t in tasks]
 
@@ -333,23 +340,6 @@ class RayWorkers:
         place = self.places[rank] if rank < len(self.places) else {}
         where = f" on node {place['node']}, pid {place['pid']}" if place else ""
         return f"train actor rank {rank}{where}"
-
-
-async def _await(ref, timeout: float, who: str, method: str):
-    """Await one actor call with a time-out; turn Ray's errors into one PluginError naming the actor."""
-    from ray.exceptions import RayActorError, RayTaskError
-
-    try:
-        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
-    except asyncio.TimeoutError as exc:
-        raise PluginError(f"{who}: {method} did not answer within --ray-call-timeout {timeout:g} s.") from exc
-    except RayActorError as exc:
-        raise PluginError(f"{who}: the actor died during {method} ({_first_line(exc)}).") from exc
-    except RayTaskError as exc:
-        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-        if isinstance(cause, PluginError):
-            raise PluginError(f"{who}: {cause}") from exc
-        raise PluginError(f"{who}: {method} raised {type(cause).__name__}: {_first_line(cause)}") from exc
 
 
 class RemoteRolloutSide:
@@ -474,8 +464,6 @@ class RemoteEngine:
             await self._recover(self._epoch, PluginError(f"{self.who}: the actor died"))
 
     async def _call(self, method: str, *args, retry: bool = True):
-        from ray.exceptions import RayActorError
-
         epoch = self._epoch
         if method == "generate":
             ref = self.handle.generate.remote(self._seq, *args)
@@ -485,7 +473,7 @@ class RemoteEngine:
         try:
             return await _await(ref, self.executor.timeout, self.who, method)
         except PluginError as exc:
-            if not retry or not isinstance(exc.__cause__, RayActorError):
+            if not retry or not actor_died(exc):
                 raise
             await self._recover(epoch, exc)
             return await self._call(method, *args, retry=False)
@@ -568,11 +556,6 @@ def _kill(handle) -> None:
         ray.kill(handle, no_restart=True)
     except Exception:  # noqa: BLE001 - already gone
         pass
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def _ray_installed() -> bool:

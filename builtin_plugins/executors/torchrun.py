@@ -19,6 +19,8 @@ import attrs
 
 from furlong.hooks import PluginError
 
+from .local import LocalExecutor
+
 __all__ = ["TorchrunExecutor"]
 
 log = logging.getLogger("furlong")
@@ -33,8 +35,10 @@ class _Failure:
     error: str
 
 
-class TorchrunExecutor:
+class TorchrunExecutor(LocalExecutor):
     """:class:`furlong.hooks.Executor` over the processes of one ``torchrun`` job.
+
+    Rank 0 keeps the engine and the rollout side in its process, as :class:`LocalExecutor` does.
 
     The ``local`` plugin's ``configure`` checked that the trainer size in the flags is
     the number of processes.
@@ -69,12 +73,6 @@ class TorchrunExecutor:
     def size(self) -> int:
         return self.world
 
-    async def start_engines(self, args, make_engine):
-        return [await make_engine(0)]
-
-    async def start_rollout_side(self, args, make_rollout_side):
-        return make_rollout_side()
-
     async def call(self, method: str, args_per_rank) -> list:
         """Run ``method`` on every rank's worker (WorkerGroup); rank 0's result never leaves this process."""
         import torch.distributed as dist
@@ -96,11 +94,11 @@ class TorchrunExecutor:
     async def _run(self, method: str, args):
         if args is None:
             return None
-        if self.rank == 0:
-            return await getattr(self.worker, method)(*args)
         try:
             return await getattr(self.worker, method)(*args)
         except Exception as exc:  # noqa: BLE001 - sent to rank 0, which raises it with the rank named
+            if self.rank == 0:
+                raise
             log.exception("trainer rank %d: %s failed", self.rank, method)
             return _Failure(self.rank, f"{method} failed: {type(exc).__name__}: {exc}")
 
