@@ -13,44 +13,9 @@ import os
 
 from furlong.hooks import hookimpl
 
-__all__ = ["LocalExecutor", "executor"]
+from ._in_process import InProcessWorkers, LocalExecutor
 
-
-class InProcessWorkers:
-    """One worker in this process behind :class:`furlong.hooks.WorkerGroup`."""
-
-    size = 1
-
-    def __init__(self, worker) -> None:
-        self.worker = worker
-
-    async def call(self, method: str, args_per_rank):
-        [args] = args_per_rank
-        if args is None:
-            return [None]
-        return [await getattr(self.worker, method)(*args)]
-
-
-class LocalExecutor:
-    """:class:`furlong.hooks.Executor` for one process."""
-
-    is_driver = True
-    weights_in_process = True
-
-    async def start_train_workers(self, args, make_worker):
-        return InProcessWorkers(make_worker(0, 1))
-
-    async def start_engines(self, args, make_engine):
-        return [await make_engine(0)]
-
-    async def start_rollout_side(self, args, make_rollout_side):
-        return make_rollout_side()
-
-    async def serve(self) -> None:
-        return None
-
-    async def shutdown(self) -> None:
-        return None
+__all__ = ["InProcessWorkers", "LocalExecutor", "configure", "executor"]
 
 
 @hookimpl

@@ -19,7 +19,7 @@ import attrs
 
 from furlong.hooks import PluginError
 
-from .local import LocalExecutor
+from ._in_process import LocalExecutor
 
 __all__ = ["TorchrunExecutor"]
 
