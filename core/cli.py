@@ -27,7 +27,7 @@ commands:
   train        run the synchronous RL loop (rollout, train, weight sync)
   train-async  run the loop with rollout k+1 overlapping training of rollout k
   plugins      list installed plugins: name, hooks, distribution, version
-  plot         draw a run's metrics.jsonl into one PNG
+  plot         draw runs' metrics.jsonl into one PNG (several runs overlaid)
 
 'furlong COMMAND --help' describes a command's flags."""
 
