@@ -61,6 +61,7 @@ _MATH_SPAN = re.compile(r"(?<!\\)\$\$(.+?)(?<!\\)\$\$|(?<!\\)\$(.+?)(?<!\\)\$|\\
 _NUMBER_THEN_WORDS = re.compile(r"(-?\$?\d[\d,]*(?:\.\d+)?%?)\s+[A-Za-z][A-Za-z ]*")
 _GROUPED = re.compile(r"-?\d{1,3}(?:(?:,|\{,\})\d{3})+(?:\.\d+)?")
 _WORD = re.compile(r"(?<!\\)\b[A-Za-z]{3,}\b")
+_END_MARKERS = re.compile(r"(?:\s*<\|?/?[\w.-]+\|?>)+\s*$")  # "</s>", "<|im_end|>" left by the decoder
 
 
 def stated_answer(text: str) -> str | None:
@@ -73,7 +74,8 @@ def stated_answer(text: str) -> str | None:
     - ``the answer is X`` or ``the final answer is X`` (Minerva's "Final Answer: The final
       answer is $X$. I hope it is correct." included), up to the end of its sentence.
 
-    The captured text is cleaned: the content of its last ``$...$``, ``$$...$$``,
+    The captured text is cleaned: end-of-sequence markers the decoder left (``</s>``,
+    ``<|im_end|>``) removed, the content of its last ``$...$``, ``$$...$$``,
     ``\\(...\\)`` or ``\\[...\\]`` span when it has one (the rest is prose), a trailing
     period and markdown emphasis removed, a number followed by words kept as the number
     (``12 apples`` -> ``12``), and the commas of a digit-grouped number dropped
@@ -95,6 +97,7 @@ def stated_answer(text: str) -> str | None:
 
 
 def _clean_stated(raw: str) -> str | None:
+    raw = _END_MARKERS.sub("", raw)
     inner = _ANSWER_PHRASE.search(raw)  # "Final Answer: The final answer is $5$. I hope ..."
     if inner:
         raw = _SENTENCE_END.split(inner.group(1), 1)[0]

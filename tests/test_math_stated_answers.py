@@ -33,6 +33,8 @@ GRADED = Path(__file__).parent / "data" / "math_graded_responses.jsonl"
         ("The answer is 5. Next we check.", "5"),
         ("the answer is yes", "yes"),
         ("Answer: 5 cm", "5"),
+        ("The answer is 42 </s>", "42"),
+        ("Answer: $7$<|im_end|>", "7"),
         # the last statement wins
         ("I first thought the answer is 5.\nAnswer: 6", "6"),
         ("Answer: 6\nWait, the answer is 7.", "7"),

@@ -1,0 +1,81 @@
+"""A real Hugging Face model whose weights make it write a fixed script, and the embedded engine serving it.
+
+The model is a one-layer Llama whose attention and MLP outputs are zero, so the logits at a
+position depend on its token alone: ``lm_head`` maps each word to the word the script puts
+after it (a multiple of the normalised one-hot), every other word to end-of-sequence. With a
+word-level tokenizer (one token per whitespace-separated word) the model then writes the
+script word for word under greedy decoding, with log-probs a little below 0.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+import pytest
+
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
+
+
+def build_script_model(path, transitions: dict[str, str], extra_words=(), strength: float = 2.0) -> str:
+    """Save a model and tokenizer to ``path`` that continue word ``a`` with ``transitions[a]``.
+
+    ``strength`` scales the logits: at 2.0 the greedy choice is the script and its log-prob
+    is a few thousandths below 0 (so tests can tell the model's log-probs from the 0.0 of
+    tool tokens); sample with temperature 0. ``extra_words`` join the vocabulary (words a
+    tool prints); any other word is ``<unk>``.
+    """
+    import torch
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = SPECIAL + sorted({w for pair in transitions.items() for w in pair} - set(SPECIAL)
+                             | {"<result>", "</result>", *extra_words})
+    vocab = {w: i for i, w in enumerate(words)}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="<pad>").save_pretrained(path)
+    size = len(words)
+    hidden = size + size % 2  # RoPE needs an even head dimension
+    config = LlamaConfig(vocab_size=size, hidden_size=hidden, intermediate_size=4, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+        for norm in (model.model.norm, model.model.layers[0].input_layernorm,
+                     model.model.layers[0].post_attention_layernorm):
+            norm.weight.fill_(1.0)
+        model.model.embed_tokens.weight[:, :size] = torch.eye(size)
+        model.lm_head.weight[vocab["</s>"], :] = strength
+        for a, b in transitions.items():
+            model.lm_head.weight[:, vocab[a]] = 0.0
+            model.lm_head.weight[vocab[b], vocab[a]] = strength
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def script_model(tmp_path):
+    """``script_model(transitions, extra_words=(), strength=2.0)``: the path of a saved script model."""
+    return lambda transitions, extra_words=(), strength=2.0: build_script_model(tmp_path / "model", transitions,
+                                                                               extra_words, strength)
+
+
+@pytest.fixture
+def script_engine(tmp_path):
+    """``script_engine(transitions, extra_words=())``: the embedded engine (through its plugin) serving a script model."""
+    from furlong.core.plugins import get_plugin_manager
+
+    def make(transitions: dict[str, str], extra_words=()):
+        path = build_script_model(tmp_path / "model", transitions, extra_words)
+        return get_plugin_manager().call_chosen_sync(
+            "rollout_engine", "embedded", "--rollout-backend",
+            args=Namespace(hf_checkpoint=path, seed=0, bf16=False, fp16=False, embedded_max_batch_size=8,
+                           rollout_engine_index=0))
+
+    return make
+
