@@ -1,38 +1,27 @@
 #!/usr/bin/env bash
 # train-async without an off-policy correction, against sync and train-async --use-tis, on
-# the demo (examples/demo/run_demo.sh's flags), several seeds. From the repository root:
+# the demo (examples/demo/run_demo.sh with 4 rollouts), several seeds. From the repository root:
 #
-#   bash benchmarks/offpolicy_demo.sh                 # 4 rollouts, seeds 1 2 3
-#   NUM_ROLLOUT=8 SEEDS="1 2 3 4" bash benchmarks/offpolicy_demo.sh
+#   bash benchmarks/offpolicy_demo.sh                 # seeds 1 2 3
+#   NUM_ROLLOUT=8 SEEDS="1 2 3 4 5" bash benchmarks/offpolicy_demo.sh
 #
-# Each run writes runs/offpolicy/<mode>-s<seed>/metrics.jsonl; the table at the end lists
-# the test-split reward before (rollout 0) and after (last rollout) per run and mode.
+# Each run writes runs/offpolicy/<mode>-s<seed>/metrics.jsonl (its log beside it); the table
+# at the end lists the test-split reward before (rollout 0) and after (last rollout).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT_OUT="${ROOT_OUT:-runs/offpolicy}"
-SEEDS="${SEEDS:-1 2 3}"
-ARGS=(
-  --hf-checkpoint examples/demo/model
-  --prompt-data examples/demo/data/train.jsonl --input-key prompt --label-key label --rollout-shuffle
-  --rm-type math
-  --num-rollout "${NUM_ROLLOUT:-4}" --rollout-batch-size 32 --n-samples-per-prompt 8 --global-batch-size 256
-  --rollout-max-response-len 12 --rollout-temperature 1.0
-  --eval-prompt-data test examples/demo/data/test.jsonl --eval-interval 10 --n-samples-per-eval-prompt 4
-  --advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28
-  --lr "${LR:-1e-4}" --weight-decay 0.0 --micro-batch-size 64 --save-interval 1000
-)
-for seed in $SEEDS; do
+mkdir -p "$ROOT_OUT"
+export NUM_ROLLOUT="${NUM_ROLLOUT:-4}"
+for seed in ${SEEDS:-1 2 3}; do
   for mode in sync async async-tis; do
-    out="$ROOT_OUT/$mode-s$seed"
-    [ -f "$out/metrics.jsonl" ] && [ -n "${KEEP:-}" ] && continue
-    rm -rf "$out"
     case $mode in
-      sync) cmd=(furlong train) ;;
-      async) cmd=(furlong train-async --no-use-tis) ;;
-      async-tis) cmd=(furlong train-async --use-tis) ;;
+      sync) command=train; flags=() ;;
+      async) command=train-async; flags=(--no-use-tis) ;;
+      async-tis) command=train-async; flags=(--use-tis) ;;
     esac
     echo "== $mode seed $seed"
-    "${cmd[@]}" "${ARGS[@]}" --seed "$seed" --save "$out" > "$ROOT_OUT/$mode-s$seed.log" 2>&1
+    OUT="$ROOT_OUT/$mode-s$seed" COMMAND=$command bash examples/demo/run_demo.sh --seed "$seed" "${flags[@]}" \
+      > "$ROOT_OUT/$mode-s$seed.log" 2>&1
   done
 done
 

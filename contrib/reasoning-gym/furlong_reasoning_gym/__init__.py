@@ -15,10 +15,10 @@ from __future__ import annotations
 import difflib
 import functools
 import json
-import random
 
 from furlong.hooks import PluginError, hookimpl
 from furlong.hooks.answers import last_boxed_content, stated_answer
+from furlong.hooks.epochs import EpochOrder
 
 __all__ = ["ReasoningGymSource", "add_arguments", "configure", "data_source", "extract_answer", "reward"]
 
@@ -150,39 +150,21 @@ class ReasoningGymSource:
                 entry = dataset[index]
                 self.rows.append({"prompt": self._prompt(entry["question"]), "label": entry["answer"],
                                   "metadata": {META_KEY: {"task": task, "seed": seed, "size": size, "index": index}}})
-        self.shuffle = bool(getattr(args, "rollout_shuffle", False))
-        self.seed = int(getattr(args, "rollout_seed", 42))
-        self.epoch = 0
-        self.offset = 0
-        self.order = self._order(0)
+        self.cursor = EpochOrder(len(self.rows), getattr(args, "rollout_shuffle", False),
+                                 getattr(args, "rollout_seed", 42))
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def next_rows(self, k: int) -> list[dict]:
         """The next ``k`` rows (copies); past the last row the next epoch starts."""
-        out = []
-        while len(out) < k:
-            if self.offset >= len(self.order):
-                self.epoch, self.offset = self.epoch + 1, 0
-                self.order = self._order(self.epoch)
-            take = self.order[self.offset:self.offset + k - len(out)]
-            self.offset += len(take)
-            out.extend(json.loads(json.dumps(self.rows[i])) for i in take)
-        return out
+        return [json.loads(json.dumps(self.rows[i])) for i in self.cursor.take(k)]
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.offset}
+        return self.cursor.state()
 
     def load_state(self, state: dict) -> None:
-        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
-        self.order = self._order(self.epoch)
-
-    def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.rows)))
-        if self.shuffle:
-            random.Random(self.seed + epoch).shuffle(order)
-        return order
+        self.cursor.load_state(state)
 
     def _prompt(self, question: str) -> str:
         key = getattr(self.args, "reasoning_gym_system_prompt", "default")

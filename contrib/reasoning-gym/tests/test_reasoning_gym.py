@@ -47,7 +47,8 @@ def test_rows_are_seeded_interleaved_and_roll_over(pm):
     assert rows[0]["label"] == str(eval(expression))  # the task's reference answer
     assert [r["prompt"] for r in source(pm).next_rows(10)] == [r["prompt"] for r in rows]  # same seed, same tasks
     assert [r["prompt"] for r in source(pm, reasoning_gym_seed=4).next_rows(10)] != [r["prompt"] for r in rows]
-    assert data.next_rows(3) == rows[:3] and data.state() == {"epoch": 1, "offset": 3}  # the next epoch
+    assert data.next_rows(3) == rows[:3]  # the next epoch
+    assert data.state() == {"epoch": 1, "offset": 3, "seed": 42, "shuffle": False}
     shuffled = source(pm, rollout_shuffle=True)
     assert sorted(r["prompt"] for r in shuffled.next_rows(10)) == sorted(r["prompt"] for r in rows)
 
