@@ -94,13 +94,15 @@ def test_turn_limit_and_token_budget_truncate(pm, script_engine):
 
 
 def test_abort_hook_stops_an_episode_waiting_for_its_tool(pm, script_engine):
-    slow = "import time;time.sleep(30)"
-    engine = script_engine({**script("?", "<python>", "import", slow, "</python>"), **script("</result>", "done")})
+    # the model writes "<python> import time;time.sleep(30) </python>" (two words of code)
+    engine = script_engine({**script("?", "<python>", "import", "time;time.sleep(30)", "</python>"),
+                            **script("</result>", "done")})
 
     async def run():
         task = asyncio.create_task(generate(pm, engine, tool_use_timeout=60.0))
         import furlong_tool_use
         while not any(e.process is not None for e in furlong_tool_use._live):  # the tool is running
+            assert not task.done(), task.result().response
             await asyncio.sleep(0.05)
         process = next(iter(furlong_tool_use._live)).process
         start = time.monotonic()
@@ -111,6 +113,7 @@ def test_abort_hook_stops_an_episode_waiting_for_its_tool(pm, script_engine):
     sample, seconds, process, live = asyncio.run(run())
     assert sample.status == Status.ABORTED and seconds < 2
     assert process.returncode is not None and not live
+    assert sample.response == "<python> import time;time.sleep(30) </python>"
     assert sample.loss_mask == [1, 1, 1, 1]  # the call; no tool output
     sample.validate()
 
