@@ -167,12 +167,13 @@ def test_finish_reasons_and_stop_trimming(server, engine):
     ({"input_ids": [5, 6], "colour": "red"}, "/generate: unknown field 'colour'; fields: "),
     ({"input_ids": [5, 6], "text": "x"}, "/generate: give exactly one of 'text' and 'input_ids'"),
     ({"input_ids": []}, "/generate: empty prompt; give at least one character or token id per prompt"),
+    ({"input_ids": [5, 100]}, "/generate: token id 100 of request 'x' is outside the vocabulary [0, 100)"),
     ({"text": ["a", "b"], "rid": ["x"]}, "/generate 'rid': 1 ids for 2 prompt(s); give one string per prompt"),
     ({"text": ["a", "b"], "stream": True}, "/generate: streaming a batch is not supported by furlong serve; "
                                             "stream one prompt per request"),
 ])
 def test_bad_generate_requests_are_400_with_a_clear_message(server, body, message):
-    status, out = server.call("/generate", body)
+    status, out = server.call("/generate", {"rid": "x", **body} if "input_ids" in body else body)
     assert status == 400
     assert set(out) == {"error"}
     assert out["error"]["message"].startswith(message), out
@@ -262,6 +263,19 @@ def test_abort_all_ends_every_running_request(server):
         assert result["value"][1]["meta_info"]["finish_reason"]["message"] == "Aborted by /abort_request (abort_all)"
 
 
+def test_a_client_that_goes_away_ends_its_request(server):
+    import json
+    import socket
+
+    body = json.dumps({"input_ids": [5, 6], "sampling_params": LONG}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        _wait_running(server, 1)
+    _wait_running(server, 0)  # the engine dropped it
+
+
 def test_pause_holds_decoding_until_continue_and_flush_cache_follows_sglang(server):
     sink = []
     thread, _ = _in_thread(_stream_lines, server, {"input_ids": [5, 6], "sampling_params": LONG, "rid": "p"}, sink)
@@ -331,6 +345,10 @@ def test_weight_version_and_disk_update(server, engine, tiny_model_dir, other_mo
     expected = _engine_output(embedded.load_engine(str(other_model_dir)), ids, GREEDY).output_ids
     assert after["output_ids"] == expected != before["output_ids"]
     assert after["meta_info"]["weight_version"] == "4"
+    assert server.call("/pause_generation", {"mode": "retract"})[0] == 200  # the client's own pause...
+    assert server.call("/update_weights_from_disk", {"model_path": str(other_model_dir)})[0] == 200
+    assert server.call("/server_info")[1]["internal_states"][0]["paused"] == "retract"  # ...outlives the update
+    assert server.call("/continue_generation", {})[0] == 200
     status, out = server.call("/update_weights_from_disk", {"model_path": str(other_model_dir / "nope")})
     assert status == 400 and out["success"] is False and "no *.safetensors files" in out["message"]
     assert server.call("/update_weights_from_disk", {"model_path": str(tiny_model_dir),

@@ -106,7 +106,8 @@ async def _serve(args: argparse.Namespace, pm) -> int:
 
     engine = await EngineFactory(args, (args.rollout_backend, "--rollout-backend"), pm)(0)
     state = ServeState(engine, args)
-    runner = web.AppRunner(make_app(state), access_log=None, shutdown_timeout=5)
+    # handler_cancellation: a client that goes away cancels its request, and the engine drops it (as SGLang)
+    runner = web.AppRunner(make_app(state), access_log=None, shutdown_timeout=5, handler_cancellation=True)
     await runner.setup()
     try:
         await web.TCPSite(runner, args.host, args.port).start()

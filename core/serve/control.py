@@ -186,15 +186,17 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         if body["abort_all_requests"]:
             await state.abort_all("Aborted by /update_weights_from_disk")
         paused = len(state.running)
-        await state.engine.pause_generation("in_place")
+        own_pause = state.pause_mode is None  # a pause the client made stays until its continue
+        if own_pause:
+            await state.engine.pause_generation("in_place")
         try:
             for bucket in read_safetensors_dir(body["model_path"]):
                 await state.engine.load_weights(bucket)
             await _after_update(state, body)
         finally:
-            if not body["keep_pause"]:
+            if own_pause and not body["keep_pause"]:
                 await state.engine.continue_generation()
-        if body["keep_pause"]:
+        if own_pause and body["keep_pause"]:
             state.pause_mode = "in_place"
         return {"num_paused_requests": paused}
 
