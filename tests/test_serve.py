@@ -213,6 +213,36 @@ def test_streaming_sends_one_event_per_token_then_done(server, engine):
     assert [t[1] for t in final["meta_info"]["output_token_logprobs"]] == whole["output_ids"]
 
 
+def test_incremental_streaming_sends_only_what_is_new(engine, tiny_model_dir):
+    """``--incremental-streaming-output``: the app served in this process on loopback (aiohttp's test server)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from furlong.core.serve.app import make_app
+    from furlong.core.serve.command import build_serve_parser
+    from furlong.core.serve.state import ServeState
+
+    args = build_serve_parser().parse_args(["--hf-checkpoint", str(tiny_model_dir), "--incremental-streaming-output"])
+    ids = engine.tokenizer.encode("Hello there")
+    params = dict(GREEDY, max_new_tokens=6)
+
+    async def scenario():
+        async with TestClient(TestServer(make_app(ServeState(engine, args)))) as client:
+            answer = await client.post("/generate", json={"input_ids": ids, "sampling_params": params, "stream": True,
+                                                          "return_logprob": True})
+            return sse_events(await answer.text())
+
+    events = asyncio.run(scenario())
+    whole = _engine_output(engine, ids, params)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert sum((c["output_ids"] for c in chunks), []) == whole.output_ids  # the pieces add up, nothing repeats
+    assert "".join(c["text"] for c in chunks) == engine.tokenizer.decode(whole.output_ids, skip_special_tokens=True)
+    assert [t[1] for c in chunks for t in c["meta_info"]["output_token_logprobs"]] == whole.output_ids
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert all(c["meta_info"]["completion_tokens"] == sum(len(x["output_ids"]) for x in chunks[: i + 1])
+               for i, c in enumerate(chunks))
+
+
 def test_concurrent_requests_are_decoded_together(server, engine):
     """Requests queued while the engine is busy decode in one batch: their streams interleave."""
     holder, _ = _in_thread(server.call, "/generate", {"input_ids": [5, 6, 7], "sampling_params": LONG, "rid": "hold"})
