@@ -165,6 +165,7 @@ def test_finish_reasons_and_stop_trimming(server, engine):
      "/generate: field 'lora_path' = 'adapter' is not supported by furlong serve (only its off value: null, "
      "false, empty)"),
     ({"input_ids": [5, 6], "colour": "red"}, "/generate: unknown field 'colour'; fields: "),
+    ({"input_ids": [5, 6], "colour": None, "shade": "dark"}, "/generate: unknown field 'shade'; fields: "),
     ({"input_ids": [5, 6], "text": "x"}, "/generate: give exactly one of 'text' and 'input_ids'"),
     ({"input_ids": []}, "/generate: empty prompt; give at least one character or token id per prompt"),
     ({"input_ids": [5, 100]}, "/generate: token id 100 of request 'x' is outside the vocabulary [0, 100)"),

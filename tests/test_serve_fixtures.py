@@ -77,6 +77,12 @@ def test_generate_with_text_and_sglang_defaults_spelled_out(serve_server):
     assert out["meta_info"]["id"] == "fixture-text" and "output_token_logprobs" not in out["meta_info"]
 
 
+def test_generate_body_as_sglang_router_forwards_it(serve_server):
+    status, out = serve_server.call("/generate", load("generate_request_via_router.json"))
+    assert status == 200
+    assert_same_shape(load("generate_response_logprob.json"), out)
+
+
 def test_generate_batch(serve_server):
     status, out = serve_server.call("/generate", load("generate_request_batch.json"))
     assert status == 200 and len(out) == 2

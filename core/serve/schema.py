@@ -6,7 +6,9 @@ the control endpoints). Every problem is a :class:`BadRequest` (HTTP 400) naming
 endpoint and field. furlong is stricter than SGLang in one respect: a field SGLang does
 not know is refused instead of ignored, and a field SGLang knows but furlong does not
 implement is refused unless it has its "off" value (null, false, 0, an empty list), so a
-request never silently means something else.
+request never silently means something else. An unknown ``/generate`` field with an off
+value passes: routers re-serialise bodies and add their own (sglang-router 0.3.2 adds
+``"model": null``).
 """
 
 from __future__ import annotations
@@ -103,18 +105,19 @@ def _is_off(value: Any, field: Field) -> bool:
     return value is None or value is False or value == field.off or value in ([], {}, "")
 
 
-def check_body(endpoint: str, body: Any, fields: dict[str, Field]) -> dict[str, Any]:
+def check_body(endpoint: str, body: Any, fields: dict[str, Field], unknown_off_ok: bool = False) -> dict[str, Any]:
     """Check a JSON body against ``fields``; return every field's value (defaults filled in).
 
     :param endpoint: the path, for messages (``"/abort_request"``).
     :param body: the parsed JSON (None for an empty body: all defaults).
+    :param unknown_off_ok: accept (and drop) unknown fields whose value is null, false or empty.
     :raises BadRequest: not an object, an unknown field, a wrong type, a field furlong does
         not implement given a value that is not "off".
     """
     body = {} if body is None else body
     if not isinstance(body, dict):
         raise BadRequest(f"{endpoint}: the body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - set(fields))
+    unknown = sorted(k for k in set(body) - set(fields) if not (unknown_off_ok and _is_off(body[k], Field(None))))
     if unknown:
         raise BadRequest(f"{endpoint}: unknown field {', '.join(map(repr, unknown))}; "
                          f"fields: {', '.join(sorted(fields))}")
@@ -172,7 +175,7 @@ SAMPLING_FIELDS: dict[str, Field] = {
 }
 
 # Fields that only steer SGLang's logging, metrics or routing: they change no output here.
-_INERT = ("log_metrics", "no_logs", "custom_labels", "routing_key", "conversation_id", "session_id", "priority",
+_INERT = ("model", "log_metrics", "no_logs", "custom_labels", "routing_key", "conversation_id", "session_id", "priority",
           "received_time", "external_trace_header", "http_worker_ipc", "routed_dp_rank", "data_parallel_rank",
           "disagg_prefill_dp_rank", "extra_key", "cache_salt")
 
@@ -232,7 +235,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, dict]:
         ``input_ids``; an empty prompt; list lengths that differ from the batch; an
         unknown sampling key; ``n`` other than 1; repeated request ids.
     """
-    top = check_body("/generate", body, GENERATE_FIELDS)
+    top = check_body("/generate", body, GENERATE_FIELDS, unknown_off_ok=True)
     text, input_ids = top["text"], top["input_ids"]
     if (text is None) == (input_ids is None):
         raise BadRequest("/generate: give exactly one of 'text' and 'input_ids'")
