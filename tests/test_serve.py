@@ -1,7 +1,8 @@
 """``furlong serve`` as a real server process on loopback, serving the tiny model (tests/tiny_model.py).
 
 One server for the session (``serve_server`` in conftest.py; a test that changes its
-weights restores them); one more for the SIGTERM test. Outputs are compared with the embedded engine run in this process.
+weights restores them); one more for the SIGTERM test. Outputs are compared with the
+embedded engine run in this process.
 """
 
 from __future__ import annotations

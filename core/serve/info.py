@@ -18,18 +18,14 @@ import importlib.metadata as md
 
 from aiohttp import web
 
-from .state import ServeState
+from .state import ServeState, state_of
 
 __all__ = ["ROUTES"]
 
 
-def _state(request: web.Request) -> ServeState:
-    return request.app["state"]
-
-
 async def health(request: web.Request) -> web.Response:
     """200 while serving; 503 once shutting down."""
-    return web.Response(status=503 if _state(request).exiting else 200)
+    return web.Response(status=503 if state_of(request).exiting else 200)
 
 
 def _context_length(state: ServeState) -> int | None:
@@ -38,7 +34,7 @@ def _context_length(state: ServeState) -> int | None:
 
 
 async def model_info(request: web.Request) -> web.Response:
-    state = _state(request)
+    state = state_of(request)
     args = state.args
     config = getattr(getattr(state.engine, "model", None), "config", None)
     return web.json_response({
@@ -60,7 +56,7 @@ async def model_info(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
-    state = _state(request)
+    state = state_of(request)
     args = state.args
     context = _context_length(state)
     return web.json_response({
@@ -89,7 +85,7 @@ async def server_info(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    state = _state(request)
+    state = state_of(request)
     name = state.args.served_model_name
     return web.json_response({"object": "list", "data": [{
         "id": name, "object": "model", "created": int(state.started_at), "owned_by": "sglang", "root": name,

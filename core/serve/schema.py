@@ -38,30 +38,35 @@ def _type_error(where: str, value: Any, expected: str) -> BadRequest:
 
 
 def check_str(where, v):
+    """``v`` if it is a string, else :class:`BadRequest` naming ``where``."""
     if not isinstance(v, str):
         raise _type_error(where, v, "a string")
     return v
 
 
 def check_bool(where, v):
+    """``v`` if it is true or false (not 0 or 1)."""
     if not isinstance(v, bool):
         raise _type_error(where, v, "true or false")
     return v
 
 
 def check_int(where, v):
+    """``v`` if it is an integer (not a boolean, not a float)."""
     if not _is_int(v):
         raise _type_error(where, v, "an integer")
     return v
 
 
 def check_number(where, v):
+    """``v`` if it is an integer or a float (not a boolean)."""
     if not (_is_int(v) or isinstance(v, float)):
         raise _type_error(where, v, "a number")
     return v
 
 
 def list_of(item: Callable) -> Callable:
+    """A check for a list whose every element passes ``item``."""
     def check(where, v):
         if not isinstance(v, list):
             raise _type_error(where, v, "a list")
@@ -70,10 +75,12 @@ def list_of(item: Callable) -> Callable:
 
 
 def optional(check: Callable) -> Callable:
+    """A check that also lets null through."""
     return lambda where, v: None if v is None else check(where, v)
 
 
 def one_of(*choices: str) -> Callable:
+    """A check for one of ``choices``."""
     def check(where, v):
         if v not in choices:
             raise BadRequest(f"{where}: {v!r} is not one of {', '.join(map(repr, choices))}")
@@ -129,8 +136,9 @@ def check_body(endpoint: str, body: Any, fields: dict[str, Field], unknown_off_o
         value = body[name]
         if not field.honoured:
             if not _is_off(value, field):
+                also = "" if field.off is None else f" or {field.off}"
                 raise BadRequest(f"{endpoint}: field '{name}' = {value!r:.60} is not supported by furlong serve "
-                                 f"(only its off value: null, false, empty{'' if field.off is None else f' or {field.off}'})")
+                                 f"(only its off value: null, false, empty{also})")
             out[name] = field.default
             continue
         out[name] = field.default if value is None else field.check(f"{endpoint} '{name}'", value)
@@ -175,8 +183,8 @@ SAMPLING_FIELDS: dict[str, Field] = {
 }
 
 # Fields that only steer SGLang's logging, metrics or routing: they change no output here.
-_INERT = ("model", "log_metrics", "no_logs", "custom_labels", "routing_key", "conversation_id", "session_id", "priority",
-          "received_time", "external_trace_header", "http_worker_ipc", "routed_dp_rank", "data_parallel_rank",
+_INERT = ("model", "log_metrics", "no_logs", "custom_labels", "routing_key", "conversation_id", "session_id",
+          "priority", "received_time", "external_trace_header", "http_worker_ipc", "routed_dp_rank", "data_parallel_rank",
           "disagg_prefill_dp_rank", "extra_key", "cache_salt")
 
 # SGLang 0.5.23 GenerateReqInput fields furlong serve does not implement (accepted when off).

@@ -13,7 +13,7 @@ from furlong.hooks import PluginError
 from .responses import Progress
 from .schema import BadRequest, GenerateItem
 
-__all__ = ["ServeState"]
+__all__ = ["ServeState", "state_of"]
 
 
 class ServeState:
@@ -98,3 +98,8 @@ class ServeState:
         if self.pause_mode is not None:
             await self.engine.continue_generation()  # a paused batch takes its last step: it ends aborted
             self.pause_mode = None
+
+
+def state_of(request: Any) -> ServeState:
+    """The :class:`ServeState` of the application serving the aiohttp ``request``."""
+    return request.app["state"]
