@@ -428,7 +428,7 @@ def test_a_client_broadcasts_new_weights_over_the_update_group(server, engine, o
 # --- process ----------------------------------------------------------------------------------------
 
 
-def test_sigterm_ends_running_streams_and_exits_cleanly(tiny_model_dir, tmp_path):
+def test_sigterm_ends_running_streams_even_paused_ones_and_exits_cleanly(tiny_model_dir, tmp_path):
     with running_server(tiny_model_dir, log_dir=tmp_path) as srv:
         sink = []
         thread, _ = _in_thread(_stream_lines, srv, {"input_ids": [5, 6], "sampling_params": LONG}, sink)
@@ -436,6 +436,7 @@ def test_sigterm_ends_running_streams_and_exits_cleanly(tiny_model_dir, tmp_path
         while not sink:
             assert time.monotonic() < deadline
             time.sleep(0.02)
+        assert srv.call("/pause_generation", {"mode": "in_place"})[0] == 200  # even a paused request ends
         assert stop(srv.proc) == 0
         thread.join(10)
         assert sink[-1] == "[DONE]"

@@ -9,7 +9,8 @@ deprecated ``/get_model_info``) has ``model_path``, ``served_model_name``,
 server's arguments under SGLang's names (``model_path``, ``tp_size``, ``dp_size``, ...)
 plus ``max_total_num_tokens``, ``startup_time``, ``internal_states``, ``version``;
 ``/v1/models`` is OpenAI's model list with ``owned_by: "sglang"`` (sglang-router and
-smg read it to pick the SGLang protocol).
+smg read it to pick the SGLang protocol). SGLang 0.5.23 has no ``/get_weight_version``:
+clients read ``weight_version`` from ``/model_info``, and so does furlong serve.
 """
 
 from __future__ import annotations
