@@ -336,6 +336,27 @@ def test_pause_holds_decoding_until_continue_and_flush_cache_follows_sglang(serv
     assert server.call("/flush_cache")[0] == 200
 
 
+def test_a_request_that_straddles_a_version_update_reports_its_spans(server):
+    sink = []
+    thread, _ = _in_thread(_stream_lines, server, {"input_ids": [5, 6], "sampling_params": LONG, "rid": "v"}, sink)
+    _wait_running(server, 1)
+    while len(sink) < 3:
+        time.sleep(0.01)
+    assert server.call("/update_weight_version", {"new_version": "9", "abort_all_requests": False})[0] == 200
+    seen = len(sink)
+    while len(sink) < seen + 3:
+        time.sleep(0.01)
+    assert server.call("/abort_request", {"rid": "v"})[0] == 200
+    thread.join(30)
+    meta = sink[-2]["meta_info"]
+    n = meta["completion_tokens"]
+    spans = meta["weight_versions"]
+    assert [s["version"] for s in spans] == ["default", "9"] and meta["weight_version"] == "9"
+    assert spans[0]["start"] == 0 and 0 < spans[0]["end"] == spans[1]["start"] < spans[1]["end"] == n
+    assert "weight_versions" not in sink[0]["meta_info"]  # one version so far
+    assert server.call("/update_weight_version", {"new_version": "default"})[0] == 200
+
+
 # --- health and info --------------------------------------------------------------------------------
 
 

@@ -63,6 +63,8 @@ class ServeState:
             kwargs["rid"] = item.rid
         if self.engine_streams:
             def on_token(token: int, log_prob: float) -> None:
+                if not progress.versions or progress.versions[-1][0] != self.weight_version:
+                    progress.versions.append((self.weight_version, len(progress.output_ids)))
                 progress.output_ids.append(token)
                 progress.log_probs.append(log_prob)
                 self.last_token_at = time.monotonic()
@@ -75,7 +77,7 @@ class ServeState:
             raise BadRequest(str(exc)) from exc
         finally:
             self.running.pop(item.rid, None)
-        progress.output_ids = list(out.output_ids)
+        progress.output_ids = list(out.output_ids)  # the engine's own record (same tokens when it streams)
         progress.log_probs = list(out.output_log_probs)
         progress.reason = out.finish_reason
         return progress
