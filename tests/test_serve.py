@@ -465,7 +465,7 @@ def test_sigterm_ends_running_streams_even_paused_ones_and_exits_cleanly(tiny_mo
         assert "Traceback" not in srv.log() and "shutting down" in srv.log()
 
 
-def test_serve_errors_are_one_line_and_exit_2(tmp_path, capsys):
+def test_serve_errors_are_one_line_and_exit_2(tmp_path, capsys, server, tiny_model_dir):
     assert main(["serve", "--hf-checkpoint", str(tmp_path), "--rollout-backend", "embeded"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --rollout-backend 'embeded': no installed plugin of that name implements "
@@ -473,3 +473,8 @@ def test_serve_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert "Did you mean 'embedded'?" in err
     assert main(["serve", "--hf-checkpoint", str(tmp_path / "missing"), "--port", "1"]) == 2
     assert "--hf-checkpoint" in capsys.readouterr().err
+    port = server.url.rsplit(":", 1)[1]  # taken by the running server
+    assert main(["serve", "--hf-checkpoint", str(tiny_model_dir), "--port", port]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: furlong serve: cannot listen on 127.0.0.1:{port} (")
+    assert errors[0].endswith("address already in use); choose another --port or --host.")
