@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import time
 from argparse import Namespace
 from typing import Any, Callable
+
+from aiohttp import web
 
 from furlong.hooks import PluginError
 
 from .responses import Progress
 from .schema import BadRequest, GenerateItem
 
-__all__ = ["ServeState", "state_of"]
+__all__ = ["STATE_KEY", "ServeState", "state_of"]
 
 
 class ServeState:
@@ -102,6 +103,9 @@ class ServeState:
             self.pause_mode = None
 
 
-def state_of(request: Any) -> ServeState:
-    """The :class:`ServeState` of the application serving the aiohttp ``request``."""
-    return request.app["state"]
+STATE_KEY = web.AppKey("state", ServeState)
+
+
+def state_of(request: web.Request) -> ServeState:
+    """The :class:`ServeState` of the application serving ``request``."""
+    return request.app[STATE_KEY]
