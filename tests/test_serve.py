@@ -465,6 +465,19 @@ def test_sigterm_ends_running_streams_even_paused_ones_and_exits_cleanly(tiny_mo
         assert "Traceback" not in srv.log() and "shutting down" in srv.log()
 
 
+@pytest.mark.parametrize("dtype, bf16, fp16", [("auto", True, False), ("bfloat16", True, False),
+                                               ("float16", False, True), ("float32", False, False)])
+def test_serve_flags_become_what_the_engine_plugin_reads(dtype, bf16, fp16):
+    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.serve.command import parse_serve_args
+
+    args = parse_serve_args(["--hf-checkpoint", "m", "--dtype", dtype, "--embedded-max-batch-size", "3"],
+                            get_plugin_manager())
+    assert (args.bf16, args.fp16, args.served_model_name, args.embedded_max_batch_size) == (bf16, fp16, "m", 3)
+    assert (args.host, args.port, args.rollout_backend, args.weight_version) == ("127.0.0.1", 30000, "embedded",
+                                                                                 "default")
+
+
 def test_serve_errors_are_one_line_and_exit_2(tmp_path, capsys, server, tiny_model_dir):
     assert main(["serve", "--hf-checkpoint", str(tmp_path), "--rollout-backend", "embeded"]) == 2
     err = capsys.readouterr().err
