@@ -171,8 +171,6 @@ def test_finish_reasons_and_stop_trimming(server, engine):
     ({"input_ids": []}, "/generate: empty prompt; give at least one character or token id per prompt"),
     ({"input_ids": [5, 100]}, "/generate: token id 100 of request 'x' is outside the vocabulary [0, 100)"),
     ({"text": ["a", "b"], "rid": ["x"]}, "/generate 'rid': 1 ids for 2 prompt(s); give one string per prompt"),
-    ({"text": ["a", "b"], "stream": True}, "/generate: streaming a batch is not supported by furlong serve; "
-                                            "stream one prompt per request"),
 ])
 def test_bad_generate_requests_are_400_with_a_clear_message(server, body, message):
     status, out = server.call("/generate", {"rid": "x", **body} if "input_ids" in body else body)
@@ -213,6 +211,18 @@ def test_streaming_sends_one_event_per_token_then_done(server, engine):
     assert final["output_ids"] == whole["output_ids"] and final["text"] == whole["text"]
     assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
     assert [t[1] for t in final["meta_info"]["output_token_logprobs"]] == whole["output_ids"]
+
+
+def test_a_streamed_batch_names_each_chunk_s_prompt(server):
+    prompts = ["abc", "The sky is"]
+    body = {"text": prompts, "sampling_params": [dict(GREEDY, max_new_tokens=4), dict(GREEDY, max_new_tokens=7)]}
+    events = _stream_lines(server, body, [])
+    whole = _generate(server, **body)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    for i in (0, 1):
+        mine = [e for e in events[:-1] if e["index"] == i]
+        assert mine[-1]["output_ids"] == whole[i]["output_ids"] and mine[-1]["meta_info"]["finish_reason"]
+        assert all(e["meta_info"]["finish_reason"] is None for e in mine[:-1])
 
 
 def test_incremental_streaming_sends_only_what_is_new(engine, tiny_model_dir):
