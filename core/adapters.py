@@ -73,7 +73,7 @@ class _RewardAdapter:
     @hookimpl
     async def reward(self, args, samples):
         if args.group_rm:
-            return list(await _resolve(self.fn(args, samples)))
+            return await _resolve(self.fn(args, samples))
         return [await _resolve(self.fn(args, sample)) for sample in samples]
 
 

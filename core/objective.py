@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from furlong.hooks import LossInput, LossOutput, PluginError, TrainBatch
+from furlong.hooks.contract import check_loss_output
 
 from . import reduction
 
@@ -186,22 +187,7 @@ class StepObjective:
         return [rows[i].to(device) for i in sample_ids]
 
     def _check_output(self, out: Any, masks: list) -> None:
-        where = f"{self.loss_flag} '{self.loss_name}'"
-        if not isinstance(out, LossOutput):
-            raise PluginError(f"{where}: `loss` returned {type(out).__name__}; it must return LossOutput.")
-        fields = [("token_loss", out.token_loss)] + [(f"token_metrics['{k}']", v) for k, v in out.token_metrics.items()]
-        for label, rows in fields:
-            if len(rows) != len(masks):
-                raise PluginError(
-                    f"{where}: {label} has {len(rows)} tensors for a micro-batch of {len(masks)} samples; "
-                    "return one per-token tensor per sample."
-                )
-            for i, (row, mask) in enumerate(zip(rows, masks)):
-                if row.numel() != mask.numel():
-                    raise PluginError(
-                        f"{where}: {label}[{i}] has {row.numel()} values but the sample has {mask.numel()} "
-                        "response tokens; return per-token values and let the core reduce them."
-                    )
+        check_loss_output(out, masks, f"{self.loss_flag} '{self.loss_name}'")
 
     def _custom_pg(self, out: LossOutput, sample_ids: list[int], masks: list, step) -> Any:
         import torch

@@ -18,6 +18,7 @@ from typing import Any, Iterable
 import pluggy
 
 from furlong.hooks import PROJECT, FilterResult, PluginError, specs
+from furlong.hooks.contract import check_filter_result
 
 from .discovery import EntryRecord, disabled_from_env, is_disabled, read_entry_points, split_names
 
@@ -47,6 +48,7 @@ class FurlongPluginManager(pluggy.PluginManager):
         self.broken: dict[str, tuple[EntryRecord | None, str]] = {}
         self.conflicts: dict[str, list[EntryRecord]] = {}
         self.path_flags: dict[str, str] = {}
+        self.set_aside_names: set[str] = set()
         self.trace_calls = os.environ.get(TRACE_ENV, "") not in ("", "0")
 
     # --- describing plugins ------------------------------------------------------------
@@ -107,7 +109,8 @@ class FurlongPluginManager(pluggy.PluginManager):
         if name in self.broken:
             record, error = self.broken[name]
             where = f"entry point '{record.name} = {record.value}' of {record.label}" if record else "it"
-            raise PluginError(f"{flag} '{name}': plugin '{name}' is broken: {where} failed to load: {error}")
+            verb = "was set aside" if name in self.set_aside_names else "failed to load"
+            raise PluginError(f"{flag} '{name}': plugin '{name}' is broken: {where} {verb}: {error}")
         plugin = self.get_plugin(name)
         if plugin is None:
             raise PluginError(self._unknown_message(hook, name, flag))
@@ -206,13 +209,7 @@ class FurlongPluginManager(pluggy.PluginManager):
             except Exception as exc:
                 raise PluginError(f"filter plugin '{name}' ({self.origin(name)}) failed: "
                                   f"{type(exc).__name__}: {exc}") from exc
-            if isinstance(result, bool):
-                result = FilterResult(keep=result)
-            if not isinstance(result, FilterResult):
-                raise PluginError(
-                    f"plugin '{name}' ({self.origin(name)}) returned {type(result).__name__} from `filter`; "
-                    "expected FilterResult or bool."
-                )
+            result = check_filter_result(result, f"plugin '{name}' ({self.origin(name)})")
             if not result.keep:
                 return result
         return FilterResult(keep=True)
@@ -281,18 +278,59 @@ class FurlongPluginManager(pluggy.PluginManager):
         try:
             self.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
-            self.broken[name] = (record, f"{type(exc).__name__}: {exc}")
+            self.broken[name] = (record, self._argument_names_message(plugin) or f"{type(exc).__name__}: {exc}")
             if self.get_plugin(name) is plugin:
                 self.unregister(name=name)
             return False
-        unknown = self._unknown_hooks(name)
-        if unknown:
+        problem = self._unknown_hooks(name) or self._no_hookimpl(name)
+        if problem:
             self.unregister(name=name)
-            self.broken[name] = (record, unknown)
+            self.broken[name] = (record, problem)
             return False
         if record is not None:
             self.records[name] = record
         return True
+
+    def set_aside(self, name: str, reason: str) -> None:
+        """Unregister plugin ``name`` and list it as broken for ``reason`` (it can no longer be chosen)."""
+        if self.get_plugin(name) is not None:
+            self.unregister(name=name)
+        self.broken[name] = (self.records.pop(name, None), reason)
+        self.set_aside_names.add(name)
+
+    def _argument_names_message(self, plugin: object) -> str:
+        """Why pluggy refused ``plugin``: each implementation argument its hookspec lacks, with the valid names."""
+        problems = []
+        for hook in specs.__all__:
+            if self.parse_hookimpl_opts(plugin, hook) is None:
+                continue
+            impl = getattr(plugin, hook)
+            try:
+                params = [p.name for p in inspect.signature(impl).parameters.values()
+                          if p.default is inspect.Parameter.empty
+                          and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            except (TypeError, ValueError):
+                continue
+            valid = getattr(self.hook, hook).spec.argnames
+            for arg in [a for a in params if a not in valid]:
+                close = difflib.get_close_matches(arg, valid, n=1)
+                problems.append(f"`{hook}({', '.join(params)})` takes '{arg}', which is not an argument of hook "
+                                f"`{hook}`; its arguments are: {', '.join(valid)} (take any of them, by name)"
+                                + (f"; did you mean '{close[0]}'?" if close else "."))
+        return " ".join(problems)
+
+    def _no_hookimpl(self, name: str) -> str:
+        """Why a plugin that implements no hook is useless, hinting at the ``@hookimpl`` decorator; else ""."""
+        plugin = self.get_plugin(name)
+        if self.get_hookcallers(plugin):
+            return ""
+        unmarked = [h for h in specs.__all__ if callable(getattr(plugin, h, None))]
+        if unmarked:
+            listed = ", ".join(f"`{h}`" for h in unmarked)
+            return (f"defines {listed} without @hookimpl: decorate each hook function with @hookimpl "
+                    "(from furlong.hooks import hookimpl).")
+        return ("implements no hook: no function is marked @hookimpl; decorate each hook function with @hookimpl "
+                "(from furlong.hooks import hookimpl) and name it after its hook (furlong.hooks.specs lists the hooks).")
 
     def _unknown_hooks(self, name: str) -> str:
         plugin = self.get_plugin(name)

@@ -207,31 +207,56 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
 def add_plugin_arguments(parser: argparse.ArgumentParser, pm) -> None:
     """Call each plugin's ``add_arguments`` separately, tracking who added which flag.
 
-    :raises PluginError: a flag added twice (names both owners: two plugins, or a plugin
-        and furlong core), or an ``add_arguments`` that raises.
+    A plugin that adds a flag furlong core or an earlier plugin already defines is set
+    aside (:meth:`~furlong.core.plugins.FurlongPluginManager.set_aside`): it adds no flag,
+    ``furlong plugins`` lists it as broken with the reason, and only a run that chooses it
+    fails. Each plugin first adds its flags to a scratch parser holding the flags defined
+    so far, so a clash leaves nothing half-added on ``parser``.
+
+    :raises PluginError: an ``add_arguments`` that raises or is ``async def``.
     """
     owner: dict[str, str] = {opt: "furlong core" for opt in parser._option_string_actions}
-    for impl in pm.hook.add_arguments.get_hookimpls():
+    for impl in list(pm.hook.add_arguments.get_hookimpls()):
         name = impl.plugin_name
+        clash = _flag_clash(impl, name, owner)
+        if clash:
+            pm.set_aside(name, clash)
+            continue
         before = set(parser._option_string_actions)
-        try:
-            result = impl.function(**({"parser": parser} if "parser" in impl.argnames else {}))
-            if inspect.isawaitable(result):
-                getattr(result, "close", lambda: None)()
-                raise PluginError(f"plugin '{name}': `add_arguments` may not be async def.")
-        except argparse.ArgumentError as exc:
-            flags = [opt for opt in (exc.argument_name or "").split("/") if opt in owner] or ["?"]
-            flag, first = flags[0], owner.get(flags[0], "another plugin")
-            if first == "furlong core":
-                message = (f"plugin '{name}' adds the flag {flag}, which furlong core already defines; "
-                           f"a plugin adds only new flags, prefixed with its name (--{name.replace('_', '-')}-...).")
-            else:
-                message = (f"plugins '{first}' and '{name}' both add the flag {flag}; a flag may be added by one "
-                           f"plugin only: uninstall one of them or skip one with --disable-plugins {name}.")
-            raise PluginError(message) from exc
-        except PluginError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - name the plugin at fault
-            raise PluginError(f"plugin '{name}' failed in `add_arguments`: {type(exc).__name__}: {exc}") from exc
+        _call_add_arguments(impl, name, parser)
         for opt in set(parser._option_string_actions) - before:
             owner[opt] = name
+
+
+def _flag_clash(impl, name: str, owner: dict[str, str]) -> str:
+    """Why plugin ``name``'s ``add_arguments`` cannot join the flags of ``owner`` (flag -> owner), or ""."""
+    scratch = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for i, opt in enumerate(owner):
+        scratch.add_argument(opt, dest=f"_defined_{i}")
+    try:
+        _call_add_arguments(impl, name, scratch)
+    except argparse.ArgumentError as exc:
+        flags = [opt for opt in (exc.argument_name or "").split("/") if opt in owner] or ["?"]
+        flag, first = flags[0], owner.get(flags[0], "another plugin")
+        if first == "furlong core":
+            return (f"`add_arguments` adds the flag {flag}, which furlong core already defines; a plugin adds only "
+                    f"new flags, prefixed with its name (--{name.replace('_', '-')}-...).")
+        return (f"`add_arguments` adds the flag {flag}, which plugin '{first}' already adds; a flag may be added "
+                f"by one plugin only: uninstall one of them or skip one with --disable-plugins NAME.")
+    return ""
+
+
+def _call_add_arguments(impl, name: str, parser: argparse.ArgumentParser) -> None:
+    """Run one plugin's ``add_arguments`` on ``parser``; argparse's ArgumentError passes through.
+
+    :raises PluginError: the implementation is ``async def`` or raises anything else.
+    """
+    try:
+        result = impl.function(**({"parser": parser} if "parser" in impl.argnames else {}))
+        if inspect.isawaitable(result):
+            getattr(result, "close", lambda: None)()
+            raise PluginError(f"plugin '{name}': `add_arguments` may not be async def.")
+    except (argparse.ArgumentError, PluginError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - name the plugin at fault
+        raise PluginError(f"plugin '{name}' failed in `add_arguments`: {type(exc).__name__}: {exc}") from exc
