@@ -18,7 +18,8 @@ from typing import Any, Iterable
 import pluggy
 
 from furlong.hooks import PROJECT, FilterResult, PluginError, specs
-from furlong.hooks.contract import check_filter_result
+from furlong.hooks.contract import (argument_name_problems, check_filter_result, no_hookimpl_problem,
+                                    unknown_hook_problems)
 
 from .discovery import EntryRecord, disabled_from_env, is_disabled, read_entry_points, split_names
 
@@ -278,11 +279,11 @@ class FurlongPluginManager(pluggy.PluginManager):
         try:
             self.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
-            self.broken[name] = (record, self._argument_names_message(plugin) or f"{type(exc).__name__}: {exc}")
+            self.broken[name] = (record, argument_name_problems(self, plugin) or f"{type(exc).__name__}: {exc}")
             if self.get_plugin(name) is plugin:
                 self.unregister(name=name)
             return False
-        problem = self._unknown_hooks(name) or self._no_hookimpl(name)
+        problem = unknown_hook_problems(self, plugin) or no_hookimpl_problem(self, plugin)
         if problem:
             self.unregister(name=name)
             self.broken[name] = (record, problem)
@@ -297,51 +298,6 @@ class FurlongPluginManager(pluggy.PluginManager):
             self.unregister(name=name)
         self.broken[name] = (self.records.pop(name, None), reason)
         self.set_aside_names.add(name)
-
-    def _argument_names_message(self, plugin: object) -> str:
-        """Why pluggy refused ``plugin``: each implementation argument its hookspec lacks, with the valid names."""
-        problems = []
-        for hook in specs.__all__:
-            if self.parse_hookimpl_opts(plugin, hook) is None:
-                continue
-            impl = getattr(plugin, hook)
-            try:
-                params = [p.name for p in inspect.signature(impl).parameters.values()
-                          if p.default is inspect.Parameter.empty
-                          and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            except (TypeError, ValueError):
-                continue
-            valid = getattr(self.hook, hook).spec.argnames
-            for arg in [a for a in params if a not in valid]:
-                close = difflib.get_close_matches(arg, valid, n=1)
-                problems.append(f"`{hook}({', '.join(params)})` takes '{arg}', which is not an argument of hook "
-                                f"`{hook}`; its arguments are: {', '.join(valid)} (take any of them, by name)"
-                                + (f"; did you mean '{close[0]}'?" if close else "."))
-        return " ".join(problems)
-
-    def _no_hookimpl(self, name: str) -> str:
-        """Why a plugin that implements no hook is useless, hinting at the ``@hookimpl`` decorator; else ""."""
-        plugin = self.get_plugin(name)
-        if self.get_hookcallers(plugin):
-            return ""
-        unmarked = [h for h in specs.__all__ if callable(getattr(plugin, h, None))]
-        if unmarked:
-            listed = ", ".join(f"`{h}`" for h in unmarked)
-            return (f"defines {listed} without @hookimpl: decorate each hook function with @hookimpl "
-                    "(from furlong.hooks import hookimpl).")
-        return ("implements no hook: no function is marked @hookimpl; decorate each hook function with @hookimpl "
-                "(from furlong.hooks import hookimpl) and name it after its hook (furlong.hooks.specs lists the hooks).")
-
-    def _unknown_hooks(self, name: str) -> str:
-        plugin = self.get_plugin(name)
-        known = set(specs.__all__)
-        bad = []
-        for caller in self.get_hookcallers(plugin) or []:
-            if caller.name not in known:
-                close = difflib.get_close_matches(caller.name, sorted(known), n=1)
-                bad.append(f"`{caller.name}`" + (f" (did you mean `{close[0]}`?)" if close else ""))
-        return "implements unknown hook " + ", ".join(bad) if bad else ""
-
 
 def conflict_message(name: str, records: list[EntryRecord]) -> str:
     owners = "; ".join(f"{r.label} -> {r.value}" for r in records)

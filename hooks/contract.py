@@ -10,13 +10,19 @@ the flag that chose it when there is one) and states the rule that was broken.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 from typing import Any, Sequence
 
+import pluggy
+
+from . import specs
 from .errors import PluginError
 from .types import AdvantageOutput, FilterResult, LossOutput, Sample, Status
 
 __all__ = [
+    "argument_name_problems",
     "check_advantage_output",
     "check_buffer_pop",
     "check_filter_result",
@@ -24,9 +30,66 @@ __all__ = [
     "check_loss_output",
     "check_reward_list",
     "check_reward_value",
+    "no_hookimpl_problem",
+    "unknown_hook_problems",
 ]
 
 GENERATED = (Status.COMPLETED, Status.TRUNCATED, Status.ABORTED, Status.FAILED)
+
+
+# --- registration: what pluggy's validation and the hook names say ------------------------
+
+
+def argument_name_problems(pm: pluggy.PluginManager, plugin: object) -> str:
+    """Why pluggy refuses ``plugin``: each implementation argument its hookspec lacks, with the valid names.
+
+    :param pm: a plugin manager holding furlong's hookspecs (``pm.add_hookspecs(furlong.hooks.specs)``).
+    :returns: one sentence per bad argument, or "" when every argument is a spec's.
+    """
+    problems = []
+    for hook in specs.__all__:
+        if pm.parse_hookimpl_opts(plugin, hook) is None:
+            continue
+        try:
+            params = [p.name for p in inspect.signature(getattr(plugin, hook)).parameters.values()
+                      if p.default is inspect.Parameter.empty
+                      and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (TypeError, ValueError):
+            continue
+        valid = getattr(pm.hook, hook).spec.argnames
+        for arg in [a for a in params if a not in valid]:
+            close = difflib.get_close_matches(arg, valid, n=1)
+            problems.append(f"`{hook}({', '.join(params)})` takes '{arg}', which is not an argument of hook "
+                            f"`{hook}`; its arguments are: {', '.join(valid)} (take any of them, by name)"
+                            + (f"; did you mean '{close[0]}'?" if close else "."))
+    return " ".join(problems)
+
+
+def unknown_hook_problems(pm: pluggy.PluginManager, plugin: object) -> str:
+    """The ``@hookimpl`` functions of a registered ``plugin`` whose names are no furlong hook, or ""."""
+    known = sorted(specs.__all__)
+    bad = []
+    for caller in pm.get_hookcallers(plugin) or []:
+        if caller.name not in known:
+            close = difflib.get_close_matches(caller.name, known, n=1)
+            bad.append(f"`{caller.name}`" + (f" (did you mean `{close[0]}`?)" if close else ""))
+    return "implements unknown hook " + ", ".join(bad) if bad else ""
+
+
+def no_hookimpl_problem(pm: pluggy.PluginManager, plugin: object) -> str:
+    """Why a registered ``plugin`` that implements no hook is useless, hinting at ``@hookimpl``; else ""."""
+    if pm.get_hookcallers(plugin):
+        return ""
+    unmarked = [h for h in specs.__all__ if callable(getattr(plugin, h, None))]
+    if unmarked:
+        listed = ", ".join(f"`{h}`" for h in unmarked)
+        return (f"defines {listed} without @hookimpl: decorate each hook function with @hookimpl "
+                "(from furlong.hooks import hookimpl).")
+    return ("implements no hook: no function is marked @hookimpl; decorate each hook function with @hookimpl "
+            "(from furlong.hooks import hookimpl) and name it after its hook (furlong.hooks.specs lists the hooks).")
+
+
+# --- what a hook returns ------------------------------------------------------------------
 
 
 def check_generate_result(result: Any, where: str, index: int | None) -> list[Sample]:
