@@ -28,6 +28,7 @@ __all__ = [
     "check_filter_result",
     "check_generate_result",
     "check_loss_output",
+    "check_loss_reducer_output",
     "check_reward_list",
     "check_reward_value",
     "no_hookimpl_problem",
@@ -251,6 +252,19 @@ def _log_prob(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return math.isfinite(value) and value <= 1e-4  # rounding may lift log(1) a hair above 0
+
+
+def check_loss_reducer_output(value: Any, where: str) -> Any:
+    """A ``loss_reducer`` result: one number as a float tensor (0-dim or one element).
+
+    :raises PluginError: anything else (the message names ``where``).
+    """
+    if not hasattr(value, "numel") or not hasattr(value, "dtype") or value.numel() != 1 \
+            or not value.dtype.is_floating_point:
+        shape = f" of shape {list(value.shape)}" if hasattr(value, "shape") else ""
+        raise PluginError(f"{where}: the reducer returned {type(value).__name__}{shape}; expected a 0-dim float "
+                          "tensor (the micro-batch's weighted sum).")
+    return value
 
 
 def _numel(row: Any) -> int:

@@ -40,7 +40,8 @@ import pluggy
 from . import specs
 from .config_report import ConfigReport
 from .contract import (argument_name_problems, check_advantage_output, check_buffer_pop, check_filter_result,
-                       check_generate_result, check_loss_output, check_reward_list, check_reward_value,
+                       check_generate_result, check_loss_output, check_loss_reducer_output, check_reward_list,
+                       check_reward_value,
                        no_hookimpl_problem, unknown_hook_problems)
 from .errors import PluginError
 from .markers import PROJECT
@@ -221,7 +222,7 @@ def _register(plugin: object, name: str) -> pluggy.PluginManager:
 
 
 _ORDER = ["add_arguments", "configure", "data_source", "generate", "reward", "filter", "buffer_pop", "abort",
-          "advantage", "loss"]
+          "advantage", "loss", "loss_reducer"]
 
 
 def _own_flag_defaults(pm: pluggy.PluginManager, plugin: object, name: str) -> argparse.Namespace:
@@ -388,6 +389,22 @@ def _check_loss(call: _Caller, args, engine) -> None:
         call.fail("token_loss carries no grad; compute it from batch.log_probs (or batch.values) without detaching")
 
 
+def _check_loss_reducer(call: _Caller, args, engine) -> None:
+    batch = loss_input()
+    values = [-(lp - old).exp() * a for lp, old, a in zip(batch.log_probs, batch.old_log_probs, batch.advantages)]
+    total_lengths = [12 + int(m.numel()) for m in batch.loss_masks]
+    value = check_loss_reducer_output(call(args=args, values=values, loss_masks=batch.loss_masks,
+                                           total_lengths=total_lengths), call.where)
+    if not math.isfinite(float(value.detach())):
+        call.fail(f"it returned {float(value.detach())}; the reduced loss must be finite")
+    if not value.requires_grad:
+        call.fail("its result carries no grad; reduce `values` without detaching them")
+    value.backward()
+    masked_grads = [lp.grad.reshape(-1)[m.reshape(-1) == 0] for lp, m in zip(batch.log_probs, batch.loss_masks)]
+    if any(bool((g != 0).any()) for g in masked_grads if g.numel()):
+        call.fail("a masked token (loss_masks 0) got a gradient; only trained tokens may count")
+
+
 def _finite_on_mask(call: _Caller, label: str, rows: list, masks: list) -> None:
     for i, (row, mask) in enumerate(zip(rows, masks)):
         values = row.detach().reshape(-1)[mask.reshape(-1) > 0].tolist()
@@ -418,6 +435,7 @@ _CHECKS: dict[str, Callable] = {
     "abort": _check_abort,
     "advantage": _check_advantage,
     "loss": _check_loss,
+    "loss_reducer": _check_loss_reducer,
     "on_rollout_end": _observer(rollout_id=0, metrics={"rollout/raw_reward": 0.5, "perf/rollout_time": 1.0}),
     "on_train_step_end": _observer(rollout_id=0, step=0, metrics={"train/loss": 0.1, "train/grad_norm": 1.0}),
     "on_eval_end": _observer(rollout_id=0, metrics={"eval/demo": 0.5}),

@@ -20,7 +20,7 @@ EXERCISED = {
     "check_reward_nonzero_std": ["filter"], "no_aborted": ["filter"], "pop_first": ["buffer_pop"],
     "single_turn": ["generate"], "jsonl": ["data_source"],
     "policy_loss": ["loss"], "sft_loss": ["loss"], "value_loss": ["loss"], "on_policy_distillation": ["advantage"],
-    "embedded": ["add_arguments"], "fsdp": ["configure"], "local": ["configure"], "fully_async": ["configure"],
+    "dr_grpo": ["configure", "loss_reducer"], "embedded": ["add_arguments"], "fsdp": ["configure"], "local": ["configure"], "fully_async": ["configure"],
     "ray": ["add_arguments", "configure"], "sync": [],
     "tensorboard": ["add_arguments", "on_eval_end", "on_rollout_end", "on_train_step_end"],
     "wandb": ["on_eval_end", "on_rollout_end", "on_train_step_end"],
@@ -50,6 +50,7 @@ def builtins(tmp_path_factory, reward_server):
     pm = get_plugin_manager()
     url = f"http://127.0.0.1:{reward_server.server_address[1]}/length"
     return pm, launch_args("--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label", "--rm-url", url,
+                           "--rollout-max-response-len", "16",
                            pm=pm)
 
 
@@ -159,6 +160,12 @@ def test_a_generate_plugin_gets_the_engine_it_is_given():
                                                                                    batch.advantages)])),
      "plugin 'careless' breaks the `loss` contract: token_loss[0] has 1 values but the sample has "
      "5 response tokens; return per-token values and let the core reduce them."),
+    (dict(loss_reducer=lambda values, loss_masks: sum(v.sum() for v in values)),
+     "plugin 'careless' breaks the `loss_reducer` contract: a masked token (loss_masks 0) got a gradient; only "
+     "trained tokens may count."),
+    (dict(loss_reducer=lambda values: [v.sum() for v in values]),
+     "plugin 'careless' breaks the `loss_reducer` contract: the reducer returned list; expected a 0-dim float "
+     "tensor (the micro-batch's weighted sum)."),
     (dict(add_arguments=lambda parser: parser.add_argument("--scale", type=float, default=1.0)),
      "plugin 'careless' breaks the `add_arguments` contract: it adds the flag --scale; a plugin's flags start with "
      "its name (--careless-...)."),
