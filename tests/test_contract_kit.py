@@ -190,3 +190,24 @@ def test_an_async_add_arguments_fails():
     assert _kit_error(_plugin(add_arguments=add_arguments)) == (
         "plugin 'careless' breaks the `add_arguments` contract: it is async def; `add_arguments` runs while the "
         "parser is built and may not be async.")
+
+
+def _documented_example(marker: str) -> types.ModuleType:
+    """The PLUGINS.md code block whose first line is ``# example: <marker>``, as a module."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "PLUGINS.md").read_text()
+    [source] = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if b.startswith(f"# example: {marker}")]
+    module = types.ModuleType(marker)
+    exec(compile(source, f"PLUGINS.md:{marker}", "exec"), module.__dict__)
+    return module
+
+
+def test_the_documented_two_turn_plugin_passes_the_kit():
+    module = _documented_example("two_turn")
+    engine = TinyEngine(reply=lambda prompt, call: "calc(1+1)" if call % 2 else " so \\boxed{2}")
+    assert check_plugin(module, "two_turn", engine=engine).checked == ["generate"]
+    # the second turn sees the tool's answer; its own budget is what the first turn and the tool left
+    assert engine.tokenizer.decode(engine.requests[1]["input_ids"]) == "What is 1+1?calc(1+1) = 2\n"
+    assert engine.requests[1]["max_new_tokens"] == 64 - len("calc(1+1)") - len(" = 2\n")
