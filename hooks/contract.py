@@ -207,19 +207,8 @@ def check_advantage_output(out: Any, loss_masks: Sequence, where: str) -> Advant
     if not isinstance(out, AdvantageOutput):
         raise PluginError(f"{where}: `advantage` returned {type(out).__name__}; it must return AdvantageOutput.")
     fields = [("advantages", out.advantages)] + ([("returns", out.returns)] if out.returns is not None else [])
-    for label, rows in fields:
-        if rows is None or len(rows) != len(loss_masks):
-            count = "None" if rows is None else f"{len(rows)} tensors"
-            raise PluginError(
-                f"{where}: {label} has {count} for a batch of {len(loss_masks)} samples; "
-                "return one per-token tensor per sample."
-            )
-        for i, (row, mask) in enumerate(zip(rows, loss_masks)):
-            if _numel(row) != _numel(mask):
-                raise PluginError(
-                    f"{where}: {label}[{i}] has {_numel(row)} values but sample {i} has {_numel(mask)} response "
-                    "tokens."
-                )
+    _check_per_token(fields, loss_masks, where, "a batch",
+                     lambda label, i, n, t: f"{label}[{i}] has {n} values but sample {i} has {t} response tokens.")
     return out
 
 
@@ -231,19 +220,22 @@ def check_loss_output(out: Any, loss_masks: Sequence, where: str) -> LossOutput:
     if not isinstance(out, LossOutput):
         raise PluginError(f"{where}: `loss` returned {type(out).__name__}; it must return LossOutput.")
     fields = [("token_loss", out.token_loss)] + [(f"token_metrics['{k}']", v) for k, v in out.token_metrics.items()]
+    _check_per_token(fields, loss_masks, where, "a micro-batch",
+                     lambda label, i, n, t: f"{label}[{i}] has {n} values but the sample has {t} response tokens; "
+                                            "return per-token values and let the core reduce them.")
+    return out
+
+
+def _check_per_token(fields: list, loss_masks: Sequence, where: str, batch: str, mismatch) -> None:
+    """Each ``(label, rows)`` of ``fields`` holds one tensor per mask, of the mask's length."""
     for label, rows in fields:
-        if len(rows) != len(loss_masks):
-            raise PluginError(
-                f"{where}: {label} has {len(rows)} tensors for a micro-batch of {len(loss_masks)} samples; "
-                "return one per-token tensor per sample."
-            )
+        if rows is None or len(rows) != len(loss_masks):
+            count = "None" if rows is None else f"{len(rows)} tensors"
+            raise PluginError(f"{where}: {label} has {count} for {batch} of {len(loss_masks)} samples; "
+                              "return one per-token tensor per sample.")
         for i, (row, mask) in enumerate(zip(rows, loss_masks)):
             if _numel(row) != _numel(mask):
-                raise PluginError(
-                    f"{where}: {label}[{i}] has {_numel(row)} values but the sample has {_numel(mask)} "
-                    "response tokens; return per-token values and let the core reduce them."
-                )
-    return out
+                raise PluginError(f"{where}: {mismatch(label, i, _numel(row), _numel(mask))}")
 
 
 def _log_prob(value: Any) -> bool:

@@ -53,11 +53,13 @@ def add_arguments(parser: ArgumentParser) -> None:
 
     Call: broadcast, once, when the launch parser is built (before parsing).
     Add an argument group named after the plugin; prefix every flag with the plugin name.
-    Flags of SPEC.md section 1 are defined by the core; do not add them again.
+    Flags of SPEC.md section 1 are defined by the core; do not add them again. A plugin
+    whose ``add_arguments`` adds a flag the core or another plugin already defines, raises,
+    or is ``async def`` is set aside: it adds none of its flags, ``furlong plugins`` lists it
+    as broken with the reason, and choosing it is an error.
 
     :param parser: the ``argparse.ArgumentParser`` of ``furlong train``.
     :returns: nothing.
-    :raises PluginError: raised by the core when two plugins add the same flag (names both).
     """
 
 

@@ -271,28 +271,30 @@ def test_a_plugin_redefining_a_core_flag_breaks_only_runs_that_choose_it(plugin_
         "furlong core already defines; a plugin adds only new flags, prefixed with its name (--clash-...).")
 
 
-def test_plugin_add_arguments_failure_names_the_plugin(plugin_manager, register_plugin):
+def test_a_plugin_whose_add_arguments_fails_is_set_aside(plugin_manager, register_plugin):
     class Broken:
         @hookimpl
         def add_arguments(self, parser):
             raise RuntimeError("boom")
 
     register_plugin(Broken(), "broken_flags")
+    build_parser(plugin_manager)  # other plugins' runs go on
+    assert plugin_manager.broken["broken_flags"][1] == "failed in `add_arguments`: RuntimeError: boom"
     with pytest.raises(PluginError) as excinfo:
-        build_parser(plugin_manager)
-    assert str(excinfo.value) == "plugin 'broken_flags' failed in `add_arguments`: RuntimeError: boom"
+        plugin_manager.chosen_impl("add_arguments", "broken_flags", "--rm-type")
+    assert str(excinfo.value) == ("--rm-type 'broken_flags': plugin 'broken_flags' is broken: it was set aside: "
+                                  "failed in `add_arguments`: RuntimeError: boom")
 
 
-def test_async_add_arguments_is_refused(plugin_manager, register_plugin):
+def test_an_async_add_arguments_is_set_aside(plugin_manager, register_plugin):
     class Async:
         @hookimpl
         async def add_arguments(self, parser):
             parser.add_argument("--async-width")
 
     register_plugin(Async(), "async_flags")
-    with pytest.raises(PluginError) as excinfo:
-        build_parser(plugin_manager)
-    assert str(excinfo.value) == "plugin 'async_flags': `add_arguments` may not be async def."
+    assert "--async-width" not in build_parser(plugin_manager)._option_string_actions
+    assert plugin_manager.broken["async_flags"][1] == "`add_arguments` may not be async def."
 
 
 def test_overlay_text_values_of_typed_flags_are_converted(tmp_path):

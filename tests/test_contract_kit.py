@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import types
 
 import pytest
@@ -13,7 +12,7 @@ from furlong.core.plugins import get_plugin_manager
 from furlong.hooks import AdvantageOutput, FilterResult, LossOutput, Status, hookimpl
 from furlong.hooks.testing import ContractViolation, TinyEngine, check_plugin
 
-from .test_rewards_remote_rm import RewardServer
+from .test_rewards_remote_rm import server  # noqa: F401 - the reward server fixture, for remote_rm
 
 # what the kit exercises of each built-in, and what it leaves to integration tests
 EXERCISED = {
@@ -32,23 +31,12 @@ EXERCISED = {
 
 
 @pytest.fixture(scope="module")
-def reward_server():
-    srv = RewardServer()
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-    thread.join(5)
-
-
-@pytest.fixture(scope="module")
-def builtins(tmp_path_factory, reward_server):
+def builtins(tmp_path_factory, server):
     """``(plugin manager, launch args)``: every installed plugin, the flags a run would give them."""
     data = tmp_path_factory.mktemp("kit") / "train.jsonl"
     data.write_text("".join(f'{{"prompt": "{i}+1=", "label": "{i + 1}"}}\n' for i in range(5)))
     pm = get_plugin_manager()
-    url = f"http://127.0.0.1:{reward_server.server_address[1]}/length"
+    url = f"http://127.0.0.1:{server.server_address[1]}/length"
     return pm, launch_args("--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label", "--rm-url", url,
                            "--rollout-max-response-len", "16",
                            pm=pm)

@@ -171,8 +171,8 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     :param pm: a :class:`furlong.core.plugins.FurlongPluginManager`; when given, every
         plugin's ``add_arguments`` is called (one at a time) so it can add its own group.
     :returns: a :class:`FurlongArgumentParser` (``allow_abbrev=False``, ``@FILE`` files).
-    :raises PluginError: two plugins (or a plugin and core) add the same flag (both are
-        named), or a plugin's ``add_arguments`` fails.
+    A plugin whose ``add_arguments`` redefines a flag, fails or is ``async def`` is set
+    aside (see :func:`add_plugin_arguments`).
     """
     from . import (flags_algo, flags_cluster, flags_eval, flags_logging, flags_model, flags_optim, flags_perf,
                    flags_plugins, flags_rollout, flags_rollout_extra, flags_sglang)
@@ -207,20 +207,19 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
 def add_plugin_arguments(parser: argparse.ArgumentParser, pm) -> None:
     """Call each plugin's ``add_arguments`` separately, tracking who added which flag.
 
-    A plugin that adds a flag furlong core or an earlier plugin already defines is set
-    aside (:meth:`~furlong.core.plugins.FurlongPluginManager.set_aside`): it adds no flag,
+    A plugin whose ``add_arguments`` adds a flag furlong core or an earlier plugin already
+    defines, raises, or is ``async def`` is set aside
+    (:meth:`~furlong.core.plugins.FurlongPluginManager.set_aside`): it adds no flag,
     ``furlong plugins`` lists it as broken with the reason, and only a run that chooses it
     fails. Each plugin first adds its flags to a scratch parser holding the flags defined
     so far, so a clash leaves nothing half-added on ``parser``.
-
-    :raises PluginError: an ``add_arguments`` that raises or is ``async def``.
     """
     owner: dict[str, str] = {opt: "furlong core" for opt in parser._option_string_actions}
     for impl in list(pm.hook.add_arguments.get_hookimpls()):
         name = impl.plugin_name
-        clash = _flag_clash(impl, name, owner)
-        if clash:
-            pm.set_aside(name, clash)
+        problem = _add_arguments_problem(impl, name, owner)
+        if problem:
+            pm.set_aside(name, problem)
             continue
         before = set(parser._option_string_actions)
         _call_add_arguments(impl, name, parser)
@@ -228,7 +227,7 @@ def add_plugin_arguments(parser: argparse.ArgumentParser, pm) -> None:
             owner[opt] = name
 
 
-def _flag_clash(impl, name: str, owner: dict[str, str]) -> str:
+def _add_arguments_problem(impl, name: str, owner: dict[str, str]) -> str:
     """Why plugin ``name``'s ``add_arguments`` cannot join the flags of ``owner`` (flag -> owner), or ""."""
     scratch = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for i, opt in enumerate(owner):
@@ -243,6 +242,8 @@ def _flag_clash(impl, name: str, owner: dict[str, str]) -> str:
                     f"new flags, prefixed with its name (--{name.replace('_', '-')}-...).")
         return (f"`add_arguments` adds the flag {flag}, which plugin '{first}' already adds; a flag may be added "
                 f"by one plugin only: uninstall one of them or skip one with --disable-plugins NAME.")
+    except PluginError as exc:
+        return str(exc).removeprefix(f"plugin '{name}'").removeprefix(":").strip()
     return ""
 
 
