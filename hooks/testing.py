@@ -169,6 +169,11 @@ def check_plugin(plugin: object, name: str, args: argparse.Namespace | None = No
         except PluginError as exc:  # a rule of furlong.hooks.contract, the one the core applies
             rule = str(exc).removeprefix(f"plugin '{name}'").removeprefix(":").strip()
             raise ContractViolation(f"plugin '{name}' breaks the `{hook}` contract: {rule}") from None
+        except ContractViolation:
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. a data source method that raises
+            raise ContractViolation(f"plugin '{name}': what `{hook}` returned raised on the kit's realistic "
+                                    f"input: {type(exc).__name__}: {exc}") from exc
         report.checked.append(hook)
     return report
 

@@ -46,6 +46,33 @@ def test_the_table_names_every_built_in(furlong_entry_points):
     assert sorted(EXERCISED) == sorted(furlong_entry_points)
 
 
+def test_the_kit_knows_every_hook():
+    from furlong.hooks import specs, testing
+
+    assert sorted([*testing._CHECKS, *testing.NOT_EXERCISED]) == sorted(specs.__all__)
+
+
+def test_a_data_source_whose_state_does_not_round_trip_fails(tmp_path):
+    class Rows:
+        def __init__(self):
+            self.offset = 0
+
+        def next_rows(self, k):
+            self.offset += k
+            return [{"prompt": f"{self.offset - k + i}+1="} for i in range(k)]
+
+        def state(self):
+            return {"offset": self.offset}
+
+        def load_state(self, state):
+            pass  # forgets the position
+
+    args = launch_args("--prompt-data", str(tmp_path / "unused.jsonl"))
+    assert _kit_error(_plugin(data_source=lambda args: Rows()), args=args) == (
+        "plugin 'careless' breaks the `data_source` contract: next_rows(2) after load_state(state()) returned other "
+        "rows; a resumed run must see the same data.")
+
+
 @pytest.mark.parametrize("name", sorted(EXERCISED))
 def test_every_built_in_plugin_passes_the_kit(builtins, name):
     pm, args = builtins
