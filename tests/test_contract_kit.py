@@ -47,9 +47,10 @@ def test_the_table_names_every_built_in(furlong_entry_points):
 
 
 def test_the_kit_knows_every_hook():
-    from furlong.hooks import specs, testing
+    from furlong.hooks import specs
+    from furlong.hooks.testing import checks
 
-    assert sorted([*testing._CHECKS, *testing.NOT_EXERCISED]) == sorted(specs.__all__)
+    assert sorted([*checks.CHECKS, *checks.NOT_EXERCISED]) == sorted(specs.__all__)
 
 
 def test_a_data_source_whose_state_does_not_round_trip_fails(tmp_path):
