@@ -121,3 +121,31 @@ def test_a_reward_of_the_wrong_shape_is_blamed_on_the_plugin(tmp_path, plugin_ma
     register_plugin(_Reward(returns), "careless")
     args = _args(tmp_path, "--rm-type", "careless", "--group-rm")
     assert _rollout_error(args, plugin_manager) == expected
+
+
+def test_through_the_cli_it_is_one_message_and_exit_2(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """A Miles-style generate function whose loss_mask is one token short, run by ``furlong train``."""
+    import sys
+
+    from furlong.core.cli import main
+
+    (tmp_path / "short_mask_gen.py").write_text(
+        "def generate(args, sample, sampling_params):\n"
+        "    sample.tokens, sample.response, sample.response_length = [5, 6, 7, 8], 'ab', 2\n"
+        "    sample.loss_mask, sample.rollout_log_probs, sample.status = [1], [-0.1, -0.2], 'completed'\n"
+        "    return sample\n")
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--input-key", "prompt",
+                 "--label-key", "label", "--rm-type", "math", "--num-rollout", "1", "--rollout-batch-size", "1",
+                 "--n-samples-per-prompt", "2", "--global-batch-size", "2", "--rollout-max-response-len", "4",
+                 "--custom-generate-function-path", "short_mask_gen.generate"])
+    err = capsys.readouterr().err
+    sys.modules.pop("short_mask_gen", None)
+    assert code == 2 and "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: rollout 0 failed: generate plugin 'short_mask_gen.generate' (from --custom-generate-function-path) "
+        "returned sample 0 whose per-token fields disagree: len(loss_mask)=1 != response_length=2; loss_mask and "
+        "rollout_log_probs hold one entry per response token (the last response_length ids of tokens)."]
