@@ -82,9 +82,9 @@ def _plugins(command: str, argv: list[str]) -> int:
     parser.add_argument("--disable-plugins", action="append", default=[], help="NAME or DIST:NAME to skip")
     opts = parser.parse_args(argv)
     pm = get_plugin_manager(split_names(opts.disable_plugins))
-    from .config.parser import build_parser
+    from .config.parser import set_aside_bad_plugin_flags
 
-    build_parser(pm)  # sets aside a plugin whose flags clash with the core's or another plugin's
+    set_aside_bad_plugin_flags(pm)
     rows = pm.describe()
     if opts.hook:
         if not hasattr(pm.hook, opts.hook):

@@ -165,11 +165,12 @@ def machine_defaults(args: argparse.Namespace, pm=None) -> dict:
     return out
 
 
-def build_parser(pm=None) -> argparse.ArgumentParser:
+def build_parser(pm=None, dev: DeviceDefaults | None = None) -> argparse.ArgumentParser:
     """The parser of ``furlong train``: every flag of SPEC.md section 1, in the Miles groups.
 
     :param pm: a :class:`furlong.core.plugins.FurlongPluginManager`; when given, every
         plugin's ``add_arguments`` is called (one at a time) so it can add its own group.
+    :param dev: the machine-dependent defaults (default: probe this machine, which imports torch).
     :returns: a :class:`FurlongArgumentParser` (``allow_abbrev=False``, ``@FILE`` files).
     A plugin whose ``add_arguments`` redefines a flag, fails or is ``async def`` is set
     aside (see :func:`add_plugin_arguments`).
@@ -177,7 +178,7 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     from . import (flags_algo, flags_cluster, flags_eval, flags_logging, flags_model, flags_optim, flags_perf,
                    flags_plugins, flags_rollout, flags_rollout_extra, flags_sglang)
 
-    dev = device_defaults(pm)
+    dev = dev or device_defaults(pm)
     parser = FurlongArgumentParser(
         prog="furlong train",
         usage="%(prog)s [-h] [FLAG ...] [@FILE ...]",
@@ -202,6 +203,16 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     if pm is not None:
         add_plugin_arguments(parser, pm)
     return parser
+
+
+def set_aside_bad_plugin_flags(pm) -> None:
+    """Set aside the plugins whose ``add_arguments`` cannot join the parser, without probing the machine.
+
+    For ``furlong plugins``: the flags' names do not depend on the machine, only their
+    defaults, so the CPU defaults stand in and torch is not imported.
+    """
+    build_parser(pm, DeviceDefaults(cuda=False, gpus_per_node=1, attn_implementation="sdpa", bf16=False,
+                                    distributed_backend="gloo", rollout_backend="embedded", train_backend="fsdp"))
 
 
 def add_plugin_arguments(parser: argparse.ArgumentParser, pm) -> None:
