@@ -255,7 +255,7 @@ def _readme(name: str, dist: str, package: str, hooks: list[str]) -> str:
     listed = "\n".join(f"- `{h}`: {(inspect.getdoc(getattr(specs, h)) or '').splitlines()[0]}" for h in hooks)
     return f"""# {dist}
 
-A [furlong](https://github.com/) plugin named `{name}`, implementing:
+A furlong plugin named `{name}`, implementing:
 
 {listed}
 

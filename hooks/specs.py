@@ -53,7 +53,7 @@ def add_arguments(parser: ArgumentParser) -> None:
 
     Call: broadcast, once, when the launch parser is built (before parsing).
     Add an argument group named after the plugin; prefix every flag with the plugin name.
-    Flags of SPEC.md section 1 are defined by the core; do not add them again. A plugin
+    Flags the core defines (`furlong train --help`, docs/flags.md) are not added again. A plugin
     whose ``add_arguments`` adds a flag the core or another plugin already defines, raises,
     or is ``async def`` is set aside: it adds none of its flags, ``furlong plugins`` lists it
     as broken with the reason, and choosing it is an error.

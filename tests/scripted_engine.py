@@ -29,8 +29,10 @@ class ScriptedEngine:
         self.requests.append({"input_ids": list(input_ids), **sampling_params})
         text, reason = self.answer(self.tokenizer.decode(input_ids), len(self.requests))
         ids = [ord(c) for c in text]
+        budget = sampling_params["max_new_tokens"]
+        budget = 128 if budget is None else budget  # SGLang's default
         out = []
-        for tok in ids[: sampling_params["max_new_tokens"]]:
+        for tok in ids[:budget]:
             if self.delay:
                 await asyncio.sleep(self.delay)
             if self._aborted.is_set():
@@ -38,7 +40,7 @@ class ScriptedEngine:
                 break
             out.append(tok)
         else:
-            if len(ids) > sampling_params["max_new_tokens"]:
+            if len(ids) > budget:
                 reason = "length"
         return GenerateOutput(output_ids=out, output_log_probs=[-0.5] * len(out), finish_reason=reason,
                               weight_version=str(self.version), text=self.tokenizer.decode(out))
