@@ -28,13 +28,17 @@ GROUP_TITLES: tuple[str, ...] = (
     "logging",
     "debugging",
     "plugins",
+    "Miles",
+    "Megatron-LM",
 )
 
 DESCRIPTION = """\
 Run the RL loop: generate, score, filter, compute advantages, optimize, sync weights.
 Flags follow Miles' names and groups; --sglang-* and --router-* flags are passed to
 SGLang and its router; arguments can be read from a file with @FILE (one or more flags
-per line, '#' starts a comment)."""
+per line, '#' starts a comment). Every flag of Megatron-LM's parser and of Miles is
+accepted too (not listed here; see docs/flags.md): Megatron's go to the train backend,
+Miles flags furlong does not implement are refused when given."""
 
 
 class FurlongArgumentParser(argparse.ArgumentParser):
@@ -174,8 +178,8 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     :raises PluginError: two plugins (or a plugin and core) add the same flag (both are
         named), or a plugin's ``add_arguments`` fails.
     """
-    from . import (flags_algo, flags_cluster, flags_eval, flags_logging, flags_model, flags_optim, flags_perf,
-                   flags_plugins, flags_rollout, flags_rollout_extra, flags_sglang)
+    from . import (flags_algo, flags_cluster, flags_compat, flags_eval, flags_logging, flags_model, flags_optim,
+                   flags_perf, flags_plugins, flags_rollout, flags_rollout_extra, flags_sglang)
 
     dev = device_defaults(pm)
     parser = FurlongArgumentParser(
@@ -201,6 +205,9 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     flags_plugins.add(groups["plugins"], dev)
     if pm is not None:
         add_plugin_arguments(parser, pm)
+    # last, so a flag furlong or a plugin defines (--tensorboard-dir) is theirs, not the table's
+    flags_compat.add_miles(groups["Miles"], dev)
+    flags_compat.add_megatron(groups["Megatron-LM"], dev)
     return parser
 
 
