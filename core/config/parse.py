@@ -194,7 +194,7 @@ def _parse_collecting(parser, tokens: list[str]) -> tuple[argparse.Namespace, li
             flag = match.group(1) if match else None
             action = parser._option_string_actions.get(flag) if flag else None
             kept = _without(tokens, set(action.option_strings)) if action else tokens
-            problems.append(str(exc) if str(exc).endswith(".") else f"{exc}.")
+            problems.append(str(exc))
             if kept == tokens:
                 raise ConfigError(problems) from None
             tokens = kept
@@ -237,8 +237,9 @@ def _unrecognized(extras: list[str], actions: dict) -> list[str]:
     for token in extras:
         if token.startswith("-") and not _is_number(token):
             flag = token.split("=", 1)[0]
-            close = difflib.get_close_matches(flag, [o for o in actions if o.startswith("--")], n=1,
-                                              cutoff=SUGGEST_CUTOFF)
+            longer = [o for o in actions if o.startswith(flag + "-")]  # an abbreviation of one flag
+            close = longer if len(longer) == 1 else difflib.get_close_matches(
+                flag, [o for o in actions if o.startswith("--")], n=1, cutoff=SUGGEST_CUTOFF)
             hint = f" (did you mean {close[0]}? flags are never abbreviated)" if close else ""
             problems.append(f"unrecognized argument {flag}{hint}.")
             previous_flag = True

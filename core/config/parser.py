@@ -29,7 +29,6 @@ GROUP_TITLES: tuple[str, ...] = (
     "debugging",
     "plugins",
     "Miles",
-    "Megatron-LM",
 )
 
 DESCRIPTION = """\
@@ -207,7 +206,7 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
         add_plugin_arguments(parser, pm)
     # last, so a flag furlong or a plugin defines (--tensorboard-dir) is theirs, not the table's
     flags_compat.add_miles(groups["Miles"], dev)
-    flags_compat.add_megatron(groups["Megatron-LM"], dev)
+    flags_compat.add_megatron(parser.add_argument_group("Megatron-LM"), dev)  # hidden from --help
     return parser
 
 

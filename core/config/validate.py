@@ -100,7 +100,7 @@ def _normalize(args, f: ConfigReport, given: set[str]) -> None:
 def _basic_values(args, f: ConfigReport) -> None:
     if args.num_rollout is None and args.num_epoch is None:
         f.error("--num-rollout is required: give the number of rollout iterations to run "
-                "(it used to default to 1000; --num-rollout 0 only evaluates), or --num-epoch.")
+                "(it used to default to 1000; --num-rollout 0 only evaluates).")
     elif args.num_rollout is not None and args.num_epoch is not None:
         f.info("--num-rollout is given: --num-epoch is ignored.")
     elif args.num_rollout is None:
