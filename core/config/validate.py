@@ -13,6 +13,7 @@ import os
 
 from furlong.hooks.config_report import ConfigReport
 
+from ..miles_paths import miles_builtin
 from . import rules
 from .knobs import KNOBS, dp_problems, resolve_knobs
 from .unsupported import unsupported_problems
@@ -72,12 +73,14 @@ def _normalize(args, f: ConfigReport, given: set[str]) -> None:
     """Spellings that mean the same thing become one."""
     args.disable_plugins = [p.strip() for item in args.disable_plugins or [] for p in item.split(",") if p.strip()]
     path = args.rollout_function_path
-    if path and path.endswith(FULLY_ASYNC_SUFFIX):
-        f.info(f"--rollout-function-path {path} selects the built-in fully async rollout (--rollout fully_async).")
+    builtin = "fully_async" if path and path.endswith(FULLY_ASYNC_SUFFIX) else miles_builtin(path, "rollout")
+    if builtin is not None:
+        f.info(f"--rollout-function-path {path}: furlong's built-in plugin '{builtin}' does this; using it "
+               f"(--rollout {builtin}).")
         args.rollout_function_path = None
-        args.fully_async = True
+        args.fully_async = args.fully_async or builtin == "fully_async"
         if "rollout" not in given:
-            args.rollout = "fully_async"
+            args.rollout = builtin
     if args.fully_async and args.rollout != "fully_async":
         if "rollout" in given:
             f.error(f"--fully-async and --rollout {args.rollout} both choose the rollout; pass only one.")
