@@ -126,7 +126,10 @@ def report_megatron_flags(args: Namespace, backend: str, plugin: Any, report: Co
 
 
 def _at_default(args: Namespace, dest: str, default: Any) -> bool:
-    return getattr(args, "megatron_args", {}).get(dest, getattr(args, dest, None)) == default
+    value = getattr(args, "megatron_args", {}).get(dest, getattr(args, dest, None))
+    if isinstance(value, list) and not isinstance(default, list):  # one value per layer or type
+        return all(v == default for v in value)
+    return value == default
 
 
 def _hf_config(args: Namespace) -> dict | None:

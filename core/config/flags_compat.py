@@ -67,7 +67,7 @@ def add_miles(g, dev) -> None:
              help="Megatron: how Megatron weights are converted to HF names for the engines.")
     megatron(g, "--data-pad-size-multiplier", type=int, default=128,
              help="Megatron: pad packed sequences to a multiple of TP size x this.")
-    defined = set(g._option_string_actions) | {a.dest for a in g._actions}
+    defined = set(g._option_string_actions)
     for row in miles_table().rows:
         if row.flags[0].startswith(("--sglang-", "--router-", "--eval-sglang-")):
             continue  # passed through to SGLang and its router
@@ -75,7 +75,7 @@ def add_miles(g, dev) -> None:
         if action is not None:
             setattr(action, MEGATRON_ONLY, row.dest in MILES_BACKEND_FLAGS)
             action.miles_refused = row.dest not in MILES_BACKEND_FLAGS
-            defined |= set(action.option_strings) | {action.dest}
+            defined |= set(action.option_strings)
 
 
 def add_megatron(g, dev) -> None:
@@ -84,12 +84,12 @@ def add_megatron(g, dev) -> None:
     The attribute exists only when the flag is given (its default is Megatron's, in the
     table): ``args.megatron_args`` and ``args.megatron_argv`` hold the given ones.
     """
-    defined = set(g._option_string_actions) | {a.dest for a in g._actions}
+    defined = set(g._option_string_actions)
     for row in megatron_table().rows:
         action = add_row(g, row, defined, help=argparse.SUPPRESS, default=argparse.SUPPRESS)
         if action is not None:
             setattr(action, MEGATRON_ONLY, True)
-            defined |= set(action.option_strings) | {action.dest}
+            defined |= set(action.option_strings)
 
 
 def miles_refused(parser) -> list[tuple[str, str, tuple]]:

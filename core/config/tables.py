@@ -95,14 +95,15 @@ _TYPES = {"int": int, "float": float}
 
 
 def add_row(group, row: FlagRow, defined: set[str], **extra) -> argparse.Action | None:
-    """Add ``row`` to argument group ``group`` with the row's arity, unless one of its
-    option strings or its attribute is in ``defined`` (then None).
+    """Add ``row``'s option strings not in ``defined`` to argument group ``group``, with the
+    row's arity (None when every one is defined already). Two rows may share an attribute
+    (Megatron's aliases), as in the program they come from.
 
     Values are converted with ``int``/``float`` when the row says so; any other converter
     keeps the text as given (the backend that uses the flag reads it).
     ``extra`` goes to ``add_argument`` (``help``...).
     """
-    if defined & set(row.flags) or row.dest in defined:
+    if defined & set(row.flags):
         return None
     opts = [o for o in row.flags if not (row.kind == "bool_optional" and o.startswith("--no-"))]
     kwargs: dict[str, Any] = {"dest": row.dest, "default": row.default, **extra}
