@@ -45,8 +45,6 @@ ALLOWED = {
     "sglang_router_port": "sglang engine plugin",
     "sglang_router_policy": "sglang engine plugin",
     "sglang_router_request_timeout_secs": "sglang engine plugin",
-    # an alias: validation turns it into --rollout fully_async (and back), which selects the plugin
-    "fully_async": "alias of --rollout fully_async",
     # train/entropy_loss is logged at every step whatever --entropy-coef is: nothing to turn on
     "observe_training_entropy": "entropy is always logged",
     # any value but 'default' is a validation error: it needs --use-session-server, which is refused

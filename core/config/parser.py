@@ -163,8 +163,8 @@ def machine_defaults(args: argparse.Namespace, pm=None) -> dict:
     A flag counts when it was not given (``args.explicit_args``) and still holds the
     machine-dependent default (a later rule, such as ``--fp16`` turning ``bf16`` off,
     takes it out); ``on_cuda`` is the value a GPU machine would give it when it differs.
-    ``data_parallel_size`` is listed when the train backend came from the machine: fsdp
-    shards data over the whole world, megatron over world / (TP x PP x CP).
+    ``data_parallel_size`` is listed when the train backend came from a machine without
+    CUDA: fsdp shards data over the whole world, megatron over world / (TP x PP x CP).
     Shown by ``furlong train --print-config`` as ``machine_defaults``.
     """
     dev = device_defaults(pm)
@@ -176,7 +176,7 @@ def machine_defaults(args: argparse.Namespace, pm=None) -> dict:
             out[dest] = {"value": value, "probe": dev.probes[name]}
             if not dev.cuda and str(ON_CUDA[name]).split(" ")[0] != str(value):
                 out[dest]["on_cuda"] = ON_CUDA[name]
-    if "train_backend" in out and getattr(args, "data_parallel_size", None) is not None:
+    if "train_backend" in out and not dev.cuda and getattr(args, "data_parallel_size", None) is not None:
         out["data_parallel_size"] = _dp_note(args)
     if "executor" not in given and hasattr(args, "actor_num_nodes"):
         from .validate import default_executor
