@@ -49,7 +49,7 @@ ARCHITECTURE = frozenset({
 ARCHITECTURE_PREFIXES = ("dsa_indexer_", "dsv4_", "linear_", "mamba_")
 MATH = frozenset({
     "fp8", "first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
-    "calculate_per_token_loss", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type",
+    "calculate_per_token_loss", "moe_aux_loss_coeff", "moe_z_loss_coeff",
     "moe_input_jitter_eps", "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
     "moe_router_bias_update_rate", "moe_router_force_load_balancing", "moe_router_force_biased",
     "moe_router_freeze_gate", "freeze_e_score_correction_bias",
@@ -58,7 +58,7 @@ MATH = frozenset({
     "decoupled_lr", "decoupled_min_lr", "start_weight_decay", "end_weight_decay", "weight_decay_incr_style",
     "apply_wd_to_qk_layernorm", "no_weight_decay_cond_type", "loss_scale", "initial_loss_scale", "min_loss_scale",
     "loss_scale_window", "hysteresis", "grad_reduce_in_bf16", "main_grads_dtype", "main_params_dtype",
-    "exp_avg_dtype", "exp_avg_sq_dtype", "use_precision_aware_optimizer", "fp16_lm_cross_entropy",
+    "exp_avg_dtype", "exp_avg_sq_dtype", "fp16_lm_cross_entropy",
     # Miles' backend flags that change the model or its numerics
     "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "custom_megatron_init_path", "custom_model_provider_path", "extra_high_precision_layers_megatron",
     "freeze_indexer",
@@ -98,7 +98,7 @@ def report_megatron_flags(args: Namespace, backend: str, plugin: Any, report: Co
     for flag in given:
         row = options.get(flag)
         dest = row.dest if row else flag.lstrip("-").replace("-", "_")
-        if support.honoured(dest):
+        if support.honoured(dest, _value(args, dest)):
             continue
         kind = effect(dest)
         if kind == "architecture" and support.architecture_from_hf:
@@ -125,8 +125,12 @@ def report_megatron_flags(args: Namespace, backend: str, plugin: Any, report: Co
                      f"{' '.join(wrong)}; remove them or use a backend that supports them (--train-backend megatron).")
 
 
+def _value(args: Namespace, dest: str) -> Any:
+    return getattr(args, "megatron_args", {}).get(dest, getattr(args, dest, None))
+
+
 def _at_default(args: Namespace, dest: str, default: Any) -> bool:
-    value = getattr(args, "megatron_args", {}).get(dest, getattr(args, dest, None))
+    value = _value(args, dest)
     if isinstance(value, list) and not isinstance(default, list):  # one value per layer or type
         return all(v == default for v in value)
     return value == default

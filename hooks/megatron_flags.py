@@ -34,6 +34,8 @@ class MegatronFlags:
 
     ``honours``: the flag attributes (``dest``, e.g. ``"moe_router_topk"``) the backend
     reads and acts on, or ``"all"``. ``except_``: attributes taken out of ``"all"``.
+    ``at_values``: ``{dest: values}`` of flags the backend honours at those values only
+    (fsdp trains without dropout: ``{"attention_dropout": (0.0,)}``).
     ``architecture_from_hf``: the backend builds the model from the ``--hf-checkpoint``
     config, so flags that describe the architecture (layer counts, MoE, MLA, rotary...)
     are not read but are checked against that config where it can be read: a feature the
@@ -43,10 +45,13 @@ class MegatronFlags:
 
     honours: frozenset[str] | Literal["all"] = frozenset()
     except_: frozenset[str] = frozenset()
+    at_values: dict[str, tuple] = attrs.field(factory=dict)
     architecture_from_hf: bool = False
 
-    def honoured(self, dest: str) -> bool:
-        """Does the backend act on the Megatron flag attribute ``dest``?"""
+    def honoured(self, dest: str, value=None) -> bool:
+        """Does the backend act on the Megatron flag attribute ``dest`` (given as ``value``)?"""
         if dest in self.except_:
             return False
+        if dest in self.at_values:
+            return value in self.at_values[dest]
         return self.honours == "all" or dest in self.honours

@@ -168,7 +168,8 @@ def _megatron_report(tmp_path, argv, support, config=None):
 
 DENSE = {"model_type": "llama", "num_hidden_layers": 2}
 MOE_MLA = {"model_type": "deepseek_v3", "n_routed_experts": 8, "kv_lora_rank": 16}
-FSDP_LIKE = MegatronFlags(honours=frozenset({"lora_rank"}), architecture_from_hf=True)
+FSDP_LIKE = MegatronFlags(honours=frozenset({"lora_rank"}), at_values={"attention_dropout": (0.0,)},
+                          architecture_from_hf=True)
 WARN = "--train-backend b ignores these Megatron flags, which do not change results with it: "
 ERR = "--train-backend b cannot honour these Megatron flags, which would change the model or the math: "
 TAIL = "; remove them or use a backend that supports them (--train-backend megatron)."
@@ -181,6 +182,8 @@ TAIL = "; remove them or use a backend that supports them (--train-backend megat
     (["--fp8-format", "e4m3", "--moe-aux-loss-coeff", "0.01", "--lora-rank", "8"], FSDP_LIKE, DENSE, [],
      [ERR + "--fp8-format --moe-aux-loss-coeff" + TAIL]),
     (["--moe-aux-loss-coeff", "0"], FSDP_LIKE, DENSE, [WARN + "--moe-aux-loss-coeff."], []),  # Megatron's default
+    (["--attention-dropout", "0.0"], FSDP_LIKE, DENSE, [], []),  # honoured at that value
+    (["--attention-dropout", "0.2"], FSDP_LIKE, DENSE, [], [ERR + "--attention-dropout" + TAIL]),
     (["--num-experts", "8", "--multi-latent-attention", "--num-layers", "2"], FSDP_LIKE, DENSE,
      [WARN + "--num-layers."],
      [ERR + "--num-experts (the model has no experts) --multi-latent-attention (the model has no multi-latent "

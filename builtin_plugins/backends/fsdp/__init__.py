@@ -8,10 +8,12 @@ from .backend import FSDPBackend
 
 __all__ = ["MEGATRON_FLAGS", "FSDPBackend", "configure", "train_backend"]
 
-# Of the backend flags only LoRA's are read (peft, lora.py); the model comes from the
+# Of the backend flags only LoRA's are read (peft, lora.py); the model trains without
+# dropout (eval mode), which is what dropout 0 asks; the model comes from the
 # --hf-checkpoint config, against which the core checks the architecture flags given.
-MEGATRON_FLAGS = MegatronFlags(honours=frozenset({"lora_rank", "lora_alpha", "lora_dropout", "target_modules",
-                                                  "exclude_modules"}), architecture_from_hf=True)
+MEGATRON_FLAGS = MegatronFlags(
+    honours=frozenset({"lora_rank", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules"}),
+    at_values={"attention_dropout": (0.0,), "hidden_dropout": (0.0,)}, architecture_from_hf=True)
 
 
 @hookimpl
