@@ -38,6 +38,7 @@ class EngineHealthMonitor:
         self.engines = list(engines)
         self.interval, self.timeout, self.first_wait = interval, timeout, first_wait
         self.restarts = 0
+        self._reported: set[int] = set()  # engines without recover() already reported unhealthy
         self._task: asyncio.Task | None = None
         self._running = asyncio.Event()
         self._waited = False
@@ -82,10 +83,14 @@ class EngineHealthMonitor:
             if not self._running.is_set():
                 break
             if await self._healthy(engine):
+                self._reported.discard(index)
                 continue
             who = getattr(engine, "who", f"engine {index}")
             if not hasattr(engine, "recover"):
-                log.error("%s failed its health check and cannot be restarted (its plugin has no recover()).", who)
+                if index not in self._reported:
+                    log.error("%s failed its health check and cannot be restarted (its plugin has no recover()).",
+                              who)
+                    self._reported.add(index)
                 continue
             log.warning("%s failed its health check; restarting it.", who)
             await engine.recover()

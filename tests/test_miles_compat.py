@@ -364,6 +364,28 @@ def test_health_monitor_restarts_engines_that_fail_or_hang(caplog):
     assert f"{down.who} failed its health check; restarting it." in caplog.messages
 
 
+def test_an_engine_that_cannot_restart_is_reported_once_per_failure(caplog):
+    from furlong.core.engine_health import EngineHealthMonitor
+
+    class NoRestart:
+        who = "an engine without recover()"
+
+        def __init__(self, script):
+            self.script = list(script)
+
+        async def health(self):
+            return self.script.pop(0)
+
+    engine = NoRestart([False, False, True, False])
+    monitor = EngineHealthMonitor([engine], interval=0.01, timeout=0.05, first_wait=0.0)
+    monitor._running.set()
+    with caplog.at_level("ERROR", logger="furlong.engines"):
+        for _ in range(4):
+            asyncio.run(monitor.check_all())
+    assert caplog.messages == [f"{engine.who} failed its health check and cannot be restarted (its plugin has no "
+                               "recover())."] * 2  # down, still down (not repeated), up, down again
+
+
 def test_fault_tolerance_flags_are_checked():
     with pytest.raises(ConfigError) as err:
         parse_args(BASE + ["--use-fault-tolerance", "--ft-components", "rollout", "train",
