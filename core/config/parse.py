@@ -48,7 +48,6 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
         or ``"async"``), which plugins' ``configure`` hooks read.
     :raises ConfigError: every problem found, one per line: unknown flags, stray values,
         bad values, refused flags and validation, all at once.
-    :raises PluginError: two plugins add one flag.
     """
     parser = build_parser(pm)
     tokens = expand_argsfiles(list(argv), parser)
