@@ -1,8 +1,11 @@
 """``--num-epoch``: the number of rollouts from the dataset size, once the data is loaded.
 
-Miles' rule: ``num_rollout = num_epoch x dataset_size // rollout_batch_size`` (prompts per
-rollout), and ``--num-rollout``, when given too, wins. The LR schedule's length
-(``--lr-decay-iters``), derived from ``--num-rollout`` when not given, follows.
+Miles' rule: an epoch is ``dataset_size // rollout_batch_size`` rollouts (prompts per
+rollout; the remainder rolls over into the next epoch) and ``num_rollout = epochs x that``;
+``--num-rollout``, when given too, wins. The LR schedule's length (``--lr-decay-iters``),
+derived from ``--num-rollout`` when not given, follows, and checkpoints and evaluations
+also happen at each epoch's end (``args.num_rollout_per_epoch``, read by
+:func:`furlong.core.checkpoints.periodic`'s callers).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ log = logging.getLogger("furlong.config")
 
 
 def derive_num_rollout(args: Namespace, dataset_size: int | None, source: str) -> None:
-    """Set ``args.num_rollout`` (and ``args.lr_decay_iters`` when not given) from ``--num-epoch``.
+    """Set ``args.num_rollout``, ``args.num_rollout_per_epoch`` (and ``args.lr_decay_iters``
+    when not given) from ``--num-epoch``.
 
     Does nothing unless ``--num-epoch`` is given and ``--num-rollout`` is not.
 
@@ -34,12 +38,13 @@ def derive_num_rollout(args: Namespace, dataset_size: int | None, source: str) -
     if dataset_size is None:
         raise PluginError(f"--num-epoch needs the dataset size, but data source '{source}' has no len(); "
                           f"give --num-rollout instead.")
-    num_rollout = args.num_epoch * dataset_size // args.rollout_batch_size
-    if num_rollout < 1:
-        raise PluginError(f"--num-epoch {args.num_epoch} x {dataset_size} prompts is less than one rollout of "
+    per_epoch = dataset_size // args.rollout_batch_size
+    if per_epoch < 1:
+        raise PluginError(f"--num-epoch: {dataset_size} prompts are less than one rollout of "
                           f"--rollout-batch-size {args.rollout_batch_size}.")
-    args.num_rollout = num_rollout
+    args.num_rollout_per_epoch = per_epoch
+    args.num_rollout = per_epoch * args.num_epoch
     if "lr_decay_iters" not in set(getattr(args, "explicit_args", ()) or ()):
-        args.lr_decay_iters = num_rollout * steps_per_rollout(args)
-    log.info("--num-epoch %d x %d prompts // --rollout-batch-size %d: --num-rollout %d.", args.num_epoch,
-             dataset_size, args.rollout_batch_size, num_rollout)
+        args.lr_decay_iters = args.num_rollout * steps_per_rollout(args)
+    log.info("--num-epoch %d x (%d prompts // --rollout-batch-size %d): --num-rollout %d.", args.num_epoch,
+             dataset_size, args.rollout_batch_size, args.num_rollout)

@@ -112,6 +112,12 @@ class Run:
             self.health.start()
         return resume.start_rollout_id
 
+    def eval_due(self, rollout_id: int) -> bool:
+        """Evaluate after ``rollout_id``: every ``--eval-interval``, after the last rollout and at each epoch's end."""
+        args = self.args
+        return bool(args.eval_interval and self.has_eval and periodic(
+            rollout_id, args.eval_interval, args.num_rollout, getattr(args, "num_rollout_per_epoch", None)))
+
     async def all_engines(self, method: str) -> None:
         await asyncio.gather(*(getattr(engine, method)() for engine in self.engines))
 
@@ -230,7 +236,7 @@ async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
         await (state.group.offload() if args.offload_train else state.group.clear_memory())
         metrics["perf/update_weights_time"] = await state.update_weights()
         await state.finish_rollout(rollout_id, groups, metrics)
-        if args.eval_interval and state.has_eval and periodic(rollout_id, args.eval_interval, args.num_rollout):
+        if state.eval_due(rollout_id):
             await state.evaluate(rollout_id)
 
 
@@ -290,7 +296,7 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
                             "perf/wait_time_ratio": wait / step if step > 0 else 0.0})
             metrics.update({f"timeline/{k}": v for k, v in times.items()})
             await state.finish_rollout(rollout_id, groups, metrics)
-            if args.eval_interval and state.has_eval and periodic(rollout_id, args.eval_interval, args.num_rollout):
+            if state.eval_due(rollout_id):
                 if future is not None:  # evaluation shares the rollout manager: the rollout in flight ends first
                     data, future = await future, None
                 await state.evaluate(rollout_id)

@@ -281,12 +281,24 @@ def test_num_epoch_derives_num_rollout_from_the_loaded_data(tmp_path, arithmetic
     asyncio.run(side.load_data())
     size = asyncio.run(side.dataset_size())
     derive_num_rollout(args, size, "jsonl")
-    assert (size, args.num_rollout, args.lr_decay_iters) == (60, 15, 15)  # 2 x 60 // 8
+    assert (size, args.num_rollout_per_epoch, args.num_rollout, args.lr_decay_iters) == (60, 7, 14, 14)  # 2 x (60 // 8)
     given = parse_args(BASE + ["--num-epoch", "5"])
     derive_num_rollout(given, 60, "jsonl")
     assert given.num_rollout == 2  # --num-rollout wins
+    with pytest.raises(PluginError, match="less than one rollout"):
+        derive_num_rollout(parse_args(["--num-epoch", "1", "--rollout-batch-size", "80"]), 60, "jsonl")
     with pytest.raises(PluginError, match="has no len"):
         derive_num_rollout(parse_args(["--num-epoch", "1", "--rollout-batch-size", "4"]), None, "custom")
+
+
+def test_epoch_ends_are_save_and_eval_points_too():
+    from furlong.core.checkpoints import periodic, should_save
+
+    assert [r for r in range(14) if periodic(r, 5, 14, epoch=7)] == [4, 6, 9, 13]
+    assert [r for r in range(14) if periodic(r, 5, 14)] == [4, 9, 13]
+    args = Namespace(save="/ckpt", save_interval=100, num_rollout=14, num_rollout_per_epoch=7,
+                     save_trigger_sentinel=None)
+    assert [r for r in range(14) if should_save(args, r)] == [6, 13]
 
 
 def test_train_env_vars_are_set_in_the_train_worker_process(monkeypatch):

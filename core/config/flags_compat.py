@@ -36,8 +36,9 @@ MILES_BACKEND_FLAGS: frozenset[str] = frozenset({
 def add_miles(g, dev) -> None:
     """Miles flags furlong implements, then the rest of Miles' table (hidden, refused when given)."""
     g.add_argument("--num-epoch", type=int, default=None,
-                   help="Epochs over --prompt-data: --num-rollout = epochs x prompts // --rollout-batch-size, "
-                        "derived once the data is loaded (ignored when --num-rollout is given).")
+                   help="Epochs over --prompt-data: --num-rollout = epochs x (prompts // --rollout-batch-size), "
+                        "derived once the data is loaded; saves and evaluations also happen at each epoch's end "
+                        "(ignored when --num-rollout is given).")
     g.add_argument("--train-env-vars", type=json_object, default={}, metavar="JSON",
                    help="Environment variables for the train workers, as a JSON object.")
     g.add_argument("--log-probs-chunk-size", type=int, default=-1,
