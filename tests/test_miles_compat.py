@@ -9,6 +9,8 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
+import sys
 from argparse import Namespace
 
 import pytest
@@ -406,3 +408,28 @@ def test_fault_tolerance_flags_are_checked():
         "--ft-components train is not supported yet (train-worker fault tolerance); use rollout.",
         "--rollout-health-check-timeout must be > 0 seconds, got 0.",
     ]
+
+
+def test_a_run_with_epochs_health_checks_and_a_dynamic_global_batch(tmp_path, tiny_model_dir):
+    """``furlong train --num-epoch 2``: 12 prompts // 4 = 3 rollouts an epoch, saved and evaluated at each epoch's
+    end; one optimizer step per rollout (8 samples, though --global-batch-size 4 would make two); the engine
+    is health-checked all along; log-probs in chunks of 2 tokens."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) + "\n"
+                            for a in range(4) for b in range(3)))
+    save = tmp_path / "ckpt"
+    command = [sys.executable, "-m", "furlong.core", "train", "--hf-checkpoint", str(tiny_model_dir),
+               "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label", "--rm-type", "math",
+               "--num-epoch", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+               "--global-batch-size", "4", "--rollout-max-response-len", "4", "--lr", "1e-3",
+               "--use-dynamic-global-batch-size", "--use-fault-tolerance", "--rollout-health-check-interval", "0.05",
+               "--log-probs-chunk-size", "2", "--train-env-vars", '{"FURLONG_TEST_ENV": "1"}',
+               "--save", str(save), "--save-interval", "100", "--eval-interval", "100",
+               "--eval-prompt-data", "ev", str(data)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "--num-epoch 2 x (12 prompts // --rollout-batch-size 4): --num-rollout 6." in run.stderr
+    assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000002", "iter_0000005"]
+    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/step"] for r in rows if "train/step" in r] == [0, 1, 2, 3, 4, 5]
+    assert [r["eval/step"] for r in rows if "eval/step" in r] == [0, 2, 5]
