@@ -60,8 +60,8 @@ MATH = frozenset({
     "loss_scale_window", "hysteresis", "grad_reduce_in_bf16", "main_grads_dtype", "main_params_dtype",
     "exp_avg_dtype", "exp_avg_sq_dtype", "fp16_lm_cross_entropy",
     # Miles' backend flags that change the model or its numerics
-    "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "custom_megatron_init_path", "custom_model_provider_path", "extra_high_precision_layers_megatron",
-    "freeze_indexer",
+    "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "custom_megatron_init_path",
+    "custom_model_provider_path", "extra_high_precision_layers_megatron", "freeze_indexer",
 })
 MATH_PREFIXES = ("fp8_", "fp4", "muon_")
 MLA_CONFIG_KEYS = ("kv_lora_rank",)

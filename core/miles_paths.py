@@ -21,7 +21,8 @@ RM_TYPE = "<--rm-type>"
 # dotted path -> (hook, built-in plugin name)
 MILES_BUILTINS: dict[str, tuple[str, str]] = {
     # filter hub
-    "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std": ("filter", "check_reward_nonzero_std"),
+    "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std":
+        ("filter", "check_reward_nonzero_std"),
     "miles.rollout.filter_hub.common_filters.apply_reward_nonzero_std_filter": ("filter", "check_reward_nonzero_std"),
     "miles.rollout.filter_hub.dynamic_sampling_filters.check_no_aborted": ("filter", "no_aborted"),
     "miles.rollout.filter_hub.common_filters.apply_aborted_filter": ("filter", "no_aborted"),

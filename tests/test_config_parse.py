@@ -40,7 +40,7 @@ def test_stray_value_is_an_error():
 
 
 def test_bad_value_type_names_the_flag():
-    assert error_of(["--num-rollout", "3", "--rollout-batch-size", "four"]).splitlines()[0] == (
+    assert error_of(["--num-rollout", "3", "--rollout-batch-size", "four"]) == (
         "argument --rollout-batch-size: invalid int value: 'four'")
 
 

@@ -1,4 +1,5 @@
-"""LoRA on the fsdp backend (peft): only adapters train, the engine gets merged weights, checkpoints hold the adapters."""
+"""LoRA on the fsdp backend (peft): only adapters train, the engine gets merged weights,
+checkpoints hold the adapters."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     tokens, collected, _ = split_passthrough(tokens, set(actions))
     tokens = _attach_negative_numbers(tokens, actions)
     parser.fromfile_prefix_chars = None  # files are expanded already
-    args, extras, tokens, bad_values = _parse_collecting(parser, tokens)
+    args, extras, tokens, bad_values, bad_flags = _parse_collecting(parser, tokens)
     problems += bad_values + _unrecognized(extras, actions)
     explicit, megatron_given, refused = _given(tokens, actions)
     for attr, values in collected.items():
@@ -72,7 +72,8 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     findings = validate(args, command)  # runs on the flags that parsed: all problems are reported at once
     if problems or findings.errors:
         _emit(findings)
-        raise ConfigError(problems + findings.errors)
+        # a rule about a flag whose value was rejected above would only repeat that problem
+        raise ConfigError(problems + [e for e in findings.errors if not _names_any(e, bad_flags)])
     if not args.custom_config_path:
         _emit(findings)
         return args
@@ -177,26 +178,35 @@ _ARGUMENT_ERROR = re.compile(r"argument (--?[\w-]+)(?:/--?[\w-]+)*: ")
 SUGGEST_CUTOFF = 0.88
 
 
-def _parse_collecting(parser, tokens: list[str]) -> tuple[argparse.Namespace, list[str], list[str], list[str]]:
+def _parse_collecting(parser, tokens: list[str]) -> tuple[argparse.Namespace, list[str], list[str], list[str],
+                                                           set[str]]:
     """``parse_known_args`` that goes on after a bad value: the flag at fault (and its
     values) is taken out and parsing starts again, so every problem is reported at once.
 
-    :returns: ``(args, unknown tokens, tokens parsed, one problem per bad value)``.
+    :returns: ``(args, unknown tokens, tokens parsed, one problem per bad value, the
+        option strings of the flags taken out)``.
     """
     problems: list[str] = []
+    bad: set[str] = set()
     while True:
         try:
             args, extras = parser.parse_known_args(tokens)
-            return args, extras, tokens, problems
+            return args, extras, tokens, problems, bad
         except ConfigError as exc:
             match = _ARGUMENT_ERROR.match(str(exc))
             flag = match.group(1) if match else None
             action = parser._option_string_actions.get(flag) if flag else None
             kept = _without(tokens, set(action.option_strings)) if action else tokens
+            bad |= set(action.option_strings) if action else set()
             problems.append(str(exc))
             if kept == tokens:
                 raise ConfigError(problems) from None
             tokens = kept
+
+
+def _names_any(message: str, flags: set[str]) -> bool:
+    """Does ``message`` name one of ``flags`` (as a whole flag, not a prefix of a longer one)?"""
+    return any(re.search(re.escape(flag) + r"(?![\w-])", message) for flag in flags)
 
 
 def _without(tokens: list[str], options: set[str]) -> list[str]:
