@@ -90,7 +90,8 @@ async def generate(args, sample, sampling_params, engine, evaluation):
     """Generate ``sample``'s response over several turns, running a tool between turns.
 
     Each turn is one engine request from all tokens so far (prompt, earlier turns, tool
-    output), stopping at the closing tag of an enabled tool (added to ``stop``). When the
+    output), stopping at the closing tag of an enabled tool (added to ``stop``, with
+    ``no_stop_trim`` so that SGLang-style servers keep the tag in the text). When the
     turn ends with a complete call, the tool runs and ``\\n<result>\\nOUTPUT\\n</result>\\n``
     is tokenized and appended. The model's tokens get ``loss_mask`` 1 and the engine's
     log-probs; tool tokens get ``loss_mask`` 0 and ``rollout_log_probs`` 0.0 (the model did
@@ -117,6 +118,7 @@ async def generate(args, sample, sampling_params, engine, evaluation):
     tools = tuple(getattr(args, "tool_use_tools", TOOLS))
     params = dict(sampling_params)
     params["stop"] = list(params.get("stop") or []) + [f"</{tool}>" for tool in tools]
+    params["no_stop_trim"] = True  # the closing tag must stay in the text to find the call
     budget = params.get("max_new_tokens")
     cap = args.eval_max_context_len if evaluation else args.rollout_max_context_len
     sample.tokens = list(tokenizer(sample.prompt, add_special_tokens=False)["input_ids"])

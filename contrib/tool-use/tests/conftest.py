@@ -1,4 +1,5 @@
-"""A real Hugging Face model whose weights make it write a fixed script, and the embedded engine serving it.
+"""A real Hugging Face model whose weights make it write a fixed script, served by the embedded
+engine in-process or by ``furlong serve`` over HTTP.
 
 The model is a one-layer Llama whose attention and MLP outputs are zero, so the logits at a
 position depend on its token alone: ``lm_head`` maps each word to the word the script puts
@@ -9,6 +10,13 @@ script word for word under greedy decoding, with log-probs a little below 0.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
 from argparse import Namespace
 
 import pytest
@@ -79,3 +87,68 @@ def script_engine(tmp_path):
 
     return make
 
+
+
+class HttpEngine:
+    """The generation side of a :class:`furlong.hooks.RolloutEngine` over SGLang's native HTTP API
+    (``POST /generate`` with ``input_ids`` and ``return_logprob``), as served by ``furlong serve``."""
+
+    def __init__(self, url: str, tokenizer) -> None:
+        self.url, self.tokenizer = url, tokenizer
+
+    async def generate(self, input_ids, sampling_params):
+        import aiohttp
+
+        from furlong.hooks import GenerateOutput
+
+        body = {"input_ids": list(input_ids), "return_logprob": True,
+                "sampling_params": {k: v for k, v in sampling_params.items() if v is not None}}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(self.url + "/generate", json=body) as answer:
+                assert answer.status == 200, await answer.text()
+                out = await answer.json()
+        meta = out["meta_info"]
+        return GenerateOutput(output_ids=out["output_ids"], text=out["text"],
+                              output_log_probs=[lp for lp, _, _ in meta["output_token_logprobs"]],
+                              finish_reason=meta["finish_reason"]["type"], weight_version=str(meta["weight_version"]))
+
+
+@pytest.fixture
+def served_engine(tmp_path):
+    """``served_engine(transitions)``: a script model behind a ``furlong serve`` process on loopback
+    (stopped after the test), and an :class:`HttpEngine` talking to it."""
+    from furlong.hooks.dist import free_port
+    from furlong.hooks.hf import load_tokenizer
+
+    servers = []
+
+    def make(transitions: dict[str, str], extra_words=()):
+        path = build_script_model(tmp_path / "served", transitions, extra_words)
+        port = free_port()
+        log = open(tmp_path / "serve.log", "wb")
+        servers.append(subprocess.Popen([sys.executable, "-m", "furlong.core", "serve", "--hf-checkpoint", path,
+                                         "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert servers[-1].poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                assert time.monotonic() < deadline, "furlong serve did not answer /health within 60 s"
+                time.sleep(0.2)
+        info = json.loads(urllib.request.urlopen(url + "/model_info", timeout=5).read())
+        assert info["model_path"] == path
+        return HttpEngine(url, load_tokenizer(path))
+
+    yield make
+    for server in servers:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)

@@ -63,6 +63,16 @@ def test_calculator_turn_is_masked_and_the_answer_is_graded(pm, script_engine):
     assert scores == [1]
 
 
+def test_the_same_episode_through_furlong_serve(pm, script_engine, served_engine):
+    local = asyncio.run(generate(pm, script_engine(CALCULATOR_THEN_ANSWER)))
+    served = asyncio.run(generate(pm, served_engine(CALCULATOR_THEN_ANSWER)))
+    served.validate()
+    assert (served.response, served.status, served.loss_mask) == (local.response, local.status, local.loss_mask)
+    assert served.tokens == local.tokens
+    assert served.rollout_log_probs == pytest.approx(local.rollout_log_probs, abs=1e-5)
+    assert len(served.weight_versions) == 2  # one per request, the server's version string
+
+
 def test_python_tool_runs_in_the_sandbox(pm, script_engine):
     engine = script_engine({**script("?", "<python>", "print(6*7+1)", "</python>"), **script("</result>", "done")},
                            extra_words=["43"])
@@ -150,3 +160,12 @@ def test_furlong_train_runs_tool_use_episodes_and_trains_on_the_model_tokens_onl
     rollout = next(r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").open()) if "rollout/step" in r)
     assert rollout["rollout/raw_reward"] == 1.0  # "The answer is 42" after the calculator's <result>
     assert (rollout["rollout/response_lengths"], rollout["rollout/response_len/mean"]) == (11.0, 8.0)  # 3 tool tokens
+
+
+def test_tool_use_passes_the_contract_kit():
+    import furlong_tool_use
+    from furlong.core.launch_args import launch_args
+    from furlong.hooks.testing import check_plugin
+
+    report = check_plugin(furlong_tool_use, "tool_use", args=launch_args("--generate", "tool_use"))
+    assert report.checked == ["add_arguments", "configure", "generate", "abort"]
