@@ -186,13 +186,17 @@ async def run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -
 
 
 async def _close(state: Run) -> None:
-    """Stop what the run started, in reverse order."""
+    """Stop what the run started, in reverse order (engines that own processes, e.g. servers, stop them)."""
     try:
         if state.rollout is not None:
             await state.rollout.dispose()  # stops work a rollout plugin keeps across rollouts
         if state.weights is not None:
             await state.weights.close()
     finally:
+        try:
+            await asyncio.gather(*(e.shutdown() for e in state.engines if hasattr(e, "shutdown")))
+        except Exception:  # noqa: BLE001 - the executor still stops its processes
+            log.warning("an engine did not stop cleanly", exc_info=True)
         if state.executor is not None:
             await state.executor.shutdown()
 

@@ -37,12 +37,6 @@ ARGS_NAME = re.compile(r"(^|_)args$")
 
 # Flags whose effect is, by design, somewhere this scan does not see. Keep it small.
 ALLOWED = {
-    # furlong's own SGLang-router flags: read by the sglang rollout engine plugin (not built in),
-    # like every --sglang-*/--router-* pass-through flag (args.sglang_passthrough / router_passthrough)
-    "sglang_router_ip": "sglang engine plugin",
-    "sglang_router_port": "sglang engine plugin",
-    "sglang_router_policy": "sglang engine plugin",
-    "sglang_router_request_timeout_secs": "sglang engine plugin",
     # an alias: validation turns it into --rollout fully_async (and back), which selects the plugin
     "fully_async": "alias of --rollout fully_async",
     # train/entropy_loss is logged at every step whatever --entropy-coef is: nothing to turn on

@@ -30,7 +30,19 @@ class LocalExecutor:
         return InProcessWorkers(make_worker(0, 1))
 
     async def start_engines(self, args, make_engine):
-        return [await make_engine(0)]
+        """``--rollout-num-gpus / --rollout-num-gpus-per-engine`` engines (at least one), one after another."""
+        per_engine = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+        count = max(1, int(getattr(args, "rollout_num_gpus", None) or per_engine) // per_engine)
+        engines = []
+        try:
+            for index in range(count):
+                engines.append(await make_engine(index))
+        except BaseException:
+            for engine in engines:  # the ones already started own processes (servers)
+                if hasattr(engine, "shutdown"):
+                    await engine.shutdown()
+            raise
+        return engines
 
     async def start_rollout_side(self, args, make_rollout_side):
         return make_rollout_side()

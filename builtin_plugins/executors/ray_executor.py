@@ -548,6 +548,13 @@ class RemoteEngine:
         except PluginError:
             return False
 
+    async def shutdown(self) -> None:
+        """Let the engine stop its own processes before the executor kills the actor (Ray does not reap them)."""
+        try:
+            await _await(self.handle.shutdown.remote(), min(self.executor.timeout, 60.0), self.who, "shutdown")
+        except PluginError as exc:
+            log.debug("%s: shutdown: %s", self.who, exc)
+
 
 def _kill(handle) -> None:
     import ray
