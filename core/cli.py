@@ -1,4 +1,4 @@
-"""The ``furlong`` command: ``plugins``, ``train``, ``train-async``, ``--version``."""
+"""The ``furlong`` command: ``plugins``, ``train``, ``train-async``, ``serve``, ``plot``, ``--version``."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ USAGE = """usage: furlong [--version] COMMAND [ARGS]
 commands:
   train        run the synchronous RL loop (rollout, train, weight sync)
   train-async  run the loop with rollout k+1 overlapping training of rollout k
+  serve        serve a rollout engine over HTTP with SGLang's native API
   plugins      list installed plugins: name, hooks, distribution, version
   plot         draw a run's metrics.jsonl into one PNG
 
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"furlong {md.version('furlong')}")
         return 0
     command, rest = argv[0], argv[1:]
-    handlers = {"plugins": _plugins, "train": _train, "train-async": _train, "plot": _plot}
+    handlers = {"plugins": _plugins, "train": _train, "train-async": _train, "plot": _plot, "serve": _serve}
     if command not in handlers:
         print(f"furlong: unknown command '{command}'.\n{USAGE}", file=sys.stderr)
         return 2
@@ -154,3 +155,9 @@ def _plot(command: str, argv: list[str]) -> int:
     from .plot import main as plot_main
 
     return plot_main(argv)
+
+
+def _serve(command: str, argv: list[str]) -> int:
+    from .serve import serve
+
+    return serve(argv)
