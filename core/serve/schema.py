@@ -174,7 +174,7 @@ SAMPLING_FIELDS: dict[str, Field] = {
 # Fields that only steer SGLang's logging, metrics or routing: they change no output here.
 _INERT = ("log_metrics", "no_logs", "custom_labels", "routing_key", "conversation_id", "session_id", "priority",
           "received_time", "external_trace_header", "http_worker_ipc", "routed_dp_rank", "data_parallel_rank",
-          "disagg_prefill_dp_rank", "extra_key", "cache_salt")
+          "disagg_prefill_dp_rank", "extra_key", "cache_salt", "model")
 
 # SGLang 0.5.23 GenerateReqInput fields furlong serve does not implement (accepted when off).
 _NOT_IMPLEMENTED = (
