@@ -185,3 +185,128 @@ def test_a_server_killed_mid_rollout_loses_and_duplicates_no_sample(run):
         indices = [index for index, _, _ in samples]
         assert len(indices) == PROMPTS * SAMPLES and len(set(indices)) == len(indices)
         assert {status for _, status, _ in samples} <= {"completed", "truncated"}
+
+
+# --- the client alone, against servers someone else started ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    """A router (round robin) and two furlong serve processes registered with it, started here, not by furlong."""
+    from furlong.builtin_plugins.engines.sglang.launch import ManagedProcess
+    from furlong.builtin_plugins.engines.sglang.router import start_router, stop_routers
+    from furlong.core.config import parse_args
+    from furlong.core.plugins import get_plugin_manager
+    from furlong.hooks.dist import free_port
+
+    base = ["--hf-checkpoint", str(DEMO / "model"), "--num-rollout", "1", "--rollout-batch-size", "1",
+            "--rollout-backend", "sglang", "--executor", "local", "--sglang-router-policy", "round_robin"]
+    router_port = free_port()
+    start_router(parse_args(base + ["--rollout-num-gpus", "2"], get_plugin_manager()), "127.0.0.1", router_port,
+                 free_port())
+    ports = [free_port(), free_port()]
+    servers = [ManagedProcess(f"serve {p}", [sys.executable, "-m", "furlong.core", "serve", "--hf-checkpoint",
+                                              str(DEMO / "model"), "--port", str(p)]) for p in ports]
+    try:
+        addrs = [f"127.0.0.1:{p}" for p in ports]
+        argv = base + ["--rollout-external", "--rollout-external-engine-addrs", *addrs,
+                       "--sglang-router-ip", "127.0.0.1", "--sglang-router-port", str(router_port)]
+        yield {"argv": argv, "router": f"http://127.0.0.1:{router_port}", "urls": [f"http://{a}" for a in addrs]}
+    finally:
+        for server in servers:
+            server.kill()
+        stop_routers()
+
+
+async def attach(fleet):
+    """The two engines of ``--rollout-external``, through the plugin's own hooks; the servers join the router."""
+    from furlong.builtin_plugins.engines import sglang
+    from furlong.builtin_plugins.engines.sglang.http import shared_http, release_http
+    from furlong.builtin_plugins.engines.sglang.router import register
+    from furlong.core.config import parse_args
+    from furlong.core.plugins import get_plugin_manager
+    from furlong.hooks import ConfigReport
+
+    args = parse_args(fleet["argv"], get_plugin_manager())
+    report = ConfigReport("sglang")
+    sglang.configure(args=args, report=report)
+    assert not report.errors and args.rollout_num_gpus == 2 and args.sglang_router_given
+    http = shared_http(1)
+    try:
+        await asyncio.gather(*(register(http, fleet["router"], url, alive=None) for url in fleet["urls"]))
+    finally:
+        await release_http()
+    engines = []
+    for index in range(2):
+        engine_args = copy.copy(args)
+        engine_args.rollout_engine_index = index
+        engines.append(await sglang.rollout_engine(args=engine_args))
+    assert [e.url for e in engines] == fleet["urls"] and not any(e.register_with_router for e in engines)
+    return engines
+
+
+def test_abort_returns_the_tokens_generated_so_far(fleet):
+    async def main():
+        engines = await attach(fleet)
+        try:
+            prompt = [1, 5, 9, 13]
+            params = {"temperature": 0, "max_new_tokens": 56, "ignore_eos": True}
+            full = await engines[0].generate(prompt, params)
+            assert full.finish_reason == "length" and len(full.output_ids) == 56
+            partial = []
+            for delay in (0.005, 0.01, 0.02, 0.04, 0.08) * 2:
+                request = asyncio.ensure_future(engines[0].generate(prompt, params))
+                await asyncio.sleep(delay)
+                await asyncio.gather(*(e.abort() for e in engines))
+                out = await request
+                if out.finish_reason == "abort":
+                    assert out.output_ids == full.output_ids[:len(out.output_ids)]  # greedy: a prefix of the whole
+                    assert out.output_log_probs == pytest.approx(full.output_log_probs[:len(out.output_ids)],
+                                                                 abs=1e-5)
+                    partial.append(len(out.output_ids))
+            assert any(0 < n < 56 for n in partial), partial
+        finally:
+            await asyncio.gather(*(e.shutdown() for e in engines))
+
+    asyncio.run(main())
+
+
+def test_weights_reach_every_server_by_broadcast_over_gloo(fleet):
+    """The Ray executor's transport: trainer rank 0 broadcasts over a group the servers join through HTTP."""
+    import math
+    import threading
+
+    import torch
+
+    from furlong.hooks.dist import broadcast_bucket, free_port, new_weight_update_group
+
+    async def main():
+        engines = await attach(fleet)
+        port, name, got = free_port(), "furlong_weight_sync_test", {}
+
+        def trainer():
+            got["group"] = new_weight_update_group("127.0.0.1", port, 0, 3, name, "gloo", timeout_s=60)
+
+        thread = threading.Thread(target=trainer)
+        thread.start()
+        try:
+            await asyncio.gather(*(e.init_weights_update_group("127.0.0.1", port, 1 + i, 3, name, "gloo")
+                                   for i, e in enumerate(engines)))
+            thread.join(60)
+            zeros = torch.zeros(26, 128)  # lm_head: every token equally likely afterwards
+            await asyncio.gather(asyncio.to_thread(broadcast_bucket, [zeros], got["group"]),
+                                 *(e.update_weights_from_distributed(["lm_head.weight"], ["float32"], [[26, 128]], name)
+                                   for e in engines))
+            await asyncio.gather(*(e.set_weight_version(7) for e in engines))
+            assert [get(url, "/model_info")["weight_version"] for url in fleet["urls"]] == ["7", "7"]
+            outs = [await e.generate([1, 5, 9], {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True,
+                                                 "sampling_seed": 3}) for e in engines]
+            for out in outs:
+                assert out.weight_version == "7"
+                assert out.output_log_probs == pytest.approx([-math.log(26)] * 4, abs=1e-5)
+            await asyncio.gather(*(e.destroy_weights_update_group(name) for e in engines))
+        finally:
+            thread.join(60)
+            await asyncio.gather(*(e.shutdown() for e in engines))
+
+    asyncio.run(main())
