@@ -117,9 +117,18 @@ def samples_module(tmp_path_factory):
     sys.modules.pop("sglang_probe_samples", None)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, samples_module):
-    """The demo for NUM_ROLLOUT rollouts with the sglang engine on two furlong serve processes."""
+def demo_argv(save: Path) -> list[str]:
+    return ["--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
+            "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--rollout-shuffle",
+            "--num-rollout", str(NUM_ROLLOUT), "--rollout-batch-size", str(PROMPTS),
+            "--n-samples-per-prompt", str(SAMPLES), "--global-batch-size", str(PROMPTS * SAMPLES),
+            "--rollout-max-response-len", "12", "--rollout-temperature", "1.0", "--advantage-estimator", "grpo",
+            "--lr", "2e-4", "--weight-decay", "0.0", "--micro-batch-size", "64", "--save", str(save),
+            "--save-interval", "1000", "--executor", "local"]
+
+
+def train(argv: list[str], *observers) -> None:
+    """``furlong train`` in this process (observers registered in-process); the router stops at the end."""
     from furlong.builtin_plugins.engines.sglang import stop_routers
     from furlong.core.config import parse_args
     from furlong.core.configure import configure_plugins
@@ -127,37 +136,49 @@ def run(tmp_path_factory, samples_module):
     from furlong.core.plugins import get_plugin_manager
     from furlong.core.selection import resolve_selection
 
-    save = tmp_path_factory.mktemp("sglang-run")
-    argv = ["--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
-            "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--rollout-shuffle",
-            "--num-rollout", str(NUM_ROLLOUT), "--rollout-batch-size", str(PROMPTS),
-            "--n-samples-per-prompt", str(SAMPLES), "--global-batch-size", str(PROMPTS * SAMPLES),
-            "--rollout-max-response-len", "12", "--rollout-temperature", "1.0", "--advantage-estimator", "grpo",
-            "--lr", "2e-4", "--weight-decay", "0.0", "--micro-batch-size", "64", "--save", str(save),
-            "--save-interval", "1000", "--executor", "local",
-            "--rollout-backend", "sglang", "--sglang-server-impl", "furlong", "--rollout-num-gpus", "2",
-            "--sglang-router-policy", "round_robin",
-            "--rollout-all-samples-process-path", "sglang_probe_samples.record"]
     pm = get_plugin_manager()
-    probe = Probe()
-    pm.register(probe, "sglang-probe")
+    for i, observer in enumerate(observers):
+        pm.register(observer, f"observer-{i}")
     args = parse_args(argv, pm)
     selection = resolve_selection(args, pm)
-    start = time.monotonic()
     try:
         configure_plugins(args, pm, selection)
         asyncio.run(run_loop(args, pm, selection))
     finally:
         stop_routers()
+
+
+def rollout_rows(save: Path) -> list[dict]:
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    return {"probe": probe, "args": args, "rows": [r for r in rows if "rollout/step" in r],
-            "samples": list(samples_module.ROLLOUTS), "seconds": time.monotonic() - start}
+    return [r for r in rows if "rollout/step" in r]
 
 
-def test_rewards_rise_through_the_router(run):
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, samples_module):
+    """The demo for NUM_ROLLOUT rollouts with the sglang engine on two furlong serve processes."""
+    save = tmp_path_factory.mktemp("sglang-run")
+    probe = Probe()
+    train(demo_argv(save) + ["--rollout-backend", "sglang", "--sglang-server-impl", "furlong",
+                             "--rollout-num-gpus", "2", "--sglang-router-policy", "round_robin",
+                             "--rollout-all-samples-process-path", "sglang_probe_samples.record"], probe)
+    return {"probe": probe, "rows": rollout_rows(save), "samples": list(samples_module.ROLLOUTS)}
+
+
+@pytest.fixture(scope="module")
+def embedded_run(tmp_path_factory):
+    save = tmp_path_factory.mktemp("embedded-run")
+    train(demo_argv(save) + ["--rollout-backend", "embedded"])
+    return {"rows": rollout_rows(save)}
+
+
+def test_rewards_rise_exactly_as_with_the_embedded_engine(run, embedded_run):
+    """Sampling seeds are fixed per sample, so routing over two servers (one killed) changes no reward."""
     rewards = [r["rollout/raw_reward"] for r in run["rows"]]
     assert len(rewards) == NUM_ROLLOUT
-    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.02, rewards
+    assert rewards == [r["rollout/raw_reward"] for r in embedded_run["rows"]]
+    assert [r["rollout/response_lengths"] for r in run["rows"]] == [
+        r["rollout/response_lengths"] for r in embedded_run["rows"]]
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.05, rewards
 
 
 def test_every_server_reports_each_new_weight_version(run):
@@ -310,3 +331,45 @@ def test_weights_reach_every_server_by_broadcast_over_gloo(fleet):
             await asyncio.gather(*(e.shutdown() for e in engines))
 
     asyncio.run(main())
+
+
+# --- the Ray executor: engine actors start the servers, weights travel by broadcast -----------------------------
+
+
+def _server_processes() -> set[str]:
+    import subprocess
+
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    return {line.strip() for line in out if "furlong.core serve" in line or "sglang_router.launch_router" in line}
+
+
+def test_ray_engine_actors_start_servers_that_take_every_weight_version(tmp_path, run_furlong):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sglang_versions.py").write_text(textwrap.dedent('''
+        import json, os
+
+        def record(args, all_groups, data_source):
+            with open(os.environ["SGLANG_VERSIONS_OUT"], "a") as out:
+                out.write(json.dumps([v for g in all_groups for s in g for v in s.weight_versions]) + "\\n")
+    '''))
+    out = tmp_path / "versions.jsonl"
+    before = _server_processes()
+    proc = run_furlong(
+        "train", "--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
+        "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--num-rollout", "2",
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+        "--micro-batch-size", "16", "--rollout-max-response-len", "8", "--lr", "1e-4", "--save", str(tmp_path / "run"),
+        "--executor", "ray", "--rollout-backend", "sglang", "--sglang-server-impl", "furlong",
+        "--rollout-num-gpus", "2", "--sglang-router-policy", "round_robin",
+        "--rollout-all-samples-process-path", "sglang_versions.record",
+        sites=[site], env={"SGLANG_VERSIONS_OUT": str(out), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"},
+        timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    versions = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [sorted(set(v)) for v in versions] == [["1"], ["2"]] and [len(v) for v in versions] == [16, 16]
+    assert "registered" in proc.stderr and proc.stderr.count("sglang server") >= 2
+    deadline = time.monotonic() + 20
+    while _server_processes() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert sorted(_server_processes() - before) == []

@@ -87,9 +87,9 @@ def configure(args, report):
     if router_module() is None:
         report.error(NEEDS_ROUTER)
         return
-    host = "127.0.0.1" if args.executor == "local" else _host_address()
+    host = "127.0.0.1" if args.executor == "local" else _routable_address()
     port = args.sglang_router_port or _free_port_in(host, *ROUTER_PORTS)
-    start_router(args, host, port, _free_port())
+    start_router(args, "127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", port, _free_port())
     args.sglang_router_ip, args.sglang_router_port = host, port
     report.info(f"router started at http://{host}:{port} (stops with this run)")
 
@@ -145,6 +145,20 @@ def _host_address() -> str:
     from furlong.hooks.dist import host_address
 
     return host_address()
+
+
+def _routable_address() -> str:
+    """This host's address as engines on other hosts reach it: ``FURLONG_HOST_IP``, the host name's
+    address unless it is loopback, else the address of the interface of the default route."""
+    address = _host_address()
+    if not address.startswith("127."):
+        return address
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+            return s.getsockname()[0]
+    except OSError:
+        return address
 
 
 def _free_port() -> int:

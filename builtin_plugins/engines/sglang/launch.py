@@ -148,8 +148,18 @@ class ManagedProcess:
             return ""
 
     def kill(self, grace_s: float = 5.0) -> None:
-        """Terminate the process and its descendants; SIGKILL what is left after ``grace_s``."""
+        """Terminate the process and its descendants; SIGKILL what is left after ``grace_s``.
+
+        The log file is removed when the process was still running (its end was asked
+        for); the log of a process that died on its own is kept for the user.
+        """
         import psutil
+
+        if self.popen.poll() is None:
+            try:
+                os.unlink(self.log_path)
+            except OSError:
+                pass
 
         try:
             root = psutil.Process(self.popen.pid)

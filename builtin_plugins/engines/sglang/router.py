@@ -57,12 +57,13 @@ def start_router(args: Any, host: str, port: int, prometheus_port: int) -> Manag
     router = ManagedProcess("router", router_command(args, module, host, port, prometheus_port))
     _ROUTERS.append(router)
     deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
+    probe = "127.0.0.1" if host == "0.0.0.0" else host
     while True:
         reason = router.exited()
         if reason:
             raise PluginError(f"the router did not start: {reason}")
         try:
-            with urllib.request.urlopen(f"http://{host}:{port}/workers", timeout=2) as response:
+            with urllib.request.urlopen(f"http://{probe}:{port}/workers", timeout=2) as response:
                 if response.status == 200:
                     return router
         except (urllib.error.URLError, OSError):
