@@ -223,7 +223,7 @@ def test_print_config_shows_plugin_and_machine_defaults(capsys):
         "num_gpus_per_node": {"value": 1, "probe": "no CUDA device: 1"},
         "bf16": {"value": False, "probe": "torch.cuda.is_available() = False"},
         "distributed_backend": {"value": "gloo", "probe": "torch.cuda.is_available() = False"},
-        "rollout_backend": {"value": "embedded", "probe": "furlong plugin 'sglang' installed: False, CUDA: False, "
+        "rollout_backend": {"value": "embedded", "probe": "furlong plugin 'sglang' installed: True, CUDA: False, "
                                                           "sglang package importable: False"},
         "train_backend": {"value": "fsdp", "probe": "furlong plugin 'megatron' installed: False, CUDA: False, "
                                                     "megatron.core importable: False"},
