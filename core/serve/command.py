@@ -106,7 +106,8 @@ async def _serve(args: argparse.Namespace, pm) -> int:
 
     engine = await EngineFactory(args, (args.rollout_backend, "--rollout-backend"), pm)(0)
     state = ServeState(engine, args)
-    runner = web.AppRunner(make_app(state), access_log=None, shutdown_timeout=5)
+    # handler_cancellation: a client that goes away cancels its request, and the engine drops it (as SGLang)
+    runner = web.AppRunner(make_app(state), access_log=None, shutdown_timeout=5, handler_cancellation=True)
     await runner.setup()
     try:
         await web.TCPSite(runner, args.host, args.port).start()
@@ -114,6 +115,7 @@ async def _serve(args: argparse.Namespace, pm) -> int:
         await runner.cleanup()
         raise PluginError(f"furlong serve: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); "
                           "choose another --port or --host.") from exc
+    logging.getLogger("aiohttp.server").addFilter(_quiet_http2_probes)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -124,3 +126,13 @@ async def _serve(args: argparse.Namespace, pm) -> int:
     await state.shut_down()
     await runner.cleanup()
     return 0
+
+
+def _quiet_http2_probes(record: logging.LogRecord) -> bool:
+    """Drop aiohttp's traceback for an HTTP/2 connection preface ("PRI * HTTP/2.0").
+
+    sglang-router and smg open one when they register a worker, to find out whether it
+    speaks gRPC; they then use HTTP/1.1. Any other bad request is still logged.
+    """
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (exc is not None and type(exc).__name__ == "BadHttpMessage" and "PRI" in str(exc))

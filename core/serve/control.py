@@ -18,7 +18,7 @@ from aiohttp import web
 from .body import read_json
 from .disk_weights import read_safetensors_dir
 from .schema import BadRequest, Field, check_bool, check_int, check_str, list_of, one_of, optional, check_body
-from .state import ServeState
+from .state import ServeState, state_of
 
 __all__ = ["ROUTES"]
 
@@ -29,15 +29,11 @@ async def _body(request: web.Request, fields: dict[str, Field]) -> dict:
     return check_body(request.path, await read_json(request), fields)
 
 
-def _state(request: web.Request) -> ServeState:
-    return request.app["state"]
-
-
 async def abort_request(request: web.Request) -> web.Response:
     """``{"rid": "", "abort_all": false}`` -> 200, empty. A rid also ends the requests whose
     id starts with it (a batch sent with one rid string), as SGLang's scheduler does."""
     body = await _body(request, {"rid": Field(check_str, ""), "abort_all": Field(check_bool, False)})
-    state = _state(request)
+    state = state_of(request)
     if body["abort_all"]:
         await state.abort_all("Aborted by /abort_request (abort_all)")
     elif body["rid"]:
@@ -55,7 +51,7 @@ async def pause_generation(request: web.Request) -> web.Response:
     """``{"mode": "abort"|"retract"|"in_place"}`` (default abort): abort ends running
     requests now (partial tokens); retract and in_place hold them until continue."""
     body = await _body(request, {"mode": Field(one_of("abort", "retract", "in_place"), "abort")})
-    state = _state(request)
+    state = state_of(request)
     if body["mode"] == "abort":
         state.mark_aborted(list(state.running), "Aborted by /pause_generation")
     await state.engine.pause_generation(body["mode"])
@@ -68,7 +64,7 @@ async def continue_generation(request: web.Request) -> web.Response:
     body = await _body(request, {"torch_empty_cache": Field(check_bool, True)})
     if body["torch_empty_cache"]:
         _empty_cuda_cache()
-    state = _state(request)
+    state = state_of(request)
     await state.engine.continue_generation()
     state.pause_mode = None
     return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
@@ -81,7 +77,7 @@ async def flush_cache(request: web.Request) -> web.Response:
         timeout = float(request.query.get("timeout", 0))
     except ValueError:
         raise BadRequest(f"/flush_cache: timeout={request.query['timeout']!r} is not a number") from None
-    state = _state(request)
+    state = state_of(request)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + max(0.0, timeout)
     while state.running and state.pause_mode not in ("abort", "retract") and loop.time() < deadline:
@@ -97,7 +93,7 @@ async def update_weight_version(request: web.Request) -> web.Response:
     body = await _body(request, {"new_version": Field(check_str), "abort_all_requests": Field(check_bool, True)})
     if body["new_version"] is None:
         raise BadRequest("/update_weight_version: 'new_version' is required")
-    state = _state(request)
+    state = state_of(request)
     if body["abort_all_requests"]:
         await state.abort_all("Aborted by /update_weight_version")
     state.weight_version = body["new_version"]
@@ -128,13 +124,14 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if body[k] is None]
     if missing:
         raise BadRequest(f"/init_weights_update_group: missing {', '.join(missing)}")
-    return await _weight_call(request, lambda: _state(request).engine.init_weights_update_group(**body),
+    return await _weight_call(request, lambda: state_of(request).engine.init_weights_update_group(**body),
                               "Succeeded to initialize custom process group.")
 
 
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
     body = await _body(request, {"group_name": Field(check_str, "weight_update_group")})
-    return await _weight_call(request, lambda: _state(request).engine.destroy_weights_update_group(body["group_name"]),
+    engine = state_of(request).engine
+    return await _weight_call(request, lambda: engine.destroy_weights_update_group(body["group_name"]),
                               "Succeeded to destroy custom process group.")
 
 
@@ -151,7 +148,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     if body["names"] is None or len(lengths) != 1:
         raise BadRequest("/update_weights_from_distributed: 'names', 'dtypes' and 'shapes' are required, "
                          "one entry per tensor")
-    state = _state(request)
+    state = state_of(request)
 
     async def action():
         if body["abort_all_requests"]:
@@ -180,21 +177,23 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     })
     if body["model_path"] is None:
         raise BadRequest("/update_weights_from_disk: 'model_path' is required")
-    state = _state(request)
+    state = state_of(request)
 
     async def action():
         if body["abort_all_requests"]:
             await state.abort_all("Aborted by /update_weights_from_disk")
         paused = len(state.running)
-        await state.engine.pause_generation("in_place")
+        own_pause = state.pause_mode is None  # a pause the client made stays until its continue
+        if own_pause:
+            await state.engine.pause_generation("in_place")
         try:
             for bucket in read_safetensors_dir(body["model_path"]):
                 await state.engine.load_weights(bucket)
             await _after_update(state, body)
         finally:
-            if not body["keep_pause"]:
+            if own_pause and not body["keep_pause"]:
                 await state.engine.continue_generation()
-        if body["keep_pause"]:
+        if own_pause and body["keep_pause"]:
             state.pause_mode = "in_place"
         return {"num_paused_requests": paused}
 
@@ -215,14 +214,14 @@ async def release_memory_occupation(request: web.Request) -> web.Response:
     names ``weights`` (the engine keeps no KV cache or CUDA graphs between requests)."""
     body = await _body(request, {"tags": Field(optional(list_of(one_of(*_MEMORY_TAGS))))})
     if body["tags"] is None or "weights" in body["tags"]:
-        await _state(request).engine.release_memory()
+        await state_of(request).engine.release_memory()
     return web.json_response(None)
 
 
 async def resume_memory_occupation(request: web.Request) -> web.Response:
     body = await _body(request, {"tags": Field(optional(list_of(one_of(*_MEMORY_TAGS))))})
     if body["tags"] is None or "weights" in body["tags"]:
-        await _state(request).engine.resume_memory()
+        await state_of(request).engine.resume_memory()
     return web.json_response(None)
 
 

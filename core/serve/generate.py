@@ -19,7 +19,7 @@ from aiohttp import web
 from .body import read_json
 from .responses import generate_body
 from .schema import BadRequest, GenerateItem, parse_generate
-from .state import ServeState
+from .state import ServeState, state_of
 
 __all__ = ["generate_route", "health_generate_route"]
 
@@ -27,7 +27,7 @@ HEALTH_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))  #
 
 
 async def generate_route(request: web.Request) -> web.StreamResponse:
-    state: ServeState = request.app["state"]
+    state = state_of(request)
     items, batch, top = parse_generate(await read_json(request))
     started = time.monotonic()
 
@@ -75,8 +75,10 @@ async def _stream(request: web.Request, state: ServeState, item: GenerateItem, b
             await response.write(_event(chunk))
         try:
             final = body(item, task.result(), start=sent if incremental else 0)
-        except BadRequest as exc:
-            final = {"error": {"message": str(exc), "type": "invalid_request_error", "code": 400, "retryable": False}}
+        except Exception as exc:  # noqa: BLE001 - the headers are sent: the error becomes the last event
+            code = 400 if isinstance(exc, BadRequest) else 500
+            final = {"error": {"message": str(exc) or type(exc).__name__, "type": "invalid_request_error"
+                               if code == 400 else "server_error", "code": code, "retryable": False}}
         await response.write(_event(final))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -96,7 +98,7 @@ async def health_generate_route(request: web.Request) -> web.Response:
     503 at once while the server shuts down; otherwise within ``SGLANG_HEALTH_CHECK_TIMEOUT``
     seconds (20). A paused engine produces nothing, so it reports 503, as SGLang does.
     """
-    state: ServeState = request.app["state"]
+    state = state_of(request)
     if state.exiting:
         return web.Response(status=503)
     tic = time.monotonic()

@@ -9,7 +9,8 @@ deprecated ``/get_model_info``) has ``model_path``, ``served_model_name``,
 server's arguments under SGLang's names (``model_path``, ``tp_size``, ``dp_size``, ...)
 plus ``max_total_num_tokens``, ``startup_time``, ``internal_states``, ``version``;
 ``/v1/models`` is OpenAI's model list with ``owned_by: "sglang"`` (sglang-router and
-smg read it to pick the SGLang protocol).
+smg read it to pick the SGLang protocol). SGLang 0.5.23 has no ``/get_weight_version``:
+clients read ``weight_version`` from ``/model_info``, and so does furlong serve.
 """
 
 from __future__ import annotations
@@ -18,18 +19,14 @@ import importlib.metadata as md
 
 from aiohttp import web
 
-from .state import ServeState
+from .state import ServeState, state_of
 
 __all__ = ["ROUTES"]
 
 
-def _state(request: web.Request) -> ServeState:
-    return request.app["state"]
-
-
 async def health(request: web.Request) -> web.Response:
     """200 while serving; 503 once shutting down."""
-    return web.Response(status=503 if _state(request).exiting else 200)
+    return web.Response(status=503 if state_of(request).exiting else 200)
 
 
 def _context_length(state: ServeState) -> int | None:
@@ -38,7 +35,7 @@ def _context_length(state: ServeState) -> int | None:
 
 
 async def model_info(request: web.Request) -> web.Response:
-    state = _state(request)
+    state = state_of(request)
     args = state.args
     config = getattr(getattr(state.engine, "model", None), "config", None)
     return web.json_response({
@@ -60,7 +57,7 @@ async def model_info(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
-    state = _state(request)
+    state = state_of(request)
     args = state.args
     context = _context_length(state)
     return web.json_response({
@@ -89,7 +86,7 @@ async def server_info(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    state = _state(request)
+    state = state_of(request)
     name = state.args.served_model_name
     return web.json_response({"object": "list", "data": [{
         "id": name, "object": "model", "created": int(state.started_at), "owned_by": "sglang", "root": name,

@@ -1,8 +1,9 @@
 """Response bodies of ``furlong serve``'s ``/generate``, in SGLang 0.5.23's shape.
 
 One response (or one streamed chunk) is ``{"text", "output_ids", "meta_info"}``;
-``meta_info`` has ``id``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens``,
-``cached_tokens``, ``weight_version``, ``e2e_latency`` and, when ``return_logprob``,
+``meta_info`` has ``id``, ``finish_reason``, ``prompt_tokens``, ``weight_version``,
+``num_retractions``, ``reasoning_tokens`` (both 0 here), ``completion_tokens``,
+``cached_tokens`` (0: no prefix cache), ``e2e_latency`` and, when ``return_logprob``,
 ``output_token_logprobs`` as ``[logprob, token_id, text or null]`` triples
 (``sglang/srt/managers/tokenizer_manager.py``, ``api/v1/api_types.py``
 ``GenerateMetaInfo``/``LogprobEntry``). Finish reasons are SGLang's tagged objects
@@ -56,9 +57,11 @@ def generate_body(tokenizer: Any, item: Any, progress: Progress, *, weight_versi
         "id": item.rid,
         "finish_reason": finish,
         "prompt_tokens": len(item.input_ids),
+        "weight_version": weight_version,
+        "num_retractions": 0,
+        "reasoning_tokens": 0,
         "completion_tokens": len(ids),
         "cached_tokens": 0,
-        "weight_version": weight_version,
         "e2e_latency": latency_s,
     }
     if item.return_logprob:

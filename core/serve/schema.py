@@ -6,7 +6,9 @@ the control endpoints). Every problem is a :class:`BadRequest` (HTTP 400) naming
 endpoint and field. furlong is stricter than SGLang in one respect: a field SGLang does
 not know is refused instead of ignored, and a field SGLang knows but furlong does not
 implement is refused unless it has its "off" value (null, false, 0, an empty list), so a
-request never silently means something else.
+request never silently means something else. An unknown ``/generate`` field with an off
+value passes: routers re-serialise bodies and add their own (sglang-router 0.3.2 adds
+``"model": null``).
 """
 
 from __future__ import annotations
@@ -36,30 +38,35 @@ def _type_error(where: str, value: Any, expected: str) -> BadRequest:
 
 
 def check_str(where, v):
+    """``v`` if it is a string, else :class:`BadRequest` naming ``where``."""
     if not isinstance(v, str):
         raise _type_error(where, v, "a string")
     return v
 
 
 def check_bool(where, v):
+    """``v`` if it is true or false (not 0 or 1)."""
     if not isinstance(v, bool):
         raise _type_error(where, v, "true or false")
     return v
 
 
 def check_int(where, v):
+    """``v`` if it is an integer (not a boolean, not a float)."""
     if not _is_int(v):
         raise _type_error(where, v, "an integer")
     return v
 
 
 def check_number(where, v):
+    """``v`` if it is an integer or a float (not a boolean)."""
     if not (_is_int(v) or isinstance(v, float)):
         raise _type_error(where, v, "a number")
     return v
 
 
 def list_of(item: Callable) -> Callable:
+    """A check for a list whose every element passes ``item``."""
     def check(where, v):
         if not isinstance(v, list):
             raise _type_error(where, v, "a list")
@@ -68,10 +75,12 @@ def list_of(item: Callable) -> Callable:
 
 
 def optional(check: Callable) -> Callable:
+    """A check that also lets null through."""
     return lambda where, v: None if v is None else check(where, v)
 
 
 def one_of(*choices: str) -> Callable:
+    """A check for one of ``choices``."""
     def check(where, v):
         if v not in choices:
             raise BadRequest(f"{where}: {v!r} is not one of {', '.join(map(repr, choices))}")
@@ -103,18 +112,19 @@ def _is_off(value: Any, field: Field) -> bool:
     return value is None or value is False or value == field.off or value in ([], {}, "")
 
 
-def check_body(endpoint: str, body: Any, fields: dict[str, Field]) -> dict[str, Any]:
+def check_body(endpoint: str, body: Any, fields: dict[str, Field], unknown_off_ok: bool = False) -> dict[str, Any]:
     """Check a JSON body against ``fields``; return every field's value (defaults filled in).
 
     :param endpoint: the path, for messages (``"/abort_request"``).
     :param body: the parsed JSON (None for an empty body: all defaults).
+    :param unknown_off_ok: accept (and drop) unknown fields whose value is null, false or empty.
     :raises BadRequest: not an object, an unknown field, a wrong type, a field furlong does
         not implement given a value that is not "off".
     """
     body = {} if body is None else body
     if not isinstance(body, dict):
         raise BadRequest(f"{endpoint}: the body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - set(fields))
+    unknown = sorted(k for k in set(body) - set(fields) if not (unknown_off_ok and _is_off(body[k], Field(None))))
     if unknown:
         raise BadRequest(f"{endpoint}: unknown field {', '.join(map(repr, unknown))}; "
                          f"fields: {', '.join(sorted(fields))}")
@@ -126,8 +136,9 @@ def check_body(endpoint: str, body: Any, fields: dict[str, Field]) -> dict[str, 
         value = body[name]
         if not field.honoured:
             if not _is_off(value, field):
+                also = "" if field.off is None else f" or {field.off}"
                 raise BadRequest(f"{endpoint}: field '{name}' = {value!r:.60} is not supported by furlong serve "
-                                 f"(only its off value: null, false, empty{'' if field.off is None else f' or {field.off}'})")
+                                 f"(only its off value: null, false, empty{also})")
             out[name] = field.default
             continue
         out[name] = field.default if value is None else field.check(f"{endpoint} '{name}'", value)
@@ -232,7 +243,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, dict]:
         ``input_ids``; an empty prompt; list lengths that differ from the batch; an
         unknown sampling key; ``n`` other than 1; repeated request ids.
     """
-    top = check_body("/generate", body, GENERATE_FIELDS)
+    top = check_body("/generate", body, GENERATE_FIELDS, unknown_off_ok=True)
     text, input_ids = top["text"], top["input_ids"]
     if (text is None) == (input_ids is None):
         raise BadRequest("/generate: give exactly one of 'text' and 'input_ids'")

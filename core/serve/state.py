@@ -13,7 +13,7 @@ from furlong.hooks import PluginError
 from .responses import Progress
 from .schema import BadRequest, GenerateItem
 
-__all__ = ["ServeState"]
+__all__ = ["ServeState", "state_of"]
 
 
 class ServeState:
@@ -36,6 +36,8 @@ class ServeState:
         self.exiting = False
         self.last_token_at = 0.0
         self.started_at = time.time()
+        config = getattr(getattr(engine, "model", None), "config", None)
+        self.vocab_size = int(getattr(config, "vocab_size", 0) or len(self.tokenizer))
         names = inspect.signature(engine.generate).parameters
         self.engine_streams = "on_token" in names  # incremental output
         self.engine_takes_rid = "rid" in names and callable(getattr(engine, "abort_request", None))
@@ -48,6 +50,10 @@ class ServeState:
         """
         if item.input_ids is None:
             item.input_ids = list(self.tokenizer.encode(item.text))
+        bad = [t for t in item.input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BadRequest(f"/generate: token id {bad[0]} of request {item.rid!r} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         if item.rid in self.running:
             raise BadRequest(f"/generate: request id {item.rid!r} is already running")
         progress = Progress()
@@ -85,7 +91,15 @@ class ServeState:
         await self.engine.abort()
 
     async def shut_down(self) -> None:
-        """Refuse new work (503 on health checks) and end running requests as aborted."""
+        """Refuse new work (503 on health checks) and end running requests as aborted (paused ones too)."""
         self.exiting = True
         if self.running:
             await self.abort_all("The server is shutting down")
+        if self.pause_mode is not None:
+            await self.engine.continue_generation()  # a paused batch takes its last step: it ends aborted
+            self.pause_mode = None
+
+
+def state_of(request: Any) -> ServeState:
+    """The :class:`ServeState` of the application serving the aiohttp ``request``."""
+    return request.app["state"]
