@@ -86,3 +86,56 @@ def test_router_command(extra, expected):
     args = parse_args(BASE + extra)
     assert router_command(args, "sglang_router.launch_router", "127.0.0.1", 3123, 29123) == [
         sys.executable, "-m", "sglang_router.launch_router", *expected]
+
+
+def configure(extra):
+    from furlong.builtin_plugins.engines import sglang
+    from furlong.core.plugins import get_plugin_manager
+    from furlong.hooks import ConfigReport
+
+    args = parse_args(BASE + ["--sglang-router-ip", "127.0.0.1", "--sglang-router-port", "3999"] + extra,
+                      get_plugin_manager())
+    report = ConfigReport("sglang")
+    sglang.configure(args=args, report=report)
+    return args, report
+
+
+@pytest.mark.parametrize("extra, error", [
+    (["--rollout-external"], "--rollout-external needs --rollout-external-engine-addrs HOST:PORT ... (one per server)."),
+    (["--rollout-external-engine-addrs", "a:1"],
+     "--rollout-external-engine-addrs is used only with --rollout-external; add it."),
+    (["--rollout-external", "--rollout-external-engine-addrs", "a:1", "b"],
+     "--rollout-external-engine-addrs b: each address must be HOST:PORT."),
+    (["--rollout-external", "--rollout-external-engine-addrs", "a:1", "b:2", "c:3"],
+     "--rollout-num-gpus 4 does not match the 3 external server(s) of --rollout-external-engine-addrs x "
+     "--rollout-num-gpus-per-engine 2."),
+    (["--sglang-server-restarts", "-1"], "--sglang-server-restarts must be at least 0, got -1."),
+])
+def test_configure_refuses_inconsistent_server_flags(extra, error):
+    _, report = configure(["--sglang-server-impl", "furlong"] + extra)
+    assert report.errors == [error]
+
+
+def test_external_servers_give_the_engine_count_and_a_given_router_is_used_as_is():
+    args, report = configure(["--rollout-external", "--rollout-external-engine-addrs", "a:1", "b:2"])
+    assert report.errors == []
+    assert (args.rollout_num_gpus, args.sglang_router_ip, args.sglang_router_port, args.sglang_router_given) == (
+        4, "127.0.0.1", 3999, True)
+
+
+def test_the_sglang_server_needs_the_sglang_package(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    _, report = configure([])
+    assert report.errors == ['--sglang-server-impl sglang needs SGLang: pip install "furlong[sglang]" on a GPU '
+                             "machine (or --sglang-server-impl furlong to serve the model with furlong's own engine)."]
+
+
+def test_rollout_external_needs_the_sglang_engine():
+    from furlong.core.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--rollout-external and --rollout-external-engine-addrs attach to SGLang "
+                                          "servers: they need --rollout-backend sglang."):
+        parse_args(["--num-rollout", "1", "--rollout-batch-size", "1", "--rollout-external"])

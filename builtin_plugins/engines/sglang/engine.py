@@ -279,7 +279,9 @@ class SGLangEngine:
         if self._weights_dir is None:
             self._weights_dir = tempfile.mkdtemp(prefix=f"furlong-sglang-weights-{self.index}-")
         await asyncio.to_thread(_save_bucket, named_tensors, self._weights_dir)
-        await self._checked("/update_weights_from_disk", {"model_path": self._weights_dir, "flush_cache": False})
+        # keep_pause: the server must stay paused until the core's continue_generation
+        await self._checked("/update_weights_from_disk", {"model_path": self._weights_dir, "flush_cache": False,
+                                                          "keep_pause": True})
 
     async def release_memory(self) -> None:
         """Flush the cache (SGLang needs it empty), then ``/release_memory_occupation`` of every tag."""
