@@ -112,12 +112,16 @@ class SGLangEngine:
                 return True
             except HttpError:
                 pass
+        await self._leave_router()
+        return False
+
+    async def _leave_router(self) -> None:
+        """Take the server off the router, if this engine put it there (best effort)."""
         if self.register_with_router:
             try:
                 await deregister(self.http, self.router_url, self.url)
             except PluginError as exc:
                 log.debug("%s: could not remove it from the router: %s", self.who, exc)
-        return False
 
     async def recover(self) -> None:
         """Restart a server this engine started that died (at most ``--sglang-server-restarts`` times per engine).
@@ -163,11 +167,7 @@ class SGLangEngine:
         """Take the server off the router, stop it if this engine started it, close the client."""
         if self.http is None:
             return
-        if self.register_with_router:
-            try:
-                await deregister(self.http, self.router_url, self.url)
-            except PluginError as exc:
-                log.debug("%s: could not remove it from the router: %s", self.who, exc)
+        await self._leave_router()
         if self.process is not None:
             await asyncio.to_thread(self.process.kill)
             self.process = None
