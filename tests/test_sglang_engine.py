@@ -337,10 +337,12 @@ def test_weights_reach_every_server_by_broadcast_over_gloo(fleet):
 
 
 def _server_processes() -> set[str]:
+    """Servers and routers this interpreter started (other checkouts on the machine run their own)."""
     import subprocess
 
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
-    return {line.strip() for line in out if "furlong.core serve" in line or "sglang_router.launch_router" in line}
+    return {line.strip() for line in out if sys.executable in line
+            and ("furlong.core serve" in line or "sglang_router.launch_router" in line)}
 
 
 def test_ray_engine_actors_start_servers_that_take_every_weight_version(tmp_path, run_furlong):
