@@ -111,9 +111,11 @@ class EngineActor:
         return _where()
 
     async def start(self, make_engine):
-        """Build the engine; return its tokenizer (the driver tokenizes prompts) and weight-group ranks."""
+        """Build the engine; return its tokenizer (the driver tokenizes prompts), weight-group ranks,
+        and whether it has a ``shutdown`` step (processes of its own to stop)."""
         self.engine = await make_engine(self.index)
-        return self.engine.tokenizer, int(getattr(self.engine, "weight_update_ranks", 1) or 1)
+        return (self.engine.tokenizer, int(getattr(self.engine, "weight_update_ranks", 1) or 1),
+                callable(getattr(self.engine, "shutdown", None)))
 
     async def call(self, method: str, args: tuple):
         return await getattr(self.engine, method)(*args)

@@ -426,6 +426,7 @@ class RemoteEngine:
         self.weight_update_ranks = 1
         self.on_restart = None
         self.restarts = 0
+        self._owns_processes = False
         self._epoch = 0
         self._seq = 0
         self._restarting: asyncio.Future | None = None
@@ -440,7 +441,7 @@ class RemoteEngine:
         self.handle = self.executor.new_engine_actor(self.index)
         timeout = self.executor.timeout
         self._place = await _await(self.handle.where.remote(), timeout, f"engine actor {self.index}", "where")
-        self.tokenizer, self.weight_update_ranks = await _await(
+        self.tokenizer, self.weight_update_ranks, self._owns_processes = await _await(
             self.handle.start.remote(self.make_engine), timeout, self.who, "start")
         self._epoch += 1
         self._seq = 0
@@ -550,6 +551,8 @@ class RemoteEngine:
 
     async def shutdown(self) -> None:
         """Let the engine stop its own processes before the executor kills the actor (Ray does not reap them)."""
+        if not self._owns_processes or self.handle is None:
+            return
         try:
             await _await(self.handle.shutdown.remote(), min(self.executor.timeout, 60.0), self.who, "shutdown")
         except PluginError as exc:
