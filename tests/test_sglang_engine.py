@@ -101,7 +101,7 @@ class Probe:
 
 @pytest.fixture(scope="module")
 def samples_module(tmp_path_factory):
-    """A user module whose function records every group each rollout finished (``--rollout-all-samples-process-path``)."""
+    """A user module recording every group each rollout finished (``--rollout-all-samples-process-path``)."""
     site = tmp_path_factory.mktemp("site")
     (site / "sglang_probe_samples.py").write_text(textwrap.dedent('''
         ROLLOUTS = []
@@ -320,6 +320,8 @@ def test_weights_reach_every_server_by_broadcast_over_gloo(fleet):
                                    for e in engines))
             await asyncio.gather(*(e.set_weight_version(7) for e in engines))
             assert [get(url, "/model_info")["weight_version"] for url in fleet["urls"]] == ["7", "7"]
+            await asyncio.gather(*(e.release_memory() for e in engines))  # what --offload-rollout does
+            await asyncio.gather(*(e.resume_memory() for e in engines))
             outs = [await e.generate([1, 5, 9], {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True,
                                                  "sampling_seed": 3}) for e in engines]
             for out in outs:
@@ -349,11 +351,17 @@ def test_ray_engine_actors_start_servers_that_take_every_weight_version(tmp_path
     site = tmp_path / "site"
     site.mkdir()
     (site / "sglang_versions.py").write_text(textwrap.dedent('''
-        import json, os
+        import json, os, urllib.request
 
         def record(args, all_groups, data_source):
+            # in the rollout-manager actor, as a custom generate function would: the router from args
+            body = json.dumps({"input_ids": [1, 5, 9], "sampling_params": {"max_new_tokens": 2}}).encode()
+            url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+            request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as response:
+                routed = json.loads(response.read())["meta_info"]["weight_version"]
             with open(os.environ["SGLANG_VERSIONS_OUT"], "a") as out:
-                out.write(json.dumps([v for g in all_groups for s in g for v in s.weight_versions]) + "\\n")
+                out.write(json.dumps([v for g in all_groups for s in g for v in s.weight_versions] + [routed]) + "\\n")
     '''))
     out = tmp_path / "versions.jsonl"
     before = _server_processes()
@@ -369,7 +377,7 @@ def test_ray_engine_actors_start_servers_that_take_every_weight_version(tmp_path
         timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     versions = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [sorted(set(v)) for v in versions] == [["1"], ["2"]] and [len(v) for v in versions] == [16, 16]
+    assert [sorted(set(v)) for v in versions] == [["1"], ["2"]] and [len(v) for v in versions] == [17, 17]
     assert "registered" in proc.stderr and proc.stderr.count("sglang server") >= 2
     deadline = time.monotonic() + 20
     while _server_processes() - before and time.monotonic() < deadline:

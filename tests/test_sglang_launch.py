@@ -10,7 +10,8 @@ from furlong.builtin_plugins.engines.sglang.launch import (FORCED, ServerPlace, 
 from furlong.core.config import parse_args
 
 BASE = ["--hf-checkpoint", "/models/qwen", "--rollout-backend", "sglang", "--rollout-num-gpus", "4",
-        "--rollout-num-gpus-per-engine", "2", "--seed", "7", "--executor", "local", "--num-rollout", "1", "--num-gpus-per-node", "8",
+        "--rollout-num-gpus-per-engine", "2", "--seed", "7", "--executor", "local", "--num-rollout", "1",
+        "--num-gpus-per-node", "8",
         "--rollout-batch-size", "1"]
 PLACE = ServerPlace(1, "10.0.0.5", 15001, nccl_port=16001, dist_init_addr="10.0.0.5:17001", base_gpu_id=2)
 
@@ -101,7 +102,8 @@ def configure(extra):
 
 
 @pytest.mark.parametrize("extra, error", [
-    (["--rollout-external"], "--rollout-external needs --rollout-external-engine-addrs HOST:PORT ... (one per server)."),
+    (["--rollout-external"],
+     "--rollout-external needs --rollout-external-engine-addrs HOST:PORT ... (one per server)."),
     (["--rollout-external-engine-addrs", "a:1"],
      "--rollout-external-engine-addrs is used only with --rollout-external; add it."),
     (["--rollout-external", "--rollout-external-engine-addrs", "a:1", "b"],

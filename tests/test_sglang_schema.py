@@ -23,12 +23,12 @@ def fixture(name: str):
     return json.loads((FIXTURES / name).read_text())
 
 
-def engine_for(url: str, router_url: str | None = None):
+def engine_for(url: str, router_url: str | None = None, policy: str | None = None):
     from argparse import Namespace
 
     from furlong.builtin_plugins.engines.sglang.engine import SGLangEngine
 
-    args = Namespace(rollout_num_gpus_per_engine=1, sglang_server_restarts=0, sglang_router_policy=None,
+    args = Namespace(rollout_num_gpus_per_engine=1, sglang_server_restarts=0, sglang_router_policy=policy,
                      sglang_server_concurrency=4, sglang_engines_per_process=1,
                      sglang_router_request_timeout_secs=30, distributed_timeout_minutes=1)
     return SGLangEngine(args, 0, url, router_url or url, None, False, tokenizer=None)
@@ -66,9 +66,13 @@ def test_control_requests_use_sglangs_keys_and_types(tmp_path):
 
     expected = fixture("control_requests.json")
     seen: dict[str, list] = {}
+    keys: list = []
 
     async def record(request):
         body = await request.json() if request.can_read_body else None
+        if request.path == "/generate":
+            keys.append(request.headers.get("X-SMG-Routing-Key"))
+            return web.json_response(fixture("generate_response_logprob.json"))
         seen.setdefault(request.path, []).append(body)
         return web.json_response({"success": True, "message": "ok"})
 
@@ -79,11 +83,13 @@ def test_control_requests_use_sglangs_keys_and_types(tmp_path):
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
-        engine = engine_for(f"http://127.0.0.1:{port}")
+        engine = engine_for(f"http://127.0.0.1:{port}", policy="consistent_hashing")
         from furlong.builtin_plugins.engines.sglang.http import shared_http
 
         engine.http = shared_http(4)
         try:
+            for _ in range(2):
+                assert (await engine.generate([1, 2], {"max_new_tokens": 8})).output_ids[0] == 73
             await engine.abort()
             await engine.pause_generation("retract")
             await engine.flush_cache()
@@ -112,3 +118,21 @@ def test_control_requests_use_sglangs_keys_and_types(tmp_path):
                     assert type(value) is type(reference), (path, key, value, reference)
     assert seen["/update_weight_version"] == [{"new_version": "3", "abort_all_requests": False}]
     assert seen["/abort_request"] == [{"abort_all": True}]
+    assert len(keys) == 2 and None not in keys and keys[0] != keys[1]  # a routing key per request
+
+
+def test_a_call_that_keeps_failing_names_the_url_the_attempts_and_the_last_error():
+    from furlong.builtin_plugins.engines.sglang.http import HttpError, release_http, shared_http
+    from furlong.hooks.dist import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/health"  # nothing listens there
+
+    async def main():
+        http = shared_http(1)
+        try:
+            await http.call("GET", url, timeout_s=5, retries=2)
+        finally:
+            await release_http()
+
+    with pytest.raises(HttpError, match=rf"GET {url} failed after 3 attempt\(s\): ClientConnectorError: .*"):
+        asyncio.run(main())
