@@ -86,9 +86,13 @@ class SGLangEngine:
             await register(self.http, self.router_url, self.url, alive=self._dead_reason)
 
     async def _wait_ready(self) -> None:
-        """Poll ``GET /health_generate`` until 200, then ``GET /flush_cache`` until 200 (SPEC.md 8.1)."""
+        """Poll ``GET /health_generate`` until 200, then ``GET /flush_cache`` until 200 (SPEC.md 8.1).
+
+        An external server may be busy with someone else's requests (``/flush_cache`` would
+        answer 400): only its health is asked.
+        """
         deadline = time.monotonic() + START_TIMEOUT_S
-        for path in ("/health_generate", "/flush_cache"):
+        for path in ("/health_generate", "/flush_cache") if self.process is not None else ("/health_generate",):
             while True:
                 reason = self._dead_reason()
                 if reason:
@@ -195,7 +199,7 @@ class SGLangEngine:
                                                        timeout_s=self._generate_timeout, headers=headers))
         self._in_flight.add(request)
         try:
-            answer = await asyncio.shield(request)
+            answer = await request  # a cancelled caller cancels the request too
         finally:
             self._in_flight.discard(request)
         return self._output(answer)
