@@ -29,6 +29,7 @@ commands:
   serve        serve a rollout engine over HTTP with SGLang's native API
   plugins      list installed plugins: name, hooks, distribution, version
   plot         draw a run's metrics.jsonl into one PNG
+  new-plugin   write a plugin package: furlong new-plugin NAME --hook HOOK [--hook ...]
 
 'furlong COMMAND --help' describes a command's flags."""
 
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"furlong {md.version('furlong')}")
         return 0
     command, rest = argv[0], argv[1:]
-    handlers = {"plugins": _plugins, "train": _train, "train-async": _train, "plot": _plot, "serve": _serve}
+    handlers = {"plugins": _plugins, "train": _train, "train-async": _train, "plot": _plot,
+                "new-plugin": _new_plugin, "serve": _serve}
     if command not in handlers:
         print(f"furlong: unknown command '{command}'.\n{USAGE}", file=sys.stderr)
         return 2
@@ -81,6 +83,9 @@ def _plugins(command: str, argv: list[str]) -> int:
     parser.add_argument("--disable-plugins", action="append", default=[], help="NAME or DIST:NAME to skip")
     opts = parser.parse_args(argv)
     pm = get_plugin_manager(split_names(opts.disable_plugins))
+    from .config.parser import set_aside_bad_plugin_flags
+
+    set_aside_bad_plugin_flags(pm)
     rows = pm.describe()
     if opts.hook:
         if not hasattr(pm.hook, opts.hook):
@@ -155,6 +160,12 @@ def _plot(command: str, argv: list[str]) -> int:
     from .plot import main as plot_main
 
     return plot_main(argv)
+
+
+def _new_plugin(command: str, argv: list[str]) -> int:
+    from .scaffold import main as scaffold_main
+
+    return scaffold_main(argv)
 
 
 def _serve(command: str, argv: list[str]) -> int:

@@ -20,7 +20,7 @@ __all__ = ["DataSource", "Executor", "RolloutContext", "RolloutEngine", "StepObj
 class RolloutEngine(Protocol):
     """Generates tokens. Implementations: ``embedded`` (transformers), ``sglang``.
 
-    Weight updates come in phases, the shape of SGLang's HTTP API (SPEC.md 6.5, 8.4):
+    Weight updates come in phases, the shape of SGLang's HTTP API (docs/architecture.md, weight sync):
     ``pause_generation`` → ``flush_cache`` → one ``load_weights`` (in-process) or
     ``update_weights_from_distributed`` (broadcast) per bucket → ``set_weight_version``
     → ``continue_generation``.

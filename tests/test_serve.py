@@ -171,8 +171,6 @@ def test_finish_reasons_and_stop_trimming(server, engine):
     ({"input_ids": []}, "/generate: empty prompt; give at least one character or token id per prompt"),
     ({"input_ids": [5, 100]}, "/generate: token id 100 of request 'x' is outside the vocabulary [0, 100)"),
     ({"text": ["a", "b"], "rid": ["x"]}, "/generate 'rid': 1 ids for 2 prompt(s); give one string per prompt"),
-    ({"text": ["a", "b"], "stream": True}, "/generate: streaming a batch is not supported by furlong serve; "
-                                            "stream one prompt per request"),
 ])
 def test_bad_generate_requests_are_400_with_a_clear_message(server, body, message):
     status, out = server.call("/generate", {"rid": "x", **body} if "input_ids" in body else body)
@@ -213,6 +211,18 @@ def test_streaming_sends_one_event_per_token_then_done(server, engine):
     assert final["output_ids"] == whole["output_ids"] and final["text"] == whole["text"]
     assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
     assert [t[1] for t in final["meta_info"]["output_token_logprobs"]] == whole["output_ids"]
+
+
+def test_a_streamed_batch_names_each_chunk_s_prompt(server):
+    prompts = ["abc", "The sky is"]
+    body = {"text": prompts, "sampling_params": [dict(GREEDY, max_new_tokens=4), dict(GREEDY, max_new_tokens=7)]}
+    events = _stream_lines(server, body, [])
+    whole = _generate(server, **body)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    for i in (0, 1):
+        mine = [e for e in events[:-1] if e["index"] == i]
+        assert mine[-1]["output_ids"] == whole[i]["output_ids"] and mine[-1]["meta_info"]["finish_reason"]
+        assert all(e["meta_info"]["finish_reason"] is None for e in mine[:-1])
 
 
 def test_incremental_streaming_sends_only_what_is_new(engine, tiny_model_dir):
@@ -336,6 +346,27 @@ def test_pause_holds_decoding_until_continue_and_flush_cache_follows_sglang(serv
     assert server.call("/flush_cache")[0] == 200
 
 
+def test_a_request_that_straddles_a_version_update_reports_its_spans(server):
+    sink = []
+    thread, _ = _in_thread(_stream_lines, server, {"input_ids": [5, 6], "sampling_params": LONG, "rid": "v"}, sink)
+    _wait_running(server, 1)
+    while len(sink) < 3:
+        time.sleep(0.01)
+    assert server.call("/update_weight_version", {"new_version": "9", "abort_all_requests": False})[0] == 200
+    seen = len(sink)
+    while len(sink) < seen + 3:
+        time.sleep(0.01)
+    assert server.call("/abort_request", {"rid": "v"})[0] == 200
+    thread.join(30)
+    meta = sink[-2]["meta_info"]
+    n = meta["completion_tokens"]
+    spans = meta["weight_versions"]
+    assert [s["version"] for s in spans] == ["default", "9"] and meta["weight_version"] == "9"
+    assert spans[0]["start"] == 0 and 0 < spans[0]["end"] == spans[1]["start"] < spans[1]["end"] == n
+    assert "weight_versions" not in sink[0]["meta_info"]  # one version so far
+    assert server.call("/update_weight_version", {"new_version": "default"})[0] == 200
+
+
 # --- health and info --------------------------------------------------------------------------------
 
 
@@ -444,7 +475,20 @@ def test_sigterm_ends_running_streams_even_paused_ones_and_exits_cleanly(tiny_mo
         assert "Traceback" not in srv.log() and "shutting down" in srv.log()
 
 
-def test_serve_errors_are_one_line_and_exit_2(tmp_path, capsys):
+@pytest.mark.parametrize("dtype, bf16, fp16", [("auto", True, False), ("bfloat16", True, False),
+                                               ("float16", False, True), ("float32", False, False)])
+def test_serve_flags_become_what_the_engine_plugin_reads(dtype, bf16, fp16):
+    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.serve.command import parse_serve_args
+
+    args = parse_serve_args(["--hf-checkpoint", "m", "--dtype", dtype, "--embedded-max-batch-size", "3"],
+                            get_plugin_manager())
+    assert (args.bf16, args.fp16, args.served_model_name, args.embedded_max_batch_size) == (bf16, fp16, "m", 3)
+    assert (args.host, args.port, args.rollout_backend, args.weight_version) == ("127.0.0.1", 30000, "embedded",
+                                                                                 "default")
+
+
+def test_serve_errors_are_one_line_and_exit_2(tmp_path, capsys, server, tiny_model_dir):
     assert main(["serve", "--hf-checkpoint", str(tmp_path), "--rollout-backend", "embeded"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --rollout-backend 'embeded': no installed plugin of that name implements "
@@ -452,3 +496,8 @@ def test_serve_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert "Did you mean 'embedded'?" in err
     assert main(["serve", "--hf-checkpoint", str(tmp_path / "missing"), "--port", "1"]) == 2
     assert "--hf-checkpoint" in capsys.readouterr().err
+    port = server.url.rsplit(":", 1)[1]  # taken by the running server
+    assert main(["serve", "--hf-checkpoint", str(tiny_model_dir), "--port", port]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: furlong serve: cannot listen on 127.0.0.1:{port} (")
+    assert errors[0].endswith("address already in use); choose another --port or --host.")

@@ -18,7 +18,7 @@ from furlong.hooks import PluginError
 from ..discovery import split_names
 from ..plugins import get_plugin_manager
 
-__all__ = ["build_serve_parser", "serve"]
+__all__ = ["build_serve_parser", "parse_serve_args", "serve"]
 
 log = logging.getLogger("furlong.serve")
 
@@ -88,13 +88,25 @@ def serve(argv: list[str]) -> int:
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--disable-plugins", action="append", default=[])
     pm = get_plugin_manager(split_names(pre.parse_known_args(argv)[0].disable_plugins))
+    return asyncio.run(_serve(parse_serve_args(argv, pm), pm))
+
+
+def parse_serve_args(argv: list[str], pm) -> argparse.Namespace:
+    """Parse ``furlong serve``'s flags; derive what engine plugins read.
+
+    ``--dtype`` becomes ``bf16``/``fp16`` (the flags a ``rollout_engine`` reads in a
+    training run); ``--served-model-name`` defaults to ``--hf-checkpoint``.
+
+    :raises PluginError: ``--rollout-backend`` names no plugin implementing ``rollout_engine``.
+    :raises SystemExit: argparse's usage error (exit code 2).
+    """
     backend = _backend_of(argv)
     pm.chosen_impl("rollout_engine", backend, "--rollout-backend")
     args = build_serve_parser(pm, backend).parse_args(argv)
     args.bf16 = args.dtype in ("auto", "bfloat16")
     args.fp16 = args.dtype == "float16"
     args.served_model_name = args.served_model_name or args.hf_checkpoint
-    return asyncio.run(_serve(args, pm))
+    return args
 
 
 async def _serve(args: argparse.Namespace, pm) -> int:

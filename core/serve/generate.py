@@ -4,7 +4,9 @@ Shapes from SGLang 0.5.23 ``srt/entrypoints/http_server.py``: a single request a
 object, a batch a list; ``"stream": true`` answers ``text/event-stream`` with one
 ``data: {...}\\n\\n`` event per chunk and a final ``data: [DONE]\\n\\n``; by default each
 chunk carries the whole output so far (``--incremental-streaming-output``: only the new
-part); an error during a stream is one ``data: {"error": {...}}`` event before ``[DONE]``.
+part); in a streamed batch every chunk has ``index``, its prompt's position (SGLang's
+``_stream_batch_responses``); an error during a stream is one ``data: {"error": {...}}``
+event before ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -37,10 +39,7 @@ async def generate_route(request: web.Request) -> web.StreamResponse:
                              start=start)
 
     if top["stream"]:
-        if batch:
-            raise BadRequest("/generate: streaming a batch is not supported by furlong serve; stream one prompt "
-                             "per request")
-        return await _stream(request, state, items[0], body)
+        return await _stream(request, state, items, body, batch)
     tasks = [asyncio.ensure_future(state.generate(item)) for item in items]
     try:
         results = await asyncio.gather(*tasks)
@@ -51,41 +50,62 @@ async def generate_route(request: web.Request) -> web.StreamResponse:
     return web.json_response(out if batch else out[0])
 
 
-async def _stream(request: web.Request, state: ServeState, item: GenerateItem, body) -> web.StreamResponse:
+async def _stream(request: web.Request, state: ServeState, items: list[GenerateItem], body,
+                  batch: bool) -> web.StreamResponse:
+    """Stream every item's chunks as they come; in a batch each chunk names its prompt by ``index``."""
     wake = asyncio.Event()
-    task = asyncio.ensure_future(state.generate(item, on_progress=wake.set))
-    task.add_done_callback(lambda _: wake.set())
+    tasks = [asyncio.ensure_future(state.generate(item, on_progress=wake.set)) for item in items]
+    for task in tasks:
+        task.add_done_callback(lambda _: wake.set())
     try:
-        await asyncio.sleep(0)  # let the request reach the engine: a refusal is still a plain 400
-        if task.done() and task.exception() is not None:
-            raise task.exception()
+        await asyncio.sleep(0)  # let the requests reach the engine: a refusal is still a plain 400
+        for task in tasks:
+            if task.done() and task.exception() is not None:
+                raise task.exception()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         incremental = state.args.incremental_streaming_output
-        interval = max(1, int(item.output_params.get("stream_interval") or 1))
-        sent = 0
-        while not task.done():
+        sent = [0] * len(items)
+        open_items = set(range(len(items)))
+        while open_items:
             await wake.wait()
             wake.clear()
-            progress = state.running.get(item.rid)
-            if task.done() or progress is None or len(progress.output_ids) - sent < interval:
-                continue
-            chunk = body(item, progress, start=sent if incremental else 0)
-            sent = len(progress.output_ids)
-            await response.write(_event(chunk))
-        try:
-            final = body(item, task.result(), start=sent if incremental else 0)
-        except Exception as exc:  # noqa: BLE001 - the headers are sent: the error becomes the last event
-            code = 400 if isinstance(exc, BadRequest) else 500
-            final = {"error": {"message": str(exc) or type(exc).__name__, "type": "invalid_request_error"
-                               if code == 400 else "server_error", "code": code, "retryable": False}}
-        await response.write(_event(final))
+            for i in sorted(open_items):
+                chunk = _next_chunk(state, items[i], tasks[i], body, sent, i, incremental)
+                if chunk is None:
+                    continue
+                if tasks[i].done():
+                    open_items.discard(i)
+                if batch:
+                    chunk["index"] = i
+                await response.write(_event(chunk))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
     finally:
-        if not task.done():
-            task.cancel()  # the client went away: the engine drops the request
+        for task in tasks:
+            if not task.done():
+                task.cancel()  # the client went away: the engine drops the request
+
+
+def _next_chunk(state: ServeState, item: GenerateItem, task: asyncio.Future, body, sent: list[int], i: int,
+                incremental: bool) -> dict | None:
+    """Item ``i``'s next chunk: its final one once ``task`` is done, else one once enough new tokens came."""
+    start = sent[i] if incremental else 0
+    if task.done():
+        try:
+            return body(item, task.result(), start=start)
+        except Exception as exc:  # noqa: BLE001 - the headers are sent: the error becomes an event
+            code = 400 if isinstance(exc, BadRequest) else 500
+            return {"error": {"message": str(exc) or type(exc).__name__, "type": "invalid_request_error"
+                              if code == 400 else "server_error", "code": code, "retryable": False}}
+    progress = state.running.get(item.rid)
+    interval = max(1, int(item.output_params.get("stream_interval") or 1))
+    if progress is None or len(progress.output_ids) - sent[i] < interval:
+        return None
+    chunk = body(item, progress, start=start)
+    sent[i] = len(progress.output_ids)
+    return chunk
 
 
 def _event(payload: dict) -> bytes:

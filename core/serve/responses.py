@@ -3,7 +3,9 @@
 One response (or one streamed chunk) is ``{"text", "output_ids", "meta_info"}``;
 ``meta_info`` has ``id``, ``finish_reason``, ``prompt_tokens``, ``weight_version``,
 ``num_retractions``, ``reasoning_tokens`` (both 0 here), ``completion_tokens``,
-``cached_tokens`` (0: no prefix cache), ``e2e_latency`` and, when ``return_logprob``,
+``cached_tokens`` (0: no prefix cache), ``e2e_latency``, ``weight_versions`` (spans
+``{"version", "start", "end"}`` of output tokens, only for a request that straddled a
+weight update) and, when ``return_logprob``,
 ``output_token_logprobs`` as ``[logprob, token_id, text or null]`` triples
 (``sglang/srt/managers/tokenizer_manager.py``, ``api/v1/api_types.py``
 ``GenerateMetaInfo``/``LogprobEntry``). Finish reasons are SGLang's tagged objects
@@ -26,13 +28,20 @@ class Progress:
     """A request's output so far (streaming) or in full (finished: ``reason`` set).
 
     ``reason``: None while running, else ``"stop"``, ``"length"`` or ``"abort"``;
-    ``abort_message`` says why an aborted request ended.
+    ``abort_message`` says why an aborted request ended. ``versions``: ``(weight
+    version, first output token decoded with it)`` in order, when the engine streams.
     """
 
     output_ids: list[int] = attrs.field(factory=list)
     log_probs: list[float] = attrs.field(factory=list)
     reason: str | None = None
     abort_message: str = "Aborted"
+    versions: list[tuple[str, int]] = attrs.field(factory=list)
+
+    def version_spans(self) -> list[dict]:
+        """SGLang's ``weight_versions``: ``[{"version", "start", "end"}]`` over the output tokens."""
+        ends = [start for _, start in self.versions[1:]] + [len(self.output_ids)]
+        return [{"version": v, "start": start, "end": end} for (v, start), end in zip(self.versions, ends)]
 
 
 def generate_body(tokenizer: Any, item: Any, progress: Progress, *, weight_version: str, latency_s: float,
@@ -64,6 +73,8 @@ def generate_body(tokenizer: Any, item: Any, progress: Progress, *, weight_versi
         "cached_tokens": 0,
         "e2e_latency": latency_s,
     }
+    if len(progress.versions) > 1:  # the request straddled a weight update (SGLang: utils/weight_versions.py)
+        meta["weight_versions"] = progress.version_spans()
     if item.return_logprob:
         meta["output_token_logprobs"] = [
             [lp, tok, tokenizer.decode([tok]) if text_in_logprobs else None]

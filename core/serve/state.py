@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import time
 from argparse import Namespace
 from typing import Any, Callable
+
+from aiohttp import web
 
 from furlong.hooks import PluginError
 
 from .responses import Progress
 from .schema import BadRequest, GenerateItem
 
-__all__ = ["ServeState", "state_of"]
+__all__ = ["STATE_KEY", "ServeState", "state_of"]
 
 
 class ServeState:
@@ -63,6 +64,8 @@ class ServeState:
             kwargs["rid"] = item.rid
         if self.engine_streams:
             def on_token(token: int, log_prob: float) -> None:
+                if not progress.versions or progress.versions[-1][0] != self.weight_version:
+                    progress.versions.append((self.weight_version, len(progress.output_ids)))
                 progress.output_ids.append(token)
                 progress.log_probs.append(log_prob)
                 self.last_token_at = time.monotonic()
@@ -75,7 +78,7 @@ class ServeState:
             raise BadRequest(str(exc)) from exc
         finally:
             self.running.pop(item.rid, None)
-        progress.output_ids = list(out.output_ids)
+        progress.output_ids = list(out.output_ids)  # the engine's own record (same tokens when it streams)
         progress.log_probs = list(out.output_log_probs)
         progress.reason = out.finish_reason
         return progress
@@ -100,6 +103,9 @@ class ServeState:
             self.pause_mode = None
 
 
-def state_of(request: Any) -> ServeState:
-    """The :class:`ServeState` of the application serving the aiohttp ``request``."""
-    return request.app["state"]
+STATE_KEY = web.AppKey("state", ServeState)
+
+
+def state_of(request: web.Request) -> ServeState:
+    """The :class:`ServeState` of the application serving ``request``."""
+    return request.app[STATE_KEY]
