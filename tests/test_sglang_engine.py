@@ -348,18 +348,29 @@ def _server_processes() -> set[str]:
 
 
 def test_ray_engine_actors_start_servers_that_take_every_weight_version(tmp_path, run_furlong):
+    """One server is killed after rollout 0's generation: its engine actor is replaced at that sync."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sglang_versions.py").write_text(textwrap.dedent('''
-        import json, os, urllib.request
+        import json, os, signal, urllib.request
+
+        import psutil
+
+        KILLED = []
 
         def record(args, all_groups, data_source):
             # in the rollout-manager actor, as a custom generate function would: the router from args
+            router = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
             body = json.dumps({"input_ids": [1, 5, 9], "sampling_params": {"max_new_tokens": 2}}).encode()
-            url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
-            request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+            request = urllib.request.Request(router + "/generate", body, {"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=60) as response:
                 routed = json.loads(response.read())["meta_info"]["weight_version"]
+            if not KILLED:  # after rollout 0's generation, before its weight sync: one server dies
+                with urllib.request.urlopen(router + "/workers", timeout=60) as response:
+                    port = int(json.loads(response.read())["workers"][0]["url"].rsplit(":", 1)[1])
+                KILLED.extend(c.pid for c in psutil.net_connections("tcp")
+                              if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN)
+                os.kill(KILLED[0], signal.SIGKILL)
             with open(os.environ["SGLANG_VERSIONS_OUT"], "a") as out:
                 out.write(json.dumps([v for g in all_groups for s in g for v in s.weight_versions] + [routed]) + "\\n")
     '''))
@@ -378,7 +389,8 @@ def test_ray_engine_actors_start_servers_that_take_every_weight_version(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     versions = [json.loads(line) for line in out.read_text().splitlines()]
     assert [sorted(set(v)) for v in versions] == [["1"], ["2"]] and [len(v) for v in versions] == [17, 17]
-    assert "registered" in proc.stderr and proc.stderr.count("sglang server") >= 2
+    assert "registered" in proc.stderr and proc.stderr.count("sglang server") >= 3
+    assert "weight sync: engine actor" in proc.stderr and "is gone; replacing it" in proc.stderr  # the dead server
     deadline = time.monotonic() + 20
     while _server_processes() - before and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -451,7 +451,8 @@ class RemoteEngine:
         if self._restarting is not None:
             await asyncio.shield(self._restarting)
         elif not await self.health():
-            await self._recover(self._epoch, PluginError(f"{self.who}: the actor died"))
+            await self._recover(self._epoch, PluginError(f"{self.who}: the engine does not answer (the actor or "
+                                                         "a process of the engine died)"))
 
     async def replace_if(self, dead) -> None:
         """Replace the actor if ``dead`` (an actor handle another process found dead) is still the current one.
