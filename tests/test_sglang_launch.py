@@ -1,5 +1,6 @@
 """The ``sglang`` engine's command lines: ``sglang.launch_server`` (SPEC.md 8.1), ``furlong serve`` and the router."""
 
+import json
 import logging
 import sys
 
@@ -141,3 +142,11 @@ def test_rollout_external_needs_the_sglang_engine():
     with pytest.raises(ConfigError, match="--rollout-external and --rollout-external-engine-addrs attach to SGLang "
                                           "servers: they need --rollout-backend sglang."):
         parse_args(["--num-rollout", "1", "--rollout-batch-size", "1", "--rollout-external"])
+
+
+def test_print_config_starts_no_router(capsys):
+    from furlong.core.cli import main
+
+    assert main(["train", *BASE, "--sglang-server-impl", "furlong", "--print-config"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["args"]["sglang_router_ip"] is None and data["args"]["sglang_router_port"] is None
