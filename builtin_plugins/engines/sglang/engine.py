@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -19,8 +18,9 @@ from typing import Any
 
 from furlong.hooks import GenerateOutput, PluginError
 
+from .buckets import save_bucket, serialize_cuda_bucket
 from .http import HttpError, release_http, shared_http
-from .launch import ManagedProcess, ServerPlace, server_command
+from .launch import ManagedProcess, ServerPlace, server_command, server_env
 from .router import deregister, register
 
 __all__ = ["SGLangEngine"]
@@ -77,7 +77,7 @@ class SGLangEngine:
         self.http = shared_http(self._generation_limit)
         if self.place is not None:
             self.process = ManagedProcess(f"sglang server {self.index}", server_command(self.args, self.place),
-                                          env=_server_env(self.args))
+                                          env=server_env(self.args))
         else:
             info = await self._call("GET", "/get_server_info", retries=5, timeout_s=30)
             log.info("%s: external server, version %s", self.who, (info or {}).get("version", "?"))
@@ -154,7 +154,7 @@ class SGLangEngine:
             if self.process is not None:
                 await asyncio.to_thread(self.process.kill)
             self.process = ManagedProcess(f"sglang server {self.index}", server_command(self.args, self.place),
-                                          env=_server_env(self.args))
+                                          env=server_env(self.args))
             await self._wait_ready()
             if self.register_with_router:
                 await register(self.http, self.router_url, self.url, alive=self._dead_reason)
@@ -276,13 +276,13 @@ class SGLangEngine:
         safetensors file loaded by ``/update_weights_from_disk``.
         """
         if named_tensors and getattr(named_tensors[0][1], "is_cuda", False):
-            payload = await asyncio.to_thread(_serialize_cuda, named_tensors)
+            payload = await asyncio.to_thread(serialize_cuda_bucket, named_tensors)
             await self._checked("/update_weights_from_tensor", {
                 "serialized_named_tensors": [payload] * self.weight_update_ranks, "flush_cache": False})
             return
         if self._weights_dir is None:
             self._weights_dir = tempfile.mkdtemp(prefix=f"furlong-sglang-weights-{self.index}-")
-        await asyncio.to_thread(_save_bucket, named_tensors, self._weights_dir)
+        await asyncio.to_thread(save_bucket, named_tensors, self._weights_dir)
         # keep_pause: the server must stay paused until the core's continue_generation
         await self._checked("/update_weights_from_disk", {"model_path": self._weights_dir, "flush_cache": False,
                                                           "keep_pause": True})
@@ -311,34 +311,3 @@ class SGLangEngine:
         if isinstance(answer, dict) and answer.get("success") is False:
             raise PluginError(f"{self.who}: POST {path} failed: {answer.get('message', '')}")
         return answer
-
-
-def _server_env(args: Any) -> dict:
-    """The server's environment: this process's, plus a clean proxy bypass for loopback and the run's hosts."""
-    env = dict(os.environ)
-    hosts = {"127.0.0.1", "localhost", str(getattr(args, "sglang_router_ip", "") or "")}
-    hosts |= set(env.get("no_proxy", "").split(","))
-    env["no_proxy"] = env["NO_PROXY"] = ",".join(sorted(h for h in hosts if h))
-    return env
-
-
-def _save_bucket(named_tensors: list[tuple[str, Any]], directory: str) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {name: tensor.detach().contiguous() for name, tensor in named_tensors}
-    path = os.path.join(directory, "model.safetensors")
-    save_file(tensors, path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-
-def _serialize_cuda(named_tensors: list[tuple[str, Any]]) -> str:
-    """``[(name, tensor)]`` pickled with CUDA IPC handles, base64 (SGLang's ``MultiprocessingSerializer``)."""
-    import base64
-    import io
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401 - registers the CUDA tensor reductions with ForkingPickler
-
-    buffer = io.BytesIO()
-    ForkingPickler(buffer).dump([(name, tensor.detach()) for name, tensor in named_tensors])
-    return base64.b64encode(buffer.getvalue()).decode("ascii")

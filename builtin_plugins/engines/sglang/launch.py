@@ -17,7 +17,8 @@ from typing import Any
 
 from furlong.hooks import PluginError
 
-__all__ = ["FORCED", "ManagedProcess", "ServerPlace", "router_command", "server_command", "sglang_server_args"]
+__all__ = ["FORCED", "ManagedProcess", "ServerPlace", "router_command", "server_command", "server_env",
+           "sglang_server_args"]
 
 log = logging.getLogger("furlong.engines.sglang")
 
@@ -79,6 +80,15 @@ def server_command(args: Any, place: ServerPlace) -> list[str]:
         return [sys.executable, "-m", "furlong.core", "serve", "--hf-checkpoint", args.hf_checkpoint,
                 "--host", place.host, "--port", str(place.port), "--seed", str(int(args.seed or 0) + place.index)]
     return [sys.executable, "-m", "sglang.launch_server", *sglang_server_args(args, place)]
+
+
+def server_env(args: Any) -> dict:
+    """The server's environment: this process's, plus a clean proxy bypass for loopback and the run's hosts."""
+    env = dict(os.environ)
+    hosts = {"127.0.0.1", "localhost", str(getattr(args, "sglang_router_ip", "") or "")}
+    hosts |= set(env.get("no_proxy", "").split(","))
+    env["no_proxy"] = env["NO_PROXY"] = ",".join(sorted(h for h in hosts if h))
+    return env
 
 
 def router_command(args: Any, module: str, host: str, port: int, prometheus_port: int) -> list[str]:
