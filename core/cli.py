@@ -134,7 +134,7 @@ def _disable_list(argv: list[str]) -> list[str]:
 
 def _train(command: str, argv: list[str]) -> int:
     from .config import config_to_dict, parse_args
-    from .config.parser import machine_defaults
+    from .config.parser import machine_defaults, machine_note
     from .configure import configure_plugins
     from .selection import resolve_selection
 
@@ -144,8 +144,10 @@ def _train(command: str, argv: list[str]) -> int:
     selection = resolve_selection(args, pm)
     configured = configure_plugins(args, pm, selection)
     if args.print_config:
+        machine = machine_defaults(args, pm)
         print(json.dumps({"args": config_to_dict(args), "plugins": selection.as_dict(),
-                          "machine_defaults": config_to_dict(argparse.Namespace(**machine_defaults(args, pm))),
+                          "machine_defaults": config_to_dict(argparse.Namespace(**machine)),
+                          "machine_note": machine_note(machine),
                           "plugin_defaults": config_to_dict(argparse.Namespace(**configured.derived))},
                          indent=2, sort_keys=True))
         return 0

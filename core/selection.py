@@ -132,14 +132,15 @@ def plugins_of_this_process(args: Namespace, hooks: tuple[str, ...] | None = Non
     return pm
 
 
-def register_path(pm: FurlongPluginManager, hook: str, path: str, flag: str) -> str:
+def register_path(pm: FurlongPluginManager, hook: str, path: str, flag: str, rm_type: str | None = None) -> str:
     """Register the adapter for dotted ``path`` under the path itself; return that name.
 
     Miles' own paths to functions furlong has as built-in plugins
     (:data:`furlong.core.miles_paths.MILES_BUILTINS`) return the plugin's name instead,
-    when that plugin is installed and enabled.
+    when that plugin is installed and enabled (``rm_type``: ``--rm-type``, for Miles'
+    ``async_rm``).
     """
-    builtin = miles_builtin(path, hook)
+    builtin = miles_builtin(path, hook, rm_type)
     if builtin is not None and pm.get_plugin(builtin) is not None:
         log.info("%s %s: furlong's built-in plugin '%s' does this; using it.", flag, path, builtin)
         return builtin
@@ -188,7 +189,7 @@ def _resolve_filters(args: Namespace, pm: FurlongPluginManager) -> list[tuple[st
 def resolve_default_reward(args: Namespace, pm: FurlongPluginManager) -> tuple[str, str] | None:
     """The run-wide reward: ``--custom-rm-path`` over ``--rm-type``; checked, boxed rule included."""
     if args.custom_rm_path:
-        return register_path(pm, "reward", args.custom_rm_path, "--custom-rm-path"), "--custom-rm-path"
+        return register_path(pm, "reward", args.custom_rm_path, "--custom-rm-path", args.rm_type), "--custom-rm-path"
     if args.rm_type:
         check_reward_name(pm, args.rm_type, "--rm-type")
         return args.rm_type, "--rm-type"

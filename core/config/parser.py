@@ -13,7 +13,7 @@ from . import env
 from .errors import ConfigError
 
 __all__ = ["GROUP_TITLES", "MACHINE_FLAGS", "DeviceDefaults", "FurlongArgumentParser", "build_parser",
-           "device_defaults", "machine_defaults"]
+           "device_defaults", "machine_defaults", "machine_note"]
 
 # Argument groups in --help order; titles as Miles users know the launch-script arrays.
 GROUP_TITLES: tuple[str, ...] = (
@@ -28,13 +28,16 @@ GROUP_TITLES: tuple[str, ...] = (
     "logging",
     "debugging",
     "plugins",
+    "Miles",
 )
 
 DESCRIPTION = """\
 Run the RL loop: generate, score, filter, compute advantages, optimize, sync weights.
 Flags follow Miles' names and groups; --sglang-* and --router-* flags are passed to
 SGLang and its router; arguments can be read from a file with @FILE (one or more flags
-per line, '#' starts a comment)."""
+per line, '#' starts a comment). Every flag of Megatron-LM's parser and of Miles is
+accepted too (not listed here; see docs/flags.md): Megatron's go to the train backend,
+Miles flags furlong does not implement are refused when given."""
 
 
 class FurlongArgumentParser(argparse.ArgumentParser):
@@ -143,12 +146,26 @@ def _backend_plugin(pm, name: str, hook: str) -> bool:
     return pm.get_plugin(name) is not None and hook in pm.hooks_of(name)
 
 
+# DeviceDefaults field -> its value on a CUDA machine with the megatron and sglang plugins installed
+ON_CUDA: dict[str, object] = {
+    "gpus_per_node": "torch.cuda.device_count()",
+    "attn_implementation": "flash_attention_2",
+    "bf16": True,
+    "distributed_backend": "nccl",
+    "rollout_backend": "sglang (with the furlong sglang plugin and the sglang package)",
+    "train_backend": "megatron (with the furlong megatron plugin and megatron-core)",
+}
+
+
 def machine_defaults(args: argparse.Namespace, pm=None) -> dict:
-    """``{attribute: {"value": v, "probe": text}}`` for the flags whose value came from the machine.
+    """``{attribute: {"value": v, "probe": text, "on_cuda": w}}`` for the flags whose value came from the machine.
 
     A flag counts when it was not given (``args.explicit_args``) and still holds the
     machine-dependent default (a later rule, such as ``--fp16`` turning ``bf16`` off,
-    takes it out). Shown by ``furlong train --print-config`` as ``machine_defaults``.
+    takes it out); ``on_cuda`` is the value a GPU machine would give it when it differs.
+    ``data_parallel_size`` is listed when the train backend came from a machine without
+    CUDA: fsdp shards data over the whole world, megatron over world / (TP x PP x CP).
+    Shown by ``furlong train --print-config`` as ``machine_defaults``.
     """
     dev = device_defaults(pm)
     given = set(getattr(args, "explicit_args", ()) or ())
@@ -157,12 +174,37 @@ def machine_defaults(args: argparse.Namespace, pm=None) -> dict:
         value = getattr(dev, name)
         if dest not in given and hasattr(args, dest) and getattr(args, dest) == value:
             out[dest] = {"value": value, "probe": dev.probes[name]}
+            if not dev.cuda and str(ON_CUDA[name]).split(" ")[0] != str(value):
+                out[dest]["on_cuda"] = ON_CUDA[name]
+    if "train_backend" in out and not dev.cuda and getattr(args, "data_parallel_size", None) is not None:
+        out["data_parallel_size"] = _dp_note(args)
     if "executor" not in given and hasattr(args, "actor_num_nodes"):
         from .validate import default_executor
 
         value, why = default_executor(args)
         out["executor"] = {"value": value, "probe": why}
     return out
+
+
+def machine_note(defaults: dict) -> str | None:
+    """One sentence for ``--print-config`` when values here differ from a GPU machine's (``on_cuda``), else None."""
+    differ = [f"{dest} {d['value']} (on CUDA: {d['on_cuda']})" for dest, d in defaults.items() if "on_cuda" in d]
+    if not differ:
+        return None
+    return ("These values depend on this machine, which has no CUDA; a GPU machine would resolve them otherwise: "
+            + "; ".join(differ) + ". Give the flags to pin them.")
+
+
+def _dp_note(args: argparse.Namespace) -> dict:
+    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    note = {"value": args.data_parallel_size,
+            "probe": f"--train-backend {args.train_backend}: the world size ({world} = actor_num_nodes x "
+                     f"actor_num_gpus_per_node)" if args.train_backend != "megatron" else
+                     "--train-backend megatron: world / (TP x PP x CP)"}
+    model = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    if args.train_backend != "megatron" and model > 1 and world % model == 0:
+        note["on_cuda"] = f"{world // model} under megatron (world {world} / TP x PP x CP {model})"
+    return note
 
 
 def build_parser(pm=None, dev: DeviceDefaults | None = None) -> argparse.ArgumentParser:
@@ -175,8 +217,8 @@ def build_parser(pm=None, dev: DeviceDefaults | None = None) -> argparse.Argumen
     A plugin whose ``add_arguments`` redefines a flag, fails or is ``async def`` is set
     aside (see :func:`add_plugin_arguments`).
     """
-    from . import (flags_algo, flags_cluster, flags_eval, flags_logging, flags_model, flags_optim, flags_perf,
-                   flags_plugins, flags_rollout, flags_rollout_extra, flags_sglang)
+    from . import (flags_algo, flags_cluster, flags_compat, flags_eval, flags_logging, flags_model, flags_optim,
+                   flags_perf, flags_plugins, flags_rollout, flags_rollout_extra, flags_sglang)
 
     dev = dev or device_defaults(pm)
     parser = FurlongArgumentParser(
@@ -202,6 +244,9 @@ def build_parser(pm=None, dev: DeviceDefaults | None = None) -> argparse.Argumen
     flags_plugins.add(groups["plugins"], dev)
     if pm is not None:
         add_plugin_arguments(parser, pm)
+    # last, so a flag furlong or a plugin defines (--tensorboard-dir) is theirs, not the table's
+    flags_compat.add_miles(groups["Miles"], dev)
+    flags_compat.add_megatron(parser.add_argument_group("Megatron-LM"), dev)  # hidden from --help
     return parser
 
 
