@@ -193,9 +193,10 @@ async def run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -
             await _async_loop(state, start_id, sync_time)
         else:
             await _sync_loop(state, start_id, sync_time)
-    except BaseException:
+    except BaseException as exc:
         try:
-            await _close(state)
+            # interrupted (Ctrl-C, SIGTERM): engine processes go with their parents; no more calls to them
+            await _close(state, stop_engines=isinstance(exc, Exception))
         except Exception:  # noqa: BLE001 - the run's own error is the one to report
             log.warning("clean-up after the error failed too", exc_info=True)
         raise
@@ -203,8 +204,8 @@ async def run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -
         await _close(state)
 
 
-async def _close(state: Run) -> None:
-    """Stop what the run started, in reverse order."""
+async def _close(state: Run, stop_engines: bool = True) -> None:
+    """Stop what the run started, in reverse order (engines that own processes, e.g. servers, stop them)."""
     try:
         if state.health is not None:
             await state.health.stop()
@@ -213,6 +214,11 @@ async def _close(state: Run) -> None:
         if state.weights is not None:
             await state.weights.close()
     finally:
+        try:
+            if stop_engines:
+                await asyncio.gather(*(e.shutdown() for e in state.engines if hasattr(e, "shutdown")))
+        except Exception:  # noqa: BLE001 - the executor still stops its processes
+            log.warning("an engine did not stop cleanly", exc_info=True)
         if state.executor is not None:
             await state.executor.shutdown()
 

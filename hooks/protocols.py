@@ -82,7 +82,9 @@ class RolloutEngine(Protocol):
         """False when the engine cannot serve. An engine that can replace its own process
         (a remote one) may also offer ``async recover()``: the core calls it when a weight
         sync finds the engine unhealthy, and the replacement must get the current weights
-        (through its ``on_restart`` callback, which the core sets)."""
+        (through its ``on_restart`` callback, which the core sets). An engine that started
+        processes of its own (servers) may offer ``async shutdown()``: the core calls it
+        once at the end of the run, before the executor stops."""
 
 
 class StepObjective(Protocol):

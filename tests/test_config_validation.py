@@ -204,7 +204,6 @@ UNSUPPORTED_ARGV = {
     "--use-mlflow": ["--use-mlflow"],
     "--use-prometheus": ["--use-prometheus"],
     "--multimodal-keys": ["--multimodal-keys", '{"image": "images"}'],
-    "--rollout-external": ["--rollout-external"],
     "--update-weight-transfer-mode": ["--update-weight-transfer-mode", "disk-delta"],
     "--keep-old-actor": ["--keep-old-actor"],
     "--use-session-server": ["--use-session-server"],
@@ -221,7 +220,6 @@ UNSUPPORTED_ARGV = {
     "--max-seq-len": ["--max-seq-len", "4096"],
     "--session-server-ip": ["--session-server-ip", "10.0.0.1"],
     "--session-server-port": ["--session-server-port", "8000"],
-    "--rollout-external-engine-addrs": ["--rollout-external-engine-addrs", "h:1"],
     "--eval-function-path": ["--eval-function-path", "my.eval"],
     "--eval-num-gpus-per-engine": ["--eval-num-gpus-per-engine", "2"],
     "--eval-hf-dir": ["--eval-hf-dir", "/hf"],
@@ -527,13 +525,13 @@ def _cuda(monkeypatch, gpus: int, packages: bool = True) -> None:
 
 
 def test_cuda_defaults_use_the_gpus_torch_sees(monkeypatch):
-    _cuda(monkeypatch, gpus=1)
+    _cuda(monkeypatch, gpus=1, packages=False)  # without the sglang package the embedded engine stays the default
     args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8"])
     assert {k: getattr(args, k) for k in DEVICE_KEYS} == {
         "actor_num_gpus_per_node": 1, "num_gpus_per_node": 1, "attn_implementation": "flash_attention_2",
         "bf16": True, "distributed_backend": "nccl", "rollout_backend": "embedded", "train_backend": "fsdp",
         "executor": "local"}
-    _cuda(monkeypatch, gpus=4)
+    _cuda(monkeypatch, gpus=4, packages=False)
     args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8"])
     assert (args.actor_num_gpus_per_node, args.num_gpus_per_node, args.data_parallel_size) == (4, 4, 4)
     args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8", "--actor-num-gpus-per-node", "2"])
@@ -547,8 +545,15 @@ def test_cuda_device_count_probe_is_zero_without_cuda(monkeypatch):
 
 def test_sglang_and_megatron_packages_alone_change_no_default(monkeypatch):
     _cuda(monkeypatch, gpus=2)  # both packages importable, no furlong plugin for them
+    monkeypatch.setattr(env, "furlong_plugin_installed", lambda name: False)
     args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8"])
     assert (args.rollout_backend, args.train_backend) == ("embedded", "fsdp")
+
+
+def test_the_sglang_plugin_with_the_sglang_package_on_cuda_is_the_default_engine(monkeypatch):
+    _cuda(monkeypatch, gpus=2)
+    args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8", "--rollout-num-gpus", "1"])
+    assert (args.rollout_backend, args.executor) == ("sglang", "ray")
 
 
 BACKENDS = """
@@ -615,6 +620,7 @@ def test_machine_defaults_name_the_flags_that_came_from_the_machine(monkeypatch)
     from furlong.core.config.parser import machine_defaults
 
     _cuda(monkeypatch, gpus=2)
+    monkeypatch.setattr(env, "furlong_plugin_installed", lambda name: False)
     args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8", "--actor-num-gpus-per-node", "1", "--fp16"])
     assert machine_defaults(args) == {
         "num_gpus_per_node": {"value": 2, "probe": "torch.cuda.device_count() = 2"},

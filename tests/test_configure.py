@@ -224,7 +224,7 @@ def test_print_config_shows_plugin_and_machine_defaults(capsys):
         "num_gpus_per_node": {"value": 1, "probe": "no CUDA device: 1", "on_cuda": gpus},
         "bf16": {"value": False, "probe": "torch.cuda.is_available() = False", "on_cuda": True},
         "distributed_backend": {"value": "gloo", "probe": "torch.cuda.is_available() = False", "on_cuda": "nccl"},
-        "rollout_backend": {"value": "embedded", "probe": "furlong plugin 'sglang' installed: False, CUDA: False, "
+        "rollout_backend": {"value": "embedded", "probe": "furlong plugin 'sglang' installed: True, CUDA: False, "
                                                           "sglang package importable: False",
                             "on_cuda": "sglang (with the furlong sglang plugin and the sglang package)"},
         "train_backend": {"value": "fsdp", "probe": "furlong plugin 'megatron' installed: False, CUDA: False, "

@@ -39,12 +39,6 @@ ARGS_NAME = re.compile(r"(^|_)args$")
 
 # Flags whose effect is, by design, somewhere this scan does not see. Keep it small.
 ALLOWED = {
-    # furlong's own SGLang-router flags: read by the sglang rollout engine plugin (not built in),
-    # like every --sglang-*/--router-* pass-through flag (args.sglang_passthrough / router_passthrough)
-    "sglang_router_ip": "sglang engine plugin",
-    "sglang_router_port": "sglang engine plugin",
-    "sglang_router_policy": "sglang engine plugin",
-    "sglang_router_request_timeout_secs": "sglang engine plugin",
     # train/entropy_loss is logged at every step whatever --entropy-coef is: nothing to turn on
     "observe_training_entropy": "entropy is always logged",
     # any value but 'default' is a validation error: it needs --use-session-server, which is refused

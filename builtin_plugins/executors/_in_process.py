@@ -30,7 +30,22 @@ class LocalExecutor:
         return InProcessWorkers(make_worker(0, 1))
 
     async def start_engines(self, args, make_engine):
-        return [await make_engine(0)]
+        """``--rollout-num-gpus / --rollout-num-gpus-per-engine`` engines (at least one), started together.
+
+        If one fails, the others are stopped (``shutdown``, for engines that own processes)
+        and the first error is raised.
+        """
+        import asyncio
+
+        per_engine = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+        count = max(1, int(getattr(args, "rollout_num_gpus", None) or per_engine) // per_engine)
+        made = await asyncio.gather(*(make_engine(i) for i in range(count)), return_exceptions=True)
+        errors = [e for e in made if isinstance(e, BaseException)]
+        if errors:
+            await asyncio.gather(*(e.shutdown() for e in made if not isinstance(e, BaseException)
+                                   and hasattr(e, "shutdown")), return_exceptions=True)
+            raise errors[0]
+        return list(made)
 
     async def start_rollout_side(self, args, make_rollout_side):
         return make_rollout_side()

@@ -100,6 +100,7 @@ class EngineActor:
     def __init__(self, index: int, env: dict) -> None:
         self.index = index
         os.environ.update({k: str(v) for k, v in env.items()})
+        os.environ.setdefault("FURLONG_HOST_IP", _where()["node"])  # where a server this engine starts is reached
         _quiet_transformers()
         self.engine = None
         self._next = 0
@@ -110,12 +111,19 @@ class EngineActor:
         return _where()
 
     async def start(self, make_engine):
-        """Build the engine; return its tokenizer (the driver tokenizes prompts) and weight-group ranks."""
+        """Build the engine; return its tokenizer (the driver tokenizes prompts), weight-group ranks,
+        and whether it has a ``shutdown`` step (processes of its own to stop)."""
         self.engine = await make_engine(self.index)
-        return self.engine.tokenizer, int(getattr(self.engine, "weight_update_ranks", 1) or 1)
+        return (self.engine.tokenizer, int(getattr(self.engine, "weight_update_ranks", 1) or 1),
+                callable(getattr(self.engine, "shutdown", None)))
 
     async def call(self, method: str, args: tuple):
         return await getattr(self.engine, method)(*args)
+
+    async def shutdown(self) -> None:
+        """Stop what the engine started (its server process), if it has such a step."""
+        if self.engine is not None and hasattr(self.engine, "shutdown"):
+            await self.engine.shutdown()
 
     async def generate(self, seq: int, input_ids: list, sampling_params: dict):
         """``engine.generate`` once every lower sequence number reached the engine (or gave up its turn)."""

@@ -429,6 +429,7 @@ class RemoteEngine:
         self.weight_update_ranks = 1
         self.on_restart = None
         self.restarts = 0
+        self._owns_processes = False
         self._epoch = 0
         self._seq = 0
         self._restarting: asyncio.Future | None = None
@@ -443,7 +444,7 @@ class RemoteEngine:
         self.handle = self.executor.new_engine_actor(self.index)
         timeout = self.executor.timeout
         self._place = await _await(self.handle.where.remote(), timeout, f"engine actor {self.index}", "where")
-        self.tokenizer, self.weight_update_ranks = await _await(
+        self.tokenizer, self.weight_update_ranks, self._owns_processes = await _await(
             self.handle.start.remote(self.make_engine), timeout, self.who, "start")
         self._epoch += 1
         self._seq = 0
@@ -453,7 +454,8 @@ class RemoteEngine:
         if self._restarting is not None:
             await asyncio.shield(self._restarting)
         elif not await self.health():
-            await self._recover(self._epoch, PluginError(f"{self.who}: the actor died"))
+            await self._recover(self._epoch, PluginError(f"{self.who}: the engine does not answer (the actor or "
+                                                         "a process of the engine died)"))
 
     async def replace_if(self, dead) -> None:
         """Replace the actor if ``dead`` (an actor handle another process found dead) is still the current one.
@@ -550,6 +552,15 @@ class RemoteEngine:
             return bool(await self._call("health", retry=False))
         except PluginError:
             return False
+
+    async def shutdown(self) -> None:
+        """Let the engine stop its own processes before the executor kills the actor (Ray does not reap them)."""
+        if not self._owns_processes or self.handle is None:
+            return
+        try:
+            await _await(self.handle.shutdown.remote(), min(self.executor.timeout, 60.0), self.who, "shutdown")
+        except PluginError as exc:
+            log.debug("%s: shutdown: %s", self.who, exc)
 
 
 def _kill(handle) -> None:

@@ -24,6 +24,6 @@ def add(g, dev) -> None:
     g.add_argument("--pause-generation-mode", choices=["abort", "retract", "in_place"], default="retract",
                    help="How engines pause during weight updates.")
     g.add_argument("--rollout-external", action="store_true",
-                   help="Attach to already running engines (not supported yet).")
+                   help="Use SGLang servers someone else started (--rollout-backend sglang).")
     g.add_argument("--rollout-external-engine-addrs", nargs="+", default=None, metavar="HOST:PORT",
-                   help="Addresses of the running engines for --rollout-external (not supported yet).")
+                   help="Addresses of the running servers for --rollout-external, one engine each.")

@@ -35,7 +35,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--use-mlflow", "use_mlflow"),
     Unsupported("--use-prometheus", "use_prometheus"),
     Unsupported("--multimodal-keys", "multimodal_keys", (None,)),
-    Unsupported("--rollout-external", "rollout_external"),
     Unsupported("--update-weight-transfer-mode", "update_weight_transfer_mode", ("broadcast",)),
     Unsupported("--keep-old-actor", "keep_old_actor"),
     Unsupported("--use-session-server", "use_session_server", (None,)),
@@ -54,7 +53,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--max-seq-len", "max_seq_len", (None,)),
     Unsupported("--session-server-ip", "session_server_ip", (None,)),
     Unsupported("--session-server-port", "session_server_port", (None,)),
-    Unsupported("--rollout-external-engine-addrs", "rollout_external_engine_addrs", (None,)),
     # evaluation: a custom eval rollout and the dedicated eval fleet (--eval-num-gpus)
     Unsupported("--eval-function-path", "eval_function_path", (None,)),
     Unsupported("--eval-num-gpus-per-engine", "eval_num_gpus_per_engine", (1,)),

@@ -202,6 +202,9 @@ def _cluster(args, f: ConfigReport, given: set[str]) -> None:
             f.warn(f"--rollout-num-gpus {args.rollout_num_gpus} is ignored under --colocate: the engines share "
                    f"the trainer's {world} GPUs (actor_num_nodes x actor_num_gpus_per_node).")
         args.rollout_num_gpus = world
+    if (args.rollout_external or args.rollout_external_engine_addrs) and args.rollout_backend != "sglang":
+        f.error("--rollout-external and --rollout-external-engine-addrs attach to SGLang servers: they need "
+                "--rollout-backend sglang.")
     needs_gpus = (args.rollout_backend == "sglang" and not args.colocate and not args.debug_train_only
                   and not args.rollout_external)
     if needs_gpus and args.rollout_num_gpus is None:

@@ -1,0 +1,182 @@
+"""The ``sglang`` rollout engine: SGLang servers (or ``furlong serve``) behind sglang-router, over HTTP.
+
+``--rollout-backend sglang``. Each engine is a client of one server and of the router:
+generation through the router, control calls and weight updates to its own server
+(SGLang's native API, SPEC.md section 8). Servers are started by furlong (one per engine,
+in the engine's process: a Ray actor, or the driver under ``--executor local``) or, with
+``--rollout-external``, attached to. The router is started when the run is configured,
+on the driver's host, unless ``--sglang-router-ip``/``--sglang-router-port`` name a
+running one; either way ``args.sglang_router_ip``/``args.sglang_router_port`` hold its
+address for the whole run (custom generate functions post to it).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+
+from furlong.hooks import PluginError, hookimpl
+
+from .engine import SGLangEngine
+from .launch import ServerPlace, server_command, sglang_server_args
+from .router import NEEDS_ROUTER, router_module, start_router, stop_routers
+
+__all__ = ["SGLangEngine", "add_arguments", "configure", "rollout_engine", "server_command",
+           "sglang_server_args", "stop_routers"]
+
+log = logging.getLogger("furlong.engines.sglang")
+
+ROUTER_PORTS = (3000, 4000)  # furlong's router takes a free port here unless --sglang-router-port
+
+
+@hookimpl
+def add_arguments(parser):
+    """Add the ``sglang engine`` group: ``--sglang-server-impl``, ``--sglang-server-restarts``."""
+    group = parser.add_argument_group("sglang engine")
+    group.add_argument("--sglang-server-impl", choices=["sglang", "furlong"], default="sglang",
+                       help="Server each engine starts: 'sglang' (python -m sglang.launch_server) or 'furlong' "
+                            "(furlong serve: the embedded engine behind SGLang's HTTP API, for CPUs and tests).")
+    group.add_argument("--sglang-server-restarts", type=int, default=3,
+                       help="Times one engine restarts its server after it died (--executor local; under Ray "
+                            "the engine actor is replaced instead, --ray-engine-restarts).")
+
+
+@hookimpl
+def configure(args, report):
+    """Check the server and router flags; start the router unless one is given.
+
+    Derived: ``rollout_num_gpus`` from ``--rollout-external-engine-addrs`` (one engine per
+    address), ``sglang_router_ip``/``sglang_router_port`` of the router furlong starts,
+    ``sglang_engines_per_process``. The router starts here because its address must be in
+    the flags before the executor hands them to the engines and the rollout side.
+    """
+    per_engine = int(args.rollout_num_gpus_per_engine or 1)
+    addrs = list(args.rollout_external_engine_addrs or [])
+    if args.rollout_external and not addrs:
+        report.error("--rollout-external needs --rollout-external-engine-addrs HOST:PORT ... (one per server).")
+    if addrs and not args.rollout_external:
+        report.error("--rollout-external-engine-addrs is used only with --rollout-external; add it.")
+    bad = [a for a in addrs if not _host_port(a)]
+    if bad:
+        report.error(f"--rollout-external-engine-addrs {' '.join(bad)}: each address must be HOST:PORT.")
+    if args.rollout_external and addrs:
+        given = getattr(args, "explicit_args", None) or ()
+        if "rollout_num_gpus" in given and args.rollout_num_gpus != len(addrs) * per_engine:
+            report.error(f"--rollout-num-gpus {args.rollout_num_gpus} does not match the {len(addrs)} external "
+                         f"server(s) of --rollout-external-engine-addrs x --rollout-num-gpus-per-engine {per_engine}.")
+        args.rollout_num_gpus = len(addrs) * per_engine
+    if args.sglang_server_restarts < 0:
+        report.error(f"--sglang-server-restarts must be at least 0, got {args.sglang_server_restarts}.")
+    if not args.rollout_external and args.sglang_server_impl == "sglang":
+        import importlib.util
+
+        if importlib.util.find_spec("sglang") is None:
+            report.error('--sglang-server-impl sglang needs SGLang: pip install "furlong[sglang]" on a GPU machine '
+                         "(or --sglang-server-impl furlong to serve the model with furlong's own engine).")
+    if args.sglang_server_impl == "furlong" and not args.rollout_external and args.sglang_passthrough:
+        shown = " ".join("--sglang-" + k.replace("_", "-") for k in args.sglang_passthrough)
+        report.warn(f"{shown}: furlong serve takes no SGLang server arguments; they are not passed on.")
+    if (args.sglang_router_ip is None) != (args.sglang_router_port is None) and args.sglang_router_ip is not None:
+        report.error("--sglang-router-ip needs --sglang-router-port (the running router's port).")
+    engines = max(1, int(args.rollout_num_gpus or per_engine) // per_engine)
+    args.sglang_engines_per_process = engines if args.executor == "local" else 1
+    args.sglang_router_given = args.sglang_router_ip is not None
+    if args.sglang_router_given or report.errors or getattr(args, "print_config", False):
+        return
+    if router_module() is None:
+        report.error(NEEDS_ROUTER)
+        return
+    host = "127.0.0.1" if args.executor == "local" else _routable_address()
+    port = args.sglang_router_port or _free_port_in(host, *ROUTER_PORTS)
+    start_router(args, "127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", port, _free_port())
+    args.sglang_router_ip, args.sglang_router_port = host, port
+    report.info(f"router started at http://{host}:{port} (stops with this run)")
+
+
+@hookimpl
+async def rollout_engine(args):
+    """Engine ``args.rollout_engine_index``: start (or attach to) its server, register it with the router.
+
+    Flags read: ``--hf-checkpoint`` (the tokenizer; the model of a started server),
+    ``--sglang-server-impl``, ``--rollout-external``, ``--rollout-external-engine-addrs``,
+    ``--sglang-router-ip``/``--sglang-router-port``, ``--sglang-router-policy``,
+    ``--sglang-server-concurrency``, ``--sglang-router-request-timeout-secs``,
+    ``--rollout-num-gpus-per-engine``, ``--seed``, ``--offload-rollout``, ``--fp16``,
+    the ``--sglang-*`` pass-through flags.
+
+    :returns: a started :class:`SGLangEngine`.
+    :raises PluginError: the server did not start or is not reachable, or the router did
+        not take it (the message names the server and the cause).
+    """
+    from furlong.hooks.hf import load_tokenizer
+
+    index = int(getattr(args, "rollout_engine_index", 0) or 0)
+    if not args.hf_checkpoint:
+        raise PluginError("--rollout-backend sglang needs --hf-checkpoint (the tokenizer, and the model to serve).")
+    if args.sglang_router_ip is None:
+        raise PluginError("sglang engine: no router address (--sglang-router-ip/--sglang-router-port); the run's "
+                          "configure step starts one.")
+    tokenizer = load_tokenizer(args.hf_checkpoint)
+    router_url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
+    if args.rollout_external:
+        host, port = _host_port(args.rollout_external_engine_addrs[index])
+        place = None
+    else:
+        host = "127.0.0.1" if args.executor == "local" else _host_address()
+        port = _free_port()
+        place = ServerPlace(index, host, port, nccl_port=_free_port(), dist_init_addr=f"{host}:{_free_port()}")
+    register = not (args.rollout_external and args.sglang_router_given)
+    engine = SGLangEngine(args, index, f"http://{host}:{port}", router_url, place, register, tokenizer)
+    try:
+        await engine.start()
+    except BaseException:
+        await engine.shutdown()
+        raise
+    return engine
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    host, sep, port = address.removeprefix("http://").rstrip("/").rpartition(":")
+    return (host, int(port)) if sep and host and port.isdigit() else None
+
+
+def _host_address() -> str:
+    from furlong.hooks.dist import host_address
+
+    return host_address()
+
+
+def _routable_address() -> str:
+    """This host's address as engines on other hosts reach it: ``FURLONG_HOST_IP``, the host name's
+    address unless it is loopback, else the address of the interface of the default route."""
+    address = _host_address()
+    if not address.startswith("127."):
+        return address
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+            return s.getsockname()[0]
+    except OSError:
+        return address
+
+
+def _free_port() -> int:
+    from furlong.hooks.dist import free_port
+
+    return free_port()
+
+
+def _free_port_in(host: str, low: int, high: int) -> int:
+    """A port in ``[low, high)`` free on ``host`` now, tried in random order."""
+    ports = list(range(low, high))
+    random.shuffle(ports)
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                continue
+    raise PluginError(f"no free port in [{low}, {high}) on {host} for the router; give --sglang-router-port.")
+

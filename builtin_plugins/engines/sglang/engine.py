@@ -1,0 +1,313 @@
+"""The ``sglang`` rollout engine: a client of one SGLang server (or ``furlong serve``) and of the router.
+
+Generation goes through the router (``POST {router}/generate``), which picks a server and
+fails over when one dies; control calls and the weight-update phases go to this engine's
+own server. The engine either started its server (a process it owns, restarted when it
+dies) or attached to one someone else started (``--rollout-external``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+import time
+import uuid
+from typing import Any
+
+from furlong.hooks import GenerateOutput, PluginError
+
+from .buckets import save_bucket, serialize_cuda_bucket
+from .http import HttpError, release_http, shared_http
+from .launch import ManagedProcess, ServerPlace, server_command, server_env
+from .router import deregister, register
+
+__all__ = ["SGLangEngine"]
+
+log = logging.getLogger("furlong.engines.sglang")
+
+START_TIMEOUT_S = 1800.0  # a large model can take many minutes to load
+POLL_S = 1.0
+HEALTH_TIMEOUT_S = 5.0
+FINISH_TYPES = ("stop", "length", "abort")
+
+
+class SGLangEngine:
+    """:class:`furlong.hooks.RolloutEngine` over HTTP (see the module doc).
+
+    :param place: where to start the server, or None for an external one at ``url``.
+    :param url: ``http://host:port`` of this engine's server.
+    :param router_url: ``http://host:port`` of the router every request goes through.
+    :param register_with_router: add the server to the router (and remove it at the end).
+    """
+
+    def __init__(self, args: Any, index: int, url: str, router_url: str, place: ServerPlace | None,
+                 register_with_router: bool, tokenizer: Any) -> None:
+        self.args, self.index, self.url, self.router_url, self.place = args, index, url, router_url, place
+        self.register_with_router = register_with_router
+        self.tokenizer = tokenizer
+        self.weight_update_ranks = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+        self.on_restart = None  # set by the core: gives a replaced server the current weights
+        self.restarts_left = int(getattr(args, "sglang_server_restarts", 3))
+        self.process: ManagedProcess | None = None
+        self.http = None
+        self._in_flight: set[asyncio.Future] = set()
+        self._weights_dir: str | None = None
+        self._recovering: asyncio.Future | None = None
+        self._policy_key = getattr(args, "sglang_router_policy", None) in ("consistent_hashing", "manual")
+        concurrency = int(getattr(args, "sglang_server_concurrency", 512) or 512)
+        engines_here = int(getattr(args, "sglang_engines_per_process", 1) or 1)
+        self._generation_limit = concurrency * engines_here
+        self._generate_timeout = float(getattr(args, "sglang_router_request_timeout_secs", 14400) or 14400)
+        self._control_timeout = 60.0 * float(getattr(args, "distributed_timeout_minutes", 10) or 10)
+
+    @property
+    def who(self) -> str:
+        return f"sglang engine {self.index} ({self.url})"
+
+    # --- start, stop, health ------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start (or attach to) the server, wait until it serves, and register it with the router.
+
+        :raises PluginError: the server exited, did not become ready within
+            ``START_TIMEOUT_S``, or the router did not take it.
+        """
+        self.http = shared_http(self._generation_limit)
+        if self.place is not None:
+            self.process = ManagedProcess(f"sglang server {self.index}", server_command(self.args, self.place),
+                                          env=server_env(self.args))
+        else:
+            info = await self._call("GET", "/get_server_info", retries=5, timeout_s=30)
+            log.info("%s: external server, version %s", self.who, (info or {}).get("version", "?"))
+        await self._wait_ready()
+        if self.register_with_router:
+            await register(self.http, self.router_url, self.url, alive=self._dead_reason)
+
+    async def _wait_ready(self) -> None:
+        """Poll ``GET /health_generate`` until 200, then ``GET /flush_cache`` until 200 (SPEC.md 8.1).
+
+        An external server may be busy with someone else's requests (``/flush_cache`` would
+        answer 400): only its health is asked.
+        """
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for path in ("/health_generate", "/flush_cache") if self.process is not None else ("/health_generate",):
+            while True:
+                reason = self._dead_reason()
+                if reason:
+                    raise PluginError(f"{self.who}: the server did not start: {reason}")
+                try:
+                    await self.http.call("GET", self.url + path, timeout_s=30, retries=0)
+                    break
+                except HttpError as exc:
+                    if time.monotonic() > deadline:
+                        raise PluginError(f"{self.who}: not ready after {START_TIMEOUT_S:g} s ({exc})") from exc
+                await asyncio.sleep(POLL_S)
+
+    def _dead_reason(self) -> str | None:
+        return self.process.exited() if self.process is not None else None
+
+    async def health(self) -> bool:
+        """Whether the server answers ``GET /health``; a dead server is taken off the router at once."""
+        if self._dead_reason() is None:
+            try:
+                await self.http.call("GET", self.url + "/health", timeout_s=HEALTH_TIMEOUT_S, retries=0)
+                return True
+            except HttpError:
+                pass
+        await self._leave_router()
+        return False
+
+    async def _leave_router(self) -> None:
+        """Take the server off the router, if this engine put it there (best effort)."""
+        if self.register_with_router:
+            try:
+                await deregister(self.http, self.router_url, self.url)
+            except PluginError as exc:
+                log.debug("%s: could not remove it from the router: %s", self.who, exc)
+
+    async def recover(self) -> None:
+        """Restart a server this engine started that died (at most ``--sglang-server-restarts`` times per engine).
+
+        The new server registers with the router, then gets the current weights through
+        ``on_restart`` before this returns.
+
+        :raises PluginError: the server is external, no restarts are left, or the new one
+            did not start.
+        """
+        if self._recovering is not None:
+            await asyncio.shield(self._recovering)
+            return
+        if await self.health():
+            return
+        if self.place is None:
+            raise PluginError(f"{self.who}: the external server does not answer; furlong cannot restart it.")
+        if self.restarts_left <= 0:
+            raise PluginError(f"{self.who}: the server died and no restarts are left (--sglang-server-restarts).")
+        self.restarts_left -= 1
+        self._recovering = asyncio.get_running_loop().create_future()
+        self._recovering.add_done_callback(lambda f: f.cancelled() or f.exception())
+        log.warning("%s: the server died (%s); starting it again (%d restart(s) left)", self.who,
+                    (self._dead_reason() or "no answer").splitlines()[0], self.restarts_left)
+        try:
+            if self.process is not None:
+                await asyncio.to_thread(self.process.kill)
+            self.process = ManagedProcess(f"sglang server {self.index}", server_command(self.args, self.place),
+                                          env=server_env(self.args))
+            await self._wait_ready()
+            if self.register_with_router:
+                await register(self.http, self.router_url, self.url, alive=self._dead_reason)
+            if self.on_restart is not None:
+                await self.on_restart(self)
+            self._recovering.set_result(None)
+        except BaseException as exc:
+            self._recovering.set_exception(exc)
+            raise
+        finally:
+            self._recovering = None
+
+    async def shutdown(self) -> None:
+        """Take the server off the router, stop it if this engine started it, close the client."""
+        if self.http is None:
+            return
+        await self._leave_router()
+        if self.process is not None:
+            await asyncio.to_thread(self.process.kill)
+            self.process = None
+        if self._weights_dir:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+        await release_http()
+        self.http = None
+
+    # --- generation ---------------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], sampling_params: dict) -> GenerateOutput:
+        """One ``POST {router}/generate`` (SGLang's native API) with ``return_logprob``.
+
+        :param input_ids: prompt token ids.
+        :param sampling_params: SGLang's names (the server rejects others with 400).
+        :returns: ids and sampling log-probs of the generated tokens (from
+            ``meta_info.output_token_logprobs``, ``[logprob, token_id, text]`` each), the finish
+            reason's type and ``meta_info.weight_version``.
+        :raises PluginError: the router failed after retries, or the answer lacks those fields.
+        """
+        body = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
+                "return_logprob": True}
+        headers = {"X-SMG-Routing-Key": uuid.uuid4().hex} if self._policy_key else None
+        request = asyncio.ensure_future(self.http.call("POST", self.router_url + "/generate", body, generation=True,
+                                                       timeout_s=self._generate_timeout, headers=headers))
+        self._in_flight.add(request)
+        try:
+            answer = await request  # a cancelled caller cancels the request too
+        finally:
+            self._in_flight.discard(request)
+        return self._output(answer)
+
+    def _output(self, answer: Any) -> GenerateOutput:
+        try:
+            meta = answer["meta_info"]
+            pairs = meta.get("output_token_logprobs") or []
+            ids = [int(e[1]) for e in pairs]
+            log_probs = [float(e[0]) for e in pairs]
+            reason = meta.get("finish_reason")
+            kind = reason.get("type") if isinstance(reason, dict) else reason
+            output_ids = answer.get("output_ids")
+            if output_ids is not None and [int(t) for t in output_ids] != ids:
+                raise ValueError(f"output_ids ({len(output_ids)}) and output_token_logprobs ({len(ids)}) disagree")
+            if kind not in FINISH_TYPES:
+                raise ValueError(f"finish_reason {reason!r} is none of {FINISH_TYPES}")
+            return GenerateOutput(output_ids=ids, output_log_probs=log_probs, finish_reason=kind,
+                                  weight_version=str(meta.get("weight_version", "0")), text=answer.get("text"))
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
+            raise PluginError(f"sglang engine: the router at {self.router_url} answered /generate with "
+                              f"something that is not SGLang's response ({exc}): {str(answer)[:300]}") from exc
+
+    async def abort(self) -> None:
+        """``POST /abort_request {"abort_all": true}`` to this engine's server, then wait (at most a minute)
+        for the requests this engine sent to come back (aborted ones keep their partial tokens)."""
+        pending = list(self._in_flight)
+        await self._call("POST", "/abort_request", {"abort_all": True})
+        if pending:
+            await asyncio.wait(pending, timeout=60)
+
+    # --- weight updates, in SGLang's phases ---------------------------------------------
+
+    async def pause_generation(self, mode: str = "retract") -> None:
+        await self._call("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._call("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        """``POST /flush_cache``; SGLang answers 400 while requests are queued, so it is retried."""
+        for attempt in range(60):
+            try:
+                await self._call("POST", "/flush_cache", retries=5)
+                return
+            except HttpError as exc:
+                if exc.status != 400 or attempt == 59:
+                    raise
+            await asyncio.sleep(POLL_S)
+
+    async def set_weight_version(self, version: int) -> None:
+        await self._checked("/update_weight_version", {"new_version": str(int(version)), "abort_all_requests": False})
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str = "nccl") -> None:
+        await self._checked("/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend})
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str) -> None:
+        await self._checked("/update_weights_from_distributed", {
+            "names": list(names), "dtypes": list(dtypes), "shapes": [list(map(int, s)) for s in shapes],
+            "group_name": group_name, "flush_cache": False})
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._checked("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def load_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
+        """One bucket from the trainer in this process (the ``local`` executor).
+
+        CUDA tensors go by ``/update_weights_from_tensor`` (CUDA IPC handles, one copy per
+        TP rank; the server maps the trainer's memory); CPU tensors are written to a
+        safetensors file loaded by ``/update_weights_from_disk``.
+        """
+        if named_tensors and getattr(named_tensors[0][1], "is_cuda", False):
+            payload = await asyncio.to_thread(serialize_cuda_bucket, named_tensors)
+            await self._checked("/update_weights_from_tensor", {
+                "serialized_named_tensors": [payload] * self.weight_update_ranks, "flush_cache": False})
+            return
+        if self._weights_dir is None:
+            self._weights_dir = tempfile.mkdtemp(prefix=f"furlong-sglang-weights-{self.index}-")
+        await asyncio.to_thread(save_bucket, named_tensors, self._weights_dir)
+        # keep_pause: the server must stay paused until the core's continue_generation
+        await self._checked("/update_weights_from_disk", {"model_path": self._weights_dir, "flush_cache": False,
+                                                          "keep_pause": True})
+
+    async def release_memory(self) -> None:
+        """Flush the cache (SGLang needs it empty), then ``/release_memory_occupation`` of every tag."""
+        await self.flush_cache()
+        await self._call("POST", "/release_memory_occupation", {"tags": None})
+
+    async def resume_memory(self) -> None:
+        await self._call("POST", "/resume_memory_occupation", {"tags": None})
+
+    # --- plumbing -----------------------------------------------------------------------
+
+    async def _call(self, method: str, path: str, body: Any = None, retries: int = 60,
+                    timeout_s: float | None = None) -> Any:
+        try:
+            return await self.http.call(method, self.url + path, body, retries=retries,
+                                        timeout_s=timeout_s or self._control_timeout, give_up=self._dead_reason)
+        except HttpError as exc:
+            raise HttpError(f"{self.who}: {exc}", exc.status) from exc
+
+    async def _checked(self, path: str, body: dict) -> Any:
+        """A call whose answer is ``{"success": bool, "message": str}``; ``success: false`` is an error."""
+        answer = await self._call("POST", path, body)
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise PluginError(f"{self.who}: POST {path} failed: {answer.get('message', '')}")
+        return answer
