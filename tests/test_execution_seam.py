@@ -293,7 +293,7 @@ def test_the_driver_worker_split_reproduces_the_whole_batch_computation_exactly(
                                        *selection.chosen["advantage"])
         batch.advantages, batch.returns = adv.advantages, adv.returns
         batch.objective = StepObjective(args, plugin_manager, batch, *chosen["loss"], trajectory_ids=tids,
-                                        **_global_denominators(args, batch, tids))
+                                        **_global_denominators(args, batch, tids, 4, 2))
         return await backend.train(0, batch), await backend.named_weights()
 
     torch.manual_seed(0)
