@@ -13,7 +13,7 @@ from furlong.hooks import ParallelLayout, PluginError, TrainBatch
 
 from . import checkpoint
 from .config import check_model_args, model_shape, padded_vocab_size
-from .convert import export_hf, load_hf, safetensors_stream
+from .convert import export_hf, load_hf, safetensors_stream, units
 from .logprobs import forward_log_probs
 from .model import build_gpt, cpu_shims, init_parallel
 
@@ -62,6 +62,7 @@ class MegatronBackend:
         self.global_step = 0
         self.world, self.rank, self.tp = 1, 0, 1
         self.device = None
+        self._tp_sharded: set[int] = set()
 
     # --- set-up -------------------------------------------------------------------------
 
@@ -104,6 +105,8 @@ class MegatronBackend:
         self.vocab_rows = padded_vocab_size(self.shape.vocab_size, self.tp,
                                             getattr(args, "make_vocab_size_divisible_by", None))
         self.model = self._load_model()
+        params = dict(self.model.named_parameters())
+        self._tp_sharded = {id(params[u.mcore]) for u in units(self.shape) if u.split is not None}
         if getattr(args, "use_kl_loss", False) or getattr(args, "kl_coef", 0.0):
             self.ref_model = self._load_model().requires_grad_(False)
         self.optimizer = build_optimizer(self.model, args)
@@ -276,7 +279,7 @@ class MegatronBackend:
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in params:
             square = p.grad.detach().double().pow(2).sum()
-            if getattr(p, "tensor_model_parallel", False):
+            if id(p) in self._tp_sharded:
                 sharded += square
             else:
                 replicated += square

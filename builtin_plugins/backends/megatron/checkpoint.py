@@ -77,6 +77,7 @@ def _optimizer_sharded(optimizer, model_sharded: dict) -> dict:
                                                             optim_state_to_sharding_state)
 
     state = optimizer.state_dict()
+    state["state"] = {key: dict(value) for key, value in state["state"].items()}  # the live dicts otherwise
     params = [p for group in optimizer.param_groups for p in group["params"]]
     id_map = get_param_id_to_sharded_param_map(model_sharded, params)
     steps = [s.pop("step") for s in state["state"].values() if "step" in s]

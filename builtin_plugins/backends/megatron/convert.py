@@ -7,9 +7,11 @@ Name mapping and packing (MEGATRON.md 2, checked bit-exact there and in tests):
 - ``linear_fc1`` = ``cat(gate_proj, up_proj)``; ``linear_fc2`` = ``down_proj``;
 - embedding and untied output layer padded with zero rows to the Megatron vocabulary.
 
-Tensor parallelism follows each parameter's own ``partition_dim`` / ``partition_stride``
-(set by megatron-core's parallel layers): rank ``r`` holds chunk ``r`` of every one of the
-``stride`` parts of the full tensor along ``partition_dim`` (fc1: ``[gate_r; up_r]``).
+Tensor parallelism (MEGATRON.md 4.1, checked against megatron-core's own initialisation in
+tests): column-parallel layers (embedding, qkv, fc1, output) split dim 0, row-parallel
+layers (proj, fc2) split dim 1, norms are replicated. Rank ``r`` holds chunk ``r`` of every
+one of the ``stride`` parts of the full tensor along that dim (fc1 has stride 2: rank ``r``
+holds ``[gate_r; up_r]``).
 """
 
 from __future__ import annotations
@@ -31,35 +33,41 @@ class Unit:
     """One Megatron parameter and the Hugging Face tensors it is made of.
 
     ``kind``: ``copy`` (one tensor as is), ``qkv`` (group packing), ``fc1`` (gate, up)
-    or ``vocab`` (rows padded to the Megatron vocabulary).
+    or ``vocab`` (rows padded to the Megatron vocabulary). ``split``: ``(dim, stride)`` of
+    its tensor-parallel split, None when replicated.
     """
 
     mcore: str
     hf: tuple
     kind: str = "copy"
+    split: tuple | None = None
+
+
+COLUMN, ROW, FC1 = (0, 1), (1, 1), (0, 2)
 
 
 def units(shape: ModelShape) -> list[Unit]:
     """Every Megatron parameter of ``shape`` in state-dict order, with its HF source names."""
-    out = [Unit("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
+    out = [Unit("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", COLUMN)]
     for i in range(shape.num_layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         attn = f"{h}self_attn."
         out.append(Unit(m + "input_layernorm.weight", (h + "input_layernorm.weight",)))
         out.append(Unit(m + "self_attention.linear_qkv.weight",
-                        tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv"))
+                        tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv", COLUMN))
         if shape.qkv_bias:
-            out.append(Unit(m + "self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv"))
+            out.append(Unit(m + "self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv",
+                            COLUMN))
         if shape.qk_layernorm:
             out.append(Unit(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",)))
             out.append(Unit(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",)))
-        out.append(Unit(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",)))
+        out.append(Unit(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), split=ROW))
         out.append(Unit(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",)))
-        out.append(Unit(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1"))
-        out.append(Unit(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",)))
+        out.append(Unit(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1", FC1))
+        out.append(Unit(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), split=ROW))
     out.append(Unit("decoder.final_layernorm.weight", ("model.norm.weight",)))
     if not shape.tied:
-        out.append(Unit("output_layer.weight", ("lm_head.weight",), "vocab"))
+        out.append(Unit("output_layer.weight", ("lm_head.weight",), "vocab", COLUMN))
     return out
 
 
@@ -99,31 +107,25 @@ def unpack(unit: Unit, full, shape: ModelShape) -> list:
     return [full]
 
 
-def _split(param) -> tuple[int, int] | None:
-    """``(partition_dim, stride)`` of a tensor-parallel parameter, None when replicated."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return None
-    return int(param.partition_dim), int(getattr(param, "partition_stride", 1))
+def local_shard(full, split: tuple | None, tp: int, rank: int):
+    """This TP rank's piece of ``full`` (``full`` itself when replicated or TP=1).
 
-
-def local_shard(full, param, tp: int, rank: int):
-    """This TP rank's piece of ``full`` for ``param`` (``full`` itself when replicated or TP=1)."""
+    :param split: ``(dim, stride)`` (:attr:`Unit.split`), or None.
+    """
     import torch
 
-    split = _split(param)
     if split is None or tp == 1:
         return full
     dim, stride = split
     return torch.cat([part.chunk(tp, dim=dim)[rank] for part in full.chunk(stride, dim=dim)], dim=dim)
 
 
-def gather_full(param, tp: int, group):
-    """The full tensor of a TP-sharded ``param`` (a collective over ``group``; ``param`` itself otherwise)."""
+def gather_full(local, split: tuple | None, tp: int, group):
+    """Inverse of :func:`local_shard`: the full tensor from every TP rank's piece (a collective over ``group``)."""
     import torch
     import torch.distributed as dist
 
-    split = _split(param)
-    local = param.detach()
+    local = local.detach()
     if split is None or tp == 1:
         return local
     dim, stride = split
@@ -164,7 +166,7 @@ def load_hf(model, named_tensors: Iterable[tuple[str, Any]], shape: ModelShape, 
         full = pack(unit, [got[n] for n in unit.hf], shape, vocab_rows)
         del pending[unit.mcore]
         param = params[unit.mcore]
-        piece = local_shard(full, param, tp, rank)
+        piece = local_shard(full, unit.split, tp, rank)
         if tuple(piece.shape) != tuple(param.shape):
             raise PluginError(f"{where}: {', '.join(unit.hf)} give {unit.mcore} of shape {tuple(piece.shape)} on "
                               f"TP rank {rank}, the model has {tuple(param.shape)}; config.json and weights disagree.")
@@ -184,7 +186,7 @@ def export_hf(model, shape: ModelShape, tp: int, group) -> Iterator[tuple[str, A
     """
     params = dict(model.named_parameters())
     for unit in units(shape):
-        full = gather_full(params[unit.mcore], tp, group)
+        full = gather_full(params[unit.mcore], unit.split, tp, group)
         yield from zip(unit.hf, unpack(unit, full, shape))
 
 

@@ -72,13 +72,14 @@ def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
     dropout, no biases but q/k/v's where the family has them, fused kernels off.
 
     :param dtype: parameter dtype (``torch.float32`` or ``torch.bfloat16``).
-    :param extra: more ``TransformerConfig`` fields (recompute settings).
+    :param extra: more or replaced ``TransformerConfig`` fields (recompute settings;
+        ``perform_initialization=True`` for megatron-core's own random init).
     """
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(
+    fields = dict(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
         kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
@@ -88,8 +89,10 @@ def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True, tensor_model_parallel_size=tp, sequence_parallel=False,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=device.type != "cuda",
-        perform_initialization=False, **extra,
+        perform_initialization=False,
     )
+    fields.update(extra)
+    return TransformerConfig(**fields)
 
 
 def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, **extra: Any):
