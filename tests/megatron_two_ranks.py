@@ -41,7 +41,7 @@ async def main(hf_dir: str, out: Path) -> None:
     rank = dist.get_rank()
     init_parallel(2, torch.device("cpu"))
     torch.save(megatron_init(hf_dir), out / f"init{rank}.pt")
-    backend = train_backend(args=train_args(hf_dir, tensor_model_parallel_size=2))
+    backend = train_backend(args=train_args(hf_dir, tensor_model_parallel_size=2, adam_eps=1e-3))
     await backend.init(backend.args)
     layout = backend.layout()
     assert (layout.dp_size, layout.dp_rank, layout.returns_outputs) == (1, 0, rank == 0), layout

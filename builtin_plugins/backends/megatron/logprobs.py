@@ -1,12 +1,16 @@
 """Per-token log-probs and entropy from vocab-parallel logits (SPEC.md 6.1; MEGATRON.md 6).
 
 Each tensor-parallel rank holds the logits of its vocabulary slice. The softmax pieces are
-combined with all-reduces over the TP group: the row maximum (a constant shift, no
-gradient), ``sum exp``, the target's logit (non-zero on its owner rank only) and
-``sum p z``. The sums go through megatron-core's
-``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward), so
-log-probs and entropy both carry correct gradients. Padded vocabulary rows are left out of
-every sum.
+combined with all-reduces over the TP group: the row maximum, ``sum exp``, the target's
+shifted logit (non-zero on its owner rank only) and ``sum exp * z``. Padded vocabulary
+columns are left out of every sum.
+
+The work is one autograd Function over row chunks, like megatron-core's fused
+vocab-parallel cross-entropy: the float32 softmax of a chunk lives only while that chunk
+is processed (forward and backward), so the full ``[tokens, vocab]`` float32 tensors are
+never built and the gradient comes back in the logits' dtype. Backward needs no
+communication: ``d logp_t / d z_v = 1[v = target] - p_v`` and
+``d H_t / d z_v = -p_v (log p_v + H_t)``, each rank for its own columns.
 """
 
 from __future__ import annotations
@@ -14,7 +18,102 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any, Sequence
 
+import torch
+
 __all__ = ["forward_log_probs", "vocab_parallel_log_probs"]
+
+_CHUNK_ELEMENTS = 1 << 28  # float32 elements per row chunk (1 GiB)
+_PAD_LOGIT = -1e30  # padded columns: exp() is 0 and 0 * -1e30 stays finite
+
+
+def _tp():
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_group())
+
+
+def _all_reduce(tensor, op, tp: int, group) -> None:
+    if tp > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def _scaled(chunk, start: int, vocab_size: int, inv_temperature: float):
+    """Float32 ``z = logits / tau`` of one row chunk, padded columns at -1e30."""
+    z = chunk.to(torch.float32, copy=True)  # a float32 input must not be changed in place
+    if inv_temperature != 1.0:
+        z.mul_(inv_temperature)
+    width = z.shape[-1]
+    if start + width > vocab_size:
+        z[:, max(vocab_size - start, 0):] = _PAD_LOGIT
+    return z
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, inv_temperature: float, vocab_size: int):
+        import torch.distributed as dist
+
+        tp, tp_rank, group = _tp()
+        rows, width = logits.shape
+        start = tp_rank * width
+        log_norm = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        log_probs = torch.empty_like(log_norm)
+        entropy = torch.empty_like(log_norm)
+        step = max(1, _CHUNK_ELEMENTS // max(width, 1))
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            z = _scaled(logits[a:b], start, vocab_size, inv_temperature)
+            top = z.max(dim=-1).values
+            _all_reduce(top, dist.ReduceOp.MAX, tp, group)
+            z.sub_(top.unsqueeze(-1))
+            exp = z.exp()
+            total = exp.sum(dim=-1)
+            local = targets[a:b].long() - start
+            mine = (local >= 0) & (local < width)
+            picked = z.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
+            picked = torch.where(mine, picked, torch.zeros_like(picked))
+            weighted = exp.mul_(z).sum(dim=-1)
+            stats = torch.stack([total, picked, weighted])
+            _all_reduce(stats, dist.ReduceOp.SUM, tp, group)
+            total, picked, weighted = stats
+            log_total = total.log()
+            log_norm[a:b] = top + log_total
+            log_probs[a:b] = picked - log_total
+            entropy[a:b] = log_total - weighted / total
+        ctx.save_for_backward(logits, targets, log_norm, entropy)
+        ctx.inv_temperature, ctx.vocab_size = inv_temperature, vocab_size
+        ctx.set_materialize_grads(False)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        logits, targets, log_norm, entropy = ctx.saved_tensors
+        _, tp_rank, _ = _tp()
+        rows, width = logits.shape
+        start = tp_rank * width
+        grad = torch.empty_like(logits)
+        step = max(1, _CHUNK_ELEMENTS // max(width, 1))
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            log_p = _scaled(logits[a:b], start, ctx.vocab_size, ctx.inv_temperature).sub_(log_norm[a:b, None])
+            p = log_p.exp()
+            out = torch.zeros_like(p)
+            if grad_entropy is not None:
+                out = log_p.add_(entropy[a:b, None]).mul_(p).mul_(-grad_entropy[a:b, None])
+            if grad_log_probs is not None:
+                g = grad_log_probs[a:b, None]
+                out.sub_(p * g)
+                local = targets[a:b].long() - start
+                mine = (local >= 0) & (local < width)
+                rows_mine = torch.nonzero(mine).squeeze(-1)
+                out[rows_mine, local[rows_mine]] += g[rows_mine, 0]
+            if ctx.inv_temperature != 1.0:
+                out.mul_(ctx.inv_temperature)
+            grad[a:b] = out
+        return grad, None, None, None
 
 
 def vocab_parallel_log_probs(logits, targets, temperature: float, vocab_size: int, *, entropy_grad: bool = True):
@@ -30,37 +129,9 @@ def vocab_parallel_log_probs(logits, targets, temperature: float, vocab_size: in
     :param entropy_grad: False returns the entropy detached.
     :returns: ``(log_probs, entropy)``: float32 ``[T]`` each, equal on every TP rank.
     """
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
-
-    z = logits.float()
-    if temperature > 0 and temperature != 1:
-        z = z / temperature
-    width = z.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * width
-    valid = (torch.arange(start, start + width, device=z.device) < vocab_size) if start + width > vocab_size else None
-    if valid is not None:
-        z = z.masked_fill(~valid, float("-inf"))
-    top = z.detach().max(dim=-1).values
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
-    shifted = z - top.unsqueeze(-1)
-    exp = shifted.exp()
-    total = tp_sum(exp.sum(dim=-1))
-    local = targets.long() - start
-    mine = (local >= 0) & (local < width)
-    picked = shifted.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
-    picked = tp_sum(torch.where(mine, picked, torch.zeros_like(picked)))
-    log_total = total.log()
-    log_probs = picked - log_total
-    with nullcontext() if entropy_grad else torch.no_grad():
-        weighted = exp * shifted
-        if valid is not None:
-            weighted = torch.where(valid, weighted, torch.zeros_like(weighted))
-        entropy = log_total - tp_sum(weighted.sum(dim=-1)) / total
-    return log_probs, entropy
+    inv = 1.0 / temperature if temperature > 0 and temperature != 1 else 1.0
+    log_probs, entropy = _VocabParallelLogProbs.apply(logits, targets, inv, vocab_size)
+    return log_probs, entropy if entropy_grad else entropy.detach()
 
 
 def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[int], temperature: float, device, *,
@@ -68,7 +139,9 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
     """One GPTModel forward over a right-padded micro-batch; response log-probs and entropy per sample.
 
     Right padding needs no attention mask: attention is causal, so pad tokens after a
-    sequence never reach its positions (GPTModel's RoPE positions are implicit).
+    sequence never reach its positions (GPTModel's RoPE positions are implicit). The
+    log-probs are computed at every position of the padded batch (a view of the logits,
+    no copy) and the response spans are cut from them.
 
     :param tokens: B sequences of prompt + response ids.
     :param response_lengths: B response lengths ``T_i`` (the last ``T_i`` tokens).
@@ -87,11 +160,12 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
         ids[i, : len(seq)] = seq
     ids = ids.to(device)
     positions = torch.arange(width, device=device).unsqueeze(0).expand_as(ids)
+    targets = torch.zeros_like(ids)
+    targets[:, :-1] = ids[:, 1:]
     with torch.set_grad_enabled(grad), autocast if autocast is not None else nullcontext():
         logits = model(input_ids=ids, position_ids=positions, attention_mask=None)
-        rows = [logits[i, len(s) - t - 1: len(s) - 1] for i, (s, t) in enumerate(zip(seqs, response_lengths))]
-        targets = torch.cat([ids[i, len(s) - t: len(s)] for i, (s, t) in enumerate(zip(seqs, response_lengths))])
-        lp, ent = vocab_parallel_log_probs(torch.cat(rows), targets, temperature, vocab_size,
-                                           entropy_grad=grad and entropy_grad)
-    sizes = [int(t) for t in response_lengths]
-    return list(lp.split(sizes)), list(ent.split(sizes))
+        lp, ent = vocab_parallel_log_probs(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), temperature,
+                                           vocab_size, entropy_grad=grad and entropy_grad)
+    lp, ent = lp.view(ids.shape), ent.view(ids.shape)
+    spans = [(len(s) - int(t) - 1, len(s) - 1) for s, t in zip(seqs, response_lengths)]
+    return [lp[i, a:b] for i, (a, b) in enumerate(spans)], [ent[i, a:b] for i, (a, b) in enumerate(spans)]
