@@ -272,6 +272,7 @@ class MegatronBackend:
         from megatron.core import parallel_state
 
         params = [p for p in self.model.parameters() if p.grad is not None]
+        self._freeze_padding_row()
         if self.world // self.tp > 1:
             for p in params:
                 dist.all_reduce(p.grad, group=self._dp_group())
@@ -295,6 +296,16 @@ class MegatronBackend:
             for p in params:
                 p.grad.mul_(clip / (norm + 1e-6))
         return norm, finite
+
+    def _freeze_padding_row(self) -> None:
+        """Zero the gradient of the embedding row ``pad_token_id``, as HF's ``nn.Embedding(padding_idx=...)``."""
+        row = self.shape.padding_idx
+        grad = self.model.embedding.word_embeddings.weight.grad
+        if row is None or grad is None:
+            return
+        local = row - self._tp_rank() * grad.shape[0]
+        if 0 <= local < grad.shape[0]:
+            grad[local].zero_()
 
     # --- weights and checkpoints ---------------------------------------------------------
 

@@ -27,6 +27,8 @@ class ModelShape:
     """What GPTModel needs from the HF config, in Megatron's terms.
 
     ``rope_scaling_factor`` is None without RoPE scaling. ``qkv_bias``: bias on q/k/v only.
+    ``padding_idx``: the HF embedding's ``padding_idx`` (``pad_token_id``), whose row HF
+    never trains (the backend zeroes its gradient), or None.
     """
 
     family: str
@@ -44,6 +46,7 @@ class ModelShape:
     tied: bool
     qkv_bias: bool
     qk_layernorm: bool
+    padding_idx: int | None = None
 
 
 def _rope(hf: Any, where: str) -> tuple[float, float | None]:
@@ -106,6 +109,7 @@ def model_shape(hf: Any, where: str = "--hf-checkpoint") -> ModelShape:
         tied=bool(getattr(hf, "tie_word_embeddings", False)),
         qkv_bias=family == "qwen2",
         qk_layernorm=family == "qwen3",
+        padding_idx=getattr(hf, "pad_token_id", None),
     )
 
 
