@@ -52,6 +52,8 @@ def configure(args, report):
         if value:
             report.error(f"--{dest.replace('_', '-')} {value} is not supported yet by --train-backend megatron "
                          "(RL log-probs need a dropout-free forward; use 0).")
+    if (getattr(args, "optimizer", "adam") or "adam") != "adam":
+        report.error(f"--optimizer {args.optimizer} is not supported yet by --train-backend megatron (adam only).")
     if getattr(args, "advantage_estimator", None) == "ppo":
         report.error("--advantage-estimator ppo needs a critic, which --train-backend megatron does not have yet "
                      "(not supported yet).")
