@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import os
-from collections import defaultdict
 from typing import Any
 
 from furlong.hooks import ParallelLayout, PluginError, TrainBatch
+from furlong.hooks.trainer import StepLoop
 
 from . import checkpoint
 from .config import check_model_args, model_shape, padded_vocab_size
@@ -41,7 +40,7 @@ def torch_dist_dir(path: str | None) -> str | None:
     return None
 
 
-class MegatronBackend:
+class MegatronBackend(StepLoop):
     """A :class:`furlong.hooks.TrainBackend` over megatron-core (see docs/megatron.md).
 
     Tensor parallelism through megatron-core's ``parallel_state`` (every TP peer gets the
@@ -50,6 +49,8 @@ class MegatronBackend:
     AdamW state are float32; with ``--bf16`` on CUDA the forward and backward run under
     bfloat16 autocast.
     """
+
+    name = "megatron"
 
     def __init__(self, args: Any) -> None:
         self.args = args
@@ -146,126 +147,42 @@ class MegatronBackend:
         return None
 
     async def _in_thread(self, fn, *args, **kwargs):
-        """Run ``fn`` in a worker thread on this rank's device (CUDA's current device is per thread)."""
+        """:meth:`StepLoop._in_thread` inside :func:`~.model.cpu_shims` (megatron-core's CUDA calls on CPU)."""
 
-        def call():
-            if self.device.type == "cuda":
-                import torch
-
-                torch.cuda.set_device(self.device)
+        def shimmed():
             with cpu_shims(self.device):
                 return fn(*args, **kwargs)
 
-        return await asyncio.to_thread(call)
+        return await super()._in_thread(shimmed)
 
     # --- forward passes -----------------------------------------------------------------
 
     def _forward(self, model, batch: TrainBatch, ids: list[int], grad: bool):
-        entropy_grad = grad and float(getattr(self.args, "entropy_coef", 0.0) or 0.0) != 0.0
+        """Response log-probs and entropy of samples ``ids`` (vocab-parallel softmax, :mod:`.logprobs`)."""
         return forward_log_probs(
             model, [batch.tokens[i] for i in ids], [int(batch.response_lengths[i]) for i in ids], batch.temperature,
-            self.device, vocab_size=self.shape.vocab_size, grad=grad, entropy_grad=entropy_grad,
+            self.device, vocab_size=self.shape.vocab_size, grad=grad, entropy_grad=self._entropy_grad(grad),
             autocast=self._autocast(),
         )
 
-    async def log_probs(self, batch: TrainBatch, model: str = "actor") -> dict:
-        """Forward-only log-probs and entropy of every response token (SPEC.md 6.1).
-
-        Micro-batches: those of ``batch.steps``; with no steps, all samples in chunks of
-        ``--micro-batch-size``. Logits are divided by ``batch.temperature``; the softmax
-        is taken over the vocabulary shards of the TP group (:mod:`.logprobs`).
-
-        :param model: ``"actor"`` or ``"ref"``.
-        :returns: ``{"log_probs": [...], "entropy": [...]}``: N float32 ``[T_i]`` host
-            tensors; samples of other data-parallel ranks are None.
-        :raises PluginError: ``model="ref"`` without a reference model.
-        """
-        import torch
-
-        net = {"actor": self.model, "ref": self.ref_model}.get(model)
-        if net is None:
-            raise PluginError(f"megatron: log_probs(model={model!r}) but no such model is loaded "
-                              "(the reference loads only with --use-kl-loss or --kl-coef != 0).")
-        n = len(batch.tokens)
-        if batch.steps:
-            chunks = [list(mb) for step in batch.steps for mb in step]
-        else:
-            size = max(1, int(getattr(self.args, "micro_batch_size", 1) or 1))
-            chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-        log_probs: list = [None] * n
-        entropy: list = [None] * n
-        for ids in chunks:
-            lp, ent = await self._in_thread(self._forward, net, batch, ids, False)
-            for i, a, b in zip(ids, lp, ent):
-                log_probs[i], entropy[i] = a.detach().to("cpu", torch.float32), b.detach().to("cpu", torch.float32)
-        return {"log_probs": log_probs, "entropy": entropy}
-
     # --- training -----------------------------------------------------------------------
 
-    async def train(self, rollout_id: int, batch: TrainBatch) -> list[dict]:
-        """One optimizer step per entry of ``batch.steps`` (SPEC.md 6.3, 6.4).
+    def _learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])  # set by the scheduler
 
-        Per step: per micro-batch a forward with grad, ``batch.objective``, backward
-        (gradients accumulate); then gradients SUMMED over data-parallel ranks, the global
-        grad norm (pre-clip; TP shards counted once), a non-finite check, clipping to
-        ``--clip-grad``, the scheduled learning rate and the AdamW step, then the
-        schedule advances.
-
-        :returns: per step, the objective's metrics summed over micro-batches and
-            data-parallel ranks, plus ``grad_norm`` and ``lr``; the same on every rank.
-        :raises FloatingPointError: a non-finite loss or gradient, unless
-            ``--no-check-for-nan-in-loss-and-grad`` (then the step is skipped).
-        """
-        if getattr(self.args, "reset_optimizer_states", False):
-            self.optimizer.state.clear()
-        results = []
-        for s, micro_batches in enumerate(batch.steps):
-            self.optimizer.zero_grad(set_to_none=True)
-            sums: dict[str, float] = defaultdict(float)
-            finite_loss = True
-            for mb in micro_batches:
-                lp, ent = await self._in_thread(self._forward, self.model, batch, list(mb), True)
-                loss, metrics = await batch.objective(list(mb), lp, ent)
-                finite_loss &= bool(loss.detach().isfinite().all())
-                await self._in_thread(loss.backward)
-                for key, value in metrics.items():
-                    sums[key] += float(value)
-            sums = await self._in_thread(self._sum_over_dp, sums)
-            grad_norm, finite = await self._in_thread(self._reduce_and_clip, finite_loss)
-            lr = float(self.optimizer.param_groups[0]["lr"])
-            if not finite:
-                message = (f"megatron: rollout {rollout_id} step {s}: non-finite loss or gradient (grad norm "
-                           f"{grad_norm}); lower --lr, check rewards and data, or pass "
-                           "--no-check-for-nan-in-loss-and-grad to skip such steps.")
-                if not getattr(self.args, "no_check_for_nan_in_loss_and_grad", False):
-                    raise FloatingPointError(message)
-                log.warning("%s Step skipped.", message)
-            else:
-                await self._in_thread(self.optimizer.step)
-                self.scheduler.step(1)
-                self.global_step += 1
-            results.append({**sums, "grad_norm": grad_norm, "lr": lr})
-        self.optimizer.zero_grad(set_to_none=True)
-        return results
+    def _optimizer_step(self, lr: float) -> None:
+        self.optimizer.step()
+        self.scheduler.step(1)
 
     def _dp_group(self):
         from megatron.core import parallel_state
 
         return parallel_state.get_data_parallel_group()
 
-    def _sum_over_dp(self, sums: dict[str, float]) -> dict[str, float]:
-        """Metric sums of every data-parallel rank (TP peers hold equal values)."""
-        if self.world // self.tp == 1 or not sums:
-            return dict(sums)
-        import torch
-        import torch.distributed as dist
+    def _dp_size(self) -> int:
+        return self.world // self.tp
 
-        keys = sorted(sums)
-        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(values, group=self._dp_group())
-        return dict(zip(keys, values.tolist()))
-
-    def _reduce_and_clip(self, finite_loss: bool) -> tuple[float, bool]:
+    def _clip(self, finite_loss: bool) -> tuple[float, bool]:
         """SUM gradients over DP ranks; global L2 norm before clipping; whether all is finite everywhere."""
         import torch
         import torch.distributed as dist
@@ -273,7 +190,7 @@ class MegatronBackend:
 
         params = [p for p in self.model.parameters() if p.grad is not None]
         self._freeze_padding_row()
-        if self.world // self.tp > 1:
+        if self._dp_size() > 1:
             for p in params:
                 dist.all_reduce(p.grad, group=self._dp_group())
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -382,29 +299,6 @@ class MegatronBackend:
             checkpoint.load_checkpoint, path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             rank=self.rank, world=self.world, load_optim=not getattr(self.args, "no_load_optim", False),
             load_rng=not getattr(self.args, "no_load_rng", False), device=self.device)
-
-    async def offload(self) -> None:
-        """Move weights and optimizer state to host memory (a no-op on CPU)."""
-        if self.device.type == "cuda":
-            await self._in_thread(self._move, "cpu")
-
-    async def onload(self) -> None:
-        """Move weights and optimizer state back to the GPU (a no-op on CPU)."""
-        if self.device.type == "cuda":
-            await self._in_thread(self._move, self.device)
-
-    def _move(self, device) -> None:
-        import torch
-
-        for model in (self.model, self.ref_model):
-            if model is not None:
-                model.to(device)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value) and key != "step":
-                    state[key] = value.to(device, non_blocking=True)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 def build_optimizer(model, args: Any):

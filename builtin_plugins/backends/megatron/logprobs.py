@@ -20,6 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
+from furlong.hooks.trainer import right_padded
+
 __all__ = ["forward_log_probs", "vocab_parallel_log_probs"]
 
 _CHUNK_ELEMENTS = 1 << 28  # float32 elements per row chunk (1 GiB)
@@ -150,15 +152,9 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
     """
     import torch
 
-    seqs = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in tokens]
-    for i, (seq, t) in enumerate(zip(seqs, response_lengths)):
-        if t > 0 and len(seq) - t < 1:
-            raise ValueError(f"sample {i}: response_length {t} leaves no prompt token in {len(seq)} tokens")
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, seq in enumerate(seqs):
-        ids[i, : len(seq)] = seq
+    seqs, ids = right_padded(tokens, response_lengths)
     ids = ids.to(device)
+    width = ids.shape[1]
     positions = torch.arange(width, device=device).unsqueeze(0).expand_as(ids)
     targets = torch.zeros_like(ids)
     targets[:, :-1] = ids[:, 1:]
