@@ -57,7 +57,28 @@ async def main(hf_dir: str, out: Path) -> None:
         torch.save(log_probs, out / "logprobs.pt")
         torch.save({"metrics": metrics, "weights": weights}, out / "step.pt")
     dist.barrier()
+    await data_parallel(hf_dir, out, rank)
     dist.destroy_process_group()
+
+
+async def data_parallel(hf_dir: str, out: Path, rank: int) -> None:
+    from megatron.core import parallel_state
+    from transformers import AutoTokenizer
+
+    from furlong.core.batching import plan_steps
+
+    parallel_state.destroy_model_parallel()
+    backend = train_backend(args=train_args(hf_dir, adam_eps=1e-3))
+    await backend.init(backend.args)
+    layout = backend.layout()
+    assert (layout.dp_size, layout.dp_rank, layout.returns_outputs) == (2, rank, True), layout
+    probe = make_batch(AutoTokenizer.from_pretrained(hf_dir), [])
+    steps = plan_steps([len(t) for t in probe.tokens], global_batch_size=4, num_steps=1, dp_size=2, rank=rank,
+                       micro_batch_size=1, max_tokens_per_gpu=None, dynamic=False, balance=False)
+    metrics = (await backend.train(0, make_batch(AutoTokenizer.from_pretrained(hf_dir), steps)))[0]
+    weights = dict(await backend.named_weights())
+    if rank == 0:
+        torch.save({"metrics": metrics, "weights": weights}, out / "dp.pt")
 
 
 if __name__ == "__main__":

@@ -280,7 +280,8 @@ def gqa_llama_dir(tiny_model_dir, path: Path) -> Path:
 
 @pytest.mark.timeout(240)
 def test_tensor_parallel_two_ranks(tiny_model_dir, tmp_path):
-    """TP=2 over gloo: megatron-core's own shards, log-probs, one step and a checkpoint that loads at TP=1."""
+    """Two gloo ranks: megatron-core's own TP=2 shards; at TP=2 log-probs, one step and a checkpoint that
+    loads at TP=1; at TP=1 x DP=2 the one-process step (gradients summed over data-parallel ranks)."""
     hf_dir = gqa_llama_dir(tiny_model_dir, tmp_path / "hf")
     out = tmp_path / "out"
     out.mkdir()
@@ -319,8 +320,11 @@ def test_tensor_parallel_two_ranks(tiny_model_dir, tmp_path):
     assert step["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
     assert step["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
     expected = _weights(single)
-    for name, tensor in expected.items():
-        torch.testing.assert_close(step["weights"][name], tensor, rtol=0, atol=1e-5)
+    dp = torch.load(out / "dp.pt", weights_only=True)
+    for got in (step, dp):
+        assert got["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
+        for name, tensor in expected.items():
+            torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=1e-5)
 
     # 3. the TP=2 checkpoint loads at TP=1: weights, Adam moments (fc1 resharded), step
     reloaded = megatron_backend(args=train_args(hf_dir, adam_eps=1e-3))
