@@ -35,13 +35,13 @@ def write_model(path: str) -> None:
     model.save_pretrained(path)
 
 
-def backend_for(path: str, micro_batch: int, steps_of: int):
+def backend_for(path: str, micro_batch: int, steps_of: int, *extra: str):
     from furlong.builtin_plugins.backends.megatron import train_backend
     from furlong.core.config import parse_args
 
     args = parse_args(["--hf-checkpoint", path, "--train-backend", "megatron", "--num-rollout", "100",
                        "--rollout-batch-size", str(steps_of), "--n-samples-per-prompt", "1", "--global-batch-size",
-                       str(steps_of), "--micro-batch-size", str(micro_batch), "--lr", "1e-6", "--bf16"])
+                       str(steps_of), "--micro-batch-size", str(micro_batch), "--lr", "1e-6", "--bf16", *extra])
     backend = train_backend(args=args)
     asyncio.run(backend.init(args))
     return backend
@@ -149,9 +149,29 @@ def part_mfu(path: str, micro_batch: int, samples: int, seq: int, steps: int, pr
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
+def part_recompute(path: str, micro_batch: int, seq: int) -> dict:
+    """One step with and without ``--recompute-granularity full``: grad norm, time and peak memory."""
+    out = {}
+    for name, extra in (("none", ()), ("full", ("--recompute-granularity", "full", "--recompute-method", "uniform",
+                                                "--recompute-num-layers", "1"))):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        backend = backend_for(path, micro_batch, micro_batch, *extra)
+        batch = batch_of(micro_batch, seq, 1, micro_batch, seed=3)
+        asyncio.run(backend.train(0, batch))  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        metrics = asyncio.run(backend.train(0, batch))[0]
+        torch.cuda.synchronize()
+        out[name] = {"grad_norm": metrics["grad_norm"], "step_s": time.perf_counter() - start,
+                     "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        del backend
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["all", "logprobs", "mfu"], default="all")
+    parser.add_argument("--part", choices=["all", "logprobs", "mfu", "recompute"], default="all")
     parser.add_argument("--micro-batch", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--seq", type=int, default=2048)
@@ -169,6 +189,9 @@ def main() -> None:
         if ns.part in ("all", "logprobs"):
             result["logprobs"] = part_logprobs(path)
             print(json.dumps(result["logprobs"]), flush=True)
+        if ns.part == "recompute":
+            result["recompute"] = part_recompute(path, ns.micro_batch[0], ns.seq)
+            print(json.dumps(result["recompute"]), flush=True)
         if ns.part in ("all", "mfu"):
             torch.backends.cuda.matmul.allow_tf32 = True
             result["mfu"] = []

@@ -163,6 +163,41 @@ def test_padded_vocabulary_rows_are_zero_and_left_out_of_the_softmax(tmp_path):
     assert dict(export_hf(model, shape, 1, None))["lm_head.weight"].shape[0] == 100
 
 
+def test_packed_sequences_attend_only_to_themselves(tmp_path):
+    """The SDPA core attention's thd path: two packed sequences give each one's own logits."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    hf = random_hf("qwen3-tied")
+    hf.save_pretrained(tmp_path)
+    shape = model_shape(hf.config)
+    model = build_gpt(shape, 1, 100, torch.float32, CPU)
+    load_hf(model, safetensors_stream(str(tmp_path)), shape, 100, 1, 0, str(tmp_path))
+    a, b = torch.randint(0, 100, (1, 9)), torch.randint(0, 100, (1, 5))
+    bounds = torch.tensor([0, 9, 14], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=9,
+                             max_seqlen_kv=9)
+    with torch.no_grad(), cpu_shims(CPU):
+        together = model(input_ids=torch.cat([a, b], dim=1), position_ids=None, attention_mask=None,
+                         packed_seq_params=packed)
+        alone = [model(input_ids=x, position_ids=None, attention_mask=None) for x in (a, b)]
+    torch.testing.assert_close(together, torch.cat(alone, dim=1), rtol=0, atol=2e-5)
+
+
+def test_save_hf_writes_a_hugging_face_model_of_the_trained_weights(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    backend = megatron_backend(args=train_args(tiny_model_dir))
+    asyncio.run(backend.init(backend.args))
+    asyncio.run(backend.train(0, make_batch(AutoTokenizer.from_pretrained(tiny_model_dir), [[[0, 1, 2, 3]]])))
+    asyncio.run(backend.save_hf(str(tmp_path / "hf")))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    trained = _weights(backend)
+    assert sorted(trained) == sorted(reloaded)
+    for name, tensor in trained.items():
+        assert torch.equal(reloaded[name], tensor), name
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").encode("ab") == [69, 70]
+
+
 @pytest.mark.parametrize("width, temperature", [(100, 1.0), (128, 0.7)])
 def test_log_prob_and_entropy_gradients_are_those_of_log_softmax(width, temperature):
     """The chunked autograd Function against autograd through ``log_softmax`` (100 real columns)."""

@@ -89,6 +89,9 @@ class MegatronBackend(StepLoop):
             self.device = torch.device("cuda", local)
         else:
             self.device = torch.device("cpu")
+        if recompute_settings(args) and self.device.type != "cuda":
+            raise PluginError("--recompute-granularity needs CUDA with --train-backend megatron (megatron-core's "
+                              "recompute restores CUDA RNG states).")
         self.tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
         self.world, self.rank = init_parallel(self.tp, self.device)
         if self.device.type == "cuda":
@@ -166,6 +169,13 @@ class MegatronBackend(StepLoop):
         )
 
     # --- training -----------------------------------------------------------------------
+
+    def _before_train(self) -> None:
+        if recompute_settings(self.args):
+            self.model.train()  # megatron-core recomputes activations in training mode only (no dropout here)
+
+    def _after_train(self) -> None:
+        self.model.eval()
 
     def _learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])  # set by the scheduler
