@@ -283,6 +283,7 @@ def test_checkpoint_resumes_weights_optimizer_and_schedule(tiny_model_dir, tmp_p
     asyncio.run(first.init(first.args))
     asyncio.run(first.train(0, make_batch(tokenizer, [[[0, 1]], [[2, 3]]])))
     asyncio.run(first.save(str(tmp_path / "iter_0000000")))
+    at_save = _weights(first)
     assert {"metadata.json", "common.pt", ".metadata", "meta.json"} <= {p.name for p in (tmp_path / "iter_0000000").iterdir()}
     second = megatron_backend(args=train_args(tiny_model_dir, **flags))
     asyncio.run(second.init(second.args))
@@ -295,6 +296,17 @@ def test_checkpoint_resumes_weights_optimizer_and_schedule(tiny_model_dir, tmp_p
         assert torch.equal(a[name], b[name]), name
     with pytest.raises(PluginError, match="not written by the megatron backend"):
         asyncio.run(second.load(str(tmp_path)))
+    # --ref-load may name a save root with its marker: actor and reference start from its weights
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("0")
+    warm = megatron_backend(args=train_args(tiny_model_dir, ref_load=str(tmp_path), use_kl_loss=True, **flags))
+    asyncio.run(warm.init(warm.args))
+    assert warm.global_step == 0
+    for name, tensor in _weights(warm).items():
+        assert torch.equal(tensor, at_save[name]), name
+    batch = make_batch(tokenizer, [[[0, 1, 2, 3]]])
+    actor, ref = asyncio.run(warm.log_probs(batch)), asyncio.run(warm.log_probs(batch, "ref"))
+    for a, b in zip(actor["log_probs"], ref["log_probs"]):
+        assert torch.equal(a, b)
 
 
 # --- tensor parallelism over two gloo ranks ------------------------------------------------------
