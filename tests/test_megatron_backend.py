@@ -261,6 +261,22 @@ def test_backend_trains_like_fsdp(tiny_model_dir):
         torch.testing.assert_close(m_weights[name], tensor, rtol=0, atol=5e-5)
 
 
+def test_packed_micro_batches_give_the_padded_results(tiny_model_dir):
+    """--use-dynamic-batch-size packs micro-batches (thd): same log-probs, entropy and step as padding."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    out = []
+    for dynamic in (False, True):
+        backend = megatron_backend(args=train_args(tiny_model_dir, use_dynamic_batch_size=dynamic, entropy_coef=0.01))
+        asyncio.run(backend.init(backend.args))
+        batch = make_batch(tokenizer, [[[0, 1, 2, 3]]], temperature=0.9)
+        out.append((asyncio.run(backend.log_probs(batch)), asyncio.run(backend.train(0, batch))[0]))
+    (padded, m_padded), (packed, m_packed) = out
+    for key in ("log_probs", "entropy"):
+        for a, b in zip(padded[key], packed[key]):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    assert m_packed["grad_norm"] == pytest.approx(m_padded["grad_norm"], rel=1e-5)
+
+
 def test_lr_schedule_is_megatrons(tiny_model_dir):
     backend = megatron_backend(args=train_args(tiny_model_dir, lr=1e-2, min_lr=1e-3, lr_decay_style="cosine",
                                                lr_warmup_iters=1, lr_decay_iters=5))

@@ -161,11 +161,12 @@ class MegatronBackend(StepLoop):
     # --- forward passes -----------------------------------------------------------------
 
     def _forward(self, model, batch: TrainBatch, ids: list[int], grad: bool):
-        """Response log-probs and entropy of samples ``ids`` (vocab-parallel softmax, :mod:`.logprobs`)."""
+        """Response log-probs and entropy of samples ``ids`` (vocab-parallel softmax, :mod:`.logprobs`);
+        packed (``thd``) under ``--use-dynamic-batch-size``, whose micro-batches are planned by tokens."""
         return forward_log_probs(
             model, [batch.tokens[i] for i in ids], [int(batch.response_lengths[i]) for i in ids], batch.temperature,
             self.device, vocab_size=self.shape.vocab_size, grad=grad, entropy_grad=self._entropy_grad(grad),
-            autocast=self._autocast(),
+            autocast=self._autocast(), packed=bool(getattr(self.args, "use_dynamic_batch_size", False)),
         )
 
     # --- training -----------------------------------------------------------------------

@@ -137,13 +137,17 @@ def vocab_parallel_log_probs(logits, targets, temperature: float, vocab_size: in
 
 
 def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[int], temperature: float, device, *,
-                      vocab_size: int, grad: bool, entropy_grad: bool, autocast: Any = None) -> tuple[list, list]:
-    """One GPTModel forward over a right-padded micro-batch; response log-probs and entropy per sample.
+                      vocab_size: int, grad: bool, entropy_grad: bool, autocast: Any = None,
+                      packed: bool = False) -> tuple[list, list]:
+    """One GPTModel forward over a micro-batch; response log-probs and entropy per sample.
 
-    Right padding needs no attention mask: attention is causal, so pad tokens after a
-    sequence never reach its positions (GPTModel's RoPE positions are implicit). The
-    log-probs are computed at every position of the padded batch (a view of the logits,
-    no copy) and the response spans are cut from them.
+    Padded (``packed=False``): the sequences are right-padded into ``[B, L]``; no attention
+    mask is needed because attention is causal, so pad tokens after a sequence never reach
+    its positions (GPTModel's RoPE positions are implicit). Packed (``packed=True``, the
+    ``thd`` layout): the sequences are concatenated into ``[1, sum L_i]`` with
+    ``PackedSeqParams``; attention and RoPE restart at each sequence (:mod:`.attention`),
+    and no pad token is computed. Either way the log-probs are computed at every position
+    (a view of the logits, no copy) and the response spans are cut from them.
 
     :param tokens: B sequences of prompt + response ids.
     :param response_lengths: B response lengths ``T_i`` (the last ``T_i`` tokens).
@@ -153,15 +157,27 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
     import torch
 
     seqs, ids = right_padded(tokens, response_lengths)
+    extra: dict = {}
+    if packed:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        lengths = [len(s) for s in seqs]
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        ids = torch.cat(seqs).unsqueeze(0)
+        bounds = torch.tensor(starts, dtype=torch.int32, device=device)
+        extra["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                                                     max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+        spans = [(0, a + n - int(t) - 1, a + n - 1) for a, n, t in zip(starts, lengths, response_lengths)]
+    else:
+        spans = [(i, len(s) - int(t) - 1, len(s) - 1) for i, (s, t) in enumerate(zip(seqs, response_lengths))]
     ids = ids.to(device)
-    width = ids.shape[1]
-    positions = torch.arange(width, device=device).unsqueeze(0).expand_as(ids)
     targets = torch.zeros_like(ids)
-    targets[:, :-1] = ids[:, 1:]
+    targets[:, :-1] = ids[:, 1:]  # across a packed boundary the target is unused: no span ends there
     with torch.set_grad_enabled(grad), autocast if autocast is not None else nullcontext():
-        logits = model(input_ids=ids, position_ids=positions, attention_mask=None)
+        logits = model(input_ids=ids, position_ids=None, attention_mask=None, **extra)
         lp, ent = vocab_parallel_log_probs(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), temperature,
                                            vocab_size, entropy_grad=grad and entropy_grad)
     lp, ent = lp.view(ids.shape), ent.view(ids.shape)
-    spans = [(len(s) - int(t) - 1, len(s) - 1) for s, t in zip(seqs, response_lengths)]
-    return [lp[i, a:b] for i, (a, b) in enumerate(spans)], [ent[i, a:b] for i, (a, b) in enumerate(spans)]
+    return [lp[row, a:b] for row, a, b in spans], [ent[row, a:b] for row, a, b in spans]
