@@ -63,6 +63,16 @@ def random_hf(family: str, seed: int = 0):
     return model
 
 
+def converted(family: str, path: Path, vocab_rows: int = 100):
+    """``(hf_model, shape, megatron_model)``: a random HF model written to ``path`` and loaded into megatron-core."""
+    hf = random_hf(family)
+    hf.save_pretrained(path)
+    shape = model_shape(hf.config)
+    model = build_gpt(shape, 1, vocab_rows, torch.float32, CPU)
+    load_hf(model, safetensors_stream(str(path)), shape, vocab_rows, 1, 0, str(path))
+    return hf, shape, model
+
+
 def hf_state(model, tied: bool) -> dict:
     return {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
 
@@ -126,11 +136,7 @@ def test_configure_reports_architecture_and_unsupported_parallelism(tiny_model_d
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_round_trip_is_bit_exact_and_logits_equal_hugging_face(family, tmp_path):
-    hf = random_hf(family)
-    hf.save_pretrained(tmp_path)
-    shape = model_shape(hf.config)
-    model = build_gpt(shape, 1, shape.vocab_size, torch.float32, CPU)
-    load_hf(model, safetensors_stream(str(tmp_path)), shape, shape.vocab_size, 1, 0, str(tmp_path))
+    hf, shape, model = converted(family, tmp_path)
     back = dict(export_hf(model, shape, 1, None))
     expected = hf_state(hf, shape.tied)
     assert sorted(back) == sorted(expected)
@@ -148,11 +154,7 @@ def test_round_trip_is_bit_exact_and_logits_equal_hugging_face(family, tmp_path)
 
 
 def test_padded_vocabulary_rows_are_zero_and_left_out_of_the_softmax(tmp_path):
-    hf = random_hf("qwen2-untied")
-    hf.save_pretrained(tmp_path)
-    shape = model_shape(hf.config)
-    model = build_gpt(shape, 1, 128, torch.float32, CPU)
-    load_hf(model, safetensors_stream(str(tmp_path)), shape, 128, 1, 0, str(tmp_path))
+    hf, shape, model = converted("qwen2-untied", tmp_path, vocab_rows=128)
     assert model.output_layer.weight.shape[0] == 128 and not model.output_layer.weight[100:].any()
     ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad(), cpu_shims(CPU):
@@ -167,11 +169,7 @@ def test_packed_sequences_attend_only_to_themselves(tmp_path):
     """The SDPA core attention's thd path: two packed sequences give each one's own logits."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    hf = random_hf("qwen3-tied")
-    hf.save_pretrained(tmp_path)
-    shape = model_shape(hf.config)
-    model = build_gpt(shape, 1, 100, torch.float32, CPU)
-    load_hf(model, safetensors_stream(str(tmp_path)), shape, 100, 1, 0, str(tmp_path))
+    _, _, model = converted("qwen3-tied", tmp_path)
     a, b = torch.randint(0, 100, (1, 9)), torch.randint(0, 100, (1, 5))
     bounds = torch.tensor([0, 9, 14], dtype=torch.int32)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=9,
