@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from furlong.hooks import PluginError
 
-__all__ = ["count_dp_size", "karmarkar_karp", "plan_steps", "split_steps"]
+__all__ = ["count_dp_size", "dynamic_global_batch", "karmarkar_karp", "plan_steps", "split_steps", "steps_per_rollout"]
 
 
 def count_dp_size(args: Any) -> int:
@@ -44,6 +44,32 @@ def count_dp_size(args: Any) -> int:
             f"--context-parallel-size {cp} = {tp * pp * cp}; change the trainer size or the parallel sizes."
         )
     return world // (tp * pp * cp)
+
+
+def steps_per_rollout(args: Any) -> int:
+    """Optimizer steps per rollout: 1 under ``--use-dynamic-global-batch-size``, else ``--num-steps-per-rollout``."""
+    return 1 if getattr(args, "use_dynamic_global_batch_size", False) else int(args.num_steps_per_rollout)
+
+
+def dynamic_global_batch(group_sizes: Sequence[int], dp_size: int) -> int:
+    """``--use-dynamic-global-batch-size``: how many of a rollout's groups to train on, as one step.
+
+    Miles' rule: the step holds every sample, rounded down to a multiple of the
+    data-parallel size; here whole groups are dropped from the end (a group is never
+    split: its rewards are normalized together) until the sample count divides by
+    ``dp_size``.
+
+    :param group_sizes: samples per group, in rollout order.
+    :returns: the number of leading groups kept (the step's global batch is their samples).
+    :raises ValueError: no leading run of groups has a sample count divisible by ``dp_size``.
+    """
+    total = sum(group_sizes)
+    for kept in range(len(group_sizes), 0, -1):
+        if total % dp_size == 0:
+            return kept
+        total -= group_sizes[kept - 1]
+    raise ValueError(f"--use-dynamic-global-batch-size: no leading groups of sizes {list(group_sizes)} hold a "
+                     f"multiple of the data-parallel size {dp_size} samples.")
 
 
 def split_steps(

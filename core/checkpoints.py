@@ -47,16 +47,18 @@ _TMP_SUFFIX = ".tmp"
 _OLD_SUFFIX = ".old"
 
 
-def periodic(r: int, k: int | None, last: int | None = None) -> bool:
+def periodic(r: int, k: int | None, last: int | None = None, epoch: int | None = None) -> bool:
     """Whether rollout ``r`` is on a cadence of every ``k`` rollouts (SPEC.md 6.6).
 
     False when ``k`` is None; True when ``r == last - 1`` (the final rollout of a run of
-    ``last`` rollouts; pass ``last=None`` for a cadence without a forced final point);
+    ``last`` rollouts; pass ``last=None`` for a cadence without a forced final point), or
+    at the end of an epoch of ``epoch`` rollouts (``--num-epoch`` runs, as Miles);
     otherwise ``(r + 1) % k == 0``, so ``k=100`` fires at r = 99, 199, ...
 
     :param r: 0-based rollout id.
     :param k: interval in rollouts (``--save-interval``, ``--eval-interval``), or None.
     :param last: number of rollouts in the run (``--num-rollout``), or None.
+    :param epoch: rollouts per epoch (``args.num_rollout_per_epoch``), or None.
     :raises ValueError: ``k`` is not positive.
     """
     if k is None:
@@ -65,20 +67,21 @@ def periodic(r: int, k: int | None, last: int | None = None) -> bool:
         raise ValueError(f"interval must be a positive number of rollouts, got {k}")
     if last is not None and r == last - 1:
         return True
-    return (r + 1) % k == 0
+    return (r + 1) % k == 0 or bool(epoch and (r + 1) % epoch == 0)
 
 
 def should_save(args: Any, rollout_id: int) -> bool:
     """Whether the loop saves after training on ``rollout_id`` (SPEC.md 7.3).
 
     True when ``args.save`` is set and either the cadence fires
-    (``periodic(rollout_id, args.save_interval, args.num_rollout)``) or the file
+    (``periodic(rollout_id, args.save_interval, args.num_rollout, args.num_rollout_per_epoch)``) or the file
     ``args.save_trigger_sentinel`` exists. ``--save-interval`` without ``--save`` is a
     config error raised at validation, not here.
     """
     if not getattr(args, "save", None):
         return False
-    if periodic(rollout_id, getattr(args, "save_interval", None), getattr(args, "num_rollout", None)):
+    if periodic(rollout_id, getattr(args, "save_interval", None), getattr(args, "num_rollout", None),
+                getattr(args, "num_rollout_per_epoch", None)):
         return True
     sentinel = getattr(args, "save_trigger_sentinel", None)
     return bool(sentinel) and os.path.exists(sentinel)

@@ -14,6 +14,7 @@ import attrs
 from furlong.hooks import ConfigReport, PluginError
 
 from .config.errors import ConfigError
+from .megatron_support import report_megatron_flags
 from .plugins import FurlongPluginManager, _run_sync
 from .selection import CHOSEN_HOOKS, Selection
 
@@ -67,6 +68,9 @@ def configure_order(args: Namespace, pm: FurlongPluginManager,
 def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Selection) -> Configured:
     """Call ``configure(args, report)`` of every chosen plugin that implements it.
 
+    The chosen train backend's report also lists the Megatron flags given that it does
+    not honour (:func:`furlong.core.megatron_support.report_megatron_flags`).
+
     Warnings and notes go to the ``furlong.config`` logger (which ranks other than 0 keep
     quiet). A plugin that changes a flag the user gave is an error naming it (the value
     is put back); one that raises is an error naming it (a :class:`PluginError`'s message
@@ -80,20 +84,24 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
     given = set(getattr(args, "explicit_args", ()) or ())
     done = Configured()
     errors: list[str] = []
+    backend = selection.chosen.get("train_backend", (None, None))[0]
     for name, flags in configure_order(args, pm, selection):
         impl = impls.get(name)
-        if impl is None:
+        if impl is None and name != backend:
             continue
         report = ConfigReport(plugin=name, flags=flags)
         before = _snapshot(args)
         try:
-            result = pm._call_sync("configure", impl, {"args": args, "report": report})
-            if inspect.isawaitable(result):
-                _run_sync(_await(result))
+            if impl is not None:
+                result = pm._call_sync("configure", impl, {"args": args, "report": report})
+                if inspect.isawaitable(result):
+                    _run_sync(_await(result))
         except PluginError as exc:
             report.error(str(exc))
         except Exception as exc:  # noqa: BLE001 - name the plugin at fault
             report.error(f"plugin '{name}' ({pm.origin(name)}) failed in `configure`: {type(exc).__name__}: {exc}")
+        if name == backend:
+            report_megatron_flags(args, name, pm.get_plugin(name), report)
         for dest, (old, new) in _changes(before, args).items():
             if dest in given:
                 setattr(args, dest, old)

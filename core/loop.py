@@ -15,8 +15,11 @@ from argparse import Namespace
 
 from furlong.hooks import PluginError
 
+from .batching import steps_per_rollout
 from .checkpoints import periodic, resolve_start, save_checkpoint, should_save
+from .engine_health import EngineHealthMonitor, health_monitor_wanted
 from .engine_set import EngineFactory
+from .epochs import derive_num_rollout
 from .metrics_log import MetricsLog, rollout_metrics, summary_line
 from .plugins import FurlongPluginManager
 from .preflight import check_paths
@@ -59,6 +62,7 @@ class Run:
         self.has_eval = False
         self.engines: list = []
         self.weights: WeightSync | None = None
+        self.health: EngineHealthMonitor | None = None
         # train-async: rollout id -> {generate,train}_{start,end}, seconds since the loop started
         self.timeline: dict[int, dict[str, float]] = {}
 
@@ -84,6 +88,7 @@ class Run:
             return args.num_rollout
         self.rollout = await self.executor.start_rollout_side(args, RolloutSideFactory(args, sel, pm))
         self.has_eval = await self.rollout.load_data()  # train and eval data, before any model loads
+        derive_num_rollout(args, await self.rollout.dataset_size(), sel.name("data_source"))
         if self.metrics_dir:
             self.metrics = MetricsLog(os.path.join(self.metrics_dir, "metrics.jsonl"))
         resume = resolve_start(args)
@@ -102,7 +107,16 @@ class Run:
         for engine in engines:
             if hasattr(engine, "on_restart"):  # a remote engine that was replaced gets the current weights
                 engine.on_restart = self.weights.resync
+        if engines and health_monitor_wanted(args):
+            self.health = EngineHealthMonitor.from_args(args, engines)
+            self.health.start()
         return resume.start_rollout_id
+
+    def eval_due(self, rollout_id: int) -> bool:
+        """Evaluate after ``rollout_id``: every ``--eval-interval``, after the last rollout and at each epoch's end."""
+        args = self.args
+        return bool(args.eval_interval and self.has_eval and periodic(
+            rollout_id, args.eval_interval, args.num_rollout, getattr(args, "num_rollout_per_epoch", None)))
 
     async def all_engines(self, method: str) -> None:
         await asyncio.gather(*(getattr(engine, method)() for engine in self.engines))
@@ -112,6 +126,8 @@ class Run:
         start = time.perf_counter()
         if self.args.offload_rollout:
             await self.all_engines("resume_memory")
+            if self.health is not None:
+                self.health.resume()
         version = await self.weights.push()
         await self.rollout.set_weight_version(version)
         log.debug("weights synced, version %d", version)
@@ -129,13 +145,15 @@ class Run:
         args = self.args
         start = time.perf_counter()
         if args.offload_rollout:  # the engines give the device to the trainer (SPEC.md 6.7)
+            if self.health is not None:
+                self.health.pause()
             await self.all_engines("release_memory")
         if args.offload_train:
             await self.group.onload()
         [metrics] = await self.group.train(rollout_id, groups)
         steps = metrics.pop("train/steps")
         for s, step in enumerate(steps):
-            step_id = rollout_id * args.num_steps_per_rollout + s
+            step_id = rollout_id * steps_per_rollout(args) + s
             step_metrics = {f"train/{k}": float(v) for k, v in step.items()}
             self.metrics.log(step_metrics, "train/step", step_id)
             await self.pm.notify("on_train_step_end", args=args, rollout_id=rollout_id, step=step_id,
@@ -188,6 +206,8 @@ async def run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -
 async def _close(state: Run) -> None:
     """Stop what the run started, in reverse order."""
     try:
+        if state.health is not None:
+            await state.health.stop()
         if state.rollout is not None:
             await state.rollout.dispose()  # stops work a rollout plugin keeps across rollouts
         if state.weights is not None:
@@ -216,7 +236,7 @@ async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
         await (state.group.offload() if args.offload_train else state.group.clear_memory())
         metrics["perf/update_weights_time"] = await state.update_weights()
         await state.finish_rollout(rollout_id, groups, metrics)
-        if args.eval_interval and state.has_eval and periodic(rollout_id, args.eval_interval, args.num_rollout):
+        if state.eval_due(rollout_id):
             await state.evaluate(rollout_id)
 
 
@@ -276,7 +296,7 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
                             "perf/wait_time_ratio": wait / step if step > 0 else 0.0})
             metrics.update({f"timeline/{k}": v for k, v in times.items()})
             await state.finish_rollout(rollout_id, groups, metrics)
-            if args.eval_interval and state.has_eval and periodic(rollout_id, args.eval_interval, args.num_rollout):
+            if state.eval_due(rollout_id):
                 if future is not None:  # evaluation shares the rollout manager: the rollout in flight ends first
                     data, future = await future, None
                 await state.evaluate(rollout_id)

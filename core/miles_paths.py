@@ -1,26 +1,54 @@
 """Miles' own dotted paths that name a function furlong has as a built-in plugin.
 
-A Miles launch script names Miles' filter hub by dotted path
-(``--dynamic-sampling-filter-path miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std``);
-that module is not installed beside furlong, so the path resolves to the built-in plugin
-that does the same thing, with one info line. The table is data: the path as Miles spells
-it (radixark/miles, ``miles/rollout/filter_hub/``), the hook, the plugin's name.
+A Miles launch script names Miles' functions by dotted path
+(``--dynamic-sampling-filter-path miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std``,
+``--custom-rm-path miles.rollout.rm_hub.remote_rm``, ``--rollout-function-path
+miles.rollout.fully_async_rollout.FullyAsyncRolloutFn``...); those modules are not installed
+beside furlong, so each path resolves to the built-in plugin that does the same thing,
+with one info line naming it. The table is data: the path as Miles spells it
+(radixark/miles at 31f1ca961a94cb860cec3b2dea34ec332bfa8f76: ``miles/rollout/filter_hub/``,
+``rm_hub/``, ``data_source.py``, ``sglang_rollout.py``, ``generate_hub/``,
+``fully_async_rollout.py``), the hook, the plugin's name. :data:`RM_TYPE` stands for the
+reward plugin ``--rm-type`` names (Miles' ``async_rm`` dispatches on it).
 """
 
 from __future__ import annotations
 
-__all__ = ["MILES_BUILTINS", "miles_builtin"]
+__all__ = ["MILES_BUILTINS", "RM_TYPE", "miles_builtin"]
+
+RM_TYPE = "<--rm-type>"
 
 # dotted path -> (hook, built-in plugin name)
 MILES_BUILTINS: dict[str, tuple[str, str]] = {
-    "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std": ("filter", "check_reward_nonzero_std"),
+    # filter hub
+    "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std":
+        ("filter", "check_reward_nonzero_std"),
     "miles.rollout.filter_hub.common_filters.apply_reward_nonzero_std_filter": ("filter", "check_reward_nonzero_std"),
     "miles.rollout.filter_hub.dynamic_sampling_filters.check_no_aborted": ("filter", "no_aborted"),
     "miles.rollout.filter_hub.common_filters.apply_aborted_filter": ("filter", "no_aborted"),
+    # reward hub
+    "miles.rollout.rm_hub.remote_rm": ("reward", "remote_rm"),
+    "miles.rollout.rm_hub.async_rm": ("reward", RM_TYPE),
+    # buffer and data source
+    "miles.rollout.data_source.pop_first": ("buffer_pop", "pop_first"),
+    "miles.rollout.data_source.RolloutDataSourceWithBuffer": ("data_source", "jsonl"),
+    "miles.rollout.data_source.RolloutDataSource": ("data_source", "jsonl"),
+    # rollout functions
+    "miles.rollout.sglang_rollout.generate_rollout": ("rollout", "sync"),
+    "miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn": ("rollout", "sync"),
+    "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn": ("rollout", "fully_async"),
+    # generate functions
+    "miles.rollout.sglang_rollout.generate": ("generate", "single_turn"),
+    "miles.rollout.generate_hub.single_turn.generate": ("generate", "single_turn"),
 }
 
 
-def miles_builtin(path: str, hook: str) -> str | None:
-    """The built-in plugin standing for Miles' ``path`` on ``hook``, or None (a path of the user's own)."""
+def miles_builtin(path: str, hook: str, rm_type: str | None = None) -> str | None:
+    """The built-in plugin standing for Miles' ``path`` on ``hook``, or None (a path of the user's own).
+
+    :param rm_type: ``--rm-type``, for the paths that dispatch on it (None: no plugin).
+    """
     entry = MILES_BUILTINS.get(path)
-    return entry[1] if entry is not None and entry[0] == hook else None
+    if entry is None or entry[0] != hook:
+        return None
+    return rm_type if entry[1] == RM_TYPE else entry[1]

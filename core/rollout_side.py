@@ -51,6 +51,11 @@ class RolloutSide:
         await self.evaluator.load()
         return bool(self.evaluator)
 
+    async def dataset_size(self) -> int | None:
+        """Prompts in the train data source (``len()``), or None when it cannot tell (``--num-epoch``)."""
+        source = self.cursor.source if self.cursor is not None else None
+        return len(source) if hasattr(source, "__len__") else None
+
     async def start(self, engines: list, state: dict | None) -> None:
         """Resume the data position from a checkpoint's ``state`` (or start fresh) and build the manager."""
         if state:

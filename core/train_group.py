@@ -23,7 +23,7 @@ import torch
 from furlong.hooks import ParallelLayout, PluginError, Sample, TrainBatch, WorkerGroup
 
 from .advantage_stages import compute_advantages
-from .batching import plan_steps, split_steps
+from .batching import dynamic_global_batch, plan_steps, split_steps, steps_per_rollout
 from .plugins import FurlongPluginManager
 from .reduction import effective_loss_masks, excluded_samples, sample_denominators, step_denominators
 from .selection import Selection
@@ -89,6 +89,14 @@ class TrainGroup:
 
     async def _train(self, rollout_id: int, groups: list[list[Sample]]) -> list[dict]:
         args = self.args
+        gbs, num_steps = args.global_batch_size, steps_per_rollout(args)
+        if args.use_dynamic_global_batch_size:
+            kept = dynamic_global_batch([len(g) for g in groups], self.dp_size)
+            if kept < len(groups):
+                log.info("--use-dynamic-global-batch-size: training on %d of %d groups (a multiple of the "
+                         "data-parallel size %d samples).", kept, len(groups), self.dp_size)
+            groups = groups[:kept]
+            gbs = len(set(trajectory_ids(flatten(groups))))
         samples = flatten(groups)
         raw, rewards = post_process_rewards(args, samples)
         batch = to_train_batch(args, samples)
@@ -96,8 +104,8 @@ class TrainGroup:
         batch.truncated = truncated_flags(samples)
         tids = trajectory_ids(samples)
         plans = [plan_steps(
-            lengths=[len(t) for t in batch.tokens], global_batch_size=args.global_batch_size,
-            num_steps=args.num_steps_per_rollout, dp_size=self.dp_size, rank=r,
+            lengths=[len(t) for t in batch.tokens], global_batch_size=gbs,
+            num_steps=num_steps, dp_size=self.dp_size, rank=r,
             micro_batch_size=args.micro_batch_size, max_tokens_per_gpu=args.max_tokens_per_gpu,
             dynamic=args.use_dynamic_batch_size, balance=args.balance_data, trajectory_ids=tids,
         ) for r in range(self.dp_size)]
@@ -116,7 +124,7 @@ class TrainGroup:
         name, flag = self.selection.chosen["advantage"]
         adv = await compute_advantages(args, self.pm, advantage_input(samples, rewards, batch), name, flag)
         batch.advantages, batch.returns = adv.advantages, adv.returns
-        denominators = _global_denominators(args, batch, tids)
+        denominators = _global_denominators(args, batch, tids, gbs, num_steps)
         for share in shares:
             _fill(share, batch, tids, denominators)
         start = time.perf_counter()
@@ -219,10 +227,10 @@ def _pick(rows: list | None, ids: list[int]) -> list | None:
     return None if rows is None else [rows[i] for i in ids]
 
 
-def _global_denominators(args: Namespace, batch, tids: list[int]) -> dict:
+def _global_denominators(args: Namespace, batch, tids: list[int], gbs: int, num_steps: int) -> dict:
     """Step and sample denominators over the whole rollout batch (every rank's samples), SPEC.md 6.3."""
     masks = effective_loss_masks(batch.loss_masks, batch.truncated, args.mask_truncated_samples)
-    steps = split_steps(len(masks), args.global_batch_size, args.num_steps_per_rollout, tids)
+    steps = split_steps(len(masks), gbs, num_steps, tids)
     excluded = excluded_samples(batch.truncated, args.mask_truncated_samples, len(masks))
     return {"step_denominators": step_denominators(masks, steps, tids, excluded),
             "sample_denominators": sample_denominators(masks, tids)}

@@ -12,6 +12,7 @@ backward and optimizer steps; the driver does everything else (docs/architecture
 from __future__ import annotations
 
 import logging
+import os
 from argparse import Namespace
 from typing import Any, AsyncIterator
 
@@ -208,6 +209,8 @@ class WorkerFactory:
         self.args, self.chosen, self.pm = args, chosen, pm
 
     def __call__(self, rank: int, world: int) -> TrainWorker:
+        """Build rank ``rank``'s worker in this (the worker's) process, after setting ``--train-env-vars`` there."""
+        os.environ.update({str(k): str(v) for k, v in (getattr(self.args, "train_env_vars", None) or {}).items()})
         return TrainWorker(self.args, self.chosen, rank, world, self.pm)
 
     def __getstate__(self) -> dict:

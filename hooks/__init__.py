@@ -4,6 +4,7 @@ from . import answers, kl, specs
 from .config_report import ConfigReport
 from .errors import PluginError
 from .markers import PROJECT, hookimpl, hookspec
+from .megatron_flags import MegatronFlags
 from .protocols import (DataSource, Executor, RolloutContext, RolloutEngine, StepObjective, TrainBackend,
                         WorkerGroup)
 from .types import (
@@ -31,6 +32,7 @@ __all__ = [
     "GenerateOutput",
     "LossInput",
     "LossOutput",
+    "MegatronFlags",
     "ParallelLayout",
     "PluginError",
     "RolloutContext",

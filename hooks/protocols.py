@@ -20,7 +20,7 @@ __all__ = ["DataSource", "Executor", "RolloutContext", "RolloutEngine", "StepObj
 class RolloutEngine(Protocol):
     """Generates tokens. Implementations: ``embedded`` (transformers), ``sglang``.
 
-    Weight updates come in phases, the shape of SGLang's HTTP API (SPEC.md 6.5, 8.4):
+    Weight updates come in phases, the shape of SGLang's HTTP API (docs/architecture.md, weight sync):
     ``pause_generation`` → ``flush_cache`` → one ``load_weights`` (in-process) or
     ``update_weights_from_distributed`` (broadcast) per bucket → ``set_weight_version``
     → ``continue_generation``.
@@ -36,6 +36,10 @@ class RolloutEngine(Protocol):
         ``stop_token_ids``, ``min_new_tokens``, ``skip_special_tokens``.
         Returns the generated ids, their sampling log-probs, the finish reason
         (``stop``/``length``/``abort``) and the weight version.
+
+        Optional keyword arguments an engine may accept (``furlong serve`` passes them when
+        the signature has them): ``rid`` (a request id for an ``async abort_request(rid)``
+        method) and ``on_token`` (``on_token(token_id, log_prob)`` after each decoded token).
         """
 
     async def abort(self) -> None:

@@ -27,7 +27,7 @@ __all__ = [
 
 
 class Status(str, enum.Enum):
-    """Lifecycle of a :class:`Sample` (SPEC.md section 3).
+    """Lifecycle of a :class:`Sample` (PLUGINS.md, `generate`).
 
     ``pending``: never generated. ``completed``: the engine stopped on a stop string or
     token. ``truncated``: the token budget ran out. ``aborted``: the rollout aborted the

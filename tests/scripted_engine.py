@@ -9,18 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from furlong.hooks import GenerateOutput
-
-
-class CharTokenizer:
-    """One token per character (ids = code points); id 0 is end-of-sequence."""
-
-    eos_token_id = 0
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) for c in text]}
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(chr(i) for i in ids if i != 0)
+from furlong.hooks.testing import CharTokenizer
 
 
 class ScriptedEngine:
@@ -40,8 +29,10 @@ class ScriptedEngine:
         self.requests.append({"input_ids": list(input_ids), **sampling_params})
         text, reason = self.answer(self.tokenizer.decode(input_ids), len(self.requests))
         ids = [ord(c) for c in text]
+        budget = sampling_params["max_new_tokens"]
+        budget = 128 if budget is None else budget  # SGLang's default
         out = []
-        for tok in ids[: sampling_params["max_new_tokens"]]:
+        for tok in ids[:budget]:
             if self.delay:
                 await asyncio.sleep(self.delay)
             if self._aborted.is_set():
@@ -49,7 +40,7 @@ class ScriptedEngine:
                 break
             out.append(tok)
         else:
-            if len(ids) > sampling_params["max_new_tokens"]:
+            if len(ids) > budget:
                 reason = "length"
         return GenerateOutput(output_ids=out, output_log_probs=[-0.5] * len(out), finish_reason=reason,
                               weight_version=str(self.version), text=self.tokenizer.decode(out))

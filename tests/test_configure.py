@@ -220,17 +220,25 @@ def test_print_config_shows_plugin_and_machine_defaults(capsys):
         "policy_ratio_level": {"value": "sequence", "plugin": "gspo"},
         "disable_grpo_std_normalization": {"value": True, "plugin": "gspo"},  # one sample per prompt
     }
+    gpus = "torch.cuda.device_count()"
     assert data["machine_defaults"] == {
-        "actor_num_gpus_per_node": {"value": 1, "probe": "no CUDA device: 1"},
-        "num_gpus_per_node": {"value": 1, "probe": "no CUDA device: 1"},
-        "bf16": {"value": False, "probe": "torch.cuda.is_available() = False"},
-        "distributed_backend": {"value": "gloo", "probe": "torch.cuda.is_available() = False"},
+        "actor_num_gpus_per_node": {"value": 1, "probe": "no CUDA device: 1", "on_cuda": gpus},
+        "num_gpus_per_node": {"value": 1, "probe": "no CUDA device: 1", "on_cuda": gpus},
+        "bf16": {"value": False, "probe": "torch.cuda.is_available() = False", "on_cuda": True},
+        "distributed_backend": {"value": "gloo", "probe": "torch.cuda.is_available() = False", "on_cuda": "nccl"},
         "rollout_backend": {"value": "embedded", "probe": "furlong plugin 'sglang' installed: False, CUDA: False, "
-                                                          "sglang package importable: False"},
+                                                          "sglang package importable: False",
+                            "on_cuda": "sglang (with the furlong sglang plugin and the sglang package)"},
         "train_backend": {"value": "fsdp", "probe": "furlong plugin 'megatron' installed: True, CUDA: False, "
-                                                    "megatron.core importable: False"},
+                                                    "megatron.core importable: False",
+                          "on_cuda": "megatron (with the furlong megatron plugin and megatron-core)"},
+        "data_parallel_size": {"value": 1, "probe": "--train-backend fsdp: the world size (1 = actor_num_nodes x "
+                                                    "actor_num_gpus_per_node)"},
         "executor": {"value": "local", "probe": "one train rank"},
     }
+    assert data["machine_note"].startswith("These values depend on this machine, which has no CUDA; ")
+    assert "train_backend fsdp (on CUDA: megatron (with the furlong megatron plugin and megatron-core))" in \
+        data["machine_note"]
 
 
 # --- rules the built-in plugins own (moved from core/config) ------------------------------

@@ -14,8 +14,10 @@ Code that only defines or checks flags is not a use: the definitions
 (``core/config/flags_*.py``, a plugin's ``add_argument`` calls), the checks and derived
 defaults (``core/config/validate.py``, ``rules.py``, plugins' ``configure`` hooks:
 ``--colocate`` was read there and nowhere else) and ``unsupported.py``. Megatron-only flags
-(declared with ``core.config._util.megatron``) are handed to the train backend unchanged;
-the fsdp backend warns that it ignores the ones given (``args.megatron_flags_given``).
+(declared with ``core.config._util.megatron``, and every flag of Megatron-LM's table) are
+handed to the train backend unchanged; the core reports the given ones the chosen backend
+does not honour (``MEGATRON_FLAGS``, :mod:`furlong.core.megatron_support`). Miles flags of
+Miles' table that furlong does not implement are refused when given (``miles_refused``).
 """
 
 from __future__ import annotations
@@ -43,8 +45,6 @@ ALLOWED = {
     "sglang_router_port": "sglang engine plugin",
     "sglang_router_policy": "sglang engine plugin",
     "sglang_router_request_timeout_secs": "sglang engine plugin",
-    # an alias: validation turns it into --rollout fully_async (and back), which selects the plugin
-    "fully_async": "alias of --rollout fully_async",
     # train/entropy_loss is logged at every step whatever --entropy-coef is: nothing to turn on
     "observe_training_entropy": "entropy is always logged",
     # any value but 'default' is a validation error: it needs --use-session-server, which is refused
@@ -145,7 +145,8 @@ def unread(parser, used: set[str]) -> list[str]:
     for dest, action in _flags(parser).items():
         if dest in used or any(opt in used for opt in action.option_strings):
             continue
-        if dest in refused or dest in ALLOWED or getattr(action, MEGATRON_ONLY, False):
+        if dest in refused or dest in ALLOWED or getattr(action, MEGATRON_ONLY, False) \
+                or getattr(action, "miles_refused", False):
             continue
         offending.append(action.option_strings[0])
     return offending
@@ -208,10 +209,15 @@ def test_refused_rows_name_real_flags_and_their_defaults(parser):
         assert flags[row.dest].default in row.supported, row
 
 
-def test_fsdp_backend_names_the_megatron_flags_it_ignores():
-    """The allow-list rule for Megatron-only flags holds only while the fsdp backend warns."""
-    source = (REPO / "builtin_plugins" / "backends" / "fsdp" / "backend.py").read_text(encoding="utf-8")
+def test_megatron_flags_are_judged_against_the_backend_declaration():
+    """The allow-list rule for Megatron-only flags holds only while the core reports them
+    against the chosen backend's declaration (and fsdp declares one)."""
+    from furlong.builtin_plugins.backends import fsdp
+    from furlong.hooks import MegatronFlags
+
+    source = (REPO / "core" / "megatron_support.py").read_text(encoding="utf-8")
     assert "megatron_flags_given" in uses_in(source)
+    assert isinstance(fsdp.MEGATRON_FLAGS, MegatronFlags)
 
 
 def test_the_scan_sees_a_flag_that_is_only_checked():

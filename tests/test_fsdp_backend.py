@@ -151,15 +151,6 @@ def test_reference_log_probs_need_a_reference(tiny_dir):
     )
 
 
-def test_megatron_flags_give_one_warning(tiny_dir, caplog):
-    with caplog.at_level(logging.WARNING, logger="furlong"):
-        _backend(tiny_dir, megatron_flags_given=["--tensor-model-parallel-size", "--sequence-parallel"])
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == [
-        "fsdp backend ignores these Megatron flags (no FSDP meaning): --tensor-model-parallel-size --sequence-parallel"
-    ]
-
-
 # --- learning-rate schedule ---------------------------------------------------------------------
 
 

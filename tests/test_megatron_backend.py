@@ -128,7 +128,20 @@ def test_configure_reports_architecture_and_unsupported_parallelism(tiny_model_d
         in report.errors
     assert "--pipeline-model-parallel-size 2 is not supported yet by --train-backend megatron." in report.errors
     assert "--sequence-parallel is not supported yet by --train-backend megatron." in report.errors
-    assert any("--use-distributed-optimizer" in w for w in report.warnings)
+
+
+def test_the_core_reports_only_the_megatron_flags_this_backend_does_not_read(tiny_model_dir):
+    import furlong.builtin_plugins.backends.megatron as plugin
+    from furlong.core.megatron_support import report_megatron_flags
+
+    given = ["--num-layers", "--tensor-model-parallel-size", "--sequence-parallel", "--use-distributed-optimizer",
+             "--moe-router-topk"]
+    args = train_args(tiny_model_dir, megatron_flags_given=given, megatron_args={"moe_router_topk": 2})
+    report = ConfigReport(plugin="megatron")
+    report_megatron_flags(args, "megatron", plugin, report)
+    assert report.warnings == ["--train-backend megatron ignores these Megatron flags, which do not change results "
+                               "with it: --use-distributed-optimizer."]
+    assert len(report.errors) == 1 and "--moe-router-topk (the model has no experts)" in report.errors[0]
 
 
 # --- conversion and log-probs at TP=1 ----------------------------------------------------------------
@@ -196,14 +209,14 @@ def test_save_hf_writes_a_hugging_face_model_of_the_trained_weights(tiny_model_d
     assert AutoTokenizer.from_pretrained(tmp_path / "hf").encode("ab") == [69, 70]
 
 
-@pytest.mark.parametrize("width, temperature", [(100, 1.0), (128, 0.7)])
-def test_log_prob_and_entropy_gradients_are_those_of_log_softmax(width, temperature):
+@pytest.mark.parametrize("width, temperature, chunk", [(100, 1.0, -1), (128, 0.7, 3)])
+def test_log_prob_and_entropy_gradients_are_those_of_log_softmax(width, temperature, chunk):
     """The chunked autograd Function against autograd through ``log_softmax`` (100 real columns)."""
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(7, width, generator=g, dtype=torch.float64).float().requires_grad_(True)
     targets = torch.randint(0, 100, (7,), generator=g)
     a, b = torch.randn(7, generator=g), torch.randn(7, generator=g)
-    lp, ent = vocab_parallel_log_probs(logits, targets, temperature, 100)
+    lp, ent = vocab_parallel_log_probs(logits, targets, temperature, 100, chunk_rows=chunk)
     ((a * lp).sum() + (b * ent).sum()).backward()
     reference = logits.detach()[:, :100].clone().requires_grad_(True)
     log_p = torch.log_softmax(reference / temperature, dim=-1)

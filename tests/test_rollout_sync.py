@@ -69,6 +69,19 @@ def test_single_turn_full_sample_is_truncated_without_a_request(tmp_path, plugin
     assert engine.requests == [] and out.status == Status.TRUNCATED and out.response_length == 100
 
 
+@pytest.mark.parametrize("extra, expected", [([], None), (["--rollout-max-context-len", "20"], 16)])
+def test_single_turn_without_response_len_leaves_the_budget_to_the_engine_or_the_context(tmp_path, plugin_manager,
+                                                                                          extra, expected):
+    """No --rollout-max-response-len: max_new_tokens stays None (the engine's default) unless a context cap
+    leaves room for 20 - 4 prompt tokens."""
+    args = _args(tmp_path, *extra)
+    engine = ScriptedEngine(lambda p, c: ("y", "stop"))
+    sample = Sample(prompt="7+0=", index=0)
+    asyncio.run(plugin_manager.call_chosen("generate", "single_turn", "--generate", args=args, sample=sample,
+                                           sampling_params={"max_new_tokens": None}, engine=engine, evaluation=False))
+    assert engine.requests[0]["max_new_tokens"] == expected
+
+
 def test_single_turn_rejects_message_lists_without_chat_template(tmp_path, plugin_manager):
     args = _args(tmp_path)
     sample = Sample(prompt=[{"role": "user", "content": "hi"}], index=3)

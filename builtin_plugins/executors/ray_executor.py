@@ -365,6 +365,9 @@ class RemoteRolloutSide:
     async def load_data(self) -> bool:
         return await self._call("load_data")
 
+    async def dataset_size(self) -> int | None:
+        return await self._call("dataset_size")
+
     async def start(self, engines: list, state) -> None:
         specs = [(e.index, e.handle, e.tokenizer) for e in engines]
         await _await(self.handle.start.remote(specs, state, self.timeout), self.timeout, self.who, "start")

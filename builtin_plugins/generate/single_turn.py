@@ -28,20 +28,22 @@ async def generate(args, sample, sampling_params, engine, evaluation):
             "string. Pass --apply-chat-template to render message lists with the tokenizer's chat template."
         )
     params = dict(sampling_params)
-    budget = int(params["max_new_tokens"])
+    budget = None if params.get("max_new_tokens") is None else int(params["max_new_tokens"])
     if sample.response_length > 0:
         input_ids = list(sample.tokens)
-        budget -= sample.response_length
+        if budget is not None:
+            budget -= sample.response_length
     else:
         input_ids = engine.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
         sample.tokens = list(input_ids)
     context_cap = args.eval_max_context_len if evaluation else args.rollout_max_context_len
     if context_cap:
-        budget = min(budget, int(context_cap) - len(input_ids))
-    if budget <= 0:
+        room = int(context_cap) - len(input_ids)
+        budget = room if budget is None else min(budget, room)
+    if budget is not None and budget <= 0:
         sample.status = Status.TRUNCATED
         return sample
-    params["max_new_tokens"] = budget
+    params["max_new_tokens"] = budget  # None: the engine's own default (SGLang's and the embedded engine's: 128)
     out = await engine.generate(input_ids, params)
     _append(args, sample, out, engine.tokenizer, params)
     return sample

@@ -74,8 +74,9 @@ def _architecture(g) -> None:
              help="Megatron: position table size (default: --seq-length).")
     megatron(g, "--make-vocab-size-divisible-by", type=int, default=None,
              help="Megatron: pad the vocabulary to a multiple of this (default: Megatron's).")
-    megatron(g, "--moe-aux-loss-coeff", type=float, default=None,
-             help="Megatron: MoE load-balancing loss coefficient (default: Megatron's).")
+    megatron(g, "--moe-aux-loss-coeff", type=float, nargs="+", default=None,
+             help="Megatron: MoE load-balancing loss coefficient, one or one per --moe-router-load-balancing-type "
+                  "(default: Megatron's).")
     megatron(g, "--position-embedding-type", default=None, choices=["learned_absolute", "rope", "mrope", "none"],
              help="Megatron: position embedding.")
     megatron(g, "--normalization", default=None, choices=["LayerNorm", "RMSNorm"], help="Megatron: normalization.")

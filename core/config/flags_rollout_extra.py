@@ -60,5 +60,5 @@ def add(g, dev) -> None:
     g.add_argument("--tito-model", default="default",
                    help="Agents: token-in/token-out model; values other than 'default' need --use-session-server.")
     g.add_argument("--session-server-ip", default=None, help="Agents: session server host (not supported yet).")
-    g.add_argument("--session-server-port", type=int, default=None,
-                   help="Agents: session server port (not supported yet).")
+    g.add_argument("--session-server-port", type=int, nargs="+", default=None,
+                   help="Agents: session server port(s) (not supported yet).")

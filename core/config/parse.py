@@ -34,7 +34,9 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     Besides one attribute per flag the Namespace holds ``sglang_passthrough``,
     ``router_passthrough``, ``eval_sglang_passthrough`` (dicts), ``explicit_args``
     (sorted attribute names given on the command line or by the overlay),
-    ``megatron_flags_given`` (Megatron-only flags given, as typed), and derived values
+    ``megatron_flags_given`` (Megatron-only flags given, as typed), ``megatron_args``
+    (``{dest: value}`` of those) and ``megatron_argv`` (those flags with their values, as
+    typed: what a backend hands Megatron-LM's own parser), and derived values
     such as ``data_parallel_size`` and ``sglang_tp_size``.
 
     Touches no file except ``@FILE`` argument files and the ``--custom-config-path`` file.
@@ -44,8 +46,8 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     :param command: ``"train"`` or ``"train-async"`` to run the loop-dependent checks
         (train-async rejects ``--colocate``, ...) and set ``args.train_mode`` (``"sync"``
         or ``"async"``), which plugins' ``configure`` hooks read.
-    :raises ConfigError: every problem found, one per line.
-    :raises PluginError: two plugins add one flag.
+    :raises ConfigError: every problem found, one per line: unknown flags, stray values,
+        bad values, refused flags and validation, all at once.
     """
     parser = build_parser(pm)
     tokens = expand_argsfiles(list(argv), parser)
@@ -54,25 +56,24 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     tokens, collected, _ = split_passthrough(tokens, set(actions))
     tokens = _attach_negative_numbers(tokens, actions)
     parser.fromfile_prefix_chars = None  # files are expanded already
-    try:
-        args, extras = parser.parse_known_args(tokens)
-    except ConfigError as exc:
-        raise ConfigError(problems + exc.problems) from None
-    problems += _unrecognized(extras, actions)
-    if problems:
-        raise ConfigError(problems)
-    explicit, megatron_given = _given(tokens, actions)
+    args, extras, tokens, bad_values, bad_flags = _parse_collecting(parser, tokens)
+    problems += bad_values + _unrecognized(extras, actions)
+    explicit, megatron_given, refused = _given(tokens, actions)
     for attr, values in collected.items():
         setattr(args, attr, values)
     args.explicit_args = sorted(explicit)
     args.megatron_flags_given = megatron_given
+    args.megatron_args = {actions[f].dest: getattr(args, actions[f].dest) for f in megatron_given}
+    args.megatron_argv = _argv_of(tokens, set(megatron_given))
+    problems += [f"{flag} is not supported yet; remove it." for flag in refused]
     if command is not None:
         args.train_mode = "async" if command == "train-async" else "sync"
     raw = copy.deepcopy(args)
-    findings = validate(args, command)
-    if findings.errors:
+    findings = validate(args, command)  # runs on the flags that parsed: all problems are reported at once
+    if problems or findings.errors:
         _emit(findings)
-        raise ConfigError(findings.errors)
+        # a rule about a flag whose value was rejected above would only repeat that problem
+        raise ConfigError(problems + [e for e in findings.errors if not _names_any(e, bad_flags)])
     if not args.custom_config_path:
         _emit(findings)
         return args
@@ -171,8 +172,73 @@ def _jsonable(value):
     return repr(value)
 
 
+_ARGUMENT_ERROR = re.compile(r"argument (--?[\w-]+)(?:/--?[\w-]+)*: ")
+# "did you mean": only a near-identical flag (a typo, a letter dropped), never a sibling
+# with another last word (--moe-router-dtype is not --moe-router-topk)
+SUGGEST_CUTOFF = 0.88
+
+
+def _parse_collecting(parser, tokens: list[str]) -> tuple[argparse.Namespace, list[str], list[str], list[str],
+                                                           set[str]]:
+    """``parse_known_args`` that goes on after a bad value: the flag at fault (and its
+    values) is taken out and parsing starts again, so every problem is reported at once.
+
+    :returns: ``(args, unknown tokens, tokens parsed, one problem per bad value, the
+        option strings of the flags taken out)``.
+    """
+    problems: list[str] = []
+    bad: set[str] = set()
+    while True:
+        try:
+            args, extras = parser.parse_known_args(tokens)
+            return args, extras, tokens, problems, bad
+        except ConfigError as exc:
+            match = _ARGUMENT_ERROR.match(str(exc))
+            flag = match.group(1) if match else None
+            action = parser._option_string_actions.get(flag) if flag else None
+            kept = _without(tokens, set(action.option_strings)) if action else tokens
+            bad |= set(action.option_strings) if action else set()
+            problems.append(str(exc))
+            if kept == tokens:
+                raise ConfigError(problems) from None
+            tokens = kept
+
+
+def _names_any(message: str, flags: set[str]) -> bool:
+    """Does ``message`` name one of ``flags`` (as a whole flag, not a prefix of a longer one)?"""
+    return any(re.search(re.escape(flag) + r"(?![\w-])", message) for flag in flags)
+
+
+def _without(tokens: list[str], options: set[str]) -> list[str]:
+    """``tokens`` less every occurrence of ``options`` and the values that follow each."""
+    out: list[str] = []
+    skipping = False
+    for token in tokens:
+        flag = token.split("=", 1)[0]
+        if token.startswith("-") and not _is_number(token):
+            skipping = flag in options
+            if skipping:
+                continue
+        elif skipping:
+            continue
+        out.append(token)
+    return out
+
+
+def _argv_of(tokens: list[str], flags: set[str]) -> list[str]:
+    """The tokens of ``flags`` (each with the values that follow it), in order."""
+    out: list[str] = []
+    keeping = False
+    for token in tokens:
+        if token.startswith("-") and not _is_number(token):
+            keeping = token.split("=", 1)[0] in flags
+        if keeping:
+            out.append(token)
+    return out
+
+
 def _unrecognized(extras: list[str], actions: dict) -> list[str]:
-    """One line per unknown flag (with a close match when there is one)."""
+    """One line per unknown flag (with a near-identical flag when there is one)."""
     import difflib
 
     problems = []
@@ -180,7 +246,9 @@ def _unrecognized(extras: list[str], actions: dict) -> list[str]:
     for token in extras:
         if token.startswith("-") and not _is_number(token):
             flag = token.split("=", 1)[0]
-            close = difflib.get_close_matches(flag, [o for o in actions if o.startswith("--")], n=1, cutoff=0.75)
+            longer = [o for o in actions if o.startswith(flag + "-")]  # an abbreviation of one flag
+            close = longer if len(longer) == 1 else difflib.get_close_matches(
+                flag, [o for o in actions if o.startswith("--")], n=1, cutoff=SUGGEST_CUTOFF)
             hint = f" (did you mean {close[0]}? flags are never abbreviated)" if close else ""
             problems.append(f"unrecognized argument {flag}{hint}.")
             previous_flag = True
@@ -197,10 +265,12 @@ def _is_number(token: str) -> bool:
     return True
 
 
-def _given(tokens: list[str], actions: dict) -> tuple[set[str], list[str]]:
-    """Attributes of the flags present in ``tokens`` and the Megatron-only flags among them."""
+def _given(tokens: list[str], actions: dict) -> tuple[set[str], list[str], list[str]]:
+    """Attributes of the flags present in ``tokens``, the Megatron-only flags among them
+    and the Miles flags furlong refuses (both as typed, in order)."""
     explicit: set[str] = set()
     megatron: list[str] = []
+    refused: list[str] = []
     for token in tokens:
         if token == "--":
             break
@@ -211,8 +281,10 @@ def _given(tokens: list[str], actions: dict) -> tuple[set[str], list[str]]:
         flag = token.split("=", 1)[0]
         if getattr(action, MEGATRON_ONLY, False) and flag not in megatron:
             megatron.append(flag)
+        if getattr(action, "miles_refused", False) and flag not in refused:
+            refused.append(flag)
     explicit.discard("help")
-    return explicit, megatron
+    return explicit, megatron, refused
 
 
 def _emit(findings) -> None:

@@ -13,7 +13,7 @@ from . import env
 from .errors import ConfigError
 
 __all__ = ["GROUP_TITLES", "MACHINE_FLAGS", "DeviceDefaults", "FurlongArgumentParser", "build_parser",
-           "device_defaults", "machine_defaults"]
+           "device_defaults", "machine_defaults", "machine_note"]
 
 # Argument groups in --help order; titles as Miles users know the launch-script arrays.
 GROUP_TITLES: tuple[str, ...] = (
@@ -28,13 +28,16 @@ GROUP_TITLES: tuple[str, ...] = (
     "logging",
     "debugging",
     "plugins",
+    "Miles",
 )
 
 DESCRIPTION = """\
 Run the RL loop: generate, score, filter, compute advantages, optimize, sync weights.
 Flags follow Miles' names and groups; --sglang-* and --router-* flags are passed to
 SGLang and its router; arguments can be read from a file with @FILE (one or more flags
-per line, '#' starts a comment)."""
+per line, '#' starts a comment). Every flag of Megatron-LM's parser and of Miles is
+accepted too (not listed here; see docs/flags.md): Megatron's go to the train backend,
+Miles flags furlong does not implement are refused when given."""
 
 
 class FurlongArgumentParser(argparse.ArgumentParser):
@@ -143,12 +146,26 @@ def _backend_plugin(pm, name: str, hook: str) -> bool:
     return pm.get_plugin(name) is not None and hook in pm.hooks_of(name)
 
 
+# DeviceDefaults field -> its value on a CUDA machine with the megatron and sglang plugins installed
+ON_CUDA: dict[str, object] = {
+    "gpus_per_node": "torch.cuda.device_count()",
+    "attn_implementation": "flash_attention_2",
+    "bf16": True,
+    "distributed_backend": "nccl",
+    "rollout_backend": "sglang (with the furlong sglang plugin and the sglang package)",
+    "train_backend": "megatron (with the furlong megatron plugin and megatron-core)",
+}
+
+
 def machine_defaults(args: argparse.Namespace, pm=None) -> dict:
-    """``{attribute: {"value": v, "probe": text}}`` for the flags whose value came from the machine.
+    """``{attribute: {"value": v, "probe": text, "on_cuda": w}}`` for the flags whose value came from the machine.
 
     A flag counts when it was not given (``args.explicit_args``) and still holds the
     machine-dependent default (a later rule, such as ``--fp16`` turning ``bf16`` off,
-    takes it out). Shown by ``furlong train --print-config`` as ``machine_defaults``.
+    takes it out); ``on_cuda`` is the value a GPU machine would give it when it differs.
+    ``data_parallel_size`` is listed when the train backend came from a machine without
+    CUDA: fsdp shards data over the whole world, megatron over world / (TP x PP x CP).
+    Shown by ``furlong train --print-config`` as ``machine_defaults``.
     """
     dev = device_defaults(pm)
     given = set(getattr(args, "explicit_args", ()) or ())
@@ -157,6 +174,10 @@ def machine_defaults(args: argparse.Namespace, pm=None) -> dict:
         value = getattr(dev, name)
         if dest not in given and hasattr(args, dest) and getattr(args, dest) == value:
             out[dest] = {"value": value, "probe": dev.probes[name]}
+            if not dev.cuda and str(ON_CUDA[name]).split(" ")[0] != str(value):
+                out[dest]["on_cuda"] = ON_CUDA[name]
+    if "train_backend" in out and not dev.cuda and getattr(args, "data_parallel_size", None) is not None:
+        out["data_parallel_size"] = _dp_note(args)
     if "executor" not in given and hasattr(args, "actor_num_nodes"):
         from .validate import default_executor
 
@@ -165,19 +186,41 @@ def machine_defaults(args: argparse.Namespace, pm=None) -> dict:
     return out
 
 
-def build_parser(pm=None) -> argparse.ArgumentParser:
+def machine_note(defaults: dict) -> str | None:
+    """One sentence for ``--print-config`` when values here differ from a GPU machine's (``on_cuda``), else None."""
+    differ = [f"{dest} {d['value']} (on CUDA: {d['on_cuda']})" for dest, d in defaults.items() if "on_cuda" in d]
+    if not differ:
+        return None
+    return ("These values depend on this machine, which has no CUDA; a GPU machine would resolve them otherwise: "
+            + "; ".join(differ) + ". Give the flags to pin them.")
+
+
+def _dp_note(args: argparse.Namespace) -> dict:
+    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    note = {"value": args.data_parallel_size,
+            "probe": f"--train-backend {args.train_backend}: the world size ({world} = actor_num_nodes x "
+                     f"actor_num_gpus_per_node)" if args.train_backend != "megatron" else
+                     "--train-backend megatron: world / (TP x PP x CP)"}
+    model = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    if args.train_backend != "megatron" and model > 1 and world % model == 0:
+        note["on_cuda"] = f"{world // model} under megatron (world {world} / TP x PP x CP {model})"
+    return note
+
+
+def build_parser(pm=None, dev: DeviceDefaults | None = None) -> argparse.ArgumentParser:
     """The parser of ``furlong train``: every flag of SPEC.md section 1, in the Miles groups.
 
     :param pm: a :class:`furlong.core.plugins.FurlongPluginManager`; when given, every
         plugin's ``add_arguments`` is called (one at a time) so it can add its own group.
+    :param dev: the machine-dependent defaults (default: probe this machine, which imports torch).
     :returns: a :class:`FurlongArgumentParser` (``allow_abbrev=False``, ``@FILE`` files).
-    :raises PluginError: two plugins (or a plugin and core) add the same flag (both are
-        named), or a plugin's ``add_arguments`` fails.
+    A plugin whose ``add_arguments`` redefines a flag, fails or is ``async def`` is set
+    aside (see :func:`add_plugin_arguments`).
     """
-    from . import (flags_algo, flags_cluster, flags_eval, flags_logging, flags_model, flags_optim, flags_perf,
-                   flags_plugins, flags_rollout, flags_rollout_extra, flags_sglang)
+    from . import (flags_algo, flags_cluster, flags_compat, flags_eval, flags_logging, flags_model, flags_optim,
+                   flags_perf, flags_plugins, flags_rollout, flags_rollout_extra, flags_sglang)
 
-    dev = device_defaults(pm)
+    dev = dev or device_defaults(pm)
     parser = FurlongArgumentParser(
         prog="furlong train",
         usage="%(prog)s [-h] [FLAG ...] [@FILE ...]",
@@ -201,37 +244,76 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     flags_plugins.add(groups["plugins"], dev)
     if pm is not None:
         add_plugin_arguments(parser, pm)
+    # last, so a flag furlong or a plugin defines (--tensorboard-dir) is theirs, not the table's
+    flags_compat.add_miles(groups["Miles"], dev)
+    flags_compat.add_megatron(parser.add_argument_group("Megatron-LM"), dev)  # hidden from --help
     return parser
+
+
+def set_aside_bad_plugin_flags(pm) -> None:
+    """Set aside the plugins whose ``add_arguments`` cannot join the parser, without probing the machine.
+
+    For ``furlong plugins``: the flags' names do not depend on the machine, only their
+    defaults, so the CPU defaults stand in and torch is not imported.
+    """
+    build_parser(pm, DeviceDefaults(cuda=False, gpus_per_node=1, attn_implementation="sdpa", bf16=False,
+                                    distributed_backend="gloo", rollout_backend="embedded", train_backend="fsdp"))
 
 
 def add_plugin_arguments(parser: argparse.ArgumentParser, pm) -> None:
     """Call each plugin's ``add_arguments`` separately, tracking who added which flag.
 
-    :raises PluginError: a flag added twice (names both owners: two plugins, or a plugin
-        and furlong core), or an ``add_arguments`` that raises.
+    A plugin whose ``add_arguments`` adds a flag furlong core or an earlier plugin already
+    defines, raises, or is ``async def`` is set aside
+    (:meth:`~furlong.core.plugins.FurlongPluginManager.set_aside`): it adds no flag,
+    ``furlong plugins`` lists it as broken with the reason, and only a run that chooses it
+    fails. Each plugin first adds its flags to a scratch parser holding the flags defined
+    so far, so a clash leaves nothing half-added on ``parser``.
     """
     owner: dict[str, str] = {opt: "furlong core" for opt in parser._option_string_actions}
-    for impl in pm.hook.add_arguments.get_hookimpls():
+    for impl in list(pm.hook.add_arguments.get_hookimpls()):
         name = impl.plugin_name
+        problem = _add_arguments_problem(impl, name, owner)
+        if problem:
+            pm.set_aside(name, problem)
+            continue
         before = set(parser._option_string_actions)
-        try:
-            result = impl.function(**({"parser": parser} if "parser" in impl.argnames else {}))
-            if inspect.isawaitable(result):
-                getattr(result, "close", lambda: None)()
-                raise PluginError(f"plugin '{name}': `add_arguments` may not be async def.")
-        except argparse.ArgumentError as exc:
-            flags = [opt for opt in (exc.argument_name or "").split("/") if opt in owner] or ["?"]
-            flag, first = flags[0], owner.get(flags[0], "another plugin")
-            if first == "furlong core":
-                message = (f"plugin '{name}' adds the flag {flag}, which furlong core already defines; "
-                           f"a plugin adds only new flags, prefixed with its name (--{name.replace('_', '-')}-...).")
-            else:
-                message = (f"plugins '{first}' and '{name}' both add the flag {flag}; a flag may be added by one "
-                           f"plugin only: uninstall one of them or skip one with --disable-plugins {name}.")
-            raise PluginError(message) from exc
-        except PluginError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - name the plugin at fault
-            raise PluginError(f"plugin '{name}' failed in `add_arguments`: {type(exc).__name__}: {exc}") from exc
+        _call_add_arguments(impl, name, parser)
         for opt in set(parser._option_string_actions) - before:
             owner[opt] = name
+
+
+def _add_arguments_problem(impl, name: str, owner: dict[str, str]) -> str:
+    """Why plugin ``name``'s ``add_arguments`` cannot join the flags of ``owner`` (flag -> owner), or ""."""
+    scratch = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for i, opt in enumerate(owner):
+        scratch.add_argument(opt, dest=f"_defined_{i}")
+    try:
+        _call_add_arguments(impl, name, scratch)
+    except argparse.ArgumentError as exc:
+        flags = [opt for opt in (exc.argument_name or "").split("/") if opt in owner] or ["?"]
+        flag, first = flags[0], owner.get(flags[0], "another plugin")
+        if first == "furlong core":
+            return (f"`add_arguments` adds the flag {flag}, which furlong core already defines; a plugin adds only "
+                    f"new flags, prefixed with its name (--{name.replace('_', '-')}-...).")
+        return (f"`add_arguments` adds the flag {flag}, which plugin '{first}' already adds; a flag may be added "
+                f"by one plugin only: uninstall one of them or skip one with --disable-plugins NAME.")
+    except PluginError as exc:
+        return str(exc).removeprefix(f"plugin '{name}'").removeprefix(":").strip()
+    return ""
+
+
+def _call_add_arguments(impl, name: str, parser: argparse.ArgumentParser) -> None:
+    """Run one plugin's ``add_arguments`` on ``parser``; argparse's ArgumentError passes through.
+
+    :raises PluginError: the implementation is ``async def`` or raises anything else.
+    """
+    try:
+        result = impl.function(**({"parser": parser} if "parser" in impl.argnames else {}))
+        if inspect.isawaitable(result):
+            getattr(result, "close", lambda: None)()
+            raise PluginError(f"plugin '{name}': `add_arguments` may not be async def.")
+    except (argparse.ArgumentError, PluginError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - name the plugin at fault
+        raise PluginError(f"plugin '{name}' failed in `add_arguments`: {type(exc).__name__}: {exc}") from exc

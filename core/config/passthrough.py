@@ -2,12 +2,20 @@
 
 Any flag with one of these prefixes that core does not define itself is collected into
 a dict (key: the rest of the flag in snake_case) instead of being parsed:
-``--sglang-X=V`` always gives ``"V"``; a bare ``--sglang-X`` takes the next token as its
-value unless that token starts with ``--`` (or there is none), in which case the value
-is ``True``. Values stay strings: SGLang and the router parse their own arguments.
+``--sglang-X=V`` always gives ``"V"``. For ``--sglang-X`` and ``--eval-sglang-X`` the
+arity comes from SGLang's server-argument table (``data/sglang_server_args.json``): a
+list-valued argument (``--cuda-graph-bs 1 2 4``) takes every value up to the next flag
+(a list of strings), a switch takes none (``True``). Otherwise (the router, or a flag
+the table lacks) a bare flag takes the next token as its value unless that token starts
+with ``--`` (or there is none), in which case the value is ``True``. Values stay strings:
+SGLang and the router parse their own arguments.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
+
+from .tables import FlagRow, sglang_table
 
 __all__ = ["PREFIXES", "split_passthrough"]
 
@@ -44,16 +52,37 @@ def split_passthrough(tokens: list[str], known: set[str]) -> tuple[list[str], di
         prefix, attr = match
         key = flag[len(prefix):].replace("-", "_")
         given.append(flag)
+        row = _sglang_rows().get("--" + flag[len(prefix):]) if attr != "router_passthrough" else None
+        values = _values_after(tokens, i + 1)
         if eq:
             collected[attr][key] = value
             i += 1
-        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
-            collected[attr][key] = tokens[i + 1]
+        elif row is not None and not row.takes_value:
+            collected[attr][key] = True
+            i += 1
+        elif row is not None and row.is_list and values:
+            collected[attr][key] = values
+            i += 1 + len(values)
+        elif values:
+            collected[attr][key] = values[0]
             i += 2
         else:
             collected[attr][key] = True
             i += 1
     return rest, collected, given
+
+
+def _values_after(tokens: list[str], start: int) -> list[str]:
+    """The tokens from ``start`` up to the next flag (``--...``)."""
+    end = start
+    while end < len(tokens) and not tokens[end].startswith("--"):
+        end += 1
+    return tokens[start:end]
+
+
+@lru_cache(maxsize=1)
+def _sglang_rows() -> dict[str, FlagRow]:
+    return sglang_table().by_option()
 
 
 def _match(flag: str) -> tuple[str, str] | None:

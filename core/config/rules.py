@@ -46,7 +46,7 @@ def defaults(args, f, given: set[str]) -> None:
     if _unset("max_position_embeddings", args, given):
         args.max_position_embeddings = args.seq_length
     if _unset("lr_decay_iters", args, given):
-        steps = args.num_steps_per_rollout
+        steps = 1 if args.use_dynamic_global_batch_size else args.num_steps_per_rollout
         ok = isinstance(args.num_rollout, int) and isinstance(steps, int)
         args.lr_decay_iters = args.num_rollout * steps if ok else None
     if "lr_warmup_iters" in given and args.lr_warmup_iters and args.lr_warmup_fraction is not None:

@@ -13,6 +13,7 @@ import os
 
 from furlong.hooks.config_report import ConfigReport
 
+from ..miles_paths import miles_builtin
 from . import rules
 from .knobs import KNOBS, dp_problems, resolve_knobs
 from .unsupported import unsupported_problems
@@ -72,12 +73,14 @@ def _normalize(args, f: ConfigReport, given: set[str]) -> None:
     """Spellings that mean the same thing become one."""
     args.disable_plugins = [p.strip() for item in args.disable_plugins or [] for p in item.split(",") if p.strip()]
     path = args.rollout_function_path
-    if path and path.endswith(FULLY_ASYNC_SUFFIX):
-        f.info(f"--rollout-function-path {path} selects the built-in fully async rollout (--rollout fully_async).")
+    builtin = "fully_async" if path and path.endswith(FULLY_ASYNC_SUFFIX) else miles_builtin(path, "rollout")
+    if builtin is not None:
+        f.info(f"--rollout-function-path {path}: furlong's built-in plugin '{builtin}' does this; using it "
+               f"(--rollout {builtin}).")
         args.rollout_function_path = None
-        args.fully_async = True
+        args.fully_async = args.fully_async or builtin == "fully_async"
         if "rollout" not in given:
-            args.rollout = "fully_async"
+            args.rollout = builtin
     if args.fully_async and args.rollout != "fully_async":
         if "rollout" in given:
             f.error(f"--fully-async and --rollout {args.rollout} both choose the rollout; pass only one.")
@@ -98,9 +101,16 @@ def _normalize(args, f: ConfigReport, given: set[str]) -> None:
 
 
 def _basic_values(args, f: ConfigReport) -> None:
-    if args.num_rollout is None:
+    if args.num_rollout is None and args.num_epoch is None:
         f.error("--num-rollout is required: give the number of rollout iterations to run "
                 "(it used to default to 1000; --num-rollout 0 only evaluates).")
+    elif args.num_rollout is not None and args.num_epoch is not None:
+        f.info("--num-rollout is given: --num-epoch is ignored.")
+    elif args.num_rollout is None:
+        f.info(f"--num-rollout comes from --num-epoch {args.num_epoch} once the data is loaded.")
+    if args.num_epoch is not None and args.num_epoch < 1:
+        f.error(f"--num-epoch must be at least 1, got {args.num_epoch}.")
+    _fault_tolerance(args, f)
     for dest, low in MINIMUMS:
         value = getattr(args, dest, None)
         if value is not None and value < low:
@@ -123,6 +133,20 @@ def _basic_values(args, f: ConfigReport) -> None:
         if args.bf16 and "bf16" in set(getattr(args, "explicit_args", [])):
             f.error("--bf16 and --fp16 are exclusive; pass one.")
         args.bf16 = False
+
+
+def _fault_tolerance(args, f: ConfigReport) -> None:
+    """``--use-fault-tolerance``: rollout engines only; positive health-check timings."""
+    components = args.ft_components or []
+    if components and not args.use_fault_tolerance:
+        f.warn(f"--ft-components {' '.join(components)} is ignored without --use-fault-tolerance.")
+    if args.use_fault_tolerance and "train" in components:
+        f.error("--ft-components train is not supported yet (train-worker fault tolerance); use rollout.")
+    for dest in ("rollout_health_check_interval", "rollout_health_check_timeout"):
+        if getattr(args, dest) <= 0:
+            f.error(f"--{dest.replace('_', '-')} must be > 0 seconds, got {getattr(args, dest):g}.")
+    if args.rollout_health_check_first_wait < 0:
+        f.error(f"--rollout-health-check-first-wait must be >= 0 seconds, got {args.rollout_health_check_first_wait:g}.")
 
 
 def world_size(args) -> int:

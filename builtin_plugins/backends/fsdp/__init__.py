@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from furlong.hooks import hookimpl
+from furlong.hooks import MegatronFlags, hookimpl
 
 from .backend import FSDPBackend
 
-__all__ = ["FSDPBackend", "configure", "train_backend"]
+__all__ = ["MEGATRON_FLAGS", "FSDPBackend", "configure", "train_backend"]
+
+# Of the backend flags only LoRA's are read (peft, lora.py); the model trains without
+# dropout (eval mode), which is what dropout 0 asks; the model comes from the
+# --hf-checkpoint config, against which the core checks the architecture flags given.
+MEGATRON_FLAGS = MegatronFlags(
+    honours=frozenset({"lora_rank", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules"}),
+    at_values={"attention_dropout": (0.0,), "hidden_dropout": (0.0,)}, architecture_from_hf=True)
 
 
 @hookimpl
@@ -33,7 +40,8 @@ def train_backend(args):
     ``--no-check-for-nan-in-loss-and-grad``, ``--no-save-optim``, ``--no-load-optim``,
     ``--no-load-rng``, ``--gradient-checkpointing``, ``--attn-implementation``,
     ``--bf16``, ``--fsdp-cpu-offload``, ``--dp-replicate-size``.
-    Megatron flags given with this backend are ignored with one warning.
+    Megatron flags: none honoured (``MEGATRON_FLAGS``); the core reports the given ones
+    (a warning, or an error for those that change the model or the math).
 
     :returns: an :class:`FSDPBackend` (meets :class:`furlong.hooks.TrainBackend`).
     """

@@ -10,7 +10,7 @@ from typing import Any
 from furlong.hooks import ParallelLayout, TrainBatch
 from furlong.hooks.trainer import StepLoop
 
-from . import checkpoint
+from . import checkpoint, lora
 from .logprobs import forward_log_probs
 from .model import build_optimizer, dist_info, is_hf_dir, load_causal_lm, shard, tied_names
 from .schedule import LRSchedule
@@ -61,9 +61,6 @@ class FSDPBackend(StepLoop):
         from transformers import AutoTokenizer
 
         self.args = args
-        ignored = list(getattr(args, "megatron_flags_given", None) or [])
-        if ignored:
-            log.warning("fsdp backend ignores these Megatron flags (no FSDP meaning): %s", " ".join(ignored))
         self.world, self.rank = dist_info(args)
         if torch.cuda.is_available():
             local = int(os.environ.get("LOCAL_RANK", 0))
@@ -75,7 +72,8 @@ class FSDPBackend(StepLoop):
             self.device = torch.device("cpu")
         source, flag = (args.ref_load, "--ref-load") if is_hf_dir(getattr(args, "ref_load", None)) else (
             args.hf_checkpoint, "--hf-checkpoint")
-        self.model = self._place(load_causal_lm(source, args, self.device, flag), trainable=True)
+        self.model = self._place(lora.apply_lora(load_causal_lm(source, args, self.device, flag), args),
+                                 trainable=True)
         if getattr(args, "use_kl_loss", False) or getattr(args, "kl_coef", 0.0):
             ref = load_causal_lm(source, args, self.device, flag).requires_grad_(False)
             self.ref_model = self._place(ref, trainable=False)
@@ -110,9 +108,12 @@ class FSDPBackend(StepLoop):
     # --- forward passes -----------------------------------------------------------------
 
     def _forward(self, model, batch: TrainBatch, ids: list[int], grad: bool):
+        if model is self.model and lora.enabled(self.args):
+            lora.set_dropout(model, active=grad)
         return forward_log_probs(
             model, [batch.tokens[i] for i in ids], [int(batch.response_lengths[i]) for i in ids], batch.temperature,
             self.device, grad=grad, entropy_grad=self._entropy_grad(grad), autocast=self._autocast(),
+            chunk_size=int(getattr(self.args, "log_probs_chunk_size", -1) or -1),
         )
 
     # --- training -----------------------------------------------------------------------
@@ -162,6 +163,13 @@ class FSDPBackend(StepLoop):
         yielded (a collective: every rank iterates). Single process: detached views of
         the live weights; copy them before the next :meth:`train`.
         """
+        items = self._full_state()
+        if lora.enabled(self.args):  # LoRA: the engines get W + scaling * B A under the HF names
+            items = lora.merged_weights(self.model, items)
+        async for name, tensor in items:
+            yield name, tensor
+
+    async def _full_state(self):
         for name, tensor in self.model.state_dict().items():
             if name in self._tied:
                 continue

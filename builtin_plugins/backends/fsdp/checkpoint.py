@@ -3,6 +3,7 @@
 Layout of ``path`` (the core's ``iter_N.tmp/``, renamed by the core when complete)::
 
     model/            Hugging Face directory: safetensors weights, config, tokenizer
+                      (with --lora-rank: peft's adapter files instead of the weights)
     optimizer.pt      {"optimizer": full optimizer state keyed by parameter name,
                        "scheduler": {"global_step": k}}    (absent with --no-save-optim)
     rng.pt            torch / CUDA / python / numpy RNG states of rank 0
@@ -24,6 +25,8 @@ import time
 from typing import Any
 
 from furlong.hooks import PluginError
+
+from . import lora
 
 __all__ = ["load_rng", "load_weights", "load_optimizer", "rng_state", "save_checkpoint"]
 
@@ -81,12 +84,15 @@ def load_weights(path: str, model, world: int, rank: int, tied: set[str]) -> Non
         raise PluginError(f"checkpoint {path}: no model/*.safetensors; the checkpoint is incomplete or was not "
                           "written by the fsdp backend. Restore its model/ folder or resume from an earlier "
                           "checkpoint with --ckpt-step.")
+    adapter = lora.is_adapter_dir(os.path.join(path, "model"))  # LoRA: the adapters only, over --hf-checkpoint
     state: dict = {}
     if rank == 0 or world == 1:
         for file in files:
-            state.update(load_file(file))
+            state.update(lora.adapter_keys(load_file(file)) if adapter else load_file(file))
     result = set_model_state_dict(model, state, options=_options(strict=False, broadcast_from_rank0=world > 1))
     missing = set(getattr(result, "missing_keys", []) or []) - tied
+    if adapter:
+        missing = {k for k in missing if ".lora_" in k}
     if missing and (rank == 0 or world == 1):
         raise PluginError(f"checkpoint {path}: model/ lacks {sorted(missing)[:5]}; it belongs to another model.")
 

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from furlong.hooks.trainer import right_padded
 
-__all__ = ["forward_log_probs", "token_log_probs"]
+__all__ = ["chunked_token_log_probs", "forward_log_probs", "token_log_probs"]
 
 
 def token_log_probs(logits, targets, temperature: float, entropy_grad: bool = True):
@@ -36,6 +36,21 @@ def token_log_probs(logits, targets, temperature: float, entropy_grad: bool = Tr
     return chosen, entropy
 
 
+def chunked_token_log_probs(logits, targets, temperature: float, entropy_grad: bool = True, chunk_size: int = -1):
+    """:func:`token_log_probs` over ``chunk_size`` tokens at a time (``--log-probs-chunk-size``).
+
+    Each token's distribution is a row of its own, so the values are those of one pass;
+    only the float32 ``[chunk, V]`` intermediates are smaller. ``chunk_size`` <= 0: one pass.
+    """
+    import torch
+
+    if chunk_size <= 0 or logits.shape[0] <= chunk_size:
+        return token_log_probs(logits, targets, temperature, entropy_grad=entropy_grad)
+    parts = [token_log_probs(logits[s : s + chunk_size], targets[s : s + chunk_size], temperature,
+                             entropy_grad=entropy_grad) for s in range(0, logits.shape[0], chunk_size)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
 def forward_log_probs(
     model,
     tokens: Sequence[Any],
@@ -46,6 +61,7 @@ def forward_log_probs(
     grad: bool,
     entropy_grad: bool,
     autocast: Any = None,
+    chunk_size: int = -1,
 ) -> tuple[list, list]:
     """One forward pass over a right-padded micro-batch; per-sample response log-probs and entropy.
 
@@ -56,6 +72,7 @@ def forward_log_probs(
     :param grad: keep the autograd graph (training) or not (old/reference log-probs).
     :param entropy_grad: keep the entropy's graph (only when the entropy is trained on).
     :param autocast: a context manager to run the forward in (bfloat16 autocast), or None.
+    :param chunk_size: tokens per log-softmax pass (:func:`chunked_token_log_probs`).
     :returns: ``(log_probs, entropy)``: B float32 tensors ``[T_i]`` each.
     :raises ValueError: a sample whose response starts at position 0 (no previous token).
     """
@@ -72,8 +89,8 @@ def forward_log_probs(
     with torch.set_grad_enabled(grad):
         for i, (seq, t) in enumerate(zip(seqs, response_lengths)):
             n = len(seq)
-            lp, ent = token_log_probs(logits[i, n - t - 1 : n - 1], ids[i, n - t : n], temperature,
-                                      entropy_grad=grad and entropy_grad)
+            lp, ent = chunked_token_log_probs(logits[i, n - t - 1 : n - 1], ids[i, n - t : n], temperature,
+                                              entropy_grad=grad and entropy_grad, chunk_size=chunk_size)
             log_probs.append(lp)
             entropy.append(ent)
     return log_probs, entropy

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from furlong.hooks import PluginError, hookimpl
+from furlong.hooks import MegatronFlags, PluginError, hookimpl
 
-__all__ = ["configure", "train_backend"]
+from .config import flag_dest
+
+__all__ = ["MEGATRON_FLAGS", "configure", "train_backend"]
 
 # Megatron flags whose values this backend reads (architecture checks, parallel sizes, recompute, schedule).
 _USED = {
@@ -34,14 +36,25 @@ _REFUSED = (
     ("--fp16", "fp16", False),
 )
 
-# Performance switches of Megatron's own DDP / distributed optimizer: the math is the same without them.
-_NOT_APPLIED = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
+
+# What the core must not report for this backend: the flags it reads, and those its configure
+# refuses itself with a "not supported yet" naming the value. The model comes from the
+# --hf-checkpoint config; other architecture flags are checked against it by the core.
+MEGATRON_FLAGS = MegatronFlags(
+    honours=frozenset(flag_dest(f) for f in _USED) | frozenset(dest for _, dest, _ in _REFUSED)
+    | frozenset({"attention_dropout", "hidden_dropout"}),
+    architecture_from_hf=True)
 
 
 @hookimpl
 def configure(args, report):
     """Check the parallel sizes and features this backend supports, and Miles' architecture flags
-    (``MODEL_ARGS``) against ``--hf-checkpoint``'s config.json (a disagreement names both values)."""
+    (``MODEL_ARGS``) against ``--hf-checkpoint``'s config.json (a disagreement names both values).
+
+    The core reports the other Megatron flags given (``MEGATRON_FLAGS``): a warning for those
+    that do not change results (``--use-distributed-optimizer``, overlap switches, fusions),
+    an error for those that would.
+    """
     for flag, dest, default in _REFUSED:
         value = getattr(args, dest, default)
         if value is not None and value is not False and value != default:
@@ -60,15 +73,6 @@ def configure(args, report):
     if getattr(args, "recompute_granularity", None) == "selective":
         report.error("--recompute-granularity selective is not supported yet by --train-backend megatron "
                      "(its local spec has no selective recompute modules); use full.")
-    given = list(getattr(args, "megatron_flags_given", None) or [])
-    skipped = [f for f in given if f in _NOT_APPLIED]
-    if skipped:
-        report.warn(f"{' '.join(skipped)}: the megatron backend all-reduces plain gradients and keeps a full AdamW "
-                    "state per data-parallel rank; these Megatron DDP options are not applied.")
-    refused = {flag for flag, _, _ in _REFUSED} | {"--attention-dropout", "--hidden-dropout"}
-    ignored = [f for f in given if f not in _USED and f not in _NOT_APPLIED and f not in refused]
-    if ignored:
-        report.warn(f"the megatron backend does not use these Megatron flags: {' '.join(ignored)}")
     _check_architecture(args, report)
 
 

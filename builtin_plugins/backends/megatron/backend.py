@@ -167,6 +167,7 @@ class MegatronBackend(StepLoop):
             model, [batch.tokens[i] for i in ids], [int(batch.response_lengths[i]) for i in ids], batch.temperature,
             self.device, vocab_size=self.shape.vocab_size, grad=grad, entropy_grad=self._entropy_grad(grad),
             autocast=self._autocast(), packed=bool(getattr(self.args, "use_dynamic_batch_size", False)),
+            chunk_rows=int(getattr(self.args, "log_probs_chunk_size", -1) or -1),
         )
 
     # --- training -----------------------------------------------------------------------

@@ -14,7 +14,7 @@ import attrs
 
 from furlong.hooks import PluginError
 
-__all__ = ["ModelShape", "check_model_args", "model_shape", "padded_vocab_size"]
+__all__ = ["ModelShape", "check_model_args", "flag_dest", "model_shape", "padded_vocab_size"]
 
 FAMILIES = ("qwen2", "qwen3", "llama")
 
@@ -149,7 +149,8 @@ _SWITCHES = (
 )
 
 
-def _dest(flag: str) -> str:
+def flag_dest(flag: str) -> str:
+    """The ``args`` attribute of a flag: ``--num-layers`` -> ``num_layers``."""
     return flag[2:].replace("-", "_")
 
 
@@ -166,7 +167,7 @@ def check_model_args(args: Any, shape: ModelShape, where: str) -> list[str]:
     """
     problems = []
     for flag, field, hf_key in _VALUED:
-        given = getattr(args, _dest(flag), None)
+        given = getattr(args, flag_dest(flag), None)
         if given is None:
             continue
         expected = getattr(shape, field)
@@ -174,13 +175,13 @@ def check_model_args(args: Any, shape: ModelShape, where: str) -> list[str]:
             problems.append(f"{flag} {given} disagrees with {where} ({hf_key} = {expected}).")
     fixed = (("--normalization", "RMSNorm"), ("--position-embedding-type", "rope"), ("--rotary-percent", 1.0))
     for flag, value in fixed:
-        given = getattr(args, _dest(flag), None)
+        given = getattr(args, flag_dest(flag), None)
         if given is not None and given != value:
             problems.append(f"{flag} {given} disagrees with {where} ({shape.family} uses {value}).")
     if getattr(args, "num_layers", None) is None:
         return problems
     for flag, has, hf_key in _SWITCHES:
-        given = bool(getattr(args, _dest(flag), False))
+        given = bool(getattr(args, flag_dest(flag), False))
         if given != has(shape):
             state = "given" if given else "absent"
             problems.append(f"{flag} is {state} but {where} says {hf_key} = {_hf_value(shape, hf_key)} "

@@ -55,7 +55,7 @@ def _scaled(chunk, start: int, vocab_size: int, inv_temperature: float):
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, inv_temperature: float, vocab_size: int):
+    def forward(ctx, logits, targets, inv_temperature: float, vocab_size: int, chunk_rows: int):
         import torch.distributed as dist
 
         tp, tp_rank, group = _tp()
@@ -64,7 +64,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         log_norm = torch.empty(rows, dtype=torch.float32, device=logits.device)
         log_probs = torch.empty_like(log_norm)
         entropy = torch.empty_like(log_norm)
-        step = max(1, _CHUNK_ELEMENTS // max(width, 1))
+        step = _rows_per_chunk(chunk_rows, width)
         for a in range(0, rows, step):
             b = min(rows, a + step)
             z = _scaled(logits[a:b], start, vocab_size, inv_temperature)
@@ -86,7 +86,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             log_probs[a:b] = picked - log_total
             entropy[a:b] = log_total - weighted / total
         ctx.save_for_backward(logits, targets, log_norm, entropy)
-        ctx.inv_temperature, ctx.vocab_size = inv_temperature, vocab_size
+        ctx.inv_temperature, ctx.vocab_size, ctx.chunk_rows = inv_temperature, vocab_size, chunk_rows
         ctx.set_materialize_grads(False)
         return log_probs, entropy
 
@@ -97,7 +97,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         rows, width = logits.shape
         start = tp_rank * width
         grad = torch.empty_like(logits)
-        step = max(1, _CHUNK_ELEMENTS // max(width, 1))
+        step = _rows_per_chunk(ctx.chunk_rows, width)
         for a in range(0, rows, step):
             b = min(rows, a + step)
             log_p = _scaled(logits[a:b], start, ctx.vocab_size, ctx.inv_temperature).sub_(log_norm[a:b, None])
@@ -115,10 +115,15 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             if ctx.inv_temperature != 1.0:
                 out.mul_(ctx.inv_temperature)
             grad[a:b] = out
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
-def vocab_parallel_log_probs(logits, targets, temperature: float, vocab_size: int, *, entropy_grad: bool = True):
+def _rows_per_chunk(chunk_rows: int, width: int) -> int:
+    return chunk_rows if chunk_rows > 0 else max(1, _CHUNK_ELEMENTS // max(width, 1))
+
+
+def vocab_parallel_log_probs(logits, targets, temperature: float, vocab_size: int, *, entropy_grad: bool = True,
+                             chunk_rows: int = -1):
     """Log-prob of each target and the entropy of its distribution, from this rank's vocab slice.
 
     ``logp_t = z_t[target] - log sum_v exp z_t[v]`` and ``H_t = log sum exp z_t - sum_v p_v z_t[v]``
@@ -129,16 +134,18 @@ def vocab_parallel_log_probs(logits, targets, temperature: float, vocab_size: in
     :param targets: int64 ``[T]``, global vocabulary ids.
     :param vocab_size: the HF vocabulary size; columns at or above it (padding) are ignored.
     :param entropy_grad: False returns the entropy detached.
+    :param chunk_rows: tokens per float32 softmax chunk (``--log-probs-chunk-size``); <= 0:
+        as many as fit in 2**28 elements (1 GiB).
     :returns: ``(log_probs, entropy)``: float32 ``[T]`` each, equal on every TP rank.
     """
     inv = 1.0 / temperature if temperature > 0 and temperature != 1 else 1.0
-    log_probs, entropy = _VocabParallelLogProbs.apply(logits, targets, inv, vocab_size)
+    log_probs, entropy = _VocabParallelLogProbs.apply(logits, targets, inv, vocab_size, chunk_rows)
     return log_probs, entropy if entropy_grad else entropy.detach()
 
 
 def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[int], temperature: float, device, *,
                       vocab_size: int, grad: bool, entropy_grad: bool, autocast: Any = None,
-                      packed: bool = False) -> tuple[list, list]:
+                      packed: bool = False, chunk_rows: int = -1) -> tuple[list, list]:
     """One GPTModel forward over a micro-batch; response log-probs and entropy per sample.
 
     Padded (``packed=False``): the sequences are right-padded into ``[B, L]``; no attention
@@ -178,6 +185,6 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
     with torch.set_grad_enabled(grad), autocast if autocast is not None else nullcontext():
         logits = model(input_ids=ids, position_ids=None, attention_mask=None, **extra)
         lp, ent = vocab_parallel_log_probs(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), temperature,
-                                           vocab_size, entropy_grad=grad and entropy_grad)
+                                           vocab_size, entropy_grad=grad and entropy_grad, chunk_rows=chunk_rows)
     lp, ent = lp.view(ids.shape), ent.view(ids.shape)
     return [lp[row, a:b] for row, a, b in spans], [ent[row, a:b] for row, a, b in spans]
