@@ -519,8 +519,8 @@ def test_cuda_defaults_use_the_gpus_torch_sees(monkeypatch):
     args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8"])
     assert {k: getattr(args, k) for k in DEVICE_KEYS} == {
         "actor_num_gpus_per_node": 1, "num_gpus_per_node": 1, "attn_implementation": "flash_attention_2",
-        "bf16": True, "distributed_backend": "nccl", "rollout_backend": "embedded", "train_backend": "fsdp",
-        "executor": "local"}
+        "bf16": True, "distributed_backend": "nccl", "rollout_backend": "embedded", "train_backend": "megatron",
+        "executor": "local"}  # the megatron train backend is built in: CUDA and megatron-core make it the default
     _cuda(monkeypatch, gpus=4)
     args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8"])
     assert (args.actor_num_gpus_per_node, args.num_gpus_per_node, args.data_parallel_size) == (4, 4, 4)
@@ -533,10 +533,10 @@ def test_cuda_device_count_probe_is_zero_without_cuda(monkeypatch):
     assert env.cuda_device_count() == 0
 
 
-def test_sglang_and_megatron_packages_alone_change_no_default(monkeypatch):
-    _cuda(monkeypatch, gpus=2)  # both packages importable, no furlong plugin for them
+def test_the_sglang_package_alone_changes_no_default(monkeypatch):
+    _cuda(monkeypatch, gpus=2)  # both packages importable; only megatron has a (built-in) furlong plugin
     args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8"])
-    assert (args.rollout_backend, args.train_backend) == ("embedded", "fsdp")
+    assert (args.rollout_backend, args.train_backend) == ("embedded", "megatron")
 
 
 BACKENDS = """
@@ -610,8 +610,8 @@ def test_machine_defaults_name_the_flags_that_came_from_the_machine(monkeypatch)
         "distributed_backend": {"value": "nccl", "probe": "torch.cuda.is_available() = True"},
         "rollout_backend": {"value": "embedded", "probe": "furlong plugin 'sglang' installed: False, CUDA: True, "
                                                           "sglang package importable: True"},
-        "train_backend": {"value": "fsdp", "probe": "furlong plugin 'megatron' installed: False, CUDA: True, "
-                                                    "megatron.core importable: True"},
+        "train_backend": {"value": "megatron", "probe": "furlong plugin 'megatron' installed: True, CUDA: True, "
+                                                        "megatron.core importable: True"},
         "executor": {"value": "local", "probe": "one train rank"},
     }  # actor_num_gpus_per_node was given; --fp16 turned bf16 off
 
