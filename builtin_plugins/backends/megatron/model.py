@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Any
 
 from furlong.hooks import PluginError
@@ -44,6 +45,11 @@ def init_parallel(tp: int, device) -> tuple[int, int]:
     return world, rank
 
 
+_shims_lock = threading.Lock()
+_shims_depth = 0
+_cuda_originals: tuple = ()
+
+
 @contextlib.contextmanager
 def cpu_shims(device):
     """On a machine without CUDA, let megatron-core's CUDA-only calls fall back to the CPU.
@@ -51,20 +57,28 @@ def cpu_shims(device):
     megatron-core 0.16 moves RoPE's ``inv_freq`` to ``torch.cuda.current_device()`` and
     calls ``torch.cuda.synchronize()`` when saving a distributed checkpoint
     (MEGATRON.md 3.2). Both are undefined without CUDA, so inside this block they
-    return the CPU device and do nothing; with CUDA nothing is changed.
+    return the CPU device and do nothing; with CUDA nothing is changed. Blocks may nest
+    and overlap across threads: the originals come back when the last one exits.
     """
     import torch
 
+    global _shims_depth, _cuda_originals
     if device.type == "cuda" or torch.cuda.is_available():
         yield
         return
-    saved = torch.cuda.current_device, torch.cuda.synchronize
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.synchronize = lambda *a, **k: None
+    with _shims_lock:
+        if _shims_depth == 0:
+            _cuda_originals = (torch.cuda.current_device, torch.cuda.synchronize)
+            torch.cuda.current_device = lambda: torch.device("cpu")
+            torch.cuda.synchronize = lambda *a, **k: None
+        _shims_depth += 1
     try:
         yield
     finally:
-        torch.cuda.current_device, torch.cuda.synchronize = saved
+        with _shims_lock:
+            _shims_depth -= 1
+            if _shims_depth == 0:
+                torch.cuda.current_device, torch.cuda.synchronize = _cuda_originals
 
 
 def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
