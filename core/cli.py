@@ -28,7 +28,7 @@ commands:
   train-async  run the loop with rollout k+1 overlapping training of rollout k
   serve        serve a rollout engine over HTTP with SGLang's native API
   plugins      list installed plugins: name, hooks, distribution, version
-  plot         draw a run's metrics.jsonl into one PNG
+  plot         draw runs' metrics.jsonl into one PNG (several runs overlaid)
   new-plugin   write a plugin package: furlong new-plugin NAME --hook HOOK [--hook ...]
 
 'furlong COMMAND --help' describes a command's flags."""

@@ -109,6 +109,8 @@ _SUMMARY_FIELDS = (
     ("kl", ("train/ppo_kl",), "7.4f", ""),
     ("clip", ("train/pg_clipfrac",), "5.3f", ""),
 )
+_MISMATCH_KL = "train/train_rollout_kl"
+_MISMATCH_SHOWN_FROM = 1e-6  # below: float rounding between the engine's and the trainer's forward
 _SUMMARY_TIMES = (
     ("rollout", "perf/rollout_time"),
     ("train", "perf/train_time"),
@@ -130,15 +132,21 @@ def summary_line(rollout_id: int, metrics: dict) -> str:
     Fields: reward = ``rollout/raw_reward``; len = ``rollout/response_len/mean`` (else
     ``rollout/response_lengths``), tokens; kl = ``train/ppo_kl``; clip =
     ``train/pg_clipfrac``; times in seconds = ``perf/rollout_time``, ``perf/train_time``,
-    ``perf/update_weights_time``.
+    ``perf/update_weights_time``. When ``train/train_rollout_kl`` (the KL between the
+    trainer's and the engine's log-probs of the same tokens) is at least 1e-6, a
+    ``rollout-kl`` field follows ``clip``: the generating policy differs from the trained one
+    (train-async, fully async, partial rollout, or a precision mismatch).
 
     Example: ``rollout    3 | reward  0.412 | len    11.2 | kl  0.0012 | clip 0.031 |
-    rollout   4.1s train   1.2s sync   0.1s``.
+    rollout-kl 6.2e-02 | rollout   4.1s train   1.2s sync   0.1s``.
     """
     parts = [f"rollout {rollout_id:>4}"]
     for label, keys, spec, unit in _SUMMARY_FIELDS:
         value = next((metrics[k] for k in keys if metrics.get(k) is not None), None)
         parts.append(f"{label} {_fmt(value, spec, unit)}")
+    mismatch = to_json_value(metrics.get(_MISMATCH_KL))
+    if isinstance(mismatch, (int, float)) and abs(mismatch) >= _MISMATCH_SHOWN_FROM:
+        parts.append(f"rollout-kl {mismatch:.1e}")
     times = " ".join(f"{label} {_fmt(metrics.get(key), '5.1f', 's')}" for label, key in _SUMMARY_TIMES)
     parts.append(times)
     return " | ".join(parts).rstrip()
@@ -191,7 +199,9 @@ def rollout_metrics(groups: list[list[Sample]], reward_key: str | None, zero_std
     ``rollout/zero_std/count_<r>`` = number of groups whose rewards are all equal to ``r``
     (``r`` rounded to 1 decimal, e.g. ``count_1.0``), and
     ``rollout/zero_std/all_{zero,one}_percentage`` = fraction (0..1) of all groups whose
-    rewards are all 0 / all 1 (the Miles names and definitions).
+    rewards are all 0 / all 1 (the Miles names and definitions), and
+    ``rollout/zero_std/share`` = fraction (0..1) of groups whose rewards are all equal,
+    whatever the value (such a group has zero GRPO advantage: no gradient).
 
     :raises PluginError: a dict reward without ``reward_key`` or lacking that key.
     """
@@ -218,6 +228,7 @@ def rollout_metrics(groups: list[list[Sample]], reward_key: str | None, zero_std
         out.update({f"rollout/zero_std/count_{r}": c for r, c in counts.items()})
         out["rollout/zero_std/all_zero_percentage"] = counts.get("0.0", 0) / len(groups)
         out["rollout/zero_std/all_one_percentage"] = counts.get("1.0", 0) / len(groups)
+        out["rollout/zero_std/share"] = sum(counts.values()) / len(groups)
     return out
 
 

@@ -1,6 +1,6 @@
 """furlong's hook contract: hookspecs, the ``hookimpl`` marker, shared types, Protocols."""
 
-from . import answers, kl, specs
+from . import answers, epochs, kl, specs
 from .config_report import ConfigReport
 from .errors import PluginError
 from .markers import PROJECT, hookimpl, hookspec
@@ -47,6 +47,7 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "answers",
+    "epochs",
     "kl",
     "specs",
 ]

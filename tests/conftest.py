@@ -154,13 +154,24 @@ def furlong_entry_points() -> dict[str, str]:
         return dict(tomllib.load(fh)["project"]["entry-points"]["furlong"])
 
 
+@pytest.fixture(scope="session")
+def installed_plugins(furlong_entry_points) -> list[str]:
+    """``DIST:NAME`` of furlong's built-ins and of every plugin distribution installed beside it
+    (the contrib/ packages, ...): disabling them leaves only what a test installs itself."""
+    from furlong.core.discovery import read_entry_points
+
+    return sorted({f"furlong:{name}" for name in furlong_entry_points}
+                  | {f"{record.dist}:{record.name}" for record in read_entry_points()})
+
+
 @pytest.fixture
-def load_plugins(monkeypatch, furlong_entry_points):
+def load_plugins(monkeypatch, installed_plugins):
     """``load_plugins(disable=())``: a fresh manager with furlong's own built-ins disabled.
 
     For tests whose expected text lists the plugins of a hook: only the distributions the
-    test made with ``plugin_dist`` (and what it registers itself) are seen. Built-ins are
-    disabled the way a user would, with ``furlong:NAME``.
+    test made with ``plugin_dist`` (and what it registers itself) are seen. Built-ins and
+    other installed plugin distributions are disabled the way a user would, with
+    ``DIST:NAME``.
     """
     from furlong.core.plugins import get_plugin_manager
 
@@ -168,8 +179,7 @@ def load_plugins(monkeypatch, furlong_entry_points):
     monkeypatch.delenv("FURLONG_TRACE_HOOKS", raising=False)
 
     def load(disable=()):
-        builtins = [f"furlong:{name}" for name in furlong_entry_points]
-        return get_plugin_manager(builtins + list(disable))
+        return get_plugin_manager(installed_plugins + list(disable))
 
     return load
 

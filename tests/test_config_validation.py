@@ -346,6 +346,18 @@ def test_partial_rollout_with_several_steps_without_tis_warns(caplog):
     assert warnings_of(caplog, argv + ["--use-tis"]) == []
 
 
+def test_train_async_turns_tis_on_unless_a_correction_or_no_use_tis_is_given(caplog):
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="furlong.config"):
+        assert parse_args(BASE, command="train-async").use_tis is True
+    assert [r.getMessage() for r in caplog.records if r.name == "furlong.config" and "--use-tis" in r.getMessage()] == [
+        "furlong train-async: --use-tis is on (rollouts are generated one weight version behind the trainer); "
+        "--no-use-tis trains without an off-policy correction."]
+    assert parse_args(BASE + ["--no-use-tis"], command="train-async").use_tis is False
+    assert parse_args(BASE + ["--use-rollout-logprobs"], command="train-async").use_tis is False
+    assert parse_args(BASE, command="train").use_tis is False  # sync is on-policy: nothing to correct
+
+
 def test_sglang_tp_size_is_replaced_by_gpus_per_engine(caplog):
     argv = BASE + ["--rollout-num-gpus-per-engine", "2", "--sglang-tp-size", "4"]
     assert warnings_of(caplog, argv) == ["--sglang-tp-size 4 is replaced by --rollout-num-gpus-per-engine (2)."]

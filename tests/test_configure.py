@@ -285,7 +285,7 @@ def test_plugin_rule_error_message(error_of, extra, command, message):
 @pytest.mark.parametrize("extra, command, message", [
     (["--advantage-estimator", "ppo", "--train-backend", "megatron", "--ref-load", "/ref", "--kl-coef", "0.1"], None,
      "--advantage-estimator ppo needs --kl-coef 0, got 0.1."),
-    (["--advantage-estimator", "ppo", "--train-backend", "megatron"], "train-async",
+    (["--advantage-estimator", "ppo", "--train-backend", "megatron", "--no-use-tis"], "train-async",
      "furlong train-async with --advantage-estimator ppo needs --use-rollout-logprobs, --use-tis or "
      "--keep-old-actor (the old policy is gone by the time the batch trains)."),
 ])

@@ -102,6 +102,21 @@ def test_summary_line_full_and_missing():
     assert bars(summary_line(3, metrics)) == bars(summary_line(1234, sparse))
 
 
+def test_summary_line_shows_the_trainer_rollout_kl_when_not_zero():
+    metrics = {"rollout/raw_reward": 0.25, "rollout/response_len/mean": 7.5, "train/ppo_kl": 0.0,
+               "train/pg_clipfrac": 0.0, "perf/rollout_time": 0.9, "perf/train_time": 0.7,
+               "perf/update_weights_time": 0.0}
+    # train-async: the batch was generated one weight version back
+    assert summary_line(2, {**metrics, "train/train_rollout_kl": 0.0623}) == (
+        "rollout    2 | reward  0.250 | len     7.5 | kl  0.0000 | clip 0.000 | rollout-kl 6.2e-02 | "
+        "rollout   0.9s train   0.7s sync   0.0s"
+    )
+    # sync: only float rounding separates the engine's log-probs from the trainer's
+    assert "rollout-kl" not in summary_line(2, {**metrics, "train/train_rollout_kl": 2.3e-09})
+    assert "rollout-kl" not in summary_line(2, {**metrics, "train/train_rollout_kl": float("nan")})
+    assert "rollout-kl" in summary_line(2, {**metrics, "train/train_rollout_kl": 1e-6})
+
+
 def test_rollout_metrics_hand_computed():
     groups = [
         # group 0: all 1.0 -> zero-std, count_1.0
@@ -126,6 +141,7 @@ def test_rollout_metrics_hand_computed():
             "rollout/zero_std/count_0.0": 1,
             "rollout/zero_std/all_zero_percentage": 1 / 3,
             "rollout/zero_std/all_one_percentage": 1 / 3,
+            "rollout/zero_std/share": 2 / 3,
         }
     )
 
@@ -139,6 +155,7 @@ def test_rollout_metrics_dict_rewards_and_no_zero_std():
     assert out["rollout/raw_reward"] == pytest.approx(0.25)  # (1 - 1 + 0.5 + 0.5) / 4
     assert out["rollout/zero_std/count_0.5"] == 1
     assert (out["rollout/zero_std/all_zero_percentage"], out["rollout/zero_std/all_one_percentage"]) == (0.0, 0.0)
+    assert out["rollout/zero_std/share"] == 0.5  # the all-0.5 group has no spread either
     assert not any("zero_std" in k for k in rollout_metrics(groups, reward_key="score", zero_std=False))
     assert rollout_metrics([], reward_key=None) == {}
 

@@ -1,4 +1,4 @@
-"""``furlong plot RUN_DIR``: the PNG it draws from a run's metrics.jsonl, and its errors."""
+"""``furlong plot RUN_DIR [RUN_DIR ...]``: the PNG it draws from runs' metrics.jsonl, and its errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import json
 import pytest
 from PIL import Image
 
+from furlong.core.plot import curves, ema
+
 C0 = (31, 119, 180)  # matplotlib's first line colour, #1f77b4: every panel with data has a C0 line
+C1 = (255, 127, 14)  # the second, #ff7f0e: the second run's colour
 
 
 def _rows():
@@ -21,7 +24,8 @@ def _rows():
             rows.append({"train/loss": -0.01 * s, "train/pg_loss": -0.01 * s, "train/ppo_kl": 0.001 * (r + s),
                          "train/pg_clipfrac": 0.02, "train/grad_norm": 0.8, "train/step": 2 * r + s})
         rows.append({"rollout/raw_reward": 0.3 + 0.05 * r, "rollout/response_lengths": 10.0 - r,
-                     "rollout/truncated": 0.0, "train/ppo_kl": 0.001 * (r + 1), "perf/rollout_time": 4.0,
+                     "rollout/truncated": 0.0, "train/ppo_kl": 0.001 * (r + 1), "train/pg_clipfrac": 0.02,
+                     "train/grad_norm": 0.8, "perf/rollout_time": 4.0,
                      "perf/train_time": 1.5, "perf/update_weights_time": 0.1, "perf/save_model_time": None,
                      "rollout/step": r})
         if r % 2 == 1 or r == 4:
@@ -35,35 +39,103 @@ def _write(folder, rows):
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def _panels_with_c0(path):
-    """For each of the 2 x 3 panels (row-major), whether its part of the image has C0 pixels."""
+def _panels_with(path, colour, rows=3, cols=3, top=0):
+    """For each panel of the grid (row-major), whether its part of the image has pixels of ``colour``."""
     image = Image.open(path).convert("RGB")
     width, height = image.size
     pixels = image.load()
     out = []
-    for row in range(2):
-        for col in range(3):
-            box = range(col * width // 3, (col + 1) * width // 3), range(row * height // 2, (row + 1) * height // 2)
-            out.append(any(pixels[x, y] == C0 for x in box[0] for y in box[1]))
+    for row in range(rows):
+        for col in range(cols):
+            xs = range(col * width // cols, (col + 1) * width // cols)
+            ys = range(top + row * (height - top) // rows, top + (row + 1) * (height - top) // rows)
+            out.append(any(pixels[x, y] == colour for x in xs for y in ys))
     return out
 
 
-def test_plot_writes_a_png_of_six_panels(tmp_path, run_furlong):
+def test_plot_writes_the_nine_default_panels(tmp_path, run_furlong):
     _write(tmp_path / "run", _rows())
     done = run_furlong("plot", "run")
     assert done.returncode == 0, done.stderr
     assert done.stdout == "run/metrics.png\n"
     with Image.open(tmp_path / "run" / "metrics.png") as image:
-        assert (image.format, image.size) == ("PNG", (1350, 720))  # 15 x 8 inches at 90 dpi
-    # reward, eval reward, KL / entropy (no data), response length, time split
-    assert _panels_with_c0(tmp_path / "run" / "metrics.png") == [True, True, True, False, True, True]
+        assert (image.format, image.size) == ("PNG", (1350, 972))  # 3 x 3 panels of 5 x 3.6 inches at 90 dpi
+    # reward, eval, length, truncated; grad norm, clip fraction, trainer vs rollout (no data);
+    # zero-spread groups (no data), time split
+    assert _panels_with(tmp_path / "run" / "metrics.png", C0) == [True] * 6 + [False, False, True]
 
 
 def test_plot_takes_a_metrics_file_and_an_out_path(tmp_path, run_furlong):
     _write(tmp_path / "run", _rows())
     done = run_furlong("plot", "run/metrics.jsonl", "--out", "figure.png")
     assert (done.returncode, done.stdout) == (0, "figure.png\n"), done.stderr
-    assert Image.open(tmp_path / "figure.png").size == (1350, 720)
+    assert Image.open(tmp_path / "figure.png").size == (1350, 972)
+
+
+def _second_run():
+    """Like _rows() but a better reward from rollout 2 on, a trainer-rollout gap and zero-spread
+    groups; every other curve equals the first run's."""
+    rows = _rows()
+    for row in rows:
+        if "rollout/step" in row:
+            row["train/train_rollout_kl"] = 0.01 * row["rollout/step"]
+            row["rollout/zero_std/share"] = 0.25
+            if row["rollout/step"] >= 2:
+                row["rollout/raw_reward"] += 0.1
+    return rows
+
+
+def test_plot_overlays_runs_and_draws_identical_curves_once(tmp_path, run_furlong):
+    _write(tmp_path / "runs" / "a", _rows())
+    _write(tmp_path / "runs" / "b", _second_run())
+    done = run_furlong("plot", "runs/a", "runs/b")
+    assert (done.returncode, done.stdout) == (0, "runs/compare.png\n"), done.stderr
+    png = tmp_path / "runs" / "compare.png"
+    # a figure legend of run colours sits above the grid (40 pixels); below it, run b's colour
+    # shows only where its curve differs: reward, the gap and zero-spread panels (a has none there)
+    assert _panels_with(png, C1, top=40) == [True, False, False, False, False, False, True, True, False]
+    assert _panels_with(png, C0, top=40) == [True] * 6 + [False, False, True]
+
+
+def test_curves_merges_identical_series():
+    runs = {"a": _rows(), "b": _second_run()}
+    merged = {tuple(members): (xs, ys) for members, xs, ys in curves(runs, ("rollout/raw_reward",))}
+    assert set(merged) == {(("a", "rollout/raw_reward"),), (("b", "rollout/raw_reward"),)}
+    clip = curves(runs, ("train/pg_clipfrac",))
+    assert [members for members, _, _ in clip] == [[("a", "train/pg_clipfrac"), ("b", "train/pg_clipfrac")]]
+    assert clip[0][1:] == ([0, 1, 2, 3, 4], [0.02] * 5)
+    evals = curves({"a": _rows()}, ("eval/*",))  # mean rewards only, against eval/step
+    assert [(m, xs) for m, xs, _ in evals] == [([("a", "eval/test")], [0, 1, 3, 4])]
+
+
+def test_ema_is_tensorboards_debiased_smoothing():
+    assert ema([1.0, 2.0, 3.0], 0.0) == [1.0, 2.0, 3.0]
+    # s1 = 0.5, s2 = 0.25 + 1 = 1.25, s3 = 0.625 + 1.5 = 2.125; debiased by 1 - 0.5**t
+    assert ema([1.0, 2.0, 3.0], 0.5) == pytest.approx([1.0, 1.25 / 0.75, 2.125 / 0.875])
+    assert ema([4.0, float("nan"), 4.0], 0.9)[1] != ema([4.0, float("nan"), 4.0], 0.9)[1]  # NaN passes through
+    assert ema([4.0, float("nan"), 4.0], 0.9)[2] == pytest.approx(4.0)
+
+
+def test_plot_picks_metrics_and_smooths(tmp_path, run_furlong):
+    _write(tmp_path / "run", _rows())
+    done = run_furlong("plot", "run", "--metrics", "train/grad_norm", "perf/*_time", "--smooth", "0.6",
+                       "--out", "picked.png")
+    assert (done.returncode, done.stdout) == (0, "picked.png\n"), done.stderr
+    assert Image.open(tmp_path / "picked.png").size == (900, 324)  # two panels side by side
+    assert _panels_with(tmp_path / "picked.png", C0, rows=1, cols=2) == [True, True]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--metrics", "rollout/raw_rewrd"],
+     "error: furlong plot: --metrics 'rollout/raw_rewrd' matches no key of run (close keys: rollout/raw_reward"),
+    (["--smooth", "1"], "error: furlong plot: --smooth 1.0 is outside [0, 1)"),
+])
+def test_plot_bad_options_are_one_error(tmp_path, run_furlong, argv, message):
+    _write(tmp_path / "run", _rows())
+    done = run_furlong("plot", "run", *argv)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith(message) and done.stderr.count("\n") == 1
+    assert not (tmp_path / "run" / "metrics.png").exists()
 
 
 def test_plot_missing_metrics_file_is_an_error(tmp_path, run_furlong):

@@ -79,8 +79,8 @@ def sites(tmp_path_factory, write_dist):
 
 
 @pytest.fixture(scope="module")
-def no_builtins(furlong_entry_points) -> dict[str, str]:
-    return {"FURLONG_DISABLE_PLUGINS": ",".join(f"furlong:{name}" for name in furlong_entry_points)}
+def no_builtins(installed_plugins) -> dict[str, str]:
+    return {"FURLONG_DISABLE_PLUGINS": ",".join(installed_plugins)}
 
 
 @pytest.fixture

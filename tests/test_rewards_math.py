@@ -90,7 +90,9 @@ MATH_CASES = [
     pytest.param("\\fbox{7}", "7", 1, id="fbox"),
     pytest.param("so the answer is \\boxed 5", "5", 1, id="boxed-space-token"),
     # no usable answer: scores 0, never raises
-    pytest.param("The answer is 12.", "12", 0, id="no-box"),
+    pytest.param("The answer is 12.", "12", 1, id="no-box-stated-answer"),
+    pytest.param("The total is 12.", "12", 0, id="no-box-no-answer-phrase"),
+    pytest.param("The answer is 12, so \\boxed{1", "12", 0, id="stated-then-truncated-box"),
     pytest.param("", "12", 0, id="empty-response"),
     pytest.param("so \\boxed{12", "12", 0, id="truncated-box"),
     pytest.param("\\boxed{11} wait, \\boxed{12", "11", 1, id="truncated-last-box-falls-back-to-last-complete"),

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 
 from furlong.hooks import PluginError, hookimpl
+from furlong.hooks.epochs import EpochOrder
 from furlong.hooks.hf import load_tokenizer
 
 log = logging.getLogger("furlong.data")
@@ -46,41 +46,20 @@ class JsonlDataSource:
             self._check_chat_template()
         if args.rollout_max_prompt_len:
             self.rows = self._drop_long_prompts(self.rows, args.rollout_max_prompt_len)
-        self.shuffle = bool(args.rollout_shuffle)
-        self.seed = int(args.rollout_seed)
-        self.epoch = 0
-        self.offset = 0
-        self.order = self._order(0)
+        self.cursor = EpochOrder(len(self.rows), args.rollout_shuffle, args.rollout_seed)
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def next_rows(self, k: int) -> list[dict]:
         """The next ``k`` rows; when the epoch runs out, reshuffle and continue in the next one."""
-        out = []
-        while len(out) < k:
-            if self.offset >= len(self.order):
-                self.epoch += 1
-                self.offset = 0
-                self.order = self._order(self.epoch)
-            take = self.order[self.offset : self.offset + k - len(out)]
-            self.offset += len(take)
-            out.extend(self._render(dict(self.rows[i])) for i in take)
-        return out
+        return [self._render(dict(self.rows[i])) for i in self.cursor.take(k)]
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "shuffle": self.shuffle}
+        return self.cursor.state()
 
     def load_state(self, state: dict) -> None:
-        self.epoch = int(state["epoch"])
-        self.offset = int(state["offset"])
-        self.order = self._order(self.epoch)
-
-    def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.rows)))
-        if self.shuffle:
-            random.Random(self.seed + epoch).shuffle(order)
-        return order
+        self.cursor.load_state(state)
 
     @property
     def tokenizer(self):

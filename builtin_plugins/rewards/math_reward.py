@@ -1,4 +1,5 @@
-"""Math answer reward: the last ``\\boxed{}`` of the response against the label (MATH, Hendrycks et al. 2021;
+"""Math answer reward: the last ``\\boxed{}`` of the response (or, without one, the answer it
+states as ``Answer: X`` or ``the answer is X``) against the label (MATH, Hendrycks et al. 2021;
 equivalence by math-verify)."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from furlong.hooks import hookimpl
-from furlong.hooks.answers import last_boxed_content
+from furlong.hooks.answers import last_boxed_content, stated_answer
 
 from ._grading import grading_stats, score_pairs
 from ._normalize import label_answer
@@ -16,7 +17,7 @@ __all__ = ["boxed_response", "grading_stats", "reward"]
 
 @hookimpl
 async def reward(args, samples):
-    """Score each sample 1 when the content of its response's last ``\\boxed{}`` equals its label.
+    """Score each sample 1 when the final answer of its response equals its label.
 
     Per sample, in order (SPEC.md 4.2, CASES.md C018):
 
@@ -25,8 +26,12 @@ async def reward(args, samples):
        with ``not label`` before stringifying, so its ``0`` label always scores 0).
     2. The label is stringified; if it holds a ``\\boxed{}``, its content is the answer.
     3. The answer is the content of the response's last complete ``\\boxed{}``/``\\fbox{}``
-       (balanced braces). No box, or a box whose brace never closes (a truncated response),
-       scores 0.
+       (balanced braces). A response with no complete box is graded on the answer it
+       states in words (:func:`furlong.hooks.answers.stated_answer`): the last ``Answer: X``
+       / ``Final answer: X`` line or ``the answer is X`` sentence, math delimiters, a
+       trailing period, unit words after a number and thousands separators removed. A
+       response whose box never closes (cut off inside its answer) and one with neither form
+       score 0.
     4. 1 when both are equal after MATH normalization, or when math-verify finds them
        mathematically equal (``\\frac{2}{4}`` = ``0.5``; ``1,000`` = ``1000``; ``x=5`` = ``5``);
        a comparison running past its time-out scores 0 (``grading_stats()["timeouts"]``).
@@ -50,7 +55,16 @@ def boxed_response(content: str) -> str:
 def _answer_and_label(response: str, label: Any) -> tuple[str, str] | None:
     if label is None or (isinstance(label, str) and not label.strip()):
         return None  # a numeric 0 is an answer, not a missing label (CASES.md C018)
-    answer = last_boxed_content(response or "")
+    response = response or ""
+    answer = last_boxed_content(response)
+    if answer is None and not _opens_a_box(response):
+        answer = stated_answer(response)
     if answer is None:
         return None
     return answer, label_answer(label)
+
+
+def _opens_a_box(response: str) -> bool:
+    # called when no box is complete: a response cut off inside its \boxed{ never stated its
+    # final answer, and an "the answer is" before that box is a guess the model went on to revise
+    return "\\boxed" in response or "\\fbox" in response

@@ -3,6 +3,8 @@ SPEC.md 1.7). The estimator and the loss are chosen in the ``plugins`` group."""
 
 from __future__ import annotations
 
+import argparse
+
 from ._util import megatron
 
 __all__ = ["add"]
@@ -30,7 +32,9 @@ def add(g, dev) -> None:
     g.add_argument("--policy-ratio-level", choices=["token", "sequence"], default=None,
                    help="PPO ratio per token, or GSPO's per sequence (default: token; the gspo estimator "
                         "makes it sequence unless given).")
-    g.add_argument("--use-tis", action="store_true", help="Truncated importance sampling against rollout log-probs.")
+    g.add_argument("--use-tis", action=argparse.BooleanOptionalAction, default=False,
+                   help="Truncated importance sampling against rollout log-probs (on by default under furlong "
+                        "train-async unless --use-rollout-logprobs is given; --no-use-tis turns it off).")
     g.add_argument("--tis-clip", type=float, default=2.0, help="TIS upper clip.")
     g.add_argument("--tis-clip-low", type=float, default=0.0, help="TIS lower clip.")
     g.add_argument("--custom-tis-function-path", default=None,

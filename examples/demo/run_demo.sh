@@ -3,6 +3,7 @@
 #
 #   bash examples/demo/run_demo.sh            # from the repository root, venv active
 #   OUT=runs/mine NUM_ROLLOUT=40 bash examples/demo/run_demo.sh
+#   COMMAND=train-async bash examples/demo/run_demo.sh --seed 2   # extra flags go to furlong
 #
 # $OUT (default runs/demo) is replaced. Each rollout prints one summary line; the run's metrics land in $OUT/metrics.jsonl and
 # `furlong plot $OUT` draws them.
@@ -27,7 +28,7 @@ ARGS=(
   --lr "${LR:-1e-4}" --weight-decay 0.0 --micro-batch-size 64
   --save "$OUT" --save-interval 1000
 )
-furlong train "${ARGS[@]}" "$@"
+furlong "${COMMAND:-train}" "${ARGS[@]}" "$@"
 
 python - "$OUT/metrics.jsonl" <<'PY'
 import json, sys
