@@ -550,6 +550,12 @@ def test_sglang_and_megatron_packages_alone_change_no_default(monkeypatch):
     assert (args.rollout_backend, args.train_backend) == ("embedded", "fsdp")
 
 
+def test_megatron_core_on_cuda_makes_the_built_in_megatron_backend_the_default(monkeypatch):
+    _cuda(monkeypatch, gpus=2)
+    args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8"])
+    assert args.train_backend == "megatron"
+
+
 def test_the_sglang_plugin_with_the_sglang_package_on_cuda_is_the_default_engine(monkeypatch):
     _cuda(monkeypatch, gpus=2)
     args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8", "--rollout-num-gpus", "1"])
@@ -628,8 +634,8 @@ def test_machine_defaults_name_the_flags_that_came_from_the_machine(monkeypatch)
         "distributed_backend": {"value": "nccl", "probe": "torch.cuda.is_available() = True"},
         "rollout_backend": {"value": "embedded", "probe": "furlong plugin 'sglang' installed: False, CUDA: True, "
                                                           "sglang package importable: True"},
-        "train_backend": {"value": "fsdp", "probe": "furlong plugin 'megatron' installed: False, CUDA: True, "
-                                                    "megatron.core importable: True"},
+        "train_backend": {"value": "megatron", "probe": "furlong plugin 'megatron' installed: True, CUDA: True, "
+                                                        "megatron.core importable: True"},
         "executor": {"value": "local", "probe": "one train rank"},
     }  # actor_num_gpus_per_node was given; --fp16 turned bf16 off
 

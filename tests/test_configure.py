@@ -49,7 +49,8 @@ def derived_by(configured, plugin: str) -> dict:
 
 
 class Megatron:
-    """Stands in for a megatron train backend plugin (none is installed yet); never built here."""
+    """Stands in for the megatron train backend plugin (the built-in one's configure needs a model and
+    refuses ppo until it has a critic); never built here."""
 
     @hookimpl
     def train_backend(self, args):
@@ -57,7 +58,8 @@ class Megatron:
 
 
 @pytest.fixture
-def megatron(register_plugin):
+def megatron(plugin_manager, register_plugin):
+    plugin_manager.unregister(name="megatron")
     register_plugin(Megatron(), "megatron")
 
 
@@ -227,7 +229,7 @@ def test_print_config_shows_plugin_and_machine_defaults(capsys):
         "rollout_backend": {"value": "embedded", "probe": "furlong plugin 'sglang' installed: True, CUDA: False, "
                                                           "sglang package importable: False",
                             "on_cuda": "sglang (with the furlong sglang plugin and the sglang package)"},
-        "train_backend": {"value": "fsdp", "probe": "furlong plugin 'megatron' installed: False, CUDA: False, "
+        "train_backend": {"value": "fsdp", "probe": "furlong plugin 'megatron' installed: True, CUDA: False, "
                                                     "megatron.core importable: False",
                           "on_cuda": "megatron (with the furlong megatron plugin and megatron-core)"},
         "data_parallel_size": {"value": 1, "probe": "--train-backend fsdp: the world size (1 = actor_num_nodes x "

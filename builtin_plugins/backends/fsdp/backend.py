@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import os
-from collections import defaultdict
 from typing import Any
 
-from furlong.hooks import ParallelLayout, PluginError, TrainBatch
+from furlong.hooks import ParallelLayout, TrainBatch
+from furlong.hooks.trainer import StepLoop
 
 from . import checkpoint, lora
 from .logprobs import forward_log_probs
@@ -21,7 +20,7 @@ __all__ = ["FSDPBackend"]
 log = logging.getLogger("furlong.backends.fsdp")
 
 
-class FSDPBackend:
+class FSDPBackend(StepLoop):
     """A :class:`furlong.hooks.TrainBackend` over a Hugging Face model (see PLUGINS.md, "Built-in plugins").
 
     Single process: plain torch on CPU (float32) or one GPU (bfloat16 autocast with
@@ -31,6 +30,8 @@ class FSDPBackend:
     log-probs bit for bit at the first step; with ``--gradient-checkpointing`` it runs in
     train mode, which needs a dropout-free config.
     """
+
+    name = "fsdp"
 
     def __init__(self, args: Any) -> None:
         self.args = args
@@ -97,18 +98,6 @@ class FSDPBackend:
             return model
         return model.to(self.device)
 
-    async def _in_thread(self, fn, *args, **kwargs):
-        """Run ``fn`` in a worker thread on this rank's CUDA device (the current device is per thread)."""
-
-        def call():
-            if self.device.type == "cuda":
-                import torch
-
-                torch.cuda.set_device(self.device)
-            return fn(*args, **kwargs)
-
-        return await asyncio.to_thread(call)
-
     def _autocast(self):
         import torch
 
@@ -119,112 +108,31 @@ class FSDPBackend:
     # --- forward passes -----------------------------------------------------------------
 
     def _forward(self, model, batch: TrainBatch, ids: list[int], grad: bool):
-        entropy_grad = grad and float(getattr(self.args, "entropy_coef", 0.0) or 0.0) != 0.0
         if model is self.model and lora.enabled(self.args):
             lora.set_dropout(model, active=grad)
         return forward_log_probs(
             model, [batch.tokens[i] for i in ids], [int(batch.response_lengths[i]) for i in ids], batch.temperature,
-            self.device, grad=grad, entropy_grad=entropy_grad, autocast=self._autocast(),
+            self.device, grad=grad, entropy_grad=self._entropy_grad(grad), autocast=self._autocast(),
             chunk_size=int(getattr(self.args, "log_probs_chunk_size", -1) or -1),
         )
 
-    async def log_probs(self, batch: TrainBatch, model: str = "actor") -> dict:
-        """Forward-only log-probs and entropy of every response token (SPEC.md 6.1).
-
-        Micro-batches: those of ``batch.steps`` (this rank's samples, so every rank runs
-        the same number of passes); with no steps, all samples in chunks of
-        ``--micro-batch-size``. Logits are divided by ``batch.temperature``.
-
-        :param model: ``"actor"`` or ``"ref"``.
-        :returns: ``{"log_probs": [...], "entropy": [...]}``, N entries each (float32
-            ``[T_i]`` on the host); samples of other ranks are None.
-        :raises PluginError: ``model="ref"`` without a reference model.
-        """
-        import torch
-
-        net = {"actor": self.model, "ref": self.ref_model}.get(model)
-        if net is None:
-            raise PluginError(f"fsdp: log_probs(model={model!r}) but no such model is loaded "
-                              "(the reference loads only with --use-kl-loss or --kl-coef != 0).")
-        n = len(batch.tokens)
-        if batch.steps:
-            chunks = [list(mb) for step in batch.steps for mb in step]
-        else:
-            size = max(1, int(getattr(self.args, "micro_batch_size", 1) or 1))
-            chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-        log_probs: list = [None] * n
-        entropy: list = [None] * n
-        for ids in chunks:
-            lp, ent = await self._in_thread(self._forward, net, batch, ids, False)
-            for i, a, b in zip(ids, lp, ent):
-                log_probs[i], entropy[i] = a.detach().to("cpu", torch.float32), b.detach().to("cpu", torch.float32)
-        return {"log_probs": log_probs, "entropy": entropy}
-
     # --- training -----------------------------------------------------------------------
 
-    async def train(self, rollout_id: int, batch: TrainBatch) -> list[dict]:
-        """One optimizer step per entry of ``batch.steps`` (SPEC.md 6.3, 6.4).
-
-        Per step: zero grads; per micro-batch a forward with grad, ``batch.objective``,
-        backward (gradients accumulate; FSDP2 sums them over ranks); then the global grad
-        norm (pre-clip), a non-finite check, clipping to ``--clip-grad`` (0 = off), the
-        learning rate of the schedule at this step, and the optimizer step.
-
-        :returns: per step, the objective's metrics summed over micro-batches and ranks
-            (each rank's share already carries the whole step's denominators, so the sum
-            is the step's value) plus ``grad_norm`` and ``lr``; the same on every rank.
-        :raises FloatingPointError: a non-finite loss or gradient, unless
-            ``--no-check-for-nan-in-loss-and-grad`` (then the step and its LR advance are
-            skipped, with a warning).
-        """
-        if getattr(self.args, "reset_optimizer_states", False):
-            self.optimizer.state.clear()
+    def _before_train(self) -> None:
         if getattr(self.args, "gradient_checkpointing", False):
             self.model.train()
-        results = []
-        for s, micro_batches in enumerate(batch.steps):
-            self.optimizer.zero_grad(set_to_none=True)
-            sums: dict[str, float] = defaultdict(float)
-            finite_loss = True
-            for mb in micro_batches:
-                lp, ent = await self._in_thread(self._forward, self.model, batch, list(mb), True)
-                loss, metrics = await batch.objective(list(mb), lp, ent)
-                finite_loss &= bool(loss.detach().isfinite().all())
-                await self._in_thread(loss.backward)
-                for key, value in metrics.items():
-                    sums[key] += float(value)
-            sums = await self._in_thread(self._sum_over_ranks, sums)
-            grad_norm, finite = await self._in_thread(self._clip, finite_loss)
-            lr = self.schedule(self.global_step)
-            if not finite:
-                message = (f"fsdp: rollout {rollout_id} step {s}: non-finite loss or gradient (grad norm {grad_norm}); "
-                           "lower --lr, check rewards and data, or pass --no-check-for-nan-in-loss-and-grad to skip "
-                           "such steps.")
-                if not getattr(self.args, "no_check_for_nan_in_loss_and_grad", False):
-                    raise FloatingPointError(message)
-                log.warning("%s Step skipped.", message)
-                self.optimizer.zero_grad(set_to_none=True)
-            else:
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                await self._in_thread(self.optimizer.step)
-                self.global_step += 1
-            results.append({**sums, "grad_norm": grad_norm, "lr": lr})
-        self.optimizer.zero_grad(set_to_none=True)
+
+    def _after_train(self) -> None:
         if getattr(self.args, "gradient_checkpointing", False):
             self.model.eval()
-        return results
 
-    def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
-        """Metric sums of every rank (all ranks report the same keys: same loss plugin)."""
-        if self.world == 1 or not sums:
-            return dict(sums)
-        import torch
+    def _learning_rate(self) -> float:
+        return self.schedule(self.global_step)
 
-        keys = sorted(sums)
-        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(values)
-        return dict(zip(keys, values.tolist()))
+    def _optimizer_step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
 
     def _clip(self, finite_loss: bool) -> tuple[float, bool]:
         """Global grad L2 norm before clipping, and whether loss and gradients are finite on every rank."""
@@ -302,28 +210,3 @@ class FSDPBackend:
         self.global_step = int(meta["global_step"])
         if not getattr(self.args, "no_load_rng", False):
             checkpoint.load_rng(path, self.rank)
-
-    async def offload(self) -> None:
-        """Move weights and optimizer state to host memory (a no-op on CPU)."""
-        if self.device.type == "cuda":
-            await self._in_thread(self._move, "cpu")
-
-    async def onload(self) -> None:
-        """Move weights and optimizer state back to the GPU (a no-op on CPU)."""
-        if self.device.type == "cuda":
-            await self._in_thread(self._move, self.device)
-
-    def _move(self, device) -> None:
-        import torch
-
-        for model in (self.model, self.ref_model):
-            if model is not None:
-                model.to(device)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value) and key != "step":
-                    state[key] = value.to(device, non_blocking=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-

@@ -5,6 +5,8 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any, Sequence
 
+from furlong.hooks.trainer import right_padded
+
 __all__ = ["chunked_token_log_probs", "forward_log_probs", "token_log_probs"]
 
 
@@ -76,15 +78,9 @@ def forward_log_probs(
     """
     import torch
 
-    seqs = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in tokens]
-    for i, (seq, t) in enumerate(zip(seqs, response_lengths)):
-        if t > 0 and len(seq) - t < 1:
-            raise ValueError(f"sample {i}: response_length {t} leaves no prompt token in {len(seq)} tokens")
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    seqs, ids = right_padded(tokens, response_lengths)
+    mask = torch.zeros_like(ids)
     for i, seq in enumerate(seqs):
-        ids[i, : len(seq)] = seq
         mask[i, : len(seq)] = 1
     ids, mask = ids.to(device), mask.to(device)
     with torch.set_grad_enabled(grad), autocast if autocast is not None else nullcontext():

@@ -1,0 +1,210 @@
+"""The megatron backend on one GPU at the Qwen2.5-0.5B shape (random weights): bf16 log-probs
+against Hugging Face, and training throughput as model FLOPs utilisation.
+
+    python benchmarks/megatron_gpu.py --out results.json            # both parts
+    python benchmarks/megatron_gpu.py --part mfu --micro-batch 8    # one part
+
+The model is built with ``transformers`` from a Qwen2 config of Qwen2.5-0.5B's shape (24
+layers, hidden 896, 14 heads, 2 KV groups, ffn 4864, vocab 151936, tied embeddings), with
+the library's random initialisation, and written to a temporary directory; the backend
+loads it like any ``--hf-checkpoint``. See docs/megatron.md for the recorded figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import tempfile
+import time
+
+import torch
+
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True)
+H200_BF16_DENSE_TFLOPS = 989.0
+
+
+def write_model(path: str) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B))
+    model.save_pretrained(path)
+
+
+def backend_for(path: str, micro_batch: int, steps_of: int, *extra: str):
+    from furlong.builtin_plugins.backends.megatron import train_backend
+    from furlong.core.config import parse_args
+
+    args = parse_args(["--hf-checkpoint", path, "--train-backend", "megatron", "--num-rollout", "100",
+                       "--rollout-batch-size", str(steps_of), "--n-samples-per-prompt", "1", "--global-batch-size",
+                       str(steps_of), "--micro-batch-size", str(micro_batch), "--lr", "1e-6", "--bf16", *extra])
+    backend = train_backend(args=args)
+    asyncio.run(backend.init(args))
+    return backend
+
+
+class MeanLogProb:
+    """Objective of the throughput run: minus the mean response log-prob over the step's samples."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    async def __call__(self, sample_ids, log_probs, entropy, values=None):
+        loss = sum(-lp.mean() for lp in log_probs) / self.n
+        return loss, {"loss": float(loss.detach())}
+
+
+def batch_of(n: int, length: int, prompt: int, micro_batch: int, seed: int):
+    from furlong.hooks import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, QWEN25_05B["vocab_size"], (length,), generator=g).tolist() for _ in range(n)]
+    steps = [[list(range(i, min(i + micro_batch, n))) for i in range(0, n, micro_batch)]]
+    batch = TrainBatch(tokens=tokens, response_lengths=[length - prompt] * n,
+                       loss_masks=[torch.ones(length - prompt) for _ in range(n)], steps=steps, temperature=1.0)
+    batch.objective = MeanLogProb(n)
+    return batch
+
+
+def hf_log_probs(path: str, dtype, batch) -> list:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").cuda().eval()
+    out = []
+    with torch.no_grad():
+        for tokens, t in zip(batch.tokens, batch.response_lengths):
+            ids = torch.tensor([tokens], device="cuda")
+            logp = torch.log_softmax(model(ids).logits[0, -t - 1:-1].float(), dim=-1)
+            out.append(logp.gather(-1, ids[0, -t:, None]).squeeze(-1).cpu())
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def part_logprobs(path: str) -> dict:
+    """Megatron (bf16 autocast) and HF bf16 log-probs against HF fp32, on 4 random sequences of 512 tokens."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    batch = batch_of(4, 512, 16, 4, seed=1)
+    ref = hf_log_probs(path, torch.float32, batch)
+    hf_bf16 = hf_log_probs(path, torch.bfloat16, batch)
+    backend = backend_for(path, 4, 4)
+    mine = asyncio.run(backend.log_probs(batch))["log_probs"]
+    backend.args.bf16 = False
+    mine_fp32 = asyncio.run(backend.log_probs(batch))["log_probs"]
+    del backend
+    torch.cuda.empty_cache()
+
+    def gap(a, b):
+        d = torch.cat([(x - y).abs() for x, y in zip(a, b)])
+        return {"max": float(d.max()), "mean": float(d.mean())}
+
+    return {"megatron_bf16_vs_hf_fp32": gap(mine, ref), "hf_bf16_vs_hf_fp32": gap(hf_bf16, ref),
+            "megatron_bf16_vs_hf_bf16": gap(mine, hf_bf16), "megatron_fp32_vs_hf_fp32": gap(mine_fp32, ref),
+            "mean_log_prob_hf_fp32": float(torch.cat(ref).mean()), "tokens": sum(batch.response_lengths)}
+
+
+def model_flops_per_token(backend, seq: int) -> float:
+    """6 N per token for the matmuls (N counts the tied embedding once, as the output layer) plus
+    causal attention ``6 L s (heads x head_dim)`` per token (QK^T and AV, half of the square)."""
+    n = sum(p.numel() for p in backend.model.parameters())
+    s = backend.shape
+    return 6.0 * n + 6.0 * s.num_layers * seq * s.num_attention_heads * s.kv_channels
+
+
+def part_mfu(path: str, micro_batch: int, samples: int, seq: int, steps: int, profile: bool = False) -> dict:
+    """Optimizer steps of ``samples`` x ``seq`` tokens (micro-batches of ``micro_batch``): time, tokens/s, MFU."""
+    backend = backend_for(path, micro_batch, samples)
+    batch = batch_of(samples, seq, 1, micro_batch, seed=2)
+    times = []
+    for _ in range(steps + 2):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        asyncio.run(backend.train(0, batch))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    step = sorted(times[2:])[len(times[2:]) // 2]
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            asyncio.run(backend.train(0, batch))
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+    tokens = samples * seq
+    flops = model_flops_per_token(backend, seq) * tokens
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    asyncio.run(backend.log_probs(batch))
+    torch.cuda.synchronize()
+    forward = time.perf_counter() - start
+    return {"micro_batch": micro_batch, "samples": samples, "seq": seq, "step_s": step, "all_steps_s": times,
+            "tokens_per_s": tokens / step, "model_tflops_per_s": flops / step / 1e12,
+            "mfu": flops / step / 1e12 / H200_BF16_DENSE_TFLOPS, "log_probs_s": forward,
+            "params": sum(p.numel() for p in backend.model.parameters()),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def part_recompute(path: str, micro_batch: int, seq: int) -> dict:
+    """One step with and without ``--recompute-granularity full``: grad norm, time and peak memory."""
+    out = {}
+    for name, extra in (("none", ()), ("full", ("--recompute-granularity", "full", "--recompute-method", "uniform",
+                                                "--recompute-num-layers", "1"))):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        backend = backend_for(path, micro_batch, micro_batch, *extra)
+        batch = batch_of(micro_batch, seq, 1, micro_batch, seed=3)
+        asyncio.run(backend.train(0, batch))  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        metrics = asyncio.run(backend.train(0, batch))[0]
+        torch.cuda.synchronize()
+        out[name] = {"grad_norm": metrics["grad_norm"], "step_s": time.perf_counter() - start,
+                     "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        del backend
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["all", "logprobs", "mfu", "recompute"], default="all")
+    parser.add_argument("--micro-batch", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step (mfu part)")
+    ns = parser.parse_args()
+    result: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
+    import megatron.core
+    import transformers
+
+    result.update(megatron_core=megatron.core.__version__, transformers=transformers.__version__)
+    with tempfile.TemporaryDirectory() as path:
+        write_model(path)
+        if ns.part in ("all", "logprobs"):
+            result["logprobs"] = part_logprobs(path)
+            print(json.dumps(result["logprobs"]), flush=True)
+        if ns.part == "recompute":
+            result["recompute"] = part_recompute(path, ns.micro_batch[0], ns.seq)
+            print(json.dumps(result["recompute"]), flush=True)
+        if ns.part in ("all", "mfu"):
+            torch.backends.cuda.matmul.allow_tf32 = True
+            result["mfu"] = []
+            for mb in ns.micro_batch:
+                torch.cuda.reset_peak_memory_stats()
+                result["mfu"].append(part_mfu(path, mb, ns.samples, ns.seq, ns.steps, ns.profile))
+                print(json.dumps(result["mfu"][-1]), flush=True)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if ns.out:
+        with open(ns.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""megatron train backend: Hugging Face models trained with megatron-core (local spec, no TransformerEngine/apex)."""
+
+from __future__ import annotations
+
+from furlong.hooks import MegatronFlags, PluginError, hookimpl
+
+from .config import flag_dest
+
+__all__ = ["MEGATRON_FLAGS", "configure", "train_backend"]
+
+# Megatron flags whose values this backend reads (architecture checks, parallel sizes, recompute, schedule).
+_USED = {
+    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
+    "--kv-channels", "--rotary-base", "--rotary-percent", "--norm-epsilon", "--vocab-size", "--normalization",
+    "--position-embedding-type", "--group-query-attention", "--swiglu", "--disable-bias-linear", "--add-qkv-bias",
+    "--qk-layernorm", "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by",
+    "--tensor-model-parallel-size", "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+    "--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler", "--no-check-for-nan-in-loss-and-grad",
+    "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings",
+}
+
+# Given with a value other than this default: "not supported yet".
+_REFUSED = (
+    ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", 1),
+    ("--virtual-pipeline-model-parallel-size", "virtual_pipeline_model_parallel_size", None),
+    ("--context-parallel-size", "context_parallel_size", 1),
+    ("--expert-model-parallel-size", "expert_model_parallel_size", 1),
+    ("--expert-tensor-parallel-size", "expert_tensor_parallel_size", None),
+    ("--sequence-parallel", "sequence_parallel", False),
+    ("--num-experts", "num_experts", None),
+    ("--mtp-num-layers", "mtp_num_layers", None),
+    ("--spec", "spec", None),
+    ("--padded-vocab-size", "padded_vocab_size", None),
+    ("--optimizer-cpu-offload", "optimizer_cpu_offload", False),
+    ("--use-precision-aware-optimizer", "use_precision_aware_optimizer", False),
+    ("--fp16", "fp16", False),
+)
+
+
+# What the core must not report for this backend: the flags it reads, and those its configure
+# refuses itself with a "not supported yet" naming the value. The model comes from the
+# --hf-checkpoint config; other architecture flags are checked against it by the core.
+MEGATRON_FLAGS = MegatronFlags(
+    honours=frozenset(flag_dest(f) for f in _USED) | frozenset(dest for _, dest, _ in _REFUSED)
+    | frozenset({"attention_dropout", "hidden_dropout"}),
+    architecture_from_hf=True)
+
+
+@hookimpl
+def configure(args, report):
+    """Check the parallel sizes and features this backend supports, and Miles' architecture flags
+    (``MODEL_ARGS``) against ``--hf-checkpoint``'s config.json (a disagreement names both values).
+
+    The core reports the other Megatron flags given (``MEGATRON_FLAGS``): a warning for those
+    that do not change results (``--use-distributed-optimizer``, overlap switches, fusions),
+    an error for those that would.
+    """
+    for flag, dest, default in _REFUSED:
+        value = getattr(args, dest, default)
+        if value is not None and value is not False and value != default:
+            report.error(f"{flag} {value if value is not True else ''}".rstrip()
+                         + " is not supported yet by --train-backend megatron.")
+    for dest in ("attention_dropout", "hidden_dropout"):
+        value = getattr(args, dest, None)
+        if value:
+            report.error(f"--{dest.replace('_', '-')} {value} is not supported yet by --train-backend megatron "
+                         "(RL log-probs need a dropout-free forward; use 0).")
+    if (getattr(args, "optimizer", "adam") or "adam") != "adam":
+        report.error(f"--optimizer {args.optimizer} is not supported yet by --train-backend megatron (adam only).")
+    if getattr(args, "advantage_estimator", None) == "ppo":
+        report.error("--advantage-estimator ppo needs a critic, which --train-backend megatron does not have yet "
+                     "(not supported yet).")
+    if getattr(args, "recompute_granularity", None) == "selective":
+        report.error("--recompute-granularity selective is not supported yet by --train-backend megatron "
+                     "(its local spec has no selective recompute modules); use full.")
+    _check_architecture(args, report)
+
+
+def _check_architecture(args, report) -> None:
+    from transformers import AutoConfig
+
+    from .config import check_model_args, model_shape
+
+    where = f"--hf-checkpoint {args.hf_checkpoint}"
+    try:
+        shape = model_shape(AutoConfig.from_pretrained(args.hf_checkpoint), where)
+    except PluginError as exc:
+        report.error(str(exc))
+        return
+    except (OSError, ValueError) as exc:
+        report.error(f"{where}: cannot read config.json: {exc}")
+        return
+    for problem in check_model_args(args, shape, f"{where}/config.json"):
+        report.error(problem)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    for what, value in (("num_attention_heads", shape.num_attention_heads),
+                        ("intermediate_size", shape.ffn_hidden_size)):
+        if value % tp:
+            report.error(f"--tensor-model-parallel-size {tp} does not divide {what} {value} of {where}.")
+    groups = shape.num_query_groups
+    if groups % tp and tp % groups:
+        report.error(f"--tensor-model-parallel-size {tp}: num_key_value_heads {groups} of {where} must be a "
+                     "multiple or a divisor of it.")
+
+
+@hookimpl
+def train_backend(args):
+    """Create the megatron backend; :meth:`MegatronBackend.init` builds and loads the model.
+
+    Flags read: ``--hf-checkpoint``, ``--ref-load``, ``--tensor-model-parallel-size``,
+    Miles' architecture flags (checked against the HF config), ``--make-vocab-size-divisible-by``,
+    ``--use-kl-loss``, ``--kl-coef``, ``--lr`` and the Megatron LR schedule flags,
+    ``--weight-decay``, ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``, ``--clip-grad``,
+    ``--micro-batch-size``, ``--entropy-coef``, ``--recompute-granularity``,
+    ``--recompute-method``, ``--recompute-num-layers``, ``--reset-optimizer-states``,
+    ``--no-check-for-nan-in-loss-and-grad``, ``--no-save-optim``, ``--no-load-optim``,
+    ``--no-load-rng``, ``--bf16``, ``--seed``.
+
+    :returns: a :class:`MegatronBackend` (meets :class:`furlong.hooks.TrainBackend`).
+    """
+    from .backend import MegatronBackend
+
+    return MegatronBackend(args)

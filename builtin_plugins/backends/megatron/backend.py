@@ -1,0 +1,389 @@
+"""The megatron train backend: a megatron-core GPTModel (local spec, SDPA attention) built from a Hugging Face model."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any
+
+from furlong.hooks import ParallelLayout, PluginError, TrainBatch
+from furlong.hooks.trainer import StepLoop
+
+from . import checkpoint
+from .config import check_model_args, model_shape, padded_vocab_size
+from .convert import export_hf, load_hf, safetensors_stream, units
+from .logprobs import forward_log_probs
+from .model import build_gpt, cpu_shims, init_parallel
+
+__all__ = ["MegatronBackend"]
+
+log = logging.getLogger("furlong.backends.megatron")
+
+
+def is_hf_dir(path: str | None) -> bool:
+    """True when ``path`` is a Hugging Face model directory (has ``config.json``)."""
+    return bool(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def torch_dist_dir(path: str | None) -> str | None:
+    """The checkpoint directory ``path`` names: itself (an ``iter_N`` dir) or, for a save root,
+    its ``iter_<latest_checkpointed_iteration>``; None when it is neither."""
+    if not path or not os.path.isdir(path):
+        return None
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return path
+    marker = os.path.join(path, "latest_checkpointed_iteration.txt")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            return os.path.join(path, f"iter_{int(f.read().strip()):07d}")
+    return None
+
+
+class MegatronBackend(StepLoop):
+    """A :class:`furlong.hooks.TrainBackend` over megatron-core (see docs/megatron.md).
+
+    Tensor parallelism through megatron-core's ``parallel_state`` (every TP peer gets the
+    same micro-batches); data parallelism over ``world / TP`` ranks with gradients SUMMED
+    (the core's objective already carries the whole step's denominators). Parameters and
+    AdamW state are float32; with ``--bf16`` on CUDA the forward and backward run under
+    bfloat16 autocast.
+    """
+
+    name = "megatron"
+
+    def __init__(self, args: Any) -> None:
+        self.args = args
+        self.model = None
+        self.ref_model = None
+        self.optimizer = None
+        self.scheduler = None
+        self.shape = None
+        self.vocab_rows = 0
+        self.global_step = 0
+        self.world, self.rank, self.tp = 1, 0, 1
+        self.device = None
+        self._tp_sharded: set[int] = set()
+
+    # --- set-up -------------------------------------------------------------------------
+
+    async def init(self, args: Any) -> int:
+        """Build the model from ``--hf-checkpoint``'s config and load the actor (and reference) weights; return 0.
+
+        Weights: ``--ref-load`` when it is a Hugging Face directory or a ``torch_dist``
+        checkpoint (an ``iter_N`` dir, or a save root with its marker), else
+        ``--hf-checkpoint``. Resume is the core's job (it calls :meth:`load`).
+
+        :raises PluginError: an unsupported model, Miles architecture flags that disagree
+            with the HF config, or unloadable weights.
+        """
+        import torch
+        from transformers import AutoConfig
+
+        self.args = args
+        if torch.cuda.is_available():
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            if local >= torch.cuda.device_count():
+                local = torch.cuda.current_device()
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+        else:
+            self.device = torch.device("cpu")
+        if recompute_settings(args) and self.device.type != "cuda":
+            raise PluginError("--recompute-granularity needs CUDA with --train-backend megatron (megatron-core's "
+                              "recompute restores CUDA RNG states).")
+        self.tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+        self.world, self.rank = init_parallel(self.tp, self.device)
+        if self.device.type == "cuda":
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(int(getattr(args, "seed", 1234)))
+        try:
+            hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        except (OSError, ValueError) as exc:
+            raise PluginError(f"--hf-checkpoint {args.hf_checkpoint}: cannot read config.json: {exc}") from exc
+        self.shape = model_shape(hf_config, f"--hf-checkpoint {args.hf_checkpoint}")
+        problems = check_model_args(args, self.shape, f"--hf-checkpoint {args.hf_checkpoint}/config.json")
+        if problems:
+            raise PluginError(" ".join(problems))
+        self.vocab_rows = padded_vocab_size(self.shape.vocab_size, self.tp,
+                                            getattr(args, "make_vocab_size_divisible_by", None))
+        self.model = self._load_model()
+        params = dict(self.model.named_parameters())
+        self._tp_sharded = {id(params[u.mcore]) for u in units(self.shape) if u.split is not None}
+        if getattr(args, "use_kl_loss", False) or getattr(args, "kl_coef", 0.0):
+            self.ref_model = self._load_model().requires_grad_(False)
+        self.optimizer = build_optimizer(self.model, args)
+        self.scheduler = build_scheduler(self.optimizer, args)
+        if self.rank == 0:
+            log.info("megatron: %s, TP %d, DP %d, vocab rows %d, %s", self.shape.family, self.tp,
+                     self.world // self.tp, self.vocab_rows, "bf16 autocast" if self._autocast() else "fp32")
+        return 0
+
+    def _load_model(self):
+        import torch
+
+        model = build_gpt(self.shape, self.tp, self.vocab_rows, torch.float32, self.device,
+                          **recompute_settings(self.args))
+        ref = getattr(self.args, "ref_load", None)
+        if is_hf_dir(ref):
+            load_hf(model, safetensors_stream(ref), self.shape, self.vocab_rows, self.tp, self._tp_rank(),
+                    f"--ref-load {ref}")
+        elif torch_dist_dir(ref):
+            checkpoint.load_weights(torch_dist_dir(ref), model, self.device)
+        else:
+            source = self.args.hf_checkpoint
+            load_hf(model, safetensors_stream(source), self.shape, self.vocab_rows, self.tp, self._tp_rank(),
+                    f"--hf-checkpoint {source}")
+        return model.eval()
+
+    def _tp_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_rank()
+
+    def _autocast(self):
+        import torch
+
+        if self.device.type == "cuda" and getattr(self.args, "bf16", False):
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return None
+
+    async def _in_thread(self, fn, *args, **kwargs):
+        """:meth:`StepLoop._in_thread` inside :func:`~.model.cpu_shims` (megatron-core's CUDA calls on CPU)."""
+
+        def shimmed():
+            with cpu_shims(self.device):
+                return fn(*args, **kwargs)
+
+        return await super()._in_thread(shimmed)
+
+    # --- forward passes -----------------------------------------------------------------
+
+    def _forward(self, model, batch: TrainBatch, ids: list[int], grad: bool):
+        """Response log-probs and entropy of samples ``ids`` (vocab-parallel softmax, :mod:`.logprobs`);
+        packed (``thd``) under ``--use-dynamic-batch-size``, whose micro-batches are planned by tokens."""
+        return forward_log_probs(
+            model, [batch.tokens[i] for i in ids], [int(batch.response_lengths[i]) for i in ids], batch.temperature,
+            self.device, vocab_size=self.shape.vocab_size, grad=grad, entropy_grad=self._entropy_grad(grad),
+            autocast=self._autocast(), packed=bool(getattr(self.args, "use_dynamic_batch_size", False)),
+            chunk_rows=int(getattr(self.args, "log_probs_chunk_size", -1) or -1),
+        )
+
+    # --- training -----------------------------------------------------------------------
+
+    def _before_train(self) -> None:
+        if recompute_settings(self.args):
+            self.model.train()  # megatron-core recomputes activations in training mode only (no dropout here)
+
+    def _after_train(self) -> None:
+        self.model.eval()
+
+    def _learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])  # set by the scheduler
+
+    def _optimizer_step(self, lr: float) -> None:
+        self.optimizer.step()
+        self.scheduler.step(1)
+
+    def _dp_group(self):
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    def _dp_size(self) -> int:
+        return self.world // self.tp
+
+    def _clip(self, finite_loss: bool) -> tuple[float, bool]:
+        """SUM gradients over DP ranks; global L2 norm before clipping; whether all is finite everywhere."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        self._freeze_padding_row()
+        if self._dp_size() > 1:
+            for p in params:
+                dist.all_reduce(p.grad, group=self._dp_group())
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in params:
+            square = p.grad.detach().double().pow(2).sum()
+            if id(p) in self._tp_sharded:
+                sharded += square
+            else:
+                replicated += square
+        if self.tp > 1:
+            dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
+        norm = float((sharded + replicated).sqrt())
+        flag = torch.tensor([0.0 if finite_loss else 1.0], device=self.device)
+        if self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        finite = math.isfinite(norm) and float(flag) == 0.0
+        clip = float(getattr(self.args, "clip_grad", 1.0) or 0.0)
+        if finite and clip > 0 and norm > clip:
+            for p in params:
+                p.grad.mul_(clip / (norm + 1e-6))
+        return norm, finite
+
+    def _freeze_padding_row(self) -> None:
+        """Zero the gradient of the embedding row ``pad_token_id``, as HF's ``nn.Embedding(padding_idx=...)``."""
+        row = self.shape.padding_idx
+        grad = self.model.embedding.word_embeddings.weight.grad
+        if row is None or grad is None:
+            return
+        local = row - self._tp_rank() * grad.shape[0]
+        if 0 <= local < grad.shape[0]:
+            grad[local].zero_()
+
+    # --- weights and checkpoints ---------------------------------------------------------
+
+    def layout(self) -> ParallelLayout:
+        """Data-parallel rank and size from megatron-core's groups; TP rank 0 returns the outputs."""
+        from megatron.core import parallel_state
+
+        return ParallelLayout(dp_rank=parallel_state.get_data_parallel_rank(),
+                              dp_size=parallel_state.get_data_parallel_world_size(),
+                              returns_outputs=self._tp_rank() == 0, rank=self.rank, world=self.world)
+
+    async def iter_weights(self):
+        """Yield ``(hf_name, tensor)`` one Hugging Face tensor at a time (:func:`~.convert.export_hf`).
+
+        A collective over the TP group (sharded parameters are all-gathered): every rank
+        iterates. Tensors are float32, full shape, vocabulary trimmed to the HF size; tied
+        models yield no ``lm_head.weight``. Copy them before the next :meth:`train`.
+        """
+        from megatron.core import parallel_state
+
+        stream = export_hf(self.model, self.shape, self.tp, parallel_state.get_tensor_model_parallel_group())
+        sentinel = object()
+        while True:
+            item = await self._in_thread(next, stream, sentinel)
+            if item is sentinel:
+                return
+            yield item
+
+    async def named_weights(self) -> list[tuple[str, Any]]:
+        """Every tensor of :meth:`iter_weights` in one list (tests and tools; weight sync streams)."""
+        return [(name, tensor) async for name, tensor in self.iter_weights()]
+
+    async def save_hf(self, path: str) -> None:
+        """Write a Hugging Face model directory (safetensors, config, tokenizer) to ``path``; every rank calls it."""
+        import torch
+        from transformers import AutoConfig
+
+        weights = {name: tensor.to("cpu").clone() for name, tensor in await self.named_weights()}
+        if self.rank == 0:
+            from safetensors.torch import save_file
+
+            os.makedirs(path, exist_ok=True)
+            save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+            AutoConfig.from_pretrained(self.args.hf_checkpoint).save_pretrained(path)
+            try:
+                from transformers import AutoTokenizer
+
+                AutoTokenizer.from_pretrained(self.args.hf_checkpoint).save_pretrained(path)
+            except (OSError, ValueError):
+                log.warning("megatron: no tokenizer in %s; %s holds weights and config only",
+                            self.args.hf_checkpoint, path)
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    async def save(self, path: str) -> None:
+        """Write a ``torch_dist`` checkpoint into ``path`` (:mod:`.checkpoint`); every rank calls it.
+
+        ``--no-save-optim`` leaves out the optimizer moments.
+        """
+        await self._in_thread(
+            checkpoint.save_checkpoint, path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            global_step=self.global_step, rank=self.rank, world=self.world, tp=self.tp,
+            save_optim=not getattr(self.args, "no_save_optim", False), device=self.device)
+
+    async def load(self, path: str) -> None:
+        """Restore weights, optimizer and schedule (unless ``--no-load-optim``), RNG (unless ``--no-load-rng``).
+
+        Works at any TP size (megatron-core reshards). The global step always comes
+        from the checkpoint.
+
+        :raises PluginError: ``path`` is not a checkpoint of this backend or of this model.
+        """
+        self.global_step = await self._in_thread(
+            checkpoint.load_checkpoint, path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            rank=self.rank, world=self.world, load_optim=not getattr(self.args, "no_load_optim", False),
+            load_rng=not getattr(self.args, "no_load_rng", False), device=self.device)
+
+
+def build_optimizer(model, args: Any):
+    """AdamW over the trainable parameters: ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``.
+
+    Megatron's default decay rule: biases and 1-D parameters (norm scales) get
+    ``wd_mult`` 0, which :class:`OptimizerParamScheduler` applies to ``--weight-decay``.
+
+    :raises PluginError: an ``--optimizer`` other than adam.
+    """
+    import torch
+
+    kind = getattr(args, "optimizer", "adam") or "adam"
+    if kind != "adam":
+        raise PluginError(f"--optimizer {kind!r}: the megatron backend supports adam (AdamW) only.")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if p.ndim >= 2 and not n.endswith(".bias")], "wd_mult": 1.0},
+              {"params": [p for n, p in named if p.ndim < 2 or n.endswith(".bias")], "wd_mult": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=float(args.lr),
+                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+
+
+def total_steps(args: Any) -> int:
+    """Optimizer steps of the run: ``num_rollout x steps per rollout``."""
+    per_rollout = getattr(args, "num_steps_per_rollout", None) or (
+        args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size)
+    return int(args.num_rollout) * int(per_rollout)
+
+
+def build_scheduler(optimizer, args: Any):
+    """megatron-core's ``OptimizerParamScheduler`` from Megatron's LR flags, counted in optimizer steps.
+
+    ``--lr``, ``--min-lr``, ``--lr-decay-style``, ``--lr-decay-iters`` (default: total
+    steps), ``--lr-warmup-iters`` or ``--lr-warmup-fraction`` (of the decay steps),
+    ``--lr-warmup-init``, ``--lr-wsd-decay-iters``, ``--lr-wsd-decay-style``,
+    ``--weight-decay`` (constant), ``--use-checkpoint-opt_param-scheduler`` /
+    ``--override-opt_param-scheduler`` (which side wins on load). Megatron counts samples
+    (steps x gbs); every length scales by gbs, so the values are the same.
+
+    :raises PluginError: a warmup not shorter than the decay, or WSD without its anneal length.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    style = getattr(args, "lr_decay_style", "constant") or "constant"
+    decay = args.lr_decay_iters if getattr(args, "lr_decay_iters", None) is not None else total_steps(args)
+    decay = max(int(decay), 1)
+    fraction = getattr(args, "lr_warmup_fraction", None)
+    warmup = int(fraction * decay) if fraction is not None else int(getattr(args, "lr_warmup_iters", 0) or 0)
+    if warmup >= decay:
+        raise PluginError(f"--lr-warmup-iters/--lr-warmup-fraction give {warmup} warmup steps, not fewer than the "
+                          f"{decay} decay steps (--lr-decay-iters, default num_rollout x steps per rollout).")
+    wsd = getattr(args, "lr_wsd_decay_iters", None)
+    if style == "WSD" and not wsd:
+        raise PluginError("--lr-decay-style WSD needs --lr-wsd-decay-iters (steps of the final anneal).")
+    wd = float(getattr(args, "weight_decay", 0.0) or 0.0)
+    override = bool(getattr(args, "override_opt_param_scheduler", False))
+    return OptimizerParamScheduler(
+        optimizer, init_lr=float(getattr(args, "lr_warmup_init", 0.0) or 0.0), max_lr=float(args.lr),
+        min_lr=float(getattr(args, "min_lr", 0.0) or 0.0), lr_warmup_steps=warmup, lr_decay_steps=decay,
+        lr_decay_style=style, start_wd=wd, end_wd=wd, wd_incr_steps=decay, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=bool(getattr(args, "use_checkpoint_opt_param_scheduler", False))
+        and not override, override_opt_param_scheduler=override, wsd_decay_steps=wsd,
+        lr_wsd_decay_style=getattr(args, "lr_wsd_decay_style", None) or "exponential")
+
+
+def recompute_settings(args: Any) -> dict:
+    """``TransformerConfig`` recompute fields from ``--recompute-granularity``, ``--recompute-method``,
+    ``--recompute-num-layers`` (none when the granularity is not given)."""
+    granularity = getattr(args, "recompute_granularity", None)
+    if not granularity:
+        return {}
+    settings = {"recompute_granularity": granularity}
+    if granularity == "full":
+        settings["recompute_method"] = getattr(args, "recompute_method", None) or "uniform"
+        settings["recompute_num_layers"] = int(getattr(args, "recompute_num_layers", None) or 1)
+    return settings

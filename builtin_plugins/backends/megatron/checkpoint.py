@@ -1,0 +1,196 @@
+"""``torch_dist`` checkpoints of the megatron backend (megatron-core ``dist_checkpointing``).
+
+Layout of ``path`` (the core's ``iter_N.tmp/``, renamed by the core when every rank is done;
+SPEC.md 7)::
+
+    metadata.json, .metadata, common.pt, __<rank>_<n>.distcp    megatron-core torch_dist files
+    meta.json     {"global_step", "world_size", "tensor_model_parallel_size", "timestamp"}
+
+The sharded state holds ``model`` (megatron-core's own sharded state dict: layers stacked,
+fc1 saved as the global ``[gate; up]``, so the files do not depend on TP), ``optimizer``
+(AdamW moments as tensors shaped like their parameters, one shared ``step``; absent with
+``--no-save-optim``), ``scheduler`` (``OptimizerParamScheduler.state_dict()``),
+``global_step`` and ``rng`` (one object per rank). A checkpoint saved at one TP size loads
+at another: weights and moments are resharded; RNG states are restored only when the
+world size is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+from typing import Any
+
+from furlong.hooks import PluginError
+
+__all__ = ["load_checkpoint", "load_weights", "save_checkpoint"]
+
+log = logging.getLogger("furlong.backends.megatron")
+
+
+def _rng_state() -> dict:
+    import numpy as np
+    import torch
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if torch.cuda.is_available() and "cuda" in state:
+        from megatron.core import tensor_parallel
+
+        torch.cuda.set_rng_state(state["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def init_adam_state(optimizer) -> None:
+    """Give every parameter empty AdamW state (zeros, step 0): the template a load fills in."""
+    import torch
+
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _optimizer_sharded(optimizer, model_sharded: dict) -> dict:
+    """The optimizer's state dict with each moment as a ShardedTensor shaped like its parameter."""
+    from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                            optim_state_to_sharding_state)
+
+    state = optimizer.state_dict()
+    state["state"] = {key: dict(value) for key, value in state["state"].items()}  # the live dicts otherwise
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    id_map = get_param_id_to_sharded_param_map(model_sharded, params)
+    steps = [s.pop("step") for s in state["state"].values() if "step" in s]
+    optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
+    if steps:
+        state["state"]["common_step"] = float(steps[0])
+    return state
+
+
+def _sharded(model, optimizer, scheduler, global_step: int, rank: int, world: int, with_optim: bool,
+             rng_world: int | None) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    model_sharded = model.sharded_state_dict()
+    state = {"model": model_sharded, "scheduler": scheduler.state_dict(), "global_step": global_step}
+    if with_optim:
+        state["optimizer"] = _optimizer_sharded(optimizer, model.sharded_state_dict())
+    if rng_world:
+        state["rng"] = ShardedObject("rng", _rng_state(), (rng_world,), (rank,), replica_id=0)
+    return state
+
+
+def save_checkpoint(path: str, *, model, optimizer, scheduler, global_step: int, rank: int, world: int, tp: int,
+                    save_optim: bool, device) -> None:
+    """Write the layout above into ``path`` (every rank calls it; a collective)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from .model import cpu_shims
+
+    os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    state = _sharded(model, optimizer, scheduler, global_step, rank, world, save_optim, world)
+    with cpu_shims(device):
+        dist_checkpointing.save(state, path)
+    if rank == 0:
+        meta = {"global_step": global_step, "world_size": world, "tensor_model_parallel_size": tp,
+                "optimizer": save_optim, "timestamp": time.time()}
+        with open(os.path.join(path, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=2)
+    dist.barrier()
+
+
+def read_meta(path: str) -> dict:
+    """``meta.json`` of a checkpoint.
+
+    :raises PluginError: no ``meta.json`` or no megatron-core ``metadata.json`` (not written by this backend).
+    """
+    file = os.path.join(path, "meta.json")
+    if not (os.path.exists(file) and os.path.exists(os.path.join(path, "metadata.json"))):
+        raise PluginError(f"checkpoint {path}: no meta.json and torch_dist metadata.json; it was not written by the "
+                          "megatron backend.")
+    with open(file) as f:
+        return json.load(f)
+
+
+def load_checkpoint(path: str, *, model, optimizer, scheduler, rank: int, world: int, load_optim: bool,
+                    load_rng: bool, device) -> int:
+    """Restore ``path`` into ``model`` (and optimizer, scheduler, RNG); return the saved global step.
+
+    :param load_optim: False (``--no-load-optim``) keeps the fresh optimizer and schedule.
+    :param load_rng: False (``--no-load-rng``) keeps this process's RNG.
+    :raises PluginError: not a checkpoint of this backend, or one of another model.
+    """
+    from megatron.core import dist_checkpointing
+
+    from .model import cpu_shims
+
+    meta = read_meta(path)
+    with_optim = load_optim and meta.get("optimizer", True)
+    if with_optim:
+        init_adam_state(optimizer)
+    rng_world = meta["world_size"] if load_rng and meta["world_size"] == world else None
+    if load_rng and not rng_world:
+        log.warning("checkpoint %s was saved by %d ranks, this run has %d: RNG states are not restored.", path,
+                    meta["world_size"], world)
+    template = _sharded(model, optimizer, scheduler, 0, rank, world, with_optim, rng_world)
+    try:
+        with cpu_shims(device):
+            loaded = dist_checkpointing.load(template, path)
+    except Exception as exc:  # noqa: BLE001 - any reader failure is a bad checkpoint
+        raise PluginError(f"checkpoint {path}: cannot load it into this model: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    model.load_state_dict(loaded["model"], strict=False)
+    if with_optim:
+        state = loaded["optimizer"]
+        step = state["state"].pop("common_step", None)
+        if step is not None:
+            import torch
+
+            for param_state in state["state"].values():
+                param_state["step"] = torch.tensor(float(step))
+        optimizer.load_state_dict(state)
+        scheduler.load_state_dict(loaded["scheduler"])
+    if rng_world:
+        _set_rng_state(loaded["rng"])
+    return int(loaded["global_step"])
+
+
+def load_weights(path: str, model, device) -> None:
+    """Load only the model weights of checkpoint ``path`` (``--ref-load`` of a ``torch_dist`` checkpoint).
+
+    :raises PluginError: not a checkpoint of this backend, or one of another model.
+    """
+    from megatron.core import dist_checkpointing
+
+    from .model import cpu_shims
+
+    read_meta(path)
+    try:
+        with cpu_shims(device):
+            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+    except Exception as exc:  # noqa: BLE001 - any reader failure is a bad checkpoint
+        raise PluginError(f"checkpoint {path}: cannot load its weights into this model: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    model.load_state_dict(loaded["model"], strict=False)

@@ -1,0 +1,194 @@
+"""Hugging Face config -> megatron-core GPTModel settings, and the check of Miles' ``MODEL_ARGS`` against it.
+
+Families: Qwen2 / Qwen2.5 (``qwen2``: bias on q/k/v), Qwen3 (``qwen3``: per-head q/k
+RMSNorm, explicit ``head_dim``) and Llama 3 (``llama``, with the ``llama3`` RoPE scaling
+of Llama 3.1/3.2). All are pre-norm RMSNorm decoders with SwiGLU MLPs and rotate-half RoPE.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+from furlong.hooks import PluginError
+
+__all__ = ["ModelShape", "check_model_args", "flag_dest", "model_shape", "padded_vocab_size"]
+
+FAMILIES = ("qwen2", "qwen3", "llama")
+
+# Megatron's llama3 RoPE scaling hard-codes these (rotary_pos_embedding.py); other values differ from HF.
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@attrs.frozen
+class ModelShape:
+    """What GPTModel needs from the HF config, in Megatron's terms.
+
+    ``rope_scaling_factor`` is None without RoPE scaling. ``qkv_bias``: bias on q/k/v only.
+    ``padding_idx``: the HF embedding's ``padding_idx`` (``pad_token_id``), whose row HF
+    never trains (the backend zeroes its gradient), or None.
+    """
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    max_position_embeddings: int
+    norm_epsilon: float
+    rotary_base: float
+    rope_scaling_factor: float | None
+    tied: bool
+    qkv_bias: bool
+    qk_layernorm: bool
+    padding_idx: int | None = None
+
+
+def _rope(hf: Any, where: str) -> tuple[float, float | None]:
+    """``(theta, llama3 factor or None)``; transformers 5 keeps them in ``rope_parameters``."""
+    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
+    if theta is None:
+        raise PluginError(f"{where}: config.json has no rope_theta (neither top-level nor in rope_parameters).")
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        raise PluginError(f"{where}: RoPE scaling {kind!r} is not supported yet by --train-backend megatron "
+                          "(supported: none, llama3).")
+    for key, value in _LLAMA3_FIXED.items():
+        if float(params.get(key, value)) != value:
+            raise PluginError(f"{where}: llama3 RoPE scaling with {key}={params.get(key)} is not supported yet: "
+                              f"megatron-core fixes it to {value:g}.")
+    return float(theta), float(params["factor"])
+
+
+def model_shape(hf: Any, where: str = "--hf-checkpoint") -> ModelShape:
+    """Read a transformers ``PretrainedConfig`` of the Qwen2, Qwen3 or Llama family.
+
+    :param hf: the config (``AutoConfig.from_pretrained``).
+    :param where: the flag or file named in errors.
+    :raises PluginError: another family, or a feature these GPTModel settings cannot
+        express (biases outside q/k/v, sliding window, RoPE scaling other than llama3,
+        a non-SiLU MLP).
+    """
+    family = getattr(hf, "model_type", None)
+    if family not in FAMILIES:
+        raise PluginError(f"{where}: model_type {family!r} is not supported by --train-backend megatron "
+                          f"(supported: {', '.join(FAMILIES)}).")
+    heads = int(hf.num_attention_heads)
+    hidden = int(hf.hidden_size)
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise PluginError(f"{where}: hidden_act {hf.hidden_act!r}; the megatron backend builds SwiGLU (silu) MLPs.")
+    if getattr(hf, "mlp_bias", False):
+        raise PluginError(f"{where}: mlp_bias=true is not supported yet by --train-backend megatron.")
+    if family != "qwen2" and getattr(hf, "attention_bias", False):
+        raise PluginError(f"{where}: attention_bias=true (bias on o_proj too) is not supported yet by "
+                          "--train-backend megatron.")
+    if getattr(hf, "use_sliding_window", False):
+        raise PluginError(f"{where}: use_sliding_window=true is not supported yet by --train-backend megatron.")
+    theta, factor = _rope(hf, where)
+    return ModelShape(
+        family=family,
+        num_layers=int(hf.num_hidden_layers),
+        hidden_size=hidden,
+        ffn_hidden_size=int(hf.intermediate_size),
+        num_attention_heads=heads,
+        num_query_groups=int(getattr(hf, "num_key_value_heads", None) or heads),
+        kv_channels=int(getattr(hf, "head_dim", None) or hidden // heads),
+        vocab_size=int(hf.vocab_size),
+        max_position_embeddings=int(hf.max_position_embeddings),
+        norm_epsilon=float(hf.rms_norm_eps),
+        rotary_base=theta,
+        rope_scaling_factor=factor,
+        tied=bool(getattr(hf, "tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2",
+        qk_layernorm=family == "qwen3",
+        padding_idx=getattr(hf, "pad_token_id", None),
+    )
+
+
+def padded_vocab_size(vocab: int, tp: int, divisible_by: int | None) -> int:
+    """Vocabulary rows of the embedding and output layer.
+
+    megatron-core only needs ``vocab % tp == 0``; Megatron-LM's
+    ``--make-vocab-size-divisible-by k`` pads to a multiple of ``k * tp``. Without the flag
+    the HF size is kept when TP divides it (no padded rows, no log-prob bias), else padded
+    to the next multiple of TP. Padded rows are zero and masked out of every softmax.
+    """
+    multiple = (divisible_by or 1) * tp
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+# (flag, ModelShape field or callable) of Miles' MODEL_ARGS valued flags
+_VALUED = (
+    ("--num-layers", "num_layers", "num_hidden_layers"),
+    ("--hidden-size", "hidden_size", "hidden_size"),
+    ("--ffn-hidden-size", "ffn_hidden_size", "intermediate_size"),
+    ("--num-attention-heads", "num_attention_heads", "num_attention_heads"),
+    ("--num-query-groups", "num_query_groups", "num_key_value_heads"),
+    ("--kv-channels", "kv_channels", "head_dim"),
+    ("--rotary-base", "rotary_base", "rope_theta"),
+    ("--norm-epsilon", "norm_epsilon", "rms_norm_eps"),
+    ("--vocab-size", "vocab_size", "vocab_size"),
+)
+
+# boolean flags: (flag, HF meaning of the flag being given, HF key for the message)
+_SWITCHES = (
+    ("--group-query-attention", lambda s: s.num_query_groups != s.num_attention_heads, "num_key_value_heads"),
+    ("--swiglu", lambda s: True, "hidden_act"),
+    ("--disable-bias-linear", lambda s: True, "attention_bias/mlp_bias"),
+    ("--add-qkv-bias", lambda s: s.qkv_bias, "model_type"),
+    ("--qk-layernorm", lambda s: s.qk_layernorm, "model_type"),
+    ("--untie-embeddings-and-output-weights", lambda s: not s.tied, "tie_word_embeddings"),
+)
+
+
+def flag_dest(flag: str) -> str:
+    """The ``args`` attribute of a flag: ``--num-layers`` -> ``num_layers``."""
+    return flag[2:].replace("-", "_")
+
+
+def check_model_args(args: Any, shape: ModelShape, where: str) -> list[str]:
+    """Problems of Miles' architecture flags (``MODEL_ARGS``) against the HF config.
+
+    A valued flag that was given must equal the config's value. When ``--num-layers`` is
+    given the flags describe the whole model, as in a Miles script, so each switch
+    (``--swiglu``, ``--untie-embeddings-and-output-weights``, ``--qk-layernorm``, ...) must
+    be present exactly when the HF model has that feature. ``--normalization`` must be
+    RMSNorm, ``--position-embedding-type`` rope and ``--rotary-percent`` 1.
+
+    :returns: one message per disagreement, naming the flag, both values and ``where``.
+    """
+    problems = []
+    for flag, field, hf_key in _VALUED:
+        given = getattr(args, flag_dest(flag), None)
+        if given is None:
+            continue
+        expected = getattr(shape, field)
+        if float(given) != float(expected):
+            problems.append(f"{flag} {given} disagrees with {where} ({hf_key} = {expected}).")
+    fixed = (("--normalization", "RMSNorm"), ("--position-embedding-type", "rope"), ("--rotary-percent", 1.0))
+    for flag, value in fixed:
+        given = getattr(args, flag_dest(flag), None)
+        if given is not None and given != value:
+            problems.append(f"{flag} {given} disagrees with {where} ({shape.family} uses {value}).")
+    if getattr(args, "num_layers", None) is None:
+        return problems
+    for flag, has, hf_key in _SWITCHES:
+        given = bool(getattr(args, flag_dest(flag), False))
+        if given != has(shape):
+            state = "given" if given else "absent"
+            problems.append(f"{flag} is {state} but {where} says {hf_key} = {_hf_value(shape, hf_key)} "
+                            f"({'no ' if given else ''}{flag[2:]} in the model).")
+    return problems
+
+
+def _hf_value(shape: ModelShape, key: str) -> Any:
+    return {"num_key_value_heads": shape.num_query_groups, "hidden_act": "silu", "model_type": shape.family,
+            "tie_word_embeddings": shape.tied, "attention_bias/mlp_bias": "false"}[key]

@@ -1,0 +1,209 @@
+"""Weight conversion Hugging Face <-> megatron-core (local spec), one tensor group at a time.
+
+Name mapping and packing (MEGATRON.md 2, checked bit-exact there and in tests):
+
+- ``linear_qkv`` = q/k/v packed per KV group: rows ``[q heads of group 0, k0, v0, q heads of
+  group 1, k1, v1, ...]`` (weight and, for Qwen2, bias);
+- ``linear_fc1`` = ``cat(gate_proj, up_proj)``; ``linear_fc2`` = ``down_proj``;
+- embedding and untied output layer padded with zero rows to the Megatron vocabulary.
+
+Tensor parallelism (MEGATRON.md 4.1, checked against megatron-core's own initialisation in
+tests): column-parallel layers (embedding, qkv, fc1, output) split dim 0, row-parallel
+layers (proj, fc2) split dim 1, norms are replicated. Rank ``r`` holds chunk ``r`` of every
+one of the ``stride`` parts of the full tensor along that dim (fc1 has stride 2: rank ``r``
+holds ``[gate_r; up_r]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import attrs
+
+from furlong.hooks import PluginError
+
+from .config import ModelShape
+
+__all__ = ["Unit", "export_hf", "gather_full", "load_hf", "local_shard", "units"]
+
+
+@attrs.frozen
+class Unit:
+    """One Megatron parameter and the Hugging Face tensors it is made of.
+
+    ``kind``: ``copy`` (one tensor as is), ``qkv`` (group packing), ``fc1`` (gate, up)
+    or ``vocab`` (rows padded to the Megatron vocabulary). ``split``: ``(dim, stride)`` of
+    its tensor-parallel split, None when replicated.
+    """
+
+    mcore: str
+    hf: tuple
+    kind: str = "copy"
+    split: tuple | None = None
+
+
+COLUMN, ROW, FC1 = (0, 1), (1, 1), (0, 2)
+
+
+def units(shape: ModelShape) -> list[Unit]:
+    """Every Megatron parameter of ``shape`` in state-dict order, with its HF source names."""
+    out = [Unit("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", COLUMN)]
+    for i in range(shape.num_layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        attn = f"{h}self_attn."
+        out.append(Unit(m + "input_layernorm.weight", (h + "input_layernorm.weight",)))
+        out.append(Unit(m + "self_attention.linear_qkv.weight",
+                        tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv", COLUMN))
+        if shape.qkv_bias:
+            out.append(Unit(m + "self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv",
+                            COLUMN))
+        if shape.qk_layernorm:
+            out.append(Unit(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",)))
+            out.append(Unit(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",)))
+        out.append(Unit(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), split=ROW))
+        out.append(Unit(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",)))
+        out.append(Unit(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1", FC1))
+        out.append(Unit(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), split=ROW))
+    out.append(Unit("decoder.final_layernorm.weight", ("model.norm.weight",)))
+    if not shape.tied:
+        out.append(Unit("output_layer.weight", ("lm_head.weight",), "vocab", COLUMN))
+    return out
+
+
+def pack(unit: Unit, tensors: list, shape: ModelShape, vocab_rows: int):
+    """The full (unsharded) Megatron tensor of ``unit`` from its HF tensors, in ``unit.hf`` order."""
+    import torch
+
+    if unit.kind == "qkv":
+        q, k, v = tensors
+        g, d = shape.num_query_groups, shape.kv_channels
+        rest = tuple(q.shape[1:])
+        parts = (q.reshape(g, -1, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest))
+        return torch.cat(parts, dim=1).reshape(-1, *rest)
+    if unit.kind == "fc1":
+        return torch.cat(tensors, dim=0)
+    if unit.kind == "vocab":
+        (table,) = tensors
+        if table.shape[0] == vocab_rows:
+            return table
+        return torch.cat([table, table.new_zeros(vocab_rows - table.shape[0], *table.shape[1:])])
+    (tensor,) = tensors
+    return tensor
+
+
+def unpack(unit: Unit, full, shape: ModelShape) -> list:
+    """Inverse of :func:`pack`: the HF tensors of ``unit`` (vocabulary trimmed to the HF size)."""
+    if unit.kind == "qkv":
+        n, g, d = shape.num_attention_heads, shape.num_query_groups, shape.kv_channels
+        rest = tuple(full.shape[1:])
+        grouped = full.reshape(g, n // g + 2, d, *rest)
+        return [grouped[:, : n // g].reshape(n * d, *rest), grouped[:, n // g].reshape(g * d, *rest),
+                grouped[:, n // g + 1].reshape(g * d, *rest)]
+    if unit.kind == "fc1":
+        return list(full.chunk(2, dim=0))
+    if unit.kind == "vocab":
+        return [full[: shape.vocab_size]]
+    return [full]
+
+
+def local_shard(full, split: tuple | None, tp: int, rank: int):
+    """This TP rank's piece of ``full`` (``full`` itself when replicated or TP=1).
+
+    :param split: ``(dim, stride)`` (:attr:`Unit.split`), or None.
+    """
+    import torch
+
+    if split is None or tp == 1:
+        return full
+    dim, stride = split
+    return torch.cat([part.chunk(tp, dim=dim)[rank] for part in full.chunk(stride, dim=dim)], dim=dim)
+
+
+def gather_full(local, split: tuple | None, tp: int, group):
+    """Inverse of :func:`local_shard`: the full tensor from every TP rank's piece (a collective over ``group``)."""
+    import torch
+    import torch.distributed as dist
+
+    local = local.detach()
+    if split is None or tp == 1:
+        return local
+    dim, stride = split
+    pieces = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    parts = [p.chunk(stride, dim=dim) for p in pieces]
+    return torch.cat([torch.cat([parts[r][j] for r in range(tp)], dim=dim) for j in range(stride)], dim=dim)
+
+
+def load_hf(model, named_tensors: Iterable[tuple[str, Any]], shape: ModelShape, vocab_rows: int, tp: int,
+            rank: int, where: str) -> None:
+    """Copy HF-named tensors into ``model``'s parameters as they stream in.
+
+    HF tensors are held only until every tensor of their Megatron parameter has arrived
+    (q/k/v of a layer, gate/up), then packed, cut to this rank's shard and copied in.
+
+    :param named_tensors: ``(hf_name, tensor)`` pairs in any order (a safetensors stream).
+    :param where: the checkpoint named in errors.
+    :raises PluginError: a tensor of unknown name or wrong shape, or a parameter left
+        without its tensors.
+    """
+    import torch
+
+    params = dict(model.named_parameters())
+    table = {name: unit for unit in units(shape) for name in unit.hf}
+    pending: dict[str, dict] = {}
+    done: set[str] = set()
+    for name, tensor in named_tensors:
+        unit = table.get(name)
+        if unit is None:
+            if (name == "lm_head.weight" and shape.tied) or name.endswith("rotary_emb.inv_freq"):
+                continue
+            raise PluginError(f"{where}: tensor {name!r} has no place in the {shape.family} Megatron model.")
+        got = pending.setdefault(unit.mcore, {})
+        got[name] = tensor
+        if len(got) < len(unit.hf):
+            continue
+        full = pack(unit, [got[n] for n in unit.hf], shape, vocab_rows)
+        del pending[unit.mcore]
+        param = params[unit.mcore]
+        piece = local_shard(full, unit.split, tp, rank)
+        if tuple(piece.shape) != tuple(param.shape):
+            raise PluginError(f"{where}: {', '.join(unit.hf)} give {unit.mcore} of shape {tuple(piece.shape)} on "
+                              f"TP rank {rank}, the model has {tuple(param.shape)}; config.json and weights disagree.")
+        with torch.no_grad():
+            param.copy_(piece)
+        done.add(unit.mcore)
+    missing = [u.hf[0] for u in units(shape) if u.mcore not in done]
+    if missing:
+        raise PluginError(f"{where}: no tensor for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}.")
+
+
+def export_hf(model, shape: ModelShape, tp: int, group) -> Iterator[tuple[str, Any]]:
+    """Yield ``(hf_name, full tensor)`` for every HF weight, one Megatron parameter at a time.
+
+    A collective over the TP ``group`` (each sharded parameter is all-gathered): every
+    TP rank iterates. Tied models yield no ``lm_head.weight``.
+    """
+    params = dict(model.named_parameters())
+    for unit in units(shape):
+        full = gather_full(params[unit.mcore], unit.split, tp, group)
+        yield from zip(unit.hf, unpack(unit, full, shape))
+
+
+def safetensors_stream(hf_dir: str) -> Iterator[tuple[str, Any]]:
+    """Every tensor of the ``*.safetensors`` files of a HF directory, one at a time.
+
+    :raises PluginError: the directory has no safetensors file.
+    """
+    import glob
+    import os
+
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+    if not files:
+        raise PluginError(f"{hf_dir}: no *.safetensors weights; the megatron backend reads safetensors.")
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)

@@ -1,0 +1,190 @@
+"""Per-token log-probs and entropy from vocab-parallel logits (SPEC.md 6.1; MEGATRON.md 6).
+
+Each tensor-parallel rank holds the logits of its vocabulary slice. The softmax pieces are
+combined with all-reduces over the TP group: the row maximum, ``sum exp``, the target's
+shifted logit (non-zero on its owner rank only) and ``sum exp * z``. Padded vocabulary
+columns are left out of every sum.
+
+The work is one autograd Function over row chunks, like megatron-core's fused
+vocab-parallel cross-entropy: the float32 softmax of a chunk lives only while that chunk
+is processed (forward and backward), so the full ``[tokens, vocab]`` float32 tensors are
+never built and the gradient comes back in the logits' dtype. Backward needs no
+communication: ``d logp_t / d z_v = 1[v = target] - p_v`` and
+``d H_t / d z_v = -p_v (log p_v + H_t)``, each rank for its own columns.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Sequence
+
+import torch
+
+from furlong.hooks.trainer import right_padded
+
+__all__ = ["forward_log_probs", "vocab_parallel_log_probs"]
+
+_CHUNK_ELEMENTS = 1 << 28  # float32 elements per row chunk (1 GiB)
+_PAD_LOGIT = -1e30  # padded columns: exp() is 0 and 0 * -1e30 stays finite
+
+
+def _tp():
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_group())
+
+
+def _all_reduce(tensor, op, tp: int, group) -> None:
+    if tp > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def _scaled(chunk, start: int, vocab_size: int, inv_temperature: float):
+    """Float32 ``z = logits / tau`` of one row chunk, padded columns at -1e30."""
+    z = chunk.to(torch.float32, copy=True)  # a float32 input must not be changed in place
+    if inv_temperature != 1.0:
+        z.mul_(inv_temperature)
+    width = z.shape[-1]
+    if start + width > vocab_size:
+        z[:, max(vocab_size - start, 0):] = _PAD_LOGIT
+    return z
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, inv_temperature: float, vocab_size: int, chunk_rows: int):
+        import torch.distributed as dist
+
+        tp, tp_rank, group = _tp()
+        rows, width = logits.shape
+        start = tp_rank * width
+        log_norm = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        log_probs = torch.empty_like(log_norm)
+        entropy = torch.empty_like(log_norm)
+        step = _rows_per_chunk(chunk_rows, width)
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            z = _scaled(logits[a:b], start, vocab_size, inv_temperature)
+            top = z.max(dim=-1).values
+            _all_reduce(top, dist.ReduceOp.MAX, tp, group)
+            z.sub_(top.unsqueeze(-1))
+            exp = z.exp()
+            total = exp.sum(dim=-1)
+            local = targets[a:b].long() - start
+            mine = (local >= 0) & (local < width)
+            picked = z.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
+            picked = torch.where(mine, picked, torch.zeros_like(picked))
+            weighted = exp.mul_(z).sum(dim=-1)
+            stats = torch.stack([total, picked, weighted])
+            _all_reduce(stats, dist.ReduceOp.SUM, tp, group)
+            total, picked, weighted = stats
+            log_total = total.log()
+            log_norm[a:b] = top + log_total
+            log_probs[a:b] = picked - log_total
+            entropy[a:b] = log_total - weighted / total
+        ctx.save_for_backward(logits, targets, log_norm, entropy)
+        ctx.inv_temperature, ctx.vocab_size, ctx.chunk_rows = inv_temperature, vocab_size, chunk_rows
+        ctx.set_materialize_grads(False)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        logits, targets, log_norm, entropy = ctx.saved_tensors
+        _, tp_rank, _ = _tp()
+        rows, width = logits.shape
+        start = tp_rank * width
+        grad = torch.empty_like(logits)
+        step = _rows_per_chunk(ctx.chunk_rows, width)
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            log_p = _scaled(logits[a:b], start, ctx.vocab_size, ctx.inv_temperature).sub_(log_norm[a:b, None])
+            p = log_p.exp()
+            out = torch.zeros_like(p)
+            if grad_entropy is not None:
+                out = log_p.add_(entropy[a:b, None]).mul_(p).mul_(-grad_entropy[a:b, None])
+            if grad_log_probs is not None:
+                g = grad_log_probs[a:b, None]
+                out.sub_(p * g)
+                local = targets[a:b].long() - start
+                mine = (local >= 0) & (local < width)
+                rows_mine = torch.nonzero(mine).squeeze(-1)
+                out[rows_mine, local[rows_mine]] += g[rows_mine, 0]
+            if ctx.inv_temperature != 1.0:
+                out.mul_(ctx.inv_temperature)
+            grad[a:b] = out
+        return grad, None, None, None, None
+
+
+def _rows_per_chunk(chunk_rows: int, width: int) -> int:
+    return chunk_rows if chunk_rows > 0 else max(1, _CHUNK_ELEMENTS // max(width, 1))
+
+
+def vocab_parallel_log_probs(logits, targets, temperature: float, vocab_size: int, *, entropy_grad: bool = True,
+                             chunk_rows: int = -1):
+    """Log-prob of each target and the entropy of its distribution, from this rank's vocab slice.
+
+    ``logp_t = z_t[target] - log sum_v exp z_t[v]`` and ``H_t = log sum exp z_t - sum_v p_v z_t[v]``
+    with ``z = logits / tau`` (``tau`` the rollout temperature when > 0 and != 1), the same
+    values as the fsdp backend's full-vocabulary ``log_softmax``.
+
+    :param logits: ``[T, V/tp]`` (any float dtype): logits at the position before each target.
+    :param targets: int64 ``[T]``, global vocabulary ids.
+    :param vocab_size: the HF vocabulary size; columns at or above it (padding) are ignored.
+    :param entropy_grad: False returns the entropy detached.
+    :param chunk_rows: tokens per float32 softmax chunk (``--log-probs-chunk-size``); <= 0:
+        as many as fit in 2**28 elements (1 GiB).
+    :returns: ``(log_probs, entropy)``: float32 ``[T]`` each, equal on every TP rank.
+    """
+    inv = 1.0 / temperature if temperature > 0 and temperature != 1 else 1.0
+    log_probs, entropy = _VocabParallelLogProbs.apply(logits, targets, inv, vocab_size, chunk_rows)
+    return log_probs, entropy if entropy_grad else entropy.detach()
+
+
+def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[int], temperature: float, device, *,
+                      vocab_size: int, grad: bool, entropy_grad: bool, autocast: Any = None,
+                      packed: bool = False, chunk_rows: int = -1) -> tuple[list, list]:
+    """One GPTModel forward over a micro-batch; response log-probs and entropy per sample.
+
+    Padded (``packed=False``): the sequences are right-padded into ``[B, L]``; no attention
+    mask is needed because attention is causal, so pad tokens after a sequence never reach
+    its positions (GPTModel's RoPE positions are implicit). Packed (``packed=True``, the
+    ``thd`` layout): the sequences are concatenated into ``[1, sum L_i]`` with
+    ``PackedSeqParams``; attention and RoPE restart at each sequence (:mod:`.attention`),
+    and no pad token is computed. Either way the log-probs are computed at every position
+    (a view of the logits, no copy) and the response spans are cut from them.
+
+    :param tokens: B sequences of prompt + response ids.
+    :param response_lengths: B response lengths ``T_i`` (the last ``T_i`` tokens).
+    :returns: ``(log_probs, entropy)``: B float32 tensors ``[T_i]`` each.
+    :raises ValueError: a response that starts at position 0 (no previous token).
+    """
+    import torch
+
+    seqs, ids = right_padded(tokens, response_lengths)
+    extra: dict = {}
+    if packed:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        lengths = [len(s) for s in seqs]
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        ids = torch.cat(seqs).unsqueeze(0)
+        bounds = torch.tensor(starts, dtype=torch.int32, device=device)
+        extra["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                                                     max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+        spans = [(0, a + n - int(t) - 1, a + n - 1) for a, n, t in zip(starts, lengths, response_lengths)]
+    else:
+        spans = [(i, len(s) - int(t) - 1, len(s) - 1) for i, (s, t) in enumerate(zip(seqs, response_lengths))]
+    ids = ids.to(device)
+    targets = torch.zeros_like(ids)
+    targets[:, :-1] = ids[:, 1:]  # across a packed boundary the target is unused: no span ends there
+    with torch.set_grad_enabled(grad), autocast if autocast is not None else nullcontext():
+        logits = model(input_ids=ids, position_ids=None, attention_mask=None, **extra)
+        lp, ent = vocab_parallel_log_probs(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), temperature,
+                                           vocab_size, entropy_grad=grad and entropy_grad, chunk_rows=chunk_rows)
+    lp, ent = lp.view(ids.shape), ent.view(ids.shape)
+    return [lp[row, a:b] for row, a, b in spans], [ent[row, a:b] for row, a, b in spans]

@@ -1,0 +1,134 @@
+"""Process groups (megatron-core ``parallel_state``) and the GPTModel built from a Hugging Face config."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any
+
+from furlong.hooks import PluginError
+
+from .config import ModelShape
+
+__all__ = ["build_gpt", "cpu_shims", "init_parallel"]
+
+
+def init_parallel(tp: int, device) -> tuple[int, int]:
+    """Initialise megatron-core's tensor/data-parallel groups; return ``(world, rank)``.
+
+    Uses the default process group when one exists (``furlong train`` under ``torchrun``,
+    a Ray worker); a single process without one gets a one-rank group on an in-memory
+    store (gloo on CPU, NCCL on GPU), which megatron-core needs for its groups.
+
+    :raises PluginError: TP does not divide the world size, or ``WORLD_SIZE > 1`` without
+        an initialised process group.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise PluginError("megatron: WORLD_SIZE > 1 but torch.distributed is not initialized; call "
+                              "torch.distributed.init_process_group before the backend's init (furlong train does).")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % tp:
+        raise PluginError(f"--tensor-model-parallel-size {tp} does not divide the trainer world size {world}.")
+    if parallel_state.model_parallel_is_initialized():
+        if parallel_state.get_tensor_model_parallel_world_size() != tp:
+            raise PluginError(f"megatron: model-parallel groups already exist with TP "
+                              f"{parallel_state.get_tensor_model_parallel_world_size()}, not {tp}.")
+    else:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    return world, rank
+
+
+_shims_lock = threading.Lock()
+_shims_depth = 0
+_cuda_originals: tuple = ()
+
+
+@contextlib.contextmanager
+def cpu_shims(device):
+    """On a machine without CUDA, let megatron-core's CUDA-only calls fall back to the CPU.
+
+    megatron-core 0.16 moves RoPE's ``inv_freq`` to ``torch.cuda.current_device()`` and
+    calls ``torch.cuda.synchronize()`` when saving a distributed checkpoint
+    (MEGATRON.md 3.2). Both are undefined without CUDA, so inside this block they
+    return the CPU device and do nothing; with CUDA nothing is changed. Blocks may nest
+    and overlap across threads: the originals come back when the last one exits.
+    """
+    import torch
+
+    global _shims_depth, _cuda_originals
+    if device.type == "cuda" or torch.cuda.is_available():
+        yield
+        return
+    with _shims_lock:
+        if _shims_depth == 0:
+            _cuda_originals = (torch.cuda.current_device, torch.cuda.synchronize)
+            torch.cuda.current_device = lambda: torch.device("cpu")
+            torch.cuda.synchronize = lambda *a, **k: None
+        _shims_depth += 1
+    try:
+        yield
+    finally:
+        with _shims_lock:
+            _shims_depth -= 1
+            if _shims_depth == 0:
+                torch.cuda.current_device, torch.cuda.synchronize = _cuda_originals
+
+
+def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
+    """megatron-core ``TransformerConfig`` of ``shape`` (MEGATRON.md 1.1): RMSNorm, SwiGLU, no
+    dropout, no biases but q/k/v's where the family has them, fused kernels off.
+
+    :param dtype: parameter dtype (``torch.float32`` or ``torch.bfloat16``).
+    :param extra: more or replaced ``TransformerConfig`` fields (recompute settings;
+        ``perform_initialization=True`` for megatron-core's own random init).
+    """
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    fields = dict(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+        kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True, tensor_model_parallel_size=tp, sequence_parallel=False,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=device.type != "cuda",
+        perform_initialization=False,
+    )
+    fields.update(extra)
+    return TransformerConfig(**fields)
+
+
+def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, **extra: Any):
+    """A GPTModel of the local spec with :class:`~.attention.SDPACoreAttention`, uninitialised
+    weights (the caller loads them), on ``device``.
+
+    :param vocab_rows: embedding/output rows (:func:`~.config.padded_vocab_size`).
+    :returns: the model; logits stay vocab-parallel (``[b, s, vocab_rows / tp]``).
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from .attention import SDPACoreAttention
+
+    config = transformer_config(shape, tp, dtype, device, **extra)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_layernorm)
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    scaling = {"rope_scaling": True, "rope_scaling_factor": shape.rope_scaling_factor} if (
+        shape.rope_scaling_factor is not None) else {}
+    with cpu_shims(device):
+        model = GPTModel(config, spec, vocab_size=vocab_rows, max_sequence_length=shape.max_position_embeddings,
+                         parallel_output=True, share_embeddings_and_output_weights=shape.tied,
+                         position_embedding_type="rope", rotary_percent=1.0, rotary_base=shape.rotary_base,
+                         **scaling)
+    return model.to(device)

@@ -1,0 +1,220 @@
+"""The micro-batch loops every train backend runs the same way: log-prob passes and optimizer steps.
+
+A backend subclasses :class:`StepLoop` and supplies the model-specific pieces (one forward
+pass, the gradient norm and clipping, the learning rate and the optimizer step); the
+loops here call them in the order SPEC.md 6.1, 6.3 and 6.4 fix. The built-in ``fsdp`` and
+``megatron`` backends use it; a third-party backend may.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from typing import Any, Sequence
+
+from .errors import PluginError
+from .types import TrainBatch
+
+__all__ = ["StepLoop", "right_padded"]
+
+log = logging.getLogger("furlong")
+
+
+def right_padded(tokens: Sequence[Any], response_lengths: Sequence[int]):
+    """The sequences of a micro-batch as int64 tensors and right-padded (with 0) in one ``[B, L]`` tensor.
+
+    :returns: ``(seqs, ids)``: B int64 tensors ``[L_i]`` and the padded int64 ``[B, max L_i]`` (host).
+    :raises ValueError: a sample whose response starts at position 0 (no previous token).
+    """
+    import torch
+
+    seqs = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in tokens]
+    for i, (seq, t) in enumerate(zip(seqs, response_lengths)):
+        if t > 0 and len(seq) - t < 1:
+            raise ValueError(f"sample {i}: response_length {t} leaves no prompt token in {len(seq)} tokens")
+    ids = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq)] = seq
+    return seqs, ids
+
+
+class StepLoop:
+    """Base of a train backend: ``log_probs`` and ``train`` over the core's micro-batches.
+
+    A subclass sets ``name``, ``args``, ``model``, ``ref_model``, ``optimizer``, ``device``
+    and ``global_step``, and implements :meth:`_forward`, :meth:`_clip`,
+    :meth:`_learning_rate` and :meth:`_optimizer_step`; it may override
+    :meth:`_dp_group` / :meth:`_dp_size` (default: the default process group, ``self.world``
+    ranks; metrics are summed over it), :meth:`_before_train` and :meth:`_after_train`.
+    """
+
+    name = "backend"
+    world = 1
+
+    # --- pieces a backend supplies ---------------------------------------------------------
+
+    def _forward(self, model, batch: TrainBatch, ids: list[int], grad: bool) -> tuple[list, list]:
+        """One forward pass over samples ``ids``: per sample float32 log-probs and entropy ``[T_i]``."""
+        raise NotImplementedError
+
+    def _clip(self, finite_loss: bool) -> tuple[float, bool]:
+        """Reduce gradients as the backend must, return ``(pre-clip global grad norm, all finite on every rank)``
+        and clip to ``--clip-grad`` when finite."""
+        raise NotImplementedError
+
+    def _learning_rate(self) -> float:
+        """The learning rate of the next optimizer step."""
+        raise NotImplementedError
+
+    def _optimizer_step(self, lr: float) -> None:
+        """Apply the step at ``lr`` and advance the schedule."""
+        raise NotImplementedError
+
+    def _before_train(self) -> None:
+        """Called at the start of :meth:`train` (e.g. switch to train mode)."""
+
+    def _after_train(self) -> None:
+        """Called at the end of :meth:`train`."""
+
+    async def _in_thread(self, fn, *args, **kwargs):
+        """Run ``fn`` in a worker thread on this rank's CUDA device (the current device is per thread)."""
+
+        def call():
+            if self.device.type == "cuda":
+                import torch
+
+                torch.cuda.set_device(self.device)
+            return fn(*args, **kwargs)
+
+        return await asyncio.to_thread(call)
+
+    def _entropy_grad(self, grad: bool) -> bool:
+        """Whether a forward keeps the entropy's graph: with grad, and only when ``--entropy-coef`` != 0."""
+        return grad and float(getattr(self.args, "entropy_coef", 0.0) or 0.0) != 0.0
+
+    def _dp_group(self):
+        """The data-parallel process group (None: the default group, every rank)."""
+        return None
+
+    def _dp_size(self) -> int:
+        """Ranks of :meth:`_dp_group`."""
+        return self.world
+
+    def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
+        """Metric sums of every data-parallel rank (all report the same keys: same loss plugin)."""
+        if self._dp_size() == 1 or not sums:
+            return dict(sums)
+        import torch
+
+        keys = sorted(sums)
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(values, group=self._dp_group())
+        return dict(zip(keys, values.tolist()))
+
+    async def offload(self) -> None:
+        """Move weights and optimizer state to host memory (a no-op on CPU)."""
+        if self.device.type == "cuda":
+            await self._in_thread(self._move, "cpu")
+
+    async def onload(self) -> None:
+        """Move weights and optimizer state back to the GPU (a no-op on CPU)."""
+        if self.device.type == "cuda":
+            await self._in_thread(self._move, self.device)
+
+    def _move(self, device) -> None:
+        import torch
+
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    # --- the loops ---------------------------------------------------------------------------
+
+    async def log_probs(self, batch: TrainBatch, model: str = "actor") -> dict:
+        """Forward-only log-probs and entropy of every response token (SPEC.md 6.1).
+
+        Micro-batches: those of ``batch.steps`` (this rank's samples, so every rank runs
+        the same number of passes); with no steps, all samples in chunks of
+        ``--micro-batch-size``. Logits are divided by ``batch.temperature``.
+
+        :param model: ``"actor"`` or ``"ref"``.
+        :returns: ``{"log_probs": [...], "entropy": [...]}``, N entries each (float32
+            ``[T_i]`` on the host); samples of other ranks are None.
+        :raises PluginError: ``model="ref"`` without a reference model.
+        """
+        import torch
+
+        net = {"actor": self.model, "ref": self.ref_model}.get(model)
+        if net is None:
+            raise PluginError(f"{self.name}: log_probs(model={model!r}) but no such model is loaded "
+                              "(the reference loads only with --use-kl-loss or --kl-coef != 0).")
+        n = len(batch.tokens)
+        if batch.steps:
+            chunks = [list(mb) for step in batch.steps for mb in step]
+        else:
+            size = max(1, int(getattr(self.args, "micro_batch_size", 1) or 1))
+            chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+        log_probs: list = [None] * n
+        entropy: list = [None] * n
+        for ids in chunks:
+            lp, ent = await self._in_thread(self._forward, net, batch, ids, False)
+            for i, a, b in zip(ids, lp, ent):
+                log_probs[i], entropy[i] = a.detach().to("cpu", torch.float32), b.detach().to("cpu", torch.float32)
+        return {"log_probs": log_probs, "entropy": entropy}
+
+    async def train(self, rollout_id: int, batch: TrainBatch) -> list[dict]:
+        """One optimizer step per entry of ``batch.steps`` (SPEC.md 6.3, 6.4).
+
+        Per step: zero grads; per micro-batch a forward with grad, ``batch.objective``,
+        backward (gradients accumulate); the metric sums over ranks; :meth:`_clip`
+        (reduction, global grad norm before clipping, non-finite check, clipping); the
+        scheduled learning rate and the optimizer step.
+
+        :returns: per step, the objective's metrics summed over micro-batches and ranks
+            (each rank's share already carries the whole step's denominators, so the sum
+            is the step's value) plus ``grad_norm`` and ``lr``; the same on every rank.
+        :raises FloatingPointError: a non-finite loss or gradient, unless
+            ``--no-check-for-nan-in-loss-and-grad`` (then the step and its LR advance are
+            skipped, with a warning).
+        """
+        if getattr(self.args, "reset_optimizer_states", False):
+            self.optimizer.state.clear()
+        self._before_train()
+        results = []
+        for s, micro_batches in enumerate(batch.steps):
+            self.optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = defaultdict(float)
+            finite_loss = True
+            for mb in micro_batches:
+                lp, ent = await self._in_thread(self._forward, self.model, batch, list(mb), True)
+                loss, metrics = await batch.objective(list(mb), lp, ent)
+                finite_loss &= bool(loss.detach().isfinite().all())
+                await self._in_thread(loss.backward)
+                for key, value in metrics.items():
+                    sums[key] += float(value)
+            sums = await self._in_thread(self._sum_over_ranks, sums)
+            grad_norm, finite = await self._in_thread(self._clip, finite_loss)
+            lr = self._learning_rate()
+            if not finite:
+                message = (f"{self.name}: rollout {rollout_id} step {s}: non-finite loss or gradient (grad norm "
+                           f"{grad_norm}); lower --lr, check rewards and data, or pass "
+                           "--no-check-for-nan-in-loss-and-grad to skip such steps.")
+                if not getattr(self.args, "no_check_for_nan_in_loss_and_grad", False):
+                    raise FloatingPointError(message)
+                log.warning("%s Step skipped.", message)
+                self.optimizer.zero_grad(set_to_none=True)
+            else:
+                await self._in_thread(self._optimizer_step, lr)
+                self.global_step += 1
+            results.append({**sums, "grad_norm": grad_norm, "lr": lr})
+        self.optimizer.zero_grad(set_to_none=True)
+        self._after_train()
+        return results

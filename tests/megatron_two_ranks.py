@@ -1,0 +1,85 @@
+"""Worker of test_megatron_backend.py::test_tensor_parallel_two_ranks (torchrun, 2 gloo ranks, TP=2).
+
+Usage: ``torchrun --standalone --nproc_per_node 2 megatron_two_ranks.py HF_DIR OUT_DIR``.
+
+1. Builds the model of HF_DIR with megatron-core's own random CPU initialisation (seed 7) at
+   TP=2 and writes each rank's parameters to ``OUT_DIR/init<r>.pt`` (the test compares them
+   with the converter's split of the TP=1 initialisation).
+2. Runs the megatron backend at TP=2 on the four fixed samples: log-probs (``logprobs.pt``),
+   one AdamW step (``step.pt``: metrics and the exported HF weights), and a ``torch_dist``
+   checkpoint in ``OUT_DIR/ckpt``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tiny_model import make_batch, train_args
+
+from furlong.builtin_plugins.backends.megatron import train_backend
+from furlong.builtin_plugins.backends.megatron.config import model_shape
+from furlong.builtin_plugins.backends.megatron.model import build_gpt, init_parallel
+
+
+def megatron_init(hf_dir: str) -> dict:
+    from transformers import AutoConfig
+
+    torch.manual_seed(7)
+    shape = model_shape(AutoConfig.from_pretrained(hf_dir))
+    model = build_gpt(shape, 2, shape.vocab_size, torch.float32, torch.device("cpu"), perform_initialization=True)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+async def main(hf_dir: str, out: Path) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    init_parallel(2, torch.device("cpu"))
+    torch.save(megatron_init(hf_dir), out / f"init{rank}.pt")
+    backend = train_backend(args=train_args(hf_dir, tensor_model_parallel_size=2, adam_eps=1e-3))
+    await backend.init(backend.args)
+    layout = backend.layout()
+    assert (layout.dp_size, layout.dp_rank, layout.returns_outputs) == (1, 0, rank == 0), layout
+    from transformers import AutoTokenizer
+
+    steps = [[[0, 1], [2, 3]]]
+    batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), steps)
+    log_probs = await backend.log_probs(batch)
+    metrics = (await backend.train(0, batch))[0]
+    weights = dict(await backend.named_weights())
+    await backend.save(str(out / "ckpt"))
+    if rank == 0:
+        torch.save(log_probs, out / "logprobs.pt")
+        torch.save({"metrics": metrics, "weights": weights}, out / "step.pt")
+    dist.barrier()
+    await data_parallel(hf_dir, out, rank)
+    dist.destroy_process_group()
+
+
+async def data_parallel(hf_dir: str, out: Path, rank: int) -> None:
+    from megatron.core import parallel_state
+    from transformers import AutoTokenizer
+
+    from furlong.core.batching import plan_steps
+
+    parallel_state.destroy_model_parallel()
+    backend = train_backend(args=train_args(hf_dir, adam_eps=1e-3))
+    await backend.init(backend.args)
+    layout = backend.layout()
+    assert (layout.dp_size, layout.dp_rank, layout.returns_outputs) == (2, rank, True), layout
+    probe = make_batch(AutoTokenizer.from_pretrained(hf_dir), [])
+    steps = plan_steps([len(t) for t in probe.tokens], global_batch_size=4, num_steps=1, dp_size=2, rank=rank,
+                       micro_batch_size=1, max_tokens_per_gpu=None, dynamic=False, balance=False)
+    metrics = (await backend.train(0, make_batch(AutoTokenizer.from_pretrained(hf_dir), steps)))[0]
+    weights = dict(await backend.named_weights())
+    if rank == 0:
+        torch.save({"metrics": metrics, "weights": weights}, out / "dp.pt")
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], Path(sys.argv[2])))
