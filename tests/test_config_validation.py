@@ -552,7 +552,7 @@ def test_sglang_and_megatron_packages_alone_change_no_default(monkeypatch):
 
 def test_megatron_core_on_cuda_makes_the_built_in_megatron_backend_the_default(monkeypatch):
     _cuda(monkeypatch, gpus=2)
-    args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8"])
+    args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8", "--rollout-num-gpus", "1"])
     assert args.train_backend == "megatron"
 
 
@@ -626,7 +626,7 @@ def test_machine_defaults_name_the_flags_that_came_from_the_machine(monkeypatch)
     from furlong.core.config.parser import machine_defaults
 
     _cuda(monkeypatch, gpus=2)
-    monkeypatch.setattr(env, "furlong_plugin_installed", lambda name: False)
+    monkeypatch.setattr(env, "furlong_plugin_installed", lambda name: name == "megatron")  # the sglang plugin absent
     args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8", "--actor-num-gpus-per-node", "1", "--fp16"])
     assert machine_defaults(args) == {
         "num_gpus_per_node": {"value": 2, "probe": "torch.cuda.device_count() = 2"},
