@@ -327,15 +327,6 @@ def test_dynamic_batching_warns_when_responses_exceed_the_token_cap(caplog):
                                        "--rollout-max-response-len", "4096"]) == []
 
 
-def test_tensor_parallel_without_sequence_parallel_warns(caplog):
-    megatron = BASE + ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2",
-                       "--tensor-model-parallel-size", "2"]
-    assert warnings_of(caplog, megatron) == [
-        "--tensor-model-parallel-size 2 without --sequence-parallel keeps a full copy of the activations on every "
-        "TP rank; add --sequence-parallel."]
-    assert warnings_of(caplog, megatron + ["--sequence-parallel"]) == []
-
-
 def test_partial_rollout_with_several_steps_without_tis_warns(caplog):
     argv = BASE + ["--n-samples-per-prompt", "2", "--num-steps-per-rollout", "2", "--partial-rollout"]
     assert warnings_of(caplog, argv) == [

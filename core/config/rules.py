@@ -175,7 +175,7 @@ def lengths(args, f, given: set[str]) -> None:
 
 
 def performance(args, f, given: set[str]) -> None:
-    """Dynamic batching, tensor/sequence parallelism (the fsdp backend checks its own limits in ``configure``)."""
+    """Dynamic batching (each train backend checks its own parallel layout in ``configure``)."""
     cap = args.max_tokens_per_gpu
     if args.use_dynamic_batch_size:
         if cap is None:
@@ -183,10 +183,6 @@ def performance(args, f, given: set[str]) -> None:
         elif args.rollout_max_response_len is not None and args.rollout_max_response_len > cap:
             f.warn(f"--rollout-max-response-len ({args.rollout_max_response_len}) is larger than --max-tokens-per-gpu "
                    f"({cap}): a longer sample gets a micro-batch of its own above the cap and may run out of memory.")
-    tp = args.tensor_model_parallel_size
-    if args.train_backend == "megatron" and tp > 1 and not args.sequence_parallel:
-        f.warn(f"--tensor-model-parallel-size {tp} without --sequence-parallel keeps a full copy of the "
-               f"activations on every TP rank; add --sequence-parallel.")
 
 
 def sglang(args, f) -> None:
