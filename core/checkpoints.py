@@ -127,6 +127,7 @@ async def save_checkpoint(
     rollout_id: int,
     save_model: Callable[[str], Awaitable[Any]],
     state: dict,
+    save_hf: Callable[[str], Awaitable[Any]] | None = None,
 ) -> str:
     """Save the checkpoint of ``rollout_id`` under ``args.save``; return its final directory.
 
@@ -148,6 +149,10 @@ async def save_checkpoint(
         part (the driver alone renames, writes the state JSON and the marker).
     :param state: JSON-serializable dict (data-source state, cursor counters, buffer of
         groups as ``Sample.to_dict()`` lists, sample counters), built by the caller.
+    :param save_hf: coroutine function writing a Hugging Face export into the given path
+        (the train group's ``save_hf``); with ``--save-hf TEMPLATE`` it is awaited after the
+        marker names the new checkpoint, into ``TEMPLATE.format(rollout_id=N)``, before the
+        post-save hook (which gets that directory as ``hf_dir``).
     :returns: ``<save>/iter_<rollout_id:07d>``.
     :raises PluginError: ``args.save`` is not set, or ``state`` is not JSON-serializable.
     """
@@ -165,7 +170,18 @@ async def save_checkpoint(
     await save_model(tmp)
     _fsync_dir(tmp)
     _publish(args, save, rollout_id, tmp, final, state_text)
+    hf_dir = hf_export_dir(args, rollout_id)
+    if hf_dir:
+        await save_hf(hf_dir)
+        log.info("saved Hugging Face weights %s", hf_dir)
+    _post_save_hook(args, rollout_id, final, hf_dir)
     return final
+
+
+def hf_export_dir(args: Any, rollout_id: int) -> str | None:
+    """``--save-hf`` for this rollout (``{rollout_id}`` filled in), or None without the flag."""
+    template = getattr(args, "save_hf", None)
+    return template.format(rollout_id=rollout_id) if template else None
 
 
 def _state_json(state: dict, rollout_id: int) -> str:
@@ -201,15 +217,14 @@ def _publish(args: Any, save: str, rollout_id: int, tmp: str, final: str, state_
         os.remove(sentinel)
         log.info("save trigger %s honoured at rollout %d and removed", sentinel, rollout_id)
     log.info("saved checkpoint %s", final)
-    _post_save_hook(args, rollout_id, final)
 
 
-def _post_save_hook(args: Any, rollout_id: int, ckpt_dir: str) -> None:
+def _post_save_hook(args: Any, rollout_id: int, ckpt_dir: str, hf_dir: str | None) -> None:
     """Call ``--custom-megatron-post-save-hook-path`` as ``hook(args, rollout_id, ckpt_dir, hf_dir)``.
 
-    Runs once per save, after the marker names the new checkpoint, in the process that
-    wrote the marker. ``hf_dir`` is None: furlong writes no Hugging Face export per save
-    (``--save-hf`` is not supported yet).
+    Runs once per save, after the marker names the new checkpoint and the ``--save-hf``
+    export is written, in the process that wrote the marker. ``hf_dir`` is that export's
+    directory, or None without ``--save-hf``.
 
     :raises PluginError: the path cannot be imported, the hook raises, or it is ``async def``
         (it is called synchronously).
@@ -222,7 +237,7 @@ def _post_save_hook(args: Any, rollout_id: int, ckpt_dir: str) -> None:
     flag = "--custom-megatron-post-save-hook-path"
     hook = import_dotted(path, flag)
     try:
-        result = hook(args, rollout_id, ckpt_dir, None)
+        result = hook(args, rollout_id, ckpt_dir, hf_dir)
     except Exception as exc:  # noqa: BLE001 - name the hook at fault
         raise PluginError(f"{flag} '{path}' failed after saving {ckpt_dir}: {type(exc).__name__}: {exc}") from exc
     if inspect.isawaitable(result):

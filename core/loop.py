@@ -166,7 +166,7 @@ class Run:
         """Checkpoint ``rollout_id`` with ``data_state`` (default: the data side's state now)."""
         if data_state is None:
             data_state = await self.rollout.data_state()
-        path = await save_checkpoint(self.args, rollout_id, self.group.save_model, data_state)
+        path = await save_checkpoint(self.args, rollout_id, self.group.save_model, data_state, self.group.save_hf)
         await self.pm.notify("on_checkpoint_saved", args=self.args, rollout_id=rollout_id, path=path)
 
     async def finish_rollout(self, rollout_id: int, groups, metrics: dict) -> None:

@@ -168,6 +168,10 @@ class TrainGroup:
         """Every rank writes its part of the checkpoint into ``path``."""
         return await self._all_exclusive("save", path)
 
+    async def save_hf(self, path: str) -> list:
+        """Every rank takes part in writing a Hugging Face export of the weights to ``path`` (``--save-hf``)."""
+        return await self._all_exclusive("save_hf", path)
+
     async def load_model(self, path: str) -> list:
         return await self._all_exclusive("load", path)
 

@@ -79,6 +79,9 @@ class TrainWorker:
         if not isinstance(layout, ParallelLayout):
             raise PluginError(f"{flag} '{name}': layout() returned {type(layout).__name__}; "
                               "it must return furlong.hooks.ParallelLayout.")
+        if self.args.save_hf and not callable(getattr(self.backend, "save_hf", None)):
+            raise PluginError(f"--save-hf: {flag} '{name}' has no save_hf(path) method, so it cannot export "
+                              "Hugging Face weights; drop --save-hf or use a backend that has one (fsdp, megatron).")
         return int(start or 0), layout
 
     async def log_probs(self, share: WorkerShare, model: str) -> dict | None:
@@ -99,6 +102,9 @@ class TrainWorker:
 
     async def save(self, path: str) -> None:
         await self.backend.save(path)
+
+    async def save_hf(self, path: str) -> None:
+        await self.backend.save_hf(path)
 
     async def load(self, path: str) -> None:
         await self.backend.load(path)

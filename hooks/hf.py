@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from .errors import PluginError
 
-__all__ = ["load_causal_lm_weights", "load_tokenizer"]
+__all__ = ["load_causal_lm_weights", "load_tokenizer", "write_hf_checkpoint"]
 
 log = logging.getLogger("furlong")
 
@@ -69,6 +69,35 @@ def load_causal_lm_weights(path: str, flag: str, attn_implementations: Sequence[
         except Exception as exc:  # noqa: BLE001 - e.g. safetensors' SafetensorError on a corrupt file
             raise PluginError(f"{flag} {path}: {_weights_problem(path, exc)}") from exc
     raise PluginError(f"{flag} {path}: cannot load the model ({problem}).")
+
+
+def write_hf_checkpoint(path: str, weights: dict[str, Any], source: str) -> None:
+    """Write a Hugging Face model directory: ``weights`` as ``model.safetensors``, and the
+    config, generation config and tokenizer files of ``source`` (the ``--hf-checkpoint``).
+
+    :param weights: HF parameter name -> tensor (any device and dtype; saved as given, on
+        the CPU); tied aliases may be left out (``tie_word_embeddings`` restores them).
+    :raises PluginError: ``source`` has no readable ``config.json``, or ``path`` cannot be written.
+    """
+    import shutil
+
+    from safetensors.torch import save_file
+
+    config = os.path.join(source, "config.json")
+    if not os.path.isfile(config):
+        raise PluginError(f"--save-hf {path}: --hf-checkpoint {source} has no config.json to copy next to the weights.")
+    try:
+        os.makedirs(path, exist_ok=True)
+        tmp = os.path.join(path, "model.safetensors.tmp")
+        save_file({name: t.detach().to("cpu").contiguous() for name, t in weights.items()}, tmp,
+                  metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(path, "model.safetensors"))
+        for name in ("config.json", "generation_config.json", *_TOKENIZER_FILES, "special_tokens_map.json",
+                     "added_tokens.json", "chat_template.jinja"):
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
+    except OSError as exc:
+        raise PluginError(f"--save-hf {path}: cannot write the Hugging Face export ({_first_line(exc)}).") from exc
 
 
 def _weights_problem(path: str, exc: Exception) -> str:

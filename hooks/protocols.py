@@ -159,6 +159,10 @@ class TrainBackend(Protocol):
 
     async def onload(self) -> None: ...
 
+    # Optional: ``async def save_hf(self, path: str) -> None`` writes the weights as a Hugging
+    # Face model directory (``--save-hf``; every rank calls it). Backends built on
+    # :class:`furlong.hooks.trainer.StepLoop` inherit one; without it ``--save-hf`` is an error.
+
 
 @runtime_checkable
 class DataSource(Protocol):

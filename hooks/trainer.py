@@ -122,6 +122,27 @@ class StepLoop:
         if self.device.type == "cuda":
             await self._in_thread(self._move, self.device)
 
+    async def save_hf(self, path: str) -> None:
+        """Write the weights of :meth:`iter_weights` as a Hugging Face model directory at ``path``
+        (``--save-hf``), with the config and tokenizer of ``--hf-checkpoint``; every rank calls it
+        (the iteration may be a collective), rank 0 writes.
+
+        :raises PluginError: the export cannot be written (:func:`furlong.hooks.hf.write_hf_checkpoint`).
+        """
+        import torch
+
+        from .hf import write_hf_checkpoint
+
+        writer = getattr(self, "rank", 0) == 0
+        weights = {}
+        async for name, tensor in self.iter_weights():
+            if writer:
+                weights[name] = tensor.to("cpu", copy=True)
+        if writer:
+            await self._in_thread(write_hf_checkpoint, path, weights, self.args.hf_checkpoint)
+        if self.world > 1:
+            torch.distributed.barrier()
+
     def _move(self, device) -> None:
         import torch
 

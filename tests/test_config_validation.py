@@ -200,7 +200,6 @@ UNSUPPORTED_ARGV = {
     "--balance-by-flops": ["--balance-by-flops"],
     "--eval-num-gpus": ["--eval-num-gpus", "2"],
     "--async-save": ["--async-save"],
-    "--save-hf": ["--save-hf", "/hf/{rollout_id}"],
     "--use-mlflow": ["--use-mlflow"],
     "--use-prometheus": ["--use-prometheus"],
     "--multimodal-keys": ["--multimodal-keys", '{"image": "images"}'],

@@ -55,7 +55,7 @@ def short_run(tmp_path_factory, tiny_model_dir, arithmetic_jsonl):
             "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "2", "--rollout-max-response-len", "6",
             "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl", "--lr", "1e-3",
             "--eval-prompt-data", "arith", str(arithmetic_jsonl) + "@[0:6]", "--eval-interval", "2",
-            "--save", str(save), "--save-interval", "2"]
+            "--save", str(save), "--save-interval", "2", "--save-hf", str(save.parent / "hf" / "r{rollout_id}")]
     pm = get_plugin_manager()
     recorder = Recorder()
     pm.register(recorder, name="recorder")
@@ -109,6 +109,24 @@ def test_checkpoints_follow_the_save_cadence(short_run):
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     state = json.loads((save / "rollout" / "state_2.json").read_text())
     assert state["counters"]["trained"] == 6 and state["group_index"] == 6
+
+
+def test_save_hf_writes_a_hugging_face_model_equal_to_each_checkpoint(short_run, tiny_model_dir):
+    """--save-hf: at every save a from_pretrained-loadable directory holding the checkpoint's weights."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    save, _, _ = short_run
+    assert sorted(p.name for p in (save.parent / "hf").iterdir()) == ["r1", "r2"]
+    exported = AutoModelForCausalLM.from_pretrained(save.parent / "hf" / "r2").state_dict()
+    checkpoint = {}
+    for f in sorted((save / "iter_0000002").rglob("*.safetensors")):
+        checkpoint.update(load_file(f))
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    shared = sorted(set(checkpoint) & set(exported))
+    assert shared and all(torch.equal(exported[k], checkpoint[k].to(exported[k].dtype)) for k in shared)
+    assert any(not torch.equal(exported[k], initial[k]) for k in shared)  # trained weights, not the start
 
 
 def _documented_metric_patterns() -> list:

@@ -158,6 +158,19 @@ def test_post_save_hook_runs_after_the_marker_names_the_checkpoint(tmp_path, fun
     assert _calls(functions) == [("after_save", 3, final, None, "3", True)]
 
 
+def test_post_save_hook_gets_the_save_hf_directory_written_before_it(tmp_path, functions):
+    args = _save_args(tmp_path, f"{functions}.after_save")
+    args.save_hf = str(tmp_path / "hf" / "r{rollout_id}")
+    written = []
+
+    async def save_hf(path):
+        written.append(path)
+
+    final = asyncio.run(ck.save_checkpoint(args, 3, _save_model, {"r": 3}, save_hf))
+    assert written == [str(tmp_path / "hf" / "r3")]
+    assert _calls(functions) == [("after_save", 3, final, str(tmp_path / "hf" / "r3"), "3", True)]
+
+
 def test_post_save_hook_failure_names_the_flag(tmp_path, functions):
     args = _save_args(tmp_path, f"{functions}.failing_save")
     with pytest.raises(PluginError) as excinfo:

@@ -25,8 +25,8 @@ def add(g, dev) -> None:
     g.add_argument("--save", default=None, help="Checkpoint directory (the parent of iter_* directories).")
     g.add_argument("--save-interval", type=int, default=100,
                    help="Rollouts between saves; needs --save (default was 10 before 0.0.8).")
-    g.add_argument("--save-hf", default=None, help="Also export HF weights at each save, path template with "
-                                                   "{rollout_id} (not supported yet).")
+    g.add_argument("--save-hf", default=None, help="Also write the weights as a Hugging Face model directory at each "
+                                                   "save (a path template with {rollout_id}); needs --save.")
     g.add_argument("--save-trigger-sentinel", default=None,
                    help="At a save point, if this file exists: save now, then delete it. Needs --save.")
     g.add_argument("--no-save-optim", action="store_true", help="Do not save optimizer and scheduler state.")

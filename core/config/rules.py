@@ -96,13 +96,20 @@ def importance_sampling(args, f) -> None:
 
 
 def saving(args, f, given: set[str]) -> None:
-    """Flags that only mean something with --save."""
+    """Flags that only mean something with --save; the --save-hf template."""
+    if args.save_hf:
+        try:
+            args.save_hf.format(rollout_id=0)
+        except (KeyError, IndexError, ValueError) as exc:
+            f.error(f"--save-hf {args.save_hf}: a path template may use only {{rollout_id}} ({type(exc).__name__}: "
+                    f"{exc}).")
     if args.save:
         if "save_interval" not in given:
             f.info(f"--save-interval defaults to {args.save_interval} rollouts (it was 10 before 0.0.8).")
         return
     for dest, flag in (("save_interval", "--save-interval"), ("save_trigger_sentinel", "--save-trigger-sentinel"),
-                       ("custom_megatron_post_save_hook_path", "--custom-megatron-post-save-hook-path")):
+                       ("custom_megatron_post_save_hook_path", "--custom-megatron-post-save-hook-path"),
+                       ("save_hf", "--save-hf")):
         if dest in given and getattr(args, dest) is not None:
             f.error(f"{flag} {getattr(args, dest)} has no effect without --save: give --save DIR or drop {flag}.")
 

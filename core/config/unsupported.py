@@ -31,7 +31,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--balance-by-flops", "balance_by_flops"),
     Unsupported("--eval-num-gpus", "eval_num_gpus", (0,)),
     Unsupported("--async-save", "async_save"),
-    Unsupported("--save-hf", "save_hf", (None,)),
     Unsupported("--use-mlflow", "use_mlflow"),
     Unsupported("--use-prometheus", "use_prometheus"),
     Unsupported("--multimodal-keys", "multimodal_keys", (None,)),

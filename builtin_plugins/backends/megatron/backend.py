@@ -267,28 +267,6 @@ class MegatronBackend(StepLoop):
         """Every tensor of :meth:`iter_weights` in one list (tests and tools; weight sync streams)."""
         return [(name, tensor) async for name, tensor in self.iter_weights()]
 
-    async def save_hf(self, path: str) -> None:
-        """Write a Hugging Face model directory (safetensors, config, tokenizer) to ``path``; every rank calls it."""
-        import torch
-        from transformers import AutoConfig
-
-        weights = {name: tensor.to("cpu").clone() for name, tensor in await self.named_weights()}
-        if self.rank == 0:
-            from safetensors.torch import save_file
-
-            os.makedirs(path, exist_ok=True)
-            save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-            AutoConfig.from_pretrained(self.args.hf_checkpoint).save_pretrained(path)
-            try:
-                from transformers import AutoTokenizer
-
-                AutoTokenizer.from_pretrained(self.args.hf_checkpoint).save_pretrained(path)
-            except (OSError, ValueError):
-                log.warning("megatron: no tokenizer in %s; %s holds weights and config only",
-                            self.args.hf_checkpoint, path)
-        if self.world > 1:
-            torch.distributed.barrier()
-
     async def save(self, path: str) -> None:
         """Write a ``torch_dist`` checkpoint into ``path`` (:mod:`.checkpoint`); every rank calls it.
 
