@@ -227,6 +227,44 @@ def test_abort_returns_partial_tokens_and_clears_the_queue(tiny_dir):
     assert running.output_ids[:n] == after.output_ids[:n]  # the partial tokens are the real greedy prefix
 
 
+def test_abort_request_by_rid_ends_only_that_request_with_partial_tokens(tiny_dir):
+    eng = embedded.load_engine(str(tiny_dir), max_batch_size=1)
+    long = {"temperature": 0, "max_new_tokens": 100_000, "ignore_eos": True}
+    short = {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
+
+    async def scenario():
+        running = asyncio.ensure_future(eng.generate(_ids(eng, "Hello there"), dict(long), rid="a"))
+        queued = asyncio.ensure_future(eng.generate(_ids(eng, "x"), dict(long), rid="b"))
+        other = asyncio.ensure_future(eng.generate(_ids(eng, "Q: 1+1="), dict(short), rid="c"))
+        await asyncio.sleep(0.5)
+        assert await eng.abort_request("b")  # queued: ends at once, no tokens
+        await asyncio.wait_for(asyncio.shield(queued), 1)
+        assert not running.done()
+        assert await eng.abort_request("a")
+        assert not await eng.abort_request("nobody")
+        with pytest.raises(PluginError, match="request id 'c' is already in use"):
+            await eng.generate([1, 2], dict(short), rid="c")
+        return await running, await queued, await other
+
+    running, queued, other = _run(scenario())
+    assert running.finish_reason == "abort" and 0 < len(running.output_ids) < 100_000
+    assert (queued.finish_reason, queued.output_ids) == ("abort", [])
+    assert (other.finish_reason, len(other.output_ids)) == ("length", 20)  # not aborted
+    assert not eng._by_rid  # finished requests free their ids
+
+
+def test_on_token_streams_every_token_before_the_result(engine):
+    seen = []
+
+    async def scenario():
+        out = await engine.generate(_ids(engine, "Hello there"), dict(GREEDY),
+                                    on_token=lambda token, log_prob: seen.append((token, log_prob)))
+        return out, list(seen)
+
+    out, at_finish = _run(scenario())
+    assert at_finish == list(zip(out.output_ids, out.output_log_probs))
+
+
 # --- weights ------------------------------------------------------------------------------
 
 

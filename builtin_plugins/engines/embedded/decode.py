@@ -27,7 +27,9 @@ class Request:
     """One ``generate`` call: its prompt, parameters, generator seed and results so far.
 
     ``epoch``: the engine's abort epoch at submission; the request is aborted as soon as
-    the engine's epoch is larger. ``cancelled``: the caller stopped waiting.
+    the engine's epoch is larger. ``cancelled``: the caller stopped waiting. ``rid``: the
+    caller's request id (``abort_request(rid)`` sets ``aborted``). ``on_token``: called
+    in the decode thread with ``(token_id, log_prob)`` after each new token (streaming).
     """
 
     input_ids: list[int]
@@ -37,6 +39,9 @@ class Request:
     stop_ids: set[int]
     future: Any = None
     cancelled: bool = False
+    rid: str | None = None
+    aborted: bool = False
+    on_token: Callable[[int, float], None] | None = None
     output_ids: list[int] = attrs.field(factory=list)
     log_probs: list[float] = attrs.field(factory=list)
     finish_reason: str | None = None
@@ -110,6 +115,8 @@ def decode_batch(
                 token, log_prob = sample_token(logits[r], req.params, banned, generators[rows[r]])
                 req.output_ids.append(token)
                 req.log_probs.append(log_prob)
+                if req.on_token is not None:
+                    req.on_token(token, log_prob)
                 reason = _finish_reason(req, token, tokenizer)
                 if reason:
                     _finish(req, reason, on_finish)

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from furlong.hooks import GenerateOutput, PluginError
 
@@ -57,6 +57,7 @@ class EmbeddedEngine:
         self._groups: dict[str, Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: list[Request] = []
+        self._by_rid: dict[str, Request] = {}  # requests given a rid, until they are resolved
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._running: asyncio.Future | None = None
@@ -65,21 +66,28 @@ class EmbeddedEngine:
 
     # --- RolloutEngine ------------------------------------------------------------------
 
-    async def generate(self, input_ids: list[int], sampling_params: dict) -> GenerateOutput:
+    async def generate(self, input_ids: list[int], sampling_params: dict, *, rid: str | None = None,
+                       on_token: Callable[[int, float], None] | None = None) -> GenerateOutput:
         """Generate one continuation of ``input_ids`` (see :class:`~.sampling.SamplingParams`).
 
         :param input_ids: prompt (or prompt + earlier response) token ids, non-empty.
         :param sampling_params: SGLang-style dict (``temperature``, ``top_p``, ``top_k``,
             ``max_new_tokens``, ``min_new_tokens``, ``stop``, ``stop_token_ids``,
             ``ignore_eos``, ``skip_special_tokens``, ``sampling_seed``).
+        :param rid: a request id for :meth:`abort_request` (unique among unfinished requests).
+        :param on_token: called on the event loop with ``(token_id, log_prob)`` after each
+            decoded token, before the result resolves (incremental output for streaming).
         :returns: :class:`~furlong.hooks.GenerateOutput`; ``output_ids`` include a matched
             stop token or stop string (no trimming); ``output_log_probs`` are
             ``log_softmax(logits / T)`` of each chosen token (before top-k/top-p);
             ``weight_version`` is the version when the request finished.
         :raises PluginError: empty ``input_ids``, a prompt as long as the model's context
-            (``max_position_embeddings``) or longer, or a bad sampling parameter.
+            (``max_position_embeddings``) or longer, a bad sampling parameter, or a
+            ``rid`` of a request that has not finished.
         """
         params = SamplingParams.from_dict(sampling_params)
+        if rid is not None and rid in self._by_rid:
+            raise PluginError(f"embedded engine: request id {rid!r} is already in use by an unfinished request.")
         if not input_ids:
             raise PluginError("embedded engine: generate() got empty input_ids; send at least one prompt token.")
         if self.context_len and len(input_ids) >= self.context_len:
@@ -93,10 +101,15 @@ class EmbeddedEngine:
             seed = int(self._torch.randint(0, 2**62, (1,), generator=self._seeds).item())
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_ids)
         req = Request(input_ids=[int(t) for t in input_ids], params=params, seed=seed, epoch=self._epoch,
-                      stop_ids=stop_ids)
+                      stop_ids=stop_ids, rid=rid)
         if params.max_new_tokens == 0:
             return self._output(req, "length")
         self._ensure_worker()
+        if on_token is not None:
+            loop = self._loop
+            req.on_token = lambda token, log_prob: loop.call_soon_threadsafe(on_token, token, log_prob)
+        if rid is not None:
+            self._by_rid[rid] = req
         req.future = self._loop.create_future()
         req.future.add_done_callback(lambda f: setattr(req, "cancelled", f.cancelled()))
         self._pending.append(req)
@@ -117,6 +130,23 @@ class EmbeddedEngine:
         if self._running is not None and self._loop is asyncio.get_running_loop() and not self._paused:
             # (while paused the running batch cannot take a step: it finishes, as aborted, on continue)
             await asyncio.wait([self._running])
+
+    async def abort_request(self, rid: str) -> bool:
+        """Finish the unfinished request ``rid`` with finish reason "abort" (SGLang's ``/abort_request``).
+
+        A queued request returns no tokens; one being decoded keeps the tokens so far and
+        ends at its next decode step (after :meth:`continue_generation` while paused).
+
+        :returns: False when no unfinished request has that id.
+        """
+        req = self._by_rid.get(rid)
+        if req is None:
+            return False
+        req.aborted = True
+        if req in self._pending:
+            self._pending.remove(req)
+            self._resolve(req, "abort")
+        return True
 
     # --- weight updates, in SGLang's phases ---------------------------------------------
 
@@ -218,6 +248,7 @@ class EmbeddedEngine:
             self._loop = loop
             self._wakeup = asyncio.Event()
             self._pending = []  # requests of a closed event loop can never be answered
+            self._by_rid = {}
             self._worker = loop.create_task(self._work())
 
     async def _work(self) -> None:
@@ -240,6 +271,7 @@ class EmbeddedEngine:
                 except Exception as exc:  # noqa: BLE001 - handed to every waiting caller
                     log.exception("embedded engine: batched decode failed")
                     for req in live:
+                        self._forget(req)
                         if req.future is not None and not req.future.done():
                             req.future.set_exception(exc)
                 finally:
@@ -255,9 +287,14 @@ class EmbeddedEngine:
         )
 
     def _aborted(self, req: Request) -> bool:
-        return req.epoch < self._epoch or req.cancelled
+        return req.epoch < self._epoch or req.cancelled or req.aborted
+
+    def _forget(self, req: Request) -> None:
+        if req.rid is not None and self._by_rid.get(req.rid) is req:
+            del self._by_rid[req.rid]
 
     def _resolve(self, req: Request, reason: str) -> None:
+        self._forget(req)
         if req.future is not None and not req.future.done():
             req.future.set_result(self._output(req, reason))
 
