@@ -152,15 +152,14 @@ def reduce_tokens(values: Sequence, loss_masks: Sequence, weights: Sequence[floa
     """
     import torch
 
-    total = None
-    for x, m, w in zip(values, loss_masks, weights):
-        x = x.reshape(-1)
-        x = x.float() if x.dtype != torch.float64 else x
-        term = torch.where(m.reshape(-1).to(x.device) > 0, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() * w
-        total = term if total is None else total + term
-    if total is None:
+    if not len(values):
         return torch.zeros((), dtype=torch.float32)
-    return total.to(torch.float32)
+    rows = [x.reshape(-1) for x in values]
+    x = torch.cat([r.float() if r.dtype != torch.float64 else r for r in rows])
+    keep = torch.cat([m.reshape(-1) for m in loss_masks]).to(x.device) > 0
+    per_token = torch.repeat_interleave(torch.tensor([float(w) for w in weights], dtype=x.dtype, device=x.device),
+                                        torch.tensor([r.numel() for r in rows], device=x.device))
+    return (torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device)) * per_token).sum().to(torch.float32)
 
 
 def load_custom_reducer(path: str) -> Callable[..., Any]:

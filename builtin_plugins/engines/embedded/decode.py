@@ -26,6 +26,7 @@ import threading
 from typing import Any, Callable
 
 import attrs
+import numpy as np
 
 from .sampling import SamplingParams, sample_batch
 from .slots import SlotCache, SlotPass, use_slot_attention
@@ -87,9 +88,15 @@ class SlotDecoder:
         self.graphs_on = graphs and self.device.type == "cuda"
         self._graphs: dict[int, tuple[Any, Any]] = {}
         self.requests: list[Request | None] = [None] * max_slots
-        self.count = [0] * max_slots  # tokens generated, per slot (host copy)
-        self.pos = [0] * max_slots  # column of the slot's next input token (host copy)
+        self.busy = np.zeros(max_slots, dtype=bool)
+        self.count = np.zeros(max_slots, dtype=np.int64)  # tokens generated, per slot (host copy)
+        self.pos = np.zeros(max_slots, dtype=np.int64)  # column of the slot's next input token (host copy)
+        self.filtering: set[int] = set()  # busy slots with top-k or top-p
+        self.banning: set[int] = set()  # busy slots with min_new_tokens and stop tokens
+        self.watched: set[int] = set()  # busy slots whose tokens the host needs every step
         s, dev = max_slots, self.device
+        self.d_slots = torch.arange(s, device=dev)
+        self.d_flags = torch.zeros(s, dtype=torch.long, device=dev)
         self.d_tok = torch.zeros(s, dtype=torch.long, device=dev)
         self.d_pos = torch.zeros(s, dtype=torch.long, device=dev)
         self.d_busy = torch.zeros(s, dtype=torch.long, device=dev)
@@ -126,12 +133,12 @@ class SlotDecoder:
                 new = take(len(free)) if free else []
                 if new:
                     self._admit(new, free[: len(new)], on_finish)
-                busy = [s for s, r in enumerate(self.requests) if r is not None]
-                if not busy:
+                busy = np.flatnonzero(self.busy)
+                if not len(busy):
                     if new:
                         continue
                     return
-                self._step(busy[-1] + 1, on_finish)
+                self._step(int(busy[-1]) + 1, on_finish)
 
     def release(self) -> None:
         """Drop the cache and graphs (weights moved, or memory handed back)."""
@@ -145,12 +152,17 @@ class SlotDecoder:
 
         dev = self.device
         longest = max(len(r.input_ids) for r in new)
-        need = max([len(r.input_ids) + r.params.max_new_tokens for r in new]
-                   + [self.pos[s] + 1 for s, r in enumerate(self.requests) if r is not None])
-        self._ensure(min(need, max(longest, max(self.pos)) + FIRST_GROWTH))
+        need = max([len(r.input_ids) + r.params.max_new_tokens for r in new] + [int(self.pos.max()) + 1])
+        self._ensure(min(need, max(longest, int(self.pos.max())) + FIRST_GROWTH))
         for s, req in zip(slots, new):
             self.requests[s] = req
-            self.count[s], self.pos[s] = 0, len(req.input_ids)
+            self.busy[s], self.count[s], self.pos[s] = True, 0, len(req.input_ids)
+            if req.params.top_k != -1 or req.params.top_p < 1:
+                self.filtering.add(s)
+            if req.params.min_new_tokens > 0 and req.stop_ids:
+                self.banning.add(s)
+            if req.watched:
+                self.watched.add(s)
         index = torch.tensor(slots, device=dev)
         p = [r.params for r in new]
         self.d_seed[index] = torch.tensor([r.seed % 2**62 for r in new], device=dev)
@@ -165,7 +177,13 @@ class SlotDecoder:
         self.d_busy[index] = 1
         self._set_stops(slots, new)
         logits = self._prefill(new, slots)
-        self._sample(index, logits, on_finish)
+        filtering = bool(self.filtering.intersection(slots))
+        tokens, log_probs = sample_batch(
+            logits, self.d_temp[index], self.d_greedy[index], self.d_seed[index], self.d_count[index],
+            top_k=self.d_top_k[index] if filtering else None, top_p=self.d_top_p[index] if filtering else None,
+            banned=self._banned(slots, logits.shape[-1]))
+        self._store(index, tokens, log_probs)
+        self._after_sample(slots, on_finish)
 
     def _prefill(self, new: list[Request], slots: list[int]):
         """One forward pass over the distinct prompts; returns float32 logits ``[len(new), V]``."""
@@ -200,96 +218,125 @@ class SlotDecoder:
 
     def _step(self, n: int, on_finish) -> None:
         """One token for slots ``0 .. n-1`` (idle ones compute and are ignored)."""
-        import torch
-
-        top = max(self.pos[s] for s in range(n) if self.requests[s] is not None)
+        top = int(self.pos[:n][self.busy[:n]].max())
         if top >= self.cache.capacity:
             self._ensure(top + 1)
+        slots = list(range(n))
+        plain = not self.filtering and not any(self.count[s] < self.requests[s].params.min_new_tokens
+                                               for s in self.banning)
         with self.lock:
-            logits = self._decode_logits(n, top + 1)
-        self.d_pos[:n] += self.d_busy[:n]
-        for s in range(n):
-            if self.requests[s] is not None:
-                self.pos[s] += 1
-        self._sample(torch.arange(n, device=self.device), logits, on_finish)
+            if plain and self.graphs_on:
+                self._replay(n)
+            else:
+                logits = self._forward_decode(n, top + 1)
+                filtering = bool(self.filtering)
+                tokens, log_probs = sample_batch(
+                    logits, self.d_temp[:n], self.d_greedy[:n], self.d_seed[:n], self.d_count[:n],
+                    top_k=self.d_top_k[:n] if filtering else None, top_p=self.d_top_p[:n] if filtering else None,
+                    banned=self._banned(slots, logits.shape[-1]))
+                self.d_pos[:n] += self.d_busy[:n]
+                self._store(self.d_slots[:n], tokens, log_probs)
+        self.pos[:n] += self.busy[:n]
+        self._after_sample(slots, on_finish)
 
-    def _decode_logits(self, n: int, width: int):
-        if not self.graphs_on:
-            return self._forward_decode(n, width)
+    def _device_step(self, n: int, width: int) -> None:
+        """Forward, sample (no filters, no bans), store: the part of a step a CUDA graph replays."""
+        logits = self._forward_decode(n, width)
+        tokens, log_probs = sample_batch(logits, self.d_temp[:n], self.d_greedy[:n], self.d_seed[:n],
+                                         self.d_count[:n])
+        self.d_pos[:n] += self.d_busy[:n]
+        self._store(self.d_slots[:n], tokens, log_probs)
+
+    def _replay(self, n: int) -> None:
         bucket = min(self.max_slots, 1 << (n - 1).bit_length())
         graph = self._graphs.get(bucket)
         if graph is None:
             graph = self._graphs[bucket] = self._capture(bucket)
         if graph is False:
-            return self._forward_decode(n, width)
-        graph[0].replay()
-        return graph[1][:n]
+            self._device_step(n, self.cache.capacity)
+        else:
+            graph.replay()
 
     def _forward_decode(self, n: int, width: int):
         import torch
 
         pos = self.d_pos[:n]
         visible = torch.arange(width, device=self.device)[None, :] <= pos[:, None]
-        step = SlotPass(cache=self.cache, rows=torch.arange(n, device=self.device), columns=pos[:, None],
+        step = SlotPass(cache=self.cache, rows=self.d_slots[:n], columns=pos[:, None],
                         visible=visible[:, None, None, :], width=width)
         out = self.model(input_ids=self.d_tok[:n, None], position_ids=pos[:, None], slot_pass=step, use_cache=False,
                          logits_to_keep=1)
         return out.logits[:, -1].float()
 
     def _capture(self, n: int):
-        """A CUDA graph of the decode forward of ``n`` slots over the whole cache, or False."""
+        """A CUDA graph of :meth:`_device_step` for ``n`` slots over the whole cache, or False.
+
+        The warm-up runs change the per-slot state; it is saved first and restored after the
+        warm-up and after the capture.
+        """
         import torch
 
         width = self.cache.capacity
+        state = [t.clone() for t in self._step_state()]
+
+        def restore():
+            for t, saved in zip(self._step_state(), state):
+                t.copy_(saved)
+
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._forward_decode(n, width)
+                    self._device_step(n, width)
             torch.cuda.current_stream().wait_stream(stream)
+            restore()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                logits = self._forward_decode(n, width)
-            return graph, logits
+                self._device_step(n, width)
+            restore()
+            return graph
         except Exception as exc:  # noqa: BLE001 - a model that cannot be captured runs eagerly
+            restore()
             log.warning("embedded engine: CUDA graph capture failed (%s); decoding without graphs", exc)
             self.graphs_on = False
             return False
 
-    def _sample(self, index, logits, on_finish) -> None:
-        """Sample rows ``index`` (slots) from ``logits`` ``[len(index), V]``, store, and finish what ended."""
+    def _step_state(self) -> list:
+        """The tensors a decode step changes (the cache only at columns the next step rewrites)."""
+        return [self.d_tok, self.d_pos, self.d_count, self.d_flags, self.out_ids, self.out_lp]
+
+    def _store(self, index, tokens, log_probs) -> None:
+        """Record the sampled tokens of slots ``index`` and their finish flags (2: length, 1: stop)."""
         import torch
 
-        slots = index.tolist()
-        busy = [s for s in slots if self.requests[s] is not None]
-        params = [self.requests[s].params for s in busy]
-        filtering = any(q.top_k != -1 or q.top_p < 1 for q in params)
-        tokens, log_probs = sample_batch(
-            logits, self.d_temp[index], self.d_greedy[index], self.d_seed[index], self.d_count[index],
-            top_k=self.d_top_k[index] if filtering else None, top_p=self.d_top_p[index] if filtering else None,
-            banned=self._banned(slots, logits.shape[-1]),
-        )
+        busy = self.d_busy[index]
         count = self.d_count[index]
-        self.out_ids[index, count] = tokens
-        self.out_lp[index, count] = log_probs
-        count = count + 1
+        column = torch.where(busy > 0, count, self.out_ids.shape[1] - 1)  # idle rows: the never-read last column
+        self.out_ids[index, column] = tokens
+        self.out_lp[index, column] = log_probs
+        count = count + busy
         self.d_count[index] = count
         self.d_tok[index] = tokens
         is_stop = (self.d_stops[index] == tokens[:, None]).any(-1) & (count >= self.d_min_new[index])
-        length = count >= self.d_max_new[index]
-        flags = (length.long() * 2 + is_stop.long()).tolist()  # the one host copy of a step
-        for s in busy:
-            self.count[s] += 1
+        self.d_flags[index] = (count >= self.d_max_new[index]).long() * 2 + is_stop.long()
+
+    def _after_sample(self, slots: list[int], on_finish) -> None:
+        """Host side of a step: one copy of the flags, then finished and watched requests."""
+        import torch
+
+        if slots == list(range(len(slots))):
+            flags = self.d_flags[: len(slots)].tolist()
+        else:
+            flags = self.d_flags[torch.tensor(slots, device=self.device)].tolist()
+        busy = [s for s in slots if self.busy[s]]
+        self.count[busy] += 1
         done, reasons = [], []
-        for k, s in enumerate(slots):
-            if self.requests[s] is None:
-                continue
-            flag = flags[k]
-            if flag:
+        for s, flag in zip(slots, flags):
+            if flag and self.busy[s]:
                 done.append(s)
                 reasons.append("length" if flag >= 2 else "stop")
-        watched = [s for s in busy if self.requests[s].watched]
+        watched = [s for s in busy if s in self.watched]
         if watched:
             self._watch(watched, set(done), done, reasons)
         if done:
@@ -311,16 +358,22 @@ class SlotDecoder:
     def _finish(self, slots: list[int], reasons: list[str], on_finish) -> None:
         import torch
 
-        longest = max(self.count[s] for s in slots)
+        longest = int(max(self.count[s] for s in slots))
         index = torch.tensor(slots, device=self.device)
         ids = self.out_ids[index, :longest].tolist()
         lps = self.out_lp[index, :longest].tolist()
+        self.d_max_new[index] = 0
+        self.d_busy[index] = 0
+        self.d_pos[index] = 0
         for s, reason, row_ids, row_lps in zip(slots, reasons, ids, lps):
-            req = self.requests[s]
-            req.output_ids, req.log_probs = row_ids[: self.count[s]], row_lps[: self.count[s]]
+            req, n = self.requests[s], int(self.count[s])
+            req.output_ids, req.log_probs = row_ids[:n], row_lps[:n]
             req.finish_reason = reason
             self.requests[s] = None
-            self.d_max_new[s] = self.d_busy[s] = self.d_pos[s] = 0
+            self.busy[s], self.pos[s] = False, 0
+            self.filtering.discard(s)
+            self.banning.discard(s)
+            self.watched.discard(s)
             on_finish(req)
 
     # --- per-slot tables ----------------------------------------------------------------
@@ -353,8 +406,8 @@ class SlotDecoder:
         """``[len(slots), V]`` bool of stop tokens banned before ``min_new_tokens``, or None."""
         import torch
 
-        rows = [(k, self.requests[s].stop_ids) for k, s in enumerate(slots) if self.requests[s] is not None
-                and self.count[s] < self.requests[s].params.min_new_tokens and self.requests[s].stop_ids]
+        rows = [(k, self.requests[s].stop_ids) for k, s in enumerate(slots)
+                if s in self.banning and self.count[s] < self.requests[s].params.min_new_tokens]
         if not rows:
             return None
         banned = torch.zeros(len(slots), vocab, dtype=torch.bool, device=self.device)
