@@ -185,6 +185,28 @@ def test_batched_filter_applies_each_row_s_own_top_k_and_top_p():
     assert kept == [[0, 1], [0, 1], [0]]
 
 
+def test_greedy_equals_transformers_generate_with_grouped_query_attention(engine):
+    # 4 query heads over 2 key/value heads: the slot attention's folded decode path
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from furlong.builtin_plugins.engines.embedded.engine import EmbeddedEngine
+
+    tok = engine.tokenizer
+    config = LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256, eos_token_id=EOS_ID,
+                         pad_token_id=0)
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(reference.state_dict())
+    gqa = EmbeddedEngine(model, tok, max_batch_size=4)
+    outs = _run(_all(gqa, PROMPTS, GREEDY))
+    for prompt, out in zip(PROMPTS, outs):
+        ids = torch.tensor([_ids(gqa, prompt)])
+        expected = reference.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
+        assert out.output_ids == expected[0, ids.shape[1]:].tolist()
+
+
 # --- stopping -----------------------------------------------------------------------------
 
 

@@ -123,14 +123,18 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     slots = step.rows[:, None]
     k_buf[slots, :, step.columns] = key.transpose(1, 2)
     v_buf[slots, :, step.columns] = value.transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     if step.causal is not None:
-        keys, values, mask = key, value, step.causal
-    else:
-        keys, values, mask = k_buf[: query.shape[0], :, : step.width], v_buf[: query.shape[0], :, : step.width], \
-            step.visible
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != keys.shape[1])
-    return out.transpose(1, 2).contiguous(), None
+        out = sdpa(query, key, value, attn_mask=step.causal, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
+    batch, heads, _, dim = query.shape
+    keys, values = k_buf[:batch, :, : step.width], v_buf[:batch, :, : step.width]
+    # one query token: the query heads sharing a key/value head become that head's query rows
+    # (head h uses key/value head h // (heads / kv_heads), as transformers' repeat_kv), so the
+    # cache is read once per key/value head instead of being repeated for every query head
+    folded = query.reshape(batch, keys.shape[1], heads // keys.shape[1], dim)
+    out = sdpa(folded, keys, values, attn_mask=step.visible, scale=scaling)
+    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
 
 
 def use_slot_attention(model) -> None:
