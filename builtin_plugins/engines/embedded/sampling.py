@@ -26,7 +26,7 @@ import attrs
 
 from furlong.hooks import PluginError
 
-__all__ = ["SamplingParams", "filter_logits", "sample_batch", "uniform_from_counter"]
+__all__ = ["SamplingParams", "filter_logits", "inverse_cdf", "sample_batch", "uniform_from_counter"]
 
 
 @attrs.define
@@ -158,8 +158,36 @@ def sample_batch(logits, temperature, greedy, seeds, counters, *, top_k=None, to
     best = torch.argmax(allowed, dim=-1)
     if top_k is not None:
         allowed = filter_logits(allowed, top_k, top_p)
-    cdf = torch.cumsum(torch.softmax(allowed, dim=-1), dim=-1)
-    u = uniform_from_counter(seeds, counters) * cdf[:, -1]
-    drawn = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
+    probs = log_probs.exp() if allowed is scaled else torch.softmax(allowed, dim=-1)
+    drawn = inverse_cdf(probs, uniform_from_counter(seeds, counters))
     tokens = torch.where(greedy, best, drawn)
     return tokens, log_probs.gather(-1, tokens[:, None])[:, 0]
+
+
+def inverse_cdf(probs, u, block: int = 1024):
+    """Per row, the first index whose cumulative probability exceeds ``u * total``.
+
+    Two levels, so no scan runs over the whole vocabulary: the row's mass per block of
+    ``block`` tokens, the block where ``u`` falls (a scan over ``V / block`` sums), then a
+    scan inside that block only.
+
+    :param probs: float32 ``[B, V]``, non-negative (need not sum to 1); :param u: ``[B]`` in (0, 1).
+    :returns: int64 ``[B]``; a token of zero probability is never chosen.
+    """
+    import torch
+
+    rows, vocab = probs.shape
+    padded = torch.nn.functional.pad(probs, (0, (-vocab) % block)).view(rows, -1, block)
+    sums = padded.sum(-1)
+    cdf = sums.cumsum(-1)
+    target = u * cdf[:, -1]
+    chosen = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=cdf.shape[1] - 1)
+    before = cdf.gather(1, chosen) - sums.gather(1, chosen)
+    mass = padded.gather(1, chosen[:, :, None].expand(rows, 1, block))[:, 0]
+    inner = mass.cumsum(-1) + before
+    found = torch.searchsorted(inner, target[:, None], right=True)[:, 0]
+    # rounding can leave the target past the block's last entry: take its last token of non-zero mass
+    last = torch.where(mass > 0, torch.arange(block, device=probs.device), -1).max(-1).values.clamp_(min=0)
+    offset = torch.where(found < block, found, last)
+    token = (chosen[:, 0] * block + offset).clamp_(max=vocab - 1)
+    return token
