@@ -73,7 +73,7 @@ class _RewardAdapter:
     @hookimpl
     async def reward(self, args, samples):
         if args.group_rm:
-            return list(await _resolve(self.fn(args, samples)))
+            return await _resolve(self.fn(args, samples))
         return [await _resolve(self.fn(args, sample)) for sample in samples]
 
 
@@ -115,6 +115,24 @@ class _LossAdapter:
         return await _resolve(self.fn(args, batch))
 
 
+class _LossReducerAdapter:
+    """Miles' reducer factory ``fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss)
+    -> reducer``, whose ``reducer(flat)`` sums the micro-batch's pg values concatenated in sample order."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def loss_reducer(self, args, values, loss_masks, total_lengths):
+        import torch
+
+        response_lengths = [int(m.numel()) for m in loss_masks]
+        reducer = await _resolve(self.fn(total_lengths, response_lengths, loss_masks,
+                                         bool(args.calculate_per_token_loss)))
+        flat = torch.cat([v.reshape(-1).float() for v in values]) if values else torch.zeros(0)
+        return await _resolve(reducer(flat))
+
+
 class _DataSourceAdapter:
     def __init__(self, cls):
         self.cls = cls
@@ -132,6 +150,7 @@ ADAPTERS: dict[str, type] = {
     "buffer_pop": _BufferPopAdapter,
     "advantage": _AdvantageAdapter,
     "loss": _LossAdapter,
+    "loss_reducer": _LossReducerAdapter,
     "data_source": _DataSourceAdapter,
 }
 

@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 
 from furlong.hooks import AdvantageInput, AdvantageOutput, PluginError
+from furlong.hooks.contract import check_advantage_output
 from furlong.hooks.kl import KL_TYPES, kl_estimate
 
 __all__ = ["compute_advantages", "shaping_kl", "apply_opd", "whiten"]
@@ -148,23 +149,7 @@ def whiten(advantages: list, loss_masks: list) -> list:
 
 
 def _checked_output(out: Any, batch: AdvantageInput, name: str, flag: str) -> tuple[list, list | None]:
-    where = f"{flag} '{name}'"
-    if not isinstance(out, AdvantageOutput):
-        raise PluginError(f"{where}: `advantage` returned {type(out).__name__}; it must return AdvantageOutput.")
-    masks = batch.loss_masks
-    fields = [("advantages", out.advantages)] + ([("returns", out.returns)] if out.returns is not None else [])
-    for label, rows in fields:
-        if rows is None or len(rows) != len(masks):
-            count = "None" if rows is None else f"{len(rows)} tensors"
-            raise PluginError(
-                f"{where}: {label} has {count} for a batch of {len(masks)} samples; "
-                "return one per-token tensor per sample."
-            )
-        for i, (row, mask) in enumerate(zip(rows, masks)):
-            if row.numel() != mask.numel():
-                raise PluginError(
-                    f"{where}: {label}[{i}] has {row.numel()} values but sample {i} has {mask.numel()} response tokens."
-                )
+    check_advantage_output(out, batch.loss_masks, f"{flag} '{name}'")
     advantages = [a.reshape(-1).float() for a in out.advantages]
     returns = [r.reshape(-1).float() for r in out.returns] if out.returns is not None else None
     return advantages, returns

@@ -1,4 +1,4 @@
-"""The ``furlong`` command: ``plugins``, ``train``, ``train-async``, ``--version``."""
+"""The ``furlong`` command: ``plugins``, ``train``, ``train-async``, ``serve``, ``plot``, ``--version``."""
 
 from __future__ import annotations
 
@@ -26,8 +26,10 @@ USAGE = """usage: furlong [--version] COMMAND [ARGS]
 commands:
   train        run the synchronous RL loop (rollout, train, weight sync)
   train-async  run the loop with rollout k+1 overlapping training of rollout k
+  serve        serve a rollout engine over HTTP with SGLang's native API
   plugins      list installed plugins: name, hooks, distribution, version
   plot         draw a run's metrics.jsonl into one PNG
+  new-plugin   write a plugin package: furlong new-plugin NAME --hook HOOK [--hook ...]
 
 'furlong COMMAND --help' describes a command's flags."""
 
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"furlong {md.version('furlong')}")
         return 0
     command, rest = argv[0], argv[1:]
-    handlers = {"plugins": _plugins, "train": _train, "train-async": _train, "plot": _plot}
+    handlers = {"plugins": _plugins, "train": _train, "train-async": _train, "plot": _plot,
+                "new-plugin": _new_plugin, "serve": _serve}
     if command not in handlers:
         print(f"furlong: unknown command '{command}'.\n{USAGE}", file=sys.stderr)
         return 2
@@ -80,6 +83,9 @@ def _plugins(command: str, argv: list[str]) -> int:
     parser.add_argument("--disable-plugins", action="append", default=[], help="NAME or DIST:NAME to skip")
     opts = parser.parse_args(argv)
     pm = get_plugin_manager(split_names(opts.disable_plugins))
+    from .config.parser import set_aside_bad_plugin_flags
+
+    set_aside_bad_plugin_flags(pm)
     rows = pm.describe()
     if opts.hook:
         if not hasattr(pm.hook, opts.hook):
@@ -154,3 +160,15 @@ def _plot(command: str, argv: list[str]) -> int:
     from .plot import main as plot_main
 
     return plot_main(argv)
+
+
+def _new_plugin(command: str, argv: list[str]) -> int:
+    from .scaffold import main as scaffold_main
+
+    return scaffold_main(argv)
+
+
+def _serve(command: str, argv: list[str]) -> int:
+    from .serve import serve
+
+    return serve(argv)

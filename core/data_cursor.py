@@ -12,6 +12,7 @@ import copy
 from argparse import Namespace
 
 from furlong.hooks import DataSource, PluginError, Sample
+from furlong.hooks.contract import check_buffer_pop
 
 from .plugins import FurlongPluginManager
 
@@ -59,8 +60,7 @@ class DataCursor:
             popped = await self.pm.call_chosen(
                 "buffer_pop", name, flag, args=self.args, rollout_id=self.rollout_id, buffer=self.buffer, num_samples=k
             )
-            if len(popped) > k:
-                raise PluginError(f"buffer_pop plugin '{name}' returned {len(popped)} groups; at most {k} were asked for.")
+            check_buffer_pop(popped, k, f"buffer_pop plugin '{name}' ({self.pm.origin(name)})")
             groups.extend(popped)
         fresh = self.new_groups(self.source.next_rows(k - len(groups))) if k > len(groups) else []
         self.counters["drawn"] += len(fresh)

@@ -8,10 +8,10 @@ metrics over a step's micro-batches gives the step objective and metrics exactly
 The loss plugin returns the *combined* per-token objective in ``token_loss`` (for
 ``policy_loss``: ``l - entropy_coef*H + kl_loss_coef*kl``, SPEC.md 4.6); the core reduces
 it once, so ``loss = pg_loss - entropy_coef*entropy_loss + kl_loss_coef*kl_loss`` holds for
-the reduced values because the reducer is linear. With
-``--custom-pg-loss-reducer-function-path`` the policy-gradient term
-(``token_metrics["pg_loss"]``, which must carry grad) is reduced by the custom reducer
-and the rest (``token_loss - pg_loss``) by the core's.
+the reduced values because the reducer is linear. With a ``loss_reducer`` plugin
+(``--loss-reducer NAME`` or ``--custom-pg-loss-reducer-function-path``) the
+policy-gradient term (``token_metrics["pg_loss"]``, which must carry grad) is reduced by
+that plugin and the rest (``token_loss - pg_loss``) by the core's.
 
 Data parallelism: each rank builds its own objective over its share of the samples. The
 denominators must then be global: compute them on the whole rollout batch before the
@@ -30,8 +30,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from furlong.hooks import LossInput, LossOutput, PluginError, TrainBatch
+from furlong.hooks.contract import check_loss_output, check_loss_reducer_output
 
 from . import reduction
+from .selection import chosen_reducer
 
 __all__ = ["StepObjective"]
 
@@ -43,7 +45,7 @@ class StepObjective:
     ``TrainBatch.objective``.
 
     Flags read: ``calculate_per_token_loss``, ``mask_truncated_samples``,
-    ``custom_pg_loss_reducer_function_path``, ``use_rollout_logprobs`` (pi_old is then the
+    ``loss_reducer``, ``custom_pg_loss_reducer_function_path``, ``use_rollout_logprobs`` (pi_old is then the
     engine's log-probs, ``batch.rollout_log_probs``); the loss plugin reads its own.
 
     :param args: the launch configuration (``argparse.Namespace``).
@@ -63,7 +65,7 @@ class StepObjective:
     :param step_denominators: one :class:`~furlong.core.reduction.StepDenominators` per
         step, global over ranks (required when ``dp_world_size > 1``); default: from this
         batch's ``steps``.
-    :raises PluginError: a bad ``--custom-pg-loss-reducer-function-path``.
+    :raises PluginError: a bad ``--loss-reducer`` or ``--custom-pg-loss-reducer-function-path``.
     :raises ValueError: ``dp_world_size > 1`` without global step denominators.
     """
 
@@ -115,8 +117,7 @@ class StepObjective:
             sample_denominators = reduction.sample_denominators(self.masks, trajectory_ids)
         reduction._check_len("sample_denominators", sample_denominators, n)
         self.sample_denominators = [float(d) for d in sample_denominators]
-        path = args.custom_pg_loss_reducer_function_path
-        self.custom_reducer = reduction.load_custom_reducer(path) if path else None
+        self.reducer = chosen_reducer(args, pm)
 
     async def __call__(
         self, sample_ids: list[int], log_probs: list, entropy: list | None, values: list | None = None
@@ -160,10 +161,10 @@ class StepObjective:
         names = list(out.token_metrics)
         reduced = [reduction.reduce_tokens([v.detach() for v in out.token_metrics[k]], masks, weights) for k in names]
         metrics = dict(zip(names, torch.stack(reduced).tolist())) if reduced else {}
-        if self.custom_reducer is None:
+        if self.reducer is None:
             total = reduction.reduce_tokens(out.token_loss, masks, weights)
         else:
-            pg = self._custom_pg(out, sample_ids, masks, step)
+            pg = await self._reduced_pg(out, sample_ids, masks, step)
             rest = [t - p for t, p in zip(out.token_loss, out.token_metrics["pg_loss"])]
             total = pg + reduction.reduce_tokens(rest, masks, weights)
             metrics["pg_loss"] = float(pg.detach())
@@ -186,39 +187,21 @@ class StepObjective:
         return [rows[i].to(device) for i in sample_ids]
 
     def _check_output(self, out: Any, masks: list) -> None:
-        where = f"{self.loss_flag} '{self.loss_name}'"
-        if not isinstance(out, LossOutput):
-            raise PluginError(f"{where}: `loss` returned {type(out).__name__}; it must return LossOutput.")
-        fields = [("token_loss", out.token_loss)] + [(f"token_metrics['{k}']", v) for k, v in out.token_metrics.items()]
-        for label, rows in fields:
-            if len(rows) != len(masks):
-                raise PluginError(
-                    f"{where}: {label} has {len(rows)} tensors for a micro-batch of {len(masks)} samples; "
-                    "return one per-token tensor per sample."
-                )
-            for i, (row, mask) in enumerate(zip(rows, masks)):
-                if row.numel() != mask.numel():
-                    raise PluginError(
-                        f"{where}: {label}[{i}] has {row.numel()} values but the sample has {mask.numel()} "
-                        "response tokens; return per-token values and let the core reduce them."
-                    )
+        check_loss_output(out, masks, f"{self.loss_flag} '{self.loss_name}'")
 
-    def _custom_pg(self, out: LossOutput, sample_ids: list[int], masks: list, step) -> Any:
-        import torch
-
-        flag = reduction.REDUCER_FLAG
+    async def _reduced_pg(self, out: LossOutput, sample_ids: list[int], masks: list, step) -> Any:
+        """The chosen ``loss_reducer`` on ``token_metrics["pg_loss"]``, times the step factor."""
+        name, flag = self.reducer
+        where = f"{flag} '{name}'"
         pg_rows = out.token_metrics.get("pg_loss")
         grads = any(t.requires_grad for t in out.token_loss)
         if pg_rows is None or (grads and not any(t.requires_grad for t in pg_rows)):
             raise PluginError(
-                f"{flag}: {self.loss_flag} '{self.loss_name}' must report its per-token policy-gradient term, "
-                "carrying grad, as token_metrics['pg_loss'] for a custom pg reducer."
+                f"{where}: {self.loss_flag} '{self.loss_name}' must report its per-token policy-gradient term, "
+                "carrying grad, as token_metrics['pg_loss'] for a loss reducer."
             )
         total_lengths = [len(self.batch.tokens[i]) for i in sample_ids]
-        response_lengths = [int(m.numel()) for m in masks]
-        reducer = self.custom_reducer(total_lengths, response_lengths, masks, self.per_token)
-        flat = torch.cat([p.reshape(-1).float() for p in pg_rows]) if pg_rows else torch.zeros(0)
-        value = reducer(flat)
-        if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            raise PluginError(f"{flag}: the reducer returned {type(value).__name__}; expected a 0-dim tensor.")
+        value = await self.pm.call_chosen("loss_reducer", name, flag, args=self.args, values=list(pg_rows),
+                                          loss_masks=masks, total_lengths=total_lengths)
+        check_loss_reducer_output(value, where)
         return value.reshape(()).float() * reduction.step_scale(step, self.per_token)

@@ -18,6 +18,8 @@ from typing import Any, Iterable
 import pluggy
 
 from furlong.hooks import PROJECT, FilterResult, PluginError, specs
+from furlong.hooks.contract import (argument_name_problems, check_filter_result, no_hookimpl_problem,
+                                    unknown_hook_problems)
 
 from .discovery import EntryRecord, disabled_from_env, is_disabled, read_entry_points, split_names
 
@@ -47,6 +49,7 @@ class FurlongPluginManager(pluggy.PluginManager):
         self.broken: dict[str, tuple[EntryRecord | None, str]] = {}
         self.conflicts: dict[str, list[EntryRecord]] = {}
         self.path_flags: dict[str, str] = {}
+        self.set_aside_names: set[str] = set()
         self.trace_calls = os.environ.get(TRACE_ENV, "") not in ("", "0")
 
     # --- describing plugins ------------------------------------------------------------
@@ -107,7 +110,8 @@ class FurlongPluginManager(pluggy.PluginManager):
         if name in self.broken:
             record, error = self.broken[name]
             where = f"entry point '{record.name} = {record.value}' of {record.label}" if record else "it"
-            raise PluginError(f"{flag} '{name}': plugin '{name}' is broken: {where} failed to load: {error}")
+            verb = "was set aside" if name in self.set_aside_names else "failed to load"
+            raise PluginError(f"{flag} '{name}': plugin '{name}' is broken: {where} {verb}: {error}")
         plugin = self.get_plugin(name)
         if plugin is None:
             raise PluginError(self._unknown_message(hook, name, flag))
@@ -206,13 +210,7 @@ class FurlongPluginManager(pluggy.PluginManager):
             except Exception as exc:
                 raise PluginError(f"filter plugin '{name}' ({self.origin(name)}) failed: "
                                   f"{type(exc).__name__}: {exc}") from exc
-            if isinstance(result, bool):
-                result = FilterResult(keep=result)
-            if not isinstance(result, FilterResult):
-                raise PluginError(
-                    f"plugin '{name}' ({self.origin(name)}) returned {type(result).__name__} from `filter`; "
-                    "expected FilterResult or bool."
-                )
+            result = check_filter_result(result, f"plugin '{name}' ({self.origin(name)})")
             if not result.keep:
                 return result
         return FilterResult(keep=True)
@@ -281,29 +279,25 @@ class FurlongPluginManager(pluggy.PluginManager):
         try:
             self.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
-            self.broken[name] = (record, f"{type(exc).__name__}: {exc}")
+            self.broken[name] = (record, argument_name_problems(self, plugin) or f"{type(exc).__name__}: {exc}")
             if self.get_plugin(name) is plugin:
                 self.unregister(name=name)
             return False
-        unknown = self._unknown_hooks(name)
-        if unknown:
+        problem = unknown_hook_problems(self, plugin) or no_hookimpl_problem(self, plugin)
+        if problem:
             self.unregister(name=name)
-            self.broken[name] = (record, unknown)
+            self.broken[name] = (record, problem)
             return False
         if record is not None:
             self.records[name] = record
         return True
 
-    def _unknown_hooks(self, name: str) -> str:
-        plugin = self.get_plugin(name)
-        known = set(specs.__all__)
-        bad = []
-        for caller in self.get_hookcallers(plugin) or []:
-            if caller.name not in known:
-                close = difflib.get_close_matches(caller.name, sorted(known), n=1)
-                bad.append(f"`{caller.name}`" + (f" (did you mean `{close[0]}`?)" if close else ""))
-        return "implements unknown hook " + ", ".join(bad) if bad else ""
-
+    def set_aside(self, name: str, reason: str) -> None:
+        """Unregister plugin ``name`` and list it as broken for ``reason`` (it can no longer be chosen)."""
+        if self.get_plugin(name) is not None:
+            self.unregister(name=name)
+        self.broken[name] = (self.records.pop(name, None), reason)
+        self.set_aside_names.add(name)
 
 def conflict_message(name: str, records: list[EntryRecord]) -> str:
     owners = "; ".join(f"{r.label} -> {r.value}" for r in records)

@@ -17,24 +17,20 @@ whatever the packing. A step with no trained token gives 0 (denominators are cla
 
 from __future__ import annotations
 
-import importlib
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import attrs
 
-from furlong.hooks import PluginError
+from furlong.hooks.masked import masked_sum
 
 __all__ = [
     "StepDenominators",
     "effective_loss_masks",
-    "load_custom_reducer",
     "reduce_tokens",
     "sample_denominators",
     "sample_weights",
     "step_denominators",
 ]
-
-REDUCER_FLAG = "--custom-pg-loss-reducer-function-path"
 
 
 @attrs.frozen
@@ -142,54 +138,12 @@ def step_scale(step: StepDenominators, per_token: bool) -> float:
 
 
 def reduce_tokens(values: Sequence, loss_masks: Sequence, weights: Sequence[float]):
-    """``sum_i w_i sum_t x_it m_it`` as a 0-dim float32 tensor that keeps the graph.
+    """``sum_i w_i sum_t x_it m_it`` (:func:`furlong.hooks.masked.masked_sum`) with ``w`` from :func:`sample_weights`.
 
-    Masked positions are selected away (``torch.where``), never multiplied, so a NaN or
-    inf there changes neither the value nor the gradient.
-
-    :param values: N tensors [T_i] (any float or bool dtype); :param loss_masks: N [T_i];
-    :param weights: N floats from :func:`sample_weights`.
+    :param values: N tensors [T_i]; :param loss_masks: N [T_i]; :param weights: N floats.
+    :returns: a 0-dim float32 tensor that keeps the graph; masked NaN/inf do not leak.
     """
-    import torch
-
-    if not len(values):
-        return torch.zeros((), dtype=torch.float32)
-    rows = [x.reshape(-1) for x in values]
-    x = torch.cat([r.float() if r.dtype != torch.float64 else r for r in rows])
-    keep = torch.cat([m.reshape(-1) for m in loss_masks]).to(x.device) > 0
-    per_token = torch.repeat_interleave(torch.tensor([float(w) for w in weights], dtype=x.dtype, device=x.device),
-                                        torch.tensor([r.numel() for r in rows], device=x.device))
-    return (torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device)) * per_token).sum().to(torch.float32)
-
-
-def load_custom_reducer(path: str) -> Callable[..., Any]:
-    """Import the ``--custom-pg-loss-reducer-function-path`` factory ``module.fn``.
-
-    The factory is Miles-compatible: ``fn(total_lengths, response_lengths, loss_masks,
-    calculate_per_token_loss) -> reducer``, and ``reducer(flat)`` maps the micro-batch's
-    per-token policy-gradient values, concatenated in sample order (float32
-    [sum T_i]), to a 0-dim sum; the core multiplies it by the step factor
-    (``1/n_s`` or ``1/N_s``), as Miles' trainer divides by the global batch size.
-
-    :raises PluginError: the path has no dot, the module cannot be imported, or it has no
-        such attribute (the message names the flag, the module and the attribute).
-    """
-    module_name, _, attr = str(path).rpartition(".")
-    if not module_name or not attr:
-        raise PluginError(f"{REDUCER_FLAG} {path!r}: expected a dotted path 'module.function'.")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's file
-        raise PluginError(
-            f"{REDUCER_FLAG} {path!r}: cannot import module '{module_name}': {type(exc).__name__}: {exc}"
-        ) from exc
-    try:
-        fn = getattr(module, attr)
-    except AttributeError as exc:
-        raise PluginError(f"{REDUCER_FLAG} {path!r}: module '{module_name}' has no attribute '{attr}'") from exc
-    if not callable(fn):
-        raise PluginError(f"{REDUCER_FLAG} {path!r}: '{attr}' in module '{module_name}' is not callable")
-    return fn
+    return masked_sum(values, loss_masks, weights)
 
 
 def _flatten(step: Sequence) -> list[int]:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import math
 from argparse import Namespace
 
 import attrs
 
 from furlong.hooks import PluginError, Sample
 from furlong.hooks.answers import last_boxed_content
+from furlong.hooks.contract import check_reward_list, check_reward_value
 
 from .plugins import FurlongPluginManager
 from .selection import Selection, boxed_base, check_reward_name
@@ -101,33 +101,19 @@ class RewardScorer:
                 f"{'' if len(samples) == 1 else f' (one of {len(samples)}: indices {[s.index for s in samples]})'}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        rewards = list(rewards)
-        if len(rewards) != len(samples):
-            raise PluginError(
-                f"reward plugin '{plugin}' returned {len(rewards)} rewards for {len(samples)} samples "
-                f"(first sample index {samples[0].index}); return one per sample."
-            )
+        where = f"reward plugin '{plugin}' ({self.pm.origin(plugin)})"
+        rewards = check_reward_list(rewards, len(samples), where, samples[0].index)
         for sample, value in zip(samples, rewards):
             self._check_value(plugin, sample, value)
         return rewards
 
     def _check_value(self, plugin: str, sample: Sample, value) -> None:
         where = f"reward plugin '{plugin}' ({self.pm.origin(plugin)})"
-        if value is None:
-            if plugin not in self._warned_none:
-                self._warned_none.add(plugin)
-                log.warning("%s returned None for sample %s; scored 0.0 (return a number to silence this)",
-                            where, sample.index)
-            return
-        if isinstance(value, dict):
-            return
-        if isinstance(value, (int, float)) or (hasattr(value, "item") and getattr(value, "ndim", 1) == 0):
-            if not math.isfinite(float(value)):
-                raise PluginError(f"{where} returned {float(value)} for sample {sample.index}; a reward must be "
-                                  "a finite number.")
-            return
-        raise PluginError(f"{where} returned {value!r} for sample {sample.index}; a reward must be a number, None, "
-                          "or a dict whose --reward-key entry is the training scalar.")
+        check_reward_value(value, where, sample.index)
+        if value is None and plugin not in self._warned_none:
+            self._warned_none.add(plugin)
+            log.warning("%s returned None for sample %s; scored 0.0 (return a number to silence this)",
+                        where, sample.index)
 
     def _boxed(self, base: str, sample: Sample) -> Sample:
         content = last_boxed_content(sample.response)

@@ -20,6 +20,7 @@ from argparse import Namespace
 from collections import Counter
 
 from furlong.hooks import FilterResult, PluginError, RolloutContext, RolloutEngine, Sample, Status
+from furlong.hooks.contract import check_generate_result
 
 from .adapters import import_dotted
 from .data_cursor import DataCursor
@@ -274,6 +275,7 @@ class RolloutManager:
             except Exception as exc:
                 raise PluginError(f"generate plugin '{name}' ({self.pm.origin(name)}) failed on sample "
                                   f"{sample.index}: {type(exc).__name__}: {exc}") from exc
+            check_generate_result(result, f"generate plugin '{name}' ({self.pm.origin(name)})", sample.index)
         if not evaluation:
             for done in result if isinstance(result, list) else [result]:
                 self.progress["samples_done"] += 1

@@ -13,7 +13,7 @@ from .adapters import agent_abort_adapter, make_adapter
 from .miles_paths import miles_builtin
 from .plugins import FurlongPluginManager
 
-__all__ = ["CHOSEN_HOOKS", "Selection", "plugins_of_this_process", "resolve_selection"]
+__all__ = ["CHOSEN_HOOKS", "Selection", "chosen_reducer", "plugins_of_this_process", "resolve_selection"]
 
 log = logging.getLogger("furlong.config")
 
@@ -32,6 +32,7 @@ class ChosenHook:
     path_attr: str | None = None
     path_flag: str | None = None
     path_value: str | None = None
+    optional: bool = False
 
 
 CHOSEN_HOOKS = (
@@ -46,6 +47,8 @@ CHOSEN_HOOKS = (
                "custom_advantage_function_path", "--custom-advantage-function-path"),
     ChosenHook("loss", "loss_type", "--loss-type", "custom_loss_function_path", "--custom-loss-function-path",
                "custom_loss"),
+    ChosenHook("loss_reducer", "loss_reducer", "--loss-reducer", "custom_pg_loss_reducer_function_path",
+               "--custom-pg-loss-reducer-function-path", optional=True),
 )
 
 
@@ -88,7 +91,9 @@ def resolve_selection(args: Namespace, pm: FurlongPluginManager, hooks: tuple[st
         if hooks is not None and spec.hook not in hooks:
             continue
         try:
-            selection.chosen[spec.hook] = _resolve_one(args, pm, spec)
+            choice = _resolve_one(args, pm, spec)
+            if choice is not None:
+                selection.chosen[spec.hook] = choice
         except PluginError as exc:
             errors.append(str(exc))
     if hooks is None or "filter" in hooks:
@@ -144,16 +149,25 @@ def register_path(pm: FurlongPluginManager, hook: str, path: str, flag: str) -> 
     return path
 
 
-def _resolve_one(args: Namespace, pm: FurlongPluginManager, spec: ChosenHook) -> tuple[str, str]:
+def _resolve_one(args: Namespace, pm: FurlongPluginManager, spec: ChosenHook) -> tuple[str, str] | None:
+    """``(name, flag)`` of the plugin serving ``spec.hook``; None for an optional hook no flag chose."""
     path = getattr(args, spec.path_attr, None) if spec.path_attr else None
     if path:
         name, flag = register_path(pm, spec.hook, path, spec.path_flag), spec.path_flag
     else:
-        name, flag = getattr(args, spec.name_attr), spec.name_flag
+        name, flag = getattr(args, spec.name_attr, None), spec.name_flag
+        if spec.optional and not name:
+            return None
         if spec.path_value is not None and name == spec.path_value:
             raise PluginError(f"{flag} {name} needs {spec.path_flag} module.function.")
     pm.chosen_impl(spec.hook, name, flag)
     return name, flag
+
+
+def chosen_reducer(args: Namespace, pm: FurlongPluginManager) -> tuple[str, str] | None:
+    """``(name, flag)`` of the ``loss_reducer`` plugin the flags choose (its adapter registered), or None."""
+    spec = next(s for s in CHOSEN_HOOKS if s.hook == "loss_reducer")
+    return _resolve_one(args, pm, spec)
 
 
 def _resolve_filters(args: Namespace, pm: FurlongPluginManager) -> list[tuple[str, str]]:

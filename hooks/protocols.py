@@ -36,6 +36,10 @@ class RolloutEngine(Protocol):
         ``stop_token_ids``, ``min_new_tokens``, ``skip_special_tokens``.
         Returns the generated ids, their sampling log-probs, the finish reason
         (``stop``/``length``/``abort``) and the weight version.
+
+        Optional keyword arguments an engine may accept (``furlong serve`` passes them when
+        the signature has them): ``rid`` (a request id for an ``async abort_request(rid)``
+        method) and ``on_token`` (``on_token(token_id, log_prob)`` after each decoded token).
         """
 
     async def abort(self) -> None:

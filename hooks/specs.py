@@ -31,6 +31,7 @@ __all__ = [
     "filter",
     "generate",
     "loss",
+    "loss_reducer",
     "on_checkpoint_saved",
     "on_eval_end",
     "on_hook_call",
@@ -52,11 +53,13 @@ def add_arguments(parser: ArgumentParser) -> None:
 
     Call: broadcast, once, when the launch parser is built (before parsing).
     Add an argument group named after the plugin; prefix every flag with the plugin name.
-    Flags of SPEC.md section 1 are defined by the core; do not add them again.
+    Flags of SPEC.md section 1 are defined by the core; do not add them again. A plugin
+    whose ``add_arguments`` adds a flag the core or another plugin already defines, raises,
+    or is ``async def`` is set aside: it adds none of its flags, ``furlong plugins`` lists it
+    as broken with the reason, and choosing it is an error.
 
     :param parser: the ``argparse.ArgumentParser`` of ``furlong train``.
     :returns: nothing.
-    :raises PluginError: raised by the core when two plugins add the same flag (names both).
     """
 
 
@@ -297,6 +300,33 @@ def loss(args: Namespace, batch: LossInput) -> LossOutput:
         ``entropy``, ``values``, ``returns``.
     :returns: ``LossOutput(token_loss, token_metrics)``: per-token tensors only. Never
         reduce: the core applies masks and denominators over the whole optimizer step.
+    """
+
+
+@hookspec
+def loss_reducer(args: Namespace, values: list, loss_masks: list, total_lengths: list[int]):
+    """Reduce one micro-batch's per-token policy-gradient values to its share of the step loss.
+
+    Call: chosen by name (``--loss-reducer NAME``; ``--custom-pg-loss-reducer-function-path``
+    takes Miles' factory ``fn(total_lengths, response_lengths, loss_masks,
+    calculate_per_token_loss) -> reducer``). Not called unless one of the two flags is given:
+    by default the core reduces everything itself. Called once per micro-batch with grad
+    enabled, on the ``token_metrics["pg_loss"]`` the loss plugin returned. The core
+    multiplies what it returns by the step factor, ``1/n_s`` (trajectories in the optimizer
+    step, over every micro-batch and rank) or ``1/N_s`` under ``--calculate-per-token-loss``
+    (trained tokens in the step), and adds the rest of ``token_loss`` (``token_loss -
+    pg_loss``) reduced the core's way. The core's own pg reduction corresponds to
+    ``sum_i sum_t x_it m_it / |m_i|`` here.
+
+    :param values: N float32 tensors [T_i], the per-token policy-gradient term, carrying grad.
+    :param loss_masks: N float32 0/1 tensors [T_i] (truncated samples already zeroed under
+        ``--mask-truncated-samples``).
+    :param total_lengths: N ints: prompt + response tokens of each sample.
+    :returns: a 0-dim float32 tensor carrying grad: the micro-batch's weighted sum (never a
+        mean over the micro-batch: the step factor makes the mean, whatever the packing).
+
+    Reference: Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training: A Critical
+    Perspective", arXiv:2503.20783) divides by a constant instead of ``|m_i|``: built-in ``dr_grpo``.
     """
 
 

@@ -242,3 +242,15 @@ def cpu_machine(monkeypatch):
     monkeypatch.setattr(env, "cuda_available", lambda: False)
     monkeypatch.setattr(env, "sglang_available", lambda: False)
     monkeypatch.setattr(env, "megatron_available", lambda: False)
+
+
+@pytest.fixture(scope="session")
+def serve_server(tiny_model_dir, tmp_path_factory):
+    """One ``furlong serve`` process on the tiny model for the session (tests/serve_helpers.py).
+
+    Tests that change its weights, weight version or pause state put them back.
+    """
+    from .serve_helpers import running_server
+
+    with running_server(tiny_model_dir, log_dir=tmp_path_factory.mktemp("serve")) as server:
+        yield server

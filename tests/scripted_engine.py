@@ -9,18 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from furlong.hooks import GenerateOutput
-
-
-class CharTokenizer:
-    """One token per character (ids = code points); id 0 is end-of-sequence."""
-
-    eos_token_id = 0
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) for c in text]}
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(chr(i) for i in ids if i != 0)
+from furlong.hooks.testing import CharTokenizer
 
 
 class ScriptedEngine:

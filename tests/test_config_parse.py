@@ -240,47 +240,61 @@ def test_plugin_flag_is_parsed(plugin_manager, register_plugin):
     assert parse_args(BASE, plugin_manager).alpha_width == 7
 
 
-def test_two_plugins_adding_one_flag_names_both(plugin_manager, register_plugin):
+class FlagReward(FlagPlugin):
+    """A reward plugin whose add_arguments adds ``flags``."""
+
+    @hookimpl
+    def reward(self, samples):
+        return [1.0 for _ in samples]
+
+
+def test_a_plugin_adding_another_plugin_s_flag_is_set_aside_whole(plugin_manager, register_plugin):
     register_plugin(FlagPlugin("--shared-width"), "alpha")
-    register_plugin(FlagPlugin("--beta-depth", "--shared-width"), "beta")
+    register_plugin(FlagReward("--beta-depth", "--shared-width"), "beta")
+    parser = build_parser(plugin_manager)
+    assert "--beta-depth" not in parser._option_string_actions  # nothing half-added
+    assert plugin_manager.get_plugin("beta") is None
+    assert plugin_manager.broken["beta"][1] == (
+        "`add_arguments` adds the flag --shared-width, which plugin 'alpha' already adds; a flag may be added by one "
+        "plugin only: uninstall one of them or skip one with --disable-plugins NAME.")
+    assert parse_args(BASE + ["--shared-width", "3"], plugin_manager).shared_width == 3
+
+
+def test_a_plugin_redefining_a_core_flag_breaks_only_runs_that_choose_it(plugin_manager, register_plugin):
+    register_plugin(FlagReward("--clash-depth", "--lr"), "clash")
+    args = parse_args(BASE, plugin_manager)  # a run that does not choose it
+    assert args.lr == 1e-6 and not hasattr(args, "clash_depth")
     with pytest.raises(PluginError) as excinfo:
-        build_parser(plugin_manager)
+        plugin_manager.chosen_impl("reward", "clash", "--rm-type")
     assert str(excinfo.value) == (
-        "plugins 'alpha' and 'beta' both add the flag --shared-width; a flag may be added by one plugin only: "
-        "uninstall one of them or skip one with --disable-plugins beta.")
+        "--rm-type 'clash': plugin 'clash' is broken: it was set aside: `add_arguments` adds the flag --lr, which "
+        "furlong core already defines; a plugin adds only new flags, prefixed with its name (--clash-...).")
 
 
-def test_plugin_redefining_a_core_flag_is_an_error(plugin_manager, register_plugin):
-    register_plugin(FlagPlugin("--lr"), "alpha")
-    with pytest.raises(PluginError) as excinfo:
-        build_parser(plugin_manager)
-    assert str(excinfo.value) == (
-        "plugin 'alpha' adds the flag --lr, which furlong core already defines; a plugin adds only new flags, "
-        "prefixed with its name (--alpha-...).")
-
-
-def test_plugin_add_arguments_failure_names_the_plugin(plugin_manager, register_plugin):
+def test_a_plugin_whose_add_arguments_fails_is_set_aside(plugin_manager, register_plugin):
     class Broken:
         @hookimpl
         def add_arguments(self, parser):
             raise RuntimeError("boom")
 
     register_plugin(Broken(), "broken_flags")
+    build_parser(plugin_manager)  # other plugins' runs go on
+    assert plugin_manager.broken["broken_flags"][1] == "failed in `add_arguments`: RuntimeError: boom"
     with pytest.raises(PluginError) as excinfo:
-        build_parser(plugin_manager)
-    assert str(excinfo.value) == "plugin 'broken_flags' failed in `add_arguments`: RuntimeError: boom"
+        plugin_manager.chosen_impl("add_arguments", "broken_flags", "--rm-type")
+    assert str(excinfo.value) == ("--rm-type 'broken_flags': plugin 'broken_flags' is broken: it was set aside: "
+                                  "failed in `add_arguments`: RuntimeError: boom")
 
 
-def test_async_add_arguments_is_refused(plugin_manager, register_plugin):
+def test_an_async_add_arguments_is_set_aside(plugin_manager, register_plugin):
     class Async:
         @hookimpl
         async def add_arguments(self, parser):
             parser.add_argument("--async-width")
 
     register_plugin(Async(), "async_flags")
-    with pytest.raises(PluginError) as excinfo:
-        build_parser(plugin_manager)
-    assert str(excinfo.value) == "plugin 'async_flags': `add_arguments` may not be async def."
+    assert "--async-width" not in build_parser(plugin_manager)._option_string_actions
+    assert plugin_manager.broken["async_flags"][1] == "`add_arguments` may not be async def."
 
 
 def test_overlay_text_values_of_typed_flags_are_converted(tmp_path):

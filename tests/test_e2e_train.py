@@ -109,3 +109,39 @@ def test_checkpoints_follow_the_save_cadence(short_run):
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     state = json.loads((save / "rollout" / "state_2.json").read_text())
     assert state["counters"]["trained"] == 6 and state["group_index"] == 6
+
+
+def _documented_metric_patterns() -> list:
+    """Regexes of the keys in PLUGINS.md's metrics reference (first column; ``<x>`` is a placeholder).
+
+    In a cell, ``/median`` continues the previous key's path and ``groups_kept`` replaces
+    its last segment.
+    """
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "PLUGINS.md").read_text()
+    section = text.split("## Metrics reference", 1)[1].split("\n## ", 1)[0]
+    patterns = []
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        previous = None
+        for item in re.findall(r"`([^`]+)`", line.split(" | ")[0]):
+            if item.startswith("/") and previous:
+                key = previous.rsplit("/", 1)[0] + item
+            elif "/" not in item and previous:
+                key = previous.rsplit("/", 1)[0] + "/" + item
+            else:
+                key = item
+            previous = key
+            patterns.append(re.compile(re.sub(r"<\w+>", ".+", re.escape(key).replace(r"\<", "<").replace(r"\>", ">"))))
+    return patterns
+
+
+def test_every_logged_key_is_in_the_metrics_reference(short_run):
+    _, rows, _ = short_run
+    patterns = _documented_metric_patterns()
+    logged = {key for row in rows for key in row}
+    assert sorted(k for k in logged if not any(p.fullmatch(k) for p in patterns)) == []
+    assert any(p.fullmatch("rollout/response_len/median") for p in patterns)  # the shorthand is read

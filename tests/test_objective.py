@@ -270,8 +270,8 @@ def test_custom_pg_reducer_needs_a_pg_loss_term(pm, tmp_path, monkeypatch):
     with pytest.raises(PluginError) as excinfo:
         call(objective, [0], [torch.zeros(1, requires_grad=True)])
     assert str(excinfo.value) == (
-        "--custom-pg-loss-reducer-function-path: --loss-type 'sft_loss' must report its per-token policy-gradient "
-        "term, carrying grad, as token_metrics['pg_loss'] for a custom pg reducer."
+        "--custom-pg-loss-reducer-function-path 'furlong_test_reducers2.masked_sum': --loss-type 'sft_loss' must "
+        "report its per-token policy-gradient term, carrying grad, as token_metrics['pg_loss'] for a loss reducer."
     )
 
 

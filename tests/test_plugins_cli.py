@@ -37,6 +37,10 @@ ARGNAMES = {"executor": "args", "data_source": "args", "rollout_engine": "args",
             "rollout": "args, rollout_id, context", "generate": "args, sample", "buffer_pop": "buffer, num_samples",
             "advantage": "args, batch", "loss": "args, batch", "reward": "args, samples"}
 BROKEN_IMPORT = "ModuleNotFoundError: No module named 'furlong_missing_dependency_xyz'"
+BAD_ARGNAME = ("`advantage(args, batches)` takes 'batches', which is not an argument of hook `advantage`; its "
+               "arguments are: args, batch (take any of them, by name); did you mean 'batch'?")
+CLASH = ("`add_arguments` adds the flag --lr, which furlong core already defines; a plugin adds only new flags, "
+         "prefixed with its name (--t-clash-...).")
 
 
 def _module(hook: str, returns: str = "'ok'") -> str:
@@ -47,7 +51,8 @@ def _module(hook: str, returns: str = "'ok'") -> str:
 def sites(tmp_path_factory, write_dist):
     """Three site folders: ``stack`` (the ``t_*`` plugins and a user module ``my_rm``),
     ``twin`` (a second distribution registering ``t_adv``) and ``bad`` (``t_broken`` fails
-    to import, ``t_typo`` misspells its hook, ``t_argname`` names an unknown argument)."""
+    to import, ``t_typo`` misspells its hook, ``t_argname`` names an unknown argument,
+    ``t_clash`` redefines the core flag ``--lr``)."""
     root = tmp_path_factory.mktemp("cli_sites")
     stack_files = {f"furlong_cli_stack/{name}.py": _module(hook, "None" if name == "t_data" else "'ok'")
                    for name, (hook, _) in STACK.items()}
@@ -62,9 +67,13 @@ def sites(tmp_path_factory, write_dist):
         "furlong_cli_bad/t_broken.py": "import furlong_missing_dependency_xyz\n",
         "furlong_cli_bad/t_typo.py": _module("advantage").replace("def advantage", "def advantge"),
         "furlong_cli_bad/t_argname.py": _module("advantage").replace("args, batch", "args, batches"),
+        "furlong_cli_bad/t_clash.py": _module("reward") + (
+            "\n\n@hookimpl\ndef add_arguments(parser):\n    parser.add_argument('--t-clash-depth', type=int)\n"
+            "    parser.add_argument('--lr', type=float)\n"),
     }
     write_dist(root / "bad", "furlong-cli-bad", "furlong_cli_bad", "",
-               {n: f"furlong_cli_bad.{n}" for n in ("t_broken", "t_typo", "t_argname")}, version="0.0.1",
+               {n: f"furlong_cli_bad.{n}" for n in ("t_broken", "t_typo", "t_argname", "t_clash")},
+               version="0.0.1",
                files=bad_files)
     return {name: root / name for name in ("stack", "twin", "bad")}
 
@@ -201,10 +210,9 @@ def test_plugins_lists_a_plugin_that_fails_to_import_as_broken(furlong_with):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == (
         "NAME       HOOKS  DISTRIBUTION       VERSION  STATUS\n"
-        "t_argname  -      furlong-cli-bad    0.0.1    broken: PluginValidationError: Plugin 't_argname' for hook "
-        "'advantage'\nhookimpl definition: advantage(args, batches)\n"
-        "Argument(s) {'batches'} are declared in the hookimpl but can not be found in the hookspec\n"
+        f"t_argname  -      furlong-cli-bad    0.0.1    broken: {BAD_ARGNAME}\n"
         f"t_broken   -      furlong-cli-bad    0.0.1    broken: {BROKEN_IMPORT}\n"
+        f"t_clash    -      furlong-cli-bad    0.0.1    broken: {CLASH}\n"
         "t_loss     loss   furlong-cli-stack  0.1.0    ok\n"
         "t_typo     -      furlong-cli-bad    0.0.1    broken: implements unknown hook `advantge` "
         "(did you mean `advantage`?)\n"
@@ -212,17 +220,14 @@ def test_plugins_lists_a_plugin_that_fails_to_import_as_broken(furlong_with):
 
 
 CHOOSE_BROKEN = _case("choose_broken", "--advantage-estimator", "t_broken", "--loss-type", "t_typo",
-                      "--buffer-filter", "t_argname", extra_sites=("bad",))
+                      "--buffer-filter", "t_argname", "--rm-type", "t_clash", extra_sites=("bad",))
 
 
 def test_choosing_broken_plugins_names_entry_point_distribution_and_error(train):
     assert _usage_error(train[CHOOSE_BROKEN]) == (
         # an implementation naming an argument its hookspec lacks
         "error: --buffer-filter 't_argname': plugin 't_argname' is broken: entry point "
-        "'t_argname = furlong_cli_bad.t_argname' of furlong-cli-bad 0.0.1 failed to load: "
-        "PluginValidationError: Plugin 't_argname' for hook 'advantage'\n"
-        "hookimpl definition: advantage(args, batches)\n"
-        "Argument(s) {'batches'} are declared in the hookimpl but can not be found in the hookspec\n"
+        f"'t_argname = furlong_cli_bad.t_argname' of furlong-cli-bad 0.0.1 failed to load: {BAD_ARGNAME}\n"
         # a plugin that fails to import
         "--advantage-estimator 't_broken': plugin 't_broken' is broken: entry point "
         f"'t_broken = furlong_cli_bad.t_broken' of furlong-cli-bad 0.0.1 failed to load: {BROKEN_IMPORT}\n"
@@ -230,6 +235,9 @@ def test_choosing_broken_plugins_names_entry_point_distribution_and_error(train)
         "--loss-type 't_typo': plugin 't_typo' is broken: entry point "
         "'t_typo = furlong_cli_bad.t_typo' of furlong-cli-bad 0.0.1 failed to load: "
         "implements unknown hook `advantge` (did you mean `advantage`?)\n"
+        # a plugin whose add_arguments redefines a core flag
+        "--rm-type 't_clash': plugin 't_clash' is broken: entry point 't_clash = furlong_cli_bad.t_clash' of "
+        f"furlong-cli-bad 0.0.1 was set aside: {CLASH}\n"
     )
 
 
@@ -240,9 +248,9 @@ RUN_WITH_BROKEN = _case("run_with_broken", "--hf-checkpoint", DEMO_MODEL, extra_
 def test_a_run_warns_about_broken_plugins_and_a_chosen_none_is_an_error(train):
     stderr = _usage_error(train[RUN_WITH_BROKEN])
     assert [line for line in stderr.splitlines() if line.startswith("WARNING furlong:")] == [
-        "WARNING furlong: plugin 't_argname' (furlong-cli-bad 0.0.1) is broken and cannot be chosen: "
-        "PluginValidationError: Plugin 't_argname' for hook 'advantage'",
+        f"WARNING furlong: plugin 't_argname' (furlong-cli-bad 0.0.1) is broken and cannot be chosen: {BAD_ARGNAME}",
         f"WARNING furlong: plugin 't_broken' (furlong-cli-bad 0.0.1) is broken and cannot be chosen: {BROKEN_IMPORT}",
+        f"WARNING furlong: plugin 't_clash' (furlong-cli-bad 0.0.1) is broken and cannot be chosen: {CLASH}",
         "WARNING furlong: plugin 't_typo' (furlong-cli-bad 0.0.1) is broken and cannot be chosen: "
         "implements unknown hook `advantge` (did you mean `advantage`?)",
     ]
@@ -276,7 +284,7 @@ def test_plugins_with_an_unknown_hook(furlong_with):
     proc = furlong_with("plugins", "--hook", "advantge")
     assert _usage_error(proc) == (
         "error: --hook 'advantge': no such hook. Hooks: abort, add_arguments, advantage, buffer_pop, configure, "
-        "data_source, executor, filter, generate, loss, on_checkpoint_saved, on_eval_end, on_hook_call, "
+        "data_source, executor, filter, generate, loss, loss_reducer, on_checkpoint_saved, on_eval_end, on_hook_call, "
         "on_rollout_end, on_train_step_end, reward, rollout, rollout_engine, train_backend.\n"
     )
 

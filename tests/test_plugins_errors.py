@@ -77,11 +77,24 @@ def test_chosen_plugin_without_the_hook_says_which_hooks_it_implements(estimator
     )
 
 
-def test_chosen_plugin_without_any_hook(plugin_dist, load_plugins):
+def test_a_module_without_any_hookimpl_is_broken_with_a_hint_at_the_decorator(plugin_dist, load_plugins):
     plugin_dist("furlong-empty", "furlong_empty_pkg", "HELPER = 1\n", {"empty": "furlong_empty_pkg"})
     pm = load_plugins()
     assert _raises(pm.chosen_impl, "loss", "empty", "--loss-type") == (
-        "--loss-type 'empty': plugin 'empty' (furlong-empty 0.1.0) does not implement `loss`; it implements no hook."
+        "--loss-type 'empty': plugin 'empty' is broken: entry point 'empty = furlong_empty_pkg' of furlong-empty "
+        "0.1.0 failed to load: implements no hook: no function is marked @hookimpl; decorate each hook function "
+        "with @hookimpl (from furlong.hooks import hookimpl) and name it after its hook (furlong.hooks.specs lists "
+        "the hooks)."
+    )
+
+
+def test_a_hook_function_without_the_decorator_is_named(plugin_dist, load_plugins):
+    source = "def reward(args, samples):\n    return [1.0 for _ in samples]\n"
+    plugin_dist("furlong-bare", "furlong_bare_pkg", source, {"bare": "furlong_bare_pkg"})
+    pm = load_plugins()
+    assert pm.describe()[0]["detail"] == (
+        "defines `reward` without @hookimpl: decorate each hook function with @hookimpl "
+        "(from furlong.hooks import hookimpl)."
     )
 
 
@@ -169,9 +182,9 @@ def test_unknown_argument_name_is_an_error_naming_the_plugin(plugin_dist, load_p
     pm = load_plugins()
     assert _raises(pm.chosen_impl, "advantage", "rloo", "--advantage-estimator") == (
         "--advantage-estimator 'rloo': plugin 'rloo' is broken: entry point 'rloo = furlong_rloo_pkg' "
-        "of furlong-rloo 0.3.0 failed to load: PluginValidationError: Plugin 'rloo' for hook 'advantage'\n"
-        "hookimpl definition: advantage(args, batches)\n"
-        "Argument(s) {'batches'} are declared in the hookimpl but can not be found in the hookspec"
+        "of furlong-rloo 0.3.0 failed to load: `advantage(args, batches)` takes 'batches', which is not an "
+        "argument of hook `advantage`; its arguments are: args, batch (take any of them, by name); did you mean "
+        "'batch'?"
     )
 
 

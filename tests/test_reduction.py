@@ -1,13 +1,10 @@
-"""The core's loss reducer: masks, step denominators, truncation, custom reducer paths (SPEC.md 4.6, 6.3)."""
-
-import math
+"""The core's loss reducer: masks, step denominators, truncation (SPEC.md 4.6, 6.3)."""
 
 import pytest
 import torch
 
 from furlong.core import reduction
 from furlong.core.reduction import StepDenominators
-from furlong.hooks import PluginError
 
 
 def reduce_step(values, masks, per_token, trajectory_ids=None, truncated=None, mask_truncated=False):
@@ -110,29 +107,3 @@ def test_sample_weights_by_mode():
     step = StepDenominators(samples=4, tokens=20.0)
     assert reduction.sample_weights([0, 1], [5.0, 0.0], step, per_token=False) == [1 / 20, 1 / 4]
     assert reduction.sample_weights([0, 1], [5.0, 0.0], step, per_token=True) == [1 / 20, 1 / 20]
-
-
-def test_load_custom_reducer_imports_the_attribute():
-    assert reduction.load_custom_reducer("math.fsum") is math.fsum
-
-
-@pytest.mark.parametrize(
-    "path, message",
-    [
-        ("noreducer", "--custom-pg-loss-reducer-function-path 'noreducer': expected a dotted path 'module.function'."),
-        (
-            "furlong_no_such_module.fn",
-            "--custom-pg-loss-reducer-function-path 'furlong_no_such_module.fn': cannot import module "
-            "'furlong_no_such_module': ModuleNotFoundError: No module named 'furlong_no_such_module'",
-        ),
-        (
-            "math.no_such_fn",
-            "--custom-pg-loss-reducer-function-path 'math.no_such_fn': module 'math' has no attribute 'no_such_fn'",
-        ),
-        ("math.pi", "--custom-pg-loss-reducer-function-path 'math.pi': 'pi' in module 'math' is not callable"),
-    ],
-)
-def test_load_custom_reducer_errors(path, message):
-    with pytest.raises(PluginError) as excinfo:
-        reduction.load_custom_reducer(path)
-    assert str(excinfo.value) == message

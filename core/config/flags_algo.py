@@ -41,6 +41,9 @@ def add(g, dev) -> None:
                    help="Log train/rollout mismatch metrics; needs --custom-tis-function-path (not supported yet).")
     g.add_argument("--custom-pg-loss-reducer-function-path", default=None,
                    help="module.function reducing the policy-gradient term.")
+    g.add_argument("--loss-reducer", default=None, metavar="NAME",
+                   help="loss_reducer plugin reducing the policy-gradient term (e.g. dr_grpo); default: the core's "
+                        "per-sample or per-token mean.")
     g.add_argument("--use-opsm", action="store_true", help="Off-policy sequence masking.")
     g.add_argument("--opsm-delta", type=float, default=1e-4, help="OPSM threshold.")
     g.add_argument("--normalize-advantages", action="store_true",

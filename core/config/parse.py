@@ -45,7 +45,6 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
         (train-async rejects ``--colocate``, ...) and set ``args.train_mode`` (``"sync"``
         or ``"async"``), which plugins' ``configure`` hooks read.
     :raises ConfigError: every problem found, one per line.
-    :raises PluginError: two plugins add one flag.
     """
     parser = build_parser(pm)
     tokens = expand_argsfiles(list(argv), parser)

@@ -165,19 +165,20 @@ def machine_defaults(args: argparse.Namespace, pm=None) -> dict:
     return out
 
 
-def build_parser(pm=None) -> argparse.ArgumentParser:
+def build_parser(pm=None, dev: DeviceDefaults | None = None) -> argparse.ArgumentParser:
     """The parser of ``furlong train``: every flag of SPEC.md section 1, in the Miles groups.
 
     :param pm: a :class:`furlong.core.plugins.FurlongPluginManager`; when given, every
         plugin's ``add_arguments`` is called (one at a time) so it can add its own group.
+    :param dev: the machine-dependent defaults (default: probe this machine, which imports torch).
     :returns: a :class:`FurlongArgumentParser` (``allow_abbrev=False``, ``@FILE`` files).
-    :raises PluginError: two plugins (or a plugin and core) add the same flag (both are
-        named), or a plugin's ``add_arguments`` fails.
+    A plugin whose ``add_arguments`` redefines a flag, fails or is ``async def`` is set
+    aside (see :func:`add_plugin_arguments`).
     """
     from . import (flags_algo, flags_cluster, flags_eval, flags_logging, flags_model, flags_optim, flags_perf,
                    flags_plugins, flags_rollout, flags_rollout_extra, flags_sglang)
 
-    dev = device_defaults(pm)
+    dev = dev or device_defaults(pm)
     parser = FurlongArgumentParser(
         prog="furlong train",
         usage="%(prog)s [-h] [FLAG ...] [@FILE ...]",
@@ -204,34 +205,70 @@ def build_parser(pm=None) -> argparse.ArgumentParser:
     return parser
 
 
+def set_aside_bad_plugin_flags(pm) -> None:
+    """Set aside the plugins whose ``add_arguments`` cannot join the parser, without probing the machine.
+
+    For ``furlong plugins``: the flags' names do not depend on the machine, only their
+    defaults, so the CPU defaults stand in and torch is not imported.
+    """
+    build_parser(pm, DeviceDefaults(cuda=False, gpus_per_node=1, attn_implementation="sdpa", bf16=False,
+                                    distributed_backend="gloo", rollout_backend="embedded", train_backend="fsdp"))
+
+
 def add_plugin_arguments(parser: argparse.ArgumentParser, pm) -> None:
     """Call each plugin's ``add_arguments`` separately, tracking who added which flag.
 
-    :raises PluginError: a flag added twice (names both owners: two plugins, or a plugin
-        and furlong core), or an ``add_arguments`` that raises.
+    A plugin whose ``add_arguments`` adds a flag furlong core or an earlier plugin already
+    defines, raises, or is ``async def`` is set aside
+    (:meth:`~furlong.core.plugins.FurlongPluginManager.set_aside`): it adds no flag,
+    ``furlong plugins`` lists it as broken with the reason, and only a run that chooses it
+    fails. Each plugin first adds its flags to a scratch parser holding the flags defined
+    so far, so a clash leaves nothing half-added on ``parser``.
     """
     owner: dict[str, str] = {opt: "furlong core" for opt in parser._option_string_actions}
-    for impl in pm.hook.add_arguments.get_hookimpls():
+    for impl in list(pm.hook.add_arguments.get_hookimpls()):
         name = impl.plugin_name
+        problem = _add_arguments_problem(impl, name, owner)
+        if problem:
+            pm.set_aside(name, problem)
+            continue
         before = set(parser._option_string_actions)
-        try:
-            result = impl.function(**({"parser": parser} if "parser" in impl.argnames else {}))
-            if inspect.isawaitable(result):
-                getattr(result, "close", lambda: None)()
-                raise PluginError(f"plugin '{name}': `add_arguments` may not be async def.")
-        except argparse.ArgumentError as exc:
-            flags = [opt for opt in (exc.argument_name or "").split("/") if opt in owner] or ["?"]
-            flag, first = flags[0], owner.get(flags[0], "another plugin")
-            if first == "furlong core":
-                message = (f"plugin '{name}' adds the flag {flag}, which furlong core already defines; "
-                           f"a plugin adds only new flags, prefixed with its name (--{name.replace('_', '-')}-...).")
-            else:
-                message = (f"plugins '{first}' and '{name}' both add the flag {flag}; a flag may be added by one "
-                           f"plugin only: uninstall one of them or skip one with --disable-plugins {name}.")
-            raise PluginError(message) from exc
-        except PluginError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - name the plugin at fault
-            raise PluginError(f"plugin '{name}' failed in `add_arguments`: {type(exc).__name__}: {exc}") from exc
+        _call_add_arguments(impl, name, parser)
         for opt in set(parser._option_string_actions) - before:
             owner[opt] = name
+
+
+def _add_arguments_problem(impl, name: str, owner: dict[str, str]) -> str:
+    """Why plugin ``name``'s ``add_arguments`` cannot join the flags of ``owner`` (flag -> owner), or ""."""
+    scratch = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for i, opt in enumerate(owner):
+        scratch.add_argument(opt, dest=f"_defined_{i}")
+    try:
+        _call_add_arguments(impl, name, scratch)
+    except argparse.ArgumentError as exc:
+        flags = [opt for opt in (exc.argument_name or "").split("/") if opt in owner] or ["?"]
+        flag, first = flags[0], owner.get(flags[0], "another plugin")
+        if first == "furlong core":
+            return (f"`add_arguments` adds the flag {flag}, which furlong core already defines; a plugin adds only "
+                    f"new flags, prefixed with its name (--{name.replace('_', '-')}-...).")
+        return (f"`add_arguments` adds the flag {flag}, which plugin '{first}' already adds; a flag may be added "
+                f"by one plugin only: uninstall one of them or skip one with --disable-plugins NAME.")
+    except PluginError as exc:
+        return str(exc).removeprefix(f"plugin '{name}'").removeprefix(":").strip()
+    return ""
+
+
+def _call_add_arguments(impl, name: str, parser: argparse.ArgumentParser) -> None:
+    """Run one plugin's ``add_arguments`` on ``parser``; argparse's ArgumentError passes through.
+
+    :raises PluginError: the implementation is ``async def`` or raises anything else.
+    """
+    try:
+        result = impl.function(**({"parser": parser} if "parser" in impl.argnames else {}))
+        if inspect.isawaitable(result):
+            getattr(result, "close", lambda: None)()
+            raise PluginError(f"plugin '{name}': `add_arguments` may not be async def.")
+    except (argparse.ArgumentError, PluginError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - name the plugin at fault
+        raise PluginError(f"plugin '{name}' failed in `add_arguments`: {type(exc).__name__}: {exc}") from exc

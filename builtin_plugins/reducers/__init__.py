@@ -1,0 +1,1 @@
+"""Built-in ``loss_reducer`` plugins (``--loss-reducer NAME``)."""

@@ -1,0 +1,150 @@
+"""``furlong serve``: its flags, the engine it builds through the plugin manager, and the server's life.
+
+The engine comes from the ``rollout_engine`` hook of the plugin ``--rollout-backend``
+names (default ``embedded``), exactly as a training run builds it; only that plugin's
+``add_arguments`` flags are added, so every flag ``furlong serve --help`` lists does
+something here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from furlong.hooks import PluginError
+
+from ..discovery import split_names
+from ..plugins import get_plugin_manager
+
+__all__ = ["build_serve_parser", "parse_serve_args", "serve"]
+
+log = logging.getLogger("furlong.serve")
+
+DESCRIPTION = """Serve a rollout engine over HTTP with SGLang's native API (the subset RL
+trainers use and routers probe): POST /generate, /abort_request, /pause_generation,
+/continue_generation, /flush_cache, weight updates (distributed, from disk, version),
+memory release/resume, /health, /health_generate, /server_info, /model_info, /v1/models.
+A CPU or small-GPU stand-in for SGLang while developing agents, evals and furlong's
+sglang client; see README "furlong serve" for what differs from SGLang."""
+
+
+def build_serve_parser(pm=None, backend: str | None = None) -> argparse.ArgumentParser:
+    """The parser of ``furlong serve``: its own flags plus the ``--rollout-backend`` plugin's.
+
+    :param pm: plugin manager; with ``backend``, that plugin's ``add_arguments`` runs.
+    :raises PluginError: the plugin's ``add_arguments`` fails or adds a flag serve defines.
+    """
+    parser = argparse.ArgumentParser(prog="furlong serve", description=DESCRIPTION, allow_abbrev=False,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = parser.add_argument_group("serve")
+    g.add_argument("--hf-checkpoint", required=True, help="Hugging Face model directory to serve (weights, "
+                   "config, tokenizer).")
+    g.add_argument("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0: every interface).")
+    g.add_argument("--port", type=int, default=30000, help="TCP port to listen on (SGLang's default).")
+    g.add_argument("--rollout-backend", default="embedded", help="Plugin whose `rollout_engine` hook builds the "
+                   "engine (furlong plugins --hook rollout_engine lists them).")
+    g.add_argument("--served-model-name", default=None, help="Model name in /v1/models and /model_info "
+                   "(default: the --hf-checkpoint path, as SGLang).")
+    g.add_argument("--weight-version", default="default", help="Weight version reported until a weight update "
+                   "sets one (SGLang's default: 'default').")
+    g.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                   help="Weights' dtype on CUDA (auto = bfloat16); CPU always runs float32.")
+    g.add_argument("--seed", type=int, default=1234, help="Seeds the engine's per-request sampling seeds "
+                   "(a request's sampling_seed overrides it).")
+    g.add_argument("--incremental-streaming-output", action="store_true", help="Streamed chunks carry only the "
+                   "new text, ids and logprobs (SGLang's flag); default: each chunk carries everything so far.")
+    g.add_argument("--disable-plugins", action="append", default=[], help="NAME or DIST:NAME to skip.")
+    g.add_argument("--debug", action="store_true", help="Print tracebacks of errors.")
+    if pm is not None and backend:
+        _add_backend_arguments(parser, pm, backend)
+    return parser
+
+
+def _add_backend_arguments(parser: argparse.ArgumentParser, pm, backend: str) -> None:
+    for impl in pm.hook.add_arguments.get_hookimpls():
+        if impl.plugin_name != backend:
+            continue
+        try:
+            impl.function(**({"parser": parser} if "parser" in impl.argnames else {}))
+        except argparse.ArgumentError as exc:
+            raise PluginError(f"--rollout-backend '{backend}': its add_arguments adds a flag furlong serve already "
+                              f"defines ({exc.argument_name}).") from exc
+
+
+def _backend_of(argv: list[str]) -> str:
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    probe.add_argument("--rollout-backend", default="embedded")
+    return probe.parse_known_args(argv)[0].rollout_backend
+
+
+def serve(argv: list[str]) -> int:
+    """Run ``furlong serve`` until SIGTERM or SIGINT; returns the exit code.
+
+    :raises PluginError: the backend cannot be chosen or its engine cannot be built
+        (the message names ``--rollout-backend`` or ``--hf-checkpoint``).
+    """
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--disable-plugins", action="append", default=[])
+    pm = get_plugin_manager(split_names(pre.parse_known_args(argv)[0].disable_plugins))
+    return asyncio.run(_serve(parse_serve_args(argv, pm), pm))
+
+
+def parse_serve_args(argv: list[str], pm) -> argparse.Namespace:
+    """Parse ``furlong serve``'s flags; derive what engine plugins read.
+
+    ``--dtype`` becomes ``bf16``/``fp16`` (the flags a ``rollout_engine`` reads in a
+    training run); ``--served-model-name`` defaults to ``--hf-checkpoint``.
+
+    :raises PluginError: ``--rollout-backend`` names no plugin implementing ``rollout_engine``.
+    :raises SystemExit: argparse's usage error (exit code 2).
+    """
+    backend = _backend_of(argv)
+    pm.chosen_impl("rollout_engine", backend, "--rollout-backend")
+    args = build_serve_parser(pm, backend).parse_args(argv)
+    args.bf16 = args.dtype in ("auto", "bfloat16")
+    args.fp16 = args.dtype == "float16"
+    args.served_model_name = args.served_model_name or args.hf_checkpoint
+    return args
+
+
+async def _serve(args: argparse.Namespace, pm) -> int:
+    from aiohttp import web
+
+    from ..engine_set import EngineFactory
+    from .app import make_app
+    from .state import ServeState
+
+    engine = await EngineFactory(args, (args.rollout_backend, "--rollout-backend"), pm)(0)
+    state = ServeState(engine, args)
+    # handler_cancellation: a client that goes away cancels its request, and the engine drops it (as SGLang)
+    runner = web.AppRunner(make_app(state), access_log=None, shutdown_timeout=5, handler_cancellation=True)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise PluginError(f"furlong serve: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); "
+                          "choose another --port or --host.") from exc
+    logging.getLogger("aiohttp.server").addFilter(_quiet_http2_probes)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("furlong serve: %s (%s) on http://%s:%d", args.hf_checkpoint, args.rollout_backend, args.host, args.port)
+    await stop.wait()
+    log.info("furlong serve: shutting down")
+    await state.shut_down()
+    await runner.cleanup()
+    return 0
+
+
+def _quiet_http2_probes(record: logging.LogRecord) -> bool:
+    """Drop aiohttp's traceback for an HTTP/2 connection preface ("PRI * HTTP/2.0").
+
+    sglang-router and smg open one when they register a worker, to find out whether it
+    speaks gRPC; they then use HTTP/1.1. Any other bad request is still logged.
+    """
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (exc is not None and type(exc).__name__ == "BadHttpMessage" and "PRI" in str(exc))

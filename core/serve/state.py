@@ -1,0 +1,111 @@
+"""What ``furlong serve`` knows between requests: the engine, the weight version, the requests running."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from argparse import Namespace
+from typing import Any, Callable
+
+from aiohttp import web
+
+from furlong.hooks import PluginError
+
+from .responses import Progress
+from .schema import BadRequest, GenerateItem
+
+__all__ = ["STATE_KEY", "ServeState", "state_of"]
+
+
+class ServeState:
+    """The served engine and the server's own bookkeeping.
+
+    ``weight_version``: a string, as SGLang reports it (``--weight-version`` until an
+    update sets one). ``running``: rid -> the request's progress, for ``/abort_request``
+    and ``/flush_cache``. ``pause_mode``: the mode of the pause in force, or None.
+    ``last_token_at``: monotonic time of the last decoded token (``/health_generate``
+    counts a busy engine as healthy, as SGLang does).
+    """
+
+    def __init__(self, engine: Any, args: Namespace) -> None:
+        self.engine = engine
+        self.args = args
+        self.tokenizer = engine.tokenizer
+        self.weight_version = str(args.weight_version)
+        self.running: dict[str, Progress] = {}
+        self.pause_mode: str | None = None
+        self.exiting = False
+        self.last_token_at = 0.0
+        self.started_at = time.time()
+        config = getattr(getattr(engine, "model", None), "config", None)
+        self.vocab_size = int(getattr(config, "vocab_size", 0) or len(self.tokenizer))
+        names = inspect.signature(engine.generate).parameters
+        self.engine_streams = "on_token" in names  # incremental output
+        self.engine_takes_rid = "rid" in names and callable(getattr(engine, "abort_request", None))
+
+    async def generate(self, item: GenerateItem, on_progress: Callable[[], None] | None = None) -> Progress:
+        """Run one request on the engine; ``on_progress`` after each new token (when the engine streams).
+
+        :raises BadRequest: the engine refused the request (a sampling value out of range,
+            a prompt longer than the context, a request id in use); the message is the engine's.
+        """
+        if item.input_ids is None:
+            item.input_ids = list(self.tokenizer.encode(item.text))
+        bad = [t for t in item.input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BadRequest(f"/generate: token id {bad[0]} of request {item.rid!r} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if item.rid in self.running:
+            raise BadRequest(f"/generate: request id {item.rid!r} is already running")
+        progress = Progress()
+        self.running[item.rid] = progress
+        kwargs = {}
+        if self.engine_takes_rid:
+            kwargs["rid"] = item.rid
+        if self.engine_streams:
+            def on_token(token: int, log_prob: float) -> None:
+                if not progress.versions or progress.versions[-1][0] != self.weight_version:
+                    progress.versions.append((self.weight_version, len(progress.output_ids)))
+                progress.output_ids.append(token)
+                progress.log_probs.append(log_prob)
+                self.last_token_at = time.monotonic()
+                if on_progress is not None:
+                    on_progress()
+            kwargs["on_token"] = on_token
+        try:
+            out = await self.engine.generate(item.input_ids, dict(item.sampling_params), **kwargs)
+        except PluginError as exc:
+            raise BadRequest(str(exc)) from exc
+        finally:
+            self.running.pop(item.rid, None)
+        progress.output_ids = list(out.output_ids)  # the engine's own record (same tokens when it streams)
+        progress.log_probs = list(out.output_log_probs)
+        progress.reason = out.finish_reason
+        return progress
+
+    def mark_aborted(self, rids, message: str) -> None:
+        """Say why these running requests end with finish reason abort."""
+        for rid in rids:
+            if rid in self.running:
+                self.running[rid].abort_message = message
+
+    async def abort_all(self, message: str) -> None:
+        self.mark_aborted(list(self.running), message)
+        await self.engine.abort()
+
+    async def shut_down(self) -> None:
+        """Refuse new work (503 on health checks) and end running requests as aborted (paused ones too)."""
+        self.exiting = True
+        if self.running:
+            await self.abort_all("The server is shutting down")
+        if self.pause_mode is not None:
+            await self.engine.continue_generation()  # a paused batch takes its last step: it ends aborted
+            self.pause_mode = None
+
+
+STATE_KEY = web.AppKey("state", ServeState)
+
+
+def state_of(request: web.Request) -> ServeState:
+    """The :class:`ServeState` of the application serving ``request``."""
+    return request.app[STATE_KEY]

@@ -1,0 +1,229 @@
+"""The contract test kit (``furlong.hooks.testing``): every built-in passes it, broken plugins fail it by name."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from furlong.core.launch_args import launch_args
+from furlong.core.plugins import get_plugin_manager
+from furlong.hooks import AdvantageOutput, FilterResult, LossOutput, Status, hookimpl
+from furlong.hooks.testing import ContractViolation, TinyEngine, check_plugin
+
+from .test_rewards_remote_rm import server  # noqa: F401 - the reward server fixture, for remote_rm
+
+# what the kit exercises of each built-in, and what it leaves to integration tests
+EXERCISED = {
+    "check_reward_nonzero_std": ["filter"], "no_aborted": ["filter"], "pop_first": ["buffer_pop"],
+    "single_turn": ["generate"], "jsonl": ["data_source"],
+    "policy_loss": ["loss"], "sft_loss": ["loss"], "value_loss": ["loss"], "on_policy_distillation": ["advantage"],
+    "dr_grpo": ["configure", "loss_reducer"], "embedded": ["add_arguments"], "fsdp": ["configure"], "local": ["configure"], "fully_async": ["configure"],
+    "ray": ["add_arguments", "configure"], "sync": [],
+    "tensorboard": ["add_arguments", "on_eval_end", "on_rollout_end", "on_train_step_end"],
+    "wandb": ["on_eval_end", "on_rollout_end", "on_train_step_end"],
+    **{name: ["configure", "advantage"] for name in ("grpo", "gspo", "ppo", "reinforce_plus_plus",
+                                                      "reinforce_plus_plus_baseline")},
+    "remote_rm": ["add_arguments", "reward"],
+    **{name: ["reward"] for name in ("math", "dapo", "deepscaler", "f1", "gpqa", "random", "deterministic_random")},
+}
+
+
+@pytest.fixture(scope="module")
+def builtins(tmp_path_factory, server):
+    """``(plugin manager, launch args)``: every installed plugin, the flags a run would give them."""
+    data = tmp_path_factory.mktemp("kit") / "train.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+1=", "label": "{i + 1}"}}\n' for i in range(5)))
+    pm = get_plugin_manager()
+    url = f"http://127.0.0.1:{server.server_address[1]}/length"
+    return pm, launch_args("--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label", "--rm-url", url,
+                           "--rollout-max-response-len", "16",
+                           pm=pm)
+
+
+def test_the_table_names_every_built_in(furlong_entry_points):
+    assert sorted(EXERCISED) == sorted(furlong_entry_points)
+
+
+def test_the_kit_knows_every_hook():
+    from furlong.hooks import specs
+    from furlong.hooks.testing import checks
+
+    assert sorted([*checks.CHECKS, *checks.NOT_EXERCISED]) == sorted(specs.__all__)
+
+
+def test_a_data_source_whose_state_does_not_round_trip_fails(tmp_path):
+    class Rows:
+        def __init__(self):
+            self.offset = 0
+
+        def next_rows(self, k):
+            self.offset += k
+            return [{"prompt": f"{self.offset - k + i}+1="} for i in range(k)]
+
+        def state(self):
+            return {"offset": self.offset}
+
+        def load_state(self, state):
+            pass  # forgets the position
+
+    args = launch_args("--prompt-data", str(tmp_path / "unused.jsonl"))
+    assert _kit_error(_plugin(data_source=lambda args: Rows()), args=args) == (
+        "plugin 'careless' breaks the `data_source` contract: next_rows(2) after load_state(state()) returned other "
+        "rows; a resumed run must see the same data.")
+
+
+@pytest.mark.parametrize("name", sorted(EXERCISED))
+def test_every_built_in_plugin_passes_the_kit(builtins, name):
+    pm, args = builtins
+    report = check_plugin(pm.get_plugin(name), name, args=args)
+    assert report.checked == EXERCISED[name]
+    assert sorted(report.checked + list(report.not_exercised)) == pm.hooks_of(name)
+
+
+def _kit_error(plugin, name="careless", **kwargs) -> str:
+    with pytest.raises(ContractViolation) as excinfo:
+        check_plugin(plugin, name, **kwargs)
+    return str(excinfo.value)
+
+
+def _plugin(**functions) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**{k: hookimpl(v) for k, v in functions.items()})
+
+
+def test_registration_mistakes_fail_with_the_core_s_message():
+    assert _kit_error(_plugin(reward=lambda args, sample: [1.0])) == (
+        "plugin 'careless' does not register: `reward(args, sample)` takes 'sample', which is not an argument of "
+        "hook `reward`; its arguments are: args, samples (take any of them, by name); did you mean 'samples'?")
+    assert _kit_error(types.SimpleNamespace(reward=lambda args, samples: [1.0])) == (
+        "plugin 'careless' does not register: defines `reward` without @hookimpl: decorate each hook function with "
+        "@hookimpl (from furlong.hooks import hookimpl).")
+
+
+def _two_turn(mistake):
+    async def generate(sample, sampling_params, engine):
+        prompt = engine.tokenizer(sample.prompt)["input_ids"]
+        budget = sampling_params["max_new_tokens"]
+        first = await engine.generate(prompt, {**sampling_params, "max_new_tokens": budget})
+        tool = engine.tokenizer(" [tool: 2] ")["input_ids"]
+        left = budget - len(first.output_ids) if mistake != "budget_per_turn" else budget
+        second = await engine.generate(prompt + first.output_ids + tool, {**sampling_params, "max_new_tokens": left})
+        response = first.output_ids + tool + second.output_ids
+        sample.tokens, sample.response_length = prompt + response, len(response)
+        sample.loss_mask = [1] * len(first.output_ids) + [0] * len(tool) + [1] * len(second.output_ids)
+        sample.rollout_log_probs = first.output_log_probs + [0.0] * len(tool) + second.output_log_probs
+        sample.weight_versions += [first.weight_version, second.weight_version]
+        if mistake == "one_version":
+            sample.weight_versions.pop()
+        if mistake == "log_probs_of_generated_tokens_only":
+            sample.rollout_log_probs = first.output_log_probs + second.output_log_probs
+        sample.status = Status.TRUNCATED if second.finish_reason == "length" else Status.COMPLETED
+        return sample
+    return _plugin(generate=generate)
+
+
+def test_a_two_turn_generate_plugin_that_keeps_the_rules_passes():
+    assert check_plugin(_two_turn(None), "two_turn").checked == ["generate"]
+
+
+@pytest.mark.parametrize(("mistake", "expected"), [
+    ("log_probs_of_generated_tokens_only",
+     "plugin 'careless' breaks the `generate` contract: returned sample 0 whose per-token fields "
+     "disagree: len(rollout_log_probs)=48 != response_length=59; loss_mask and rollout_log_probs hold one entry per "
+     "response token (the last response_length ids of tokens)."),
+    ("one_version",
+     "plugin 'careless' breaks the `generate` contract: it made 2 engine call(s) but recorded 1 weight version(s); "
+     "append GenerateOutput.weight_version to sample.weight_versions once per engine call."),
+    ("budget_per_turn",
+     "plugin 'careless' breaks the `generate` contract: the engine generated 10 tokens for max_new_tokens=5; the "
+     "budget covers every turn together: ask each turn for what is left."),
+])
+def test_a_generate_mistake_names_plugin_and_rule(mistake, expected):
+    assert _kit_error(_two_turn(mistake)) == expected
+
+
+def test_a_generate_plugin_gets_the_engine_it_is_given():
+    engine = TinyEngine(reply=lambda prompt, call: "\\boxed{2}", version=7)
+    check_plugin(_two_turn(None), "two_turn", engine=engine)
+    assert [r["max_new_tokens"] for r in engine.requests[:2]] == [64, 55]
+
+
+@pytest.mark.parametrize(("functions", "expected"), [
+    (dict(reward=lambda samples: 1.0),
+     "plugin 'careless' breaks the `reward` contract: returned float 1.0 for 1 sample(s) (first "
+     "sample index 0); `reward` returns a list with one reward per sample, e.g. [1.0]."),
+    (dict(reward=lambda samples: [float("inf")] * len(samples)),
+     "plugin 'careless' breaks the `reward` contract: returned inf for sample 0; a reward must be "
+     "a finite number."),
+    (dict(filter=lambda samples: FilterResult(keep=False, reason="all the same")),
+     "plugin 'careless' breaks the `filter` contract: it gave the reason 'all the same'; a reason is a short "
+     "snake_case word (counted in rollout/dynamic_filter/drop_<reason>) or None."),
+    (dict(buffer_pop=lambda buffer, num_samples: buffer[:num_samples]),
+     "plugin 'careless' breaks the `buffer_pop` contract: it returned a group it left in the buffer; remove the "
+     "returned groups from `buffer`."),
+    (dict(advantage=lambda batch: AdvantageOutput(advantages=[torch.full_like(m, float("nan")) for m in
+                                                              batch.loss_masks])),
+     "plugin 'careless' breaks the `advantage` contract: advantages[0] holds nan on a trained token; per-token "
+     "values must be finite."),
+    (dict(advantage=lambda batch: AdvantageOutput(advantages=[batch.rewards])),
+     "plugin 'careless' breaks the `advantage` contract: advantages has 1 tensors for a batch of "
+     "8 samples; return one per-token tensor per sample."),
+    (dict(loss=lambda batch: LossOutput(token_loss=[(-a).detach() for a in batch.advantages])),
+     "plugin 'careless' breaks the `loss` contract: token_loss carries no grad; compute it from batch.log_probs (or "
+     "batch.values) without detaching."),
+    (dict(loss=lambda batch: LossOutput(token_loss=[(lp * a).sum() for lp, a in zip(batch.log_probs,
+                                                                                   batch.advantages)])),
+     "plugin 'careless' breaks the `loss` contract: token_loss[0] has 1 values but the sample has "
+     "5 response tokens; return per-token values and let the core reduce them."),
+    (dict(loss_reducer=lambda values, loss_masks: sum(v.sum() for v in values)),
+     "plugin 'careless' breaks the `loss_reducer` contract: a masked token (loss_masks 0) got a gradient; only "
+     "trained tokens may count."),
+    (dict(loss_reducer=lambda values: [v.sum() for v in values]),
+     "plugin 'careless' breaks the `loss_reducer` contract: the reducer returned list; expected a 0-dim float "
+     "tensor (the micro-batch's weighted sum)."),
+    (dict(add_arguments=lambda parser: parser.add_argument("--scale", type=float, default=1.0)),
+     "plugin 'careless' breaks the `add_arguments` contract: it adds the flag --scale; a plugin's flags start with "
+     "its name (--careless-...)."),
+    (dict(reward=lambda args, samples: [args.careless_scale for _ in samples]),
+     "plugin 'careless' raised in `reward` on the kit's realistic input: AttributeError: 'Namespace' object has no "
+     "attribute 'careless_scale' (a plugin that reads flags needs them in check_plugin's args)"),
+])
+def test_a_broken_plugin_fails_naming_plugin_hook_and_rule(functions, expected):
+    assert _kit_error(_plugin(**functions)) == expected
+
+
+def test_a_plugin_s_own_flag_defaults_are_the_default_args():
+    plugin = _plugin(add_arguments=lambda parser: parser.add_argument("--careful-scale", type=float, default=2.0),
+                     reward=lambda args, samples: [args.careful_scale for _ in samples])
+    assert check_plugin(plugin, "careful").checked == ["add_arguments", "reward"]
+
+
+def test_an_async_add_arguments_fails():
+    async def add_arguments(parser):
+        parser.add_argument("--careless-x")
+
+    assert _kit_error(_plugin(add_arguments=add_arguments)) == (
+        "plugin 'careless' breaks the `add_arguments` contract: it is async def; `add_arguments` runs while the "
+        "parser is built and may not be async.")
+
+
+def _documented_example(marker: str) -> types.ModuleType:
+    """The PLUGINS.md code block whose first line is ``# example: <marker>``, as a module."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "PLUGINS.md").read_text()
+    [source] = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if b.startswith(f"# example: {marker}")]
+    module = types.ModuleType(marker)
+    exec(compile(source, f"PLUGINS.md:{marker}", "exec"), module.__dict__)
+    return module
+
+
+def test_the_documented_two_turn_plugin_passes_the_kit():
+    module = _documented_example("two_turn")
+    engine = TinyEngine(reply=lambda prompt, call: "calc(1+1)" if call % 2 else " so \\boxed{2}")
+    assert check_plugin(module, "two_turn", engine=engine).checked == ["generate"]
+    # the second turn sees the tool's answer; its own budget is what the first turn and the tool left
+    assert engine.tokenizer.decode(engine.requests[1]["input_ids"]) == "What is 1+1?calc(1+1) = 2\n"
+    assert engine.requests[1]["max_new_tokens"] == 64 - len("calc(1+1)") - len(" = 2\n")
