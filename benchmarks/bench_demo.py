@@ -27,6 +27,9 @@ clip range 0.2 / 0.28.
    ``\\boxed{}`` holds the label). TRL's step time is split into generation + scoring (its
    ``_generate_and_score_completions``) and the rest (forward, backward, optimizer).
 
+With ``--furlong-packing`` furlong runs without ``--micro-batch-size``, so it packs
+micro-batches by tokens (its default), while TRL keeps micro-batches of ``--micro-batch``.
+
 furlong's embedded engine generates the whole batch at once (``--embedded-max-batch-size`` =
 prompts x samples; its default is 64), as TRL does (``generation_batch_size``).
 
