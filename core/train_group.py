@@ -74,6 +74,11 @@ class TrainGroup:
         if self.dp_size != getattr(self.args, "data_parallel_size", self.dp_size):
             raise PluginError(f"--train-backend {self.args.train_backend}: the backend runs {self.dp_size} "
                               f"data-parallel ranks but the flags give {self.args.data_parallel_size}.")
+        packed = getattr(self.args, "packed_by_default", None)
+        if packed:
+            log.info("no --micro-batch-size or --use-dynamic-batch-size: micro-batches are packed by tokens, at most "
+                     "%d tokens each (%s); pass --micro-batch-size N for fixed micro-batches.",
+                     self.args.max_tokens_per_gpu, packed)
         return [start for start, _ in results]
 
     async def _call(self, method: str, args_per_rank: list) -> list:

@@ -14,17 +14,17 @@ BASE = ["--num-rollout", "3", "--rollout-batch-size", "4"]
 pytestmark = pytest.mark.usefixtures("cpu_machine")
 
 
-def test_no_micro_batch_rule_packs_by_the_default_budget(caplog):
-    with caplog.at_level(logging.INFO):
-        args = parse_args(BASE)
+def test_no_micro_batch_rule_packs_by_the_default_budget():
+    args = parse_args(BASE)
     assert args.use_dynamic_batch_size is True
     assert args.max_tokens_per_gpu == DEFAULT_TOKENS_PER_MICRO_BATCH
-    assert f"packed by tokens, at most {DEFAULT_TOKENS_PER_MICRO_BATCH} tokens each" in caplog.text
+    assert args.packed_by_default == "the default budget"
 
 
 def test_max_tokens_per_gpu_sets_the_budget():
     args = parse_args(BASE + ["--max-tokens-per-gpu", "512"])
-    assert (args.use_dynamic_batch_size, args.max_tokens_per_gpu) == (True, 512)
+    assert (args.use_dynamic_batch_size, args.max_tokens_per_gpu, args.packed_by_default) == \
+        (True, 512, "--max-tokens-per-gpu")
 
 
 @pytest.mark.parametrize("extra", [["--micro-batch-size", "2"], ["--micro-batch-size", "1"]])
@@ -50,9 +50,12 @@ def _losses(tmp_path, tiny_model_dir, arithmetic_jsonl, extra: list[str]) -> lis
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_default_packing_gives_the_losses_of_one_sample_per_pass(tmp_path, tiny_model_dir, arithmetic_jsonl):
+def test_default_packing_gives_the_losses_of_one_sample_per_pass(tmp_path, tiny_model_dir, arithmetic_jsonl, caplog):
     one = _losses(tmp_path / "one", tiny_model_dir, arithmetic_jsonl, ["--micro-batch-size", "1"])
-    packed = _losses(tmp_path / "packed", tiny_model_dir, arithmetic_jsonl, [])
+    assert "packed by tokens" not in caplog.text
+    with caplog.at_level(logging.INFO, logger="furlong.train"):
+        packed = _losses(tmp_path / "packed", tiny_model_dir, arithmetic_jsonl, [])
+    assert f"packed by tokens, at most {DEFAULT_TOKENS_PER_MICRO_BATCH} tokens each (the default budget)" in caplog.text
     assert len(one) == len(packed) == 4  # 2 rollouts x 2 optimizer steps
     assert any(abs(r["train/pg_loss"]) > 1e-4 for r in one)  # advantages are not all zero
     for a, b in zip(one, packed):

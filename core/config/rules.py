@@ -178,16 +178,15 @@ def default_packing(args, f, given: set[str]) -> None:
 
     One sample per forward pass (``--micro-batch-size 1``, the flag's default) is the slowest
     way to train; the loss is exact under any split of a step into micro-batches, so packing
-    changes only the speed.
+    changes only the speed. ``args.packed_by_default`` names where the budget came from; the
+    train group logs the choice when training starts.
     """
     if "micro_batch_size" in given or args.use_dynamic_batch_size:
         return
     args.use_dynamic_batch_size = True
+    args.packed_by_default = "--max-tokens-per-gpu" if "max_tokens_per_gpu" in given else "the default budget"
     if args.max_tokens_per_gpu is None:
         args.max_tokens_per_gpu = DEFAULT_TOKENS_PER_MICRO_BATCH
-    source = "--max-tokens-per-gpu" if "max_tokens_per_gpu" in given else "the default budget"
-    f.info(f"no --micro-batch-size or --use-dynamic-batch-size: micro-batches are packed by tokens, at most "
-           f"{args.max_tokens_per_gpu} tokens each ({source}); pass --micro-batch-size N for fixed micro-batches.")
 
 
 def performance(args, f, given: set[str]) -> None:
