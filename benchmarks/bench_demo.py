@@ -27,6 +27,9 @@ clip range 0.2 / 0.28.
    ``\\boxed{}`` holds the label). TRL's step time is split into generation + scoring (its
    ``_generate_and_score_completions``) and the rest (forward, backward, optimizer).
 
+With ``--furlong-packing`` furlong runs without ``--micro-batch-size``, so it packs
+micro-batches by tokens (its default), while TRL keeps micro-batches of ``--micro-batch``.
+
 furlong's embedded engine generates the whole batch at once (``--embedded-max-batch-size`` =
 prompts x samples; its default is 64), as TRL does (``generation_batch_size``).
 
@@ -124,7 +127,8 @@ def run_furlong(opts, out: Path) -> dict:
         *(["--apply-chat-template"] if opts.chat_template else []),
         "--num-rollout", str(opts.rollouts), "--rollout-batch-size", str(opts.prompts),
         "--n-samples-per-prompt", str(opts.group), "--global-batch-size", str(batch),
-        "--micro-batch-size", str(opts.micro_batch), "--rollout-max-response-len", str(opts.max_len),
+        *([] if opts.furlong_packing else ["--micro-batch-size", str(opts.micro_batch)]),
+        "--rollout-max-response-len", str(opts.max_len),
         "--embedded-max-batch-size", str(batch),  # generate the whole batch at once, as TRL does
         "--rollout-temperature", "1.0", "--lr", str(opts.lr), "--lr-decay-style", "constant",
         "--weight-decay", str(opts.weight_decay), "--advantage-estimator", "grpo", "--eps-clip", "0.2",
@@ -252,7 +256,7 @@ def report(info: dict, opts, furlong: dict, trl: dict) -> str:
         f"{info['transformers']}, trl {info['trl']}; {opts.threads} torch thread(s)",
         f"workload: {_shown(opts.model)}, {opts.rollouts} iterations of {opts.prompts} prompts x {opts.group} "
         f"samples = {opts.prompts * opts.group} samples, responses <= {opts.max_len} tokens, micro-batch "
-        f"{opts.micro_batch}, lr {opts.lr}",
+        f"{opts.micro_batch}{' (TRL; furlong packs by tokens)' if opts.furlong_packing else ''}, lr {opts.lr}",
         "",
         f"{'':28}{'furlong':>12}{'TRL':>12}{'TRL/furlong':>13}",
     ]
@@ -306,6 +310,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--group", type=int, default=8, help="samples per prompt, TRL num_generations (demo: 8)")
     parser.add_argument("--micro-batch", type=int, default=64,
                         help="samples per forward/backward pass, TRL per_device_train_batch_size (demo: 64)")
+    parser.add_argument("--furlong-packing", action="store_true",
+                        help="furlong packs micro-batches by tokens (its default) instead of --micro-batch samples")
     parser.add_argument("--max-len", type=int, default=12, help="maximum response tokens (demo: 12)")
     parser.add_argument("--lr", type=float, default=1e-3, help="constant learning rate (demo: 1e-3)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (demo: 0)")

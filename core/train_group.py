@@ -74,6 +74,11 @@ class TrainGroup:
         if self.dp_size != getattr(self.args, "data_parallel_size", self.dp_size):
             raise PluginError(f"--train-backend {self.args.train_backend}: the backend runs {self.dp_size} "
                               f"data-parallel ranks but the flags give {self.args.data_parallel_size}.")
+        packed = getattr(self.args, "packed_by_default", None)
+        if packed:
+            log.info("no --micro-batch-size or --use-dynamic-batch-size: micro-batches are packed by tokens, at most "
+                     "%d tokens each (%s); pass --micro-batch-size N for fixed micro-batches.",
+                     self.args.max_tokens_per_gpu, packed)
         return [start for start, _ in results]
 
     async def _call(self, method: str, args_per_rank: list) -> list:
@@ -245,11 +250,15 @@ def _token_means(batch, entropy) -> dict:
     fields = {"rollout/log_probs": batch.old_log_probs, "rollout/ref_log_probs": batch.ref_log_probs,
               "rollout/rollout_log_probs": batch.rollout_log_probs, "rollout/advantages": batch.advantages,
               "rollout/returns": batch.returns, "rollout/entropy": entropy}
+    masks = torch.cat([m.reshape(-1).float() for m in batch.loss_masks]) if batch.loss_masks else torch.zeros(0)
+    sample = torch.repeat_interleave(torch.arange(len(batch.loss_masks)),
+                                     torch.tensor([m.numel() for m in batch.loss_masks], dtype=torch.long))
+    counts = torch.zeros(len(batch.loss_masks)).index_add_(0, sample, masks)
+    counted = counts > 0
     out = {}
     for name, values in fields.items():
-        if values is None:
+        if values is None or not bool(counted.any()):
             continue
-        means = [float((v * m).sum() / m.sum()) for v, m in zip(values, batch.loss_masks) if m.sum() > 0]
-        if means:
-            out[name] = sum(means) / len(means)
+        sums = torch.zeros(len(values)).index_add_(0, sample, torch.cat([v.reshape(-1).float() for v in values]) * masks)
+        out[name] = float((sums[counted] / counts[counted]).mean())
     return out

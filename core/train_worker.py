@@ -116,13 +116,17 @@ class TrainWorker:
         await self.backend.onload()
 
     async def clear_memory(self) -> None:
-        """Return cached accelerator memory to the device (a no-op without CUDA)."""
+        """Return cached accelerator memory to the device (a no-op without CUDA).
+
+        The garbage collection that frees unreachable tensors first runs only with CUDA: a
+        full ``gc.collect`` costs about 0.2 s per rollout in a process holding transformers.
+        """
         import gc
 
         import torch
 
-        gc.collect()
         if torch.cuda.is_available():
+            gc.collect()
             torch.cuda.empty_cache()
 
     # --- weight sync (SPEC.md 6.5, 8.4) ---------------------------------------------------

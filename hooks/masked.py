@@ -19,13 +19,13 @@ def masked_sum(values: Sequence, loss_masks: Sequence, weights: Sequence[float] 
     """
     import torch
 
-    total = None
-    for i, (x, m) in enumerate(zip(values, loss_masks)):
-        x = x.reshape(-1)
-        x = x.float() if x.dtype != torch.float64 else x
-        term = torch.where(m.reshape(-1).to(x.device) > 0, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
-        term = term * weights[i] if weights is not None else term
-        total = term if total is None else total + term
-    if total is None:
+    if not len(values):
         return torch.zeros((), dtype=torch.float32)
-    return total.to(torch.float32)
+    rows = [x.reshape(-1) for x in values]
+    x = torch.cat([r.float() if r.dtype != torch.float64 else r for r in rows])
+    kept = torch.where(torch.cat([m.reshape(-1) for m in loss_masks]).to(x.device) > 0, x,
+                       torch.zeros((), dtype=x.dtype, device=x.device))
+    if weights is not None:  # one weight per token: the sample's
+        kept = kept * torch.repeat_interleave(torch.tensor([float(w) for w in weights], dtype=x.dtype, device=x.device),
+                                              torch.tensor([r.numel() for r in rows], device=x.device))
+    return kept.sum().to(torch.float32)

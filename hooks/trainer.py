@@ -201,7 +201,9 @@ class StepLoop:
 
         :returns: per step, the objective's metrics summed over micro-batches and ranks
             (each rank's share already carries the whole step's denominators, so the sum
-            is the step's value) plus ``grad_norm`` and ``lr``; the same on every rank.
+            is the step's value) plus ``grad_norm`` and ``lr``; the same on every rank. On
+            CUDA also ``peak_memory_gib``: this rank's peak allocated GPU memory (GiB) since
+            the call began (logged as ``train/peak_memory_gib``).
         :raises FloatingPointError: a non-finite loss or gradient, unless
             ``--no-check-for-nan-in-loss-and-grad`` (then the step and its LR advance are
             skipped, with a warning).
@@ -209,6 +211,11 @@ class StepLoop:
         if getattr(self.args, "reset_optimizer_states", False):
             self.optimizer.state.clear()
         self._before_train()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.device)
         results = []
         for s, micro_batches in enumerate(batch.steps):
             self.optimizer.zero_grad(set_to_none=True)
@@ -236,6 +243,8 @@ class StepLoop:
                 await self._in_thread(self._optimizer_step, lr)
                 self.global_step += 1
             results.append({**sums, "grad_norm": grad_norm, "lr": lr})
+            if cuda:
+                results[-1]["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.optimizer.zero_grad(set_to_none=True)
         self._after_train()
         return results

@@ -15,7 +15,7 @@ from tiny_model import EOS_ID, train_args  # noqa: E402
 
 from furlong.builtin_plugins.backends.fsdp import train_backend  # noqa: E402
 from furlong.builtin_plugins.engines import embedded  # noqa: E402
-from furlong.builtin_plugins.engines.embedded.sampling import SamplingParams, filter_logits, sample_token  # noqa: E402
+from furlong.builtin_plugins.engines.embedded.sampling import SamplingParams, filter_logits, sample_batch  # noqa: E402
 from furlong.hooks import PluginError, RolloutEngine, TrainBatch  # noqa: E402
 
 PROMPTS = ["Hello there", "Q: 1+1=", "x"]
@@ -130,6 +130,81 @@ def test_requests_beyond_the_batch_size_run_in_later_batches(tiny_dir):
     outs = _run(_all(small, PROMPTS, GREEDY))
     big = embedded.load_engine(str(tiny_dir))
     assert [o.output_ids for o in outs] == [o.output_ids for o in _run(_all(big, PROMPTS, GREEDY))]
+
+
+def test_continuous_batching_equals_one_request_at_a_time(tiny_dir):
+    # 2 slots, 5 sampled requests of different budgets: finished requests' slots are refilled
+    # from the queue mid-decode; each request samples with its own seed wherever it runs
+    eng = embedded.load_engine(str(tiny_dir), max_batch_size=2)
+    prompts = ["Hello there", "Q: 1+1=", "x", "abc", "Q: 1+1="]
+    params = [{"temperature": 1.0, "max_new_tokens": n, "sampling_seed": 100 + i, "ignore_eos": True}
+              for i, n in enumerate([3, 9, 5, 12, 7])]
+
+    async def together():
+        return await asyncio.gather(*[eng.generate(_ids(eng, p), dict(q)) for p, q in zip(prompts, params)])
+
+    outs = _run(together())
+    for prompt, q, out in zip(prompts, params, outs):
+        alone = _run(eng.generate(_ids(eng, prompt), dict(q)))
+        assert len(out.output_ids) == q["max_new_tokens"] and out.finish_reason == "length"
+        assert out.output_ids == alone.output_ids
+        assert out.output_log_probs == pytest.approx(alone.output_log_probs, abs=1e-5)
+
+
+def test_a_group_sharing_one_prompt_equals_its_samples_one_at_a_time(engine):
+    # the group's prompt is prefilled once and its keys and values copied to every sample's slot
+    params = [{"temperature": 1.0, "top_k": 20, "top_p": 0.9, "max_new_tokens": 8, "sampling_seed": s,
+               "stop_token_ids": [5], "min_new_tokens": 2} for s in range(6)]
+
+    async def group():
+        return await asyncio.gather(*[engine.generate(_ids(engine, "Q: 1+1="), dict(q)) for q in params])
+
+    outs = _run(group())
+    assert len({tuple(o.output_ids) for o in outs}) > 1  # the seeds differ, so do the samples
+    for q, out in zip(params, outs):
+        alone = _run(engine.generate(_ids(engine, "Q: 1+1="), dict(q)))
+        assert (out.output_ids, out.finish_reason) == (alone.output_ids, alone.finish_reason)
+        assert out.output_log_probs == pytest.approx(alone.output_log_probs, abs=1e-5)
+
+
+def test_sampler_draws_tokens_with_the_softmax_probabilities():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 20_000
+    logits = probs.log().expand(n, 4)
+    tokens, logp = sample_batch(logits, torch.ones(n), torch.zeros(n, dtype=torch.bool),
+                                torch.full((n,), 7, dtype=torch.long), torch.arange(n))
+    freq = torch.bincount(tokens, minlength=4).float() / n
+    torch.testing.assert_close(freq, probs, rtol=0, atol=0.012)
+    torch.testing.assert_close(logp, probs.log()[tokens])
+
+
+def test_batched_filter_applies_each_row_s_own_top_k_and_top_p():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(3, 4)
+    out = filter_logits(logits, torch.tensor([2, -1, -1]), torch.tensor([1.0, 0.7, 0.4]))
+    kept = [[i for i in range(4) if row[i] > float("-inf")] for row in out]
+    assert kept == [[0, 1], [0, 1], [0]]
+
+
+def test_greedy_equals_transformers_generate_with_grouped_query_attention(engine):
+    # 4 query heads over 2 key/value heads: the slot attention's folded decode path
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from furlong.builtin_plugins.engines.embedded.engine import EmbeddedEngine
+
+    tok = engine.tokenizer
+    config = LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256, eos_token_id=EOS_ID,
+                         pad_token_id=0)
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(reference.state_dict())
+    gqa = EmbeddedEngine(model, tok, max_batch_size=4)
+    outs = _run(_all(gqa, PROMPTS, GREEDY))
+    for prompt, out in zip(PROMPTS, outs):
+        ids = torch.tensor([_ids(gqa, prompt)])
+        expected = reference.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
+        assert out.output_ids == expected[0, ids.shape[1]:].tolist()
 
 
 # --- stopping -----------------------------------------------------------------------------
@@ -319,9 +394,11 @@ def test_filter_logits_top_p_nucleus(top_p, kept):
 
 def test_greedy_sampler_skips_banned_tokens_but_reports_their_mass():
     # logits [2, 0, 1], token 0 banned: greedy picks 2; log-prob from the full distribution
-    token, logp = sample_token(torch.tensor([2.0, 0.0, 1.0]), SamplingParams(temperature=0), [0], None)
+    logits = torch.tensor([[2.0, 0.0, 1.0]])
+    token, logp = sample_batch(logits, torch.ones(1), torch.tensor([True]), torch.zeros(1, dtype=torch.long),
+                               torch.zeros(1, dtype=torch.long), banned=torch.tensor([[True, False, False]]))
     expected = 1.0 - torch.logsumexp(torch.tensor([2.0, 0.0, 1.0]), 0).item()  # log_softmax([2, 0, 1])[2]
-    assert token == 2 and logp == pytest.approx(expected, abs=1e-6)
+    assert token.tolist() == [2] and float(logp) == pytest.approx(expected, abs=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -379,3 +456,15 @@ def test_abort_while_paused_returns_and_the_request_ends_aborted_on_continue(eng
         assert (await asyncio.wait_for(request, 30)).finish_reason == "abort"
 
     _run(main())
+
+
+def test_two_level_inverse_cdf_equals_one_scan_over_the_vocabulary():
+    from furlong.builtin_plugins.engines.embedded.sampling import inverse_cdf
+
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(64, 3000, generator=gen) * (torch.rand(64, 3000, generator=gen) > 0.5)  # zeros too
+    u = torch.rand(64, generator=gen, dtype=torch.float64)
+    expected = torch.searchsorted(probs.double().cumsum(-1), (u * probs.double().sum(-1))[:, None], right=True)[:, 0]
+    got = inverse_cdf(probs, u.float(), block=128)
+    assert (got == expected).float().mean() > 0.98  # equal but for float32 rounding at block edges
+    assert bool((probs.gather(1, got[:, None]) > 0).all())  # never a token of zero probability

@@ -344,3 +344,47 @@ def test_flash_attention_that_is_not_installed_falls_back_to_sdpa(tiny_dir, capl
         model = load_causal_lm(str(tiny_dir), args, torch.device("cuda"), "--hf-checkpoint")  # loads on the host
     assert model.config._attn_implementation == "sdpa"
     assert any("attention 'flash_attention_2' did not load" in m and "trying 'sdpa'" in m for m in caplog.messages)
+
+
+# --- chunked log-probs ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_chunked_log_probs_equal_the_whole_logits_path(tiny_dir, grad):
+    """The projection run only on response positions, in 3-row checkpointed chunks, gives the
+    log-probs, entropy and gradients of full ``[B, L, V]`` logits."""
+    from furlong.builtin_plugins.backends.fsdp import logprobs
+
+    backend = _backend(tiny_dir)
+    batch = make_batch(backend.tokenizer, ALL_IN_ONE, temperature=0.7)
+    model, lengths = backend.model, batch.response_lengths
+
+    def run(split: bool):
+        model.zero_grad(set_to_none=True)
+        original = logprobs.VOCAB_CHUNK_TOKENS
+        logprobs.VOCAB_CHUNK_TOKENS = 3
+        try:
+            if split:
+                lp, ent = logprobs.forward_log_probs(model, batch.tokens, lengths, 0.7, "cpu", grad=grad,
+                                                     entropy_grad=grad)
+            else:
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(logprobs, "_split_head", lambda m: None)
+                    lp, ent = logprobs.forward_log_probs(model, batch.tokens, lengths, 0.7, "cpu", grad=grad,
+                                                         entropy_grad=grad)
+        finally:
+            logprobs.VOCAB_CHUNK_TOKENS = original
+        grads = None
+        if grad:
+            (sum(x.sum() for x in lp) + 0.1 * sum(e.sum() for e in ent)).backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        return [x.detach() for x in lp], [e.detach() for e in ent], grads
+
+    lp_a, ent_a, g_a = run(split=True)
+    lp_b, ent_b, g_b = run(split=False)
+    assert [len(x) for x in lp_a] == list(lengths)
+    for a, b in zip(lp_a + ent_a, lp_b + ent_b):  # equal up to float32 rounding (other matmul shapes)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    if grad:
+        for name in g_b:
+            torch.testing.assert_close(g_a[name], g_b[name], rtol=1e-5, atol=1e-6)

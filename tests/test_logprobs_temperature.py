@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from furlong.builtin_plugins.backends.fsdp.logprobs import forward_log_probs, token_log_probs
-from furlong.builtin_plugins.engines.embedded.sampling import SamplingParams, sample_token
+from furlong.builtin_plugins.engines.embedded.sampling import sample_batch
 
 
 def test_c014_trainer_log_prob_uses_the_temperature():
@@ -28,11 +28,10 @@ def test_c014_without_scaling_gives_the_buggy_value():
 
 def test_c014_engine_reports_the_same_log_prob():
     # the embedded engine's sampler reports log_softmax(logits / T) of the chosen token
-    gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0.5)
-    token, logp = sample_token(torch.tensor([2.0, 0.0]), params, [], gen)
-    expected = {0: -0.018150, 1: -4.018150}[token]  # log_softmax([4, 0]) = [-0.018150, -4.018150]
-    assert logp == pytest.approx(expected, abs=1e-6)
+    tokens, logp = sample_batch(torch.tensor([[2.0, 0.0]]), torch.tensor([0.5]), torch.tensor([False]),
+                                torch.tensor([0]), torch.tensor([0]))
+    expected = {0: -0.018150, 1: -4.018150}[int(tokens)]  # log_softmax([4, 0]) = [-0.018150, -4.018150]
+    assert float(logp) == pytest.approx(expected, abs=1e-6)
 
 
 def test_entropy_of_the_scaled_distribution():

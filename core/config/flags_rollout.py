@@ -40,7 +40,8 @@ def add(g, dev) -> None:
     g.add_argument("--max-sampling-waves", type=int, default=32,
                    help="Most sampling waves per rollout when filters drop groups.")
     g.add_argument("--micro-batch-size", type=int, default=1,
-                   help="Samples per micro-batch per device (ignored under --use-dynamic-batch-size).")
+                   help="Samples per micro-batch per device (ignored under --use-dynamic-batch-size). "
+                        "Not given: micro-batches are packed by tokens (--max-tokens-per-gpu, default 8192).")
     g.add_argument("--balance-data", action="store_true",
                    help="Spread micro-batches over data-parallel ranks by token count (Karmarkar-Karp).")
     g.add_argument("--rollout-max-context-len", type=int, default=None, help="Cap on prompt + response tokens.")

@@ -181,8 +181,31 @@ def lengths(args, f, given: set[str]) -> None:
                 f"--rollout-max-context-len - 1 ({context - 1}): a prompt needs room for one response token.")
 
 
+DEFAULT_TOKENS_PER_MICRO_BATCH = 8192
+"""Token budget of one micro-batch when a run sets neither ``--micro-batch-size`` nor
+``--use-dynamic-batch-size`` (and no ``--max-tokens-per-gpu``): samples are packed by tokens."""
+
+
+def default_packing(args, f, given: set[str]) -> None:
+    """Pack micro-batches by tokens unless the run chose a micro-batch rule.
+
+    One sample per forward pass (``--micro-batch-size 1``, the flag's default) is the slowest
+    way to train; the loss is exact under any split of a step into micro-batches, so packing
+    changes only the speed. ``args.packed_by_default`` names where the budget came from; the
+    train group logs the choice when training starts.
+    """
+    if "micro_batch_size" in given or args.use_dynamic_batch_size:
+        return
+    args.use_dynamic_batch_size = True
+    args.packed_by_default = "--max-tokens-per-gpu" if "max_tokens_per_gpu" in given else "the default budget"
+    if args.max_tokens_per_gpu is None:
+        args.max_tokens_per_gpu = DEFAULT_TOKENS_PER_MICRO_BATCH
+
+
 def performance(args, f, given: set[str]) -> None:
-    """Dynamic batching (each train backend checks its own parallel layout in ``configure``)."""
+    """Dynamic batching and the default token packing (each train backend checks its own parallel layout in
+    ``configure``)."""
+    default_packing(args, f, given)
     cap = args.max_tokens_per_gpu
     if args.use_dynamic_batch_size:
         if cap is None:

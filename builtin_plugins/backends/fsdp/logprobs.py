@@ -1,4 +1,14 @@
-"""Per-token log-probs and entropy of response tokens from a causal LM forward pass (SPEC.md 6.1)."""
+"""Per-token log-probs and entropy of response tokens from a causal LM forward pass (SPEC.md 6.1).
+
+The decoder runs once over the right-padded micro-batch; the output projection (``lm_head``)
+then runs only on the hidden states of the positions that predict a response token, in
+chunks of :data:`VOCAB_CHUNK_TOKENS` rows (``--log-probs-chunk-size`` when set), each chunk's float32 logits recomputed in the
+backward pass instead of kept (activation checkpointing of the projection and the
+log-softmax), so no ``[B, L, V]`` logits tensor exists in any dtype. Models whose logits are
+not a plain projection of the last hidden state (a final soft-cap, a logit scale) and
+models sharded by FSDP2 (whose root forward gathers the projection) take the whole-logits
+path.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +17,10 @@ from typing import Any, Sequence
 
 from furlong.hooks.trainer import right_padded
 
-__all__ = ["chunked_token_log_probs", "forward_log_probs", "token_log_probs"]
+__all__ = ["VOCAB_CHUNK_TOKENS", "chunked_log_probs", "chunked_token_log_probs", "forward_log_probs", "token_log_probs"]
+
+VOCAB_CHUNK_TOKENS = 4096
+"""Rows of the output projection computed at once (a ``[4096, V]`` float32 block: 2.5 GB at V = 152k)."""
 
 
 def token_log_probs(logits, targets, temperature: float, entropy_grad: bool = True):
@@ -72,7 +85,9 @@ def forward_log_probs(
     :param grad: keep the autograd graph (training) or not (old/reference log-probs).
     :param entropy_grad: keep the entropy's graph (only when the entropy is trained on).
     :param autocast: a context manager to run the forward in (bfloat16 autocast), or None.
-    :param chunk_size: tokens per log-softmax pass (:func:`chunked_token_log_probs`).
+    :param chunk_size: rows of the output projection and log-softmax computed at once
+        (``--log-probs-chunk-size``; <= 0: :data:`VOCAB_CHUNK_TOKENS` on the split-head path, one
+        pass on the whole-logits path). The values do not depend on it.
     :returns: ``(log_probs, entropy)``: B float32 tensors ``[T_i]`` each.
     :raises ValueError: a sample whose response starts at position 0 (no previous token).
     """
@@ -83,14 +98,73 @@ def forward_log_probs(
     for i, seq in enumerate(seqs):
         mask[i, : len(seq)] = 1
     ids, mask = ids.to(device), mask.to(device)
+    split = _split_head(model)
     with torch.set_grad_enabled(grad), autocast if autocast is not None else nullcontext():
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    log_probs, entropy = [], []
+        if split is None:
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        else:
+            decoder, head = split
+            hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    rows = [(i, len(seq), t) for i, (seq, t) in enumerate(zip(seqs, response_lengths))]
     with torch.set_grad_enabled(grad):
-        for i, (seq, t) in enumerate(zip(seqs, response_lengths)):
-            n = len(seq)
-            lp, ent = chunked_token_log_probs(logits[i, n - t - 1 : n - 1], ids[i, n - t : n], temperature,
-                                              entropy_grad=grad and entropy_grad, chunk_size=chunk_size)
-            log_probs.append(lp)
-            entropy.append(ent)
-    return log_probs, entropy
+        if split is None:
+            pairs = [chunked_token_log_probs(logits[i, n - t - 1 : n - 1], ids[i, n - t : n], temperature,
+                                             entropy_grad=grad and entropy_grad, chunk_size=chunk_size)
+                     for i, n, t in rows]
+            return [p[0] for p in pairs], [p[1] for p in pairs]
+        states = torch.cat([hidden[i, n - t - 1 : n - 1] for i, n, t in rows])
+        targets = torch.cat([ids[i, n - t : n] for i, n, t in rows])
+        log_probs, entropy = chunked_log_probs(head, states, targets, temperature, autocast=autocast,
+                                               entropy_grad=grad and entropy_grad,
+                                               chunk=chunk_size if chunk_size > 0 else None)
+    sizes = [t for _, _, t in rows]
+    return list(log_probs.split(sizes)), list(entropy.split(sizes))
+
+
+def chunked_log_probs(head, states, targets, temperature: float, *, autocast: Any = None, entropy_grad: bool = True,
+                      chunk: int | None = None):
+    """:func:`token_log_probs` of ``head(states)`` computed ``chunk`` rows at a time.
+
+    :param head: the output projection (``model.get_output_embeddings()``).
+    :param states: ``[N, H]`` hidden states (the positions before each target).
+    :param targets: int64 ``[N]``.
+    :returns: ``(log_probs, entropy)``, float32 ``[N]`` each. Under autograd each chunk is
+        checkpointed, so its ``[chunk, V]`` float32 logits live only while it is computed.
+    """
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    chunk = chunk or VOCAB_CHUNK_TOKENS
+
+    def block(h, y):
+        with autocast if autocast is not None else nullcontext():
+            logits = head(h)
+        return token_log_probs(logits, y, temperature, entropy_grad=entropy_grad)
+
+    outs = []
+    for start in range(0, states.shape[0], chunk):
+        h, y = states[start : start + chunk], targets[start : start + chunk]
+        if torch.is_grad_enabled() and h.requires_grad:
+            outs.append(checkpoint(block, h, y, use_reentrant=False))
+        else:
+            outs.append(block(h, y))
+    if not outs:
+        empty = states.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+def _split_head(model):
+    """``(decoder, lm_head)`` of a causal LM whose logits are ``lm_head(last hidden state)``, else None."""
+    if hasattr(model, "get_base_model"):  # peft (LoRA): the adapters live inside the wrapped model's layers
+        model = model.get_base_model()
+    config = getattr(model, "config", None)
+    if hasattr(model, "unshard"):  # FSDP2: the root's forward gathers the projection's shards
+        return None
+    if config is None or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return None
+    decoder = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if decoder is None or head is None or decoder is model:
+        return None
+    return decoder, head

@@ -129,7 +129,8 @@ def build_optimizer(model, args: Any):
 
     Decoupled weight decay ``--weight-decay`` applies to matrices only: biases and other
     1-D parameters (norm scales) get none, as Megatron's default ``no_weight_decay_cond``.
-    Adam: ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``. SGD: ``--sgd-momentum``
+    Adam: ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``; the fused CUDA kernel when every
+    parameter is an unsharded CUDA tensor (one process on one GPU). SGD: ``--sgd-momentum``
     (Megatron's default 0.9). The learning rate is set before each step by the schedule.
 
     :raises PluginError: another ``--optimizer``.
@@ -144,7 +145,10 @@ def build_optimizer(model, args: Any):
     groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
     kind = getattr(args, "optimizer", "adam") or "adam"
     if kind == "adam":
-        return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        params = decay + no_decay
+        fused = bool(params) and all(p.is_cuda and not hasattr(p, "full_tensor") for p in params)
+        return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                                 fused=fused or None)
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=args.lr, momentum=float(getattr(args, "sgd_momentum", 0.9)))
     raise PluginError(f"--optimizer {kind!r}: the fsdp backend supports adam (AdamW) and sgd.")

@@ -1,30 +1,47 @@
-"""Batched decoding with a KV cache for the embedded engine (runs in a worker thread).
+"""Continuous batching for the embedded engine (runs in a worker thread).
 
-One call of :func:`decode_batch` prefills a left-padded batch of prompts and decodes one
-token per step for every unfinished request until all are finished. A request finishes
-on a stop token ("stop"), a stop string in its decoded tail ("stop"), its token budget
-("length", checked first, as SGLang does), or an abort ("abort"; the tokens so far are
-kept). Each request is resolved as soon as it finishes, through ``on_finish``. Finished
-rows are dropped from the batch and its KV cache once they are half of it, so a long
-request at the tail decodes alone.
+:class:`SlotDecoder` keeps up to ``S`` requests in the slots of a preallocated key/value
+cache (:mod:`.slots`). Each turn of its loop it fills free slots from the queue (one
+prefill pass for all new requests; requests with the same prompt, such as the samples of
+one group, share a single prefill row and get copies of its keys and values), then runs
+one decode step for every slot at once: one forward pass, every row sampled on the
+device (:func:`~.sampling.sample_batch`), the finish test made on the device, and one
+small copy to the host per step (which rows finished). A finished request leaves its
+slot at once and the next queued request takes it at the next turn.
+
+A request finishes on its token budget ("length", checked first, as SGLang does), a stop
+token or a stop string in its decoded tail ("stop"), or an abort ("abort"; the tokens so
+far are kept). Tokens are read back to the host when a request finishes, or every step
+for the few requests that need them earlier (stop strings, ``on_token`` streaming).
+
+On CUDA the decode step's forward pass is captured once per batch width in a CUDA graph
+and replayed (weights are updated in place, so the graphs stay valid; they are dropped
+when the cache grows or the weights move).
 """
 
 from __future__ import annotations
 
-import inspect
+import logging
 import threading
 from typing import Any, Callable
 
 import attrs
+import numpy as np
 
-from .sampling import SamplingParams, sample_token
+from .sampling import SamplingParams, sample_batch
+from .slots import SlotCache, SlotPass, use_slot_attention
 
-__all__ = ["Request", "decode_batch"]
+__all__ = ["Request", "SlotDecoder"]
+
+log = logging.getLogger("furlong.engines.embedded")
+
+# positions allocated beyond the longest prompt at first (the cache doubles when a request needs more)
+FIRST_GROWTH = 2048
 
 
 @attrs.define(eq=False)
 class Request:
-    """One ``generate`` call: its prompt, parameters, generator seed and results so far.
+    """One ``generate`` call: its prompt, parameters, sampling seed and results so far.
 
     ``epoch``: the engine's abort epoch at submission; the request is aborted as soon as
     the engine's epoch is larger. ``cancelled``: the caller stopped waiting. ``rid``: the
@@ -46,104 +63,364 @@ class Request:
     log_probs: list[float] = attrs.field(factory=list)
     finish_reason: str | None = None
 
-
-def _forward_kwargs(model) -> tuple[str, str | None]:
-    """Names of the cache and logits-to-keep arguments of ``model.forward`` (transformers 4.x and 5.x)."""
-    names = inspect.signature(model.forward).parameters
-    cache = "cache" if "cache" in names else "past_key_values"
-    keep = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in names), None)
-    return cache, keep
+    @property
+    def watched(self) -> bool:
+        """Its tokens are needed on the host every step (stop strings, streaming)."""
+        return bool(self.params.stop) or self.on_token is not None
 
 
-def decode_batch(
-    model,
-    tokenizer,
-    requests: list[Request],
-    *,
-    device,
-    pad_id: int,
-    lock: threading.Lock,
-    aborted: Callable[[Request], bool],
-    on_finish: Callable[[Request], None],
-) -> None:
-    """Generate for every request of ``requests`` (mutated in place), calling ``on_finish`` once each.
+class SlotDecoder:
+    """The slots, their per-slot sampling state on the device, and the decode loop.
 
-    :param model: a transformers causal LM in eval mode on ``device``.
-    :param requests: requests with non-empty ``input_ids`` and ``max_new_tokens >= 1``.
-    :param pad_id: token fed at padding positions and for finished rows (never attended).
+    :param model: a transformers causal LM in eval mode (switched to slot attention).
+    :param max_slots: most requests decoded together (``--embedded-max-batch-size``).
     :param lock: held around every forward pass (weight updates take it between steps).
-    :param aborted: tells whether a request must stop now.
+    :param graphs: capture the decode step in CUDA graphs (CUDA only).
     """
-    import torch
-    from transformers import DynamicCache
 
-    cache_arg, keep_arg = _forward_kwargs(model)
-    width = max(len(r.input_ids) for r in requests)
-    ids = torch.tensor([[pad_id] * (width - len(r.input_ids)) + r.input_ids for r in requests], device=device)
-    mask = torch.tensor([[0] * (width - len(r.input_ids)) + [1] * len(r.input_ids) for r in requests], device=device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    generators = [torch.Generator(device=device).manual_seed(r.seed) for r in requests]
-    try:
-        cache = DynamicCache(config=model.config)
-    except TypeError:  # transformers < 4.56
-        cache = DynamicCache()
-    extra = {keep_arg: 1} if keep_arg else {}
-    rows = list(range(len(requests)))  # batch row -> index into requests
-    with torch.no_grad():
-        while True:
-            for q in rows:
-                if requests[q].finish_reason is None and aborted(requests[q]):
-                    _finish(requests[q], "abort", on_finish)
-            live = [r for r, q in enumerate(rows) if requests[q].finish_reason is None]
-            if not live:
-                break
-            if len(live) <= len(rows) // 2 and hasattr(cache, "batch_select_indices"):
-                # drop finished rows once they are half the batch (long-tail requests decode alone)
-                keep = torch.tensor(live, device=device)
-                cache.batch_select_indices(keep)
-                ids, mask, positions = ids[keep], mask[keep], positions[keep]
-                rows = [rows[r] for r in live]
-                live = list(range(len(rows)))
-            with lock:
-                out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                            **{cache_arg: cache}, **extra)
-            logits = out.logits[:, -1, :].float()
-            next_ids = [pad_id] * len(rows)
-            for r in live:
-                req = requests[rows[r]]
-                banned = sorted(req.stop_ids) if len(req.output_ids) < req.params.min_new_tokens else []
-                token, log_prob = sample_token(logits[r], req.params, banned, generators[rows[r]])
-                req.output_ids.append(token)
-                req.log_probs.append(log_prob)
-                if req.on_token is not None:
-                    req.on_token(token, log_prob)
-                reason = _finish_reason(req, token, tokenizer)
-                if reason:
-                    _finish(req, reason, on_finish)
-                else:
-                    next_ids[r] = token
-            ids = torch.tensor(next_ids, device=device)[:, None]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = positions[:, -1:] + 1
+    def __init__(self, model, tokenizer, *, max_slots: int, lock: threading.Lock, graphs: bool = True) -> None:
+        import torch
+
+        use_slot_attention(model)
+        self.model, self.tokenizer, self.max_slots, self.lock = model, tokenizer, max_slots, lock
+        self.device = next(model.parameters()).device
+        self.cache = SlotCache.for_model(model)
+        self.graphs_on = graphs and self.device.type == "cuda"
+        self._graphs: dict[int, tuple[Any, Any]] = {}
+        self.requests: list[Request | None] = [None] * max_slots
+        self.busy = np.zeros(max_slots, dtype=bool)
+        self.count = np.zeros(max_slots, dtype=np.int64)  # tokens generated, per slot (host copy)
+        self.pos = np.zeros(max_slots, dtype=np.int64)  # column of the slot's next input token (host copy)
+        self.filtering: set[int] = set()  # busy slots with top-k or top-p
+        self.banning: set[int] = set()  # busy slots with min_new_tokens and stop tokens
+        self.watched: set[int] = set()  # busy slots whose tokens the host needs every step
+        s, dev = max_slots, self.device
+        self.d_slots = torch.arange(s, device=dev)
+        self.d_flags = torch.zeros(s, dtype=torch.long, device=dev)
+        self.d_tok = torch.zeros(s, dtype=torch.long, device=dev)
+        self.d_pos = torch.zeros(s, dtype=torch.long, device=dev)
+        self.d_busy = torch.zeros(s, dtype=torch.long, device=dev)
+        self.d_count = torch.zeros(s, dtype=torch.long, device=dev)
+        self.d_seed = torch.zeros(s, dtype=torch.long, device=dev)
+        self.d_temp = torch.ones(s, dtype=torch.float32, device=dev)
+        self.d_greedy = torch.zeros(s, dtype=torch.bool, device=dev)
+        self.d_top_k = torch.full((s,), -1, dtype=torch.long, device=dev)
+        self.d_top_p = torch.ones(s, dtype=torch.float32, device=dev)
+        self.d_max_new = torch.zeros(s, dtype=torch.long, device=dev)
+        self.d_min_new = torch.zeros(s, dtype=torch.long, device=dev)
+        self.d_stops = torch.full((s, 1), -1, dtype=torch.long, device=dev)
+        self.out_ids = torch.zeros(s, 0, dtype=torch.long, device=dev)
+        self.out_lp = torch.zeros(s, 0, dtype=torch.float32, device=dev)
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def run(self, take: Callable[[int], list[Request]], aborted: Callable[[Request], bool],
+            on_finish: Callable[[Request], None]) -> None:
+        """Decode until no slot is busy and ``take`` hands out nothing more.
+
+        :param take: ``take(n)`` returns up to ``n`` queued requests (it may return none).
+        :param aborted: tells whether a request must stop now.
+        :param on_finish: called once per request, after its ``finish_reason`` is set.
+        """
+        import torch
+
+        with torch.no_grad():
+            while True:
+                for s, req in enumerate(self.requests):
+                    if req is not None and aborted(req):
+                        self._finish([s], ["abort"], on_finish)
+                free = [s for s, r in enumerate(self.requests) if r is None]
+                new = take(len(free)) if free else []
+                if new:
+                    self._admit(new, free[: len(new)], on_finish)
+                busy = np.flatnonzero(self.busy)
+                if not len(busy):
+                    if new:
+                        continue
+                    return
+                self._step(int(busy[-1]) + 1, on_finish)
+
+    def release(self) -> None:
+        """Drop the cache and graphs (weights moved, or memory handed back)."""
+        self._graphs.clear()
+        self.cache.release()
+
+    # --- admission and prefill ----------------------------------------------------------
+
+    def _admit(self, new: list[Request], slots: list[int], on_finish) -> None:
+        import torch
+
+        dev = self.device
+        longest = max(len(r.input_ids) for r in new)
+        need = max([len(r.input_ids) + r.params.max_new_tokens for r in new] + [int(self.pos.max()) + 1])
+        self._ensure(min(need, max(longest, int(self.pos.max())) + FIRST_GROWTH))
+        for s, req in zip(slots, new):
+            self.requests[s] = req
+            self.busy[s], self.count[s], self.pos[s] = True, 0, len(req.input_ids)
+            if req.params.top_k != -1 or req.params.top_p < 1:
+                self.filtering.add(s)
+            if req.params.min_new_tokens > 0 and req.stop_ids:
+                self.banning.add(s)
+            if req.watched:
+                self.watched.add(s)
+        index = torch.tensor(slots, device=dev)
+        p = [r.params for r in new]
+        self.d_seed[index] = torch.tensor([r.seed % 2**62 for r in new], device=dev)
+        self.d_temp[index] = torch.tensor([q.temperature if q.temperature > 0 else 1.0 for q in p], device=dev)
+        self.d_greedy[index] = torch.tensor([q.temperature == 0 for q in p], device=dev)
+        self.d_top_k[index] = torch.tensor([q.top_k for q in p], device=dev)
+        self.d_top_p[index] = torch.tensor([q.top_p for q in p], device=dev)
+        self.d_max_new[index] = torch.tensor([q.max_new_tokens for q in p], device=dev)
+        self.d_min_new[index] = torch.tensor([q.min_new_tokens for q in p], device=dev)
+        self.d_pos[index] = torch.tensor([len(r.input_ids) for r in new], device=dev)
+        self.d_count[index] = 0
+        self.d_busy[index] = 1
+        self._set_stops(slots, new)
+        logits = self._prefill(new, slots)
+        filtering = bool(self.filtering.intersection(slots))
+        tokens, log_probs = sample_batch(
+            logits, self.d_temp[index], self.d_greedy[index], self.d_seed[index], self.d_count[index],
+            top_k=self.d_top_k[index] if filtering else None, top_p=self.d_top_p[index] if filtering else None,
+            banned=self._banned(slots, logits.shape[-1]))
+        self._store(index, tokens, log_probs)
+        self._after_sample(slots, on_finish)
+
+    def _prefill(self, new: list[Request], slots: list[int]):
+        """One forward pass over the distinct prompts; returns float32 logits ``[len(new), V]``."""
+        import torch
+
+        dev = self.device
+        first: dict[tuple[int, ...], int] = {}
+        row_of = [first.setdefault(tuple(r.input_ids), len(first)) for r in new]
+        prompts = [list(k) for k in first]
+        width = max(len(x) for x in prompts)
+        ids = torch.tensor([[0] * (width - len(x)) + x for x in prompts], device=dev)
+        valid = torch.tensor([[False] * (width - len(x)) + [True] * len(x) for x in prompts], device=dev)
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        columns = torch.where(valid, positions, torch.full_like(positions, self.cache.scratch))
+        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
+        eye = torch.eye(width, dtype=torch.bool, device=dev)
+        mask = ((causal[None] & valid[:, None, :]) | eye[None])[:, None]
+        owner = [0] * len(prompts)
+        for i, r in reversed(list(enumerate(row_of))):
+            owner[r] = slots[i]
+        step = SlotPass(cache=self.cache, rows=torch.tensor(owner, device=dev), columns=columns, causal=mask)
+        with self.lock:
+            logits = self.model(input_ids=ids, position_ids=positions, slot_pass=step, use_cache=False,
+                                logits_to_keep=1).logits[:, -1].float()
+        copies = [(owner[r], s) for r, s in zip(row_of, slots) if owner[r] != s]
+        if copies:
+            sources, targets = zip(*copies)
+            self.cache.copy_prefix(torch.tensor(sources, device=dev), torch.tensor(targets, device=dev), width)
+        return logits[torch.tensor(row_of, device=dev)]
+
+    # --- decoding -----------------------------------------------------------------------
+
+    def _step(self, n: int, on_finish) -> None:
+        """One token for slots ``0 .. n-1`` (idle ones compute and are ignored)."""
+        top = int(self.pos[:n][self.busy[:n]].max())
+        if top >= self.cache.capacity:
+            self._ensure(top + 1)
+        slots = list(range(n))
+        plain = not self.filtering and not any(self.count[s] < self.requests[s].params.min_new_tokens
+                                               for s in self.banning)
+        with self.lock:
+            if plain and self.graphs_on:
+                self._replay(n)
+            else:
+                logits = self._forward_decode(n, top + 1)
+                filtering = bool(self.filtering)
+                tokens, log_probs = sample_batch(
+                    logits, self.d_temp[:n], self.d_greedy[:n], self.d_seed[:n], self.d_count[:n],
+                    top_k=self.d_top_k[:n] if filtering else None, top_p=self.d_top_p[:n] if filtering else None,
+                    banned=self._banned(slots, logits.shape[-1]))
+                self.d_pos[:n] += self.d_busy[:n]
+                self._store(self.d_slots[:n], tokens, log_probs)
+        self.pos[:n] += self.busy[:n]
+        self._after_sample(slots, on_finish)
+
+    def _device_step(self, n: int, width: int) -> None:
+        """Forward, sample (no filters, no bans), store: the part of a step a CUDA graph replays."""
+        logits = self._forward_decode(n, width)
+        tokens, log_probs = sample_batch(logits, self.d_temp[:n], self.d_greedy[:n], self.d_seed[:n],
+                                         self.d_count[:n])
+        self.d_pos[:n] += self.d_busy[:n]
+        self._store(self.d_slots[:n], tokens, log_probs)
+
+    def _replay(self, n: int) -> None:
+        bucket = min(self.max_slots, 1 << (n - 1).bit_length())
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            graph = self._graphs[bucket] = self._capture(bucket)
+        if graph is False:
+            self._device_step(n, self.cache.capacity)
+        else:
+            graph.replay()
+
+    def _forward_decode(self, n: int, width: int):
+        import torch
+
+        pos = self.d_pos[:n]
+        visible = torch.arange(width, device=self.device)[None, :] <= pos[:, None]
+        step = SlotPass(cache=self.cache, rows=self.d_slots[:n], columns=pos[:, None],
+                        visible=visible[:, None, None, :], width=width)
+        out = self.model(input_ids=self.d_tok[:n, None], position_ids=pos[:, None], slot_pass=step, use_cache=False,
+                         logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+    def _capture(self, n: int):
+        """A CUDA graph of :meth:`_device_step` for ``n`` slots over the whole cache, or False.
+
+        The warm-up runs change the per-slot state; it is saved first and restored after the
+        warm-up and after the capture.
+        """
+        import torch
+
+        width = self.cache.capacity
+        state = [t.clone() for t in self._step_state()]
+
+        def restore():
+            for t, saved in zip(self._step_state(), state):
+                t.copy_(saved)
+
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._device_step(n, width)
+            torch.cuda.current_stream().wait_stream(stream)
+            restore()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._device_step(n, width)
+            restore()
+            return graph
+        except Exception as exc:  # noqa: BLE001 - a model that cannot be captured runs eagerly
+            restore()
+            log.warning("embedded engine: CUDA graph capture failed (%s); decoding without graphs", exc)
+            self.graphs_on = False
+            return False
+
+    def _step_state(self) -> list:
+        """The tensors a decode step changes (the cache only at columns the next step rewrites)."""
+        return [self.d_tok, self.d_pos, self.d_count, self.d_flags, self.out_ids, self.out_lp]
+
+    def _store(self, index, tokens, log_probs) -> None:
+        """Record the sampled tokens of slots ``index`` and their finish flags (2: length, 1: stop)."""
+        import torch
+
+        busy = self.d_busy[index]
+        count = self.d_count[index]
+        column = torch.where(busy > 0, count, self.out_ids.shape[1] - 1)  # idle rows: the never-read last column
+        self.out_ids[index, column] = tokens
+        self.out_lp[index, column] = log_probs
+        count = count + busy
+        self.d_count[index] = count
+        self.d_tok[index] = tokens
+        is_stop = (self.d_stops[index] == tokens[:, None]).any(-1) & (count >= self.d_min_new[index])
+        self.d_flags[index] = (count >= self.d_max_new[index]).long() * 2 + is_stop.long()
+
+    def _after_sample(self, slots: list[int], on_finish) -> None:
+        """Host side of a step: one copy of the flags, then finished and watched requests."""
+        import torch
+
+        if slots == list(range(len(slots))):
+            flags = self.d_flags[: len(slots)].tolist()
+        else:
+            flags = self.d_flags[torch.tensor(slots, device=self.device)].tolist()
+        busy = [s for s in slots if self.busy[s]]
+        self.count[busy] += 1
+        done, reasons = [], []
+        for s, flag in zip(slots, flags):
+            if flag and self.busy[s]:
+                done.append(s)
+                reasons.append("length" if flag >= 2 else "stop")
+        watched = [s for s in busy if s in self.watched]
+        if watched:
+            self._watch(watched, set(done), done, reasons)
+        if done:
+            self._finish(done, reasons, on_finish)
+
+    def _watch(self, watched: list[int], finished: set[int], done: list[int], reasons: list[str]) -> None:
+        """Per-step host work for streaming and stop-string requests."""
+        for s in watched:
+            req, k = self.requests[s], self.count[s] - 1
+            token, log_prob = int(self.out_ids[s, k]), float(self.out_lp[s, k])
+            req.output_ids.append(token)
+            req.log_probs.append(log_prob)
+            if req.on_token is not None:
+                req.on_token(token, log_prob)
+            if s not in finished and _stop_string(req, self.tokenizer):
+                done.append(s)
+                reasons.append("stop")
+
+    def _finish(self, slots: list[int], reasons: list[str], on_finish) -> None:
+        import torch
+
+        longest = int(max(self.count[s] for s in slots))
+        index = torch.tensor(slots, device=self.device)
+        ids = self.out_ids[index, :longest].tolist()
+        lps = self.out_lp[index, :longest].tolist()
+        self.d_max_new[index] = 0
+        self.d_busy[index] = 0
+        self.d_pos[index] = 0
+        for s, reason, row_ids, row_lps in zip(slots, reasons, ids, lps):
+            req, n = self.requests[s], int(self.count[s])
+            req.output_ids, req.log_probs = row_ids[:n], row_lps[:n]
+            req.finish_reason = reason
+            self.requests[s] = None
+            self.busy[s], self.pos[s] = False, 0
+            self.filtering.discard(s)
+            self.banning.discard(s)
+            self.watched.discard(s)
+            on_finish(req)
+
+    # --- per-slot tables ----------------------------------------------------------------
+
+    def _ensure(self, capacity: int) -> None:
+        import torch
+
+        if self.cache.ensure(self.max_slots, capacity):
+            self._graphs.clear()
+            width = self.cache.capacity + 1
+            ids = torch.zeros(self.max_slots, width, dtype=torch.long, device=self.device)
+            lps = torch.zeros(self.max_slots, width, dtype=torch.float32, device=self.device)
+            old = self.out_ids.shape[1]
+            ids[:, :old], lps[:, :old] = self.out_ids, self.out_lp
+            self.out_ids, self.out_lp = ids, lps
+
+    def _set_stops(self, slots: list[int], new: list[Request]) -> None:
+        import torch
+
+        widest = max(len(r.stop_ids) for r in new)
+        if widest > self.d_stops.shape[1]:
+            grown = torch.full((self.max_slots, widest), -1, dtype=torch.long, device=self.device)
+            grown[:, : self.d_stops.shape[1]] = self.d_stops
+            self.d_stops = grown
+        rows = [sorted(r.stop_ids) + [-1] * (self.d_stops.shape[1] - len(r.stop_ids)) for r in new]
+        self.d_stops[torch.tensor(slots, device=self.device)] = torch.tensor(rows, dtype=torch.long,
+                                                                             device=self.device)
+
+    def _banned(self, slots: list[int], vocab: int):
+        """``[len(slots), V]`` bool of stop tokens banned before ``min_new_tokens``, or None."""
+        import torch
+
+        rows = [(k, self.requests[s].stop_ids) for k, s in enumerate(slots)
+                if s in self.banning and self.count[s] < self.requests[s].params.min_new_tokens]
+        if not rows:
+            return None
+        banned = torch.zeros(len(slots), vocab, dtype=torch.bool, device=self.device)
+        for k, ids in rows:
+            banned[k, torch.tensor(sorted(ids), device=self.device)] = True
+        return banned
 
 
-def _finish_reason(req: Request, token: int, tokenizer) -> str | None:
-    """"length", "stop" or None after ``token`` was appended (SGLang's order: budget first)."""
+def _stop_string(req: Request, tokenizer) -> bool:
+    """True when a stop string appears in the decoded tail (only once ``min_new_tokens`` exist)."""
     p = req.params
-    if len(req.output_ids) >= p.max_new_tokens:
-        return "length"
-    if len(req.output_ids) < p.min_new_tokens:
-        return None
-    if token in req.stop_ids:
-        return "stop"
-    if p.stop:
-        window = 4 * max(len(s) for s in p.stop) + 4  # a character is at most 4 byte-level tokens
-        tail = tokenizer.decode(req.output_ids[-window:], skip_special_tokens=p.skip_special_tokens)
-        if any(s in tail for s in p.stop):
-            return "stop"
-    return None
-
-
-def _finish(req: Request, reason: str, on_finish: Callable[[Request], None]) -> None:
-    req.finish_reason = reason
-    on_finish(req)
+    if not p.stop or len(req.output_ids) < p.min_new_tokens:
+        return False
+    window = 4 * max(len(s) for s in p.stop) + 4  # a character is at most 4 byte-level tokens
+    tail = tokenizer.decode(req.output_ids[-window:], skip_special_tokens=p.skip_special_tokens)
+    return any(s in tail for s in p.stop)

@@ -1,10 +1,9 @@
-"""The embedded rollout engine: a transformers causal LM with its own weights and a batching scheduler.
+"""The embedded rollout engine: a transformers causal LM with its own weights and a continuous-batching scheduler.
 
-Concurrent ``generate`` calls are queued; a worker task takes every pending request (up
-to ``--embedded-max-batch-size``), runs one batched decode in a worker thread
-(:func:`~.decode.decode_batch`), and resolves each request as soon as it finishes, so
-the event loop stays free while the model runs. Requests arriving during a batch run in
-the next one.
+Concurrent ``generate`` calls are queued; a worker thread decodes them with
+:class:`~.decode.SlotDecoder` (up to ``--embedded-max-batch-size`` at once, a finished
+request's slot refilled from the queue at the next step) and resolves each request as
+soon as it finishes, so the event loop stays free while the model runs.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any, Callable
 
 from furlong.hooks import GenerateOutput, PluginError
 
-from .decode import Request, decode_batch
+from .decode import Request, SlotDecoder
 from .sampling import SamplingParams
 
 __all__ = ["EmbeddedEngine"]
@@ -57,6 +56,9 @@ class EmbeddedEngine:
         self._groups: dict[str, Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: list[Request] = []
+        self._inflight: set[Request] = set()  # taken by the decoder, not resolved yet
+        self._queue_lock = threading.Lock()  # guards _pending and _inflight (event loop and decode thread)
+        self._decoder = SlotDecoder(model, tokenizer, max_slots=max_batch_size, lock=self._lock)
         self._by_rid: dict[str, Request] = {}  # requests given a rid, until they are resolved
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
@@ -112,7 +114,8 @@ class EmbeddedEngine:
             self._by_rid[rid] = req
         req.future = self._loop.create_future()
         req.future.add_done_callback(lambda f: setattr(req, "cancelled", f.cancelled()))
-        self._pending.append(req)
+        with self._queue_lock:
+            self._pending.append(req)
         self._wakeup.set()
         return await req.future
 
@@ -124,12 +127,14 @@ class EmbeddedEngine:
         the call is resolved. Later requests run normally.
         """
         self._epoch += 1
-        pending, self._pending = self._pending, []
+        with self._queue_lock:
+            pending, self._pending = self._pending, []
+            running = [r.future for r in self._inflight if r.future is not None and not r.future.done()]
         for req in pending:
             self._resolve(req, "abort")
-        if self._running is not None and self._loop is asyncio.get_running_loop() and not self._paused:
-            # (while paused the running batch cannot take a step: it finishes, as aborted, on continue)
-            await asyncio.wait([self._running])
+        if running and self._loop is asyncio.get_running_loop() and not self._paused:
+            # (while paused the decoder cannot take a step: these finish, as aborted, on continue)
+            await asyncio.wait(running)
 
     async def abort_request(self, rid: str) -> bool:
         """Finish the unfinished request ``rid`` with finish reason "abort" (SGLang's ``/abort_request``).
@@ -143,8 +148,11 @@ class EmbeddedEngine:
         if req is None:
             return False
         req.aborted = True
-        if req in self._pending:
-            self._pending.remove(req)
+        with self._queue_lock:
+            queued = req in self._pending
+            if queued:
+                self._pending.remove(req)
+        if queued:
             self._resolve(req, "abort")
         return True
 
@@ -249,42 +257,49 @@ class EmbeddedEngine:
             self._wakeup = asyncio.Event()
             self._pending = []  # requests of a closed event loop can never be answered
             self._by_rid = {}
+            self._inflight = set()
             self._worker = loop.create_task(self._work())
 
     async def _work(self) -> None:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            while self._pending:
-                batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size:]
-                live = []
-                for req in batch:
-                    if self._aborted(req):
-                        self._resolve(req, "abort")
-                    else:
-                        live.append(req)
-                if not live:
-                    continue
-                self._running = asyncio.ensure_future(asyncio.to_thread(self._decode, live))
-                try:
-                    await self._running
-                except Exception as exc:  # noqa: BLE001 - handed to every waiting caller
-                    log.exception("embedded engine: batched decode failed")
-                    for req in live:
-                        self._forget(req)
-                        if req.future is not None and not req.future.done():
-                            req.future.set_exception(exc)
-                finally:
-                    self._running = None
+            if not self._pending:
+                continue
+            self._running = asyncio.ensure_future(asyncio.to_thread(self._decode))
+            try:
+                await self._running
+            except Exception as exc:  # noqa: BLE001 - handed to every waiting caller
+                log.exception("embedded engine: decoding failed")
+                self._decoder.requests = [None] * self.max_batch_size
+                with self._queue_lock:
+                    failed, self._inflight = list(self._inflight), set()
+                for req in failed:
+                    self._forget(req)
+                    if req.future is not None and not req.future.done():
+                        req.future.set_exception(exc)
+            finally:
+                self._running = None
 
-    def _decode(self, requests: list[Request]) -> None:
+    def _decode(self) -> None:
         loop = self._loop
         self._use_device()
-        decode_batch(
-            self.model, self.tokenizer, requests, device=self.device, pad_id=self._pad_id, lock=self._lock,
-            aborted=self._aborted,
+        self._decoder.run(
+            take=self._take, aborted=self._aborted,
             on_finish=lambda req: loop.call_soon_threadsafe(self._resolve, req, req.finish_reason),
         )
+
+    def _take(self, n: int) -> list[Request]:
+        """Up to ``n`` queued requests for the decoder (decode thread); aborted ones are resolved instead."""
+        taken, dropped = [], []
+        with self._queue_lock:
+            while self._pending and len(taken) < n:
+                req = self._pending.pop(0)
+                (dropped if self._aborted(req) else taken).append(req)
+            self._inflight.update(taken)
+        for req in dropped:
+            self._loop.call_soon_threadsafe(self._resolve, req, "abort")
+        return taken
 
     def _aborted(self, req: Request) -> bool:
         return req.epoch < self._epoch or req.cancelled or req.aborted
@@ -295,6 +310,8 @@ class EmbeddedEngine:
 
     def _resolve(self, req: Request, reason: str) -> None:
         self._forget(req)
+        with self._queue_lock:
+            self._inflight.discard(req)
         if req.future is not None and not req.future.done():
             req.future.set_result(self._output(req, reason))
 
@@ -331,6 +348,7 @@ class EmbeddedEngine:
     def _move(self, device) -> None:
         self._use_device()
         with self._lock:
+            self._decoder.release()
             self.model.to(device)
             if self._torch.cuda.is_available():
                 self._torch.cuda.empty_cache()

@@ -4,7 +4,14 @@ Order of operations for one request at one decode step (the usual top-k, then to
 order of SGLang and Hugging Face samplers): logits / temperature, stop tokens banned
 while fewer than ``min_new_tokens`` tokens exist, top-k, top-p nucleus (Holtzman et al.,
 2020, "The Curious Case of Neural Text Degeneration", sec. 3.1), then a draw from the
-renormalized distribution. Temperature 0 is greedy (argmax).
+renormalized distribution. Temperature 0 is greedy (argmax). Every request of a batch is
+sampled at once on the model's device (:func:`sample_batch`).
+
+The draw is inverse-CDF sampling with a uniform number that depends only on the request's
+seed and the index of the token being drawn (a counter-based hash, SplitMix64's
+finalizer: Steele, Lea and Flood, 2014, "Fast splittable pseudorandom number
+generators"), so a request samples the same tokens whatever else shares its batch and
+whichever slot it runs in.
 
 Reported log-prob: ``log_softmax(logits / T)[token]`` over the full vocabulary, before
 the ban, top-k and top-p (for greedy, ``T = 1``). That is what SGLang reports and what
@@ -19,7 +26,7 @@ import attrs
 
 from furlong.hooks import PluginError
 
-__all__ = ["SamplingParams", "filter_logits", "sample_token"]
+__all__ = ["SamplingParams", "filter_logits", "inverse_cdf", "sample_batch", "uniform_from_counter"]
 
 
 @attrs.define
@@ -76,56 +83,111 @@ class SamplingParams:
         return out
 
 
-def filter_logits(logits, top_k: int, top_p: float):
-    """Set to ``-inf`` every logit outside the top-k and outside the top-p nucleus.
+def filter_logits(logits, top_k, top_p):
+    """Set to ``-inf`` every logit outside the top-k and outside the top-p nucleus, row by row.
 
-    :param logits: float tensor ``[V]`` (already temperature-scaled).
-    :param top_k: keep the ``top_k`` largest (exactly that many; -1 = all).
-    :param top_p: keep the smallest set of most likely tokens whose probabilities sum to
-        at least ``top_p`` (the most likely token is always kept; 1 = all).
-    :returns: a new float tensor ``[V]``.
+    :param logits: float tensor ``[B, V]`` or ``[V]`` (already temperature-scaled).
+    :param top_k: keep the ``top_k`` largest of a row (-1 or >= V = all); an int or an
+        int tensor ``[B]``.
+    :param top_p: keep the smallest set of most likely tokens (of the top-k) whose
+        probabilities sum to at least ``top_p`` (the most likely token is always kept;
+        1 = all); a float or a float tensor ``[B]``.
+    :returns: a new float tensor of the shape of ``logits``.
     """
     import torch
 
-    out = logits.clone()
-    if 0 < top_k < out.numel():
-        keep = torch.topk(out, top_k).indices
-        masked = torch.full_like(out, float("-inf"))
-        masked[keep] = out[keep]
-        out = masked
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(out, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
-        drop = before >= top_p
-        drop[0] = False
-        out[order[drop]] = float("-inf")
-    return out
+    rows = logits.reshape(-1, logits.shape[-1])
+    n, vocab = rows.shape
+    k = torch.as_tensor(top_k, device=rows.device).reshape(-1).expand(n)
+    k = torch.where((k > 0) & (k < vocab), k, torch.full_like(k, vocab))
+    p = torch.as_tensor(top_p, dtype=rows.dtype, device=rows.device).reshape(-1).expand(n)
+    ordered, order = torch.sort(rows, dim=-1, descending=True)
+    drop = torch.arange(vocab, device=rows.device)[None, :] >= k[:, None]
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
+    drop = (before >= p[:, None]) & (p[:, None] < 1.0)
+    drop[:, 0] = False
+    kept = torch.full_like(rows, float("-inf")).scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+    return kept.reshape(logits.shape)
 
 
-def sample_token(logits, params: SamplingParams, banned: list[int], generator) -> tuple[int, float]:
-    """Choose the next token of one request and its reported log-prob.
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64  # SplitMix64 constants as signed 64-bit integers
+_MIX2 = 0x94D049BB133111EB - 2**64
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
 
-    :param logits: float32 tensor ``[V]``, raw logits of the last position.
-    :param params: the request's :class:`SamplingParams`.
-    :param banned: token ids that may not be chosen now (stop tokens before
-        ``min_new_tokens``); they still count in the reported log-prob.
-    :param generator: the request's ``torch.Generator`` (same device as ``logits``).
-    :returns: ``(token_id, log_prob)``, ``log_prob = log_softmax(logits / T)[token_id]``
-        (``T = 1`` when greedy).
+
+def _shift_right(x, bits: int):
+    """Logical right shift of int64 values (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def uniform_from_counter(seeds, counters):
+    """One float32 in (0, 1) per row, a function of ``(seed, counter)`` only.
+
+    :param seeds: int64 tensor ``[B]``; :param counters: int64 tensor ``[B]`` (the index of
+        the token being drawn). Uses 24 bits of SplitMix64's finalizer of
+        ``seed * golden + counter`` (64-bit wrap-around arithmetic).
     """
     import torch
 
-    greedy = params.temperature == 0
-    scaled = logits if greedy else logits / params.temperature
+    z = seeds * _GOLDEN + counters
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return (_shift_right(z, 40).to(torch.float32) + 0.5) * 2.0**-24
+
+
+def sample_batch(logits, temperature, greedy, seeds, counters, *, top_k=None, top_p=None, banned=None):
+    """Choose the next token of every row and its reported log-prob, without leaving the device.
+
+    :param logits: float32 ``[B, V]``, raw logits of each row's last position.
+    :param temperature: float32 ``[B]`` (1 for greedy rows); :param greedy: bool ``[B]``.
+    :param seeds: and :param counters: int64 ``[B]`` (see :func:`uniform_from_counter`).
+    :param top_k: int64 ``[B]`` and :param top_p: float32 ``[B]``, or None when no row filters.
+    :param banned: bool ``[B, V]`` (stop tokens before ``min_new_tokens``), or None; banned
+        tokens cannot be chosen but count in the reported log-prob.
+    :returns: ``(tokens int64 [B], log_probs float32 [B])`` with
+        ``log_prob = log_softmax(logits / T)[token]``.
+    """
+    import torch
+
+    scaled = logits / temperature[:, None]
     log_probs = torch.log_softmax(scaled, dim=-1)
-    allowed = scaled.clone()
-    if banned:
-        allowed[torch.tensor(banned, device=allowed.device)] = float("-inf")
-    if greedy:
-        token = int(torch.argmax(allowed))
-    else:
-        allowed = filter_logits(allowed, params.top_k, params.top_p)
-        probs = torch.softmax(allowed, dim=-1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
-    return token, float(log_probs[token])
+    allowed = scaled if banned is None else scaled.masked_fill(banned, float("-inf"))
+    best = torch.argmax(allowed, dim=-1)
+    if top_k is not None:
+        allowed = filter_logits(allowed, top_k, top_p)
+    probs = log_probs.exp() if allowed is scaled else torch.softmax(allowed, dim=-1)
+    drawn = inverse_cdf(probs, uniform_from_counter(seeds, counters))
+    tokens = torch.where(greedy, best, drawn)
+    return tokens, log_probs.gather(-1, tokens[:, None])[:, 0]
+
+
+def inverse_cdf(probs, u, block: int = 1024):
+    """Per row, the first index whose cumulative probability exceeds ``u * total``.
+
+    Two levels, so no scan runs over the whole vocabulary: the row's mass per block of
+    ``block`` tokens, the block where ``u`` falls (a scan over ``V / block`` sums), then a
+    scan inside that block only.
+
+    :param probs: float32 ``[B, V]``, non-negative (need not sum to 1); :param u: ``[B]`` in (0, 1).
+    :returns: int64 ``[B]``; a token of zero probability is never chosen.
+    """
+    import torch
+
+    rows, vocab = probs.shape
+    padded = torch.nn.functional.pad(probs, (0, (-vocab) % block)).view(rows, -1, block)
+    sums = padded.sum(-1)
+    cdf = sums.cumsum(-1)
+    target = u * cdf[:, -1]
+    chosen = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=cdf.shape[1] - 1)
+    before = cdf.gather(1, chosen) - sums.gather(1, chosen)
+    mass = padded.gather(1, chosen[:, :, None].expand(rows, 1, block))[:, 0]
+    inner = mass.cumsum(-1) + before
+    found = torch.searchsorted(inner, target[:, None], right=True)[:, 0]
+    # rounding can leave the target past the block's last entry: take its last token of non-zero mass
+    last = torch.where(mass > 0, torch.arange(block, device=probs.device), -1).max(-1).values.clamp_(min=0)
+    offset = torch.where(found < block, found, last)
+    token = (chosen[:, 0] * block + offset).clamp_(max=vocab - 1)
+    return token

@@ -1,0 +1,224 @@
+"""The embedded engine and the fsdp train path on one GPU, at the Qwen2.5-0.5B shape (random weights).
+
+One command, from the repository root, on a machine with a CUDA GPU::
+
+    python benchmarks/bench_gpu.py              # --json PATH writes every figure; --help for the rest
+
+1. **Engine**: ``--requests`` (256) requests of ``--prompt-len`` (128) random prompt tokens, each
+   generating exactly ``--new-tokens`` (256) tokens (``ignore_eos``, temperature 1), all
+   submitted at once to the embedded engine (``--embedded-max-batch-size`` = requests);
+   then the same batch through transformers ``generate`` with a static cache
+   (``cache_implementation="static"``, sampling, ``min_new_tokens`` = ``max_new_tokens``).
+   Each is run once to warm up (CUDA graphs, compilation) and then timed; tok/s = new
+   tokens / wall seconds.
+2. **GRPO iteration**: ``furlong train`` (sync, embedded engine, fsdp backend, bf16 autocast
+   over float32 master weights, fused AdamW) for ``--rollouts`` (3) rollouts of
+   ``requests / 8`` prompts x 8 samples, responses of ``--new-tokens`` tokens, one optimizer
+   step per rollout, default micro-batch packing. The split comes from ``metrics.jsonl``;
+   the train MFU is ``6 x params x tokens / actor-train seconds / 989e12`` (the H200's dense
+   bf16 peak; ``--peak-tflops`` to change), over the rollouts after the first.
+
+The model (Llama architecture at Qwen2.5-0.5B's sizes: 24 layers, hidden 896, 14 heads, 2 KV heads, vocabulary
+151,936, tied embeddings) and a word-level tokenizer of the same vocabulary are written to
+a temporary folder; no download is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "cuda"
+QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, 
+                  rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643)
+
+
+def build_model(folder: Path) -> Path:
+    """Random Qwen2.5-0.5B-shaped weights (bfloat16) and a word-level tokenizer ``t0 .. t151935``.
+
+    The architecture is Llama's with Qwen2.5-0.5B's sizes (Qwen2 differs only by biases on the
+    query, key and value projections, 0.1% of the parameters): transformers gives a ``qwen2``
+    model directory its own byte-level tokenizer class, which cannot read a word-level vocabulary.
+    """
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    config = LlamaConfig(**QWEN25_05B, pad_token_id=0, attention_bias=False)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=f"t{config.eos_token_id}", pad_token="t0",
+                            unk_token="t1").save_pretrained(folder)
+    return folder
+
+
+def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 151000, (count, length), generator=gen).tolist()
+
+
+def bench_engine(folder: Path, opts) -> dict:
+    import torch
+
+    from furlong.builtin_plugins.engines import embedded
+
+    engine = embedded.load_engine(str(folder), max_batch_size=opts.requests, seed=0)
+    batch = prompts(opts.requests, opts.prompt_len)
+    params = {"temperature": 1.0, "max_new_tokens": opts.new_tokens, "ignore_eos": True}
+
+    async def run():
+        return await asyncio.gather(*[engine.generate(p, dict(params)) for p in batch])
+
+    times = []
+    for _ in range(1 + opts.repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = asyncio.run(run())
+        times.append(time.perf_counter() - start)
+    tokens = sum(len(o.output_ids) for o in outs)
+    assert tokens == opts.requests * opts.new_tokens, tokens
+    best = min(times[1:])
+    return {"tokens": tokens, "warmup_s": times[0], "times_s": times[1:], "tok_per_s": tokens / best,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def bench_generate(folder: Path, opts) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    model.eval()
+    ids = torch.tensor(prompts(opts.requests, opts.prompt_len), device="cuda")
+    mask = torch.ones_like(ids)
+    kwargs = dict(attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                  max_new_tokens=opts.new_tokens, min_new_tokens=opts.new_tokens, cache_implementation="static",
+                  pad_token_id=0)
+    times = []
+    with torch.no_grad():
+        for _ in range(1 + opts.repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = model.generate(ids, **kwargs)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    tokens = int((out.shape[1] - ids.shape[1]) * out.shape[0])
+    del model
+    torch.cuda.empty_cache()
+    return {"tokens": tokens, "warmup_s": times[0], "times_s": times[1:], "tok_per_s": tokens / min(times[1:])}
+
+
+def bench_grpo(folder: Path, opts, out: Path) -> dict:
+    """``furlong train`` in a subprocess; the split and MFU from its metrics.jsonl."""
+    group = 8
+    n_prompts = max(1, opts.requests // group)
+    data = out / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": " ".join(f"t{t}" for t in p), "label": "0"}) + "\n"
+                            for p in prompts(n_prompts * opts.rollouts, opts.prompt_len, seed=1)))
+    cmd = [sys.executable, "-m", "furlong.core", "train", "--hf-checkpoint", str(folder), "--prompt-data", str(data),
+           "--input-key", "prompt", "--label-key", "label", "--rm-type", "deterministic_random",
+           "--num-rollout", str(opts.rollouts), "--rollout-batch-size", str(n_prompts),
+           "--n-samples-per-prompt", str(group), "--global-batch-size", str(n_prompts * group),
+           "--rollout-max-response-len", str(opts.new_tokens),
+           "--embedded-max-batch-size", str(n_prompts * group), "--lr", "1e-6", "--bf16",
+           "--log-dir", str(out / "logs"), *opts.train_flags]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        return {"error": done.stderr[-3000:], "command": " ".join(cmd[1:])}
+    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [r for r in rows if "rollout/step" in r][1:] or [r for r in rows if "rollout/step" in r]
+    steps = [r for r in rows if "train/step" in r]
+    params = sum(v for v in _param_count(folder).values())
+    tokens = [n_prompts * group * (opts.prompt_len + r["rollout/response_lengths"]) for r in rollouts]
+    mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in rollouts)  # noqa: E731
+    train_s = mean("perf/actor_train_time")
+    return {
+        "command": " ".join(cmd[1:]), "wall_s": wall, "params": params,
+        "split_s": {k: mean(f"perf/{k}") for k in ("rollout_time", "log_probs_time", "actor_train_time",
+                                                     "train_time", "update_weights_time")},
+        "tokens_per_step": statistics.fmean(tokens),
+        "train_mfu": 6 * params * statistics.fmean(tokens) / train_s / (opts.peak_tflops * 1e12),
+        "train_tokens_per_s": statistics.fmean(tokens) / train_s,
+        "peak_memory_gib": max((s.get("train/peak_memory_gib", 0.0) for s in steps), default=None),
+        "response_length": mean("rollout/response_lengths"),
+    }
+
+
+def _param_count(folder: Path) -> dict:
+    from safetensors import safe_open
+
+    counts = {}
+    for file in folder.glob("*.safetensors"):
+        with safe_open(file, "pt") as fh:
+            for name in fh.keys():
+                counts[name] = fh.get_slice(name).get_shape()
+    import math
+
+    return {k: math.prod(v) for k, v in counts.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs after the warm-up (best is reported)")
+    parser.add_argument("--rollouts", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H200: 989)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["engine", "generate", "grpo"])
+    parser.add_argument("--train-flags", nargs=argparse.REMAINDER, default=[],
+                        help="extra furlong train flags (last on the line)")
+    parser.add_argument("--json", type=Path, default=None)
+    opts = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu.py needs a CUDA GPU.")
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "options": vars(opts) | {"json": None}}
+    import transformers
+
+    result["transformers"] = transformers.__version__
+    tmp = tempfile.mkdtemp(prefix="bench_gpu_")
+    try:
+        folder = build_model(Path(tmp) / "model")
+        for name, fn in (("engine", bench_engine), ("generate", bench_generate)):
+            if name not in opts.skip:
+                result[name] = fn(folder, opts)
+                print(name, json.dumps(result[name]), flush=True)
+        if "grpo" not in opts.skip:
+            (Path(tmp) / "run").mkdir()
+            result["grpo"] = bench_grpo(folder, opts, Path(tmp) / "run")
+            print("grpo", json.dumps(result["grpo"]), flush=True)
+    finally:
+        if not os.environ.get("BENCH_KEEP"):
+            shutil.rmtree(tmp, ignore_errors=True)
+    if "engine" in result and "generate" in result:
+        result["engine_over_generate"] = result["engine"]["tok_per_s"] / result["generate"]["tok_per_s"]
+    print(json.dumps({k: v for k, v in result.items() if k != "options"}, indent=1))
+    if opts.json:
+        opts.json.write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""A preallocated key/value cache of fixed slots and the attention function that reads and writes it.
+
+The embedded engine decodes up to ``S`` requests at once, each in a *slot*: row ``s`` of
+every layer's key and value buffers ``[S, H_kv, L + 1, D]``. A request's token at
+position ``p`` keeps its key and value at column ``p``; column ``L`` is a scratch column
+that padding writes into and no query ever attends to. The buffers are allocated once
+and grown (doubled) only when a request needs more positions or more slots, so a decode
+step allocates nothing and its shapes stay fixed (a CUDA graph can replay it).
+
+The model runs with transformers' attention interface set to ``furlong_slots``
+(:func:`slot_attention`); the decoder hands each forward pass a :class:`SlotPass` in the
+``slot_pass`` keyword, which transformers passes down to every attention layer. Without
+it the function is transformers' ``sdpa`` attention, so the model still works as usual.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+__all__ = ["ATTENTION_NAME", "SlotCache", "SlotPass", "slot_attention", "use_slot_attention"]
+
+ATTENTION_NAME = "furlong_slots"
+
+
+@attrs.define(eq=False)
+class SlotPass:
+    """What one forward pass writes and attends to.
+
+    Prefill (``causal`` is a mask ``[B, 1, q, q]``): the ``B`` rows are new prompts, left
+    padded to ``q`` tokens; row ``b`` writes its keys into slot ``rows[b]`` at columns
+    ``columns[b]`` (``[B, q]``, padding sends them to the scratch column) and attends
+    within the prompt. Decode (``causal`` None): row ``b`` is slot ``b``, writes its one
+    token at column ``columns[b, 0]`` and attends to the slot's columns ``0 .. columns[b, 0]``
+    (``visible``, ``[B, 1, 1, width]``) of the first ``width`` columns.
+    """
+
+    cache: "SlotCache"
+    rows: Any
+    columns: Any
+    causal: Any = None
+    visible: Any = None
+    width: int = 0
+
+
+class SlotCache:
+    """Key and value buffers of every layer: ``[slots, H_kv, capacity + 1, D]`` each, in the model's dtype."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device) -> None:
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.slots = 0
+        self.capacity = 0
+        self.keys: list = []
+        self.values: list = []
+
+    @classmethod
+    def for_model(cls, model) -> "SlotCache":
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        param = next(model.parameters())
+        return cls(config.num_hidden_layers, kv_heads, head_dim, param.dtype, param.device)
+
+    def ensure(self, slots: int, capacity: int) -> bool:
+        """Make room for ``slots`` slots of ``capacity`` positions (doubling); True when the buffers moved."""
+        if slots <= self.slots and capacity <= self.capacity:
+            return False
+        import torch
+
+        new_slots = max(slots, self.slots)
+        new_capacity = self.capacity
+        while new_capacity < capacity:
+            new_capacity = max(2 * new_capacity, capacity if not new_capacity else 0, 16)
+        shape = (new_slots, self.kv_heads, new_capacity + 1, self.head_dim)
+        keys, values = [], []
+        for layer in range(self.layers):
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self.slots:
+                k[: self.slots, :, : self.capacity] = self.keys[layer][:, :, : self.capacity]
+                v[: self.slots, :, : self.capacity] = self.values[layer][:, :, : self.capacity]
+            keys.append(k)
+            values.append(v)
+        self.keys, self.values = keys, values
+        self.slots, self.capacity = new_slots, new_capacity
+        return True
+
+    @property
+    def scratch(self) -> int:
+        """The column padding writes into."""
+        return self.capacity
+
+    def copy_prefix(self, sources, targets, length: int) -> None:
+        """Slots ``targets`` get the first ``length`` columns of slots ``sources`` (a shared prompt)."""
+        for k, v in zip(self.keys, self.values):
+            k[targets, :, :length] = k[sources, :, :length]
+            v[targets, :, :length] = v[sources, :, :length]
+
+    def release(self) -> None:
+        self.keys, self.values = [], []
+        self.slots = self.capacity = 0
+
+
+def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function over a :class:`SlotCache` (``slot_pass`` keyword).
+
+    :param query: ``[B, H, q, D]``; :param key: and :param value: ``[B, H_kv, q, D]``
+        (rotary already applied).
+    :returns: ``(output [B, q, H, D], None)``, as transformers' attention functions do.
+    """
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    step: SlotPass | None = kwargs.get("slot_pass")
+    if step is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    cache, layer = step.cache, module.layer_idx
+    k_buf, v_buf = cache.keys[layer], cache.values[layer]
+    slots = step.rows[:, None]
+    k_buf[slots, :, step.columns] = key.transpose(1, 2)
+    v_buf[slots, :, step.columns] = value.transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if step.causal is not None:
+        out = sdpa(query, key, value, attn_mask=step.causal, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
+    batch, heads, _, dim = query.shape
+    keys, values = k_buf[:batch, :, : step.width], v_buf[:batch, :, : step.width]
+    # one query token: the query heads sharing a key/value head become that head's query rows
+    # (head h uses key/value head h // (heads / kv_heads), as transformers' repeat_kv), so the
+    # cache is read once per key/value head instead of being repeated for every query head
+    folded = query.reshape(batch, keys.shape[1], heads // keys.shape[1], dim)
+    out = sdpa(folded, keys, values, attn_mask=step.visible, scale=scaling)
+    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+def use_slot_attention(model) -> None:
+    """Register :func:`slot_attention` with transformers and switch ``model`` to it."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, slot_attention)
+    try:
+        model.set_attn_implementation(ATTENTION_NAME)
+    except (AttributeError, ValueError):
+        model.config._attn_implementation = ATTENTION_NAME
