@@ -20,6 +20,7 @@ EXERCISED = {
     "single_turn": ["generate"], "jsonl": ["data_source"],
     "policy_loss": ["loss"], "sft_loss": ["loss"], "value_loss": ["loss"], "on_policy_distillation": ["advantage"],
     "dr_grpo": ["configure", "loss_reducer"], "embedded": ["add_arguments"], "fsdp": ["configure"], "local": ["configure"], "fully_async": ["configure"],
+    "megatron": ["configure"], "sglang": ["add_arguments", "configure"],
     "ray": ["add_arguments", "configure"], "sync": [],
     "tensorboard": ["add_arguments", "on_eval_end", "on_rollout_end", "on_train_step_end"],
     "wandb": ["on_eval_end", "on_rollout_end", "on_train_step_end"],
