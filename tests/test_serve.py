@@ -495,9 +495,17 @@ def test_serve_errors_are_one_line_and_exit_2(tmp_path, capsys, server, tiny_mod
                           "`rollout_engine`.")
     assert "Did you mean 'embedded'?" in err
     assert main(["serve", "--hf-checkpoint", str(tmp_path / "missing"), "--port", "1"]) == 2
-    assert "--hf-checkpoint" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"error: --hf-checkpoint '{tmp_path / 'missing'}': no such directory.\n"
+    for impl in ("sglang", "furlong"):  # an HTTP client of servers is refused before any router or model starts
+        flags = ["--rollout-backend", "sglang", "--sglang-server-impl", impl]
+        assert main(["serve", "--hf-checkpoint", str(tiny_model_dir), *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: furlong serve --rollout-backend sglang: that engine is an HTTP client")
+        assert err.endswith("Engines furlong serve can run: embedded.\n")
     port = server.url.rsplit(":", 1)[1]  # taken by the running server
+    started = time.monotonic()
     assert main(["serve", "--hf-checkpoint", str(tiny_model_dir), "--port", port]) == 2
+    assert time.monotonic() - started < 1.0  # checked before the model loads
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: furlong serve: cannot listen on 127.0.0.1:{port} (")
-    assert errors[0].endswith("address already in use); choose another --port or --host.")
+    assert errors[0].endswith("Address already in use); choose another --port or --host.")
