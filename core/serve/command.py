@@ -84,13 +84,17 @@ def _backend_of(argv: list[str]) -> str:
 def serve(argv: list[str]) -> int:
     """Run ``furlong serve`` until SIGTERM or SIGINT; returns the exit code.
 
-    :raises PluginError: the backend cannot be chosen or its engine cannot be built
-        (the message names ``--rollout-backend`` or ``--hf-checkpoint``).
+    :raises PluginError: the backend cannot be chosen, ``--hf-checkpoint`` is not a model
+        directory, ``--host``/``--port`` cannot be listened on, or the engine cannot be built
+        (the message names the flag).
     """
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--disable-plugins", action="append", default=[])
     pm = get_plugin_manager(split_names(pre.parse_known_args(argv)[0].disable_plugins))
     args = parse_serve_args(argv, pm)
+    problems = hf_checkpoint_problems(args.hf_checkpoint)
+    if problems:
+        raise PluginError("\n".join(problems))
     check_port_free(args.host, args.port)
     return asyncio.run(_serve(args, pm))
 
@@ -129,9 +133,6 @@ def parse_serve_args(argv: list[str], pm) -> argparse.Namespace:
                           "furlong serve to run; serve the model with those servers directly. Engines furlong serve "
                           f"can run: {', '.join(servable) or 'none installed'}.")
     args = build_serve_parser(pm, backend).parse_args(argv)
-    problems = hf_checkpoint_problems(args.hf_checkpoint)
-    if problems:
-        raise PluginError("\n".join(problems))
     args.bf16 = args.dtype in ("auto", "bfloat16")
     args.fp16 = args.dtype == "float16"
     args.served_model_name = args.served_model_name or args.hf_checkpoint
