@@ -70,6 +70,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit(143), so the run's clean-up and atexit handlers run (servers, temporary files).
+
+    Only where SIGTERM still has its default action; Ray installs its own (``sys.exit``) when it starts.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def _secondary_rank() -> bool:
     """A trainer rank other than 0 under ``torchrun`` (which sets ``RANK`` and ``WORLD_SIZE``)."""
     return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and int(os.environ.get("RANK", "0") or 0) > 0
@@ -141,6 +153,7 @@ def _train(command: str, argv: list[str]) -> int:
     pm = get_plugin_manager(_disable_list(argv))
     args = parse_args(argv, pm, command=command)
     args.train_mode = "async" if command == "train-async" else "sync"
+    _exit_on_sigterm()
     selection = resolve_selection(args, pm)
     configured = configure_plugins(args, pm, selection)
     if args.print_config:

@@ -9,12 +9,29 @@ from furlong.hooks import PluginError
 
 from .checkpoints import read_marker, same_dir
 
-__all__ = ["check_paths"]
+__all__ = ["check_paths", "hf_checkpoint_problems"]
 
 
 def _hub_name(path: str) -> bool:
     """``org/model``: a Hugging Face hub name rather than a local path."""
     return path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.exists(path)
+
+
+def hf_checkpoint_problems(path: str | None) -> list[str]:
+    """What is wrong with ``--hf-checkpoint path`` (empty when it names a model directory or a hub name)."""
+    if not path:
+        return ["--hf-checkpoint is required: the Hugging Face model directory (config, tokenizer, weights)."]
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            return [f"--hf-checkpoint '{path}': the directory has no config.json; "
+                    "point it at a Hugging Face model directory."]
+        return []
+    if os.path.isfile(path):
+        return [f"--hf-checkpoint '{path}': is a file; pass the model directory "
+                f"('{os.path.dirname(path) or '.'}' holds it)."]
+    if not _hub_name(path):
+        return [f"--hf-checkpoint '{path}': no such directory."]
+    return []
 
 
 def check_paths(args: Namespace) -> None:
@@ -25,18 +42,7 @@ def check_paths(args: Namespace) -> None:
 
     :raises PluginError: one line per missing or unusable path.
     """
-    problems = []
-    if not args.hf_checkpoint:
-        problems.append("--hf-checkpoint is required: the Hugging Face model directory (config, tokenizer, weights).")
-    elif os.path.isdir(args.hf_checkpoint):
-        if not os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")):
-            problems.append(f"--hf-checkpoint '{args.hf_checkpoint}': the directory has no config.json; "
-                            "point it at a Hugging Face model directory.")
-    elif os.path.isfile(args.hf_checkpoint):
-        problems.append(f"--hf-checkpoint '{args.hf_checkpoint}': is a file; pass the model directory "
-                        f"('{os.path.dirname(args.hf_checkpoint) or '.'}' holds it).")
-    elif not _hub_name(args.hf_checkpoint):
-        problems.append(f"--hf-checkpoint '{args.hf_checkpoint}': no such directory.")
+    problems = hf_checkpoint_problems(args.hf_checkpoint)
     for flag, value in (("--ref-load", args.ref_load), ("--chat-template-path", args.chat_template_path)):
         if value and not os.path.exists(value):
             problems.append(f"{flag} '{value}': no such file or directory.")

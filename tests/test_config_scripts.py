@@ -189,3 +189,22 @@ def test_gsm8k_megatron_script_parses():
     assert args.ref_load == args.hf_checkpoint == "/root/Qwen2.5-1.5B-Instruct"
     assert (args.rollout_num_gpus, args.sglang_tp_size) == (4, 1)
     assert args.sglang_passthrough == {"mem_fraction_static": "0.8"}
+
+
+def demo_argv() -> list[str]:
+    """The flags examples/demo/run_demo.sh passes to furlong (its ARGS array)."""
+    script = f'OUT=runs/demo; eval "$(sed -n "/^ARGS=(/,/^)/p" "{REPO}/examples/demo/run_demo.sh")"; ' \
+             'printf "%s\\n" "${ARGS[@]}"'
+    return bash_argv(script)
+
+
+def test_cpu_sglang_demo_command_parses_to_one_engine():
+    """README's CPU command for the sglang engine: run_demo.sh --rollout-backend sglang --sglang-server-impl furlong."""
+    from furlong.core.plugins import get_plugin_manager
+
+    flags = ["--rollout-backend", "sglang", "--sglang-server-impl", "furlong", "--executor", "local"]
+    args = parse_args(demo_argv() + flags, get_plugin_manager())
+    assert (args.rollout_backend, args.sglang_server_impl, args.executor) == ("sglang", "furlong", "local")
+    assert (args.rollout_num_gpus, args.rollout_num_gpus_per_engine) == (1, 1)  # one engine
+    args = parse_args(demo_argv() + flags + ["--rollout-num-gpus", "2"], get_plugin_manager())
+    assert args.rollout_num_gpus == 2  # two engines, as given

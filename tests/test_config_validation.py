@@ -50,9 +50,6 @@ ERRORS = [
     (["--weight-decay=-0.1"], "--weight-decay must be at least 0, got -0.1."),
     (["--use-dynamic-batch-size"],
      "--use-dynamic-batch-size requires --max-tokens-per-gpu (the token cap per micro-batch per GPU)."),
-    (["--rollout-backend", "sglang"],
-     "--rollout-num-gpus is required with --rollout-backend sglang (GPUs for the engines), unless --colocate "
-     "puts the engines on the trainer's GPUs."),
     (["--rollout-backend", "sglang", "--rollout-num-gpus", "6", "--rollout-num-gpus-per-engine", "4"],
      "--rollout-num-gpus (6) must be a multiple of --rollout-num-gpus-per-engine (4): every engine gets the "
      "same number of GPUs."),
@@ -526,6 +523,19 @@ def test_cuda_defaults_use_the_gpus_torch_sees(monkeypatch):
     assert (args.actor_num_gpus_per_node, args.num_gpus_per_node, args.data_parallel_size) == (4, 4, 4)
     args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "8", "--actor-num-gpus-per-node", "2"])
     assert (args.actor_num_gpus_per_node, args.num_gpus_per_node) == (2, 4)
+
+
+def test_sglang_engines_need_rollout_num_gpus_only_for_sglang_servers_on_cuda(monkeypatch):
+    from furlong.core.plugins import get_plugin_manager
+
+    assert parse_args(BASE + ["--rollout-backend", "sglang"]).rollout_num_gpus == 1  # no GPU: one engine
+    _cuda(monkeypatch, gpus=2)
+    assert error_of(BASE + ["--rollout-backend", "sglang"]) == (
+        "--rollout-num-gpus is required with --rollout-backend sglang (GPUs for the engines), unless --colocate "
+        "puts the engines on the trainer's GPUs.")
+    argv = BASE + ["--rollout-backend", "sglang", "--sglang-server-impl", "furlong", "--rollout-num-gpus-per-engine",
+                   "2"]
+    assert parse_args(argv, get_plugin_manager()).rollout_num_gpus == 2  # furlong serve: one engine of 2 slots
 
 
 def test_cuda_device_count_probe_is_zero_without_cuda(monkeypatch):

@@ -431,6 +431,12 @@ def test_a_prompt_longer_than_the_context_is_a_clear_error(engine):
         "(--eval-max-prompt-len for eval sets).")
 
 
+def test_generation_stops_with_length_when_the_context_is_full(engine):
+    prompt = [5] * (engine.context_len - 4)
+    out = asyncio.run(engine.generate(prompt, {"max_new_tokens": 500, "ignore_eos": True, "temperature": 0}))
+    assert (len(out.output_ids), out.finish_reason) == (4, "length")
+
+
 def test_a_continue_that_overtakes_a_waiting_pause_leaves_the_engine_running(engine):
     async def main():
         engine._lock.acquire()  # a decode step in progress: the pause waits for it

@@ -26,7 +26,7 @@ from furlong.core.cli import main  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
-LONG = {"temperature": 0, "max_new_tokens": 100_000, "ignore_eos": True}
+LONG = {"temperature": 0, "max_new_tokens": 1000, "ignore_eos": True}  # near the tiny model's context of 1024
 
 
 @pytest.fixture
@@ -171,6 +171,11 @@ def test_finish_reasons_and_stop_trimming(server, engine):
     ({"input_ids": []}, "/generate: empty prompt; give at least one character or token id per prompt"),
     ({"input_ids": [5, 100]}, "/generate: token id 100 of request 'x' is outside the vocabulary [0, 100)"),
     ({"text": ["a", "b"], "rid": ["x"]}, "/generate 'rid': 1 ids for 2 prompt(s); give one string per prompt"),
+    ({"input_ids": [5] * 1024}, "/generate: the prompt of request 'x' has 1024 tokens; the model's context length "
+     "is 1024 tokens (prompt plus generated tokens); send a shorter prompt."),
+    ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1022, "ignore_eos": True}},
+     "/generate: request 'x' asks for 2 prompt tokens + 1022 max_new_tokens = 1024 tokens; the model's context "
+     "length is 1024 tokens: lower max_new_tokens below 1022 or shorten the prompt."),
 ])
 def test_bad_generate_requests_are_400_with_a_clear_message(server, body, message):
     status, out = server.call("/generate", {"rid": "x", **body} if "input_ids" in body else body)
@@ -290,7 +295,7 @@ def test_abort_request_returns_the_partial_greedy_tokens(server):
     assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted by /abort_request",
                                                  "status_code": None, "err_type": None}
     n = out["meta_info"]["completion_tokens"]
-    assert 0 < n < 100_000 and len(out["output_ids"]) == n
+    assert 0 < n < 1000 and len(out["output_ids"]) == n
     again = _generate(server, input_ids=[5, 6, 7], sampling_params=dict(GREEDY, max_new_tokens=min(n, 20)))
     assert out["output_ids"][: len(again["output_ids"])] == again["output_ids"]
     assert server.call("/abort_request", {"rid": "nobody"}) == (200, "")  # unknown ids are ignored, as in SGLang
@@ -495,9 +500,17 @@ def test_serve_errors_are_one_line_and_exit_2(tmp_path, capsys, server, tiny_mod
                           "`rollout_engine`.")
     assert "Did you mean 'embedded'?" in err
     assert main(["serve", "--hf-checkpoint", str(tmp_path / "missing"), "--port", "1"]) == 2
-    assert "--hf-checkpoint" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"error: --hf-checkpoint '{tmp_path / 'missing'}': no such directory.\n"
+    for impl in ("sglang", "furlong"):  # an HTTP client of servers is refused before any router or model starts
+        flags = ["--rollout-backend", "sglang", "--sglang-server-impl", impl]
+        assert main(["serve", "--hf-checkpoint", str(tiny_model_dir), *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: furlong serve --rollout-backend sglang: that engine is an HTTP client")
+        assert err.endswith("Engines furlong serve can run: embedded.\n")
     port = server.url.rsplit(":", 1)[1]  # taken by the running server
+    started = time.monotonic()
     assert main(["serve", "--hf-checkpoint", str(tiny_model_dir), "--port", port]) == 2
+    assert time.monotonic() - started < 1.0  # checked before the model loads
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: furlong serve: cannot listen on 127.0.0.1:{port} (")
-    assert errors[0].endswith("address already in use); choose another --port or --host.")
+    assert errors[0].endswith("Address already in use); choose another --port or --host.")

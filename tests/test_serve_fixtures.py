@@ -122,7 +122,8 @@ def test_finish_reason_shapes(serve_server):
         **base["sampling_params"], "stop": free["text"][1:3]}})[1]
     assert_same_shape(shapes["stop_string"], by_string["meta_info"]["finish_reason"])
     result = {}
-    long = {**base, "rid": "fixture-abort", "sampling_params": {**base["sampling_params"], "max_new_tokens": 100_000}}
+    # 1000 new tokens: within the tiny model's context of 1024, long enough to be aborted while running
+    long = {**base, "rid": "fixture-abort", "sampling_params": {**base["sampling_params"], "max_new_tokens": 1000}}
     thread = threading.Thread(target=lambda: result.setdefault("out", serve_server.call("/generate", long)))
     thread.start()
     deadline = time.monotonic() + 20

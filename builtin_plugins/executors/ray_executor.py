@@ -82,6 +82,23 @@ def configure(args, report):
                      "(ray job submit, docs/ray.md).")
 
 
+def _quiet_sigterm() -> None:
+    """Drop the stack dump Ray's C++ failure handler prints on SIGTERM ("*** SIGTERM received ...").
+
+    Ray sets its Python SIGTERM handler (``sys.exit``) and then its core worker installs
+    the C++ handler on top of it, which prints the dump and then calls the Python one.
+    Setting the Python handler again gives SIGTERM back to it alone; the C++ handler
+    still reports crashes (SIGSEGV, SIGABRT...).
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.getsignal(signal.SIGTERM)
+        if callable(handler):
+            signal.signal(signal.SIGTERM, handler)
+
+
 def bundles_needed(args) -> int:
     """Bundles of the placement group: trainer + engines, or the larger of the two under ``--colocate``."""
     train, rollout = int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node), _rollout_slots(args)
@@ -168,6 +185,7 @@ class RayExecutor:
                     reason = " ".join(str(exc).split())
                     raise PluginError(f"--executor ray: the local Ray did not start: {reason}") from exc
                 self.started_ray = True
+            _quiet_sigterm()
 
     def _reserve(self) -> None:
         """The placement group of :func:`bundles_needed` bundles, or one error saying what the cluster has."""

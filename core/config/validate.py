@@ -14,7 +14,7 @@ import os
 from furlong.hooks.config_report import ConfigReport
 
 from ..miles_paths import miles_builtin
-from . import rules
+from . import env, rules
 from .knobs import KNOBS, dp_problems, resolve_knobs
 from .unsupported import unsupported_problems
 
@@ -208,8 +208,14 @@ def _cluster(args, f: ConfigReport, given: set[str]) -> None:
     needs_gpus = (args.rollout_backend == "sglang" and not args.colocate and not args.debug_train_only
                   and not args.rollout_external)
     if needs_gpus and args.rollout_num_gpus is None:
-        f.error("--rollout-num-gpus is required with --rollout-backend sglang (GPUs for the engines), "
-                "unless --colocate puts the engines on the trainer's GPUs.")
+        cpu_servers = getattr(args, "sglang_server_impl", "sglang") == "furlong" or not env.cuda_available()
+        if cpu_servers:  # furlong serve on CPUs: one engine unless --rollout-num-gpus says how many
+            args.rollout_num_gpus = args.rollout_num_gpus_per_engine
+            f.info(f"--rollout-num-gpus not given: one engine ({args.rollout_num_gpus} slot; "
+                   "engines = --rollout-num-gpus / --rollout-num-gpus-per-engine).")
+        else:
+            f.error("--rollout-num-gpus is required with --rollout-backend sglang (GPUs for the engines), "
+                    "unless --colocate puts the engines on the trainer's GPUs.")
     per_engine = args.rollout_num_gpus_per_engine
     if args.rollout_backend == "sglang" and args.rollout_num_gpus and per_engine >= 1 \
             and args.rollout_num_gpus % per_engine:

@@ -12,13 +12,15 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 
 from furlong.hooks import PluginError
 
 from ..discovery import split_names
+from ..preflight import hf_checkpoint_problems
 from ..plugins import get_plugin_manager
 
-__all__ = ["build_serve_parser", "parse_serve_args", "serve"]
+__all__ = ["build_serve_parser", "check_port_free", "parse_serve_args", "serve"]
 
 log = logging.getLogger("furlong.serve")
 
@@ -82,13 +84,33 @@ def _backend_of(argv: list[str]) -> str:
 def serve(argv: list[str]) -> int:
     """Run ``furlong serve`` until SIGTERM or SIGINT; returns the exit code.
 
-    :raises PluginError: the backend cannot be chosen or its engine cannot be built
-        (the message names ``--rollout-backend`` or ``--hf-checkpoint``).
+    :raises PluginError: the backend cannot be chosen, ``--hf-checkpoint`` is not a model
+        directory, ``--host``/``--port`` cannot be listened on, or the engine cannot be built
+        (the message names the flag).
     """
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--disable-plugins", action="append", default=[])
     pm = get_plugin_manager(split_names(pre.parse_known_args(argv)[0].disable_plugins))
-    return asyncio.run(_serve(parse_serve_args(argv, pm), pm))
+    args = parse_serve_args(argv, pm)
+    problems = hf_checkpoint_problems(args.hf_checkpoint)
+    if problems:
+        raise PluginError("\n".join(problems))
+    check_port_free(args.host, args.port)
+    return asyncio.run(_serve(args, pm))
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before the model loads when ``host:port`` cannot be listened on.
+
+    :raises PluginError: the port is taken or the address is not this host's (names ``--port``/``--host``).
+    """
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp listens
+            s.bind((host, port))
+    except OSError as exc:
+        raise PluginError(f"furlong serve: cannot listen on {host}:{port} ({exc.strerror or exc}); "
+                          "choose another --port or --host.") from exc
 
 
 def parse_serve_args(argv: list[str], pm) -> argparse.Namespace:
@@ -97,11 +119,19 @@ def parse_serve_args(argv: list[str], pm) -> argparse.Namespace:
     ``--dtype`` becomes ``bf16``/``fp16`` (the flags a ``rollout_engine`` reads in a
     training run); ``--served-model-name`` defaults to ``--hf-checkpoint``.
 
-    :raises PluginError: ``--rollout-backend`` names no plugin implementing ``rollout_engine``.
+    :raises PluginError: ``--rollout-backend`` names no plugin implementing ``rollout_engine``
+        or one whose module sets ``SERVABLE = False`` (an HTTP client of other servers);
+        ``--hf-checkpoint`` is not a model directory.
     :raises SystemExit: argparse's usage error (exit code 2).
     """
     backend = _backend_of(argv)
-    pm.chosen_impl("rollout_engine", backend, "--rollout-backend")
+    impl = pm.chosen_impl("rollout_engine", backend, "--rollout-backend")
+    if not getattr(impl.plugin, "SERVABLE", True):
+        servable = [n for n in pm.names_for("rollout_engine") if getattr(pm.get_plugin(n), "SERVABLE", True)]
+        raise PluginError(f"furlong serve --rollout-backend {backend}: that engine is an HTTP client of other servers "
+                          "(it sends every request to servers it starts or attaches to), so there is nothing for "
+                          "furlong serve to run; serve the model with those servers directly. Engines furlong serve "
+                          f"can run: {', '.join(servable) or 'none installed'}.")
     args = build_serve_parser(pm, backend).parse_args(argv)
     args.bf16 = args.dtype in ("auto", "bfloat16")
     args.fp16 = args.dtype == "float16"

@@ -29,11 +29,6 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=503 if state_of(request).exiting else 200)
 
 
-def _context_length(state: ServeState) -> int | None:
-    config = getattr(getattr(state.engine, "model", None), "config", None)
-    return getattr(state.engine, "context_len", None) or getattr(config, "max_position_embeddings", None)
-
-
 async def model_info(request: web.Request) -> web.Response:
     state = state_of(request)
     args = state.args
@@ -59,7 +54,7 @@ async def model_info(request: web.Request) -> web.Response:
 async def server_info(request: web.Request) -> web.Response:
     state = state_of(request)
     args = state.args
-    context = _context_length(state)
+    context = state.context_length
     return web.json_response({
         "model_path": args.hf_checkpoint,
         "tokenizer_path": args.hf_checkpoint,
@@ -90,7 +85,7 @@ async def models(request: web.Request) -> web.Response:
     name = state.args.served_model_name
     return web.json_response({"object": "list", "data": [{
         "id": name, "object": "model", "created": int(state.started_at), "owned_by": "sglang", "root": name,
-        "parent": None, "max_model_len": _context_length(state),
+        "parent": None, "max_model_len": state.context_length,
     }]})
 
 

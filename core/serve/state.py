@@ -39,6 +39,7 @@ class ServeState:
         self.started_at = time.time()
         config = getattr(getattr(engine, "model", None), "config", None)
         self.vocab_size = int(getattr(config, "vocab_size", 0) or len(self.tokenizer))
+        self.context_length = getattr(engine, "context_len", None) or getattr(config, "max_position_embeddings", None)
         names = inspect.signature(engine.generate).parameters
         self.engine_streams = "on_token" in names  # incremental output
         self.engine_takes_rid = "rid" in names and callable(getattr(engine, "abort_request", None))
@@ -55,6 +56,7 @@ class ServeState:
         if bad:
             raise BadRequest(f"/generate: token id {bad[0]} of request {item.rid!r} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        self._check_context(item)
         if item.rid in self.running:
             raise BadRequest(f"/generate: request id {item.rid!r} is already running")
         progress = Progress()
@@ -82,6 +84,26 @@ class ServeState:
         progress.log_probs = list(out.output_log_probs)
         progress.reason = out.finish_reason
         return progress
+
+    def _check_context(self, item: GenerateItem) -> None:
+        """Refuse a request that does not fit the model's context, as SGLang's tokenizer manager does.
+
+        SGLang (``TokenizerManager._validate_one_request``) refuses a prompt of at least
+        ``context_length`` tokens, and a prompt plus ``max_new_tokens`` of at least
+        ``context_length`` unless ``--allow-auto-truncate``; without ``max_new_tokens`` it
+        generates until the context is full.
+        """
+        context, prompt = self.context_length, len(item.input_ids)
+        if not context:
+            return
+        if prompt >= context:
+            raise BadRequest(f"/generate: the prompt of request {item.rid!r} has {prompt} tokens; the model's context "
+                             f"length is {context} tokens (prompt plus generated tokens); send a shorter prompt.")
+        max_new = item.sampling_params.get("max_new_tokens")
+        if max_new is not None and prompt + int(max_new) >= context:
+            raise BadRequest(f"/generate: request {item.rid!r} asks for {prompt} prompt tokens + {max_new} "
+                             f"max_new_tokens = {prompt + int(max_new)} tokens; the model's context length is "
+                             f"{context} tokens: lower max_new_tokens below {context - prompt} or shorten the prompt.")
 
     def mark_aborted(self, rids, message: str) -> None:
         """Say why these running requests end with finish reason abort."""

@@ -14,6 +14,8 @@ import logging
 import threading
 from typing import Any, Callable
 
+import attrs
+
 from furlong.hooks import GenerateOutput, PluginError
 
 from .decode import Request, SlotDecoder
@@ -79,7 +81,9 @@ class EmbeddedEngine:
         :param rid: a request id for :meth:`abort_request` (unique among unfinished requests).
         :param on_token: called on the event loop with ``(token_id, log_prob)`` after each
             decoded token, before the result resolves (incremental output for streaming).
-        :returns: :class:`~furlong.hooks.GenerateOutput`; ``output_ids`` include a matched
+        :returns: :class:`~furlong.hooks.GenerateOutput`; at most ``max_position_embeddings``
+            minus the prompt's tokens are generated (then finish reason "length");
+            ``output_ids`` include a matched
             stop token or stop string (no trimming); ``output_log_probs`` are
             ``log_softmax(logits / T)`` of each chosen token (before top-k/top-p);
             ``weight_version`` is the version when the request finished.
@@ -98,6 +102,10 @@ class EmbeddedEngine:
                 f"{self.context_len} tokens (max_position_embeddings); drop long prompts with "
                 "--rollout-max-prompt-len (--eval-max-prompt-len for eval sets)."
             )
+        if self.context_len:  # never past the context: the request ends with "length" when it is full
+            room = self.context_len - len(input_ids)
+            if params.max_new_tokens > room:
+                params = attrs.evolve(params, max_new_tokens=room)
         seed = params.sampling_seed
         if seed is None:
             seed = int(self._torch.randint(0, 2**62, (1,), generator=self._seeds).item())

@@ -27,6 +27,7 @@ __all__ = ["SGLangEngine", "add_arguments", "configure", "rollout_engine", "serv
 
 log = logging.getLogger("furlong.engines.sglang")
 
+SERVABLE = False  # furlong serve refuses this engine: it is a client of servers, not one
 ROUTER_PORTS = (3000, 4000)  # furlong's router takes a free port here unless --sglang-router-port
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import tempfile
 import time
 import uuid
 from typing import Any
@@ -22,6 +20,7 @@ from .buckets import save_bucket, serialize_cuda_bucket
 from .http import HttpError, release_http, shared_http
 from .launch import ManagedProcess, ServerPlace, server_command, server_env
 from .router import deregister, register
+from .weight_files import new_weights_dir, remove_weights_dir
 
 __all__ = ["SGLangEngine"]
 
@@ -176,7 +175,8 @@ class SGLangEngine:
             await asyncio.to_thread(self.process.kill)
             self.process = None
         if self._weights_dir:
-            shutil.rmtree(self._weights_dir, ignore_errors=True)
+            remove_weights_dir(self._weights_dir)
+            self._weights_dir = None
         await release_http()
         self.http = None
 
@@ -281,7 +281,7 @@ class SGLangEngine:
                 "serialized_named_tensors": [payload] * self.weight_update_ranks, "flush_cache": False})
             return
         if self._weights_dir is None:
-            self._weights_dir = tempfile.mkdtemp(prefix=f"furlong-sglang-weights-{self.index}-")
+            self._weights_dir = new_weights_dir(self.index)
         await asyncio.to_thread(save_bucket, named_tensors, self._weights_dir)
         # keep_pause: the server must stay paused until the core's continue_generation
         await self._checked("/update_weights_from_disk", {"model_path": self._weights_dir, "flush_cache": False,

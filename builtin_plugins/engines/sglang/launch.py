@@ -8,11 +8,13 @@ serve`` (``--sglang-server-impl furlong``) takes the model, address and seed onl
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import subprocess
 import sys
 import tempfile
+import weakref
 from typing import Any
 
 from furlong.hooks import PluginError
@@ -136,6 +138,7 @@ class ManagedProcess:
         with os.fdopen(fd, "wb") as out:
             self.popen = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        _STARTED.add(self)
         log.info("%s: started pid %d (log %s): %s", name, self.popen.pid, self.log_path, " ".join(command))
 
     @property
@@ -192,6 +195,20 @@ class ManagedProcess:
             self.popen.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             raise PluginError(f"{self.name} (pid {self.pid}) did not exit after SIGKILL.") from None
+
+
+_STARTED: weakref.WeakSet = weakref.WeakSet()  # every ManagedProcess of this process
+
+
+@atexit.register
+def _stop_running() -> None:
+    """At exit (also after SIGTERM, which furlong turns into SystemExit) stop what still runs; its log goes too."""
+    for process in list(_STARTED):
+        if process.popen.poll() is None:
+            try:
+                process.kill(grace_s=2.0)
+            except Exception:  # noqa: BLE001 - exiting: the parent-death signal ends it anyway
+                pass
 
 
 def _die_with_parent() -> None:
