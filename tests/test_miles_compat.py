@@ -139,6 +139,21 @@ def test_every_problem_is_in_one_report_exit_2_no_traceback(capsys):
     ]
 
 
+def test_parse_rule_and_backend_problems_share_one_report(capsys):
+    """A bad value and an unknown flag do not hide the rules, nor the rules the backend's problems;
+    the batch rule about --n-samples-per-prompt (whose value was rejected) is not reported again."""
+    code = main(["train", "--hf-checkpoint", "examples/demo/model", "--num-rollout", "1", "--rollout-batch-size", "4",
+                 "--n-samples-per-prompt", "abc", "--global-batch-size", "100", "--no-such-flag", "1",
+                 "--lr", "-1", "--num-experts", "8", "--train-backend", "fsdp", "--print-config"])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err
+    assert lines[:3] == ["error: argument --n-samples-per-prompt: invalid int value: 'abc'",
+                         "unrecognized argument --no-such-flag.", "--lr must be at least 0, got -1."]
+    assert len(lines) == 4 and "--num-experts (the model has no experts)" in lines[3]
+    assert "group std" not in err  # notes about the rejected flag's default are not shown
+
+
 @pytest.mark.parametrize("typed, suggested", [
     ("--rollout-batch-szie", "--rollout-batch-size"),  # a typo
     ("--lora-rnak", "--lora-rank"),
