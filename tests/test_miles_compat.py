@@ -188,8 +188,9 @@ MOE_MLA = {"model_type": "deepseek_v3", "n_routed_experts": 8, "kv_lora_rank": 1
 FSDP_LIKE = MegatronFlags(honours=frozenset({"lora_rank"}), at_values={"attention_dropout": (0.0,)},
                           architecture_from_hf=True)
 WARN = "--train-backend b ignores these Megatron flags, which do not change results with it: "
-ERR = "--train-backend b cannot honour these Megatron flags, which would change the model or the math: "
-TAIL = "; remove them or use a backend that supports them (--train-backend megatron)."
+ERR = "--train-backend b does not support these Megatron flags yet, which would change the model or the math: "
+TAIL = "; remove them."
+ABSENT = "these Megatron flags describe features the --hf-checkpoint model does not have: "
 
 
 @pytest.mark.parametrize("argv, support, config, warnings, errors", [
@@ -203,8 +204,12 @@ TAIL = "; remove them or use a backend that supports them (--train-backend megat
     (["--attention-dropout", "0.2"], FSDP_LIKE, DENSE, [], [ERR + "--attention-dropout" + TAIL]),
     (["--num-experts", "8", "--multi-latent-attention", "--num-layers", "2"], FSDP_LIKE, DENSE,
      [WARN + "--num-layers."],
-     [ERR + "--num-experts (the model has no experts) --multi-latent-attention (the model has no multi-latent "
-            "attention)" + TAIL]),
+     [ABSENT + "--num-experts (the model has no experts) --multi-latent-attention (the model has no multi-latent "
+               "attention)" + TAIL]),
+    (["--num-layers", "40", "--norm-epsilon", "1e-5", "--kv-channels", "16"], FSDP_LIKE,
+     {**DENSE, "hidden_size": 64, "num_attention_heads": 4, "rms_norm_eps": 1e-6}, [WARN + "--kv-channels."],
+     ["--num-layers 40 disagrees with --hf-checkpoint {hf}/config.json (num_hidden_layers = 2).",
+      "--norm-epsilon 1e-05 disagrees with --hf-checkpoint {hf}/config.json (rms_norm_eps = 1e-06)."]),
     (["--num-experts", "8", "--multi-latent-attention", "--q-lora-rank", "4", "--moe-router-topk", "2"], FSDP_LIKE,
      MOE_MLA, [WARN + "--num-experts --multi-latent-attention --q-lora-rank --moe-router-topk."], []),
     (["--num-experts", "8"], FSDP_LIKE, None,
@@ -218,7 +223,23 @@ TAIL = "; remove them or use a backend that supports them (--train-backend megat
 def test_megatron_flags_a_backend_cannot_honour_are_one_line_each(tmp_path, argv, support, config, warnings,
                                                                   errors):
     got = _megatron_report(tmp_path, argv, support, config)
-    assert got == ([w.format(hf=tmp_path / "hf") for w in warnings], errors)
+    hf = tmp_path / "hf"
+    assert got == ([w.format(hf=hf) for w in warnings], [e.format(hf=hf) for e in errors])
+
+
+def test_fsdp_checks_architecture_flags_against_the_config_and_megatron_does_not_call_them_ignored(capsys):
+    """The demo model: 3 layers, vocabulary 26, hidden 128, rope_theta 10000, rms_norm_eps 1e-6."""
+    wrong = ["--num-layers", "40", "--vocab-size", "999", "--hidden-size", "4096", "--rotary-base", "5",
+             "--norm-epsilon", "1e-5"]
+    for backend in ("fsdp", "megatron"):
+        code = main(["train", *BASE, "--hf-checkpoint", "examples/demo/model", "--train-backend", backend, *wrong,
+                     "--print-config"])
+        err = capsys.readouterr().err
+        assert code == 2 and "ignores these Megatron flags" not in err, (backend, err)
+        for flag, key, value in (("--num-layers 40", "num_hidden_layers", "3"), ("--vocab-size 999", "vocab_size", "26"),
+                                 ("--hidden-size 4096", "hidden_size", "128"), ("--rotary-base 5", "rope_theta", "10000.0"),
+                                 ("--norm-epsilon 1e-05", "rms_norm_eps", "1e-06")):
+            assert f"{flag} disagrees with --hf-checkpoint examples/demo/model/config.json ({key} = {value})." in err
 
 
 HF_MOE_MLA_SCRIPT = """
