@@ -469,3 +469,20 @@ def test_a_run_with_epochs_health_checks_and_a_dynamic_global_batch(tmp_path, ti
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/step"] for r in rows if "train/step" in r] == [0, 1, 2, 3, 4, 5]
     assert [r["eval/step"] for r in rows if "eval/step" in r] == [0, 2, 5]
+
+
+# --- --sglang-* flags against SGLang's table -------------------------------------------------------
+
+def test_misspelt_sglang_flags_are_errors_with_a_suggestion_and_an_escape_hatch(monkeypatch):
+    argv = BASE + ["--sglang-mem-fractoin-static", "0.5", "--sglang-no-such-arg", "3", "--sglang-cuda-graph-bs", "1",
+                   "2", "--router-anything", "1"]
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv)
+    version = sglang_table().header["version"]
+    tail = f"; an argument of a newer SGLang (table: SGLang {version}) passes with FURLONG_ALLOW_UNKNOWN_SGLANG_ARGS=1."
+    assert err.value.problems == [
+        "--sglang-mem-fractoin-static is not an SGLang server argument (did you mean --sglang-mem-fraction-static?)"
+        + tail, "--sglang-no-such-arg is not an SGLang server argument" + tail]
+    monkeypatch.setenv("FURLONG_ALLOW_UNKNOWN_SGLANG_ARGS", "1")
+    args = parse_args(argv)
+    assert args.sglang_passthrough == {"mem_fractoin_static": "0.5", "no_such_arg": "3", "cuda_graph_bs": ["1", "2"]}

@@ -14,7 +14,7 @@ from .deprecations import map_deprecated
 from .errors import ConfigError
 from .overlay import load_overlay
 from .parser import build_parser
-from .passthrough import split_passthrough
+from .passthrough import split_passthrough, unknown_sglang_problems
 from .validate import validate
 
 __all__ = ["config_to_dict", "expand_argsfiles", "names_any", "parse_args"]
@@ -53,7 +53,8 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     tokens = expand_argsfiles(list(argv), parser)
     tokens, problems = map_deprecated(tokens)
     actions = parser._option_string_actions
-    tokens, collected, _ = split_passthrough(tokens, set(actions))
+    tokens, collected, passed = split_passthrough(tokens, set(actions))
+    problems += unknown_sglang_problems(passed)
     tokens = _attach_negative_numbers(tokens, actions)
     parser.fromfile_prefix_chars = None  # files are expanded already
     args, extras, tokens, bad_values, bad_flags = _parse_collecting(parser, tokens)
