@@ -73,9 +73,6 @@ def configure(args, report):
                          "(RL log-probs need a dropout-free forward; use 0).")
     if (getattr(args, "optimizer", "adam") or "adam") != "adam":
         report.error(f"--optimizer {args.optimizer} is not supported yet by --train-backend megatron (adam only).")
-    if getattr(args, "advantage_estimator", None) == "ppo":
-        report.error("--advantage-estimator ppo needs a critic, which --train-backend megatron does not have yet "
-                     "(not supported yet).")
     if getattr(args, "recompute_granularity", None) == "selective":
         report.error("--recompute-granularity selective is not supported yet by --train-backend megatron "
                      "(its local spec has no selective recompute modules); use full.")
