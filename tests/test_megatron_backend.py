@@ -483,3 +483,13 @@ def test_grpo_under_the_local_executor_matches_fsdp(tmp_path):
     ckpt = tmp_path / "megatron" / "iter_0000001"
     assert (ckpt / "metadata.json").is_file() and (ckpt / "meta.json").is_file()
     assert (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+def test_megatron_core_s_fallback_warnings_are_silenced():
+    """The warnings megatron-core gives at import for the local spec (no TransformerEngine, no apex) do not reach users."""
+    code = ("import warnings; warnings.simplefilter('default'); "
+            "import furlong.builtin_plugins.backends.megatron, furlong.builtin_plugins.backends.megatron.backend; "
+            "import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs")
+    out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Apex is not installed" not in out.stderr and "Transformer Engine and Apex" not in out.stderr

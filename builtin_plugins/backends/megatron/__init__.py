@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 from furlong.hooks import MegatronFlags, PluginError, hookimpl
 
 from .config import flag_dest
+
+# megatron-core warns at import, once per module, that it falls back from TransformerEngine
+# and apex to torch (this backend builds the local spec on purpose), and that the cuda-graph
+# scope "full" it defaults to is deprecated: neither is something a user can act on. Set here,
+# before any module of this backend imports megatron.core (every process that loads the plugin).
+for _message in ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                 "full scope is deprecated"):
+    warnings.filterwarnings("ignore", message=_message, category=UserWarning)
 
 __all__ = ["MEGATRON_FLAGS", "configure", "train_backend"]
 
