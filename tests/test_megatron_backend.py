@@ -493,3 +493,14 @@ def test_megatron_core_s_fallback_warnings_are_silenced():
     out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "Apex is not installed" not in out.stderr and "Transformer Engine and Apex" not in out.stderr
+
+
+def test_an_fsdp_checkpoint_is_named_as_such_by_the_megatron_backend(tmp_path):
+    from furlong.builtin_plugins.backends.megatron.checkpoint import read_meta
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "meta.json").write_text("{}")
+    with pytest.raises(PluginError) as err:
+        read_meta(str(tmp_path))
+    assert str(err.value) == (f"checkpoint {tmp_path} was written by --train-backend fsdp (model/ holds its weights, "
+                              "no torch_dist metadata.json); resume with --train-backend fsdp.")
