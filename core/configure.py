@@ -14,9 +14,10 @@ import attrs
 from furlong.hooks import ConfigReport, PluginError
 
 from .config.errors import ConfigError
+from .config.parse import names_any
 from .megatron_support import report_megatron_flags
 from .plugins import FurlongPluginManager, _run_sync
-from .selection import CHOSEN_HOOKS, Selection
+from .selection import CHOSEN_HOOKS, Selection, resolve_selection
 
 __all__ = ["Configured", "configure_order", "configure_plugins", "with_plugin_problems"]
 
@@ -66,7 +67,7 @@ def configure_order(args: Namespace, pm: FurlongPluginManager,
 
 
 def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Selection, *,
-                      after_errors: bool = False) -> Configured:
+                      after_errors: bool = False, rejected: frozenset[str] = frozenset()) -> Configured:
     """Call ``configure(args, report)`` of every chosen plugin that implements it.
 
     The chosen train backend's report also lists the Megatron flags given that it does
@@ -80,6 +81,8 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
     :param after_errors: the flags already have reported problems (see
         :func:`with_plugin_problems`): a plugin that raises something other than a
         :class:`PluginError` is taken to trip over them and is not reported again.
+    :param rejected: flags whose value was rejected (they hold their defaults): notes and
+        warnings naming them are not logged.
     :returns: :class:`Configured`: the values plugins derived, and their reports.
     :raises ConfigError: every error of every plugin, one per line, after the warnings
         were logged.
@@ -121,9 +124,11 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
         errors.extend(report.errors)
     for report in done.reports:
         for line in report.infos:
-            log.info("%s", line)
+            if not names_any(line, rejected):
+                log.info("%s", line)
         for line in report.warnings:
-            log.warning("%s", line)
+            if not names_any(line, rejected):
+                log.warning("%s", line)
     if errors:
         raise ConfigError(errors)
     return done
@@ -142,11 +147,9 @@ def with_plugin_problems(error: ConfigError, pm: FurlongPluginManager) -> Config
     args = error.partial
     if args is None:
         return error
-    from .config.parse import names_any
-    from .selection import resolve_selection
 
     try:
-        configure_plugins(args, pm, resolve_selection(args, pm), after_errors=True)
+        configure_plugins(args, pm, resolve_selection(args, pm), after_errors=True, rejected=error.bad_flags)
         return error
     except ConfigError as exc:
         more = exc.problems
