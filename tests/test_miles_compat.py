@@ -142,9 +142,10 @@ def test_every_problem_is_in_one_report_exit_2_no_traceback(capsys):
 def test_parse_rule_and_backend_problems_share_one_report(capsys, caplog):
     """A bad value and an unknown flag do not hide the rules, nor the rules the backend's problems;
     the batch rule about --n-samples-per-prompt (whose value was rejected) is not reported again."""
-    code = main(["train", "--hf-checkpoint", "examples/demo/model", "--num-rollout", "1", "--rollout-batch-size", "4",
-                 "--n-samples-per-prompt", "abc", "--global-batch-size", "100", "--no-such-flag", "1",
-                 "--lr", "-1", "--num-experts", "8", "--train-backend", "fsdp", "--print-config"])
+    with caplog.at_level("INFO", logger="furlong.config"):
+        code = main(["train", "--hf-checkpoint", "examples/demo/model", "--num-rollout", "1", "--rollout-batch-size",
+                     "4", "--n-samples-per-prompt", "abc", "--global-batch-size", "100", "--no-such-flag", "1",
+                     "--lr", "-1", "--num-experts", "8", "--train-backend", "fsdp", "--print-config"])
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert code == 2 and "Traceback" not in err
