@@ -127,8 +127,8 @@ def padded_vocab_size(vocab: int, tp: int, divisible_by: int | None) -> int:
 
 
 # config.json key -> ModelShape field, for the check of Miles' valued MODEL_ARGS flags
-_SHAPE_FIELDS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size", "intermediate_size": "ffn_hidden_size",
-                 "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_query_groups",
+_SHAPE_FIELDS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size",
+                 "intermediate_size": "ffn_hidden_size", "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_query_groups",
                  "head_dim": "kv_channels", "rope_theta": "rotary_base", "rms_norm_eps": "norm_epsilon",
                  "vocab_size": "vocab_size"}
 
