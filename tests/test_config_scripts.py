@@ -208,4 +208,3 @@ def test_gsm8k_megatron_script_parses():
     assert args.ref_load == args.hf_checkpoint == "/root/Qwen2.5-1.5B-Instruct"
     assert (args.rollout_num_gpus, args.sglang_tp_size) == (4, 1)
     assert args.sglang_passthrough == {"mem_fraction_static": "0.8"}
-
