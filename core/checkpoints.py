@@ -4,6 +4,7 @@ Layout under ``--save DIR``::
 
     DIR/latest_checkpointed_iteration.txt   # rollout id of the newest complete checkpoint
     DIR/iter_0000004/                       # weights etc. *after* training on rollout 4
+    DIR/iter_0000004/writer.json            # {"train_backend": name} of the backend that wrote it
     DIR/rollout/state_4.json                # data source, cursor, buffer, counters (JSON)
 
 A save writes ``iter_N.tmp/``, renames it to ``iter_N/``, writes the state JSON, and only
@@ -30,6 +31,7 @@ from furlong.hooks import PluginError
 
 __all__ = [
     "MARKER_NAME",
+    "WRITER_NAME",
     "ResumePoint",
     "iter_dir",
     "periodic",
@@ -43,6 +45,7 @@ __all__ = [
 log = logging.getLogger("furlong.checkpoints")
 
 MARKER_NAME = "latest_checkpointed_iteration.txt"
+WRITER_NAME = "writer.json"
 _TMP_SUFFIX = ".tmp"
 _OLD_SUFFIX = ".old"
 
@@ -134,7 +137,8 @@ async def save_checkpoint(
     Order (SPEC.md 7.1, 7.3): remove a stale ``iter_N.tmp/``; ``await save_model(tmp)``
     (the train backend writes weights, optimizer, scheduler, RNG into it, every rank
     finished when it returns); rename ``iter_N.tmp`` to ``iter_N`` (an existing
-    ``iter_N`` is moved aside to ``iter_N.old`` first and deleted afterwards); write
+    ``iter_N`` is moved aside to ``iter_N.old`` first and deleted afterwards; ``iter_N/writer.json``
+    records ``--train-backend``); write
     ``rollout/state_N.json`` atomically; replace the marker atomically with ``N``; delete
     ``args.save_trigger_sentinel`` if it exists. If anything raises before the marker is
     replaced, the previous marker and the checkpoint it names stay valid.
@@ -168,6 +172,8 @@ async def save_checkpoint(
         shutil.rmtree(tmp)
     os.makedirs(tmp)
     await save_model(tmp)
+    with open(os.path.join(tmp, WRITER_NAME), "w", encoding="utf-8") as f:
+        json.dump({"train_backend": getattr(args, "train_backend", None)}, f)
     _fsync_dir(tmp)
     _publish(args, save, rollout_id, tmp, final, state_text)
     hf_dir = hf_export_dir(args, rollout_id)
@@ -287,6 +293,20 @@ def read_marker(load: str) -> int | None:
         ) from None
 
 
+def _check_writer(args: Any, load_dir: str, loaded: int) -> None:
+    """The checkpoint was written by this run's ``--train-backend`` (checkpoints without ``writer.json`` pass)."""
+    try:
+        with open(os.path.join(load_dir, WRITER_NAME), encoding="utf-8") as f:
+            writer = json.load(f).get("train_backend")
+    except (OSError, ValueError, AttributeError):
+        return
+    backend = getattr(args, "train_backend", None)
+    if writer and backend and writer != backend:
+        raise PluginError(f"--load {args.load}: {os.path.basename(load_dir)} was written by --train-backend {writer}, "
+                          f"which this run's --train-backend {backend} cannot read; resume with --train-backend "
+                          f"{writer} (or start another run without --load).")
+
+
 def resolve_start(args: Any) -> ResumePoint:
     """Decide the start rollout id, the checkpoint to load and the data state (SPEC.md 7.2).
 
@@ -301,8 +321,10 @@ def resolve_start(args: Any) -> ResumePoint:
     An ``iter_<L>`` lost in the middle of replacing it with a re-save (only
     ``iter_<L>.old`` left) is loaded from ``iter_<L>.old`` with a warning.
 
-    :raises PluginError: the marker is not an integer, or the checkpoint it (or
-        ``--ckpt-step``) names does not exist (the message names the path).
+    :raises PluginError: the marker is not an integer, the checkpoint it (or
+        ``--ckpt-step``) names does not exist (the message names the path), or its
+        ``writer.json`` names another ``--train-backend`` than this run's (each backend
+        reads only its own layout).
     """
     load = getattr(args, "load", None)
     start_override = getattr(args, "start_rollout_id", None)
@@ -336,6 +358,7 @@ def resolve_start(args: Any) -> ResumePoint:
                 "or pass --ckpt-step with an existing iteration."
             )
 
+    _check_writer(args, load_dir, loaded)
     start = start_override if start_override is not None else loaded + 1
     state = None
     if start > 0:

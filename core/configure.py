@@ -14,11 +14,12 @@ import attrs
 from furlong.hooks import ConfigReport, PluginError
 
 from .config.errors import ConfigError
+from .config.parse import names_any
 from .megatron_support import report_megatron_flags
 from .plugins import FurlongPluginManager, _run_sync
-from .selection import CHOSEN_HOOKS, Selection
+from .selection import CHOSEN_HOOKS, Selection, resolve_selection
 
-__all__ = ["Configured", "configure_order", "configure_plugins"]
+__all__ = ["Configured", "configure_order", "configure_plugins", "with_plugin_problems"]
 
 log = logging.getLogger("furlong.config")
 
@@ -65,7 +66,8 @@ def configure_order(args: Namespace, pm: FurlongPluginManager,
     return [(name, tuple(flags)) for name, flags in order.items()]
 
 
-def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Selection) -> Configured:
+def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Selection, *,
+                      after_errors: bool = False, rejected: frozenset[str] = frozenset()) -> Configured:
     """Call ``configure(args, report)`` of every chosen plugin that implements it.
 
     The chosen train backend's report also lists the Megatron flags given that it does
@@ -76,6 +78,11 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
     is put back); one that raises is an error naming it (a :class:`PluginError`'s message
     is kept as written).
 
+    :param after_errors: the flags already have reported problems (see
+        :func:`with_plugin_problems`): a plugin that raises something other than a
+        :class:`PluginError` is taken to trip over them and is not reported again.
+    :param rejected: flags whose value was rejected (they hold their defaults): notes and
+        warnings naming them are not logged.
     :returns: :class:`Configured`: the values plugins derived, and their reports.
     :raises ConfigError: every error of every plugin, one per line, after the warnings
         were logged.
@@ -99,6 +106,9 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
         except PluginError as exc:
             report.error(str(exc))
         except Exception as exc:  # noqa: BLE001 - name the plugin at fault
+            if after_errors:
+                log.debug("plugin '%s' failed in `configure` on flags with problems: %r", name, exc)
+                continue
             report.error(f"plugin '{name}' ({pm.origin(name)}) failed in `configure`: {type(exc).__name__}: {exc}")
         if name == backend:
             report_megatron_flags(args, name, pm.get_plugin(name), report)
@@ -114,12 +124,39 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
         errors.extend(report.errors)
     for report in done.reports:
         for line in report.infos:
-            log.info("%s", line)
+            if not names_any(line, rejected):
+                log.info("%s", line)
         for line in report.warnings:
-            log.warning("%s", line)
+            if not names_any(line, rejected):
+                log.warning("%s", line)
     if errors:
         raise ConfigError(errors)
     return done
+
+
+def with_plugin_problems(error: ConfigError, pm: FurlongPluginManager) -> ConfigError:
+    """``error`` (from :func:`~furlong.core.config.parse_args`) extended by the problems the
+    selection and the chosen plugins' ``configure`` find in the flags that did parse, so one
+    report holds every problem (docs/miles.md).
+
+    A problem naming a flag whose value was rejected (``error.bad_flags``) or repeating one
+    already listed is left out: it is a consequence of an error already reported.
+
+    :returns: a :class:`ConfigError` (``error`` itself when there is nothing to add).
+    """
+    args = error.partial
+    if args is None:
+        return error
+
+    try:
+        configure_plugins(args, pm, resolve_selection(args, pm), after_errors=True, rejected=error.bad_flags)
+        return error
+    except ConfigError as exc:
+        more = exc.problems
+    except PluginError as exc:
+        more = [str(exc)]
+    more = [p for p in more if p not in error.problems and not names_any(p, error.bad_flags)]
+    return ConfigError(error.problems + more) if more else error
 
 
 async def _await(awaitable):

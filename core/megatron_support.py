@@ -12,7 +12,10 @@ on its plugin object. The rest is sorted here by what ignoring it would do:
   from): listed in one error. A math flag given at Megatron's default changes nothing
   and goes to the warning;
 - architecture flags under ``architecture_from_hf``: the model comes from the
-  ``--hf-checkpoint`` config; MLA or MoE flags on a config without them are errors.
+  ``--hf-checkpoint`` config; MLA or MoE flags on a config without them are errors, and
+  so is a valued flag (``--num-layers``, ``--vocab-size``...) that disagrees with it
+  (:func:`furlong.hooks.megatron_flags.architecture_disagreements`, the check the megatron
+  backend runs on the flags it reads).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from argparse import Namespace
 from typing import Any
 
 from furlong.hooks import ConfigReport, MegatronFlags
+from furlong.hooks.megatron_flags import architecture_disagreements, hf_architecture_values
 
 from .config.tables import megatron_table, miles_table
 
@@ -94,17 +98,23 @@ def report_megatron_flags(args: Namespace, backend: str, plugin: Any, report: Co
         support = MegatronFlags()
     options = {**miles_table().by_option(), **megatron_table().by_option()}
     hf_config = _hf_config(args) if support.architecture_from_hf else None
-    ignored, wrong, unchecked = [], [], []
+    where = f"--hf-checkpoint {getattr(args, 'hf_checkpoint', None)}/config.json"
+    disagree = dict(architecture_disagreements(args, hf_architecture_values(hf_config), where)) if hf_config else {}
+    ignored, wrong, absent, unchecked = [], [], [], []
     for flag in given:
         row = options.get(flag)
         dest = row.dest if row else flag.lstrip("-").replace("-", "_")
-        if support.honoured(dest, _value(args, dest)):
+        attr = flag.lstrip("-").replace("-", "_")  # Megatron's dest may differ (--norm-epsilon: layernorm_epsilon)
+        if support.honoured(dest, _value(args, dest)) or (
+                attr != dest and support.honours != "all" and support.honoured(attr, _value(args, attr))):
             continue
         kind = effect(dest)
-        if kind == "architecture" and support.architecture_from_hf:
+        if flag in disagree:
+            report.error(disagree[flag])
+        elif kind == "architecture" and support.architecture_from_hf:
             missing = _missing_feature(dest, hf_config)
             if missing:
-                wrong.append(f"{flag} ({missing})")
+                absent.append(f"{flag} ({missing})")
             elif hf_config is None:
                 unchecked.append(flag)
             else:
@@ -120,9 +130,12 @@ def report_megatron_flags(args: Namespace, backend: str, plugin: Any, report: Co
         report.warn(f"{name} takes the model from the --hf-checkpoint config, which cannot be read here "
                     f"({args.hf_checkpoint}); these Megatron architecture flags are not checked against it: "
                     f"{' '.join(unchecked)}.")
+    if absent:
+        report.error(f"these Megatron flags describe features the --hf-checkpoint model does not have: "
+                     f"{' '.join(absent)}; remove them.")
     if wrong:
-        report.error(f"{name} cannot honour these Megatron flags, which would change the model or the math: "
-                     f"{' '.join(wrong)}; remove them or use a backend that supports them (--train-backend megatron).")
+        report.error(f"{name} does not support these Megatron flags yet, which would change the model or the math: "
+                     f"{' '.join(wrong)}; remove them.")
 
 
 def _value(args: Namespace, dest: str) -> Any:

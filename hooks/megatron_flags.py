@@ -25,7 +25,7 @@ from typing import Literal
 
 import attrs
 
-__all__ = ["MegatronFlags"]
+__all__ = ["ARCHITECTURE_VALUES", "MegatronFlags", "architecture_disagreements", "hf_architecture_values"]
 
 
 @attrs.frozen
@@ -40,7 +40,8 @@ class MegatronFlags:
     config, so flags that describe the architecture (layer counts, MoE, MLA, rotary...)
     are not read but are checked against that config where it can be read: a feature the
     config lacks (``--num-experts`` on a dense model, ``--multi-latent-attention`` on a
-    model without MLA) is an error; others are listed in the warning.
+    model without MLA) is an error, and so is a valued flag that disagrees with it
+    (:func:`architecture_disagreements`); others are listed in the warning.
     """
 
     honours: frozenset[str] | Literal["all"] = frozenset()
@@ -55,3 +56,48 @@ class MegatronFlags:
         if dest in self.at_values:
             return value in self.at_values[dest]
         return self.honours == "all" or dest in self.honours
+
+
+# Miles' valued architecture flags (MODEL_ARGS): (flag, args attribute, key of the HF config.json)
+ARCHITECTURE_VALUES: tuple[tuple[str, str, str], ...] = (
+    ("--num-layers", "num_layers", "num_hidden_layers"),
+    ("--hidden-size", "hidden_size", "hidden_size"),
+    ("--ffn-hidden-size", "ffn_hidden_size", "intermediate_size"),
+    ("--num-attention-heads", "num_attention_heads", "num_attention_heads"),
+    ("--num-query-groups", "num_query_groups", "num_key_value_heads"),
+    ("--kv-channels", "kv_channels", "head_dim"),
+    ("--rotary-base", "rotary_base", "rope_theta"),
+    ("--norm-epsilon", "norm_epsilon", "rms_norm_eps"),
+    ("--vocab-size", "vocab_size", "vocab_size"),
+)
+
+
+def hf_architecture_values(config: dict) -> dict:
+    """``{config.json key: value}`` for the keys of :data:`ARCHITECTURE_VALUES` that ``config``
+    (a parsed config.json, ``text_config`` merged) states or implies: ``num_key_value_heads``
+    defaults to the head count, ``head_dim`` to hidden_size / heads, ``rope_theta`` may sit in
+    ``rope_parameters`` (transformers 5) or ``rope_scaling``."""
+    out = {key: config[key] for _, _, key in ARCHITECTURE_VALUES if config.get(key) is not None}
+    heads = config.get("num_attention_heads")
+    if heads and "num_key_value_heads" not in out:
+        out["num_key_value_heads"] = heads
+    if heads and config.get("hidden_size") and "head_dim" not in out:
+        out["head_dim"] = config["hidden_size"] // heads
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if "rope_theta" not in out and isinstance(rope, dict) and rope.get("rope_theta") is not None:
+        out["rope_theta"] = rope["rope_theta"]
+    return out
+
+
+def architecture_disagreements(args, hf_values: dict, where: str) -> list[tuple[str, str]]:
+    """``(flag, message)`` for each valued architecture flag given (not None on ``args``) that
+    differs from ``hf_values`` (:func:`hf_architecture_values`); the message names both values
+    and ``where`` (the config file). Keys ``hf_values`` lacks are not checked."""
+    out = []
+    for flag, attr, key in ARCHITECTURE_VALUES:
+        given = getattr(args, attr, None)
+        if given is None or hf_values.get(key) is None:
+            continue
+        if float(given) != float(hf_values[key]):
+            out.append((flag, f"{flag} {given} disagrees with {where} ({key} = {hf_values[key]})."))
+    return out

@@ -254,7 +254,7 @@ def test_crash_in_save_model_keeps_previous_marker_and_checkpoint(tmp_path):
 
     # The next save removes the stale .tmp before writing.
     _save(args, 5, state={"at": 5}, content="five")
-    assert sorted(os.listdir(ck.iter_dir(save, 5))) == ["model.txt"]
+    assert sorted(os.listdir(ck.iter_dir(save, 5))) == ["model.txt", ck.WRITER_NAME]
     assert not os.path.exists(ck.iter_dir(save, 5) + ".tmp")
     assert _marker(save) == "5"
 
@@ -315,3 +315,18 @@ def test_interrupted_resave_is_recovered_from_old(tmp_path):
     os.rename(ck.iter_dir(save, 4), ck.iter_dir(save, 4) + ".old")
     resume = ck.resolve_start(_args(load=save))
     assert (resume.start_rollout_id, resume.load_dir, resume.state) == (5, ck.iter_dir(save, 4) + ".old", {"at": 4})
+
+
+def test_a_checkpoint_names_its_train_backend_and_another_backend_is_told_which_to_resume_with(tmp_path):
+    save = str(tmp_path / "ckpt")
+    _save(_args(save=save, train_backend="megatron"), 3)
+    with open(os.path.join(ck.iter_dir(save, 3), ck.WRITER_NAME)) as f:
+        assert json.load(f) == {"train_backend": "megatron"}
+    assert ck.resolve_start(_args(load=save, train_backend="megatron")).loaded_rollout_id == 3
+    with pytest.raises(PluginError) as err:
+        ck.resolve_start(_args(load=save, train_backend="fsdp"))
+    assert str(err.value) == (f"--load {save}: iter_0000003 was written by --train-backend megatron, which this run's "
+                              "--train-backend fsdp cannot read; resume with --train-backend megatron (or start "
+                              "another run without --load).")
+    os.remove(os.path.join(ck.iter_dir(save, 3), ck.WRITER_NAME))  # written before backends were recorded
+    assert ck.resolve_start(_args(load=save, train_backend="fsdp")).loaded_rollout_id == 3

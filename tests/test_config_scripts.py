@@ -172,6 +172,25 @@ def example_argv(name: str) -> list[str]:
     return argv[1:]
 
 
+def test_gsm8k_megatron_script_prints_its_config_with_one_warning_for_the_cluster_model_path(capsys, caplog):
+    """Its own backend accepts it (no-op parallel sizes of 1 included); the model path of the cluster
+    does not exist here: one warning that it cannot be checked here, no error."""
+    from furlong.core.cli import main
+
+    argv = example_argv("gsm8k_qwen_megatron.sh")
+    assert not os.path.exists(argv[argv.index("--hf-checkpoint") + 1])
+    with caplog.at_level(logging.WARNING, logger="furlong.config"):
+        code = main(["train", *argv, "--print-config"])
+    err = capsys.readouterr().err.strip().removeprefix("error: ")
+    # the one true error on a machine without SGLang (the script's --rollout-backend sglang)
+    problems = [line for line in err.splitlines() if line and "needs SGLang" not in line]
+    assert code in (0, 2) and problems == [], err
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [w for w in warnings if "/root/Qwen2.5-1.5B-Instruct" in w] == [
+        "--hf-checkpoint /root/Qwen2.5-1.5B-Instruct: no config.json here, so the architecture flags and parallel "
+        "sizes are not checked against it (the run checks them)."]
+
+
 def test_miles_style_demo_script_parses():
     args = parse_args(example_argv("miles_style_demo.sh"))
     assert (args.hf_checkpoint, args.prompt_data) == ("examples/demo/model", "examples/demo/data/train.jsonl")
@@ -184,7 +203,7 @@ def test_miles_style_demo_script_parses():
 def test_gsm8k_megatron_script_parses():
     args = parse_args(example_argv("gsm8k_qwen_megatron.sh"))
     assert (args.train_backend, args.rollout_backend, args.executor) == ("megatron", "sglang", "ray")
-    assert (args.tensor_model_parallel_size, args.sequence_parallel, args.data_parallel_size) == (2, True, 2)
+    assert (args.tensor_model_parallel_size, args.sequence_parallel, args.data_parallel_size) == (2, False, 2)
     assert (args.apply_chat_template, args.rm_type, args.prompt_data) == (True, "math", "examples/gsm8k/data/train.jsonl")
     assert args.ref_load == args.hf_checkpoint == "/root/Qwen2.5-1.5B-Instruct"
     assert (args.rollout_num_gpus, args.sglang_tp_size) == (4, 1)

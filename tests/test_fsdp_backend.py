@@ -388,3 +388,13 @@ def test_chunked_log_probs_equal_the_whole_logits_path(tiny_dir, grad):
     if grad:
         for name in g_b:
             torch.testing.assert_close(g_a[name], g_b[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_megatron_checkpoint_is_named_as_such_by_the_fsdp_backend(tmp_path):
+    from furlong.builtin_plugins.backends.fsdp.checkpoint import load_weights
+
+    (tmp_path / "metadata.json").write_text("{}")
+    with pytest.raises(PluginError) as err:
+        load_weights(str(tmp_path), None, 1, 0, set())
+    assert str(err.value) == (f"checkpoint {tmp_path} was written by --train-backend megatron (torch_dist files, no "
+                              "model/*.safetensors); resume with --train-backend megatron.")

@@ -127,7 +127,36 @@ def test_configure_reports_architecture_and_unsupported_parallelism(tiny_model_d
     assert f"--num-layers 3 disagrees with --hf-checkpoint {tiny_model_dir}/config.json (num_hidden_layers = 2)." \
         in report.errors
     assert "--pipeline-model-parallel-size 2 is not supported yet by --train-backend megatron." in report.errors
-    assert "--sequence-parallel is not supported yet by --train-backend megatron." in report.errors
+    assert ("--sequence-parallel is not supported yet by --train-backend megatron (megatron-core's local spec, which "
+            "this backend builds, has no sequence parallelism; tensor parallelism works without it).") in report.errors
+
+
+def test_configure_accepts_parallel_sizes_of_one_which_change_nothing(tiny_model_dir):
+    args = train_args(tiny_model_dir, expert_tensor_parallel_size=1, expert_model_parallel_size=1,
+                      pipeline_model_parallel_size=1, context_parallel_size=1, tensor_model_parallel_size=1)
+    report = ConfigReport(plugin="megatron")
+    configure(args=args, report=report)
+    assert report.errors == []
+    args.expert_tensor_parallel_size = 2
+    configure(args=args, report=report)
+    assert report.errors == ["--expert-tensor-parallel-size 2 is not supported yet by --train-backend megatron."]
+
+
+@pytest.mark.parametrize("print_config", [True, False])
+def test_a_model_path_absent_here_is_one_warning_under_print_config_else_one_error(tmp_path, tiny_model_dir,
+                                                                                  print_config):
+    args = train_args(tiny_model_dir, print_config=print_config)
+    args.hf_checkpoint = str(tmp_path / "Qwen2.5-0.5B-Instruct")
+    report = ConfigReport(plugin="megatron")
+    configure(args=args, report=report)
+    where = f"--hf-checkpoint {args.hf_checkpoint}"
+    if print_config:
+        assert (report.warnings, report.errors) == ([
+            f"{where}: no config.json here, so the architecture flags and parallel sizes are not checked against it "
+            "(the run checks them)."], [])
+    else:
+        assert (report.warnings, report.errors) == ([], [
+            f"{where}: no config.json there; --hf-checkpoint must be a Hugging Face model directory on this machine."])
 
 
 def test_the_core_reports_only_the_megatron_flags_this_backend_does_not_read(tiny_model_dir):
@@ -454,3 +483,24 @@ def test_grpo_under_the_local_executor_matches_fsdp(tmp_path):
     ckpt = tmp_path / "megatron" / "iter_0000001"
     assert (ckpt / "metadata.json").is_file() and (ckpt / "meta.json").is_file()
     assert (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+def test_megatron_core_s_fallback_warnings_are_silenced():
+    """The warnings megatron-core gives at import for the local spec (no TransformerEngine, no apex) do not reach users."""
+    code = ("import warnings; warnings.simplefilter('default'); "
+            "import furlong.builtin_plugins.backends.megatron, furlong.builtin_plugins.backends.megatron.backend; "
+            "import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs")
+    out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Apex is not installed" not in out.stderr and "Transformer Engine and Apex" not in out.stderr
+
+
+def test_an_fsdp_checkpoint_is_named_as_such_by_the_megatron_backend(tmp_path):
+    from furlong.builtin_plugins.backends.megatron.checkpoint import read_meta
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "meta.json").write_text("{}")
+    with pytest.raises(PluginError) as err:
+        read_meta(str(tmp_path))
+    assert str(err.value) == (f"checkpoint {tmp_path} was written by --train-backend fsdp (model/ holds its weights, "
+                              "no torch_dist metadata.json); resume with --train-backend fsdp.")

@@ -139,6 +139,22 @@ def test_every_problem_is_in_one_report_exit_2_no_traceback(capsys):
     ]
 
 
+def test_parse_rule_and_backend_problems_share_one_report(capsys, caplog):
+    """A bad value and an unknown flag do not hide the rules, nor the rules the backend's problems;
+    the batch rule about --n-samples-per-prompt (whose value was rejected) is not reported again."""
+    with caplog.at_level("INFO", logger="furlong.config"):
+        code = main(["train", "--hf-checkpoint", "examples/demo/model", "--num-rollout", "1", "--rollout-batch-size",
+                     "4", "--n-samples-per-prompt", "abc", "--global-batch-size", "100", "--no-such-flag", "1",
+                     "--lr", "-1", "--num-experts", "8", "--train-backend", "fsdp", "--print-config"])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err
+    assert lines[:3] == ["error: argument --n-samples-per-prompt: invalid int value: 'abc'",
+                         "unrecognized argument --no-such-flag.", "--lr must be at least 0, got -1."]
+    assert len(lines) == 4 and "--num-experts (the model has no experts)" in lines[3]
+    assert not [m for m in caplog.messages if "--n-samples-per-prompt" in m]  # no note about its default (grpo's)
+
+
 @pytest.mark.parametrize("typed, suggested", [
     ("--rollout-batch-szie", "--rollout-batch-size"),  # a typo
     ("--lora-rnak", "--lora-rank"),
@@ -173,8 +189,9 @@ MOE_MLA = {"model_type": "deepseek_v3", "n_routed_experts": 8, "kv_lora_rank": 1
 FSDP_LIKE = MegatronFlags(honours=frozenset({"lora_rank"}), at_values={"attention_dropout": (0.0,)},
                           architecture_from_hf=True)
 WARN = "--train-backend b ignores these Megatron flags, which do not change results with it: "
-ERR = "--train-backend b cannot honour these Megatron flags, which would change the model or the math: "
-TAIL = "; remove them or use a backend that supports them (--train-backend megatron)."
+ERR = "--train-backend b does not support these Megatron flags yet, which would change the model or the math: "
+TAIL = "; remove them."
+ABSENT = "these Megatron flags describe features the --hf-checkpoint model does not have: "
 
 
 @pytest.mark.parametrize("argv, support, config, warnings, errors", [
@@ -188,8 +205,12 @@ TAIL = "; remove them or use a backend that supports them (--train-backend megat
     (["--attention-dropout", "0.2"], FSDP_LIKE, DENSE, [], [ERR + "--attention-dropout" + TAIL]),
     (["--num-experts", "8", "--multi-latent-attention", "--num-layers", "2"], FSDP_LIKE, DENSE,
      [WARN + "--num-layers."],
-     [ERR + "--num-experts (the model has no experts) --multi-latent-attention (the model has no multi-latent "
-            "attention)" + TAIL]),
+     [ABSENT + "--num-experts (the model has no experts) --multi-latent-attention (the model has no multi-latent "
+               "attention)" + TAIL]),
+    (["--num-layers", "40", "--norm-epsilon", "1e-5", "--kv-channels", "16"], FSDP_LIKE,
+     {**DENSE, "hidden_size": 64, "num_attention_heads": 4, "rms_norm_eps": 1e-6}, [WARN + "--kv-channels."],
+     ["--num-layers 40 disagrees with --hf-checkpoint {hf}/config.json (num_hidden_layers = 2).",
+      "--norm-epsilon 1e-05 disagrees with --hf-checkpoint {hf}/config.json (rms_norm_eps = 1e-06)."]),
     (["--num-experts", "8", "--multi-latent-attention", "--q-lora-rank", "4", "--moe-router-topk", "2"], FSDP_LIKE,
      MOE_MLA, [WARN + "--num-experts --multi-latent-attention --q-lora-rank --moe-router-topk."], []),
     (["--num-experts", "8"], FSDP_LIKE, None,
@@ -203,7 +224,25 @@ TAIL = "; remove them or use a backend that supports them (--train-backend megat
 def test_megatron_flags_a_backend_cannot_honour_are_one_line_each(tmp_path, argv, support, config, warnings,
                                                                   errors):
     got = _megatron_report(tmp_path, argv, support, config)
-    assert got == ([w.format(hf=tmp_path / "hf") for w in warnings], errors)
+    hf = tmp_path / "hf"
+    assert got == ([w.format(hf=hf) for w in warnings], [e.format(hf=hf) for e in errors])
+
+
+def test_fsdp_checks_architecture_flags_against_the_config_and_megatron_does_not_call_them_ignored(capsys, caplog):
+    """The demo model: 3 layers, vocabulary 26, hidden 128, rope_theta 10000, rms_norm_eps 1e-6."""
+    wrong = ["--num-layers", "40", "--vocab-size", "999", "--hidden-size", "4096", "--rotary-base", "5",
+             "--norm-epsilon", "1e-5"]
+    for backend in ("fsdp", "megatron"):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="furlong.config"):
+            code = main(["train", *BASE, "--hf-checkpoint", "examples/demo/model", "--train-backend", backend, *wrong,
+                         "--print-config"])
+        err = capsys.readouterr().err
+        assert code == 2 and not [m for m in caplog.messages if "ignores these Megatron flags" in m], (backend, err)
+        for flag, key, value in (("--num-layers 40", "num_hidden_layers", "3"), ("--vocab-size 999", "vocab_size", "26"),
+                                 ("--hidden-size 4096", "hidden_size", "128"), ("--rotary-base 5", "rope_theta", "10000.0"),
+                                 ("--norm-epsilon 1e-05", "rms_norm_eps", "1e-06")):
+            assert f"{flag} disagrees with --hf-checkpoint examples/demo/model/config.json ({key} = {value})." in err
 
 
 HF_MOE_MLA_SCRIPT = """
@@ -433,3 +472,20 @@ def test_a_run_with_epochs_health_checks_and_a_dynamic_global_batch(tmp_path, ti
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/step"] for r in rows if "train/step" in r] == [0, 1, 2, 3, 4, 5]
     assert [r["eval/step"] for r in rows if "eval/step" in r] == [0, 2, 5]
+
+
+# --- --sglang-* flags against SGLang's table -------------------------------------------------------
+
+def test_misspelt_sglang_flags_are_errors_with_a_suggestion_and_an_escape_hatch(monkeypatch):
+    argv = BASE + ["--sglang-mem-fractoin-static", "0.5", "--sglang-no-such-arg", "3", "--sglang-cuda-graph-bs", "1",
+                   "2", "--router-anything", "1"]
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv)
+    version = sglang_table().header["version"]
+    tail = f"; an argument of a newer SGLang (table: SGLang {version}) passes with FURLONG_ALLOW_UNKNOWN_SGLANG_ARGS=1."
+    assert err.value.problems == [
+        "--sglang-mem-fractoin-static is not an SGLang server argument (did you mean --sglang-mem-fraction-static?)"
+        + tail, "--sglang-no-such-arg is not an SGLang server argument" + tail]
+    monkeypatch.setenv("FURLONG_ALLOW_UNKNOWN_SGLANG_ARGS", "1")
+    args = parse_args(argv)
+    assert args.sglang_passthrough == {"mem_fractoin_static": "0.5", "no_such_arg": "3", "cuda_graph_bs": ["1", "2"]}

@@ -14,10 +14,10 @@ from .deprecations import map_deprecated
 from .errors import ConfigError
 from .overlay import load_overlay
 from .parser import build_parser
-from .passthrough import split_passthrough
+from .passthrough import split_passthrough, unknown_sglang_problems
 from .validate import validate
 
-__all__ = ["config_to_dict", "expand_argsfiles", "parse_args"]
+__all__ = ["config_to_dict", "expand_argsfiles", "names_any", "parse_args"]
 
 log = logging.getLogger("furlong.config")
 
@@ -53,7 +53,8 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     tokens = expand_argsfiles(list(argv), parser)
     tokens, problems = map_deprecated(tokens)
     actions = parser._option_string_actions
-    tokens, collected, _ = split_passthrough(tokens, set(actions))
+    tokens, collected, passed = split_passthrough(tokens, set(actions))
+    problems += unknown_sglang_problems(passed)
     tokens = _attach_negative_numbers(tokens, actions)
     parser.fromfile_prefix_chars = None  # files are expanded already
     args, extras, tokens, bad_values, bad_flags = _parse_collecting(parser, tokens)
@@ -71,9 +72,10 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     raw = copy.deepcopy(args)
     findings = validate(args, command)  # runs on the flags that parsed: all problems are reported at once
     if problems or findings.errors:
-        _emit(findings)
+        _emit(findings, bad_flags)
         # a rule about a flag whose value was rejected above would only repeat that problem
-        raise ConfigError(problems + [e for e in findings.errors if not _names_any(e, bad_flags)])
+        raise ConfigError(problems + [e for e in findings.errors if not names_any(e, bad_flags)],
+                          partial=args, bad_flags=frozenset(bad_flags))
     if not args.custom_config_path:
         _emit(findings)
         return args
@@ -204,7 +206,7 @@ def _parse_collecting(parser, tokens: list[str]) -> tuple[argparse.Namespace, li
             tokens = kept
 
 
-def _names_any(message: str, flags: set[str]) -> bool:
+def names_any(message: str, flags) -> bool:
     """Does ``message`` name one of ``flags`` (as a whole flag, not a prefix of a longer one)?"""
     return any(re.search(re.escape(flag) + r"(?![\w-])", message) for flag in flags)
 
@@ -287,8 +289,11 @@ def _given(tokens: list[str], actions: dict) -> tuple[set[str], list[str], list[
     return explicit, megatron, refused
 
 
-def _emit(findings) -> None:
+def _emit(findings, bad_flags: set[str] = frozenset()) -> None:
+    """Log the notes and warnings, less those about a flag whose value was rejected (it holds its default)."""
     for line in findings.infos:
-        log.info("%s", line)
+        if not names_any(line, bad_flags):
+            log.info("%s", line)
     for line in findings.warnings:
-        log.warning("%s", line)
+        if not names_any(line, bad_flags):
+            log.warning("%s", line)

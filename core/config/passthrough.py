@@ -9,15 +9,24 @@ list-valued argument (``--cuda-graph-bs 1 2 4``) takes every value up to the nex
 the table lacks) a bare flag takes the next token as its value unless that token starts
 with ``--`` (or there is none), in which case the value is ``True``. Values stay strings:
 SGLang and the router parse their own arguments.
+
+An ``--sglang-X`` or ``--eval-sglang-X`` flag whose ``--X`` is not in the table is an
+error (a misspelt flag would otherwise reach SGLang, or be dropped, unnoticed), with the
+closest known flag when there is one; ``FURLONG_ALLOW_UNKNOWN_SGLANG_ARGS=1`` passes such
+flags through anyway, for arguments of an SGLang newer than the table.
 """
 
 from __future__ import annotations
 
+import difflib
+import os
 from functools import lru_cache
 
 from .tables import FlagRow, sglang_table
 
-__all__ = ["PREFIXES", "split_passthrough"]
+__all__ = ["ALLOW_UNKNOWN_SGLANG_ENV", "PREFIXES", "split_passthrough", "unknown_sglang_problems"]
+
+ALLOW_UNKNOWN_SGLANG_ENV = "FURLONG_ALLOW_UNKNOWN_SGLANG_ARGS"
 
 # (prefix, Namespace attribute); longest prefix first.
 PREFIXES: tuple[tuple[str, str], ...] = (
@@ -70,6 +79,26 @@ def split_passthrough(tokens: list[str], known: set[str]) -> tuple[list[str], di
             collected[attr][key] = True
             i += 1
     return rest, collected, given
+
+
+def unknown_sglang_problems(given: list[str]) -> list[str]:
+    """One line per ``--sglang-*`` / ``--eval-sglang-*`` flag of ``given`` (as typed) that SGLang's
+    server-argument table lacks; none when ``FURLONG_ALLOW_UNKNOWN_SGLANG_ARGS=1``."""
+    if os.environ.get(ALLOW_UNKNOWN_SGLANG_ENV, "") == "1":
+        return []
+    rows = _sglang_rows()
+    problems = []
+    for flag in given:
+        match = _match(flag)
+        if match is None or match[1] == "router_passthrough" or "--" + flag[len(match[0]):] in rows:
+            continue
+        prefix = match[0]
+        close = difflib.get_close_matches("--" + flag[len(prefix):], list(rows), n=1, cutoff=0.8)
+        hint = f" (did you mean {prefix}{close[0][2:]}?)" if close else ""
+        problems.append(f"{flag} is not an SGLang server argument{hint}; an argument of a newer SGLang "
+                        f"(table: SGLang {sglang_table().header.get('version', '?')}) passes with "
+                        f"{ALLOW_UNKNOWN_SGLANG_ENV}=1.")
+    return problems
 
 
 def _values_after(tokens: list[str], start: int) -> list[str]:

@@ -70,8 +70,9 @@ EVAL_ARGS=(
 )
 
 PERF_ARGS=(
+   # TP 2 without --sequence-parallel: the megatron backend builds megatron-core's local
+   # spec (no TransformerEngine), whose norms have no sequence parallelism
    --tensor-model-parallel-size 2
-   --sequence-parallel                     # always pair TP > 1 with sequence parallelism
    --pipeline-model-parallel-size 1
    --context-parallel-size 1
    --expert-model-parallel-size 1

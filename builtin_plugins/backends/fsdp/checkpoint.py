@@ -80,6 +80,9 @@ def load_weights(path: str, model, world: int, rank: int, tied: set[str]) -> Non
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     files = sorted(glob.glob(os.path.join(path, "model", "*.safetensors")))
+    if not files and os.path.exists(os.path.join(path, "metadata.json")):  # megatron-core's torch_dist layout
+        raise PluginError(f"checkpoint {path} was written by --train-backend megatron (torch_dist files, no "
+                          "model/*.safetensors); resume with --train-backend megatron.")
     if not files:
         raise PluginError(f"checkpoint {path}: no model/*.safetensors; the checkpoint is incomplete or was not "
                           "written by the fsdp backend. Restore its model/ folder or resume from an earlier "

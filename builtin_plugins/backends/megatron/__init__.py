@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import warnings
+
 from furlong.hooks import MegatronFlags, PluginError, hookimpl
 
 from .config import flag_dest
+
+# megatron-core warns at import, once per module, that it falls back from TransformerEngine
+# and apex to torch (this backend builds the local spec on purpose), and that the cuda-graph
+# scope "full" it defaults to is deprecated: neither is something a user can act on. Set here,
+# before any module of this backend imports megatron.core (every process that loads the plugin).
+for _message in ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                 "full scope is deprecated"):
+    warnings.filterwarnings("ignore", message=_message, category=UserWarning)
 
 __all__ = ["MEGATRON_FLAGS", "configure", "train_backend"]
 
@@ -19,7 +30,8 @@ _USED = {
     "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings",
 }
 
-# Given with a value other than this default: "not supported yet".
+# Given with a value other than this default (or, for a parallel size, 1: one rank changes
+# nothing): "not supported yet".
 _REFUSED = (
     ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", 1),
     ("--virtual-pipeline-model-parallel-size", "virtual_pipeline_model_parallel_size", None),
@@ -57,9 +69,12 @@ def configure(args, report):
     """
     for flag, dest, default in _REFUSED:
         value = getattr(args, dest, default)
-        if value is not None and value is not False and value != default:
+        no_op = value == 1 and dest.endswith("_parallel_size")
+        if value is not None and value is not False and value != default and not no_op:
+            why = (" (megatron-core's local spec, which this backend builds, has no sequence parallelism; "
+                   "tensor parallelism works without it)") if dest == "sequence_parallel" else ""
             report.error(f"{flag} {value if value is not True else ''}".rstrip()
-                         + " is not supported yet by --train-backend megatron.")
+                         + f" is not supported yet by --train-backend megatron{why}.")
     for dest in ("attention_dropout", "hidden_dropout"):
         value = getattr(args, dest, None)
         if value:
@@ -67,9 +82,6 @@ def configure(args, report):
                          "(RL log-probs need a dropout-free forward; use 0).")
     if (getattr(args, "optimizer", "adam") or "adam") != "adam":
         report.error(f"--optimizer {args.optimizer} is not supported yet by --train-backend megatron (adam only).")
-    if getattr(args, "advantage_estimator", None) == "ppo":
-        report.error("--advantage-estimator ppo needs a critic, which --train-backend megatron does not have yet "
-                     "(not supported yet).")
     if getattr(args, "recompute_granularity", None) == "selective":
         report.error("--recompute-granularity selective is not supported yet by --train-backend megatron "
                      "(its local spec has no selective recompute modules); use full.")
@@ -82,6 +94,14 @@ def _check_architecture(args, report) -> None:
     from .config import check_model_args, model_shape
 
     where = f"--hf-checkpoint {args.hf_checkpoint}"
+    if not os.path.isfile(os.path.join(str(args.hf_checkpoint or ""), "config.json")):
+        if getattr(args, "print_config", False):  # a cluster path, checked on the laptop: the run checks it
+            report.warn(f"{where}: no config.json here, so the architecture flags and parallel sizes are not "
+                        "checked against it (the run checks them).")
+        else:
+            report.error(f"{where}: no config.json there; --hf-checkpoint must be a Hugging Face model directory "
+                         "on this machine.")
+        return
     try:
         shape = model_shape(AutoConfig.from_pretrained(args.hf_checkpoint), where)
     except PluginError as exc:

@@ -127,6 +127,9 @@ def read_meta(path: str) -> dict:
     :raises PluginError: no ``meta.json`` or no megatron-core ``metadata.json`` (not written by this backend).
     """
     file = os.path.join(path, "meta.json")
+    if not os.path.exists(os.path.join(path, "metadata.json")) and os.path.isdir(os.path.join(path, "model")):
+        raise PluginError(f"checkpoint {path} was written by --train-backend fsdp (model/ holds its weights, no "
+                          "torch_dist metadata.json); resume with --train-backend fsdp.")
     if not (os.path.exists(file) and os.path.exists(os.path.join(path, "metadata.json"))):
         raise PluginError(f"checkpoint {path}: no meta.json and torch_dist metadata.json; it was not written by the "
                           "megatron backend.")

@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 
 from furlong.hooks import PluginError
+from furlong.hooks.megatron_flags import architecture_disagreements
 
 __all__ = ["ModelShape", "check_model_args", "flag_dest", "model_shape", "padded_vocab_size"]
 
@@ -125,18 +126,11 @@ def padded_vocab_size(vocab: int, tp: int, divisible_by: int | None) -> int:
     return int(math.ceil(vocab / multiple) * multiple)
 
 
-# (flag, ModelShape field or callable) of Miles' MODEL_ARGS valued flags
-_VALUED = (
-    ("--num-layers", "num_layers", "num_hidden_layers"),
-    ("--hidden-size", "hidden_size", "hidden_size"),
-    ("--ffn-hidden-size", "ffn_hidden_size", "intermediate_size"),
-    ("--num-attention-heads", "num_attention_heads", "num_attention_heads"),
-    ("--num-query-groups", "num_query_groups", "num_key_value_heads"),
-    ("--kv-channels", "kv_channels", "head_dim"),
-    ("--rotary-base", "rotary_base", "rope_theta"),
-    ("--norm-epsilon", "norm_epsilon", "rms_norm_eps"),
-    ("--vocab-size", "vocab_size", "vocab_size"),
-)
+# config.json key -> ModelShape field, for the check of Miles' valued MODEL_ARGS flags
+_SHAPE_FIELDS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size",
+                 "intermediate_size": "ffn_hidden_size", "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_query_groups",
+                 "head_dim": "kv_channels", "rope_theta": "rotary_base", "rms_norm_eps": "norm_epsilon",
+                 "vocab_size": "vocab_size"}
 
 # boolean flags: (flag, HF meaning of the flag being given, HF key for the message)
 _SWITCHES = (
@@ -165,14 +159,8 @@ def check_model_args(args: Any, shape: ModelShape, where: str) -> list[str]:
 
     :returns: one message per disagreement, naming the flag, both values and ``where``.
     """
-    problems = []
-    for flag, field, hf_key in _VALUED:
-        given = getattr(args, flag_dest(flag), None)
-        if given is None:
-            continue
-        expected = getattr(shape, field)
-        if float(given) != float(expected):
-            problems.append(f"{flag} {given} disagrees with {where} ({hf_key} = {expected}).")
+    values = {key: getattr(shape, field) for key, field in _SHAPE_FIELDS.items()}
+    problems = [message for _, message in architecture_disagreements(args, values, where)]
     fixed = (("--normalization", "RMSNorm"), ("--position-embedding-type", "rope"), ("--rotary-percent", 1.0))
     for flag, value in fixed:
         given = getattr(args, flag_dest(flag), None)
