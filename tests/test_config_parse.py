@@ -100,7 +100,7 @@ def test_explicit_args_records_the_given_flags_only():
 # --- pass-through -------------------------------------------------------------------------
 
 def test_sglang_and_router_pass_through_forms(monkeypatch):
-    monkeypatch.setenv("FURLONG_ALLOW_UNKNOWN_SGLANG_ARGS", "1")  # --sglang-enable-ep-moe left SGLang's table
+    monkeypatch.setenv("FURLONG_ALLOW_UNKNOWN_SGLANG_ARGS", "1")  # --sglang-enable-ep-moe left SGLang's table: no warning
     args = parse_args(BASE + [
         "--sglang-mem-fraction-static", "0.7",          # bare flag takes the next token
         "--sglang-enable-ep-moe",                        # not in the table, followed by a flag: a switch

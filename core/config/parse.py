@@ -54,7 +54,8 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     tokens, problems = map_deprecated(tokens)
     actions = parser._option_string_actions
     tokens, collected, passed = split_passthrough(tokens, set(actions))
-    problems += unknown_sglang_problems(passed)
+    for line in unknown_sglang_problems(passed):
+        log.warning(line)
     tokens = _attach_negative_numbers(tokens, actions)
     parser.fromfile_prefix_chars = None  # files are expanded already
     args, extras, tokens, bad_values, bad_flags = _parse_collecting(parser, tokens)

@@ -10,10 +10,11 @@ the table lacks) a bare flag takes the next token as its value unless that token
 with ``--`` (or there is none), in which case the value is ``True``. Values stay strings:
 SGLang and the router parse their own arguments.
 
-An ``--sglang-X`` or ``--eval-sglang-X`` flag whose ``--X`` is not in the table is an
-error (a misspelt flag would otherwise reach SGLang, or be dropped, unnoticed), with the
-closest known flag when there is one; ``FURLONG_ALLOW_UNKNOWN_SGLANG_ARGS=1`` passes such
-flags through anyway, for arguments of an SGLang newer than the table.
+An ``--sglang-X`` or ``--eval-sglang-X`` flag whose ``--X`` is not in the table gets a
+warning at parse time, with the closest known flag when there is one (a misspelt flag
+would otherwise surface only when the server refuses it on the cluster); it is still
+passed on, since a Miles script may target an SGLang older or newer than the table.
+``FURLONG_ALLOW_UNKNOWN_SGLANG_ARGS=1`` silences the warning.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def split_passthrough(tokens: list[str], known: set[str]) -> tuple[list[str], di
 
 
 def unknown_sglang_problems(given: list[str]) -> list[str]:
-    """One line per ``--sglang-*`` / ``--eval-sglang-*`` flag of ``given`` (as typed) that SGLang's
+    """One warning per ``--sglang-*`` / ``--eval-sglang-*`` flag of ``given`` (as typed) that SGLang's
     server-argument table lacks; none when ``FURLONG_ALLOW_UNKNOWN_SGLANG_ARGS=1``."""
     if os.environ.get(ALLOW_UNKNOWN_SGLANG_ENV, "") == "1":
         return []
@@ -95,9 +96,9 @@ def unknown_sglang_problems(given: list[str]) -> list[str]:
         prefix = match[0]
         close = difflib.get_close_matches("--" + flag[len(prefix):], list(rows), n=1, cutoff=0.8)
         hint = f" (did you mean {prefix}{close[0][2:]}?)" if close else ""
-        problems.append(f"{flag} is not an SGLang server argument{hint}; an argument of a newer SGLang "
-                        f"(table: SGLang {sglang_table().header.get('version', '?')}) passes with "
-                        f"{ALLOW_UNKNOWN_SGLANG_ENV}=1.")
+        problems.append(f"{flag} is not an argument of SGLang {sglang_table().header.get('version', '?')}{hint}; "
+                        f"it is passed to the server as given (an SGLang that lacks it refuses to start); "
+                        f"{ALLOW_UNKNOWN_SGLANG_ENV}=1 silences this warning.")
     return problems
 
 
