@@ -38,7 +38,8 @@ def _rows(save, key):
 
 
 def _ray_processes() -> set[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    # -ww: whole command lines; under pytest COLUMNS may cut them before the marker
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
     return {line.strip() for line in out if any(m in line for m in RAY_PROCESS_MARKERS)}
 
 

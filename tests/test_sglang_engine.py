@@ -342,7 +342,8 @@ def _server_processes() -> set[str]:
     """Servers and routers this interpreter started (other checkouts on the machine run their own)."""
     import subprocess
 
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    # -ww: whole command lines; under pytest COLUMNS may cut them before the marker
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
     return {line.strip() for line in out if sys.executable in line
             and ("furlong.core serve" in line or "sglang_router.launch_router" in line)}
 
