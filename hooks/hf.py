@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from .errors import PluginError
 
-__all__ = ["load_causal_lm_weights", "load_tokenizer", "write_hf_checkpoint"]
+__all__ = ["is_hf_dir", "load_causal_lm_weights", "load_tokenizer", "save_safetensors", "write_hf_checkpoint"]
 
 log = logging.getLogger("furlong")
 
@@ -71,6 +71,21 @@ def load_causal_lm_weights(path: str, flag: str, attn_implementations: Sequence[
     raise PluginError(f"{flag} {path}: cannot load the model ({problem}).")
 
 
+def is_hf_dir(path: str | None) -> bool:
+    """True when ``path`` is a Hugging Face model directory (has ``config.json``)."""
+    return bool(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def save_safetensors(named_tensors: dict[str, Any], path: str) -> None:
+    """Write ``named_tensors`` (moved to the CPU, contiguous) to ``path`` as safetensors, replacing any
+    file there atomically (written aside, then renamed), so a reader never sees half a file."""
+    from safetensors.torch import save_file
+
+    save_file({name: t.detach().to("cpu").contiguous() for name, t in named_tensors.items()}, path + ".tmp",
+              metadata={"format": "pt"})
+    os.replace(path + ".tmp", path)
+
+
 def write_hf_checkpoint(path: str, weights: dict[str, Any], source: str) -> None:
     """Write a Hugging Face model directory: ``weights`` as ``model.safetensors``, and the
     config, generation config and tokenizer files of ``source`` (the ``--hf-checkpoint``).
@@ -81,17 +96,12 @@ def write_hf_checkpoint(path: str, weights: dict[str, Any], source: str) -> None
     """
     import shutil
 
-    from safetensors.torch import save_file
-
     config = os.path.join(source, "config.json")
     if not os.path.isfile(config):
         raise PluginError(f"--save-hf {path}: --hf-checkpoint {source} has no config.json to copy next to the weights.")
     try:
         os.makedirs(path, exist_ok=True)
-        tmp = os.path.join(path, "model.safetensors.tmp")
-        save_file({name: t.detach().to("cpu").contiguous() for name, t in weights.items()}, tmp,
-                  metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(path, "model.safetensors"))
+        save_safetensors(weights, os.path.join(path, "model.safetensors"))
         for name in ("config.json", "generation_config.json", *_TOKENIZER_FILES, "special_tokens_map.json",
                      "added_tokens.json", "chat_template.jinja"):
             if os.path.isfile(os.path.join(source, name)):

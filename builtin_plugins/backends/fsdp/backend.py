@@ -8,11 +8,12 @@ import os
 from typing import Any
 
 from furlong.hooks import ParallelLayout, TrainBatch
+from furlong.hooks.hf import is_hf_dir
 from furlong.hooks.trainer import StepLoop
 
 from . import checkpoint, lora
 from .logprobs import forward_log_probs
-from .model import build_optimizer, dist_info, is_hf_dir, load_causal_lm, shard, tied_names
+from .model import build_optimizer, dist_info, load_causal_lm, shard, tied_names
 from .schedule import LRSchedule
 
 __all__ = ["FSDPBackend"]

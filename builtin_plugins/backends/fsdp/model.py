@@ -7,9 +7,9 @@ import os
 from typing import Any
 
 from furlong.hooks import PluginError
-from furlong.hooks.hf import load_causal_lm_weights
+from furlong.hooks.hf import is_hf_dir, load_causal_lm_weights
 
-__all__ = ["build_optimizer", "dist_info", "is_hf_dir", "load_causal_lm", "shard", "tied_names"]
+__all__ = ["build_optimizer", "dist_info", "load_causal_lm", "shard", "tied_names"]
 
 log = logging.getLogger("furlong.backends.fsdp")
 
@@ -31,11 +31,6 @@ def dist_info(args: Any) -> tuple[int, int]:
         raise PluginError("fsdp: WORLD_SIZE > 1 but torch.distributed is not initialized; call "
                           "torch.distributed.init_process_group before the backend's init (furlong train does).")
     return 1, 0
-
-
-def is_hf_dir(path: str | None) -> bool:
-    """True when ``path`` is a Hugging Face model directory (has ``config.json``)."""
-    return bool(path) and os.path.isfile(os.path.join(path, "config.json"))
 
 
 def load_causal_lm(path: str, args: Any, device, flag: str):

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from furlong.hooks import ParallelLayout, PluginError, TrainBatch
+from furlong.hooks.hf import is_hf_dir
 from furlong.hooks.trainer import StepLoop
 
 from . import checkpoint
@@ -19,11 +20,6 @@ from .model import build_gpt, cpu_shims, init_parallel
 __all__ = ["MegatronBackend"]
 
 log = logging.getLogger("furlong.backends.megatron")
-
-
-def is_hf_dir(path: str | None) -> bool:
-    """True when ``path`` is a Hugging Face model directory (has ``config.json``)."""
-    return bool(path) and os.path.isfile(os.path.join(path, "config.json"))
 
 
 def torch_dist_dir(path: str | None) -> str | None:

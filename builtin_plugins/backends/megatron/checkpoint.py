@@ -22,7 +22,6 @@ import logging
 import os
 import random
 import time
-from typing import Any
 
 from furlong.hooks import PluginError
 

@@ -10,17 +10,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from furlong.hooks.hf import save_safetensors
+
 __all__ = ["save_bucket", "serialize_cuda_bucket"]
 
 
 def save_bucket(named_tensors: list[tuple[str, Any]], directory: str) -> None:
     """Write one bucket to ``directory/model.safetensors``, replacing the last one (written aside, then renamed)."""
-    from safetensors.torch import save_file
-
-    tensors = {name: tensor.detach().contiguous() for name, tensor in named_tensors}
-    path = os.path.join(directory, "model.safetensors")
-    save_file(tensors, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    save_safetensors(dict(named_tensors), os.path.join(directory, "model.safetensors"))
 
 
 def serialize_cuda_bucket(named_tensors: list[tuple[str, Any]]) -> str:
