@@ -19,7 +19,7 @@ import importlib.metadata as md
 
 from aiohttp import web
 
-from .state import ServeState, state_of
+from .state import state_of
 
 __all__ = ["ROUTES"]
 
