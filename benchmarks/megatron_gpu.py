@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import tempfile
 import time
 
@@ -35,13 +34,14 @@ def write_model(path: str) -> None:
     model.save_pretrained(path)
 
 
-def backend_for(path: str, micro_batch: int, steps_of: int, *extra: str):
+def backend_for(path: str, micro_batch: int, steps_of: int, *extra: str, bf16: bool = True):
     from furlong.builtin_plugins.backends.megatron import train_backend
     from furlong.core.config import parse_args
 
     args = parse_args(["--hf-checkpoint", path, "--train-backend", "megatron", "--num-rollout", "100",
                        "--rollout-batch-size", str(steps_of), "--n-samples-per-prompt", "1", "--global-batch-size",
-                       str(steps_of), "--micro-batch-size", str(micro_batch), "--lr", "1e-6", "--bf16", *extra])
+                       str(steps_of), "--micro-batch-size", str(micro_batch), "--lr", "1e-6", *(["--bf16"] if bf16 else []), *extra])
+    args.bf16 = bf16  # --bf16 defaults to on with CUDA
     backend = train_backend(args=args)
     asyncio.run(backend.init(args))
     return backend
@@ -86,14 +86,15 @@ def hf_log_probs(path: str, dtype, batch) -> list:
 
 
 def part_logprobs(path: str) -> dict:
-    """Megatron (bf16 autocast) and HF bf16 log-probs against HF fp32, on 4 random sequences of 512 tokens."""
+    """Megatron (bf16 parameters; and fp32) and HF bf16 log-probs against HF fp32, on 4 random sequences of 512 tokens."""
     torch.backends.cuda.matmul.allow_tf32 = False
     batch = batch_of(4, 512, 16, 4, seed=1)
     ref = hf_log_probs(path, torch.float32, batch)
     hf_bf16 = hf_log_probs(path, torch.bfloat16, batch)
     backend = backend_for(path, 4, 4)
     mine = asyncio.run(backend.log_probs(batch))["log_probs"]
-    backend.args.bf16 = False
+    del backend
+    backend = backend_for(path, 4, 4, bf16=False)
     mine_fp32 = asyncio.run(backend.log_probs(batch))["log_probs"]
     del backend
     torch.cuda.empty_cache()

@@ -301,6 +301,59 @@ def test_backend_trains_like_fsdp(tiny_model_dir):
         torch.testing.assert_close(m_weights[name], tensor, rtol=0, atol=5e-5)
 
 
+def test_bf16_trains_bfloat16_parameters_over_float32_master_weights(tiny_model_dir, tmp_path):
+    """--bf16: bfloat16 model, float32 masters updated by AdamW; the model is the masters rounded; an update
+    below bfloat16 resolution stays in the masters; results are the float32 run's within bfloat16 precision;
+    a checkpoint holds the masters and resumes them bit for bit."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    steps = [[[0, 1], [2, 3]], [[0, 1, 2, 3]]]
+    runs = {}
+    for bf16 in (False, True):
+        backend = megatron_backend(args=train_args(tiny_model_dir, bf16=bf16, lr=1e-3))
+        asyncio.run(backend.init(backend.args))
+        runs[bf16] = backend, asyncio.run(backend.train(0, make_batch(tokenizer, steps, temperature=0.8)))
+    (fp32, m32), (bf, m16) = runs[False], runs[True]
+    assert all(p.dtype == torch.bfloat16 and p.grad is None for p in bf.model.parameters())
+    masters = dict(bf.masters.named_parameters())
+    assert {p.dtype for group in bf.optimizer.param_groups for p in group["params"]} == {torch.float32}
+    assert all(any(p is m for m in masters.values()) for g in bf.optimizer.param_groups for p in g["params"])
+    for name, param in bf.model.named_parameters():
+        assert torch.equal(param, masters[name].to(torch.bfloat16)), name
+    for a, b in zip(m32, m16):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=3e-2)
+        assert b.keys() == a.keys()
+        for key in ("loss", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=3e-2), key
+    f32 = dict(fp32.model.named_parameters())
+    for name, master in masters.items():
+        torch.testing.assert_close(master, f32[name], rtol=0, atol=2e-2)
+
+    tiny = megatron_backend(args=train_args(tiny_model_dir, bf16=True, lr=1e-7))
+    asyncio.run(tiny.init(tiny.args))
+    before = {n: m.detach().clone() for n, m in tiny.masters.named_parameters()}
+    model_before = {n: p.detach().clone() for n, p in tiny.model.named_parameters()}
+    asyncio.run(tiny.train(0, make_batch(tokenizer, [[[0, 1, 2, 3]]])))
+    moved = [n for n, m in tiny.masters.named_parameters() if not torch.equal(m, before[n])]
+    assert moved, "the masters took the small update"
+    assert any(torch.equal(p, model_before[n]) for n, p in tiny.model.named_parameters() if n in moved), \
+        "some update is below bfloat16 resolution: the model does not show it, the master keeps it"
+
+    asyncio.run(bf.save(str(tmp_path / "iter_0000001")))
+    again = megatron_backend(args=train_args(tiny_model_dir, bf16=True, lr=1e-3))
+    asyncio.run(again.init(again.args))
+    asyncio.run(again.load(str(tmp_path / "iter_0000001")))
+    loaded = dict(again.masters.named_parameters())
+    for name, master in masters.items():
+        assert torch.equal(loaded[name], master), name
+    for name, param in again.model.named_parameters():
+        assert torch.equal(param, dict(bf.model.named_parameters())[name]), name
+    as_fp32 = megatron_backend(args=train_args(tiny_model_dir, lr=1e-3))  # the files hold float32 weights
+    asyncio.run(as_fp32.init(as_fp32.args))
+    asyncio.run(as_fp32.load(str(tmp_path / "iter_0000001")))
+    for name, param in as_fp32.model.named_parameters():
+        assert torch.equal(param, masters[name]), name
+
+
 def test_packed_micro_batches_give_the_padded_results(tiny_model_dir):
     """--use-dynamic-batch-size packs micro-batches (thd): same log-probs, entropy and step as padding."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -15,6 +15,7 @@ from . import checkpoint
 from .config import check_model_args, model_shape, padded_vocab_size
 from .convert import export_hf, load_hf, safetensors_stream, units
 from .logprobs import forward_log_probs
+from .master import MasterWeights
 from .model import build_gpt, cpu_shims, init_parallel
 
 __all__ = ["MegatronBackend"]
@@ -41,9 +42,10 @@ class MegatronBackend(StepLoop):
 
     Tensor parallelism through megatron-core's ``parallel_state`` (every TP peer gets the
     same micro-batches); data parallelism over ``world / TP`` ranks with gradients SUMMED
-    (the core's objective already carries the whole step's denominators). Parameters and
-    AdamW state are float32; with ``--bf16`` on CUDA the forward and backward run under
-    bfloat16 autocast.
+    (the core's objective already carries the whole step's denominators). Without
+    ``--bf16`` parameters, gradients and AdamW state are float32; with ``--bf16`` the
+    parameters are bfloat16 and AdamW updates float32 master weights whose gradients
+    accumulate in float32 (:mod:`.master`).
     """
 
     name = "megatron"
@@ -57,6 +59,7 @@ class MegatronBackend(StepLoop):
         self.shape = None
         self.vocab_rows = 0
         self.global_step = 0
+        self.masters: MasterWeights | None = None
         self.world, self.rank, self.tp = 1, 0, 1
         self.device = None
         self._tp_sharded: set[int] = set()
@@ -105,21 +108,22 @@ class MegatronBackend(StepLoop):
         self.vocab_rows = padded_vocab_size(self.shape.vocab_size, self.tp,
                                             getattr(args, "make_vocab_size_divisible_by", None))
         self.model = self._load_model()
-        params = dict(self.model.named_parameters())
+        if self._dtype() != torch.float32:
+            self.masters = MasterWeights(self.model)
+        params = dict(self._trained_parameters())
         self._tp_sharded = {id(params[u.mcore]) for u in units(self.shape) if u.split is not None}
         if getattr(args, "use_kl_loss", False) or getattr(args, "kl_coef", 0.0):
             self.ref_model = self._load_model().requires_grad_(False)
-        self.optimizer = build_optimizer(self.model, args)
+        self.optimizer = build_optimizer(self._trained_parameters(), args)
         self.scheduler = build_scheduler(self.optimizer, args)
         if self.rank == 0:
             log.info("megatron: %s, TP %d, DP %d, vocab rows %d, %s", self.shape.family, self.tp,
-                     self.world // self.tp, self.vocab_rows, "bf16 autocast" if self._autocast() else "fp32")
+                     self.world // self.tp, self.vocab_rows,
+                     "bf16 parameters, fp32 master weights" if self.masters else "fp32")
         return 0
 
     def _load_model(self):
-        import torch
-
-        model = build_gpt(self.shape, self.tp, self.vocab_rows, torch.float32, self.device,
+        model = build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device,
                           **recompute_settings(self.args))
         ref = getattr(self.args, "ref_load", None)
         if is_hf_dir(ref):
@@ -138,12 +142,15 @@ class MegatronBackend(StepLoop):
 
         return parallel_state.get_tensor_model_parallel_rank()
 
-    def _autocast(self):
+    def _dtype(self):
+        """Parameter dtype: bfloat16 with ``--bf16``, else float32."""
         import torch
 
-        if self.device.type == "cuda" and getattr(self.args, "bf16", False):
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return None
+        return torch.bfloat16 if getattr(self.args, "bf16", False) else torch.float32
+
+    def _trained_parameters(self):
+        """``(name, tensor)`` of what the optimizer updates: the float32 masters under ``--bf16``."""
+        return list(self.masters.named_parameters() if self.masters else self.model.named_parameters())
 
     async def _in_thread(self, fn, *args, **kwargs):
         """:meth:`StepLoop._in_thread` inside :func:`~.model.cpu_shims` (megatron-core's CUDA calls on CPU)."""
@@ -162,7 +169,7 @@ class MegatronBackend(StepLoop):
         return forward_log_probs(
             model, [batch.tokens[i] for i in ids], [int(batch.response_lengths[i]) for i in ids], batch.temperature,
             self.device, vocab_size=self.shape.vocab_size, grad=grad, entropy_grad=self._entropy_grad(grad),
-            autocast=self._autocast(), packed=bool(getattr(self.args, "use_dynamic_batch_size", False)),
+            packed=bool(getattr(self.args, "use_dynamic_batch_size", False)),
             chunk_rows=int(getattr(self.args, "log_probs_chunk_size", -1) or -1),
         )
 
@@ -181,6 +188,8 @@ class MegatronBackend(StepLoop):
     def _optimizer_step(self, lr: float) -> None:
         self.optimizer.step()
         self.scheduler.step(1)
+        if self.masters:
+            self.masters.copy_to_model()
 
     def _dp_group(self):
         from megatron.core import parallel_state
@@ -196,7 +205,7 @@ class MegatronBackend(StepLoop):
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for _, p in self._trained_parameters() if p.grad is not None]
         self._freeze_padding_row()
         if self._dp_size() > 1:
             for p in params:
@@ -225,7 +234,8 @@ class MegatronBackend(StepLoop):
     def _freeze_padding_row(self) -> None:
         """Zero the gradient of the embedding row ``pad_token_id``, as HF's ``nn.Embedding(padding_idx=...)``."""
         row = self.shape.padding_idx
-        grad = self.model.embedding.word_embeddings.weight.grad
+        weight = self.model.embedding.word_embeddings.weight
+        grad = (self.masters.master_of(weight) if self.masters else weight).grad
         if row is None or grad is None:
             return
         local = row - self._tp_rank() * grad.shape[0]
@@ -246,8 +256,9 @@ class MegatronBackend(StepLoop):
         """Yield ``(hf_name, tensor)`` one Hugging Face tensor at a time (:func:`~.convert.export_hf`).
 
         A collective over the TP group (sharded parameters are all-gathered): every rank
-        iterates. Tensors are float32, full shape, vocabulary trimmed to the HF size; tied
-        models yield no ``lm_head.weight``. Copy them before the next :meth:`train`.
+        iterates. Tensors are in the parameters' dtype (bfloat16 under ``--bf16``), full
+        shape, vocabulary trimmed to the HF size; tied models yield no ``lm_head.weight``.
+        Copy them before the next :meth:`train`.
         """
         from megatron.core import parallel_state
 
@@ -270,7 +281,7 @@ class MegatronBackend(StepLoop):
         """
         await self._in_thread(
             checkpoint.save_checkpoint, path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            global_step=self.global_step, rank=self.rank, world=self.world, tp=self.tp,
+            masters=self.masters, global_step=self.global_step, rank=self.rank, world=self.world, tp=self.tp,
             save_optim=not getattr(self.args, "no_save_optim", False), device=self.device)
 
     async def load(self, path: str) -> None:
@@ -283,12 +294,13 @@ class MegatronBackend(StepLoop):
         """
         self.global_step = await self._in_thread(
             checkpoint.load_checkpoint, path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            rank=self.rank, world=self.world, load_optim=not getattr(self.args, "no_load_optim", False),
+            masters=self.masters, rank=self.rank, world=self.world, load_optim=not getattr(self.args, "no_load_optim", False),
             load_rng=not getattr(self.args, "no_load_rng", False), device=self.device)
 
 
-def build_optimizer(model, args: Any):
-    """AdamW over the trainable parameters: ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``.
+def build_optimizer(named_parameters, args: Any):
+    """AdamW over ``named_parameters`` (``(name, tensor)`` pairs; those requiring grad are
+    trained): ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``.
 
     Megatron's default decay rule: biases and 1-D parameters (norm scales) get
     ``wd_mult`` 0, which :class:`OptimizerParamScheduler` applies to ``--weight-decay``.
@@ -300,7 +312,7 @@ def build_optimizer(model, args: Any):
     kind = getattr(args, "optimizer", "adam") or "adam"
     if kind != "adam":
         raise PluginError(f"--optimizer {kind!r}: the megatron backend supports adam (AdamW) only.")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named = [(n, p) for n, p in named_parameters if p.requires_grad]
     groups = [{"params": [p for n, p in named if p.ndim >= 2 and not n.endswith(".bias")], "wd_mult": 1.0},
               {"params": [p for n, p in named if p.ndim < 2 or n.endswith(".bias")], "wd_mult": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=float(args.lr),

@@ -9,7 +9,8 @@ SPEC.md 7)::
 The sharded state holds ``model`` (megatron-core's own sharded state dict: layers stacked,
 fc1 saved as the global ``[gate; up]``, so the files do not depend on TP), ``optimizer``
 (AdamW moments as tensors shaped like their parameters, one shared ``step``; absent with
-``--no-save-optim``), ``scheduler`` (``OptimizerParamScheduler.state_dict()``),
+``--no-save-optim``; under ``--bf16`` the weights saved are the float32 master weights
+and the moments are those of the masters), ``scheduler`` (``OptimizerParamScheduler.state_dict()``),
 ``global_step`` and ``rng`` (one object per rank). A checkpoint saved at one TP size loads
 at another: weights and moments are resharded; RNG states are restored only when the
 world size is unchanged.
@@ -86,22 +87,28 @@ def _optimizer_sharded(optimizer, model_sharded: dict) -> dict:
     return state
 
 
-def _sharded(model, optimizer, scheduler, global_step: int, rank: int, world: int, with_optim: bool,
+def _sharded(model, masters, optimizer, scheduler, global_step: int, rank: int, world: int, with_optim: bool,
              rng_world: int | None) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    model_sharded = model.sharded_state_dict()
-    state = {"model": model_sharded, "scheduler": scheduler.state_dict(), "global_step": global_step}
+    def model_sharded():
+        sharded = model.sharded_state_dict()
+        return masters.sharded_state_dict(sharded) if masters is not None else sharded
+
+    state = {"model": model_sharded(), "scheduler": scheduler.state_dict(), "global_step": global_step}
     if with_optim:
-        state["optimizer"] = _optimizer_sharded(optimizer, model.sharded_state_dict())
+        state["optimizer"] = _optimizer_sharded(optimizer, model_sharded())
     if rng_world:
         state["rng"] = ShardedObject("rng", _rng_state(), (rng_world,), (rank,), replica_id=0)
     return state
 
 
 def save_checkpoint(path: str, *, model, optimizer, scheduler, global_step: int, rank: int, world: int, tp: int,
-                    save_optim: bool, device) -> None:
-    """Write the layout above into ``path`` (every rank calls it; a collective)."""
+                    save_optim: bool, device, masters=None) -> None:
+    """Write the layout above into ``path`` (every rank calls it; a collective).
+
+    :param masters: the :class:`~.master.MasterWeights` of a bfloat16 model (saved instead of its weights).
+    """
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -109,7 +116,7 @@ def save_checkpoint(path: str, *, model, optimizer, scheduler, global_step: int,
 
     os.makedirs(path, exist_ok=True)
     dist.barrier()
-    state = _sharded(model, optimizer, scheduler, global_step, rank, world, save_optim, world)
+    state = _sharded(model, masters, optimizer, scheduler, global_step, rank, world, save_optim, world)
     with cpu_shims(device):
         dist_checkpointing.save(state, path)
     if rank == 0:
@@ -137,11 +144,13 @@ def read_meta(path: str) -> dict:
 
 
 def load_checkpoint(path: str, *, model, optimizer, scheduler, rank: int, world: int, load_optim: bool,
-                    load_rng: bool, device) -> int:
+                    load_rng: bool, device, masters=None) -> int:
     """Restore ``path`` into ``model`` (and optimizer, scheduler, RNG); return the saved global step.
 
     :param load_optim: False (``--no-load-optim``) keeps the fresh optimizer and schedule.
     :param load_rng: False (``--no-load-rng``) keeps this process's RNG.
+    :param masters: the :class:`~.master.MasterWeights` of a bfloat16 model: the saved weights
+        load into them (float32), then round into the model.
     :raises PluginError: not a checkpoint of this backend, or one of another model.
     """
     from megatron.core import dist_checkpointing
@@ -156,14 +165,17 @@ def load_checkpoint(path: str, *, model, optimizer, scheduler, rank: int, world:
     if load_rng and not rng_world:
         log.warning("checkpoint %s was saved by %d ranks, this run has %d: RNG states are not restored.", path,
                     meta["world_size"], world)
-    template = _sharded(model, optimizer, scheduler, 0, rank, world, with_optim, rng_world)
+    template = _sharded(model, masters, optimizer, scheduler, 0, rank, world, with_optim, rng_world)
     try:
         with cpu_shims(device):
             loaded = dist_checkpointing.load(template, path)
     except Exception as exc:  # noqa: BLE001 - any reader failure is a bad checkpoint
         raise PluginError(f"checkpoint {path}: cannot load it into this model: {type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
-    model.load_state_dict(loaded["model"], strict=False)
+    if masters is not None:
+        masters.load_loaded(loaded["model"])
+    else:
+        model.load_state_dict(loaded["model"], strict=False)
     if with_optim:
         state = loaded["optimizer"]
         step = state["state"].pop("common_step", None)

@@ -15,7 +15,6 @@ communication: ``d logp_t / d z_v = 1[v = target] - p_v`` and
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any, Sequence
 
 import torch
@@ -144,8 +143,7 @@ def vocab_parallel_log_probs(logits, targets, temperature: float, vocab_size: in
 
 
 def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[int], temperature: float, device, *,
-                      vocab_size: int, grad: bool, entropy_grad: bool, autocast: Any = None,
-                      packed: bool = False, chunk_rows: int = -1) -> tuple[list, list]:
+                      vocab_size: int, grad: bool, entropy_grad: bool, packed: bool = False, chunk_rows: int = -1) -> tuple[list, list]:
     """One GPTModel forward over a micro-batch; response log-probs and entropy per sample.
 
     Padded (``packed=False``): the sequences are right-padded into ``[B, L]``; no attention
@@ -182,7 +180,7 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
     ids = ids.to(device)
     targets = torch.zeros_like(ids)
     targets[:, :-1] = ids[:, 1:]  # across a packed boundary the target is unused: no span ends there
-    with torch.set_grad_enabled(grad), autocast if autocast is not None else nullcontext():
+    with torch.set_grad_enabled(grad):
         logits = model(input_ids=ids, position_ids=None, attention_mask=None, **extra)
         lp, ent = vocab_parallel_log_probs(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), temperature,
                                            vocab_size, entropy_grad=grad and entropy_grad, chunk_rows=chunk_rows)

@@ -114,6 +114,7 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, **extr
     weights (the caller loads them), on ``device``.
 
     :param vocab_rows: embedding/output rows (:func:`~.config.padded_vocab_size`).
+    :param dtype: every parameter's dtype (norm scales included).
     :returns: the model; logits stay vocab-parallel (``[b, s, vocab_rows / tp]``).
     """
     from megatron.core.models.gpt import GPTModel
@@ -131,4 +132,8 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, **extr
                          parallel_output=True, share_embeddings_and_output_weights=shape.tied,
                          position_embedding_type="rope", rotary_percent=1.0, rotary_base=shape.rotary_base,
                          **scaling)
-    return model.to(device)
+    model = model.to(device)
+    for param in model.parameters():  # norm scales too (megatron-core makes them float32), as Float16Module does
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return model
