@@ -170,9 +170,40 @@ def part_recompute(path: str, micro_batch: int, seq: int) -> dict:
     return out
 
 
+def part_kernels(rows: int = 16384, vocab: int = 151936) -> dict:
+    """The vocab-parallel log-prob Function on ``[rows, vocab]`` bfloat16 logits, compiled (CUDA's
+    default) against the same functions run eagerly: the largest differences and the times of
+    forward + backward."""
+    from furlong.builtin_plugins.backends.megatron import logprobs
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    logits = (3 * torch.randn(rows, vocab, generator=g, device="cuda")).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (rows,), generator=g, device="cuda")
+    weights = torch.randn(2, rows, generator=g, device="cuda")
+    out = {}
+    for name, kernel in (("compiled", logprobs._kernel), ("eager", lambda fn, device: fn)):
+        original, logprobs._kernel = logprobs._kernel, kernel
+        try:
+            times = []
+            for _ in range(4):
+                x = logits.detach().requires_grad_(True)
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                lp, ent = logprobs.vocab_parallel_log_probs(x, targets, 0.8, vocab)
+                ((weights[0] * lp).sum() + (weights[1] * ent).sum()).backward()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            out[name] = {"s": min(times[1:]), "lp": lp.detach(), "ent": ent.detach(), "grad": x.grad.float()}
+        finally:
+            logprobs._kernel = original
+    a, b = out["compiled"], out["eager"]
+    return {"rows": rows, "vocab": vocab, "compiled_s": a["s"], "eager_s": b["s"],
+            "max_diff": {k: float((a[k] - b[k]).abs().max()) for k in ("lp", "ent", "grad")}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["all", "logprobs", "mfu", "recompute"], default="all")
+    parser.add_argument("--part", choices=["all", "logprobs", "kernels", "mfu", "recompute"], default="all")
     parser.add_argument("--micro-batch", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--seq", type=int, default=2048)
@@ -190,6 +221,9 @@ def main() -> None:
         if ns.part in ("all", "logprobs"):
             result["logprobs"] = part_logprobs(path)
             print(json.dumps(result["logprobs"]), flush=True)
+        if ns.part in ("all", "kernels"):
+            result["kernels"] = part_kernels()
+            print(json.dumps(result["kernels"]), flush=True)
         if ns.part == "recompute":
             result["recompute"] = part_recompute(path, ns.micro_batch[0], ns.seq)
             print(json.dumps(result["recompute"]), flush=True)

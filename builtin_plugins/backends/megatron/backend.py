@@ -210,14 +210,12 @@ class MegatronBackend(StepLoop):
         if self._dp_size() > 1:
             for p in params:
                 dist.all_reduce(p.grad, group=self._dp_group())
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in params:
-            square = p.grad.detach().double().pow(2).sum()
-            if id(p) in self._tp_sharded:
-                sharded += square
-            else:
-                replicated += square
+        split = [id(p) in self._tp_sharded for p in params]
+        norms = torch.stack(torch._foreach_norm([p.grad.detach() for p in params])).double() if params else \
+            torch.zeros(0, dtype=torch.float64, device=self.device)
+        squares = norms.square()
+        mask = torch.tensor(split, dtype=torch.bool, device=squares.device)
+        sharded, replicated = squares[mask].sum(), squares[~mask].sum()
         if self.tp > 1:
             dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
         norm = float((sharded + replicated).sqrt())
@@ -300,7 +298,7 @@ class MegatronBackend(StepLoop):
 
 def build_optimizer(named_parameters, args: Any):
     """AdamW over ``named_parameters`` (``(name, tensor)`` pairs; those requiring grad are
-    trained): ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``.
+    trained): ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``; the fused CUDA kernel on GPUs.
 
     Megatron's default decay rule: biases and 1-D parameters (norm scales) get
     ``wd_mult`` 0, which :class:`OptimizerParamScheduler` applies to ``--weight-decay``.
@@ -315,8 +313,9 @@ def build_optimizer(named_parameters, args: Any):
     named = [(n, p) for n, p in named_parameters if p.requires_grad]
     groups = [{"params": [p for n, p in named if p.ndim >= 2 and not n.endswith(".bias")], "wd_mult": 1.0},
               {"params": [p for n, p in named if p.ndim < 2 or n.endswith(".bias")], "wd_mult": 0.0}]
+    fused = bool(named) and all(p.is_cuda for _, p in named)  # one kernel for the whole step on CUDA
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=float(args.lr),
-                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=fused or None)
 
 
 def total_steps(args: Any) -> int:

@@ -8,7 +8,9 @@ columns are left out of every sum.
 The work is one autograd Function over row chunks, like megatron-core's fused
 vocab-parallel cross-entropy: the float32 softmax of a chunk lives only while that chunk
 is processed (forward and backward), so the full ``[tokens, vocab]`` float32 tensors are
-never built and the gradient comes back in the logits' dtype. Backward needs no
+never built and the gradient comes back in the logits' dtype. On CUDA each chunk's
+passes are compiled (``torch.compile``) into fused kernels that read the logits once per
+pass instead of materialising float32 intermediates. Backward needs no
 communication: ``d logp_t / d z_v = 1[v = target] - p_v`` and
 ``d H_t / d z_v = -p_v (log p_v + H_t)``, each rank for its own columns.
 """
@@ -42,14 +44,50 @@ def _all_reduce(tensor, op, tp: int, group) -> None:
 
 
 def _scaled(chunk, start: int, vocab_size: int, inv_temperature: float):
-    """Float32 ``z = logits / tau`` of one row chunk, padded columns at -1e30."""
-    z = chunk.to(torch.float32, copy=True)  # a float32 input must not be changed in place
-    if inv_temperature != 1.0:
-        z.mul_(inv_temperature)
-    width = z.shape[-1]
-    if start + width > vocab_size:
-        z[:, max(vocab_size - start, 0):] = _PAD_LOGIT
-    return z
+    """Float32 ``z = logits / tau`` of one row chunk, padded columns at -1e30 (a new tensor)."""
+    z = chunk.float() * inv_temperature
+    columns = torch.arange(z.shape[-1], device=z.device) + start
+    return torch.where(columns < vocab_size, z, _PAD_LOGIT)
+
+
+def _chunk_max(chunk, start: int, vocab_size: int, inv_temperature: float):
+    """Row maxima of this rank's ``z`` ``[rows]``."""
+    return _scaled(chunk, start, vocab_size, inv_temperature).amax(dim=-1)
+
+
+def _chunk_sums(chunk, top, local, mine, start: int, vocab_size: int, inv_temperature: float):
+    """This rank's ``[3, rows]`` float32 ``sum exp(z - top)``, ``z[target] - top`` (0 off its owner)
+    and ``sum exp(z - top) (z - top)``."""
+    z = _scaled(chunk, start, vocab_size, inv_temperature) - top.unsqueeze(-1)
+    exp = z.exp()
+    picked = torch.where(mine, z.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
+    return torch.stack([exp.sum(dim=-1), picked, (exp * z).sum(dim=-1)])
+
+
+def _chunk_grad(chunk, log_norm, entropy, grad_log_probs, grad_entropy, local, mine, start: int, vocab_size: int,
+                inv_temperature: float):
+    """d loss / d logits of one chunk, in the logits' dtype:
+    ``(1[v = target] - p_v) g_logp - p_v (log p_v + H) g_H``, times ``1 / tau``."""
+    log_p = _scaled(chunk, start, vocab_size, inv_temperature) - log_norm.unsqueeze(-1)
+    p = log_p.exp()
+    out = -p * (grad_log_probs.unsqueeze(-1) + (log_p + entropy.unsqueeze(-1)) * grad_entropy.unsqueeze(-1))
+    columns = torch.arange(chunk.shape[-1], device=chunk.device)
+    hit = (columns == local.unsqueeze(-1)) & mine.unsqueeze(-1)
+    out = out + torch.where(hit, grad_log_probs.unsqueeze(-1), 0.0)
+    return (out * inv_temperature).to(chunk.dtype)
+
+
+_compiled: dict = {}
+
+
+def _kernel(fn, device):
+    """``fn`` compiled with ``torch.compile`` on CUDA (each chunk's passes fuse into kernels that
+    read the logits once); elsewhere ``fn`` itself. The arithmetic is the same either way."""
+    if device.type != "cuda":
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=True)
+    return _compiled[fn]
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
@@ -63,21 +101,14 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         log_norm = torch.empty(rows, dtype=torch.float32, device=logits.device)
         log_probs = torch.empty_like(log_norm)
         entropy = torch.empty_like(log_norm)
+        chunk_max, chunk_sums = _kernel(_chunk_max, logits.device), _kernel(_chunk_sums, logits.device)
+        local, mine = _local_targets(targets, start, width)
         step = _rows_per_chunk(chunk_rows, width)
         for a in range(0, rows, step):
             b = min(rows, a + step)
-            z = _scaled(logits[a:b], start, vocab_size, inv_temperature)
-            top = z.max(dim=-1).values
+            top = chunk_max(logits[a:b], start, vocab_size, inv_temperature)
             _all_reduce(top, dist.ReduceOp.MAX, tp, group)
-            z.sub_(top.unsqueeze(-1))
-            exp = z.exp()
-            total = exp.sum(dim=-1)
-            local = targets[a:b].long() - start
-            mine = (local >= 0) & (local < width)
-            picked = z.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
-            picked = torch.where(mine, picked, torch.zeros_like(picked))
-            weighted = exp.mul_(z).sum(dim=-1)
-            stats = torch.stack([total, picked, weighted])
+            stats = chunk_sums(logits[a:b], top, local[a:b], mine[a:b], start, vocab_size, inv_temperature)
             _all_reduce(stats, dist.ReduceOp.SUM, tp, group)
             total, picked, weighted = stats
             log_total = total.log()
@@ -96,25 +127,24 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         rows, width = logits.shape
         start = tp_rank * width
         grad = torch.empty_like(logits)
+        zeros = torch.zeros_like(log_norm)
+        grad_log_probs = zeros if grad_log_probs is None else grad_log_probs
+        grad_entropy = zeros if grad_entropy is None else grad_entropy
+        chunk_grad = _kernel(_chunk_grad, logits.device)
+        local, mine = _local_targets(targets, start, width)
         step = _rows_per_chunk(ctx.chunk_rows, width)
         for a in range(0, rows, step):
             b = min(rows, a + step)
-            log_p = _scaled(logits[a:b], start, ctx.vocab_size, ctx.inv_temperature).sub_(log_norm[a:b, None])
-            p = log_p.exp()
-            out = torch.zeros_like(p)
-            if grad_entropy is not None:
-                out = log_p.add_(entropy[a:b, None]).mul_(p).mul_(-grad_entropy[a:b, None])
-            if grad_log_probs is not None:
-                g = grad_log_probs[a:b, None]
-                out.sub_(p * g)
-                local = targets[a:b].long() - start
-                mine = (local >= 0) & (local < width)
-                rows_mine = torch.nonzero(mine).squeeze(-1)
-                out[rows_mine, local[rows_mine]] += g[rows_mine, 0]
-            if ctx.inv_temperature != 1.0:
-                out.mul_(ctx.inv_temperature)
-            grad[a:b] = out
+            grad[a:b] = chunk_grad(logits[a:b], log_norm[a:b], entropy[a:b], grad_log_probs[a:b], grad_entropy[a:b],
+                                   local[a:b], mine[a:b], start, ctx.vocab_size, ctx.inv_temperature)
         return grad, None, None, None, None
+
+
+def _local_targets(targets, start: int, width: int):
+    """Each target's column in this rank's slice (clamped) and whether this rank owns it."""
+    local = targets.long() - start
+    mine = (local >= 0) & (local < width)
+    return local.clamp(0, width - 1), mine
 
 
 def _rows_per_chunk(chunk_rows: int, width: int) -> int:
