@@ -136,7 +136,7 @@ def bench_grpo(folder: Path, opts, out: Path) -> dict:
            "--num-rollout", str(opts.rollouts), "--rollout-batch-size", str(n_prompts),
            "--n-samples-per-prompt", str(group), "--global-batch-size", str(n_prompts * group),
            "--rollout-max-response-len", str(opts.new_tokens),
-           "--embedded-max-batch-size", str(n_prompts * group), "--lr", "1e-6", "--bf16",
+           "--embedded-max-batch-size", str(n_prompts * group), "--lr", "1e-6", "--bf16", "--train-backend", "fsdp",
            "--log-dir", str(out / "logs"), *opts.train_flags]
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H200: 989)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["engine", "generate", "grpo"])
     parser.add_argument("--train-flags", nargs=argparse.REMAINDER, default=[],
-                        help="extra furlong train flags (last on the line)")
+                        help="extra furlong train flags (last on the line; e.g. --train-backend megatron)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)

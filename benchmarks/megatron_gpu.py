@@ -175,7 +175,9 @@ def part_kernels(rows: int = 16384, vocab: int = 151936) -> dict:
     default) against the same functions run eagerly: the largest differences and the times of
     forward + backward."""
     from furlong.builtin_plugins.backends.megatron import logprobs
+    from furlong.builtin_plugins.backends.megatron.model import init_parallel
 
+    init_parallel(1, torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(5)
     logits = (3 * torch.randn(rows, vocab, generator=g, device="cuda")).to(torch.bfloat16)
     targets = torch.randint(0, vocab, (rows,), generator=g, device="cuda")
@@ -201,6 +203,47 @@ def part_kernels(rows: int = 16384, vocab: int = 151936) -> dict:
             "max_diff": {k: float((a[k] - b[k]).abs().max()) for k in ("lp", "ent", "grad")}}
 
 
+def part_packed_attention(samples: int = 256, seed: int = 6) -> dict:
+    """Packed (thd) attention of ``samples`` sequences of 128-384 tokens at the 0.5B head shape:
+    one ``varlen_attn`` call (CUDA, bf16) against one SDPA call per sequence; output difference and times."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from furlong.builtin_plugins.backends.megatron.attention import SDPACoreAttention
+    from furlong.builtin_plugins.backends.megatron.config import model_shape
+    from furlong.builtin_plugins.backends.megatron.model import transformer_config
+    from transformers import Qwen2Config
+
+    shape = model_shape(Qwen2Config(**QWEN25_05B))
+    attention = SDPACoreAttention(transformer_config(shape, 1, torch.bfloat16, torch.device("cuda")))
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(128, 385, (samples,), generator=g).tolist()
+    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    t, heads, groups, d = sum(lengths), shape.num_attention_heads, shape.num_query_groups, shape.kv_channels
+    q = torch.randn(t, heads, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(t, groups, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def loop():
+        cuts = bounds.tolist()
+        return torch.cat([attention._causal(q[a:b, None], k[a:b, None], v[a:b, None])
+                          for a, b in zip(cuts[:-1], cuts[1:])]).squeeze(1)
+
+    def timed(fn):
+        out, best = None, float("inf")
+        for _ in range(4):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = fn()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return out, best
+
+    (packed, packed_s), (looped, loop_s) = timed(lambda: attention(q, k, v, packed_seq_params=params)), timed(loop)
+    return {"tokens": t, "varlen_s": packed_s, "loop_s": loop_s,
+            "max_diff": float((packed.float() - looped.float()).abs().max())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["all", "logprobs", "kernels", "mfu", "recompute"], default="all")
@@ -222,7 +265,7 @@ def main() -> None:
             result["logprobs"] = part_logprobs(path)
             print(json.dumps(result["logprobs"]), flush=True)
         if ns.part in ("all", "kernels"):
-            result["kernels"] = part_kernels()
+            result["kernels"] = part_kernels() | {"packed_attention": part_packed_attention()}
             print(json.dumps(result["kernels"]), flush=True)
         if ns.part == "recompute":
             result["recompute"] = part_recompute(path, ns.micro_batch[0], ns.seq)

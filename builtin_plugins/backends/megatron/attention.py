@@ -17,6 +17,19 @@ from megatron.core.transformer.module import MegatronModule
 __all__ = ["SDPACoreAttention"]
 
 
+def _varlen_has_gqa() -> bool:
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+_VARLEN_GQA = _varlen_has_gqa()
+
+
 class SDPACoreAttention(MegatronModule):
     """Causal grouped-query attention through torch SDPA (flash / memory-efficient kernels on GPU).
 
@@ -40,17 +53,37 @@ class SDPACoreAttention(MegatronModule):
         :param value: like ``key``.
         :param attention_mask: must be None (causal); a mask raises ``ValueError``.
         :param packed_seq_params: ``PackedSeqParams`` with ``cu_seqlens_q`` for ``thd``
-            input: each sequence attends only to itself.
+            input: each sequence attends only to itself (one ``varlen_attn`` flash call on CUDA
+            in bfloat16/float16, else one SDPA call per sequence).
         :returns: ``[s, b, heads*d]`` (``[t, heads*d]`` packed), the query's dtype.
         """
         if attention_mask is not None:
             raise ValueError("SDPACoreAttention is causal only; call the model with attention_mask=None.")
         if packed_seq_params is not None:
+            if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+                return self._varlen_causal(query, key, value, packed_seq_params)
             bounds = packed_seq_params.cu_seqlens_q.tolist()
             parts = [self._causal(query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1))
                      for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
             return torch.cat(parts, dim=0).squeeze(1) if parts else query.new_zeros(0, query.shape[1] * query.shape[2])
         return self._causal(query, key, value)
+
+    def _varlen_causal(self, query, key, value, params):
+        """Packed sequences in one flash-attention call (torch's ``varlen_attn``, CUDA, 16-bit);
+        key/value heads are repeated per query head where this torch's ``varlen_attn`` has no
+        ``enable_gqa`` (torch 2.11)."""
+        from torch.nn.attention.varlen import varlen_attn
+
+        tokens, heads, d = query.shape
+        extra = {}
+        if key.shape[1] != heads:
+            if _VARLEN_GQA:
+                extra["enable_gqa"] = True
+            else:
+                key, value = (x.repeat_interleave(heads // key.shape[1], dim=1) for x in (key, value))
+        out = varlen_attn(query, key, value, params.cu_seqlens_q, params.cu_seqlens_kv, int(params.max_seqlen_q),
+                          int(params.max_seqlen_kv), scale=self.scale, window_size=(-1, 0), **extra)
+        return out.reshape(tokens, heads * d)
 
     def _causal(self, query, key, value):
         s, b, heads, d = query.shape

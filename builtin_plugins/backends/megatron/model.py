@@ -83,7 +83,9 @@ def cpu_shims(device):
 
 def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
     """megatron-core ``TransformerConfig`` of ``shape`` (MEGATRON.md 1.1): RMSNorm, SwiGLU, no
-    dropout, no biases but q/k/v's where the family has them, fused kernels off.
+    dropout, no biases but q/k/v's where the family has them; of the fused kernels only
+    megatron-core's SwiGLU (compiled by torch) and only on CUDA (TransformerEngine and Apex
+    ones are not used).
 
     :param dtype: parameter dtype (``torch.float32`` or ``torch.bfloat16``).
     :param extra: more or replaced ``TransformerConfig`` fields (recompute settings;
@@ -99,7 +101,7 @@ def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
         kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        bias_activation_fusion=device.type == "cuda", bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True, tensor_model_parallel_size=tp, sequence_parallel=False,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=device.type != "cuda",
