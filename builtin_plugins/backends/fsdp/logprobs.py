@@ -7,7 +7,8 @@ backward pass instead of kept (activation checkpointing of the projection and th
 log-softmax), so no ``[B, L, V]`` logits tensor exists in any dtype. Models whose logits are
 not a plain projection of the last hidden state (a final soft-cap, a logit scale) and
 models sharded by FSDP2 (whose root forward gathers the projection) take the whole-logits
-path.
+path. When samples of the micro-batch share a prompt, the decoder runs each distinct prompt
+once and each response against its cached keys and values (:mod:`.shared_prompts`).
 """
 
 from __future__ import annotations
