@@ -4,15 +4,16 @@ log-probs, entropy and parameter gradients equal those of one pass over every wh
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from furlong.builtin_plugins.backends.fsdp import logprobs, shared_prompts
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_model import run_two_ranks  # noqa: E402
+
+from furlong.builtin_plugins.backends.fsdp import logprobs, shared_prompts  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -179,12 +180,7 @@ def test_models_that_cannot_share_say_why(case):
 @pytest.mark.timeout(240)
 def test_two_rank_fsdp2_shares_prompts(tiny_model_dir, tmp_path):
     """Two gloo ranks, FSDP2-sharded: each rank's shared-prompt pass gives the unshared log-probs and gradients."""
-    worker = Path(__file__).with_name("fsdp_shared_prompts_two_ranks.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
-           str(tiny_model_dir), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_two_ranks("fsdp_shared_prompts_two_ranks.py", str(tiny_model_dir), str(tmp_path))
     for rank in (0, 1):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert result["shared_calls"] == 1

@@ -107,7 +107,7 @@ def sharing_off_reason(model, grad: bool) -> str | None:
     attention = getattr(config, "_attn_implementation", None)
     if attention not in ATTENTION_IMPLEMENTATIONS:
         return f"attention {attention!r} (prompt sharing runs under {' or '.join(sorted(ATTENTION_IMPLEMENTATIONS))})"
-    if grad and base.training and getattr(base, "is_gradient_checkpointing", False):
+    if grad and base.training and _checkpointing(base):
         return "--gradient-checkpointing drops the key/value cache in training passes"
     if any(type(layer) is not DynamicLayer for layer in getattr(DynamicCache(config=config), "layers", [])):
         return "the model has sliding-window or other non-full attention layers"
@@ -177,6 +177,13 @@ def shared_forward(model, decoder, shared: SharedPrompts, device):
         # through that layer's cached keys and values. A zero-weighted term makes it run; the values are unchanged.
         return out.logits + 0.0 * first.logits.sum(), ids
     return out.logits, ids
+
+
+def _checkpointing(model) -> bool:
+    """Whether activation (gradient) checkpointing is on: transformers' property, renamed in 5.2x."""
+    if hasattr(type(model), "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
 def _cache_kwarg(module) -> tuple[str, bool]:
