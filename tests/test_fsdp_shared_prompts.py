@@ -141,7 +141,8 @@ def test_bf16_autocast_stays_close():
         assert torch.cosine_similarity(g_a[name].flatten(), g_b[name].flatten(), dim=0) > 0.99, name
 
 
-def test_gradient_checkpointing_shares_only_passes_without_grad(counted, caplog, monkeypatch):
+def test_gradient_checkpointing_shares_only_in_eval_mode(counted, caplog, monkeypatch):
+    """The backend trains in train mode (checkpointed layers drop the cache) and computes log-probs in eval mode."""
     monkeypatch.setattr(shared_prompts, "_logged", set())  # the choice is logged once per process
     model = _tiny("llama")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -151,6 +152,7 @@ def test_gradient_checkpointing_shares_only_passes_without_grad(counted, caplog,
         _assert_same(_run(model, tokens, lengths, share=True, grad=True),
                      _run(model, tokens, lengths, share=False, grad=True), lengths)
         assert counted == []
+        model.eval()
         _assert_same(_run(model, tokens, lengths, share=True, grad=False),
                      _run(model, tokens, lengths, share=False, grad=False), lengths)
         assert counted == [len(tokens)]
@@ -162,7 +164,7 @@ def test_gradient_checkpointing_shares_only_passes_without_grad(counted, caplog,
 @pytest.mark.parametrize("case", ["eager_attention", "sliding_window", "other_model_type"])
 def test_models_that_cannot_share_say_why(case):
     if case == "eager_attention":
-        assert shared_prompts.sharing_off_reason(_tiny("llama", attention="eager"), grad=True) is None
+        assert shared_prompts.sharing_off_reason(_tiny("llama", attention="eager")) is None
         return
     if case == "sliding_window":
         model = _tiny("mistral")
@@ -174,7 +176,7 @@ def test_models_that_cannot_share_say_why(case):
 
         model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=VOCAB))
         expected = "model type 'gpt2' is not one of llama, mistral, qwen2, qwen3, qwen3_moe"
-    assert shared_prompts.sharing_off_reason(model, grad=False) == expected
+    assert shared_prompts.sharing_off_reason(model) == expected
 
 
 @pytest.mark.timeout(240)

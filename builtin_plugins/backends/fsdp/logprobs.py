@@ -107,7 +107,7 @@ def forward_log_probs(
     split = _split_head(model)
     shared = shared_prompts.plan_sharing(seqs, response_lengths) if share_prompts else None
     if shared is not None:
-        reason = shared_prompts.sharing_off_reason(model, grad)
+        reason = shared_prompts.sharing_off_reason(model)
         shared_prompts.log_choice(reason)
         shared = None if reason else shared
     with torch.set_grad_enabled(grad), autocast if autocast is not None else nullcontext():

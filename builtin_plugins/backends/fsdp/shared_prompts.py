@@ -91,14 +91,19 @@ def plan_sharing(seqs: Sequence[Any], response_lengths: Sequence[int]) -> Shared
     return SharedPrompts(prefixes=prefixes, owner=owner, suffixes=suffixes)
 
 
-def sharing_off_reason(model, grad: bool) -> str | None:
-    """Why prompt sharing cannot run on ``model`` (a peft wrapper is looked through), or None when it can.
+def sharing_off_reason(model) -> str | None:
+    """Why prompt sharing cannot run on ``model`` now (a peft wrapper is looked through), or None when it can.
 
-    :param grad: the pass keeps an autograd graph (under gradient checkpointing the decoder
-        layers drop the cache in such passes, so they cannot share).
+    A model in train mode with gradient checkpointing on cannot: its decoder layers drop the
+    cache (transformers before 5.2x drops it even without grad). The fsdp backend runs its
+    log-prob passes in eval mode, so only its training passes lose sharing.
     """
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    import transformers
 
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+    except ImportError:
+        return f"transformers {transformers.__version__} has no per-layer key/value cache (DynamicLayer)"
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -107,7 +112,7 @@ def sharing_off_reason(model, grad: bool) -> str | None:
     attention = getattr(config, "_attn_implementation", None)
     if attention not in ATTENTION_IMPLEMENTATIONS:
         return f"attention {attention!r} (prompt sharing runs under {' or '.join(sorted(ATTENTION_IMPLEMENTATIONS))})"
-    if grad and base.training and _checkpointing(base):
+    if base.training and _checkpointing(base):
         return "--gradient-checkpointing drops the key/value cache in training passes"
     if any(type(layer) is not DynamicLayer for layer in getattr(DynamicCache(config=config), "layers", [])):
         return "the model has sliding-window or other non-full attention layers"
