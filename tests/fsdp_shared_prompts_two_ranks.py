@@ -2,8 +2,9 @@
 
 Usage: ``torchrun --standalone --nproc_per_node 2 fsdp_shared_prompts_two_ranks.py HF_DIR OUT_DIR``. Each rank
 runs a micro-batch of its own (two prompts, three samples each) through the FSDP2-sharded model with and
-without prompt sharing, a forward and backward each, and writes both results (log-probs, entropy, the full
-parameter gradients) and how many passes shared prompts to ``OUT_DIR/rank<r>.pt``.
+without prompt sharing, a forward and backward each, then once more where only rank 0's micro-batch could
+share, and writes the results (log-probs, entropy, the full parameter gradients) and how many passes shared
+prompts to ``OUT_DIR/rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ async def main(hf_dir: str, out: Path) -> None:
             lengths.append(k)
     result = {"shared": run(backend.model, tokens, lengths, True), "unshared": run(backend.model, tokens, lengths, False),
               "lengths": lengths, "shared_calls": len(calls)}
+    # rank 0's micro-batch shares, rank 1's does not: both run the one-pass path (same collectives)
+    mixed = run(backend.model, tokens if rank == 0 else tokens[::3], lengths if rank == 0 else lengths[::3], True)
+    result.update(mixed=mixed, mixed_calls=len(calls) - result["shared_calls"])
     torch.save(result, out / f"rank{rank}.pt")
     dist.destroy_process_group()
 

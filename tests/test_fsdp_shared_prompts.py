@@ -181,9 +181,13 @@ def test_models_that_cannot_share_say_why(case):
 
 @pytest.mark.timeout(240)
 def test_two_rank_fsdp2_shares_prompts(tiny_model_dir, tmp_path):
-    """Two gloo ranks, FSDP2-sharded: each rank's shared-prompt pass gives the unshared log-probs and gradients."""
+    """Two gloo ranks, FSDP2-sharded: each rank's shared-prompt pass gives the unshared log-probs and gradients;
+    a micro-batch shares only when every rank's does (each pass all-gathers every layer on all ranks)."""
     run_two_ranks("fsdp_shared_prompts_two_ranks.py", str(tiny_model_dir), str(tmp_path))
     for rank in (0, 1):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert result["shared_calls"] == 1
         _assert_same(result["shared"], result["unshared"], result["lengths"])
+        assert result["mixed_calls"] == 0  # only rank 0 could share, so neither did
+        if rank == 0:  # (the gradients, summed over ranks, include rank 1's other micro-batch)
+            _assert_same(result["mixed"][:2] + (None,), result["unshared"][:2] + (None,), result["lengths"])

@@ -110,6 +110,8 @@ def forward_log_probs(
         reason = shared_prompts.sharing_off_reason(model)
         shared_prompts.log_choice(reason)
         shared = None if reason else shared
+    if not shared_prompts.all_ranks_share(shared is not None, model, device):
+        shared = None
     with torch.set_grad_enabled(grad), autocast if autocast is not None else nullcontext():
         if shared is not None:  # out[i, k] predicts ids[i, k + 1]; the response starts at k = 1
             out, ids = shared_prompts.shared_forward(model, None if split is None else split[0], shared, device)

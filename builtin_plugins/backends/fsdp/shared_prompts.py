@@ -32,8 +32,8 @@ from typing import Any, Sequence
 
 import attrs
 
-__all__ = ["ATTENTION_IMPLEMENTATIONS", "MODEL_TYPES", "SharedPrompts", "plan_sharing", "shared_forward",
-           "sharing_off_reason"]
+__all__ = ["ATTENTION_IMPLEMENTATIONS", "MODEL_TYPES", "SharedPrompts", "all_ranks_share", "log_choice",
+           "plan_sharing", "shared_forward", "sharing_off_reason"]
 
 log = logging.getLogger("furlong.backends.fsdp")
 
@@ -119,8 +119,31 @@ def sharing_off_reason(model) -> str | None:
     return None
 
 
+def all_ranks_share(share: bool, model, device) -> bool:
+    """``share`` where every rank of an FSDP2-sharded ``model`` also shares, else False (a MIN all-reduce).
+
+    Each forward pass of a sharded model all-gathers every layer's parameters on all ranks, so
+    the ranks must run the same passes: one pass everywhere, or two everywhere. An unsharded
+    model (one process) returns ``share`` without communicating.
+    """
+    import torch
+    import torch.distributed as dist
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    sharded = hasattr(model, "unshard") or hasattr(base, "unshard")  # fully_shard on the root (peft or not)
+    if not (sharded and dist.is_available() and dist.is_initialized()):
+        return share
+    flag = torch.tensor([1 if share else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def log_choice(reason: str | None) -> None:
-    """Log, once per process and reason, whether micro-batches with shared prompts share them."""
+    """Log, once per process and reason, whether micro-batches with shared prompts share them (rank 0 only)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
     message = ("fsdp: samples that share a prompt run it once per micro-batch (prompt sharing)" if reason is None
                else f"fsdp: prompt sharing is off ({reason}); every sample runs its whole sequence")
     if message not in _logged:
