@@ -6,8 +6,6 @@ import asyncio
 import json
 import logging
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_model import TWO_RANK_FLAGS, make_batch, train_args  # noqa: E402
+from tiny_model import TWO_RANK_FLAGS, make_batch, run_two_ranks, train_args  # noqa: E402
 
 from furlong.builtin_plugins.backends.fsdp import FSDPBackend, train_backend  # noqa: E402
 from furlong.builtin_plugins.backends.fsdp.schedule import LRSchedule, lr_at  # noqa: E402
@@ -294,12 +292,7 @@ def test_two_rank_fsdp2_matches_one_process(tiny_dir, tmp_path):
     The objective divides by the global batch size (4) on each rank, so the ranks'
     gradients must be summed, not averaged (FSDP2 divide factor 1).
     """
-    worker = Path(__file__).with_name("fsdp_two_ranks.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
-           str(tiny_dir), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_two_ranks("fsdp_two_ranks.py", str(tiny_dir), str(tmp_path))
     dist_result = torch.load(tmp_path / "rank0.pt", weights_only=True)
 
     single = _backend(tiny_dir, **TWO_RANK_FLAGS)

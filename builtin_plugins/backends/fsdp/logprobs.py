@@ -7,7 +7,8 @@ backward pass instead of kept (activation checkpointing of the projection and th
 log-softmax), so no ``[B, L, V]`` logits tensor exists in any dtype. Models whose logits are
 not a plain projection of the last hidden state (a final soft-cap, a logit scale) and
 models sharded by FSDP2 (whose root forward gathers the projection) take the whole-logits
-path.
+path. When samples of the micro-batch share a prompt, the decoder runs each distinct prompt
+once and each response against its cached keys and values (:mod:`.shared_prompts`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from contextlib import nullcontext
 from typing import Any, Sequence
 
 from furlong.hooks.trainer import right_padded
+
+from . import shared_prompts
 
 __all__ = ["VOCAB_CHUNK_TOKENS", "chunked_log_probs", "chunked_token_log_probs", "forward_log_probs", "token_log_probs"]
 
@@ -75,8 +78,14 @@ def forward_log_probs(
     entropy_grad: bool,
     autocast: Any = None,
     chunk_size: int = -1,
+    share_prompts: bool = True,
 ) -> tuple[list, list]:
-    """One forward pass over a right-padded micro-batch; per-sample response log-probs and entropy.
+    """Forward passes over a micro-batch; per-sample response log-probs and entropy.
+
+    One pass over the right-padded sequences, or, when samples share a prompt (GRPO groups)
+    and the model takes it, prompt sharing: each distinct prompt once, then every sample's
+    response against its prompt's key/value cache (:mod:`.shared_prompts`; same values and
+    gradients up to float rounding).
 
     :param model: a causal LM returning ``.logits`` ``[B, L, V]``.
     :param tokens: B sequences of prompt + response ids (lists or int tensors).
@@ -88,33 +97,44 @@ def forward_log_probs(
     :param chunk_size: rows of the output projection and log-softmax computed at once
         (``--log-probs-chunk-size``; <= 0: :data:`VOCAB_CHUNK_TOKENS` on the split-head path, one
         pass on the whole-logits path). The values do not depend on it.
+    :param share_prompts: False always takes the one-pass path.
     :returns: ``(log_probs, entropy)``: B float32 tensors ``[T_i]`` each.
     :raises ValueError: a sample whose response starts at position 0 (no previous token).
     """
     import torch
 
     seqs, ids = right_padded(tokens, response_lengths)
-    mask = torch.zeros_like(ids)
-    for i, seq in enumerate(seqs):
-        mask[i, : len(seq)] = 1
-    ids, mask = ids.to(device), mask.to(device)
     split = _split_head(model)
+    shared = shared_prompts.plan_sharing(seqs, response_lengths) if share_prompts else None
+    if shared is not None:
+        reason = shared_prompts.sharing_off_reason(model)
+        shared_prompts.log_choice(reason)
+        shared = None if reason else shared
+    if not shared_prompts.all_ranks_share(shared is not None, model, device):
+        shared = None
     with torch.set_grad_enabled(grad), autocast if autocast is not None else nullcontext():
-        if split is None:
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        if shared is not None:  # out[i, k] predicts ids[i, k + 1]; the response starts at k = 1
+            out, ids = shared_prompts.shared_forward(model, None if split is None else split[0], shared, device)
+            rows = [(i, 0, t) for i, t in enumerate(response_lengths)]
         else:
-            decoder, head = split
-            hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-    rows = [(i, len(seq), t) for i, (seq, t) in enumerate(zip(seqs, response_lengths))]
+            mask = torch.zeros_like(ids)
+            for i, seq in enumerate(seqs):
+                mask[i, : len(seq)] = 1
+            ids = ids.to(device)
+            if split is None:
+                out = model(input_ids=ids, attention_mask=mask.to(device), use_cache=False).logits
+            else:
+                out = split[0](input_ids=ids, attention_mask=mask.to(device), use_cache=False).last_hidden_state
+            rows = [(i, len(seq) - t - 1, t) for i, (seq, t) in enumerate(zip(seqs, response_lengths))]
     with torch.set_grad_enabled(grad):
         if split is None:
-            pairs = [chunked_token_log_probs(logits[i, n - t - 1 : n - 1], ids[i, n - t : n], temperature,
+            pairs = [chunked_token_log_probs(out[i, s : s + t], ids[i, s + 1 : s + t + 1], temperature,
                                              entropy_grad=grad and entropy_grad, chunk_size=chunk_size)
-                     for i, n, t in rows]
+                     for i, s, t in rows]
             return [p[0] for p in pairs], [p[1] for p in pairs]
-        states = torch.cat([hidden[i, n - t - 1 : n - 1] for i, n, t in rows])
-        targets = torch.cat([ids[i, n - t : n] for i, n, t in rows])
-        log_probs, entropy = chunked_log_probs(head, states, targets, temperature, autocast=autocast,
+        states = torch.cat([out[i, s : s + t] for i, s, t in rows])
+        targets = torch.cat([ids[i, s + 1 : s + t + 1] for i, s, t in rows])
+        log_probs, entropy = chunked_log_probs(split[1], states, targets, temperature, autocast=autocast,
                                                entropy_grad=grad and entropy_grad,
                                                chunk=chunk_size if chunk_size > 0 else None)
     sizes = [t for _, _, t in rows]
