@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 from furlong.hooks import LossInput, LossOutput, PluginError, TrainBatch
 from furlong.hooks.contract import check_loss_output, check_loss_reducer_output
+from furlong.hooks.masked import MaskedSum
 
 from . import reduction
 from .selection import chosen_reducer
@@ -174,15 +175,16 @@ class StepObjective:
         out = await self.pm.call_chosen("loss", self.loss_name, self.loss_flag, args=self.args, batch=loss_input)
         self._check_output(out, masks)
         weights = reduction.sample_weights(sample_ids, self.sample_denominators, step, self.per_token)
+        reduce = MaskedSum(masks, weights)  # reduction.reduce_tokens, the masks and weights built once
         names = list(out.token_metrics)
-        reduced = [reduction.reduce_tokens([v.detach() for v in out.token_metrics[k]], masks, weights) for k in names]
+        reduced = [reduce([v.detach() for v in out.token_metrics[k]]) for k in names]
         metrics = dict(zip(names, torch.stack(reduced).tolist())) if reduced else {}
         if self.reducer is None:
-            total = reduction.reduce_tokens(out.token_loss, masks, weights)
+            total = reduce(out.token_loss)
         else:
             pg = await self._reduced_pg(out, sample_ids, masks, step)
             rest = [t - p for t, p in zip(out.token_loss, out.token_metrics["pg_loss"])]
-            total = pg + reduction.reduce_tokens(rest, masks, weights)
+            total = pg + reduce(rest)
             metrics["pg_loss"] = float(pg.detach())
         metrics["loss"] = float(total.detach())
         return total, metrics
