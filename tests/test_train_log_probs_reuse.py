@@ -106,3 +106,20 @@ def test_two_data_parallel_ranks_reusing_pi_old_reproduce_one_process_with_the_s
         for key in COMPARED:
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
         assert b["perf/log_probs_time"] == 0.0 < a["perf/log_probs_time"]
+
+
+def test_the_fsdp_backend_says_when_its_training_forward_differs_from_its_log_prob_pass(tiny_model_dir):
+    from furlong.builtin_plugins.backends.fsdp import train_backend
+
+    from .tiny_model import train_args
+
+    def gives(attention_dropout=0.0, **flags):
+        backend = train_backend(args=train_args(tiny_model_dir, **flags))
+        asyncio.run(backend.init(backend.args))
+        backend.model.config.attention_dropout = attention_dropout
+        return backend.train_forward_gives_old_log_probs()
+
+    assert gives() and gives(gradient_checkpointing=True)  # the tiny model has no dropout
+    assert gives(0.1) and not gives(0.1, gradient_checkpointing=True)  # dropout acts only in train mode
+    assert gives(lora_rank=4, lora_alpha=8, lora_dropout=0.0, target_modules=None, exclude_modules=None)
+    assert not gives(lora_rank=4, lora_alpha=8, lora_dropout=0.1, target_modules=None, exclude_modules=None)
