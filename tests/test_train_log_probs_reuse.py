@@ -12,14 +12,14 @@ COMPARED = ("train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/entropy
 
 
 def _demo_run(save: Path, *extra: str) -> list[dict]:
-    """Three rollouts of the demo task, one optimizer step each over four micro-batches."""
+    """Rollouts of the demo task (``extra`` gives their number), one optimizer step each over four micro-batches."""
     from furlong.core.config import parse_args
     from furlong.core.loop import run
     from furlong.core.plugins import get_plugin_manager
     from furlong.core.selection import resolve_selection
 
     argv = ["--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
-            "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--num-rollout", "3",
+            "--input-key", "prompt", "--label-key", "label", "--rm-type", "math",
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
             "--rollout-max-response-len", "12", "--lr", "1e-4", "--entropy-coef", "0.01", "--micro-batch-size", "4",
             "--save", str(save), "--save-interval", "1000", "--seed", "1", *extra]
@@ -29,12 +29,18 @@ def _demo_run(save: Path, *extra: str) -> list[dict]:
     return [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_reused_pi_old_gives_the_losses_grad_norms_rewards_and_metrics_of_the_separate_pass(tmp_path, caplog):
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_reused_pi_old_gives_the_losses_grad_norms_rewards_and_metrics_of_the_separate_pass(tmp_path, caplog, backend):
+    if backend == "megatron":
+        pytest.importorskip("megatron.core", reason="the megatron extra (megatron-core) is not installed")
     caplog.set_level("INFO", logger="furlong.train")
-    reused = [r for r in _demo_run(tmp_path / "reuse") if "rollout/step" in r]
+    rollouts = "3" if backend == "fsdp" else "2"
+    reused = [r for r in _demo_run(tmp_path / "reuse", "--train-backend", backend, "--num-rollout", rollouts)
+              if "rollout/step" in r]
     assert "the separate log-prob pass is skipped" in caplog.text
-    separate = [r for r in _demo_run(tmp_path / "pass", "--no-reuse-train-log-probs") if "rollout/step" in r]
-    assert len(reused) == len(separate) == 3
+    separate = [r for r in _demo_run(tmp_path / "pass", "--train-backend", backend, "--num-rollout", rollouts,
+                                     "--no-reuse-train-log-probs") if "rollout/step" in r]
+    assert len(reused) == len(separate) == int(rollouts)
     assert all(r["train/grad_norm"] > 1e-3 for r in reused)  # every step moved the weights
     for a, b in zip(reused, separate):
         for key in COMPARED:
