@@ -281,8 +281,8 @@ def report(info: dict, opts, furlong: dict, trl: dict) -> str:
     lines.append(f"{'reward, mean of last 3':28}{furlong['reward_mean_last3']:>12.3f}{trl['reward_mean_last3']:>12.3f}")
     lines.append("")
     lines.append("Means exclude the first iteration (warm-up). TRL generates with the training model itself, "
-                 "so it has no weight sync;\nwith num_iterations=1 it reuses the training forward pass as pi_old, "
-                 "where furlong runs a separate log-prob pass.")
+                 "so it has no weight sync;\nwith one optimizer step per iteration both take pi_old from the "
+                 "training forward pass (furlong: --reuse-train-log-probs, its default; log-prob pass 0).")
     return "\n".join(lines)
 
 

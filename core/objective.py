@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 from furlong.hooks import LossInput, LossOutput, PluginError, TrainBatch
 from furlong.hooks.contract import check_loss_output, check_loss_reducer_output
+from furlong.hooks.masked import MaskedSum
 
 from . import reduction
 from .selection import chosen_reducer
@@ -65,8 +66,13 @@ class StepObjective:
     :param step_denominators: one :class:`~furlong.core.reduction.StepDenominators` per
         step, global over ranks (required when ``dp_world_size > 1``); default: from this
         batch's ``steps``.
+    :param reuse_old_log_probs: pi_old is the training forward's log-probs, detached
+        (``--reuse-train-log-probs``: one step, ``batch.old_log_probs`` is None); each call
+        keeps them and the entropy, float32 ``[T_i]`` on the host, in :attr:`old_log_probs`
+        and :attr:`entropy` (N entries, local order) for the driver's rollout metrics.
     :raises PluginError: a bad ``--loss-reducer`` or ``--custom-pg-loss-reducer-function-path``.
-    :raises ValueError: ``dp_world_size > 1`` without global step denominators.
+    :raises ValueError: ``dp_world_size > 1`` without global step denominators; reuse with
+        more than one step.
     """
 
     def __init__(
@@ -83,8 +89,15 @@ class StepObjective:
         old_values: list | None = None,
         sample_denominators: Sequence[float] | None = None,
         step_denominators: Sequence[reduction.StepDenominators] | None = None,
+        reuse_old_log_probs: bool = False,
     ) -> None:
         self.args, self.pm, self.batch = args, pm, batch
+        if reuse_old_log_probs and len(batch.steps) != 1:
+            raise ValueError(f"StepObjective: pi_old from the training forward needs one optimizer step, "
+                             f"got {len(batch.steps)}")
+        self.reuse_old_log_probs = bool(reuse_old_log_probs)
+        self.old_log_probs: list = [None] * len(batch.tokens)
+        self.entropy: list = [None] * len(batch.tokens)
         self.loss_name, self.loss_flag = loss_name, loss_flag
         self.dp_world_size = int(dp_world_size)
         self.old_values = old_values
@@ -140,12 +153,16 @@ class StepObjective:
         step = self._step(sample_ids)
         device = log_probs[0].device if log_probs else torch.device("cpu")
         masks = [self.masks[i].to(device) for i in sample_ids]
-        old = self.batch.old_log_probs
         if self.args.use_rollout_logprobs and self.batch.rollout_log_probs is not None:
-            old = self.batch.rollout_log_probs
+            old = self._pick(self.batch.rollout_log_probs, sample_ids, device)
+        elif self.reuse_old_log_probs:
+            old = [lp.detach() for lp in log_probs]
+            self._keep(sample_ids, old, entropy)
+        else:
+            old = self._pick(self.batch.old_log_probs, sample_ids, device)
         loss_input = LossInput(
             log_probs=list(log_probs),
-            old_log_probs=self._pick(old, sample_ids, device),
+            old_log_probs=old,
             advantages=self._pick(self.batch.advantages, sample_ids, device),
             loss_masks=masks,
             ref_log_probs=self._pick(self.batch.ref_log_probs, sample_ids, device),
@@ -158,15 +175,16 @@ class StepObjective:
         out = await self.pm.call_chosen("loss", self.loss_name, self.loss_flag, args=self.args, batch=loss_input)
         self._check_output(out, masks)
         weights = reduction.sample_weights(sample_ids, self.sample_denominators, step, self.per_token)
+        reduce = MaskedSum(masks, weights)  # reduction.reduce_tokens, the masks and weights built once
         names = list(out.token_metrics)
-        reduced = [reduction.reduce_tokens([v.detach() for v in out.token_metrics[k]], masks, weights) for k in names]
+        reduced = [reduce([v.detach() for v in out.token_metrics[k]]) for k in names]
         metrics = dict(zip(names, torch.stack(reduced).tolist())) if reduced else {}
         if self.reducer is None:
-            total = reduction.reduce_tokens(out.token_loss, masks, weights)
+            total = reduce(out.token_loss)
         else:
             pg = await self._reduced_pg(out, sample_ids, masks, step)
             rest = [t - p for t, p in zip(out.token_loss, out.token_metrics["pg_loss"])]
-            total = pg + reduction.reduce_tokens(rest, masks, weights)
+            total = pg + reduce(rest)
             metrics["pg_loss"] = float(pg.detach())
         metrics["loss"] = float(total.detach())
         return total, metrics
@@ -179,6 +197,14 @@ class StepObjective:
         if len(steps) > 1:
             raise ValueError(f"one micro-batch mixes samples of steps {sorted(steps)}")
         return self.step_denominators[steps.pop()] if steps else reduction.StepDenominators(0, 0.0)
+
+    def _keep(self, sample_ids: list[int], old: list, entropy: list | None) -> None:
+        import torch
+
+        for k, i in enumerate(sample_ids):
+            self.old_log_probs[i] = old[k].to("cpu", torch.float32)
+            if entropy is not None:
+                self.entropy[i] = entropy[k].detach().to("cpu", torch.float32)
 
     @staticmethod
     def _pick(rows: list | None, sample_ids: list[int], device) -> list | None:

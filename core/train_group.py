@@ -47,6 +47,7 @@ class TrainGroup:
     def __init__(self, args: Namespace, pm: FurlongPluginManager, selection: Selection, workers: WorkerGroup):
         self.args, self.pm, self.selection, self.workers = args, pm, selection, workers
         self.layouts: list[ParallelLayout] = []
+        self.reuse_old_log_probs = False  # decided in init (see _keeps_log_prob_pass)
         # held by every operation on the workers (train, save, load, offload, onload, a whole
         # weight sync): a sync started by an engine's recovery (train-async) waits for the
         # training or save in flight, so the ranks' collectives never interleave
@@ -74,6 +75,16 @@ class TrainGroup:
         if self.dp_size != getattr(self.args, "data_parallel_size", self.dp_size):
             raise PluginError(f"--train-backend {self.args.train_backend}: the backend runs {self.dp_size} "
                               f"data-parallel ranks but the flags give {self.args.data_parallel_size}.")
+        reason = self._keeps_log_prob_pass() or (
+            None if all(await self._all("train_forward_gives_old_log_probs")) else
+            f"--train-backend {self.args.train_backend}'s training forward differs from its log-prob pass "
+            "(dropout) or it does not say that it does not")
+        self.reuse_old_log_probs = reason is None
+        if self.reuse_old_log_probs:
+            log.info("pi_old comes from the training forward (one optimizer step per rollout, nothing reads it "
+                     "before training): the separate log-prob pass is skipped; --no-reuse-train-log-probs keeps it.")
+        elif self.args.reuse_train_log_probs and reason != "--use-rollout-logprobs":
+            log.info("a separate forward pass computes pi_old: %s.", reason)
         packed = getattr(self.args, "packed_by_default", None)
         if packed:
             log.info("no --micro-batch-size or --use-dynamic-batch-size: micro-batches are packed by tokens, at most "
@@ -86,6 +97,24 @@ class TrainGroup:
 
     def needs_ref(self) -> bool:
         return bool(self.args.use_kl_loss or self.args.kl_coef)
+
+    def _keeps_log_prob_pass(self) -> str | None:
+        """Why the flags need pi_old from a separate forward-only pass, or None when the training
+        forward of the rollout's single optimizer step may give it (``--reuse-train-log-probs``)."""
+        args = self.args
+        if not args.reuse_train_log_probs:
+            return "--no-reuse-train-log-probs"
+        if args.use_rollout_logprobs:
+            return "--use-rollout-logprobs"
+        if steps_per_rollout(args) != 1:
+            return f"--num-steps-per-rollout {args.num_steps_per_rollout} (pi_old must stay fixed over the steps)"
+        if self.needs_ref():
+            return "a reference model is loaded (--use-kl-loss or --kl-coef)"
+        if args.use_opd:
+            return "--use-opd reads pi_old before training"
+        if args.custom_advantage_function_path:
+            return "--custom-advantage-function-path may read pi_old before training"
+        return None
 
     async def train(self, rollout_id: int, groups: list[list[Sample]]) -> list[dict]:
         """Train on one rollout; returns ``[metrics]`` with ``rollout/*``, ``perf/*`` and ``train/steps``."""
@@ -121,20 +150,26 @@ class TrainGroup:
             batch.ref_log_probs = (await self._log_probs(shares, len(samples), "ref"))[0]
         metrics["perf/ref_log_probs_time"] = time.perf_counter() - start
         start = time.perf_counter()
+        reuse = self.reuse_old_log_probs and all(len(plan) == 1 for plan in plans)
         if args.use_rollout_logprobs and batch.rollout_log_probs is not None:
             batch.old_log_probs, entropy = batch.rollout_log_probs, None
+        elif reuse:  # the training forward gives pi_old; the advantage stages see none
+            batch.old_log_probs, entropy = None, None
         else:
             batch.old_log_probs, entropy = await self._log_probs(shares, len(samples), "actor")
-        metrics["perf/log_probs_time"] = time.perf_counter() - start
+        metrics["perf/log_probs_time"] = 0.0 if reuse else time.perf_counter() - start
         name, flag = self.selection.chosen["advantage"]
         adv = await compute_advantages(args, self.pm, advantage_input(samples, rewards, batch), name, flag)
         batch.advantages, batch.returns = adv.advantages, adv.returns
         denominators = _global_denominators(args, batch, tids, gbs, num_steps)
         for share in shares:
             _fill(share, batch, tids, denominators)
+            share.reuse_old_log_probs = reuse
         start = time.perf_counter()
         results = await self._call("train", self._per_rank(lambda s: (rollout_id, s), shares))
         metrics["perf/actor_train_time"] = time.perf_counter() - start
+        if reuse:
+            batch.old_log_probs, entropy = await self._train_log_probs(shares, len(samples))
         metrics.update(_token_means(batch, entropy))
         metrics["rollout/rewards"] = float(torch.tensor(rewards).mean()) if rewards else 0.0
         metrics["rollout/raw_reward"] = float(torch.tensor(raw).mean()) if raw else 0.0
@@ -144,6 +179,14 @@ class TrainGroup:
     async def _log_probs(self, shares: list[WorkerShare], n: int, model: str) -> tuple[list, list | None]:
         """Every sample's log-probs and entropy (float32 [T_i]) in batch order, from the workers' shares."""
         results = await self._call("log_probs", self._per_rank(lambda s: (s, model), shares))
+        return self._merge(results, shares, n, f"log_probs(model={model!r})")
+
+    async def _train_log_probs(self, shares: list[WorkerShare], n: int) -> tuple[list, list | None]:
+        """pi_old and entropy of every sample as the last training forward gave them, in batch order."""
+        results = await self._call("train_log_probs", self._per_rank(lambda s: (s,), shares))
+        return self._merge(results, shares, n, "train_log_probs()")
+
+    def _merge(self, results: list, shares: list[WorkerShare], n: int, what: str) -> tuple[list, list | None]:
         log_probs, entropy = [None] * n, [None] * n
         for result, layout in zip(results, self.layouts):
             if not layout.returns_outputs:
@@ -154,7 +197,7 @@ class TrainGroup:
                 log_probs[i], entropy[i] = result["log_probs"][local], ent[local]
         missing = [i for i, row in enumerate(log_probs) if row is None]
         if missing:
-            raise PluginError(f"--train-backend {self.args.train_backend}: log_probs(model={model!r}) returned no "
+            raise PluginError(f"--train-backend {self.args.train_backend}: {what} returned no "
                               f"log-probs for samples {missing[:8]}.")
         return log_probs, (entropy if all(e is not None for e in entropy) else None)
 

@@ -38,7 +38,9 @@ class WorkerShare:
     ``batch.steps`` this rank's micro-batches in local indices). ``sample_ids``: each
     local sample's index in the whole rollout batch. ``step_denominators``: one per
     step, over every rank's samples; ``sample_denominators``/``trajectory_ids``: per local
-    sample, computed on the whole batch (SPEC.md 6.3).
+    sample, computed on the whole batch (SPEC.md 6.3). ``reuse_old_log_probs``: pi_old is the
+    training forward's (``batch.old_log_probs`` is None; :meth:`TrainWorker.train_log_probs`
+    returns them after training).
     """
 
     batch: TrainBatch
@@ -46,6 +48,7 @@ class WorkerShare:
     step_denominators: list[StepDenominators] = attrs.field(factory=list)
     sample_denominators: list[float] = attrs.field(factory=list)
     trajectory_ids: list[int] = attrs.field(factory=list)
+    reuse_old_log_probs: bool = False
 
 
 class TrainWorker:
@@ -66,6 +69,7 @@ class TrainWorker:
         self._held: tuple | None = None
         self._held_tensors: list = []
         self._weight_groups: dict[str, Any] = {}
+        self._train_log_probs: dict | None = None
 
     async def init(self) -> tuple[int, ParallelLayout]:
         """Create and initialize the backend; return ``(start rollout id, layout)``."""
@@ -89,16 +93,42 @@ class TrainWorker:
         out = await self.backend.log_probs(share.batch, model=model)
         return {"log_probs": out["log_probs"], "entropy": out.get("entropy")}
 
+    async def train_forward_gives_old_log_probs(self) -> bool:
+        """Whether the backend's training forward equals its log-prob pass (its
+        ``train_forward_gives_old_log_probs()``; False for a backend without that method)."""
+        check = getattr(self.backend, "train_forward_gives_old_log_probs", None)
+        return bool(check()) if callable(check) else False
+
     async def train(self, rollout_id: int, share: WorkerShare) -> list[dict]:
         """The rollout's optimizer steps on this share; per-step metrics (summed over ranks by the backend)."""
         loss_name, loss_flag = self.chosen["loss"]
-        share.batch.objective = StepObjective(
+        objective = StepObjective(
             self.args, self.pm, share.batch, loss_name, loss_flag, trajectory_ids=share.trajectory_ids,
-            step_denominators=share.step_denominators, sample_denominators=share.sample_denominators)
+            step_denominators=share.step_denominators, sample_denominators=share.sample_denominators,
+            reuse_old_log_probs=share.reuse_old_log_probs)
+        share.batch.objective = objective
+        self._train_log_probs = None
         try:
-            return await self.backend.train(rollout_id, share.batch)
+            steps = await self.backend.train(rollout_id, share.batch)
         finally:
             share.batch.objective = None
+        if share.reuse_old_log_probs:
+            entropy = None if any(e is None for e in objective.entropy) else objective.entropy
+            self._train_log_probs = {"log_probs": objective.old_log_probs, "entropy": entropy}
+        return steps
+
+    async def train_log_probs(self, share: WorkerShare) -> dict:
+        """pi_old and entropy the last :meth:`train` took from its training forward (``reuse_old_log_probs``),
+        local order, in the form of :meth:`log_probs`; consumed by this call.
+
+        :raises PluginError: the last train did not reuse its forward's log-probs.
+        """
+        out, self._train_log_probs = self._train_log_probs, None
+        if out is None:
+            name, flag = self.chosen["train_backend"]
+            raise PluginError(f"{flag} '{name}': no log-probs kept from the last training forward (it ran "
+                              "without reuse_old_log_probs).")
+        return out
 
     async def save(self, path: str) -> None:
         await self.backend.save(path)

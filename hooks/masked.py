@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["masked_sum"]
+__all__ = ["MaskedSum", "masked_sum"]
 
 
 def masked_sum(values: Sequence, loss_masks: Sequence, weights: Sequence[float] | None = None):
@@ -17,15 +17,39 @@ def masked_sum(values: Sequence, loss_masks: Sequence, weights: Sequence[float] 
         (a token counts where the mask is > 0); :param weights: N floats (default all 1).
     :returns: float32 0-dim tensor (0 for N = 0).
     """
-    import torch
+    return MaskedSum(loss_masks, weights)(values)
 
-    if not len(values):
-        return torch.zeros((), dtype=torch.float32)
-    rows = [x.reshape(-1) for x in values]
-    x = torch.cat([r.float() if r.dtype != torch.float64 else r for r in rows])
-    kept = torch.where(torch.cat([m.reshape(-1) for m in loss_masks]).to(x.device) > 0, x,
-                       torch.zeros((), dtype=x.dtype, device=x.device))
-    if weights is not None:  # one weight per token: the sample's
-        kept = kept * torch.repeat_interleave(torch.tensor([float(w) for w in weights], dtype=x.dtype, device=x.device),
-                                              torch.tensor([r.numel() for r in rows], device=x.device))
-    return kept.sum().to(torch.float32)
+
+class MaskedSum:
+    """:func:`masked_sum` over fixed masks and weights, for several value lists of one micro-batch:
+    the masks are concatenated and the per-token weights built once, not once per list.
+
+    :param loss_masks: N tensors [T_i]; :param weights: N floats, or None (all 1).
+    """
+
+    def __init__(self, loss_masks: Sequence, weights: Sequence[float] | None = None) -> None:
+        self.loss_masks, self.weights = loss_masks, weights
+        self._keep: dict = {}
+        self._token_weights: dict = {}
+
+    def __call__(self, values: Sequence):
+        """``sum_i w_i sum_t x_it m_it`` of ``values`` (N tensors [T_i]), float32 0-dim, keeping the graph."""
+        import torch
+
+        if not len(values):
+            return torch.zeros((), dtype=torch.float32)
+        rows = [x.reshape(-1) for x in values]
+        x = torch.cat([r.float() if r.dtype != torch.float64 else r for r in rows])
+        keep = self._keep.get(x.device)
+        if keep is None:
+            keep = self._keep[x.device] = torch.cat([m.reshape(-1) for m in self.loss_masks]).to(x.device) > 0
+        kept = torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        if self.weights is not None:  # one weight per token: the sample's
+            key = (x.dtype, x.device)
+            per_token = self._token_weights.get(key)
+            if per_token is None:
+                per_token = self._token_weights[key] = torch.repeat_interleave(
+                    torch.tensor([float(w) for w in self.weights], dtype=x.dtype, device=x.device),
+                    torch.tensor([r.numel() for r in rows], device=x.device))
+            kept = kept * per_token
+        return kept.sum().to(torch.float32)

@@ -71,6 +71,14 @@ class StepLoop:
         """Apply the step at ``lr`` and advance the schedule."""
         raise NotImplementedError
 
+    def train_forward_gives_old_log_probs(self) -> bool:
+        """Whether a forward with grad computes the same log-probs as :meth:`log_probs` (no dropout or other
+        train-only randomness), so that the core may take pi_old from the training forward of a rollout
+        trained in one optimizer step (``--reuse-train-log-probs``). True here; a subclass whose training
+        forward differs returns False.
+        """
+        return True
+
     def _before_train(self) -> None:
         """Called at the start of :meth:`train` (e.g. switch to train mode)."""
 

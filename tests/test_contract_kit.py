@@ -18,14 +18,14 @@ from .test_rewards_remote_rm import server  # noqa: F401 - the reward server fix
 EXERCISED = {
     "check_reward_nonzero_std": ["filter"], "no_aborted": ["filter"], "pop_first": ["buffer_pop"],
     "single_turn": ["generate"], "jsonl": ["data_source"],
-    "policy_loss": ["loss"], "sft_loss": ["loss"], "value_loss": ["loss"], "on_policy_distillation": ["advantage"],
+    "policy_loss": ["loss"], "sft_loss": ["loss"], "value_loss": ["loss"],
     "dr_grpo": ["configure", "loss_reducer"], "embedded": ["add_arguments"], "fsdp": ["configure"], "local": ["configure"], "fully_async": ["configure"],
     "megatron": ["configure"], "sglang": ["add_arguments", "configure"],
     "ray": ["add_arguments", "configure"], "sync": [],
     "tensorboard": ["add_arguments", "on_eval_end", "on_rollout_end", "on_train_step_end"],
     "wandb": ["on_eval_end", "on_rollout_end", "on_train_step_end"],
     **{name: ["configure", "advantage"] for name in ("grpo", "gspo", "ppo", "reinforce_plus_plus",
-                                                      "reinforce_plus_plus_baseline")},
+                                                      "reinforce_plus_plus_baseline", "on_policy_distillation")},
     "remote_rm": ["add_arguments", "reward"],
     **{name: ["reward"] for name in ("math", "dapo", "deepscaler", "f1", "gpqa", "random", "deterministic_random")},
 }

@@ -313,8 +313,8 @@ class TensorParallelPeers:
     layouts = [ParallelLayout(dp_rank=d, dp_size=2, returns_outputs=r == 0, rank=2 * d + r, world=4)
                for d in (0, 1) for r in (0, 1)]
 
-    def __init__(self):
-        self.received = {}
+    def __init__(self, reuse: bool = False):
+        self.received, self.reuse = {}, reuse
 
     async def call(self, method, args_per_rank):
         self.received[method] = args_per_rank
@@ -323,7 +323,9 @@ class TensorParallelPeers:
             layout = self.layouts[rank]
             if method == "init":
                 out.append((0, layout))
-            elif method == "log_probs":
+            elif method == "train_forward_gives_old_log_probs":
+                out.append(self.reuse)
+            elif method in ("log_probs", "train_log_probs"):
                 share = args[0]  # the sample's global index, or garbage from a rank whose outputs are not kept
                 value = (lambda i: float(i)) if layout.returns_outputs else (lambda i: -1.0)
                 out.append({"log_probs": [torch.full((share.batch.response_lengths[k],), value(i))
@@ -354,3 +356,24 @@ def test_parallel_peers_get_the_same_share_and_only_returning_ranks_are_read(tin
     assert trained[0] is trained[1] and trained[2] is trained[3]
     for share in (trained[0], trained[2]):  # old log-probs put back from the returning ranks, by global index
         assert [float(t[0]) for t in share.batch.old_log_probs] == [float(i) for i in share.sample_ids]
+
+
+def test_pi_old_from_the_training_forward_is_gathered_from_the_returning_ranks(tiny_model_dir, plugin_manager):
+    """One step per rollout and a backend whose training forward is its log-prob pass: no log_probs call; the
+    old log-probs the ranks' training forwards kept come back by global index for the rollout metrics."""
+    args = parse_args(["--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
+                       "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--micro-batch-size", "2",
+                       "--actor-num-gpus-per-node", "4", "--executor", "ray"], plugin_manager, command="train")
+    args.data_parallel_size = 2
+    workers = TensorParallelPeers(reuse=True)
+    group = TrainGroup(args, plugin_manager, resolve_selection(args, plugin_manager), workers)
+
+    async def main():
+        await group.init()
+        return await group.train(0, _fixed_groups())
+
+    [metrics] = asyncio.run(main())
+    assert "log_probs" not in workers.received
+    trained = [a[1] for a in workers.received["train"]]
+    assert all(share.reuse_old_log_probs and share.batch.old_log_probs is None for share in trained)
+    assert metrics["rollout/log_probs"] == pytest.approx(sum(range(8)) / 8)  # TP peers' -1 rows are not read

@@ -281,3 +281,16 @@ def test_normalize_final_answer(text, expected):
 )
 def test_label_answer(label, expected):
     assert label_answer(label) == expected
+
+
+def test_concurrent_reward_calls_batched_to_the_grading_thread_get_their_own_verdicts_and_a_repeat_is_free():
+    pairs = [(r"\frac{2}{4}", "0.5"), ("3", "4"), (r"\frac{3}{6}", "0.5"), ("x=5", "5")]
+    expected = [True, False, True, True]
+
+    async def each_alone():
+        return await asyncio.gather(*(_grading.equivalent_many_async([pair]) for pair in pairs))
+
+    assert [r[0] for r in asyncio.run(each_alone())] == expected
+    before = _grading.grading_stats()["math_verify_calls"]
+    assert [r[0] for r in asyncio.run(each_alone())] == expected  # the same pairs again: no new comparison
+    assert _grading.grading_stats()["math_verify_calls"] == before

@@ -44,7 +44,9 @@ def require(batch, field: str, why: str) -> list:
 
 _FIELD_HINTS = {
     "values": "Critic values exist only with the ppo critic (megatron train backend).",
-    "log_probs": "Old-policy log-probs are skipped under --disable-compute-advantages-and-returns.",
+    "log_probs": "Old-policy log-probs come from the training forward, after the advantages, under "
+    "--reuse-train-log-probs (the default with one step per rollout): an estimator that reads them sets "
+    "reuse_train_log_probs = False in its configure hook (report.default).",
     "teacher_log_probs": "Teacher log-probs come from --use-opd with --opd-type sglang (teacher /generate) "
     "or megatron (--opd-teacher-load).",
     "kl": "The core fills it when --kl-coef != 0.",

@@ -8,6 +8,17 @@ from ._group import check_batch, require
 
 
 @hookimpl
+def configure(args, report):
+    """Reads pi_old before training: keeps the separate log-prob pass.
+
+    Flags derived: ``reuse_train_log_probs`` = False. Errors: ``--reuse-train-log-probs`` given.
+    """
+    if report.default(args, "reuse_train_log_probs", False):
+        report.error(f"--advantage-estimator {report.plugin} reads pi_old before training, so it cannot come from the "
+                     "training forward; drop --reuse-train-log-probs.")
+
+
+@hookimpl
 def advantage(args, batch):
     """``A_t = R_t = logp_teacher_t - logp_old_t`` for every token (masked ones included).
 

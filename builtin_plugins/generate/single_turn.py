@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from furlong.hooks import PluginError, Status, hookimpl
 
 _FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
@@ -34,7 +36,7 @@ async def generate(args, sample, sampling_params, engine, evaluation):
         if budget is not None:
             budget -= sample.response_length
     else:
-        input_ids = engine.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+        input_ids = list(_prompt_ids(engine.tokenizer, sample.prompt))
         sample.tokens = list(input_ids)
     context_cap = args.eval_max_context_len if evaluation else args.rollout_max_context_len
     if context_cap:
@@ -47,6 +49,12 @@ async def generate(args, sample, sampling_params, engine, evaluation):
     out = await engine.generate(input_ids, params)
     _append(args, sample, out, engine.tokenizer, params)
     return sample
+
+
+@functools.lru_cache(maxsize=4096)
+def _prompt_ids(tokenizer, prompt: str) -> tuple[int, ...]:
+    """The prompt's token ids (no special tokens added), once per prompt: a group's samples share it."""
+    return tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
 def _append(args, sample, out, tokenizer, params) -> None:

@@ -54,6 +54,12 @@ _executor_lock = threading.Lock()
 _worker: "_Worker | None" = None
 _executor: ThreadPoolExecutor | None = None
 _stats = {"timeouts": 0, "math_verify_calls": 0, "worker_restarts": 0}
+# math-verify's answers by (answer, label): it is deterministic, so a pair seen again (a small model repeats
+# its wrong answers) gets the same verdict without a round trip; time-outs and errors are not kept
+_verdicts: dict[tuple[str, str], bool] = {}
+_VERDICTS_MAX = 1 << 16
+# per event loop: the pairs waiting for the grading thread, sent as one batch (see _graded_in_thread)
+_queued: dict[Any, list] = {}
 
 
 def grading_stats() -> dict[str, int]:
@@ -85,7 +91,15 @@ def equivalent(answer: str, label: str, timeout_s: float = DEFAULT_TIMEOUT_S) ->
     fast = _fast_check(answer, label)
     if fast is not None:
         return fast
-    status, value = run_in_worker(_check_pair, (answer.strip(), label.strip()), timeout_s)
+    key = (answer.strip(), label.strip())
+    known = _verdicts.get(key)
+    if known is not None:
+        return known
+    status, value = run_in_worker(_check_pair, key, timeout_s)
+    if status == "ok":
+        if len(_verdicts) >= _VERDICTS_MAX:
+            _verdicts.clear()
+        _verdicts[key] = value is True
     return status == "ok" and value is True
 
 
@@ -104,11 +118,48 @@ async def equivalent_many_async(pairs: list[tuple[str, str]], timeout_s: float =
     results: list[bool | None] = [_fast_check(answer, label) for answer, label in pairs]
     todo = [i for i, r in enumerate(results) if r is None]
     if todo:
-        loop = asyncio.get_running_loop()
-        slow = await loop.run_in_executor(_grading_thread(), equivalent_many, [pairs[i] for i in todo], timeout_s)
+        slow = await _graded_in_thread([pairs[i] for i in todo], timeout_s)
         for i, value in zip(todo, slow):
             results[i] = value
     return [bool(r) for r in results]
+
+
+async def _graded_in_thread(pairs: list[tuple[str, str]], timeout_s: float) -> list[bool]:
+    """:func:`equivalent_many` in the grading thread, batched with the other calls of this loop iteration.
+
+    The samples of a group finish together and each is scored by its own ``reward`` call:
+    one thread hop for all of them instead of one each.
+    """
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    if loop not in _queued:
+        _queued[loop] = []
+        loop.call_soon(_send_queued, loop)
+    _queued[loop].append((pairs, timeout_s, done))
+    return await done
+
+
+def _send_queued(loop) -> None:
+    batch = _queued.pop(loop)
+    items = [(answer, label, timeout_s) for pairs, timeout_s, _ in batch for answer, label in pairs]
+    graded = loop.run_in_executor(_grading_thread(), _equivalent_each, items)
+
+    def hand_out(future) -> None:
+        start = 0
+        for pairs, _, done in batch:
+            if done.cancelled():
+                pass
+            elif future.exception() is not None:
+                done.set_exception(future.exception())
+            else:
+                done.set_result(future.result()[start:start + len(pairs)])
+            start += len(pairs)
+
+    graded.add_done_callback(hand_out)
+
+
+def _equivalent_each(items: list[tuple[str, str, float]]) -> list[bool]:
+    return [equivalent(answer, label, timeout_s) for answer, label, timeout_s in items]
 
 
 def _fast_check(answer: str, label: str) -> bool | None:

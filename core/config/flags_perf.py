@@ -36,6 +36,12 @@ def add(g, dev) -> None:
                    help="FSDP: keep fp32 master weights (--no-keep-fp32-master is not supported yet).")
     g.add_argument("--train-memory-margin-bytes", type=int, default=1 << 30,
                    help="Memory kept free when offloading, in bytes.")
+    g.add_argument("--reuse-train-log-probs", action=argparse.BooleanOptionalAction, default=True,
+                   help="A rollout trained in one optimizer step takes pi_old from its training forward (detached) "
+                        "instead of a separate forward-only pass, when nothing reads pi_old before training "
+                        "(no reference model, no --use-opd, an advantage estimator that does not read it) and the "
+                        "backend's training forward equals its log-prob forward; --no-reuse-train-log-probs keeps "
+                        "the pass.")
     g.add_argument("--bf16", action="store_true", default=dev.bf16,
                    help="Train in bfloat16 (the default with CUDA; fp32 without).")
     g.add_argument("--fp16", action="store_true", help="Train in float16 (turns bf16 off).")

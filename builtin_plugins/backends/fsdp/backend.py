@@ -117,6 +117,21 @@ class FSDPBackend(StepLoop):
             chunk_size=int(getattr(self.args, "log_probs_chunk_size", -1) or -1),
         )
 
+    def train_forward_gives_old_log_probs(self) -> bool:
+        """False when the training forward drops anything the log-prob pass keeps: LoRA dropout, or a
+        dropout of the model's config under ``--gradient-checkpointing`` (which trains in train mode)."""
+        import torch
+
+        if lora.enabled(self.args) and float(getattr(self.args, "lora_dropout", 0.0) or 0.0) > 0:
+            return False
+        if not getattr(self.args, "gradient_checkpointing", False):
+            return True
+        config = getattr(self.model, "config", None)
+        rates = [v for k, v in (config.to_dict() if config is not None else {}).items()
+                 if "dropout" in k and isinstance(v, (int, float)) and not isinstance(v, bool)]
+        rates += [m.p for m in self.model.modules() if isinstance(m, torch.nn.Dropout)]
+        return not any(rate > 0 for rate in rates)
+
     # --- training -----------------------------------------------------------------------
 
     def _before_train(self) -> None:

@@ -1,0 +1,131 @@
+"""pi_old from the training forward (``--reuse-train-log-probs``): the same run as with the separate pass."""
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo"
+COMPARED = ("train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/entropy_loss", "train/grad_norm",
+            "train/loss", "rollout/raw_reward", "rollout/log_probs", "rollout/entropy", "rollout/advantages")
+
+
+def _demo_run(save: Path, *extra: str) -> list[dict]:
+    """Rollouts of the demo task (``extra`` gives their number), one optimizer step each over four micro-batches."""
+    from furlong.core.config import parse_args
+    from furlong.core.loop import run
+    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.selection import resolve_selection
+
+    argv = ["--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
+            "--input-key", "prompt", "--label-key", "label", "--rm-type", "math",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+            "--rollout-max-response-len", "12", "--lr", "1e-4", "--entropy-coef", "0.01", "--micro-batch-size", "4",
+            "--save", str(save), "--save-interval", "1000", "--seed", "1", *extra]
+    pm = get_plugin_manager()
+    args = parse_args(argv, pm)
+    asyncio.run(run(args, pm, resolve_selection(args, pm)))
+    return [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_reused_pi_old_gives_the_losses_grad_norms_rewards_and_metrics_of_the_separate_pass(tmp_path, caplog, backend):
+    if backend == "megatron":
+        pytest.importorskip("megatron.core", reason="the megatron extra (megatron-core) is not installed")
+    caplog.set_level("INFO", logger="furlong.train")
+    rollouts = "3" if backend == "fsdp" else "2"
+    reused = [r for r in _demo_run(tmp_path / "reuse", "--train-backend", backend, "--num-rollout", rollouts)
+              if "rollout/step" in r]
+    assert "the separate log-prob pass is skipped" in caplog.text
+    separate = [r for r in _demo_run(tmp_path / "pass", "--train-backend", backend, "--num-rollout", rollouts,
+                                     "--no-reuse-train-log-probs") if "rollout/step" in r]
+    assert len(reused) == len(separate) == int(rollouts)
+    assert all(r["train/grad_norm"] > 1e-3 for r in reused)  # every step moved the weights
+    for a, b in zip(reused, separate):
+        for key in COMPARED:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+        assert a["perf/log_probs_time"] == 0.0 and b["perf/log_probs_time"] > 0.0  # the pass ran only once
+
+
+@pytest.mark.parametrize("extra, reason", [
+    (("--num-steps-per-rollout", "2", "--global-batch-size", "8"), "--num-steps-per-rollout 2"),
+    (("--global-batch-size", "16", "--use-kl-loss", "--kl-loss-coef", "0.01"), "a reference model is loaded"),
+])
+def test_runs_that_need_pi_old_fixed_or_early_keep_the_pass(tmp_path, caplog, extra, reason):
+    from furlong.core.config import parse_args
+    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.selection import resolve_selection
+    from furlong.core.train_group import TrainGroup
+
+    argv = ["--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
+            "--input-key", "prompt", "--label-key", "label", "--num-rollout", "1", "--rollout-batch-size", "4",
+            "--n-samples-per-prompt", "4", *extra]
+
+    pm = get_plugin_manager()
+    args = parse_args(argv, pm)
+    group = TrainGroup(args, pm, resolve_selection(args, pm), workers=None)
+    assert reason in group._keeps_log_prob_pass()
+
+
+def test_an_estimator_that_reads_pi_old_turns_the_reuse_off_and_refuses_it_when_given(plugin_manager):
+    from furlong.core.config import parse_args
+    from furlong.core.configure import configure_plugins
+    from furlong.core.selection import resolve_selection
+    from furlong.hooks import PluginError
+
+    def configured(*extra):
+        args = parse_args(["--num-rollout", "1", "--rollout-batch-size", "4", "--advantage-estimator",
+                           "on_policy_distillation", *extra], plugin_manager)
+        configure_plugins(args, plugin_manager, resolve_selection(args, plugin_manager))
+        return args
+
+    assert configured().reuse_train_log_probs is False
+    with pytest.raises(PluginError, match="reads pi_old before training"):
+        configured("--reuse-train-log-probs")
+
+
+@pytest.mark.timeout(240)
+def test_two_data_parallel_ranks_reusing_pi_old_reproduce_one_process_with_the_separate_pass(tmp_path):
+    """Each rank keeps the log-probs of its own micro-batches; the driver merges them by global index."""
+    import os
+    import subprocess
+    import sys
+
+    flags = ["train", "--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
+             "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--num-rollout", "2",
+             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+             "--micro-batch-size", "4", "--rollout-max-response-len", "12", "--lr", "1e-4", "--entropy-coef", "0.01",
+             "--seed", "1", "--save-interval", "1000"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for cmd in ([sys.executable, "-m", "furlong.core", *flags, "--save", str(tmp_path / "one"),
+                 "--no-reuse-train-log-probs"],
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                 "furlong.core", *flags, "--save", str(tmp_path / "two"), "--actor-num-gpus-per-node", "2"]):
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-4000:]
+    assert "the separate log-prob pass is skipped" in done.stderr
+    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+                   if '"rollout/step"' in line] for name in ("one", "two")}
+    assert len(rows["one"]) == len(rows["two"]) == 2
+    for a, b in zip(rows["one"], rows["two"]):
+        for key in COMPARED:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+        assert b["perf/log_probs_time"] == 0.0 < a["perf/log_probs_time"]
+
+
+def test_the_fsdp_backend_says_when_its_training_forward_differs_from_its_log_prob_pass(tiny_model_dir):
+    from furlong.builtin_plugins.backends.fsdp import train_backend
+
+    from .tiny_model import train_args
+
+    def gives(attention_dropout=0.0, **flags):
+        backend = train_backend(args=train_args(tiny_model_dir, **flags))
+        asyncio.run(backend.init(backend.args))
+        backend.model.config.attention_dropout = attention_dropout
+        return backend.train_forward_gives_old_log_probs()
+
+    assert gives() and gives(gradient_checkpointing=True)  # the tiny model has no dropout
+    assert gives(0.1) and not gives(0.1, gradient_checkpointing=True)  # dropout acts only in train mode
+    assert gives(lora_rank=4, lora_alpha=8, lora_dropout=0.0, target_modules=None, exclude_modules=None)
+    assert not gives(lora_rank=4, lora_alpha=8, lora_dropout=0.1, target_modules=None, exclude_modules=None)
