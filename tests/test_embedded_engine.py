@@ -15,6 +15,8 @@ from tiny_model import EOS_ID, train_args  # noqa: E402
 
 from furlong.builtin_plugins.backends.fsdp import train_backend  # noqa: E402
 from furlong.builtin_plugins.engines import embedded  # noqa: E402
+from furlong.builtin_plugins.engines.embedded import decode  # noqa: E402
+from furlong.builtin_plugins.engines.embedded.decode import width_bucket  # noqa: E402
 from furlong.builtin_plugins.engines.embedded.sampling import SamplingParams, filter_logits, sample_batch  # noqa: E402
 from furlong.hooks import PluginError, RolloutEngine, TrainBatch  # noqa: E402
 
@@ -149,6 +151,39 @@ def test_continuous_batching_equals_one_request_at_a_time(tiny_dir):
         assert len(out.output_ids) == q["max_new_tokens"] and out.finish_reason == "length"
         assert out.output_ids == alone.output_ids
         assert out.output_log_probs == pytest.approx(alone.output_log_probs, abs=1e-5)
+
+
+def test_width_bucket_is_a_power_of_two_from_the_minimum_capped_by_the_capacity():
+    assert [width_bucket(n, 2176) for n in (1, 129, 256, 257, 384, 512, 513, 2048, 2049, 2176)] == \
+        [256, 256, 256, 512, 512, 512, 1024, 2048, 2176, 2176]
+    assert width_bucket(5, 40) == 40
+    assert len({width_bucket(n, 2176) for n in range(1, 2177)}) == 5  # bounded: log2(2176 / 256) + 2
+    with pytest.raises(ValueError, match="outside"):
+        width_bucket(2177, 2176)
+
+
+def test_bucketed_attention_width_gives_the_same_tokens_and_log_probs(tiny_dir, monkeypatch):
+    # CUDA graphs attend over power-of-two widths (most columns masked); forced here on CPU
+    # with a minimum width of 2, so the width changes every few steps and the captured shape
+    # is always wider than the columns in use: the results are those of the exact width (the
+    # log-probs up to float32 rounding, as the attention's sums run over more zeros)
+    monkeypatch.setattr(decode, "MIN_WIDTH", 2)
+    prompts = ["Hello there", "Q: 1+1=", "x", "abc", "Q: 1+1=", "a longer prompt of text"]
+    params = [{"temperature": 1.0, "max_new_tokens": n, "sampling_seed": 7 + i, "ignore_eos": True}
+              for i, n in enumerate([3, 19, 5, 40, 7, 11])]
+    outs = []
+    for bucketed in (False, True):
+        eng = embedded.load_engine(str(tiny_dir), max_batch_size=3)
+        eng._decoder.bucket_widths = bucketed
+
+        async def together(eng=eng):
+            return await asyncio.gather(*[eng.generate(_ids(eng, p), dict(q)) for p, q in zip(prompts, params)])
+
+        outs.append(_run(together()))
+    exact, bucketed = outs
+    assert [o.output_ids for o in bucketed] == [o.output_ids for o in exact]
+    for b, e in zip(bucketed, exact):
+        assert b.output_log_probs == pytest.approx(e.output_log_probs, abs=1e-6)
 
 
 def test_a_group_sharing_one_prompt_equals_its_samples_one_at_a_time(engine):
