@@ -10,7 +10,8 @@ One command, from the repository root, on a machine with a CUDA GPU::
    then the same batch through transformers ``generate`` with a static cache
    (``cache_implementation="static"``, sampling, ``min_new_tokens`` = ``max_new_tokens``).
    Each is run once to warm up (CUDA graphs, compilation) and then timed; tok/s = new
-   tokens / wall seconds.
+   tokens / wall seconds. Each part runs in a process of its own, so that one part's GPU
+   memory (the engine's key/value cache, CUDA graph pools) is not held while the next runs.
 2. **GRPO iteration**: ``furlong train`` (sync, embedded engine, fsdp backend, bf16 autocast
    over float32 master weights, fused AdamW) for ``--rollouts`` (3) rollouts of
    ``requests / 8`` prompts x 8 samples, responses of ``--new-tokens`` tokens, one optimizer
@@ -120,8 +121,6 @@ def bench_generate(folder: Path, opts) -> dict:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
     tokens = int((out.shape[1] - ids.shape[1]) * out.shape[0])
-    del model
-    torch.cuda.empty_cache()
     return {"tokens": tokens, "warmup_s": times[0], "times_s": times[1:], "tok_per_s": tokens / min(times[1:])}
 
 
@@ -176,6 +175,21 @@ def _param_count(folder: Path) -> dict:
     return {k: math.prod(v) for k, v in counts.items()}
 
 
+def _part_in_subprocess(name: str, folder: Path, opts) -> dict:
+    """Run one part (``engine`` or ``generate``) in a fresh process: nothing it allocates outlives it."""
+    cmd = [sys.executable, __file__, "--part", name, "--model-dir", str(folder), "--requests", str(opts.requests),
+           "--prompt-len", str(opts.prompt_len), "--new-tokens", str(opts.new_tokens), "--repeats", str(opts.repeats)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(PART_PREFIX)]
+    if done.returncode != 0 or not lines:
+        return {"error": (done.stderr or done.stdout)[-3000:]}
+    return json.loads(lines[-1][len(PART_PREFIX):])
+
+
+PART_PREFIX = "PART "
+PARTS = {"engine": bench_engine, "generate": bench_generate}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=256)
@@ -188,7 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-flags", nargs=argparse.REMAINDER, default=[],
                         help="extra furlong train flags (last on the line)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
+    if opts.part:  # a child process of the run below
+        print(PART_PREFIX + json.dumps(PARTS[opts.part](opts.model_dir, opts)), flush=True)
+        return 0
     import torch
 
     if not torch.cuda.is_available():
@@ -200,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="bench_gpu_")
     try:
         folder = build_model(Path(tmp) / "model")
-        for name, fn in (("engine", bench_engine), ("generate", bench_generate)):
+        for name in PARTS:
             if name not in opts.skip:
-                result[name] = fn(folder, opts)
+                result[name] = _part_in_subprocess(name, folder, opts)
                 print(name, json.dumps(result[name]), flush=True)
         if "grpo" not in opts.skip:
             (Path(tmp) / "run").mkdir()
@@ -211,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not os.environ.get("BENCH_KEEP"):
             shutil.rmtree(tmp, ignore_errors=True)
-    if "engine" in result and "generate" in result:
+    if "tok_per_s" in result.get("engine", {}) and "tok_per_s" in result.get("generate", {}):
         result["engine_over_generate"] = result["engine"]["tok_per_s"] / result["generate"]["tok_per_s"]
     print(json.dumps({k: v for k, v in result.items() if k != "options"}, indent=1))
     if opts.json:
