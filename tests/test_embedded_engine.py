@@ -17,6 +17,7 @@ from furlong.builtin_plugins.backends.fsdp import train_backend  # noqa: E402
 from furlong.builtin_plugins.engines import embedded  # noqa: E402
 from furlong.builtin_plugins.engines.embedded import decode  # noqa: E402
 from furlong.builtin_plugins.engines.embedded.decode import width_bucket  # noqa: E402
+from furlong.builtin_plugins.engines.embedded.fusion import compile_model, decoder_layers  # noqa: E402
 from furlong.builtin_plugins.engines.embedded.sampling import SamplingParams, filter_logits, sample_batch  # noqa: E402
 from furlong.hooks import PluginError, RolloutEngine, TrainBatch  # noqa: E402
 
@@ -77,9 +78,18 @@ def test_add_arguments_defines_the_batch_size_and_compile_flags():
 
 def test_torch_compile_flag_reaches_the_decoder(tiny_dir):
     args = argparse.Namespace(hf_checkpoint=str(tiny_dir), embedded_max_batch_size=3, embedded_torch_compile=True)
-    decoder = embedded.rollout_engine(args=args)._decoder
-    assert decoder.compile_backend == "inductor" and decoder.bucket_widths
-    assert embedded.rollout_engine(args=argparse.Namespace(hf_checkpoint=str(tiny_dir)))._decoder.compile_backend is None
+    built = embedded.rollout_engine(args=args)
+    layers = decoder_layers(built.model)
+    assert built._decoder.compile_backend == "inductor" and len(layers) == 2
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    plain = embedded.rollout_engine(args=argparse.Namespace(hf_checkpoint=str(tiny_dir)))
+    assert plain._decoder.compile_backend is None
+    assert all(layer._compiled_call_impl is None for layer in decoder_layers(plain.model))
+
+
+def test_torch_compile_of_a_model_without_known_decoder_layers_is_refused():
+    with pytest.raises(PluginError, match="--embedded-torch-compile: Linear names no decoder layer class"):
+        compile_model(torch.nn.Linear(2, 2), "aot_eager")
 
 
 def test_missing_checkpoint_is_a_plugin_error():
@@ -196,10 +206,10 @@ def test_bucketed_attention_width_gives_the_same_tokens_and_log_probs(tiny_dir, 
 
 
 def test_compiled_decode_step_gives_the_same_tokens_and_log_probs(tiny_dir):
-    # --embedded-torch-compile traces the plain decode step (forward, sampling, bookkeeping)
-    # with dynamo; "aot_eager" runs the traced graph without inductor's code generation, so
-    # the test is quick and checks the tracing (the slot cache written in place, rows and
-    # widths changing between steps); a top-k request makes some steps take the eager path
+    # --embedded-torch-compile compiles the decoder layers (around the slot attention) and the
+    # sampler; "aot_eager" runs the traced graphs without inductor's code generation, so the
+    # test is quick and checks the tracing (prefill and decode shapes, rows changing between
+    # steps); a top-k request makes some steps take the uncompiled sampler
     prompts = ["Hello there", "Q: 1+1=", "x", "abc"]
     params = [{"temperature": 1.0, "max_new_tokens": n, "sampling_seed": 3 + i, "ignore_eos": True}
               for i, n in enumerate([4, 17, 9, 12])]

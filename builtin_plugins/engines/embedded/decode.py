@@ -21,14 +21,8 @@ values of the positions in use rounded up, not the whole cache), and replayed. T
 share one memory pool (only one replays at a time). Weights are updated in place, so the
 graphs stay valid; they are dropped when the cache grows or the weights move.
 
-With ``compile`` (``--embedded-torch-compile``) that step runs through ``torch.compile``
-(inductor, without its own CUDA graphs), so the model's norms, rotary embeddings, MLP
-activation, residual adds and the sampler's elementwise work become a few fused kernels;
-on CUDA the compiled step is then captured as above, on a CPU it runs directly (widths
-bucketed too, so shapes repeat). Parameters stay inputs of the compiled code, so weights
-updated in place reach it. Dynamo compiles once per new shape and then makes the
-changing sizes dynamic, so a run compiles about three times (and inductor's on-disk cache
-shortens later starts).
+With ``compile`` (``--embedded-torch-compile``) the model's decoder layers and the
+sampler run through ``torch.compile`` (:mod:`.fusion`), inside the same graphs.
 """
 
 from __future__ import annotations
@@ -40,6 +34,7 @@ from typing import Any, Callable
 import attrs
 import numpy as np
 
+from .fusion import compile_model, compiled_sampler, uncompile_model
 from .sampling import SamplingParams, sample_batch
 from .slots import SlotCache, SlotPass, use_slot_attention
 
@@ -105,12 +100,13 @@ class SlotDecoder:
     :param max_slots: most requests decoded together (``--embedded-max-batch-size``).
     :param lock: held around every forward pass (weight updates take it between steps).
     :param graphs: capture the decode step in CUDA graphs (CUDA only).
-    :param compile: None, or the ``torch.compile`` backend of the plain decode step
-        (``"inductor"`` for ``--embedded-torch-compile``; tests use ``"aot_eager"``).
+    :param compile: None, or the ``torch.compile`` backend of the decoder layers and the
+        sampler (``"inductor"`` for ``--embedded-torch-compile``; tests use ``"aot_eager"``).
+    :raises PluginError: ``compile`` with a model whose decoder layers cannot be found.
 
     ``bucket_widths``: decode steps without a graph attend over :func:`width_bucket` columns
-    instead of exactly the columns in use (on with graphs or compile; tests turn it on to
-    check that the width does not change results).
+    instead of exactly the columns in use (on with graphs; tests turn it on to check that
+    the width does not change results).
     """
 
     def __init__(self, model, tokenizer, *, max_slots: int, lock: threading.Lock, graphs: bool = True,
@@ -122,10 +118,12 @@ class SlotDecoder:
         self.device = next(model.parameters()).device
         self.cache = SlotCache.for_model(model)
         self.graphs_on = graphs and self.device.type == "cuda"
-        self.bucket_widths = self.graphs_on or compile is not None
+        self.bucket_widths = self.graphs_on
         self.compile_backend = compile
-        # the plain step (no filters, no bans) that graphs capture, compiled when asked
-        self._plain_step = self._device_step if compile is None else torch.compile(self._device_step, backend=compile)
+        self._sample = sample_batch  # of plain steps (no filters, no bans)
+        if compile is not None:
+            compile_model(model, compile)
+            self._sample = compiled_sampler(compile)
         self._graphs: dict[tuple[int, int], Any] = {}  # (batch bucket, width) -> CUDA graph, or False
         self._pool = None  # the graphs' shared memory pool
         self.requests: list[Request | None] = [None] * max_slots
@@ -274,7 +272,7 @@ class SlotDecoder:
             if plain and self.graphs_on:
                 self._replay(n, width)
             elif plain:
-                self._plain_step(n, width)
+                self._device_step(n, width)
             else:
                 logits = self._forward_decode(n, width)
                 filtering = bool(self.filtering)
@@ -290,7 +288,7 @@ class SlotDecoder:
     def _device_step(self, n: int, width: int) -> None:
         """Forward, sample (no filters, no bans), store: the part of a step a CUDA graph replays."""
         logits = self._forward_decode(n, width)
-        tokens, log_probs = sample_batch(logits, self.d_temp[:n], self.d_greedy[:n], self.d_seed[:n],
+        tokens, log_probs = self._sample(logits, self.d_temp[:n], self.d_greedy[:n], self.d_seed[:n],
                                          self.d_count[:n])
         self.d_pos[:n] += self.d_busy[:n]
         self._store(self.d_slots[:n], tokens, log_probs)
@@ -301,7 +299,7 @@ class SlotDecoder:
         if graph is None:
             graph = self._graphs[bucket, width] = self._capture(bucket, width)
         if graph is False:
-            self._plain_step(n, width)
+            self._device_step(n, width)
         else:
             graph.replay()
 
@@ -335,22 +333,24 @@ class SlotDecoder:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._plain_step(n, width)
+                    self._device_step(n, width)
             torch.cuda.current_stream().wait_stream(stream)
             restore()
             graph = torch.cuda.CUDAGraph()
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._plain_step(n, width)
+                self._device_step(n, width)
             restore()
             return graph
         except Exception as exc:  # noqa: BLE001 - a model that cannot be captured (or compiled) runs eagerly
             restore()
-            log.warning("embedded engine: CUDA graph capture failed (%s); decoding without graphs (and uncompiled)",
-                        exc)
+            log.warning("embedded engine: CUDA graph capture failed (%s); decoding without graphs%s", exc,
+                        " and without torch.compile" if self.compile_backend else "")
             self.graphs_on = False
-            self._plain_step = self._device_step
+            if self.compile_backend:
+                uncompile_model(self.model)
+                self._sample = sample_batch
             return False
 
     def _step_state(self) -> list:
