@@ -437,6 +437,21 @@ def test_update_weights_changes_outputs_and_version(tiny_dir):
     assert torch.equal(eng.model.state_dict()["lm_head.weight"], dict(new)["lm_head.weight"])
 
 
+def test_update_weights_reach_the_compiled_layers(tiny_dir):
+    # weights are copied in place; the compiled layers take the parameters as inputs, so
+    # they decode with the new weights exactly as an uncompiled engine does
+    engines = [embedded.load_engine(str(tiny_dir), compile=backend) for backend in ("aot_eager", None)]
+    before = [_run(eng.generate(_ids(eng, "Hello there"), dict(GREEDY))) for eng in engines]
+    gen = torch.Generator().manual_seed(2)
+    new = [(k, v + 0.5 * torch.randn(v.shape, generator=gen)) for k, v in engines[1].model.state_dict().items()]
+    for eng in engines:
+        _run(eng.update_weights(list(new), 1))
+    compiled, plain = [_run(eng.generate(_ids(eng, "Hello there"), dict(GREEDY))) for eng in engines]
+    assert before[0].output_ids == before[1].output_ids != compiled.output_ids
+    assert compiled.output_ids == plain.output_ids
+    assert compiled.output_log_probs == pytest.approx(plain.output_log_probs, abs=1e-6)
+
+
 def test_update_weights_rejects_unknown_names_and_shapes(engine):
     with pytest.raises(PluginError) as err:
         _run(engine.update_weights([("model.nope.weight", torch.zeros(1))], 1))
