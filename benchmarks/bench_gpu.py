@@ -6,8 +6,9 @@ One command, from the repository root, on a machine with a CUDA GPU::
 
 1. **Engine**: ``--requests`` (256) requests of ``--prompt-len`` (128) random prompt tokens, each
    generating exactly ``--new-tokens`` (256) tokens (``ignore_eos``, temperature 1), all
-   submitted at once to the embedded engine (``--embedded-max-batch-size`` = requests);
-   then the same batch through transformers ``generate`` with a static cache
+   submitted at once to the embedded engine (``--embedded-max-batch-size`` = requests),
+   then to the engine with ``--embedded-torch-compile`` (part ``engine_compiled``), then
+   the same batch through transformers ``generate`` with a static cache
    (``cache_implementation="static"``, sampling, ``min_new_tokens`` = ``max_new_tokens``).
    Each is run once to warm up (CUDA graphs, compilation) and then timed; tok/s = new
    tokens / wall seconds. Each part runs in a process of its own, so that one part's GPU
@@ -76,12 +77,12 @@ def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(3, 151000, (count, length), generator=gen).tolist()
 
 
-def bench_engine(folder: Path, opts) -> dict:
+def bench_engine(folder: Path, opts, compile: str | None = None) -> dict:
     import torch
 
     from furlong.builtin_plugins.engines import embedded
 
-    engine = embedded.load_engine(str(folder), max_batch_size=opts.requests, seed=0)
+    engine = embedded.load_engine(str(folder), max_batch_size=opts.requests, seed=0, compile=compile)
     batch = prompts(opts.requests, opts.prompt_len)
     params = {"temperature": 1.0, "max_new_tokens": opts.new_tokens, "ignore_eos": True}
 
@@ -187,7 +188,12 @@ def _part_in_subprocess(name: str, folder: Path, opts) -> dict:
 
 
 PART_PREFIX = "PART "
-PARTS = {"engine": bench_engine, "generate": bench_generate}
+def bench_engine_compiled(folder: Path, opts) -> dict:
+    """The engine with ``--embedded-torch-compile`` (its warm-up includes the compilation)."""
+    return bench_engine(folder, opts, compile="inductor")
+
+
+PARTS = {"engine": bench_engine, "engine_compiled": bench_engine_compiled, "generate": bench_generate}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs after the warm-up (best is reported)")
     parser.add_argument("--rollouts", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H200: 989)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["engine", "generate", "grpo"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=[*PARTS, "grpo"])
     parser.add_argument("--train-flags", nargs=argparse.REMAINDER, default=[],
                         help="extra furlong train flags (last on the line; e.g. --train-backend megatron)")
     parser.add_argument("--json", type=Path, default=None)

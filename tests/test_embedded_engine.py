@@ -15,6 +15,9 @@ from tiny_model import EOS_ID, train_args  # noqa: E402
 
 from furlong.builtin_plugins.backends.fsdp import train_backend  # noqa: E402
 from furlong.builtin_plugins.engines import embedded  # noqa: E402
+from furlong.builtin_plugins.engines.embedded import decode  # noqa: E402
+from furlong.builtin_plugins.engines.embedded.decode import width_bucket  # noqa: E402
+from furlong.builtin_plugins.engines.embedded.fusion import compile_model, decoder_layers  # noqa: E402
 from furlong.builtin_plugins.engines.embedded.sampling import SamplingParams, filter_logits, sample_batch  # noqa: E402
 from furlong.hooks import PluginError, RolloutEngine, TrainBatch  # noqa: E402
 
@@ -64,11 +67,29 @@ def test_rollout_engine_hook_reads_the_flags(tiny_dir):
     assert next(built.model.parameters()).dtype == torch.float32  # CPU always float32
 
 
-def test_add_arguments_defines_the_batch_size_flag():
+def test_add_arguments_defines_the_batch_size_and_compile_flags():
     parser = argparse.ArgumentParser()
     embedded.add_arguments(parser=parser)
     assert parser.parse_args([]).embedded_max_batch_size == 64
     assert parser.parse_args(["--embedded-max-batch-size", "8"]).embedded_max_batch_size == 8
+    assert parser.parse_args([]).embedded_torch_compile is False
+    assert parser.parse_args(["--embedded-torch-compile"]).embedded_torch_compile is True
+
+
+def test_torch_compile_flag_reaches_the_decoder(tiny_dir):
+    args = argparse.Namespace(hf_checkpoint=str(tiny_dir), embedded_max_batch_size=3, embedded_torch_compile=True)
+    built = embedded.rollout_engine(args=args)
+    layers = decoder_layers(built.model)
+    assert built._decoder.compile_backend == "inductor" and len(layers) == 2
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    plain = embedded.rollout_engine(args=argparse.Namespace(hf_checkpoint=str(tiny_dir)))
+    assert plain._decoder.compile_backend is None
+    assert all(layer._compiled_call_impl is None for layer in decoder_layers(plain.model))
+
+
+def test_torch_compile_of_a_model_without_known_decoder_layers_is_refused():
+    with pytest.raises(PluginError, match="--embedded-torch-compile: Linear names no decoder layer class"):
+        compile_model(torch.nn.Linear(2, 2), "aot_eager")
 
 
 def test_missing_checkpoint_is_a_plugin_error():
@@ -149,6 +170,66 @@ def test_continuous_batching_equals_one_request_at_a_time(tiny_dir):
         assert len(out.output_ids) == q["max_new_tokens"] and out.finish_reason == "length"
         assert out.output_ids == alone.output_ids
         assert out.output_log_probs == pytest.approx(alone.output_log_probs, abs=1e-5)
+
+
+def test_width_bucket_is_a_power_of_two_from_the_minimum_capped_by_the_capacity():
+    assert [width_bucket(n, 2176) for n in (1, 129, 256, 257, 384, 512, 513, 2048, 2049, 2176)] == \
+        [256, 256, 256, 512, 512, 512, 1024, 2048, 2176, 2176]
+    assert width_bucket(5, 40) == 40
+    assert len({width_bucket(n, 2176) for n in range(1, 2177)}) == 5  # bounded: log2(2176 / 256) + 2
+    with pytest.raises(ValueError, match="outside"):
+        width_bucket(2177, 2176)
+
+
+def test_bucketed_attention_width_gives_the_same_tokens_and_log_probs(tiny_dir, monkeypatch):
+    # CUDA graphs attend over power-of-two widths (most columns masked); forced here on CPU
+    # with a minimum width of 2, so the width changes every few steps and the captured shape
+    # is always wider than the columns in use: the results are those of the exact width (the
+    # log-probs up to float32 rounding, as the attention's sums run over more zeros)
+    monkeypatch.setattr(decode, "MIN_WIDTH", 2)
+    prompts = ["Hello there", "Q: 1+1=", "x", "abc", "Q: 1+1=", "a longer prompt of text"]
+    params = [{"temperature": 1.0, "max_new_tokens": n, "sampling_seed": 7 + i, "ignore_eos": True}
+              for i, n in enumerate([3, 19, 5, 40, 7, 11])]
+    outs = []
+    for bucketed in (False, True):
+        eng = embedded.load_engine(str(tiny_dir), max_batch_size=3)
+        eng._decoder.bucket_widths = bucketed
+
+        async def together(eng=eng):
+            return await asyncio.gather(*[eng.generate(_ids(eng, p), dict(q)) for p, q in zip(prompts, params)])
+
+        outs.append(_run(together()))
+    exact, bucketed = outs
+    assert [o.output_ids for o in bucketed] == [o.output_ids for o in exact]
+    for b, e in zip(bucketed, exact):
+        assert b.output_log_probs == pytest.approx(e.output_log_probs, abs=1e-6)
+
+
+def test_compiled_decode_step_gives_the_same_tokens_and_log_probs(tiny_dir):
+    # --embedded-torch-compile compiles the decoder layers (around the slot attention) and the
+    # sampler; "aot_eager" runs the traced graphs without inductor's code generation, so the
+    # test is quick and checks the tracing (prefill and decode shapes, rows changing between
+    # steps); a top-k request makes some steps take the uncompiled sampler
+    prompts = ["Hello there", "Q: 1+1=", "x", "abc"]
+    params = [{"temperature": 1.0, "max_new_tokens": n, "sampling_seed": 3 + i, "ignore_eos": True}
+              for i, n in enumerate([4, 17, 9, 12])]
+    params[2]["top_k"] = 5
+    from torch._dynamo.utils import counters
+
+    traced = counters["frames"]["ok"]
+    outs = []
+    for backend in (None, "aot_eager"):
+        eng = embedded.load_engine(str(tiny_dir), max_batch_size=3, compile=backend)
+
+        async def together(eng=eng):
+            return await asyncio.gather(*[eng.generate(_ids(eng, p), dict(q)) for p, q in zip(prompts, params)])
+
+        outs.append(_run(together()))
+    plain, compiled = outs
+    assert counters["frames"]["ok"] > traced  # the compiled step ran
+    assert [o.output_ids for o in compiled] == [o.output_ids for o in plain]
+    for c, p in zip(compiled, plain):
+        assert c.output_log_probs == pytest.approx(p.output_log_probs, abs=1e-6)
 
 
 def test_a_group_sharing_one_prompt_equals_its_samples_one_at_a_time(engine):
@@ -354,6 +435,21 @@ def test_update_weights_changes_outputs_and_version(tiny_dir):
     assert after.weight_version == "5"
     assert after.output_ids != before.output_ids
     assert torch.equal(eng.model.state_dict()["lm_head.weight"], dict(new)["lm_head.weight"])
+
+
+def test_update_weights_reach_the_compiled_layers(tiny_dir):
+    # weights are copied in place; the compiled layers take the parameters as inputs, so
+    # they decode with the new weights exactly as an uncompiled engine does
+    engines = [embedded.load_engine(str(tiny_dir), compile=backend) for backend in ("aot_eager", None)]
+    before = [_run(eng.generate(_ids(eng, "Hello there"), dict(GREEDY))) for eng in engines]
+    gen = torch.Generator().manual_seed(2)
+    new = [(k, v + 0.5 * torch.randn(v.shape, generator=gen)) for k, v in engines[1].model.state_dict().items()]
+    for eng in engines:
+        _run(eng.update_weights(list(new), 1))
+    compiled, plain = [_run(eng.generate(_ids(eng, "Hello there"), dict(GREEDY))) for eng in engines]
+    assert before[0].output_ids == before[1].output_ids != compiled.output_ids
+    assert compiled.output_ids == plain.output_ids
+    assert compiled.output_log_probs == pytest.approx(plain.output_log_probs, abs=1e-6)
 
 
 def test_update_weights_rejects_unknown_names_and_shapes(engine):

@@ -14,9 +14,15 @@ token or a stop string in its decoded tail ("stop"), or an abort ("abort"; the t
 far are kept). Tokens are read back to the host when a request finishes, or every step
 for the few requests that need them earlier (stop strings, ``on_token`` streaming).
 
-On CUDA the decode step's forward pass is captured once per batch width in a CUDA graph
-and replayed (weights are updated in place, so the graphs stay valid; they are dropped
-when the cache grows or the weights move).
+On CUDA the decode step (forward pass, sampling, finish test) is captured in a CUDA graph
+per batch bucket (powers of two up to ``S``) and attention width bucket
+(:func:`width_bucket`: powers of two from :data:`MIN_WIDTH`, so a step reads the keys and
+values of the positions in use rounded up, not the whole cache), and replayed. The graphs
+share one memory pool (only one replays at a time). Weights are updated in place, so the
+graphs stay valid; they are dropped when the cache grows or the weights move.
+
+With ``compile`` (``--embedded-torch-compile``) the model's decoder layers and the
+sampler run through ``torch.compile`` (:mod:`.fusion`), inside the same graphs.
 """
 
 from __future__ import annotations
@@ -28,15 +34,33 @@ from typing import Any, Callable
 import attrs
 import numpy as np
 
+from .fusion import compile_model, compiled_sampler, uncompile_model
 from .sampling import SamplingParams, sample_batch
 from .slots import SlotCache, SlotPass, use_slot_attention
 
-__all__ = ["Request", "SlotDecoder"]
+__all__ = ["MIN_WIDTH", "Request", "SlotDecoder", "width_bucket"]
 
 log = logging.getLogger("furlong.engines.embedded")
 
 # positions allocated beyond the longest prompt at first (the cache doubles when a request needs more)
 FIRST_GROWTH = 2048
+# the narrowest attention width a captured decode step reads (cache columns)
+MIN_WIDTH = 256
+
+
+def width_bucket(need: int, capacity: int) -> int:
+    """The attention width a bucketed decode step uses when columns ``0 .. need - 1`` are in use.
+
+    The smallest power of two ``>= need``, at least :data:`MIN_WIDTH`, at most ``capacity``
+    (the cache's columns), so at most ``log2(capacity / MIN_WIDTH) + 2`` widths exist per
+    cache size. Columns past a row's position are masked and contribute nothing, so the
+    result of a step does not depend on its width.
+
+    :raises ValueError: ``need`` is not in ``1 .. capacity``.
+    """
+    if not 1 <= need <= capacity:
+        raise ValueError(f"width_bucket: need {need} outside 1 .. capacity {capacity}")
+    return min(capacity, max(MIN_WIDTH, 1 << (need - 1).bit_length()))
 
 
 @attrs.define(eq=False)
@@ -76,9 +100,17 @@ class SlotDecoder:
     :param max_slots: most requests decoded together (``--embedded-max-batch-size``).
     :param lock: held around every forward pass (weight updates take it between steps).
     :param graphs: capture the decode step in CUDA graphs (CUDA only).
+    :param compile: None, or the ``torch.compile`` backend of the decoder layers and the
+        sampler (``"inductor"`` for ``--embedded-torch-compile``; tests use ``"aot_eager"``).
+    :raises PluginError: ``compile`` with a model whose decoder layers cannot be found.
+
+    ``bucket_widths``: decode steps without a graph attend over :func:`width_bucket` columns
+    instead of exactly the columns in use (on with graphs; tests turn it on to check that
+    the width does not change results).
     """
 
-    def __init__(self, model, tokenizer, *, max_slots: int, lock: threading.Lock, graphs: bool = True) -> None:
+    def __init__(self, model, tokenizer, *, max_slots: int, lock: threading.Lock, graphs: bool = True,
+                 compile: str | None = None) -> None:
         import torch
 
         use_slot_attention(model)
@@ -86,7 +118,14 @@ class SlotDecoder:
         self.device = next(model.parameters()).device
         self.cache = SlotCache.for_model(model)
         self.graphs_on = graphs and self.device.type == "cuda"
-        self._graphs: dict[int, tuple[Any, Any]] = {}
+        self.bucket_widths = self.graphs_on
+        self.compile_backend = compile
+        self._sample = sample_batch  # of plain steps (no filters, no bans)
+        if compile is not None:
+            compile_model(model, compile)
+            self._sample = compiled_sampler(compile)
+        self._graphs: dict[tuple[int, int], Any] = {}  # (batch bucket, width) -> CUDA graph, or False
+        self._pool = None  # the graphs' shared memory pool
         self.requests: list[Request | None] = [None] * max_slots
         self.busy = np.zeros(max_slots, dtype=bool)
         self.count = np.zeros(max_slots, dtype=np.int64)  # tokens generated, per slot (host copy)
@@ -142,8 +181,12 @@ class SlotDecoder:
 
     def release(self) -> None:
         """Drop the cache and graphs (weights moved, or memory handed back)."""
-        self._graphs.clear()
+        self._drop_graphs()
         self.cache.release()
+
+    def _drop_graphs(self) -> None:
+        self._graphs.clear()
+        self._pool = None
 
     # --- admission and prefill ----------------------------------------------------------
 
@@ -224,11 +267,14 @@ class SlotDecoder:
         slots = list(range(n))
         plain = not self.filtering and not any(self.count[s] < self.requests[s].params.min_new_tokens
                                                for s in self.banning)
+        width = width_bucket(top + 1, self.cache.capacity) if self.bucket_widths else top + 1
         with self.lock:
             if plain and self.graphs_on:
-                self._replay(n)
+                self._replay(n, width)
+            elif plain:
+                self._device_step(n, width)
             else:
-                logits = self._forward_decode(n, top + 1)
+                logits = self._forward_decode(n, width)
                 filtering = bool(self.filtering)
                 tokens, log_probs = sample_batch(
                     logits, self.d_temp[:n], self.d_greedy[:n], self.d_seed[:n], self.d_count[:n],
@@ -242,18 +288,18 @@ class SlotDecoder:
     def _device_step(self, n: int, width: int) -> None:
         """Forward, sample (no filters, no bans), store: the part of a step a CUDA graph replays."""
         logits = self._forward_decode(n, width)
-        tokens, log_probs = sample_batch(logits, self.d_temp[:n], self.d_greedy[:n], self.d_seed[:n],
+        tokens, log_probs = self._sample(logits, self.d_temp[:n], self.d_greedy[:n], self.d_seed[:n],
                                          self.d_count[:n])
         self.d_pos[:n] += self.d_busy[:n]
         self._store(self.d_slots[:n], tokens, log_probs)
 
-    def _replay(self, n: int) -> None:
+    def _replay(self, n: int, width: int) -> None:
         bucket = min(self.max_slots, 1 << (n - 1).bit_length())
-        graph = self._graphs.get(bucket)
+        graph = self._graphs.get((bucket, width))
         if graph is None:
-            graph = self._graphs[bucket] = self._capture(bucket)
+            graph = self._graphs[bucket, width] = self._capture(bucket, width)
         if graph is False:
-            self._device_step(n, self.cache.capacity)
+            self._device_step(n, width)
         else:
             graph.replay()
 
@@ -268,15 +314,14 @@ class SlotDecoder:
                          logits_to_keep=1)
         return out.logits[:, -1].float()
 
-    def _capture(self, n: int):
-        """A CUDA graph of :meth:`_device_step` for ``n`` slots over the whole cache, or False.
+    def _capture(self, n: int, width: int):
+        """A CUDA graph of :meth:`_device_step` for ``n`` slots over ``width`` columns, or False.
 
         The warm-up runs change the per-slot state; it is saved first and restored after the
         warm-up and after the capture.
         """
         import torch
 
-        width = self.cache.capacity
         state = [t.clone() for t in self._step_state()]
 
         def restore():
@@ -292,14 +337,20 @@ class SlotDecoder:
             torch.cuda.current_stream().wait_stream(stream)
             restore()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._pool):
                 self._device_step(n, width)
             restore()
             return graph
-        except Exception as exc:  # noqa: BLE001 - a model that cannot be captured runs eagerly
+        except Exception as exc:  # noqa: BLE001 - a model that cannot be captured (or compiled) runs eagerly
             restore()
-            log.warning("embedded engine: CUDA graph capture failed (%s); decoding without graphs", exc)
+            log.warning("embedded engine: CUDA graph capture failed (%s); decoding without graphs%s", exc,
+                        " and without torch.compile" if self.compile_backend else "")
             self.graphs_on = False
+            if self.compile_backend:
+                uncompile_model(self.model)
+                self._sample = sample_batch
             return False
 
     def _step_state(self) -> list:
@@ -382,7 +433,7 @@ class SlotDecoder:
         import torch
 
         if self.cache.ensure(self.max_slots, capacity):
-            self._graphs.clear()
+            self._drop_graphs()
             width = self.cache.capacity + 1
             ids = torch.zeros(self.max_slots, width, dtype=torch.long, device=self.device)
             lps = torch.zeros(self.max_slots, width, dtype=torch.float32, device=self.device)

@@ -35,9 +35,11 @@ class EmbeddedEngine:
     :param seed: seeds the engine's own generator of per-request sampling seeds (a request
         without ``sampling_seed`` takes the next one), so the same requests in the same
         order sample the same tokens in whatever process the engine runs.
+    :param compile: None, or the ``torch.compile`` backend of the decode step
+        (``--embedded-torch-compile``: ``"inductor"``; see :class:`~.decode.SlotDecoder`).
     """
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 64, seed: int = 0) -> None:
+    def __init__(self, model, tokenizer, max_batch_size: int = 64, seed: int = 0, compile: str | None = None) -> None:
         import torch
 
         if max_batch_size < 1:
@@ -60,7 +62,7 @@ class EmbeddedEngine:
         self._pending: list[Request] = []
         self._inflight: set[Request] = set()  # taken by the decoder, not resolved yet
         self._queue_lock = threading.Lock()  # guards _pending and _inflight (event loop and decode thread)
-        self._decoder = SlotDecoder(model, tokenizer, max_slots=max_batch_size, lock=self._lock)
+        self._decoder = SlotDecoder(model, tokenizer, max_slots=max_batch_size, lock=self._lock, compile=compile)
         self._by_rid: dict[str, Request] = {}  # requests given a rid, until they are resolved
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None

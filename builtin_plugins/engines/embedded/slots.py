@@ -141,7 +141,10 @@ def use_slot_attention(model) -> None:
     """Register :func:`slot_attention` with transformers and switch ``model`` to it."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION_NAME, slot_attention)
+    import torch
+
+    # never traced by torch.compile (--embedded-torch-compile compiles the layers around it)
+    AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(slot_attention))
     try:
         model.set_attn_implementation(ATTENTION_NAME)
     except (AttributeError, ValueError):
