@@ -354,6 +354,15 @@ def test_bf16_trains_bfloat16_parameters_over_float32_master_weights(tiny_model_
         assert torch.equal(param, masters[name]), name
 
 
+def test_token_planned_micro_batches_are_packed_only_when_padding_wastes_much():
+    from furlong.builtin_plugins.backends.megatron.backend import pack_micro_batch
+
+    assert not pack_micro_batch([384] * 21)  # a GRPO micro-batch: same lengths, padding costs nothing
+    assert not pack_micro_batch([300, 320, 384])  # 1152 padded tokens for 1004: within 25 %
+    assert pack_micro_batch([10, 16, 6, 20])  # 80 padded tokens for 52
+    assert pack_micro_batch([2048, 64, 64, 64])
+
+
 def test_packed_micro_batches_give_the_padded_results(tiny_model_dir):
     """--use-dynamic-batch-size packs micro-batches (thd): same log-probs, entropy and step as padding."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -165,11 +165,14 @@ class MegatronBackend(StepLoop):
 
     def _forward(self, model, batch: TrainBatch, ids: list[int], grad: bool):
         """Response log-probs and entropy of samples ``ids`` (vocab-parallel softmax, :mod:`.logprobs`);
-        packed (``thd``) under ``--use-dynamic-batch-size``, whose micro-batches are planned by tokens."""
+        under ``--use-dynamic-batch-size`` (micro-batches planned by tokens) packed (``thd``) when
+        padding would waste much (:func:`pack_micro_batch`), else right-padded."""
+        tokens = [batch.tokens[i] for i in ids]
         return forward_log_probs(
-            model, [batch.tokens[i] for i in ids], [int(batch.response_lengths[i]) for i in ids], batch.temperature,
+            model, tokens, [int(batch.response_lengths[i]) for i in ids], batch.temperature,
             self.device, vocab_size=self.shape.vocab_size, grad=grad, entropy_grad=self._entropy_grad(grad),
-            packed=bool(getattr(self.args, "use_dynamic_batch_size", False)),
+            packed=bool(getattr(self.args, "use_dynamic_batch_size", False)) and pack_micro_batch(
+                [len(t) for t in tokens]),
             chunk_rows=int(getattr(self.args, "log_probs_chunk_size", -1) or -1),
         )
 
@@ -294,6 +297,23 @@ class MegatronBackend(StepLoop):
             checkpoint.load_checkpoint, path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             masters=self.masters, rank=self.rank, world=self.world, load_optim=not getattr(self.args, "no_load_optim", False),
             load_rng=not getattr(self.args, "no_load_rng", False), device=self.device)
+
+
+# padded tokens over real tokens above which a token-planned micro-batch is packed (thd) rather than padded
+PACK_ABOVE_PADDING = 1.25
+
+
+def pack_micro_batch(lengths: list[int]) -> bool:
+    """Pack a micro-batch of sequences of ``lengths`` tokens (``thd``) rather than right-pad it?
+
+    Both layouts give the same values (tested). Padding computes ``B x max(lengths)``
+    tokens; packing computes only the real ones but megatron-core applies RoPE to packed
+    input one sequence at a time (a host-side loop over the sequences in every layer,
+    without TransformerEngine), which costs more than a little padding: micro-batches of
+    similar lengths, such as a GRPO rollout's, are padded; mixed lengths are packed.
+    """
+    real = sum(lengths)
+    return bool(real) and len(lengths) * max(lengths) > PACK_ABOVE_PADDING * real
 
 
 def build_optimizer(named_parameters, args: Any):
