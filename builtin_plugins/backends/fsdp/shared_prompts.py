@@ -94,12 +94,19 @@ def plan_sharing(seqs: Sequence[Any], response_lengths: Sequence[int]) -> Shared
 def sharing_off_reason(model) -> str | None:
     """Why prompt sharing cannot run on ``model`` now (a peft wrapper is looked through), or None when it can.
 
+    Never on CUDA: measured on an H200 at the Qwen2.5-0.5B shape (docs/benchmarks.md), the
+    shared step took twice the one-pass step's time, whose unmasked causal attention runs on
+    flash kernels.
+
     A model in train mode with gradient checkpointing on cannot: its decoder layers drop the
     cache (transformers before 5.2x drops it even without grad). The fsdp backend runs its
     log-prob passes in eval mode, so only its training passes lose sharing.
     """
     import transformers
 
+    if any(p.is_cuda for p in model.parameters()):
+        return ("on CUDA the second pass's attention mask (prompt padding in the middle) keeps SDPA off its flash "
+                "kernels, which costs more than the prompts save (docs/benchmarks.md)")
     try:
         from transformers.cache_utils import DynamicCache, DynamicLayer
     except ImportError:
