@@ -83,7 +83,9 @@ class TrainGroup:
         if self.reuse_old_log_probs:
             log.info("pi_old comes from the training forward (one optimizer step per rollout, nothing reads it "
                      "before training): the separate log-prob pass is skipped; --no-reuse-train-log-probs keeps it.")
-        elif self.args.reuse_train_log_probs and reason != "--use-rollout-logprobs":
+        elif reason == "--use-rollout-logprobs":
+            log.info("pi_old is the rollout engine's log-probs (--use-rollout-logprobs).")
+        else:
             log.info("a separate forward pass computes pi_old: %s.", reason)
         packed = getattr(self.args, "packed_by_default", None)
         if packed:

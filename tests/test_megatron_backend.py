@@ -427,6 +427,23 @@ def test_checkpoint_resumes_weights_optimizer_and_schedule(tiny_model_dir, tmp_p
         assert torch.equal(a, b)
 
 
+def test_a_changed_lr_schedule_on_resume_is_one_error_naming_the_choice(tiny_model_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    first = megatron_backend(args=train_args(tiny_model_dir))
+    asyncio.run(first.init(first.args))
+    asyncio.run(first.train(0, make_batch(tokenizer, [[[0, 1, 2, 3]]])))
+    asyncio.run(first.save(str(tmp_path / "iter_0000000")))
+    longer = megatron_backend(args=train_args(tiny_model_dir, num_rollout=5))
+    asyncio.run(longer.init(longer.args))
+    with pytest.raises(PluginError, match="learning-rate schedule saved there differs.*--override-opt_param-scheduler"):
+        asyncio.run(longer.load(str(tmp_path / "iter_0000000")))
+    for flag in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
+        resumed = megatron_backend(args=train_args(tiny_model_dir, num_rollout=5, **{flag: True}))
+        asyncio.run(resumed.init(resumed.args))
+        asyncio.run(resumed.load(str(tmp_path / "iter_0000000")))
+        assert resumed.global_step == 1
+
+
 # --- tensor parallelism over two gloo ranks ------------------------------------------------------
 
 
@@ -549,12 +566,13 @@ def test_grpo_under_the_local_executor_matches_fsdp(tmp_path):
 
 def test_megatron_core_s_fallback_warnings_are_silenced():
     """The warnings megatron-core gives at import for the local spec (no TransformerEngine, no apex) do not reach users."""
-    code = ("import warnings; warnings.simplefilter('default'); "
+    code = ("import logging, warnings; warnings.simplefilter('default'); logging.basicConfig(level=logging.INFO); "
             "import furlong.builtin_plugins.backends.megatron, furlong.builtin_plugins.backends.megatron.backend; "
-            "import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs")
+            "import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs, megatron.core.distributed")
     out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "Apex is not installed" not in out.stderr and "Transformer Engine and Apex" not in out.stderr
+    assert "Megatron-FSDP without Transformer Engine" not in out.stderr
 
 
 def test_an_fsdp_checkpoint_is_named_as_such_by_the_megatron_backend(tmp_path):

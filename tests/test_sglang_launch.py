@@ -9,6 +9,7 @@ import pytest
 from furlong.builtin_plugins.engines.sglang.launch import (FORCED, ServerPlace, router_command, server_command,
                                                            sglang_server_args)
 from furlong.core.config import parse_args
+from furlong.core.plugins import get_plugin_manager
 
 BASE = ["--hf-checkpoint", "/models/qwen", "--rollout-backend", "sglang", "--rollout-num-gpus", "4",
         "--rollout-num-gpus-per-engine", "2", "--seed", "7", "--executor", "local", "--num-rollout", "1",
@@ -75,6 +76,24 @@ def test_server_command_by_implementation():
     args.sglang_server_impl = "furlong"
     assert server_command(args, PLACE) == [sys.executable, "-m", "furlong.core", "serve", "--hf-checkpoint",
                                            "/models/qwen", "--host", "10.0.0.5", "--port", "15001", "--seed", "8"]
+    args = parse_args(BASE + ["--embedded-max-batch-size", "128", "--embedded-torch-compile"], get_plugin_manager())
+    args.sglang_server_impl = "furlong"  # furlong serve runs the embedded engine: its flags reach it
+    assert server_command(args, PLACE)[-3:] == ["--embedded-max-batch-size", "128", "--embedded-torch-compile"]
+
+
+@pytest.mark.parametrize("impl, refused", [("sglang", True), ("furlong", False)])
+def test_embedded_engine_flags_are_refused_for_sglang_servers(impl, refused):
+    from furlong.builtin_plugins.engines.sglang import configure
+    from furlong.hooks import ConfigReport
+
+    args = parse_args(BASE + ["--embedded-torch-compile", "--sglang-server-impl", impl, "--sglang-router-ip",
+                              "127.0.0.1", "--sglang-router-port", "3000"], get_plugin_manager())
+    report = ConfigReport("sglang")
+    configure(args, report)
+    messages = [m for m in report.errors if "--embedded-torch-compile" in m]
+    assert bool(messages) == refused
+    if refused:
+        assert "--sglang-enable-torch-compile" in messages[0]
 
 
 @pytest.mark.parametrize("extra, expected", [

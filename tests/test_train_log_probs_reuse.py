@@ -40,6 +40,7 @@ def test_reused_pi_old_gives_the_losses_grad_norms_rewards_and_metrics_of_the_se
     assert "the separate log-prob pass is skipped" in caplog.text
     separate = [r for r in _demo_run(tmp_path / "pass", "--train-backend", backend, "--num-rollout", rollouts,
                                      "--no-reuse-train-log-probs") if "rollout/step" in r]
+    assert "a separate forward pass computes pi_old: --no-reuse-train-log-probs." in caplog.text
     assert len(reused) == len(separate) == int(rollouts)
     assert all(r["train/grad_norm"] > 1e-3 for r in reused)  # every step moved the weights
     for a, b in zip(reused, separate):

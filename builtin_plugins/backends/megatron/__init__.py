@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
@@ -16,6 +17,10 @@ from .config import flag_dest
 for _message in ("Transformer Engine and Apex are not installed", "Apex is not installed",
                  "full scope is deprecated"):
     warnings.filterwarnings("ignore", message=_message, category=UserWarning)
+# ... and its Megatron-FSDP module logs "Using Megatron-FSDP without Transformer Engine" at import,
+# although this backend does not use Megatron-FSDP
+for _name in ("megatron.core.distributed.fsdp", "megatron_fsdp"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
 
 __all__ = ["MEGATRON_FLAGS", "configure", "train_backend"]
 

@@ -185,7 +185,14 @@ def load_checkpoint(path: str, *, model, optimizer, scheduler, rank: int, world:
             for param_state in state["state"].values():
                 param_state["step"] = torch.tensor(float(step))
         optimizer.load_state_dict(state)
-        scheduler.load_state_dict(loaded["scheduler"])
+        try:
+            scheduler.load_state_dict(loaded["scheduler"])
+        except AssertionError as exc:  # megatron-core's check that the schedule flags did not change
+            raise PluginError(
+                f"checkpoint {path}: the learning-rate schedule saved there differs from this run's ({exc}). "
+                "Pass --override-opt_param-scheduler to continue on this run's schedule flags (--lr, --min-lr, "
+                "--lr-decay-*, --lr-warmup-*; the decay length defaults to --num-rollout x steps per rollout), or "
+                "--use-checkpoint-opt_param-scheduler to continue on the checkpoint's.") from exc
     if rng_world:
         _set_rng_state(loaded["rng"])
     return int(loaded["global_step"])

@@ -29,7 +29,8 @@ def add_arguments(parser):
     group.add_argument(
         "--embedded-torch-compile", action="store_true",
         help="Run the embedded engine's decode step through torch.compile (inductor), then capture it in CUDA "
-             "graphs: fused kernels, a faster step on a GPU, about a minute of compilation at the start.",
+             "graphs: fused kernels, a faster step on a GPU, for a compilation at the start (14 s for a 0.5B model "
+             "on an H200, about a minute for the demo model on a CPU).",
     )
 
 

@@ -122,8 +122,11 @@ class SlotDecoder:
         self.compile_backend = compile
         self._sample = sample_batch  # of plain steps (no filters, no bans)
         if compile is not None:
-            compile_model(model, compile)
+            layers = compile_model(model, compile)
             self._sample = compiled_sampler(compile)
+            log.info("embedded engine: %d decoder layers and the sampler run through torch.compile (%s); the first "
+                     "steps of each new batch shape wait for the compilation (14 s for a 0.5B model on an H200, "
+                     "about a minute for the demo model on a CPU).", layers, compile)
         self._graphs: dict[tuple[int, int], Any] = {}  # (batch bucket, width) -> CUDA graph, or False
         self._pool = None  # the graphs' shared memory pool
         self.requests: list[Request | None] = [None] * max_slots

@@ -67,6 +67,12 @@ def configure(args, report):
             report.error(f"--rollout-num-gpus {args.rollout_num_gpus} does not match the {len(addrs)} external "
                          f"server(s) of --rollout-external-engine-addrs x --rollout-num-gpus-per-engine {per_engine}.")
         args.rollout_num_gpus = len(addrs) * per_engine
+    given = set(getattr(args, "explicit_args", None) or ())
+    embedded = [f"--{k.replace('_', '-')}" for k in ("embedded_max_batch_size", "embedded_torch_compile") if k in given]
+    if embedded and (args.rollout_external or args.sglang_server_impl != "furlong"):
+        report.error(f"{' and '.join(embedded)} set the embedded engine, which SGLang servers do not run (they reach "
+                     "`furlong serve` with --sglang-server-impl furlong); SGLang's own are --sglang-enable-torch-compile "
+                     "and --sglang-max-running-requests.")
     if args.sglang_server_restarts < 0:
         report.error(f"--sglang-server-restarts must be at least 0, got {args.sglang_server_restarts}.")
     if not args.rollout_external and args.sglang_server_impl == "sglang":

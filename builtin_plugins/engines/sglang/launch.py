@@ -78,9 +78,14 @@ def sglang_server_args(args: Any, place: ServerPlace) -> list[str]:
 
 def server_command(args: Any, place: ServerPlace) -> list[str]:
     """The command that starts engine ``place.index``'s server (``--sglang-server-impl``)."""
-    if args.sglang_server_impl == "furlong":
+    if args.sglang_server_impl == "furlong":  # furlong serve runs the embedded engine: its flags go along
+        embedded = ["--embedded-max-batch-size", str(args.embedded_max_batch_size)] if getattr(
+            args, "embedded_max_batch_size", None) else []
+        if getattr(args, "embedded_torch_compile", False):
+            embedded.append("--embedded-torch-compile")
         return [sys.executable, "-m", "furlong.core", "serve", "--hf-checkpoint", args.hf_checkpoint,
-                "--host", place.host, "--port", str(place.port), "--seed", str(int(args.seed or 0) + place.index)]
+                "--host", place.host, "--port", str(place.port), "--seed", str(int(args.seed or 0) + place.index),
+                *embedded]
     return [sys.executable, "-m", "sglang.launch_server", *sglang_server_args(args, place)]
 
 
