@@ -6,7 +6,8 @@ For each model ``OUT_DIR/NAME/hf`` (the test wrote it, and a TP=1 PP=1 checkpoin
 ``OUT_DIR/NAME/pp1ckpt``) the megatron backend at PP=2: log-probs of the four fixed samples
 (from the rank that returns outputs), two AdamW steps (their metrics), the exported HF
 weights of every rank (``OUT_DIR/NAME/pp2_rank<r>.pt``), a ``torch_dist`` checkpoint in
-``OUT_DIR/NAME/pp2ckpt``, and the weights of the PP=1 checkpoint loaded at PP=2.
+``OUT_DIR/NAME/pp2ckpt``, and the weights of the PP=1 checkpoint loaded at PP=2. For the
+last model also one ``--bf16`` step and its checkpoint (:func:`bf16_masters`).
 """
 
 from __future__ import annotations
@@ -50,11 +51,31 @@ async def stages(out: Path, rank: int) -> None:
     parallel_state.destroy_model_parallel()
 
 
+async def bf16_masters(out: Path, rank: int) -> None:
+    """One step at PP=2 with --bf16; its checkpoint (float32 masters) in ``OUT_DIR/NAME/bf16ckpt`` and each
+    rank's masters under their PP=1 names in ``bf16_rank<r>.pt``."""
+    from megatron.core import parallel_state
+    from transformers import AutoTokenizer
+
+    from furlong.builtin_plugins.backends.megatron.convert import placed_units
+
+    args = train_args(out / "hf", pipeline_model_parallel_size=2, adam_eps=1e-3, bf16=True)
+    backend = train_backend(args=args)
+    await backend.init(args)
+    await backend.train(0, make_batch(AutoTokenizer.from_pretrained(out / "hf"), STEPS[:1]))
+    await backend.save(str(out / "bf16ckpt"))
+    names = {local: unit.mcore for unit, local in placed_units(backend.shape, backend.stage)}
+    masters = {names[n]: m.detach().clone() for n, m in backend.masters.named_parameters()}
+    torch.save(masters, out / f"bf16_rank{rank}.pt")
+    parallel_state.destroy_model_parallel()
+
+
 async def main(out: Path, names: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     for name in names:
         await stages(out / name, dist.get_rank())
+    await bf16_masters(out / names[-1], dist.get_rank())
     dist.destroy_process_group()
 
 

@@ -567,6 +567,18 @@ def test_pipeline_two_stages(tiny_model_dir, tmp_path):
         for hf_name, tensor in _weights(reloaded).items():
             assert torch.equal(tensor, last["weights"][hf_name]), (name, hf_name)
 
+    # a --bf16 checkpoint at PP=2 holds the float32 masters of both stages (the tied copy once): PP=1 loads them
+    masters = {}
+    for r in (0, 1):
+        masters.update(torch.load(tmp_path / "qwen2-tied" / f"bf16_rank{r}.pt", weights_only=True))
+    bf16 = megatron_backend(args=train_args(tmp_path / "qwen2-tied" / "hf", adam_eps=1e-3, bf16=True))
+    asyncio.run(bf16.init(bf16.args))
+    asyncio.run(bf16.load(str(tmp_path / "qwen2-tied" / "bf16ckpt")))
+    loaded = dict(bf16.masters.named_parameters())
+    assert sorted(loaded) == sorted(masters)
+    for mcore_name, master in masters.items():
+        assert master.dtype == torch.float32 and torch.equal(loaded[mcore_name], master), mcore_name
+
 
 # --- the whole loop ------------------------------------------------------------------------------
 
