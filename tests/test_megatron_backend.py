@@ -627,24 +627,16 @@ def test_grpo_under_the_local_executor_matches_fsdp(tmp_path):
 def test_two_pipeline_stages_under_torchrun_reproduce_one_process(tiny_model_dir, tmp_path):
     """The whole loop at PP=2 (torchrun, the local executor): pi_old from the last stage's training forward,
     its metrics and the weights it syncs to the engine give the one-process run's rollouts and metrics."""
-    import json
+    from .tiny_model import one_process_and_torchrun
 
     flags = ["train", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
              "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--num-rollout", "2",
              "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
              "--micro-batch-size", "4", "--rollout-max-response-len", "12", "--lr", "1e-4", "--entropy-coef", "0.01",
              "--seed", "1", "--save-interval", "1000", "--train-backend", "megatron"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for cmd in ([sys.executable, "-m", "furlong.core", *flags, "--save", str(tmp_path / "one"),
-                 "--no-reuse-train-log-probs"],
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                 "furlong.core", *flags, "--save", str(tmp_path / "two"), "--actor-num-gpus-per-node", "2",
-                 "--pipeline-model-parallel-size", "2"]):
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200, cwd=tmp_path)
-        assert done.returncode == 0, done.stderr[-4000:]
-    assert "the separate log-prob pass is skipped" in done.stderr
-    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-                   if '"rollout/step"' in line] for name in ("one", "two")}
+    rows, stderr = one_process_and_torchrun(flags, tmp_path, ["--no-reuse-train-log-probs"],
+                                            ["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"])
+    assert "the separate log-prob pass is skipped" in stderr
     assert len(rows["one"]) == len(rows["two"]) == 2
     assert rows["one"][0]["rollout/log_probs"] != rows["one"][1]["rollout/log_probs"]
     for a, b in zip(rows["one"], rows["two"]):

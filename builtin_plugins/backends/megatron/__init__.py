@@ -25,7 +25,8 @@ _USED = {
     "--kv-channels", "--rotary-base", "--rotary-percent", "--norm-epsilon", "--vocab-size", "--normalization",
     "--position-embedding-type", "--group-query-attention", "--swiglu", "--disable-bias-linear", "--add-qkv-bias",
     "--qk-layernorm", "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by",
-    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--recompute-granularity", "--recompute-method",
+    "--recompute-num-layers",
     "--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler", "--no-check-for-nan-in-loss-and-grad",
     "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings",
 }

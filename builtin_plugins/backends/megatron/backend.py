@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import os
-from collections import defaultdict
 from typing import Any
 
 from furlong.hooks import ParallelLayout, PluginError, TrainBatch
@@ -16,10 +14,10 @@ from furlong.hooks.trainer import StepLoop
 from . import checkpoint
 from .config import check_model_args, model_shape, padded_vocab_size
 from .convert import Stage, export_hf, load_hf, placed_units, safetensors_stream
-from .logprobs import forward_log_probs, micro_batch_inputs, response_log_probs
+from .logprobs import forward_log_probs
 from .master import MasterWeights
 from .model import build_gpt, cpu_shims, init_parallel
-from .pipeline import broadcast_from_last_stage, run_schedule
+from .pipeline import PipelineStages
 
 __all__ = ["MegatronBackend"]
 
@@ -40,7 +38,7 @@ def torch_dist_dir(path: str | None) -> str | None:
     return None
 
 
-class MegatronBackend(StepLoop):
+class MegatronBackend(PipelineStages, StepLoop):
     """A :class:`furlong.hooks.TrainBackend` over megatron-core (see docs/megatron.md).
 
     Tensor and pipeline parallelism through megatron-core's ``parallel_state`` (every TP
@@ -125,7 +123,8 @@ class MegatronBackend(StepLoop):
         if self._dtype() != torch.float32:
             self.masters = MasterWeights(self.model)
         params = dict(self._trained_parameters())
-        self._tp_sharded = {id(params[local]) for u, local in placed_units(self.shape, self.stage) if u.split is not None}
+        self._tp_sharded = {id(params[local]) for u, local in placed_units(self.shape, self.stage)
+                            if u.split is not None}
         if getattr(args, "use_kl_loss", False) or getattr(args, "kl_coef", 0.0):
             self.ref_model = self._load_model().requires_grad_(False)
         self.optimizer = build_optimizer(self._trained_parameters(), args)
@@ -193,55 +192,6 @@ class MegatronBackend(StepLoop):
     def _chunk_rows(self) -> int:
         return int(getattr(self.args, "log_probs_chunk_size", -1) or -1)
 
-    # --- pipeline stages (PP > 1) ----------------------------------------------------------
-
-    def _pipeline(self, net, batch: TrainBatch, chunks: list[list[int]], grad: bool, loop) -> list[tuple]:
-        """Run ``chunks`` through megatron-core's pipeline schedule (:func:`~.pipeline.run_schedule`).
-
-        On the last stage: forward only, ``(ids, log_probs, entropy)`` per chunk; training,
-        ``(loss, metrics)`` per chunk from ``batch.objective``, which runs on the event
-        ``loop`` (this is a worker thread) while the schedule waits. Other stages: ``[]``.
-        """
-        outputs: list[tuple] = []
-
-        def inputs(ids):
-            tokens = [batch.tokens[i] for i in ids]
-            return micro_batch_inputs(tokens, [int(batch.response_lengths[i]) for i in ids], self.device,
-                                      packed=self._packed(tokens))
-
-        def finish(ids, micro, logits):
-            lp, ent = response_log_probs(logits, micro, batch.temperature, vocab_size=self.shape.vocab_size,
-                                         entropy_grad=self._entropy_grad(grad), chunk_rows=self._chunk_rows())
-            if not grad:
-                outputs.append((ids, lp, ent))
-                return logits.new_zeros(())
-            loss, metrics = asyncio.run_coroutine_threadsafe(batch.objective(ids, lp, ent), loop).result()
-            outputs.append((loss.detach(), metrics))
-            return loss
-
-        run_schedule(net, chunks, inputs, finish, grad=grad)
-        return outputs
-
-    async def _forward_chunks(self, net, batch: TrainBatch, chunks: list[list[int]]) -> list[tuple]:
-        if self.pp == 1:
-            return await super()._forward_chunks(net, batch, chunks)
-        return await self._in_thread(self._pipeline, net, batch, chunks, False, asyncio.get_running_loop())
-
-    async def _train_step(self, batch: TrainBatch, micro_batches) -> tuple[dict, bool]:
-        """With PP > 1: one pass of the pipeline schedule; the last stage's metric sums reach every stage
-        (the loss's finiteness is checked with the gradients', on every rank, in :meth:`_clip`)."""
-        if self.pp == 1:
-            return await super()._train_step(batch, micro_batches)
-        outputs = await self._in_thread(self._pipeline, self.model, batch, [list(mb) for mb in micro_batches], True,
-                                        asyncio.get_running_loop())
-        sums: dict[str, float] = defaultdict(float)
-        finite_loss = True
-        for loss, metrics in outputs:
-            finite_loss &= bool(loss.isfinite().all())
-            for key, value in metrics.items():
-                sums[key] += float(value)
-        return await self._in_thread(broadcast_from_last_stage, dict(sums)), finite_loss
-
     # --- training -----------------------------------------------------------------------
 
     def _before_train(self) -> None:
@@ -304,31 +254,6 @@ class MegatronBackend(StepLoop):
                 p.grad.mul_(clip / (norm + 1e-6))
         return norm, finite
 
-    def _is_embedding_copy(self, name: str) -> bool:
-        """Whether parameter ``name`` is a tied model's last-stage copy of the embedding (PP > 1)."""
-        return name == "output_layer.weight" and self.shape.tied and self.stage.last and not self.stage.first
-
-    def _embedding_grads(self) -> list:
-        """Gradients of this stage's embedding table and of its tied copy (the masters' under ``--bf16``)."""
-        weights = []
-        if self.stage.first:
-            weights.append(self.model.embedding.word_embeddings.weight)
-        if self.shape.tied and self.stage.last and not self.stage.first:
-            weights.append(self.model.output_layer.weight)
-        grads = [(self.masters.master_of(w) if self.masters else w).grad for w in weights]
-        return [g for g in grads if g is not None]
-
-    def _sum_embedding_copies(self) -> None:
-        """A tied model at PP > 1: add the first stage's embedding gradient and the last stage's
-        output-layer gradient (megatron-core's embedding group), so both copies take the same step."""
-        if not (self.shape.tied and self.pp > 1):
-            return
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-
-        for grad in self._embedding_grads():
-            dist.all_reduce(grad, group=parallel_state.get_embedding_group())
-
     def _freeze_padding_row(self) -> None:
         """Zero the gradient of the embedding row ``pad_token_id`` (in the embedding and in a tied
         last-stage copy), as HF's ``nn.Embedding(padding_idx=...)``."""
@@ -383,7 +308,8 @@ class MegatronBackend(StepLoop):
         """
         await self._in_thread(
             checkpoint.save_checkpoint, path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            masters=self.masters, global_step=self.global_step, rank=self.rank, world=self.world, tp=self.tp, pp=self.pp,
+            masters=self.masters, global_step=self.global_step, rank=self.rank, world=self.world, tp=self.tp,
+            pp=self.pp,
             save_optim=not getattr(self.args, "no_save_optim", False), device=self.device)
 
     async def load(self, path: str) -> None:

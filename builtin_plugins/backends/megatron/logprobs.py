@@ -24,7 +24,8 @@ import torch
 
 from furlong.hooks.trainer import right_padded
 
-__all__ = ["MicroBatchInputs", "forward_log_probs", "micro_batch_inputs", "response_log_probs", "vocab_parallel_log_probs"]
+__all__ = ["MicroBatchInputs", "forward_log_probs", "micro_batch_inputs", "response_log_probs",
+           "vocab_parallel_log_probs"]
 
 _CHUNK_ELEMENTS = 1 << 28  # float32 elements per row chunk (1 GiB)
 _PAD_LOGIT = -1e30  # padded columns: exp() is 0 and 0 * -1e30 stays finite

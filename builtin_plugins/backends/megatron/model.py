@@ -80,7 +80,7 @@ def cpu_shims(device):
             torch.cuda.synchronize = lambda *a, **k: None
         _shims_depth += 1
     try:
-        with _CudaOnCpu():
+        with _cuda_on_cpu():
             yield
     finally:
         with _shims_lock:
@@ -89,17 +89,18 @@ def cpu_shims(device):
                 torch.cuda.current_device, torch.cuda.synchronize = _cuda_originals
 
 
-class _CudaOnCpu:
+_mode_class: list = []
+
+
+def _cuda_on_cpu():
     """A torch function mode that turns ``device="cuda"`` of tensor factories and ``Tensor.cuda()``
-    into the CPU (entered per thread by :func:`cpu_shims`)."""
+    into the CPU (a mode is per thread: :func:`cpu_shims` enters one in each)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
 
-    def __init__(self) -> None:
-        from torch.overrides import TorchFunctionMode
-
-        class Mode(TorchFunctionMode):
+    if not _mode_class:
+        class CudaOnCpu(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
-                import torch
-
                 kwargs = kwargs or {}
                 if func is torch.Tensor.cuda:
                     return args[0]
@@ -108,13 +109,8 @@ class _CudaOnCpu:
                     kwargs = {**kwargs, "device": "cpu"}
                 return func(*args, **kwargs)
 
-        self.mode = Mode()
-
-    def __enter__(self):
-        return self.mode.__enter__()
-
-    def __exit__(self, *exc):
-        return self.mode.__exit__(*exc)
+        _mode_class.append(CudaOnCpu)
+    return _mode_class[0]()
 
 
 def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
