@@ -6,7 +6,8 @@ For each model ``OUT_DIR/NAME/hf`` (the test wrote it, and a TP=1 PP=1 checkpoin
 ``OUT_DIR/NAME/pp1ckpt``) the megatron backend at PP=2: log-probs of the four fixed samples
 (from the rank that returns outputs), two AdamW steps (their metrics), the exported HF
 weights of every rank (``OUT_DIR/NAME/pp2_rank<r>.pt``), a ``torch_dist`` checkpoint in
-``OUT_DIR/NAME/pp2ckpt``, and the weights of the PP=1 checkpoint loaded at PP=2. For the
+``OUT_DIR/NAME/pp2ckpt``, the weights of the PP=1 checkpoint loaded at PP=2, and the
+log-probs of the initial model with a packed micro-batch. For the
 last model also one ``--bf16`` step and its checkpoint (:func:`bf16_masters`).
 """
 
@@ -24,6 +25,7 @@ from tiny_model import make_batch, train_args
 from furlong.builtin_plugins.backends.megatron import train_backend
 
 STEPS = [[[0, 1], [2]], [[3], [0, 2], [1]]]  # two optimizer steps; micro-batches of different shapes
+PACKED = [[[2, 3], [0, 1]]]  # with --use-dynamic-batch-size, [2, 3] (6 and 21 tokens) is packed (thd)
 
 
 async def stages(out: Path, rank: int) -> None:
@@ -46,8 +48,14 @@ async def stages(out: Path, rank: int) -> None:
     await resumed.init(args)
     await resumed.load(str(out / "pp1ckpt"))
     loaded = dict(await resumed.named_weights())
+    parallel_state.destroy_model_parallel()
+    packed = train_backend(args=train_args(hf_dir, pipeline_model_parallel_size=2, use_dynamic_batch_size=True))
+    await packed.init(packed.args)
+    packed_batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), PACKED)
+    assert packed._packed([packed_batch.tokens[i] for i in PACKED[0][0]])
+    packed_log_probs = await packed.log_probs(packed_batch)
     torch.save({"log_probs": log_probs, "metrics": metrics, "weights": weights, "loaded": loaded,
-                "global_step": resumed.global_step}, out / f"pp2_rank{rank}.pt")
+                "global_step": resumed.global_step, "packed_log_probs": packed_log_probs}, out / f"pp2_rank{rank}.pt")
     parallel_state.destroy_model_parallel()
 
 

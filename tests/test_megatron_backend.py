@@ -545,8 +545,10 @@ def test_pipeline_two_stages(tiny_model_dir, tmp_path):
         last = ranks[1]  # the last stage returns the outputs
         assert all(row is None for row in ranks[0]["log_probs"]["log_probs"])
         for key in ("log_probs", "entropy"):
-            for a, b in zip(expected["log_probs"][key], last["log_probs"][key]):
+            for a, b, packed in zip(expected["log_probs"][key], last["log_probs"][key],
+                                    last["packed_log_probs"][key]):
                 torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+                torch.testing.assert_close(packed, a, rtol=0, atol=1e-5)
         for got in ranks:
             assert len(got["metrics"]) == 2
             for want, step in zip(expected["metrics"], got["metrics"]):
