@@ -41,7 +41,7 @@ def run_schedule(model, chunks: list[list[int]], inputs: Callable, finish: Calla
         output = stage_model(input_ids=batch.ids, position_ids=None, attention_mask=None, **batch.extra)
 
         def loss_func(logits):
-            return finish(ids, batch, logits), torch.ones((), dtype=torch.int), {}
+            return finish(ids, batch, logits), torch.ones((), dtype=torch.int, device=logits.device), {}
 
         return output, loss_func
 
