@@ -219,7 +219,9 @@ class MegatronBackend(PipelineStages, StepLoop):
         return self.world // (self.tp * self.pp)
 
     def _clip(self, finite_loss: bool) -> tuple[float, bool]:
-        """SUM gradients over DP ranks; global L2 norm before clipping; whether all is finite everywhere."""
+        """SUM gradients over DP ranks (and a tied model's two embedding copies over the stages); global L2
+        norm before clipping (over TP shards and pipeline stages, each parameter once); whether all is
+        finite everywhere."""
         import torch
         import torch.distributed as dist
         from megatron.core import parallel_state
