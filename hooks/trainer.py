@@ -46,7 +46,9 @@ class StepLoop:
     and ``global_step``, and implements :meth:`_forward`, :meth:`_clip`,
     :meth:`_learning_rate` and :meth:`_optimizer_step`; it may override
     :meth:`_dp_group` / :meth:`_dp_size` (default: the default process group, ``self.world``
-    ranks; metrics are summed over it), :meth:`_before_train` and :meth:`_after_train`.
+    ranks; metrics are summed over it), :meth:`_before_train` and :meth:`_after_train`, and
+    the micro-batch passes :meth:`_forward_chunks` and :meth:`_train_step` (a pipelined
+    backend runs them through its schedule).
     """
 
     name = "backend"
@@ -193,11 +195,29 @@ class StepLoop:
             chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
         log_probs: list = [None] * n
         entropy: list = [None] * n
-        for ids in chunks:
-            lp, ent = await self._in_thread(self._forward, net, batch, ids, False)
+        for ids, lp, ent in await self._forward_chunks(net, batch, chunks):
             for i, a, b in zip(ids, lp, ent):
                 log_probs[i], entropy[i] = a.detach().to("cpu", torch.float32), b.detach().to("cpu", torch.float32)
         return {"log_probs": log_probs, "entropy": entropy}
+
+    async def _forward_chunks(self, net, batch: TrainBatch, chunks: list[list[int]]) -> list[tuple]:
+        """Forward-only passes over ``chunks`` (sample ids each): ``(ids, log_probs, entropy)`` per chunk
+        whose outputs this rank holds (:meth:`_forward` per chunk here; a pipelined backend overrides it)."""
+        return [(ids, *await self._in_thread(self._forward, net, batch, ids, False)) for ids in chunks]
+
+    async def _train_step(self, batch: TrainBatch, micro_batches) -> tuple[dict, bool]:
+        """Forward with grad, ``batch.objective`` and backward of every micro-batch of one step
+        (gradients accumulate); this rank's metric sums and whether every loss was finite."""
+        sums: dict[str, float] = defaultdict(float)
+        finite_loss = True
+        for mb in micro_batches:
+            lp, ent = await self._in_thread(self._forward, self.model, batch, list(mb), True)
+            loss, metrics = await batch.objective(list(mb), lp, ent)
+            finite_loss &= bool(loss.detach().isfinite().all())
+            await self._in_thread(loss.backward)
+            for key, value in metrics.items():
+                sums[key] += float(value)
+        return sums, finite_loss
 
     async def train(self, rollout_id: int, batch: TrainBatch) -> list[dict]:
         """One optimizer step per entry of ``batch.steps`` (SPEC.md 6.3, 6.4).
@@ -227,15 +247,7 @@ class StepLoop:
         results = []
         for s, micro_batches in enumerate(batch.steps):
             self.optimizer.zero_grad(set_to_none=True)
-            sums: dict[str, float] = defaultdict(float)
-            finite_loss = True
-            for mb in micro_batches:
-                lp, ent = await self._in_thread(self._forward, self.model, batch, list(mb), True)
-                loss, metrics = await batch.objective(list(mb), lp, ent)
-                finite_loss &= bool(loss.detach().isfinite().all())
-                await self._in_thread(loss.backward)
-                for key, value in metrics.items():
-                    sums[key] += float(value)
+            sums, finite_loss = await self._train_step(batch, micro_batches)
             sums = await self._in_thread(self._sum_over_ranks, sums)
             grad_norm, finite = await self._in_thread(self._clip, finite_loss)
             lr = self._learning_rate()

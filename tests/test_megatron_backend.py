@@ -32,6 +32,7 @@ from furlong.hooks import ConfigReport, PluginError  # noqa: E402
 from .tiny_model import make_batch, train_args  # noqa: E402
 
 CPU = torch.device("cpu")
+STEPS = [[[0, 1], [2]], [[3], [0, 2], [1]]]  # two optimizer steps (as tests/megatron_pipeline_ranks.py)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -120,13 +121,16 @@ def test_model_args_that_disagree_with_the_config_name_both_values():
 
 
 def test_configure_reports_architecture_and_unsupported_parallelism(tiny_model_dir):
-    args = train_args(tiny_model_dir, num_layers=3, pipeline_model_parallel_size=2, sequence_parallel=True,
-                      tensor_model_parallel_size=1, megatron_flags_given=["--num-layers", "--use-distributed-optimizer"])
+    args = train_args(tiny_model_dir, num_layers=3, pipeline_model_parallel_size=3, sequence_parallel=True,
+                      virtual_pipeline_model_parallel_size=2, tensor_model_parallel_size=1,
+                      megatron_flags_given=["--num-layers", "--use-distributed-optimizer"])
     report = ConfigReport(plugin="megatron")
     configure(args=args, report=report)
     assert f"--num-layers 3 disagrees with --hf-checkpoint {tiny_model_dir}/config.json (num_hidden_layers = 2)." \
         in report.errors
-    assert "--pipeline-model-parallel-size 2 is not supported yet by --train-backend megatron." in report.errors
+    assert (f"--pipeline-model-parallel-size 3 does not divide num_hidden_layers 2 of --hf-checkpoint {tiny_model_dir} "
+            "(stages get equal numbers of layers).") in report.errors
+    assert "--virtual-pipeline-model-parallel-size 2 is not supported yet by --train-backend megatron." in report.errors
     assert ("--sequence-parallel is not supported yet by --train-backend megatron (megatron-core's local spec, which "
             "this backend builds, has no sequence parallelism; tensor parallelism works without it).") in report.errors
 
@@ -453,7 +457,20 @@ def gqa_llama_dir(tiny_model_dir, path: Path) -> Path:
                          num_key_value_heads=2, vocab_size=100, max_position_embeddings=256, tie_word_embeddings=False,
                          bos_token_id=2, eos_token_id=3, pad_token_id=0)
     torch.manual_seed(3)
-    LlamaForCausalLM(config).save_pretrained(path)
+    return with_tiny_tokenizer(LlamaForCausalLM(config), tiny_model_dir, path)
+
+
+def qwen2_tied_dir(tiny_model_dir, path: Path) -> Path:
+    """The tiny tokenizer with a tied Qwen2 of 4 layers (q/k/v biases, 2 KV groups), random weights."""
+    config = Qwen2Config(**{**SMALL, "num_hidden_layers": 4}, tie_word_embeddings=True, bos_token_id=2, eos_token_id=3,
+                         pad_token_id=0)
+    torch.manual_seed(4)
+    return with_tiny_tokenizer(Qwen2ForCausalLM(config), tiny_model_dir, path)
+
+
+def with_tiny_tokenizer(model, tiny_model_dir, path: Path) -> Path:
+    """Save ``model`` to ``path`` with the tokenizer files of the tiny model."""
+    model.save_pretrained(path)
     for file in tiny_model_dir.iterdir():
         if "token" in file.name:
             shutil.copy(file, path / file.name)
@@ -521,6 +538,67 @@ def test_tensor_parallel_two_ranks(tiny_model_dir, tmp_path):
         torch.testing.assert_close(moments[name], tensor, rtol=0, atol=1e-6)
 
 
+@pytest.mark.timeout(240)
+def test_pipeline_two_stages(tiny_model_dir, tmp_path):
+    """Two gloo ranks at PP=2 (untied Llama, tied Qwen2): log-probs, two AdamW steps (grad norms, losses,
+    weights) and the weight export equal PP=1's; checkpoints load from PP=2 at PP=1 and the other way."""
+    from .tiny_model import run_two_ranks
+
+    models = {"llama-untied": gqa_llama_dir, "qwen2-tied": qwen2_tied_dir}
+    single = {}
+    for name, make in models.items():
+        hf_dir = make(tiny_model_dir, tmp_path / name / "hf")
+        backend = megatron_backend(args=train_args(hf_dir, adam_eps=1e-3))
+        asyncio.run(backend.init(backend.args))
+        batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), STEPS)
+        single[name] = {"log_probs": asyncio.run(backend.log_probs(batch)),
+                        "metrics": asyncio.run(backend.train(0, batch)), "weights": _weights(backend)}
+        asyncio.run(backend.save(str(tmp_path / name / "pp1ckpt")))
+    run_two_ranks("megatron_pipeline_ranks.py", str(tmp_path), *models)
+
+    for name in models:
+        expected = single[name]
+        ranks = [torch.load(tmp_path / name / f"pp2_rank{r}.pt", weights_only=True) for r in (0, 1)]
+        last = ranks[1]  # the last stage returns the outputs
+        assert all(row is None for row in ranks[0]["log_probs"]["log_probs"])
+        for key in ("log_probs", "entropy"):
+            for a, b, packed in zip(expected["log_probs"][key], last["log_probs"][key],
+                                    last["packed_log_probs"][key]):
+                torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+                torch.testing.assert_close(packed, a, rtol=0, atol=1e-5)
+        for got in ranks:
+            assert len(got["metrics"]) == 2
+            for want, step in zip(expected["metrics"], got["metrics"]):
+                for key in ("grad_norm", "loss", "entropy"):
+                    assert step[key] == pytest.approx(want[key], rel=1e-5), (name, key)
+            assert sorted(got["weights"]) == sorted(expected["weights"])
+            for hf_name, tensor in expected["weights"].items():
+                torch.testing.assert_close(got["weights"][hf_name], tensor, rtol=0, atol=1e-5)
+            # the PP=1 checkpoint loaded at PP=2
+            assert got["global_step"] == 2
+            for hf_name, tensor in expected["weights"].items():
+                assert torch.equal(got["loaded"][hf_name], tensor), (name, hf_name)
+        # the PP=2 checkpoint loads at PP=1
+        reloaded = megatron_backend(args=train_args(tmp_path / name / "hf", adam_eps=1e-3))
+        asyncio.run(reloaded.init(reloaded.args))
+        asyncio.run(reloaded.load(str(tmp_path / name / "pp2ckpt")))
+        assert reloaded.global_step == 2
+        for hf_name, tensor in _weights(reloaded).items():
+            assert torch.equal(tensor, last["weights"][hf_name]), (name, hf_name)
+
+    # a --bf16 checkpoint at PP=2 holds the float32 masters of both stages (the tied copy once): PP=1 loads them
+    masters = {}
+    for r in (0, 1):
+        masters.update(torch.load(tmp_path / "qwen2-tied" / f"bf16_rank{r}.pt", weights_only=True))
+    bf16 = megatron_backend(args=train_args(tmp_path / "qwen2-tied" / "hf", adam_eps=1e-3, bf16=True))
+    asyncio.run(bf16.init(bf16.args))
+    asyncio.run(bf16.load(str(tmp_path / "qwen2-tied" / "bf16ckpt")))
+    loaded = dict(bf16.masters.named_parameters())
+    assert sorted(loaded) == sorted(masters)
+    for mcore_name, master in masters.items():
+        assert master.dtype == torch.float32 and torch.equal(loaded[mcore_name], master), mcore_name
+
+
 # --- the whole loop ------------------------------------------------------------------------------
 
 
@@ -562,6 +640,29 @@ def test_grpo_under_the_local_executor_matches_fsdp(tmp_path):
     ckpt = tmp_path / "megatron" / "iter_0000001"
     assert (ckpt / "metadata.json").is_file() and (ckpt / "meta.json").is_file()
     assert (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+@pytest.mark.timeout(240)
+def test_two_pipeline_stages_under_torchrun_reproduce_one_process(tiny_model_dir, tmp_path):
+    """The whole loop at PP=2 (torchrun, the local executor): pi_old from the last stage's training forward,
+    its metrics and the weights it syncs to the engine give the one-process run's rollouts and metrics."""
+    from .tiny_model import one_process_and_torchrun
+
+    flags = ["train", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
+             "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--num-rollout", "2",
+             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+             "--micro-batch-size", "4", "--rollout-max-response-len", "12", "--lr", "1e-4", "--entropy-coef", "0.01",
+             "--seed", "1", "--save-interval", "1000", "--train-backend", "megatron"]
+    rows, stderr = one_process_and_torchrun(flags, tmp_path, ["--no-reuse-train-log-probs"],
+                                            ["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"])
+    assert "the separate log-prob pass is skipped" in stderr
+    assert len(rows["one"]) == len(rows["two"]) == 2
+    assert rows["one"][0]["rollout/log_probs"] != rows["one"][1]["rollout/log_probs"]
+    for a, b in zip(rows["one"], rows["two"]):
+        for key in ("train/entropy_loss", "train/grad_norm", "train/loss", "train/ppo_kl", "rollout/log_probs",
+                    "rollout/entropy", "rollout/response_lengths", "rollout/rollout_log_probs"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+        assert b["perf/log_probs_time"] == 0.0 < a["perf/log_probs_time"]
 
 
 def test_megatron_core_s_fallback_warnings_are_silenced():

@@ -89,25 +89,16 @@ def test_an_estimator_that_reads_pi_old_turns_the_reuse_off_and_refuses_it_when_
 @pytest.mark.timeout(240)
 def test_two_data_parallel_ranks_reusing_pi_old_reproduce_one_process_with_the_separate_pass(tmp_path):
     """Each rank keeps the log-probs of its own micro-batches; the driver merges them by global index."""
-    import os
-    import subprocess
-    import sys
+    from .tiny_model import one_process_and_torchrun
 
     flags = ["train", "--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
              "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--num-rollout", "2",
              "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
              "--micro-batch-size", "4", "--rollout-max-response-len", "12", "--lr", "1e-4", "--entropy-coef", "0.01",
              "--seed", "1", "--save-interval", "1000"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for cmd in ([sys.executable, "-m", "furlong.core", *flags, "--save", str(tmp_path / "one"),
-                 "--no-reuse-train-log-probs"],
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                 "furlong.core", *flags, "--save", str(tmp_path / "two"), "--actor-num-gpus-per-node", "2"]):
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200, cwd=tmp_path)
-        assert done.returncode == 0, done.stderr[-4000:]
-    assert "the separate log-prob pass is skipped" in done.stderr
-    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-                   if '"rollout/step"' in line] for name in ("one", "two")}
+    rows, stderr = one_process_and_torchrun(flags, tmp_path, ["--no-reuse-train-log-probs"],
+                                            ["--actor-num-gpus-per-node", "2"])
+    assert "the separate log-prob pass is skipped" in stderr
     assert len(rows["one"]) == len(rows["two"]) == 2
     for a, b in zip(rows["one"], rows["two"]):
         for key in COMPARED:

@@ -128,3 +128,28 @@ def run_two_ranks(worker: str, *argv: str, timeout: float = 220) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), *argv]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def one_process_and_torchrun(flags: list[str], cwd: Path, one: list[str], two: list[str],
+                             timeout: float = 200) -> tuple[dict, str]:
+    """``furlong train`` with ``flags`` in one process (plus ``one``, saving to ``cwd/one``) and under
+    ``torchrun --nproc-per-node 2`` (plus ``two``, saving to ``cwd/two``).
+
+    :returns: ``({"one": rows, "two": rows}, torchrun's stderr)``: the ``rollout/step`` rows of each
+        run's metrics.jsonl.
+    :raises AssertionError: a run fails (the tail of its stderr is the message).
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for cmd in ([sys.executable, "-m", "furlong.core", *flags, "--save", str(cwd / "one"), *one],
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                 "furlong.core", *flags, "--save", str(cwd / "two"), *two]):
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        assert done.returncode == 0, done.stderr[-4000:]
+    rows = {name: [json.loads(line) for line in (cwd / name / "metrics.jsonl").read_text().splitlines()
+                   if '"rollout/step"' in line] for name in ("one", "two")}
+    return rows, done.stderr

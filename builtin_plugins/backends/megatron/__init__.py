@@ -30,7 +30,8 @@ _USED = {
     "--kv-channels", "--rotary-base", "--rotary-percent", "--norm-epsilon", "--vocab-size", "--normalization",
     "--position-embedding-type", "--group-query-attention", "--swiglu", "--disable-bias-linear", "--add-qkv-bias",
     "--qk-layernorm", "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by",
-    "--tensor-model-parallel-size", "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--recompute-granularity", "--recompute-method",
+    "--recompute-num-layers",
     "--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler", "--no-check-for-nan-in-loss-and-grad",
     "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings",
 }
@@ -38,7 +39,6 @@ _USED = {
 # Given with a value other than this default (or, for a parallel size, 1: one rank changes
 # nothing): "not supported yet".
 _REFUSED = (
-    ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", 1),
     ("--virtual-pipeline-model-parallel-size", "virtual_pipeline_model_parallel_size", None),
     ("--context-parallel-size", "context_parallel_size", 1),
     ("--expert-model-parallel-size", "expert_model_parallel_size", 1),
@@ -122,6 +122,10 @@ def _check_architecture(args, report) -> None:
                         ("intermediate_size", shape.ffn_hidden_size)):
         if value % tp:
             report.error(f"--tensor-model-parallel-size {tp} does not divide {what} {value} of {where}.")
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    if shape.num_layers % pp:
+        report.error(f"--pipeline-model-parallel-size {pp} does not divide num_hidden_layers {shape.num_layers} of "
+                     f"{where} (stages get equal numbers of layers).")
     groups = shape.num_query_groups
     if groups % tp and tp % groups:
         report.error(f"--tensor-model-parallel-size {tp}: num_key_value_heads {groups} of {where} must be a "
@@ -133,6 +137,7 @@ def train_backend(args):
     """Create the megatron backend; :meth:`MegatronBackend.init` builds and loads the model.
 
     Flags read: ``--hf-checkpoint``, ``--ref-load``, ``--tensor-model-parallel-size``,
+    ``--pipeline-model-parallel-size``,
     Miles' architecture flags (checked against the HF config), ``--make-vocab-size-divisible-by``,
     ``--use-kl-loss``, ``--kl-coef``, ``--lr`` and the Megatron LR schedule flags,
     ``--weight-decay``, ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``, ``--clip-grad``,

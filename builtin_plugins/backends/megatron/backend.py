@@ -13,10 +13,11 @@ from furlong.hooks.trainer import StepLoop
 
 from . import checkpoint
 from .config import check_model_args, model_shape, padded_vocab_size
-from .convert import export_hf, load_hf, safetensors_stream, units
+from .convert import Stage, export_hf, load_hf, placed_units, safetensors_stream
 from .logprobs import forward_log_probs
 from .master import MasterWeights
 from .model import build_gpt, cpu_shims, init_parallel
+from .pipeline import PipelineStages
 
 __all__ = ["MegatronBackend"]
 
@@ -37,12 +38,14 @@ def torch_dist_dir(path: str | None) -> str | None:
     return None
 
 
-class MegatronBackend(StepLoop):
+class MegatronBackend(PipelineStages, StepLoop):
     """A :class:`furlong.hooks.TrainBackend` over megatron-core (see docs/megatron.md).
 
-    Tensor parallelism through megatron-core's ``parallel_state`` (every TP peer gets the
-    same micro-batches); data parallelism over ``world / TP`` ranks with gradients SUMMED
-    (the core's objective already carries the whole step's denominators). Without
+    Tensor and pipeline parallelism through megatron-core's ``parallel_state`` (every TP
+    peer and pipeline stage gets the same micro-batches; with PP > 1 they run through
+    megatron-core's pipeline schedule, :mod:`.pipeline`, and the last stage computes
+    log-probs and the loss); data parallelism over ``world / (TP x PP)`` ranks with
+    gradients SUMMED (the core's objective already carries the whole step's denominators). Without
     ``--bf16`` parameters, gradients and AdamW state are float32; with ``--bf16`` the
     parameters are bfloat16 and AdamW updates float32 master weights whose gradients
     accumulate in float32 (:mod:`.master`).
@@ -60,7 +63,8 @@ class MegatronBackend(StepLoop):
         self.vocab_rows = 0
         self.global_step = 0
         self.masters: MasterWeights | None = None
-        self.world, self.rank, self.tp = 1, 0, 1
+        self.world, self.rank, self.tp, self.pp = 1, 0, 1, 1
+        self.stage = Stage()
         self.device = None
         self._tp_sharded: set[int] = set()
 
@@ -92,7 +96,12 @@ class MegatronBackend(StepLoop):
             raise PluginError("--recompute-granularity needs CUDA with --train-backend megatron (megatron-core's "
                               "recompute restores CUDA RNG states).")
         self.tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-        self.world, self.rank = init_parallel(self.tp, self.device)
+        self.pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+        self.world, self.rank = init_parallel(self.tp, self.device, self.pp)
+        if self.pp > 1:
+            from megatron.core import parallel_state
+
+            self.stage = Stage(parallel_state.get_pipeline_model_parallel_rank(), self.pp)
         if self.device.type == "cuda":
             from megatron.core import tensor_parallel
 
@@ -103,6 +112,9 @@ class MegatronBackend(StepLoop):
             raise PluginError(f"--hf-checkpoint {args.hf_checkpoint}: cannot read config.json: {exc}") from exc
         self.shape = model_shape(hf_config, f"--hf-checkpoint {args.hf_checkpoint}")
         problems = check_model_args(args, self.shape, f"--hf-checkpoint {args.hf_checkpoint}/config.json")
+        if self.shape.num_layers % self.pp:
+            problems.append(f"--pipeline-model-parallel-size {self.pp} does not divide the {self.shape.num_layers} "
+                            f"layers of --hf-checkpoint {args.hf_checkpoint}.")
         if problems:
             raise PluginError(" ".join(problems))
         self.vocab_rows = padded_vocab_size(self.shape.vocab_size, self.tp,
@@ -111,30 +123,31 @@ class MegatronBackend(StepLoop):
         if self._dtype() != torch.float32:
             self.masters = MasterWeights(self.model)
         params = dict(self._trained_parameters())
-        self._tp_sharded = {id(params[u.mcore]) for u in units(self.shape) if u.split is not None}
+        self._tp_sharded = {id(params[local]) for u, local in placed_units(self.shape, self.stage)
+                            if u.split is not None}
         if getattr(args, "use_kl_loss", False) or getattr(args, "kl_coef", 0.0):
             self.ref_model = self._load_model().requires_grad_(False)
         self.optimizer = build_optimizer(self._trained_parameters(), args)
         self.scheduler = build_scheduler(self.optimizer, args)
         if self.rank == 0:
-            log.info("megatron: %s, TP %d, DP %d, vocab rows %d, %s", self.shape.family, self.tp,
-                     self.world // self.tp, self.vocab_rows,
+            log.info("megatron: %s, TP %d, PP %d, DP %d, vocab rows %d, %s", self.shape.family, self.tp, self.pp,
+                     self._dp_size(), self.vocab_rows,
                      "bf16 parameters, fp32 master weights" if self.masters else "fp32")
         return 0
 
     def _load_model(self):
-        model = build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device,
+        model = build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device, pp=self.pp,
                           **recompute_settings(self.args))
         ref = getattr(self.args, "ref_load", None)
         if is_hf_dir(ref):
             load_hf(model, safetensors_stream(ref), self.shape, self.vocab_rows, self.tp, self._tp_rank(),
-                    f"--ref-load {ref}")
+                    f"--ref-load {ref}", self.stage)
         elif torch_dist_dir(ref):
             checkpoint.load_weights(torch_dist_dir(ref), model, self.device)
         else:
             source = self.args.hf_checkpoint
             load_hf(model, safetensors_stream(source), self.shape, self.vocab_rows, self.tp, self._tp_rank(),
-                    f"--hf-checkpoint {source}")
+                    f"--hf-checkpoint {source}", self.stage)
         return model.eval()
 
     def _tp_rank(self) -> int:
@@ -171,10 +184,13 @@ class MegatronBackend(StepLoop):
         return forward_log_probs(
             model, tokens, [int(batch.response_lengths[i]) for i in ids], batch.temperature,
             self.device, vocab_size=self.shape.vocab_size, grad=grad, entropy_grad=self._entropy_grad(grad),
-            packed=bool(getattr(self.args, "use_dynamic_batch_size", False)) and pack_micro_batch(
-                [len(t) for t in tokens]),
-            chunk_rows=int(getattr(self.args, "log_probs_chunk_size", -1) or -1),
-        )
+            packed=self._packed(tokens), chunk_rows=self._chunk_rows())
+
+    def _packed(self, tokens) -> bool:
+        return bool(getattr(self.args, "use_dynamic_batch_size", False)) and pack_micro_batch([len(t) for t in tokens])
+
+    def _chunk_rows(self) -> int:
+        return int(getattr(self.args, "log_probs_chunk_size", -1) or -1)
 
     # --- training -----------------------------------------------------------------------
 
@@ -200,28 +216,36 @@ class MegatronBackend(StepLoop):
         return parallel_state.get_data_parallel_group()
 
     def _dp_size(self) -> int:
-        return self.world // self.tp
+        return self.world // (self.tp * self.pp)
 
     def _clip(self, finite_loss: bool) -> tuple[float, bool]:
-        """SUM gradients over DP ranks; global L2 norm before clipping; whether all is finite everywhere."""
+        """SUM gradients over DP ranks (and a tied model's two embedding copies over the stages); global L2
+        norm before clipping (over TP shards and pipeline stages, each parameter once); whether all is
+        finite everywhere."""
         import torch
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        params = [p for _, p in self._trained_parameters() if p.grad is not None]
+        self._sum_embedding_copies()
+        named = [(n, p) for n, p in self._trained_parameters() if p.grad is not None]
+        params = [p for _, p in named]
         self._freeze_padding_row()
         if self._dp_size() > 1:
             for p in params:
                 dist.all_reduce(p.grad, group=self._dp_group())
-        split = [id(p) in self._tp_sharded for p in params]
-        norms = torch.stack(torch._foreach_norm([p.grad.detach() for p in params])).double() if params else \
+        counted = [p for n, p in named if not self._is_embedding_copy(n)]  # a tied copy is counted once
+        split = [id(p) in self._tp_sharded for p in counted]
+        norms = torch.stack(torch._foreach_norm([p.grad.detach() for p in counted])).double() if counted else \
             torch.zeros(0, dtype=torch.float64, device=self.device)
         squares = norms.square()
         mask = torch.tensor(split, dtype=torch.bool, device=squares.device)
         sharded, replicated = squares[mask].sum(), squares[~mask].sum()
         if self.tp > 1:
             dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
-        norm = float((sharded + replicated).sqrt())
+        total = sharded + replicated
+        if self.pp > 1:
+            dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+        norm = float(total.sqrt())
         flag = torch.tensor([0.0 if finite_loss else 1.0], device=self.device)
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -233,37 +257,41 @@ class MegatronBackend(StepLoop):
         return norm, finite
 
     def _freeze_padding_row(self) -> None:
-        """Zero the gradient of the embedding row ``pad_token_id``, as HF's ``nn.Embedding(padding_idx=...)``."""
+        """Zero the gradient of the embedding row ``pad_token_id`` (in the embedding and in a tied
+        last-stage copy), as HF's ``nn.Embedding(padding_idx=...)``."""
         row = self.shape.padding_idx
-        weight = self.model.embedding.word_embeddings.weight
-        grad = (self.masters.master_of(weight) if self.masters else weight).grad
-        if row is None or grad is None:
+        if row is None:
             return
-        local = row - self._tp_rank() * grad.shape[0]
-        if 0 <= local < grad.shape[0]:
-            grad[local].zero_()
+        for grad in self._embedding_grads():
+            local = row - self._tp_rank() * grad.shape[0]
+            if 0 <= local < grad.shape[0]:
+                grad[local].zero_()
 
     # --- weights and checkpoints ---------------------------------------------------------
 
     def layout(self) -> ParallelLayout:
-        """Data-parallel rank and size from megatron-core's groups; TP rank 0 returns the outputs."""
+        """Data-parallel rank and size from megatron-core's groups; TP rank 0 of the last pipeline stage
+        (which computes log-probs and the loss) returns the outputs."""
         from megatron.core import parallel_state
 
         return ParallelLayout(dp_rank=parallel_state.get_data_parallel_rank(),
                               dp_size=parallel_state.get_data_parallel_world_size(),
-                              returns_outputs=self._tp_rank() == 0, rank=self.rank, world=self.world)
+                              returns_outputs=self._tp_rank() == 0 and self.stage.last, rank=self.rank,
+                              world=self.world)
 
     async def iter_weights(self):
         """Yield ``(hf_name, tensor)`` one Hugging Face tensor at a time (:func:`~.convert.export_hf`).
 
-        A collective over the TP group (sharded parameters are all-gathered): every rank
-        iterates. Tensors are in the parameters' dtype (bfloat16 under ``--bf16``), full
+        A collective over the TP group (sharded parameters are all-gathered) and the
+        pipeline stages (each parameter is broadcast from its stage): every rank iterates
+        and gets every tensor. Tensors are in the parameters' dtype (bfloat16 under ``--bf16``), full
         shape, vocabulary trimmed to the HF size; tied models yield no ``lm_head.weight``.
         Copy them before the next :meth:`train`.
         """
         from megatron.core import parallel_state
 
-        stream = export_hf(self.model, self.shape, self.tp, parallel_state.get_tensor_model_parallel_group())
+        stream = export_hf(self.model, self.shape, self.tp, parallel_state.get_tensor_model_parallel_group(),
+                           self.stage, parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None)
         sentinel = object()
         while True:
             item = await self._in_thread(next, stream, sentinel)
@@ -283,12 +311,13 @@ class MegatronBackend(StepLoop):
         await self._in_thread(
             checkpoint.save_checkpoint, path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             masters=self.masters, global_step=self.global_step, rank=self.rank, world=self.world, tp=self.tp,
+            pp=self.pp,
             save_optim=not getattr(self.args, "no_save_optim", False), device=self.device)
 
     async def load(self, path: str) -> None:
         """Restore weights, optimizer and schedule (unless ``--no-load-optim``), RNG (unless ``--no-load-rng``).
 
-        Works at any TP size (megatron-core reshards). The global step always comes
+        Works at any TP or PP size (megatron-core reshards). The global step always comes
         from the checkpoint.
 
         :raises PluginError: ``path`` is not a checkpoint of this backend or of this model.

@@ -4,16 +4,18 @@ Layout of ``path`` (the core's ``iter_N.tmp/``, renamed by the core when every r
 SPEC.md 7)::
 
     metadata.json, .metadata, common.pt, __<rank>_<n>.distcp    megatron-core torch_dist files
-    meta.json     {"global_step", "world_size", "tensor_model_parallel_size", "timestamp"}
+    meta.json     {"global_step", "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                   "timestamp"}
 
 The sharded state holds ``model`` (megatron-core's own sharded state dict: layers stacked,
 fc1 saved as the global ``[gate; up]``, so the files do not depend on TP), ``optimizer``
 (AdamW moments as tensors shaped like their parameters, one shared ``step``; absent with
 ``--no-save-optim``; under ``--bf16`` the weights saved are the float32 master weights
 and the moments are those of the masters), ``scheduler`` (``OptimizerParamScheduler.state_dict()``),
-``global_step`` and ``rng`` (one object per rank). A checkpoint saved at one TP size loads
-at another: weights and moments are resharded; RNG states are restored only when the
-world size is unchanged.
+``global_step`` and ``rng`` (one object per rank). A checkpoint saved at one TP or PP size
+loads at another: weights and moments are resharded (megatron-core keys layers by their
+global index; a tied model's last-stage output layer is saved as a replica of the
+embedding); RNG states are restored only when the world size is unchanged.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def _sharded(model, masters, optimizer, scheduler, global_step: int, rank: int, 
 
 
 def save_checkpoint(path: str, *, model, optimizer, scheduler, global_step: int, rank: int, world: int, tp: int,
-                    save_optim: bool, device, masters=None) -> None:
+                    save_optim: bool, device, masters=None, pp: int = 1) -> None:
     """Write the layout above into ``path`` (every rank calls it; a collective).
 
     :param masters: the :class:`~.master.MasterWeights` of a bfloat16 model (saved instead of its weights).
@@ -121,6 +123,7 @@ def save_checkpoint(path: str, *, model, optimizer, scheduler, global_step: int,
         dist_checkpointing.save(state, path)
     if rank == 0:
         meta = {"global_step": global_step, "world_size": world, "tensor_model_parallel_size": tp,
+                "pipeline_model_parallel_size": pp,
                 "optimizer": save_optim, "timestamp": time.time()}
         with open(os.path.join(path, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2)

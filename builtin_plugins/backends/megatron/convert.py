@@ -12,6 +12,11 @@ tests): column-parallel layers (embedding, qkv, fc1, output) split dim 0, row-pa
 layers (proj, fc2) split dim 1, norms are replicated. Rank ``r`` holds chunk ``r`` of every
 one of the ``stride`` parts of the full tensor along that dim (fc1 has stride 2: rank ``r``
 holds ``[gate_r; up_r]``).
+
+Pipeline parallelism (:class:`Stage`): stage ``s`` of ``pp`` holds layers
+``s * L/pp ... (s + 1) * L/pp - 1`` under local indices ``0 ... L/pp - 1`` (megatron-core's
+layer offset), the embedding on stage 0, the final norm and output layer on the last; a
+tied model's last stage holds a copy of the embedding as its output layer.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from furlong.hooks import PluginError
 
 from .config import ModelShape
 
-__all__ = ["Unit", "export_hf", "gather_full", "load_hf", "local_shard", "units"]
+__all__ = ["Stage", "Unit", "export_hf", "gather_full", "load_hf", "local_shard", "placed_units", "units"]
 
 
 @attrs.frozen
@@ -44,6 +49,51 @@ class Unit:
 
 
 COLUMN, ROW, FC1 = (0, 1), (1, 1), (0, 2)
+
+
+@attrs.frozen
+class Stage:
+    """This rank's pipeline stage: ``index`` of ``count`` (megatron-core's pipeline rank and size)."""
+
+    index: int = 0
+    count: int = 1
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+def owner(unit: Unit, shape: ModelShape, count: int) -> int:
+    """The pipeline stage (of ``count``) that holds ``unit``'s parameter (the first stage for the embedding)."""
+    if unit.mcore.startswith("decoder.layers."):
+        return int(unit.mcore.split(".")[2]) // (shape.num_layers // count)
+    return 0 if unit.mcore.startswith("embedding.") else count - 1
+
+
+def placed_units(shape: ModelShape, stage: Stage) -> list[tuple[Unit, str]]:
+    """``(unit, local parameter name)`` of every parameter ``stage`` holds, in state-dict order.
+
+    Layers are renamed to the stage's local indices; a tied model's last stage (when it is
+    not also the first) adds the embedding unit under ``output_layer.weight``, its copy.
+    """
+    per_stage = shape.num_layers // stage.count
+    out = []
+    for unit in units(shape):
+        if owner(unit, shape, stage.count) != stage.index:
+            continue
+        name = unit.mcore
+        if name.startswith("decoder.layers."):
+            parts = name.split(".")
+            parts[2] = str(int(parts[2]) - stage.index * per_stage)
+            name = ".".join(parts)
+        out.append((unit, name))
+    if shape.tied and stage.last and not stage.first:
+        out.append((units(shape)[0], "output_layer.weight"))
+    return out
 
 
 def units(shape: ModelShape) -> list[Unit]:
@@ -136,57 +186,90 @@ def gather_full(local, split: tuple | None, tp: int, group):
 
 
 def load_hf(model, named_tensors: Iterable[tuple[str, Any]], shape: ModelShape, vocab_rows: int, tp: int,
-            rank: int, where: str) -> None:
+            rank: int, where: str, stage: Stage = Stage()) -> None:
     """Copy HF-named tensors into ``model``'s parameters as they stream in.
 
     HF tensors are held only until every tensor of their Megatron parameter has arrived
     (q/k/v of a layer, gate/up), then packed, cut to this rank's shard and copied in.
+    Tensors of parameters another pipeline stage holds are passed over (HF layer
+    ``i`` is this stage's local layer ``i - offset``).
 
     :param named_tensors: ``(hf_name, tensor)`` pairs in any order (a safetensors stream).
     :param where: the checkpoint named in errors.
+    :param stage: this rank's pipeline stage (:func:`placed_units`).
     :raises PluginError: a tensor of unknown name or wrong shape, or a parameter left
         without its tensors.
     """
     import torch
 
     params = dict(model.named_parameters())
-    table = {name: unit for unit in units(shape) for name in unit.hf}
+    known = {name for unit in units(shape) for name in unit.hf}
+    placed = placed_units(shape, stage)
+    table = {name: (unit, local) for unit, local in placed for name in unit.hf}
     pending: dict[str, dict] = {}
     done: set[str] = set()
     for name, tensor in named_tensors:
-        unit = table.get(name)
-        if unit is None:
-            if (name == "lm_head.weight" and shape.tied) or name.endswith("rotary_emb.inv_freq"):
+        if name not in table:
+            if name in known or (name == "lm_head.weight" and shape.tied) or name.endswith("rotary_emb.inv_freq"):
                 continue
             raise PluginError(f"{where}: tensor {name!r} has no place in the {shape.family} Megatron model.")
-        got = pending.setdefault(unit.mcore, {})
+        unit, local = table[name]
+        got = pending.setdefault(local, {})
         got[name] = tensor
         if len(got) < len(unit.hf):
             continue
         full = pack(unit, [got[n] for n in unit.hf], shape, vocab_rows)
-        del pending[unit.mcore]
-        param = params[unit.mcore]
+        del pending[local]
+        param = params[local]
         piece = local_shard(full, unit.split, tp, rank)
         if tuple(piece.shape) != tuple(param.shape):
             raise PluginError(f"{where}: {', '.join(unit.hf)} give {unit.mcore} of shape {tuple(piece.shape)} on "
                               f"TP rank {rank}, the model has {tuple(param.shape)}; config.json and weights disagree.")
         with torch.no_grad():
             param.copy_(piece)
-        done.add(unit.mcore)
-    missing = [u.hf[0] for u in units(shape) if u.mcore not in done]
+        done.add(local)
+    missing = [u.hf[0] for u, local in placed if local not in done]
     if missing:
         raise PluginError(f"{where}: no tensor for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}.")
 
 
-def export_hf(model, shape: ModelShape, tp: int, group) -> Iterator[tuple[str, Any]]:
-    """Yield ``(hf_name, full tensor)`` for every HF weight, one Megatron parameter at a time.
+def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), pp_group=None
+              ) -> Iterator[tuple[str, Any]]:
+    """Yield ``(hf_name, full tensor)`` for every HF weight, one Megatron parameter at a time, on every rank.
 
-    A collective over the TP ``group`` (each sharded parameter is all-gathered): every
-    TP rank iterates. Tied models yield no ``lm_head.weight``.
+    A collective over the TP ``group`` (each sharded parameter is all-gathered) and, with
+    pipeline stages, over ``pp_group`` (the stage holding a parameter broadcasts it to the
+    others; a tied model's output-layer copy is not sent): every rank iterates and gets
+    every tensor once, in the same order at any TP or PP size. Tied models yield no
+    ``lm_head.weight``.
     """
+    import torch
+    import torch.distributed as dist
+
     params = dict(model.named_parameters())
+    mine = {unit.mcore: local for unit, local in placed_units(shape, stage) if owner(unit, shape, stage.count)
+            == stage.index}
+    specs: dict = {}
+    if stage.count > 1:  # full shape and dtype of every parameter, from the stage that holds it
+        held = {}
+        for unit in units(shape):
+            if unit.mcore in mine:
+                size = list(params[mine[unit.mcore]].shape)
+                if unit.split is not None:
+                    size[unit.split[0]] *= tp
+                held[unit.mcore] = (size, params[mine[unit.mcore]].dtype)
+        every: list = [None] * stage.count
+        dist.all_gather_object(every, held, group=pp_group)
+        specs = {k: v for part in every for k, v in part.items()}
     for unit in units(shape):
-        full = gather_full(params[unit.mcore], unit.split, tp, group)
+        if unit.mcore in mine:
+            full = gather_full(params[mine[unit.mcore]], unit.split, tp, group)
+        else:
+            size, dtype = specs[unit.mcore]
+            full = torch.empty(size, dtype=dtype, device=next(model.parameters()).device)
+        if stage.count > 1:
+            full = full.contiguous()
+            dist.broadcast(full, src=dist.get_global_rank(pp_group, owner(unit, shape, stage.count)), group=pp_group)
         yield from zip(unit.hf, unpack(unit, full, shape))
 
 

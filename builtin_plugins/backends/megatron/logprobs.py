@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import attrs
 import torch
 
 from furlong.hooks.trainer import right_padded
 
-__all__ = ["forward_log_probs", "vocab_parallel_log_probs"]
+__all__ = ["MicroBatchInputs", "forward_log_probs", "micro_batch_inputs", "response_log_probs",
+           "vocab_parallel_log_probs"]
 
 _CHUNK_ELEMENTS = 1 << 28  # float32 elements per row chunk (1 GiB)
 _PAD_LOGIT = -1e30  # padded columns: exp() is 0 and 0 * -1e30 stays finite
@@ -172,25 +174,28 @@ def vocab_parallel_log_probs(logits, targets, temperature: float, vocab_size: in
     return log_probs, entropy if entropy_grad else entropy.detach()
 
 
-def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[int], temperature: float, device, *,
-                      vocab_size: int, grad: bool, entropy_grad: bool, packed: bool = False, chunk_rows: int = -1) -> tuple[list, list]:
-    """One GPTModel forward over a micro-batch; response log-probs and entropy per sample.
+@attrs.frozen
+class MicroBatchInputs:
+    """What one GPTModel forward of a micro-batch needs, and where its responses lie.
 
-    Padded (``packed=False``): the sequences are right-padded into ``[B, L]``; no attention
-    mask is needed because attention is causal, so pad tokens after a sequence never reach
-    its positions (GPTModel's RoPE positions are implicit). Packed (``packed=True``, the
-    ``thd`` layout): the sequences are concatenated into ``[1, sum L_i]`` with
-    ``PackedSeqParams``; attention and RoPE restart at each sequence (:mod:`.attention`),
-    and no pad token is computed. Either way the log-probs are computed at every position
-    (a view of the logits, no copy) and the response spans are cut from them.
+    ``ids``: int64 input ids (``[B, L]`` right-padded, or ``[1, sum L_i]`` packed) on the
+    device; ``targets``: the next token at each position (same shape); ``extra``: more
+    model keyword arguments (``packed_seq_params``); ``spans``: per sample ``(row, start,
+    end)`` of its response log-probs in the ``[rows, positions]`` grid.
+    """
 
-    :param tokens: B sequences of prompt + response ids.
-    :param response_lengths: B response lengths ``T_i`` (the last ``T_i`` tokens).
-    :returns: ``(log_probs, entropy)``: B float32 tensors ``[T_i]`` each.
+    ids: Any
+    targets: Any
+    extra: dict
+    spans: list
+
+
+def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], device, *,
+                       packed: bool = False) -> MicroBatchInputs:
+    """The model inputs of a micro-batch (see :func:`forward_log_probs` for the two layouts).
+
     :raises ValueError: a response that starts at position 0 (no previous token).
     """
-    import torch
-
     seqs, ids = right_padded(tokens, response_lengths)
     extra: dict = {}
     if packed:
@@ -210,9 +215,41 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
     ids = ids.to(device)
     targets = torch.zeros_like(ids)
     targets[:, :-1] = ids[:, 1:]  # across a packed boundary the target is unused: no span ends there
+    return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans)
+
+
+def response_log_probs(logits, inputs: MicroBatchInputs, temperature: float, *, vocab_size: int,
+                       entropy_grad: bool, chunk_rows: int = -1) -> tuple[list, list]:
+    """Per-sample response log-probs and entropy from a forward's vocab-parallel logits
+    ``[rows, positions, V/tp]`` (:func:`vocab_parallel_log_probs`; views, no copy).
+
+    :returns: ``(log_probs, entropy)``: B float32 tensors ``[T_i]`` each.
+    """
+    lp, ent = vocab_parallel_log_probs(logits.reshape(-1, logits.shape[-1]), inputs.targets.reshape(-1), temperature,
+                                       vocab_size, entropy_grad=entropy_grad, chunk_rows=chunk_rows)
+    lp, ent = lp.view(inputs.ids.shape), ent.view(inputs.ids.shape)
+    return [lp[row, a:b] for row, a, b in inputs.spans], [ent[row, a:b] for row, a, b in inputs.spans]
+
+
+def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[int], temperature: float, device, *,
+                      vocab_size: int, grad: bool, entropy_grad: bool, packed: bool = False, chunk_rows: int = -1) -> tuple[list, list]:
+    """One GPTModel forward over a micro-batch; response log-probs and entropy per sample.
+
+    Padded (``packed=False``): the sequences are right-padded into ``[B, L]``; no attention
+    mask is needed because attention is causal, so pad tokens after a sequence never reach
+    its positions (GPTModel's RoPE positions are implicit). Packed (``packed=True``, the
+    ``thd`` layout): the sequences are concatenated into ``[1, sum L_i]`` with
+    ``PackedSeqParams``; attention and RoPE restart at each sequence (:mod:`.attention`),
+    and no pad token is computed. Either way the log-probs are computed at every position
+    (a view of the logits, no copy) and the response spans are cut from them.
+
+    :param tokens: B sequences of prompt + response ids.
+    :param response_lengths: B response lengths ``T_i`` (the last ``T_i`` tokens).
+    :returns: ``(log_probs, entropy)``: B float32 tensors ``[T_i]`` each.
+    :raises ValueError: a response that starts at position 0 (no previous token).
+    """
+    inputs = micro_batch_inputs(tokens, response_lengths, device, packed=packed)
     with torch.set_grad_enabled(grad):
-        logits = model(input_ids=ids, position_ids=None, attention_mask=None, **extra)
-        lp, ent = vocab_parallel_log_probs(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), temperature,
-                                           vocab_size, entropy_grad=grad and entropy_grad, chunk_rows=chunk_rows)
-    lp, ent = lp.view(ids.shape), ent.view(ids.shape)
-    return [lp[row, a:b] for row, a, b in spans], [ent[row, a:b] for row, a, b in spans]
+        logits = model(input_ids=inputs.ids, position_ids=None, attention_mask=None, **inputs.extra)
+        return response_log_probs(logits, inputs, temperature, vocab_size=vocab_size,
+                                  entropy_grad=grad and entropy_grad, chunk_rows=chunk_rows)

@@ -14,14 +14,14 @@ from .config import ModelShape
 __all__ = ["build_gpt", "cpu_shims", "init_parallel"]
 
 
-def init_parallel(tp: int, device) -> tuple[int, int]:
-    """Initialise megatron-core's tensor/data-parallel groups; return ``(world, rank)``.
+def init_parallel(tp: int, device, pp: int = 1) -> tuple[int, int]:
+    """Initialise megatron-core's tensor/pipeline/data-parallel groups; return ``(world, rank)``.
 
     Uses the default process group when one exists (``furlong train`` under ``torchrun``,
     a Ray worker); a single process without one gets a one-rank group on an in-memory
     store (gloo on CPU, NCCL on GPU), which megatron-core needs for its groups.
 
-    :raises PluginError: TP does not divide the world size, or ``WORLD_SIZE > 1`` without
+    :raises PluginError: TP x PP does not divide the world size, or ``WORLD_SIZE > 1`` without
         an initialised process group.
     """
     import torch.distributed as dist
@@ -34,14 +34,18 @@ def init_parallel(tp: int, device) -> tuple[int, int]:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % tp:
-        raise PluginError(f"--tensor-model-parallel-size {tp} does not divide the trainer world size {world}.")
+    if world % (tp * pp):
+        raise PluginError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} does not divide "
+                          f"the trainer world size {world}.")
     if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() != tp:
-            raise PluginError(f"megatron: model-parallel groups already exist with TP "
-                              f"{parallel_state.get_tensor_model_parallel_world_size()}, not {tp}.")
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise PluginError(f"megatron: model-parallel groups already exist with TP {have[0]}, PP {have[1]}, "
+                              f"not TP {tp}, PP {pp}.")
     else:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 create_gloo_process_groups=False)
     return world, rank
 
 
@@ -56,9 +60,12 @@ def cpu_shims(device):
 
     megatron-core 0.16 moves RoPE's ``inv_freq`` to ``torch.cuda.current_device()`` and
     calls ``torch.cuda.synchronize()`` when saving a distributed checkpoint
-    (MEGATRON.md 3.2). Both are undefined without CUDA, so inside this block they
-    return the CPU device and do nothing; with CUDA nothing is changed. Blocks may nest
-    and overlap across threads: the originals come back when the last one exits.
+    (MEGATRON.md 3.2); its pipeline schedule and p2p exchange allocate on
+    ``torch.cuda.current_device()`` and ``device="cuda"``, and a tied model's last
+    pipeline stage calls ``Tensor.cuda()`` on its copy of the embedding. All are undefined
+    without CUDA, so inside this block they stay on (or return) the CPU and synchronising
+    does nothing; with CUDA nothing is changed. Blocks may nest and overlap across
+    threads: the originals come back when the last one exits.
     """
     import torch
 
@@ -73,12 +80,37 @@ def cpu_shims(device):
             torch.cuda.synchronize = lambda *a, **k: None
         _shims_depth += 1
     try:
-        yield
+        with _cuda_on_cpu():
+            yield
     finally:
         with _shims_lock:
             _shims_depth -= 1
             if _shims_depth == 0:
                 torch.cuda.current_device, torch.cuda.synchronize = _cuda_originals
+
+
+_mode_class: list = []
+
+
+def _cuda_on_cpu():
+    """A torch function mode that turns ``device="cuda"`` of tensor factories and ``Tensor.cuda()``
+    into the CPU (a mode is per thread: :func:`cpu_shims` enters one in each)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    if not _mode_class:
+        class CudaOnCpu(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func is torch.Tensor.cuda:
+                    return args[0]
+                device = kwargs.get("device")
+                if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
+                    kwargs = {**kwargs, "device": "cpu"}
+                return func(*args, **kwargs)
+
+        _mode_class.append(CudaOnCpu)
+    return _mode_class[0]()
 
 
 def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
@@ -111,19 +143,39 @@ def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
     return TransformerConfig(**fields)
 
 
-def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, **extra: Any):
+def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: int = 1, **extra: Any):
     """A GPTModel of the local spec with :class:`~.attention.SDPACoreAttention`, uninitialised
     weights (the caller loads them), on ``device``.
 
+    With ``pp > 1`` (the groups of :func:`init_parallel`) it is this rank's pipeline stage:
+    ``num_layers / pp`` layers (megatron-core numbers them from the stage's offset), the
+    embedding on the first stage, the final norm and output layer on the last; a tied
+    model's last stage holds its own copy of the embedding as output layer (megatron-core's
+    ``setup_embeddings_and_output_layer``; the caller loads it and keeps it equal).
+    Stages exchange activations of each micro-batch's own shape (``variable_seq_lengths``)
+    one tensor at a time (no batched p2p, which gloo lacks), and every loss passes through
+    the schedule unscaled (``calculate_per_token_loss``: the objective carries the step's
+    denominators).
+
     :param vocab_rows: embedding/output rows (:func:`~.config.padded_vocab_size`).
     :param dtype: every parameter's dtype (norm scales included).
-    :returns: the model; logits stay vocab-parallel (``[b, s, vocab_rows / tp]``).
+    :returns: the model; logits stay vocab-parallel (``[b, s, vocab_rows / tp]``) on the last stage, other
+        stages return hidden states ``[s, b, h]``.
     """
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from .attention import SDPACoreAttention
 
+    stages: dict = {}
+    if pp > 1:
+        extra = dict(pipeline_model_parallel_size=pp, pipeline_dtype=dtype, variable_seq_lengths=True,
+                     batch_p2p_comm=False, calculate_per_token_loss=True,
+                     moe_token_dispatcher_type="alltoall",  # no experts; the default refuses variable_seq_lengths
+                     **extra)
+        stages = dict(pre_process=parallel_state.is_pipeline_first_stage(),
+                      post_process=parallel_state.is_pipeline_last_stage())
     config = transformer_config(shape, tp, dtype, device, **extra)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_layernorm)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
@@ -133,7 +185,7 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, **extr
         model = GPTModel(config, spec, vocab_size=vocab_rows, max_sequence_length=shape.max_position_embeddings,
                          parallel_output=True, share_embeddings_and_output_weights=shape.tied,
                          position_embedding_type="rope", rotary_percent=1.0, rotary_base=shape.rotary_base,
-                         **scaling)
+                         **scaling, **stages)
     model = model.to(device)
     for param in model.parameters():  # norm scales too (megatron-core makes them float32), as Float16Module does
         if param.dtype != dtype:

@@ -1,0 +1,144 @@
+"""Micro-batches through megatron-core's pipeline schedule (``--pipeline-model-parallel-size`` > 1).
+
+Every stage of a data-parallel rank runs the same micro-batches in the same order:
+megatron-core's non-interleaved 1F1B schedule (``get_forward_backward_func``) sends each
+micro-batch's activations ``[s, b, h]`` to the next stage and their gradients back. The
+last stage turns the logits into response log-probs and entropy (:mod:`.logprobs`) and,
+when training, into the loss of the core's objective, which the schedule back-propagates
+unscaled (the model's config sets ``calculate_per_token_loss``; the objective already
+carries the step's denominators, SPEC.md 6.3). :class:`PipelineStages` holds the backend's
+methods for it and for a tied model's two embedding copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from typing import Any, Callable
+
+from furlong.hooks import TrainBatch
+
+from .logprobs import micro_batch_inputs, response_log_probs
+
+__all__ = ["PipelineStages", "broadcast_from_last_stage", "run_schedule"]
+
+
+def run_schedule(model, chunks: list[list[int]], inputs: Callable, finish: Callable, *, grad: bool) -> None:
+    """Run every micro-batch of ``chunks`` through the pipeline (a collective over the stages).
+
+    :param chunks: sample ids per micro-batch, the same on every stage.
+    :param inputs: ``ids -> MicroBatchInputs`` (:func:`~.logprobs.micro_batch_inputs`), on every stage.
+    :param finish: ``(ids, inputs, logits) -> loss`` on the last stage: a scalar tensor that
+        the schedule back-propagates when ``grad`` (its value is not used otherwise).
+    :param grad: train (forward and backward, gradients accumulate) or forward only.
+    """
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, stage_model):
+        ids = next(data_iterator)
+        batch = inputs(ids)
+        output = stage_model(input_ids=batch.ids, position_ids=None, attention_mask=None, **batch.extra)
+
+        def loss_func(logits):
+            return finish(ids, batch, logits), torch.ones((), dtype=torch.int, device=logits.device), {}
+
+        return output, loss_func
+
+    with torch.set_grad_enabled(grad):
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(chunks), model=[model],
+                                    num_microbatches=len(chunks), seq_length=1, micro_batch_size=1,
+                                    forward_only=not grad)
+
+
+def broadcast_from_last_stage(value: Any) -> Any:
+    """``value`` of the last pipeline stage (picklable), on every stage of this pipeline (a collective)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, dist.get_world_size(group) - 1), group=group)
+    return box[0]
+
+
+class PipelineStages:
+    """The :class:`~.backend.MegatronBackend` parts that differ with PP > 1: micro-batch passes through
+    :func:`run_schedule` (PP = 1 keeps :class:`furlong.hooks.trainer.StepLoop`'s) and a tied model's two
+    embedding copies (the first stage's table, the last stage's output layer).
+
+    Uses the backend's ``pp``, ``stage``, ``shape``, ``model``, ``masters``, ``args`` and ``device``.
+    """
+
+    def _pipeline(self, net, batch: TrainBatch, chunks: list[list[int]], grad: bool, loop) -> list[tuple]:
+        """Run ``chunks`` through megatron-core's pipeline schedule (:func:`run_schedule`).
+
+        On the last stage: forward only, ``(ids, log_probs, entropy)`` per chunk; training,
+        ``(loss, metrics)`` per chunk from ``batch.objective``, which runs on the event
+        ``loop`` (this is a worker thread) while the schedule waits. Other stages: ``[]``.
+        """
+        outputs: list[tuple] = []
+
+        def inputs(ids):
+            tokens = [batch.tokens[i] for i in ids]
+            return micro_batch_inputs(tokens, [int(batch.response_lengths[i]) for i in ids], self.device,
+                                      packed=self._packed(tokens))
+
+        def finish(ids, micro, logits):
+            lp, ent = response_log_probs(logits, micro, batch.temperature, vocab_size=self.shape.vocab_size,
+                                         entropy_grad=self._entropy_grad(grad), chunk_rows=self._chunk_rows())
+            if not grad:
+                outputs.append((ids, lp, ent))
+                return logits.new_zeros(())
+            loss, metrics = asyncio.run_coroutine_threadsafe(batch.objective(ids, lp, ent), loop).result()
+            outputs.append((loss.detach(), metrics))
+            return loss
+
+        run_schedule(net, chunks, inputs, finish, grad=grad)
+        return outputs
+
+    async def _forward_chunks(self, net, batch: TrainBatch, chunks: list[list[int]]) -> list[tuple]:
+        if self.pp == 1:
+            return await super()._forward_chunks(net, batch, chunks)
+        return await self._in_thread(self._pipeline, net, batch, chunks, False, asyncio.get_running_loop())
+
+    async def _train_step(self, batch: TrainBatch, micro_batches) -> tuple[dict, bool]:
+        """With PP > 1: one pass of the pipeline schedule; the last stage's metric sums reach every stage
+        (the loss's finiteness is checked with the gradients', on every rank, in :meth:`_clip`)."""
+        if self.pp == 1:
+            return await super()._train_step(batch, micro_batches)
+        outputs = await self._in_thread(self._pipeline, self.model, batch, [list(mb) for mb in micro_batches], True,
+                                        asyncio.get_running_loop())
+        sums: dict[str, float] = defaultdict(float)
+        finite_loss = True
+        for loss, metrics in outputs:
+            finite_loss &= bool(loss.isfinite().all())
+            for key, value in metrics.items():
+                sums[key] += float(value)
+        return await self._in_thread(broadcast_from_last_stage, dict(sums)), finite_loss
+
+    def _is_embedding_copy(self, name: str) -> bool:
+        """Whether parameter ``name`` is a tied model's last-stage copy of the embedding (PP > 1)."""
+        return name == "output_layer.weight" and self.shape.tied and self.stage.last and not self.stage.first
+
+    def _embedding_grads(self) -> list:
+        """Gradients of this stage's embedding table and of its tied copy (the masters' under ``--bf16``)."""
+        weights = []
+        if self.stage.first:
+            weights.append(self.model.embedding.word_embeddings.weight)
+        if self.shape.tied and self.stage.last and not self.stage.first:
+            weights.append(self.model.output_layer.weight)
+        grads = [(self.masters.master_of(w) if self.masters else w).grad for w in weights]
+        return [g for g in grads if g is not None]
+
+    def _sum_embedding_copies(self) -> None:
+        """A tied model at PP > 1: add the first stage's embedding gradient and the last stage's
+        output-layer gradient (megatron-core's embedding group), so both copies take the same step."""
+        if not (self.shape.tied and self.pp > 1):
+            return
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        for grad in self._embedding_grads():
+            dist.all_reduce(grad, group=parallel_state.get_embedding_group())
+
