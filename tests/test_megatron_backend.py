@@ -351,6 +351,10 @@ def test_bf16_trains_bfloat16_parameters_over_float32_master_weights(tiny_model_
         assert torch.equal(loaded[name], master), name
     for name, param in again.model.named_parameters():
         assert torch.equal(param, dict(bf.model.named_parameters())[name]), name
+    warm = megatron_backend(args=train_args(tiny_model_dir, bf16=True, ref_load=str(tmp_path / "iter_0000001")))
+    asyncio.run(warm.init(warm.args))  # --ref-load of a bf16 run: the actor's masters are the saved float32 ones
+    for name, master in warm.masters.named_parameters():
+        assert torch.equal(master, masters[name]), name
     as_fp32 = megatron_backend(args=train_args(tiny_model_dir, lr=1e-3))  # the files hold float32 weights
     asyncio.run(as_fp32.init(as_fp32.args))
     asyncio.run(as_fp32.load(str(tmp_path / "iter_0000001")))

@@ -122,6 +122,9 @@ class MegatronBackend(PipelineStages, StepLoop):
         self.model = self._load_model()
         if self._dtype() != torch.float32:
             self.masters = MasterWeights(self.model)
+            saved = torch_dist_dir(getattr(args, "ref_load", None))
+            if saved:  # the checkpoint holds float32 weights: the masters start from them, not from their rounding
+                checkpoint.load_weights(saved, self.model, self.device, masters=self.masters)
         params = dict(self._trained_parameters())
         self._tp_sharded = {id(params[local]) for u, local in placed_units(self.shape, self.stage)
                             if u.split is not None}

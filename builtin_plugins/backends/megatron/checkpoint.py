@@ -201,9 +201,11 @@ def load_checkpoint(path: str, *, model, optimizer, scheduler, rank: int, world:
     return int(loaded["global_step"])
 
 
-def load_weights(path: str, model, device) -> None:
+def load_weights(path: str, model, device, masters=None) -> None:
     """Load only the model weights of checkpoint ``path`` (``--ref-load`` of a ``torch_dist`` checkpoint).
 
+    :param masters: the :class:`~.master.MasterWeights` of a bfloat16 model: the saved float32
+        weights load into them, then round into the model.
     :raises PluginError: not a checkpoint of this backend, or one of another model.
     """
     from megatron.core import dist_checkpointing
@@ -213,8 +215,13 @@ def load_weights(path: str, model, device) -> None:
     read_meta(path)
     try:
         with cpu_shims(device):
-            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+            sharded = model.sharded_state_dict()
+            template = masters.sharded_state_dict(sharded) if masters is not None else sharded
+            loaded = dist_checkpointing.load({"model": template}, path)
     except Exception as exc:  # noqa: BLE001 - any reader failure is a bad checkpoint
         raise PluginError(f"checkpoint {path}: cannot load its weights into this model: {type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
-    model.load_state_dict(loaded["model"], strict=False)
+    if masters is not None:
+        masters.load_loaded(loaded["model"])
+    else:
+        model.load_state_dict(loaded["model"], strict=False)
