@@ -570,3 +570,17 @@ def test_two_level_inverse_cdf_equals_one_scan_over_the_vocabulary():
     got = inverse_cdf(probs, u.float(), block=128)
     assert (got == expected).float().mean() > 0.98  # equal but for float32 rounding at block edges
     assert bool((probs.gather(1, got[:, None]) > 0).all())  # never a token of zero probability
+
+
+def test_inverse_cdf_of_a_vocabulary_smaller_than_a_block_is_one_scan():
+    from furlong.builtin_plugins.engines.embedded.sampling import inverse_cdf
+
+    gen = torch.Generator().manual_seed(1)
+    probs = torch.rand(256, 26, generator=gen) * (torch.rand(256, 26, generator=gen) > 0.3)
+    probs[:, 0] += 1e-3  # every row has some mass
+    u = torch.rand(256, generator=gen)
+    target = u * probs.sum(-1)
+    expected = torch.searchsorted(probs.cumsum(-1), target[:, None], right=True)[:, 0].clamp(max=25)
+    got = inverse_cdf(probs, u)  # default block of 1024 > 26 tokens
+    assert torch.equal(got, expected)
+    assert bool((probs.gather(1, got[:, None]) > 0).all())

@@ -132,8 +132,13 @@ def forward_log_probs(
                                              entropy_grad=grad and entropy_grad, chunk_size=chunk_size)
                      for i, s, t in rows]
             return [p[0] for p in pairs], [p[1] for p in pairs]
-        states = torch.cat([out[i, s : s + t] for i, s, t in rows])
-        targets = torch.cat([ids[i, s + 1 : s + t + 1] for i, s, t in rows])
+        # one gather over the flattened positions: its backward is one scatter, where a slice per
+        # sample would add a zero-filled [B, L, H] gradient per sample
+        width = out.shape[1]
+        flat = torch.tensor([i * width + s + k for i, s, t in rows for k in range(t)], dtype=torch.long,
+                            device=out.device)
+        states = out.reshape(-1, out.shape[-1]).index_select(0, flat)
+        targets = ids.reshape(-1).to(out.device).index_select(0, flat + 1)
         log_probs, entropy = chunked_log_probs(split[1], states, targets, temperature, autocast=autocast,
                                                entropy_grad=grad and entropy_grad,
                                                chunk=chunk_size if chunk_size > 0 else None)

@@ -169,7 +169,7 @@ def inverse_cdf(probs, u, block: int = 1024):
 
     Two levels, so no scan runs over the whole vocabulary: the row's mass per block of
     ``block`` tokens, the block where ``u`` falls (a scan over ``V / block`` sums), then a
-    scan inside that block only.
+    scan inside that block only. A vocabulary of at most ``block`` tokens is a single block.
 
     :param probs: float32 ``[B, V]``, non-negative (need not sum to 1); :param u: ``[B]`` in (0, 1).
     :returns: int64 ``[B]``; a token of zero probability is never chosen.
@@ -177,6 +177,7 @@ def inverse_cdf(probs, u, block: int = 1024):
     import torch
 
     rows, vocab = probs.shape
+    block = min(block, vocab)  # a small vocabulary is one block, not padded to ``block`` columns
     padded = torch.nn.functional.pad(probs, (0, (-vocab) % block)).view(rows, -1, block)
     sums = padded.sum(-1)
     cdf = sums.cumsum(-1)
