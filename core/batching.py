@@ -18,7 +18,8 @@ from typing import Any, Sequence
 
 from furlong.hooks import PluginError
 
-__all__ = ["count_dp_size", "dynamic_global_batch", "karmarkar_karp", "plan_steps", "split_steps", "steps_per_rollout"]
+__all__ = ["count_dp_size", "dynamic_global_batch", "karmarkar_karp", "pi_old_needs_own_pass", "plan_steps",
+           "split_steps", "steps_per_rollout"]
 
 
 def count_dp_size(args: Any) -> int:
@@ -49,6 +50,27 @@ def count_dp_size(args: Any) -> int:
 def steps_per_rollout(args: Any) -> int:
     """Optimizer steps per rollout: 1 under ``--use-dynamic-global-batch-size``, else ``--num-steps-per-rollout``."""
     return 1 if getattr(args, "use_dynamic_global_batch_size", False) else int(args.num_steps_per_rollout)
+
+
+def pi_old_needs_own_pass(args: Any) -> str | None:
+    """Why the flags alone need pi_old from a forward-only pass of its own, or None.
+
+    pi_old may come from the training forward (``--reuse-train-log-probs``) only when the
+    rollout trains in one optimizer step and nothing reads pi_old before training; a
+    backend can still refuse at start (``train_forward_gives_old_log_probs``).
+    """
+    if getattr(args, "use_rollout_logprobs", False):
+        return "--use-rollout-logprobs (pi_old is the engine's log-probs)"
+    # num_steps_per_rollout None: the batch knobs did not resolve (reported elsewhere)
+    if args.num_steps_per_rollout is not None and steps_per_rollout(args) != 1:
+        return f"--num-steps-per-rollout {args.num_steps_per_rollout} (pi_old must stay fixed over the steps)"
+    if getattr(args, "use_kl_loss", False) or getattr(args, "kl_coef", 0.0):
+        return "a reference model is loaded (--use-kl-loss or --kl-coef)"
+    if getattr(args, "use_opd", False):
+        return "--use-opd reads pi_old before training"
+    if getattr(args, "custom_advantage_function_path", None):
+        return "--custom-advantage-function-path may read pi_old before training"
+    return None
 
 
 def dynamic_global_batch(group_sizes: Sequence[int], dp_size: int) -> int:

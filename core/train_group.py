@@ -23,7 +23,7 @@ import torch
 from furlong.hooks import ParallelLayout, PluginError, Sample, TrainBatch, WorkerGroup
 
 from .advantage_stages import compute_advantages
-from .batching import dynamic_global_batch, plan_steps, split_steps, steps_per_rollout
+from .batching import dynamic_global_batch, pi_old_needs_own_pass, plan_steps, split_steps, steps_per_rollout
 from .plugins import FurlongPluginManager
 from .reduction import effective_loss_masks, excluded_samples, sample_denominators, step_denominators
 from .selection import Selection
@@ -83,7 +83,7 @@ class TrainGroup:
         if self.reuse_old_log_probs:
             log.info("pi_old comes from the training forward (one optimizer step per rollout, nothing reads it "
                      "before training): the separate log-prob pass is skipped; --no-reuse-train-log-probs keeps it.")
-        elif reason == "--use-rollout-logprobs":
+        elif self.args.use_rollout_logprobs:
             log.info("pi_old is the rollout engine's log-probs (--use-rollout-logprobs).")
         else:
             log.info("a separate forward pass computes pi_old: %s.", reason)
@@ -101,22 +101,12 @@ class TrainGroup:
         return bool(self.args.use_kl_loss or self.args.kl_coef)
 
     def _keeps_log_prob_pass(self) -> str | None:
-        """Why the flags need pi_old from a separate forward-only pass, or None when the training
-        forward of the rollout's single optimizer step may give it (``--reuse-train-log-probs``)."""
-        args = self.args
-        if not args.reuse_train_log_probs:
-            return "--no-reuse-train-log-probs"
-        if args.use_rollout_logprobs:
-            return "--use-rollout-logprobs"
-        if steps_per_rollout(args) != 1:
-            return f"--num-steps-per-rollout {args.num_steps_per_rollout} (pi_old must stay fixed over the steps)"
-        if self.needs_ref():
-            return "a reference model is loaded (--use-kl-loss or --kl-coef)"
-        if args.use_opd:
-            return "--use-opd reads pi_old before training"
-        if args.custom_advantage_function_path:
-            return "--custom-advantage-function-path may read pi_old before training"
-        return None
+        """Why pi_old needs a separate forward-only pass, or None when the training forward of the
+        rollout's single optimizer step may give it (``--reuse-train-log-probs``)."""
+        reason = pi_old_needs_own_pass(self.args)
+        if reason is None and not self.args.reuse_train_log_probs:
+            reason = "--no-reuse-train-log-probs"
+        return reason
 
     async def train(self, rollout_id: int, groups: list[list[Sample]]) -> list[dict]:
         """Train on one rollout; returns ``[metrics]`` with ``rollout/*``, ``perf/*`` and ``train/steps``."""

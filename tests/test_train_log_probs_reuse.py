@@ -69,6 +69,19 @@ def test_runs_that_need_pi_old_fixed_or_early_keep_the_pass(tmp_path, caplog, ex
     assert reason in group._keeps_log_prob_pass()
 
 
+def test_flags_that_need_the_pass_turn_the_reuse_off_in_the_config_and_refuse_it_when_given():
+    from furlong.core.config import parse_args
+    from furlong.core.config.errors import ConfigError
+
+    argv = ["--hf-checkpoint", str(DEMO / "model"), "--num-rollout", "1", "--rollout-batch-size", "4",
+            "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "2", "--global-batch-size", "8"]
+    assert parse_args(argv).reuse_train_log_probs is False  # --print-config shows what the run will do
+    assert parse_args(argv[:-4]).reuse_train_log_probs is True
+    with pytest.raises(ConfigError, match="--reuse-train-log-probs: pi_old cannot come from the training forward "
+                                          "with --num-steps-per-rollout 2"):
+        parse_args(argv + ["--reuse-train-log-probs"])
+
+
 def test_an_estimator_that_reads_pi_old_turns_the_reuse_off_and_refuses_it_when_given(plugin_manager):
     from furlong.core.config import parse_args
     from furlong.core.configure import configure_plugins

@@ -3,6 +3,8 @@ appending to a :class:`furlong.hooks.ConfigReport` (the core's own findings)."""
 
 from __future__ import annotations
 
+from ..batching import pi_old_needs_own_pass
+
 __all__ = ["async_and_agents", "defaults", "evaluation", "importance_sampling", "kl_and_reference", "lengths",
            "performance", "saving", "sglang"]
 
@@ -203,9 +205,14 @@ def default_packing(args, f, given: set[str]) -> None:
 
 
 def performance(args, f, given: set[str]) -> None:
-    """Dynamic batching and the default token packing (each train backend checks its own parallel layout in
-    ``configure``)."""
+    """Dynamic batching, the default token packing and where pi_old comes from (each train backend checks its
+    own parallel layout in ``configure``)."""
     default_packing(args, f, given)
+    reason = pi_old_needs_own_pass(args)
+    if reason and args.reuse_train_log_probs:
+        if "reuse_train_log_probs" in given:
+            f.error(f"--reuse-train-log-probs: pi_old cannot come from the training forward with {reason}; drop it.")
+        args.reuse_train_log_probs = False
     cap = args.max_tokens_per_gpu
     if args.use_dynamic_batch_size:
         if cap is None:
