@@ -89,17 +89,41 @@ def _optimizer_sharded(optimizer, model_sharded: dict) -> dict:
     return state
 
 
+def _model_sharded(model, masters) -> dict:
+    """The model's sharded state dict; with :class:`~.master.MasterWeights`, holding the float32 masters."""
+    sharded = model.sharded_state_dict()
+    return masters.sharded_state_dict(sharded) if masters is not None else sharded
+
+
+def _load(template: dict, path: str, device, what: str) -> dict:
+    """``dist_checkpointing.load`` of ``template`` from ``path``; a reader failure names the checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    from .model import cpu_shims
+
+    try:
+        with cpu_shims(device):
+            return dist_checkpointing.load(template, path)
+    except Exception as exc:  # noqa: BLE001 - any reader failure is a bad checkpoint
+        raise PluginError(f"checkpoint {path}: cannot load {what} into this model: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+
+
+def _restore_model(model, masters, loaded_model: dict) -> None:
+    """Loaded model tensors into the masters (then rounded into the model), or into the model itself."""
+    if masters is not None:
+        masters.load_loaded(loaded_model)
+    else:
+        model.load_state_dict(loaded_model, strict=False)
+
+
 def _sharded(model, masters, optimizer, scheduler, global_step: int, rank: int, world: int, with_optim: bool,
              rng_world: int | None) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    def model_sharded():
-        sharded = model.sharded_state_dict()
-        return masters.sharded_state_dict(sharded) if masters is not None else sharded
-
-    state = {"model": model_sharded(), "scheduler": scheduler.state_dict(), "global_step": global_step}
+    state = {"model": _model_sharded(model, masters), "scheduler": scheduler.state_dict(), "global_step": global_step}
     if with_optim:
-        state["optimizer"] = _optimizer_sharded(optimizer, model_sharded())
+        state["optimizer"] = _optimizer_sharded(optimizer, _model_sharded(model, masters))
     if rng_world:
         state["rng"] = ShardedObject("rng", _rng_state(), (rng_world,), (rank,), replica_id=0)
     return state
@@ -156,10 +180,6 @@ def load_checkpoint(path: str, *, model, optimizer, scheduler, rank: int, world:
         load into them (float32), then round into the model.
     :raises PluginError: not a checkpoint of this backend, or one of another model.
     """
-    from megatron.core import dist_checkpointing
-
-    from .model import cpu_shims
-
     meta = read_meta(path)
     with_optim = load_optim and meta.get("optimizer", True)
     if with_optim:
@@ -169,16 +189,8 @@ def load_checkpoint(path: str, *, model, optimizer, scheduler, rank: int, world:
         log.warning("checkpoint %s was saved by %d ranks, this run has %d: RNG states are not restored.", path,
                     meta["world_size"], world)
     template = _sharded(model, masters, optimizer, scheduler, 0, rank, world, with_optim, rng_world)
-    try:
-        with cpu_shims(device):
-            loaded = dist_checkpointing.load(template, path)
-    except Exception as exc:  # noqa: BLE001 - any reader failure is a bad checkpoint
-        raise PluginError(f"checkpoint {path}: cannot load it into this model: {type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
-    if masters is not None:
-        masters.load_loaded(loaded["model"])
-    else:
-        model.load_state_dict(loaded["model"], strict=False)
+    loaded = _load(template, path, device, "it")
+    _restore_model(model, masters, loaded["model"])
     if with_optim:
         state = loaded["optimizer"]
         step = state["state"].pop("common_step", None)
@@ -208,20 +220,9 @@ def load_weights(path: str, model, device, masters=None) -> None:
         weights load into them, then round into the model.
     :raises PluginError: not a checkpoint of this backend, or one of another model.
     """
-    from megatron.core import dist_checkpointing
-
     from .model import cpu_shims
 
     read_meta(path)
-    try:
-        with cpu_shims(device):
-            sharded = model.sharded_state_dict()
-            template = masters.sharded_state_dict(sharded) if masters is not None else sharded
-            loaded = dist_checkpointing.load({"model": template}, path)
-    except Exception as exc:  # noqa: BLE001 - any reader failure is a bad checkpoint
-        raise PluginError(f"checkpoint {path}: cannot load its weights into this model: {type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
-    if masters is not None:
-        masters.load_loaded(loaded["model"])
-    else:
-        model.load_state_dict(loaded["model"], strict=False)
+    with cpu_shims(device):
+        template = {"model": _model_sharded(model, masters)}
+    _restore_model(model, masters, _load(template, path, device, "its weights")["model"])
