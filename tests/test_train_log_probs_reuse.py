@@ -77,8 +77,8 @@ def test_flags_that_need_the_pass_turn_the_reuse_off_in_the_config_and_refuse_it
             "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "2", "--global-batch-size", "8"]
     assert parse_args(argv).reuse_train_log_probs is False  # --print-config shows what the run will do
     assert parse_args(argv[:-4]).reuse_train_log_probs is True
-    with pytest.raises(ConfigError, match="--reuse-train-log-probs: pi_old cannot come from the training forward "
-                                          "with --num-steps-per-rollout 2"):
+    with pytest.raises(ConfigError, match=r"--reuse-train-log-probs: pi_old cannot come from the training forward "
+                                          r"here \(--num-steps-per-rollout 2"):
         parse_args(argv + ["--reuse-train-log-probs"])
 
 

@@ -211,7 +211,8 @@ def performance(args, f, given: set[str]) -> None:
     reason = pi_old_needs_own_pass(args)
     if reason and args.reuse_train_log_probs:
         if "reuse_train_log_probs" in given:
-            f.error(f"--reuse-train-log-probs: pi_old cannot come from the training forward with {reason}; drop it.")
+            f.error(f"--reuse-train-log-probs: pi_old cannot come from the training forward here ({reason}); "
+                    "drop it.")
         args.reuse_train_log_probs = False
     cap = args.max_tokens_per_gpu
     if args.use_dynamic_batch_size:

@@ -6,11 +6,19 @@
 #   COMMAND=train-async bash examples/demo/run_demo.sh --seed 2   # extra flags go to furlong
 #
 # $OUT (default runs/demo) is replaced. Each rollout prints one summary line; the run's metrics land in $OUT/metrics.jsonl and
-# `furlong plot $OUT` draws them.
+# `furlong plot $OUT` draws them. A `--save DIR` among the extra flags takes the place of $OUT and is
+# kept as it is, so a later run with `--save DIR --load DIR` resumes from it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-runs/demo}"
-rm -rf "$OUT"
+SAVE=""
+prev=""
+for arg in "$@"; do
+  case "$arg" in --save=*) SAVE="${arg#--save=}" ;; esac
+  if [ "$prev" = "--save" ]; then SAVE="$arg"; fi
+  prev="$arg"
+done
+if [ -n "$SAVE" ]; then OUT="$SAVE"; else rm -rf "$OUT"; fi
 
 ARGS=(
   # model and data
