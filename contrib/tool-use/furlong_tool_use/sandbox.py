@@ -134,6 +134,8 @@ async def run_python(code: str, timeout_s: float, memory_mb: int, max_chars: int
             if proc.returncode is None:  # cancelled: never leave the child behind
                 kill(proc)
         text = out.decode("utf-8", errors="replace")
+        if proc.returncode == -signal.SIGXCPU:  # its CPU-time limit (the time-out) ended it before our clock did
+            return f"error: timed out after {timeout_s:g} s"
         if proc.returncode and not text.strip():
             text = f"error: exit code {proc.returncode}"
         return text if len(text) <= max_chars else "[cut]..." + text[-max_chars:]
