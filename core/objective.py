@@ -32,6 +32,7 @@ from typing import Any, Sequence
 from furlong.hooks import LossInput, LossOutput, PluginError, TrainBatch
 from furlong.hooks.contract import check_loss_output, check_loss_reducer_output
 from furlong.hooks.masked import MaskedSum
+from furlong.hooks.trainer import rows_to_device
 
 from . import reduction
 from .selection import chosen_reducer
@@ -134,16 +135,17 @@ class StepObjective:
 
     async def __call__(
         self, sample_ids: list[int], log_probs: list, entropy: list | None, values: list | None = None
-    ) -> tuple[Any, dict[str, float]]:
+    ) -> tuple[Any, dict[str, Any]]:
         """Loss and metrics of one micro-batch (see :class:`furlong.hooks.StepObjective`).
 
         :param sample_ids: indices into the ``TrainBatch``, all of one step.
         :param log_probs: N float32 tensors [T_i] of the current policy, carrying grad.
         :param entropy: N float32 tensors [T_i], or None when not computed.
         :param values: N float32 tensors [T_i] of the current critic (``value_loss``), or None.
-        :returns: ``(loss, metrics)``: a 0-dim float32 tensor to ``backward()`` and floats
-            already divided by the step's denominators,
-            including ``loss`` (the reduced objective, not multiplied).
+        :returns: ``(loss, metrics)``: a 0-dim float32 tensor to ``backward()`` and detached
+            0-dim float32 tensors (read once per step, so that no micro-batch waits for the
+            GPU) already divided by the step's denominators, including ``loss`` (the reduced
+            objective, not multiplied).
         :raises PluginError: the loss plugin fails, returns the wrong shapes, or (custom
             reducer) reports no grad-carrying ``pg_loss``.
         """
@@ -152,7 +154,7 @@ class StepObjective:
         sample_ids = [int(i) for i in sample_ids]
         step = self._step(sample_ids)
         device = log_probs[0].device if log_probs else torch.device("cpu")
-        masks = [self.masks[i].to(device) for i in sample_ids]
+        masks = rows_to_device([self.masks[i] for i in sample_ids], device)
         if self.args.use_rollout_logprobs and self.batch.rollout_log_probs is not None:
             old = self._pick(self.batch.rollout_log_probs, sample_ids, device)
         elif self.reuse_old_log_probs:
@@ -176,17 +178,15 @@ class StepObjective:
         self._check_output(out, masks)
         weights = reduction.sample_weights(sample_ids, self.sample_denominators, step, self.per_token)
         reduce = MaskedSum(masks, weights)  # reduction.reduce_tokens, the masks and weights built once
-        names = list(out.token_metrics)
-        reduced = [reduce([v.detach() for v in out.token_metrics[k]]) for k in names]
-        metrics = dict(zip(names, torch.stack(reduced).tolist())) if reduced else {}
+        metrics = {k: reduce([v.detach() for v in rows]) for k, rows in out.token_metrics.items()}
         if self.reducer is None:
             total = reduce(out.token_loss)
         else:
             pg = await self._reduced_pg(out, sample_ids, masks, step)
             rest = [t - p for t, p in zip(out.token_loss, out.token_metrics["pg_loss"])]
             total = pg + reduce(rest)
-            metrics["pg_loss"] = float(pg.detach())
-        metrics["loss"] = float(total.detach())
+            metrics["pg_loss"] = pg.detach()
+        metrics["loss"] = total.detach()
         return total, metrics
 
     def _step(self, sample_ids: list[int]) -> reduction.StepDenominators:
@@ -201,16 +201,22 @@ class StepObjective:
     def _keep(self, sample_ids: list[int], old: list, entropy: list | None) -> None:
         import torch
 
+        rows = [x.detach().float() for x in [*old, *(entropy or [])]]
+        if not rows:
+            return
+        # one copy, not blocking on a GPU: the values are read after the step, once the step's metrics
+        # have been synchronised (StepLoop.train)
+        host = torch.cat([x.reshape(-1) for x in rows]).to("cpu", non_blocking=True).split([x.numel() for x in rows])
         for k, i in enumerate(sample_ids):
-            self.old_log_probs[i] = old[k].to("cpu", torch.float32)
+            self.old_log_probs[i] = host[k]
             if entropy is not None:
-                self.entropy[i] = entropy[k].detach().to("cpu", torch.float32)
+                self.entropy[i] = host[len(sample_ids) + k]
 
     @staticmethod
     def _pick(rows: list | None, sample_ids: list[int], device) -> list | None:
         if rows is None:
             return None
-        return [rows[i].to(device) for i in sample_ids]
+        return rows_to_device([rows[i] for i in sample_ids], device)
 
     def _check_output(self, out: Any, masks: list) -> None:
         check_loss_output(out, masks, f"{self.loss_flag} '{self.loss_name}'")

@@ -14,7 +14,8 @@ from typing import Any, Sequence
 
 from .errors import PluginError
 
-__all__ = ["is_hf_dir", "load_causal_lm_weights", "load_tokenizer", "save_safetensors", "write_hf_checkpoint"]
+__all__ = ["compile_decoder_layers", "decoder_layers", "is_hf_dir", "load_causal_lm_weights", "load_tokenizer",
+           "save_safetensors", "write_hf_checkpoint"]
 
 log = logging.getLogger("furlong")
 
@@ -69,6 +70,35 @@ def load_causal_lm_weights(path: str, flag: str, attn_implementations: Sequence[
         except Exception as exc:  # noqa: BLE001 - e.g. safetensors' SafetensorError on a corrupt file
             raise PluginError(f"{flag} {path}: {_weights_problem(path, exc)}") from exc
     raise PluginError(f"{flag} {path}: cannot load the model ({problem}).")
+
+
+def decoder_layers(model) -> list:
+    """The transformer blocks of a Hugging Face model: modules whose class it names in ``_no_split_modules``
+    (a peft-wrapped model's too)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if not names and hasattr(model, "get_base_model"):
+        names = set(getattr(model.get_base_model(), "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def compile_decoder_layers(model, flag: str, backend: str = "inductor", dynamic: bool | None = None) -> int:
+    """Compile every decoder layer of ``model`` in place with ``torch.compile`` (regional compilation:
+    the layers share one compiled code, their parameters are its inputs, so weights changed in
+    place reach it and the compilation costs one layer's, not the model's).
+
+    :param flag: the flag that asked for it, for the error message.
+    :param dynamic: passed to ``torch.compile`` (True: sizes symbolic from the start, for inputs
+        whose lengths change at every call).
+    :returns: the number of layers compiled.
+    :raises PluginError: the model names no decoder layer class (``_no_split_modules``).
+    """
+    layers = decoder_layers(model)
+    if not layers:
+        raise PluginError(f"{flag}: {type(model).__name__} names no decoder layer class "
+                          "(_no_split_modules), so there is nothing to compile; run without the flag.")
+    for layer in layers:
+        layer.compile(backend=backend, dynamic=dynamic)
+    return len(layers)
 
 
 def is_hf_dir(path: str | None) -> bool:

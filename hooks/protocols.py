@@ -101,14 +101,16 @@ class StepObjective(Protocol):
         log_probs: list,
         entropy: list | None,
         values: list | None = None,
-    ) -> tuple[Any, dict[str, float]]:
+    ) -> tuple[Any, dict[str, Any]]:
         """Loss of one micro-batch.
 
         :param sample_ids: indices into the :class:`TrainBatch` of the micro-batch's samples.
         :param log_probs: N float32 tensors [T_i] of the current policy, carrying grad.
         :param entropy: N float32 tensors [T_i] or None.
-        :returns: ``(loss, metrics)``: a 0-dim tensor to ``backward()`` and a dict of floats
-            already divided by the step's denominator (sum them over micro-batches).
+        :returns: ``(loss, metrics)``: a 0-dim tensor to ``backward()`` and a dict of 0-dim
+            tensors (on the loss's device, detached) or floats, already divided by the step's
+            denominator: sum them over micro-batches (:func:`furlong.hooks.trainer.sum_step_metrics`
+            reads a step's sums with one synchronisation).
         """
 
 

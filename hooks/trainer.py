@@ -16,9 +16,36 @@ from typing import Any, Sequence
 from .errors import PluginError
 from .types import TrainBatch
 
-__all__ = ["StepLoop", "right_padded"]
+__all__ = ["StepLoop", "right_padded", "rows_to_device", "sum_step_metrics", "to_device"]
 
 log = logging.getLogger("furlong")
+
+
+def to_device(tensor, device):
+    """``tensor`` on ``device``. A host tensor bound for a GPU is copied from pinned memory without
+    blocking: the copy takes its place in the stream behind the kernels already queued, where a
+    copy from pageable memory would make the host wait for all of them (the GPU then idles while
+    the host queues the next kernels)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def rows_to_device(rows: Sequence[Any], device) -> list:
+    """Tensors (one per sample) moved to ``device`` in one copy: concatenated, moved with
+    :func:`to_device`, split again (views of the moved tensor, each of its row's shape).
+    Rows already there, or of mixed dtypes, move one by one."""
+    import torch
+
+    device = torch.device(device)
+    rows = list(rows)
+    if not rows or all(r.device == device for r in rows) or len({r.dtype for r in rows}) > 1:
+        return [r.to(device) for r in rows]
+    flat = to_device(torch.cat([r.reshape(-1) for r in rows]), device)
+    return [part.view(r.shape) for part, r in zip(flat.split([r.numel() for r in rows]), rows)]
 
 
 def right_padded(tokens: Sequence[Any], response_lengths: Sequence[int]):
@@ -37,6 +64,36 @@ def right_padded(tokens: Sequence[Any], response_lengths: Sequence[int]):
     for i, seq in enumerate(seqs):
         ids[i, : len(seq)] = seq
     return seqs, ids
+
+
+def sum_step_metrics(losses: Sequence[Any], metric_rows: Sequence[dict]) -> tuple[dict[str, float], bool]:
+    """The metrics of a step's micro-batches summed, and whether every loss was finite.
+
+    Metrics may be floats or 0-dim tensors (the core's objective returns tensors, so that no
+    micro-batch waits for the GPU); the tensors are summed where they lie and read with one
+    synchronisation for the whole step.
+
+    :param losses: the micro-batches' losses (0-dim tensors, detached).
+    :param metric_rows: one ``{name: value}`` per micro-batch.
+    :returns: ``({name: float sum}, every loss finite)``.
+    """
+    import torch
+
+    sums: dict[str, Any] = defaultdict(float)
+    for metrics in metric_rows:
+        for key, value in metrics.items():
+            sums[key] = sums[key] + value
+    names = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
+    values = [sums[k].detach().reshape(()).double() for k in names]
+    finite = [torch.stack([x.reshape(()).isfinite() for x in losses]).all()] if losses else []
+    devices = {v.device for v in values + finite}
+    if len(devices) == 1:  # one transfer
+        read = torch.stack([*values, *(f.double() for f in finite)]).tolist()
+    else:
+        read = [float(v) for v in values] + [float(f) for f in finite]
+    out = {k: float(v) for k, v in sums.items() if not isinstance(v, torch.Tensor)}
+    out.update(zip(names, read))
+    return out, bool(read[len(names)]) if finite else True
 
 
 class StepLoop:
@@ -208,16 +265,14 @@ class StepLoop:
     async def _train_step(self, batch: TrainBatch, micro_batches) -> tuple[dict, bool]:
         """Forward with grad, ``batch.objective`` and backward of every micro-batch of one step
         (gradients accumulate); this rank's metric sums and whether every loss was finite."""
-        sums: dict[str, float] = defaultdict(float)
-        finite_loss = True
+        losses, metric_rows = [], []
         for mb in micro_batches:
             lp, ent = await self._in_thread(self._forward, self.model, batch, list(mb), True)
             loss, metrics = await batch.objective(list(mb), lp, ent)
-            finite_loss &= bool(loss.detach().isfinite().all())
             await self._in_thread(loss.backward)
-            for key, value in metrics.items():
-                sums[key] += float(value)
-        return sums, finite_loss
+            losses.append(loss.detach())
+            metric_rows.append(metrics)
+        return await self._in_thread(sum_step_metrics, losses, metric_rows)
 
     async def train(self, rollout_id: int, batch: TrainBatch) -> list[dict]:
         """One optimizer step per entry of ``batch.steps`` (SPEC.md 6.3, 6.4).

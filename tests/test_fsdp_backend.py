@@ -391,3 +391,29 @@ def test_a_megatron_checkpoint_is_named_as_such_by_the_fsdp_backend(tmp_path):
         load_weights(str(tmp_path), None, 1, 0, set())
     assert str(err.value) == (f"checkpoint {tmp_path} was written by --train-backend megatron (torch_dist files, no "
                               "model/*.safetensors); resume with --train-backend megatron.")
+
+
+# --- --fsdp-torch-compile ------------------------------------------------------------------
+
+
+def test_compiled_decoder_layers_train_as_the_plain_model(tiny_dir):
+    plain, compiled = _backend(tiny_dir), _backend(tiny_dir, fsdp_torch_compile=True)
+    layers = [m for m in compiled.model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    assert len(layers) == compiled.model.config.num_hidden_layers
+    ragged = [[[0, 1, 2], [3]]]  # micro-batches of two shapes: the compiled layers are dynamic in length
+    a = asyncio.run(plain.train(0, make_batch(plain.tokenizer, ragged)))[0]
+    b = asyncio.run(compiled.train(0, make_batch(compiled.tokenizer, ragged)))[0]
+    assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    wa, wb = _weights(plain), _weights(compiled)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4  # Adam's first step is lr * sign(g): 1e-2
+
+
+def test_compiled_layers_are_refused_across_ranks(tiny_dir):
+    from furlong.builtin_plugins.backends.fsdp import configure
+    from furlong.hooks import ConfigReport
+
+    report = ConfigReport(plugin="fsdp")
+    configure(args=train_args(tiny_dir, fsdp_torch_compile=True, actor_num_nodes=1, actor_num_gpus_per_node=2,
+                                context_parallel_size=1, dp_replicate_size=1), report=report)
+    assert [m for m in report.errors if "--fsdp-torch-compile with 2 trainer ranks is not supported yet" in m]

@@ -30,7 +30,7 @@ def _step_loss(pm, **flags):
     log_probs = [torch.zeros(3, requires_grad=True), torch.zeros(4, requires_grad=True)]
     loss, metrics = asyncio.run(objective([0, 1], log_probs, None))
     loss.backward()
-    return [loss.item(), metrics["pg_loss"], *[g for lp in log_probs for g in lp.grad.tolist()]]
+    return [loss.item(), float(metrics["pg_loss"]), *[g for lp in log_probs for g in lp.grad.tolist()]]
 
 
 def test_hook_loss_reducer_dr_grpo_divides_every_response_by_the_budget(plugin_manager):

@@ -37,7 +37,10 @@ def train_batch(masks, steps, **fields):
 
 
 def call(objective, ids, log_probs, entropy=None, values=None):
-    return asyncio.run(objective(ids, log_probs, entropy, values))
+    """The objective's loss and its metrics read as floats (it returns them as 0-dim tensors)."""
+    loss, metrics = asyncio.run(objective(ids, log_probs, entropy, values))
+    assert all(isinstance(v, torch.Tensor) and v.ndim == 0 and not v.requires_grad for v in metrics.values())
+    return loss, {k: float(v) for k, v in metrics.items()}
 
 
 # --- a rollout of six samples with every policy-loss term on ---------------------------

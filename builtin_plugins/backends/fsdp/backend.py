@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from furlong.hooks import ParallelLayout, TrainBatch
-from furlong.hooks.hf import is_hf_dir
+from furlong.hooks.hf import compile_decoder_layers, is_hf_dir
 from furlong.hooks.trainer import StepLoop
 
 from . import checkpoint, lora
@@ -97,7 +97,14 @@ class FSDPBackend(StepLoop):
         if self.world > 1:
             shard(model, self.args, self.world, self.device, trainable=trainable)
             return model
-        return model.to(self.device)
+        model = model.to(self.device)
+        if getattr(self.args, "fsdp_torch_compile", False):
+            # dynamic: every micro-batch has another length; compiled once, not once per length
+            layers = compile_decoder_layers(model, "--fsdp-torch-compile", dynamic=True)
+            if self.rank == 0 and trainable:
+                log.info("fsdp: --fsdp-torch-compile: %d decoder layers compiled (torch.compile, inductor) at their "
+                         "first pass", layers)
+        return model
 
     def _autocast(self):
         import torch

@@ -16,7 +16,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any, Sequence
 
-from furlong.hooks.trainer import right_padded
+from furlong.hooks.trainer import right_padded, to_device
 
 from . import shared_prompts
 
@@ -117,14 +117,13 @@ def forward_log_probs(
             out, ids = shared_prompts.shared_forward(model, None if split is None else split[0], shared, device)
             rows = [(i, 0, t) for i, t in enumerate(response_lengths)]
         else:
-            mask = torch.zeros_like(ids)
-            for i, seq in enumerate(seqs):
-                mask[i, : len(seq)] = 1
-            ids = ids.to(device)
+            # no attention mask: the padding is on the right and attention is causal, so no real
+            # position sees a pad token (and the model takes its flash kernels, with no padding check)
+            ids = to_device(ids, device)
             if split is None:
-                out = model(input_ids=ids, attention_mask=mask.to(device), use_cache=False).logits
+                out = model(input_ids=ids, use_cache=False).logits
             else:
-                out = split[0](input_ids=ids, attention_mask=mask.to(device), use_cache=False).last_hidden_state
+                out = split[0](input_ids=ids, use_cache=False).last_hidden_state
             rows = [(i, len(seq) - t - 1, t) for i, (seq, t) in enumerate(zip(seqs, response_lengths))]
     with torch.set_grad_enabled(grad):
         if split is None:
@@ -135,8 +134,8 @@ def forward_log_probs(
         # one gather over the flattened positions: its backward is one scatter, where a slice per
         # sample would add a zero-filled [B, L, H] gradient per sample
         width = out.shape[1]
-        flat = torch.tensor([i * width + s + k for i, s, t in rows for k in range(t)], dtype=torch.long,
-                            device=out.device)
+        flat = to_device(torch.tensor([i * width + s + k for i, s, t in rows for k in range(t)], dtype=torch.long),
+                         out.device)
         states = out.reshape(-1, out.shape[-1]).index_select(0, flat)
         targets = ids.reshape(-1).to(out.device).index_select(0, flat + 1)
         log_probs, entropy = chunked_log_probs(split[1], states, targets, temperature, autocast=autocast,

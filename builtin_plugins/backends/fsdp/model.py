@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from furlong.hooks import PluginError
-from furlong.hooks.hf import is_hf_dir, load_causal_lm_weights
+from furlong.hooks.hf import decoder_layers, is_hf_dir, load_causal_lm_weights
 
 __all__ = ["build_optimizer", "dist_info", "load_causal_lm", "shard", "tied_names"]
 
@@ -103,7 +103,7 @@ def shard(model, args: Any, world: int, device, *, trainable: bool) -> None:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if getattr(args, "fsdp_cpu_offload", False) else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
-    for layer in _decoder_layers(model):
+    for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     if trainable:
@@ -111,12 +111,6 @@ def shard(model, args: Any, world: int, device, *, trainable: bool) -> None:
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
-
-
-def _decoder_layers(model) -> list:
-    """The transformer blocks: modules whose class is in ``model._no_split_modules``."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def build_optimizer(model, args: Any):

@@ -32,6 +32,8 @@ from typing import Any, Sequence
 
 import attrs
 
+from furlong.hooks.hf import decoder_layers
+
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "MODEL_TYPES", "SharedPrompts", "all_ranks_share", "log_choice",
            "plan_sharing", "shared_forward", "sharing_off_reason"]
 
@@ -98,7 +100,8 @@ def sharing_off_reason(model) -> str | None:
     shared step took twice the one-pass step's time, whose unmasked causal attention runs on
     flash kernels.
 
-    A model in train mode with gradient checkpointing on cannot: its decoder layers drop the
+    Not with compiled decoder layers (``--fsdp-torch-compile``). A model in train mode with
+    gradient checkpointing on cannot: its decoder layers drop the
     cache (transformers before 5.2x drops it even without grad). The fsdp backend runs its
     log-prob passes in eval mode, so only its training passes lose sharing.
     """
@@ -107,6 +110,9 @@ def sharing_off_reason(model) -> str | None:
     if any(p.is_cuda for p in model.parameters()):
         return ("on CUDA the second pass's attention mask (prompt padding in the middle) keeps SDPA off its flash "
                 "kernels, which costs more than the prompts save (docs/benchmarks.md)")
+    if any(getattr(layer, "_compiled_call_impl", None) is not None for layer in decoder_layers(model)):
+        return ("--fsdp-torch-compile: the compiled decoder layers would be compiled again for every shape of the "
+                "key/value cache")
     try:
         from transformers.cache_utils import DynamicCache, DynamicLayer
     except ImportError:

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import attrs
 import torch
 
-from furlong.hooks.trainer import right_padded
+from furlong.hooks.trainer import right_padded, to_device
 
 __all__ = ["MicroBatchInputs", "forward_log_probs", "micro_batch_inputs", "response_log_probs",
            "vocab_parallel_log_probs"]
@@ -206,13 +206,13 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
         for n in lengths:
             starts.append(starts[-1] + n)
         ids = torch.cat(seqs).unsqueeze(0)
-        bounds = torch.tensor(starts, dtype=torch.int32, device=device)
+        bounds = to_device(torch.tensor(starts, dtype=torch.int32), device)
         extra["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
                                                      max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
         spans = [(0, a + n - int(t) - 1, a + n - 1) for a, n, t in zip(starts, lengths, response_lengths)]
     else:
         spans = [(i, len(s) - int(t) - 1, len(s) - 1) for i, (s, t) in enumerate(zip(seqs, response_lengths))]
-    ids = ids.to(device)
+    ids = to_device(ids, device)
     targets = torch.zeros_like(ids)
     targets[:, :-1] = ids[:, 1:]  # across a packed boundary the target is unused: no span ends there
     return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans)

@@ -13,10 +13,10 @@ methods for it and for a tied model's two embedding copies.
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
 from typing import Any, Callable
 
 from furlong.hooks import TrainBatch
+from furlong.hooks.trainer import sum_step_metrics
 
 from .logprobs import micro_batch_inputs, response_log_probs
 
@@ -109,13 +109,9 @@ class PipelineStages:
             return await super()._train_step(batch, micro_batches)
         outputs = await self._in_thread(self._pipeline, self.model, batch, [list(mb) for mb in micro_batches], True,
                                         asyncio.get_running_loop())
-        sums: dict[str, float] = defaultdict(float)
-        finite_loss = True
-        for loss, metrics in outputs:
-            finite_loss &= bool(loss.isfinite().all())
-            for key, value in metrics.items():
-                sums[key] += float(value)
-        return await self._in_thread(broadcast_from_last_stage, dict(sums)), finite_loss
+        sums, finite_loss = await self._in_thread(sum_step_metrics, [loss for loss, _ in outputs],
+                                                  [metrics for _, metrics in outputs])
+        return await self._in_thread(broadcast_from_last_stage, sums), finite_loss
 
     def _is_embedding_copy(self, name: str) -> bool:
         """Whether parameter ``name`` is a tied model's last-stage copy of the embedding (PP > 1)."""

@@ -16,17 +16,11 @@ shape (decode, prefill), seconds each; inductor's on-disk cache shortens later s
 
 from __future__ import annotations
 
-from furlong.hooks import PluginError
+from furlong.hooks.hf import compile_decoder_layers, decoder_layers
 
 from .sampling import sample_batch
 
 __all__ = ["compile_model", "compiled_sampler", "decoder_layers", "uncompile_model"]
-
-
-def decoder_layers(model) -> list:
-    """The model's decoder layers: modules of the classes it names in ``_no_split_modules``."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def compile_model(model, backend: str) -> int:
@@ -35,13 +29,7 @@ def compile_model(model, backend: str) -> int:
     :returns: the number of layers compiled.
     :raises PluginError: the model names no decoder layer class (``_no_split_modules``).
     """
-    layers = decoder_layers(model)
-    if not layers:
-        raise PluginError(f"--embedded-torch-compile: {type(model).__name__} names no decoder layer class "
-                          "(_no_split_modules), so there is nothing to compile; run without the flag.")
-    for layer in layers:
-        layer.compile(backend=backend)
-    return len(layers)
+    return compile_decoder_layers(model, "--embedded-torch-compile", backend)
 
 
 def uncompile_model(model) -> None:
