@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from .context import chunk_bounds, context_parallel, gather_sequence
+
 __all__ = ["SDPACoreAttention"]
 
 
@@ -56,17 +58,48 @@ class SDPACoreAttention(MegatronModule):
             input: each sequence attends only to itself (one ``varlen_attn`` flash call on CUDA
             in bfloat16/float16, else one SDPA call per sequence).
         :returns: ``[s, b, heads*d]`` (``[t, heads*d]`` packed), the query's dtype.
+
+        Under context parallelism (CP > 1, not packed) ``s`` is this rank's two chunks of the
+        sequence (:mod:`.context`) and keys/values are gathered over the CP group.
         """
         if attention_mask is not None:
             raise ValueError("SDPACoreAttention is causal only; call the model with attention_mask=None.")
         if packed_seq_params is not None:
+            if self.config.context_parallel_size > 1:
+                raise ValueError("SDPACoreAttention: packed (thd) sequences with context parallelism are not "
+                                 "supported; right-pad the micro-batch.")
             if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
                 return self._varlen_causal(query, key, value, packed_seq_params)
             bounds = packed_seq_params.cu_seqlens_q.tolist()
             parts = [self._causal(query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1))
                      for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
             return torch.cat(parts, dim=0).squeeze(1) if parts else query.new_zeros(0, query.shape[1] * query.shape[2])
+        if self.config.context_parallel_size > 1:
+            return self._context_parallel_causal(query, key, value, *context_parallel()[:2])
         return self._causal(query, key, value)
+
+    def _context_parallel_causal(self, query, key, value, cp: int, rank: int):
+        """Causal attention of this CP rank's two query chunks (:mod:`.context`) against the keys and
+        values of the whole sequence, gathered over the CP group (their gradients are summed back).
+
+        Query chunk ``j`` (positions ``j C .. (j + 1) C``) attends to keys ``0 .. (j + 1) C`` with
+        the causal mask aligned to the lower right (query ``t`` sees keys up to ``j C + t``): one
+        SDPA call per chunk. Key/value heads are repeated per query head under GQA (the
+        lower-right causal bias of torch has no grouped-query path on every kernel).
+        """
+        from torch.nn.attention.bias import causal_lower_right
+
+        s, b, heads, d = query.shape
+        key, value = (gather_sequence(x, 0, replicated_loss=False) for x in (key, value))
+        if key.shape[2] != heads:
+            key, value = (x.repeat_interleave(heads // x.shape[2], dim=2) for x in (key, value))
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
+        outs = []
+        for (start, end), local in zip(chunk_bounds(k.shape[2], cp, rank), (slice(0, s // 2), slice(s // 2, s))):
+            outs.append(F.scaled_dot_product_attention(q[:, :, local], k[:, :, :end], v[:, :, :end],
+                                                       attn_mask=causal_lower_right(end - start, end),
+                                                       scale=self.scale))
+        return torch.cat(outs, dim=2).permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
     def _varlen_causal(self, query, key, value, params):
         """Packed sequences in one flash-attention call (torch's ``varlen_attn``, CUDA, 16-bit);

@@ -24,6 +24,8 @@ import torch
 
 from furlong.hooks.trainer import right_padded
 
+from .context import context_parallel, gather_sequence, local_chunks, padded_length
+
 __all__ = ["MicroBatchInputs", "forward_log_probs", "micro_batch_inputs", "response_log_probs",
            "vocab_parallel_log_probs"]
 
@@ -181,7 +183,9 @@ class MicroBatchInputs:
     ``ids``: int64 input ids (``[B, L]`` right-padded, or ``[1, sum L_i]`` packed) on the
     device; ``targets``: the next token at each position (same shape); ``extra``: more
     model keyword arguments (``packed_seq_params``); ``spans``: per sample ``(row, start,
-    end)`` of its response log-probs in the ``[rows, positions]`` grid.
+    end)`` of its response log-probs in the ``[rows, positions]`` grid. Under context
+    parallelism ``ids`` and ``targets`` are this rank's two chunks ``[B, 2 L / (2 CP)]`` of the
+    ``[B, L]`` grid (L padded to a multiple of ``2 CP``, :mod:`.context`); ``spans`` index the whole grid.
     """
 
     ids: Any
@@ -194,10 +198,16 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
                        packed: bool = False) -> MicroBatchInputs:
     """The model inputs of a micro-batch (see :func:`forward_log_probs` for the two layouts).
 
-    :raises ValueError: a response that starts at position 0 (no previous token).
+    :raises ValueError: a response that starts at position 0 (no previous token); ``packed``
+        under context parallelism (not supported).
     """
     seqs, ids = right_padded(tokens, response_lengths)
+    cp, cp_rank, _ = context_parallel()
     extra: dict = {}
+    if packed and cp > 1:
+        raise ValueError("packed (thd) micro-batches are not supported with --context-parallel-size > 1.")
+    if cp > 1:
+        ids = torch.nn.functional.pad(ids, (0, padded_length(ids.shape[1], cp) - ids.shape[1]))
     if packed:
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -215,19 +225,23 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
     ids = ids.to(device)
     targets = torch.zeros_like(ids)
     targets[:, :-1] = ids[:, 1:]  # across a packed boundary the target is unused: no span ends there
+    if cp > 1:
+        ids, targets = local_chunks(ids, cp, cp_rank), local_chunks(targets, cp, cp_rank)
     return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans)
 
 
 def response_log_probs(logits, inputs: MicroBatchInputs, temperature: float, *, vocab_size: int,
                        entropy_grad: bool, chunk_rows: int = -1) -> tuple[list, list]:
     """Per-sample response log-probs and entropy from a forward's vocab-parallel logits
-    ``[rows, positions, V/tp]`` (:func:`vocab_parallel_log_probs`; views, no copy).
+    ``[rows, positions, V/tp]`` (:func:`vocab_parallel_log_probs`; views, no copy). Under
+    context parallelism the values of this rank's chunks are gathered over the CP group into
+    the whole ``[rows, L]`` grid (every CP rank returns every token's; each back-propagates its own).
 
     :returns: ``(log_probs, entropy)``: B float32 tensors ``[T_i]`` each.
     """
     lp, ent = vocab_parallel_log_probs(logits.reshape(-1, logits.shape[-1]), inputs.targets.reshape(-1), temperature,
                                        vocab_size, entropy_grad=entropy_grad, chunk_rows=chunk_rows)
-    lp, ent = lp.view(inputs.ids.shape), ent.view(inputs.ids.shape)
+    lp, ent = (gather_sequence(x.view(inputs.ids.shape), 1, replicated_loss=True) for x in (lp, ent))
     return [lp[row, a:b] for row, a, b in inputs.spans], [ent[row, a:b] for row, a, b in inputs.spans]
 
 
