@@ -1,13 +1,18 @@
-"""Worker of test_megatron_backend.py::test_context_parallel_two_ranks (torchrun, 2 gloo ranks, CP=2).
+"""Worker of test_megatron_backend.py::test_context_parallel_four_ranks (torchrun, 4 gloo ranks).
 
-Usage: ``torchrun --standalone --nproc_per_node 2 megatron_context_ranks.py OUT_DIR``.
+Usage: ``torchrun --standalone --nproc_per_node 4 megatron_context_ranks.py OUT_DIR``.
 
-With the model ``OUT_DIR/hf`` (the test wrote it, and a CP=1 checkpoint in ``OUT_DIR/cp1ckpt``)
-the megatron backend at CP=2 (every sequence split over both ranks): log-probs and entropy of
-the four fixed samples (a temperature, lengths that are not multiples of 2 x CP), two AdamW
-steps of an objective with an entropy bonus (their metrics), the exported HF weights
-(``OUT_DIR/cp2_rank<r>.pt``), a ``torch_dist`` checkpoint in ``OUT_DIR/cp2ckpt`` and the
-weights of the CP=1 checkpoint loaded at CP=2.
+With the model ``OUT_DIR/hf`` (the test wrote it, and a CP=1 checkpoint in ``OUT_DIR/cp1ckpt``):
+
+1. TP=2 x CP=2 (every sequence split over two ranks, each holding half the heads):
+   log-probs and entropy of the four fixed samples (a temperature, lengths that are not
+   multiples of 2 x CP), two AdamW steps of an objective with an entropy bonus (their
+   metrics), the exported HF weights (``OUT_DIR/tp2cp2_rank<r>.pt``), a ``torch_dist``
+   checkpoint in ``OUT_DIR/cp2ckpt`` and the weights of the CP=1 checkpoint loaded here.
+2. CP=2 x DP=2: the same two steps with each step's micro-batches shared out between the
+   two data-parallel ranks (``OUT_DIR/cp2dp2_rank<r>.pt``: metrics and weights).
+3. PP=2 x CP=2: log-probs and the same two steps through the pipeline schedule
+   (``OUT_DIR/pp2cp2_rank<r>.pt``).
 """
 
 from __future__ import annotations
@@ -24,25 +29,28 @@ from tiny_model import make_batch, train_args
 from furlong.builtin_plugins.backends.megatron import train_backend
 
 STEPS = [[[0, 1], [2]], [[3], [0, 2], [1]]]  # as test_megatron_backend.py
+DP_STEPS = ([[[0, 1]], [[3], [0, 2]]], [[[2]], [[1]]])  # STEPS shared out between two data-parallel ranks
 
 
-async def main(out: Path) -> None:
-    from megatron.core import parallel_state
+def batch(hf_dir: Path, steps):
     from transformers import AutoTokenizer
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    args = train_args(out / "hf", context_parallel_size=2, adam_eps=1e-3, entropy_coef=0.01,
-                      use_dynamic_batch_size=True)
+    return make_batch(AutoTokenizer.from_pretrained(hf_dir), steps, temperature=0.8, entropy_coef=0.01)
+
+
+async def tensor_and_context_parallel(out: Path, rank: int) -> None:
+    from megatron.core import parallel_state
+
+    args = train_args(out / "hf", tensor_model_parallel_size=2, context_parallel_size=2, adam_eps=1e-3,
+                      entropy_coef=0.01, use_dynamic_batch_size=True)
     backend = train_backend(args=args)
     await backend.init(args)
     layout = backend.layout()
     assert (layout.dp_size, layout.dp_rank, layout.returns_outputs) == (1, 0, rank == 0), layout
-    batch = make_batch(AutoTokenizer.from_pretrained(out / "hf"), STEPS, temperature=0.8, entropy_coef=0.01)
-    assert not backend._packed([batch.tokens[i] for i in (2, 3)])  # would be packed at CP=1
-    log_probs = await backend.log_probs(batch)
-    metrics = await backend.train(0, batch)
+    data = batch(out / "hf", STEPS)
+    assert not backend._packed([data.tokens[i] for i in (2, 3)])  # packed at CP=1 (test_pipeline_two_stages)
+    log_probs = await backend.log_probs(data)
+    metrics = await backend.train(0, data)
     weights = dict(await backend.named_weights())
     await backend.save(str(out / "cp2ckpt"))
     parallel_state.destroy_model_parallel()
@@ -51,8 +59,47 @@ async def main(out: Path) -> None:
     await resumed.load(str(out / "cp1ckpt"))
     loaded = dict(await resumed.named_weights())
     torch.save({"log_probs": log_probs, "metrics": metrics, "weights": weights, "loaded": loaded,
-                "global_step": resumed.global_step}, out / f"cp2_rank{rank}.pt")
+                "global_step": resumed.global_step}, out / f"tp2cp2_rank{rank}.pt")
     parallel_state.destroy_model_parallel()
+
+
+async def context_and_data_parallel(out: Path, rank: int) -> None:
+    from megatron.core import parallel_state
+
+    args = train_args(out / "hf", context_parallel_size=2, adam_eps=1e-3, entropy_coef=0.01)
+    backend = train_backend(args=args)
+    await backend.init(args)
+    layout = backend.layout()
+    assert (layout.dp_size, layout.dp_rank, layout.returns_outputs) == (2, rank // 2, rank % 2 == 0), layout
+    metrics = await backend.train(0, batch(out / "hf", DP_STEPS[layout.dp_rank]))
+    weights = dict(await backend.named_weights())
+    torch.save({"metrics": metrics, "weights": weights}, out / f"cp2dp2_rank{rank}.pt")
+    parallel_state.destroy_model_parallel()
+
+
+async def pipeline_and_context_parallel(out: Path, rank: int) -> None:
+    from megatron.core import parallel_state
+
+    args = train_args(out / "hf", pipeline_model_parallel_size=2, context_parallel_size=2, adam_eps=1e-3,
+                      entropy_coef=0.01)
+    backend = train_backend(args=args)
+    await backend.init(args)
+    layout = backend.layout()
+    assert (layout.dp_size, layout.dp_rank, layout.returns_outputs) == (1, 0, rank == 2), layout
+    data = batch(out / "hf", STEPS)
+    log_probs = await backend.log_probs(data)
+    metrics = await backend.train(0, data)
+    weights = dict(await backend.named_weights())
+    torch.save({"log_probs": log_probs, "metrics": metrics, "weights": weights}, out / f"pp2cp2_rank{rank}.pt")
+    parallel_state.destroy_model_parallel()
+
+
+async def main(out: Path) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    await tensor_and_context_parallel(out, dist.get_rank())
+    await context_and_data_parallel(out, dist.get_rank())
+    await pipeline_and_context_parallel(out, dist.get_rank())
     dist.destroy_process_group()
 
 

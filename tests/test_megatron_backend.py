@@ -603,6 +603,59 @@ def test_pipeline_two_stages(tiny_model_dir, tmp_path):
         assert master.dtype == torch.float32 and torch.equal(loaded[mcore_name], master), mcore_name
 
 
+@pytest.mark.timeout(240)
+def test_context_parallel_four_ranks(tiny_model_dir, tmp_path):
+    """Four gloo ranks (GQA Llama; sequence lengths that are not multiples of 2 x CP; a temperature; an entropy
+    bonus in the loss). At TP=2 x CP=2: log-probs, entropy, two AdamW steps (losses, grad norms, weights) equal
+    CP=1's, a CP=1 checkpoint loads and the CP=2 one loads at CP=1. At CP=2 x DP=2 and PP=2 x CP=2 the same
+    two steps (and at PP=2 x CP=2 the same log-probs from the last stage)."""
+    from .tiny_model import run_two_ranks
+
+    hf_dir = gqa_llama_dir(tiny_model_dir, tmp_path / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    assert {len(t) % 4 for t in make_batch(tokenizer, []).tokens} - {0}
+    single = megatron_backend(args=train_args(hf_dir, adam_eps=1e-3, entropy_coef=0.01))
+    asyncio.run(single.init(single.args))
+    batch = make_batch(tokenizer, STEPS, temperature=0.8, entropy_coef=0.01)
+    old = asyncio.run(single.log_probs(batch))
+    metrics = asyncio.run(single.train(0, batch))
+    expected = _weights(single)
+    asyncio.run(single.save(str(tmp_path / "cp1ckpt")))
+    run_two_ranks("megatron_context_ranks.py", str(tmp_path), nproc=4)
+
+    for rank in range(4):
+        got = torch.load(tmp_path / f"tp2cp2_rank{rank}.pt", weights_only=True)
+        for key in ("log_probs", "entropy"):  # every rank holds whole sequences (rank 0 returns them)
+            for a, b in zip(old[key], got["log_probs"][key]):
+                torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        for name, tensor in expected.items():
+            assert torch.equal(got["loaded"][name], tensor), name
+        assert got["global_step"] == 2
+        pipelined = torch.load(tmp_path / f"pp2cp2_rank{rank}.pt", weights_only=True)
+        for key in ("log_probs", "entropy"):
+            for a, b in zip(old[key], pipelined["log_probs"][key]):
+                assert (b is None) == (rank < 2), rank  # ranks 0 and 1 are the first stage
+                if b is not None:
+                    torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        for got in (got, torch.load(tmp_path / f"cp2dp2_rank{rank}.pt", weights_only=True), pipelined):
+            assert len(got["metrics"]) == 2
+            for want, step in zip(metrics, got["metrics"]):
+                for key in ("grad_norm", "loss", "entropy"):
+                    assert step[key] == pytest.approx(want[key], rel=1e-5), key
+            for name, tensor in expected.items():
+                torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=1e-5)
+    reloaded = megatron_backend(args=train_args(hf_dir, adam_eps=1e-3))
+    asyncio.run(reloaded.init(reloaded.args))
+    asyncio.run(reloaded.load(str(tmp_path / "cp2ckpt")))
+    assert reloaded.global_step == 2
+    saved = torch.load(tmp_path / "tp2cp2_rank0.pt", weights_only=True)["weights"]
+    for name, tensor in _weights(reloaded).items():
+        assert torch.equal(tensor, saved[name]), name
+    moments = {n: reloaded.optimizer.state[p]["exp_avg_sq"] for n, p in reloaded.model.named_parameters()}
+    for name, p in single.model.named_parameters():
+        torch.testing.assert_close(moments[name], single.optimizer.state[p]["exp_avg_sq"], rtol=1e-4, atol=1e-9)
+
+
 # --- the whole loop ------------------------------------------------------------------------------
 
 
@@ -667,6 +720,30 @@ def test_two_pipeline_stages_under_torchrun_reproduce_one_process(tiny_model_dir
                     "rollout/entropy", "rollout/response_lengths", "rollout/rollout_log_probs"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
         assert b["perf/log_probs_time"] == 0.0 < a["perf/log_probs_time"]
+
+
+@pytest.mark.timeout(240)
+def test_two_context_parallel_ranks_under_torchrun_reproduce_one_process(tiny_model_dir, tmp_path):
+    """The whole loop at CP=2 (torchrun, the local executor): each sequence split over both ranks gives the
+    one-process run's rollouts, log-probs and metrics, also with pi_old taken from the training forward."""
+    from .tiny_model import one_process_and_torchrun
+
+    flags = ["train", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
+             "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--num-rollout", "2",
+             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+             "--micro-batch-size", "4", "--rollout-max-response-len", "12", "--lr", "1e-4", "--entropy-coef", "0.01",
+             "--seed", "1", "--save-interval", "1000", "--train-backend", "megatron"]
+    rows, stderr = one_process_and_torchrun(flags, tmp_path, ["--no-reuse-train-log-probs"],
+                                            ["--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"])
+    assert "CP 2, DP 1" in stderr
+    assert len(rows["one"]) == len(rows["two"]) == 2
+    for a, b in zip(rows["one"], rows["two"]):
+        for key in ("train/entropy_loss", "train/grad_norm", "train/loss", "train/ppo_kl", "rollout/log_probs",
+                    "rollout/entropy", "rollout/response_lengths", "rollout/rollout_log_probs",
+                    "rollout/raw_reward"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+        assert b["perf/log_probs_time"] == 0.0 < a["perf/log_probs_time"]
+    assert "the separate log-prob pass is skipped" in stderr
 
 
 def test_megatron_core_s_fallback_warnings_are_silenced():

@@ -121,8 +121,8 @@ class MeanPG:
         return loss, {"loss": float(loss.detach()), "entropy": float(sum(e.detach().mean() for e in entropy)) / self.gbs}
 
 
-def run_two_ranks(worker: str, *argv: str, timeout: float = 220) -> None:
-    """Run ``tests/<worker>`` under ``torchrun --standalone`` with 2 ranks (one torch thread each).
+def run_two_ranks(worker: str, *argv: str, timeout: float = 220, nproc: int = 2) -> None:
+    """Run ``tests/<worker>`` under ``torchrun --standalone`` with ``nproc`` ranks (one torch thread each).
 
     :raises AssertionError: the run fails (the tail of its stderr is the message).
     """
@@ -132,7 +132,7 @@ def run_two_ranks(worker: str, *argv: str, timeout: float = 220) -> None:
 
     script = Path(__file__).with_name(worker)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), *argv]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(script), *argv]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
