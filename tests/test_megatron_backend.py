@@ -146,6 +146,12 @@ def test_configure_accepts_parallel_sizes_of_one_which_change_nothing(tiny_model
     assert report.errors == ["--expert-tensor-parallel-size 2 is not supported yet by --train-backend megatron."]
 
 
+def test_configure_accepts_context_parallelism(tiny_model_dir):
+    report = ConfigReport(plugin="megatron")
+    configure(args=train_args(tiny_model_dir, context_parallel_size=2, tensor_model_parallel_size=2), report=report)
+    assert report.errors == []
+
+
 @pytest.mark.parametrize("print_config", [True, False])
 def test_a_model_path_absent_here_is_one_warning_under_print_config_else_one_error(tmp_path, tiny_model_dir,
                                                                                   print_config):
