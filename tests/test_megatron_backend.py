@@ -487,6 +487,21 @@ def with_tiny_tokenizer(model, tiny_model_dir, path: Path) -> Path:
     return path
 
 
+def _assert_loads_on_one_rank(path: Path, hf_dir: Path, global_step: int, weights: dict, single) -> None:
+    """The checkpoint at ``path`` loads into a one-rank backend: its step, the exported ``weights`` exactly,
+    and the Adam moments of ``single`` (the one-rank backend that took the same steps)."""
+    reloaded = megatron_backend(args=train_args(hf_dir, adam_eps=1e-3))
+    asyncio.run(reloaded.init(reloaded.args))
+    asyncio.run(reloaded.load(str(path)))
+    assert reloaded.global_step == global_step
+    for name, tensor in _weights(reloaded).items():
+        assert torch.equal(tensor, weights[name]), name
+    moments = {n: reloaded.optimizer.state[p]["exp_avg"] for n, p in reloaded.model.named_parameters()}
+    reference = {n: single.optimizer.state[p]["exp_avg"] for n, p in single.model.named_parameters()}
+    for name, tensor in reference.items():
+        torch.testing.assert_close(moments[name], tensor, rtol=0, atol=1e-6)
+
+
 @pytest.mark.timeout(240)
 def test_tensor_parallel_two_ranks(tiny_model_dir, tmp_path):
     """Two gloo ranks: megatron-core's own TP=2 shards; at TP=2 log-probs, one step and a checkpoint that
@@ -536,16 +551,7 @@ def test_tensor_parallel_two_ranks(tiny_model_dir, tmp_path):
             torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=1e-5)
 
     # 3. the TP=2 checkpoint loads at TP=1: weights, Adam moments (fc1 resharded), step
-    reloaded = megatron_backend(args=train_args(hf_dir, adam_eps=1e-3))
-    asyncio.run(reloaded.init(reloaded.args))
-    asyncio.run(reloaded.load(str(out / "ckpt")))
-    assert reloaded.global_step == 1
-    for name, tensor in _weights(reloaded).items():
-        assert torch.equal(tensor, step["weights"][name]), name
-    moments = {n: reloaded.optimizer.state[p]["exp_avg"] for n, p in reloaded.model.named_parameters()}
-    reference = {n: single.optimizer.state[p]["exp_avg"] for n, p in single.model.named_parameters()}
-    for name, tensor in reference.items():
-        torch.testing.assert_close(moments[name], tensor, rtol=0, atol=1e-6)
+    _assert_loads_on_one_rank(out / "ckpt", hf_dir, 1, step["weights"], single)
 
 
 @pytest.mark.timeout(240)
@@ -650,16 +656,8 @@ def test_context_parallel_four_ranks(tiny_model_dir, tmp_path):
                     assert step[key] == pytest.approx(want[key], rel=1e-5), key
             for name, tensor in expected.items():
                 torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=1e-5)
-    reloaded = megatron_backend(args=train_args(hf_dir, adam_eps=1e-3))
-    asyncio.run(reloaded.init(reloaded.args))
-    asyncio.run(reloaded.load(str(tmp_path / "cp2ckpt")))
-    assert reloaded.global_step == 2
     saved = torch.load(tmp_path / "tp2cp2_rank0.pt", weights_only=True)["weights"]
-    for name, tensor in _weights(reloaded).items():
-        assert torch.equal(tensor, saved[name]), name
-    moments = {n: reloaded.optimizer.state[p]["exp_avg_sq"] for n, p in reloaded.model.named_parameters()}
-    for name, p in single.model.named_parameters():
-        torch.testing.assert_close(moments[name], single.optimizer.state[p]["exp_avg_sq"], rtol=1e-4, atol=1e-9)
+    _assert_loads_on_one_rank(tmp_path / "cp2ckpt", hf_dir, 2, saved, single)
 
 
 # --- the whole loop ------------------------------------------------------------------------------
@@ -706,9 +704,11 @@ def test_grpo_under_the_local_executor_matches_fsdp(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_two_pipeline_stages_under_torchrun_reproduce_one_process(tiny_model_dir, tmp_path):
-    """The whole loop at PP=2 (torchrun, the local executor): pi_old from the last stage's training forward,
-    its metrics and the weights it syncs to the engine give the one-process run's rollouts and metrics."""
+@pytest.mark.parametrize("pp, cp", [(2, 1), (1, 2)], ids=["pp2", "cp2"])
+def test_two_ranks_under_torchrun_reproduce_one_process(tiny_model_dir, tmp_path, pp, cp):
+    """The whole loop at PP=2 or CP=2 (torchrun, the local executor): pi_old from the (last stage's) training
+    forward, its metrics and the weights it syncs to the engine give the one-process run's rollouts and metrics
+    (at CP=2 each sequence is split over both ranks)."""
     from .tiny_model import one_process_and_torchrun
 
     flags = ["train", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
@@ -717,39 +717,17 @@ def test_two_pipeline_stages_under_torchrun_reproduce_one_process(tiny_model_dir
              "--micro-batch-size", "4", "--rollout-max-response-len", "12", "--lr", "1e-4", "--entropy-coef", "0.01",
              "--seed", "1", "--save-interval", "1000", "--train-backend", "megatron"]
     rows, stderr = one_process_and_torchrun(flags, tmp_path, ["--no-reuse-train-log-probs"],
-                                            ["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"])
+                                            ["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size",
+                                             str(pp), "--context-parallel-size", str(cp)])
+    assert f"PP {pp}, CP {cp}, DP 1" in stderr
     assert "the separate log-prob pass is skipped" in stderr
     assert len(rows["one"]) == len(rows["two"]) == 2
     assert rows["one"][0]["rollout/log_probs"] != rows["one"][1]["rollout/log_probs"]
     for a, b in zip(rows["one"], rows["two"]):
         for key in ("train/entropy_loss", "train/grad_norm", "train/loss", "train/ppo_kl", "rollout/log_probs",
-                    "rollout/entropy", "rollout/response_lengths", "rollout/rollout_log_probs"):
+                    "rollout/entropy", "rollout/response_lengths", "rollout/rollout_log_probs", "rollout/raw_reward"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
         assert b["perf/log_probs_time"] == 0.0 < a["perf/log_probs_time"]
-
-
-@pytest.mark.timeout(240)
-def test_two_context_parallel_ranks_under_torchrun_reproduce_one_process(tiny_model_dir, tmp_path):
-    """The whole loop at CP=2 (torchrun, the local executor): each sequence split over both ranks gives the
-    one-process run's rollouts, log-probs and metrics, also with pi_old taken from the training forward."""
-    from .tiny_model import one_process_and_torchrun
-
-    flags = ["train", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
-             "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--num-rollout", "2",
-             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
-             "--micro-batch-size", "4", "--rollout-max-response-len", "12", "--lr", "1e-4", "--entropy-coef", "0.01",
-             "--seed", "1", "--save-interval", "1000", "--train-backend", "megatron"]
-    rows, stderr = one_process_and_torchrun(flags, tmp_path, ["--no-reuse-train-log-probs"],
-                                            ["--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"])
-    assert "CP 2, DP 1" in stderr
-    assert len(rows["one"]) == len(rows["two"]) == 2
-    for a, b in zip(rows["one"], rows["two"]):
-        for key in ("train/entropy_loss", "train/grad_norm", "train/loss", "train/ppo_kl", "rollout/log_probs",
-                    "rollout/entropy", "rollout/response_lengths", "rollout/rollout_log_probs",
-                    "rollout/raw_reward"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
-        assert b["perf/log_probs_time"] == 0.0 < a["perf/log_probs_time"]
-    assert "the separate log-prob pass is skipped" in stderr
 
 
 def test_megatron_core_s_fallback_warnings_are_silenced():
