@@ -4,15 +4,16 @@ Usage: ``torchrun --standalone --nproc_per_node 4 megatron_context_ranks.py OUT_
 
 With the model ``OUT_DIR/hf`` (the test wrote it, and a CP=1 checkpoint in ``OUT_DIR/cp1ckpt``):
 
-1. TP=2 x CP=2 (every sequence split over two ranks, each holding half the heads):
-   log-probs and entropy of the four fixed samples (a temperature, lengths that are not
-   multiples of 2 x CP), two AdamW steps of an objective with an entropy bonus (their
+1. TP=2 x CP=2 (every sequence split over two ranks, each holding half the heads) with
+   token-planned micro-batches, two of them packed (``thd``): log-probs and entropy of the
+   four fixed samples (a temperature, lengths that are not multiples of 2 x CP), two AdamW
+   steps of an objective with an entropy bonus over the samples of ``STEPS`` (their
    metrics), the exported HF weights (``OUT_DIR/tp2cp2_rank<r>.pt``), a ``torch_dist``
    checkpoint in ``OUT_DIR/cp2ckpt`` and the weights of the CP=1 checkpoint loaded here.
 2. CP=2 x DP=2: the same two steps with each step's micro-batches shared out between the
    two data-parallel ranks (``OUT_DIR/cp2dp2_rank<r>.pt``: metrics and weights).
-3. PP=2 x CP=2: log-probs and the same two steps through the pipeline schedule
-   (``OUT_DIR/pp2cp2_rank<r>.pt``).
+3. PP=2 x CP=2: log-probs and the two steps of 1. (packed micro-batches included) through the
+   pipeline schedule (``OUT_DIR/pp2cp2_rank<r>.pt``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from furlong.builtin_plugins.backends.megatron import train_backend
 
 STEPS = [[[0, 1], [2]], [[3], [0, 2], [1]]]  # as test_megatron_backend.py
 DP_STEPS = ([[[0, 1]], [[3], [0, 2]]], [[[2]], [[1]]])  # STEPS shared out between two data-parallel ranks
+PACKED_STEPS = [[[0], [1, 2]], [[2, 3], [0, 1]]]  # STEPS' samples; [1, 2] and [2, 3] are packed
 
 
 def batch(hf_dir: Path, steps):
@@ -47,8 +49,9 @@ async def tensor_and_context_parallel(out: Path, rank: int) -> None:
     await backend.init(args)
     layout = backend.layout()
     assert (layout.dp_size, layout.dp_rank, layout.returns_outputs) == (1, 0, rank == 0), layout
-    data = batch(out / "hf", STEPS)
-    assert not backend._packed([data.tokens[i] for i in (2, 3)])  # packed at CP=1 (test_pipeline_two_stages)
+    data = batch(out / "hf", PACKED_STEPS)
+    assert [backend._packed([data.tokens[i] for i in mb]) for step in PACKED_STEPS for mb in step] == [
+        False, True, True, False]
     log_probs = await backend.log_probs(data)
     metrics = await backend.train(0, data)
     weights = dict(await backend.named_weights())
@@ -81,12 +84,12 @@ async def pipeline_and_context_parallel(out: Path, rank: int) -> None:
     from megatron.core import parallel_state
 
     args = train_args(out / "hf", pipeline_model_parallel_size=2, context_parallel_size=2, adam_eps=1e-3,
-                      entropy_coef=0.01)
+                      entropy_coef=0.01, use_dynamic_batch_size=True)
     backend = train_backend(args=args)
     await backend.init(args)
     layout = backend.layout()
     assert (layout.dp_size, layout.dp_rank, layout.returns_outputs) == (1, 0, rank == 2), layout
-    data = batch(out / "hf", STEPS)
+    data = batch(out / "hf", PACKED_STEPS)
     log_probs = await backend.log_probs(data)
     metrics = await backend.train(0, data)
     weights = dict(await backend.named_weights())

@@ -615,12 +615,32 @@ def test_pipeline_two_stages(tiny_model_dir, tmp_path):
         assert master.dtype == torch.float32 and torch.equal(loaded[mcore_name], master), mcore_name
 
 
+def test_context_parallel_chunks_are_those_megatron_s_rope_assumes():
+    """Each CP rank's chunks of packed sequences hold the positions megatron-core's RoPE gives that rank, and
+    gathered in rank order they are the sequences again (CP=2 and CP=3)."""
+    from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
+
+    from furlong.builtin_plugins.backends.megatron.context import _in_sequence_order, local_chunks
+
+    for cp in (2, 3):
+        lengths = [4 * cp, 2 * cp, 6 * cp]
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        parts = [local_chunks(positions, cp, rank, 0, lengths) for rank in range(cp)]
+        for rank, part in enumerate(parts):
+            rope = [_get_thd_freqs_on_this_cp_rank(rank, cp, torch.empty(n // cp), torch.arange(n)) for n in lengths]
+            assert torch.equal(part, torch.cat(rope)), (cp, rank)
+        assert torch.equal(_in_sequence_order(parts, 0, lengths), positions)
+        whole = torch.arange(4 * cp).view(1, -1)  # one right-padded row: chunks r and 2 CP - 1 - r
+        assert local_chunks(whole, cp, cp - 1).tolist() == [[2 * cp - 2, 2 * cp - 1, 2 * cp, 2 * cp + 1]]
+
+
 @pytest.mark.timeout(240)
 def test_context_parallel_four_ranks(tiny_model_dir, tmp_path):
     """Four gloo ranks (GQA Llama; sequence lengths that are not multiples of 2 x CP; a temperature; an entropy
-    bonus in the loss). At TP=2 x CP=2: log-probs, entropy, two AdamW steps (losses, grad norms, weights) equal
-    CP=1's, a CP=1 checkpoint loads and the CP=2 one loads at CP=1. At CP=2 x DP=2 and PP=2 x CP=2 the same
-    two steps (and at PP=2 x CP=2 the same log-probs from the last stage)."""
+    bonus in the loss). At TP=2 x CP=2 (packed and padded micro-batches): log-probs, entropy, two AdamW steps
+    (losses, grad norms, weights) equal CP=1's, a CP=1 checkpoint loads and the CP=2 one loads at CP=1. At
+    CP=2 x DP=2 (padded) and PP=2 x CP=2 (packed and padded) the same two steps (and at PP=2 x CP=2 the same
+    log-probs from the last stage)."""
     from .tiny_model import run_two_ranks
 
     hf_dir = gqa_llama_dir(tiny_model_dir, tmp_path / "hf")

@@ -186,8 +186,7 @@ class MegatronBackend(PipelineStages, StepLoop):
     def _forward(self, model, batch: TrainBatch, ids: list[int], grad: bool):
         """Response log-probs and entropy of samples ``ids`` (vocab-parallel softmax, :mod:`.logprobs`);
         under ``--use-dynamic-batch-size`` (micro-batches planned by tokens) packed (``thd``) when
-        padding would waste much (:func:`pack_micro_batch`), else right-padded (always under context
-        parallelism, which does not support packing)."""
+        padding would waste much (:func:`pack_micro_batch`), else right-padded."""
         tokens = [batch.tokens[i] for i in ids]
         return forward_log_probs(
             model, tokens, [int(batch.response_lengths[i]) for i in ids], batch.temperature,
@@ -195,8 +194,7 @@ class MegatronBackend(PipelineStages, StepLoop):
             packed=self._packed(tokens), chunk_rows=self._chunk_rows())
 
     def _packed(self, tokens) -> bool:
-        return (self.cp == 1 and bool(getattr(self.args, "use_dynamic_batch_size", False))
-                and pack_micro_batch([len(t) for t in tokens]))
+        return bool(getattr(self.args, "use_dynamic_batch_size", False)) and pack_micro_batch([len(t) for t in tokens])
 
     def _chunk_rows(self) -> int:
         return int(getattr(self.args, "log_probs_chunk_size", -1) or -1)

@@ -9,7 +9,10 @@ every rank gets as much causal-attention work as the others. Attention gathers t
 and values of the whole sequence (:func:`gather_sequence` with a summing backward, in
 :mod:`.attention`); per-token log-probs and entropy are gathered back into sequence order
 (:func:`gather_sequence` with ``replicated_loss=True``), so the objective sees the
-``[B, L]`` values one rank would compute.
+``[B, L]`` values one rank would compute. A packed (``thd``) micro-batch is split the same
+way sequence by sequence: each sequence is padded to a multiple of ``2 CP`` and rank ``r``
+holds chunks ``r`` and ``2 CP - 1 - r`` of every one, one after another (megatron-core's
+``thd`` RoPE, ``_get_thd_freqs_on_this_cp_rank``, assumes this too).
 
 Gradients: every CP rank computes the same loss from the gathered values, and each
 back-propagates only its own tokens' share of it; the backend then sums gradients over
@@ -51,22 +54,34 @@ def chunk_bounds(length: int, cp: int, rank: int) -> tuple[tuple[int, int], tupl
     return (rank * size, (rank + 1) * size), (late * size, (late + 1) * size)
 
 
-def local_chunks(x, cp: int, rank: int, dim: int = 1):
-    """This rank's two chunks of ``x`` along ``dim`` (length a multiple of ``2 cp``), concatenated:
-    ``[..., 2 C, ...]`` from ``[..., L, ...]``."""
-    (a, b), (c, d) = chunk_bounds(x.shape[dim], cp, rank)
-    return torch.cat([x.narrow(dim, a, b - a), x.narrow(dim, c, d - c)], dim=dim)
+def local_chunks(x, cp: int, rank: int, dim: int = 1, lengths: list[int] | None = None):
+    """This rank's two chunks of each sequence of ``x`` along ``dim``, concatenated: ``[..., 2 C, ...]``
+    from ``[..., L, ...]``.
+
+    :param lengths: the lengths of the sequences laid one after another along ``dim`` (packed),
+        each a multiple of ``2 cp``; None: one sequence, the whole of ``dim``.
+    """
+    pieces, start = [], 0
+    for length in lengths or [x.shape[dim]]:
+        for a, b in chunk_bounds(length, cp, rank):
+            pieces.append(x.narrow(dim, start + a, b - a))
+        start += length
+    return torch.cat(pieces, dim=dim)
 
 
-def _in_sequence_order(parts: list, dim: int):
-    """The whole sequence from every rank's ``local_chunks`` (rank order) along ``dim``."""
+def _in_sequence_order(parts: list, dim: int, lengths: list[int] | None):
+    """The whole sequences from every rank's :func:`local_chunks` (rank order) along ``dim``."""
     cp = len(parts)
-    half = parts[0].shape[dim] // 2
-    chunks = [None] * (2 * cp)
-    for rank, part in enumerate(parts):
-        chunks[rank] = part.narrow(dim, 0, half)
-        chunks[2 * cp - 1 - rank] = part.narrow(dim, half, half)
-    return torch.cat(chunks, dim=dim)
+    pieces, start = [], 0
+    for length in lengths or [parts[0].shape[dim] * cp]:
+        size = length // (2 * cp)
+        chunks = [None] * (2 * cp)
+        for rank, part in enumerate(parts):
+            chunks[rank] = part.narrow(dim, start, size)
+            chunks[2 * cp - 1 - rank] = part.narrow(dim, start + size, size)
+        pieces += chunks
+        start += 2 * size
+    return torch.cat(pieces, dim=dim)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -75,32 +90,33 @@ class _GatherSequence(torch.autograd.Function):
     of every rank's gradient for this rank's chunks (a reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, x, dim: int, group, replicated: bool):
+    def forward(ctx, x, dim: int, group, replicated: bool, lengths):
         import torch.distributed as dist
 
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
-        ctx.dim, ctx.group, ctx.replicated = dim, group, replicated
+        ctx.dim, ctx.group, ctx.replicated, ctx.lengths = dim, group, replicated, lengths
         ctx.rank, ctx.cp = dist.get_rank(group), len(parts)
-        return _in_sequence_order(parts, dim)
+        return _in_sequence_order(parts, dim, lengths)
 
     @staticmethod
     def backward(ctx, grad):
         import torch.distributed as dist
 
         if ctx.replicated:
-            return local_chunks(grad, ctx.cp, ctx.rank, ctx.dim), None, None, None
-        parts = [local_chunks(grad, ctx.cp, r, ctx.dim).contiguous() for r in range(ctx.cp)]
+            return local_chunks(grad, ctx.cp, ctx.rank, ctx.dim, ctx.lengths), None, None, None, None
+        parts = [local_chunks(grad, ctx.cp, r, ctx.dim, ctx.lengths).contiguous() for r in range(ctx.cp)]
         mine = torch.empty_like(parts[ctx.rank])
         dist.reduce_scatter(mine, parts, group=ctx.group)
-        return mine, None, None, None
+        return mine, None, None, None, None
 
 
-def gather_sequence(x, dim: int, *, replicated_loss: bool):
-    """The whole sequence along ``dim`` from every CP rank's :func:`local_chunks` of it (a collective
+def gather_sequence(x, dim: int, *, replicated_loss: bool, lengths: list[int] | None = None):
+    """The whole sequences along ``dim`` from every CP rank's :func:`local_chunks` of them (a collective
     over the CP group; ``x`` itself when CP is 1).
 
     :param x: this rank's ``[..., 2 C, ...]``.
+    :param lengths: whole lengths of packed sequences along ``dim`` (:func:`local_chunks`).
     :param replicated_loss: True when every CP rank computes the same loss from the result
         (per-token log-probs): the backward keeps this rank's slice of the gradient. False when
         each rank's loss differs (keys and values of attention): the backward sums the
@@ -110,4 +126,4 @@ def gather_sequence(x, dim: int, *, replicated_loss: bool):
     cp, _, group = context_parallel()
     if cp == 1:
         return x
-    return _GatherSequence.apply(x, dim, group, replicated_loss)
+    return _GatherSequence.apply(x, dim, group, replicated_loss, lengths)
