@@ -327,8 +327,8 @@ class MegatronBackend(PipelineStages, StepLoop):
     async def load(self, path: str) -> None:
         """Restore weights, optimizer and schedule (unless ``--no-load-optim``), RNG (unless ``--no-load-rng``).
 
-        Works at any TP, PP or CP size (megatron-core reshards; weights are the same on CP peers). The global step always comes
-        from the checkpoint.
+        Works at any TP, PP or CP size (megatron-core reshards; CP peers hold the same weights). The global
+        step always comes from the checkpoint.
 
         :raises PluginError: ``path`` is not a checkpoint of this backend or of this model.
         """
