@@ -86,8 +86,8 @@ def _in_sequence_order(parts: list, dim: int, lengths: list[int] | None):
 
 class _GatherSequence(torch.autograd.Function):
     """All-gather of every rank's chunks into sequence order. Backward: this rank's slice of the
-    gradient when every rank computes the same loss from the result (``replicated``), else the sum
-    of every rank's gradient for this rank's chunks (a reduce-scatter)."""
+    gradient (``replicated``, see :func:`gather_sequence`), else the sum of every rank's gradient
+    for this rank's chunks (a reduce-scatter)."""
 
     @staticmethod
     def forward(ctx, x, dim: int, group, replicated: bool, lengths):
@@ -117,10 +117,11 @@ def gather_sequence(x, dim: int, *, replicated_loss: bool, lengths: list[int] | 
 
     :param x: this rank's ``[..., 2 C, ...]``.
     :param lengths: whole lengths of packed sequences along ``dim`` (:func:`local_chunks`).
-    :param replicated_loss: True when every CP rank computes the same loss from the result
-        (per-token log-probs): the backward keeps this rank's slice of the gradient. False when
-        each rank's loss differs (keys and values of attention): the backward sums the
-        gradients of all ranks for this rank's chunks (a reduce-scatter).
+    :param replicated_loss: True when every CP rank computes the same loss from the result and
+        back-propagates it only into its own chunks (per-token log-probs): the backward keeps this
+        rank's slice of the gradient. False when each rank back-propagates a different part of the
+        loss through the whole result (keys and values, which every rank's own queries attend to):
+        the backward sums the gradients of all ranks for this rank's chunks (a reduce-scatter).
     :returns: ``[..., 2 C x CP, ...]`` in sequence order.
     """
     cp, _, group = context_parallel()
