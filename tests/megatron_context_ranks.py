@@ -40,60 +40,55 @@ def batch(hf_dir: Path, steps):
     return make_batch(AutoTokenizer.from_pretrained(hf_dir), steps, temperature=0.8, entropy_coef=0.01)
 
 
+async def started(out: Path, layout: tuple, **flags):
+    """The backend at the parallel sizes of ``flags``, its ``(dp_size, dp_rank, returns_outputs)`` checked."""
+    args = train_args(out / "hf", adam_eps=1e-3, entropy_coef=0.01, **flags)
+    backend = train_backend(args=args)
+    await backend.init(args)
+    got = backend.layout()
+    assert (got.dp_size, got.dp_rank, got.returns_outputs) == layout, got
+    return backend
+
+
+async def trained(backend, out: Path, steps) -> dict:
+    """Log-probs, then the optimizer steps of ``steps`` (their metrics), then the exported weights."""
+    data = batch(out / "hf", steps)
+    result = {"log_probs": await backend.log_probs(data), "metrics": await backend.train(0, data)}
+    return {**result, "weights": dict(await backend.named_weights())}
+
+
 async def tensor_and_context_parallel(out: Path, rank: int) -> None:
     from megatron.core import parallel_state
 
-    args = train_args(out / "hf", tensor_model_parallel_size=2, context_parallel_size=2, adam_eps=1e-3,
-                      entropy_coef=0.01, use_dynamic_batch_size=True)
-    backend = train_backend(args=args)
-    await backend.init(args)
-    layout = backend.layout()
-    assert (layout.dp_size, layout.dp_rank, layout.returns_outputs) == (1, 0, rank == 0), layout
-    data = batch(out / "hf", PACKED_STEPS)
-    assert [backend._packed([data.tokens[i] for i in mb]) for step in PACKED_STEPS for mb in step] == [
+    flags = dict(tensor_model_parallel_size=2, context_parallel_size=2, use_dynamic_batch_size=True)
+    backend = await started(out, (1, 0, rank == 0), **flags)
+    tokens = batch(out / "hf", []).tokens
+    assert [backend._packed([tokens[i] for i in mb]) for step in PACKED_STEPS for mb in step] == [
         False, True, True, False]
-    log_probs = await backend.log_probs(data)
-    metrics = await backend.train(0, data)
-    weights = dict(await backend.named_weights())
+    result = await trained(backend, out, PACKED_STEPS)
     await backend.save(str(out / "cp2ckpt"))
     parallel_state.destroy_model_parallel()
-    resumed = train_backend(args=args)
-    await resumed.init(args)
+    resumed = await started(out, (1, 0, rank == 0), **flags)
     await resumed.load(str(out / "cp1ckpt"))
-    loaded = dict(await resumed.named_weights())
-    torch.save({"log_probs": log_probs, "metrics": metrics, "weights": weights, "loaded": loaded,
-                "global_step": resumed.global_step}, out / f"tp2cp2_rank{rank}.pt")
+    result.update(loaded=dict(await resumed.named_weights()), global_step=resumed.global_step)
+    torch.save(result, out / f"tp2cp2_rank{rank}.pt")
     parallel_state.destroy_model_parallel()
 
 
 async def context_and_data_parallel(out: Path, rank: int) -> None:
     from megatron.core import parallel_state
 
-    args = train_args(out / "hf", context_parallel_size=2, adam_eps=1e-3, entropy_coef=0.01)
-    backend = train_backend(args=args)
-    await backend.init(args)
-    layout = backend.layout()
-    assert (layout.dp_size, layout.dp_rank, layout.returns_outputs) == (2, rank // 2, rank % 2 == 0), layout
-    metrics = await backend.train(0, batch(out / "hf", DP_STEPS[layout.dp_rank]))
-    weights = dict(await backend.named_weights())
-    torch.save({"metrics": metrics, "weights": weights}, out / f"cp2dp2_rank{rank}.pt")
+    backend = await started(out, (2, rank // 2, rank % 2 == 0), context_parallel_size=2)
+    torch.save(await trained(backend, out, DP_STEPS[rank // 2]), out / f"cp2dp2_rank{rank}.pt")
     parallel_state.destroy_model_parallel()
 
 
 async def pipeline_and_context_parallel(out: Path, rank: int) -> None:
     from megatron.core import parallel_state
 
-    args = train_args(out / "hf", pipeline_model_parallel_size=2, context_parallel_size=2, adam_eps=1e-3,
-                      entropy_coef=0.01, use_dynamic_batch_size=True)
-    backend = train_backend(args=args)
-    await backend.init(args)
-    layout = backend.layout()
-    assert (layout.dp_size, layout.dp_rank, layout.returns_outputs) == (1, 0, rank == 2), layout
-    data = batch(out / "hf", PACKED_STEPS)
-    log_probs = await backend.log_probs(data)
-    metrics = await backend.train(0, data)
-    weights = dict(await backend.named_weights())
-    torch.save({"log_probs": log_probs, "metrics": metrics, "weights": weights}, out / f"pp2cp2_rank{rank}.pt")
+    backend = await started(out, (1, 0, rank == 2), pipeline_model_parallel_size=2, context_parallel_size=2,
+                            use_dynamic_batch_size=True)
+    torch.save(await trained(backend, out, PACKED_STEPS), out / f"pp2cp2_rank{rank}.pt")
     parallel_state.destroy_model_parallel()
 
 
