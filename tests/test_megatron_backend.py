@@ -146,6 +146,12 @@ def test_configure_accepts_parallel_sizes_of_one_which_change_nothing(tiny_model
     assert report.errors == ["--expert-tensor-parallel-size 2 is not supported yet by --train-backend megatron."]
 
 
+def test_configure_accepts_context_parallelism(tiny_model_dir):
+    report = ConfigReport(plugin="megatron")
+    configure(args=train_args(tiny_model_dir, context_parallel_size=2, tensor_model_parallel_size=2), report=report)
+    assert report.errors == []
+
+
 @pytest.mark.parametrize("print_config", [True, False])
 def test_a_model_path_absent_here_is_one_warning_under_print_config_else_one_error(tmp_path, tiny_model_dir,
                                                                                   print_config):
@@ -481,6 +487,21 @@ def with_tiny_tokenizer(model, tiny_model_dir, path: Path) -> Path:
     return path
 
 
+def _assert_loads_on_one_rank(path: Path, hf_dir: Path, global_step: int, weights: dict, single) -> None:
+    """The checkpoint at ``path`` loads into a one-rank backend: its step, the exported ``weights`` exactly,
+    and the Adam moments of ``single`` (the one-rank backend that took the same steps)."""
+    reloaded = megatron_backend(args=train_args(hf_dir, adam_eps=1e-3))
+    asyncio.run(reloaded.init(reloaded.args))
+    asyncio.run(reloaded.load(str(path)))
+    assert reloaded.global_step == global_step
+    for name, tensor in _weights(reloaded).items():
+        assert torch.equal(tensor, weights[name]), name
+    moments = {n: reloaded.optimizer.state[p]["exp_avg"] for n, p in reloaded.model.named_parameters()}
+    reference = {n: single.optimizer.state[p]["exp_avg"] for n, p in single.model.named_parameters()}
+    for name, tensor in reference.items():
+        torch.testing.assert_close(moments[name], tensor, rtol=0, atol=1e-6)
+
+
 @pytest.mark.timeout(240)
 def test_tensor_parallel_two_ranks(tiny_model_dir, tmp_path):
     """Two gloo ranks: megatron-core's own TP=2 shards; at TP=2 log-probs, one step and a checkpoint that
@@ -530,16 +551,7 @@ def test_tensor_parallel_two_ranks(tiny_model_dir, tmp_path):
             torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=1e-5)
 
     # 3. the TP=2 checkpoint loads at TP=1: weights, Adam moments (fc1 resharded), step
-    reloaded = megatron_backend(args=train_args(hf_dir, adam_eps=1e-3))
-    asyncio.run(reloaded.init(reloaded.args))
-    asyncio.run(reloaded.load(str(out / "ckpt")))
-    assert reloaded.global_step == 1
-    for name, tensor in _weights(reloaded).items():
-        assert torch.equal(tensor, step["weights"][name]), name
-    moments = {n: reloaded.optimizer.state[p]["exp_avg"] for n, p in reloaded.model.named_parameters()}
-    reference = {n: single.optimizer.state[p]["exp_avg"] for n, p in single.model.named_parameters()}
-    for name, tensor in reference.items():
-        torch.testing.assert_close(moments[name], tensor, rtol=0, atol=1e-6)
+    _assert_loads_on_one_rank(out / "ckpt", hf_dir, 1, step["weights"], single)
 
 
 @pytest.mark.timeout(240)
@@ -603,6 +615,71 @@ def test_pipeline_two_stages(tiny_model_dir, tmp_path):
         assert master.dtype == torch.float32 and torch.equal(loaded[mcore_name], master), mcore_name
 
 
+def test_context_parallel_chunks_are_those_megatron_s_rope_assumes():
+    """Each CP rank's chunks of packed sequences hold the positions megatron-core's RoPE gives that rank, and
+    gathered in rank order they are the sequences again (CP=2 and CP=3)."""
+    from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
+
+    from furlong.builtin_plugins.backends.megatron.context import _in_sequence_order, local_chunks
+
+    for cp in (2, 3):
+        lengths = [4 * cp, 2 * cp, 6 * cp]
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        parts = [local_chunks(positions, cp, rank, 0, lengths) for rank in range(cp)]
+        for rank, part in enumerate(parts):
+            rope = [_get_thd_freqs_on_this_cp_rank(rank, cp, torch.empty(n // cp), torch.arange(n)) for n in lengths]
+            assert torch.equal(part, torch.cat(rope)), (cp, rank)
+        assert torch.equal(_in_sequence_order(parts, 0, lengths), positions)
+        whole = torch.arange(4 * cp).view(1, -1)  # one right-padded row: chunks r and 2 CP - 1 - r
+        assert local_chunks(whole, cp, cp - 1).tolist() == [[2 * cp - 2, 2 * cp - 1, 2 * cp, 2 * cp + 1]]
+
+
+@pytest.mark.timeout(240)
+def test_context_parallel_four_ranks(tiny_model_dir, tmp_path):
+    """Four gloo ranks (GQA Llama; sequence lengths that are not multiples of 2 x CP; a temperature; an entropy
+    bonus in the loss). At TP=2 x CP=2 (packed and padded micro-batches): log-probs, entropy, two AdamW steps
+    (losses, grad norms, weights) equal CP=1's, a CP=1 checkpoint loads and the CP=2 one loads at CP=1. At
+    CP=2 x DP=2 (padded) and PP=2 x CP=2 (packed and padded) the same two steps (and at PP=2 x CP=2 the same
+    log-probs from the last stage)."""
+    from .tiny_model import run_two_ranks
+
+    hf_dir = gqa_llama_dir(tiny_model_dir, tmp_path / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    assert {len(t) % 4 for t in make_batch(tokenizer, []).tokens} - {0}
+    single = megatron_backend(args=train_args(hf_dir, adam_eps=1e-3, entropy_coef=0.01))
+    asyncio.run(single.init(single.args))
+    batch = make_batch(tokenizer, STEPS, temperature=0.8, entropy_coef=0.01)
+    old = asyncio.run(single.log_probs(batch))
+    metrics = asyncio.run(single.train(0, batch))
+    expected = _weights(single)
+    asyncio.run(single.save(str(tmp_path / "cp1ckpt")))
+    run_two_ranks("megatron_context_ranks.py", str(tmp_path), nproc=4)
+
+    for rank in range(4):
+        got = torch.load(tmp_path / f"tp2cp2_rank{rank}.pt", weights_only=True)
+        for key in ("log_probs", "entropy"):  # every rank holds whole sequences (rank 0 returns them)
+            for a, b in zip(old[key], got["log_probs"][key]):
+                torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        for name, tensor in expected.items():
+            assert torch.equal(got["loaded"][name], tensor), name
+        assert got["global_step"] == 2
+        pipelined = torch.load(tmp_path / f"pp2cp2_rank{rank}.pt", weights_only=True)
+        for key in ("log_probs", "entropy"):
+            for a, b in zip(old[key], pipelined["log_probs"][key]):
+                assert (b is None) == (rank < 2), rank  # ranks 0 and 1 are the first stage
+                if b is not None:
+                    torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        for got in (got, torch.load(tmp_path / f"cp2dp2_rank{rank}.pt", weights_only=True), pipelined):
+            assert len(got["metrics"]) == 2
+            for want, step in zip(metrics, got["metrics"]):
+                for key in ("grad_norm", "loss", "entropy"):
+                    assert step[key] == pytest.approx(want[key], rel=1e-5), key
+            for name, tensor in expected.items():
+                torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=1e-5)
+    saved = torch.load(tmp_path / "tp2cp2_rank0.pt", weights_only=True)["weights"]
+    _assert_loads_on_one_rank(tmp_path / "cp2ckpt", hf_dir, 2, saved, single)
+
+
 # --- the whole loop ------------------------------------------------------------------------------
 
 
@@ -647,9 +724,11 @@ def test_grpo_under_the_local_executor_matches_fsdp(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_two_pipeline_stages_under_torchrun_reproduce_one_process(tiny_model_dir, tmp_path):
-    """The whole loop at PP=2 (torchrun, the local executor): pi_old from the last stage's training forward,
-    its metrics and the weights it syncs to the engine give the one-process run's rollouts and metrics."""
+@pytest.mark.parametrize("pp, cp", [(2, 1), (1, 2)], ids=["pp2", "cp2"])
+def test_two_ranks_under_torchrun_reproduce_one_process(tiny_model_dir, tmp_path, pp, cp):
+    """The whole loop at PP=2 or CP=2 (torchrun, the local executor): pi_old from the (last stage's) training
+    forward, its metrics and the weights it syncs to the engine give the one-process run's rollouts and metrics
+    (at CP=2 each sequence is split over both ranks)."""
     from .tiny_model import one_process_and_torchrun
 
     flags = ["train", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
@@ -658,13 +737,15 @@ def test_two_pipeline_stages_under_torchrun_reproduce_one_process(tiny_model_dir
              "--micro-batch-size", "4", "--rollout-max-response-len", "12", "--lr", "1e-4", "--entropy-coef", "0.01",
              "--seed", "1", "--save-interval", "1000", "--train-backend", "megatron"]
     rows, stderr = one_process_and_torchrun(flags, tmp_path, ["--no-reuse-train-log-probs"],
-                                            ["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"])
+                                            ["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size",
+                                             str(pp), "--context-parallel-size", str(cp)])
+    assert f"PP {pp}, CP {cp}, DP 1" in stderr
     assert "the separate log-prob pass is skipped" in stderr
     assert len(rows["one"]) == len(rows["two"]) == 2
     assert rows["one"][0]["rollout/log_probs"] != rows["one"][1]["rollout/log_probs"]
     for a, b in zip(rows["one"], rows["two"]):
         for key in ("train/entropy_loss", "train/grad_norm", "train/loss", "train/ppo_kl", "rollout/log_probs",
-                    "rollout/entropy", "rollout/response_lengths", "rollout/rollout_log_probs"):
+                    "rollout/entropy", "rollout/response_lengths", "rollout/rollout_log_probs", "rollout/raw_reward"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
         assert b["perf/log_probs_time"] == 0.0 < a["perf/log_probs_time"]
 

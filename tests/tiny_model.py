@@ -74,10 +74,12 @@ PROMPTS = ["Q: 2+3=", "Say hi:", "abc", "The sky is"]
 RESPONSES = [" 5.", " hi there", "def", " blue today"]
 
 
-def make_batch(tokenizer, steps, temperature: float = 1.0, advantages=(1.0, -0.5, 2.0, 1.0)):
+def make_batch(tokenizer, steps, temperature: float = 1.0, advantages=(1.0, -0.5, 2.0, 1.0),
+               entropy_coef: float = 0.0):
     """A ``TrainBatch`` of the four fixed prompt/response pairs, with a :class:`MeanPG` objective.
 
     :param steps: ``TrainBatch.steps`` (micro-batches of sample indices per step).
+    :param entropy_coef: weight of the entropy bonus in the objective's loss.
     """
     import torch
 
@@ -90,19 +92,22 @@ def make_batch(tokenizer, steps, temperature: float = 1.0, advantages=(1.0, -0.5
         lengths.append(len(r))
     batch = TrainBatch(tokens=tokens, response_lengths=lengths, loss_masks=[torch.ones(n) for n in lengths],
                        steps=steps, temperature=temperature)
-    batch.objective = MeanPG(list(advantages), global_batch_size=len(tokens))
+    batch.objective = MeanPG(list(advantages), global_batch_size=len(tokens), entropy_coef=entropy_coef)
     return batch
 
 
 class MeanPG:
     """A per-sample policy-gradient objective (SPEC.md 4.6, per-sample mode, unit masks).
 
-    Micro-batch loss ``sum_i -A_i * mean_t(logp_{i,t}) / gbs``: summed over a step's
-    micro-batches (and ranks) it is the step objective, whatever the packing.
+    Micro-batch loss ``sum_i (-A_i * mean_t(logp_{i,t}) - c * mean_t(H_{i,t})) / gbs`` (``c``:
+    ``entropy_coef``): summed over a step's micro-batches (and ranks) it is the step objective,
+    whatever the packing.
     """
 
-    def __init__(self, advantages: list[float], global_batch_size: int, scale: float = 1.0):
+    def __init__(self, advantages: list[float], global_batch_size: int, scale: float = 1.0,
+                 entropy_coef: float = 0.0):
         self.advantages = advantages
+        self.entropy_coef = entropy_coef
         self.gbs = global_batch_size
         self.scale = scale
         self.calls: list[list[int]] = []
@@ -110,12 +115,14 @@ class MeanPG:
     async def __call__(self, sample_ids, log_probs, entropy, values=None):
         self.calls.append(list(sample_ids))
         loss = sum(-self.advantages[i] * lp.mean() for i, lp in zip(sample_ids, log_probs)) / self.gbs
+        if self.entropy_coef:
+            loss = loss - self.entropy_coef * sum(e.mean() for e in entropy) / self.gbs
         loss = loss * self.scale
-        return loss, {"loss": float(loss.detach()), "entropy": float(sum(e.mean() for e in entropy)) / self.gbs}
+        return loss, {"loss": float(loss.detach()), "entropy": float(sum(e.detach().mean() for e in entropy)) / self.gbs}
 
 
-def run_two_ranks(worker: str, *argv: str, timeout: float = 220) -> None:
-    """Run ``tests/<worker>`` under ``torchrun --standalone`` with 2 ranks (one torch thread each).
+def run_two_ranks(worker: str, *argv: str, timeout: float = 220, nproc: int = 2) -> None:
+    """Run ``tests/<worker>`` under ``torchrun --standalone`` with ``nproc`` ranks (one torch thread each).
 
     :raises AssertionError: the run fails (the tail of its stderr is the message).
     """
@@ -125,7 +132,8 @@ def run_two_ranks(worker: str, *argv: str, timeout: float = 220) -> None:
 
     script = Path(__file__).with_name(worker)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), *argv]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(script),
+           *argv]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
 

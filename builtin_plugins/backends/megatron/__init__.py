@@ -30,7 +30,8 @@ _USED = {
     "--kv-channels", "--rotary-base", "--rotary-percent", "--norm-epsilon", "--vocab-size", "--normalization",
     "--position-embedding-type", "--group-query-attention", "--swiglu", "--disable-bias-linear", "--add-qkv-bias",
     "--qk-layernorm", "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by",
-    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--recompute-granularity", "--recompute-method",
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+    "--recompute-granularity", "--recompute-method",
     "--recompute-num-layers",
     "--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler", "--no-check-for-nan-in-loss-and-grad",
     "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings",
@@ -40,7 +41,6 @@ _USED = {
 # nothing): "not supported yet".
 _REFUSED = (
     ("--virtual-pipeline-model-parallel-size", "virtual_pipeline_model_parallel_size", None),
-    ("--context-parallel-size", "context_parallel_size", 1),
     ("--expert-model-parallel-size", "expert_model_parallel_size", 1),
     ("--expert-tensor-parallel-size", "expert_tensor_parallel_size", None),
     ("--sequence-parallel", "sequence_parallel", False),
@@ -137,7 +137,7 @@ def train_backend(args):
     """Create the megatron backend; :meth:`MegatronBackend.init` builds and loads the model.
 
     Flags read: ``--hf-checkpoint``, ``--ref-load``, ``--tensor-model-parallel-size``,
-    ``--pipeline-model-parallel-size``,
+    ``--pipeline-model-parallel-size``, ``--context-parallel-size``,
     Miles' architecture flags (checked against the HF config), ``--make-vocab-size-divisible-by``,
     ``--use-kl-loss``, ``--kl-coef``, ``--lr`` and the Megatron LR schedule flags,
     ``--weight-decay``, ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``, ``--clip-grad``,

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from .context import chunk_bounds, context_parallel, gather_sequence
+
 __all__ = ["SDPACoreAttention"]
 
 
@@ -56,17 +58,65 @@ class SDPACoreAttention(MegatronModule):
             input: each sequence attends only to itself (one ``varlen_attn`` flash call on CUDA
             in bfloat16/float16, else one SDPA call per sequence).
         :returns: ``[s, b, heads*d]`` (``[t, heads*d]`` packed), the query's dtype.
+
+        Under context parallelism (CP > 1) ``s`` (``t``) is this rank's two chunks of each
+        sequence (:mod:`.context`; packed: ``cu_seqlens_q`` holds the whole sequences' bounds,
+        each length a multiple of ``2 CP``) and keys/values are gathered over the CP group.
         """
         if attention_mask is not None:
             raise ValueError("SDPACoreAttention is causal only; call the model with attention_mask=None.")
+        cp = self.config.context_parallel_size
         if packed_seq_params is not None:
+            if cp > 1:
+                return self._context_parallel_packed(query, key, value, packed_seq_params)
             if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
                 return self._varlen_causal(query, key, value, packed_seq_params)
             bounds = packed_seq_params.cu_seqlens_q.tolist()
             parts = [self._causal(query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1))
                      for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
             return torch.cat(parts, dim=0).squeeze(1) if parts else query.new_zeros(0, query.shape[1] * query.shape[2])
+        if cp > 1:
+            key, value = (gather_sequence(x, 0, replicated_loss=False) for x in (key, value))
+            return self._chunks_against_whole(query, key, value, cp, context_parallel()[1])
         return self._causal(query, key, value)
+
+    def _context_parallel_packed(self, query, key, value, params):
+        """Packed sequences under CP: keys and values of every whole sequence gathered over the CP
+        group, then each sequence's two local query chunks against its own keys."""
+        cp, rank, _ = context_parallel()
+        bounds = params.cu_seqlens_q.tolist()
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        key, value = (gather_sequence(x, 0, replicated_loss=False, lengths=lengths) for x in (key, value))
+        parts, local = [], 0
+        for a, n in zip(bounds, lengths):
+            if n:
+                mine = slice(local, local + n // cp)
+                parts.append(self._chunks_against_whole(query[mine].unsqueeze(1), key[a:a + n].unsqueeze(1),
+                                                        value[a:a + n].unsqueeze(1), cp, rank).squeeze(1))
+            local += n // cp
+        return torch.cat(parts, dim=0) if parts else query.new_zeros(0, query.shape[1] * query.shape[2])
+
+    def _chunks_against_whole(self, query, key, value, cp: int, rank: int):
+        """Causal attention of this CP rank's two query chunks ``[2 C, b, heads, d]`` (:mod:`.context`)
+        against the keys and values of the whole sequence ``[2 C x CP, b, groups, d]``.
+
+        Query chunk ``j`` (positions ``j C .. (j + 1) C``) attends to keys ``0 .. (j + 1) C`` with
+        the causal mask aligned to the lower right (query ``t`` sees keys up to ``j C + t``): one
+        SDPA call per chunk. Key/value heads are repeated per query head under GQA (the
+        lower-right causal bias of torch has no grouped-query path on every kernel).
+        """
+        from torch.nn.attention.bias import causal_lower_right
+
+        s, b, heads, d = query.shape
+        if key.shape[2] != heads:
+            key, value = (x.repeat_interleave(heads // x.shape[2], dim=2) for x in (key, value))
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
+        outs = []
+        for (start, end), local in zip(chunk_bounds(k.shape[2], cp, rank), (slice(0, s // 2), slice(s // 2, s))):
+            outs.append(F.scaled_dot_product_attention(q[:, :, local], k[:, :, :end], v[:, :, :end],
+                                                       attn_mask=causal_lower_right(end - start, end),
+                                                       scale=self.scale))
+        return torch.cat(outs, dim=2).permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
     def _varlen_causal(self, query, key, value, params):
         """Packed sequences in one flash-attention call (torch's ``varlen_attn``, CUDA, 16-bit);

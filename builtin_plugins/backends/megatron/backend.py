@@ -44,8 +44,11 @@ class MegatronBackend(PipelineStages, StepLoop):
     Tensor and pipeline parallelism through megatron-core's ``parallel_state`` (every TP
     peer and pipeline stage gets the same micro-batches; with PP > 1 they run through
     megatron-core's pipeline schedule, :mod:`.pipeline`, and the last stage computes
-    log-probs and the loss); data parallelism over ``world / (TP x PP)`` ranks with
-    gradients SUMMED (the core's objective already carries the whole step's denominators). Without
+    log-probs and the loss); context parallelism (every CP peer gets the same micro-batches and
+    computes two chunks of each sequence, :mod:`.context`; log-probs are gathered back into
+    whole sequences); data parallelism over ``world / (TP x PP x CP)`` ranks with
+    gradients SUMMED over data- and context-parallel ranks (the core's objective already carries
+    the whole step's denominators). Without
     ``--bf16`` parameters, gradients and AdamW state are float32; with ``--bf16`` the
     parameters are bfloat16 and AdamW updates float32 master weights whose gradients
     accumulate in float32 (:mod:`.master`).
@@ -63,7 +66,7 @@ class MegatronBackend(PipelineStages, StepLoop):
         self.vocab_rows = 0
         self.global_step = 0
         self.masters: MasterWeights | None = None
-        self.world, self.rank, self.tp, self.pp = 1, 0, 1, 1
+        self.world, self.rank, self.tp, self.pp, self.cp = 1, 0, 1, 1, 1
         self.stage = Stage()
         self.device = None
         self._tp_sharded: set[int] = set()
@@ -97,7 +100,8 @@ class MegatronBackend(PipelineStages, StepLoop):
                               "recompute restores CUDA RNG states).")
         self.tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
         self.pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-        self.world, self.rank = init_parallel(self.tp, self.device, self.pp)
+        self.cp = int(getattr(args, "context_parallel_size", 1) or 1)
+        self.world, self.rank = init_parallel(self.tp, self.device, self.pp, self.cp)
         if self.pp > 1:
             from megatron.core import parallel_state
 
@@ -133,13 +137,13 @@ class MegatronBackend(PipelineStages, StepLoop):
         self.optimizer = build_optimizer(self._trained_parameters(), args)
         self.scheduler = build_scheduler(self.optimizer, args)
         if self.rank == 0:
-            log.info("megatron: %s, TP %d, PP %d, DP %d, vocab rows %d, %s", self.shape.family, self.tp, self.pp,
-                     self._dp_size(), self.vocab_rows,
+            log.info("megatron: %s, TP %d, PP %d, CP %d, DP %d, vocab rows %d, %s", self.shape.family, self.tp,
+                     self.pp, self.cp, self._dp_size(), self.vocab_rows,
                      "bf16 parameters, fp32 master weights" if self.masters else "fp32")
         return 0
 
     def _load_model(self):
-        model = build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device, pp=self.pp,
+        model = build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device, pp=self.pp, cp=self.cp,
                           **recompute_settings(self.args))
         ref = getattr(self.args, "ref_load", None)
         if is_hf_dir(ref):
@@ -219,10 +223,11 @@ class MegatronBackend(PipelineStages, StepLoop):
         return parallel_state.get_data_parallel_group()
 
     def _dp_size(self) -> int:
-        return self.world // (self.tp * self.pp)
+        return self.world // (self.tp * self.pp * self.cp)
 
     def _clip(self, finite_loss: bool) -> tuple[float, bool]:
-        """SUM gradients over DP ranks (and a tied model's two embedding copies over the stages); global L2
+        """SUM gradients over DP x CP ranks (each CP rank holds its tokens' share: :mod:`.context`; and a
+        tied model's two embedding copies over the stages); global L2
         norm before clipping (over TP shards and pipeline stages, each parameter once); whether all is
         finite everywhere."""
         import torch
@@ -233,9 +238,10 @@ class MegatronBackend(PipelineStages, StepLoop):
         named = [(n, p) for n, p in self._trained_parameters() if p.grad is not None]
         params = [p for _, p in named]
         self._freeze_padding_row()
-        if self._dp_size() > 1:
+        if self._dp_size() * self.cp > 1:
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             for p in params:
-                dist.all_reduce(p.grad, group=self._dp_group())
+                dist.all_reduce(p.grad, group=group)
         counted = [p for n, p in named if not self._is_embedding_copy(n)]  # a tied copy is counted once
         split = [id(p) in self._tp_sharded for p in counted]
         norms = torch.stack(torch._foreach_norm([p.grad.detach() for p in counted])).double() if counted else \
@@ -273,13 +279,14 @@ class MegatronBackend(PipelineStages, StepLoop):
     # --- weights and checkpoints ---------------------------------------------------------
 
     def layout(self) -> ParallelLayout:
-        """Data-parallel rank and size from megatron-core's groups; TP rank 0 of the last pipeline stage
-        (which computes log-probs and the loss) returns the outputs."""
+        """Data-parallel rank and size from megatron-core's groups (CP peers share a data-parallel rank);
+        TP and CP rank 0 of the last pipeline stage (which computes log-probs and the loss) returns the outputs."""
         from megatron.core import parallel_state
 
+        first_cp = parallel_state.get_context_parallel_rank() == 0
         return ParallelLayout(dp_rank=parallel_state.get_data_parallel_rank(),
                               dp_size=parallel_state.get_data_parallel_world_size(),
-                              returns_outputs=self._tp_rank() == 0 and self.stage.last, rank=self.rank,
+                              returns_outputs=self._tp_rank() == 0 and first_cp and self.stage.last, rank=self.rank,
                               world=self.world)
 
     async def iter_weights(self):
@@ -314,14 +321,14 @@ class MegatronBackend(PipelineStages, StepLoop):
         await self._in_thread(
             checkpoint.save_checkpoint, path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             masters=self.masters, global_step=self.global_step, rank=self.rank, world=self.world, tp=self.tp,
-            pp=self.pp,
+            pp=self.pp, cp=self.cp,
             save_optim=not getattr(self.args, "no_save_optim", False), device=self.device)
 
     async def load(self, path: str) -> None:
         """Restore weights, optimizer and schedule (unless ``--no-load-optim``), RNG (unless ``--no-load-rng``).
 
-        Works at any TP or PP size (megatron-core reshards). The global step always comes
-        from the checkpoint.
+        Works at any TP, PP or CP size (megatron-core reshards; CP peers hold the same weights). The global
+        step always comes from the checkpoint.
 
         :raises PluginError: ``path`` is not a checkpoint of this backend or of this model.
         """

@@ -5,7 +5,7 @@ SPEC.md 7)::
 
     metadata.json, .metadata, common.pt, __<rank>_<n>.distcp    megatron-core torch_dist files
     meta.json     {"global_step", "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                   "timestamp"}
+                   "context_parallel_size", "timestamp"}
 
 The sharded state holds ``model`` (megatron-core's own sharded state dict: layers stacked,
 fc1 saved as the global ``[gate; up]``, so the files do not depend on TP), ``optimizer``
@@ -130,7 +130,7 @@ def _sharded(model, masters, optimizer, scheduler, global_step: int, rank: int, 
 
 
 def save_checkpoint(path: str, *, model, optimizer, scheduler, global_step: int, rank: int, world: int, tp: int,
-                    save_optim: bool, device, masters=None, pp: int = 1) -> None:
+                    save_optim: bool, device, masters=None, pp: int = 1, cp: int = 1) -> None:
     """Write the layout above into ``path`` (every rank calls it; a collective).
 
     :param masters: the :class:`~.master.MasterWeights` of a bfloat16 model (saved instead of its weights).
@@ -147,7 +147,7 @@ def save_checkpoint(path: str, *, model, optimizer, scheduler, global_step: int,
         dist_checkpointing.save(state, path)
     if rank == 0:
         meta = {"global_step": global_step, "world_size": world, "tensor_model_parallel_size": tp,
-                "pipeline_model_parallel_size": pp,
+                "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
                 "optimizer": save_optim, "timestamp": time.time()}
         with open(os.path.join(path, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2)

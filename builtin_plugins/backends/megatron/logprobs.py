@@ -21,8 +21,11 @@ from typing import Any, Sequence
 
 import attrs
 import torch
+import torch.nn.functional as F
 
 from furlong.hooks.trainer import right_padded, to_device
+
+from .context import context_parallel, gather_sequence, local_chunks, padded_length
 
 __all__ = ["MicroBatchInputs", "forward_log_probs", "micro_batch_inputs", "response_log_probs",
            "vocab_parallel_log_probs"]
@@ -181,13 +184,17 @@ class MicroBatchInputs:
     ``ids``: int64 input ids (``[B, L]`` right-padded, or ``[1, sum L_i]`` packed) on the
     device; ``targets``: the next token at each position (same shape); ``extra``: more
     model keyword arguments (``packed_seq_params``); ``spans``: per sample ``(row, start,
-    end)`` of its response log-probs in the ``[rows, positions]`` grid.
+    end)`` of its response log-probs in the ``[rows, positions]`` grid. Under context
+    parallelism ``ids`` and ``targets`` are this rank's two chunks ``[B, 2 L / (2 CP)]`` of the
+    ``[B, L]`` grid (L padded to a multiple of ``2 CP``, :mod:`.context`; packed, each sequence is
+    padded to a multiple of ``2 CP`` and ``segments`` holds these lengths); ``spans`` index the whole grid.
     """
 
     ids: Any
     targets: Any
     extra: dict
     spans: list
+    segments: list | None = None
 
 
 def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], device, *,
@@ -197,37 +204,47 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
     :raises ValueError: a response that starts at position 0 (no previous token).
     """
     seqs, ids = right_padded(tokens, response_lengths)
+    cp, cp_rank, _ = context_parallel()
     extra: dict = {}
+    segments = None
     if packed:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         lengths = [len(s) for s in seqs]
+        segments = [padded_length(n, cp) if cp > 1 else n for n in lengths]
         starts = [0]
-        for n in lengths:
+        for n in segments:
             starts.append(starts[-1] + n)
-        ids = torch.cat(seqs).unsqueeze(0)
+        ids = torch.cat([F.pad(s, (0, n - len(s))) for s, n in zip(seqs, segments)]).unsqueeze(0)
         bounds = to_device(torch.tensor(starts, dtype=torch.int32), device)
         extra["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
-                                                     max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+                                                     max_seqlen_q=max(segments), max_seqlen_kv=max(segments))
         spans = [(0, a + n - int(t) - 1, a + n - 1) for a, n, t in zip(starts, lengths, response_lengths)]
     else:
+        if cp > 1:
+            ids = F.pad(ids, (0, padded_length(ids.shape[1], cp) - ids.shape[1]))
         spans = [(i, len(s) - int(t) - 1, len(s) - 1) for i, (s, t) in enumerate(zip(seqs, response_lengths))]
     ids = to_device(ids, device)
     targets = torch.zeros_like(ids)
     targets[:, :-1] = ids[:, 1:]  # across a packed boundary the target is unused: no span ends there
-    return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans)
+    if cp > 1:
+        ids, targets = (local_chunks(x, cp, cp_rank, 1, segments) for x in (ids, targets))
+    return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans, segments=segments if cp > 1 else None)
 
 
 def response_log_probs(logits, inputs: MicroBatchInputs, temperature: float, *, vocab_size: int,
                        entropy_grad: bool, chunk_rows: int = -1) -> tuple[list, list]:
     """Per-sample response log-probs and entropy from a forward's vocab-parallel logits
-    ``[rows, positions, V/tp]`` (:func:`vocab_parallel_log_probs`; views, no copy).
+    ``[rows, positions, V/tp]`` (:func:`vocab_parallel_log_probs`; views, no copy). Under
+    context parallelism the values of this rank's chunks are gathered over the CP group into
+    the whole ``[rows, L]`` grid (every CP rank returns every token's; each back-propagates its own).
 
     :returns: ``(log_probs, entropy)``: B float32 tensors ``[T_i]`` each.
     """
     lp, ent = vocab_parallel_log_probs(logits.reshape(-1, logits.shape[-1]), inputs.targets.reshape(-1), temperature,
                                        vocab_size, entropy_grad=entropy_grad, chunk_rows=chunk_rows)
-    lp, ent = lp.view(inputs.ids.shape), ent.view(inputs.ids.shape)
+    lp, ent = (gather_sequence(x.view(inputs.ids.shape), 1, replicated_loss=True, lengths=inputs.segments)
+               for x in (lp, ent))
     return [lp[row, a:b] for row, a, b in inputs.spans], [ent[row, a:b] for row, a, b in inputs.spans]
 
 
@@ -240,7 +257,9 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
     its positions (GPTModel's RoPE positions are implicit). Packed (``packed=True``, the
     ``thd`` layout): the sequences are concatenated into ``[1, sum L_i]`` with
     ``PackedSeqParams``; attention and RoPE restart at each sequence (:mod:`.attention`),
-    and no pad token is computed. Either way the log-probs are computed at every position
+    and no pad token is computed. Under context parallelism each sequence (padded: the
+    ``[B, L]`` grid's rows; packed: each sequence, padded to a multiple of ``2 CP``) is split
+    over the CP ranks (:mod:`.context`). Either way the log-probs are computed at every position
     (a view of the logits, no copy) and the response spans are cut from them.
 
     :param tokens: B sequences of prompt + response ids.

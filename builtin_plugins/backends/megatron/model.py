@@ -14,14 +14,16 @@ from .config import ModelShape
 __all__ = ["build_gpt", "cpu_shims", "init_parallel"]
 
 
-def init_parallel(tp: int, device, pp: int = 1) -> tuple[int, int]:
-    """Initialise megatron-core's tensor/pipeline/data-parallel groups; return ``(world, rank)``.
+def init_parallel(tp: int, device, pp: int = 1, cp: int = 1) -> tuple[int, int]:
+    """Initialise megatron-core's tensor/pipeline/context/data-parallel groups; return ``(world, rank)``.
 
     Uses the default process group when one exists (``furlong train`` under ``torchrun``,
     a Ray worker); a single process without one gets a one-rank group on an in-memory
     store (gloo on CPU, NCCL on GPU), which megatron-core needs for its groups.
 
-    :raises PluginError: TP x PP does not divide the world size, or ``WORLD_SIZE > 1`` without
+    Rank order is megatron-core's default ``tp-cp-ep-dp-pp`` (TP peers adjacent, then CP peers).
+
+    :raises PluginError: TP x PP x CP does not divide the world size, or ``WORLD_SIZE > 1`` without
         an initialised process group.
     """
     import torch.distributed as dist
@@ -34,18 +36,19 @@ def init_parallel(tp: int, device, pp: int = 1) -> tuple[int, int]:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % (tp * pp):
-        raise PluginError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} does not divide "
-                          f"the trainer world size {world}.")
+    if world % (tp * pp * cp):
+        raise PluginError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x "
+                          f"--context-parallel-size {cp} does not divide the trainer world size {world}.")
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_context_parallel_world_size())
+        if have != (tp, pp, cp):
             raise PluginError(f"megatron: model-parallel groups already exist with TP {have[0]}, PP {have[1]}, "
-                              f"not TP {tp}, PP {pp}.")
+                              f"CP {have[2]}, not TP {tp}, PP {pp}, CP {cp}.")
     else:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                 create_gloo_process_groups=False)
+                                                 context_parallel_size=cp, create_gloo_process_groups=False)
     return world, rank
 
 
@@ -104,6 +107,8 @@ def _cuda_on_cpu():
                 kwargs = kwargs or {}
                 if func is torch.Tensor.cuda:
                     return args[0]
+                if kwargs.get("pin_memory"):  # RoPE's CP slicing pins a host tensor (no pinned memory without CUDA)
+                    kwargs = {**kwargs, "pin_memory": False}
                 device = kwargs.get("device")
                 if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
                     kwargs = {**kwargs, "device": "cpu"}
@@ -143,7 +148,7 @@ def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
     return TransformerConfig(**fields)
 
 
-def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: int = 1, **extra: Any):
+def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: int = 1, cp: int = 1, **extra: Any):
     """A GPTModel of the local spec with :class:`~.attention.SDPACoreAttention`, uninitialised
     weights (the caller loads them), on ``device``.
 
@@ -155,7 +160,8 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
     Stages exchange activations of each micro-batch's own shape (``variable_seq_lengths``)
     one tensor at a time (no batched p2p, which gloo lacks), and every loss passes through
     the schedule unscaled (``calculate_per_token_loss``: the objective carries the step's
-    denominators).
+    denominators). With ``cp > 1`` the model takes this rank's chunks of each sequence
+    (:mod:`.context`: megatron-core's RoPE picks their positions, the attention gathers keys and values).
 
     :param vocab_rows: embedding/output rows (:func:`~.config.padded_vocab_size`).
     :param dtype: every parameter's dtype (norm scales included).
@@ -176,6 +182,8 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
                      **extra)
         stages = dict(pre_process=parallel_state.is_pipeline_first_stage(),
                       post_process=parallel_state.is_pipeline_last_stage())
+    if cp > 1:
+        extra = dict(context_parallel_size=cp, **extra)
     config = transformer_config(shape, tp, dtype, device, **extra)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_layernorm)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
