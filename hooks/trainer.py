@@ -210,12 +210,18 @@ class StepLoop:
         if self.world > 1:
             torch.distributed.barrier()
 
+    def _modules(self) -> list:
+        """The modules :meth:`offload` and :meth:`onload` move: the model and the reference model."""
+        return [m for m in (self.model, self.ref_model) if m is not None]
+
     def _move(self, device) -> None:
         import torch
 
-        for model in (self.model, self.ref_model):
-            if model is not None:
-                model.to(device)
+        for model in self._modules():
+            model.to(device)
+        masters = getattr(self, "masters", None)  # float32 master weights (furlong.hooks.master_weights)
+        if masters is not None:
+            masters.to(device)
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if torch.is_tensor(value) and key != "step":

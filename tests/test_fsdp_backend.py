@@ -417,3 +417,34 @@ def test_compiled_layers_are_refused_across_ranks(tiny_dir):
     configure(args=train_args(tiny_dir, fsdp_torch_compile=True, actor_num_nodes=1, actor_num_gpus_per_node=2,
                                 context_parallel_size=1, dp_replicate_size=1), report=report)
     assert [m for m in report.errors if "--fsdp-torch-compile with 2 trainer ranks is not supported yet" in m]
+
+
+# --- --bf16: bfloat16 parameters over float32 master weights ---------------------------------
+
+
+def test_bf16_trains_a_bfloat16_copy_over_float32_masters(tiny_dir, tmp_path):
+    fp32, bf16 = _backend(tiny_dir), _backend(tiny_dir, bf16=True)
+    assert {p.dtype for p in bf16.compute_model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}
+    ragged = [[[0, 1, 2], [3]]]
+    a = asyncio.run(fp32.train(0, make_batch(fp32.tokenizer, ragged)))[0]
+    b = asyncio.run(bf16.train(0, make_batch(bf16.tokenizer, ragged)))[0]
+    assert b["loss"] == pytest.approx(a["loss"], abs=2e-2)  # bfloat16 log-probs: ~3 significant digits
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-2)
+    masters = dict(bf16.model.named_parameters())
+    for name, param in bf16.compute_model.named_parameters():  # the model is its masters, rounded
+        assert torch.equal(param, masters[name].to(torch.bfloat16))
+    # an update below bfloat16's resolution stays in the masters (lr 1e-2 moves weights ~1e-2 per step; the
+    # bfloat16 copy alone would round many of the smaller steps of a tiny learning rate away)
+    assert any(not torch.equal(masters[n].to(torch.bfloat16).float(), masters[n]) for n in masters)
+    asyncio.run(bf16.save(str(tmp_path / "ckpt")))
+    resumed = _backend(tiny_dir, bf16=True)
+    asyncio.run(resumed.load(str(tmp_path / "ckpt")))
+    for (name, saved), (_, loaded) in zip(bf16.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(saved, loaded), name  # checkpoints hold the float32 masters
+    for (name, saved), (_, loaded) in zip(bf16.compute_model.named_parameters(),
+                                          resumed.compute_model.named_parameters()):
+        assert torch.equal(saved, loaded), name
+    c = asyncio.run(bf16.train(1, make_batch(bf16.tokenizer, ragged)))[0]
+    d = asyncio.run(resumed.train(1, make_batch(resumed.tokenizer, ragged)))[0]
+    assert (c["loss"], c["grad_norm"]) == (d["loss"], d["grad_norm"])  # resume is bit-exact

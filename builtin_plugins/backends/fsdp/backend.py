@@ -9,6 +9,7 @@ from typing import Any
 
 from furlong.hooks import ParallelLayout, TrainBatch
 from furlong.hooks.hf import compile_decoder_layers, is_hf_dir
+from furlong.hooks.master_weights import MasterWeights
 from furlong.hooks.trainer import StepLoop
 
 from . import checkpoint, lora
@@ -24,8 +25,10 @@ log = logging.getLogger("furlong.backends.fsdp")
 class FSDPBackend(StepLoop):
     """A :class:`furlong.hooks.TrainBackend` over a Hugging Face model (see PLUGINS.md, "Built-in plugins").
 
-    Single process: plain torch on CPU (float32) or one GPU (bfloat16 autocast with
-    ``--bf16``). With ``torch.distributed`` initialized over several ranks: FSDP2
+    Single process: plain torch, float32, or with ``--bf16`` bfloat16 parameters over float32
+    master weights (:class:`furlong.hooks.master_weights.MasterWeights`: a bfloat16 copy of
+    the model runs every pass, the float32 model is what the optimizer updates, checkpoints
+    hold and the engines receive). With ``torch.distributed`` initialized over several ranks: FSDP2
     ``fully_shard`` per decoder layer and on the whole model, gradients SUMMED over ranks.
     The model stays in eval mode (no dropout) so training log-probs equal the old
     log-probs bit for bit at the first step; with ``--gradient-checkpointing`` it runs in
@@ -37,6 +40,8 @@ class FSDPBackend(StepLoop):
     def __init__(self, args: Any) -> None:
         self.args = args
         self.model = None
+        self.compute_model = None  # the model the passes run: self.model, or its bfloat16 copy under --bf16
+        self.masters: MasterWeights | None = None
         self.ref_model = None
         self.optimizer = None
         self.schedule: LRSchedule | None = None
@@ -75,9 +80,15 @@ class FSDPBackend(StepLoop):
             args.hf_checkpoint, "--hf-checkpoint")
         self.model = self._place(lora.apply_lora(load_causal_lm(source, args, self.device, flag), args),
                                  trainable=True)
+        self.compute_model, self.masters = self._bf16_copy()
+        self._compile(self.compute_model, trainable=True)
         if getattr(args, "use_kl_loss", False) or getattr(args, "kl_coef", 0.0):
             ref = load_causal_lm(source, args, self.device, flag).requires_grad_(False)
             self.ref_model = self._place(ref, trainable=False)
+            if self.masters is not None:  # a reference never trains: bfloat16 alone, like the model's passes
+                for param in self.ref_model.parameters():
+                    param.data = param.data.to(torch.bfloat16)
+            self._compile(self.ref_model, trainable=False)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
         except (OSError, ValueError):
@@ -97,30 +108,45 @@ class FSDPBackend(StepLoop):
         if self.world > 1:
             shard(model, self.args, self.world, self.device, trainable=trainable)
             return model
-        model = model.to(self.device)
-        if getattr(self.args, "fsdp_torch_compile", False):
-            # dynamic: every micro-batch has another length; compiled once, not once per length
-            layers = compile_decoder_layers(model, "--fsdp-torch-compile", dynamic=True)
-            if self.rank == 0 and trainable:
-                log.info("fsdp: --fsdp-torch-compile: %d decoder layers compiled (torch.compile, inductor) at their "
-                         "first pass", layers)
-        return model
+        return model.to(self.device)
 
-    def _autocast(self):
+    def _bf16_copy(self):
+        """``--bf16`` in one process: ``(bfloat16 copy of the model, MasterWeights)``; the copy runs every pass
+        and the float32 model holds the masters (the optimizer, checkpoints and weight sync read it).
+        Otherwise ``(the model, None)``: float32, or FSDP2's bfloat16 compute over float32 shards."""
+        import copy
+
         import torch
 
-        if self.device.type == "cuda" and self.world == 1 and getattr(self.args, "bf16", False):
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return None
+        if self.world > 1 or not getattr(self.args, "bf16", False):
+            return self.model, None
+        compute = copy.deepcopy(self.model)
+        for param in compute.parameters():
+            param.data = param.data.to(torch.bfloat16)  # parameters only: buffers (RoPE frequencies) stay float32
+        return compute, MasterWeights(compute, masters=dict(self.model.named_parameters()))
+
+    def _compile(self, model, *, trainable: bool) -> None:
+        if not getattr(self.args, "fsdp_torch_compile", False):
+            return
+        # dynamic: every micro-batch has another length; compiled once, not once per length
+        layers = compile_decoder_layers(model, "--fsdp-torch-compile", dynamic=True)
+        if self.rank == 0 and trainable:
+            log.info("fsdp: --fsdp-torch-compile: %d decoder layers compiled (torch.compile, inductor) at their "
+                     "first pass", layers)
+
+    def _modules(self) -> list:
+        return [m for m in (self.model, self.compute_model, self.ref_model) if m is not None]
 
     # --- forward passes -----------------------------------------------------------------
 
     def _forward(self, model, batch: TrainBatch, ids: list[int], grad: bool):
-        if model is self.model and lora.enabled(self.args):
-            lora.set_dropout(model, active=grad)
+        if model is self.model:
+            model = self.compute_model  # the bfloat16 copy under --bf16 (its gradients reach the masters)
+            if lora.enabled(self.args):
+                lora.set_dropout(model, active=grad)
         return forward_log_probs(
             model, [batch.tokens[i] for i in ids], [int(batch.response_lengths[i]) for i in ids], batch.temperature,
-            self.device, grad=grad, entropy_grad=self._entropy_grad(grad), autocast=self._autocast(),
+            self.device, grad=grad, entropy_grad=self._entropy_grad(grad),
             chunk_size=int(getattr(self.args, "log_probs_chunk_size", -1) or -1),
         )
 
@@ -143,11 +169,11 @@ class FSDPBackend(StepLoop):
 
     def _before_train(self) -> None:
         if getattr(self.args, "gradient_checkpointing", False):
-            self.model.train()
+            self.compute_model.train()
 
     def _after_train(self) -> None:
         if getattr(self.args, "gradient_checkpointing", False):
-            self.model.eval()
+            self.compute_model.eval()
 
     def _learning_rate(self) -> float:
         return self.schedule(self.global_step)
@@ -156,6 +182,8 @@ class FSDPBackend(StepLoop):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        if self.masters is not None:
+            self.masters.copy_to_model()
 
     def _clip(self, finite_loss: bool) -> tuple[float, bool]:
         """Global grad L2 norm before clipping, and whether loss and gradients are finite on every rank."""
@@ -225,6 +253,8 @@ class FSDPBackend(StepLoop):
         """
         meta = checkpoint.read_meta(path)
         await self._in_thread(checkpoint.load_weights, path, self.model, self.world, self.rank, self._tied)
+        if self.masters is not None:
+            self.masters.copy_to_model()
         if not getattr(self.args, "no_load_optim", False):
             found = await self._in_thread(checkpoint.load_optimizer, path, self.model, self.optimizer, self.world,
                                             self.rank)
