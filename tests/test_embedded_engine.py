@@ -584,3 +584,33 @@ def test_inverse_cdf_of_a_vocabulary_smaller_than_a_block_is_one_scan():
     got = inverse_cdf(probs, u)  # default block of 1024 > 26 tokens
     assert torch.equal(got, expected)
     assert bool((probs.gather(1, got[:, None]) > 0).all())
+
+
+async def _each(engine, prompts, params):
+    return await asyncio.gather(*[engine.generate(_ids(engine, p), dict(q)) for p, q in zip(prompts, params)])
+
+
+def test_groups_sharing_their_prompt_prefill_give_what_one_row_per_request_gives(tiny_dir):
+    # groups of samples with the same prompt, admitted together: with sharing each group's prompt is one prefill
+    # row (keys and values copied to every sample's slot); without it every request has its own row
+    prompts = [p for p in ("Q: 1+1=", "Hello there", "abc", "Q: 1+1=x") for _ in range(4)]
+    params = [{"temperature": 1.0, "max_new_tokens": 10, "sampling_seed": k, "stop_token_ids": [7]}
+              for k in range(len(prompts))]
+    outs, rows = {}, {}
+    for share in (True, False):
+        eng = embedded.load_engine(str(tiny_dir), max_batch_size=16, seed=0)
+        eng._decoder.share_prompts = share
+        forward, rows[share] = eng.model.forward, []
+
+        def counted(*args, forward=forward, seen=rows[share], **kwargs):
+            if kwargs["slot_pass"].causal is not None:  # a prefill pass
+                seen.append(kwargs["input_ids"].shape[0])
+            return forward(*args, **kwargs)
+
+        eng.model.forward = counted
+        outs[share] = _run(_each(eng, prompts, params))
+    assert rows == {True: [4], False: [16]}  # one admission: 4 prefill rows against 16
+    assert len({tuple(o.output_ids) for o in outs[True]}) > 4  # the samples of a group differ
+    for a, b in zip(outs[True], outs[False]):
+        assert (a.output_ids, a.finish_reason) == (b.output_ids, b.finish_reason)
+        assert a.output_log_probs == pytest.approx(b.output_log_probs, abs=1e-6)

@@ -107,7 +107,16 @@ class SlotDecoder:
     ``bucket_widths``: decode steps without a graph attend over :func:`width_bucket` columns
     instead of exactly the columns in use (on with graphs; tests turn it on to check that
     the width does not change results).
+
+    ``share_prompts``: requests admitted together with the same prompt (the samples of a
+    group) share one prefill row, whose keys and values are copied to each one's slot and
+    whose last logits each one samples from. Always on: it is exact (a request's prompt
+    keys, values and logits do not depend on the other rows of the pass; only the float
+    summation order of a pass with fewer rows can move log-probs by about 1e-7); tests
+    turn it off to compare.
     """
+
+    share_prompts = True
 
     def __init__(self, model, tokenizer, *, max_slots: int, lock: threading.Lock, graphs: bool = True,
                  compile: str | None = None) -> None:
@@ -236,9 +245,13 @@ class SlotDecoder:
         import torch
 
         dev = self.device
-        first: dict[tuple[int, ...], int] = {}
-        row_of = [first.setdefault(tuple(r.input_ids), len(first)) for r in new]
-        prompts = [list(k) for k in first]
+        first: dict[Any, int] = {}  # prompt (or, without sharing, request) -> its prefill row
+        row_of, prompts = [], []
+        for k, r in enumerate(new):
+            row = first.setdefault(tuple(r.input_ids) if self.share_prompts else k, len(prompts))
+            if row == len(prompts):
+                prompts.append(r.input_ids)
+            row_of.append(row)
         width = max(len(x) for x in prompts)
         ids = torch.tensor([[0] * (width - len(x)) + x for x in prompts], device=dev)
         valid = torch.tensor([[False] * (width - len(x)) + [True] * len(x) for x in prompts], device=dev)
