@@ -156,13 +156,12 @@ class TrainGroup:
         name, flag = self.selection.chosen["advantage"]
         adv = await compute_advantages(args, self.pm, advantage_input(samples, rewards, batch), name, flag)
         batch.advantages, batch.returns = adv.advantages, adv.returns
-        denominators = _global_denominators(args, batch, tids, gbs, num_steps)
+        trained = None
         if self.skip_zero_advantage:
-            skip = zero_advantage(batch.advantages, batch.loss_masks)
-            plans = self._plans(batch, gbs, num_steps, tids, skip)
-            shares = [_share(batch, plan) for plan in plans]
-            denominators["metric_step_denominators"] = _trained_denominators(args, batch, tids, plans)
+            trained = self._plans(batch, gbs, num_steps, tids, zero_advantage(batch.advantages, batch.loss_masks))
+            shares = [_share(batch, plan) for plan in trained]
             metrics["perf/skipped_samples"] = float(len(samples) - sum(len(share.sample_ids) for share in shares))
+        denominators = _global_denominators(args, batch, tids, gbs, num_steps, trained)
         for share in shares:
             _fill(share, batch, tids, denominators)
             share.reuse_old_log_probs = reuse
@@ -296,21 +295,22 @@ def _pick(rows: list | None, ids: list[int]) -> list | None:
     return None if rows is None else [rows[i] for i in ids]
 
 
-def _global_denominators(args: Namespace, batch, tids: list[int], gbs: int, num_steps: int) -> dict:
-    """Step and sample denominators over the whole rollout batch (every rank's samples), SPEC.md 6.3."""
+def _global_denominators(args: Namespace, batch, tids: list[int], gbs: int, num_steps: int,
+                         trained: list | None = None) -> dict:
+    """Step and sample denominators over the whole rollout batch (every rank's samples), SPEC.md 6.3.
+
+    ``trained``: every rank's plan when some samples are not trained; then also
+    ``metric_step_denominators``, the step denominators over the trained samples.
+    """
     masks = effective_loss_masks(batch.loss_masks, batch.truncated, args.mask_truncated_samples)
     steps = split_steps(len(masks), gbs, num_steps, tids)
     excluded = excluded_samples(batch.truncated, args.mask_truncated_samples, len(masks))
-    return {"step_denominators": step_denominators(masks, steps, tids, excluded),
-            "sample_denominators": sample_denominators(masks, tids)}
-
-
-def _trained_denominators(args: Namespace, batch, tids: list[int], plans: list) -> list:
-    """Step denominators over the samples the ranks' ``plans`` train (the metrics' denominators)."""
-    masks = effective_loss_masks(batch.loss_masks, batch.truncated, args.mask_truncated_samples)
-    steps = [sorted(i for plan in plans for mb in plan[s] for i in mb) for s in range(len(plans[0]))]
-    return step_denominators(masks, steps, tids, excluded_samples(batch.truncated, args.mask_truncated_samples,
-                                                                  len(masks)))
+    out = {"step_denominators": step_denominators(masks, steps, tids, excluded),
+           "sample_denominators": sample_denominators(masks, tids)}
+    if trained is not None:
+        ran = [sorted(i for plan in trained for mb in plan[s] for i in mb) for s in range(len(steps))]
+        out["metric_step_denominators"] = step_denominators(masks, ran, tids, excluded)
+    return out
 
 
 def _token_means(batch, entropy) -> dict:
