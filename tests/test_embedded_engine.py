@@ -614,3 +614,39 @@ def test_groups_sharing_their_prompt_prefill_give_what_one_row_per_request_gives
     for a, b in zip(outs[True], outs[False]):
         assert (a.output_ids, a.finish_reason) == (b.output_ids, b.finish_reason)
         assert a.output_log_probs == pytest.approx(b.output_log_probs, abs=1e-6)
+
+
+def test_a_group_split_over_admissions_takes_its_prompt_from_a_busy_slot(tiny_dir):
+    # three slots for six samples of one prompt and two of another, finishing one by one: the later samples of
+    # a group are admitted while others still hold the prompt, so only the first admission runs a prefill
+    prompts = ["Q: 1+1="] * 6 + ["abc"] * 2
+    params = [{"temperature": 1.0, "max_new_tokens": n, "sampling_seed": k, "ignore_eos": True}
+              for k, n in enumerate([2, 9, 12, 3, 4, 6, 5, 7])]
+    outs, rows = {}, {}
+    for share in (True, False):
+        eng = embedded.load_engine(str(tiny_dir), max_batch_size=3, seed=0)
+        eng._decoder.share_prompts = share
+        forward, rows[share] = eng.model.forward, []
+
+        def counted(*args, forward=forward, seen=rows[share], **kwargs):
+            if kwargs["slot_pass"].causal is not None:  # a prefill pass
+                seen.append(kwargs["input_ids"].shape[0])
+            return forward(*args, **kwargs)
+
+        eng.model.forward = counted
+        outs[share] = _run(_each(eng, prompts, params))
+        assert eng._decoder._prompts == {}  # nothing kept once every request finished
+    assert rows[True] == [1, 1] and sum(rows[False]) == 8  # "Q: 1+1=" at the start, "abc" when it comes in
+    for a, b in zip(outs[True], outs[False]):
+        assert (a.output_ids, a.finish_reason) == (b.output_ids, b.finish_reason)
+        assert a.output_log_probs == pytest.approx(b.output_log_probs, abs=1e-6)
+
+
+def test_a_weight_update_forgets_the_prompts_busy_slots_hold(engine):
+    import torch
+
+    engine._decoder._prompts = {(5, 6): (torch.zeros(3), {0})}
+    engine._decoder._prompt_of = {0: (5, 6)}
+    name, tensor = next(iter(engine.model.state_dict().items()))
+    _run(engine.update_weights([(name, tensor.clone())], version=1))
+    assert engine._decoder._prompts == {} and engine._decoder._prompt_of == {}
