@@ -85,14 +85,14 @@ def zero_advantage_skip_blocked(args: Any) -> str | None:
     advantage stage (estimator, OPD, whitening), so any estimator qualifies.
     """
     if getattr(args, "loss_type", "policy_loss") != "policy_loss":
-        return f"--loss-type {args.loss_type} (only policy_loss is known to vanish at zero advantage)"
+        return f"--loss-type {args.loss_type}: only policy_loss is known to vanish at zero advantage"
     if getattr(args, "entropy_coef", 0.0):
-        return f"--entropy-coef {args.entropy_coef} (the entropy bonus does not vanish at zero advantage)"
+        return f"--entropy-coef {args.entropy_coef}: the entropy bonus does not vanish at zero advantage"
     if getattr(args, "use_kl_loss", False):
-        return "--use-kl-loss (the KL term does not vanish at zero advantage)"
+        return "--use-kl-loss: the KL term does not vanish at zero advantage"
     for flag in ("loss_reducer", "custom_pg_loss_reducer_function_path"):
         if getattr(args, flag, None):
-            return f"--{flag.replace('_', '-')} (a loss reducer sees each micro-batch's samples)"
+            return f"--{flag.replace('_', '-')}: a loss reducer sees each micro-batch's samples"
     return None
 
 

@@ -62,7 +62,7 @@ def test_the_skip_is_on_by_default_off_where_inexact_and_refused_there_when_give
                   ["--loss-reducer", "dr_grpo"]):
         assert parse_args(argv + extra).skip_zero_advantage_samples is False, extra
     with pytest.raises(ConfigError, match=r"--skip-zero-advantage-samples: a sample's loss might not vanish at zero "
-                                          r"advantage \(--entropy-coef 0.01 \(the entropy bonus"):
+                                          r"advantage \(--entropy-coef 0.01: the entropy bonus does not vanish"):
         parse_args(argv + ["--entropy-coef", "0.01", "--skip-zero-advantage-samples"])
 
 
