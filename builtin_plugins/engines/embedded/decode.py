@@ -273,23 +273,27 @@ class SlotDecoder:
                 row_of.append(row)
             logits = self._prefill_rows(prompts, row_of, slots) if prompts else None
             copies = [(next(iter(self._prompts[tuple(new[k].input_ids)][1])), slots[k]) for k in held]
+            if held:
+                logits = torch.stack([self._prompts[tuple(r.input_ids)][0] if row is None else logits[row]
+                                      for r, row in zip(new, row_of)])
+            else:
+                logits = logits[torch.tensor(row_of, device=self.device)]
             if self.share_prompts:
-                self._keep_prompts(new, slots, row_of, logits)
+                self._keep_prompts(new, slots, logits)
         if copies:
             sources, targets = zip(*copies)
             self.cache.copy_prefix(torch.tensor(sources, device=self.device),
                                    torch.tensor(targets, device=self.device),
                                    max(len(new[k].input_ids) for k in held))
-        rows = [self._prompts[tuple(r.input_ids)][0] if row is None else logits[row]
-                for r, row in zip(new, row_of)] if held else None
-        return torch.stack(rows) if held else logits[torch.tensor(row_of, device=self.device)]
+        return logits
 
-    def _keep_prompts(self, new: list[Request], slots: list[int], row_of: list, logits) -> None:
-        """Record which slots hold which prompt (and each prompt's last logits) for later admissions."""
-        for r, s, row in zip(new, slots, row_of):
+    def _keep_prompts(self, new: list[Request], slots: list[int], logits) -> None:
+        """Record which slots hold which prompt (and each prompt's last logits, a row of ``logits``
+        ``[len(new), V]``) for later admissions."""
+        for k, (r, s) in enumerate(zip(new, slots)):
             key = tuple(r.input_ids)
             if key not in self._prompts:
-                self._prompts[key] = (logits[row], set())
+                self._prompts[key] = (logits[k], set())
             self._prompts[key][1].add(s)
             self._prompt_of[s] = key
 
@@ -498,7 +502,7 @@ class SlotDecoder:
         if kept is not None:
             kept[1].discard(slot)
             if not kept[1]:
-                del self._prompts[key]
+                self._prompts.pop(key, None)  # (a weight update in another thread may have forgotten it)
 
     # --- per-slot tables ----------------------------------------------------------------
 
