@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from furlong.hooks import PluginError
 
 __all__ = ["count_dp_size", "dynamic_global_batch", "karmarkar_karp", "pi_old_needs_own_pass", "plan_steps",
-           "split_steps", "steps_per_rollout"]
+           "split_steps", "steps_per_rollout", "zero_advantage_skip_blocked"]
 
 
 def count_dp_size(args: Any) -> int:
@@ -70,6 +70,29 @@ def pi_old_needs_own_pass(args: Any) -> str | None:
         return "--use-opd reads pi_old before training"
     if getattr(args, "custom_advantage_function_path", None):
         return "--custom-advantage-function-path may read pi_old before training"
+    return None
+
+
+def zero_advantage_skip_blocked(args: Any) -> str | None:
+    """Why the flags alone make skipping zero-advantage samples inexact, or None.
+
+    ``--skip-zero-advantage-samples`` leaves out of the forward and backward passes the
+    samples whose advantage is 0 on every trained token. That is exact only when such a
+    sample's loss is identically 0, so that its gradient is 0: the ``policy_loss`` plugin
+    (every term of its policy-gradient loss is a multiple of the advantage) without an
+    entropy or KL term, reduced by the core (a ``loss_reducer`` plugin sees the samples of
+    each micro-batch, which the skip changes). The advantages are tested after every
+    advantage stage (estimator, OPD, whitening), so any estimator qualifies.
+    """
+    if getattr(args, "loss_type", "policy_loss") != "policy_loss":
+        return f"--loss-type {args.loss_type}: only policy_loss is known to vanish at zero advantage"
+    if getattr(args, "entropy_coef", 0.0):
+        return f"--entropy-coef {args.entropy_coef}: the entropy bonus does not vanish at zero advantage"
+    if getattr(args, "use_kl_loss", False):
+        return "--use-kl-loss: the KL term does not vanish at zero advantage"
+    for flag in ("loss_reducer", "custom_pg_loss_reducer_function_path"):
+        if getattr(args, flag, None):
+            return f"--{flag.replace('_', '-')}: a loss reducer sees each micro-batch's samples"
     return None
 
 
@@ -145,6 +168,7 @@ def plan_steps(
     dynamic: bool,
     balance: bool,
     trajectory_ids: list[int] | None = None,
+    skip: Sequence[bool] | None = None,
 ) -> list[list[list[int]]]:
     """Plan this rank's micro-batches: ``plan[s][m]`` = sample indices of micro-batch ``m`` of step ``s``.
 
@@ -157,9 +181,15 @@ def plan_steps(
         ``max_tokens_per_gpu * context_parallel_size``).
     :param dynamic: ``--use-dynamic-batch-size``; :param balance: ``--balance-data``.
     :param trajectory_ids: per sample, or None (see :func:`split_steps`).
+    :param skip: per sample, True for a sample that need not be trained (zero loss, see
+        :func:`zero_advantage_skip_blocked`), or None. Each step is planned over its other
+        samples; skipped ones are added back, in order, only as far as the plan needs them
+        (a step keeps at least one sample, so its optimizer step still runs, and the ranks
+        need enough samples for the same number of micro-batches each).
     :returns: ``S`` lists of micro-batches, each a non-empty ascending list of indices.
-        Over all ranks every sample of step ``s`` appears in exactly one micro-batch, and
-        every rank gets the same number of micro-batches in each step.
+        Over all ranks every sample of step ``s`` (without ``skip``: every one not left out)
+        appears in exactly one micro-batch, and every rank gets the same number of
+        micro-batches in each step.
 
     Fixed mode: a step's samples go to ranks round-robin (position ``p`` to rank ``p % D``),
     or by Karmarkar-Karp on lengths under ``balance``; each rank cuts its samples, in
@@ -173,18 +203,37 @@ def plan_steps(
     """
     if dp_size <= 0 or not 0 <= rank < dp_size:
         raise ValueError(f"rank {rank} is outside data-parallel size {dp_size}")
+    if dynamic and (not max_tokens_per_gpu or max_tokens_per_gpu <= 0):
+        raise ValueError("dynamic batching needs a positive max_tokens_per_gpu (--max-tokens-per-gpu)")
+    if not dynamic and micro_batch_size <= 0:
+        raise ValueError(f"micro_batch_size={micro_batch_size} must be positive")
     plan = []
     for s, step in enumerate(split_steps(len(lengths), global_batch_size, num_steps, trajectory_ids)):
         if dynamic:
-            if not max_tokens_per_gpu or max_tokens_per_gpu <= 0:
-                raise ValueError("dynamic batching needs a positive max_tokens_per_gpu (--max-tokens-per-gpu)")
-            per_rank = _dynamic_step(step, lengths, max_tokens_per_gpu, dp_size, balance, s)
+            per_rank = _fewest(step, skip, lambda ids: _dynamic_step(ids, lengths, max_tokens_per_gpu, dp_size,
+                                                                      balance, s))
         else:
-            if micro_batch_size <= 0:
-                raise ValueError(f"micro_batch_size={micro_batch_size} must be positive")
-            per_rank = _fixed_step(step, lengths, micro_batch_size, dp_size, balance, s)
+            per_rank = _fewest(step, skip, lambda ids: _fixed_step(ids, lengths, micro_batch_size, dp_size,
+                                                                    balance, s))
         plan.append(per_rank[rank])
     return plan
+
+
+def _fewest(step: list[int], skip: Sequence[bool] | None, plan_step):
+    """``plan_step`` over the samples of ``step`` not skipped, plus as few skipped ones (in order) as it needs."""
+    if skip is None:
+        return plan_step(step)
+    kept = [i for i in step if not skip[i]]
+    spare = [i for i in step if skip[i]]
+    if not kept:
+        kept.append(spare.pop(0))
+    while True:
+        try:
+            return plan_step(sorted(kept))
+        except ValueError:
+            if not spare:
+                raise
+            kept.append(spare.pop(0))
 
 
 def _fixed_step(step: list[int], lengths, mbs: int, dp: int, balance: bool, s: int) -> list[list[list[int]]]:

@@ -37,7 +37,12 @@ from furlong.hooks.trainer import rows_to_device
 from . import reduction
 from .selection import chosen_reducer
 
-__all__ = ["StepObjective"]
+__all__ = ["LOSS_METRICS", "StepObjective"]
+
+# metrics reduced with the step's denominators even when some samples are not trained: the
+# policy-gradient term, which then equals the loss whichever samples were trained (the other metrics
+# describe the trained samples)
+LOSS_METRICS = frozenset({"pg_loss"})
 
 
 class StepObjective:
@@ -71,6 +76,10 @@ class StepObjective:
         (``--reuse-train-log-probs``: one step, ``batch.old_log_probs`` is None); each call
         keeps them and the entropy, float32 ``[T_i]`` on the host, in :attr:`old_log_probs`
         and :attr:`entropy` (N entries, local order) for the driver's rollout metrics.
+    :param metric_step_denominators: one per step, over the samples trained in it on every
+        rank, when some are left out (``--skip-zero-advantage-samples``): metrics other than
+        :data:`LOSS_METRICS` are then means over the trained samples; default: the step
+        denominators.
     :raises PluginError: a bad ``--loss-reducer`` or ``--custom-pg-loss-reducer-function-path``.
     :raises ValueError: ``dp_world_size > 1`` without global step denominators; reuse with
         more than one step.
@@ -91,6 +100,7 @@ class StepObjective:
         sample_denominators: Sequence[float] | None = None,
         step_denominators: Sequence[reduction.StepDenominators] | None = None,
         reuse_old_log_probs: bool = False,
+        metric_step_denominators: Sequence[reduction.StepDenominators] | None = None,
     ) -> None:
         self.args, self.pm, self.batch = args, pm, batch
         if reuse_old_log_probs and len(batch.steps) != 1:
@@ -122,6 +132,9 @@ class StepObjective:
         if len(step_denominators) != len(batch.steps):
             raise ValueError(f"{len(step_denominators)} step denominators for {len(batch.steps)} steps")
         self.step_denominators = list(step_denominators)
+        if metric_step_denominators is not None and len(metric_step_denominators) != len(batch.steps):
+            raise ValueError(f"{len(metric_step_denominators)} metric step denominators for {len(batch.steps)} steps")
+        self.metric_step_denominators = list(metric_step_denominators or self.step_denominators)
         if sample_denominators is None:
             if self.dp_world_size > 1 and trajectory_ids is not None:
                 raise ValueError(
@@ -152,7 +165,8 @@ class StepObjective:
         import torch
 
         sample_ids = [int(i) for i in sample_ids]
-        step = self._step(sample_ids)
+        s = self._step(sample_ids)
+        step = self.step_denominators[s] if s is not None else reduction.StepDenominators(0, 0.0)
         device = log_probs[0].device if log_probs else torch.device("cpu")
         masks = rows_to_device([self.masks[i] for i in sample_ids], device)
         if self.args.use_rollout_logprobs and self.batch.rollout_log_probs is not None:
@@ -178,7 +192,11 @@ class StepObjective:
         self._check_output(out, masks)
         weights = reduction.sample_weights(sample_ids, self.sample_denominators, step, self.per_token)
         reduce = MaskedSum(masks, weights)  # reduction.reduce_tokens, the masks and weights built once
-        metrics = {k: reduce([v.detach() for v in rows]) for k, rows in out.token_metrics.items()}
+        trained = self.metric_step_denominators[s] if s is not None else step
+        reduce_metric = reduce if trained == step else MaskedSum(
+            masks, reduction.sample_weights(sample_ids, self.sample_denominators, trained, self.per_token))
+        metrics = {k: (reduce if k in LOSS_METRICS else reduce_metric)([v.detach() for v in rows])
+                   for k, rows in out.token_metrics.items()}
         if self.reducer is None:
             total = reduce(out.token_loss)
         else:
@@ -189,14 +207,15 @@ class StepObjective:
         metrics["loss"] = total.detach()
         return total, metrics
 
-    def _step(self, sample_ids: list[int]) -> reduction.StepDenominators:
+    def _step(self, sample_ids: list[int]) -> int | None:
+        """The step of the micro-batch's samples (None for no sample)."""
         steps = {self.step_of.get(i) for i in sample_ids}
         if None in steps:
             missing = [i for i in sample_ids if i not in self.step_of]
             raise ValueError(f"samples {missing} are in no step of TrainBatch.steps")
         if len(steps) > 1:
             raise ValueError(f"one micro-batch mixes samples of steps {sorted(steps)}")
-        return self.step_denominators[steps.pop()] if steps else reduction.StepDenominators(0, 0.0)
+        return steps.pop() if steps else None
 
     def _keep(self, sample_ids: list[int], old: list, entropy: list | None) -> None:
         import torch

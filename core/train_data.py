@@ -11,7 +11,7 @@ from furlong.hooks import AdvantageInput, PluginError, Sample, Status, TrainBatc
 from .adapters import import_dotted
 from .rewards import scalar_reward
 
-__all__ = ["advantage_input", "flatten", "post_process_rewards", "to_train_batch"]
+__all__ = ["advantage_input", "flatten", "post_process_rewards", "to_train_batch", "zero_advantage"]
 
 
 def flatten(groups: list[list[Sample]]) -> list[Sample]:
@@ -90,3 +90,21 @@ def advantage_input(samples: list[Sample], rewards: list[float], batch: TrainBat
         log_probs=batch.old_log_probs,
         ref_log_probs=batch.ref_log_probs,
     )
+
+
+def zero_advantage(advantages: list[torch.Tensor], loss_masks: list[torch.Tensor]) -> list[bool]:
+    """Per sample, True when its advantage is exactly 0 on every trained token (mask > 0).
+
+    A sample with no trained token counts as zero. NaN or inf is not zero.
+
+    :param advantages: N float tensors [T_i]; :param loss_masks: N tensors [T_i].
+    """
+    if not advantages:
+        return []
+    lengths = [int(m.numel()) for m in loss_masks]
+    adv = torch.cat([a.reshape(-1).float() for a in advantages])
+    live = torch.cat([m.reshape(-1) for m in loss_masks]) > 0
+    nonzero = (live & (adv != 0)).float()
+    per_sample = torch.zeros(len(lengths)).index_add_(
+        0, torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)), nonzero)
+    return (per_sample == 0).tolist()

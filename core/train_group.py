@@ -23,12 +23,13 @@ import torch
 from furlong.hooks import ParallelLayout, PluginError, Sample, TrainBatch, WorkerGroup
 
 from .advantage_stages import compute_advantages
-from .batching import dynamic_global_batch, pi_old_needs_own_pass, plan_steps, split_steps, steps_per_rollout
+from .batching import (dynamic_global_batch, pi_old_needs_own_pass, plan_steps, split_steps, steps_per_rollout,
+                       zero_advantage_skip_blocked)
 from .plugins import FurlongPluginManager
 from .reduction import effective_loss_masks, excluded_samples, sample_denominators, step_denominators
 from .selection import Selection
 from .train_data import (advantage_input, flatten, post_process_rewards, to_train_batch, trajectory_ids,
-                         truncated_flags)
+                         truncated_flags, zero_advantage)
 from .train_worker import WorkerShare
 
 __all__ = ["TrainGroup"]
@@ -48,6 +49,7 @@ class TrainGroup:
         self.args, self.pm, self.selection, self.workers = args, pm, selection, workers
         self.layouts: list[ParallelLayout] = []
         self.reuse_old_log_probs = False  # decided in init (see _keeps_log_prob_pass)
+        self.skip_zero_advantage = False  # decided in init (--skip-zero-advantage-samples)
         # held by every operation on the workers (train, save, load, offload, onload, a whole
         # weight sync): a sync started by an engine's recovery (train-async) waits for the
         # training or save in flight, so the ranks' collectives never interleave
@@ -87,6 +89,12 @@ class TrainGroup:
             log.info("pi_old is the rollout engine's log-probs (--use-rollout-logprobs).")
         else:
             log.info("a separate forward pass computes pi_old: %s.", reason)
+        self.skip_zero_advantage = bool(getattr(self.args, "skip_zero_advantage_samples", False)) and \
+            zero_advantage_skip_blocked(self.args) is None
+        if self.skip_zero_advantage:
+            log.info("samples with zero advantage on every trained token are left out of the forward and backward "
+                     "passes (their loss is 0; the loss denominators still count them); metrics other than loss "
+                     "and pg_loss are means over the trained samples; --no-skip-zero-advantage-samples trains them.")
         packed = getattr(self.args, "packed_by_default", None)
         if packed:
             log.info("no --micro-batch-size or --use-dynamic-batch-size: micro-batches are packed by tokens, at most "
@@ -129,12 +137,7 @@ class TrainGroup:
         batch.rewards = rewards
         batch.truncated = truncated_flags(samples)
         tids = trajectory_ids(samples)
-        plans = [plan_steps(
-            lengths=[len(t) for t in batch.tokens], global_batch_size=gbs,
-            num_steps=num_steps, dp_size=self.dp_size, rank=r,
-            micro_batch_size=args.micro_batch_size, max_tokens_per_gpu=args.max_tokens_per_gpu,
-            dynamic=args.use_dynamic_batch_size, balance=args.balance_data, trajectory_ids=tids,
-        ) for r in range(self.dp_size)]
+        plans = self._plans(batch, gbs, num_steps, tids)
         shares = [_share(batch, plan) for plan in plans]
         metrics: dict = {}
         start = time.perf_counter()
@@ -153,20 +156,35 @@ class TrainGroup:
         name, flag = self.selection.chosen["advantage"]
         adv = await compute_advantages(args, self.pm, advantage_input(samples, rewards, batch), name, flag)
         batch.advantages, batch.returns = adv.advantages, adv.returns
-        denominators = _global_denominators(args, batch, tids, gbs, num_steps)
+        trained = None
+        if self.skip_zero_advantage:
+            trained = self._plans(batch, gbs, num_steps, tids, zero_advantage(batch.advantages, batch.loss_masks))
+            shares = [_share(batch, plan) for plan in trained]
+            metrics["perf/skipped_samples"] = float(len(samples) - sum(len(share.sample_ids) for share in shares))
+        denominators = _global_denominators(args, batch, tids, gbs, num_steps, trained)
         for share in shares:
             _fill(share, batch, tids, denominators)
             share.reuse_old_log_probs = reuse
         start = time.perf_counter()
         results = await self._call("train", self._per_rank(lambda s: (rollout_id, s), shares))
         metrics["perf/actor_train_time"] = time.perf_counter() - start
-        if reuse:
+        if reuse:  # samples left out of training have none (None)
             batch.old_log_probs, entropy = await self._train_log_probs(shares, len(samples))
         metrics.update(_token_means(batch, entropy))
         metrics["rollout/rewards"] = float(torch.tensor(rewards).mean()) if rewards else 0.0
         metrics["rollout/raw_reward"] = float(torch.tensor(raw).mean()) if raw else 0.0
         metrics["train/steps"] = next(r for r, lay in zip(results, self.layouts) if lay.returns_outputs)
         return [metrics]
+
+    def _plans(self, batch: TrainBatch, gbs: int, num_steps: int, tids: list[int], skip: list[bool] | None = None):
+        """Every data-parallel rank's micro-batches (:func:`~furlong.core.batching.plan_steps`)."""
+        args = self.args
+        return [plan_steps(
+            lengths=[len(t) for t in batch.tokens], global_batch_size=gbs,
+            num_steps=num_steps, dp_size=self.dp_size, rank=r,
+            micro_batch_size=args.micro_batch_size, max_tokens_per_gpu=args.max_tokens_per_gpu,
+            dynamic=args.use_dynamic_batch_size, balance=args.balance_data, trajectory_ids=tids, skip=skip,
+        ) for r in range(self.dp_size)]
 
     async def _log_probs(self, shares: list[WorkerShare], n: int, model: str) -> tuple[list, list | None]:
         """Every sample's log-probs and entropy (float32 [T_i]) in batch order, from the workers' shares."""
@@ -176,9 +194,12 @@ class TrainGroup:
     async def _train_log_probs(self, shares: list[WorkerShare], n: int) -> tuple[list, list | None]:
         """pi_old and entropy of every sample as the last training forward gave them, in batch order."""
         results = await self._call("train_log_probs", self._per_rank(lambda s: (s,), shares))
-        return self._merge(results, shares, n, "train_log_probs()")
+        return self._merge(results, shares, n, "train_log_probs()", every=False)
 
-    def _merge(self, results: list, shares: list[WorkerShare], n: int, what: str) -> tuple[list, list | None]:
+    def _merge(self, results: list, shares: list[WorkerShare], n: int, what: str,
+               every: bool = True) -> tuple[list, list | None]:
+        """Per-rank outputs in batch order; ``every``: each of the ``n`` samples must have one (else the
+        samples no share holds stay None)."""
         log_probs, entropy = [None] * n, [None] * n
         for result, layout in zip(results, self.layouts):
             if not layout.returns_outputs:
@@ -187,11 +208,13 @@ class TrainGroup:
             ent = result.get("entropy") or [None] * len(share.sample_ids)
             for local, i in enumerate(share.sample_ids):
                 log_probs[i], entropy[i] = result["log_probs"][local], ent[local]
-        missing = [i for i, row in enumerate(log_probs) if row is None]
+        held = {i for share in shares for i in share.sample_ids}
+        missing = [i for i, row in enumerate(log_probs) if row is None and (every or i in held)]
         if missing:
             raise PluginError(f"--train-backend {self.args.train_backend}: {what} returned no "
                               f"log-probs for samples {missing[:8]}.")
-        return log_probs, (entropy if all(e is not None for e in entropy) else None)
+        complete = all(e is not None for e, lp in zip(entropy, log_probs) if lp is not None)
+        return log_probs, (entropy if complete else None)
 
     def _per_rank(self, make, shares: list[WorkerShare]) -> list[tuple]:
         """Arguments for every rank: its data-parallel rank's share (peers get the same)."""
@@ -263,6 +286,7 @@ def _fill(share: WorkerShare, batch: TrainBatch, tids: list[int], denominators: 
         setattr(share.batch, field, _pick(getattr(batch, field), ids))
     share.batch.rewards = [batch.rewards[i] for i in ids] if batch.rewards is not None else None
     share.step_denominators = denominators["step_denominators"]
+    share.metric_step_denominators = denominators.get("metric_step_denominators") or []
     share.sample_denominators = [denominators["sample_denominators"][i] for i in ids]
     share.trajectory_ids = [tids[i] for i in ids]
 
@@ -271,17 +295,27 @@ def _pick(rows: list | None, ids: list[int]) -> list | None:
     return None if rows is None else [rows[i] for i in ids]
 
 
-def _global_denominators(args: Namespace, batch, tids: list[int], gbs: int, num_steps: int) -> dict:
-    """Step and sample denominators over the whole rollout batch (every rank's samples), SPEC.md 6.3."""
+def _global_denominators(args: Namespace, batch, tids: list[int], gbs: int, num_steps: int,
+                         trained: list | None = None) -> dict:
+    """Step and sample denominators over the whole rollout batch (every rank's samples), SPEC.md 6.3.
+
+    ``trained``: every rank's plan when some samples are not trained; then also
+    ``metric_step_denominators``, the step denominators over the trained samples.
+    """
     masks = effective_loss_masks(batch.loss_masks, batch.truncated, args.mask_truncated_samples)
     steps = split_steps(len(masks), gbs, num_steps, tids)
     excluded = excluded_samples(batch.truncated, args.mask_truncated_samples, len(masks))
-    return {"step_denominators": step_denominators(masks, steps, tids, excluded),
-            "sample_denominators": sample_denominators(masks, tids)}
+    out = {"step_denominators": step_denominators(masks, steps, tids, excluded),
+           "sample_denominators": sample_denominators(masks, tids)}
+    if trained is not None:
+        ran = [sorted(i for plan in trained for mb in plan[s] for i in mb) for s in range(len(steps))]
+        out["metric_step_denominators"] = step_denominators(masks, ran, tids, excluded)
+    return out
 
 
 def _token_means(batch, entropy) -> dict:
-    """Sample-mean over loss masks of the per-token rollout tensors (SPEC.md 10)."""
+    """Sample-mean over loss masks of the per-token rollout tensors (SPEC.md 10); a field's samples
+    without a value (None: left out of training, for pi_old from the training forward) are left out."""
     fields = {"rollout/log_probs": batch.old_log_probs, "rollout/ref_log_probs": batch.ref_log_probs,
               "rollout/rollout_log_probs": batch.rollout_log_probs, "rollout/advantages": batch.advantages,
               "rollout/returns": batch.returns, "rollout/entropy": entropy}
@@ -292,8 +326,13 @@ def _token_means(batch, entropy) -> dict:
     counted = counts > 0
     out = {}
     for name, values in fields.items():
-        if values is None or not bool(counted.any()):
+        if values is None:
             continue
-        sums = torch.zeros(len(values)).index_add_(0, sample, torch.cat([v.reshape(-1).float() for v in values]) * masks)
-        out[name] = float((sums[counted] / counts[counted]).mean())
+        use = counted & torch.tensor([v is not None for v in values], dtype=torch.bool)
+        if not bool(use.any()):
+            continue
+        rows = [v.reshape(-1).float() if v is not None else torch.zeros(m.numel())
+                for v, m in zip(values, batch.loss_masks)]
+        sums = torch.zeros(len(values)).index_add_(0, sample, torch.cat(rows) * masks)
+        out[name] = float((sums[use] / counts[use]).mean())
     return out

@@ -40,7 +40,9 @@ class WorkerShare:
     step, over every rank's samples; ``sample_denominators``/``trajectory_ids``: per local
     sample, computed on the whole batch (SPEC.md 6.3). ``reuse_old_log_probs``: pi_old is the
     training forward's (``batch.old_log_probs`` is None; :meth:`TrainWorker.train_log_probs`
-    returns them after training).
+    returns them after training). ``metric_step_denominators``: one per step over the samples the
+    ranks train (``--skip-zero-advantage-samples`` leaves some out), for every metric but the loss
+    terms; empty: the step denominators.
     """
 
     batch: TrainBatch
@@ -49,6 +51,7 @@ class WorkerShare:
     sample_denominators: list[float] = attrs.field(factory=list)
     trajectory_ids: list[int] = attrs.field(factory=list)
     reuse_old_log_probs: bool = False
+    metric_step_denominators: list[StepDenominators] = attrs.field(factory=list)
 
 
 class TrainWorker:
@@ -105,7 +108,8 @@ class TrainWorker:
         objective = StepObjective(
             self.args, self.pm, share.batch, loss_name, loss_flag, trajectory_ids=share.trajectory_ids,
             step_denominators=share.step_denominators, sample_denominators=share.sample_denominators,
-            reuse_old_log_probs=share.reuse_old_log_probs)
+            reuse_old_log_probs=share.reuse_old_log_probs,
+            metric_step_denominators=share.metric_step_denominators or None)
         share.batch.objective = objective
         self._train_log_probs = None
         try:

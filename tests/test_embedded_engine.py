@@ -584,3 +584,60 @@ def test_inverse_cdf_of_a_vocabulary_smaller_than_a_block_is_one_scan():
     got = inverse_cdf(probs, u)  # default block of 1024 > 26 tokens
     assert torch.equal(got, expected)
     assert bool((probs.gather(1, got[:, None]) > 0).all())
+
+
+async def _each(engine, prompts, params):
+    return await asyncio.gather(*[engine.generate(_ids(engine, p), dict(q)) for p, q in zip(prompts, params)])
+
+
+def _with_and_without_sharing(tiny_dir, prompts, params, max_batch_size):
+    """Outputs of the requests and the rows of every prefill pass, with prompt sharing (True) and without."""
+    outs, rows = {}, {}
+    for share in (True, False):
+        eng = embedded.load_engine(str(tiny_dir), max_batch_size=max_batch_size, seed=0)
+        eng._decoder.share_prompts = share
+        forward, rows[share] = eng.model.forward, []
+
+        def counted(*args, forward=forward, seen=rows[share], **kwargs):
+            if kwargs["slot_pass"].causal is not None:  # a prefill pass
+                seen.append(kwargs["input_ids"].shape[0])
+            return forward(*args, **kwargs)
+
+        eng.model.forward = counted
+        outs[share] = _run(_each(eng, prompts, params))
+        assert eng._decoder._prompts == {}  # nothing kept once every request finished
+    for a, b in zip(outs[True], outs[False]):
+        assert (a.output_ids, a.finish_reason) == (b.output_ids, b.finish_reason)
+        assert a.output_log_probs == pytest.approx(b.output_log_probs, abs=1e-6)
+    return outs, rows
+
+
+def test_groups_sharing_their_prompt_prefill_give_what_one_row_per_request_gives(tiny_dir):
+    # groups of samples with the same prompt, admitted together: with sharing each group's prompt is one prefill
+    # row (keys and values copied to every sample's slot); without it every request has its own row
+    prompts = [p for p in ("Q: 1+1=", "Hello there", "abc", "Q: 1+1=x") for _ in range(4)]
+    params = [{"temperature": 1.0, "max_new_tokens": 10, "sampling_seed": k, "stop_token_ids": [7]}
+              for k in range(len(prompts))]
+    outs, rows = _with_and_without_sharing(tiny_dir, prompts, params, max_batch_size=16)
+    assert rows == {True: [4], False: [16]}  # one admission: 4 prefill rows against 16
+    assert len({tuple(o.output_ids) for o in outs[True]}) > 4  # the samples of a group differ
+
+
+def test_a_group_split_over_admissions_takes_its_prompt_from_a_busy_slot(tiny_dir):
+    # three slots for six samples of one prompt and two of another, finishing one by one: the later samples of
+    # a group are admitted while others still hold the prompt, so only the first admission runs a prefill
+    prompts = ["Q: 1+1="] * 6 + ["abc"] * 2
+    params = [{"temperature": 1.0, "max_new_tokens": n, "sampling_seed": k, "ignore_eos": True}
+              for k, n in enumerate([2, 9, 12, 3, 4, 6, 5, 7])]
+    _, rows = _with_and_without_sharing(tiny_dir, prompts, params, max_batch_size=3)
+    assert rows[True] == [1, 1] and sum(rows[False]) == 8  # "Q: 1+1=" at the start, "abc" when it comes in
+
+
+def test_a_weight_update_forgets_the_prompts_busy_slots_hold(engine):
+    import torch
+
+    engine._decoder._prompts = {(5, 6): (torch.zeros(3), {0})}
+    engine._decoder._prompt_of = {0: (5, 6)}
+    name, tensor = next(iter(engine.model.state_dict().items()))
+    _run(engine.update_weights([(name, tensor.clone())], version=1))
+    assert engine._decoder._prompts == {} and engine._decoder._prompt_of == {}

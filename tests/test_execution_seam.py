@@ -376,4 +376,8 @@ def test_pi_old_from_the_training_forward_is_gathered_from_the_returning_ranks(t
     assert "log_probs" not in workers.received
     trained = [a[1] for a in workers.received["train"]]
     assert all(share.reuse_old_log_probs and share.batch.old_log_probs is None for share in trained)
-    assert metrics["rollout/log_probs"] == pytest.approx(sum(range(8)) / 8)  # TP peers' -1 rows are not read
+    # TP peers' -1 rows are not read; group 2 (samples 4 and 5) got one reward for both, so its zero-advantage
+    # samples were not trained (--skip-zero-advantage-samples) and have no pi_old from a training forward
+    assert sorted(trained[0].sample_ids + trained[2].sample_ids) == [0, 1, 2, 3, 6, 7]
+    assert metrics["rollout/log_probs"] == pytest.approx((0 + 1 + 2 + 3 + 6 + 7) / 6)
+    assert metrics["perf/skipped_samples"] == 2.0

@@ -189,6 +189,16 @@ def test_equivalent_fast_path_skips_math_verify():
     assert _grading.grading_stats()["math_verify_calls"] == before
 
 
+def test_integer_pairs_are_graded_without_math_verify_as_math_verify_grades_them():
+    pairs = [("3", "5"), ("05", "5"), ("-0", "0"), ("+3", "3"), ("-7", "7"), ("123456789", "123456788"),
+             ("10000000000000000", "10000000000000001")]
+    before = _grading.grading_stats()["math_verify_calls"]
+    fast = [_grading.equivalent(answer, label) for answer, label in pairs]
+    assert _grading.grading_stats()["math_verify_calls"] == before
+    assert fast == [False, True, True, True, False, False, False]
+    assert fast == [_grading.run_in_worker(_grading._check_pair, pair, 60.0) == ("ok", True) for pair in pairs]
+
+
 def test_equivalent_timeout_scores_false_and_is_counted():
     _grading.equivalent("1,000", "1000")  # make sure the worker is up before timing
     before = _grading.grading_stats()

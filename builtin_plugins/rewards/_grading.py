@@ -24,6 +24,7 @@ import importlib.util
 import logging
 import os
 import pickle
+import re
 import select
 import signal
 import struct
@@ -66,7 +67,7 @@ def grading_stats() -> dict[str, int]:
     """Counters since the process started (cumulative; take differences per rollout).
 
     ``timeouts``: comparisons that ran out of time and scored 0. ``math_verify_calls``:
-    comparisons sent to math-verify (the rest passed the fast exact check or had no
+    comparisons sent to math-verify (the rest passed the fast checks or had no
     answer). ``worker_restarts``: times the worker process was killed and restarted.
     """
     return dict(_stats)
@@ -76,7 +77,8 @@ def equivalent(answer: str, label: str, timeout_s: float = DEFAULT_TIMEOUT_S) ->
     """Whether ``answer`` equals the ground truth ``label`` as mathematics.
 
     An empty answer or label is never equal. Equal strings or equal
-    :func:`normalize_math_answer` forms are equal without calling math-verify; otherwise
+    :func:`normalize_math_answer` forms are equal, and two integers (``[+-]digits``) are
+    compared as integers, as math-verify does, without calling math-verify; otherwise
     math-verify decides (``verify(gold=label, target=answer)``, both wrapped in ``\\boxed{}``
     so they parse as math) within ``timeout_s`` seconds.
 
@@ -168,7 +170,12 @@ def _fast_check(answer: str, label: str) -> bool | None:
         return False
     if answer == label or normalize_math_answer(answer) == normalize_math_answer(label):
         return True
+    if _INTEGER.fullmatch(answer) and _INTEGER.fullmatch(label):
+        return int(answer) == int(label)  # math-verify compares integers exactly too ("05" = "5", "-0" = "0")
     return None
+
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
 # --- the worker process ---------------------------------------------------------------------

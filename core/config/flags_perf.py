@@ -48,6 +48,15 @@ def add(g, dev) -> None:
                         "(no reference model, no --use-opd, an advantage estimator that does not read it) and the "
                         "backend's training forward equals its log-prob forward; --no-reuse-train-log-probs keeps "
                         "the pass.")
+    g.add_argument("--skip-zero-advantage-samples", action=argparse.BooleanOptionalAction, default=True,
+                   help="Leave out of the training forward and backward the samples whose advantage is 0 on every "
+                        "trained token (a GRPO group whose samples all got one reward): their loss is 0, they still "
+                        "count in the loss denominators, so the gradient is unchanged. On unless the loss might "
+                        "not vanish at zero advantage (--loss-type other than policy_loss, --entropy-coef, "
+                        "--use-kl-loss, a loss reducer), where it turns itself off (and is refused if given). "
+                        "Metrics other than loss and pg_loss (entropy, clip fraction, train/rollout log-prob "
+                        "differences; rollout/log_probs and rollout/entropy when pi_old comes from the training "
+                        "forward) are then means over the trained samples.")
     g.add_argument("--bf16", action="store_true", default=dev.bf16,
                    help="Train in bfloat16 (the default with CUDA; fp32 without).")
     g.add_argument("--fp16", action="store_true", help="Train in float16 (turns bf16 off).")

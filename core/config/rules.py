@@ -3,7 +3,7 @@ appending to a :class:`furlong.hooks.ConfigReport` (the core's own findings)."""
 
 from __future__ import annotations
 
-from ..batching import pi_old_needs_own_pass
+from ..batching import pi_old_needs_own_pass, zero_advantage_skip_blocked
 
 __all__ = ["async_and_agents", "defaults", "evaluation", "importance_sampling", "kl_and_reference", "lengths",
            "performance", "saving", "sglang"]
@@ -208,12 +208,10 @@ def performance(args, f, given: set[str]) -> None:
     """Dynamic batching, the default token packing and where pi_old comes from (each train backend checks its
     own parallel layout in ``configure``)."""
     default_packing(args, f, given)
-    reason = pi_old_needs_own_pass(args)
-    if reason and args.reuse_train_log_probs:
-        if "reuse_train_log_probs" in given:
-            f.error(f"--reuse-train-log-probs: pi_old cannot come from the training forward here ({reason}); "
-                    "drop it.")
-        args.reuse_train_log_probs = False
+    _off_unless_exact(args, f, given, "reuse_train_log_probs", pi_old_needs_own_pass(args),
+                      "pi_old cannot come from the training forward here")
+    _off_unless_exact(args, f, given, "skip_zero_advantage_samples", zero_advantage_skip_blocked(args),
+                      "a sample's loss might not vanish at zero advantage")
     cap = args.max_tokens_per_gpu
     if args.use_dynamic_batch_size:
         if cap is None:
@@ -221,6 +219,15 @@ def performance(args, f, given: set[str]) -> None:
         elif args.rollout_max_response_len is not None and args.rollout_max_response_len > cap:
             f.warn(f"--rollout-max-response-len ({args.rollout_max_response_len}) is larger than --max-tokens-per-gpu "
                    f"({cap}): a longer sample gets a micro-batch of its own above the cap and may run out of memory.")
+
+
+def _off_unless_exact(args, f, given: set[str], dest: str, reason: str | None, what: str) -> None:
+    """Turn the on-by-default speed-up ``dest`` off when ``reason`` says the flags make it inexact
+    (``--print-config`` shows it off); the same flag given explicitly is an error naming the reason."""
+    if reason and getattr(args, dest):
+        if dest in given:
+            f.error(f"--{dest.replace('_', '-')}: {what} ({reason}); drop it.")
+        setattr(args, dest, False)
 
 
 def sglang(args, f) -> None:

@@ -107,7 +107,20 @@ class SlotDecoder:
     ``bucket_widths``: decode steps without a graph attend over :func:`width_bucket` columns
     instead of exactly the columns in use (on with graphs; tests turn it on to check that
     the width does not change results).
+
+    ``share_prompts``: requests with the same prompt (the samples of a group) share one
+    prefill. Requests admitted together share one prefill row; a request admitted later
+    whose prompt a busy slot already holds (a group split over two admissions when slots
+    free one by one) takes no prefill row at all. Either way the prompt's keys and values
+    are copied into the request's slot and it samples its first token from the prompt's
+    kept last logits. A weight update forgets the kept prompts (:meth:`forget_prompts`),
+    so a prompt is only shared under the weights that computed it. Always on: it is exact
+    (a request's prompt keys, values and logits do not depend on the other rows of the
+    pass; only the float summation order of a pass with fewer rows can move log-probs by
+    about 1e-7); tests turn it off to compare.
     """
+
+    share_prompts = True
 
     def __init__(self, model, tokenizer, *, max_slots: int, lock: threading.Lock, graphs: bool = True,
                  compile: str | None = None) -> None:
@@ -129,6 +142,9 @@ class SlotDecoder:
                      "about a minute for the demo model on a CPU).", layers, compile)
         self._graphs: dict[tuple[int, int], Any] = {}  # (batch bucket, width) -> CUDA graph, or False
         self._pool = None  # the graphs' shared memory pool
+        # prompts held by busy slots: prompt -> (its last logits [V] float32, the slots holding its keys and values)
+        self._prompts: dict[tuple[int, ...], tuple[Any, set[int]]] = {}
+        self._prompt_of: dict[int, tuple[int, ...]] = {}  # busy slot -> its prompt (a key of _prompts)
         self.requests: list[Request | None] = [None] * max_slots
         self.busy = np.zeros(max_slots, dtype=bool)
         self.count = np.zeros(max_slots, dtype=np.int64)  # tokens generated, per slot (host copy)
@@ -186,6 +202,12 @@ class SlotDecoder:
         """Drop the cache and graphs (weights moved, or memory handed back)."""
         self._drop_graphs()
         self.cache.release()
+        self.forget_prompts()
+
+    def forget_prompts(self) -> None:
+        """Share no prompt prefilled so far with later requests: the weights changed (call it under ``lock``,
+        which every prefill holds) or the slots were reset."""
+        self._prompts, self._prompt_of = {}, {}
 
     def _drop_graphs(self) -> None:
         self._graphs.clear()
@@ -232,13 +254,55 @@ class SlotDecoder:
         self._after_sample(slots, on_finish)
 
     def _prefill(self, new: list[Request], slots: list[int]):
-        """One forward pass over the distinct prompts; returns float32 logits ``[len(new), V]``."""
+        """Prefill the prompts of ``new`` (in ``slots``) that no busy slot holds, in one forward pass over the
+        distinct ones, and copy shared prompts' keys and values; returns float32 logits ``[len(new), V]``."""
+        import torch
+
+        with self.lock:  # (a weight update forgets the kept prompts under it)
+            first: dict[Any, int] = {}  # prompt (or, without sharing, request) -> its prefill row
+            row_of, prompts, held = [], [], []
+            for k, r in enumerate(new):
+                key = tuple(r.input_ids) if self.share_prompts else k
+                if key not in first and key in self._prompts:  # held by a busy slot: no prefill
+                    held.append(k)
+                    row_of.append(None)
+                    continue
+                row = first.setdefault(key, len(prompts))
+                if row == len(prompts):
+                    prompts.append(r.input_ids)
+                row_of.append(row)
+            logits = self._prefill_rows(prompts, row_of, slots) if prompts else None
+            copies = [(next(iter(self._prompts[tuple(new[k].input_ids)][1])), slots[k]) for k in held]
+            if held:
+                logits = torch.stack([self._prompts[tuple(r.input_ids)][0] if row is None else logits[row]
+                                      for r, row in zip(new, row_of)])
+            else:
+                logits = logits[torch.tensor(row_of, device=self.device)]
+            if self.share_prompts:
+                self._keep_prompts(new, slots, logits)
+        if copies:
+            sources, targets = zip(*copies)
+            self.cache.copy_prefix(torch.tensor(sources, device=self.device),
+                                   torch.tensor(targets, device=self.device),
+                                   max(len(new[k].input_ids) for k in held))
+        return logits
+
+    def _keep_prompts(self, new: list[Request], slots: list[int], logits) -> None:
+        """Record which slots hold which prompt (and each prompt's last logits, a row of ``logits``
+        ``[len(new), V]``) for later admissions."""
+        for k, (r, s) in enumerate(zip(new, slots)):
+            key = tuple(r.input_ids)
+            if key not in self._prompts:
+                self._prompts[key] = (logits[k], set())
+            self._prompts[key][1].add(s)
+            self._prompt_of[s] = key
+
+    def _prefill_rows(self, prompts: list[list[int]], row_of: list, slots: list[int]):
+        """One forward pass over ``prompts`` (the distinct ones to prefill): each is written into the slot of the
+        first request with its row and copied to the others'; returns the float32 last logits ``[rows, V]``."""
         import torch
 
         dev = self.device
-        first: dict[tuple[int, ...], int] = {}
-        row_of = [first.setdefault(tuple(r.input_ids), len(first)) for r in new]
-        prompts = [list(k) for k in first]
         width = max(len(x) for x in prompts)
         ids = torch.tensor([[0] * (width - len(x)) + x for x in prompts], device=dev)
         valid = torch.tensor([[False] * (width - len(x)) + [True] * len(x) for x in prompts], device=dev)
@@ -249,16 +313,16 @@ class SlotDecoder:
         mask = ((causal[None] & valid[:, None, :]) | eye[None])[:, None]
         owner = [0] * len(prompts)
         for i, r in reversed(list(enumerate(row_of))):
-            owner[r] = slots[i]
+            if r is not None:
+                owner[r] = slots[i]
         step = SlotPass(cache=self.cache, rows=torch.tensor(owner, device=dev), columns=columns, causal=mask)
-        with self.lock:
-            logits = self.model(input_ids=ids, position_ids=positions, slot_pass=step, use_cache=False,
-                                logits_to_keep=1).logits[:, -1].float()
-        copies = [(owner[r], s) for r, s in zip(row_of, slots) if owner[r] != s]
+        logits = self.model(input_ids=ids, position_ids=positions, slot_pass=step, use_cache=False,
+                            logits_to_keep=1).logits[:, -1].float()
+        copies = [(owner[r], s) for r, s in zip(row_of, slots) if r is not None and owner[r] != s]
         if copies:
             sources, targets = zip(*copies)
             self.cache.copy_prefix(torch.tensor(sources, device=dev), torch.tensor(targets, device=dev), width)
-        return logits[torch.tensor(row_of, device=dev)]
+        return logits
 
     # --- decoding -----------------------------------------------------------------------
 
@@ -425,10 +489,20 @@ class SlotDecoder:
             req.finish_reason = reason
             self.requests[s] = None
             self.busy[s], self.pos[s] = False, 0
+            self._release_prompt(s)
             self.filtering.discard(s)
             self.banning.discard(s)
             self.watched.discard(s)
             on_finish(req)
+
+    def _release_prompt(self, slot: int) -> None:
+        """``slot`` no longer holds its prompt; the prompt is forgotten with its last holder."""
+        key = self._prompt_of.pop(slot, None)
+        kept = self._prompts.get(key) if key is not None else None
+        if kept is not None:
+            kept[1].discard(slot)
+            if not kept[1]:
+                self._prompts.pop(key, None)  # (a weight update in another thread may have forgotten it)
 
     # --- per-slot tables ----------------------------------------------------------------
 

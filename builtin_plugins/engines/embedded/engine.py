@@ -282,6 +282,7 @@ class EmbeddedEngine:
             except Exception as exc:  # noqa: BLE001 - handed to every waiting caller
                 log.exception("embedded engine: decoding failed")
                 self._decoder.requests = [None] * self.max_batch_size
+                self._decoder.forget_prompts()
                 with self._queue_lock:
                     failed, self._inflight = list(self._inflight), set()
                 for req in failed:
@@ -349,6 +350,7 @@ class EmbeddedEngine:
                         f"the model expects {tuple(state[name].shape)}."
                     )
                 state[name].copy_(tensor)
+            self._decoder.forget_prompts()  # prompts prefilled with the old weights are not shared any more
 
     def _use_device(self) -> None:
         """Worker threads start on CUDA device 0; switch to the model's device."""
