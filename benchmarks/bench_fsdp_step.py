@@ -7,7 +7,7 @@ One command on a CUDA machine, from the repository root::
 Each variant is ``PRECISION:TOKENS[:compile]``: ``fp32`` (float32 weights under bfloat16 autocast)
 or ``bf16`` (bfloat16 parameters over float32 master weights, as ``--bf16`` in one process);
 micro-batches of ``TOKENS // 384`` samples; ``compile`` compiles the decoder layers as
-``--fsdp-torch-compile`` does. The batch is that of ``bench_gpu.py``'s GRPO iteration (256
+``--train-torch-compile`` does. The batch is that of ``bench_gpu.py``'s GRPO iteration (256
 samples of 128 prompt + 256 response tokens, random ids, random advantages) and the model its
 Qwen2.5-0.5B-shaped one; a step is every micro-batch's :func:`forward_log_probs` (split output
 projection, vocabulary chunks), a policy-gradient loss, backward, gradient clipping and fused
@@ -59,7 +59,7 @@ def step_time(folder: Path, precision: str, tokens: int, compiled: bool, steps: 
         run_model, autocast = model, torch.autocast("cuda", dtype=torch.bfloat16)
     if compiled:
         torch._dynamo.reset()
-        compile_decoder_layers(run_model, "--fsdp-torch-compile", dynamic=True)
+        compile_decoder_layers(run_model, "--train-torch-compile", dynamic=True)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-6, fused=True)
     per = max(1, tokens // (PROMPT + RESPONSE))

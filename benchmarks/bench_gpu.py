@@ -15,7 +15,7 @@ One command, from the repository root, on a machine with a CUDA GPU::
    memory (the engine's key/value cache, CUDA graph pools) is not held while the next runs.
 2. **GRPO iteration**: ``furlong train`` (sync, embedded engine, fsdp backend, ``--bf16``:
    bfloat16 parameters over float32 master weights, fused AdamW; ``--train-flags`` adds flags
-   such as ``--fsdp-torch-compile`` or ``--max-tokens-per-gpu``) for ``--rollouts`` (3) rollouts of
+   such as ``--train-torch-compile`` or ``--max-tokens-per-gpu``) for ``--rollouts`` (3) rollouts of
    ``requests / 8`` prompts x 8 samples, responses of ``--new-tokens`` tokens, one optimizer
    step per rollout, default micro-batch packing. The split comes from ``metrics.jsonl``;
    the train MFU is ``6 x params x tokens / actor-train seconds / 989e12`` (the H200's dense

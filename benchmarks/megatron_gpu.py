@@ -116,9 +116,11 @@ def model_flops_per_token(backend, seq: int) -> float:
     return 6.0 * n + 6.0 * s.num_layers * seq * s.num_attention_heads * s.kv_channels
 
 
-def part_mfu(path: str, micro_batch: int, samples: int, seq: int, steps: int, profile: bool = False) -> dict:
-    """Optimizer steps of ``samples`` x ``seq`` tokens (micro-batches of ``micro_batch``): time, tokens/s, MFU."""
-    backend = backend_for(path, micro_batch, samples)
+def part_mfu(path: str, micro_batch: int, samples: int, seq: int, steps: int, profile: bool = False,
+             flags: tuple = ()) -> dict:
+    """Optimizer steps of ``samples`` x ``seq`` tokens (micro-batches of ``micro_batch``): time, tokens/s, MFU.
+    ``flags``: more launch flags (``--train-torch-compile``)."""
+    backend = backend_for(path, micro_batch, samples, *flags)
     batch = batch_of(samples, seq, 1, micro_batch, seed=2)
     times = []
     for _ in range(steps + 2):
@@ -253,6 +255,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step (mfu part)")
+    parser.add_argument("--train-flags", nargs=argparse.REMAINDER, default=[],
+                        help="more launch flags for the backend of the mfu part, e.g. --train-torch-compile")
     ns = parser.parse_args()
     result: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
     import megatron.core
@@ -275,7 +279,7 @@ def main() -> None:
             result["mfu"] = []
             for mb in ns.micro_batch:
                 torch.cuda.reset_peak_memory_stats()
-                result["mfu"].append(part_mfu(path, mb, ns.samples, ns.seq, ns.steps, ns.profile))
+                result["mfu"].append(part_mfu(path, mb, ns.samples, ns.seq, ns.steps, ns.profile, tuple(ns.train_flags)))
                 print(json.dumps(result["mfu"][-1]), flush=True)
     text = json.dumps(result, indent=2)
     print(text)

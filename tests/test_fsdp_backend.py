@@ -393,11 +393,11 @@ def test_a_megatron_checkpoint_is_named_as_such_by_the_fsdp_backend(tmp_path):
                               "model/*.safetensors); resume with --train-backend megatron.")
 
 
-# --- --fsdp-torch-compile ------------------------------------------------------------------
+# --- --train-torch-compile ------------------------------------------------------------------
 
 
 def test_compiled_decoder_layers_train_as_the_plain_model(tiny_dir):
-    plain, compiled = _backend(tiny_dir), _backend(tiny_dir, fsdp_torch_compile=True)
+    plain, compiled = _backend(tiny_dir), _backend(tiny_dir, train_torch_compile=True)
     layers = [m for m in compiled.model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
     assert len(layers) == compiled.model.config.num_hidden_layers
     ragged = [[[0, 1, 2], [3]]]  # micro-batches of two shapes: the compiled layers are dynamic in length
@@ -414,9 +414,9 @@ def test_compiled_layers_are_refused_across_ranks(tiny_dir):
     from furlong.hooks import ConfigReport
 
     report = ConfigReport(plugin="fsdp")
-    configure(args=train_args(tiny_dir, fsdp_torch_compile=True, actor_num_nodes=1, actor_num_gpus_per_node=2,
+    configure(args=train_args(tiny_dir, train_torch_compile=True, actor_num_nodes=1, actor_num_gpus_per_node=2,
                                 context_parallel_size=1, dp_replicate_size=1), report=report)
-    assert [m for m in report.errors if "--fsdp-torch-compile with 2 trainer ranks is not supported yet" in m]
+    assert [m for m in report.errors if "--train-torch-compile with 2 trainer ranks is not supported yet" in m]
 
 
 # --- --bf16: bfloat16 parameters over float32 master weights ---------------------------------

@@ -19,13 +19,13 @@ MEGATRON_FLAGS = MegatronFlags(
 @hookimpl
 def configure(args, report):
     """No context parallelism; ``--dp-replicate-size`` (HSDP replicas) must divide the trainer world size;
-    ``--fsdp-torch-compile`` with one trainer rank only."""
+    ``--train-torch-compile`` with one trainer rank only."""
     if args.context_parallel_size > 1:
         report.error(f"--train-backend fsdp does not support --context-parallel-size {args.context_parallel_size}; "
                      f"use 1 or --train-backend megatron.")
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
-    if getattr(args, "fsdp_torch_compile", False) and world > 1:
-        report.error(f"--fsdp-torch-compile with {world} trainer ranks is not supported yet (FSDP2's sharded "
+    if getattr(args, "train_torch_compile", False) and world > 1:
+        report.error(f"--train-torch-compile with {world} trainer ranks is not supported yet (FSDP2's sharded "
                      "layers are not compiled); use it with one trainer process.")
     if args.dp_replicate_size >= 1 and world % args.dp_replicate_size:
         report.error(f"--dp-replicate-size ({args.dp_replicate_size}) must divide the trainer world size {world}.")
@@ -43,7 +43,7 @@ def train_backend(args):
     ``--micro-batch-size``, ``--entropy-coef``, ``--reset-optimizer-states``,
     ``--no-check-for-nan-in-loss-and-grad``, ``--no-save-optim``, ``--no-load-optim``,
     ``--no-load-rng``, ``--gradient-checkpointing``, ``--attn-implementation``,
-    ``--bf16``, ``--fsdp-cpu-offload``, ``--fsdp-torch-compile``, ``--dp-replicate-size``.
+    ``--bf16``, ``--fsdp-cpu-offload``, ``--train-torch-compile``, ``--dp-replicate-size``.
     Megatron flags: none honoured (``MEGATRON_FLAGS``); the core reports the given ones
     (a warning, or an error for those that change the model or the math).
 

@@ -126,12 +126,12 @@ class FSDPBackend(StepLoop):
         return compute, MasterWeights(compute, masters=dict(self.model.named_parameters()))
 
     def _compile(self, model, *, trainable: bool) -> None:
-        if not getattr(self.args, "fsdp_torch_compile", False):
+        if not getattr(self.args, "train_torch_compile", False):
             return
         # dynamic: every micro-batch has another length; compiled once, not once per length
-        layers = compile_decoder_layers(model, "--fsdp-torch-compile", dynamic=True)
+        layers = compile_decoder_layers(model, "--train-torch-compile", dynamic=True)
         if self.rank == 0 and trainable:
-            log.info("fsdp: --fsdp-torch-compile: %d decoder layers compiled (torch.compile, inductor) at their "
+            log.info("fsdp: --train-torch-compile: %d decoder layers compiled (torch.compile, inductor) at their "
                      "first pass", layers)
 
     def _modules(self) -> list:

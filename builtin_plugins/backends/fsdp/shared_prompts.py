@@ -100,7 +100,7 @@ def sharing_off_reason(model) -> str | None:
     shared step took twice the one-pass step's time, whose unmasked causal attention runs on
     flash kernels.
 
-    Not with compiled decoder layers (``--fsdp-torch-compile``). A model in train mode with
+    Not with compiled decoder layers (``--train-torch-compile``). A model in train mode with
     gradient checkpointing on cannot: its decoder layers drop the
     cache (transformers before 5.2x drops it even without grad). The fsdp backend runs its
     log-prob passes in eval mode, so only its training passes lose sharing.
@@ -111,7 +111,7 @@ def sharing_off_reason(model) -> str | None:
         return ("on CUDA the second pass's attention mask (prompt padding in the middle) keeps SDPA off its flash "
                 "kernels, which costs more than the prompts save (docs/benchmarks.md)")
     if any(getattr(layer, "_compiled_call_impl", None) is not None for layer in decoder_layers(model)):
-        return ("--fsdp-torch-compile: the compiled decoder layers would be compiled again for every shape of the "
+        return ("--train-torch-compile: the compiled decoder layers would be compiled again for every shape of the "
                 "key/value cache")
     try:
         from transformers.cache_utils import DynamicCache, DynamicLayer
