@@ -772,25 +772,8 @@ def test_an_fsdp_checkpoint_is_named_as_such_by_the_megatron_backend(tmp_path):
                               "no torch_dist metadata.json); resume with --train-backend fsdp.")
 
 
-def test_compiled_layers_train_as_the_plain_model(tiny_model_dir):
-    """--train-torch-compile: the decoder layers compiled (inductor) give the plain model's loss, grad norm and weights."""
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    results = []
-    for compiled in (False, True):
-        backend = megatron_backend(args=train_args(tiny_model_dir, train_torch_compile=compiled))
-        asyncio.run(backend.init(backend.args))
-        assert all((layer._compiled_call_impl is not None) == compiled for layer in backend.model.decoder.layers)
-        metrics = asyncio.run(backend.train(0, make_batch(tokenizer, [[[0, 1, 2], [3]]])))[0]
-        results.append((metrics, _weights(backend)))
-    (plain, w_plain), (comp, w_comp) = results
-    assert comp["loss"] == pytest.approx(plain["loss"], abs=1e-5)
-    assert comp["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
-    for name, tensor in w_plain.items():
-        torch.testing.assert_close(w_comp[name], tensor, rtol=0, atol=1e-4)
-
-
-def test_compiled_layers_are_refused_with_model_parallelism(tiny_model_dir):
+def test_compiled_layers_are_refused_with_the_measured_reason(tiny_model_dir):
     report = ConfigReport(plugin="megatron")
-    configure(args=train_args(tiny_model_dir, train_torch_compile=True, tensor_model_parallel_size=2), report=report)
-    assert any("--train-torch-compile with --tensor-model-parallel-size 2 is not supported yet" in m
-               for m in report.errors)
+    configure(args=train_args(tiny_model_dir, train_torch_compile=True), report=report)
+    assert any(m.startswith("--train-torch-compile is not supported yet by --train-backend megatron: its decoder "
+                            "layers compiled measured slower") for m in report.errors)

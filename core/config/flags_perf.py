@@ -30,9 +30,8 @@ def add(g, dev) -> None:
                    help="Compile each decoder layer of the train backend's model with torch.compile (inductor) for "
                         "the training and log-prob passes: fused norms, rotary embedding, activations and residual "
                         "adds, and far fewer kernel launches, for a compilation at the start (about 18 s for a 0.5B "
-                        "model on an H200, 25-30 s for the demo model on a CPU). fsdp: one trainer process (not "
-                        "supported yet under FSDP2 across ranks); megatron: TP = PP = CP = 1 (data-parallel ranks "
-                        "are fine).")
+                        "model on an H200, 25-30 s for the demo model on a CPU). fsdp, one trainer process (not "
+                        "supported yet under FSDP2 across ranks, nor with megatron, where it measured slower).")
     g.add_argument("--fsdp-cpu-backend", default="gloo",
                    help="FSDP: collective backend for CPU-offloaded state (not supported yet).")
     g.add_argument("--dp-replicate-size", type=int, default=1,

@@ -54,10 +54,6 @@ _REFUSED = (
 )
 
 
-_MODEL_PARALLEL = (("--tensor-model-parallel-size", "tensor_model_parallel_size"),
-                   ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
-                   ("--context-parallel-size", "context_parallel_size"))
-
 # What the core must not report for this backend: the flags it reads, and those its configure
 # refuses itself with a "not supported yet" naming the value. The model comes from the
 # --hf-checkpoint config; other architecture flags are checked against it by the core.
@@ -89,10 +85,10 @@ def configure(args, report):
         if value:
             report.error(f"--{dest.replace('_', '-')} {value} is not supported yet by --train-backend megatron "
                          "(RL log-probs need a dropout-free forward; use 0).")
-    split = [f"{flag} {getattr(args, dest, 1)}" for flag, dest in _MODEL_PARALLEL if (getattr(args, dest, 1) or 1) > 1]
-    if getattr(args, "train_torch_compile", False) and split:
-        report.error(f"--train-torch-compile with {', '.join(split)} is not supported yet by --train-backend megatron "
-                     "(its compiled layers are checked with TP = PP = CP = 1 only).")
+    if getattr(args, "train_torch_compile", False):
+        report.error("--train-torch-compile is not supported yet by --train-backend megatron: its decoder layers "
+                     "compiled measured slower than the plain ones (0.455 s against 0.395 s per step of 16 x 2048 "
+                     "tokens at the Qwen2.5-0.5B shape on an H200, after 87 s of compilation); use it with fsdp.")
     if (getattr(args, "optimizer", "adam") or "adam") != "adam":
         report.error(f"--optimizer {args.optimizer} is not supported yet by --train-backend megatron (adam only).")
     if getattr(args, "recompute_granularity", None) == "selective":
@@ -149,7 +145,7 @@ def train_backend(args):
     Miles' architecture flags (checked against the HF config), ``--make-vocab-size-divisible-by``,
     ``--use-kl-loss``, ``--kl-coef``, ``--lr`` and the Megatron LR schedule flags,
     ``--weight-decay``, ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``, ``--clip-grad``,
-    ``--micro-batch-size``, ``--entropy-coef``, ``--train-torch-compile``, ``--recompute-granularity``,
+    ``--micro-batch-size``, ``--entropy-coef``, ``--recompute-granularity``,
     ``--recompute-method``, ``--recompute-num-layers``, ``--reset-optimizer-states``,
     ``--no-check-for-nan-in-loss-and-grad``, ``--no-save-optim``, ``--no-load-optim``,
     ``--no-load-rng``, ``--bf16``, ``--seed``.

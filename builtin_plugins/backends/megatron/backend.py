@@ -145,10 +145,6 @@ class MegatronBackend(PipelineStages, StepLoop):
     def _load_model(self):
         model = build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device, pp=self.pp, cp=self.cp,
                           **recompute_settings(self.args))
-        if getattr(self.args, "train_torch_compile", False):
-            # regional: the layers share one compiled code (parameters are its inputs); dynamic lengths
-            for layer in model.decoder.layers:
-                layer.compile(dynamic=True)
         ref = getattr(self.args, "ref_load", None)
         if is_hf_dir(ref):
             load_hf(model, safetensors_stream(ref), self.shape, self.vocab_rows, self.tp, self._tp_rank(),
