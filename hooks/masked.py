@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .trainer import to_device
+
 __all__ = ["MaskedSum", "masked_sum"]
 
 
@@ -48,8 +50,9 @@ class MaskedSum:
             key = (x.dtype, x.device)
             per_token = self._token_weights.get(key)
             if per_token is None:
-                per_token = self._token_weights[key] = torch.repeat_interleave(
-                    torch.tensor([float(w) for w in self.weights], dtype=x.dtype, device=x.device),
-                    torch.tensor([r.numel() for r in rows], device=x.device))
+                # built on the host and copied without blocking: repeat_interleave on a GPU would wait for it
+                per_token = self._token_weights[key] = to_device(torch.repeat_interleave(
+                    torch.tensor([float(w) for w in self.weights], dtype=x.dtype),
+                    torch.tensor([r.numel() for r in rows])), x.device)
             kept = kept * per_token
         return kept.sum().to(torch.float32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from furlong.hooks import LossOutput, PluginError, hookimpl
 
 from furlong.hooks.kl import KL_TYPES, kl_estimate
+from furlong.hooks.trainer import to_device
 
 _LOG_RATIO_LIMIT = 20.0
 _RATIO_LEVELS = ("token", "sequence")
@@ -63,7 +64,8 @@ def loss(args, batch):
     lengths = [int(t.numel()) for t in batch.log_probs]
     logp = torch.cat([t.reshape(-1) for t in batch.log_probs]).float()
     device = logp.device
-    seg = torch.repeat_interleave(torch.arange(n, device=device), torch.tensor(lengths, device=device))
+    # the segment ids are built on the host and copied without blocking (on a GPU, repeat_interleave waits for it)
+    seg = to_device(torch.repeat_interleave(torch.arange(n), torch.tensor(lengths)), device)
     active = torch.cat([m.reshape(-1) for m in batch.loss_masks]).to(device) > 0
     counts = _segment_sum(active.float(), seg, n).clamp_min(1.0)
     old = _cat(batch.old_log_probs, device)
