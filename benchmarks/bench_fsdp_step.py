@@ -2,9 +2,9 @@
 
 One command on a CUDA machine, from the repository root::
 
-    python benchmarks/bench_fsdp_step.py --variants fp32:8192 bf16:8192:compile bf16:16384:compile
+    python benchmarks/bench_fsdp_step.py --variants autocast:8192 bf16:8192:compile bf16:16384:compile
 
-Each variant is ``PRECISION:TOKENS[:compile]``: ``fp32`` (float32 weights under bfloat16 autocast)
+Each variant is ``PRECISION:TOKENS[:compile]``: ``autocast`` (float32 weights under bfloat16 autocast)
 or ``bf16`` (bfloat16 parameters over float32 master weights, as ``--bf16`` in one process);
 micro-batches of ``TOKENS // 384`` samples; ``compile`` compiles the decoder layers as
 ``--train-torch-compile`` does. The batch is that of ``bench_gpu.py``'s GRPO iteration (256
@@ -91,7 +91,7 @@ def step_time(folder: Path, precision: str, tokens: int, compiled: bool, steps: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", nargs="+", default=["fp32:8192", "bf16:8192", "bf16:8192:compile",
+    parser.add_argument("--variants", nargs="+", default=["autocast:8192", "bf16:8192", "bf16:8192:compile",
                                                           "bf16:16384:compile"])
     parser.add_argument("--steps", type=int, default=4, help="steps per variant (the first, two when compiled, "
                                                              "are warm-up)")

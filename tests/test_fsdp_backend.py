@@ -448,3 +448,25 @@ def test_bf16_trains_a_bfloat16_copy_over_float32_masters(tiny_dir, tmp_path):
     c = asyncio.run(bf16.train(1, make_batch(bf16.tokenizer, ragged)))[0]
     d = asyncio.run(resumed.train(1, make_batch(resumed.tokenizer, ragged)))[0]
     assert (c["loss"], c["grad_norm"]) == (d["loss"], d["grad_norm"])  # resume is bit-exact
+
+
+def test_fp16_is_refused_and_context_parallelism_is_not_reported_as_ignored(tiny_dir):
+    from furlong.builtin_plugins.backends.fsdp import MEGATRON_FLAGS, configure
+    from furlong.hooks import ConfigReport
+
+    report = ConfigReport(plugin="fsdp")
+    configure(args=train_args(tiny_dir, fp16=True, actor_num_nodes=1, actor_num_gpus_per_node=1,
+                              context_parallel_size=2, dp_replicate_size=1), report=report)
+    assert any(m.startswith("--fp16 is not supported yet by --train-backend fsdp") for m in report.errors)
+    assert any(m.startswith("--train-backend fsdp does not support --context-parallel-size 2") for m in report.errors)
+    # refused by the backend, so the core's warning about ignored Megatron flags leaves them out
+    assert MEGATRON_FLAGS.honoured("context_parallel_size", 2) and MEGATRON_FLAGS.honoured("fp16", True)
+
+
+def test_the_chosen_precision_is_logged(tiny_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="furlong.backends.fsdp"):
+        _backend(tiny_dir, bf16=True)
+        _backend(tiny_dir)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fsdp: ") and "weights" in
+             r.getMessage() or r.getMessage() == "fsdp: fp32"]
+    assert lines == ["fsdp: bf16 parameters, fp32 master weights", "fsdp: fp32"]

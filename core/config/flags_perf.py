@@ -31,7 +31,8 @@ def add(g, dev) -> None:
                         "the training and log-prob passes: fused norms, rotary embedding, activations and residual "
                         "adds, and far fewer kernel launches, for a compilation at the start (about 18 s for a 0.5B "
                         "model on an H200, 25-30 s for the demo model on a CPU). fsdp, one trainer process (not "
-                        "supported yet under FSDP2 across ranks, nor with megatron, where it measured slower).")
+                        "supported yet under FSDP2 across ranks, nor with megatron, where it measured slower); turns the "
+                        "CPU's prompt sharing off.")
     g.add_argument("--fsdp-cpu-backend", default="gloo",
                    help="FSDP: collective backend for CPU-offloaded state (not supported yet).")
     g.add_argument("--dp-replicate-size", type=int, default=1,
@@ -58,7 +59,9 @@ def add(g, dev) -> None:
                         "differences; rollout/log_probs and rollout/entropy when pi_old comes from the training "
                         "forward) are then means over the trained samples.")
     g.add_argument("--bf16", action="store_true", default=dev.bf16,
-                   help="Train in bfloat16 (the default with CUDA; fp32 without).")
+                   help="Train in bfloat16 (the default with CUDA; fp32 without): bfloat16 parameters over float32 "
+                        "master weights in one process (fsdp on CPU too; megatron always), FSDP2's bfloat16 "
+                        "compute over float32 shards across GPU ranks.")
     g.add_argument("--fp16", action="store_true", help="Train in float16 (turns bf16 off).")
     for flag, default, text in (
         ("--tensor-model-parallel-size", 1, "tensor-parallel size (pair values > 1 with --sequence-parallel)"),

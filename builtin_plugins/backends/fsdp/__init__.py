@@ -8,21 +8,26 @@ from .backend import FSDPBackend
 
 __all__ = ["MEGATRON_FLAGS", "FSDPBackend", "configure", "train_backend"]
 
-# Of the backend flags only LoRA's are read (peft, lora.py); the model trains without
-# dropout (eval mode), which is what dropout 0 asks; the model comes from the
-# --hf-checkpoint config, against which the core checks the architecture flags given.
+# Of the backend flags only LoRA's are read (peft, lora.py); --context-parallel-size and --fp16
+# are refused by configure below; the model trains without dropout (eval mode), which is what
+# dropout 0 asks; the model comes from the --hf-checkpoint config, against which the core
+# checks the architecture flags given.
 MEGATRON_FLAGS = MegatronFlags(
-    honours=frozenset({"lora_rank", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules"}),
+    honours=frozenset({"lora_rank", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules",
+                       "context_parallel_size", "fp16"}),
     at_values={"attention_dropout": (0.0,), "hidden_dropout": (0.0,)}, architecture_from_hf=True)
 
 
 @hookimpl
 def configure(args, report):
-    """No context parallelism; ``--dp-replicate-size`` (HSDP replicas) must divide the trainer world size;
+    """No context parallelism, no ``--fp16``; ``--dp-replicate-size`` (HSDP replicas) must divide the trainer world size;
     ``--train-torch-compile`` with one trainer rank only."""
     if args.context_parallel_size > 1:
         report.error(f"--train-backend fsdp does not support --context-parallel-size {args.context_parallel_size}; "
                      f"use 1 or --train-backend megatron.")
+    if getattr(args, "fp16", False):
+        report.error("--fp16 is not supported yet by --train-backend fsdp; use --bf16 (bfloat16 parameters over "
+                     "float32 master weights) or neither (float32).")
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
     if getattr(args, "train_torch_compile", False) and world > 1:
         report.error(f"--train-torch-compile with {world} trainer ranks is not supported yet (FSDP2's sharded "

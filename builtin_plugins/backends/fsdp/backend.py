@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any
 
-from furlong.hooks import ParallelLayout, TrainBatch
+from furlong.hooks import ParallelLayout, PluginError, TrainBatch
 from furlong.hooks.hf import compile_decoder_layers, is_hf_dir
 from furlong.hooks.master_weights import MasterWeights
 from furlong.hooks.trainer import StepLoop
@@ -76,6 +76,9 @@ class FSDPBackend(StepLoop):
             self.device = torch.device("cuda", local)
         else:
             self.device = torch.device("cpu")
+        if self.world > 1 and self.device.type == "cpu" and getattr(args, "bf16", False):
+            raise PluginError(f"--bf16 with {self.world} FSDP2 ranks on CPU is not supported yet (FSDP2's mixed "
+                              "precision runs on GPUs); leave it out to train in float32, or use one process.")
         source, flag = (args.ref_load, "--ref-load") if is_hf_dir(getattr(args, "ref_load", None)) else (
             args.hf_checkpoint, "--hf-checkpoint")
         self.model = self._place(lora.apply_lora(load_causal_lm(source, args, self.device, flag), args),
@@ -96,6 +99,7 @@ class FSDPBackend(StepLoop):
         self.optimizer = build_optimizer(self.model, args)
         self.schedule = LRSchedule.from_args(args)
         if self.rank == 0:
+            log.info("fsdp: %s", self._precision())
             log.info("fsdp optimizer: %s, weight decay %s, clip %s, schedule %s", type(self.optimizer).__name__,
                      getattr(args, "weight_decay", None), getattr(args, "clip_grad", None), self.schedule)
         return 0
@@ -109,6 +113,13 @@ class FSDPBackend(StepLoop):
             shard(model, self.args, self.world, self.device, trainable=trainable)
             return model
         return model.to(self.device)
+
+    def _precision(self) -> str:
+        if self.masters is not None:
+            return "bf16 parameters, fp32 master weights"
+        if self.world > 1 and getattr(self.args, "bf16", False):
+            return "FSDP2 bf16 compute over fp32 shards, fp32 gradient reduction"
+        return "fp32"
 
     def _bf16_copy(self):
         """``--bf16`` in one process: ``(bfloat16 copy of the model, MasterWeights)``; the copy runs every pass
