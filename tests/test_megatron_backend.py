@@ -443,19 +443,26 @@ def test_checkpoint_resumes_weights_optimizer_and_schedule(tiny_model_dir, tmp_p
 
 def test_a_changed_lr_schedule_on_resume_is_one_error_naming_the_choice(tiny_model_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    first = megatron_backend(args=train_args(tiny_model_dir))
-    asyncio.run(first.init(first.args))
-    asyncio.run(first.train(0, make_batch(tokenizer, [[[0, 1, 2, 3]]])))
-    asyncio.run(first.save(str(tmp_path / "iter_0000000")))
-    longer = megatron_backend(args=train_args(tiny_model_dir, num_rollout=5))
+    for style in ("cosine", "constant"):
+        first = megatron_backend(args=train_args(tiny_model_dir, lr_decay_style=style))
+        asyncio.run(first.init(first.args))
+        asyncio.run(first.train(0, make_batch(tokenizer, [[[0, 1, 2, 3]]])))
+        asyncio.run(first.save(str(tmp_path / style / "iter_0000000")))
+    longer = megatron_backend(args=train_args(tiny_model_dir, num_rollout=5, lr_decay_style="cosine"))
     asyncio.run(longer.init(longer.args))
     with pytest.raises(PluginError, match="learning-rate schedule saved there differs.*--override-opt_param-scheduler"):
-        asyncio.run(longer.load(str(tmp_path / "iter_0000000")))
+        asyncio.run(longer.load(str(tmp_path / "cosine" / "iter_0000000")))
     for flag in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
-        resumed = megatron_backend(args=train_args(tiny_model_dir, num_rollout=5, **{flag: True}))
+        resumed = megatron_backend(args=train_args(tiny_model_dir, num_rollout=5, lr_decay_style="cosine",
+                                                   **{flag: True}))
         asyncio.run(resumed.init(resumed.args))
-        asyncio.run(resumed.load(str(tmp_path / "iter_0000000")))
+        asyncio.run(resumed.load(str(tmp_path / "cosine" / "iter_0000000")))
         assert resumed.global_step == 1
+    # a constant learning rate: a longer run resumes as it is (the decay length changes no learning rate)
+    constant = megatron_backend(args=train_args(tiny_model_dir, num_rollout=5))
+    asyncio.run(constant.init(constant.args))
+    asyncio.run(constant.load(str(tmp_path / "constant" / "iter_0000000")))
+    assert constant.global_step == 1 and constant.scheduler.get_lr(constant.optimizer.param_groups[0]) == 1e-2
 
 
 # --- tensor parallelism over two gloo ranks ------------------------------------------------------

@@ -109,6 +109,21 @@ def _load(template: dict, path: str, device, what: str) -> dict:
                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
 
 
+def _schedule_state(saved: dict, scheduler) -> dict:
+    """The saved LR schedule state, the lengths of a constant schedule taken from this run's flags.
+
+    With ``--lr-decay-style constant`` (weight decay constant too) and the same warmup, the decay
+    and weight-decay lengths (``--num-rollout`` x steps per rollout by default) change no learning
+    rate, so a run extended with a larger ``--num-rollout`` resumes without
+    ``--override-opt_param-scheduler``; any other difference is left to megatron-core's check.
+    """
+    constant = (saved.get("lr_decay_style") == scheduler.lr_decay_style == "constant"
+                and saved.get("wd_incr_style", "constant") == scheduler.wd_incr_style == "constant")
+    if constant and saved.get("lr_warmup_steps") == scheduler.lr_warmup_steps:
+        return {**saved, "lr_decay_steps": scheduler.lr_decay_steps, "wd_incr_steps": scheduler.wd_incr_steps}
+    return saved
+
+
 def _restore_model(model, masters, loaded_model: dict) -> None:
     """Loaded model tensors into the masters (then rounded into the model), or into the model itself."""
     if masters is not None:
@@ -201,7 +216,7 @@ def load_checkpoint(path: str, *, model, optimizer, scheduler, rank: int, world:
                 param_state["step"] = torch.tensor(float(step))
         optimizer.load_state_dict(state)
         try:
-            scheduler.load_state_dict(loaded["scheduler"])
+            scheduler.load_state_dict(_schedule_state(loaded["scheduler"], scheduler))
         except AssertionError as exc:  # megatron-core's check that the schedule flags did not change
             raise PluginError(
                 f"checkpoint {path}: the learning-rate schedule saved there differs from this run's ({exc}). "
