@@ -84,11 +84,12 @@ def _demo_run(save: Path, *extra: str) -> list[dict]:
     return [r for r in map(json.loads, (save / "metrics.jsonl").read_text().splitlines()) if "rollout/step" in r]
 
 
-def test_skipping_gives_the_losses_grad_norms_and_rewards_of_training_every_sample(tmp_path, caplog):
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_skipping_gives_the_losses_grad_norms_and_rewards_of_training_every_sample(tmp_path, caplog, backend):
     caplog.set_level("INFO", logger="furlong.train")
-    skipped = _demo_run(tmp_path / "skip")
+    skipped = _demo_run(tmp_path / "skip", "--train-backend", backend)
     assert "samples with zero advantage on every trained token are left out" in caplog.text
-    every = _demo_run(tmp_path / "all", "--no-skip-zero-advantage-samples")
+    every = _demo_run(tmp_path / "all", "--train-backend", backend, "--no-skip-zero-advantage-samples")
     # rollout 0: one of the four groups got one reward for all samples; rollouts 1 and 2: every group (reward
     # 0), so one sample is kept and the optimizer step still runs (Adam moves the weights with a zero gradient:
     # the engine's log-probs of the next rollout see it)
