@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,8 +24,9 @@ from furlong.builtin_plugins.backends.fsdp import train_backend as fsdp_backend 
 from furlong.builtin_plugins.backends.megatron import configure  # noqa: E402
 from furlong.builtin_plugins.backends.megatron import train_backend as megatron_backend  # noqa: E402
 from furlong.builtin_plugins.backends.megatron.config import check_model_args, model_shape  # noqa: E402
-from furlong.builtin_plugins.backends.megatron.convert import (export_hf, load_hf, local_shard,  # noqa: E402
-                                                               safetensors_stream, units)
+from furlong.builtin_plugins.backends.megatron.convert import (Stage, Unit, export_hf, load_hf,  # noqa: E402
+                                                               local_shard, owner, safetensors_stream,
+                                                               stage_layer_counts, units)
 from furlong.builtin_plugins.backends.megatron.logprobs import vocab_parallel_log_probs  # noqa: E402
 from furlong.builtin_plugins.backends.megatron.model import build_gpt, cpu_shims, init_parallel  # noqa: E402
 from furlong.hooks import ConfigReport, PluginError  # noqa: E402
@@ -128,8 +130,9 @@ def test_configure_reports_architecture_and_unsupported_parallelism(tiny_model_d
     configure(args=args, report=report)
     assert f"--num-layers 3 disagrees with --hf-checkpoint {tiny_model_dir}/config.json (num_hidden_layers = 2)." \
         in report.errors
-    assert (f"--pipeline-model-parallel-size 3 does not divide num_hidden_layers 2 of --hf-checkpoint {tiny_model_dir} "
-            "(stages get equal numbers of layers).") in report.errors
+    assert (f"--hf-checkpoint {tiny_model_dir}: --pipeline-model-parallel-size 3 cannot split 2 layers: the stages "
+            "without a fixed count must share the other 2 equally (--decoder-first-pipeline-num-layers / "
+            "--decoder-last-pipeline-num-layers give the first and last stages other counts).") in report.errors
     assert "--virtual-pipeline-model-parallel-size 2 is not supported yet by --train-backend megatron." in report.errors
     assert ("--sequence-parallel is not supported yet by --train-backend megatron (megatron-core's local spec, which "
             "this backend builds, has no sequence parallelism; tensor parallelism works without it).") in report.errors
@@ -622,6 +625,31 @@ def test_pipeline_two_stages(tiny_model_dir, tmp_path):
         assert master.dtype == torch.float32 and torch.equal(loaded[mcore_name], master), mcore_name
 
 
+@pytest.mark.parametrize("layers, pp, first, last, counts", [
+    (4, 2, None, None, (2, 2)), (3, 2, 2, None, (2, 1)), (3, 2, None, 2, (1, 2)), (8, 4, 1, 1, (1, 3, 3, 1)),
+    (4, 2, 1, 3, (1, 3)), (5, 3, 1, None, (1, 2, 2))])
+def test_pipeline_stages_split_the_layers_as_megatron_does(layers, pp, first, last, counts):
+    assert stage_layer_counts(layers, pp, first, last) == counts
+    stages = [Stage(i, pp, counts) for i in range(pp)]
+    shape = SimpleNamespace(num_layers=layers)
+    held = [owner(Unit(f"decoder.layers.{n}.mlp.linear_fc2.weight", ()), shape, stages[0]) for n in range(layers)]
+    assert held == [i for i, c in enumerate(counts) for _ in range(c)]
+    assert [st.offset(layers) for st in stages] == [sum(counts[:i]) for i in range(pp)]
+
+
+@pytest.mark.parametrize("layers, pp, first, last, message", [
+    (3, 2, None, None, "--pipeline-model-parallel-size 2 cannot split 3 layers: the stages without a fixed count must "
+                       "share the other 3 equally (--decoder-first-pipeline-num-layers"),
+    (4, 2, 1, 2, "--pipeline-model-parallel-size 2 with --decoder-first-pipeline-num-layers 1, "
+                 "--decoder-last-pipeline-num-layers 2 cannot split 4 layers"),
+    (4, 3, 3, None, "cannot split 4 layers: the stages without a fixed count must share the other 1 equally."),
+    (4, 2, 0, None, "--decoder-first/last-pipeline-num-layers must be at least 1.")])
+def test_a_pipeline_split_that_cannot_be_made_names_the_flags(layers, pp, first, last, message):
+    with pytest.raises(ValueError) as err:
+        stage_layer_counts(layers, pp, first, last)
+    assert message in str(err.value)
+
+
 def test_context_parallel_chunks_are_those_megatron_s_rope_assumes():
     """Each CP rank's chunks of packed sequences hold the positions megatron-core's RoPE gives that rank, and
     gathered in rank order they are the sequences again (CP=2 and CP=3)."""
@@ -731,21 +759,23 @@ def test_grpo_under_the_local_executor_matches_fsdp(tmp_path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("pp, cp", [(2, 1), (1, 2)], ids=["pp2", "cp2"])
-def test_two_ranks_under_torchrun_reproduce_one_process(tiny_model_dir, tmp_path, pp, cp):
+@pytest.mark.parametrize("pp, cp, split", [(2, 1, []), (1, 2, []), (2, 1, ["--decoder-first-pipeline-num-layers", "2"])],
+                         ids=["pp2", "cp2", "pp2-uneven"])
+def test_two_ranks_under_torchrun_reproduce_one_process(tiny_model_dir, tmp_path, pp, cp, split):
     """The whole loop at PP=2 or CP=2 (torchrun, the local executor): pi_old from the (last stage's) training
     forward, its metrics and the weights it syncs to the engine give the one-process run's rollouts and metrics
-    (at CP=2 each sequence is split over both ranks)."""
+    (at CP=2 each sequence is split over both ranks; uneven: the demo model's 3 layers as 2 + 1)."""
     from .tiny_model import one_process_and_torchrun
 
-    flags = ["train", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
+    model = DEMO / "model" if split else tiny_model_dir
+    flags = ["train", "--hf-checkpoint", str(model), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
              "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--num-rollout", "2",
              "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
              "--micro-batch-size", "4", "--rollout-max-response-len", "12", "--lr", "1e-4", "--entropy-coef", "0.01",
              "--seed", "1", "--save-interval", "1000", "--train-backend", "megatron"]
     rows, stderr = one_process_and_torchrun(flags, tmp_path, ["--no-reuse-train-log-probs"],
                                             ["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size",
-                                             str(pp), "--context-parallel-size", str(cp)])
+                                             str(pp), "--context-parallel-size", str(cp), *split])
     assert f"PP {pp}, CP {cp}, DP 1" in stderr
     assert "the separate log-prob pass is skipped" in stderr
     assert len(rows["one"]) == len(rows["two"]) == 2

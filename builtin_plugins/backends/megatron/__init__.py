@@ -32,7 +32,7 @@ _USED = {
     "--qk-layernorm", "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by",
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
     "--recompute-granularity", "--recompute-method",
-    "--recompute-num-layers",
+    "--recompute-num-layers", "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
     "--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler", "--no-check-for-nan-in-loss-and-grad",
     "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings",
 }
@@ -101,6 +101,7 @@ def _check_architecture(args, report) -> None:
     from transformers import AutoConfig
 
     from .config import check_model_args, model_shape
+    from .convert import pipeline_split, stage_layer_counts
 
     where = f"--hf-checkpoint {args.hf_checkpoint}"
     if not os.path.isfile(os.path.join(str(args.hf_checkpoint or ""), "config.json")):
@@ -127,9 +128,10 @@ def _check_architecture(args, report) -> None:
         if value % tp:
             report.error(f"--tensor-model-parallel-size {tp} does not divide {what} {value} of {where}.")
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    if shape.num_layers % pp:
-        report.error(f"--pipeline-model-parallel-size {pp} does not divide num_hidden_layers {shape.num_layers} of "
-                     f"{where} (stages get equal numbers of layers).")
+    try:
+        stage_layer_counts(shape.num_layers, pp, *pipeline_split(args))
+    except ValueError as exc:
+        report.error(f"{where}: {exc}")
     groups = shape.num_query_groups
     if groups % tp and tp % groups:
         report.error(f"--tensor-model-parallel-size {tp}: num_key_value_heads {groups} of {where} must be a "

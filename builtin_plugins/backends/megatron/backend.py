@@ -13,7 +13,7 @@ from furlong.hooks.trainer import StepLoop
 
 from . import checkpoint
 from .config import check_model_args, model_shape, padded_vocab_size
-from .convert import Stage, export_hf, load_hf, placed_units, safetensors_stream
+from .convert import Stage, export_hf, load_hf, pipeline_split, placed_units, safetensors_stream, stage_layer_counts
 from .logprobs import forward_log_probs
 from .master import MasterWeights
 from .model import build_gpt, cpu_shims, init_parallel
@@ -102,10 +102,6 @@ class MegatronBackend(PipelineStages, StepLoop):
         self.pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
         self.cp = int(getattr(args, "context_parallel_size", 1) or 1)
         self.world, self.rank = init_parallel(self.tp, self.device, self.pp, self.cp)
-        if self.pp > 1:
-            from megatron.core import parallel_state
-
-            self.stage = Stage(parallel_state.get_pipeline_model_parallel_rank(), self.pp)
         if self.device.type == "cuda":
             from megatron.core import tensor_parallel
 
@@ -116,11 +112,16 @@ class MegatronBackend(PipelineStages, StepLoop):
             raise PluginError(f"--hf-checkpoint {args.hf_checkpoint}: cannot read config.json: {exc}") from exc
         self.shape = model_shape(hf_config, f"--hf-checkpoint {args.hf_checkpoint}")
         problems = check_model_args(args, self.shape, f"--hf-checkpoint {args.hf_checkpoint}/config.json")
-        if self.shape.num_layers % self.pp:
-            problems.append(f"--pipeline-model-parallel-size {self.pp} does not divide the {self.shape.num_layers} "
-                            f"layers of --hf-checkpoint {args.hf_checkpoint}.")
+        try:
+            counts = stage_layer_counts(self.shape.num_layers, self.pp, *pipeline_split(args))
+        except ValueError as exc:
+            problems.append(f"--hf-checkpoint {args.hf_checkpoint}: {exc}")
         if problems:
             raise PluginError(" ".join(problems))
+        if self.pp > 1:
+            from megatron.core import parallel_state
+
+            self.stage = Stage(parallel_state.get_pipeline_model_parallel_rank(), self.pp, counts)
         self.vocab_rows = padded_vocab_size(self.shape.vocab_size, self.tp,
                                             getattr(args, "make_vocab_size_divisible_by", None))
         self.model = self._load_model()
@@ -143,8 +144,11 @@ class MegatronBackend(PipelineStages, StepLoop):
         return 0
 
     def _load_model(self):
+        first, last = pipeline_split(self.args) if self.pp > 1 else (None, None)
+        split = {k: v for k, v in (("num_layers_in_first_pipeline_stage", first),
+                                   ("num_layers_in_last_pipeline_stage", last)) if v is not None}
         model = build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device, pp=self.pp, cp=self.cp,
-                          **recompute_settings(self.args))
+                          **recompute_settings(self.args), **split)
         ref = getattr(self.args, "ref_load", None)
         if is_hf_dir(ref):
             load_hf(model, safetensors_stream(ref), self.shape, self.vocab_rows, self.tp, self._tp_rank(),

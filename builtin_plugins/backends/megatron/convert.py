@@ -30,7 +30,8 @@ from furlong.hooks import PluginError
 
 from .config import ModelShape
 
-__all__ = ["Stage", "Unit", "export_hf", "gather_full", "load_hf", "local_shard", "placed_units", "units"]
+__all__ = ["Stage", "Unit", "export_hf", "gather_full", "load_hf", "local_shard", "pipeline_split", "placed_units",
+           "stage_layer_counts", "units"]
 
 
 @attrs.frozen
@@ -51,12 +52,46 @@ class Unit:
 COLUMN, ROW, FC1 = (0, 1), (1, 1), (0, 2)
 
 
+def pipeline_split(args: Any) -> tuple:
+    """``(--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers)``, None where not given."""
+    return (getattr(args, "decoder_first_pipeline_num_layers", None),
+            getattr(args, "decoder_last_pipeline_num_layers", None))
+
+
+def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> tuple:
+    """Decoder layers of each of ``pp`` pipeline stages, Megatron-LM's split: the first stage gets
+    ``first`` (``--decoder-first-pipeline-num-layers``), the last ``last``
+    (``--decoder-last-pipeline-num-layers``), the other stages share the rest equally; without
+    either, every stage gets ``num_layers / pp``.
+
+    :raises ValueError: a split that leaves a stage without layers or cannot be equal (the
+        message names the flags).
+    """
+    fixed = {0: first, pp - 1: last} if pp > 1 else {}
+    fixed = {i: n for i, n in fixed.items() if n is not None}
+    if any(n < 1 for n in fixed.values()):
+        raise ValueError("--decoder-first/last-pipeline-num-layers must be at least 1.")
+    middle = pp - len(fixed)
+    rest = num_layers - sum(fixed.values())
+    if (middle == 0 and rest != 0) or (middle > 0 and (rest < middle or rest % middle)):
+        given = ", ".join(f"--decoder-{'first' if i == 0 else 'last'}-pipeline-num-layers {n}"
+                          for i, n in sorted(fixed.items()))
+        hint = "" if given else (" (--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers give "
+                                 "the first and last stages other counts)")
+        raise ValueError(f"--pipeline-model-parallel-size {pp}{' with ' + given if given else ''} cannot split "
+                         f"{num_layers} layers: the stages without a fixed count must share the other {rest} "
+                         f"equally{hint}.")
+    return tuple(fixed.get(i, rest // middle if middle else 0) for i in range(pp))
+
+
 @attrs.frozen
 class Stage:
-    """This rank's pipeline stage: ``index`` of ``count`` (megatron-core's pipeline rank and size)."""
+    """This rank's pipeline stage: ``index`` of ``count`` (megatron-core's pipeline rank and size) and the
+    decoder layers of every stage (:func:`stage_layer_counts`; empty: equal stages)."""
 
     index: int = 0
     count: int = 1
+    layers: tuple = ()
 
     @property
     def first(self) -> bool:
@@ -66,12 +101,24 @@ class Stage:
     def last(self) -> bool:
         return self.index == self.count - 1
 
+    def counts(self, num_layers: int) -> tuple:
+        """Layers of every stage of a model of ``num_layers`` layers."""
+        return self.layers or stage_layer_counts(num_layers, self.count)
 
-def owner(unit: Unit, shape: ModelShape, count: int) -> int:
-    """The pipeline stage (of ``count``) that holds ``unit``'s parameter (the first stage for the embedding)."""
+    def offset(self, num_layers: int) -> int:
+        """The global index of this stage's first layer."""
+        return sum(self.counts(num_layers)[: self.index])
+
+
+def owner(unit: Unit, shape: ModelShape, stage: Stage) -> int:
+    """The pipeline stage (of ``stage``'s split) that holds ``unit``'s parameter (the first stage for the embedding)."""
     if unit.mcore.startswith("decoder.layers."):
-        return int(unit.mcore.split(".")[2]) // (shape.num_layers // count)
-    return 0 if unit.mcore.startswith("embedding.") else count - 1
+        layer, start = int(unit.mcore.split(".")[2]), 0
+        for index, n in enumerate(stage.counts(shape.num_layers)):
+            start += n
+            if layer < start:
+                return index
+    return 0 if unit.mcore.startswith("embedding.") else stage.count - 1
 
 
 def placed_units(shape: ModelShape, stage: Stage) -> list[tuple[Unit, str]]:
@@ -80,15 +127,15 @@ def placed_units(shape: ModelShape, stage: Stage) -> list[tuple[Unit, str]]:
     Layers are renamed to the stage's local indices; a tied model's last stage (when it is
     not also the first) adds the embedding unit under ``output_layer.weight``, its copy.
     """
-    per_stage = shape.num_layers // stage.count
+    offset = stage.offset(shape.num_layers)
     out = []
     for unit in units(shape):
-        if owner(unit, shape, stage.count) != stage.index:
+        if owner(unit, shape, stage) != stage.index:
             continue
         name = unit.mcore
         if name.startswith("decoder.layers."):
             parts = name.split(".")
-            parts[2] = str(int(parts[2]) - stage.index * per_stage)
+            parts[2] = str(int(parts[2]) - offset)
             name = ".".join(parts)
         out.append((unit, name))
     if shape.tied and stage.last and not stage.first:
@@ -247,8 +294,8 @@ def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), 
     import torch.distributed as dist
 
     params = dict(model.named_parameters())
-    mine = {unit.mcore: local for unit, local in placed_units(shape, stage) if owner(unit, shape, stage.count)
-            == stage.index}
+    mine = {unit.mcore: local for unit, local in placed_units(shape, stage)
+            if owner(unit, shape, stage) == stage.index}
     specs: dict = {}
     if stage.count > 1:  # full shape and dtype of every parameter, from the stage that holds it
         held = {}
@@ -269,7 +316,7 @@ def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), 
             full = torch.empty(size, dtype=dtype, device=next(model.parameters()).device)
         if stage.count > 1:
             full = full.contiguous()
-            dist.broadcast(full, src=dist.get_global_rank(pp_group, owner(unit, shape, stage.count)), group=pp_group)
+            dist.broadcast(full, src=dist.get_global_rank(pp_group, owner(unit, shape, stage)), group=pp_group)
         yield from zip(unit.hf, unpack(unit, full, shape))
 
 
