@@ -89,8 +89,7 @@ class FSDPBackend(StepLoop):
             ref = load_causal_lm(source, args, self.device, flag).requires_grad_(False)
             self.ref_model = self._place(ref, trainable=False)
             if self.masters is not None:  # a reference never trains: bfloat16 alone, like the model's passes
-                for param in self.ref_model.parameters():
-                    param.data = param.data.to(torch.bfloat16)
+                _bf16_parameters(self.ref_model)
             self._compile(self.ref_model, trainable=False)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
@@ -127,13 +126,9 @@ class FSDPBackend(StepLoop):
         Otherwise ``(the model, None)``: float32, or FSDP2's bfloat16 compute over float32 shards."""
         import copy
 
-        import torch
-
         if self.world > 1 or not getattr(self.args, "bf16", False):
             return self.model, None
-        compute = copy.deepcopy(self.model)
-        for param in compute.parameters():
-            param.data = param.data.to(torch.bfloat16)  # parameters only: buffers (RoPE frequencies) stay float32
+        compute = _bf16_parameters(copy.deepcopy(self.model))
         return compute, MasterWeights(compute, masters=dict(self.model.named_parameters()))
 
     def _compile(self, model, *, trainable: bool) -> None:
@@ -274,3 +269,12 @@ class FSDPBackend(StepLoop):
         self.global_step = int(meta["global_step"])
         if not getattr(self.args, "no_load_rng", False):
             checkpoint.load_rng(path, self.rank)
+
+
+def _bf16_parameters(model):
+    """``model`` with its parameters cast to bfloat16 in place (buffers, e.g. RoPE frequencies, stay float32)."""
+    import torch
+
+    for param in model.parameters():
+        param.data = param.data.to(torch.bfloat16)
+    return model
