@@ -89,9 +89,12 @@ class TrainGroup:
             log.info("pi_old is the rollout engine's log-probs (--use-rollout-logprobs).")
         else:
             log.info("a separate forward pass computes pi_old: %s.", reason)
-        self.skip_zero_advantage = bool(getattr(self.args, "skip_zero_advantage_samples", False)) and \
-            zero_advantage_skip_blocked(self.args) is None
-        if self.skip_zero_advantage:
+        blocked = zero_advantage_skip_blocked(self.args)
+        self.skip_zero_advantage = bool(getattr(self.args, "skip_zero_advantage_samples", False)) and blocked is None
+        if blocked is not None:
+            log.info("every sample is trained, zero advantage or not (--skip-zero-advantage-samples is off: %s).",
+                     blocked)
+        elif self.skip_zero_advantage:
             log.info("samples with zero advantage on every trained token are left out of the forward and backward "
                      "passes (their loss is 0; the loss denominators still count them); metrics other than loss "
                      "and pg_loss are means over the trained samples; --no-skip-zero-advantage-samples trains them.")

@@ -130,9 +130,9 @@ def test_configure_reports_architecture_and_unsupported_parallelism(tiny_model_d
     configure(args=args, report=report)
     assert f"--num-layers 3 disagrees with --hf-checkpoint {tiny_model_dir}/config.json (num_hidden_layers = 2)." \
         in report.errors
-    assert (f"--hf-checkpoint {tiny_model_dir}: --pipeline-model-parallel-size 3 cannot split 2 layers: the stages "
-            "without a fixed count must share the other 2 equally (--decoder-first-pipeline-num-layers / "
-            "--decoder-last-pipeline-num-layers give the first and last stages other counts).") in report.errors
+    assert (f"--hf-checkpoint {tiny_model_dir}: --pipeline-model-parallel-size 3 does not divide the 2 layers "
+            "(--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers give the first and last "
+            "stages other counts).") in report.errors
     assert "--virtual-pipeline-model-parallel-size 2 is not supported yet by --train-backend megatron." in report.errors
     assert ("--sequence-parallel is not supported yet by --train-backend megatron (megatron-core's local spec, which "
             "this backend builds, has no sequence parallelism; tensor parallelism works without it).") in report.errors
@@ -638,16 +638,30 @@ def test_pipeline_stages_split_the_layers_as_megatron_does(layers, pp, first, la
 
 
 @pytest.mark.parametrize("layers, pp, first, last, message", [
-    (3, 2, None, None, "--pipeline-model-parallel-size 2 cannot split 3 layers: the stages without a fixed count must "
-                       "share the other 3 equally (--decoder-first-pipeline-num-layers"),
-    (4, 2, 1, 2, "--pipeline-model-parallel-size 2 with --decoder-first-pipeline-num-layers 1, "
-                 "--decoder-last-pipeline-num-layers 2 cannot split 4 layers"),
-    (4, 3, 3, None, "cannot split 4 layers: the stages without a fixed count must share the other 1 equally."),
-    (4, 2, 0, None, "--decoder-first/last-pipeline-num-layers must be at least 1.")])
+    (3, 2, None, None, "--pipeline-model-parallel-size 2 does not divide the 3 layers (--decoder-first-pipeline-num-layers"),
+    (3, 2, 2, 2, "--pipeline-model-parallel-size 2 with --decoder-first-pipeline-num-layers 2 and "
+                 "--decoder-last-pipeline-num-layers 2 asks for 4 layers; the model has 3."),
+    (3, 2, 3, None, "--pipeline-model-parallel-size 2 with --decoder-first-pipeline-num-layers 3 leaves 0 of the 3 "
+                    "layers for the other 1 stage(s), fewer than one each."),
+    (8, 4, 1, None, "with --decoder-first-pipeline-num-layers 1 leaves 7 of the 8 layers, which the other 3 stages "
+                    "cannot share equally."),
+    (4, 2, 0, None, "--decoder-first-pipeline-num-layers 0: a pipeline stage needs at least 1 layer."),
+    (4, 1, None, -1, "--decoder-last-pipeline-num-layers -1: a pipeline stage needs at least 1 layer.")])
 def test_a_pipeline_split_that_cannot_be_made_names_the_flags(layers, pp, first, last, message):
     with pytest.raises(ValueError) as err:
         stage_layer_counts(layers, pp, first, last)
     assert message in str(err.value)
+
+
+def test_split_flags_are_checked_at_one_stage_and_warned_about_there(tiny_model_dir):
+    report = ConfigReport(plugin="megatron")
+    configure(args=train_args(tiny_model_dir, decoder_first_pipeline_num_layers=-1), report=report)
+    assert "--decoder-first-pipeline-num-layers -1: a pipeline stage needs at least 1 layer." in report.errors
+    report = ConfigReport(plugin="megatron")
+    configure(args=train_args(tiny_model_dir, decoder_first_pipeline_num_layers=1), report=report)
+    assert not report.errors
+    assert ("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers change nothing without "
+            "--pipeline-model-parallel-size > 1.") in report.warnings
 
 
 def test_context_parallel_chunks_are_those_megatron_s_rope_assumes():
@@ -777,7 +791,7 @@ def test_two_ranks_under_torchrun_reproduce_one_process(tiny_model_dir, tmp_path
     rows, stderr = one_process_and_torchrun(flags, tmp_path, ["--no-reuse-train-log-probs"],
                                             ["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size",
                                              str(pp), "--context-parallel-size", str(cp), *split])
-    assert f"PP {pp}, CP {cp}, DP 1" in stderr
+    assert f"PP {pp}{' (layers per stage 2+1)' if split else ''}, CP {cp}, DP 1" in stderr
     assert "the separate log-prob pass is skipped" in stderr
     assert len(rows["one"]) == len(rows["two"]) == 2
     assert rows["one"][0]["rollout/log_probs"] != rows["one"][1]["rollout/log_probs"]

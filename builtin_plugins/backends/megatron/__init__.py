@@ -131,7 +131,11 @@ def _check_architecture(args, report) -> None:
     try:
         stage_layer_counts(shape.num_layers, pp, *pipeline_split(args))
     except ValueError as exc:
-        report.error(f"{where}: {exc}")
+        message = str(exc)  # a split flag's own value is at fault, or the split of this model's layers
+        report.error(message if message.startswith("--decoder-") else f"{where}: {message}")
+    if pp == 1 and any(n is not None for n in pipeline_split(args)):
+        report.warn("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers change nothing "
+                    "without --pipeline-model-parallel-size > 1.")
     groups = shape.num_query_groups
     if groups % tp and tp % groups:
         report.error(f"--tensor-model-parallel-size {tp}: num_key_value_heads {groups} of {where} must be a "

@@ -138,8 +138,9 @@ class MegatronBackend(PipelineStages, StepLoop):
         self.optimizer = build_optimizer(self._trained_parameters(), args)
         self.scheduler = build_scheduler(self.optimizer, args)
         if self.rank == 0:
-            log.info("megatron: %s, TP %d, PP %d, CP %d, DP %d, vocab rows %d, %s", self.shape.family, self.tp,
-                     self.pp, self.cp, self._dp_size(), self.vocab_rows,
+            log.info("megatron: %s, TP %d, PP %d%s, CP %d, DP %d, vocab rows %d, %s", self.shape.family, self.tp,
+                     self.pp, f" (layers per stage {'+'.join(map(str, self.stage.layers))})" if self.pp > 1 else "",
+                     self.cp, self._dp_size(), self.vocab_rows,
                      "bf16 parameters, fp32 master weights" if self.masters else "fp32")
         return 0
 

@@ -67,20 +67,28 @@ def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last:
     :raises ValueError: a split that leaves a stage without layers or cannot be equal (the
         message names the flags).
     """
+    for flag, n in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
+        if n is not None and n < 1:
+            raise ValueError(f"{flag} {n}: a pipeline stage needs at least 1 layer.")
     fixed = {0: first, pp - 1: last} if pp > 1 else {}
     fixed = {i: n for i, n in fixed.items() if n is not None}
-    if any(n < 1 for n in fixed.values()):
-        raise ValueError("--decoder-first/last-pipeline-num-layers must be at least 1.")
     middle = pp - len(fixed)
     rest = num_layers - sum(fixed.values())
-    if (middle == 0 and rest != 0) or (middle > 0 and (rest < middle or rest % middle)):
-        given = ", ".join(f"--decoder-{'first' if i == 0 else 'last'}-pipeline-num-layers {n}"
-                          for i, n in sorted(fixed.items()))
-        hint = "" if given else (" (--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers give "
-                                 "the first and last stages other counts)")
-        raise ValueError(f"--pipeline-model-parallel-size {pp}{' with ' + given if given else ''} cannot split "
-                         f"{num_layers} layers: the stages without a fixed count must share the other {rest} "
-                         f"equally{hint}.")
+    given = " and ".join(f"--decoder-{'first' if i == 0 else 'last'}-pipeline-num-layers {n}"
+                         for i, n in sorted(fixed.items()))
+    if not fixed and num_layers % pp:
+        raise ValueError(f"--pipeline-model-parallel-size {pp} does not divide the {num_layers} layers "
+                         "(--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers give the first "
+                         "and last stages other counts).")
+    if middle == 0 and rest != 0:
+        raise ValueError(f"--pipeline-model-parallel-size {pp} with {given} asks for {num_layers - rest} layers; "
+                         f"the model has {num_layers}.")
+    if middle > 0 and rest < middle:
+        raise ValueError(f"--pipeline-model-parallel-size {pp} with {given} leaves {max(rest, 0)} of the "
+                         f"{num_layers} layers for the other {middle} stage(s), fewer than one each.")
+    if middle > 0 and rest % middle:
+        raise ValueError(f"--pipeline-model-parallel-size {pp} with {given} leaves {rest} of the {num_layers} layers, "
+                         f"which the other {middle} stages cannot share equally.")
     return tuple(fixed.get(i, rest // middle if middle else 0) for i in range(pp))
 
 
