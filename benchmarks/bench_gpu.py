@@ -11,7 +11,8 @@ One command, from the repository root, on a machine with a CUDA GPU::
    the same batch through transformers ``generate`` with a static cache
    (``cache_implementation="static"``, sampling, ``min_new_tokens`` = ``max_new_tokens``).
    Each is run once to warm up (CUDA graphs, compilation) and then timed; tok/s = new
-   tokens / wall seconds. Each part runs in a process of its own, so that one part's GPU
+   tokens / wall seconds. The engine's timed runs alternate with runs that read each decode
+   step's finish flags before launching the next (``tok_per_s_without_overlap``). Each part runs in a process of its own, so that one part's GPU
    memory (the engine's key/value cache, CUDA graph pools) is not held while the next runs.
 2. **GRPO iteration**: ``furlong train`` (sync, embedded engine, fsdp backend, ``--bf16``:
    bfloat16 parameters over float32 master weights, fused AdamW; ``--train-flags`` adds flags
@@ -90,16 +91,23 @@ def bench_engine(folder: Path, opts, compile: str | None = None) -> dict:
     async def run():
         return await asyncio.gather(*[engine.generate(p, dict(params)) for p in batch])
 
-    times = []
-    for _ in range(1 + opts.repeats):
+    def timed(overlap: bool) -> tuple[float, list]:
+        engine._decoder.overlap = overlap
         torch.cuda.synchronize()
         start = time.perf_counter()
         outs = asyncio.run(run())
-        times.append(time.perf_counter() - start)
+        return time.perf_counter() - start, outs
+
+    warmup, outs = timed(True)
+    times, plain = [], []  # timed runs alternate: overlapped steps (the default), then steps read one by one
+    for _ in range(opts.repeats):
+        times.append(timed(True)[0])
+        plain.append(timed(False)[0])
     tokens = sum(len(o.output_ids) for o in outs)
     assert tokens == opts.requests * opts.new_tokens, tokens
-    best = min(times[1:])
-    return {"tokens": tokens, "warmup_s": times[0], "times_s": times[1:], "tok_per_s": tokens / best,
+    best = min(times)
+    return {"tokens": tokens, "warmup_s": warmup, "times_s": times, "tok_per_s": tokens / best,
+            "times_without_overlap_s": plain, "tok_per_s_without_overlap": tokens / min(plain),
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
@@ -156,6 +164,7 @@ def bench_grpo(folder: Path, opts, out: Path) -> dict:
         "command": " ".join(cmd[1:]), "wall_s": wall, "params": params,
         "split_s": {k: mean(f"perf/{k}") for k in ("rollout_time", "log_probs_time", "actor_train_time",
                                                      "train_time", "update_weights_time")},
+        "train_s_per_rollout": [r.get("perf/actor_train_time") for r in rows if "rollout/step" in r],
         "tokens_per_step": statistics.fmean(tokens),
         "train_mfu": 6 * params * statistics.fmean(tokens) / train_s / (opts.peak_tflops * 1e12),
         "train_tokens_per_s": statistics.fmean(tokens) / train_s,

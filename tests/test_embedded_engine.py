@@ -205,6 +205,42 @@ def test_bucketed_attention_width_gives_the_same_tokens_and_log_probs(tiny_dir, 
         assert b.output_log_probs == pytest.approx(e.output_log_probs, abs=1e-6)
 
 
+def test_steps_launched_before_the_flags_are_read_give_the_same_results(tiny_dir):
+    # on CUDA each plain step is launched before the previous step's finish flags are read (forced here on
+    # CPU): rows finish on the device, slots are refilled while a step is in flight (3 slots, 7 requests of
+    # different budgets, stop tokens), a top-k request makes some steps wait for the flags first
+    prompts = ["Hello there", "Q: 1+1=", "x", "abc", "Q: 1+1=", "a longer prompt of text", "x"]
+    params = [{"temperature": 1.0, "max_new_tokens": n, "sampling_seed": 11 + i, "stop_token_ids": [5, 9]}
+              for i, n in enumerate([3, 19, 5, 30, 7, 11, 14])]
+    params[6]["top_k"] = 4
+    outs, lagged = [], []
+    for overlap in (False, True):
+        eng = embedded.load_engine(str(tiny_dir), max_batch_size=3)
+        dec = eng._decoder
+        dec.overlap = overlap
+        step, collect, order = dec._step, dec._collect, []
+
+        def launch(n, step=step, order=order):
+            launched = step(n)
+            order.append(("launch", launched[0]))
+            return launched
+
+        def read(launched, on_finish, collect=collect, order=order):
+            order.append(("collect", launched[0]))
+            collect(launched, on_finish)
+
+        dec._step, dec._collect = launch, read
+        outs.append(_run(_each(eng, prompts, params)))
+        lagged.append(sum(what == "launch" and order[k + 1] == ("collect", i - 1)
+                          for k, (what, i) in enumerate(order[:-1])))
+    plain, overlapped = outs
+    assert lagged[0] == 0 and lagged[1] > 10  # the flags of most steps were read after the next launch
+    assert {o.finish_reason for o in plain} == {"length", "stop"}
+    for a, b in zip(overlapped, plain):
+        assert (a.output_ids, a.finish_reason) == (b.output_ids, b.finish_reason)
+        assert a.output_log_probs == pytest.approx(b.output_log_probs, abs=1e-6)
+
+
 def test_compiled_decode_step_gives_the_same_tokens_and_log_probs(tiny_dir):
     # --embedded-torch-compile compiles the decoder layers (around the slot attention) and the
     # sampler; "aot_eager" runs the traced graphs without inductor's code generation, so the

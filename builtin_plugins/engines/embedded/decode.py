@@ -9,6 +9,14 @@ device (:func:`~.sampling.sample_batch`), the finish test made on the device, an
 small copy to the host per step (which rows finished). A finished request leaves its
 slot at once and the next queued request takes it at the next turn.
 
+With ``overlap`` (on with CUDA graphs) the host reads a step's finish flags only after
+it has launched the next step, so the GPU decodes while the host finishes requests and
+fills slots. A row that finishes stops on the device in the same step (its slot is no
+longer busy there), so the step launched before the host knew computes nothing for it
+that is kept; a request admitted into that slot meanwhile ignores the old step's flags.
+Steps with filtering, banned tokens or watched requests are not overlapped (their
+planning needs the host's token counts up to date).
+
 A request finishes on its token budget ("length", checked first, as SGLang does), a stop
 token or a stop string in its decoded tail ("stop"), or an abort ("abort"; the tokens so
 far are kept). Tokens are read back to the host when a request finishes, or every step
@@ -118,6 +126,10 @@ class SlotDecoder:
     (a request's prompt keys, values and logits do not depend on the other rows of the
     pass; only the float summation order of a pass with fewer rows can move log-probs by
     about 1e-7); tests turn it off to compare.
+
+    ``overlap``: launch each plain decode step before reading the previous step's flags (on
+    with graphs, where launching is asynchronous; tests turn it on to check that the lag
+    changes no result).
     """
 
     share_prompts = True
@@ -132,6 +144,11 @@ class SlotDecoder:
         self.cache = SlotCache.for_model(model)
         self.graphs_on = graphs and self.device.type == "cuda"
         self.bucket_widths = self.graphs_on
+        self.overlap = self.graphs_on
+        self.admitted_at = np.zeros(max_slots, dtype=np.int64)  # per slot: steps launched before its admission
+        self._flag_buffers = [torch.zeros(max_slots, dtype=torch.long, pin_memory=self.device.type == "cuda")
+                              for _ in range(2)]
+        self._launches = 0
         self.compile_backend = compile
         self._sample = sample_batch  # of plain steps (no filters, no bans)
         if compile is not None:
@@ -183,6 +200,7 @@ class SlotDecoder:
         import torch
 
         with torch.no_grad():
+            in_flight = None  # a launched step whose flags the host has not read yet
             while True:
                 for s, req in enumerate(self.requests):
                     if req is not None and aborted(req):
@@ -193,10 +211,26 @@ class SlotDecoder:
                     self._admit(new, free[: len(new)], on_finish)
                 busy = np.flatnonzero(self.busy)
                 if not len(busy):
+                    if in_flight is not None:  # (its rows were all aborted)
+                        self._collect(in_flight, on_finish)
+                        in_flight = None
+                        continue
                     if new:
                         continue
                     return
-                self._step(int(busy[-1]) + 1, on_finish)
+                ahead = self.overlap and not (self.filtering or self.banning or self.watched)
+                if in_flight is not None and not ahead:
+                    self._collect(in_flight, on_finish)
+                    in_flight = None
+                    continue  # plan the step with the host's counts up to date
+                launched = self._step(int(busy[-1]) + 1)
+                if in_flight is not None:
+                    self._collect(in_flight, on_finish)
+                in_flight = None
+                if ahead:
+                    in_flight = launched
+                else:
+                    self._collect(launched, on_finish)
 
     def release(self) -> None:
         """Drop the cache and graphs (weights moved, or memory handed back)."""
@@ -222,6 +256,7 @@ class SlotDecoder:
         longest = max(len(r.input_ids) for r in new)
         need = max([len(r.input_ids) + r.params.max_new_tokens for r in new] + [int(self.pos.max()) + 1])
         self._ensure(min(need, max(longest, int(self.pos.max())) + FIRST_GROWTH))
+        self.admitted_at[slots] = self._launches
         for s, req in zip(slots, new):
             self.requests[s] = req
             self.busy[s], self.count[s], self.pos[s] = True, 0, len(req.input_ids)
@@ -326,8 +361,12 @@ class SlotDecoder:
 
     # --- decoding -----------------------------------------------------------------------
 
-    def _step(self, n: int, on_finish) -> None:
-        """One token for slots ``0 .. n-1`` (idle ones compute and are ignored)."""
+    def _step(self, n: int) -> tuple[int, int, Any, Any]:
+        """Launch one token for slots ``0 .. n-1`` (idle ones compute and are ignored); returns what
+        :meth:`_collect` reads: the step's index, ``n``, its finish flags (a host buffer being filled
+        on CUDA) and the CUDA event after which they are there (None on other devices)."""
+        import torch
+
         top = int(self.pos[:n][self.busy[:n]].max())
         if top >= self.cache.capacity:
             self._ensure(top + 1)
@@ -350,7 +389,24 @@ class SlotDecoder:
                 self.d_pos[:n] += self.d_busy[:n]
                 self._store(self.d_slots[:n], tokens, log_probs)
         self.pos[:n] += self.busy[:n]
-        self._after_sample(slots, on_finish)
+        flags = self._flag_buffers[self._launches % 2][:n]
+        flags.copy_(self.d_flags[:n], non_blocking=True)
+        copied = None
+        if self.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+        self._launches += 1
+        return self._launches - 1, n, flags, copied
+
+    def _collect(self, launched: tuple[int, int, Any, Any], on_finish) -> None:
+        """Host side of a launched step: its flags (waiting for them), then finished and watched requests.
+        Slots admitted after the step was launched hold other requests than the step decoded: skipped."""
+        index, n, flags, copied = launched
+        if copied is not None:
+            copied.synchronize()
+        flags = flags.tolist()
+        slots = [s for s in range(n) if self.admitted_at[s] <= index]
+        self._after_flags(slots, [flags[s] for s in slots], on_finish)
 
     def _device_step(self, n: int, width: int) -> None:
         """Forward, sample (no filters, no bans), store: the part of a step a CUDA graph replays."""
@@ -422,7 +478,7 @@ class SlotDecoder:
 
     def _step_state(self) -> list:
         """The tensors a decode step changes (the cache only at columns the next step rewrites)."""
-        return [self.d_tok, self.d_pos, self.d_count, self.d_flags, self.out_ids, self.out_lp]
+        return [self.d_tok, self.d_pos, self.d_count, self.d_flags, self.d_busy, self.out_ids, self.out_lp]
 
     def _store(self, index, tokens, log_probs) -> None:
         """Record the sampled tokens of slots ``index`` and their finish flags (2: length, 1: stop)."""
@@ -437,16 +493,19 @@ class SlotDecoder:
         self.d_count[index] = count
         self.d_tok[index] = tokens
         is_stop = (self.d_stops[index] == tokens[:, None]).any(-1) & (count >= self.d_min_new[index])
-        self.d_flags[index] = (count >= self.d_max_new[index]).long() * 2 + is_stop.long()
+        flags = (count >= self.d_max_new[index]).long() * 2 + is_stop.long()
+        self.d_flags[index] = flags
+        self.d_busy[index] = busy * (flags == 0)  # a finished row stops here, before the host reads its flag
 
     def _after_sample(self, slots: list[int], on_finish) -> None:
-        """Host side of a step: one copy of the flags, then finished and watched requests."""
+        """Host side of a prefill's sampling: one copy of the flags of ``slots``, then :meth:`_after_flags`."""
         import torch
 
-        if slots == list(range(len(slots))):
-            flags = self.d_flags[: len(slots)].tolist()
-        else:
-            flags = self.d_flags[torch.tensor(slots, device=self.device)].tolist()
+        flags = self.d_flags[torch.tensor(slots, device=self.device)].tolist()
+        self._after_flags(slots, flags, on_finish)
+
+    def _after_flags(self, slots: list[int], flags: list[int], on_finish) -> None:
+        """Count the token of every busy slot in ``slots``, then handle watched and finished requests."""
         busy = [s for s in slots if self.busy[s]]
         self.count[busy] += 1
         done, reasons = [], []
