@@ -264,3 +264,22 @@ def serve_server(tiny_model_dir, tmp_path_factory):
 
     with running_server(tiny_model_dir, log_dir=tmp_path_factory.mktemp("serve")) as server:
         yield server
+
+
+# Modules whose tests start Ray, servers or routers, or look for leftover ones: one after the other on one worker
+# (another worker's processes would look like leftovers, and a test that kills an actor by name could find them).
+PROCESS_MODULES = ("test_ray_executor.py", "test_sglang_engine.py", "test_sglang_cleanup.py", "test_sglang_launch.py",
+                   "test_serve.py", "contrib/tool-use/tests/")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``-n N`` (pyproject's addopts): each module runs whole on one worker (its module-scoped fixtures are
+    built once), and the modules of :data:`PROCESS_MODULES` all on the same worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "processes" if any(m in module for m in PROCESS_MODULES) else module
+
+    return ModuleScheduling(config, log)

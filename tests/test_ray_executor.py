@@ -139,10 +139,11 @@ def _killer(tmp_path, what, at_sample):
 @pytest.mark.timeout(300)
 def test_an_engine_actor_killed_mid_rollout_is_replaced_and_the_run_is_unchanged(tmp_path, tiny_model_dir,
                                                                                     arithmetic_jsonl):
-    # one request at a time, so the kill (scoring the first sample of rollout 1) finds requests in flight
+    # one request at a time, so the kill (scoring the first sample of rollout 1) finds requests in flight; the
+    # uninterrupted reference runs under the local executor, whose rollouts a Ray run reproduces (tested above)
     flags = [*_flags(tiny_model_dir, arithmetic_jsonl), "--custom-rm-path", "killer.reward",
              "--embedded-max-batch-size", "1"]
-    clean = _furlong(["train", *flags, "--save", str(tmp_path / "clean"), "--executor", "ray"], tmp_path,
+    clean = _furlong(["train", *flags, "--save", str(tmp_path / "clean")], tmp_path,
                      env=_killer(tmp_path, "no-such-process-name", 10**9))
     assert clean.returncode == 0, clean.stderr[-3000:]
     killed = _furlong(["train", *flags, "--save", str(tmp_path / "killed"), "--executor", "ray"], tmp_path,
