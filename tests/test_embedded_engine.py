@@ -241,6 +241,47 @@ def test_steps_launched_before_the_flags_are_read_give_the_same_results(tiny_dir
         assert a.output_log_probs == pytest.approx(b.output_log_probs, abs=1e-6)
 
 
+def test_a_request_finished_by_the_step_in_flight_returns_during_a_weight_update_pause(tiny_dir):
+    # request A's last token comes from step 3; a pause (as a weight update takes it) arrives after step 3 is
+    # launched and before its flags are read: A returns during the pause, labelled with the weights that made it
+    import threading
+
+    eng = embedded.load_engine(str(tiny_dir), max_batch_size=4)
+    dec = eng._decoder
+    dec.overlap = True
+    collect, launched, paused = dec._collect, threading.Event(), threading.Event()
+
+    def read(step, on_finish):
+        if step[0] == 2:  # read right after step 3 was launched
+            launched.set()
+            paused.wait(10)
+        collect(step, on_finish)
+
+    dec._collect = read
+
+    async def main():
+        a = asyncio.ensure_future(eng.generate([5, 6, 7], {"temperature": 1.0, "max_new_tokens": 5,
+                                                           "sampling_seed": 1}))
+        b = asyncio.ensure_future(eng.generate([8, 9, 10], {"temperature": 1.0, "max_new_tokens": 40,
+                                                            "sampling_seed": 2}))
+        assert await asyncio.to_thread(launched.wait, 10)
+        await eng.pause_generation("in_place")
+        paused.set()
+        for _ in range(100):
+            if a.done():
+                break
+            await asyncio.sleep(0.05)
+        done_while_paused = a.done()
+        await eng.set_weight_version(1)
+        await eng.continue_generation()
+        return done_while_paused, await a, await b
+
+    done_while_paused, out_a, out_b = _run(main())
+    assert done_while_paused
+    assert (out_a.weight_version, len(out_a.output_ids), out_a.finish_reason) == ("0", 5, "length")
+    assert (out_b.weight_version, len(out_b.output_ids)) == ("1", 40)
+
+
 def test_compiled_decode_step_gives_the_same_tokens_and_log_probs(tiny_dir):
     # --embedded-torch-compile compiles the decoder layers (around the slot attention) and the
     # sampler; "aot_eager" runs the traced graphs without inductor's code generation, so the

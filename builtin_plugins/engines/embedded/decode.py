@@ -14,7 +14,9 @@ it has launched the next step, so the GPU decodes while the host finishes reques
 fills slots. A row that finishes stops on the device in the same step (its slot is no
 longer busy there), so the step launched before the host knew computes nothing for it
 that is kept; a request admitted into that slot meanwhile ignores the old step's flags.
-Steps with filtering, banned tokens or watched requests are not overlapped (their
+When a weight update holds the lock, the flags of the step in flight are read before
+waiting for it, so the requests that step finished return under the weights that made
+them. Steps with filtering, banned tokens or watched requests are not overlapped (their
 planning needs the host's token counts up to date).
 
 A request finishes on its token budget ("length", checked first, as SGLang does), a stop
@@ -223,7 +225,16 @@ class SlotDecoder:
                     self._collect(in_flight, on_finish)
                     in_flight = None
                     continue  # plan the step with the host's counts up to date
-                launched = self._step(int(busy[-1]) + 1)
+                if not self.lock.acquire(blocking=in_flight is None):
+                    # a weight update holds the lock: hand back what the step in flight finished (computed with
+                    # the old weights) before waiting for it
+                    self._collect(in_flight, on_finish)
+                    in_flight = None
+                    continue
+                try:
+                    launched = self._step(int(busy[-1]) + 1)
+                finally:
+                    self.lock.release()
                 if in_flight is not None:
                     self._collect(in_flight, on_finish)
                 in_flight = None
@@ -362,9 +373,9 @@ class SlotDecoder:
     # --- decoding -----------------------------------------------------------------------
 
     def _step(self, n: int) -> tuple[int, int, Any, Any]:
-        """Launch one token for slots ``0 .. n-1`` (idle ones compute and are ignored); returns what
-        :meth:`_collect` reads: the step's index, ``n``, its finish flags (a host buffer being filled
-        on CUDA) and the CUDA event after which they are there (None on other devices)."""
+        """Launch one token for slots ``0 .. n-1`` (idle ones compute and are ignored), with ``lock`` held by
+        the caller; returns what :meth:`_collect` reads: the step's index, ``n``, its finish flags (a host
+        buffer being filled on CUDA) and the CUDA event after which they are there (None on other devices)."""
         import torch
 
         top = int(self.pos[:n][self.busy[:n]].max())
@@ -374,20 +385,19 @@ class SlotDecoder:
         plain = not self.filtering and not any(self.count[s] < self.requests[s].params.min_new_tokens
                                                for s in self.banning)
         width = width_bucket(top + 1, self.cache.capacity) if self.bucket_widths else top + 1
-        with self.lock:
-            if plain and self.graphs_on:
-                self._replay(n, width)
-            elif plain:
-                self._device_step(n, width)
-            else:
-                logits = self._forward_decode(n, width)
-                filtering = bool(self.filtering)
-                tokens, log_probs = sample_batch(
-                    logits, self.d_temp[:n], self.d_greedy[:n], self.d_seed[:n], self.d_count[:n],
-                    top_k=self.d_top_k[:n] if filtering else None, top_p=self.d_top_p[:n] if filtering else None,
-                    banned=self._banned(slots, logits.shape[-1]))
-                self.d_pos[:n] += self.d_busy[:n]
-                self._store(self.d_slots[:n], tokens, log_probs)
+        if plain and self.graphs_on:
+            self._replay(n, width)
+        elif plain:
+            self._device_step(n, width)
+        else:
+            logits = self._forward_decode(n, width)
+            filtering = bool(self.filtering)
+            tokens, log_probs = sample_batch(
+                logits, self.d_temp[:n], self.d_greedy[:n], self.d_seed[:n], self.d_count[:n],
+                top_k=self.d_top_k[:n] if filtering else None, top_p=self.d_top_p[:n] if filtering else None,
+                banned=self._banned(slots, logits.shape[-1]))
+            self.d_pos[:n] += self.d_busy[:n]
+            self._store(self.d_slots[:n], tokens, log_probs)
         self.pos[:n] += self.busy[:n]
         flags = self._flag_buffers[self._launches % 2][:n]
         flags.copy_(self.d_flags[:n], non_blocking=True)
