@@ -206,13 +206,33 @@ def test_bucketed_attention_width_gives_the_same_tokens_and_log_probs(tiny_dir, 
 
 
 def test_steps_launched_before_the_flags_are_read_give_the_same_results(tiny_dir):
-    # on CUDA each plain step is launched before the previous step's finish flags are read (forced here on
-    # CPU): rows finish on the device, slots are refilled while a step is in flight (3 slots, 7 requests of
-    # different budgets, stop tokens), a top-k request makes some steps wait for the flags first
-    prompts = ["Hello there", "Q: 1+1=", "x", "abc", "Q: 1+1=", "a longer prompt of text", "x"]
+    # on CUDA each step is launched before the previous step's finish flags are read (forced here on CPU): rows
+    # finish on the device, slots are refilled while a step is in flight (3 slots, 9 requests of different
+    # budgets, stop tokens), a top-k request and a stop-string request and a streamed one overlap too (their
+    # tokens come with the flags), a request banning its stop tokens for 3 tokens makes steps read first
+    prompts = ["Hello there", "Q: 1+1=", "x", "abc", "Q: 1+1=", "a longer prompt of text", "x", "abc", "Hello"]
     params = [{"temperature": 1.0, "max_new_tokens": n, "sampling_seed": 11 + i, "stop_token_ids": [5, 9]}
-              for i, n in enumerate([3, 19, 5, 30, 7, 11, 14])]
+              for i, n in enumerate([3, 19, 5, 30, 7, 11, 14, 9, 12])]
     params[6]["top_k"] = 4
+    params[7]["min_new_tokens"] = 3
+    streamed, stops = {False: [], True: []}, []
+
+    async def run(eng, overlap):
+        stop = None
+        outs = []
+        for p, q in zip(prompts, params):
+            q = dict(q)
+            if p == "abc" and stop is None:  # a stop string: two characters of this request's own output
+                first = await eng.generate(_ids(eng, p), dict(q, stop_token_ids=[]))
+                stop = first.text[3:5]
+                stops.append(stop)
+                q = dict(q, stop_token_ids=[], stop=[stop])
+            outs.append(q)
+        return await asyncio.gather(*[
+            eng.generate(_ids(eng, p), q, on_token=(lambda t, lp, o=overlap: streamed[o].append((t, lp)))
+                         if k == 8 else None)
+            for k, (p, q) in enumerate(zip(prompts, outs))])
+
     outs, lagged = [], []
     for overlap in (False, True):
         eng = embedded.load_engine(str(tiny_dir), max_batch_size=3)
@@ -230,15 +250,18 @@ def test_steps_launched_before_the_flags_are_read_give_the_same_results(tiny_dir
             collect(launched, on_finish)
 
         dec._step, dec._collect = launch, read
-        outs.append(_run(_each(eng, prompts, params)))
+        outs.append(_run(run(eng, overlap)))
         lagged.append(sum(what == "launch" and order[k + 1] == ("collect", i - 1)
                           for k, (what, i) in enumerate(order[:-1])))
     plain, overlapped = outs
     assert lagged[0] == 0 and lagged[1] > 10  # the flags of most steps were read after the next launch
-    assert {o.finish_reason for o in plain} == {"length", "stop"}
+    assert stops[0] == stops[1] and plain[3].finish_reason == "stop" and plain[3].text.endswith(stops[0])
+    assert len(plain[3].output_ids) < 30 and [o.finish_reason for o in plain].count("stop") >= 2
     for a, b in zip(overlapped, plain):
         assert (a.output_ids, a.finish_reason) == (b.output_ids, b.finish_reason)
         assert a.output_log_probs == pytest.approx(b.output_log_probs, abs=1e-6)
+    assert streamed[True] == list(zip(overlapped[8].output_ids, overlapped[8].output_log_probs))
+    assert [t for t, _ in streamed[False]] == [t for t, _ in streamed[True]]
 
 
 def test_a_request_finished_by_the_step_in_flight_returns_during_a_weight_update_pause(tiny_dir):

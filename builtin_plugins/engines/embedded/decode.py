@@ -16,8 +16,9 @@ longer busy there), so the step launched before the host knew computes nothing f
 that is kept; a request admitted into that slot meanwhile ignores the old step's flags.
 When a weight update holds the lock, the flags of the step in flight are read before
 waiting for it, so the requests that step finished return under the weights that made
-them. Steps with filtering, banned tokens or watched requests are not overlapped (their
-planning needs the host's token counts up to date).
+them. Watched requests (stop strings, streaming) get their tokens from the same small copy
+as the flags. Steps while a request bans stop tokens (``min_new_tokens``) are not
+overlapped: whether a step bans depends on the host's token counts being up to date.
 
 A request finishes on its token budget ("length", checked first, as SGLang does), a stop
 token or a stop string in its decoded tail ("stop"), or an abort ("abort"; the tokens so
@@ -129,7 +130,7 @@ class SlotDecoder:
     pass; only the float summation order of a pass with fewer rows can move log-probs by
     about 1e-7); tests turn it off to compare.
 
-    ``overlap``: launch each plain decode step before reading the previous step's flags (on
+    ``overlap``: launch each decode step before reading the previous step's flags (on
     with graphs, where launching is asynchronous; tests turn it on to check that the lag
     changes no result).
     """
@@ -148,8 +149,12 @@ class SlotDecoder:
         self.bucket_widths = self.graphs_on
         self.overlap = self.graphs_on
         self.admitted_at = np.zeros(max_slots, dtype=np.int64)  # per slot: steps launched before its admission
-        self._flag_buffers = [torch.zeros(max_slots, dtype=torch.long, pin_memory=self.device.type == "cuda")
-                              for _ in range(2)]
+        pin = self.device.type == "cuda"
+        # per step in flight (two at most: the one read and the one launched): host copies of its finish flags,
+        # sampled tokens and their log-probs
+        self._host = [(torch.zeros(max_slots, dtype=torch.long, pin_memory=pin),
+                       torch.zeros(max_slots, dtype=torch.long, pin_memory=pin),
+                       torch.zeros(max_slots, dtype=torch.float32, pin_memory=pin)) for _ in range(2)]
         self._launches = 0
         self.compile_backend = compile
         self._sample = sample_batch  # of plain steps (no filters, no bans)
@@ -175,6 +180,7 @@ class SlotDecoder:
         self.d_slots = torch.arange(s, device=dev)
         self.d_flags = torch.zeros(s, dtype=torch.long, device=dev)
         self.d_tok = torch.zeros(s, dtype=torch.long, device=dev)
+        self.d_lp = torch.zeros(s, dtype=torch.float32, device=dev)
         self.d_pos = torch.zeros(s, dtype=torch.long, device=dev)
         self.d_busy = torch.zeros(s, dtype=torch.long, device=dev)
         self.d_count = torch.zeros(s, dtype=torch.long, device=dev)
@@ -220,7 +226,7 @@ class SlotDecoder:
                     if new:
                         continue
                     return
-                ahead = self.overlap and not (self.filtering or self.banning or self.watched)
+                ahead = self.overlap and not self.banning
                 if in_flight is not None and not ahead:
                     self._collect(in_flight, on_finish)
                     in_flight = None
@@ -372,10 +378,11 @@ class SlotDecoder:
 
     # --- decoding -----------------------------------------------------------------------
 
-    def _step(self, n: int) -> tuple[int, int, Any, Any]:
+    def _step(self, n: int) -> tuple[int, int, Any, Any, Any]:
         """Launch one token for slots ``0 .. n-1`` (idle ones compute and are ignored), with ``lock`` held by
-        the caller; returns what :meth:`_collect` reads: the step's index, ``n``, its finish flags (a host
-        buffer being filled on CUDA) and the CUDA event after which they are there (None on other devices)."""
+        the caller; returns what :meth:`_collect` reads: the step's index, ``n``, its finish flags, its sampled
+        tokens and log-probs (None when no request is watched; host buffers being filled on CUDA) and the CUDA
+        event after which they are there (None on other devices)."""
         import torch
 
         top = int(self.pos[:n][self.busy[:n]].max())
@@ -399,24 +406,31 @@ class SlotDecoder:
             self.d_pos[:n] += self.d_busy[:n]
             self._store(self.d_slots[:n], tokens, log_probs)
         self.pos[:n] += self.busy[:n]
-        flags = self._flag_buffers[self._launches % 2][:n]
+        flags, tokens, log_probs = (t[:n] for t in self._host[self._launches % 2])
         flags.copy_(self.d_flags[:n], non_blocking=True)
+        sampled = None
+        if self.watched:
+            tokens.copy_(self.d_tok[:n], non_blocking=True)
+            log_probs.copy_(self.d_lp[:n], non_blocking=True)
+            sampled = (tokens, log_probs)
         copied = None
         if self.device.type == "cuda":
             copied = torch.cuda.Event()
             copied.record()
         self._launches += 1
-        return self._launches - 1, n, flags, copied
+        return self._launches - 1, n, flags, sampled, copied
 
-    def _collect(self, launched: tuple[int, int, Any, Any], on_finish) -> None:
+    def _collect(self, launched: tuple[int, int, Any, Any, Any], on_finish) -> None:
         """Host side of a launched step: its flags (waiting for them), then finished and watched requests.
         Slots admitted after the step was launched hold other requests than the step decoded: skipped."""
-        index, n, flags, copied = launched
+        index, n, flags, sampled, copied = launched
         if copied is not None:
             copied.synchronize()
         flags = flags.tolist()
+        tokens, log_probs = (sampled[0].tolist(), sampled[1].tolist()) if sampled is not None else (None, None)
         slots = [s for s in range(n) if self.admitted_at[s] <= index]
-        self._after_flags(slots, [flags[s] for s in slots], on_finish)
+        self._after_flags(slots, [flags[s] for s in slots], on_finish,
+                          None if tokens is None else {s: (tokens[s], log_probs[s]) for s in slots})
 
     def _device_step(self, n: int, width: int) -> None:
         """Forward, sample (no filters, no bans), store: the part of a step a CUDA graph replays."""
@@ -488,7 +502,8 @@ class SlotDecoder:
 
     def _step_state(self) -> list:
         """The tensors a decode step changes (the cache only at columns the next step rewrites)."""
-        return [self.d_tok, self.d_pos, self.d_count, self.d_flags, self.d_busy, self.out_ids, self.out_lp]
+        return [self.d_tok, self.d_lp, self.d_pos, self.d_count, self.d_flags, self.d_busy, self.out_ids,
+                self.out_lp]
 
     def _store(self, index, tokens, log_probs) -> None:
         """Record the sampled tokens of slots ``index`` and their finish flags (2: length, 1: stop)."""
@@ -502,20 +517,28 @@ class SlotDecoder:
         count = count + busy
         self.d_count[index] = count
         self.d_tok[index] = tokens
+        self.d_lp[index] = log_probs
         is_stop = (self.d_stops[index] == tokens[:, None]).any(-1) & (count >= self.d_min_new[index])
         flags = (count >= self.d_max_new[index]).long() * 2 + is_stop.long()
         self.d_flags[index] = flags
         self.d_busy[index] = busy * (flags == 0)  # a finished row stops here, before the host reads its flag
 
     def _after_sample(self, slots: list[int], on_finish) -> None:
-        """Host side of a prefill's sampling: one copy of the flags of ``slots``, then :meth:`_after_flags`."""
+        """Host side of a prefill's sampling: the flags of ``slots`` (and their tokens when one is watched),
+        then :meth:`_after_flags`."""
         import torch
 
-        flags = self.d_flags[torch.tensor(slots, device=self.device)].tolist()
-        self._after_flags(slots, flags, on_finish)
+        index = torch.tensor(slots, device=self.device)
+        flags = self.d_flags[index].tolist()
+        sampled = None
+        if self.watched.intersection(slots):
+            sampled = dict(zip(slots, zip(self.d_tok[index].tolist(), self.d_lp[index].tolist())))
+        self._after_flags(slots, flags, on_finish, sampled)
 
-    def _after_flags(self, slots: list[int], flags: list[int], on_finish) -> None:
-        """Count the token of every busy slot in ``slots``, then handle watched and finished requests."""
+    def _after_flags(self, slots: list[int], flags: list[int], on_finish,
+                     sampled: dict[int, tuple[int, float]] | None = None) -> None:
+        """Count the token of every busy slot in ``slots``, then handle watched and finished requests.
+        ``sampled``: slot -> (token, log-prob) of this step, for the watched slots."""
         busy = [s for s in slots if self.busy[s]]
         self.count[busy] += 1
         done, reasons = [], []
@@ -525,15 +548,16 @@ class SlotDecoder:
                 reasons.append("length" if flag >= 2 else "stop")
         watched = [s for s in busy if s in self.watched]
         if watched:
-            self._watch(watched, set(done), done, reasons)
+            self._watch(watched, sampled, set(done), done, reasons)
         if done:
             self._finish(done, reasons, on_finish)
 
-    def _watch(self, watched: list[int], finished: set[int], done: list[int], reasons: list[str]) -> None:
-        """Per-step host work for streaming and stop-string requests."""
+    def _watch(self, watched: list[int], sampled: dict[int, tuple[int, float]], finished: set[int], done: list[int],
+               reasons: list[str]) -> None:
+        """Per-step host work for streaming and stop-string requests (``sampled``: their new tokens)."""
         for s in watched:
-            req, k = self.requests[s], self.count[s] - 1
-            token, log_prob = int(self.out_ids[s, k]), float(self.out_lp[s, k])
+            req = self.requests[s]
+            token, log_prob = sampled[s]
             req.output_ids.append(token)
             req.log_probs.append(log_prob)
             if req.on_token is not None:
