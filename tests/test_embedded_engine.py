@@ -289,20 +289,38 @@ def test_a_request_finished_by_the_step_in_flight_returns_during_a_weight_update
                                                             "sampling_seed": 2}))
         assert await asyncio.to_thread(launched.wait, 10)
         await eng.pause_generation("in_place")
+        # a request queued during the pause: admitting it waits for the lock, after the step in flight is read
+        c = asyncio.ensure_future(eng.generate([11, 12], {"temperature": 1.0, "max_new_tokens": 3,
+                                                          "sampling_seed": 3}))
+        await asyncio.sleep(0.05)
         paused.set()
         for _ in range(100):
             if a.done():
                 break
             await asyncio.sleep(0.05)
-        done_while_paused = a.done()
+        done_while_paused = a.done() and not c.done()
         await eng.set_weight_version(1)
         await eng.continue_generation()
-        return done_while_paused, await a, await b
+        return done_while_paused, await a, await b, await c
 
-    done_while_paused, out_a, out_b = _run(main())
+    done_while_paused, out_a, out_b, out_c = _run(main())
     assert done_while_paused
     assert (out_a.weight_version, len(out_a.output_ids), out_a.finish_reason) == ("0", 5, "length")
     assert (out_b.weight_version, len(out_b.output_ids)) == ("1", 40)
+    assert (out_c.weight_version, len(out_c.output_ids)) == ("1", 3)
+
+
+def test_a_wider_stop_table_drops_the_captured_decode_graphs(tiny_dir):
+    # the CUDA graphs read the per-slot stop-token table; a request with more stop ids than any before grows
+    # it, so graphs captured over the old table must go (a stand-in graph here: CPU captures none)
+    eng = embedded.load_engine(str(tiny_dir), max_batch_size=2)
+    params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    _run(eng.generate(_ids(eng, "Q: 1+1="), dict(params, stop_token_ids=[5])))
+    eng._decoder._graphs[(1, 256)] = "captured"
+    _run(eng.generate(_ids(eng, "Q: 1+1="), dict(params, stop_token_ids=[5])))
+    assert eng._decoder._graphs == {(1, 256): "captured"}  # same table, same graphs
+    _run(eng.generate(_ids(eng, "Q: 1+1="), dict(params, stop_token_ids=[5, 6, 7])))
+    assert eng._decoder._graphs == {}
 
 
 def test_compiled_decode_step_gives_the_same_tokens_and_log_probs(tiny_dir):

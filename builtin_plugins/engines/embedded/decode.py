@@ -210,44 +210,36 @@ class SlotDecoder:
         with torch.no_grad():
             in_flight = None  # a launched step whose flags the host has not read yet
             while True:
-                for s, req in enumerate(self.requests):
-                    if req is not None and aborted(req):
-                        self._finish([s], ["abort"], on_finish)
-                free = [s for s, r in enumerate(self.requests) if r is None]
-                new = take(len(free)) if free else []
-                if new:
-                    self._admit(new, free[: len(new)], on_finish)
-                busy = np.flatnonzero(self.busy)
-                if not len(busy):
-                    if in_flight is not None:  # (its rows were all aborted)
-                        self._collect(in_flight, on_finish)
-                        in_flight = None
-                        continue
-                    if new:
-                        continue
-                    return
-                ahead = self.overlap and not self.banning
-                if in_flight is not None and not ahead:
-                    self._collect(in_flight, on_finish)
-                    in_flight = None
-                    continue  # plan the step with the host's counts up to date
                 if not self.lock.acquire(blocking=in_flight is None):
                     # a weight update holds the lock: hand back what the step in flight finished (computed with
                     # the old weights) before waiting for it
                     self._collect(in_flight, on_finish)
                     in_flight = None
                     continue
-                try:
-                    launched = self._step(int(busy[-1]) + 1)
+                launched = None
+                try:  # aborts, admission and the next launch under one hold of the lock
+                    for s, req in enumerate(self.requests):
+                        if req is not None and aborted(req):
+                            self._finish([s], ["abort"], on_finish)
+                    free = [s for s, r in enumerate(self.requests) if r is None]
+                    new = take(len(free)) if free else []
+                    if new:
+                        self._admit(new, free[: len(new)], on_finish)
+                    busy = np.flatnonzero(self.busy)
+                    ahead = self.overlap and not self.banning
+                    if len(busy) and (in_flight is None or ahead):  # (else: plan with the counts up to date)
+                        launched = self._step(int(busy[-1]) + 1)
                 finally:
                     self.lock.release()
                 if in_flight is not None:
                     self._collect(in_flight, on_finish)
-                in_flight = None
-                if ahead:
+                    in_flight = None
+                if launched is not None and ahead:
                     in_flight = launched
-                else:
+                elif launched is not None:
                     self._collect(launched, on_finish)
+                elif not len(busy) and not new:
+                    return
 
     def release(self) -> None:
         """Drop the cache and graphs (weights moved, or memory handed back)."""
@@ -307,31 +299,31 @@ class SlotDecoder:
 
     def _prefill(self, new: list[Request], slots: list[int]):
         """Prefill the prompts of ``new`` (in ``slots``) that no busy slot holds, in one forward pass over the
-        distinct ones, and copy shared prompts' keys and values; returns float32 logits ``[len(new), V]``."""
+        distinct ones, and copy shared prompts' keys and values; returns float32 logits ``[len(new), V]``.
+        The caller holds ``lock`` (under which a weight update forgets the kept prompts)."""
         import torch
 
-        with self.lock:  # (a weight update forgets the kept prompts under it)
-            first: dict[Any, int] = {}  # prompt (or, without sharing, request) -> its prefill row
-            row_of, prompts, held = [], [], []
-            for k, r in enumerate(new):
-                key = tuple(r.input_ids) if self.share_prompts else k
-                if key not in first and key in self._prompts:  # held by a busy slot: no prefill
-                    held.append(k)
-                    row_of.append(None)
-                    continue
-                row = first.setdefault(key, len(prompts))
-                if row == len(prompts):
-                    prompts.append(r.input_ids)
-                row_of.append(row)
-            logits = self._prefill_rows(prompts, row_of, slots) if prompts else None
-            copies = [(next(iter(self._prompts[tuple(new[k].input_ids)][1])), slots[k]) for k in held]
-            if held:
-                logits = torch.stack([self._prompts[tuple(r.input_ids)][0] if row is None else logits[row]
-                                      for r, row in zip(new, row_of)])
-            else:
-                logits = logits[torch.tensor(row_of, device=self.device)]
-            if self.share_prompts:
-                self._keep_prompts(new, slots, logits)
+        first: dict[Any, int] = {}  # prompt (or, without sharing, request) -> its prefill row
+        row_of, prompts, held = [], [], []
+        for k, r in enumerate(new):
+            key = tuple(r.input_ids) if self.share_prompts else k
+            if key not in first and key in self._prompts:  # held by a busy slot: no prefill
+                held.append(k)
+                row_of.append(None)
+                continue
+            row = first.setdefault(key, len(prompts))
+            if row == len(prompts):
+                prompts.append(r.input_ids)
+            row_of.append(row)
+        logits = self._prefill_rows(prompts, row_of, slots) if prompts else None
+        copies = [(next(iter(self._prompts[tuple(new[k].input_ids)][1])), slots[k]) for k in held]
+        if held:
+            logits = torch.stack([self._prompts[tuple(r.input_ids)][0] if row is None else logits[row]
+                                  for r, row in zip(new, row_of)])
+        else:
+            logits = logits[torch.tensor(row_of, device=self.device)]
+        if self.share_prompts:
+            self._keep_prompts(new, slots, logits)
         if copies:
             sources, targets = zip(*copies)
             self.cache.copy_prefix(torch.tensor(sources, device=self.device),
@@ -619,6 +611,7 @@ class SlotDecoder:
             grown = torch.full((self.max_slots, widest), -1, dtype=torch.long, device=self.device)
             grown[:, : self.d_stops.shape[1]] = self.d_stops
             self.d_stops = grown
+            self._drop_graphs()  # they read the old table
         rows = [sorted(r.stop_ids) + [-1] * (self.d_stops.shape[1] - len(r.stop_ids)) for r in new]
         self.d_stops[torch.tensor(slots, device=self.device)] = torch.tensor(rows, dtype=torch.long,
                                                                              device=self.device)
