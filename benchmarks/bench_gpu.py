@@ -12,8 +12,9 @@ One command, from the repository root, on a machine with a CUDA GPU::
    (``cache_implementation="static"``, sampling, ``min_new_tokens`` = ``max_new_tokens``).
    Each is run once to warm up (CUDA graphs, compilation) and then timed; tok/s = new
    tokens / wall seconds. The engine's timed runs alternate with runs that read each decode
-   step's finish flags before launching the next (``tok_per_s_without_overlap``). Each part runs in a process of its own, so that one part's GPU
-   memory (the engine's key/value cache, CUDA graph pools) is not held while the next runs.
+   step's finish flags before launching the next (``tok_per_s_without_overlap``). Each part
+   runs in a process of its own, so that one part's GPU memory (the engine's key/value cache,
+   CUDA graph pools) is not held while the next runs.
 2. **GRPO iteration**: ``furlong train`` (sync, embedded engine, fsdp backend, ``--bf16``:
    bfloat16 parameters over float32 master weights, fused AdamW; ``--train-flags`` adds flags
    such as ``--train-torch-compile`` or ``--max-tokens-per-gpu``) for ``--rollouts`` (3) rollouts of
