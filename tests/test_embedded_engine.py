@@ -67,6 +67,13 @@ def test_rollout_engine_hook_reads_the_flags(tiny_dir):
     assert next(built.model.parameters()).dtype == torch.float32  # CPU always float32
 
 
+@pytest.mark.parametrize("size", [0, -3])
+def test_a_batch_size_below_one_is_a_plugin_error(tiny_dir, size):
+    args = argparse.Namespace(hf_checkpoint=str(tiny_dir), embedded_max_batch_size=size, bf16=True, fp16=False)
+    with pytest.raises(PluginError, match=f"--embedded-max-batch-size {size}: must be at least 1"):
+        embedded.rollout_engine(args=args)
+
+
 def test_add_arguments_defines_the_batch_size_and_compile_flags():
     parser = argparse.ArgumentParser()
     embedded.add_arguments(parser=parser)
@@ -259,7 +266,8 @@ def test_steps_launched_before_the_flags_are_read_give_the_same_results(tiny_dir
     assert len(plain[3].output_ids) < 30 and [o.finish_reason for o in plain].count("stop") >= 2
     for a, b in zip(overlapped, plain):
         assert (a.output_ids, a.finish_reason) == (b.output_ids, b.finish_reason)
-        assert a.output_log_probs == pytest.approx(b.output_log_probs, abs=1e-6)
+        # a slot refilled one step later shares its steps with other rows: float summation order only
+        assert a.output_log_probs == pytest.approx(b.output_log_probs, abs=1e-5)
     assert streamed[True] == list(zip(overlapped[8].output_ids, overlapped[8].output_log_probs))
     assert [t for t, _ in streamed[False]] == [t for t, _ in streamed[True]]
 

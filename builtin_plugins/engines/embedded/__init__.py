@@ -45,9 +45,10 @@ def rollout_engine(args):
     :returns: an :class:`EmbeddedEngine` (meets :class:`furlong.hooks.RolloutEngine`).
     :raises PluginError: ``--hf-checkpoint`` is missing or cannot be loaded.
     """
+    size = getattr(args, "embedded_max_batch_size", None)
     return load_engine(
         args.hf_checkpoint,
-        max_batch_size=int(getattr(args, "embedded_max_batch_size", 64) or 64),
+        max_batch_size=64 if size is None else int(size),  # 0 reaches the engine's check
         half=not getattr(args, "fp16", False) and getattr(args, "bf16", True),
         fp16=bool(getattr(args, "fp16", False)),
         seed=int(getattr(args, "seed", 0) or 0) + int(getattr(args, "rollout_engine_index", 0) or 0),
