@@ -4,20 +4,27 @@ One command on a CUDA machine, from the repository root::
 
     python benchmarks/bench_fsdp_step.py --variants autocast:8192 bf16:8192:compile bf16:16384:compile
 
-Each variant is ``PRECISION:TOKENS[:compile]``: ``autocast`` (float32 weights under bfloat16 autocast)
-or ``bf16`` (bfloat16 parameters over float32 master weights, as ``--bf16`` in one process);
-micro-batches of ``TOKENS // 384`` samples; ``compile`` compiles the decoder layers as
-``--train-torch-compile`` does. The batch is that of ``bench_gpu.py``'s GRPO iteration (256
-samples of 128 prompt + 256 response tokens, random ids, random advantages) and the model its
-Qwen2.5-0.5B-shaped one; a step is every micro-batch's :func:`forward_log_probs` (split output
-projection, vocabulary chunks), a policy-gradient loss, backward, gradient clipping and fused
-AdamW. The gap between this step and ``bench_gpu.py``'s train time is the cost of furlong's loop
-around it (objective, metrics, host work).
+Each variant is ``PRECISION:TOKENS[:OPTION...]``: ``autocast`` (float32 weights under bfloat16
+autocast) or ``bf16`` (bfloat16 parameters over float32 master weights, as ``--bf16`` in one
+process); micro-batches of at most ``TOKENS`` tokens; options: ``compile`` compiles the decoder
+layers as ``--train-torch-compile`` does, ``pack`` packs each micro-batch into one row (the
+backend's default on CUDA, :mod:`furlong.builtin_plugins.backends.fsdp.packing`; without it
+micro-batches are right-padded), ``ckpt`` projects the output through activation checkpointing
+of ``log_softmax`` instead of the fused projection (:mod:`.head_log_probs`). ``--mixed`` draws
+response lengths uniformly from 32..256 (micro-batches then mix lengths; MFU counts real
+tokens). The batch is that of ``bench_gpu.py``'s GRPO iteration (256 samples of 128 prompt +
+256 response tokens, random ids, random advantages) and the model its Qwen2.5-0.5B-shaped one;
+a step is every micro-batch's :func:`forward_log_probs` (split output projection, vocabulary
+chunks), a policy-gradient loss, backward, gradient clipping and fused AdamW. ``--check``
+first compares packed and padded log-probs (:func:`check_packing`). The gap between this step
+and ``bench_gpu.py``'s train time is the cost of furlong's loop around it (objective,
+metrics, host work).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -28,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_gpu  # noqa: E402
 
+from furlong.builtin_plugins.backends.fsdp import head_log_probs, packing  # noqa: E402
 from furlong.builtin_plugins.backends.fsdp.logprobs import forward_log_probs  # noqa: E402
 from furlong.hooks.hf import compile_decoder_layers  # noqa: E402
 from furlong.hooks.master_weights import MasterWeights  # noqa: E402
@@ -35,13 +43,17 @@ from furlong.hooks.master_weights import MasterWeights  # noqa: E402
 SAMPLES, PROMPT, RESPONSE = 256, 128, 256
 
 
-def step_time(folder: Path, precision: str, tokens: int, compiled: bool, steps: int, peak_tflops: float) -> dict:
+def step_time(folder: Path, precision: str, tokens: int, options: set, steps: int, peak_tflops: float,
+              mixed: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     gen = torch.Generator().manual_seed(0)
-    seqs = torch.randint(3, 151000, (SAMPLES, PROMPT + RESPONSE), generator=gen)
+    responses = (torch.randint(32, RESPONSE + 1, (SAMPLES,), generator=gen) if mixed
+                 else torch.full((SAMPLES,), RESPONSE)).tolist()
+    seqs = [torch.randint(3, 151000, (PROMPT + r,), generator=gen) for r in responses]
+    compiled = "compile" in options
     advantages = torch.randn(SAMPLES, generator=gen).cuda()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
     model.config.use_cache = False
@@ -57,23 +69,32 @@ def step_time(folder: Path, precision: str, tokens: int, compiled: bool, steps: 
         run_model, autocast = compute, None
     else:
         run_model, autocast = model, torch.autocast("cuda", dtype=torch.bfloat16)
+    if "pack" in options:
+        assert packing.use_packed_attention(run_model) is None
     if compiled:
         torch._dynamo.reset()
         compile_decoder_layers(run_model, "--train-torch-compile", dynamic=True)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-6, fused=True)
-    per = max(1, tokens // (PROMPT + RESPONSE))
+    micro = [[]]  # consecutive samples up to `tokens` tokens (padded: rows x longest)
+    for i, seq in enumerate(seqs):
+        longest = max([len(seq)] + [len(seqs[j]) for j in micro[-1]])
+        if micro[-1] and (len(micro[-1]) + 1) * longest > tokens:
+            micro.append([])
+        micro[-1].append(i)
+    fused_head = head_log_probs.takes_fused_head
+    if "ckpt" in options:
+        head_log_probs.takes_fused_head = lambda head: False
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        for a in range(0, SAMPLES, per):
-            ids = list(range(a, min(SAMPLES, a + per)))
-            lp, _ = forward_log_probs(run_model, [seqs[i] for i in ids], [RESPONSE] * len(ids), 1.0,
+        for ids in micro:
+            lp, _ = forward_log_probs(run_model, [seqs[i] for i in ids], [responses[i] for i in ids], 1.0,
                                       torch.device("cuda"), grad=True, entropy_grad=False, autocast=autocast,
                                       share_prompts=False)
-            loss = sum(-(x * advantages[i]).sum() for i, x in zip(ids, lp)) / (SAMPLES * RESPONSE)
+            loss = sum(-(x * advantages[i]).sum() for i, x in zip(ids, lp)) / sum(responses)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         optimizer.step()
@@ -81,12 +102,48 @@ def step_time(folder: Path, precision: str, tokens: int, compiled: bool, steps: 
             masters.copy_to_model()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    head_log_probs.takes_fused_head = fused_head
     best = min(times[2:] if compiled else times[1:])
     n_params = sum(p.numel() for p in model.parameters())
-    return {"variant": f"{precision}:{tokens}{':compile' if compiled else ''}", "step_s": best,
-            "times_s": [round(t, 3) for t in times],
-            "mfu": 6 * n_params * SAMPLES * (PROMPT + RESPONSE) / best / (peak_tflops * 1e12),
+    return {"variant": ":".join([precision, str(tokens), *sorted(options)]), "step_s": best,
+            "times_s": [round(t, 3) for t in times], "micro_batches": len(micro),
+            "mfu": 6 * n_params * sum(len(s) for s in seqs) / best / (peak_tflops * 1e12),
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def check_packing(folder: Path, samples: int = 24) -> dict:
+    """Packed against padded log-probs of ``samples`` sequences of 128 + 16..256 tokens: in float32
+    (packed attention as one SDPA call per sequence) and in bfloat16 (one ``varlen_attn`` call),
+    each bfloat16 layout also against float32. Largest and mean absolute differences."""
+    from transformers import AutoModelForCausalLM
+
+    gen = torch.Generator().manual_seed(0)
+    responses = torch.randint(16, RESPONSE + 1, (samples,), generator=gen).tolist()
+    seqs = [torch.randint(3, 151000, (PROMPT + r,), generator=gen) for r in responses]
+
+    def values(model):
+        lp, ent = forward_log_probs(model, seqs, responses, 1.0, torch.device("cuda"), grad=False,
+                                    entropy_grad=False, share_prompts=False)
+        return torch.cat(lp).float(), torch.cat(ent).float()
+
+    def diff(a, b):
+        return {"max": float((a - b).abs().max()), "mean": float((a - b).abs().mean())}
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").cuda().eval()
+        padded = values(model)
+        assert packing.use_packed_attention(model) is None
+        packed = values(model)
+        name = str(dtype).removeprefix("torch.")
+        out[name] = {"log_probs": diff(packed[0], padded[0]), "entropy": diff(packed[1], padded[1])}
+        if dtype == torch.float32:
+            reference = padded[0]
+        else:
+            out[name] |= {"padded_vs_float32": diff(padded[0], reference),
+                          "packed_vs_float32": diff(packed[0], reference)}
+        del model
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,13 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="steps per variant (the first, two when compiled, "
                                                              "are warm-up)")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--mixed", action="store_true", help="response lengths uniform in 32..256")
+    parser.add_argument("--check", action="store_true", help="compare packed and padded log-probs first")
     opts = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench_fsdp_step_") as tmp:
         folder = bench_gpu.build_model(Path(tmp))
+        if opts.check:
+            print("packed vs padded:", json.dumps(check_packing(folder)), flush=True)
         for variant in opts.variants:
             precision, tokens, *rest = variant.split(":")
-            r = step_time(folder, precision, int(tokens), rest == ["compile"], opts.steps, opts.peak_tflops)
-            print(f"{r['variant']:>20}: step {r['step_s']:.3f} s {r['times_s']}, MFU {100 * r['mfu']:.1f} %, "
+            r = step_time(folder, precision, int(tokens), set(rest), opts.steps, opts.peak_tflops, opts.mixed)
+            print(f"{r['variant']:>26}: step {r['step_s']:.3f} s {r['times_s']} ({r['micro_batches']} micro-batches), "
+                  f"MFU {100 * r['mfu']:.1f} %, "
                   f"peak {r['peak_memory_gib']:.1f} GiB", flush=True)
     return 0
 

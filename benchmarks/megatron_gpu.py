@@ -178,6 +178,7 @@ def part_kernels(rows: int = 16384, vocab: int = 151936) -> dict:
     forward + backward."""
     from furlong.builtin_plugins.backends.megatron import logprobs
     from furlong.builtin_plugins.backends.megatron.model import init_parallel
+    from furlong.hooks import vocab_softmax
 
     init_parallel(1, torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -185,8 +186,8 @@ def part_kernels(rows: int = 16384, vocab: int = 151936) -> dict:
     targets = torch.randint(0, vocab, (rows,), generator=g, device="cuda")
     weights = torch.randn(2, rows, generator=g, device="cuda")
     out = {}
-    for name, kernel in (("compiled", logprobs._kernel), ("eager", lambda fn, device: fn)):
-        original, logprobs._kernel = logprobs._kernel, kernel
+    for name, kernel in (("compiled", vocab_softmax.fused), ("eager", lambda fn, device: fn)):
+        original, vocab_softmax.fused = vocab_softmax.fused, kernel
         try:
             times = []
             for _ in range(4):
@@ -199,7 +200,7 @@ def part_kernels(rows: int = 16384, vocab: int = 151936) -> dict:
                 times.append(time.perf_counter() - start)
             out[name] = {"s": min(times[1:]), "lp": lp.detach(), "ent": ent.detach(), "grad": x.grad.float()}
         finally:
-            logprobs._kernel = original
+            vocab_softmax.fused = original
     a, b = out["compiled"], out["eager"]
     return {"rows": rows, "vocab": vocab, "compiled_s": a["s"], "eager_s": b["s"],
             "max_diff": {k: float((a[k] - b[k]).abs().max()) for k in ("lp", "ent", "grad")}}

@@ -325,7 +325,8 @@ def test_two_rank_fsdp2_matches_one_process(tiny_dir, tmp_path):
 
 
 def test_flash_attention_that_is_not_installed_falls_back_to_sdpa(tiny_dir, caplog):
-    """On CUDA the default is flash_attention_2; without the package the model loads with sdpa."""
+    """On CUDA the default is flash_attention_2; without the package the model loads with sdpa, which
+    on CUDA then becomes packed attention (sdpa for unpacked calls)."""
     from argparse import Namespace
 
     from furlong.builtin_plugins.backends.fsdp.model import load_causal_lm
@@ -335,7 +336,7 @@ def test_flash_attention_that_is_not_installed_falls_back_to_sdpa(tiny_dir, capl
     args = Namespace(attn_implementation="flash_attention_2", gradient_checkpointing=False)
     with caplog.at_level(logging.WARNING, logger="furlong"):
         model = load_causal_lm(str(tiny_dir), args, torch.device("cuda"), "--hf-checkpoint")  # loads on the host
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "furlong_packed"
     assert any("attention 'flash_attention_2' did not load" in m and "trying 'sdpa'" in m for m in caplog.messages)
 
 

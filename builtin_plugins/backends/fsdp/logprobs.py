@@ -1,14 +1,18 @@
 """Per-token log-probs and entropy of response tokens from a causal LM forward pass (SPEC.md 6.1).
 
-The decoder runs once over the right-padded micro-batch; the output projection (``lm_head``)
-then runs only on the hidden states of the positions that predict a response token, in
-chunks of :data:`VOCAB_CHUNK_TOKENS` rows (``--log-probs-chunk-size`` when set), each chunk's float32 logits recomputed in the
-backward pass instead of kept (activation checkpointing of the projection and the
-log-softmax), so no ``[B, L, V]`` logits tensor exists in any dtype. Models whose logits are
-not a plain projection of the last hidden state (a final soft-cap, a logit scale) and
-models sharded by FSDP2 (whose root forward gathers the projection) take the whole-logits
-path. When samples of the micro-batch share a prompt, the decoder runs each distinct prompt
-once and each response against its cached keys and values (:mod:`.shared_prompts`).
+The decoder runs once over the micro-batch, right-padded, or on a GPU packed into one row
+without padding (:mod:`.packing`); the output projection (``lm_head``) then runs only on the
+hidden states of the positions that predict a response token, in chunks of
+:data:`VOCAB_CHUNK_TOKENS` rows (``--log-probs-chunk-size`` when set), each chunk's logits
+recomputed in the backward pass instead of kept, so no ``[B, L, V]`` logits tensor exists in
+any dtype: a plain bias-free projection goes through :mod:`.head_log_probs` (the projection
+and the softmax statistics in one autograd Function with a closed-form gradient), any other
+head through activation checkpointing of the projection and the log-softmax
+(:func:`chunked_log_probs`). Models whose logits are not a plain projection of the last
+hidden state (a final soft-cap, a logit scale) and models sharded by FSDP2 (whose root
+forward gathers the projection) take the whole-logits path. When samples of the micro-batch
+share a prompt (on a CPU), the decoder runs each distinct prompt once and each response
+against its cached keys and values (:mod:`.shared_prompts`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any, Sequence
 
 from furlong.hooks.trainer import right_padded, to_device
 
-from . import shared_prompts
+from . import packing, shared_prompts
 
 __all__ = ["VOCAB_CHUNK_TOKENS", "chunked_log_probs", "chunked_token_log_probs", "forward_log_probs", "token_log_probs"]
 
@@ -82,10 +86,12 @@ def forward_log_probs(
 ) -> tuple[list, list]:
     """Forward passes over a micro-batch; per-sample response log-probs and entropy.
 
-    One pass over the right-padded sequences, or, when samples share a prompt (GRPO groups)
-    and the model takes it, prompt sharing: each distinct prompt once, then every sample's
-    response against its prompt's key/value cache (:mod:`.shared_prompts`; same values and
-    gradients up to float rounding).
+    One pass over the right-padded sequences; or, when the model runs packed attention
+    (:mod:`.packing`, switched on for GPUs by the backend), one pass over the sequences
+    packed into one row without padding; or, when samples share a prompt (GRPO groups) and the model
+    takes it, prompt sharing: each distinct prompt once, then every sample's response against
+    its prompt's key/value cache (:mod:`.shared_prompts`). All three give the same values and
+    gradients up to float rounding.
 
     :param model: a causal LM returning ``.logits`` ``[B, L, V]``.
     :param tokens: B sequences of prompt + response ids (lists or int tensors).
@@ -116,6 +122,13 @@ def forward_log_probs(
         if shared is not None:  # out[i, k] predicts ids[i, k + 1]; the response starts at k = 1
             out, ids = shared_prompts.shared_forward(model, None if split is None else split[0], shared, device)
             rows = [(i, 0, t) for i, t in enumerate(response_lengths)]
+        elif packing.packs(model):
+            # one row [1, sum L_i]: out[0, k] predicts ids[0, k + 1]
+            ids, positions, spans = packing.pack(seqs, device)
+            net = model if split is None else split[0]
+            out = net(input_ids=ids, position_ids=positions, packed_spans=spans, use_cache=False)
+            out = out.logits if split is None else out.last_hidden_state
+            rows = [(0, end - t - 1, t) for end, t in zip(spans.bounds[1:], response_lengths)]
         else:
             # no attention mask: the padding is on the right and attention is causal, so no real
             # position sees a pad token (and the model takes its flash kernels, with no padding check)
@@ -138,9 +151,16 @@ def forward_log_probs(
                          out.device)
         states = out.reshape(-1, out.shape[-1]).index_select(0, flat)
         targets = ids.reshape(-1).to(out.device).index_select(0, flat + 1)
-        log_probs, entropy = chunked_log_probs(split[1], states, targets, temperature, autocast=autocast,
-                                               entropy_grad=grad and entropy_grad,
-                                               chunk=chunk_size if chunk_size > 0 else None)
+        from .head_log_probs import head_log_probs, takes_fused_head
+
+        if autocast is None and takes_fused_head(split[1]):
+            log_probs, entropy = head_log_probs(split[1].weight, states, targets, temperature,
+                                                entropy_grad=grad and entropy_grad,
+                                                chunk=chunk_size if chunk_size > 0 else VOCAB_CHUNK_TOKENS)
+        else:
+            log_probs, entropy = chunked_log_probs(split[1], states, targets, temperature, autocast=autocast,
+                                                   entropy_grad=grad and entropy_grad,
+                                                   chunk=chunk_size if chunk_size > 0 else None)
     sizes = [t for _, _, t in rows]
     return list(log_probs.split(sizes)), list(entropy.split(sizes))
 

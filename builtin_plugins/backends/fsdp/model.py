@@ -9,6 +9,8 @@ from typing import Any
 from furlong.hooks import PluginError
 from furlong.hooks.hf import decoder_layers, is_hf_dir, load_causal_lm_weights
 
+from .packing import use_packed_attention
+
 __all__ = ["build_optimizer", "dist_info", "load_causal_lm", "shard", "tied_names"]
 
 log = logging.getLogger("furlong.backends.fsdp")
@@ -37,7 +39,9 @@ def load_causal_lm(path: str, args: Any, device, flag: str):
     """Load a float32 causal LM from ``path`` into host memory (the caller moves or shards it).
 
     Attention: ``--attn-implementation`` when it loads, else ``sdpa`` (always ``sdpa`` on CPU,
-    where flash attention does not exist). ``--gradient-checkpointing`` is switched on here.
+    where flash attention does not exist). On CUDA an ``sdpa`` model with full attention in
+    every layer is switched to packed attention (:mod:`.packing`): its micro-batches are
+    packed into one row without padding. ``--gradient-checkpointing`` is switched on here.
 
     :param flag: the flag that named ``path``, for the error message.
     :raises PluginError: ``path`` is not a loadable Hugging Face model directory.
@@ -53,6 +57,10 @@ def load_causal_lm(path: str, args: Any, device, flag: str):
     order = (wanted,) if wanted == "sdpa" else (wanted, "sdpa")
     model = load_causal_lm_weights(path, flag, order, dtype=torch.float32)
     model.config.use_cache = False
+    if device.type == "cuda":
+        reason = use_packed_attention(model)
+        if reason is not None:
+            log.info("fsdp: %s: micro-batches are right-padded, not packed: %s", flag, reason)
     if getattr(args, "gradient_checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -113,9 +113,9 @@ def sharing_off_reason(model) -> str | None:
     if any(getattr(layer, "_compiled_call_impl", None) is not None for layer in decoder_layers(model)):
         return ("--train-torch-compile: the compiled decoder layers would be compiled again for every shape of the "
                 "key/value cache")
-    try:
-        from transformers.cache_utils import DynamicCache, DynamicLayer
-    except ImportError:
+    from transformers import cache_utils
+
+    if not hasattr(cache_utils, "DynamicLayer"):
         return f"transformers {transformers.__version__} has no per-layer key/value cache (DynamicLayer)"
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
@@ -127,9 +127,17 @@ def sharing_off_reason(model) -> str | None:
         return f"attention {attention!r} (prompt sharing runs under {' or '.join(sorted(ATTENTION_IMPLEMENTATIONS))})"
     if base.training and _checkpointing(base):
         return "--gradient-checkpointing drops the key/value cache in training passes"
-    if any(type(layer) is not DynamicLayer for layer in getattr(DynamicCache(config=config), "layers", [])):
+    if non_full_attention(config):
         return "the model has sliding-window or other non-full attention layers"
     return None
+
+
+def non_full_attention(config) -> bool:
+    """True when a model of ``config`` has sliding-window or other layers that are not full causal attention
+    (the layers of transformers' ``DynamicCache`` for it are not all plain ``DynamicLayer``)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    return any(type(layer) is not DynamicLayer for layer in getattr(DynamicCache(config=config), "layers", []))
 
 
 def all_ranks_share(share: bool, model, device) -> bool:

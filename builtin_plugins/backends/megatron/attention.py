@@ -14,22 +14,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from furlong.hooks.packed_attention import packed_causal_attention
+
 from .context import chunk_bounds, context_parallel, gather_sequence
 
 __all__ = ["SDPACoreAttention"]
-
-
-def _varlen_has_gqa() -> bool:
-    try:
-        import inspect
-
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return False
-    return "enable_gqa" in inspect.signature(varlen_attn).parameters
-
-
-_VARLEN_GQA = _varlen_has_gqa()
 
 
 class SDPACoreAttention(MegatronModule):
@@ -55,8 +44,8 @@ class SDPACoreAttention(MegatronModule):
         :param value: like ``key``.
         :param attention_mask: must be None (causal); a mask raises ``ValueError``.
         :param packed_seq_params: ``PackedSeqParams`` with ``cu_seqlens_q`` for ``thd``
-            input: each sequence attends only to itself (one ``varlen_attn`` flash call on CUDA
-            in bfloat16/float16, else one SDPA call per sequence).
+            input: each sequence attends only to itself (:func:`packed_causal_attention`: one
+            ``varlen_attn`` flash call on CUDA in bfloat16/float16, else one SDPA call per sequence).
         :returns: ``[s, b, heads*d]`` (``[t, heads*d]`` packed), the query's dtype.
 
         Under context parallelism (CP > 1) ``s`` (``t``) is this rank's two chunks of each
@@ -69,12 +58,9 @@ class SDPACoreAttention(MegatronModule):
         if packed_seq_params is not None:
             if cp > 1:
                 return self._context_parallel_packed(query, key, value, packed_seq_params)
-            if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
-                return self._varlen_causal(query, key, value, packed_seq_params)
-            bounds = packed_seq_params.cu_seqlens_q.tolist()
-            parts = [self._causal(query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1))
-                     for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-            return torch.cat(parts, dim=0).squeeze(1) if parts else query.new_zeros(0, query.shape[1] * query.shape[2])
+            tokens, heads, d = query.shape
+            return packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
+                                           int(packed_seq_params.max_seqlen_q), self.scale).reshape(tokens, heads * d)
         if cp > 1:
             key, value = (gather_sequence(x, 0, replicated_loss=False) for x in (key, value))
             return self._chunks_against_whole(query, key, value, cp, context_parallel()[1])
@@ -117,23 +103,6 @@ class SDPACoreAttention(MegatronModule):
                                                        attn_mask=causal_lower_right(end - start, end),
                                                        scale=self.scale))
         return torch.cat(outs, dim=2).permute(2, 0, 1, 3).reshape(s, b, heads * d)
-
-    def _varlen_causal(self, query, key, value, params):
-        """Packed sequences in one flash-attention call (torch's ``varlen_attn``, CUDA, 16-bit);
-        key/value heads are repeated per query head where this torch's ``varlen_attn`` has no
-        ``enable_gqa`` (torch 2.11)."""
-        from torch.nn.attention.varlen import varlen_attn
-
-        tokens, heads, d = query.shape
-        extra = {}
-        if key.shape[1] != heads:
-            if _VARLEN_GQA:
-                extra["enable_gqa"] = True
-            else:
-                key, value = (x.repeat_interleave(heads // key.shape[1], dim=1) for x in (key, value))
-        out = varlen_attn(query, key, value, params.cu_seqlens_q, params.cu_seqlens_kv, int(params.max_seqlen_q),
-                          int(params.max_seqlen_kv), scale=self.scale, window_size=(-1, 0), **extra)
-        return out.reshape(tokens, heads * d)
 
     def _causal(self, query, key, value):
         s, b, heads, d = query.shape

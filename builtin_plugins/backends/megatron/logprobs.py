@@ -9,10 +9,8 @@ The work is one autograd Function over row chunks, like megatron-core's fused
 vocab-parallel cross-entropy: the float32 softmax of a chunk lives only while that chunk
 is processed (forward and backward), so the full ``[tokens, vocab]`` float32 tensors are
 never built and the gradient comes back in the logits' dtype. On CUDA each chunk's
-passes are compiled (``torch.compile``) into fused kernels that read the logits once per
-pass instead of materialising float32 intermediates. Backward needs no
-communication: ``d logp_t / d z_v = 1[v = target] - p_v`` and
-``d H_t / d z_v = -p_v (log p_v + H_t)``, each rank for its own columns.
+passes are compiled into fused kernels (:mod:`furlong.hooks.vocab_softmax`, shared with the
+fsdp backend). Backward needs no communication: each rank computes the gradient of its own columns.
 """
 
 from __future__ import annotations
@@ -23,15 +21,13 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from furlong.hooks import vocab_softmax as vs
 from furlong.hooks.trainer import right_padded, to_device
 
 from .context import context_parallel, gather_sequence, local_chunks, padded_length
 
 __all__ = ["MicroBatchInputs", "forward_log_probs", "micro_batch_inputs", "response_log_probs",
            "vocab_parallel_log_probs"]
-
-_CHUNK_ELEMENTS = 1 << 28  # float32 elements per row chunk (1 GiB)
-_PAD_LOGIT = -1e30  # padded columns: exp() is 0 and 0 * -1e30 stays finite
 
 
 def _tp():
@@ -48,53 +44,6 @@ def _all_reduce(tensor, op, tp: int, group) -> None:
         dist.all_reduce(tensor, op=op, group=group)
 
 
-def _scaled(chunk, start: int, vocab_size: int, inv_temperature: float):
-    """Float32 ``z = logits / tau`` of one row chunk, padded columns at -1e30 (a new tensor)."""
-    z = chunk.float() * inv_temperature
-    columns = torch.arange(z.shape[-1], device=z.device) + start
-    return torch.where(columns < vocab_size, z, _PAD_LOGIT)
-
-
-def _chunk_max(chunk, start: int, vocab_size: int, inv_temperature: float):
-    """Row maxima of this rank's ``z`` ``[rows]``."""
-    return _scaled(chunk, start, vocab_size, inv_temperature).amax(dim=-1)
-
-
-def _chunk_sums(chunk, top, local, mine, start: int, vocab_size: int, inv_temperature: float):
-    """This rank's ``[3, rows]`` float32 ``sum exp(z - top)``, ``z[target] - top`` (0 off its owner)
-    and ``sum exp(z - top) (z - top)``."""
-    z = _scaled(chunk, start, vocab_size, inv_temperature) - top.unsqueeze(-1)
-    exp = z.exp()
-    picked = torch.where(mine, z.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
-    return torch.stack([exp.sum(dim=-1), picked, (exp * z).sum(dim=-1)])
-
-
-def _chunk_grad(chunk, log_norm, entropy, grad_log_probs, grad_entropy, local, mine, start: int, vocab_size: int,
-                inv_temperature: float):
-    """d loss / d logits of one chunk, in the logits' dtype:
-    ``(1[v = target] - p_v) g_logp - p_v (log p_v + H) g_H``, times ``1 / tau``."""
-    log_p = _scaled(chunk, start, vocab_size, inv_temperature) - log_norm.unsqueeze(-1)
-    p = log_p.exp()
-    out = -p * (grad_log_probs.unsqueeze(-1) + (log_p + entropy.unsqueeze(-1)) * grad_entropy.unsqueeze(-1))
-    columns = torch.arange(chunk.shape[-1], device=chunk.device)
-    hit = (columns == local.unsqueeze(-1)) & mine.unsqueeze(-1)
-    out = out + torch.where(hit, grad_log_probs.unsqueeze(-1), 0.0)
-    return (out * inv_temperature).to(chunk.dtype)
-
-
-_compiled: dict = {}
-
-
-def _kernel(fn, device):
-    """``fn`` compiled with ``torch.compile`` on CUDA (each chunk's passes fuse into kernels that
-    read the logits once); elsewhere ``fn`` itself. The arithmetic is the same either way."""
-    if device.type != "cuda":
-        return fn
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=True)
-    return _compiled[fn]
-
-
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, inv_temperature: float, vocab_size: int, chunk_rows: int):
@@ -106,9 +55,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         log_norm = torch.empty(rows, dtype=torch.float32, device=logits.device)
         log_probs = torch.empty_like(log_norm)
         entropy = torch.empty_like(log_norm)
-        chunk_max, chunk_sums = _kernel(_chunk_max, logits.device), _kernel(_chunk_sums, logits.device)
-        local, mine = _local_targets(targets, start, width)
-        step = _rows_per_chunk(chunk_rows, width)
+        chunk_max, chunk_sums = vs.fused(vs.chunk_max, logits.device), vs.fused(vs.chunk_sums, logits.device)
+        local, mine = vs.local_targets(targets, start, width)
+        step = vs.rows_per_chunk(chunk_rows, width)
         for a in range(0, rows, step):
             b = min(rows, a + step)
             top = chunk_max(logits[a:b], start, vocab_size, inv_temperature)
@@ -135,25 +84,14 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         zeros = torch.zeros_like(log_norm)
         grad_log_probs = zeros if grad_log_probs is None else grad_log_probs
         grad_entropy = zeros if grad_entropy is None else grad_entropy
-        chunk_grad = _kernel(_chunk_grad, logits.device)
-        local, mine = _local_targets(targets, start, width)
-        step = _rows_per_chunk(ctx.chunk_rows, width)
+        chunk_grad = vs.fused(vs.chunk_grad, logits.device)
+        local, mine = vs.local_targets(targets, start, width)
+        step = vs.rows_per_chunk(ctx.chunk_rows, width)
         for a in range(0, rows, step):
             b = min(rows, a + step)
             grad[a:b] = chunk_grad(logits[a:b], log_norm[a:b], entropy[a:b], grad_log_probs[a:b], grad_entropy[a:b],
                                    local[a:b], mine[a:b], start, ctx.vocab_size, ctx.inv_temperature)
         return grad, None, None, None, None
-
-
-def _local_targets(targets, start: int, width: int):
-    """Each target's column in this rank's slice (clamped) and whether this rank owns it."""
-    local = targets.long() - start
-    mine = (local >= 0) & (local < width)
-    return local.clamp(0, width - 1), mine
-
-
-def _rows_per_chunk(chunk_rows: int, width: int) -> int:
-    return chunk_rows if chunk_rows > 0 else max(1, _CHUNK_ELEMENTS // max(width, 1))
 
 
 def vocab_parallel_log_probs(logits, targets, temperature: float, vocab_size: int, *, entropy_grad: bool = True,

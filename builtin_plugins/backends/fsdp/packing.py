@@ -1,0 +1,134 @@
+"""Packed micro-batches for Hugging Face models: the sequences concatenated into one row, no padding.
+
+A packed micro-batch is ``input_ids [1, sum L_i]`` with ``position_ids`` restarting at 0 for
+each sequence (RoPE sees each sequence's own positions) and a :class:`PackedSpans` in the
+``packed_spans`` keyword, which transformers passes down to every attention layer. The
+model runs with transformers' attention interface set to ``furlong_packed``
+(:func:`packed_attention`): with ``packed_spans`` each sequence attends only to itself
+(:func:`furlong.hooks.packed_attention.packed_causal_attention`, one flash call on CUDA);
+without it the function is transformers' ``sdpa`` attention, and the model works as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import attrs
+
+from furlong.hooks.trainer import to_device
+
+__all__ = ["ATTENTION_NAME", "PackedSpans", "pack", "packed_attention", "packing_off_reason", "packs",
+           "use_packed_attention"]
+
+ATTENTION_NAME = "furlong_packed"
+
+_per_sequence = None
+"""``packed_causal_attention`` kept out of torch.compile traces (its loop over host ints would be
+specialised on); set by :func:`use_packed_attention`."""
+
+
+@attrs.frozen
+class PackedSpans:
+    """Where each sequence of a packed row lies: ``cu_seqlens`` (int32 ``[n + 1]`` on the model's
+    device: 0, then each sequence's end), the same ``bounds`` as host ints, and ``max_length``, a
+    bound on the longest sequence's length."""
+
+    cu_seqlens: Any
+    bounds: list
+    max_length: int
+
+
+def pack(seqs: Sequence[Any], device) -> tuple[Any, Any, PackedSpans]:
+    """``(input_ids [1, T], position_ids [1, T], spans)`` of the 1-D int64 sequences ``seqs`` one after another."""
+    import torch
+
+    bounds = [0]
+    for s in seqs:
+        bounds.append(bounds[-1] + len(s))
+    ids = torch.cat(list(seqs)).unsqueeze(0)
+    positions = torch.cat([torch.arange(len(s)) for s in seqs]).unsqueeze(0)
+    longest = max((len(s) for s in seqs), default=0)
+    # rounded up to a power of two (flash kernels take any bound at least the longest), so compiled
+    # layers see few distinct values rather than one per micro-batch
+    spans = PackedSpans(cu_seqlens=to_device(torch.tensor(bounds, dtype=torch.int32), device), bounds=bounds,
+                        max_length=1 << max(longest - 1, 0).bit_length())
+    return to_device(ids, device), to_device(positions, device), spans
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function over a packed row (``packed_spans`` keyword), else ``sdpa``.
+
+    :param query: ``[1, H, T, D]``; :param key: and :param value: ``[1, H_kv, T, D]`` (rotary applied).
+    :returns: ``(output [1, T, H, D], None)``, as transformers' attention functions do.
+    :raises ValueError: a packed row with an attention mask, or with dropout.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from furlong.hooks.packed_attention import packed_causal_attention, varlen_kernel
+
+    spans: PackedSpans | None = kwargs.get("packed_spans")
+    if spans is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    if attention_mask is not None or (dropout and module.training):
+        raise ValueError("packed attention takes no attention mask and no attention dropout")
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T, heads, D]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if varlen_kernel(q):  # one kernel, traced into compiled decoder layers
+        out = packed_causal_attention(q, k, v, spans.cu_seqlens, spans.max_length, scale)
+    else:  # a loop over host ints, which torch.compile would specialise on
+        out = _per_sequence(q, k, v, spans.cu_seqlens, spans.max_length, scale, bounds=spans.bounds)
+    return out.unsqueeze(0), None
+
+
+def _mask(**kwargs):
+    """The mask for ``furlong_packed``: none when no padding mask was given (causal, or a packed row whose
+    sequences the attention function separates), else the one ``sdpa`` would get."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if kwargs.get("attention_mask") is None else sdpa_mask(**kwargs)
+
+
+def packing_off_reason(model) -> str | None:
+    """Why ``model`` cannot take packed micro-batches, or None: it must run transformers' ``sdpa``
+    attention (or already ``furlong_packed``) with full attention in every layer."""
+    from .shared_prompts import non_full_attention
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in ("sdpa", ATTENTION_NAME):
+        return f"attention {attention!r} (packing runs on sdpa)"
+    if non_full_attention(config):
+        return "the model has sliding-window or other non-full attention layers"
+    return None
+
+
+def use_packed_attention(model) -> str | None:
+    """Register :func:`packed_attention` with transformers and switch ``model`` to it; returns None,
+    or why it cannot (:func:`packing_off_reason`; the model is then left as it was)."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from furlong.hooks.packed_attention import packed_causal_attention
+
+    global _per_sequence
+    reason = packing_off_reason(model)
+    if reason is not None:
+        return reason
+    _per_sequence = torch.compiler.disable(packed_causal_attention)
+    AttentionInterface.register(ATTENTION_NAME, packed_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _mask)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        base.set_attn_implementation(ATTENTION_NAME)
+    except (AttributeError, ValueError):
+        base.config._attn_implementation = ATTENTION_NAME
+    return None
+
+
+def packs(model) -> bool:
+    """True when ``model`` (a peft wrapper is looked through) runs :func:`packed_attention`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(getattr(base, "config", None), "_attn_implementation", None) == ATTENTION_NAME

@@ -1,0 +1,70 @@
+"""Causal attention over packed sequences: several sequences concatenated into one row of tokens.
+
+Each sequence attends only to its own earlier tokens. On CUDA in bfloat16 or float16 the
+whole row is one flash-attention call (torch's ``varlen_attn``, which takes the sequence
+bounds ``cu_seqlens``); elsewhere it is one SDPA call per sequence, the same arithmetic.
+The megatron backend's core attention (``thd`` input) and the fsdp backend's packed
+micro-batches both attend through :func:`packed_causal_attention`.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["packed_causal_attention", "varlen_kernel"]
+
+
+def _varlen_signature():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return inspect.signature(varlen_attn).parameters
+
+
+_VARLEN_PARAMETERS = _varlen_signature()
+_VARLEN_GQA = _VARLEN_PARAMETERS is not None and "enable_gqa" in _VARLEN_PARAMETERS
+
+
+def varlen_kernel(query) -> bool:
+    """True when :func:`packed_causal_attention` attends to ``query`` in one ``varlen_attn`` call
+    (CUDA, bfloat16 or float16, a torch that has ``torch.nn.attention.varlen``)."""
+    return _VARLEN_PARAMETERS is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+
+
+def packed_causal_attention(query, key, value, cu_seqlens, max_length: int, scale: float, bounds=None):
+    """Causal grouped-query attention of packed sequences.
+
+    :param query: ``[T, heads, d]``, the sequences' tokens one after another, RoPE applied.
+    :param key: and :param value: ``[T, groups, d]`` (``heads`` a multiple of ``groups``), not repeated per head.
+    :param cu_seqlens: int32 ``[n + 1]`` on ``query``'s device: ``0``, then each sequence's end.
+    :param max_length: the longest sequence's length.
+    :param scale: the softmax scale (usually ``d ** -0.5``).
+    :param bounds: ``cu_seqlens`` as a list of ints, when the caller has it (saves a device read
+        on the per-sequence path).
+    :returns: ``[T, heads, d]`` in the query's dtype.
+    """
+    tokens, heads, _ = query.shape
+    if varlen_kernel(query):
+        from torch.nn.attention.varlen import varlen_attn
+
+        extra = {}
+        if key.shape[1] != heads:
+            if _VARLEN_GQA:
+                extra["enable_gqa"] = True
+            else:  # torch 2.11's varlen_attn has no grouped-query option
+                key, value = (x.repeat_interleave(heads // key.shape[1], dim=1) for x in (key, value))
+        return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, int(max_length), int(max_length), scale=scale,
+                           window_size=(-1, 0), **extra)
+    bounds = cu_seqlens.tolist() if bounds is None else bounds
+    parts = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b > a:
+            q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, h, n, d]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != heads)
+            parts.append(out[0].transpose(0, 1))
+    return torch.cat(parts, dim=0) if parts else query.new_zeros(0, heads, query.shape[2])
+
