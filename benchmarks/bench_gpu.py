@@ -12,7 +12,9 @@ One command, from the repository root, on a machine with a CUDA GPU::
    (``cache_implementation="static"``, sampling, ``min_new_tokens`` = ``max_new_tokens``).
    Each is run once to warm up (CUDA graphs, compilation) and then timed; tok/s = new
    tokens / wall seconds. The engine's timed runs alternate with runs that read each decode
-   step's finish flags before launching the next (``tok_per_s_without_overlap``). Each part
+   step's finish flags before launching the next (``tok_per_s_without_overlap``). ``--stop S``
+   gives every request the stop string ``S`` (choose one that never occurs: the decoded-text
+   checks then run at every step without ending a request). Each part
    runs in a process of its own, so that one part's GPU memory (the engine's key/value cache,
    CUDA graph pools) is not held while the next runs.
 2. **GRPO iteration**: ``furlong train`` (sync, embedded engine, fsdp backend, ``--bf16``:
@@ -88,6 +90,8 @@ def bench_engine(folder: Path, opts, compile: str | None = None) -> dict:
     engine = embedded.load_engine(str(folder), max_batch_size=opts.requests, seed=0, compile=compile)
     batch = prompts(opts.requests, opts.prompt_len)
     params = {"temperature": 1.0, "max_new_tokens": opts.new_tokens, "ignore_eos": True}
+    if opts.stop:
+        params["stop"] = [opts.stop]
 
     async def run():
         return await asyncio.gather(*[engine.generate(p, dict(params)) for p in batch])
@@ -191,6 +195,8 @@ def _part_in_subprocess(name: str, folder: Path, opts) -> dict:
     """Run one part (``engine`` or ``generate``) in a fresh process: nothing it allocates outlives it."""
     cmd = [sys.executable, __file__, "--part", name, "--model-dir", str(folder), "--requests", str(opts.requests),
            "--prompt-len", str(opts.prompt_len), "--new-tokens", str(opts.new_tokens), "--repeats", str(opts.repeats)]
+    if opts.stop:
+        cmd += ["--stop", opts.stop]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith(PART_PREFIX)]
     if done.returncode != 0 or not lines:
@@ -199,6 +205,8 @@ def _part_in_subprocess(name: str, folder: Path, opts) -> dict:
 
 
 PART_PREFIX = "PART "
+
+
 def bench_engine_compiled(folder: Path, opts) -> dict:
     """The engine with ``--embedded-torch-compile`` (its warm-up includes the compilation)."""
     return bench_engine(folder, opts, compile="inductor")
@@ -214,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs after the warm-up (best is reported)")
     parser.add_argument("--rollouts", type=int, default=3)
+    parser.add_argument("--stop", default=None, help="engine parts: a stop string on every request (one that never "
+                                                     "occurs times the decoded-text checks without ending requests)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H200: 989)")
     parser.add_argument("--skip", nargs="*", default=[], choices=[*PARTS, "grpo"])
     parser.add_argument("--train-flags", nargs=argparse.REMAINDER, default=[],
