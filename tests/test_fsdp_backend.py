@@ -420,6 +420,23 @@ def test_compiled_layers_are_refused_across_ranks(tiny_dir):
     assert [m for m in report.errors if "--train-torch-compile with 2 trainer ranks is not supported yet" in m]
 
 
+def test_attention_defaults_to_sdpa_which_packs_unless_given(tiny_dir):
+    from furlong.builtin_plugins.backends.fsdp import configure
+    from furlong.hooks import ConfigReport
+
+    flags = dict(actor_num_nodes=1, actor_num_gpus_per_node=1, context_parallel_size=1, dp_replicate_size=1)
+    args = train_args(tiny_dir, attn_implementation="flash_attention_2", explicit_args=[], **flags)  # CUDA default
+    report = ConfigReport(plugin="fsdp")
+    configure(args=args, report=report)
+    assert args.attn_implementation == "sdpa" and not report.errors
+    assert [m for m in report.infos if "each micro-batch trains packed into one row" in m]
+    given = train_args(tiny_dir, attn_implementation="flash_attention_2", explicit_args=["attn_implementation"],
+                       **flags)
+    report = ConfigReport(plugin="fsdp")
+    configure(args=given, report=report)
+    assert given.attn_implementation == "flash_attention_2" and not report.infos
+
+
 # --- --bf16: bfloat16 parameters over float32 master weights ---------------------------------
 
 

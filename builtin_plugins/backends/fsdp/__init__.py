@@ -21,7 +21,14 @@ MEGATRON_FLAGS = MegatronFlags(
 @hookimpl
 def configure(args, report):
     """No context parallelism, no ``--fp16``; ``--dp-replicate-size`` (HSDP replicas) must divide the trainer world size;
-    ``--train-torch-compile`` with one trainer rank only."""
+    ``--train-torch-compile`` with one trainer rank only. ``--attn-implementation`` defaults to
+    ``sdpa``, which on GPUs trains packed micro-batches (:mod:`.packing`; on an H200 1.4x the
+    iteration rate of right-padded ones, docs/benchmarks.md)."""
+    if not report.given(args, "attn_implementation") and args.attn_implementation != "sdpa":
+        report.default(args, "attn_implementation", "sdpa")
+        report.info("--train-backend fsdp: --attn-implementation sdpa: on GPUs each micro-batch trains packed into "
+                    "one row through torch's variable-length flash-attention kernel (give --attn-implementation "
+                    "flash_attention_2 to train right-padded micro-batches through the flash-attn package).")
     if args.context_parallel_size > 1:
         report.error(f"--train-backend fsdp does not support --context-parallel-size {args.context_parallel_size}; "
                      f"use 1 or --train-backend megatron.")
