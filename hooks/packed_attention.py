@@ -57,8 +57,12 @@ def packed_causal_attention(query, key, value, cu_seqlens, max_length: int, scal
                 extra["enable_gqa"] = True
             else:  # torch 2.11's varlen_attn has no grouped-query option
                 key, value = (x.repeat_interleave(heads // key.shape[1], dim=1) for x in (key, value))
+        if "window_size" in _VARLEN_PARAMETERS:  # torch 2.11: causal is a window of every earlier key
+            extra["window_size"] = (-1, 0)
+        else:  # torch 2.10
+            extra["is_causal"] = True
         return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, int(max_length), int(max_length), scale=scale,
-                           window_size=(-1, 0), **extra)
+                           **extra)
     bounds = cu_seqlens.tolist() if bounds is None else bounds
     parts = []
     for a, b in zip(bounds[:-1], bounds[1:]):

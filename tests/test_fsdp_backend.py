@@ -333,10 +333,15 @@ def test_flash_attention_that_is_not_installed_falls_back_to_sdpa(tiny_dir, capl
 
     if __import__("importlib").util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here, so there is nothing to fall back from")
-    args = Namespace(attn_implementation="flash_attention_2", gradient_checkpointing=False)
+    args = Namespace(attn_implementation="flash_attention_2", gradient_checkpointing=False, bf16=True)
     with caplog.at_level(logging.WARNING, logger="furlong"):
         model = load_causal_lm(str(tiny_dir), args, torch.device("cuda"), "--hf-checkpoint")  # loads on the host
     assert model.config._attn_implementation == "furlong_packed"
+    args.bf16 = False  # float32 on a GPU: the variable-length flash kernel runs in 16-bit only, so no packing
+    with caplog.at_level(logging.INFO, logger="furlong"):
+        model = load_causal_lm(str(tiny_dir), args, torch.device("cuda"), "--hf-checkpoint")
+    assert model.config._attn_implementation == "sdpa"
+    assert any("right-padded, not packed: float32 training" in m for m in caplog.messages)
     assert any("attention 'flash_attention_2' did not load" in m and "trying 'sdpa'" in m for m in caplog.messages)
 
 

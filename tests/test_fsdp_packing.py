@@ -23,6 +23,7 @@ from tiny_model import make_batch, train_args  # noqa: E402
 from furlong.builtin_plugins.backends.fsdp import packing, train_backend  # noqa: E402
 from furlong.builtin_plugins.backends.fsdp.head_log_probs import head_log_probs, takes_fused_head  # noqa: E402
 from furlong.builtin_plugins.backends.fsdp.logprobs import chunked_log_probs, forward_log_probs  # noqa: E402
+from furlong.builtin_plugins.backends.fsdp.shared_prompts import _cache_kwarg  # noqa: E402
 from furlong.hooks.packed_attention import packed_causal_attention  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -94,6 +95,37 @@ def test_packed_attention_model_without_spans_is_sdpa():
     torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
+def test_packed_attention_model_continues_past_cached_keys_as_sdpa():
+    # a multi-token pass after a key/value cache needs the causal mask aligned to the cache's end
+    ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(0))
+    model = _qwen2()
+    packing.use_packed_attention(model)
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        first = model(input_ids=ids[:, :5], use_cache=True)
+        name = _cache_kwarg(model)[0]  # cache (transformers 5.2x) or past_key_values
+        second = model(input_ids=ids[:, 5:], use_cache=True, **{name: first.past_key_values}).logits
+    torch.testing.assert_close(second, full[:, 5:], rtol=0, atol=1e-10)
+
+
+def test_varlen_call_asks_for_causal_attention_in_the_form_this_torch_takes(monkeypatch):
+    import torch.nn.attention.varlen as varlen
+
+    from furlong.hooks import packed_attention as pa
+
+    calls = []
+    monkeypatch.setattr(varlen, "varlen_attn", lambda q, k, v, *a, **kw: calls.append((k.shape, kw)) or q)
+    monkeypatch.setattr(pa, "varlen_kernel", lambda query: True)
+    q, kv = torch.zeros(6, 4, 8), torch.zeros(6, 2, 8)
+    bounds = torch.tensor([0, 2, 6], dtype=torch.int32)
+    for parameters, causal in (({"window_size": None}, {"window_size": (-1, 0)}), ({"is_causal": None},
+                                                                                     {"is_causal": True})):
+        monkeypatch.setattr(pa, "_VARLEN_PARAMETERS", parameters)
+        monkeypatch.setattr(pa, "_VARLEN_GQA", False)
+        pa.packed_causal_attention(q, kv, kv, bounds, 4, 0.5)
+        assert calls[-1] == (torch.Size([6, 4, 8]), {"scale": 0.5, **causal})  # key/value heads repeated
+
+
 def test_packing_is_refused_where_it_cannot_run():
     eager = _qwen2()
     eager.set_attn_implementation("eager")
@@ -101,6 +133,18 @@ def test_packing_is_refused_where_it_cannot_run():
     assert not packing.packs(eager)
     assert packing.packing_off_reason(_qwen2(sliding=True)) == (
         "the model has sliding-window or other non-full attention layers")
+    dropping = _qwen2()
+    dropping.config.attention_dropout = 0.1
+    assert packing.use_packed_attention(dropping) == "attention dropout 0.1 (packed attention has none)"
+    assert not packing.packs(dropping)
+
+
+def test_packing_needs_the_attention_mask_interface_and_per_layer_caches(monkeypatch):
+    from transformers import cache_utils
+
+    monkeypatch.delattr(cache_utils, "DynamicLayer")
+    reason = packing.use_packed_attention(_qwen2())
+    assert reason.startswith("transformers ") and reason.endswith("has no attention-mask interface or per-layer cache")
 
 
 def test_packed_attention_matches_a_block_diagonal_mask():

@@ -26,9 +26,10 @@ def configure(args, report):
     iteration rate of right-padded ones, docs/benchmarks.md)."""
     if not report.given(args, "attn_implementation") and args.attn_implementation != "sdpa":
         report.default(args, "attn_implementation", "sdpa")
-        report.info("--train-backend fsdp: --attn-implementation sdpa: on GPUs each micro-batch trains packed into "
-                    "one row through torch's variable-length flash-attention kernel (give --attn-implementation "
-                    "flash_attention_2 to train right-padded micro-batches through the flash-attn package).")
+        report.info("--train-backend fsdp: --attn-implementation sdpa: on GPUs under --bf16 each micro-batch trains "
+                    "packed into one row through torch's variable-length flash-attention kernel (give "
+                    "--attn-implementation flash_attention_2 to train right-padded micro-batches through the "
+                    "flash-attn package).")
     if args.context_parallel_size > 1:
         report.error(f"--train-backend fsdp does not support --context-parallel-size {args.context_parallel_size}; "
                      f"use 1 or --train-backend megatron.")

@@ -39,9 +39,9 @@ def load_causal_lm(path: str, args: Any, device, flag: str):
     """Load a float32 causal LM from ``path`` into host memory (the caller moves or shards it).
 
     Attention: ``--attn-implementation`` when it loads, else ``sdpa`` (always ``sdpa`` on CPU,
-    where flash attention does not exist). On CUDA an ``sdpa`` model with full attention in
-    every layer is switched to packed attention (:mod:`.packing`): its micro-batches are
-    packed into one row without padding. ``--gradient-checkpointing`` is switched on here.
+    where flash attention does not exist). On CUDA under ``--bf16`` an ``sdpa`` model with full
+    attention in every layer and no attention dropout is switched to packed attention
+    (:mod:`.packing`): its micro-batches are packed into one row without padding. ``--gradient-checkpointing`` is switched on here.
 
     :param flag: the flag that named ``path``, for the error message.
     :raises PluginError: ``path`` is not a loadable Hugging Face model directory.
@@ -58,7 +58,8 @@ def load_causal_lm(path: str, args: Any, device, flag: str):
     model = load_causal_lm_weights(path, flag, order, dtype=torch.float32)
     model.config.use_cache = False
     if device.type == "cuda":
-        reason = use_packed_attention(model)
+        reason = ("float32 training (--bf16 off): the variable-length flash kernel runs in 16-bit only"
+                  if not getattr(args, "bf16", False) else use_packed_attention(model))
         if reason is not None:
             log.info("fsdp: %s: micro-batches are right-padded, not packed: %s", flag, reason)
     if getattr(args, "gradient_checkpointing", False):

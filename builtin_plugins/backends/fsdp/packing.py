@@ -82,18 +82,27 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def _mask(**kwargs):
-    """The mask for ``furlong_packed``: none when no padding mask was given (causal, or a packed row whose
-    sequences the attention function separates), else the one ``sdpa`` would get."""
+    """The mask for ``furlong_packed``: none for a causal pass over the whole input without a padding
+    mask (a plain or a packed row, whose sequences the attention function separates); otherwise
+    (a padding mask, a continuation past cached keys) the one ``sdpa`` would get."""
     from transformers.masking_utils import sdpa_mask
 
-    return None if kwargs.get("attention_mask") is None else sdpa_mask(**kwargs)
+    whole = (kwargs.get("attention_mask") is None and kwargs.get("q_length") == kwargs.get("kv_length")
+             and not kwargs.get("q_offset") and not kwargs.get("kv_offset"))
+    return None if whole else sdpa_mask(**kwargs)
 
 
 def packing_off_reason(model) -> str | None:
     """Why ``model`` cannot take packed micro-batches, or None: it must run transformers' ``sdpa``
-    attention (or already ``furlong_packed``) with full attention in every layer."""
+    attention (or already ``furlong_packed``) with full attention in every layer and no attention
+    dropout, under a transformers that has the attention-mask interface and per-layer caches."""
+    import transformers
+    from transformers import cache_utils, masking_utils
+
     from .shared_prompts import non_full_attention
 
+    if not (hasattr(masking_utils, "AttentionMaskInterface") and hasattr(cache_utils, "DynamicLayer")):
+        return f"transformers {transformers.__version__} has no attention-mask interface or per-layer cache"
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     attention = getattr(config, "_attn_implementation", None)
@@ -101,6 +110,9 @@ def packing_off_reason(model) -> str | None:
         return f"attention {attention!r} (packing runs on sdpa)"
     if non_full_attention(config):
         return "the model has sliding-window or other non-full attention layers"
+    dropout = max(float(getattr(config, key, 0.0) or 0.0) for key in ("attention_dropout", "attn_pdrop"))
+    if dropout > 0:
+        return f"attention dropout {dropout:g} (packed attention has none)"
     return None
 
 
@@ -125,6 +137,8 @@ def use_packed_attention(model) -> str | None:
         base.set_attn_implementation(ATTENTION_NAME)
     except (AttributeError, ValueError):
         base.config._attn_implementation = ATTENTION_NAME
+    if not packs(model):  # some models keep their attention (transformers only warns)
+        return f"{type(base).__name__} kept attention {base.config._attn_implementation!r}"
     return None
 
 
