@@ -43,7 +43,8 @@ def add_miles(g, dev) -> None:
                    help="Environment variables for the train workers, as a JSON object.")
     g.add_argument("--log-probs-chunk-size", type=int, default=-1,
                    help="Compute log-probs over the vocabulary this many tokens at a time (less memory, same "
-                        "values); -1: all at once.")
+                        "values); -1: the backend's default (fsdp: 4096 tokens, all at once where the logits are not "
+                        "a plain projection; megatron: 1 GiB of float32).")
     g.add_argument("--use-dynamic-global-batch-size", action="store_true",
                    help="Train each rollout in one optimizer step over all its samples (rounded down to a "
                         "multiple of the data-parallel size) instead of --global-batch-size.")
