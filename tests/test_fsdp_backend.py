@@ -434,12 +434,22 @@ def test_attention_defaults_to_sdpa_which_packs_unless_given(tiny_dir):
     report = ConfigReport(plugin="fsdp")
     configure(args=args, report=report)
     assert args.attn_implementation == "sdpa" and not report.errors
-    assert [m for m in report.infos if "each micro-batch trains packed into one row" in m]
+    assert [m for m in report.infos if "each micro-batch is concatenated into one row" in m]
     given = train_args(tiny_dir, attn_implementation="flash_attention_2", explicit_args=["attn_implementation"],
                        **flags)
     report = ConfigReport(plugin="fsdp")
     configure(args=given, report=report)
     assert given.attn_implementation == "flash_attention_2" and not report.infos
+    errors = {}
+    for name in ("bogus", "kernels-community/flash-attn", "eager"):
+        report = ConfigReport(plugin="fsdp")
+        configure(args=train_args(tiny_dir, attn_implementation=name, explicit_args=["attn_implementation"], **flags),
+                  report=report)
+        errors[name] = report.errors
+    assert errors == {"bogus": [
+        "--attn-implementation 'bogus': not an attention implementation of transformers; choose eager, "
+        "flash_attention_2, flash_attention_3, flash_attention_4, flex_attention, sdpa, or a kernels hub "
+        "repository such as kernels-community/flash-attn."], "kernels-community/flash-attn": [], "eager": []}
 
 
 # --- --bf16: bfloat16 parameters over float32 master weights ---------------------------------

@@ -6,7 +6,7 @@ from furlong.hooks import MegatronFlags, hookimpl
 
 from .backend import FSDPBackend
 
-__all__ = ["MEGATRON_FLAGS", "FSDPBackend", "configure", "train_backend"]
+__all__ = ["ATTENTION_IMPLEMENTATIONS", "MEGATRON_FLAGS", "FSDPBackend", "configure", "train_backend"]
 
 # Of the backend flags only LoRA's are read (peft, lora.py); --context-parallel-size and --fp16
 # are refused by configure below; the model trains without dropout (eval mode), which is what
@@ -18,16 +18,30 @@ MEGATRON_FLAGS = MegatronFlags(
     at_values={"attention_dropout": (0.0,), "hidden_dropout": (0.0,)}, architecture_from_hf=True)
 
 
+# the names transformers' from_pretrained takes (a "namespace/repo" names a kernels hub repository)
+ATTENTION_IMPLEMENTATIONS = frozenset({"eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4",
+                                       "flex_attention"})
+
+
 @hookimpl
 def configure(args, report):
-    """No context parallelism, no ``--fp16``; ``--dp-replicate-size`` (HSDP replicas) must divide the trainer world size;
-    ``--train-torch-compile`` with one trainer rank only. ``--attn-implementation`` defaults to
-    ``sdpa``, which on GPUs trains packed micro-batches (:mod:`.packing`; on an H200 1.4x the
-    iteration rate of right-padded ones, docs/benchmarks.md)."""
-    if not report.given(args, "attn_implementation") and args.attn_implementation != "sdpa":
+    """No context parallelism, no ``--fp16``; ``--dp-replicate-size`` (HSDP replicas) must divide the
+    trainer world size; ``--train-torch-compile`` with one trainer rank only.
+
+    ``--attn-implementation`` must name one of transformers' attention implementations
+    (:data:`ATTENTION_IMPLEMENTATIONS`, or a kernels hub repository ``namespace/name``); it
+    defaults to ``sdpa``, with which on GPUs under ``--bf16`` each micro-batch is concatenated
+    into one row (:mod:`.packing`; on an H200 1.4x the iteration rate of right-padded ones,
+    docs/benchmarks.md)."""
+    attention = args.attn_implementation
+    if attention not in ATTENTION_IMPLEMENTATIONS and "/" not in str(attention):
+        report.error(f"--attn-implementation {attention!r}: not an attention implementation of transformers; choose "
+                     f"{', '.join(sorted(ATTENTION_IMPLEMENTATIONS))}, or a kernels hub repository such as "
+                     "kernels-community/flash-attn.")
+    elif not report.given(args, "attn_implementation") and attention != "sdpa":
         report.default(args, "attn_implementation", "sdpa")
-        report.info("--train-backend fsdp: --attn-implementation sdpa: on GPUs under --bf16 each micro-batch trains "
-                    "packed into one row through torch's variable-length flash-attention kernel (give "
+        report.info("--train-backend fsdp: --attn-implementation sdpa: on GPUs under --bf16 each micro-batch is "
+                    "concatenated into one row for torch's variable-length flash-attention kernel (give "
                     "--attn-implementation flash_attention_2 to train right-padded micro-batches through the "
                     "flash-attn package).")
     if args.context_parallel_size > 1:
