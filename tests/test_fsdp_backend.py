@@ -496,6 +496,14 @@ def test_fp16_is_refused_and_context_parallelism_is_not_reported_as_ignored(tiny
     assert MEGATRON_FLAGS.honoured("context_parallel_size", 2) and MEGATRON_FLAGS.honoured("fp16", True)
 
 
+def test_sgd_momentum_is_read(tiny_dir):
+    from furlong.builtin_plugins.backends.fsdp import MEGATRON_FLAGS
+
+    assert MEGATRON_FLAGS.honoured("sgd_momentum", 0.5)  # not reported as a Megatron flag the backend ignores
+    backend = _backend(tiny_dir, optimizer="sgd", sgd_momentum=0.5)
+    assert [g["momentum"] for g in backend.optimizer.param_groups] == [0.5] * len(backend.optimizer.param_groups)
+
+
 def test_the_chosen_precision_is_logged(tiny_dir, caplog):
     with caplog.at_level(logging.INFO, logger="furlong.backends.fsdp"):
         _backend(tiny_dir, bf16=True)

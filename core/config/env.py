@@ -34,9 +34,9 @@ def cuda_device_count() -> int:
 def furlong_plugin_installed(name: str) -> bool:
     """True when an installed distribution registers plugin ``name`` in entry-point group ``furlong``.
 
-    Reads the metadata only (nothing is imported). Installing a third-party package such
-    as ``sglang`` or ``megatron-core`` does not register a furlong plugin: its furlong
-    plugin distribution does.
+    Reads the metadata only (nothing is imported). A third-party package such as ``sglang``
+    or ``megatron-core`` registers no furlong plugin; furlong's own distribution registers
+    the ``sglang`` and ``megatron`` plugins that use them.
     """
     import importlib.metadata as md
 

@@ -72,8 +72,9 @@ class DeviceDefaults:
     attention, fp32, gloo. ``rollout_backend`` is ``sglang`` only when a furlong plugin
     named ``sglang`` is registered and CUDA and the ``sglang`` package are present, else
     ``embedded``; ``train_backend`` is ``megatron`` only when a furlong plugin named
-    ``megatron`` is registered and CUDA and megatron-core are present, else ``fsdp``:
-    installing the ``sglang`` or ``megatron-core`` packages alone changes no default.
+    ``megatron`` is registered and CUDA and megatron-core are present, else ``fsdp`` (furlong
+    registers both plugins itself, so on a CUDA machine the package decides;
+    ``--disable-plugins`` removes a plugin and with it the default).
     ``probes`` says, per field, what the value came from (``--print-config``).
     """
 

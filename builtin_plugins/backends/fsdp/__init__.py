@@ -8,13 +8,13 @@ from .backend import FSDPBackend
 
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "MEGATRON_FLAGS", "FSDPBackend", "configure", "train_backend"]
 
-# Of the backend flags only LoRA's are read (peft, lora.py); --context-parallel-size and --fp16
+# Of the backend flags LoRA's (peft, lora.py) and --sgd-momentum (--optimizer sgd) are read; --context-parallel-size and --fp16
 # are refused by configure below; the model trains without dropout (eval mode), which is what
 # dropout 0 asks; the model comes from the --hf-checkpoint config, against which the core
 # checks the architecture flags given.
 MEGATRON_FLAGS = MegatronFlags(
     honours=frozenset({"lora_rank", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules",
-                       "context_parallel_size", "fp16"}),
+                       "context_parallel_size", "fp16", "sgd_momentum"}),
     at_values={"attention_dropout": (0.0,), "hidden_dropout": (0.0,)}, architecture_from_hf=True)
 
 
