@@ -74,7 +74,7 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
     not honour (:func:`furlong.core.megatron_support.report_megatron_flags`).
 
     Warnings and notes go to the ``furlong.config`` logger (which ranks other than 0 keep
-    quiet). A plugin that changes a flag the user gave is an error naming it (the value
+    quiet); when the run stops on errors only the warnings are logged. A plugin that changes a flag the user gave is an error naming it (the value
     is put back); one that raises is an error naming it (a :class:`PluginError`'s message
     is kept as written).
 
@@ -122,8 +122,9 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
                 done.derived[dest] = {"value": new, "plugin": name}
         done.reports.append(report)
         errors.extend(report.errors)
+    stopped = bool(errors) or after_errors  # a stopped run's errors stand alone: no notes, only warnings
     for report in done.reports:
-        for line in report.infos:
+        for line in report.infos if not stopped else ():
             if not names_any(line, rejected):
                 log.info("%s", line)
         for line in report.warnings:

@@ -160,6 +160,17 @@ def test_hook_configure_errors_are_a_config_error_and_the_cli_exits_2(plugin_dis
     assert proc.stderr.splitlines()[-1] == "error: --advantage-estimator strict needs --normalize-advantages."
 
 
+def test_a_stopped_run_prints_its_errors_without_notes(run_furlong):
+    # notes on derived values (--save-interval's default, grpo's one-sample groups) would only bury the error;
+    # --save makes the core note its --save-interval default when the run goes on
+    proc = run_furlong("train", "--num-rollout", "1", "--save", "/tmp/unused-save-dir", "--rollout-temprature", "1",
+                       "--hf-checkpoint", "/nonexistent", "--prompt-data", "/nonexistent.jsonl")
+    assert proc.returncode == 2
+    assert "INFO" not in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[0] == ("error: unrecognized argument --rollout-temprature (did you mean "
+                                           "--rollout-temperature? flags are never abbreviated).")
+
+
 def test_hook_configure_changing_a_given_flag_is_an_error_and_is_undone(resolve, register_plugin):
     def overrides(args, report):
         args.eps_clip = 0.5

@@ -73,7 +73,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     raw = copy.deepcopy(args)
     findings = validate(args, command)  # runs on the flags that parsed: all problems are reported at once
     if problems or findings.errors:
-        _emit(findings, bad_flags)
+        _emit(findings, bad_flags, notes=False)  # a stopped run's errors stand alone; its warnings may explain them
         # a rule about a flag whose value was rejected above would only repeat that problem
         raise ConfigError(problems + [e for e in findings.errors if not names_any(e, bad_flags)],
                           partial=args, bad_flags=frozenset(bad_flags))
@@ -290,9 +290,10 @@ def _given(tokens: list[str], actions: dict) -> tuple[set[str], list[str], list[
     return explicit, megatron, refused
 
 
-def _emit(findings, bad_flags: set[str] = frozenset()) -> None:
-    """Log the notes and warnings, less those about a flag whose value was rejected (it holds its default)."""
-    for line in findings.infos:
+def _emit(findings, bad_flags: set[str] = frozenset(), notes: bool = True) -> None:
+    """Log the notes (unless ``notes`` is False) and warnings, less those about a flag whose value was
+    rejected (it holds its default)."""
+    for line in findings.infos if notes else ():
         if not names_any(line, bad_flags):
             log.info("%s", line)
     for line in findings.warnings:
