@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_model import run_two_ranks  # noqa: E402
 
 from furlong.builtin_plugins.backends.fsdp import logprobs, shared_prompts  # noqa: E402
+from furlong.builtin_plugins.backends.fsdp.model import enable_activation_checkpointing  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -145,7 +146,7 @@ def test_gradient_checkpointing_shares_only_in_eval_mode(counted, caplog, monkey
     """The backend trains in train mode (checkpointed layers drop the cache) and computes log-probs in eval mode."""
     monkeypatch.setattr(shared_prompts, "_logged", set())  # the choice is logged once per process
     model = _tiny("llama")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model)
     model.train()
     tokens, lengths = _micro_batch()
     with caplog.at_level(logging.INFO, logger="furlong.backends.fsdp"):

@@ -11,7 +11,7 @@ from furlong.hooks.hf import decoder_layers, is_hf_dir, load_causal_lm_weights
 
 from .packing import use_packed_attention
 
-__all__ = ["build_optimizer", "dist_info", "load_causal_lm", "shard", "tied_names"]
+__all__ = ["build_optimizer", "dist_info", "enable_activation_checkpointing", "load_causal_lm", "shard", "tied_names"]
 
 log = logging.getLogger("furlong.backends.fsdp")
 
@@ -41,7 +41,8 @@ def load_causal_lm(path: str, args: Any, device, flag: str):
     Attention: ``--attn-implementation`` when it loads, else ``sdpa`` (always ``sdpa`` on CPU,
     where flash attention does not exist). On CUDA under ``--bf16`` an ``sdpa`` model with full
     attention in every layer and no attention dropout is switched to packed attention
-    (:mod:`.packing`): its micro-batches are packed into one row without padding. ``--gradient-checkpointing`` is switched on here.
+    (:mod:`.packing`): its micro-batches are concatenated into one row without padding.
+    ``--gradient-checkpointing`` is switched on here.
 
     :param flag: the flag that named ``path``, for the error message.
     :raises PluginError: ``path`` is not a loadable Hugging Face model directory.
@@ -63,8 +64,17 @@ def load_causal_lm(path: str, args: Any, device, flag: str):
         if reason is not None:
             log.info("fsdp: %s: micro-batches are right-padded, not packed: %s", flag, reason)
     if getattr(args, "gradient_checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     return model
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer (``--gradient-checkpointing``), under
+    the name this transformers has (``activation_checkpointing_enable`` from 5.2x; the old name goes in v6)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def tied_names(model) -> set[str]:
