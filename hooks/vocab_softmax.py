@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CHUNK_ELEMENTS", "PAD_LOGIT", "chunk_grad", "chunk_max", "chunk_sums", "fused", "local_targets",
-           "rows_per_chunk", "scaled"]
+__all__ = ["CHUNK_ELEMENTS", "PAD_LOGIT", "chunk_grad", "chunk_max", "chunk_sums", "fused", "incoming_grads",
+           "local_targets", "row_stats", "rows_per_chunk", "scaled"]
 
 CHUNK_ELEMENTS = 1 << 28
 """Default logits per row chunk (1 GiB of float32)."""
@@ -70,6 +70,32 @@ def chunk_grad(chunk, log_norm, entropy, grad_log_probs, grad_entropy, local, mi
     hit = (columns == local.unsqueeze(-1)) & mine.unsqueeze(-1)
     out = out + torch.where(hit, grad_log_probs.unsqueeze(-1), 0.0)
     return (out * inv_temperature).to(chunk.dtype)
+
+
+def row_stats(chunk, local, mine, start: int, vocab_size: int, inv_temperature: float, reduce_max=None,
+              reduce_sum=None):
+    """``(log_norm, log_probs, entropy)`` of a chunk's rows, float32 ``[rows]`` each, from
+    :func:`chunk_max` and :func:`chunk_sums` (run through :func:`fused`).
+
+    :param reduce_max: and :param reduce_sum: called in place on this slice's maxima and on its
+        ``[3, rows]`` sums when the vocabulary is split over ranks (tensor parallelism: an
+        all-reduce MAX, then SUM, over the group); None for the whole vocabulary.
+    """
+    top = fused(chunk_max, chunk.device)(chunk, start, vocab_size, inv_temperature)
+    if reduce_max is not None:
+        reduce_max(top)
+    stats = fused(chunk_sums, chunk.device)(chunk, top, local, mine, start, vocab_size, inv_temperature)
+    if reduce_sum is not None:
+        reduce_sum(stats)
+    total, picked, weighted = stats
+    log_total = total.log()
+    return top + log_total, picked - log_total, log_total - weighted / total
+
+
+def incoming_grads(grad_log_probs, grad_entropy, like):
+    """The two incoming gradients of a log-prob Function's backward, zeros (like ``like``) for None."""
+    zeros = torch.zeros_like(like)
+    return (zeros if grad_log_probs is None else grad_log_probs), (zeros if grad_entropy is None else grad_entropy)
 
 
 _compiled: dict = {}

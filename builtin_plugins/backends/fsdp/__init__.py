@@ -8,8 +8,8 @@ from .backend import FSDPBackend
 
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "MEGATRON_FLAGS", "FSDPBackend", "configure", "train_backend"]
 
-# Of the backend flags LoRA's (peft, lora.py) and --sgd-momentum (--optimizer sgd) are read; --context-parallel-size and --fp16
-# are refused by configure below; the model trains without dropout (eval mode), which is what
+# Of the backend flags LoRA's (peft, lora.py) and --sgd-momentum (--optimizer sgd) are read;
+# --context-parallel-size and --fp16 are refused by configure below; the model trains without dropout (eval mode), which is what
 # dropout 0 asks; the model comes from the --hf-checkpoint config, against which the core
 # checks the architecture flags given.
 MEGATRON_FLAGS = MegatronFlags(

@@ -49,17 +49,11 @@ class _HeadLogProbs(torch.autograd.Function):
     def forward(ctx, states, weight, targets, inv_temperature: float, chunk: int):
         rows, vocab = states.shape[0], weight.shape[0]
         log_norm, log_probs, entropy = (states.new_empty(rows, dtype=torch.float32) for _ in range(3))
-        chunk_max, chunk_sums = vs.fused(vs.chunk_max, states.device), vs.fused(vs.chunk_sums, states.device)
         local, mine = vs.local_targets(targets, 0, vocab)
         for a in range(0, rows, chunk):
             b = min(rows, a + chunk)
-            logits = states[a:b] @ weight.t()
-            top = chunk_max(logits, 0, vocab, inv_temperature)
-            total, picked, weighted = chunk_sums(logits, top, local[a:b], mine[a:b], 0, vocab, inv_temperature)
-            log_total = total.log()
-            log_norm[a:b] = top + log_total
-            log_probs[a:b] = picked - log_total
-            entropy[a:b] = log_total - weighted / total
+            log_norm[a:b], log_probs[a:b], entropy[a:b] = vs.row_stats(
+                states[a:b] @ weight.t(), local[a:b], mine[a:b], 0, vocab, inv_temperature)
         ctx.save_for_backward(states, weight, targets, log_norm, entropy)
         ctx.inv_temperature, ctx.chunk = inv_temperature, chunk
         ctx.set_materialize_grads(False)
@@ -70,9 +64,7 @@ class _HeadLogProbs(torch.autograd.Function):
         states, weight, targets, log_norm, entropy = ctx.saved_tensors
         want_states, want_weight = ctx.needs_input_grad[:2]
         rows, vocab = states.shape[0], weight.shape[0]
-        zeros = torch.zeros_like(log_norm)
-        grad_log_probs = zeros if grad_log_probs is None else grad_log_probs
-        grad_entropy = zeros if grad_entropy is None else grad_entropy
+        grad_log_probs, grad_entropy = vs.incoming_grads(grad_log_probs, grad_entropy, log_norm)
         grad_states = torch.empty_like(states) if want_states else None
         # summed over the chunks in float32, rounded to the weight's dtype once
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 from furlong.hooks.trainer import right_padded, to_device
 
 from . import packing, shared_prompts
+from .lora import base_model
 
 __all__ = ["VOCAB_CHUNK_TOKENS", "chunked_log_probs", "chunked_token_log_probs", "forward_log_probs", "token_log_probs"]
 
@@ -200,8 +201,7 @@ def chunked_log_probs(head, states, targets, temperature: float, *, autocast: An
 
 def _split_head(model):
     """``(decoder, lm_head)`` of a causal LM whose logits are ``lm_head(last hidden state)``, else None."""
-    if hasattr(model, "get_base_model"):  # peft (LoRA): the adapters live inside the wrapped model's layers
-        model = model.get_base_model()
+    model = base_model(model)  # peft (LoRA): the adapters live inside the wrapped model's layers
     config = getattr(model, "config", None)
     if hasattr(model, "unshard"):  # FSDP2: the root's forward gathers the projection's shards
         return None

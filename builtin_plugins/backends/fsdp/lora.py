@@ -17,10 +17,16 @@ from typing import Any, AsyncIterator
 
 from furlong.hooks import PluginError
 
-__all__ = ["ADAPTER", "adapter_keys", "apply_lora", "enabled", "is_adapter_dir", "merged_weights", "set_dropout"]
+__all__ = ["ADAPTER", "adapter_keys", "apply_lora", "base_model", "enabled", "is_adapter_dir", "merged_weights",
+           "set_dropout"]
 
 ADAPTER = "default"  # peft's adapter name
 PREFIX = "base_model.model."
+
+
+def base_model(model):
+    """The model a peft wrapper wraps (the adapters live inside its layers), else ``model`` itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def enabled(args: Any) -> bool:

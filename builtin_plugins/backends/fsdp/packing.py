@@ -17,6 +17,8 @@ import attrs
 
 from furlong.hooks.trainer import to_device
 
+from .lora import base_model
+
 __all__ = ["ATTENTION_NAME", "PackedSpans", "pack", "packed_attention", "packing_off_reason", "packs",
            "use_packed_attention"]
 
@@ -103,7 +105,7 @@ def packing_off_reason(model) -> str | None:
 
     if not (hasattr(masking_utils, "AttentionMaskInterface") and hasattr(cache_utils, "DynamicLayer")):
         return f"transformers {transformers.__version__} has no attention-mask interface or per-layer cache"
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     config = getattr(base, "config", None)
     attention = getattr(config, "_attn_implementation", None)
     if attention not in ("sdpa", ATTENTION_NAME):
@@ -132,7 +134,7 @@ def use_packed_attention(model) -> str | None:
     _per_sequence = torch.compiler.disable(packed_causal_attention)
     AttentionInterface.register(ATTENTION_NAME, packed_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, _mask)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     try:
         base.set_attn_implementation(ATTENTION_NAME)
     except (AttributeError, ValueError):
@@ -144,5 +146,5 @@ def use_packed_attention(model) -> str | None:
 
 def packs(model) -> bool:
     """True when ``model`` (a peft wrapper is looked through) runs :func:`packed_attention`."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     return getattr(getattr(base, "config", None), "_attn_implementation", None) == ATTENTION_NAME

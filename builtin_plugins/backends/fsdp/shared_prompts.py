@@ -34,6 +34,8 @@ import attrs
 
 from furlong.hooks.hf import decoder_layers
 
+from .lora import base_model
+
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "MODEL_TYPES", "SharedPrompts", "all_ranks_share", "log_choice",
            "plan_sharing", "shared_forward", "sharing_off_reason"]
 
@@ -117,7 +119,7 @@ def sharing_off_reason(model) -> str | None:
 
     if not hasattr(cache_utils, "DynamicLayer"):
         return f"transformers {transformers.__version__} has no per-layer key/value cache (DynamicLayer)"
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     config = getattr(base, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in MODEL_TYPES:
@@ -150,7 +152,7 @@ def all_ranks_share(share: bool, model, device) -> bool:
     import torch
     import torch.distributed as dist
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     sharded = hasattr(model, "unshard") or hasattr(base, "unshard")  # fully_shard on the root (peft or not)
     if not (sharded and dist.is_available() and dist.is_initialized()):
         return share
@@ -188,7 +190,7 @@ def shared_forward(model, decoder, shared: SharedPrompts, device):
     import torch
     from transformers.cache_utils import DynamicCache
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     net = model if decoder is None else decoder
     cache_kwarg, keep = _cache_kwarg(base if decoder is None else decoder)
     prefix_len = max(len(p) for p in shared.prefixes)

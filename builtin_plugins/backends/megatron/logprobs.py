@@ -55,20 +55,14 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         log_norm = torch.empty(rows, dtype=torch.float32, device=logits.device)
         log_probs = torch.empty_like(log_norm)
         entropy = torch.empty_like(log_norm)
-        chunk_max, chunk_sums = vs.fused(vs.chunk_max, logits.device), vs.fused(vs.chunk_sums, logits.device)
         local, mine = vs.local_targets(targets, start, width)
         step = vs.rows_per_chunk(chunk_rows, width)
         for a in range(0, rows, step):
             b = min(rows, a + step)
-            top = chunk_max(logits[a:b], start, vocab_size, inv_temperature)
-            _all_reduce(top, dist.ReduceOp.MAX, tp, group)
-            stats = chunk_sums(logits[a:b], top, local[a:b], mine[a:b], start, vocab_size, inv_temperature)
-            _all_reduce(stats, dist.ReduceOp.SUM, tp, group)
-            total, picked, weighted = stats
-            log_total = total.log()
-            log_norm[a:b] = top + log_total
-            log_probs[a:b] = picked - log_total
-            entropy[a:b] = log_total - weighted / total
+            log_norm[a:b], log_probs[a:b], entropy[a:b] = vs.row_stats(
+                logits[a:b], local[a:b], mine[a:b], start, vocab_size, inv_temperature,
+                reduce_max=lambda t: _all_reduce(t, dist.ReduceOp.MAX, tp, group),
+                reduce_sum=lambda t: _all_reduce(t, dist.ReduceOp.SUM, tp, group))
         ctx.save_for_backward(logits, targets, log_norm, entropy)
         ctx.inv_temperature, ctx.vocab_size, ctx.chunk_rows = inv_temperature, vocab_size, chunk_rows
         ctx.set_materialize_grads(False)
@@ -81,9 +75,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         rows, width = logits.shape
         start = tp_rank * width
         grad = torch.empty_like(logits)
-        zeros = torch.zeros_like(log_norm)
-        grad_log_probs = zeros if grad_log_probs is None else grad_log_probs
-        grad_entropy = zeros if grad_entropy is None else grad_entropy
+        grad_log_probs, grad_entropy = vs.incoming_grads(grad_log_probs, grad_entropy, log_norm)
         chunk_grad = vs.fused(vs.chunk_grad, logits.device)
         local, mine = vs.local_targets(targets, start, width)
         step = vs.rows_per_chunk(ctx.chunk_rows, width)
