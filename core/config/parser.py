@@ -150,7 +150,7 @@ def _backend_plugin(pm, name: str, hook: str) -> bool:
 # DeviceDefaults field -> its value on a CUDA machine with the megatron and sglang plugins installed
 ON_CUDA: dict[str, object] = {
     "gpus_per_node": "torch.cuda.device_count()",
-    "attn_implementation": "flash_attention_2",
+    "attn_implementation": "flash_attention_2 (the fsdp backend's configure sets sdpa unless the flag is given)",
     "bf16": True,
     "distributed_backend": "nccl",
     "rollout_backend": "sglang (with the furlong sglang plugin and the sglang package)",
