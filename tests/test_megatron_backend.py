@@ -683,6 +683,21 @@ def test_context_parallel_chunks_are_those_megatron_s_rope_assumes():
         assert local_chunks(whole, cp, cp - 1).tolist() == [[2 * cp - 2, 2 * cp - 1, 2 * cp, 2 * cp + 1]]
 
 
+def test_packed_positions_are_those_of_megatron_s_thd_rope():
+    """PackedRopeSelfAttention's per-token positions (computed on the device from cu_seqlens) equal the
+    positions megatron-core's per-sequence thd RoPE gives each rank's tokens, at CP=1, 2 and 3."""
+    from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
+
+    from furlong.builtin_plugins.backends.megatron.attention import packed_positions
+
+    for cp in (1, 2, 3):
+        lengths = [4 * cp, 2 * cp, 6 * cp, 2 * cp]
+        bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        for rank in range(cp):
+            rope = [_get_thd_freqs_on_this_cp_rank(rank, cp, torch.empty(n // cp), torch.arange(n)) for n in lengths]
+            assert torch.equal(packed_positions(bounds, sum(lengths) // cp, cp, rank), torch.cat(rope)), (cp, rank)
+
+
 @pytest.mark.timeout(240)
 def test_context_parallel_four_ranks(tiny_model_dir, tmp_path):
     """Four gloo ranks (GQA Llama; sequence lengths that are not multiples of 2 x CP; a temperature; an entropy

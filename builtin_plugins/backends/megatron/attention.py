@@ -1,24 +1,29 @@
-"""A core attention for megatron-core's local layer spec built on ``torch.nn.functional.scaled_dot_product_attention``.
+"""Attention for megatron-core's local layer spec: SDPA / flash core attention and packed-sequence RoPE.
 
 megatron-core's own local ``DotProductAttention`` materialises the ``[b*heads, s, s]``
-score matrix and refuses packed (``thd``) sequences. This module takes its place in
-``SelfAttentionSubmodules.core_attention`` (MEGATRON.md 7): it has no parameters, so
-state dicts and ``torch_dist`` checkpoints are those of the stock local spec.
+score matrix and refuses packed (``thd``) sequences. :class:`SDPACoreAttention` takes its
+place in ``SelfAttentionSubmodules.core_attention`` (MEGATRON.md 7). Without
+TransformerEngine megatron-core applies RoPE to packed input one sequence at a time, with a
+host read of the sequence bounds in every layer; :class:`PackedRopeSelfAttention` gives it
+each token's frequencies instead, gathered on the device in one pass. Neither has
+parameters, so state dicts and ``torch_dist`` checkpoints are those of the stock local spec.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
 
 from furlong.hooks.packed_attention import packed_causal_attention
 
 from .context import chunk_bounds, context_parallel, gather_sequence
 
-__all__ = ["SDPACoreAttention"]
+__all__ = ["PackedRopeSelfAttention", "SDPACoreAttention", "packed_positions"]
 
 
 class SDPACoreAttention(MegatronModule):
@@ -39,14 +44,17 @@ class SDPACoreAttention(MegatronModule):
                 packed_seq_params=None, **_):
         """Causal attention of one layer.
 
-        :param query: ``[s, b, heads, d]`` (``[t, heads, d]`` packed), RoPE applied.
-        :param key: ``[s, b, groups, d]`` (``[t, groups, d]`` packed), not repeated per head.
+        :param query: ``[s, b, heads, d]`` (packed: ``[t, heads, d]``, or ``[t, 1, heads, d]`` from
+            :class:`PackedRopeSelfAttention`), RoPE applied.
+        :param key: ``[s, b, groups, d]`` (packed ``[t, groups, d]`` or ``[t, 1, groups, d]``), not
+            repeated per head.
         :param value: like ``key``.
         :param attention_mask: must be None (causal); a mask raises ``ValueError``.
-        :param packed_seq_params: ``PackedSeqParams`` with ``cu_seqlens_q`` for ``thd``
-            input: each sequence attends only to itself (:func:`packed_causal_attention`: one
+        :param packed_seq_params: ``PackedSeqParams`` with ``cu_seqlens_q``: packed input, each
+            sequence attends only to itself (:func:`packed_causal_attention`: one
             ``varlen_attn`` flash call on CUDA in bfloat16/float16, else one SDPA call per sequence).
-        :returns: ``[s, b, heads*d]`` (``[t, heads*d]`` packed), the query's dtype.
+        :returns: ``[s, b, heads*d]`` (packed ``[t, heads*d]``, or ``[t, 1, heads*d]`` for 4-D input),
+            the query's dtype.
 
         Under context parallelism (CP > 1) ``s`` (``t``) is this rank's two chunks of each
         sequence (:mod:`.context`; packed: ``cu_seqlens_q`` holds the whole sequences' bounds,
@@ -56,6 +64,9 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError("SDPACoreAttention is causal only; call the model with attention_mask=None.")
         cp = self.config.context_parallel_size
         if packed_seq_params is not None:
+            if query.dim() == 4:  # [t, 1, heads, d]: the layout of PackedRopeSelfAttention
+                out = self.forward(*(x.squeeze(1) for x in (query, key, value)), packed_seq_params=packed_seq_params)
+                return out.unsqueeze(1)
             if cp > 1:
                 return self._context_parallel_packed(query, key, value, packed_seq_params)
             tokens, heads, d = query.shape
@@ -110,3 +121,46 @@ class SDPACoreAttention(MegatronModule):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                              enable_gqa=k.shape[1] != heads)
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+def packed_positions(cu_seqlens, tokens: int, cp: int = 1, rank: int = 0):
+    """Each packed token's position in its own sequence, computed on ``cu_seqlens``' device (no host read).
+
+    :param cu_seqlens: int32 ``[n + 1]``: 0, then the end of each whole sequence (under CP each
+        length a multiple of ``2 cp``).
+    :param tokens: this rank's packed tokens (``cu_seqlens[-1] / cp``).
+    :param cp: and :param rank: the context-parallel size and rank; the rank holds chunks ``rank``
+        and ``2 cp - 1 - rank`` of every sequence, one after another (:mod:`.context`).
+    :returns: int64 ``[tokens]``.
+    """
+    local_bounds = cu_seqlens.long() // cp
+    index = torch.arange(tokens, device=cu_seqlens.device)
+    sequence = torch.searchsorted(local_bounds[1:], index, right=True)
+    offset = index - local_bounds[sequence]
+    if cp == 1:
+        return offset
+    chunk = (local_bounds[sequence + 1] - local_bounds[sequence]) // 2
+    late = offset >= chunk
+    return torch.where(late, offset - chunk + (2 * cp - 1 - rank) * chunk, offset + rank * chunk)
+
+
+class PackedRopeSelfAttention(SelfAttention):
+    """megatron-core's ``SelfAttention`` that rotates packed (``thd``) queries and keys in one pass.
+
+    For packed input it gathers each token's RoPE frequencies from the model's table
+    ``[max_s, 1, 1, d]`` by :func:`packed_positions` and hands megatron-core the micro-batch as one
+    ``[t, 1]`` sequence of per-token frequencies (``qkv_format="sbhd"``: the element-wise RoPE of a
+    padded batch); the sequence bounds still reach :class:`SDPACoreAttention`, so each sequence
+    attends only to itself. The same values as megatron-core's per-sequence ``thd`` RoPE (tested).
+    """
+
+    def forward(self, hidden_states, *args, rotary_pos_emb=None, packed_seq_params=None, **kwargs):
+        if rotary_pos_emb is not None and packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cp = self.config.context_parallel_size
+            rank = context_parallel()[1] if cp > 1 else 0
+            positions = packed_positions(packed_seq_params.cu_seqlens_q, hidden_states.shape[0], cp, rank)
+            pair = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
+            rotary_pos_emb = tuple(None if f is None else f.index_select(0, positions) for f in pair)
+            packed_seq_params = dataclasses.replace(packed_seq_params, qkv_format="sbhd")
+        return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb,
+                               packed_seq_params=packed_seq_params, **kwargs)

@@ -190,8 +190,7 @@ class MegatronBackend(PipelineStages, StepLoop):
 
     def _forward(self, model, batch: TrainBatch, ids: list[int], grad: bool):
         """Response log-probs and entropy of samples ``ids`` (vocab-parallel softmax, :mod:`.logprobs`);
-        under ``--use-dynamic-batch-size`` (micro-batches planned by tokens) packed (``thd``) when
-        padding would waste much (:func:`pack_micro_batch`), else right-padded."""
+        packed (``thd``) or right-padded by :meth:`_packed`."""
         tokens = [batch.tokens[i] for i in ids]
         return forward_log_probs(
             model, tokens, [int(batch.response_lengths[i]) for i in ids], batch.temperature,
@@ -199,6 +198,13 @@ class MegatronBackend(PipelineStages, StepLoop):
             packed=self._packed(tokens), chunk_rows=self._chunk_rows())
 
     def _packed(self, tokens) -> bool:
+        """Pack this micro-batch? Always on CUDA in bfloat16 (one ``varlen_attn`` flash call per layer);
+        elsewhere, under ``--use-dynamic-batch-size`` (micro-batches planned by tokens), when right-padding
+        would waste much (:func:`pack_micro_batch`)."""
+        import torch
+
+        if self.device.type == "cuda" and self._dtype() != torch.float32:
+            return True
         return bool(getattr(self.args, "use_dynamic_batch_size", False)) and pack_micro_batch([len(t) for t in tokens])
 
     def _chunk_rows(self) -> int:
@@ -348,13 +354,13 @@ PACK_ABOVE_PADDING = 1.25
 
 
 def pack_micro_batch(lengths: list[int]) -> bool:
-    """Pack a micro-batch of sequences of ``lengths`` tokens (``thd``) rather than right-pad it?
+    """Pack a micro-batch of sequences of ``lengths`` tokens (``thd``) rather than right-pad it,
+    where attention over packed input is one SDPA call per sequence (CPU, float32)?
 
     Both layouts give the same values (tested). Padding computes ``B x max(lengths)``
-    tokens; packing computes only the real ones but megatron-core applies RoPE to packed
-    input one sequence at a time (a host-side loop over the sequences in every layer,
-    without TransformerEngine), which costs more than a little padding: micro-batches of
-    similar lengths, such as a GRPO rollout's, are padded; mixed lengths are packed.
+    tokens in one attention call; packing computes only the real ones, in a host-side loop
+    over the sequences, which costs more than a little padding: micro-batches of similar
+    lengths are padded; mixed lengths are packed.
     """
     real = sum(lengths)
     return bool(real) and len(lengths) * max(lengths) > PACK_ABOVE_PADDING * real

@@ -15,6 +15,7 @@ fsdp backend). Backward needs no communication: each rank computes the gradient 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import attrs
@@ -26,7 +27,7 @@ from furlong.hooks.trainer import right_padded, to_device
 
 from .context import context_parallel, gather_sequence, local_chunks, padded_length
 
-__all__ = ["MicroBatchInputs", "forward_log_probs", "micro_batch_inputs", "response_log_probs",
+__all__ = ["MicroBatchInputs", "forward_log_probs", "micro_batch_inputs", "projecting_rows", "response_log_probs",
            "vocab_parallel_log_probs"]
 
 
@@ -112,12 +113,18 @@ class MicroBatchInputs:
     """What one GPTModel forward of a micro-batch needs, and where its responses lie.
 
     ``ids``: int64 input ids (``[B, L]`` right-padded, or ``[1, sum L_i]`` packed) on the
-    device; ``targets``: the next token at each position (same shape); ``extra``: more
-    model keyword arguments (``packed_seq_params``); ``spans``: per sample ``(row, start,
-    end)`` of its response log-probs in the ``[rows, positions]`` grid. Under context
-    parallelism ``ids`` and ``targets`` are this rank's two chunks ``[B, 2 L / (2 CP)]`` of the
-    ``[B, L]`` grid (L padded to a multiple of ``2 CP``, :mod:`.context`; packed, each sequence is
-    padded to a multiple of ``2 CP`` and ``segments`` holds these lengths); ``spans`` index the whole grid.
+    device; ``extra``: more model keyword arguments (``packed_seq_params``).
+
+    Without context parallelism only the positions that predict a response token reach the
+    output layer (:func:`projecting_rows`): ``head_rows``, int64 ``[N]`` on the device, are their
+    indices in the decoder's output ``[s, b, h]`` flattened to ``[s * b, h]``; ``targets`` ``[1, N]``
+    holds the token each predicts; ``spans``: per sample ``(0, start, end)`` of its response in
+    these N. Under context parallelism (``head_rows`` None) every position is projected:
+    ``targets`` is the next token at each position of ``ids`` and ``spans`` give ``(row, start,
+    end)`` in the whole ``[rows, positions]`` grid; ``ids`` and ``targets`` are this rank's two
+    chunks ``[B, 2 L / (2 CP)]`` of the ``[B, L]`` grid (L padded to a multiple of ``2 CP``,
+    :mod:`.context`; packed, each sequence is padded to a multiple of ``2 CP`` and ``segments``
+    holds these lengths).
     """
 
     ids: Any
@@ -125,6 +132,7 @@ class MicroBatchInputs:
     extra: dict
     spans: list
     segments: list | None = None
+    head_rows: Any = None
 
 
 def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], device, *,
@@ -154,12 +162,52 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
         if cp > 1:
             ids = F.pad(ids, (0, padded_length(ids.shape[1], cp) - ids.shape[1]))
         spans = [(i, len(s) - int(t) - 1, len(s) - 1) for i, (s, t) in enumerate(zip(seqs, response_lengths))]
+    if cp == 1:
+        return _response_rows(ids, spans, device, extra)
     ids = to_device(ids, device)
     targets = torch.zeros_like(ids)
     targets[:, :-1] = ids[:, 1:]  # across a packed boundary the target is unused: no span ends there
-    if cp > 1:
-        ids, targets = (local_chunks(x, cp, cp_rank, 1, segments) for x in (ids, targets))
-    return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans, segments=segments if cp > 1 else None)
+    ids, targets = (local_chunks(x, cp, cp_rank, 1, segments) for x in (ids, targets))
+    return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans, segments=segments)
+
+
+def _response_rows(ids, spans: list, device, extra: dict) -> MicroBatchInputs:
+    """The inputs with ``head_rows``: the positions ``p`` of each span ``(row, a, b)`` (predicting
+    ``ids[row, p + 1]``), as indices ``p * B + row`` of the decoder's ``[L, B, h]`` output."""
+    sizes = torch.tensor([b - a for _, a, b in spans], dtype=torch.long)
+    rows = torch.repeat_interleave(torch.tensor([r for r, _, _ in spans], dtype=torch.long), sizes)
+    firsts = torch.tensor([a for _, a, _ in spans], dtype=torch.long)
+    offsets = sizes.cumsum(0) - sizes
+    positions = torch.arange(int(sizes.sum())) - torch.repeat_interleave(offsets - firsts, sizes)
+    targets = ids[rows, positions + 1].unsqueeze(0)
+    head_rows = positions * ids.shape[0] + rows
+    spans = [(0, int(a), int(a + n)) for a, n in zip(offsets, sizes)]
+    ids, targets, head_rows = (to_device(x, device) for x in (ids, targets, head_rows))
+    return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans, head_rows=head_rows)
+
+
+@contextlib.contextmanager
+def projecting_rows(model, rows):
+    """Within this block, only ``rows`` of ``model``'s decoder output reach its output layer.
+
+    A forward hook on megatron-core's ``TransformerBlock`` (``model.decoder``) replaces its output
+    ``[s, b, h]`` by the selected rows ``[N, 1, h]`` of ``[s * b, h]``, so the GPTModel returns
+    logits ``[1, N, V / tp]`` (the positions that predict response tokens: the prompt's others
+    cost a third of the output layer and of the vocab-parallel softmax at 128 + 256 tokens).
+    Nothing is changed for ``rows`` None or a pipeline stage without the output layer.
+    """
+    if rows is None or not getattr(model, "post_process", True):
+        yield
+        return
+
+    def keep(_module, _args, output):
+        return output.reshape(-1, output.shape[-1]).index_select(0, rows).unsqueeze(1)
+
+    handle = model.decoder.register_forward_hook(keep)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def response_log_probs(logits, inputs: MicroBatchInputs, temperature: float, *, vocab_size: int,
@@ -173,7 +221,7 @@ def response_log_probs(logits, inputs: MicroBatchInputs, temperature: float, *, 
     """
     lp, ent = vocab_parallel_log_probs(logits.reshape(-1, logits.shape[-1]), inputs.targets.reshape(-1), temperature,
                                        vocab_size, entropy_grad=entropy_grad, chunk_rows=chunk_rows)
-    lp, ent = (gather_sequence(x.view(inputs.ids.shape), 1, replicated_loss=True, lengths=inputs.segments)
+    lp, ent = (gather_sequence(x.view(inputs.targets.shape), 1, replicated_loss=True, lengths=inputs.segments)
                for x in (lp, ent))
     return [lp[row, a:b] for row, a, b in inputs.spans], [ent[row, a:b] for row, a, b in inputs.spans]
 
@@ -189,8 +237,8 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
     ``PackedSeqParams``; attention and RoPE restart at each sequence (:mod:`.attention`),
     and no pad token is computed. Under context parallelism each sequence (padded: the
     ``[B, L]`` grid's rows; packed: each sequence, padded to a multiple of ``2 CP``) is split
-    over the CP ranks (:mod:`.context`). Either way the log-probs are computed at every position
-    (a view of the logits, no copy) and the response spans are cut from them.
+    over the CP ranks (:mod:`.context`) and the output layer projects every position; without
+    CP it projects only the positions that predict response tokens (:func:`projecting_rows`).
 
     :param tokens: B sequences of prompt + response ids.
     :param response_lengths: B response lengths ``T_i`` (the last ``T_i`` tokens).
@@ -198,7 +246,7 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
     :raises ValueError: a response that starts at position 0 (no previous token).
     """
     inputs = micro_batch_inputs(tokens, response_lengths, device, packed=packed)
-    with torch.set_grad_enabled(grad):
+    with torch.set_grad_enabled(grad), projecting_rows(model, inputs.head_rows):
         logits = model(input_ids=inputs.ids, position_ids=None, attention_mask=None, **inputs.extra)
         return response_log_probs(logits, inputs, temperature, vocab_size=vocab_size,
                                   entropy_grad=grad and entropy_grad, chunk_rows=chunk_rows)

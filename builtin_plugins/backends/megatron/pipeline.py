@@ -18,7 +18,7 @@ from typing import Any, Callable
 from furlong.hooks import TrainBatch
 from furlong.hooks.trainer import sum_step_metrics
 
-from .logprobs import micro_batch_inputs, response_log_probs
+from .logprobs import micro_batch_inputs, projecting_rows, response_log_probs
 
 __all__ = ["PipelineStages", "broadcast_from_last_stage", "run_schedule"]
 
@@ -38,7 +38,8 @@ def run_schedule(model, chunks: list[list[int]], inputs: Callable, finish: Calla
     def forward_step(data_iterator, stage_model):
         ids = next(data_iterator)
         batch = inputs(ids)
-        output = stage_model(input_ids=batch.ids, position_ids=None, attention_mask=None, **batch.extra)
+        with projecting_rows(stage_model, batch.head_rows):
+            output = stage_model(input_ids=batch.ids, position_ids=None, attention_mask=None, **batch.extra)
 
         def loss_func(logits):
             return finish(ids, batch, logits), torch.ones((), dtype=torch.int, device=logits.device), {}
