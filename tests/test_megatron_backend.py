@@ -684,7 +684,7 @@ def test_context_parallel_chunks_are_those_megatron_s_rope_assumes():
 
 
 def test_packed_positions_are_those_of_megatron_s_thd_rope():
-    """PackedRopeSelfAttention's per-token positions (computed on the device from cu_seqlens) equal the
+    """RopeSelfAttention's per-token positions (computed on the device from cu_seqlens) equal the
     positions megatron-core's per-sequence thd RoPE gives each rank's tokens, at CP=1, 2 and 3."""
     from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
 
@@ -696,6 +696,18 @@ def test_packed_positions_are_those_of_megatron_s_thd_rope():
         for rank in range(cp):
             rope = [_get_thd_freqs_on_this_cp_rank(rank, cp, torch.empty(n // cp), torch.arange(n)) for n in lengths]
             assert torch.equal(packed_positions(bounds, sum(lengths) // cp, cp, rank), torch.cat(rope)), (cp, rank)
+
+
+def test_rotate_is_megatron_s_rope():
+    """The core attention's RoPE gives megatron-core's unfused values bit for bit (float32 and bfloat16)."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from furlong.builtin_plugins.backends.megatron.attention import rotate
+
+    freqs = torch.randn(7, 1, 1, 16) * 3
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(7, 2, 3, 16).to(dtype)
+        assert torch.equal(rotate(x, freqs), _apply_rotary_pos_emb_bshd(x, freqs)), dtype
 
 
 @pytest.mark.timeout(240)

@@ -4,8 +4,10 @@ megatron-core's own local ``DotProductAttention`` materialises the ``[b*heads, s
 score matrix and refuses packed (``thd``) sequences. :class:`SDPACoreAttention` takes its
 place in ``SelfAttentionSubmodules.core_attention`` (MEGATRON.md 7). Without
 TransformerEngine megatron-core applies RoPE to packed input one sequence at a time, with a
-host read of the sequence bounds in every layer; :class:`PackedRopeSelfAttention` gives it
-each token's frequencies instead, gathered on the device in one pass. Neither has
+host read of the sequence bounds in every layer, and to any input in about ten element-wise
+kernels per tensor; :class:`RopeSelfAttention` takes RoPE over: it gathers each token's
+frequencies on the device (packed input: :func:`packed_positions`) and the core attention
+rotates queries and keys with :func:`rotate` (one fused kernel on CUDA). Neither module has
 parameters, so state dicts and ``torch_dist`` checkpoints are those of the stock local spec.
 """
 
@@ -16,14 +18,16 @@ import math
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
 
 from furlong.hooks.packed_attention import packed_causal_attention
+from furlong.hooks.vocab_softmax import fused
 
 from .context import chunk_bounds, context_parallel, gather_sequence
 
-__all__ = ["PackedRopeSelfAttention", "SDPACoreAttention", "packed_positions"]
+__all__ = ["RopeSelfAttention", "RotaryParams", "SDPACoreAttention", "packed_positions", "rotate"]
 
 
 class SDPACoreAttention(MegatronModule):
@@ -44,16 +48,18 @@ class SDPACoreAttention(MegatronModule):
                 packed_seq_params=None, **_):
         """Causal attention of one layer.
 
-        :param query: ``[s, b, heads, d]`` (packed: ``[t, heads, d]``, or ``[t, 1, heads, d]`` from
-            :class:`PackedRopeSelfAttention`), RoPE applied.
-        :param key: ``[s, b, groups, d]`` (packed ``[t, groups, d]`` or ``[t, 1, groups, d]``), not
+        :param query: ``[s, b, heads, d]`` (packed: ``[t, 1, heads, d]``, or ``[t, heads, d]`` from
+            megatron-core's own ``thd`` path).
+        :param key: ``[s, b, groups, d]`` (packed ``[t, 1, groups, d]`` or ``[t, groups, d]``), not
             repeated per head.
         :param value: like ``key``.
         :param attention_mask: must be None (causal); a mask raises ``ValueError``.
-        :param packed_seq_params: ``PackedSeqParams`` with ``cu_seqlens_q``: packed input, each
-            sequence attends only to itself (:func:`packed_causal_attention`: one
+        :param packed_seq_params: None, ``PackedSeqParams`` or :class:`RotaryParams`. Its
+            ``rotary`` frequencies (from :class:`RopeSelfAttention`), when present, rotate query and key
+            here (:func:`rotate`); otherwise they come rotated. Its ``cu_seqlens_q``, when set, mark
+            packed input: each sequence attends only to itself (:func:`packed_causal_attention`: one
             ``varlen_attn`` flash call on CUDA in bfloat16/float16, else one SDPA call per sequence).
-        :returns: ``[s, b, heads*d]`` (packed ``[t, heads*d]``, or ``[t, 1, heads*d]`` for 4-D input),
+        :returns: ``[s, b, heads*d]`` (packed ``[t, 1, heads*d]``, or ``[t, heads*d]`` for 3-D input),
             the query's dtype.
 
         Under context parallelism (CP > 1) ``s`` (``t``) is this rank's two chunks of each
@@ -62,20 +68,25 @@ class SDPACoreAttention(MegatronModule):
         """
         if attention_mask is not None:
             raise ValueError("SDPACoreAttention is causal only; call the model with attention_mask=None.")
+        rotary = getattr(packed_seq_params, "rotary", None)
+        if rotary is not None:
+            query, key = rotate(query, rotary[0]), rotate(key, rotary[1])
         cp = self.config.context_parallel_size
-        if packed_seq_params is not None:
-            if query.dim() == 4:  # [t, 1, heads, d]: the layout of PackedRopeSelfAttention
-                out = self.forward(*(x.squeeze(1) for x in (query, key, value)), packed_seq_params=packed_seq_params)
-                return out.unsqueeze(1)
+        if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
             if cp > 1:
-                return self._context_parallel_packed(query, key, value, packed_seq_params)
-            tokens, heads, d = query.shape
-            return packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
-                                           int(packed_seq_params.max_seqlen_q), self.scale).reshape(tokens, heads * d)
+                key, value = (gather_sequence(x, 0, replicated_loss=False) for x in (key, value))
+                return self._chunks_against_whole(query, key, value, cp, context_parallel()[1])
+            return self._causal(query, key, value)
+        one_row = query.dim() == 4
+        if one_row:
+            query, key, value = (x.squeeze(1) for x in (query, key, value))
         if cp > 1:
-            key, value = (gather_sequence(x, 0, replicated_loss=False) for x in (key, value))
-            return self._chunks_against_whole(query, key, value, cp, context_parallel()[1])
-        return self._causal(query, key, value)
+            out = self._context_parallel_packed(query, key, value, packed_seq_params)
+        else:
+            tokens, heads, d = query.shape
+            out = packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
+                                          int(packed_seq_params.max_seqlen_q), self.scale).reshape(tokens, heads * d)
+        return out.unsqueeze(1) if one_row else out
 
     def _context_parallel_packed(self, query, key, value, params):
         """Packed sequences under CP: keys and values of every whole sequence gathered over the CP
@@ -144,23 +155,59 @@ def packed_positions(cu_seqlens, tokens: int, cp: int = 1, rank: int = 0):
     return torch.where(late, offset - chunk + (2 * cp - 1 - rank) * chunk, offset + rank * chunk)
 
 
-class PackedRopeSelfAttention(SelfAttention):
-    """megatron-core's ``SelfAttention`` that rotates packed (``thd``) queries and keys in one pass.
+def _rotate(x, freqs):
+    cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
 
-    For packed input it gathers each token's RoPE frequencies from the model's table
-    ``[max_s, 1, 1, d]`` by :func:`packed_positions` and hands megatron-core the micro-batch as one
-    ``[t, 1]`` sequence of per-token frequencies (``qkv_format="sbhd"``: the element-wise RoPE of a
-    padded batch); the sequence bounds still reach :class:`SDPACoreAttention`, so each sequence
-    attends only to itself. The same values as megatron-core's per-sequence ``thd`` RoPE (tested).
+
+def rotate(x, freqs):
+    """RoPE (the non-interleaved half-split form, megatron-core's ``_apply_rotary_pos_emb_bshd`` with
+    ``rotary_percent`` 1 and no scaling of the amplitude): ``x cos f + rotate_half(x) sin f``,
+    ``cos`` and ``sin`` rounded to ``x``'s dtype first as there. One fused kernel on CUDA
+    (``torch.compile``), the same arithmetic elsewhere.
+
+    :param x: ``[s, b, heads, d]`` queries or keys.
+    :param freqs: float32 ``[s, 1, 1, d]``, each position's angles (``RotaryEmbedding``'s table rows).
+    :returns: ``x`` rotated, its shape and dtype.
+    """
+    return fused(_rotate, x.device)(x, freqs)
+
+
+@dataclasses.dataclass
+class RotaryParams(PackedSeqParams):
+    """``PackedSeqParams`` that also carry each token's RoPE angles ``(query, key)``, float32
+    ``[s, 1, 1, d]`` each, for :class:`SDPACoreAttention` to apply; ``cu_seqlens_q`` None for padded input."""
+
+    rotary: tuple | None = None
+
+
+class RopeSelfAttention(SelfAttention):
+    """megatron-core's ``SelfAttention`` with RoPE left to :class:`SDPACoreAttention` (:func:`rotate`).
+
+    It hands megatron-core no rotary table, and the core attention the table's rows for each
+    token in :class:`RotaryParams`: the first ``s`` rows for padded input (this rank's, under
+    CP), the rows of :func:`packed_positions` for packed (``thd``) input, whose micro-batch
+    megatron-core then sees as one ``[t, 1]`` sequence (``qkv_format="sbhd"``) while the sequence
+    bounds still reach the core attention. The same values as megatron-core's own RoPE (tested).
+    Interleaved RoPE stays megatron-core's.
     """
 
     def forward(self, hidden_states, *args, rotary_pos_emb=None, packed_seq_params=None, **kwargs):
-        if rotary_pos_emb is not None and packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            cp = self.config.context_parallel_size
-            rank = context_parallel()[1] if cp > 1 else 0
-            positions = packed_positions(packed_seq_params.cu_seqlens_q, hidden_states.shape[0], cp, rank)
+        if rotary_pos_emb is not None and not self.config.rotary_interleaved:
             pair = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
-            rotary_pos_emb = tuple(None if f is None else f.index_select(0, positions) for f in pair)
-            packed_seq_params = dataclasses.replace(packed_seq_params, qkv_format="sbhd")
+            rows = hidden_states.shape[0]
+            fields = {}
+            if packed_seq_params is not None:
+                fields = {f.name: getattr(packed_seq_params, f.name) for f in dataclasses.fields(packed_seq_params)}
+            if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+                cp = self.config.context_parallel_size
+                positions = packed_positions(packed_seq_params.cu_seqlens_q, rows, cp,
+                                             context_parallel()[1] if cp > 1 else 0)
+                pair = tuple(f.index_select(0, positions) for f in pair)
+            else:
+                pair = tuple(f[:rows] for f in pair)
+            fields.update(qkv_format="sbhd", rotary=pair)
+            rotary_pos_emb, packed_seq_params = None, RotaryParams(**fields)
         return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb,
                                packed_seq_params=packed_seq_params, **kwargs)

@@ -150,7 +150,7 @@ def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
 
 def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: int = 1, cp: int = 1, **extra: Any):
     """A GPTModel of the local spec with :class:`~.attention.SDPACoreAttention` and
-    :class:`~.attention.PackedRopeSelfAttention`, uninitialised weights (the caller loads them), on ``device``.
+    :class:`~.attention.RopeSelfAttention`, uninitialised weights (the caller loads them), on ``device``.
 
     With ``pp > 1`` (the groups of :func:`init_parallel`) it is this rank's pipeline stage:
     ``num_layers / pp`` layers (megatron-core numbers them from the stage's offset), the
@@ -172,7 +172,7 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from .attention import PackedRopeSelfAttention, SDPACoreAttention
+    from .attention import RopeSelfAttention, SDPACoreAttention
 
     stages: dict = {}
     if pp > 1:
@@ -186,7 +186,7 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
         extra = dict(context_parallel_size=cp, **extra)
     config = transformer_config(shape, tp, dtype, device, **extra)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_layernorm)
-    spec.submodules.self_attention.module = PackedRopeSelfAttention
+    spec.submodules.self_attention.module = RopeSelfAttention
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     scaling = {"rope_scaling": True, "rope_scaling_factor": shape.rope_scaling_factor} if (
         shape.rope_scaling_factor is not None) else {}
