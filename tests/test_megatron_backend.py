@@ -702,12 +702,12 @@ def test_rotate_is_megatron_s_rope():
     """The core attention's RoPE gives megatron-core's unfused values bit for bit (float32 and bfloat16)."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    from furlong.builtin_plugins.backends.megatron.attention import rotate
+    from furlong.builtin_plugins.backends.megatron.attention import angles_cos_sin, rotate
 
     freqs = torch.randn(7, 1, 1, 16) * 3
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(7, 2, 3, 16).to(dtype)
-        assert torch.equal(rotate(x, freqs), _apply_rotary_pos_emb_bshd(x, freqs)), dtype
+        assert torch.equal(rotate(x, *angles_cos_sin(freqs, dtype)), _apply_rotary_pos_emb_bshd(x, freqs)), dtype
 
 
 @pytest.mark.timeout(240)

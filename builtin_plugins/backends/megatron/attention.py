@@ -27,7 +27,7 @@ from furlong.hooks.vocab_softmax import fused
 
 from .context import chunk_bounds, context_parallel, gather_sequence
 
-__all__ = ["RopeSelfAttention", "RotaryParams", "SDPACoreAttention", "packed_positions", "rotate"]
+__all__ = ["RopeSelfAttention", "RotaryParams", "SDPACoreAttention", "angles_cos_sin", "packed_positions", "rotate"]
 
 
 class SDPACoreAttention(MegatronModule):
@@ -70,7 +70,7 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError("SDPACoreAttention is causal only; call the model with attention_mask=None.")
         rotary = getattr(packed_seq_params, "rotary", None)
         if rotary is not None:
-            query, key = rotate(query, rotary[0]), rotate(key, rotary[1])
+            query, key = rotate(query, *rotary[0]), rotate(key, *rotary[1])
         cp = self.config.context_parallel_size
         if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
             if cp > 1:
@@ -155,29 +155,34 @@ def packed_positions(cu_seqlens, tokens: int, cp: int = 1, rank: int = 0):
     return torch.where(late, offset - chunk + (2 * cp - 1 - rank) * chunk, offset + rank * chunk)
 
 
-def _rotate(x, freqs):
-    cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+def _rotate(x, cos, sin):
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-second, first), dim=-1) * sin
 
 
-def rotate(x, freqs):
+def rotate(x, cos, sin):
     """RoPE (the non-interleaved half-split form, megatron-core's ``_apply_rotary_pos_emb_bshd`` with
-    ``rotary_percent`` 1 and no scaling of the amplitude): ``x cos f + rotate_half(x) sin f``,
-    ``cos`` and ``sin`` rounded to ``x``'s dtype first as there. One fused kernel on CUDA
-    (``torch.compile``), the same arithmetic elsewhere.
+    ``rotary_percent`` 1 and no scaling of the amplitude): ``x cos f + rotate_half(x) sin f``. One
+    fused kernel on CUDA (``torch.compile``), the same arithmetic elsewhere.
 
     :param x: ``[s, b, heads, d]`` queries or keys.
-    :param freqs: float32 ``[s, 1, 1, d]``, each position's angles (``RotaryEmbedding``'s table rows).
+    :param cos: and :param sin: ``[s, 1, 1, d]``, the cosine and sine of each position's angles
+        (``RotaryEmbedding``'s table rows), in ``x``'s dtype (:func:`angles_cos_sin`).
     :returns: ``x`` rotated, its shape and dtype.
     """
-    return fused(_rotate, x.device)(x, freqs)
+    return fused(_rotate, x.device)(x, cos, sin)
+
+
+def angles_cos_sin(angles, dtype) -> tuple:
+    """``(cos, sin)`` of float32 RoPE angles, rounded to ``dtype`` (as megatron-core rounds them)."""
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 @dataclasses.dataclass
 class RotaryParams(PackedSeqParams):
-    """``PackedSeqParams`` that also carry each token's RoPE angles ``(query, key)``, float32
-    ``[s, 1, 1, d]`` each, for :class:`SDPACoreAttention` to apply; ``cu_seqlens_q`` None for padded input."""
+    """``PackedSeqParams`` that also carry each token's RoPE ``((cos, sin) of the query, (cos, sin) of
+    the key)``, ``[s, 1, 1, d]`` in the activations' dtype (:func:`angles_cos_sin`), for
+    :class:`SDPACoreAttention` to apply; ``cu_seqlens_q`` None for padded input."""
 
     rotary: tuple | None = None
 
@@ -185,8 +190,8 @@ class RotaryParams(PackedSeqParams):
 class RopeSelfAttention(SelfAttention):
     """megatron-core's ``SelfAttention`` with RoPE left to :class:`SDPACoreAttention` (:func:`rotate`).
 
-    It hands megatron-core no rotary table, and the core attention the table's rows for each
-    token in :class:`RotaryParams`: the first ``s`` rows for padded input (this rank's, under
+    It hands megatron-core no rotary table, and the core attention the cosine and sine of the
+    table's rows for each token in :class:`RotaryParams`: the first ``s`` rows for padded input (this rank's, under
     CP), the rows of :func:`packed_positions` for packed (``thd``) input, whose micro-batch
     megatron-core then sees as one ``[t, 1]`` sequence (``qkv_format="sbhd"``) while the sequence
     bounds still reach the core attention. The same values as megatron-core's own RoPE (tested).
@@ -195,7 +200,8 @@ class RopeSelfAttention(SelfAttention):
 
     def forward(self, hidden_states, *args, rotary_pos_emb=None, packed_seq_params=None, **kwargs):
         if rotary_pos_emb is not None and not self.config.rotary_interleaved:
-            pair = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
+            query_angles, key_angles = (rotary_pos_emb if isinstance(rotary_pos_emb, tuple)
+                                        else (rotary_pos_emb, rotary_pos_emb))
             rows = hidden_states.shape[0]
             fields = {}
             if packed_seq_params is not None:
@@ -204,10 +210,15 @@ class RopeSelfAttention(SelfAttention):
                 cp = self.config.context_parallel_size
                 positions = packed_positions(packed_seq_params.cu_seqlens_q, rows, cp,
                                              context_parallel()[1] if cp > 1 else 0)
-                pair = tuple(f.index_select(0, positions) for f in pair)
+
+                def mine(angles):
+                    return angles.index_select(0, positions)
             else:
-                pair = tuple(f[:rows] for f in pair)
-            fields.update(qkv_format="sbhd", rotary=pair)
+                def mine(angles):
+                    return angles[:rows]
+            query = angles_cos_sin(mine(query_angles), hidden_states.dtype)
+            key = query if key_angles is query_angles else angles_cos_sin(mine(key_angles), hidden_states.dtype)
+            fields.update(qkv_format="sbhd", rotary=(query, key))
             rotary_pos_emb, packed_seq_params = None, RotaryParams(**fields)
         return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb,
                                packed_seq_params=packed_seq_params, **kwargs)
