@@ -236,6 +236,31 @@ def test_packed_sequences_attend_only_to_themselves(tmp_path):
     torch.testing.assert_close(together, torch.cat(alone, dim=1), rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_only_the_positions_predicting_responses_reach_the_output_layer(packed, tmp_path):
+    """forward_log_probs projects sum(T_i) rows (not every position), and each sample's log-probs and entropy
+    are Hugging Face's at its response tokens; the hook is gone afterwards."""
+    from furlong.builtin_plugins.backends.megatron.logprobs import forward_log_probs
+
+    hf, _, model = converted("llama3-untied", tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    tokens = [torch.randint(0, 100, (n,), generator=gen) for n in (9, 14, 5)]
+    responses = [4, 6, 1]
+    seen = []
+    handle = model.output_layer.register_forward_hook(lambda _m, args, _out: seen.append(tuple(args[0].shape)))
+    with torch.no_grad(), cpu_shims(CPU):
+        log_probs, entropy = forward_log_probs(model, tokens, responses, 0.8, CPU, vocab_size=100, grad=False,
+                                               entropy_grad=False, packed=packed)
+        model(input_ids=tokens[0][None], position_ids=None, attention_mask=None)
+    handle.remove()
+    assert seen == [(sum(responses), 1, 32), (9, 1, 32)]
+    for seq, t, lp, ent in zip(tokens, responses, log_probs, entropy):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(seq[None]).logits[0, -t - 1:-1] / 0.8, dim=-1)
+        torch.testing.assert_close(lp, ref.gather(-1, seq[-t:, None]).squeeze(-1), rtol=0, atol=2e-5)
+        torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1), rtol=0, atol=2e-5)
+
+
 def test_save_hf_writes_a_hugging_face_model_of_the_trained_weights(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
