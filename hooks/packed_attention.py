@@ -14,7 +14,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-__all__ = ["packed_causal_attention", "varlen_kernel"]
+__all__ = ["packed_causal_attention", "varlen_kernel", "varlen_supported"]
 
 
 def _varlen_signature():
@@ -29,10 +29,16 @@ _VARLEN_PARAMETERS = _varlen_signature()
 _VARLEN_GQA = _VARLEN_PARAMETERS is not None and "enable_gqa" in _VARLEN_PARAMETERS
 
 
+def varlen_supported(device, dtype) -> bool:
+    """True when :func:`packed_causal_attention` attends in one ``varlen_attn`` call on ``device`` in
+    ``dtype`` (CUDA, bfloat16 or float16, a torch that has ``torch.nn.attention.varlen``)."""
+    return _VARLEN_PARAMETERS is not None and torch.device(device).type == "cuda" and dtype in (torch.bfloat16,
+                                                                                                torch.float16)
+
+
 def varlen_kernel(query) -> bool:
-    """True when :func:`packed_causal_attention` attends to ``query`` in one ``varlen_attn`` call
-    (CUDA, bfloat16 or float16, a torch that has ``torch.nn.attention.varlen``)."""
-    return _VARLEN_PARAMETERS is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+    """:func:`varlen_supported` for ``query``'s device and dtype."""
+    return varlen_supported(query.device, query.dtype)
 
 
 def packed_causal_attention(query, key, value, cu_seqlens, max_length: int, scale: float, bounds=None):

@@ -405,6 +405,26 @@ def test_token_planned_micro_batches_are_packed_only_when_padding_wastes_much():
     assert pack_micro_batch([2048, 64, 64, 64])
 
 
+def test_micro_batches_are_packed_where_attention_is_one_varlen_call(monkeypatch):
+    """Always packed on CUDA in 16-bit with a torch that has varlen_attn and no CP; elsewhere by the padding rule."""
+    import furlong.hooks.packed_attention as pa
+    from furlong.builtin_plugins.backends.megatron.backend import MegatronBackend
+
+    def packed(device, dtype, tokens, cp=1, dynamic=False):
+        backend = SimpleNamespace(device=torch.device(device), cp=cp, _dtype=lambda: dtype,
+                                  args=argparse.Namespace(use_dynamic_batch_size=dynamic))
+        return MegatronBackend._packed(backend, tokens)
+
+    same, mixed = [[1] * 8] * 4, [[1] * 20, [1] * 2, [1] * 2]
+    monkeypatch.setattr(pa, "_VARLEN_PARAMETERS", {"window_size": None})
+    assert packed("cuda", torch.bfloat16, same) and packed("cuda", torch.float16, same)
+    assert not packed("cuda", torch.bfloat16, same, cp=2) and packed("cuda", torch.bfloat16, mixed, cp=2, dynamic=True)
+    assert not packed("cuda", torch.float32, same, dynamic=True) and packed("cuda", torch.float32, mixed, dynamic=True)
+    assert not packed("cpu", torch.bfloat16, same) and not packed("cpu", torch.float32, mixed)
+    monkeypatch.setattr(pa, "_VARLEN_PARAMETERS", None)  # a torch without varlen_attn
+    assert not packed("cuda", torch.bfloat16, same) and packed("cuda", torch.bfloat16, mixed, dynamic=True)
+
+
 def test_packed_micro_batches_give_the_padded_results(tiny_model_dir):
     """--use-dynamic-batch-size packs micro-batches (thd): same log-probs, entropy and step as padding."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

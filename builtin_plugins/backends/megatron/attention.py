@@ -174,7 +174,8 @@ def rotate(x, cos, sin):
 
 
 def angles_cos_sin(angles, dtype) -> tuple:
-    """``(cos, sin)`` of float32 RoPE angles, rounded to ``dtype`` (as megatron-core rounds them)."""
+    """``(cos, sin)`` of float32 RoPE angles ``[s, 1, 1, d]``, each ``[s, 1, 1, d]`` rounded to ``dtype``
+    (as megatron-core rounds them)."""
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -195,11 +196,15 @@ class RopeSelfAttention(SelfAttention):
     CP), the rows of :func:`packed_positions` for packed (``thd``) input, whose micro-batch
     megatron-core then sees as one ``[t, 1]`` sequence (``qkv_format="sbhd"``) while the sequence
     bounds still reach the core attention. The same values as megatron-core's own RoPE (tested).
-    Interleaved RoPE stays megatron-core's.
+    Interleaved RoPE and layers without RoPE (``no_rope_freq``) stay megatron-core's.
     """
 
     def forward(self, hidden_states, *args, rotary_pos_emb=None, packed_seq_params=None, **kwargs):
-        if rotary_pos_emb is not None and not self.config.rotary_interleaved:
+        """megatron-core's ``SelfAttention.forward`` (same arguments and result: ``(output, bias)``,
+        output ``[s, b, h]``) with ``rotary_pos_emb`` (float32 ``[max_s, 1, 1, d]`` or a ``(query, key)``
+        pair) and ``packed_seq_params`` turned into :class:`RotaryParams`."""
+        if rotary_pos_emb is not None and not self.config.rotary_interleaved and not getattr(
+                self.config, "no_rope_freq", None):
             query_angles, key_angles = (rotary_pos_emb if isinstance(rotary_pos_emb, tuple)
                                         else (rotary_pos_emb, rotary_pos_emb))
             rows = hidden_states.shape[0]

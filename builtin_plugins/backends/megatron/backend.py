@@ -198,12 +198,13 @@ class MegatronBackend(PipelineStages, StepLoop):
             packed=self._packed(tokens), chunk_rows=self._chunk_rows())
 
     def _packed(self, tokens) -> bool:
-        """Pack this micro-batch? Always on CUDA in bfloat16 (one ``varlen_attn`` flash call per layer);
-        elsewhere, under ``--use-dynamic-batch-size`` (micro-batches planned by tokens), when right-padding
-        would waste much (:func:`pack_micro_batch`)."""
-        import torch
+        """Pack this micro-batch? Always where packed attention is one ``varlen_attn`` flash call per layer
+        (CUDA in bfloat16 with a torch that has it, no context parallelism); elsewhere, under
+        ``--use-dynamic-batch-size`` (micro-batches planned by tokens), when right-padding would waste
+        much (:func:`pack_micro_batch`)."""
+        from furlong.hooks.packed_attention import varlen_supported
 
-        if self.device.type == "cuda" and self._dtype() != torch.float32:
+        if self.cp == 1 and varlen_supported(self.device, self._dtype()):
             return True
         return bool(getattr(self.args, "use_dynamic_batch_size", False)) and pack_micro_batch([len(t) for t in tokens])
 

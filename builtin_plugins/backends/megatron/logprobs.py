@@ -188,7 +188,8 @@ def _response_rows(ids, spans: list, device, extra: dict) -> MicroBatchInputs:
 
 @contextlib.contextmanager
 def projecting_rows(model, rows):
-    """Within this block, only ``rows`` of ``model``'s decoder output reach its output layer.
+    """Within this block, only ``rows`` (int64 ``[N]`` on the model's device, or None) of ``model``'s
+    decoder output reach its output layer.
 
     A forward hook on megatron-core's ``TransformerBlock`` (``model.decoder``) replaces its output
     ``[s, b, h]`` by the selected rows ``[N, 1, h]`` of ``[s * b, h]``, so the GPTModel returns
@@ -213,9 +214,10 @@ def projecting_rows(model, rows):
 def response_log_probs(logits, inputs: MicroBatchInputs, temperature: float, *, vocab_size: int,
                        entropy_grad: bool, chunk_rows: int = -1) -> tuple[list, list]:
     """Per-sample response log-probs and entropy from a forward's vocab-parallel logits
-    ``[rows, positions, V/tp]`` (:func:`vocab_parallel_log_probs`; views, no copy). Under
-    context parallelism the values of this rank's chunks are gathered over the CP group into
-    the whole ``[rows, L]`` grid (every CP rank returns every token's; each back-propagates its own).
+    (:func:`vocab_parallel_log_probs`; views, no copy): ``[1, N, V/tp]`` for the ``N`` projected
+    rows of ``inputs.head_rows``, else ``[rows, positions, V/tp]``. Under context parallelism the
+    values of this rank's chunks are gathered over the CP group into the whole ``[rows, L]`` grid
+    (every CP rank returns every token's; each back-propagates its own).
 
     :returns: ``(log_probs, entropy)``: B float32 tensors ``[T_i]`` each.
     """

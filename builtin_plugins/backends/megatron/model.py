@@ -161,7 +161,8 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
     one tensor at a time (no batched p2p, which gloo lacks), and every loss passes through
     the schedule unscaled (``calculate_per_token_loss``: the objective carries the step's
     denominators). With ``cp > 1`` the model takes this rank's chunks of each sequence
-    (:mod:`.context`: megatron-core's RoPE picks their positions, the attention gathers keys and values).
+    (:mod:`.context`: :class:`~.attention.RopeSelfAttention` picks their RoPE positions, the attention
+    gathers keys and values).
 
     :param vocab_rows: embedding/output rows (:func:`~.config.padded_vocab_size`).
     :param dtype: every parameter's dtype (norm scales included).
