@@ -26,7 +26,8 @@ def _start_run(tmp: Path) -> subprocess.Popen:
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
             "--micro-batch-size", "16", "--rollout-max-response-len", "8", "--save", str(tmp / "run"),
             "--executor", "local", "--rollout-backend", "sglang", "--sglang-server-impl", "furlong"]
-    env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a run that does not exit is sent SIGABRT and prints every thread's stack (_finish)
+    env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     return subprocess.Popen([sys.executable, "-m", "furlong.core", "train", *argv], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -47,10 +48,15 @@ def _finish(proc: subprocess.Popen, sig: int) -> str:
     proc.send_signal(sig)
     try:
         _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)  # the fault handler prints where each thread waits
+        try:
+            _, err = proc.communicate(timeout=20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        raise AssertionError(f"the run did not exit within 60 s of signal {sig}; its stacks:\n{err[-6000:]}") from None
     return err
 
 
