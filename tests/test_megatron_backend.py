@@ -525,6 +525,19 @@ def gqa_llama_dir(tiny_model_dir, path: Path) -> Path:
     return with_tiny_tokenizer(LlamaForCausalLM(config), tiny_model_dir, path)
 
 
+def qwen3_gqa_dir(tiny_model_dir, path: Path) -> Path:
+    """The tiny tokenizer with an untied Qwen3 (query/key norms; 4 heads, 2 KV groups), random weights."""
+    config = Qwen3Config(**SMALL, head_dim=16, tie_word_embeddings=False, bos_token_id=2, eos_token_id=3,
+                         pad_token_id=0)
+    torch.manual_seed(5)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "q_norm" in name or "k_norm" in name:  # not all ones: each head dimension's scale matters
+                param.uniform_(0.5, 1.5)
+    return with_tiny_tokenizer(model, tiny_model_dir, path)
+
+
 def qwen2_tied_dir(tiny_model_dir, path: Path) -> Path:
     """The tiny tokenizer with a tied Qwen2 of 4 layers (q/k/v biases, 2 KV groups), random weights."""
     config = Qwen2Config(**{**SMALL, "num_hidden_layers": 4}, tie_word_embeddings=True, bos_token_id=2, eos_token_id=3,
@@ -559,9 +572,10 @@ def _assert_loads_on_one_rank(path: Path, hf_dir: Path, global_step: int, weight
 
 @pytest.mark.timeout(240)
 def test_tensor_parallel_two_ranks(tiny_model_dir, tmp_path):
-    """Two gloo ranks: megatron-core's own TP=2 shards; at TP=2 log-probs, one step and a checkpoint that
+    """Two gloo ranks (a Qwen3: GQA, query/key norms): megatron-core's own TP=2 shards; at TP=2 log-probs, one
+    step (the query/key norm gradients summed over the TP ranks, whose heads differ) and a checkpoint that
     loads at TP=1; at TP=1 x DP=2 the one-process step (gradients summed over data-parallel ranks)."""
-    hf_dir = gqa_llama_dir(tiny_model_dir, tmp_path / "hf")
+    hf_dir = qwen3_gqa_dir(tiny_model_dir, tmp_path / "hf")
     out = tmp_path / "out"
     out.mkdir()
     worker = Path(__file__).with_name("megatron_two_ranks.py")
@@ -573,7 +587,7 @@ def test_tensor_parallel_two_ranks(tiny_model_dir, tmp_path):
 
     # 1. each rank's piece of megatron-core's own TP=2 init is our split of its TP=1 init (same seed)
     torch.manual_seed(7)
-    shape = model_shape(LlamaConfig.from_pretrained(hf_dir))
+    shape = model_shape(Qwen3Config.from_pretrained(hf_dir))
     whole = build_gpt(shape, 1, 100, torch.float32, CPU, perform_initialization=True)
     params = dict(whole.named_parameters())
     for rank in (0, 1):

@@ -239,9 +239,9 @@ class MegatronBackend(PipelineStages, StepLoop):
 
     def _clip(self, finite_loss: bool) -> tuple[float, bool]:
         """SUM gradients over DP x CP ranks (each CP rank holds its tokens' share: :mod:`.context`; and a
-        tied model's two embedding copies over the stages); global L2
-        norm before clipping (over TP shards and pipeline stages, each parameter once); whether all is
-        finite everywhere."""
+        tied model's two embedding copies over the stages; and the query/key norms' over the TP ranks,
+        :func:`summed_over_tensor_parallel`); global L2 norm before clipping (over TP shards and pipeline
+        stages, each parameter once); whether all is finite everywhere."""
         import torch
         import torch.distributed as dist
         from megatron.core import parallel_state
@@ -254,6 +254,11 @@ class MegatronBackend(PipelineStages, StepLoop):
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             for p in params:
                 dist.all_reduce(p.grad, group=group)
+        if self.tp > 1:
+            group = parallel_state.get_tensor_model_parallel_group()
+            for name, p in named:
+                if summed_over_tensor_parallel(name):
+                    dist.all_reduce(p.grad, group=group)
         counted = [p for n, p in named if not self._is_embedding_copy(n)]  # a tied copy is counted once
         split = [id(p) in self._tp_sharded for p in counted]
         norms = torch.stack(torch._foreach_norm([p.grad.detach() for p in counted])).double() if counted else \
@@ -348,6 +353,13 @@ class MegatronBackend(PipelineStages, StepLoop):
             checkpoint.load_checkpoint, path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             masters=self.masters, rank=self.rank, world=self.world, load_optim=not getattr(self.args, "no_load_optim", False),
             load_rng=not getattr(self.args, "no_load_rng", False), device=self.device)
+
+
+def summed_over_tensor_parallel(name: str) -> bool:
+    """Whether parameter ``name``'s gradient is a partial sum on each TP rank: the query/key norm scales
+    (Qwen3), which every rank applies to its own attention heads, so each rank's gradient covers its
+    heads only (megatron-core's ``finalize_model_grads`` sums them over the TP group likewise)."""
+    return ".q_layernorm." in name or ".k_layernorm." in name
 
 
 # padded tokens over real tokens above which a token-planned micro-batch is packed (thd) rather than padded
