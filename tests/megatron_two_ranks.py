@@ -7,7 +7,8 @@ Usage: ``torchrun --standalone --nproc_per_node 2 megatron_two_ranks.py HF_DIR O
    with the converter's split of the TP=1 initialisation).
 2. Runs the megatron backend at TP=2 on the four fixed samples: log-probs (``logprobs.pt``),
    one AdamW step (``step.pt``: metrics and the exported HF weights), and a ``torch_dist``
-   checkpoint in ``OUT_DIR/ckpt``.
+   checkpoint in ``OUT_DIR/ckpt``; the same with ``--sequence-parallel``, right-padded and packed
+   (``sp.pt``).
 """
 
 from __future__ import annotations
@@ -57,8 +58,29 @@ async def main(hf_dir: str, out: Path) -> None:
         torch.save(log_probs, out / "logprobs.pt")
         torch.save({"metrics": metrics, "weights": weights}, out / "step.pt")
     dist.barrier()
+    await sequence_parallel(hf_dir, out, rank, steps)
     await data_parallel(hf_dir, out, rank)
     dist.destroy_process_group()
+
+
+async def sequence_parallel(hf_dir: str, out: Path, rank: int, steps: list) -> None:
+    """TP=2 with --sequence-parallel, right-padded and packed: log-probs and one step (``sp_<layout>.pt``)."""
+    from transformers import AutoTokenizer
+
+    results = {}
+    for layout in ("padded", "packed"):
+        backend = train_backend(args=train_args(hf_dir, tensor_model_parallel_size=2, sequence_parallel=True,
+                                                adam_eps=1e-3))
+        await backend.init(backend.args)
+        assert backend.model.config.sequence_parallel
+        backend._packed = lambda tokens, packed=layout == "packed": packed
+        batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), steps)
+        log_probs = await backend.log_probs(batch)
+        metrics = (await backend.train(0, batch))[0]
+        results[layout] = {"log_probs": log_probs, "metrics": metrics, "weights": dict(await backend.named_weights())}
+    if rank == 0:
+        torch.save(results, out / "sp.pt")
+    dist.barrier()
 
 
 async def data_parallel(hf_dir: str, out: Path, rank: int) -> None:

@@ -134,8 +134,20 @@ def test_configure_reports_architecture_and_unsupported_parallelism(tiny_model_d
             "(--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers give the first and last "
             "stages other counts).") in report.errors
     assert "--virtual-pipeline-model-parallel-size 2 is not supported yet by --train-backend megatron." in report.errors
-    assert ("--sequence-parallel is not supported yet by --train-backend megatron (megatron-core's local spec, which "
-            "this backend builds, has no sequence parallelism; tensor parallelism works without it).") in report.errors
+    assert ("--sequence-parallel with --pipeline-model-parallel-size 3 is not supported yet by --train-backend "
+            "megatron (sequence parallelism works with tensor and data parallelism).") in report.errors
+    assert ("--sequence-parallel changes nothing without --tensor-model-parallel-size > 1 (as in Megatron, it is off "
+            "there).") in report.warnings
+
+
+def test_configure_accepts_sequence_parallelism_with_tensor_parallelism(tiny_model_dir):
+    report = ConfigReport(plugin="megatron")
+    configure(args=train_args(tiny_model_dir, tensor_model_parallel_size=2, sequence_parallel=True), report=report)
+    assert not report.errors and not report.warnings
+    configure(args=train_args(tiny_model_dir, tensor_model_parallel_size=2, context_parallel_size=2,
+                              sequence_parallel=True), report=report)
+    assert report.errors == ["--sequence-parallel with --context-parallel-size 2 is not supported yet by "
+                             "--train-backend megatron (sequence parallelism works with tensor and data parallelism)."]
 
 
 def test_configure_accepts_parallel_sizes_of_one_which_change_nothing(tiny_model_dir):
@@ -574,7 +586,8 @@ def _assert_loads_on_one_rank(path: Path, hf_dir: Path, global_step: int, weight
 def test_tensor_parallel_two_ranks(tiny_model_dir, tmp_path):
     """Two gloo ranks (a Qwen3: GQA, query/key norms): megatron-core's own TP=2 shards; at TP=2 log-probs, one
     step (the query/key norm gradients summed over the TP ranks, whose heads differ) and a checkpoint that
-    loads at TP=1; at TP=1 x DP=2 the one-process step (gradients summed over data-parallel ranks)."""
+    loads at TP=1; the same log-probs and step at TP=2 with --sequence-parallel (padded and packed); at
+    TP=1 x DP=2 the one-process step (gradients summed over data-parallel ranks)."""
     hf_dir = qwen3_gqa_dir(tiny_model_dir, tmp_path / "hf")
     out = tmp_path / "out"
     out.mkdir()
@@ -619,7 +632,16 @@ def test_tensor_parallel_two_ranks(tiny_model_dir, tmp_path):
         for name, tensor in expected.items():
             torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=1e-5)
 
-    # 3. the TP=2 checkpoint loads at TP=1: weights, Adam moments (fc1 resharded), step
+    # 3. the same at TP=2 with sequence parallelism (norm gradients summed over the TP ranks), padded and packed
+    for layout, got in torch.load(out / "sp.pt", weights_only=True).items():
+        for key in ("log_probs", "entropy"):
+            for a, b in zip(old[key], got["log_probs"][key]):
+                torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        assert got["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5), layout
+        for name, tensor in expected.items():
+            torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=1e-5, msg=lambda m: f"{layout} {name}: {m}")
+
+    # 4. the TP=2 checkpoint loads at TP=1: weights, Adam moments (fc1 resharded), step
     _assert_loads_on_one_rank(out / "ckpt", hf_dir, 1, step["weights"], single)
 
 

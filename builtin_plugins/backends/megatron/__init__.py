@@ -35,6 +35,7 @@ _USED = {
     "--recompute-num-layers", "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
     "--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler", "--no-check-for-nan-in-loss-and-grad",
     "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings",
+    "--sequence-parallel",
 }
 
 # Given with a value other than this default (or, for a parallel size, 1: one rank changes
@@ -43,7 +44,6 @@ _REFUSED = (
     ("--virtual-pipeline-model-parallel-size", "virtual_pipeline_model_parallel_size", None),
     ("--expert-model-parallel-size", "expert_model_parallel_size", 1),
     ("--expert-tensor-parallel-size", "expert_tensor_parallel_size", None),
-    ("--sequence-parallel", "sequence_parallel", False),
     ("--num-experts", "num_experts", None),
     ("--mtp-num-layers", "mtp_num_layers", None),
     ("--spec", "spec", None),
@@ -76,10 +76,9 @@ def configure(args, report):
         value = getattr(args, dest, default)
         no_op = value == 1 and dest.endswith("_parallel_size")
         if value is not None and value is not False and value != default and not no_op:
-            why = (" (megatron-core's local spec, which this backend builds, has no sequence parallelism; "
-                   "tensor parallelism works without it)") if dest == "sequence_parallel" else ""
             report.error(f"{flag} {value if value is not True else ''}".rstrip()
-                         + f" is not supported yet by --train-backend megatron{why}.")
+                         + " is not supported yet by --train-backend megatron.")
+    _check_sequence_parallel(args, report)
     for dest in ("attention_dropout", "hidden_dropout"):
         value = getattr(args, dest, None)
         if value:
@@ -95,6 +94,20 @@ def configure(args, report):
         report.error("--recompute-granularity selective is not supported yet by --train-backend megatron "
                      "(its local spec has no selective recompute modules); use full.")
     _check_architecture(args, report)
+
+
+def _check_sequence_parallel(args, report) -> None:
+    if not getattr(args, "sequence_parallel", False):
+        return
+    if int(getattr(args, "tensor_model_parallel_size", 1) or 1) == 1:
+        report.warn("--sequence-parallel changes nothing without --tensor-model-parallel-size > 1 (as in Megatron, "
+                    "it is off there).")
+    for flag, dest in (("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
+                       ("--context-parallel-size", "context_parallel_size")):
+        size = int(getattr(args, dest, 1) or 1)
+        if size > 1:
+            report.error(f"--sequence-parallel with {flag} {size} is not supported yet by --train-backend megatron "
+                         "(sequence parallelism works with tensor and data parallelism).")
 
 
 def _check_architecture(args, report) -> None:
@@ -147,7 +160,7 @@ def train_backend(args):
     """Create the megatron backend; :meth:`MegatronBackend.init` builds and loads the model.
 
     Flags read: ``--hf-checkpoint``, ``--ref-load``, ``--tensor-model-parallel-size``,
-    ``--pipeline-model-parallel-size``, ``--context-parallel-size``,
+    ``--pipeline-model-parallel-size``, ``--context-parallel-size``, ``--sequence-parallel``,
     Miles' architecture flags (checked against the HF config), ``--make-vocab-size-divisible-by``,
     ``--use-kl-loss``, ``--kl-coef``, ``--lr`` and the Megatron LR schedule flags,
     ``--weight-decay``, ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``, ``--clip-grad``,

@@ -207,7 +207,9 @@ class RopeSelfAttention(SelfAttention):
                 self.config, "no_rope_freq", None):
             query_angles, key_angles = (rotary_pos_emb if isinstance(rotary_pos_emb, tuple)
                                         else (rotary_pos_emb, rotary_pos_emb))
-            rows = hidden_states.shape[0]
+            rows = hidden_states.shape[0]  # queries and keys: the whole sequence (gathered under sequence parallelism)
+            if self.config.sequence_parallel:
+                rows *= self.config.tensor_model_parallel_size
             fields = {}
             if packed_seq_params is not None:
                 fields = {f.name: getattr(packed_seq_params, f.name) for f in dataclasses.fields(packed_seq_params)}

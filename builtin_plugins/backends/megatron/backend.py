@@ -149,7 +149,7 @@ class MegatronBackend(PipelineStages, StepLoop):
         split = {k: v for k, v in (("num_layers_in_first_pipeline_stage", first),
                                    ("num_layers_in_last_pipeline_stage", last)) if v is not None}
         model = build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device, pp=self.pp, cp=self.cp,
-                          **recompute_settings(self.args), **split)
+                          sequence_parallel=self._sequence_parallel(), **recompute_settings(self.args), **split)
         ref = getattr(self.args, "ref_load", None)
         if is_hf_dir(ref):
             load_hf(model, safetensors_stream(ref), self.shape, self.vocab_rows, self.tp, self._tp_rank(),
@@ -166,6 +166,10 @@ class MegatronBackend(PipelineStages, StepLoop):
         from megatron.core import parallel_state
 
         return parallel_state.get_tensor_model_parallel_rank()
+
+    def _sequence_parallel(self) -> bool:
+        """``--sequence-parallel`` with TP > 1 (with TP 1 it changes nothing, as in Megatron)."""
+        return bool(getattr(self.args, "sequence_parallel", False)) and self.tp > 1
 
     def _dtype(self):
         """Parameter dtype: bfloat16 with ``--bf16``, else float32."""
@@ -257,7 +261,7 @@ class MegatronBackend(PipelineStages, StepLoop):
         if self.tp > 1:
             group = parallel_state.get_tensor_model_parallel_group()
             for name, p in named:
-                if summed_over_tensor_parallel(name):
+                if summed_over_tensor_parallel(name, self._sequence_parallel()):
                     dist.all_reduce(p.grad, group=group)
         counted = [p for n, p in named if not self._is_embedding_copy(n)]  # a tied copy is counted once
         split = [id(p) in self._tp_sharded for p in counted]
@@ -355,11 +359,12 @@ class MegatronBackend(PipelineStages, StepLoop):
             load_rng=not getattr(self.args, "no_load_rng", False), device=self.device)
 
 
-def summed_over_tensor_parallel(name: str) -> bool:
+def summed_over_tensor_parallel(name: str, sequence_parallel: bool = False) -> bool:
     """Whether parameter ``name``'s gradient is a partial sum on each TP rank: the query/key norm scales
     (Qwen3), which every rank applies to its own attention heads, so each rank's gradient covers its
-    heads only (megatron-core's ``finalize_model_grads`` sums them over the TP group likewise)."""
-    return ".q_layernorm." in name or ".k_layernorm." in name
+    heads only; under sequence parallelism every norm scale too, each rank normalising its own chunk of
+    the sequence (megatron-core's ``finalize_model_grads`` sums both over the TP group likewise)."""
+    return ".q_layernorm." in name or ".k_layernorm." in name or (sequence_parallel and "layernorm." in name)
 
 
 # padded tokens over real tokens above which a token-planned micro-batch is packed (thd) rather than padded

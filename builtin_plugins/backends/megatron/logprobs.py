@@ -28,7 +28,7 @@ from furlong.hooks.trainer import right_padded, to_device
 from .context import context_parallel, gather_sequence, local_chunks, padded_length
 
 __all__ = ["MicroBatchInputs", "forward_log_probs", "micro_batch_inputs", "projecting_rows", "response_log_probs",
-           "vocab_parallel_log_probs"]
+           "sequence_parallel_size", "vocab_parallel_log_probs"]
 
 
 def _tp():
@@ -136,9 +136,12 @@ class MicroBatchInputs:
 
 
 def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], device, *,
-                       packed: bool = False) -> MicroBatchInputs:
+                       packed: bool = False, sequence_parallel: int = 1) -> MicroBatchInputs:
     """The model inputs of a micro-batch (see :func:`forward_log_probs` for the two layouts).
 
+    :param sequence_parallel: the TP size under sequence parallelism (else 1): the positions are padded
+        to a multiple of it (packed: the last sequence's segment is lengthened; its pad tokens come after
+        its real ones, which causal attention keeps them from reaching), and every position is projected.
     :raises ValueError: a response that starts at position 0 (no previous token).
     """
     seqs, ids = right_padded(tokens, response_lengths)
@@ -150,6 +153,7 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
 
         lengths = [len(s) for s in seqs]
         segments = [padded_length(n, cp) if cp > 1 else n for n in lengths]
+        segments[-1] += -sum(segments) % sequence_parallel
         starts = [0]
         for n in segments:
             starts.append(starts[-1] + n)
@@ -161,14 +165,16 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
     else:
         if cp > 1:
             ids = F.pad(ids, (0, padded_length(ids.shape[1], cp) - ids.shape[1]))
+        ids = F.pad(ids, (0, -ids.shape[1] % sequence_parallel))
         spans = [(i, len(s) - int(t) - 1, len(s) - 1) for i, (s, t) in enumerate(zip(seqs, response_lengths))]
-    if cp == 1:
+    if cp == 1 and sequence_parallel == 1:
         return _response_rows(ids, spans, device, extra)
     ids = to_device(ids, device)
     targets = torch.zeros_like(ids)
     targets[:, :-1] = ids[:, 1:]  # across a packed boundary the target is unused: no span ends there
-    ids, targets = (local_chunks(x, cp, cp_rank, 1, segments) for x in (ids, targets))
-    return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans, segments=segments)
+    if cp > 1:
+        ids, targets = (local_chunks(x, cp, cp_rank, 1, segments) for x in (ids, targets))
+    return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans, segments=segments if cp > 1 else None)
 
 
 def _response_rows(ids, spans: list, device, extra: dict) -> MicroBatchInputs:
@@ -184,6 +190,12 @@ def _response_rows(ids, spans: list, device, extra: dict) -> MicroBatchInputs:
     spans = [(0, int(a), int(a + n)) for a, n in zip(offsets, sizes)]
     ids, targets, head_rows = (to_device(x, device) for x in (ids, targets, head_rows))
     return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans, head_rows=head_rows)
+
+
+def sequence_parallel_size(model) -> int:
+    """The TP size when ``model`` (a GPTModel) runs with sequence parallelism, else 1."""
+    config = getattr(model, "config", None)
+    return int(config.tensor_model_parallel_size) if getattr(config, "sequence_parallel", False) else 1
 
 
 @contextlib.contextmanager
@@ -239,15 +251,17 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
     ``PackedSeqParams``; attention and RoPE restart at each sequence (:mod:`.attention`),
     and no pad token is computed. Under context parallelism each sequence (padded: the
     ``[B, L]`` grid's rows; packed: each sequence, padded to a multiple of ``2 CP``) is split
-    over the CP ranks (:mod:`.context`) and the output layer projects every position; without
-    CP it projects only the positions that predict response tokens (:func:`projecting_rows`).
+    over the CP ranks (:mod:`.context`) and the output layer projects every position, as under
+    sequence parallelism (the positions padded to a multiple of TP); otherwise it projects only the
+    positions that predict response tokens (:func:`projecting_rows`).
 
     :param tokens: B sequences of prompt + response ids.
     :param response_lengths: B response lengths ``T_i`` (the last ``T_i`` tokens).
     :returns: ``(log_probs, entropy)``: B float32 tensors ``[T_i]`` each.
     :raises ValueError: a response that starts at position 0 (no previous token).
     """
-    inputs = micro_batch_inputs(tokens, response_lengths, device, packed=packed)
+    inputs = micro_batch_inputs(tokens, response_lengths, device, packed=packed,
+                                sequence_parallel=sequence_parallel_size(model))
     with torch.set_grad_enabled(grad), projecting_rows(model, inputs.head_rows):
         logits = model(input_ids=inputs.ids, position_ids=None, attention_mask=None, **inputs.extra)
         return response_log_probs(logits, inputs, temperature, vocab_size=vocab_size,

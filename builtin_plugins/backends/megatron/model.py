@@ -64,11 +64,12 @@ def cpu_shims(device):
     megatron-core 0.16 moves RoPE's ``inv_freq`` to ``torch.cuda.current_device()`` and
     calls ``torch.cuda.synchronize()`` when saving a distributed checkpoint
     (MEGATRON.md 3.2); its pipeline schedule and p2p exchange allocate on
-    ``torch.cuda.current_device()`` and ``device="cuda"``, and a tied model's last
-    pipeline stage calls ``Tensor.cuda()`` on its copy of the embedding. All are undefined
-    without CUDA, so inside this block they stay on (or return) the CPU and synchronising
-    does nothing; with CUDA nothing is changed. Blocks may nest and overlap across
-    threads: the originals come back when the last one exits.
+    ``torch.cuda.current_device()`` and ``device="cuda"``, a tied model's last
+    pipeline stage calls ``Tensor.cuda()`` on its copy of the embedding, and under sequence
+    parallelism the embedding forks the CUDA RNG tracker around its dropout. All are undefined
+    without CUDA, so inside this block they stay on (or return) the CPU, synchronising does
+    nothing and the RNG fork is a no-op (dropout is 0 here); with CUDA nothing is changed.
+    Blocks may nest and overlap across threads: the originals come back when the last one exits.
     """
     import torch
 
@@ -76,11 +77,14 @@ def cpu_shims(device):
     if device.type == "cuda" or torch.cuda.is_available():
         yield
         return
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
     with _shims_lock:
         if _shims_depth == 0:
-            _cuda_originals = (torch.cuda.current_device, torch.cuda.synchronize)
+            _cuda_originals = (torch.cuda.current_device, torch.cuda.synchronize, CudaRNGStatesTracker.fork)
             torch.cuda.current_device = lambda: torch.device("cpu")
             torch.cuda.synchronize = lambda *a, **k: None
+            CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
         _shims_depth += 1
     try:
         with _cuda_on_cpu():
@@ -89,7 +93,7 @@ def cpu_shims(device):
         with _shims_lock:
             _shims_depth -= 1
             if _shims_depth == 0:
-                torch.cuda.current_device, torch.cuda.synchronize = _cuda_originals
+                torch.cuda.current_device, torch.cuda.synchronize, CudaRNGStatesTracker.fork = _cuda_originals
 
 
 _mode_class: list = []
@@ -148,7 +152,37 @@ def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
     return TransformerConfig(**fields)
 
 
-def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: int = 1, cp: int = 1, **extra: Any):
+class SequenceParallelNorm:
+    """The local spec's torch RMSNorm (megatron-core's ``WrappedTorchNorm``, which refuses sequence
+    parallelism) for a model with ``sequence_parallel``: each TP rank normalises its own chunk of
+    the sequence, so the scale's gradient on a rank is a partial sum, which the backend sums over
+    the TP group (:func:`~.backend.summed_over_tensor_parallel`). The same module and parameter
+    (``weight``) either way, so checkpoints do not depend on it."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_: Any):
+        import torch
+
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"SequenceParallelNorm: normalization {config.normalization!r}; only RMSNorm is built here.")
+        return torch.nn.RMSNorm(hidden_size, eps=eps)
+
+
+def _sequence_parallel_spec(spec, num_layers: int):
+    """``spec`` (a local-spec layer) with :class:`SequenceParallelNorm` for every norm, as the block's
+    submodules of ``num_layers`` layers with that final norm too."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelNorm
+    attention = layer.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, name, None) is not None:
+            setattr(attention, name, SequenceParallelNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SequenceParallelNorm)
+
+
+def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: int = 1, cp: int = 1,
+              sequence_parallel: bool = False, **extra: Any):
     """A GPTModel of the local spec with :class:`~.attention.SDPACoreAttention` and
     :class:`~.attention.RopeSelfAttention`, uninitialised weights (the caller loads them), on ``device``.
 
@@ -162,7 +196,10 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
     the schedule unscaled (``calculate_per_token_loss``: the objective carries the step's
     denominators). With ``cp > 1`` the model takes this rank's chunks of each sequence
     (:mod:`.context`: :class:`~.attention.RopeSelfAttention` picks their RoPE positions, the attention
-    gathers keys and values).
+    gathers keys and values). With ``sequence_parallel`` (TP > 1, PP and CP 1) the activations between
+    the tensor-parallel regions hold each TP rank's chunk of the sequence (megatron-core's sequence
+    parallelism; norms of :class:`SequenceParallelNorm`), so inputs must have a multiple of ``tp``
+    positions.
 
     :param vocab_rows: embedding/output rows (:func:`~.config.padded_vocab_size`).
     :param dtype: every parameter's dtype (norm scales included).
@@ -185,10 +222,15 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
                       post_process=parallel_state.is_pipeline_last_stage())
     if cp > 1:
         extra = dict(context_parallel_size=cp, **extra)
-    config = transformer_config(shape, tp, dtype, device, **extra)
+    sequence_parallel = sequence_parallel and tp > 1
+    config = transformer_config(shape, tp, dtype, device, sequence_parallel=sequence_parallel, **extra)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_layernorm)
     spec.submodules.self_attention.module = RopeSelfAttention
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if sequence_parallel:
+        if pp > 1 or cp > 1:
+            raise PluginError("megatron: sequence parallelism is built with PP = CP = 1 only.")
+        spec = _sequence_parallel_spec(spec, shape.num_layers)
     scaling = {"rope_scaling": True, "rope_scaling_factor": shape.rope_scaling_factor} if (
         shape.rope_scaling_factor is not None) else {}
     with cpu_shims(device):
