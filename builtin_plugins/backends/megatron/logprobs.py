@@ -115,11 +115,11 @@ class MicroBatchInputs:
     ``ids``: int64 input ids (``[B, L]`` right-padded, or ``[1, sum L_i]`` packed) on the
     device; ``extra``: more model keyword arguments (``packed_seq_params``).
 
-    Without context parallelism only the positions that predict a response token reach the
+    Without context or sequence parallelism only the positions that predict a response token reach the
     output layer (:func:`projecting_rows`): ``head_rows``, int64 ``[N]`` on the device, are their
     indices in the decoder's output ``[s, b, h]`` flattened to ``[s * b, h]``; ``targets`` ``[1, N]``
     holds the token each predicts; ``spans``: per sample ``(0, start, end)`` of its response in
-    these N. Under context parallelism (``head_rows`` None) every position is projected:
+    these N. Under context or sequence parallelism (``head_rows`` None) every position is projected:
     ``targets`` is the next token at each position of ``ids`` and ``spans`` give ``(row, start,
     end)`` in the whole ``[rows, positions]`` grid; ``ids`` and ``targets`` are this rank's two
     chunks ``[B, 2 L / (2 CP)]`` of the ``[B, L]`` grid (L padded to a multiple of ``2 CP``,
