@@ -545,7 +545,7 @@ def qwen3_gqa_dir(tiny_model_dir, path: Path) -> Path:
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "q_norm" in name or "k_norm" in name:  # not all ones: each head dimension's scale matters
+            if "norm" in name:  # not all ones: every scale's gradient must reach every rank
                 param.uniform_(0.5, 1.5)
     return with_tiny_tokenizer(model, tiny_model_dir, path)
 
