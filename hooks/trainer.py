@@ -210,6 +210,11 @@ class StepLoop:
         if self.world > 1:
             torch.distributed.barrier()
 
+    def _optimizer_state(self) -> dict:
+        """This rank's optimizer state (parameter -> its state dict): what :meth:`offload` moves and
+        ``--reset-optimizer-states`` clears. A backend whose optimizer keeps it elsewhere overrides this."""
+        return self.optimizer.state
+
     def _modules(self) -> list:
         """The modules :meth:`offload` and :meth:`onload` move: the model and the reference model."""
         return [m for m in (self.model, self.ref_model) if m is not None]
@@ -222,7 +227,7 @@ class StepLoop:
         masters = getattr(self, "masters", None)  # float32 master weights (furlong.hooks.master_weights)
         if masters is not None:
             masters.to(device)
-        for state in self.optimizer.state.values():
+        for state in self._optimizer_state().values():
             for key, value in state.items():
                 if torch.is_tensor(value) and key != "step":
                     state[key] = value.to(device, non_blocking=True)
@@ -298,7 +303,7 @@ class StepLoop:
             skipped, with a warning).
         """
         if getattr(self.args, "reset_optimizer_states", False):
-            self.optimizer.state.clear()
+            self._optimizer_state().clear()
         self._before_train()
         cuda = self.device.type == "cuda"
         if cuda:

@@ -9,6 +9,9 @@ Usage: ``torchrun --standalone --nproc_per_node 2 megatron_two_ranks.py HF_DIR O
    one AdamW step (``step.pt``: metrics and the exported HF weights), and a ``torch_dist``
    checkpoint in ``OUT_DIR/ckpt``; the same with ``--sequence-parallel``, right-padded and packed
    (``sp.pt``).
+3. At TP=1 x DP=2: one step (``dp.pt``, checkpoint ``dp_ckpt``); the same with
+   ``--use-distributed-optimizer`` (``zero<r>.pt`` with each rank's share of the AdamW state,
+   checkpoint ``zero_ckpt``), and ``dp_ckpt`` loaded into the sharded optimizer.
 """
 
 from __future__ import annotations
@@ -99,8 +102,47 @@ async def data_parallel(hf_dir: str, out: Path, rank: int) -> None:
                        micro_batch_size=1, max_tokens_per_gpu=None, dynamic=False, balance=False)
     metrics = (await backend.train(0, make_batch(AutoTokenizer.from_pretrained(hf_dir), steps)))[0]
     weights = dict(await backend.named_weights())
+    await backend.save(str(out / "dp_ckpt"))
     if rank == 0:
         torch.save({"metrics": metrics, "weights": weights}, out / "dp.pt")
+    await distributed_optimizer(hf_dir, out, rank, steps, backend)
+
+
+async def distributed_optimizer(hf_dir: str, out: Path, rank: int, steps: list, plain) -> None:
+    """DP=2 with --use-distributed-optimizer: each rank holds the AdamW state of its share of the parameters;
+    one step and a checkpoint (``zero.pt``, ``zero_ckpt``); the plain DP=2 checkpoint loads into the sharded
+    optimizer with the plain run's moments."""
+    from transformers import AutoTokenizer
+
+    from furlong.builtin_plugins.backends.megatron.optimizer import local_optimizer
+
+    def owned(backend) -> dict:
+        names = {id(p): n for n, p in backend.model.named_parameters()}
+        local = local_optimizer(backend.optimizer)
+        return {names[id(p)]: local.state[p] for group in local.param_groups for p in group["params"]}
+
+    args = train_args(hf_dir, adam_eps=1e-3, use_distributed_optimizer=True)
+    backend = train_backend(args=args)
+    await backend.init(backend.args)
+    assert local_optimizer(backend.optimizer) is not backend.optimizer
+    metrics = (await backend.train(0, make_batch(AutoTokenizer.from_pretrained(hf_dir), steps)))[0]
+    weights = dict(await backend.named_weights())
+    mine = owned(backend)
+    await backend.save(str(out / "zero_ckpt"))
+    torch.save({"metrics": metrics, "weights": weights, "owned": sorted(mine)}, out / f"zero{rank}.pt")
+
+    resumed = train_backend(args=args)
+    await resumed.init(resumed.args)
+    await resumed.load(str(out / "dp_ckpt"))
+    assert resumed.global_step == plain.global_step == 1
+    expected = {n: plain.optimizer.state[p] for n, p in plain.model.named_parameters()}
+    got = owned(resumed)
+    assert sorted(got) == sorted(mine), (sorted(got), sorted(mine))
+    for name, state in got.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[key], expected[name][key]), (name, key)
+        assert float(state["step"]) == 1.0
+    dist.barrier()
 
 
 if __name__ == "__main__":

@@ -189,12 +189,12 @@ def test_the_core_reports_only_the_megatron_flags_this_backend_does_not_read(tin
     from furlong.core.megatron_support import report_megatron_flags
 
     given = ["--num-layers", "--tensor-model-parallel-size", "--sequence-parallel", "--use-distributed-optimizer",
-             "--moe-router-topk"]
+             "--overlap-grad-reduce", "--moe-router-topk"]
     args = train_args(tiny_model_dir, megatron_flags_given=given, megatron_args={"moe_router_topk": 2})
     report = ConfigReport(plugin="megatron")
     report_megatron_flags(args, "megatron", plugin, report)
     assert report.warnings == ["--train-backend megatron ignores these Megatron flags, which do not change results "
-                               "with it: --use-distributed-optimizer."]
+                               "with it: --overlap-grad-reduce."]
     assert len(report.errors) == 1 and "--moe-router-topk (the model has no experts)" in report.errors[0]
 
 
@@ -587,7 +587,8 @@ def test_tensor_parallel_two_ranks(tiny_model_dir, tmp_path):
     """Two gloo ranks (a Qwen3: GQA, query/key norms): megatron-core's own TP=2 shards; at TP=2 log-probs, one
     step (the query/key norm gradients summed over the TP ranks, whose heads differ) and a checkpoint that
     loads at TP=1; the same log-probs and step at TP=2 with --sequence-parallel (padded and packed); at
-    TP=1 x DP=2 the one-process step (gradients summed over data-parallel ranks)."""
+    TP=1 x DP=2 the one-process step (gradients summed over data-parallel ranks), also with the AdamW state
+    sharded over them (--use-distributed-optimizer), whose checkpoints load either way."""
     hf_dir = qwen3_gqa_dir(tiny_model_dir, tmp_path / "hf")
     out = tmp_path / "out"
     out.mkdir()
@@ -643,6 +644,19 @@ def test_tensor_parallel_two_ranks(tiny_model_dir, tmp_path):
 
     # 4. the TP=2 checkpoint loads at TP=1: weights, Adam moments (fc1 resharded), step
     _assert_loads_on_one_rank(out / "ckpt", hf_dir, 1, step["weights"], single)
+
+    # 5. DP=2 with --use-distributed-optimizer: the one-process step; the two ranks' shares of the AdamW state are
+    # disjoint and cover every parameter; its checkpoint loads at DP=1 with every moment (the worker checked
+    # that the unsharded DP=2 checkpoint loads into the sharded optimizer)
+    zero = [torch.load(out / f"zero{rank}.pt", weights_only=True) for rank in (0, 1)]
+    shares = [set(z["owned"]) for z in zero]
+    assert shares[0] and shares[1] and not shares[0] & shares[1]
+    assert shares[0] | shares[1] == set(dict(single.model.named_parameters()))
+    for got in zero:
+        assert got["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
+        for name, tensor in expected.items():
+            torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=1e-5)
+    _assert_loads_on_one_rank(out / "zero_ckpt", hf_dir, 1, zero[0]["weights"], single)
 
 
 @pytest.mark.timeout(240)
@@ -881,16 +895,17 @@ def test_grpo_under_the_local_executor_matches_fsdp(tmp_path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("pp, cp, split", [(2, 1, ["--decoder-first-pipeline-num-layers", "2"]), (1, 2, [])],
-                         ids=["pp2-uneven", "cp2"])
+@pytest.mark.parametrize("pp, cp, split", [(2, 1, ["--decoder-first-pipeline-num-layers", "2"]),
+                                           (1, 2, ["--use-distributed-optimizer"])],
+                         ids=["pp2-uneven", "cp2-distributed-optimizer"])
 def test_two_ranks_under_torchrun_reproduce_one_process(tiny_model_dir, tmp_path, pp, cp, split):
     """The whole loop at PP=2 or CP=2 (torchrun, the local executor): pi_old from the (last stage's) training
     forward, its metrics and the weights it syncs to the engine give the one-process run's rollouts and metrics
     (PP=2 with uneven stages: the demo model's 3 layers as 2 + 1, even stages being test_pipeline_two_stages';
-    at CP=2 each sequence is split over both ranks)."""
+    at CP=2 each sequence is split over both ranks, and the AdamW state is sharded over the two CP peers)."""
     from .tiny_model import one_process_and_torchrun
 
-    model = DEMO / "model" if split else tiny_model_dir
+    model = DEMO / "model" if pp > 1 else tiny_model_dir
     flags = ["train", "--hf-checkpoint", str(model), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
              "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--num-rollout", "2",
              "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
@@ -899,7 +914,8 @@ def test_two_ranks_under_torchrun_reproduce_one_process(tiny_model_dir, tmp_path
     rows, stderr = one_process_and_torchrun(flags, tmp_path, ["--no-reuse-train-log-probs"],
                                             ["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size",
                                              str(pp), "--context-parallel-size", str(cp), *split])
-    assert f"PP {pp}{' (layers per stage 2+1)' if split else ''}, CP {cp}, DP 1" in stderr
+    assert f"PP {pp}{' (layers per stage 2+1)' if pp > 1 else ''}, CP {cp}, DP 1" in stderr
+    assert ("AdamW state sharded over 2 ranks (DP x CP, --use-distributed-optimizer)" in stderr) == (cp > 1)
     assert "the separate log-prob pass is skipped" in stderr
     assert len(rows["one"]) == len(rows["two"]) == 2
     assert rows["one"][0]["rollout/log_probs"] != rows["one"][1]["rollout/log_probs"]

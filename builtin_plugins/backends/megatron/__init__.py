@@ -35,7 +35,7 @@ _USED = {
     "--recompute-num-layers", "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
     "--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler", "--no-check-for-nan-in-loss-and-grad",
     "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings",
-    "--sequence-parallel",
+    "--sequence-parallel", "--use-distributed-optimizer",
 }
 
 # Given with a value other than this default (or, for a parallel size, 1: one rank changes
@@ -69,8 +69,7 @@ def configure(args, report):
     (``MODEL_ARGS``) against ``--hf-checkpoint``'s config.json (a disagreement names both values).
 
     The core reports the other Megatron flags given (``MEGATRON_FLAGS``): a warning for those
-    that do not change results (``--use-distributed-optimizer``, overlap switches, fusions),
-    an error for those that would.
+    that do not change results (overlap switches, fusions), an error for those that would.
     """
     for flag, dest, default in _REFUSED:
         value = getattr(args, dest, default)
@@ -164,7 +163,7 @@ def train_backend(args):
     Miles' architecture flags (checked against the HF config), ``--make-vocab-size-divisible-by``,
     ``--use-kl-loss``, ``--kl-coef``, ``--lr`` and the Megatron LR schedule flags,
     ``--weight-decay``, ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``, ``--clip-grad``,
-    ``--micro-batch-size``, ``--entropy-coef``, ``--recompute-granularity``,
+    ``--use-distributed-optimizer``, ``--micro-batch-size``, ``--entropy-coef``, ``--recompute-granularity``,
     ``--recompute-method``, ``--recompute-num-layers``, ``--reset-optimizer-states``,
     ``--no-check-for-nan-in-loss-and-grad``, ``--no-save-optim``, ``--no-load-optim``,
     ``--no-load-rng``, ``--bf16``, ``--seed``.

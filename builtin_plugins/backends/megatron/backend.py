@@ -17,6 +17,7 @@ from .convert import Stage, export_hf, load_hf, pipeline_split, placed_units, sa
 from .logprobs import forward_log_probs
 from .master import MasterWeights
 from .model import build_gpt, cpu_shims, init_parallel
+from .optimizer import build_optimizer, build_scheduler, local_optimizer
 from .pipeline import PipelineStages
 
 __all__ = ["MegatronBackend"]
@@ -135,13 +136,13 @@ class MegatronBackend(PipelineStages, StepLoop):
                             if u.split is not None}
         if getattr(args, "use_kl_loss", False) or getattr(args, "kl_coef", 0.0):
             self.ref_model = self._load_model().requires_grad_(False)
-        self.optimizer = build_optimizer(self._trained_parameters(), args)
+        self.optimizer = build_optimizer(self._trained_parameters(), args, self._optimizer_shards())
         self.scheduler = build_scheduler(self.optimizer, args)
         if self.rank == 0:
-            log.info("megatron: %s, TP %d, PP %d%s, CP %d, DP %d, vocab rows %d, %s", self.shape.family, self.tp,
+            log.info("megatron: %s, TP %d, PP %d%s, CP %d, DP %d, vocab rows %d, %s%s", self.shape.family, self.tp,
                      self.pp, f" (layers per stage {'+'.join(map(str, self.stage.layers))})" if self.pp > 1 else "",
                      self.cp, self._dp_size(), self.vocab_rows,
-                     "bf16 parameters, fp32 master weights" if self.masters else "fp32")
+                     "bf16 parameters, fp32 master weights" if self.masters else "fp32", self._optimizer_note())
         return 0
 
     def _load_model(self):
@@ -223,6 +224,26 @@ class MegatronBackend(PipelineStages, StepLoop):
 
     def _after_train(self) -> None:
         self.model.eval()
+
+    def _optimizer_shards(self):
+        """The group the AdamW state is sharded over: the data-parallel x context-parallel ranks under
+        ``--use-distributed-optimizer`` (as megatron-core's distributed optimizer), None otherwise."""
+        if not getattr(self.args, "use_distributed_optimizer", False) or self._dp_size() * self.cp == 1:
+            return None
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+    def _optimizer_note(self) -> str:
+        if not getattr(self.args, "use_distributed_optimizer", False):
+            return ""
+        shards = self._dp_size() * self.cp
+        if shards == 1:
+            return "; --use-distributed-optimizer has one data-parallel rank to shard over: the AdamW state stays whole"
+        return f"; AdamW state sharded over {shards} ranks (DP x CP, --use-distributed-optimizer)"
+
+    def _optimizer_state(self) -> dict:
+        return local_optimizer(self.optimizer).state
 
     def _learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])  # set by the scheduler
@@ -382,71 +403,6 @@ def pack_micro_batch(lengths: list[int]) -> bool:
     """
     real = sum(lengths)
     return bool(real) and len(lengths) * max(lengths) > PACK_ABOVE_PADDING * real
-
-
-def build_optimizer(named_parameters, args: Any):
-    """AdamW over ``named_parameters`` (``(name, tensor)`` pairs; those requiring grad are
-    trained): ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``; the fused CUDA kernel on GPUs.
-
-    Megatron's default decay rule: biases and 1-D parameters (norm scales) get
-    ``wd_mult`` 0, which :class:`OptimizerParamScheduler` applies to ``--weight-decay``.
-
-    :raises PluginError: an ``--optimizer`` other than adam.
-    """
-    import torch
-
-    kind = getattr(args, "optimizer", "adam") or "adam"
-    if kind != "adam":
-        raise PluginError(f"--optimizer {kind!r}: the megatron backend supports adam (AdamW) only.")
-    named = [(n, p) for n, p in named_parameters if p.requires_grad]
-    groups = [{"params": [p for n, p in named if p.ndim >= 2 and not n.endswith(".bias")], "wd_mult": 1.0},
-              {"params": [p for n, p in named if p.ndim < 2 or n.endswith(".bias")], "wd_mult": 0.0}]
-    fused = bool(named) and all(p.is_cuda for _, p in named)  # one kernel for the whole step on CUDA
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=float(args.lr),
-                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, fused=fused or None)
-
-
-def total_steps(args: Any) -> int:
-    """Optimizer steps of the run: ``num_rollout x steps per rollout``."""
-    per_rollout = getattr(args, "num_steps_per_rollout", None) or (
-        args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size)
-    return int(args.num_rollout) * int(per_rollout)
-
-
-def build_scheduler(optimizer, args: Any):
-    """megatron-core's ``OptimizerParamScheduler`` from Megatron's LR flags, counted in optimizer steps.
-
-    ``--lr``, ``--min-lr``, ``--lr-decay-style``, ``--lr-decay-iters`` (default: total
-    steps), ``--lr-warmup-iters`` or ``--lr-warmup-fraction`` (of the decay steps),
-    ``--lr-warmup-init``, ``--lr-wsd-decay-iters``, ``--lr-wsd-decay-style``,
-    ``--weight-decay`` (constant), ``--use-checkpoint-opt_param-scheduler`` /
-    ``--override-opt_param-scheduler`` (which side wins on load). Megatron counts samples
-    (steps x gbs); every length scales by gbs, so the values are the same.
-
-    :raises PluginError: a warmup not shorter than the decay, or WSD without its anneal length.
-    """
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    style = getattr(args, "lr_decay_style", "constant") or "constant"
-    decay = args.lr_decay_iters if getattr(args, "lr_decay_iters", None) is not None else total_steps(args)
-    decay = max(int(decay), 1)
-    fraction = getattr(args, "lr_warmup_fraction", None)
-    warmup = int(fraction * decay) if fraction is not None else int(getattr(args, "lr_warmup_iters", 0) or 0)
-    if warmup >= decay:
-        raise PluginError(f"--lr-warmup-iters/--lr-warmup-fraction give {warmup} warmup steps, not fewer than the "
-                          f"{decay} decay steps (--lr-decay-iters, default num_rollout x steps per rollout).")
-    wsd = getattr(args, "lr_wsd_decay_iters", None)
-    if style == "WSD" and not wsd:
-        raise PluginError("--lr-decay-style WSD needs --lr-wsd-decay-iters (steps of the final anneal).")
-    wd = float(getattr(args, "weight_decay", 0.0) or 0.0)
-    override = bool(getattr(args, "override_opt_param_scheduler", False))
-    return OptimizerParamScheduler(
-        optimizer, init_lr=float(getattr(args, "lr_warmup_init", 0.0) or 0.0), max_lr=float(args.lr),
-        min_lr=float(getattr(args, "min_lr", 0.0) or 0.0), lr_warmup_steps=warmup, lr_decay_steps=decay,
-        lr_decay_style=style, start_wd=wd, end_wd=wd, wd_incr_steps=decay, wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=bool(getattr(args, "use_checkpoint_opt_param_scheduler", False))
-        and not override, override_opt_param_scheduler=override, wsd_decay_steps=wsd,
-        lr_wsd_decay_style=getattr(args, "lr_wsd_decay_style", None) or "exponential")
 
 
 def recompute_settings(args: Any) -> dict:

@@ -28,6 +28,8 @@ import time
 
 from furlong.hooks import PluginError
 
+from .optimizer import local_optimizer
+
 __all__ = ["load_checkpoint", "load_weights", "save_checkpoint"]
 
 log = logging.getLogger("furlong.backends.megatron")
@@ -61,12 +63,14 @@ def _set_rng_state(state: dict) -> None:
 
 
 def init_adam_state(optimizer) -> None:
-    """Give every parameter empty AdamW state (zeros, step 0): the template a load fills in."""
+    """Give every parameter of this rank's optimizer (its share under ``--use-distributed-optimizer``)
+    empty AdamW state (zeros, step 0): the template a load fills in."""
     import torch
 
-    for group in optimizer.param_groups:
+    local = local_optimizer(optimizer)
+    for group in local.param_groups:
         for param in group["params"]:
-            state = optimizer.state[param]
+            state = local.state[param]
             if not state:
                 state["step"] = torch.tensor(0.0)
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
@@ -74,16 +78,30 @@ def init_adam_state(optimizer) -> None:
 
 
 def _optimizer_sharded(optimizer, model_sharded: dict) -> dict:
-    """The optimizer's state dict with each moment as a ShardedTensor shaped like its parameter."""
+    """This rank's optimizer state dict with each moment as a ShardedTensor shaped like its parameter.
+
+    The keys name parameters, not ranks, so the files are the same with and without
+    ``--use-distributed-optimizer``. Sharded, each rank holds the moments of its own share of
+    the parameters and is their main replica (the data-parallel part of the replica id is 0);
+    unsharded, every data-parallel rank holds all of them and the first one writes them.
+    """
+    from dataclasses import replace
+
     from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
                                                             optim_state_to_sharding_state)
 
-    state = optimizer.state_dict()
+    local = local_optimizer(optimizer)
+    state = local.state_dict()
     state["state"] = {key: dict(value) for key, value in state["state"].items()}  # the live dicts otherwise
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = [p for group in local.param_groups for p in group["params"]]
     id_map = get_param_id_to_sharded_param_map(model_sharded, params)
     steps = [s.pop("step") for s in state["state"].values() if "step" in s]
     optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
+    if local is not optimizer:
+        for moments in state["state"].values():
+            for key, value in moments.items():
+                replica = value.replica_id
+                moments[key] = replace(value, replica_id=(*replica[:-1], 0) if isinstance(replica, tuple) else 0)
     if steps:
         state["state"]["common_step"] = float(steps[0])
     return state
@@ -214,7 +232,13 @@ def load_checkpoint(path: str, *, model, optimizer, scheduler, rank: int, world:
 
             for param_state in state["state"].values():
                 param_state["step"] = torch.tensor(float(step))
-        optimizer.load_state_dict(state)
+        local = local_optimizer(optimizer)
+        # the hyperparameters saved (by the first rank), the parameter indices of this rank's optimizer
+        state["param_groups"] = [{**saved, "params": group["params"]} for saved, group in
+                                 zip(state["param_groups"], local.state_dict()["param_groups"])]
+        local.load_state_dict(state)
+        for outer, group in zip(optimizer.param_groups, local.param_groups):  # a ZeroRedundancyOptimizer's own
+            outer.update({k: v for k, v in group.items() if k != "params"})
         try:
             scheduler.load_state_dict(_schedule_state(loaded["scheduler"], scheduler))
         except AssertionError as exc:  # megatron-core's check that the schedule flags did not change
