@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import attrs
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -318,6 +319,11 @@ def test_a_foreign_tensor_or_a_missing_one_is_an_error(tmp_path):
     state.pop("model.layers.1.mlp.up_proj.weight")
     with pytest.raises(PluginError, match="no tensor for model.layers.1.mlp.gate_proj.weight"):
         load_hf(model, state.items(), shape, 100, 1, 0, "ckpt")
+    # a Llama built with query/key norms (as a spec that wrongly adds them would): no HF tensor fills them
+    with_norms = build_gpt(attrs.evolve(shape, qk_layernorm=True), 1, 100, torch.float32, CPU)
+    with pytest.raises(PluginError, match="the llama Megatron model has parameters no Hugging Face tensor fills: "
+                                          "decoder.layers.0.self_attention.k_layernorm.weight, "):
+        load_hf(with_norms, hf_state(hf, False).items(), shape, 100, 1, 0, "ckpt")
 
 
 # --- the backend against fsdp ------------------------------------------------------------------------

@@ -290,3 +290,31 @@ def test_an_engine_actor_dead_at_weight_sync_is_replaced_and_the_run_is_unchange
         assert other["rollout/raw_reward"] == row["rollout/raw_reward"]
         assert other["rollout/response_lengths"] == row["rollout/response_lengths"]
 
+
+
+@pytest.mark.timeout(300)
+def test_megatron_train_actors_at_tp2_with_sequence_parallelism_reproduce_one_process(tmp_path, tiny_model_dir,
+                                                                                      arithmetic_jsonl):
+    """`--train-backend megatron` under Ray: two train actors form one TP=2 group (megatron-core's parallel state
+    built from the actors' ranks, `--sequence-parallel`), train and sync weights to the engine actor; rollouts and
+    losses equal the megatron backend's one-process run, and the `torch_dist` checkpoint is written."""
+    flags = [*_flags(tiny_model_dir, arithmetic_jsonl, rollouts=2), "--train-backend", "megatron"]
+    local, ray_run = tmp_path / "local", tmp_path / "ray"
+    proc = _furlong(["train", *flags, "--save", str(local)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _furlong(["train", *flags, "--save", str(ray_run), "--executor", "ray", "--actor-num-gpus-per-node", "2",
+                     "--tensor-model-parallel-size", "2", "--sequence-parallel"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 train actor(s) started (gloo)" in proc.stderr
+    assert "TP 2, PP 1, CP 1, DP 1" in proc.stderr
+    for rid, row in _rows(local, "rollout/step").items():
+        other = _rows(ray_run, "rollout/step")[rid]
+        assert other["rollout/raw_reward"] == row["rollout/raw_reward"]
+        assert other["rollout/log_probs"] == pytest.approx(row["rollout/log_probs"], rel=1e-5, abs=1e-6)
+    train_local, train_ray = _rows(local, "train/step"), _rows(ray_run, "train/step")
+    assert sorted(train_local) == sorted(train_ray) == [0, 1]
+    for step, row in train_local.items():
+        for name in ("train/loss", "train/pg_loss", "train/kl_loss", "train/grad_norm"):
+            assert train_ray[step][name] == pytest.approx(row[name], rel=1e-4, abs=1e-6), (step, name)
+    assert sorted(p.name for p in (ray_run / "iter_0000001").glob("__*.distcp")) == \
+        ["__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"]

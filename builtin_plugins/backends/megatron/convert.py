@@ -252,8 +252,8 @@ def load_hf(model, named_tensors: Iterable[tuple[str, Any]], shape: ModelShape, 
     :param named_tensors: ``(hf_name, tensor)`` pairs in any order (a safetensors stream).
     :param where: the checkpoint named in errors.
     :param stage: this rank's pipeline stage (:func:`placed_units`).
-    :raises PluginError: a tensor of unknown name or wrong shape, or a parameter left
-        without its tensors.
+    :raises PluginError: a tensor of unknown name or wrong shape, a parameter left without its
+        tensors, or a model parameter the conversion table does not cover.
     """
     import torch
 
@@ -261,6 +261,10 @@ def load_hf(model, named_tensors: Iterable[tuple[str, Any]], shape: ModelShape, 
     known = {name for unit in units(shape) for name in unit.hf}
     placed = placed_units(shape, stage)
     table = {name: (unit, local) for unit, local in placed for name in unit.hf}
+    unfilled = sorted(set(params) - {local for _, local in placed})
+    if unfilled:  # a parameter the built model has and the conversion table lacks would keep its initial values
+        raise PluginError(f"{where}: the {shape.family} Megatron model has parameters no Hugging Face tensor fills: "
+                          f"{', '.join(unfilled[:4])}{' ...' if len(unfilled) > 4 else ''}.")
     pending: dict[str, dict] = {}
     done: set[str] = set()
     for name, tensor in named_tensors:

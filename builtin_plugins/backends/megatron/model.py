@@ -167,17 +167,17 @@ class SequenceParallelNorm:
         return torch.nn.RMSNorm(hidden_size, eps=eps)
 
 
-def _sequence_parallel_spec(spec, num_layers: int):
-    """``spec`` (a local-spec layer) with :class:`SequenceParallelNorm` for every norm, as the block's
-    submodules of ``num_layers`` layers with that final norm too."""
+def _sequence_parallel_spec(spec, num_layers: int, qk_layernorm: bool):
+    """``spec`` (a local-spec layer) with :class:`SequenceParallelNorm` for every norm (the query/key
+    norms only where the model has them: the spec holds an ``IdentityOp`` there otherwise), as the
+    block's submodules of ``num_layers`` layers with that final norm too."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     layer = spec.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelNorm
-    attention = layer.self_attention.submodules
-    for name in ("q_layernorm", "k_layernorm"):
-        if getattr(attention, name, None) is not None:
-            setattr(attention, name, SequenceParallelNorm)
+    if qk_layernorm:
+        attention = layer.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = SequenceParallelNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SequenceParallelNorm)
 
 
@@ -230,7 +230,7 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
     if sequence_parallel:
         if pp > 1 or cp > 1:
             raise PluginError("megatron: sequence parallelism is built with PP = CP = 1 only.")
-        spec = _sequence_parallel_spec(spec, shape.num_layers)
+        spec = _sequence_parallel_spec(spec, shape.num_layers, shape.qk_layernorm)
     scaling = {"rope_scaling": True, "rope_scaling_factor": shape.rope_scaling_factor} if (
         shape.rope_scaling_factor is not None) else {}
     with cpu_shims(device):
