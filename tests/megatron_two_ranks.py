@@ -5,7 +5,8 @@ Usage: ``torchrun --standalone --nproc_per_node 2 megatron_two_ranks.py HF_DIR O
 1. Builds the model of HF_DIR with megatron-core's own random CPU initialisation (seed 7) at
    TP=2 and writes each rank's parameters to ``OUT_DIR/init<r>.pt`` (the test compares them
    with the converter's split of the TP=1 initialisation).
-2. Runs the megatron backend at TP=2 on the four fixed samples: log-probs (``logprobs.pt``),
+2. Runs the megatron backend at TP=2 on the four fixed samples (the first prompt holding the pad
+   token): log-probs (``logprobs.pt``),
    one AdamW step (``step.pt``: metrics and the exported HF weights), and a ``torch_dist``
    checkpoint in ``OUT_DIR/ckpt``; the same with ``--sequence-parallel``, right-padded and packed
    (``sp.pt``).
@@ -52,7 +53,7 @@ async def main(hf_dir: str, out: Path) -> None:
     from transformers import AutoTokenizer
 
     steps = [[[0, 1], [2, 3]]]
-    batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), steps)
+    batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), steps, pad_in_prompt=True)
     log_probs = await backend.log_probs(batch)
     metrics = (await backend.train(0, batch))[0]
     weights = dict(await backend.named_weights())
@@ -77,7 +78,7 @@ async def sequence_parallel(hf_dir: str, out: Path, rank: int, steps: list) -> N
         await backend.init(backend.args)
         assert backend.model.config.sequence_parallel
         backend._packed = lambda tokens, packed=layout == "packed": packed
-        batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), steps)
+        batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), steps, pad_in_prompt=True)
         log_probs = await backend.log_probs(batch)
         metrics = (await backend.train(0, batch))[0]
         results[layout] = {"log_probs": log_probs, "metrics": metrics, "weights": dict(await backend.named_weights())}
@@ -97,10 +98,11 @@ async def data_parallel(hf_dir: str, out: Path, rank: int) -> None:
     await backend.init(backend.args)
     layout = backend.layout()
     assert (layout.dp_size, layout.dp_rank, layout.returns_outputs) == (2, rank, True), layout
-    probe = make_batch(AutoTokenizer.from_pretrained(hf_dir), [])
+    probe = make_batch(AutoTokenizer.from_pretrained(hf_dir), [], pad_in_prompt=True)
     steps = plan_steps([len(t) for t in probe.tokens], global_batch_size=4, num_steps=1, dp_size=2, rank=rank,
                        micro_batch_size=1, max_tokens_per_gpu=None, dynamic=False, balance=False)
-    metrics = (await backend.train(0, make_batch(AutoTokenizer.from_pretrained(hf_dir), steps)))[0]
+    batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), steps, pad_in_prompt=True)
+    metrics = (await backend.train(0, batch))[0]
     weights = dict(await backend.named_weights())
     await backend.save(str(out / "dp_ckpt"))
     if rank == 0:
@@ -125,7 +127,8 @@ async def distributed_optimizer(hf_dir: str, out: Path, rank: int, steps: list, 
     backend = train_backend(args=args)
     await backend.init(backend.args)
     assert local_optimizer(backend.optimizer) is not backend.optimizer
-    metrics = (await backend.train(0, make_batch(AutoTokenizer.from_pretrained(hf_dir), steps)))[0]
+    batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), steps, pad_in_prompt=True)
+    metrics = (await backend.train(0, batch))[0]
     weights = dict(await backend.named_weights())
     mine = owned(backend)
     await backend.save(str(out / "zero_ckpt"))

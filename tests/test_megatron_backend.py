@@ -18,6 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="the megatron extra (megatron-core) is not installed")
 
+from safetensors.torch import load_file  # noqa: E402
+
 from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config,  # noqa: E402
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -357,6 +359,26 @@ def test_backend_trains_like_fsdp(tiny_model_dir):
         torch.testing.assert_close(m_weights[name], tensor, rtol=0, atol=5e-5)
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_pad_token_row_trains_as_in_fsdp(tiny_model_dir, tmp_path, tied):
+    """A prompt holding the pad token (id 0): its lookups pass no gradient to the embedding row (HF's
+    padding_idx), so an untied model keeps the row; a tied model's output layer still moves it, as in fsdp."""
+    hf_dir = (qwen2_tied_dir if tied else gqa_llama_dir)(tiny_model_dir, tmp_path / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    weights = {}
+    for name, build in (("fsdp", fsdp_backend), ("megatron", megatron_backend)):
+        backend = build(args=train_args(hf_dir, adam_eps=1e-3))
+        asyncio.run(backend.init(backend.args))
+        batch = make_batch(tokenizer, [[[0, 1], [2, 3]]])
+        batch.tokens[0] = [batch.tokens[0][0], 0, *batch.tokens[0][2:]]
+        asyncio.run(backend.train(0, batch))
+        weights[name] = _weights(backend)["model.embed_tokens.weight"]
+    start = load_file(hf_dir / "model.safetensors")["model.embed_tokens.weight"]
+    moved = float((weights["megatron"][0] - start[0]).abs().max())
+    assert (moved > 1e-4) if tied else (moved == 0.0)
+    torch.testing.assert_close(weights["megatron"], weights["fsdp"], rtol=0, atol=1e-6)
+
+
 def test_bf16_trains_bfloat16_parameters_over_float32_master_weights(tiny_model_dir, tmp_path):
     """--bf16: bfloat16 model, float32 masters updated by AdamW; the model is the masters rounded; an update
     below bfloat16 resolution stays in the masters; results are the float32 run's within bfloat16 precision;
@@ -622,7 +644,7 @@ def test_tensor_parallel_two_ranks(tiny_model_dir, tmp_path):
     # wherever g is about 0.
     single = megatron_backend(args=train_args(hf_dir, adam_eps=1e-3))
     asyncio.run(single.init(single.args))
-    batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), [[[0, 1], [2, 3]]])
+    batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), [[[0, 1], [2, 3]]], pad_in_prompt=True)
     old = asyncio.run(single.log_probs(batch))
     metrics = asyncio.run(single.train(0, batch))[0]
     got_old = torch.load(out / "logprobs.pt", weights_only=True)

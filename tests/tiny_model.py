@@ -75,11 +75,12 @@ RESPONSES = [" 5.", " hi there", "def", " blue today"]
 
 
 def make_batch(tokenizer, steps, temperature: float = 1.0, advantages=(1.0, -0.5, 2.0, 1.0),
-               entropy_coef: float = 0.0):
+               entropy_coef: float = 0.0, pad_in_prompt: bool = False):
     """A ``TrainBatch`` of the four fixed prompt/response pairs, with a :class:`MeanPG` objective.
 
     :param steps: ``TrainBatch.steps`` (micro-batches of sample indices per step).
     :param entropy_coef: weight of the entropy bonus in the objective's loss.
+    :param pad_in_prompt: the first prompt's second token is the pad token (``tokenizer.pad_token_id``).
     """
     import torch
 
@@ -90,6 +91,8 @@ def make_batch(tokenizer, steps, temperature: float = 1.0, advantages=(1.0, -0.5
         p, r = tokenizer.encode(prompt), tokenizer.encode(response)
         tokens.append(p + r)
         lengths.append(len(r))
+    if pad_in_prompt:
+        tokens[0][1] = tokenizer.pad_token_id
     batch = TrainBatch(tokens=tokens, response_lengths=lengths, loss_masks=[torch.ones(n) for n in lengths],
                        steps=steps, temperature=temperature)
     batch.objective = MeanPG(list(advantages), global_batch_size=len(tokens), entropy_coef=entropy_coef)

@@ -16,7 +16,7 @@ from .config import check_model_args, model_shape, padded_vocab_size
 from .convert import Stage, export_hf, load_hf, pipeline_split, placed_units, safetensors_stream, stage_layer_counts
 from .logprobs import forward_log_probs
 from .master import MasterWeights
-from .model import build_gpt, cpu_shims, init_parallel
+from .model import build_gpt, cpu_shims, init_parallel, untrained_padding_lookups
 from .optimizer import build_optimizer, build_scheduler, local_optimizer
 from .pipeline import PipelineStages
 
@@ -126,6 +126,7 @@ class MegatronBackend(PipelineStages, StepLoop):
         self.vocab_rows = padded_vocab_size(self.shape.vocab_size, self.tp,
                                             getattr(args, "make_vocab_size_divisible_by", None))
         self.model = self._load_model()
+        untrained_padding_lookups(self.model, self.shape.padding_idx)
         if self._dtype() != torch.float32:
             self.masters = MasterWeights(self.model)
             saved = torch_dist_dir(getattr(args, "ref_load", None))
@@ -274,7 +275,6 @@ class MegatronBackend(PipelineStages, StepLoop):
         self._sum_embedding_copies()
         named = [(n, p) for n, p in self._trained_parameters() if p.grad is not None]
         params = [p for _, p in named]
-        self._freeze_padding_row()
         if self._dp_size() * self.cp > 1:
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             for p in params:
@@ -306,17 +306,6 @@ class MegatronBackend(PipelineStages, StepLoop):
             for p in params:
                 p.grad.mul_(clip / (norm + 1e-6))
         return norm, finite
-
-    def _freeze_padding_row(self) -> None:
-        """Zero the gradient of the embedding row ``pad_token_id`` (in the embedding and in a tied
-        last-stage copy), as HF's ``nn.Embedding(padding_idx=...)``."""
-        row = self.shape.padding_idx
-        if row is None:
-            return
-        for grad in self._embedding_grads():
-            local = row - self._tp_rank() * grad.shape[0]
-            if 0 <= local < grad.shape[0]:
-                grad[local].zero_()
 
     # --- weights and checkpoints ---------------------------------------------------------
 

@@ -28,8 +28,8 @@ class ModelShape:
     """What GPTModel needs from the HF config, in Megatron's terms.
 
     ``rope_scaling_factor`` is None without RoPE scaling. ``qkv_bias``: bias on q/k/v only.
-    ``padding_idx``: the HF embedding's ``padding_idx`` (``pad_token_id``), whose row HF
-    never trains (the backend zeroes its gradient), or None.
+    ``padding_idx``: the HF embedding's ``padding_idx`` (``pad_token_id``), whose lookups pass
+    no gradient to its row (:func:`~.model.untrained_padding_lookups`), or None.
     """
 
     family: str

@@ -167,6 +167,35 @@ class SequenceParallelNorm:
         return torch.nn.RMSNorm(hidden_size, eps=eps)
 
 
+def untrained_padding_lookups(model, padding_idx: int | None):
+    """Let the embedding lookups of token ``padding_idx`` pass no gradient to the table, as HF's
+    ``nn.Embedding(padding_idx=...)``: the row does not move through its lookups, but a tied output
+    layer still trains it (its logit is in every softmax), as it does in transformers.
+
+    A forward hook on ``model.embedding.word_embeddings`` (megatron-core's ``VocabParallelEmbedding``,
+    whose output is ``[b, s, h]``, or this rank's ``[s / tp, b, h]`` under sequence parallelism) keeps
+    the output's values and detaches it at the pad token's positions, when gradients are on.
+
+    :returns: the hook's handle, or None (no ``padding_idx``, or a pipeline stage without the embedding).
+    """
+    import torch
+
+    if padding_idx is None or not getattr(model, "pre_process", True):
+        return None
+
+    def detach_padding(module, args, output):
+        if not torch.is_grad_enabled():
+            return None
+        keep = args[0] != padding_idx  # [b, s]
+        if module.reduce_scatter_embeddings:
+            rows = output.shape[0]
+            start = module.tp_group.rank() * rows
+            keep = keep.t()[start:start + rows]  # [s / tp, b]
+        return torch.where(keep.unsqueeze(-1), output, output.detach())
+
+    return model.embedding.word_embeddings.register_forward_hook(detach_padding)
+
+
 def _sequence_parallel_spec(spec, num_layers: int, qk_layernorm: bool):
     """``spec`` (a local-spec layer) with :class:`SequenceParallelNorm` for every norm (the query/key
     norms only where the model has them: the spec holds an ``IdentityOp`` there otherwise), as the
