@@ -68,7 +68,7 @@ async def main(hf_dir: str, out: Path) -> None:
 
 
 async def sequence_parallel(hf_dir: str, out: Path, rank: int, steps: list) -> None:
-    """TP=2 with --sequence-parallel, right-padded and packed: log-probs and one step (``sp_<layout>.pt``)."""
+    """TP=2 with --sequence-parallel, right-padded and packed: log-probs and one step (``sp.pt``, by layout)."""
     from transformers import AutoTokenizer
 
     results = {}
@@ -112,7 +112,7 @@ async def data_parallel(hf_dir: str, out: Path, rank: int) -> None:
 
 async def distributed_optimizer(hf_dir: str, out: Path, rank: int, steps: list, plain) -> None:
     """DP=2 with --use-distributed-optimizer: each rank holds the AdamW state of its share of the parameters;
-    one step and a checkpoint (``zero.pt``, ``zero_ckpt``); the plain DP=2 checkpoint loads into the sharded
+    one step and a checkpoint (``zero<rank>.pt``, ``zero_ckpt``); the plain DP=2 checkpoint loads into the sharded
     optimizer with the plain run's moments."""
     from transformers import AutoTokenizer
 

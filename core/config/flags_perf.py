@@ -64,7 +64,8 @@ def add(g, dev) -> None:
                         "compute over float32 shards across GPU ranks.")
     g.add_argument("--fp16", action="store_true", help="Train in float16 (turns bf16 off).")
     for flag, default, text in (
-        ("--tensor-model-parallel-size", 1, "tensor-parallel size (pair values > 1 with --sequence-parallel)"),
+        ("--tensor-model-parallel-size", 1,
+         "tensor-parallel size (values > 1 may add --sequence-parallel, with PP = CP = 1)"),
         ("--pipeline-model-parallel-size", 1, "pipeline-parallel size"),
         ("--virtual-pipeline-model-parallel-size", None, "virtual pipeline stages per rank"),
         ("--context-parallel-size", 1, "context-parallel size (the fsdp backend needs 1)"),
@@ -73,7 +74,9 @@ def add(g, dev) -> None:
         ("--recompute-num-layers", None, "layers per recompute unit"),
     ):
         megatron(g, flag, type=int, default=default, help=f"Megatron: {text}.")
-    megatron(g, "--sequence-parallel", action="store_true", help="Megatron: sequence parallelism under TP.")
+    megatron(g, "--sequence-parallel", action="store_true",
+             help="Megatron: sequence parallelism with --tensor-model-parallel-size > 1 and PP = CP = 1 (megatron "
+                  "backend; a warning at TP 1; the fsdp backend ignores it with a warning).")
     megatron(g, "--recompute-granularity", choices=["full", "selective"], default=None,
              help="Megatron: activation recompute granularity.")
     megatron(g, "--recompute-method", choices=["uniform", "block"], default=None,
@@ -85,7 +88,9 @@ def add(g, dev) -> None:
     for flag, text in (
         ("--overlap-grad-reduce", "overlap gradient reduce-scatter with backward"),
         ("--overlap-param-gather", "overlap parameter all-gather with forward"),
-        ("--use-distributed-optimizer", "shard optimizer state over data-parallel ranks"),
+        ("--use-distributed-optimizer", "shard the AdamW moments over the data-parallel x context-parallel ranks "
+         "(megatron backend, ZeRO stage 1; the fsdp backend ignores it with a warning: FSDP2 shards optimizer state "
+         "already)"),
         ("--attention-softmax-in-fp32", "attention softmax in fp32"),
         ("--accumulate-allreduce-grads-in-fp32", "accumulate and all-reduce gradients in fp32"),
     ):

@@ -159,11 +159,13 @@ def train_backend(args):
     """Create the megatron backend; :meth:`MegatronBackend.init` builds and loads the model.
 
     Flags read: ``--hf-checkpoint``, ``--ref-load``, ``--tensor-model-parallel-size``,
-    ``--pipeline-model-parallel-size``, ``--context-parallel-size``, ``--sequence-parallel``,
+    ``--pipeline-model-parallel-size``, ``--decoder-first-pipeline-num-layers``,
+    ``--decoder-last-pipeline-num-layers``, ``--context-parallel-size``, ``--sequence-parallel``,
     Miles' architecture flags (checked against the HF config), ``--make-vocab-size-divisible-by``,
-    ``--use-kl-loss``, ``--kl-coef``, ``--lr`` and the Megatron LR schedule flags,
-    ``--weight-decay``, ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``, ``--clip-grad``,
-    ``--use-distributed-optimizer``, ``--micro-batch-size``, ``--entropy-coef``, ``--recompute-granularity``,
+    ``--use-kl-loss``, ``--kl-coef``, ``--optimizer`` (adam), ``--lr`` and the Megatron LR schedule
+    flags, ``--weight-decay``, ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``, ``--clip-grad``,
+    ``--use-distributed-optimizer``, ``--micro-batch-size``, ``--use-dynamic-batch-size`` (packing
+    off CUDA), ``--log-probs-chunk-size``, ``--entropy-coef``, ``--recompute-granularity``,
     ``--recompute-method``, ``--recompute-num-layers``, ``--reset-optimizer-states``,
     ``--no-check-for-nan-in-loss-and-grad``, ``--no-save-optim``, ``--no-load-optim``,
     ``--no-load-rng``, ``--bf16``, ``--seed``.

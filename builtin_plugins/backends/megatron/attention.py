@@ -7,8 +7,9 @@ TransformerEngine megatron-core applies RoPE to packed input one sequence at a t
 host read of the sequence bounds in every layer, and to any input in about ten element-wise
 kernels per tensor; :class:`RopeSelfAttention` takes RoPE over: it gathers each token's
 frequencies on the device (packed input: :func:`packed_positions`) and the core attention
-rotates queries and keys with :func:`rotate` (one fused kernel on CUDA). Neither module has
-parameters, so state dicts and ``torch_dist`` checkpoints are those of the stock local spec.
+rotates queries and keys with :func:`rotate` (one fused kernel per tensor on CUDA). Neither module
+adds parameters of its own, so state dicts and ``torch_dist`` checkpoints are those of the stock
+local spec.
 """
 
 from __future__ import annotations

@@ -266,8 +266,9 @@ class MegatronBackend(PipelineStages, StepLoop):
     def _clip(self, finite_loss: bool) -> tuple[float, bool]:
         """SUM gradients over DP x CP ranks (each CP rank holds its tokens' share: :mod:`.context`; and a
         tied model's two embedding copies over the stages; and the query/key norms' over the TP ranks,
-        :func:`summed_over_tensor_parallel`); global L2 norm before clipping (over TP shards and pipeline
-        stages, each parameter once); whether all is finite everywhere."""
+        every norm scale's under ``--sequence-parallel``, :func:`summed_over_tensor_parallel`); global
+        L2 norm before clipping (over TP shards and pipeline stages, each parameter once); whether all
+        is finite everywhere."""
         import torch
         import torch.distributed as dist
         from megatron.core import parallel_state
@@ -383,7 +384,8 @@ PACK_ABOVE_PADDING = 1.25
 
 def pack_micro_batch(lengths: list[int]) -> bool:
     """Pack a micro-batch of sequences of ``lengths`` tokens (``thd``) rather than right-pad it,
-    where attention over packed input is one SDPA call per sequence (CPU, float32)?
+    where attention over packed input is one SDPA call per sequence (CPU, float32, a torch without
+    ``varlen_attn``, or CP > 1)?
 
     Both layouts give the same values (tested). Padding computes ``B x max(lengths)``
     tokens in one attention call; packing computes only the real ones, in a host-side loop

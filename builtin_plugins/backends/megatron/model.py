@@ -157,7 +157,10 @@ class SequenceParallelNorm:
     parallelism) for a model with ``sequence_parallel``: each TP rank normalises its own chunk of
     the sequence, so the scale's gradient on a rank is a partial sum, which the backend sums over
     the TP group (:func:`~.backend.summed_over_tensor_parallel`). The same module and parameter
-    (``weight``) either way, so checkpoints do not depend on it."""
+    (``weight``) either way, so checkpoints do not depend on it.
+
+    :raises ValueError: a ``config.normalization`` other than RMSNorm (every supported family uses it).
+    """
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_: Any):
         import torch
@@ -232,6 +235,8 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
 
     :param vocab_rows: embedding/output rows (:func:`~.config.padded_vocab_size`).
     :param dtype: every parameter's dtype (norm scales included).
+    :raises PluginError: ``sequence_parallel`` with ``pp`` or ``cp`` > 1.
+    :raises ValueError: a normalization other than RMSNorm under sequence parallelism (:class:`SequenceParallelNorm`).
     :returns: the model; logits stay vocab-parallel (``[b, s, vocab_rows / tp]``) on the last stage, other
         stages return hidden states ``[s, b, h]``.
     """

@@ -1,11 +1,11 @@
 """The megatron backend's optimizer and learning-rate schedule.
 
 AdamW over the trained parameters (the float32 master weights under ``--bf16``); with
-``--use-distributed-optimizer`` and more than one data-parallel rank its state is sharded
-over the data-parallel (x context-parallel) ranks with torch's ``ZeroRedundancyOptimizer``
+``--use-distributed-optimizer`` and more than one rank in the data-parallel x context-parallel
+group its state is sharded over those ranks with torch's ``ZeroRedundancyOptimizer``
 (ZeRO stage 1, Rajbhandari et al. 2020): each rank keeps the AdamW moments of its share of
 the parameters, updates that share and broadcasts it. The step is the same as unsharded
-AdamW's; the moments take ``1 / DP`` of the memory. The LR schedule is megatron-core's
+AdamW's; the moments take about ``1 / (DP x CP)`` of the memory. The LR schedule is megatron-core's
 ``OptimizerParamScheduler`` driven by Megatron's flags.
 """
 
@@ -25,7 +25,7 @@ def build_optimizer(named_parameters, args: Any, shard_over=None):
     Megatron's default decay rule: biases and 1-D parameters (norm scales) get
     ``wd_mult`` 0, which :class:`OptimizerParamScheduler` applies to ``--weight-decay``.
 
-    :param shard_over: a process group (``--use-distributed-optimizer``: the data-parallel ranks)
+    :param shard_over: a process group (``--use-distributed-optimizer``: the DP x CP ranks)
         over which the AdamW state is sharded by a ``ZeroRedundancyOptimizer``; None keeps it whole.
     :raises PluginError: an ``--optimizer`` other than adam.
     """
