@@ -240,8 +240,12 @@ class MegatronBackend(PipelineStages, StepLoop):
             return ""
         shards = self._dp_size() * self.cp
         if shards == 1:
-            return "; --use-distributed-optimizer has one data-parallel rank to shard over: the AdamW state stays whole"
-        return f"; AdamW state sharded over {shards} ranks (DP x CP, --use-distributed-optimizer)"
+            return "; --use-distributed-optimizer has one rank (DP x CP) to shard over: the AdamW state stays whole"
+        mine = sum(p.numel() for g in local_optimizer(self.optimizer).param_groups for p in g["params"])
+        total = sum(p.numel() for g in self.optimizer.param_groups for p in g["params"])
+        return (f"; AdamW state sharded over {shards} ranks (DP x CP, --use-distributed-optimizer): this rank keeps "
+                f"the moments of {mine:,} of {total:,} parameter elements ({8 * mine / 2**20:.1f} of "
+                f"{8 * total / 2**20:.1f} MiB in float32)")
 
     def _optimizer_state(self) -> dict:
         return local_optimizer(self.optimizer).state
