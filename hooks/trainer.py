@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from .errors import PluginError
 from .types import TrainBatch
 
-__all__ = ["StepLoop", "right_padded", "rows_to_device", "sum_step_metrics", "to_device"]
+__all__ = ["StepLoop", "local_optimizer", "right_padded", "rows_to_device", "sum_step_metrics", "to_device"]
 
 log = logging.getLogger("furlong")
 
@@ -46,6 +46,14 @@ def rows_to_device(rows: Sequence[Any], device) -> list:
         return [r.to(device) for r in rows]
     flat = to_device(torch.cat([r.reshape(-1) for r in rows]), device)
     return [part.view(r.shape) for part, r in zip(flat.split([r.numel() for r in rows]), rows)]
+
+
+def local_optimizer(optimizer):
+    """The optimizer that holds this rank's state: the local optimizer of a torch
+    ``ZeroRedundancyOptimizer`` (its parameters are this rank's share), else ``optimizer`` itself."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def right_padded(tokens: Sequence[Any], response_lengths: Sequence[int]):
@@ -211,9 +219,10 @@ class StepLoop:
             torch.distributed.barrier()
 
     def _optimizer_state(self) -> dict:
-        """This rank's optimizer state (parameter -> its state dict): what :meth:`offload` moves and
-        ``--reset-optimizer-states`` clears. A backend whose optimizer keeps it elsewhere overrides this."""
-        return self.optimizer.state
+        """This rank's optimizer state (parameter -> its state dict, :func:`local_optimizer`'s): what
+        :meth:`offload` moves and ``--reset-optimizer-states`` clears. A backend whose optimizer keeps
+        it elsewhere overrides this."""
+        return local_optimizer(self.optimizer).state
 
     def _modules(self) -> list:
         """The modules :meth:`offload` and :meth:`onload` move: the model and the reference model."""

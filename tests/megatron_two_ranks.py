@@ -116,7 +116,7 @@ async def distributed_optimizer(hf_dir: str, out: Path, rank: int, steps: list, 
     optimizer with the plain run's moments."""
     from transformers import AutoTokenizer
 
-    from furlong.builtin_plugins.backends.megatron.optimizer import local_optimizer
+    from furlong.hooks.trainer import local_optimizer
 
     def owned(backend) -> dict:
         names = {id(p): n for n, p in backend.model.named_parameters()}

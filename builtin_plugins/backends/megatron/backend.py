@@ -9,7 +9,7 @@ from typing import Any
 
 from furlong.hooks import ParallelLayout, PluginError, TrainBatch
 from furlong.hooks.hf import is_hf_dir
-from furlong.hooks.trainer import StepLoop
+from furlong.hooks.trainer import StepLoop, local_optimizer
 
 from . import checkpoint
 from .config import check_model_args, model_shape, padded_vocab_size
@@ -17,7 +17,7 @@ from .convert import Stage, export_hf, load_hf, pipeline_split, placed_units, sa
 from .logprobs import forward_log_probs
 from .master import MasterWeights
 from .model import build_gpt, cpu_shims, init_parallel, untrained_padding_lookups
-from .optimizer import build_optimizer, build_scheduler, local_optimizer
+from .optimizer import build_optimizer, build_scheduler
 from .pipeline import PipelineStages
 
 __all__ = ["MegatronBackend"]
@@ -246,9 +246,6 @@ class MegatronBackend(PipelineStages, StepLoop):
         return (f"; AdamW state sharded over {shards} ranks (DP x CP, --use-distributed-optimizer): this rank keeps "
                 f"the moments of {mine:,} of {total:,} parameter elements ({8 * mine / 2**20:.1f} of "
                 f"{8 * total / 2**20:.1f} MiB in float32)")
-
-    def _optimizer_state(self) -> dict:
-        return local_optimizer(self.optimizer).state
 
     def _learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])  # set by the scheduler

@@ -27,8 +27,7 @@ import random
 import time
 
 from furlong.hooks import PluginError
-
-from .optimizer import local_optimizer
+from furlong.hooks.trainer import local_optimizer
 
 __all__ = ["load_checkpoint", "load_weights", "save_checkpoint"]
 
@@ -237,8 +236,9 @@ def load_checkpoint(path: str, *, model, optimizer, scheduler, rank: int, world:
         state["param_groups"] = [{**saved, "params": group["params"]} for saved, group in
                                  zip(state["param_groups"], local.state_dict()["param_groups"])]
         local.load_state_dict(state)
-        for outer, group in zip(optimizer.param_groups, local.param_groups):  # a ZeroRedundancyOptimizer's own
-            outer.update({k: v for k, v in group.items() if k != "params"})
+        if local is not optimizer:  # a ZeroRedundancyOptimizer: its own groups take the loaded hyperparameters
+            for outer, group in zip(optimizer.param_groups, local.param_groups):
+                outer.update({k: v for k, v in group.items() if k != "params"})
         try:
             scheduler.load_state_dict(_schedule_state(loaded["scheduler"], scheduler))
         except AssertionError as exc:  # megatron-core's check that the schedule flags did not change

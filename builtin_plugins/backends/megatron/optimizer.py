@@ -15,7 +15,7 @@ from typing import Any
 
 from furlong.hooks import PluginError
 
-__all__ = ["build_optimizer", "build_scheduler", "local_optimizer", "total_steps"]
+__all__ = ["build_optimizer", "build_scheduler", "total_steps"]
 
 
 def build_optimizer(named_parameters, args: Any, shard_over=None):
@@ -46,14 +46,6 @@ def build_optimizer(named_parameters, args: Any, shard_over=None):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=shard_over, **settings)
-
-
-def local_optimizer(optimizer):
-    """The optimizer that holds this rank's AdamW state: a ``ZeroRedundancyOptimizer``'s local one
-    (its parameters are this rank's share), else ``optimizer`` itself."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def total_steps(args: Any) -> int:
