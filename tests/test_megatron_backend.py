@@ -139,8 +139,11 @@ def test_configure_reports_architecture_and_unsupported_parallelism(tiny_model_d
     assert "--virtual-pipeline-model-parallel-size 2 is not supported yet by --train-backend megatron." in report.errors
     assert ("--sequence-parallel with --pipeline-model-parallel-size 3 is not supported yet by --train-backend "
             "megatron (sequence parallelism works with tensor and data parallelism).") in report.errors
-    assert ("--sequence-parallel changes nothing without --tensor-model-parallel-size > 1 (as in Megatron, it is off "
-            "there).") in report.warnings
+    assert not any("--sequence-parallel changes nothing" in w for w in report.warnings)  # it is refused instead
+    alone = ConfigReport(plugin="megatron")
+    configure(args=train_args(tiny_model_dir, sequence_parallel=True, tensor_model_parallel_size=1), report=alone)
+    assert alone.warnings == ["--sequence-parallel changes nothing without --tensor-model-parallel-size > 1 (as in "
+                              "Megatron, it is off there)."] and not alone.errors
 
 
 def test_configure_accepts_sequence_parallelism_with_tensor_parallelism(tiny_model_dir):

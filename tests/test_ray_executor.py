@@ -306,7 +306,7 @@ def test_megatron_train_actors_at_tp2_with_sequence_parallelism_reproduce_one_pr
                      "--tensor-model-parallel-size", "2", "--sequence-parallel"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 train actor(s) started (gloo)" in proc.stderr
-    assert "TP 2, PP 1, CP 1, DP 1" in proc.stderr
+    assert "TP 2 (sequence parallel), PP 1, CP 1, DP 1" in proc.stderr
     for rid, row in _rows(local, "rollout/step").items():
         other = _rows(ray_run, "rollout/step")[rid]
         assert other["rollout/raw_reward"] == row["rollout/raw_reward"]

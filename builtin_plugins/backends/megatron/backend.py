@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import warnings
 from typing import Any
 
 from furlong.hooks import ParallelLayout, PluginError, TrainBatch
@@ -96,6 +97,9 @@ class MegatronBackend(PipelineStages, StepLoop):
             self.device = torch.device("cuda", local)
         else:
             self.device = torch.device("cpu")
+            # megatron-core's advice for overlapping tensor-parallel communication on a GPU
+            warnings.filterwarnings("ignore", message=".*recommended to set the environment variable "
+                                    "CUDA_DEVICE_MAX_CONNECTIONS", category=UserWarning)
         if recompute_settings(args) and self.device.type != "cuda":
             raise PluginError("--recompute-granularity needs CUDA with --train-backend megatron (megatron-core's "
                               "recompute restores CUDA RNG states).")
@@ -140,8 +144,8 @@ class MegatronBackend(PipelineStages, StepLoop):
         self.optimizer = build_optimizer(self._trained_parameters(), args, self._optimizer_shards())
         self.scheduler = build_scheduler(self.optimizer, args)
         if self.rank == 0:
-            log.info("megatron: %s, TP %d, PP %d%s, CP %d, DP %d, vocab rows %d, %s%s", self.shape.family, self.tp,
-                     self.pp, f" (layers per stage {'+'.join(map(str, self.stage.layers))})" if self.pp > 1 else "",
+            log.info("megatron: %s, TP %d%s, PP %d%s, CP %d, DP %d, vocab rows %d, %s%s", self.shape.family, self.tp,
+                     " (sequence parallel)" if self._sequence_parallel() else "", self.pp, f" (layers per stage {'+'.join(map(str, self.stage.layers))})" if self.pp > 1 else "",
                      self.cp, self._dp_size(), self.vocab_rows,
                      "bf16 parameters, fp32 master weights" if self.masters else "fp32", self._optimizer_note())
         return 0

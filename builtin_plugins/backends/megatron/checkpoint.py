@@ -217,8 +217,8 @@ def load_checkpoint(path: str, *, model, optimizer, scheduler, rank: int, world:
     if with_optim:
         init_adam_state(optimizer)
     rng_world = meta["world_size"] if load_rng and meta["world_size"] == world else None
-    if load_rng and not rng_world:
-        log.warning("checkpoint %s was saved by %d ranks, this run has %d: RNG states are not restored.", path,
+    if load_rng and not rng_world and rank == 0:
+        log.warning("checkpoint %s was saved by %d rank(s), this run has %d: RNG states are not restored.", path,
                     meta["world_size"], world)
     template = _sharded(model, masters, optimizer, scheduler, 0, rank, world, with_optim, rng_world)
     loaded = _load(template, path, device, "it")
