@@ -32,6 +32,7 @@ from typing import Any, Sequence
 from furlong.hooks import LossInput, LossOutput, PluginError, TrainBatch
 from furlong.hooks.contract import check_loss_output, check_loss_reducer_output
 from furlong.hooks.masked import MaskedSum
+from furlong.hooks.rows import SplitRows, concat_rows, detached_rows, row_lengths
 from furlong.hooks.trainer import rows_to_device
 
 from . import reduction
@@ -172,19 +173,19 @@ class StepObjective:
         if self.args.use_rollout_logprobs and self.batch.rollout_log_probs is not None:
             old = self._pick(self.batch.rollout_log_probs, sample_ids, device)
         elif self.reuse_old_log_probs:
-            old = [lp.detach() for lp in log_probs]
+            old = detached_rows(log_probs)
             self._keep(sample_ids, old, entropy)
         else:
             old = self._pick(self.batch.old_log_probs, sample_ids, device)
         loss_input = LossInput(
-            log_probs=list(log_probs),
+            log_probs=_as_list(log_probs),
             old_log_probs=old,
             advantages=self._pick(self.batch.advantages, sample_ids, device),
             loss_masks=masks,
             ref_log_probs=self._pick(self.batch.ref_log_probs, sample_ids, device),
             rollout_log_probs=self._pick(self.batch.rollout_log_probs, sample_ids, device),
-            entropy=list(entropy) if entropy is not None else None,
-            values=list(values) if values is not None else None,
+            entropy=_as_list(entropy) if entropy is not None else None,
+            values=_as_list(values) if values is not None else None,
             old_values=self._pick(self.old_values, sample_ids, device),
             returns=self._pick(self.batch.returns, sample_ids, device),
         )
@@ -195,7 +196,7 @@ class StepObjective:
         trained = self.metric_step_denominators[s] if s is not None else step
         reduce_metric = reduce if trained == step else MaskedSum(
             masks, reduction.sample_weights(sample_ids, self.sample_denominators, trained, self.per_token))
-        metrics = {k: (reduce if k in LOSS_METRICS else reduce_metric)([v.detach() for v in rows])
+        metrics = {k: (reduce if k in LOSS_METRICS else reduce_metric)(detached_rows(rows))
                    for k, rows in out.token_metrics.items()}
         if self.reducer is None:
             total = reduce(out.token_loss)
@@ -220,12 +221,15 @@ class StepObjective:
     def _keep(self, sample_ids: list[int], old: list, entropy: list | None) -> None:
         import torch
 
-        rows = [x.detach().float() for x in [*old, *(entropy or [])]]
-        if not rows:
+        if not len(old):
             return
+        parts = [concat_rows(old).detach().float()]
+        if entropy is not None:
+            parts.append(concat_rows(entropy).detach().float())
         # one copy, not blocking on a GPU: the values are read after the step, once the step's metrics
         # have been synchronised (StepLoop.train)
-        host = torch.cat([x.reshape(-1) for x in rows]).to("cpu", non_blocking=True).split([x.numel() for x in rows])
+        host = torch.cat(parts).to("cpu", non_blocking=True).split(
+            row_lengths(old) + (row_lengths(entropy) if entropy is not None else []))
         for k, i in enumerate(sample_ids):
             self.old_log_probs[i] = host[k]
             if entropy is not None:
@@ -256,3 +260,8 @@ class StepObjective:
                                           loss_masks=masks, total_lengths=total_lengths)
         check_loss_reducer_output(value, where)
         return value.reshape(()).float() * reduction.step_scale(step, self.per_token)
+
+
+def _as_list(rows) -> list:
+    """``rows`` as a list the loss plugin may keep or change: a :class:`SplitRows` as it is, else a new list."""
+    return rows if isinstance(rows, SplitRows) else list(rows)

@@ -1,6 +1,6 @@
 """furlong's hook contract: hookspecs, the ``hookimpl`` marker, shared types, Protocols."""
 
-from . import answers, epochs, kl, specs
+from . import answers, epochs, kl, rows, specs
 from .config_report import ConfigReport
 from .errors import PluginError
 from .markers import PROJECT, hookimpl, hookspec
@@ -49,5 +49,6 @@ __all__ = [
     "answers",
     "epochs",
     "kl",
+    "rows",
     "specs",
 ]

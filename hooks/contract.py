@@ -19,6 +19,7 @@ import pluggy
 
 from . import specs
 from .errors import PluginError
+from .rows import SplitRows
 from .types import AdvantageOutput, FilterResult, LossOutput, Sample, Status
 
 __all__ = [
@@ -233,6 +234,8 @@ def _check_per_token(fields: list, loss_masks: Sequence, where: str, batch: str,
             count = "None" if rows is None else f"{len(rows)} tensors"
             raise PluginError(f"{where}: {label} has {count} for {batch} of {len(loss_masks)} samples; "
                               "return one per-token tensor per sample.")
+        if all(isinstance(x, SplitRows) and x.intact() for x in (rows, loss_masks)) and rows.lengths == loss_masks.lengths:
+            continue
         for i, (row, mask) in enumerate(zip(rows, loss_masks)):
             if _numel(row) != _numel(mask):
                 raise PluginError(f"{where}: {mismatch(label, i, _numel(row), _numel(mask))}")

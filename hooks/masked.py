@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .rows import concat_rows, row_lengths
 from .trainer import to_device
 
 __all__ = ["MaskedSum", "masked_sum"]
@@ -40,11 +41,12 @@ class MaskedSum:
 
         if not len(values):
             return torch.zeros((), dtype=torch.float32)
-        rows = [x.reshape(-1) for x in values]
-        x = torch.cat([r.float() if r.dtype != torch.float64 else r for r in rows])
+        x = concat_rows(values)
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.float()
         keep = self._keep.get(x.device)
         if keep is None:
-            keep = self._keep[x.device] = torch.cat([m.reshape(-1) for m in self.loss_masks]).to(x.device) > 0
+            keep = self._keep[x.device] = concat_rows(self.loss_masks).to(x.device) > 0
         kept = torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
         if self.weights is not None:  # one weight per token: the sample's
             key = (x.dtype, x.device)
@@ -53,6 +55,6 @@ class MaskedSum:
                 # built on the host and copied without blocking: repeat_interleave on a GPU would wait for it
                 per_token = self._token_weights[key] = to_device(torch.repeat_interleave(
                     torch.tensor([float(w) for w in self.weights], dtype=x.dtype),
-                    torch.tensor([r.numel() for r in rows])), x.device)
+                    torch.tensor(row_lengths(values))), x.device)
             kept = kept * per_token
         return kept.sum().to(torch.float32)

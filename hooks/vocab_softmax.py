@@ -8,9 +8,9 @@ caller combines the per-slice maxima and sums across ranks). The gradient needs 
 softmax kept from the forward pass:
 ``d logp_t / d z_v = 1[v = target] - p_v`` and ``d H_t / d z_v = -p_v (log p_v + H_t)``.
 
-On CUDA :func:`fused` compiles each function (``torch.compile``) into kernels that read
-the chunk once per pass instead of writing float32 intermediates; the arithmetic is the
-same on every device.
+On CUDA :func:`fused` compiles each function (``torch.compile``, the rows dynamic) into
+kernels that read the chunk once per pass instead of writing float32 intermediates; the
+arithmetic is the same on every device.
 """
 
 from __future__ import annotations
@@ -102,11 +102,25 @@ _compiled: dict = {}
 
 
 def fused(fn, device):
-    """``fn`` compiled with ``torch.compile`` (dynamic shapes) on CUDA, else ``fn`` itself."""
+    """``fn`` compiled with ``torch.compile`` on CUDA, else ``fn`` itself.
+
+    Only the first dimension of each tensor argument (the rows, which change from call to call)
+    is compiled as dynamic; the others (the vocabulary width, the head size) stay fixed, so the
+    kernels index with constant strides. With every dimension dynamic the log-prob kernels ran
+    at about 60 % of this speed on an H200 (docs/benchmarks.md).
+    """
     if device.type != "cuda":
         return fn
     if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=True)
+        compiled = torch.compile(fn)
+
+        def call(*args):
+            for arg in args:
+                if isinstance(arg, torch.Tensor) and arg.dim():
+                    torch._dynamo.maybe_mark_dynamic(arg, 0)
+            return compiled(*args)
+
+        _compiled[fn] = call
     return _compiled[fn]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from furlong.hooks import LossOutput, PluginError, hookimpl
 
 from furlong.hooks.kl import KL_TYPES, kl_estimate
+from furlong.hooks.rows import SplitRows, concat_rows, row_lengths
 from furlong.hooks.trainer import to_device
 
 _LOG_RATIO_LIMIT = 20.0
@@ -61,12 +62,12 @@ def loss(args, batch):
     n = len(batch.log_probs)
     if n == 0:
         return LossOutput(token_loss=[], token_metrics={})
-    lengths = [int(t.numel()) for t in batch.log_probs]
-    logp = torch.cat([t.reshape(-1) for t in batch.log_probs]).float()
+    lengths = row_lengths(batch.log_probs)
+    logp = concat_rows(batch.log_probs).float()
     device = logp.device
     # the segment ids are built on the host and copied without blocking (on a GPU, repeat_interleave waits for it)
     seg = to_device(torch.repeat_interleave(torch.arange(n), torch.tensor(lengths)), device)
-    active = torch.cat([m.reshape(-1) for m in batch.loss_masks]).to(device) > 0
+    active = concat_rows(batch.loss_masks).to(device) > 0
     counts = _segment_sum(active.float(), seg, n).clamp_min(1.0)
     old = _cat(batch.old_log_probs, device)
     adv = torch.where(active, torch.nan_to_num(_cat(batch.advantages, device), nan=0.0, posinf=0.0, neginf=0.0), 0.0)
@@ -115,8 +116,8 @@ def loss(args, batch):
             total = total + args.kl_loss_coef * kl
 
     return LossOutput(
-        token_loss=list(torch.split(total, lengths)),
-        token_metrics={name: list(torch.split(value, lengths)) for name, value in metrics.items()},
+        token_loss=SplitRows.of(total, lengths),
+        token_metrics={name: SplitRows.of(value, lengths) for name, value in metrics.items()},
     )
 
 
@@ -194,7 +195,7 @@ def _check_args(args, batch) -> None:
 def _cat(tensors, device):
     import torch
 
-    return torch.cat([t.reshape(-1) for t in tensors]).to(device=device, dtype=torch.float32)
+    return concat_rows(tensors).to(device=device, dtype=torch.float32)
 
 
 def _segment_sum(values, seg, n: int):

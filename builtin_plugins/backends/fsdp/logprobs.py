@@ -20,6 +20,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any, Sequence
 
+from furlong.hooks.rows import SplitRows
 from furlong.hooks.trainer import right_padded, to_device
 
 from . import packing, shared_prompts
@@ -148,8 +149,10 @@ def forward_log_probs(
         # one gather over the flattened positions: its backward is one scatter, where a slice per
         # sample would add a zero-filled [B, L, H] gradient per sample
         width = out.shape[1]
-        flat = to_device(torch.tensor([i * width + s + k for i, s, t in rows for k in range(t)], dtype=torch.long),
-                         out.device)
+        sizes = torch.tensor([t for _, _, t in rows], dtype=torch.long)
+        firsts = torch.tensor([i * width + s for i, s, _ in rows], dtype=torch.long)
+        positions = torch.arange(int(sizes.sum())) + torch.repeat_interleave(firsts - (sizes.cumsum(0) - sizes), sizes)
+        flat = to_device(positions, out.device)
         states = out.reshape(-1, out.shape[-1]).index_select(0, flat)
         targets = ids.reshape(-1).to(out.device).index_select(0, flat + 1)
         from .head_log_probs import head_log_probs, takes_fused_head
@@ -163,7 +166,7 @@ def forward_log_probs(
                                                    entropy_grad=grad and entropy_grad,
                                                    chunk=chunk_size if chunk_size > 0 else None)
     sizes = [t for _, _, t in rows]
-    return list(log_probs.split(sizes)), list(entropy.split(sizes))
+    return SplitRows.of(log_probs, sizes), SplitRows.of(entropy, sizes)
 
 
 def chunked_log_probs(head, states, targets, temperature: float, *, autocast: Any = None, entropy_grad: bool = True,

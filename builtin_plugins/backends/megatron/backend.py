@@ -309,8 +309,7 @@ class MegatronBackend(PipelineStages, StepLoop):
         finite = math.isfinite(norm) and float(flag) == 0.0
         clip = float(getattr(self.args, "clip_grad", 1.0) or 0.0)
         if finite and clip > 0 and norm > clip:
-            for p in params:
-                p.grad.mul_(clip / (norm + 1e-6))
+            torch._foreach_mul_([p.grad for p in params], clip / (norm + 1e-6))
         return norm, finite
 
     # --- weights and checkpoints ---------------------------------------------------------

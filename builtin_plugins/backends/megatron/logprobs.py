@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from furlong.hooks import vocab_softmax as vs
+from furlong.hooks.rows import SplitRows
 from furlong.hooks.trainer import right_padded, to_device
 
 from .context import context_parallel, gather_sequence, local_chunks, padded_length
@@ -231,10 +232,14 @@ def response_log_probs(logits, inputs: MicroBatchInputs, temperature: float, *, 
     values of this rank's chunks are gathered over the CP group into the whole ``[rows, L]`` grid
     (every CP rank returns every token's; each back-propagates its own).
 
-    :returns: ``(log_probs, entropy)``: B float32 tensors ``[T_i]`` each.
+    :returns: ``(log_probs, entropy)``: B float32 tensors ``[T_i]`` each (a
+        :class:`~furlong.hooks.rows.SplitRows` of the ``N`` projected rows when only the responses are).
     """
     lp, ent = vocab_parallel_log_probs(logits.reshape(-1, logits.shape[-1]), inputs.targets.reshape(-1), temperature,
                                        vocab_size, entropy_grad=entropy_grad, chunk_rows=chunk_rows)
+    if inputs.head_rows is not None:  # the projected rows are the responses, one after another
+        lengths = [b - a for _, a, b in inputs.spans]
+        return SplitRows.of(lp, lengths), SplitRows.of(ent, lengths)
     lp, ent = (gather_sequence(x.view(inputs.targets.shape), 1, replicated_loss=True, lengths=inputs.segments)
                for x in (lp, ent))
     return [lp[row, a:b] for row, a, b in inputs.spans], [ent[row, a:b] for row, a, b in inputs.spans]
