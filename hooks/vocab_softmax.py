@@ -101,29 +101,27 @@ def incoming_grads(grad_log_probs, grad_entropy, like):
 _compiled: dict = {}
 
 
-def fused(fn, device, fixed: tuple = ()):
+def fused(fn, device):
     """``fn`` compiled with ``torch.compile`` on CUDA, else ``fn`` itself.
 
     Only the first dimension of each tensor argument (the rows, which change from call to call)
-    is compiled as dynamic, except for the arguments at the positions in ``fixed`` (a norm's
-    scale); the other dimensions (the vocabulary width, the head size) stay fixed, so the
+    is compiled as dynamic; the others (the vocabulary width, the head size) stay fixed, so the
     kernels index with constant strides. With every dimension dynamic the log-prob kernels ran
     at about 60 % of this speed on an H200 (docs/benchmarks.md).
     """
     if device.type != "cuda":
         return fn
-    key = (fn, tuple(fixed))
-    if key not in _compiled:
+    if fn not in _compiled:
         compiled = torch.compile(fn)
 
         def call(*args):
-            for i, arg in enumerate(args):
-                if isinstance(arg, torch.Tensor) and arg.dim() and i not in fixed:
+            for arg in args:
+                if isinstance(arg, torch.Tensor) and arg.dim():
                     torch._dynamo.maybe_mark_dynamic(arg, 0)
             return compiled(*args)
 
-        _compiled[key] = call
-    return _compiled[key]
+        _compiled[fn] = call
+    return _compiled[fn]
 
 
 def local_targets(targets, start: int, width: int):

@@ -152,49 +152,22 @@ def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
     return TransformerConfig(**fields)
 
 
-class RMSNorm:
-    """Every norm of the model (the layers', the query/key norms, the final one): torch's RMSNorm
-    (parameter ``weight``, as megatron-core's ``WrappedTorchNorm`` builds it, so checkpoints are
-    the same) whose forward is compiled on CUDA (:class:`CompiledRMSNorm`). Built under sequence
-    parallelism too, which ``WrappedTorchNorm`` refuses: each TP rank then normalises its own chunk
-    of the sequence, so the scale's gradient on a rank is a partial sum, which the backend sums over
-    the TP group (:func:`~.backend.summed_over_tensor_parallel`).
+class SequenceParallelNorm:
+    """The local spec's torch RMSNorm (megatron-core's ``WrappedTorchNorm``, which refuses sequence
+    parallelism) for a model with ``sequence_parallel``: each TP rank normalises its own chunk of
+    the sequence, so the scale's gradient on a rank is a partial sum, which the backend sums over
+    the TP group (:func:`~.backend.summed_over_tensor_parallel`). The same module and parameter
+    (``weight``) either way, so checkpoints do not depend on it.
 
     :raises ValueError: a ``config.normalization`` other than RMSNorm (every supported family uses it).
     """
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_: Any):
+        import torch
+
         if config.normalization != "RMSNorm":
-            raise ValueError(f"RMSNorm: normalization {config.normalization!r}; only RMSNorm is built here.")
-        return _compiled_norm_class()(hidden_size, eps=eps)
-
-
-_norm_class: list = []
-
-
-def _compiled_norm_class():
-    import torch
-
-    if not _norm_class:
-        from furlong.hooks.vocab_softmax import fused
-
-        class CompiledRMSNorm(torch.nn.RMSNorm):
-            """``torch.nn.RMSNorm`` whose forward (and so its backward) is one compiled function on
-            CUDA, the rows dynamic and the normalised width fixed: torch's own CUDA kernels reduce the
-            scale's gradient over 65,536 rows at a quarter of the memory bandwidth (docs/benchmarks.md).
-            Elsewhere the forward is torch's."""
-
-            def forward(self, x):
-                return fused(_rms_norm, x.device, fixed=(1,))(x, self.weight, self.eps)
-
-        _norm_class.append(CompiledRMSNorm)
-    return _norm_class[0]
-
-
-def _rms_norm(x, weight, eps):
-    import torch.nn.functional as F
-
-    return F.rms_norm(x, weight.shape, weight, eps)
+            raise ValueError(f"SequenceParallelNorm: normalization {config.normalization!r}; only RMSNorm is built here.")
+        return torch.nn.RMSNorm(hidden_size, eps=eps)
 
 
 def untrained_padding_lookups(model, padding_idx: int | None):
@@ -226,24 +199,24 @@ def untrained_padding_lookups(model, padding_idx: int | None):
     return model.embedding.word_embeddings.register_forward_hook(detach_padding)
 
 
-def _norm_spec(spec, config, qk_layernorm: bool):
-    """``spec`` (a local-spec layer) with :class:`RMSNorm` for every norm (the query/key norms only
-    where the model has them: the spec holds an ``IdentityOp`` there otherwise), as the block's
-    submodules of this pipeline stage's layers with that final norm too."""
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+def _sequence_parallel_spec(spec, num_layers: int, qk_layernorm: bool):
+    """``spec`` (a local-spec layer) with :class:`SequenceParallelNorm` for every norm (the query/key
+    norms only where the model has them: the spec holds an ``IdentityOp`` there otherwise), as the
+    block's submodules of ``num_layers`` layers with that final norm too."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     layer = spec.submodules
-    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelNorm
     if qk_layernorm:
         attention = layer.self_attention.submodules
-        attention.q_layernorm = attention.k_layernorm = RMSNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+        attention.q_layernorm = attention.k_layernorm = SequenceParallelNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SequenceParallelNorm)
 
 
 def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: int = 1, cp: int = 1,
               sequence_parallel: bool = False, **extra: Any):
-    """A GPTModel of the local spec with :class:`~.attention.SDPACoreAttention`,
-    :class:`~.attention.RopeSelfAttention` and :class:`RMSNorm`, uninitialised weights (the caller loads them), on ``device``.
+    """A GPTModel of the local spec with :class:`~.attention.SDPACoreAttention` and
+    :class:`~.attention.RopeSelfAttention`, uninitialised weights (the caller loads them), on ``device``.
 
     With ``pp > 1`` (the groups of :func:`init_parallel`) it is this rank's pipeline stage:
     ``num_layers / pp`` layers (megatron-core numbers them from the stage's offset), the
@@ -257,13 +230,13 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
     (:mod:`.context`: :class:`~.attention.RopeSelfAttention` picks their RoPE positions, the attention
     gathers keys and values). With ``sequence_parallel`` (TP > 1, PP and CP 1) the activations between
     the tensor-parallel regions hold each TP rank's chunk of the sequence (megatron-core's sequence
-    parallelism), so inputs must have a multiple of ``tp``
+    parallelism; norms of :class:`SequenceParallelNorm`), so inputs must have a multiple of ``tp``
     positions.
 
     :param vocab_rows: embedding/output rows (:func:`~.config.padded_vocab_size`).
     :param dtype: every parameter's dtype (norm scales included).
     :raises PluginError: ``sequence_parallel`` with ``pp`` or ``cp`` > 1.
-    :raises ValueError: a normalization other than RMSNorm (:class:`RMSNorm`).
+    :raises ValueError: a normalization other than RMSNorm under sequence parallelism (:class:`SequenceParallelNorm`).
     :returns: the model; logits stay vocab-parallel (``[b, s, vocab_rows / tp]``) on the last stage, other
         stages return hidden states ``[s, b, h]``.
     """
@@ -288,9 +261,10 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_layernorm)
     spec.submodules.self_attention.module = RopeSelfAttention
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    if sequence_parallel and (pp > 1 or cp > 1):
-        raise PluginError("megatron: sequence parallelism is built with PP = CP = 1 only.")
-    spec = _norm_spec(spec, config, shape.qk_layernorm)
+    if sequence_parallel:
+        if pp > 1 or cp > 1:
+            raise PluginError("megatron: sequence parallelism is built with PP = CP = 1 only.")
+        spec = _sequence_parallel_spec(spec, shape.num_layers, shape.qk_layernorm)
     scaling = {"rope_scaling": True, "rope_scaling_factor": shape.rope_scaling_factor} if (
         shape.rope_scaling_factor is not None) else {}
     with cpu_shims(device):
