@@ -36,20 +36,23 @@ def to_device(tensor, device):
 
 
 def rows_to_device(rows: Sequence[Any], device) -> list:
-    """Tensors (one per sample) moved to ``device`` in one copy: concatenated, moved with
-    :func:`to_device`, split again (views of the moved tensor, each of its row's shape; for 1-D
-    rows a :class:`~furlong.hooks.rows.SplitRows`). Rows already there, or of mixed dtypes, move
-    one by one."""
+    """Tensors (one per sample) on ``device``, moved in one copy: concatenated, moved with
+    :func:`to_device`, split again (views of the moved tensor, each of its row's shape). 1-D rows
+    come back as a :class:`~furlong.hooks.rows.SplitRows` (rows already on ``device`` are
+    concatenated all the same, so consumers read one tensor); rows of mixed dtypes move one by one."""
     import torch
 
     device = torch.device(device)
     if isinstance(rows, SplitRows) and rows.intact():
         return rows if rows.flat.device == device else SplitRows.of(to_device(rows.flat, device), rows.lengths)
     rows = list(rows)
-    if not rows or all(r.device == device for r in rows) or len({r.dtype for r in rows}) > 1:
+    if not rows or len({r.dtype for r in rows}) > 1:
         return [r.to(device) for r in rows]
+    flat_rows = all(r.dim() == 1 for r in rows)
+    if all(r.device == device for r in rows):
+        return SplitRows.of(torch.cat(rows), [r.numel() for r in rows]) if flat_rows else rows
     flat = to_device(torch.cat([r.reshape(-1) for r in rows]), device)
-    if all(r.dim() == 1 for r in rows):
+    if flat_rows:
         return SplitRows.of(flat, [r.numel() for r in rows])
     return [part.view(r.shape) for part, r in zip(flat.split([r.numel() for r in rows]), rows)]
 

@@ -46,8 +46,12 @@ def test_detached_rows_keep_the_split_and_drop_the_graph():
 
 
 def test_rows_moved_in_one_copy_come_back_split():
-    moved = rows_to_device([torch.ones(3), torch.zeros(2)], "cpu")
-    assert not isinstance(moved, SplitRows)  # already there: moved one by one, as before
+    here = [torch.ones(3), torch.zeros(2)]
+    moved = rows_to_device(here, "cpu")  # already there: concatenated all the same
+    assert isinstance(moved, SplitRows) and moved.lengths == [3, 2] and moved.flat.tolist() == [1, 1, 1, 0, 0]
+    assert rows_to_device(moved, "cpu") is moved
+    mixed = rows_to_device([torch.ones(2), torch.zeros(2, dtype=torch.int64)], "cpu")
+    assert not isinstance(mixed, SplitRows) and [r.dtype for r in mixed] == [torch.float32, torch.int64]
     moved = rows_to_device([torch.ones(2, 2), torch.zeros(1, 2)], "meta")
     assert [tuple(r.shape) for r in moved] == [(2, 2), (1, 2)] and not isinstance(moved, SplitRows)
     moved = rows_to_device([torch.ones(3), torch.zeros(2)], "meta")
