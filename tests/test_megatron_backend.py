@@ -259,6 +259,7 @@ def test_only_the_positions_predicting_responses_reach_the_output_layer(packed, 
     """forward_log_probs projects sum(T_i) rows (not every position), and each sample's log-probs and entropy
     are Hugging Face's at its response tokens; the hook is gone afterwards."""
     from furlong.builtin_plugins.backends.megatron.logprobs import forward_log_probs
+    from furlong.hooks.rows import SplitRows
 
     hf, _, model = converted("llama3-untied", tmp_path)
     gen = torch.Generator().manual_seed(3)
@@ -272,6 +273,8 @@ def test_only_the_positions_predicting_responses_reach_the_output_layer(packed, 
         model(input_ids=tokens[0][None], position_ids=None, attention_mask=None)
     handle.remove()
     assert seen == [(sum(responses), 1, 32), (9, 1, 32)]
+    # the projected rows are the responses one after another: handed on whole (SplitRows)
+    assert all(isinstance(x, SplitRows) and x.intact() and x.lengths == responses for x in (log_probs, entropy))
     for seq, t, lp, ent in zip(tokens, responses, log_probs, entropy):
         with torch.no_grad():
             ref = torch.log_softmax(hf(seq[None]).logits[0, -t - 1:-1] / 0.8, dim=-1)
