@@ -14,10 +14,10 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 from .errors import PluginError
-from .rows import SplitRows
+from .rows import SplitRows, concat_rows, row_lengths
 from .types import TrainBatch
 
-__all__ = ["StepLoop", "local_optimizer", "right_padded", "rows_to_device", "sum_step_metrics", "to_device"]
+__all__ = ["StepLoop", "concatenated_ranges", "local_optimizer", "right_padded", "rows_to_device", "sum_step_metrics", "to_device"]
 
 log = logging.getLogger("furlong")
 
@@ -43,18 +43,15 @@ def rows_to_device(rows: Sequence[Any], device) -> list:
     import torch
 
     device = torch.device(device)
-    if isinstance(rows, SplitRows) and rows.intact():
-        return rows if rows.flat.device == device else SplitRows.of(to_device(rows.flat, device), rows.lengths)
-    rows = list(rows)
-    if not rows or len({r.dtype for r in rows}) > 1:
+    if not len(rows) or len({r.dtype for r in rows}) > 1:
         return [r.to(device) for r in rows]
-    flat_rows = all(r.dim() == 1 for r in rows)
-    if all(r.device == device for r in rows):
-        return SplitRows.of(torch.cat(rows), [r.numel() for r in rows]) if flat_rows else rows
-    flat = to_device(torch.cat([r.reshape(-1) for r in rows]), device)
-    if flat_rows:
-        return SplitRows.of(flat, [r.numel() for r in rows])
-    return [part.view(r.shape) for part, r in zip(flat.split([r.numel() for r in rows]), rows)]
+    flat = to_device(concat_rows(rows), device)
+    if isinstance(rows, SplitRows) and flat is rows.flat:
+        return rows
+    lengths = row_lengths(rows)
+    if all(r.dim() == 1 for r in rows):
+        return SplitRows.of(flat, lengths)
+    return [part.view(r.shape) for part, r in zip(flat.split(lengths), rows)]
 
 
 def local_optimizer(optimizer):
@@ -81,6 +78,18 @@ def right_padded(tokens: Sequence[Any], response_lengths: Sequence[int]):
     for i, seq in enumerate(seqs):
         ids[i, : len(seq)] = seq
     return seqs, ids
+
+
+def concatenated_ranges(starts, lengths):
+    """``range(starts[i], starts[i] + lengths[i])`` for every ``i``, one after another, as one int64
+    tensor ``[sum lengths]`` (built with tensor operations, no Python loop over the elements).
+
+    :param starts: and :param lengths: int64 ``[N]``.
+    """
+    import torch
+
+    offsets = lengths.cumsum(0) - lengths
+    return torch.arange(int(lengths.sum())) + torch.repeat_interleave(starts - offsets, lengths)
 
 
 def sum_step_metrics(losses: Sequence[Any], metric_rows: Sequence[dict]) -> tuple[dict[str, float], bool]:

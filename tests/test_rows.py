@@ -106,3 +106,10 @@ def test_the_objective_gives_the_same_values_from_split_and_plain_rows():
     assert split[1].keys() == plain[1].keys() and all(torch.equal(split[1][k], plain[1][k]) for k in split[1])
     assert torch.equal(split[2], plain[2]) and torch.equal(split[3], plain[3])
     assert all(torch.equal(a, b) for a, b in zip(split[4], plain[4]))
+
+
+def test_concatenated_ranges_are_each_span_one_after_another():
+    from furlong.hooks.trainer import concatenated_ranges
+
+    starts, lengths = torch.tensor([5, 0, 10, 7]), torch.tensor([2, 3, 0, 1])
+    assert concatenated_ranges(starts, lengths).tolist() == [5, 6, 0, 1, 2, 7]

@@ -21,7 +21,7 @@ from contextlib import nullcontext
 from typing import Any, Sequence
 
 from furlong.hooks.rows import SplitRows
-from furlong.hooks.trainer import right_padded, to_device
+from furlong.hooks.trainer import concatenated_ranges, right_padded, to_device
 
 from . import packing, shared_prompts
 from .lora import base_model
@@ -149,10 +149,8 @@ def forward_log_probs(
         # one gather over the flattened positions: its backward is one scatter, where a slice per
         # sample would add a zero-filled [B, L, H] gradient per sample
         width = out.shape[1]
-        sizes = torch.tensor([t for _, _, t in rows], dtype=torch.long)
-        firsts = torch.tensor([i * width + s for i, s, _ in rows], dtype=torch.long)
-        positions = torch.arange(int(sizes.sum())) + torch.repeat_interleave(firsts - (sizes.cumsum(0) - sizes), sizes)
-        flat = to_device(positions, out.device)
+        flat = to_device(concatenated_ranges(torch.tensor([i * width + s for i, s, _ in rows], dtype=torch.long),
+                                             torch.tensor([t for _, _, t in rows], dtype=torch.long)), out.device)
         states = out.reshape(-1, out.shape[-1]).index_select(0, flat)
         targets = ids.reshape(-1).to(out.device).index_select(0, flat + 1)
         from .head_log_probs import head_log_probs, takes_fused_head

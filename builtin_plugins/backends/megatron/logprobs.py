@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from furlong.hooks import vocab_softmax as vs
 from furlong.hooks.rows import SplitRows
-from furlong.hooks.trainer import right_padded, to_device
+from furlong.hooks.trainer import concatenated_ranges, right_padded, to_device
 
 from .context import context_parallel, gather_sequence, local_chunks, padded_length
 
@@ -184,11 +184,10 @@ def _response_rows(ids, spans: list, device, extra: dict) -> MicroBatchInputs:
     sizes = torch.tensor([b - a for _, a, b in spans], dtype=torch.long)
     rows = torch.repeat_interleave(torch.tensor([r for r, _, _ in spans], dtype=torch.long), sizes)
     firsts = torch.tensor([a for _, a, _ in spans], dtype=torch.long)
-    offsets = sizes.cumsum(0) - sizes
-    positions = torch.arange(int(sizes.sum())) - torch.repeat_interleave(offsets - firsts, sizes)
+    positions = concatenated_ranges(firsts, sizes)
     targets = ids[rows, positions + 1].unsqueeze(0)
     head_rows = positions * ids.shape[0] + rows
-    spans = [(0, int(a), int(a + n)) for a, n in zip(offsets, sizes)]
+    spans = [(0, int(a), int(a + n)) for a, n in zip(sizes.cumsum(0) - sizes, sizes)]
     ids, targets, head_rows = (to_device(x, device) for x in (ids, targets, head_rows))
     return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans, head_rows=head_rows)
 
