@@ -78,12 +78,15 @@ def zero_advantage_skip_blocked(args: Any) -> str | None:
 
     ``--skip-zero-advantage-samples`` leaves out of the forward and backward passes the
     samples whose advantage is 0 on every trained token. That is exact only when such a
-    sample's loss is identically 0, so that its gradient is 0: the ``policy_loss`` plugin
-    (every term of its policy-gradient loss is a multiple of the advantage) without an
+    sample's loss is identically 0, so that its gradient is 0: the ``policy_loss`` plugin,
+    not replaced by ``--custom-loss-function-path`` (every term of its policy-gradient loss is a multiple of the advantage) without an
     entropy or KL term, reduced by the core (a ``loss_reducer`` plugin sees the samples of
     each micro-batch, which the skip changes). The advantages are tested after every
     advantage stage (estimator, OPD, whitening), so any estimator qualifies.
     """
+    if getattr(args, "custom_loss_function_path", None):
+        return (f"--custom-loss-function-path {args.custom_loss_function_path}: only policy_loss is known to vanish "
+                "at zero advantage")
     if getattr(args, "loss_type", "policy_loss") != "policy_loss":
         return f"--loss-type {args.loss_type}: only policy_loss is known to vanish at zero advantage"
     if getattr(args, "entropy_coef", 0.0):

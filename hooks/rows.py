@@ -29,8 +29,14 @@ class SplitRows(list):
 
     @classmethod
     def of(cls, flat, lengths: Sequence[int]) -> "SplitRows":
-        """``flat`` (1-D, ``sum(lengths)`` elements) split into views of ``lengths`` elements."""
+        """``flat`` (1-D, ``sum(lengths)`` elements) split into views of ``lengths`` elements.
+
+        :raises ValueError: ``flat`` is not 1-D or ``lengths`` do not add up to its size.
+        """
         lengths = [int(n) for n in lengths]
+        if flat.dim() != 1 or sum(lengths) != flat.numel():
+            raise ValueError(f"SplitRows.of: {len(lengths)} lengths adding up to {sum(lengths)} for a tensor of shape "
+                             f"{list(flat.shape)}; give a 1-D tensor and one length per sample, summing to its size.")
         pieces = flat.split(lengths)
         rows = cls(pieces)
         rows.flat, rows.lengths, rows._pieces = flat, lengths, pieces

@@ -24,6 +24,15 @@ def test_concat_of_intact_rows_is_the_tensor_they_were_split_from():
     assert concat_rows(rows) is flat and row_lengths(rows) == LENGTHS
 
 
+def test_lengths_that_do_not_add_up_are_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"SplitRows.of: 2 lengths adding up to 9 for a tensor of shape \[10\]"):
+        SplitRows.of(torch.arange(10.0), [4, 5])
+    with pytest.raises(ValueError, match=r"a tensor of shape \[2, 5\]"):
+        SplitRows.of(torch.zeros(2, 5), [5, 5])
+
+
 def test_a_changed_list_is_read_from_its_items():
     rows = SplitRows.of(torch.arange(10.0), LENGTHS)
     rows[1] = torch.tensor([-1.0, -2.0])

@@ -59,7 +59,7 @@ def test_the_skip_is_on_by_default_off_where_inexact_and_refused_there_when_give
     assert parse_args(argv).skip_zero_advantage_samples is True  # --print-config shows what the run will do
     assert parse_args(argv + ["--no-skip-zero-advantage-samples"]).skip_zero_advantage_samples is False
     for extra in (["--entropy-coef", "0.01"], ["--use-kl-loss"], ["--loss-type", "sft_loss"],
-                  ["--loss-reducer", "dr_grpo"]):
+                  ["--custom-loss-function-path", "my_losses.clipped"], ["--loss-reducer", "dr_grpo"]):
         assert parse_args(argv + extra).skip_zero_advantage_samples is False, extra
     with pytest.raises(ConfigError, match=r"--skip-zero-advantage-samples: a sample's loss might not vanish at zero "
                                           r"advantage \(--entropy-coef 0.01: the entropy bonus does not vanish"):
