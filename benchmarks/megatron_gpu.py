@@ -1,7 +1,7 @@
 """The megatron backend on one GPU at the Qwen2.5-0.5B shape (random weights): bf16 log-probs
 against Hugging Face, and training throughput as model FLOPs utilisation.
 
-    python benchmarks/megatron_gpu.py --out results.json            # both parts
+    python benchmarks/megatron_gpu.py --out results.json            # every part
     python benchmarks/megatron_gpu.py --part mfu --micro-batch 8    # one part
 
 The model is built with ``transformers`` from a Qwen2 config of Qwen2.5-0.5B's shape (24
@@ -253,9 +253,68 @@ def part_packed_attention(samples: int = 256, seed: int = 6) -> dict:
             "max_diff": float((packed.float() - looped.float()).abs().max())}
 
 
+def _forward_backward_s(fn, x, grad, params=(), repeats: int = 20):
+    """Seconds per forward + backward of ``fn(x)`` with ``grad``, over ``repeats`` calls queued between two
+    synchronisations (after a warm-up), and the output and gradients of the last call."""
+    for timed in (False, True):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats if timed else 2):
+            leaf = x.detach().requires_grad_(True)
+            for p in params:
+                p.grad = None
+            out = fn(leaf)
+            out.backward(grad)
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / repeats
+    return seconds, (out.detach().float(), leaf.grad.float(), *(p.grad.float() for p in params))
+
+
+def part_layers(rows: int = 49152) -> dict:
+    """furlong's Triton SwiGLU and RMSNorm (``layers.py``) against megatron-core's compiled SwiGLU and
+    torch's RMSNorm on ``rows`` bfloat16 tokens at the 0.5B shape (ffn 4864, hidden 896): forward +
+    backward times, and each one's largest difference from a float32 computation of the same input."""
+    import torch.nn.functional as F
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+    from furlong.builtin_plugins.backends.megatron.layers import FusedRMSNorm, FusedSwiGLU
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(rows, 2 * 4864, generator=g, device="cuda").to(torch.bfloat16)
+    grad = torch.randn(rows, 4864, generator=g, device="cuda").to(torch.bfloat16)
+
+    def swiglu_fp32(t):
+        a, b = t.float().chunk(2, -1)
+        return F.silu(a) * b
+
+    out = {"rows": rows}
+    _, exact = _forward_backward_s(swiglu_fp32, x.float(), grad.float())
+    for name, fn in (("swiglu_furlong", FusedSwiGLU()), ("swiglu_megatron", lambda t: bias_swiglu_impl(t, None))):
+        seconds, got = _forward_backward_s(fn, x, grad)
+        out[name] = {"s": seconds, "max_diff": [float((a - b).abs().max()) for a, b in zip(got, exact)]}
+
+    class Config:
+        normalization = "RMSNorm"
+
+    h = 896
+    x = (3 * torch.randn(rows, h, generator=g, device="cuda")).to(torch.bfloat16)
+    grad = torch.randn(rows, h, generator=g, device="cuda").to(torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(h, generator=g, device="cuda")).to(torch.bfloat16)
+    fused = FusedRMSNorm(Config(), h, eps=1e-6).cuda().to(torch.bfloat16)
+    plain = torch.nn.RMSNorm(h, eps=1e-6).cuda().to(torch.bfloat16)
+    fp32 = torch.nn.RMSNorm(h, eps=1e-6).cuda()
+    for module in (fused, plain, fp32):
+        module.weight.data.copy_(weight)
+    _, exact = _forward_backward_s(fp32, x.float(), grad.float(), (fp32.weight,))
+    for name, module in (("rms_norm_furlong", fused), ("rms_norm_torch", plain)):
+        seconds, got = _forward_backward_s(module, x, grad, (module.weight,))
+        out[name] = {"s": seconds, "max_diff": [float((a - b).abs().max()) for a, b in zip(got, exact)]}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["all", "logprobs", "kernels", "mfu", "recompute"], default="all")
+    parser.add_argument("--part", choices=["all", "logprobs", "kernels", "layers", "mfu", "recompute"], default="all")
     parser.add_argument("--micro-batch", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--seq", type=int, default=2048)
@@ -278,6 +337,9 @@ def main() -> None:
         if ns.part in ("all", "kernels"):
             result["kernels"] = part_kernels() | {"packed_attention": part_packed_attention()}
             print(json.dumps(result["kernels"]), flush=True)
+        if ns.part in ("all", "layers"):
+            result["layers"] = part_layers()
+            print(json.dumps(result["layers"]), flush=True)
         if ns.part == "recompute":
             result["recompute"] = part_recompute(path, ns.micro_batch[0], ns.seq)
             print(json.dumps(result["recompute"]), flush=True)

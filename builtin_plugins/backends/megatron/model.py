@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from typing import Any
@@ -125,8 +126,8 @@ def _cuda_on_cpu():
 def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
     """megatron-core ``TransformerConfig`` of ``shape`` (MEGATRON.md 1.1): RMSNorm, SwiGLU, no
     dropout, no biases but q/k/v's where the family has them; of the fused kernels only
-    megatron-core's SwiGLU (compiled by torch) and only on CUDA (TransformerEngine and Apex
-    ones are not used).
+    furlong's SwiGLU module (``use_te_activation_func``: the MLP calls the spec's
+    ``activation_func``, :class:`~.layers.FusedSwiGLU`; TransformerEngine and Apex are not used).
 
     :param dtype: parameter dtype (``torch.float32`` or ``torch.bfloat16``).
     :param extra: more or replaced ``TransformerConfig`` fields (recompute settings;
@@ -142,7 +143,7 @@ def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
         kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=device.type == "cuda", bias_dropout_fusion=False, masked_softmax_fusion=False,
+        bias_activation_fusion=False, use_te_activation_func=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True, tensor_model_parallel_size=tp, sequence_parallel=False,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=device.type != "cuda",
@@ -150,24 +151,6 @@ def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
     )
     fields.update(extra)
     return TransformerConfig(**fields)
-
-
-class SequenceParallelNorm:
-    """The local spec's torch RMSNorm (megatron-core's ``WrappedTorchNorm``, which refuses sequence
-    parallelism) for a model with ``sequence_parallel``: each TP rank normalises its own chunk of
-    the sequence, so the scale's gradient on a rank is a partial sum, which the backend sums over
-    the TP group (:func:`~.backend.summed_over_tensor_parallel`). The same module and parameter
-    (``weight``) either way, so checkpoints do not depend on it.
-
-    :raises ValueError: a ``config.normalization`` other than RMSNorm (every supported family uses it).
-    """
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_: Any):
-        import torch
-
-        if config.normalization != "RMSNorm":
-            raise ValueError(f"SequenceParallelNorm: normalization {config.normalization!r}; only RMSNorm is built here.")
-        return torch.nn.RMSNorm(hidden_size, eps=eps)
 
 
 def untrained_padding_lookups(model, padding_idx: int | None):
@@ -199,18 +182,24 @@ def untrained_padding_lookups(model, padding_idx: int | None):
     return model.embedding.word_embeddings.register_forward_hook(detach_padding)
 
 
-def _sequence_parallel_spec(spec, num_layers: int, qk_layernorm: bool):
-    """``spec`` (a local-spec layer) with :class:`SequenceParallelNorm` for every norm (the query/key
-    norms only where the model has them: the spec holds an ``IdentityOp`` there otherwise), as the
-    block's submodules of ``num_layers`` layers with that final norm too."""
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+def _fused_spec(spec, config, qk_layernorm: bool):
+    """``spec`` (a local-spec layer) with :class:`~.layers.FusedRMSNorm` for every norm (the query/key
+    norms only where the model has them: the spec holds an ``IdentityOp`` there otherwise) and
+    :class:`~.layers.FusedSwiGLU` as the MLP's activation, as the block's submodules (this pipeline
+    stage's layers, megatron-core's ``get_num_layers_to_build``) with that final norm too. megatron-core's own torch norm (``WrappedTorchNorm``) refuses
+    sequence parallelism; :class:`~.layers.FusedRMSNorm` normalises whatever rows it is given."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from .layers import FusedRMSNorm, FusedSwiGLU
 
     layer = spec.submodules
-    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelNorm
+    layer.input_layernorm = layer.pre_mlp_layernorm = FusedRMSNorm
+    mlp = layer.mlp  # a ModuleSpec, or in megatron-core 0.19 a partial of MLP.as_mlp_submodule
+    (mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules).activation_func = FusedSwiGLU
     if qk_layernorm:
         attention = layer.self_attention.submodules
-        attention.q_layernorm = attention.k_layernorm = SequenceParallelNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SequenceParallelNorm)
+        attention.q_layernorm = attention.k_layernorm = FusedRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=FusedRMSNorm)
 
 
 def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: int = 1, cp: int = 1,
@@ -230,13 +219,13 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
     (:mod:`.context`: :class:`~.attention.RopeSelfAttention` picks their RoPE positions, the attention
     gathers keys and values). With ``sequence_parallel`` (TP > 1, PP and CP 1) the activations between
     the tensor-parallel regions hold each TP rank's chunk of the sequence (megatron-core's sequence
-    parallelism; norms of :class:`SequenceParallelNorm`), so inputs must have a multiple of ``tp``
-    positions.
+    parallelism), so inputs must have a multiple of ``tp`` positions. Norms and the MLP's activation are
+    :mod:`.layers`' (:func:`_fused_spec`).
 
     :param vocab_rows: embedding/output rows (:func:`~.config.padded_vocab_size`).
     :param dtype: every parameter's dtype (norm scales included).
     :raises PluginError: ``sequence_parallel`` with ``pp`` or ``cp`` > 1.
-    :raises ValueError: a normalization other than RMSNorm under sequence parallelism (:class:`SequenceParallelNorm`).
+    :raises ValueError: a normalization other than RMSNorm (:class:`~.layers.FusedRMSNorm`).
     :returns: the model; logits stay vocab-parallel (``[b, s, vocab_rows / tp]``) on the last stage, other
         stages return hidden states ``[s, b, h]``.
     """
@@ -261,10 +250,9 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_layernorm)
     spec.submodules.self_attention.module = RopeSelfAttention
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    if sequence_parallel:
-        if pp > 1 or cp > 1:
-            raise PluginError("megatron: sequence parallelism is built with PP = CP = 1 only.")
-        spec = _sequence_parallel_spec(spec, shape.num_layers, shape.qk_layernorm)
+    if sequence_parallel and (pp > 1 or cp > 1):
+        raise PluginError("megatron: sequence parallelism is built with PP = CP = 1 only.")
+    spec = _fused_spec(spec, config, shape.qk_layernorm)
     scaling = {"rope_scaling": True, "rope_scaling_factor": shape.rope_scaling_factor} if (
         shape.rope_scaling_factor is not None) else {}
     with cpu_shims(device):

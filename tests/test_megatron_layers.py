@@ -1,0 +1,94 @@
+"""The megatron backend's SwiGLU and RMSNorm (``layers.py``): every model is built with them, and
+their Triton kernels (``_triton.py``, the GPU path) compute what the CPU path computes, run here by
+Triton's interpreter (``TRITON_INTERPRET=1``, which executes the kernels on CPU tensors)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core", reason="the megatron extra (megatron-core) is not installed")
+
+from transformers import Qwen3Config  # noqa: E402
+
+from furlong.builtin_plugins.backends.megatron.config import model_shape  # noqa: E402
+from furlong.builtin_plugins.backends.megatron.layers import FusedRMSNorm, FusedSwiGLU  # noqa: E402
+from furlong.builtin_plugins.backends.megatron.model import build_gpt, init_parallel  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def test_every_norm_and_the_mlp_activation_are_furlongs():
+    init_parallel(1, CPU)
+    config = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=100, max_position_embeddings=256)
+    model = build_gpt(model_shape(config), 1, 100, torch.float32, CPU)
+    norms = {name for name, m in model.named_modules() if isinstance(m, torch.nn.RMSNorm)}
+    assert norms == {name for name, m in model.named_modules() if isinstance(m, FusedRMSNorm)}
+    per_layer = {"input_layernorm", "pre_mlp_layernorm", "self_attention.q_layernorm", "self_attention.k_layernorm"}
+    assert norms == {f"decoder.layers.{i}.{n}" for i in range(2) for n in per_layer} | {"decoder.final_layernorm"}
+    assert all(isinstance(layer.mlp.activation_func, FusedSwiGLU) for layer in model.decoder.layers)
+
+
+INTERPRETED = r"""
+import json, torch
+from furlong.builtin_plugins.backends.megatron import layers
+
+def gap(a, b):
+    return float((a.float() - b.float()).abs().max())
+
+class Config:
+    normalization = "RMSNorm"
+
+out = {}
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    x = torch.randn(3, 5, 2 * 1100).to(dtype)  # fc1 output [s, b, 2 f]; f spans two 1024-wide blocks
+    g = torch.randn(3, 5, 1100).to(dtype)
+    runs = []
+    for fused in (True, False):
+        leaf = x.clone().requires_grad_(True)
+        y = layers._SwiGLUFunction.apply(leaf) if fused else layers.FusedSwiGLU()(leaf.float())
+        y.backward(g if fused else g.float())
+        runs.append((y.detach(), leaf.grad))
+    (y, dx), (y_ref, dx_ref) = runs
+    out[f"swiglu_{dtype}"] = [list(y.shape), str(y.dtype), gap(y, y_ref), gap(dx, dx_ref)]
+    # 37 rows of width 100: five 8-row tiles over four programs (the CPU's program count), a
+    # width that is not a power of two; and per-head query norms [s, b, heads, d]
+    for shape in ((37, 100), (4, 3, 2, 16)):
+        x = (3 * torch.randn(*shape)).to(dtype)
+        g = torch.randn(*shape).to(dtype)
+        w = (1 + 0.1 * torch.randn(shape[-1])).to(dtype)
+        runs = []
+        for fused in (True, False):
+            norm = layers.FusedRMSNorm(Config(), shape[-1], eps=1e-6).to(dtype if fused else torch.float32)
+            norm.weight.data.copy_(w)
+            leaf = x.clone().requires_grad_(True)
+            y = layers._RMSNormFunction.apply(leaf, norm.weight, norm.eps) if fused else norm(leaf.float())
+            y.backward(g if fused else g.float())
+            runs.append((y.detach(), leaf.grad, norm.weight.grad))
+        (y, dx, dw), (y_ref, dx_ref, dw_ref) = runs
+        out[f"norm_{shape}_{dtype}"] = [list(y.shape), str(dw.dtype), gap(y, y_ref), gap(dx, dx_ref), gap(dw, dw_ref)]
+print(json.dumps(out))
+"""
+
+
+def test_the_triton_kernels_match_the_cpu_path():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    for dtype, tol in (("torch.float32", 1e-5), ("torch.bfloat16", 0.07)):
+        shape, out_dtype, out_gap, grad_gap = got[f"swiglu_{dtype}"]
+        assert (shape, out_dtype) == ([3, 5, 1100], dtype)
+        assert out_gap <= tol and grad_gap <= tol
+        for norm_shape in ("(37, 100)", "(4, 3, 2, 16)"):
+            shape, weight_dtype, out_gap, dx_gap, dw_gap = got[f"norm_{norm_shape}_{dtype}"]
+            assert shape == json.loads(norm_shape.replace("(", "[").replace(")", "]")) and weight_dtype == dtype
+            # bf16: one rounding of values up to ~10; the weight gradient sums 37 such rows
+            assert out_gap <= tol and dx_gap <= tol and dw_gap <= (tol if dtype == "torch.float32" else 0.5)
