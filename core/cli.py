@@ -79,7 +79,23 @@ def _exit_on_sigterm() -> None:
     import threading
 
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        signal.signal(signal.SIGTERM, _exit_where_it_propagates)
+
+
+def _exit_where_it_propagates(signum: int, frame) -> None:
+    """Raise SystemExit(128 + signum), unless the interrupted code runs inside a ``__del__``: Python
+    ignores an exception raised there (a garbage collection can run one between any two bytecodes), so
+    the signal would be lost. The signal is then sent again 50 ms later, when the finalizer is done."""
+    import threading
+
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            again = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+            again.daemon = True
+            again.start()
+            return
+        frame = frame.f_back
+    sys.exit(128 + signum)
 
 
 def _secondary_rank() -> bool:
