@@ -37,7 +37,7 @@ ARCHITECTURE_GROUPS = frozenset({"network size", "mla", "moe", "heterogeneous ar
                                  "experimental_attention_variant"})
 ARCHITECTURE = frozenset({
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "norm_epsilon", "normalization", "apply_layernorm_1p", "add_bias_linear", "add_qkv_bias", "glu_linear_offset",
+    "layernorm_epsilon", "normalization", "layernorm_zero_centered_gamma", "add_bias_linear", "add_qkv_bias", "glu_linear_offset",
     "activation_func_clamp_value", "rotary_interleaved", "qk_layernorm", "qk_l2_norm", "attention_output_gate",
     "post_self_attn_layernorm", "post_mlp_layernorm", "multi_latent_attention", "experimental_attention_variant",
     "softmax_type", "fp32_residual_connection", "apply_residual_connection_post_layernorm",
@@ -70,6 +70,9 @@ MATH = frozenset({
 MATH_PREFIXES = ("fp8_", "fp4", "muon_")
 MLA_CONFIG_KEYS = ("kv_lora_rank",)
 MOE_CONFIG_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+ZERO_CENTERED_NORM_MODEL_TYPES = ("gemma", "qwen3_next")
+"""``model_type`` prefixes of the transformers families whose RMSNorm scales by ``1 + weight``
+(Megatron's ``--apply-layernorm-1p``)."""
 
 
 def effect(dest: str) -> str:
@@ -161,7 +164,8 @@ def _hf_config(args: Namespace) -> dict | None:
 
 
 def _missing_feature(dest: str, config: dict | None) -> str | None:
-    """Why the HF ``config`` cannot carry architecture flag ``dest`` (MLA, MoE), or None."""
+    """Why the HF ``config`` cannot carry architecture flag ``dest`` (MLA, MoE, zero-centred norm
+    scales), or None."""
     if config is None:
         return None
     row = megatron_table().by_dest().get(dest)
@@ -170,4 +174,7 @@ def _missing_feature(dest: str, config: dict | None) -> str | None:
         return "the model has no multi-latent attention"
     if (dest == "num_experts" or dest.startswith("moe_")) and not any(config.get(k) for k in MOE_CONFIG_KEYS):
         return "the model has no experts"
+    if dest == "layernorm_zero_centered_gamma" and not str(config.get("model_type", "")).startswith(
+            ZERO_CENTERED_NORM_MODEL_TYPES):
+        return "its norms scale by weight, not 1 + weight"
     return None

@@ -125,6 +125,15 @@ def test_model_args_that_disagree_with_the_config_name_both_values():
     assert check_model_args(args, shape, "m/config.json") == []
 
 
+def test_a_switch_for_a_feature_the_model_lacks_is_refused_without_num_layers_too():
+    shape = model_shape(random_hf("llama3-untied").config)
+    args = argparse.Namespace(num_layers=None, qk_layernorm=True, add_qkv_bias=True, swiglu=False)
+    assert check_model_args(args, shape, "m/config.json") == [
+        "--add-qkv-bias is given but m/config.json says model_type = llama (no add-qkv-bias in the model).",
+        "--qk-layernorm is given but m/config.json says model_type = llama (no qk-layernorm in the model).",
+    ]  # --swiglu absent is a disagreement only when the flags describe the whole model (--num-layers)
+
+
 def test_configure_reports_architecture_and_unsupported_parallelism(tiny_model_dir):
     args = train_args(tiny_model_dir, num_layers=3, pipeline_model_parallel_size=3, sequence_parallel=True,
                       virtual_pipeline_model_parallel_size=2, tensor_model_parallel_size=1,

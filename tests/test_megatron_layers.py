@@ -1,6 +1,7 @@
 """The megatron backend's SwiGLU and RMSNorm (``layers.py``): every model is built with them, and
-their Triton kernels (``_triton.py``, the GPU path) compute what the CPU path computes, run here by
-Triton's interpreter (``TRITON_INTERPRET=1``, which executes the kernels on CPU tensors)."""
+their Triton kernels (``_triton.py``, the GPU path), run here by Triton's interpreter
+(``TRITON_INTERPRET=1``, which executes the kernels on CPU tensors), compute what the CPU path
+computes in float32: to float rounding on float32 inputs, to one bf16 rounding on bf16 inputs."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ import json, torch
 from furlong.builtin_plugins.backends.megatron import layers
 
 def gap(a, b):
-    return float((a.float() - b.float()).abs().max())
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
 
 class Config:
     normalization = "RMSNorm"
@@ -48,19 +49,22 @@ class Config:
 out = {}
 torch.manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
-    x = torch.randn(3, 5, 2 * 1100).to(dtype)  # fc1 output [s, b, 2 f]; f spans two 1024-wide blocks
-    g = torch.randn(3, 5, 1100).to(dtype)
-    runs = []
-    for fused in (True, False):
-        leaf = x.clone().requires_grad_(True)
-        y = layers._SwiGLUFunction.apply(leaf) if fused else layers.FusedSwiGLU()(leaf.float())
-        y.backward(g if fused else g.float())
-        runs.append((y.detach(), leaf.grad))
-    (y, dx), (y_ref, dx_ref) = runs
-    out[f"swiglu_{dtype}"] = [list(y.shape), str(y.dtype), gap(y, y_ref), gap(dx, dx_ref)]
+    # fc1's output [s, b, 2 f]: f spans two 1024-wide blocks; and no rows at all
+    for shape in ((3, 5, 1100), (0, 2, 64)):
+        x = torch.randn(*shape[:-1], 2 * shape[-1]).to(dtype)
+        g = torch.randn(*shape).to(dtype)
+        runs = []
+        for fused in (True, False):
+            leaf = x.clone().requires_grad_(True)
+            y = layers._SwiGLUFunction.apply(leaf) if fused else layers.FusedSwiGLU()(leaf.float())
+            y.backward(g if fused else g.float())
+            runs.append((y.detach(), leaf.grad))
+        (y, dx), (y_ref, dx_ref) = runs
+        out[f"swiglu_{shape}_{dtype}"] = [list(y.shape), str(y.dtype), gap(y, y_ref), gap(dx, dx_ref)]
     # 37 rows of width 100: five 8-row tiles over four programs (the CPU's program count), a
-    # width that is not a power of two; and per-head query norms [s, b, heads, d]
-    for shape in ((37, 100), (4, 3, 2, 16)):
+    # width that is not a power of two; per-head query norms [s, b, heads, d]; a width of 2
+    # tiles' rows (4 rows of 2048); no rows at all
+    for shape in ((37, 100), (4, 3, 2, 16), (9, 2000), (0, 1, 64)):
         x = (3 * torch.randn(*shape)).to(dtype)
         g = torch.randn(*shape).to(dtype)
         w = (1 + 0.1 * torch.randn(shape[-1])).to(dtype)
@@ -79,16 +83,19 @@ print(json.dumps(out))
 
 
 def test_the_triton_kernels_match_the_cpu_path():
+    if sys.platform != "linux":
+        pytest.importorskip("triton", reason="Triton publishes wheels for Linux only (the dev extra installs it there)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     for dtype, tol in (("torch.float32", 1e-5), ("torch.bfloat16", 0.07)):
-        shape, out_dtype, out_gap, grad_gap = got[f"swiglu_{dtype}"]
-        assert (shape, out_dtype) == ([3, 5, 1100], dtype)
-        assert out_gap <= tol and grad_gap <= tol
-        for norm_shape in ("(37, 100)", "(4, 3, 2, 16)"):
+        for swiglu_shape in ((3, 5, 1100), (0, 2, 64)):
+            shape, out_dtype, out_gap, grad_gap = got[f"swiglu_{swiglu_shape}_{dtype}"]
+            assert (shape, out_dtype) == (list(swiglu_shape), dtype)
+            assert out_gap <= tol and grad_gap <= tol
+        for norm_shape in ("(37, 100)", "(4, 3, 2, 16)", "(9, 2000)", "(0, 1, 64)"):
             shape, weight_dtype, out_gap, dx_gap, dw_gap = got[f"norm_{norm_shape}_{dtype}"]
             assert shape == json.loads(norm_shape.replace("(", "[").replace(")", "]")) and weight_dtype == dtype
-            # bf16: one rounding of values up to ~10; the weight gradient sums 37 such rows
-            assert out_gap <= tol and dx_gap <= tol and dw_gap <= (tol if dtype == "torch.float32" else 0.5)
+            # bf16: one rounding of values up to ~10 (the scale's gradient, a sum over rows, up to ~25)
+            assert out_gap <= tol and dx_gap <= tol and dw_gap <= (tol if dtype == "torch.float32" else 0.1)

@@ -214,6 +214,9 @@ ABSENT = "these Megatron flags describe features the --hf-checkpoint model does 
       "--norm-epsilon 1e-05 disagrees with --hf-checkpoint {hf}/config.json (rms_norm_eps = 1e-06)."]),
     (["--num-experts", "8", "--multi-latent-attention", "--q-lora-rank", "4", "--moe-router-topk", "2"], FSDP_LIKE,
      MOE_MLA, [WARN + "--num-experts --multi-latent-attention --q-lora-rank --moe-router-topk."], []),
+    (["--apply-layernorm-1p"], FSDP_LIKE, DENSE, [],
+     [ABSENT + "--apply-layernorm-1p (its norms scale by weight, not 1 + weight)" + TAIL]),
+    (["--apply-layernorm-1p"], FSDP_LIKE, {"model_type": "gemma2"}, [WARN + "--apply-layernorm-1p."], []),
     (["--num-experts", "8"], FSDP_LIKE, None,
      ["--train-backend b takes the model from the --hf-checkpoint config, which cannot be read here ({hf}); these "
       "Megatron architecture flags are not checked against it: --num-experts."], []),

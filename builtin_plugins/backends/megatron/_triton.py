@@ -12,9 +12,11 @@ import triton
 import triton.language as tl
 
 _SWIGLU_BLOCK = 1024
-_NORM_ROWS = 8
-"""Rows per RMSNorm tile: of 1-16 rows and 4 or 8 warps, 8 rows and 4 warps was fastest both ways at
-hidden 896 on an H200 (Triton's autotuner: 47 us forward, 74 us backward for 49,152 rows)."""
+_NORM_TILE = 8192
+"""Elements per RMSNorm tile: ``8192 // width`` rows (at least one; width rounded up to a power of two).
+At hidden 896 (8 rows of 1024, 4 warps) this was the fastest of 1-16 rows and 4 or 8 warps both ways
+on an H200, by the timings of Triton's autotuner (47 us forward, 74 us backward at 49,152 rows)."""
+
 
 
 @triton.jit
@@ -91,13 +93,21 @@ def _norm_backward(x, weight, grad, rstd, dx, dw_parts, rows, width, BLOCK: tl.c
     tl.store(dw_parts + tl.program_id(0) * width + cols, dw, mask=cols < width)
 
 
+def _norm_tile(width: int) -> dict:
+    """Launch parameters of the RMSNorm kernels for rows of ``width``: the padded width, rows per tile
+    and warps, so that each thread holds 16-64 float32 values of a tile whatever the width."""
+    block = triton.next_power_of_2(width)
+    rows = max(1, _NORM_TILE // block)
+    return {"BLOCK": block, "ROWS": rows, "num_warps": 4 if block <= 1024 else 8 if block <= 4096 else 16}
+
+
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``x / rms(x) * weight`` of a contiguous ``[rows, h]``: the output (x's dtype) and float32 ``1 / rms`` ``[rows]``."""
     rows, width = x.shape
     out = torch.empty_like(x)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-    _norm_forward[(triton.cdiv(rows, _NORM_ROWS),)](x, weight, out, rstd, rows, width, eps,
-                                                     BLOCK=triton.next_power_of_2(width), ROWS=_NORM_ROWS)
+    tile = _norm_tile(width)
+    _norm_forward[(triton.cdiv(rows, tile["ROWS"]),)](x, weight, out, rstd, rows, width, eps, **tile)
     return out, rstd
 
 
@@ -111,9 +121,9 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
     fixed number of programs each sum their share of the rows, the partial sums are added at the end),
     returned in the weight's dtype."""
     rows, width = x.shape
-    programs = min(_programs(x.device), triton.cdiv(rows, _NORM_ROWS))
+    tile = _norm_tile(width)
+    programs = min(_programs(x.device), triton.cdiv(rows, tile["ROWS"]))
     dx = torch.empty_like(x)
     parts = torch.empty(programs, width, dtype=torch.float32, device=x.device)
-    _norm_backward[(programs,)](x, weight, grad, rstd, dx, parts, rows, width,
-                                BLOCK=triton.next_power_of_2(width), ROWS=_NORM_ROWS)
+    _norm_backward[(programs,)](x, weight, grad, rstd, dx, parts, rows, width, **tile)
     return dx, parts.sum(dim=0).to(weight.dtype)

@@ -151,10 +151,10 @@ def flag_dest(flag: str) -> str:
 def check_model_args(args: Any, shape: ModelShape, where: str) -> list[str]:
     """Problems of Miles' architecture flags (``MODEL_ARGS``) against the HF config.
 
-    A valued flag that was given must equal the config's value. When ``--num-layers`` is
-    given the flags describe the whole model, as in a Miles script, so each switch
-    (``--swiglu``, ``--untie-embeddings-and-output-weights``, ``--qk-layernorm``, ...) must
-    be present exactly when the HF model has that feature. ``--normalization`` must be
+    A valued flag that was given must equal the config's value, and a switch that was given
+    (``--swiglu``, ``--untie-embeddings-and-output-weights``, ``--qk-layernorm``, ...) must name a
+    feature the HF model has. When ``--num-layers`` is given the flags describe the whole model,
+    as in a Miles script, so each switch must also be present when the model has the feature. ``--normalization`` must be
     RMSNorm, ``--position-embedding-type`` rope and ``--rotary-percent`` 1.
 
     :returns: one message per disagreement, naming the flag, both values and ``where``.
@@ -166,11 +166,10 @@ def check_model_args(args: Any, shape: ModelShape, where: str) -> list[str]:
         given = getattr(args, flag_dest(flag), None)
         if given is not None and given != value:
             problems.append(f"{flag} {given} disagrees with {where} ({shape.family} uses {value}).")
-    if getattr(args, "num_layers", None) is None:
-        return problems
+    whole_model = getattr(args, "num_layers", None) is not None
     for flag, has, hf_key in _SWITCHES:
         given = bool(getattr(args, flag_dest(flag), False))
-        if given != has(shape):
+        if given != has(shape) and (given or whole_model):
             state = "given" if given else "absent"
             problems.append(f"{flag} is {state} but {where} says {hf_key} = {_hf_value(shape, hf_key)} "
                             f"({'no ' if given else ''}{flag[2:]} in the model).")

@@ -2,8 +2,9 @@
 
 megatron-core's compiled SwiGLU writes its backward as one concatenation of the two halves'
 gradients, a kernel that reads the input about twice; torch's RMSNorm sums the scale's
-gradient in a separate pass over ``grad * x_hat``. Here each direction is one kernel that
-reads its inputs once (:mod:`._triton`). Where Triton or a GPU is missing (CPU, tests) the
+gradient in a separate kernel over ``grad * x_hat``. Here each direction is one kernel that
+reads its inputs once (:mod:`._triton`; the RMSNorm backward then adds its per-program partial
+sums of the scale's gradient with one small torch sum). Where Triton or a GPU is missing (CPU, tests) the
 modules compute exactly what megatron-core's local spec computes: ``F.silu(a) * b`` and
 ``torch.nn.RMSNorm``.
 """
@@ -46,7 +47,7 @@ class _SwiGLUFunction(torch.autograd.Function):
         from . import _triton
 
         (x,) = ctx.saved_tensors
-        grad = grad.reshape(x.shape[0], -1).contiguous()
+        grad = grad.reshape(x.shape[0], x.shape[1] // 2).contiguous()
         return _triton.swiglu_backward(x, grad).view(ctx.shape)
 
 
@@ -93,10 +94,12 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 class FusedRMSNorm(torch.nn.RMSNorm):
-    """``torch.nn.RMSNorm`` over the last dimension (same ``weight`` parameter, same state dict) whose
-    forward and backward are one Triton kernel each on GPU: ``y = x / sqrt(mean(x^2) + eps) * weight``,
-    computed in float32, in x's dtype. The scale's gradient is summed over all rows of this rank's
-    input (under sequence parallelism the backend sums it over the TP group).
+    """``torch.nn.RMSNorm`` over the last dimension (same ``weight`` parameter, same state dict):
+    ``y = x / sqrt(mean(x^2) + eps) * weight`` in x's dtype. On GPU (Triton) the forward is one kernel
+    and the backward one kernel that also sums the scale's gradient in float32 partial sums, which one
+    torch sum adds up; both compute in float32 and round once. Elsewhere it is ``torch.nn.RMSNorm``.
+    The scale's gradient is summed over all rows of this rank's input (under sequence parallelism the
+    backend sums it over the TP group).
 
     Built from megatron-core's norm arguments ``(config, hidden_size, eps)``.
 

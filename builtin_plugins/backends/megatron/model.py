@@ -225,7 +225,6 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
     :param vocab_rows: embedding/output rows (:func:`~.config.padded_vocab_size`).
     :param dtype: every parameter's dtype (norm scales included).
     :raises PluginError: ``sequence_parallel`` with ``pp`` or ``cp`` > 1.
-    :raises ValueError: a normalization other than RMSNorm (:class:`~.layers.FusedRMSNorm`).
     :returns: the model; logits stay vocab-parallel (``[b, s, vocab_rows / tp]``) on the last stage, other
         stages return hidden states ``[s, b, h]``.
     """
