@@ -18,7 +18,6 @@ At hidden 896 (8 rows of 1024, 4 warps) this was the fastest of 1-16 rows and 4 
 on an H200, by the timings of Triton's autotuner (47 us forward, 74 us backward at 49,152 rows)."""
 
 
-
 @triton.jit
 def _swiglu_forward(x, out, width, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -95,7 +94,7 @@ def _norm_backward(x, weight, grad, rstd, dx, dw_parts, rows, width, BLOCK: tl.c
 
 def _norm_tile(width: int) -> dict:
     """Launch parameters of the RMSNorm kernels for rows of ``width``: the padded width, rows per tile
-    and warps, so that each thread holds 16-64 float32 values of a tile whatever the width."""
+    and warps, so that each thread holds 16-64 float32 values of a tile up to hidden 16,384."""
     block = triton.next_power_of_2(width)
     rows = max(1, _NORM_TILE // block)
     return {"BLOCK": block, "ROWS": rows, "num_warps": 4 if block <= 1024 else 8 if block <= 4096 else 16}
