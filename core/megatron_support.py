@@ -37,7 +37,8 @@ ARCHITECTURE_GROUPS = frozenset({"network size", "mla", "moe", "heterogeneous ar
                                  "experimental_attention_variant"})
 ARCHITECTURE = frozenset({
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "layernorm_epsilon", "normalization", "layernorm_zero_centered_gamma", "add_bias_linear", "add_qkv_bias", "glu_linear_offset",
+    "layernorm_epsilon", "normalization", "layernorm_zero_centered_gamma", "add_bias_linear", "add_qkv_bias",
+    "glu_linear_offset",
     "activation_func_clamp_value", "rotary_interleaved", "qk_layernorm", "qk_l2_norm", "attention_output_gate",
     "post_self_attn_layernorm", "post_mlp_layernorm", "multi_latent_attention", "experimental_attention_variant",
     "softmax_type", "fp32_residual_connection", "apply_residual_connection_post_layernorm",

@@ -101,7 +101,8 @@ def _norm_tile(width: int) -> dict:
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x / rms(x) * weight`` of a contiguous ``[rows, h]``: the output (x's dtype) and float32 ``1 / rms`` ``[rows]``."""
+    """``x / rms(x) * weight`` of a contiguous ``[rows, h]``: the output (x's dtype) and float32
+    ``1 / rms`` ``[rows]``."""
     rows, width = x.shape
     out = torch.empty_like(x)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)

@@ -154,8 +154,8 @@ def check_model_args(args: Any, shape: ModelShape, where: str) -> list[str]:
     A valued flag that was given must equal the config's value, and a switch that was given
     (``--swiglu``, ``--untie-embeddings-and-output-weights``, ``--qk-layernorm``, ...) must name a
     feature the HF model has. When ``--num-layers`` is given the flags describe the whole model,
-    as in a Miles script, so each switch must also be present when the model has the feature. ``--normalization`` must be
-    RMSNorm, ``--position-embedding-type`` rope and ``--rotary-percent`` 1.
+    as in a Miles script, so each switch must also be present when the model has the feature.
+    ``--normalization`` must be RMSNorm, ``--position-embedding-type`` rope and ``--rotary-percent`` 1.
 
     :returns: one message per disagreement, naming the flag, both values and ``where``.
     """

@@ -143,7 +143,8 @@ def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
         kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=False, use_te_activation_func=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        bias_activation_fusion=False, use_te_activation_func=True, bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True, tensor_model_parallel_size=tp, sequence_parallel=False,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=device.type != "cuda",
@@ -186,8 +187,9 @@ def _fused_spec(spec, config, qk_layernorm: bool):
     """``spec`` (a local-spec layer) with :class:`~.layers.FusedRMSNorm` for every norm (the query/key
     norms only where the model has them: the spec holds an ``IdentityOp`` there otherwise) and
     :class:`~.layers.FusedSwiGLU` as the MLP's activation, as the block's submodules (this pipeline
-    stage's layers, megatron-core's ``get_num_layers_to_build``) with that final norm too. megatron-core's own torch norm (``WrappedTorchNorm``) refuses
-    sequence parallelism; :class:`~.layers.FusedRMSNorm` normalises whatever rows it is given."""
+    stage's layers, megatron-core's ``get_num_layers_to_build``) with that final norm too.
+    megatron-core's own torch norm (``WrappedTorchNorm``) refuses sequence parallelism;
+    :class:`~.layers.FusedRMSNorm` normalises whatever rows it is given."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     from .layers import FusedRMSNorm, FusedSwiGLU
