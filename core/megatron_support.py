@@ -135,7 +135,7 @@ def report_megatron_flags(args: Namespace, backend: str, plugin: Any, report: Co
                     f"({args.hf_checkpoint}); these Megatron architecture flags are not checked against it: "
                     f"{' '.join(unchecked)}.")
     if absent:
-        report.error(f"these Megatron flags describe features the --hf-checkpoint model does not have: "
+        report.error(f"these Megatron flags describe features the model of {where} does not have: "
                      f"{' '.join(absent)}; remove them.")
     if wrong:
         report.error(f"{name} does not support these Megatron flags yet, which would change the model or the math: "

@@ -192,7 +192,7 @@ FSDP_LIKE = MegatronFlags(honours=frozenset({"lora_rank"}), at_values={"attentio
 WARN = "--train-backend b ignores these Megatron flags, which do not change results with it: "
 ERR = "--train-backend b does not support these Megatron flags yet, which would change the model or the math: "
 TAIL = "; remove them."
-ABSENT = "these Megatron flags describe features the --hf-checkpoint model does not have: "
+ABSENT = "these Megatron flags describe features the model of --hf-checkpoint {hf}/config.json does not have: "
 
 
 @pytest.mark.parametrize("argv, support, config, warnings, errors", [

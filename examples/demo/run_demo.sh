@@ -5,7 +5,8 @@
 #   OUT=runs/mine NUM_ROLLOUT=40 bash examples/demo/run_demo.sh
 #   COMMAND=train-async bash examples/demo/run_demo.sh --seed 2   # extra flags go to furlong
 #
-# $OUT (default runs/demo) is replaced. Each rollout prints one summary line; the run's metrics land in $OUT/metrics.jsonl and
+# $OUT (default runs/demo) starts empty; the run before it is kept as $OUT.previous (so a mistyped flag
+# loses no results). Each rollout prints one summary line; the run's metrics land in $OUT/metrics.jsonl and
 # `furlong plot $OUT` draws them. A `--save DIR` among the extra flags takes the place of $OUT and is
 # kept as it is, so a later run with `--save DIR --load DIR` resumes from it.
 set -euo pipefail
@@ -18,7 +19,11 @@ for arg in "$@"; do
   if [ "$prev" = "--save" ]; then SAVE="$arg"; fi
   prev="$arg"
 done
-if [ -n "$SAVE" ]; then OUT="$SAVE"; else rm -rf "$OUT"; fi
+if [ -n "$SAVE" ]; then
+  OUT="$SAVE"
+elif [ -e "$OUT" ]; then
+  rm -rf "$OUT.previous" && mv "$OUT" "$OUT.previous"
+fi
 
 ARGS=(
   # model and data
