@@ -26,7 +26,7 @@ from argparse import Namespace
 from typing import Any
 
 from furlong.hooks import ConfigReport, MegatronFlags
-from furlong.hooks.megatron_flags import architecture_disagreements, hf_architecture_values
+from furlong.hooks.megatron_flags import architecture_disagreements, hf_architecture_values, hf_missing_switch
 
 from .config.tables import megatron_table, miles_table
 
@@ -166,7 +166,7 @@ def _hf_config(args: Namespace) -> dict | None:
 
 def _missing_feature(dest: str, config: dict | None) -> str | None:
     """Why the HF ``config`` cannot carry architecture flag ``dest`` (MLA, MoE, zero-centred norm
-    scales), or None."""
+    scales, the switches of :func:`~furlong.hooks.megatron_flags.hf_missing_switch`), or None."""
     if config is None:
         return None
     row = megatron_table().by_dest().get(dest)
@@ -178,4 +178,4 @@ def _missing_feature(dest: str, config: dict | None) -> str | None:
     if dest == "layernorm_zero_centered_gamma" and not str(config.get("model_type", "")).startswith(
             ZERO_CENTERED_NORM_MODEL_TYPES):
         return "its norms scale by weight, not 1 + weight"
-    return None
+    return hf_missing_switch(dest, config)

@@ -25,7 +25,8 @@ from typing import Literal
 
 import attrs
 
-__all__ = ["ARCHITECTURE_VALUES", "MegatronFlags", "architecture_disagreements", "hf_architecture_values"]
+__all__ = ["ARCHITECTURE_VALUES", "MegatronFlags", "architecture_disagreements", "hf_architecture_values",
+           "hf_missing_switch"]
 
 
 @attrs.frozen
@@ -101,3 +102,26 @@ def architecture_disagreements(args, hf_values: dict, where: str) -> list[tuple[
         if float(given) != float(hf_values[key]):
             out.append((flag, f"{flag} {given} disagrees with {where} ({key} = {hf_values[key]})."))
     return out
+
+
+# model_type of transformers families known to have no per-head query/key norm
+_NO_QK_NORM_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "gemma", "gemma2"})
+
+
+def hf_missing_switch(attr: str, config: dict) -> str | None:
+    """Why ``config`` (a parsed config.json, ``text_config`` merged) says the model lacks the feature
+    of Miles' architecture switch ``attr`` (``qk_layernorm``, ``add_qkv_bias``,
+    ``untie_embeddings_and_output_weights``, ``group_query_attention``), or None when it has it, the
+    config does not say, or ``attr`` is another flag. Only explicit statements count: a key that
+    is absent, or a ``model_type`` not known here, never makes a switch wrong."""
+    if attr == "qk_layernorm" and config.get("model_type") in _NO_QK_NORM_MODEL_TYPES and not any(
+            config.get(key) for key in ("use_qk_norm", "qk_layernorm", "qk_norm")):
+        return f"model_type {config['model_type']} has no query/key norms"
+    if attr == "add_qkv_bias" and config.get("attention_bias") is False:
+        return "attention_bias is false"
+    if attr == "untie_embeddings_and_output_weights" and config.get("tie_word_embeddings") is True:
+        return "tie_word_embeddings is true"
+    heads, groups = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if attr == "group_query_attention" and heads and groups == heads:
+        return f"num_key_value_heads = num_attention_heads = {heads}"
+    return None

@@ -192,6 +192,7 @@ FSDP_LIKE = MegatronFlags(honours=frozenset({"lora_rank"}), at_values={"attentio
 WARN = "--train-backend b ignores these Megatron flags, which do not change results with it: "
 ERR = "--train-backend b does not support these Megatron flags yet, which would change the model or the math: "
 TAIL = "; remove them."
+SWITCHES = ["--qk-layernorm", "--add-qkv-bias", "--untie-embeddings-and-output-weights", "--group-query-attention"]
 ABSENT = "these Megatron flags describe features the model of --hf-checkpoint {hf}/config.json does not have: "
 
 
@@ -217,6 +218,14 @@ ABSENT = "these Megatron flags describe features the model of --hf-checkpoint {h
     (["--apply-layernorm-1p"], FSDP_LIKE, DENSE, [],
      [ABSENT + "--apply-layernorm-1p (its norms scale by weight, not 1 + weight)" + TAIL]),
     (["--apply-layernorm-1p"], FSDP_LIKE, {"model_type": "gemma2"}, [WARN + "--apply-layernorm-1p."], []),
+    (SWITCHES, FSDP_LIKE, {"model_type": "llama", "attention_bias": False, "tie_word_embeddings": True,
+                           "num_attention_heads": 4, "num_key_value_heads": 4}, [],
+     [ABSENT + "--qk-layernorm (model_type llama has no query/key norms) --add-qkv-bias (attention_bias is false) "
+               "--untie-embeddings-and-output-weights (tie_word_embeddings is true) --group-query-attention "
+               "(num_key_value_heads = num_attention_heads = 4)" + TAIL]),
+    (SWITCHES, FSDP_LIKE, {"model_type": "qwen3", "attention_bias": True, "tie_word_embeddings": False,
+                           "num_attention_heads": 8, "num_key_value_heads": 2}, [WARN + " ".join(SWITCHES) + "."], []),
+    (SWITCHES, FSDP_LIKE, {"model_type": "olmo2"}, [WARN + " ".join(SWITCHES) + "."], []),  # the config does not say
     (["--num-experts", "8"], FSDP_LIKE, None,
      ["--train-backend b takes the model from the --hf-checkpoint config, which cannot be read here ({hf}); these "
       "Megatron architecture flags are not checked against it: --num-experts."], []),
@@ -235,7 +244,7 @@ def test_megatron_flags_a_backend_cannot_honour_are_one_line_each(tmp_path, argv
 def test_fsdp_checks_architecture_flags_against_the_config_and_megatron_does_not_call_them_ignored(capsys, caplog):
     """The demo model: 3 layers, vocabulary 26, hidden 128, rope_theta 10000, rms_norm_eps 1e-6."""
     wrong = ["--num-layers", "40", "--vocab-size", "999", "--hidden-size", "4096", "--rotary-base", "5",
-             "--norm-epsilon", "1e-5"]
+             "--norm-epsilon", "1e-5", "--qk-layernorm"]
     for backend in ("fsdp", "megatron"):
         caplog.clear()
         with caplog.at_level("WARNING", logger="furlong.config"):
@@ -247,6 +256,8 @@ def test_fsdp_checks_architecture_flags_against_the_config_and_megatron_does_not
                                  ("--hidden-size 4096", "hidden_size", "128"), ("--rotary-base 5", "rope_theta", "10000.0"),
                                  ("--norm-epsilon 1e-05", "rms_norm_eps", "1e-06")):
             assert f"{flag} disagrees with --hf-checkpoint examples/demo/model/config.json ({key} = {value})." in err
+        assert [line for line in err.splitlines()
+                if "--qk-layernorm" in line and "examples/demo/model/config.json" in line], (backend, err)
 
 
 HF_MOE_MLA_SCRIPT = """
