@@ -58,11 +58,10 @@ def packed_causal_attention(query, key, value, cu_seqlens, max_length: int, scal
         from torch.nn.attention.varlen import varlen_attn
 
         extra = {}
-        if key.shape[1] != heads:
-            if _VARLEN_GQA:
-                extra["enable_gqa"] = True
-            else:  # torch 2.11's varlen_attn has no grouped-query option
-                key, value = (x.repeat_interleave(heads // key.shape[1], dim=1) for x in (key, value))
+        if key.shape[1] != heads and _VARLEN_GQA:
+            extra["enable_gqa"] = True
+        # torch 2.11's varlen_attn has no enable_gqa switch, but its flash kernel takes fewer key/value
+        # heads as they are (grouped-query attention), so keys and values are never repeated per head
         if "window_size" in _VARLEN_PARAMETERS:  # torch 2.11: causal is a window of every earlier key
             extra["window_size"] = (-1, 0)
         else:  # torch 2.10

@@ -120,10 +120,13 @@ def test_varlen_call_asks_for_causal_attention_in_the_form_this_torch_takes(monk
     bounds = torch.tensor([0, 2, 6], dtype=torch.int32)
     for parameters, causal in (({"window_size": None}, {"window_size": (-1, 0)}), ({"is_causal": None},
                                                                                      {"is_causal": True})):
-        monkeypatch.setattr(pa, "_VARLEN_PARAMETERS", parameters)
-        monkeypatch.setattr(pa, "_VARLEN_GQA", False)
-        pa.packed_causal_attention(q, kv, kv, bounds, 4, 0.5)
-        assert calls[-1] == (torch.Size([6, 4, 8]), {"scale": 0.5, **causal})  # key/value heads repeated
+        for has_gqa_switch in (False, True):
+            monkeypatch.setattr(pa, "_VARLEN_PARAMETERS", parameters)
+            monkeypatch.setattr(pa, "_VARLEN_GQA", has_gqa_switch)
+            pa.packed_causal_attention(q, kv, kv, bounds, 4, 0.5)
+            gqa = {"enable_gqa": True} if has_gqa_switch else {}
+            # the flash kernel takes the 2 key/value heads as they are: never repeated to the 4 query heads
+            assert calls[-1] == (torch.Size([6, 2, 8]), {"scale": 0.5, **gqa, **causal})
 
 
 def test_packing_is_refused_where_it_cannot_run():
