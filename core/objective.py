@@ -33,7 +33,6 @@ from furlong.hooks import LossInput, LossOutput, PluginError, TrainBatch
 from furlong.hooks.contract import check_loss_output, check_loss_reducer_output
 from furlong.hooks.masked import MaskedSum
 from furlong.hooks.rows import SplitRows, concat_rows, detached_rows, row_lengths
-from furlong.hooks.rows import SplitRows, pick_rows
 from furlong.hooks.trainer import rows_to_device
 
 from . import reduction
@@ -45,12 +44,6 @@ __all__ = ["LOSS_METRICS", "StepObjective"]
 # policy-gradient term, which then equals the loss whichever samples were trained (the other metrics
 # describe the trained samples)
 LOSS_METRICS = frozenset({"pg_loss"})
-
-
-def moves_whole_lists(device) -> bool:
-    """Whether :class:`StepObjective` moves each per-sample list of the batch to ``device`` whole,
-    once per train call (GPUs), rather than each micro-batch's rows (CPU: nothing to move)."""
-    return device.type != "cpu"
 
 
 class StepObjective:
@@ -115,7 +108,6 @@ class StepObjective:
             raise ValueError(f"StepObjective: pi_old from the training forward needs one optimizer step, "
                              f"got {len(batch.steps)}")
         self.reuse_old_log_probs = bool(reuse_old_log_probs)
-        self._on_device: dict[int, tuple[list, SplitRows]] = {}  # id(batch list) -> (the list, its rows on the GPU)
         self.old_log_probs: list = [None] * len(batch.tokens)
         self.entropy: list = [None] * len(batch.tokens)
         self.loss_name, self.loss_flag = loss_name, loss_flag
@@ -177,7 +169,7 @@ class StepObjective:
         s = self._step(sample_ids)
         step = self.step_denominators[s] if s is not None else reduction.StepDenominators(0, 0.0)
         device = log_probs[0].device if log_probs else torch.device("cpu")
-        masks = self._pick(self.masks, sample_ids, device)
+        masks = rows_to_device([self.masks[i] for i in sample_ids], device)
         if self.args.use_rollout_logprobs and self.batch.rollout_log_probs is not None:
             old = self._pick(self.batch.rollout_log_probs, sample_ids, device)
         elif self.reuse_old_log_probs:
@@ -243,25 +235,11 @@ class StepObjective:
             if entropy is not None:
                 self.entropy[i] = host[len(sample_ids) + k]
 
-    def _pick(self, rows: list | None, sample_ids: list[int], device) -> list | None:
-        """Rows ``sample_ids`` of a per-sample list of the batch (masks, advantages...) on ``device``.
-
-        Off the CPU the whole list moves in one copy at its first use in this train call, and
-        each micro-batch takes its rows from that copy: per micro-batch, a host concatenation
-        and a pinned copy would keep the GPU waiting between the forward and the backward pass.
-        The lists are the batch's own, which nothing changes during a train call.
-        """
+    @staticmethod
+    def _pick(rows: list | None, sample_ids: list[int], device) -> list | None:
         if rows is None:
             return None
-        if not moves_whole_lists(device):
-            return rows_to_device([rows[i] for i in sample_ids], device)
-        held = self._on_device.get(id(rows))
-        if held is None or held[0] is not rows or held[1].flat.device != device:
-            moved = rows_to_device(rows, device)
-            if not isinstance(moved, SplitRows):  # rows of several dtypes or shapes: moved one by one
-                return [moved[i] for i in sample_ids]
-            held = self._on_device[id(rows)] = (rows, moved)
-        return pick_rows(held[1], sample_ids)
+        return rows_to_device([rows[i] for i in sample_ids], device)
 
     def _check_output(self, out: Any, masks: list) -> None:
         check_loss_output(out, masks, f"{self.loss_flag} '{self.loss_name}'")

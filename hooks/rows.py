@@ -14,7 +14,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Sequence
 
-__all__ = ["SplitRows", "concat_rows", "detached_rows", "pick_rows", "row_lengths"]
+__all__ = ["SplitRows", "concat_rows", "detached_rows", "row_lengths"]
 
 
 class SplitRows(list):
@@ -78,18 +78,3 @@ def detached_rows(rows: Sequence[Any]) -> list:
     if split is not None:
         return SplitRows.of(split.flat.detach(), split.lengths)
     return [r.detach() for r in rows]
-
-
-def pick_rows(rows: SplitRows, ids: Sequence[int]) -> SplitRows:
-    """Rows ``ids`` of ``rows`` (an intact :class:`SplitRows`), in that order, as a :class:`SplitRows`
-    on ``rows.flat``'s device: a view of ``rows.flat`` when the ids are consecutive and ascending
-    (no copy), else one concatenation."""
-    ids = [int(i) for i in ids]
-    lengths = [rows.lengths[i] for i in ids]
-    first = ids[0] if ids else 0
-    if ids == list(range(first, first + len(ids))):
-        start = sum(rows.lengths[:first])
-        return SplitRows.of(rows.flat[start:start + sum(lengths)], lengths)
-    import torch
-
-    return SplitRows.of(torch.cat([rows[i] for i in ids]), lengths)

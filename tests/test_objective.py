@@ -118,23 +118,6 @@ def test_step_objective_does_not_depend_on_micro_batching(pm, per_token, traject
     assert torch.equal(ref_grads[2], torch.zeros(LENGTHS[2]))
 
 
-@pytest.mark.parametrize("per_token", [False, True])
-def test_whole_lists_moved_once_give_the_same_losses_and_gradients(pm, monkeypatch, per_token):
-    """The path GPUs take (each batch list moved whole, micro-batches picking their rows from the
-    copy: views for consecutive samples, a concatenation otherwise) equals the per-micro-batch one."""
-    from furlong.core import objective as objective_module
-
-    data = rollout_data()
-    args = make_args(calculate_per_token_loss=per_token, **FULL_ARGS)
-    expected = [run_split(pm, data, split, args, TRAJECTORIES) for split in SPLITS]
-    monkeypatch.setattr(objective_module, "moves_whole_lists", lambda device: True)
-    for split, (loss, metrics, grads, ent_grads) in zip(SPLITS, expected):
-        got = run_split(pm, data, split, args, TRAJECTORIES)
-        assert got[0] == loss and got[1] == metrics, split
-        for g, r in zip(got[2] + got[3], grads + ent_grads):
-            assert torch.equal(g, r), split
-
-
 def _loss_input(data):
     from furlong.hooks import LossInput
 

@@ -122,15 +122,3 @@ def test_concatenated_ranges_are_each_span_one_after_another():
 
     starts, lengths = torch.tensor([5, 0, 10, 7]), torch.tensor([2, 3, 0, 1])
     assert concatenated_ranges(starts, lengths).tolist() == [5, 6, 0, 1, 2, 7]
-
-
-def test_pick_rows_is_a_view_for_consecutive_ids_and_a_copy_otherwise():
-    from furlong.hooks.rows import pick_rows
-
-    rows = SplitRows.of(torch.arange(10.0), [3, 1, 4, 2])
-    run = pick_rows(rows, [1, 2])
-    assert [r.tolist() for r in run] == [[3.0], [4.0, 5.0, 6.0, 7.0]] and run.lengths == [1, 4]
-    assert run.flat.data_ptr() == rows.flat[3:].data_ptr()  # no copy
-    shuffled = pick_rows(rows, [3, 0])
-    assert [r.tolist() for r in shuffled] == [[8.0, 9.0], [0.0, 1.0, 2.0]] and concat_rows(shuffled) is shuffled.flat
-    assert pick_rows(rows, []) == [] and pick_rows(rows, []).lengths == []
