@@ -125,8 +125,13 @@ def test_varlen_call_asks_for_causal_attention_in_the_form_this_torch_takes(monk
             monkeypatch.setattr(pa, "_VARLEN_GQA", has_gqa_switch)
             pa.packed_causal_attention(q, kv, kv, bounds, 4, 0.5)
             gqa = {"enable_gqa": True} if has_gqa_switch else {}
-            # the flash kernel takes the 2 key/value heads as they are: never repeated to the 4 query heads
+            # eagerly the flash kernel takes the 2 key/value heads as they are: not repeated to the 4 query heads
             assert calls[-1] == (torch.Size([6, 2, 8]), {"scale": 0.5, **gqa, **causal})
+            with monkeypatch.context() as compiling:
+                compiling.setattr(torch.compiler, "is_compiling", lambda: True)
+                pa.packed_causal_attention(q, kv, kv, bounds, 4, 0.5)
+            # traced by torch.compile they are repeated per query head (the copy fuses into a compiled kernel)
+            assert calls[-1] == (torch.Size([6, 4, 8]), {"scale": 0.5, **causal})
 
 
 def test_packing_is_refused_where_it_cannot_run():
