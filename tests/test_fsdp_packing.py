@@ -121,12 +121,14 @@ def test_varlen_call_asks_for_causal_attention_in_the_form_this_torch_takes(monk
     for parameters, causal in (({"window_size": None}, {"window_size": (-1, 0)}), ({"is_causal": None},
                                                                                      {"is_causal": True})):
         for has_gqa_switch in (False, True):
-            monkeypatch.setattr(pa, "_VARLEN_PARAMETERS", parameters)
+            monkeypatch.setattr(pa, "_VARLEN_PARAMETERS", {**parameters, **({"enable_gqa": None} if has_gqa_switch else {})})
             monkeypatch.setattr(pa, "_VARLEN_GQA", has_gqa_switch)
             pa.packed_causal_attention(q, kv, kv, bounds, 4, 0.5)
             gqa = {"enable_gqa": True} if has_gqa_switch else {}
-            # eagerly the flash kernel takes the 2 key/value heads as they are: not repeated to the 4 query heads
-            assert calls[-1] == (torch.Size([6, 2, 8]), {"scale": 0.5, **gqa, **causal})
+            # eagerly the flash kernel takes the 2 key/value heads as they are where this torch is known to
+            # pass them through (torch 2.10's form, is_causal without enable_gqa, gets them repeated)
+            heads = 4 if "is_causal" in parameters and not has_gqa_switch else 2
+            assert calls[-1] == (torch.Size([6, heads, 8]), {"scale": 0.5, **gqa, **causal})
             with monkeypatch.context() as compiling:
                 compiling.setattr(torch.compiler, "is_compiling", lambda: True)
                 pa.packed_causal_attention(q, kv, kv, bounds, 4, 0.5)
