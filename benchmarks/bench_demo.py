@@ -176,7 +176,9 @@ def run_trl_worker(opts, out: Path) -> dict:
     sample = rows[0]["prompt"]
     if not opts.chat_template and tokenizer(sample)["input_ids"] != tokenizer(sample, add_special_tokens=False)["input_ids"]:
         raise SystemExit("the tokenizer adds special tokens to a plain prompt, furlong does not: use --chat-template")
-    prompt = ((lambda p: [{"role": "user", "content": p}]) if opts.chat_template else (lambda p: p))
+
+    def prompt(p):  # a prompt that is already a list of chat messages goes to TRL as it is
+        return [{"role": "user", "content": p}] if opts.chat_template and isinstance(p, str) else p
     dataset = Dataset.from_list([{"prompt": prompt(r["prompt"]), "label": str(r["label"])} for r in rows])
 
     def reward_boxed(completions, label, **kwargs):
