@@ -7,7 +7,7 @@ One command, from the repository root (needs ``pip install -e ".[bench]"`` for T
 It runs the same GRPO workload twice, each in its own process with the same torch thread
 count. The defaults are ``examples/demo/run_demo.sh``'s: the demo model and data, 32 prompts
 x 8 samples = 256 samples and one optimizer step per iteration, responses of at most 12
-tokens, micro-batches of 64, lr 1e-3 (constant, no warm-up), AdamW without weight decay,
+tokens, micro-batches of 64, lr 1e-4 (constant, no warm-up), AdamW without weight decay,
 clip range 0.2 / 0.28.
 
 1. ``furlong train`` (sync mode, embedded engine, fsdp backend) for ``--rollouts`` rollouts;
@@ -315,7 +315,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--furlong-packing", action="store_true",
                         help="furlong packs micro-batches by tokens (its default) instead of --micro-batch samples")
     parser.add_argument("--max-len", type=int, default=12, help="maximum response tokens (demo: 12)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="constant learning rate (demo: 1e-3)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="constant learning rate (demo: 1e-4)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (demo: 0)")
     parser.add_argument("--eps-clip-high", type=float, default=0.28, help="upper clip range (demo: 0.28)")
     parser.add_argument("--threads", type=int, default=max(1, min(os.cpu_count() or 1, 4)), help="torch threads")
