@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 
 from furlong.hooks import PluginError
@@ -20,6 +21,10 @@ from .plugins import FurlongPluginManager, get_plugin_manager
 __all__ = ["main"]
 
 log = logging.getLogger("furlong")
+
+SECONDARY_RANK_WAIT_S = 30.0
+"""Seconds a torchrun rank other than 0 waits, on a flag problem, before it prints it and exits (rank
+0 prints it, and torchrun stops the other ranks when rank 0 exits)."""
 
 USAGE = """usage: furlong [--version] COMMAND [ARGS]
 
@@ -58,8 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     except PluginError as exc:
         if debug:
             traceback.print_exc()
-        if not (isinstance(exc, ConfigError) and _secondary_rank()):
-            print(f"error: {exc}", file=sys.stderr)
+        if isinstance(exc, ConfigError) and _secondary_rank():
+            # Rank 0 reports the same flags' problems. Exiting first would let torchrun stop rank 0
+            # before it prints them, so wait: torchrun stops this rank once rank 0 has exited, and a
+            # rank 0 slower than the wait still leaves this rank's own report.
+            time.sleep(SECONDARY_RANK_WAIT_S)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

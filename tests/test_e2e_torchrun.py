@@ -165,3 +165,20 @@ def test_local_executor_outside_torchrun_refuses_several_train_ranks(monkeypatch
         "--executor local runs one train rank in this process, but --actor-num-nodes 1 x --actor-num-gpus-per-node "
         "2 = 2; start one process per rank (torchrun --nproc-per-node 2 -m furlong.core train ...), use --executor "
         "ray, or pass --actor-num-gpus-per-node 1."]
+
+
+@pytest.mark.parametrize("rank, waits", [("0", []), ("1", [30.0])])
+def test_a_flag_problem_on_a_secondary_rank_waits_for_rank_0_then_is_still_printed(monkeypatch, capsys, rank, waits):
+    """Rank 0 prints the launch flags' problems; another rank waits first, so that exiting before rank 0
+    cannot make torchrun stop rank 0 before it prints (then torchrun stops it). Were rank 0 slower than
+    the wait, that rank would still print its own report: a flag problem is never silent."""
+    from furlong.core import cli
+
+    slept = []
+    monkeypatch.setattr(cli.time, "sleep", slept.append)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    code = cli.main(["train", "--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--rollout-batch-size", "4",
+                     "--n-samples-per-prompt", "3", "--global-batch-size", "5"])
+    assert code == 2 and slept == waits
+    assert capsys.readouterr().err.startswith("error: ")
