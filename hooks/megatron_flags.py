@@ -41,8 +41,9 @@ class MegatronFlags:
     config, so flags that describe the architecture (layer counts, MoE, MLA, rotary...)
     are not read but are checked against that config where it can be read: a feature the
     config lacks (``--num-experts`` on a dense model, ``--multi-latent-attention`` on a
-    model without MLA) is an error, and so is a valued flag that disagrees with it
-    (:func:`architecture_disagreements`); others are listed in the warning.
+    model without MLA, a switch :func:`hf_missing_switch` rules out) is an error, and so is
+    a valued flag that disagrees with it (:func:`architecture_disagreements`); others are
+    listed in the warning.
     """
 
     honours: frozenset[str] | Literal["all"] = frozenset()
