@@ -165,6 +165,8 @@ def bench_grpo(folder: Path, opts, out: Path) -> dict:
     tokens = [n_prompts * group * (opts.prompt_len + r["rollout/response_lengths"]) for r in rollouts]
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in rollouts)  # noqa: E731
     train_s = mean("perf/actor_train_time")
+    # the median resists the occasional train call that runs ~0.5 s long (docs/benchmarks.md, "slow train calls")
+    median_s = statistics.median(r.get("perf/actor_train_time", 0.0) for r in rollouts)
     return {
         "command": " ".join(cmd[1:]), "wall_s": wall, "params": params,
         "split_s": {k: mean(f"perf/{k}") for k in ("rollout_time", "log_probs_time", "actor_train_time",
@@ -172,6 +174,7 @@ def bench_grpo(folder: Path, opts, out: Path) -> dict:
         "train_s_per_rollout": [r.get("perf/actor_train_time") for r in rows if "rollout/step" in r],
         "tokens_per_step": statistics.fmean(tokens),
         "train_mfu": 6 * params * statistics.fmean(tokens) / train_s / (opts.peak_tflops * 1e12),
+        "train_mfu_median": 6 * params * statistics.fmean(tokens) / median_s / (opts.peak_tflops * 1e12),
         "train_tokens_per_s": statistics.fmean(tokens) / train_s,
         "peak_memory_gib": max((s.get("train/peak_memory_gib", 0.0) for s in steps), default=None),
         "response_length": mean("rollout/response_lengths"),
