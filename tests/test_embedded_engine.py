@@ -767,3 +767,101 @@ def test_a_weight_update_forgets_the_prompts_busy_slots_hold(engine):
     name, tensor = next(iter(engine.model.state_dict().items()))
     _run(engine.update_weights([(name, tensor.clone())], version=1))
     assert engine._decoder._prompts == {} and engine._decoder._prompt_of == {}
+
+
+# --- compaction of the busy slots ---------------------------------------------------------------
+
+
+def _recording_steps(eng):
+    """Wrap the decoder's ``_step`` so that every step's row count ``n`` is recorded; returns the list."""
+    dec, sizes = eng._decoder, []
+    step = dec._step
+
+    def recorded(n, step=step):
+        sizes.append(n)
+        return step(n)
+
+    dec._step = recorded
+    return sizes
+
+
+def test_compaction_moves_requests_into_freed_slots_and_changes_no_result(tiny_dir):
+    # six requests admitted together; the three in slots 0, 2 and 4 finish after 2-3 tokens, so the three long
+    # ones move down to slots 0-2 and the later steps compute 3 rows instead of 6
+    prompts = ["Hello there", "Q: 1+1=", "x", "abc", "Q: 1+1=", "a longer prompt of text"]
+    params = [{"temperature": 1.0, "max_new_tokens": n, "sampling_seed": 40 + i, "ignore_eos": True}
+              for i, n in enumerate([2, 14, 3, 10, 2, 12])]
+    outs, sizes = {}, {}
+    for compact in (True, False):
+        eng = embedded.load_engine(str(tiny_dir), max_batch_size=6)
+        if not compact:
+            eng._decoder._compact = lambda: None
+        sizes[compact] = _recording_steps(eng)
+        outs[compact] = _run(_each(eng, prompts, params))
+        assert eng._decoder._prompts == {} and not eng._decoder.busy.any()
+    # rows per step (the budgets count the prefill's token): without compaction slot 5 keeps 6 rows running until
+    # its 12th token; with it, slot 5 moves to 0 after step 1, slot 3 to 2 after step 2, slot 1 to 0 at the end
+    assert sizes[False] == [6] * 11 + [2, 2]
+    assert sizes[True] == [6, 4] + [3] * 7 + [2, 2, 1, 1]
+    alone = [_run(eng.generate(_ids(eng, p), dict(q))) for p, q in zip(prompts, params)]
+    for a, b, c in zip(outs[True], outs[False], alone):
+        assert len(a.output_ids) == len(c.output_ids) and a.finish_reason == "length"
+        assert a.output_ids == b.output_ids == c.output_ids
+        assert a.output_log_probs == pytest.approx(c.output_log_probs, abs=1e-5)
+        assert a.output_log_probs == pytest.approx(b.output_log_probs, abs=1e-5)
+
+
+def test_a_prompt_held_by_a_moved_slot_is_shared_from_its_new_slot(tiny_dir):
+    import threading
+
+    # the long request of prompt X moves from slot 3 to slot 0 once the three short ones finish; a request of the
+    # same prompt that arrives afterwards takes X's keys and values from slot 0 (no prefill) and gets what it gets alone
+    eng = embedded.load_engine(str(tiny_dir), max_batch_size=4)
+    copies = []
+    copy_prefix = eng._decoder.cache.copy_prefix
+
+    def recorded(sources, targets, length):
+        copies.append((sources.tolist(), targets.tolist()))
+        return copy_prefix(sources, targets, length)
+
+    eng._decoder.cache.copy_prefix = recorded
+    prefills = []
+    forward = eng.model.forward
+
+    def counted(*args, **kwargs):
+        if kwargs["slot_pass"].causal is not None:
+            prefills.append(kwargs["input_ids"].shape[0])
+        return forward(*args, **kwargs)
+
+    eng.model.forward = counted
+    submitted, step = threading.Event(), eng._decoder._step
+
+    def gated(n):  # the first one-row step (after the move) waits until the late request is queued
+        if n == 1:
+            assert submitted.wait(10)
+        return step(n)
+
+    eng._decoder._step = gated
+    short = {"temperature": 1.0, "max_new_tokens": 2, "ignore_eos": True}
+    late_params = {"temperature": 1.0, "max_new_tokens": 6, "sampling_seed": 9, "ignore_eos": True}
+
+    async def main():
+        firsts = [asyncio.ensure_future(eng.generate(_ids(eng, p), {**short, "sampling_seed": k}))
+                  for k, p in enumerate(["abc", "x", "Hello there"])]
+        held = asyncio.ensure_future(eng.generate(_ids(eng, "Q: 1+1="), {"temperature": 1.0, "max_new_tokens": 40,
+                                                                          "sampling_seed": 8, "ignore_eos": True}))
+        await asyncio.gather(*firsts)
+        late = asyncio.ensure_future(eng.generate(_ids(eng, "Q: 1+1="), dict(late_params)))
+        await asyncio.sleep(0)  # generate() queues the request before it first waits
+        submitted.set()
+        return await late, await held
+
+    late, held = _run(main())
+    assert ([3], [0]) in copies  # the move
+    assert prefills == [4]  # one prefill: the late request's prompt came from the moved slot
+    assert copies[-1] == ([0], [1])  # ... and its keys and values from slot 0 into the first free slot
+    eng.model.forward, eng._decoder._step = forward, step
+    alone = _run(eng.generate(_ids(eng, "Q: 1+1="), dict(late_params)))
+    assert late.output_ids == alone.output_ids
+    assert late.output_log_probs == pytest.approx(alone.output_log_probs, abs=1e-5)
+    assert len(held.output_ids) == 40

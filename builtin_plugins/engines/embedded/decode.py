@@ -7,7 +7,11 @@ one group, share a single prefill row and get copies of its keys and values), th
 one decode step for every slot at once: one forward pass, every row sampled on the
 device (:func:`~.sampling.sample_batch`), the finish test made on the device, and one
 small copy to the host per step (which rows finished). A finished request leaves its
-slot at once and the next queued request takes it at the next turn.
+slot at once and the next queued request takes it at the next turn. A step runs the slots
+up to the last busy one; without ``overlap`` (on a CPU, or a GPU without CUDA graphs), once
+more than one row in :data:`COMPACT_WHEN_IDLE` would be idle, the requests of the highest
+busy slots move into the free slots below them (keys and values copied), so that a step
+computes few rows that have finished.
 
 With ``overlap`` (on with CUDA graphs) the host reads a step's finish flags only after
 it has launched the next step, so the GPU decodes while the host finishes requests and
@@ -55,6 +59,8 @@ log = logging.getLogger("furlong.engines.embedded")
 
 # positions allocated beyond the longest prompt at first (the cache doubles when a request needs more)
 FIRST_GROWTH = 2048
+# compact the busy slots (see SlotDecoder._compact) once more than 1 row in this many of a step would be idle
+COMPACT_WHEN_IDLE = 8
 # the narrowest attention width a captured decode step reads (cache columns)
 MIN_WIDTH = 256
 
@@ -198,12 +204,14 @@ class SlotDecoder:
     # --- the loop -----------------------------------------------------------------------
 
     def run(self, take: Callable[[int], list[Request]], aborted: Callable[[Request], bool],
-            on_finish: Callable[[Request], None]) -> None:
+            on_finish: Callable[[list[Request]], None]) -> None:
         """Decode until no slot is busy and ``take`` hands out nothing more.
 
         :param take: ``take(n)`` returns up to ``n`` queued requests (it may return none).
         :param aborted: tells whether a request must stop now.
-        :param on_finish: called once per request, after its ``finish_reason`` is set.
+        :param on_finish: called with the requests that finished together (each once, its
+            ``finish_reason`` set): one call per step rather than per request, so that a caller
+            in another thread is woken once per step.
         """
         import torch
 
@@ -225,6 +233,8 @@ class SlotDecoder:
                     new = take(len(free)) if free else []
                     if new:
                         self._admit(new, free[: len(new)], on_finish)
+                    if not self.overlap:
+                        self._compact()
                     busy = np.flatnonzero(self.busy)
                     ahead = self.overlap and not self.banning
                     if len(busy) and (in_flight is None or ahead):  # (else: plan with the counts up to date)
@@ -568,6 +578,7 @@ class SlotDecoder:
         self.d_max_new[index] = 0
         self.d_busy[index] = 0
         self.d_pos[index] = 0
+        finished = []
         for s, reason, row_ids, row_lps in zip(slots, reasons, ids, lps):
             req, n = self.requests[s], int(self.count[s])
             req.output_ids, req.log_probs = row_ids[:n], row_lps[:n]
@@ -578,7 +589,8 @@ class SlotDecoder:
             self.filtering.discard(s)
             self.banning.discard(s)
             self.watched.discard(s)
-            on_finish(req)
+            finished.append(req)
+        on_finish(finished)
 
     def _release_prompt(self, slot: int) -> None:
         """``slot`` no longer holds its prompt; the prompt is forgotten with its last holder."""
@@ -590,6 +602,51 @@ class SlotDecoder:
                 self._prompts.pop(key, None)  # (a weight update in another thread may have forgotten it)
 
     # --- per-slot tables ----------------------------------------------------------------
+
+    def _compact(self) -> None:
+        """Move the requests of the highest busy slots into the free slots below them, so that the busy slots
+        are ``0 .. busy - 1``: a step runs every slot up to the last busy one, and rows that finish early would
+        otherwise be computed and thrown away until the last row above them finishes. Done once more than one
+        row in :data:`COMPACT_WHEN_IDLE` would be idle: a move copies the slot's keys and values, which costs
+        about what one decode step of the row does.
+
+        A move copies the slot's keys and values (the columns it has written), its per-slot state on the
+        host and the device, and the record of the prompt it holds. Results do not change: a row's sampling
+        depends on its request's seed and token count, not on its slot. Only between steps (never with a
+        step in flight, so not with ``overlap``)."""
+        import torch
+
+        busy = np.flatnonzero(self.busy)
+        keep = len(busy)
+        if not keep or (busy[-1] + 1 - keep) * COMPACT_WHEN_IDLE <= busy[-1] + 1:
+            return
+        sources = busy[busy >= keep]
+        targets = np.flatnonzero(~self.busy[:keep])
+        src = torch.from_numpy(sources).to(self.device)
+        dst = torch.from_numpy(targets).to(self.device)
+        self.cache.copy_prefix(src, dst, int(self.pos[sources].max()))
+        for t in (self.d_tok, self.d_lp, self.d_pos, self.d_busy, self.d_count, self.d_seed, self.d_temp,
+                  self.d_greedy, self.d_top_k, self.d_top_p, self.d_max_new, self.d_min_new, self.d_stops,
+                  self.out_ids, self.out_lp):
+            t[dst] = t[src]
+        self.d_busy[src] = 0
+        self.d_max_new[src] = 0
+        self.d_pos[src] = 0
+        for a in (self.busy, self.count, self.pos, self.admitted_at):
+            a[targets] = a[sources]
+        self.busy[sources], self.pos[sources], self.count[sources] = False, 0, 0
+        for old, new in zip(sources.tolist(), targets.tolist()):
+            self.requests[new], self.requests[old] = self.requests[old], None
+            for marked in (self.filtering, self.banning, self.watched):
+                if old in marked:
+                    marked.discard(old)
+                    marked.add(new)
+            key = self._prompt_of.pop(old, None)
+            if key is not None:
+                self._prompt_of[new] = key
+                holders = self._prompts.get(key, (None, set()))[1]
+                holders.discard(old)
+                holders.add(new)
 
     def _ensure(self, capacity: int) -> None:
         import torch

@@ -297,7 +297,7 @@ class EmbeddedEngine:
         self._use_device()
         self._decoder.run(
             take=self._take, aborted=self._aborted,
-            on_finish=lambda req: loop.call_soon_threadsafe(self._resolve, req, req.finish_reason),
+            on_finish=lambda reqs: loop.call_soon_threadsafe(self._resolve_all, reqs),
         )
 
     def _take(self, n: int) -> list[Request]:
@@ -318,6 +318,10 @@ class EmbeddedEngine:
     def _forget(self, req: Request) -> None:
         if req.rid is not None and self._by_rid.get(req.rid) is req:
             del self._by_rid[req.rid]
+
+    def _resolve_all(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            self._resolve(req, req.finish_reason)
 
     def _resolve(self, req: Request, reason: str) -> None:
         self._forget(req)
