@@ -136,7 +136,7 @@ def test_a_switch_for_a_feature_the_model_lacks_is_refused_without_num_layers_to
 
 def test_configure_reports_architecture_and_unsupported_parallelism(tiny_model_dir):
     args = train_args(tiny_model_dir, num_layers=3, pipeline_model_parallel_size=3, sequence_parallel=True,
-                      virtual_pipeline_model_parallel_size=2, tensor_model_parallel_size=1,
+                      context_parallel_size=2, virtual_pipeline_model_parallel_size=2, tensor_model_parallel_size=1,
                       megatron_flags_given=["--num-layers", "--use-distributed-optimizer"])
     report = ConfigReport(plugin="megatron")
     configure(args=args, report=report)
@@ -146,8 +146,8 @@ def test_configure_reports_architecture_and_unsupported_parallelism(tiny_model_d
             "(--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers give the first and last "
             "stages other counts).") in report.errors
     assert "--virtual-pipeline-model-parallel-size 2 is not supported yet by --train-backend megatron." in report.errors
-    assert ("--sequence-parallel with --pipeline-model-parallel-size 3 is not supported yet by --train-backend "
-            "megatron (sequence parallelism works with tensor and data parallelism).") in report.errors
+    assert ("--sequence-parallel with --context-parallel-size 2 is not supported yet by --train-backend "
+            "megatron (sequence parallelism works with tensor, pipeline and data parallelism).") in report.errors
     assert not any("--sequence-parallel changes nothing" in w for w in report.warnings)  # it is refused instead
     alone = ConfigReport(plugin="megatron")
     configure(args=train_args(tiny_model_dir, sequence_parallel=True, tensor_model_parallel_size=1), report=alone)
@@ -155,14 +155,17 @@ def test_configure_reports_architecture_and_unsupported_parallelism(tiny_model_d
                               "Megatron, it is off there)."] and not alone.errors
 
 
-def test_configure_accepts_sequence_parallelism_with_tensor_parallelism(tiny_model_dir):
+def test_configure_accepts_sequence_parallelism_with_tensor_and_pipeline_parallelism(tiny_model_dir):
     report = ConfigReport(plugin="megatron")
     configure(args=train_args(tiny_model_dir, tensor_model_parallel_size=2, sequence_parallel=True), report=report)
+    configure(args=train_args(tiny_model_dir, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                              sequence_parallel=True), report=report)
     assert not report.errors and not report.warnings
     configure(args=train_args(tiny_model_dir, tensor_model_parallel_size=2, context_parallel_size=2,
                               sequence_parallel=True), report=report)
     assert report.errors == ["--sequence-parallel with --context-parallel-size 2 is not supported yet by "
-                             "--train-backend megatron (sequence parallelism works with tensor and data parallelism)."]
+                             "--train-backend megatron (sequence parallelism works with tensor, pipeline and data "
+                             "parallelism)."]
 
 
 def test_configure_accepts_parallel_sizes_of_one_which_change_nothing(tiny_model_dir):
@@ -853,8 +856,8 @@ def test_context_parallel_four_ranks(tiny_model_dir, tmp_path):
     """Four gloo ranks (GQA Llama; sequence lengths that are not multiples of 2 x CP; a temperature; an entropy
     bonus in the loss). At TP=2 x CP=2 (packed and padded micro-batches): log-probs, entropy, two AdamW steps
     (losses, grad norms, weights) equal CP=1's, a CP=1 checkpoint loads and the CP=2 one loads at CP=1. At
-    CP=2 x DP=2 (padded) and PP=2 x CP=2 (packed and padded) the same two steps (and at PP=2 x CP=2 the same
-    log-probs from the last stage)."""
+    CP=2 x DP=2 (padded), PP=2 x CP=2 and TP=2 x PP=2 with sequence parallelism (packed and padded) the same
+    two steps (and at PP=2 the same log-probs from the last stage)."""
     from .tiny_model import run_two_ranks
 
     hf_dir = gqa_llama_dir(tiny_model_dir, tmp_path / "hf")
@@ -877,13 +880,14 @@ def test_context_parallel_four_ranks(tiny_model_dir, tmp_path):
         for name, tensor in expected.items():
             assert torch.equal(got["loaded"][name], tensor), name
         assert got["global_step"] == 2
-        pipelined = torch.load(tmp_path / f"pp2cp2_rank{rank}.pt", weights_only=True)
-        for key in ("log_probs", "entropy"):
-            for a, b in zip(old[key], pipelined["log_probs"][key]):
-                assert (b is None) == (rank < 2), rank  # ranks 0 and 1 are the first stage
-                if b is not None:
-                    torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
-        for got in (got, torch.load(tmp_path / f"cp2dp2_rank{rank}.pt", weights_only=True), pipelined):
+        pipelined = [torch.load(tmp_path / f"{run}_rank{rank}.pt", weights_only=True) for run in ("pp2cp2", "tp2pp2sp")]
+        for run in pipelined:
+            for key in ("log_probs", "entropy"):
+                for a, b in zip(old[key], run["log_probs"][key]):
+                    assert (b is None) == (rank < 2), rank  # ranks 0 and 1 are the first stage
+                    if b is not None:
+                        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        for got in (got, torch.load(tmp_path / f"cp2dp2_rank{rank}.pt", weights_only=True), *pipelined):
             assert len(got["metrics"]) == 2
             for want, step in zip(metrics, got["metrics"]):
                 for key in ("grad_norm", "loss", "entropy"):

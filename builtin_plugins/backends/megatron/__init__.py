@@ -98,15 +98,11 @@ def configure(args, report):
 def _check_sequence_parallel(args, report) -> None:
     if not getattr(args, "sequence_parallel", False):
         return
-    refused = False
-    for flag, dest in (("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
-                       ("--context-parallel-size", "context_parallel_size")):
-        size = int(getattr(args, dest, 1) or 1)
-        if size > 1:
-            refused = True
-            report.error(f"--sequence-parallel with {flag} {size} is not supported yet by --train-backend megatron "
-                         "(sequence parallelism works with tensor and data parallelism).")
-    if not refused and int(getattr(args, "tensor_model_parallel_size", 1) or 1) == 1:
+    size = int(getattr(args, "context_parallel_size", 1) or 1)
+    if size > 1:
+        report.error(f"--sequence-parallel with --context-parallel-size {size} is not supported yet by --train-backend "
+                     "megatron (sequence parallelism works with tensor, pipeline and data parallelism).")
+    elif int(getattr(args, "tensor_model_parallel_size", 1) or 1) == 1:
         report.warn("--sequence-parallel changes nothing without --tensor-model-parallel-size > 1 (as in Megatron, "
                     "it is off there).")
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 from furlong.hooks import TrainBatch
 from furlong.hooks.trainer import sum_step_metrics
 
-from .logprobs import micro_batch_inputs, projecting_rows, response_log_probs
+from .logprobs import micro_batch_inputs, projecting_rows, response_log_probs, sequence_parallel_size
 
 __all__ = ["PipelineStages", "broadcast_from_last_stage", "run_schedule"]
 
@@ -40,6 +40,9 @@ def run_schedule(model, chunks: list[list[int]], inputs: Callable, finish: Calla
         batch = inputs(ids)
         with projecting_rows(stage_model, batch.head_rows):
             output = stage_model(input_ids=batch.ids, position_ids=None, attention_mask=None, **batch.extra)
+        # the schedule sends a stage's output to the next stage as it is, and send needs a contiguous tensor: under
+        # sequence parallelism a padded micro-batch's output ([s / TP, b, h], b > 1) is a view of a [b, s / TP, h] one
+        output = output.contiguous()
 
         def loss_func(logits):
             return finish(ids, batch, logits), torch.ones((), dtype=torch.int, device=logits.device), {}
@@ -83,7 +86,7 @@ class PipelineStages:
         def inputs(ids):
             tokens = [batch.tokens[i] for i in ids]
             return micro_batch_inputs(tokens, [int(batch.response_lengths[i]) for i in ids], self.device,
-                                      packed=self._packed(tokens))
+                                      packed=self._packed(tokens), sequence_parallel=sequence_parallel_size(net))
 
         def finish(ids, micro, logits):
             lp, ent = response_log_probs(logits, micro, batch.temperature, vocab_size=self.shape.vocab_size,
