@@ -15,6 +15,7 @@ With the model ``OUT_DIR/hf`` (the test wrote it, and a CP=1 checkpoint in ``OUT
 3. PP=2 x CP=2: log-probs and the two steps of 1. (packed micro-batches included) through the
    pipeline schedule (``OUT_DIR/pp2cp2_rank<r>.pt``).
 4. TP=2 x PP=2 with sequence parallelism: the same as 3. (``OUT_DIR/tp2pp2sp_rank<r>.pt``).
+5. TP=2 x CP=2 with sequence parallelism: log-probs and the two steps of 1. (``OUT_DIR/tp2cp2sp_rank<r>.pt``).
 """
 
 from __future__ import annotations
@@ -103,6 +104,16 @@ async def tensor_pipeline_and_sequence_parallel(out: Path, rank: int) -> None:
     parallel_state.destroy_model_parallel()
 
 
+async def tensor_context_and_sequence_parallel(out: Path, rank: int) -> None:
+    from megatron.core import parallel_state
+
+    backend = await started(out, (1, 0, rank == 0), tensor_model_parallel_size=2, context_parallel_size=2,
+                            sequence_parallel=True, use_dynamic_batch_size=True)
+    assert backend.model.config.sequence_parallel
+    torch.save(await trained(backend, out, PACKED_STEPS), out / f"tp2cp2sp_rank{rank}.pt")
+    parallel_state.destroy_model_parallel()
+
+
 async def main(out: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -110,6 +121,7 @@ async def main(out: Path) -> None:
     await context_and_data_parallel(out, dist.get_rank())
     await pipeline_and_context_parallel(out, dist.get_rank())
     await tensor_pipeline_and_sequence_parallel(out, dist.get_rank())
+    await tensor_context_and_sequence_parallel(out, dist.get_rank())
     dist.destroy_process_group()
 
 

@@ -136,7 +136,7 @@ def test_a_switch_for_a_feature_the_model_lacks_is_refused_without_num_layers_to
 
 def test_configure_reports_architecture_and_unsupported_parallelism(tiny_model_dir):
     args = train_args(tiny_model_dir, num_layers=3, pipeline_model_parallel_size=3, sequence_parallel=True,
-                      context_parallel_size=2, virtual_pipeline_model_parallel_size=2, tensor_model_parallel_size=1,
+                      virtual_pipeline_model_parallel_size=2, tensor_model_parallel_size=1,
                       megatron_flags_given=["--num-layers", "--use-distributed-optimizer"])
     report = ConfigReport(plugin="megatron")
     configure(args=args, report=report)
@@ -146,16 +146,15 @@ def test_configure_reports_architecture_and_unsupported_parallelism(tiny_model_d
             "(--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers give the first and last "
             "stages other counts).") in report.errors
     assert "--virtual-pipeline-model-parallel-size 2 is not supported yet by --train-backend megatron." in report.errors
-    assert ("--sequence-parallel with --context-parallel-size 2 is not supported yet by --train-backend "
-            "megatron (sequence parallelism works with tensor, pipeline and data parallelism).") in report.errors
-    assert not any("--sequence-parallel changes nothing" in w for w in report.warnings)  # it is refused instead
+    assert ("--sequence-parallel changes nothing without --tensor-model-parallel-size > 1 (as in Megatron, it is off "
+            "there).") in report.warnings
     alone = ConfigReport(plugin="megatron")
     configure(args=train_args(tiny_model_dir, sequence_parallel=True, tensor_model_parallel_size=1), report=alone)
     assert alone.warnings == ["--sequence-parallel changes nothing without --tensor-model-parallel-size > 1 (as in "
                               "Megatron, it is off there)."] and not alone.errors
 
 
-def test_configure_accepts_sequence_parallelism_with_tensor_and_pipeline_parallelism(tiny_model_dir):
+def test_configure_accepts_sequence_parallelism_with_tensor_pipeline_and_context_parallelism(tiny_model_dir):
     report = ConfigReport(plugin="megatron")
     configure(args=train_args(tiny_model_dir, tensor_model_parallel_size=2, sequence_parallel=True), report=report)
     configure(args=train_args(tiny_model_dir, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
@@ -163,9 +162,7 @@ def test_configure_accepts_sequence_parallelism_with_tensor_and_pipeline_paralle
     assert not report.errors and not report.warnings
     configure(args=train_args(tiny_model_dir, tensor_model_parallel_size=2, context_parallel_size=2,
                               sequence_parallel=True), report=report)
-    assert report.errors == ["--sequence-parallel with --context-parallel-size 2 is not supported yet by "
-                             "--train-backend megatron (sequence parallelism works with tensor, pipeline and data "
-                             "parallelism)."]
+    assert not report.errors and not report.warnings
 
 
 def test_configure_accepts_parallel_sizes_of_one_which_change_nothing(tiny_model_dir):
@@ -851,13 +848,35 @@ def test_rotate_is_megatron_s_rope():
         assert torch.equal(rotate(x, *angles_cos_sin(freqs, dtype)), _apply_rotary_pos_emb_bshd(x, freqs)), dtype
 
 
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("cp, tp", [(2, 2), (2, 4), (3, 2), (3, 4), (1, 4)])
+def test_micro_batches_are_padded_for_context_and_sequence_parallelism_together(monkeypatch, cp, tp, packed):
+    """Every CP rank's share of a micro-batch's positions is a multiple of TP (sequence parallelism
+    scatters it over the TP ranks) and, packed, every sequence's segment a multiple of 2 CP."""
+    from furlong.builtin_plugins.backends.megatron import logprobs
+
+    tokens = [torch.arange(3, 3 + n) for n in (5, 9, 13)]
+    for rank in range(cp):
+        monkeypatch.setattr(logprobs, "context_parallel", lambda rank=rank: (cp, rank, None))
+        inputs = logprobs.micro_batch_inputs(tokens, [2, 4, 3], "cpu", packed=packed, sequence_parallel=tp)
+        assert inputs.ids.shape[1] % tp == 0
+        if packed and cp > 1:  # the last segment alone is lengthened beyond CP's padding
+            assert all(n % (2 * cp) == 0 for n in inputs.segments)
+            assert inputs.segments[:2] == [-(-n // (2 * cp)) * 2 * cp for n in (5, 9)]
+            assert sum(inputs.segments) == cp * inputs.ids.shape[1]
+        elif packed:
+            assert inputs.ids.shape[1] == 27 + -27 % tp
+        else:  # the [B, L] grid: L (13 at most) padded to a multiple of 2 CP whose share per CP rank divides by TP
+            assert (inputs.ids.shape[1] * cp) % (2 * cp) == 0 and inputs.ids.shape[1] * cp >= 13
+
+
 @pytest.mark.timeout(240)
 def test_context_parallel_four_ranks(tiny_model_dir, tmp_path):
     """Four gloo ranks (GQA Llama; sequence lengths that are not multiples of 2 x CP; a temperature; an entropy
     bonus in the loss). At TP=2 x CP=2 (packed and padded micro-batches): log-probs, entropy, two AdamW steps
     (losses, grad norms, weights) equal CP=1's, a CP=1 checkpoint loads and the CP=2 one loads at CP=1. At
-    CP=2 x DP=2 (padded), PP=2 x CP=2 and TP=2 x PP=2 with sequence parallelism (packed and padded) the same
-    two steps (and at PP=2 the same log-probs from the last stage)."""
+    CP=2 x DP=2 (padded), PP=2 x CP=2, and TP=2 x PP=2 and TP=2 x CP=2 with sequence parallelism (packed and
+    padded) the same two steps (and the same log-probs from the ranks that hold them)."""
     from .tiny_model import run_two_ranks
 
     hf_dir = gqa_llama_dir(tiny_model_dir, tmp_path / "hf")
@@ -874,9 +893,11 @@ def test_context_parallel_four_ranks(tiny_model_dir, tmp_path):
 
     for rank in range(4):
         got = torch.load(tmp_path / f"tp2cp2_rank{rank}.pt", weights_only=True)
-        for key in ("log_probs", "entropy"):  # every rank holds whole sequences (rank 0 returns them)
-            for a, b in zip(old[key], got["log_probs"][key]):
-                torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        sequence_parallel = torch.load(tmp_path / f"tp2cp2sp_rank{rank}.pt", weights_only=True)
+        for run in (got, sequence_parallel):
+            for key in ("log_probs", "entropy"):  # every rank holds whole sequences (rank 0 returns them)
+                for a, b in zip(old[key], run["log_probs"][key]):
+                    torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
         for name, tensor in expected.items():
             assert torch.equal(got["loaded"][name], tensor), name
         assert got["global_step"] == 2
@@ -887,7 +908,8 @@ def test_context_parallel_four_ranks(tiny_model_dir, tmp_path):
                     assert (b is None) == (rank < 2), rank  # ranks 0 and 1 are the first stage
                     if b is not None:
                         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
-        for got in (got, torch.load(tmp_path / f"cp2dp2_rank{rank}.pt", weights_only=True), *pipelined):
+        for got in (got, torch.load(tmp_path / f"cp2dp2_rank{rank}.pt", weights_only=True), *pipelined,
+                    sequence_parallel):
             assert len(got["metrics"]) == 2
             for want, step in zip(metrics, got["metrics"]):
                 for key in ("grad_norm", "loss", "entropy"):

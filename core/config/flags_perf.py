@@ -65,7 +65,7 @@ def add(g, dev) -> None:
     g.add_argument("--fp16", action="store_true", help="Train in float16 (turns bf16 off).")
     for flag, default, text in (
         ("--tensor-model-parallel-size", 1,
-         "tensor-parallel size (values > 1 may add --sequence-parallel, with CP = 1)"),
+         "tensor-parallel size (values > 1 may add --sequence-parallel)"),
         ("--pipeline-model-parallel-size", 1, "pipeline-parallel size"),
         ("--virtual-pipeline-model-parallel-size", None, "virtual pipeline stages per rank"),
         ("--context-parallel-size", 1, "context-parallel size (the fsdp backend needs 1)"),
@@ -75,7 +75,7 @@ def add(g, dev) -> None:
     ):
         megatron(g, flag, type=int, default=default, help=f"Megatron: {text}.")
     megatron(g, "--sequence-parallel", action="store_true",
-             help="Megatron: sequence parallelism with --tensor-model-parallel-size > 1 and CP = 1 (megatron "
+             help="Megatron: sequence parallelism with --tensor-model-parallel-size > 1 (megatron "
                   "backend; a warning at TP 1; the fsdp backend ignores it with a warning).")
     megatron(g, "--recompute-granularity", choices=["full", "selective"], default=None,
              help="Megatron: activation recompute granularity.")

@@ -98,11 +98,7 @@ def configure(args, report):
 def _check_sequence_parallel(args, report) -> None:
     if not getattr(args, "sequence_parallel", False):
         return
-    size = int(getattr(args, "context_parallel_size", 1) or 1)
-    if size > 1:
-        report.error(f"--sequence-parallel with --context-parallel-size {size} is not supported yet by --train-backend "
-                     "megatron (sequence parallelism works with tensor, pipeline and data parallelism).")
-    elif int(getattr(args, "tensor_model_parallel_size", 1) or 1) == 1:
+    if int(getattr(args, "tensor_model_parallel_size", 1) or 1) == 1:
         report.warn("--sequence-parallel changes nothing without --tensor-model-parallel-size > 1 (as in Megatron, "
                     "it is off there).")
 

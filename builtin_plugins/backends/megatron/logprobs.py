@@ -16,6 +16,7 @@ fsdp backend). Backward needs no communication: each rank computes the gradient 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Sequence
 
 import attrs
@@ -140,21 +141,24 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
                        packed: bool = False, sequence_parallel: int = 1) -> MicroBatchInputs:
     """The model inputs of a micro-batch (see :func:`forward_log_probs` for the two layouts).
 
-    :param sequence_parallel: the TP size under sequence parallelism (else 1): the positions are padded
-        to a multiple of it (packed: the last sequence's segment is lengthened; its pad tokens come after
-        its real ones, which causal attention keeps them from reaching), and every position is projected.
+    :param sequence_parallel: the TP size under sequence parallelism (else 1): the positions (each CP
+        rank's share of them under CP) are padded to a multiple of it (packed: the last sequence's segment
+        is lengthened; its pad tokens come after its real ones, which causal attention keeps them from
+        reaching), and every position is projected.
     :raises ValueError: a response that starts at position 0 (no previous token).
     """
     seqs, ids = right_padded(tokens, response_lengths)
     cp, cp_rank, _ = context_parallel()
     extra: dict = {}
     segments = None
+    # positions in all: a multiple of 2 CP (CP's chunks) whose share per CP rank is a multiple of TP (sequence parallel)
+    multiple = math.lcm(2 * cp, cp * sequence_parallel) if cp > 1 else sequence_parallel
     if packed:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         lengths = [len(s) for s in seqs]
         segments = [padded_length(n, cp) if cp > 1 else n for n in lengths]
-        segments[-1] += -sum(segments) % sequence_parallel
+        segments[-1] += -sum(segments) % multiple
         starts = [0]
         for n in segments:
             starts.append(starts[-1] + n)
@@ -164,9 +168,7 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
                                                      max_seqlen_q=max(segments), max_seqlen_kv=max(segments))
         spans = [(0, a + n - int(t) - 1, a + n - 1) for a, n, t in zip(starts, lengths, response_lengths)]
     else:
-        if cp > 1:
-            ids = F.pad(ids, (0, padded_length(ids.shape[1], cp) - ids.shape[1]))
-        ids = F.pad(ids, (0, -ids.shape[1] % sequence_parallel))
+        ids = F.pad(ids, (0, -ids.shape[1] % multiple))
         spans = [(i, len(s) - int(t) - 1, len(s) - 1) for i, (s, t) in enumerate(zip(seqs, response_lengths))]
     if cp == 1 and sequence_parallel == 1:
         return _response_rows(ids, spans, device, extra)

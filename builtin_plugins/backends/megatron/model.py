@@ -219,14 +219,14 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
     the schedule unscaled (``calculate_per_token_loss``: the objective carries the step's
     denominators). With ``cp > 1`` the model takes this rank's chunks of each sequence
     (:mod:`.context`: :class:`~.attention.RopeSelfAttention` picks their RoPE positions, the attention
-    gathers keys and values). With ``sequence_parallel`` (TP > 1, CP 1) the activations between
-    the tensor-parallel regions, and those the pipeline stages exchange, hold each TP rank's chunk of the
-    sequence (megatron-core's sequence parallelism), so inputs must have a multiple of ``tp`` positions. Norms and the MLP's activation are
+    gathers keys and values). With ``sequence_parallel`` (TP > 1) the activations between the
+    tensor-parallel regions, and those the pipeline stages exchange, hold each TP rank's chunk of the
+    sequence (of this CP rank's share under CP: megatron-core's sequence parallelism), so inputs must have
+    a multiple of ``tp`` positions per CP rank. Norms and the MLP's activation are
     :mod:`.layers`' (:func:`_fused_spec`).
 
     :param vocab_rows: embedding/output rows (:func:`~.config.padded_vocab_size`).
     :param dtype: every parameter's dtype (norm scales included).
-    :raises PluginError: ``sequence_parallel`` with ``cp`` > 1.
     :returns: the model; logits stay vocab-parallel (``[b, s, vocab_rows / tp]``) on the last stage, other
         stages return hidden states ``[s, b, h]``.
     """
@@ -251,8 +251,6 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_layernorm)
     spec.submodules.self_attention.module = RopeSelfAttention
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    if sequence_parallel and cp > 1:
-        raise PluginError("megatron: sequence parallelism is built with CP = 1 only.")
     spec = _fused_spec(spec, config, shape.qk_layernorm)
     scaling = {"rope_scaling": True, "rope_scaling_factor": shape.rope_scaling_factor} if (
         shape.rope_scaling_factor is not None) else {}
