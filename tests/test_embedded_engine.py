@@ -834,10 +834,11 @@ def test_a_prompt_held_by_a_moved_slot_is_shared_from_its_new_slot(tiny_dir):
         return forward(*args, **kwargs)
 
     eng.model.forward = counted
-    submitted, step = threading.Event(), eng._decoder._step
+    moved, submitted, step = threading.Event(), threading.Event(), eng._decoder._step
 
     def gated(n):  # the first one-row step (after the move) waits until the late request is queued
-        if n == 1:
+        if n == 1 and not moved.is_set():
+            moved.set()
             assert submitted.wait(10)
         return step(n)
 
@@ -851,6 +852,7 @@ def test_a_prompt_held_by_a_moved_slot_is_shared_from_its_new_slot(tiny_dir):
         held = asyncio.ensure_future(eng.generate(_ids(eng, "Q: 1+1="), {"temperature": 1.0, "max_new_tokens": 40,
                                                                           "sampling_seed": 8, "ignore_eos": True}))
         await asyncio.gather(*firsts)
+        assert await asyncio.to_thread(moved.wait, 10)  # queued now, the late request would take the move's place
         late = asyncio.ensure_future(eng.generate(_ids(eng, "Q: 1+1="), dict(late_params)))
         await asyncio.sleep(0)  # generate() queues the request before it first waits
         submitted.set()
