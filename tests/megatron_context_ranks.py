@@ -94,23 +94,14 @@ async def pipeline_and_context_parallel(out: Path, rank: int) -> None:
     parallel_state.destroy_model_parallel()
 
 
-async def tensor_pipeline_and_sequence_parallel(out: Path, rank: int) -> None:
+async def sequence_parallel(out: Path, name: str, layout: tuple, **flags) -> None:
+    """TP=2 with sequence parallelism and ``flags`` (PP=2 or CP=2): log-probs and the steps of 1."""
     from megatron.core import parallel_state
 
-    backend = await started(out, (1, 0, rank == 2), tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                            sequence_parallel=True, use_dynamic_batch_size=True)
+    backend = await started(out, layout, tensor_model_parallel_size=2, sequence_parallel=True,
+                            use_dynamic_batch_size=True, **flags)
     assert backend.model.config.sequence_parallel
-    torch.save(await trained(backend, out, PACKED_STEPS), out / f"tp2pp2sp_rank{rank}.pt")
-    parallel_state.destroy_model_parallel()
-
-
-async def tensor_context_and_sequence_parallel(out: Path, rank: int) -> None:
-    from megatron.core import parallel_state
-
-    backend = await started(out, (1, 0, rank == 0), tensor_model_parallel_size=2, context_parallel_size=2,
-                            sequence_parallel=True, use_dynamic_batch_size=True)
-    assert backend.model.config.sequence_parallel
-    torch.save(await trained(backend, out, PACKED_STEPS), out / f"tp2cp2sp_rank{rank}.pt")
+    torch.save(await trained(backend, out, PACKED_STEPS), out / f"{name}_rank{dist.get_rank()}.pt")
     parallel_state.destroy_model_parallel()
 
 
@@ -120,8 +111,9 @@ async def main(out: Path) -> None:
     await tensor_and_context_parallel(out, dist.get_rank())
     await context_and_data_parallel(out, dist.get_rank())
     await pipeline_and_context_parallel(out, dist.get_rank())
-    await tensor_pipeline_and_sequence_parallel(out, dist.get_rank())
-    await tensor_context_and_sequence_parallel(out, dist.get_rank())
+    rank = dist.get_rank()
+    await sequence_parallel(out, "tp2pp2sp", (1, 0, rank == 2), pipeline_model_parallel_size=2)
+    await sequence_parallel(out, "tp2cp2sp", (1, 0, rank == 0), context_parallel_size=2)
     dist.destroy_process_group()
 
 
