@@ -8,8 +8,9 @@ plans its micro-batches with the core's planner as ``run_demo.sh`` does (``--mic
 64``) and as a run without micro-batch flags does (packed by tokens, the default budget), counts
 how the groups land in micro-batches, then times over the 256 samples, micro-batch by
 micro-batch: the log-prob pass (no grad) and forward + backward of a policy-gradient loss, each
-with prompt sharing and without (``forward_log_probs(share_prompts=False)``), alternating, the
-best of ``--repeats`` runs each.
+without prompt sharing (``forward_log_probs(share_prompts=False)``) and with it in each of its
+two layouts (``rows`` and ``two_passes``, forced for every micro-batch), alternating, the best of
+``--repeats`` runs each.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import json
 import time
 from pathlib import Path
 
+import attrs
 import torch
 
+from furlong.builtin_plugins.backends.fsdp import shared_prompts
 from furlong.builtin_plugins.backends.fsdp.logprobs import forward_log_probs
 from furlong.core.batching import plan_steps
 from furlong.core.config.rules import DEFAULT_TOKENS_PER_MICRO_BATCH
@@ -60,21 +63,33 @@ def placement(plan: list[list[int]], samples: int) -> dict:
             "prompt_passes": sum(len({i // samples for i in micro}) for micro in plan)}
 
 
-def timed(model, tokens, lengths, plan, *, grad: bool, repeats: int) -> dict[bool, float]:
-    """Best seconds of one pass over every micro-batch of ``plan`` (forward, plus backward when ``grad``),
-    ``{share_prompts: seconds}``; the two ways alternate, so load from other jobs hits both alike."""
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(repeats):
-        for share in (False, True):
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            for micro in plan:
-                lp, _ = forward_log_probs(model, [tokens[i] for i in micro], [lengths[i] for i in micro], 1.0,
-                                          "cpu", grad=grad, entropy_grad=False, share_prompts=share)
-                if grad:
-                    (sum(-x.mean() for x in lp if len(x)) / len(tokens)).backward()
-            times[share].append(time.perf_counter() - start)
-    return {share: min(t) for share, t in times.items()}
+WAYS = ("unshared", shared_prompts.TWO_PASSES, shared_prompts.ROWS)
+
+
+def timed(model, tokens, lengths, plan, *, grad: bool, repeats: int) -> dict[str, float]:
+    """Best seconds of one pass over every micro-batch of ``plan`` (forward, plus backward when ``grad``) for
+    each of :data:`WAYS`; the ways alternate, so load from other jobs hits them alike."""
+    planner = shared_prompts.plan_sharing
+    times: dict[str, list[float]] = {way: [] for way in WAYS}
+    try:
+        for _ in range(repeats):
+            for way in WAYS:
+                def forced(*args, _way=way, **kwargs):
+                    plan_ = planner(*args, **kwargs)
+                    return None if plan_ is None else attrs.evolve(plan_, layout=_way)
+
+                shared_prompts.plan_sharing = forced
+                model.zero_grad(set_to_none=True)
+                start = time.perf_counter()
+                for micro in plan:
+                    lp, _ = forward_log_probs(model, [tokens[i] for i in micro], [lengths[i] for i in micro], 1.0,
+                                              "cpu", grad=grad, entropy_grad=False, share_prompts=way != "unshared")
+                    if grad:
+                        (sum(-x.mean() for x in lp if len(x)) / len(tokens)).backward()
+                times[way].append(time.perf_counter() - start)
+    finally:
+        shared_prompts.plan_sharing = planner
+    return {way: min(t) for way, t in times.items()}
 
 
 def main() -> None:
@@ -105,7 +120,7 @@ def main() -> None:
         row = placement(plan, 8)
         for grad, label in ((False, "log_probs_s"), (True, "forward_backward_s")):
             best = timed(model, tokens, lengths, plan, grad=grad, repeats=args.repeats)
-            row[f"{label}_unshared"], row[f"{label}_shared"] = round(best[False], 4), round(best[True], 4)
+            row.update({f"{label}_{way}": round(seconds, 4) for way, seconds in best.items()})
         report["plans"][name] = row
     print(json.dumps(report, indent=1))
     if args.json:

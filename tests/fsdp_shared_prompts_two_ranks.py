@@ -3,8 +3,9 @@
 Usage: ``torchrun --standalone --nproc_per_node 2 fsdp_shared_prompts_two_ranks.py HF_DIR OUT_DIR``. Each rank
 runs a micro-batch of its own (two prompts, three samples each) through the FSDP2-sharded model with and
 without prompt sharing, a forward and backward each, then once more where only rank 0's micro-batch could
-share, and writes the results (log-probs, entropy, the full parameter gradients) and how many passes shared
-prompts to ``OUT_DIR/rank<r>.pt``.
+share, then once where rank 0 plans the ``rows`` layout and rank 1 ``two_passes``, and writes the results
+(log-probs, entropy, the full parameter gradients) and the layouts of the passes that shared prompts to
+``OUT_DIR/rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ async def main(hf_dir: str, out: Path) -> None:
     original = shared_prompts.shared_forward
 
     def spy(model, decoder, shared, device):
-        calls.append(len(shared.owner))
+        calls.append(shared.layout)
         return original(model, decoder, shared, device)
 
     shared_prompts.shared_forward = spy
@@ -56,6 +57,9 @@ async def main(hf_dir: str, out: Path) -> None:
     # rank 0's micro-batch shares, rank 1's does not: both run the one-pass path (same collectives)
     mixed = run(backend.model, tokens if rank == 0 else tokens[::3], lengths if rank == 0 else lengths[::3], True)
     result.update(mixed=mixed, mixed_calls=len(calls) - result["shared_calls"])
+    if rank == 1:  # rank 1's rows would need a mask over the limit, so it plans two passes
+        shared_prompts.ROWS_MASK_LIMIT = 0
+    result.update(layouts=run(backend.model, tokens, lengths, True), shared_layouts=list(calls))
     torch.save(result, out / f"rank{rank}.pt")
     dist.destroy_process_group()
 

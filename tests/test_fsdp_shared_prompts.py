@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -63,16 +64,29 @@ def _run(model, tokens, lengths, *, share: bool, grad: bool, calls: list | None 
 
 @pytest.fixture
 def counted(monkeypatch):
-    """The list of micro-batch sizes that went through prompt sharing."""
+    """The list of ``(micro-batch size, layout)`` of the passes that went through prompt sharing."""
     calls = []
     original = shared_prompts.shared_forward
 
     def spy(model, decoder, shared, device):
-        calls.append(len(shared.owner))
+        calls.append((len(shared.owner), shared.layout))
         return original(model, decoder, shared, device)
 
     monkeypatch.setattr(shared_prompts, "shared_forward", spy)
     return calls
+
+
+@pytest.fixture(params=[shared_prompts.ROWS, shared_prompts.TWO_PASSES])
+def layout(request, monkeypatch):
+    """Every plan made in the test takes this layout."""
+    original = shared_prompts.plan_sharing
+
+    def forced(*args, **kwargs):
+        plan = original(*args, **kwargs)
+        return None if plan is None else attrs.evolve(plan, layout=request.param)
+
+    monkeypatch.setattr(shared_prompts, "plan_sharing", forced)
+    return request.param
 
 
 def _assert_same(a, b, lengths, atol=1e-5):
@@ -89,7 +103,7 @@ def _assert_same(a, b, lengths, atol=1e-5):
 
 @pytest.mark.parametrize("model_type", sorted(shared_prompts.MODEL_TYPES))
 @pytest.mark.parametrize("whole_logits", [False, True])
-def test_shared_prompts_give_the_unshared_values_and_gradients(model_type, whole_logits, counted, monkeypatch):
+def test_shared_prompts_give_the_unshared_values_and_gradients(model_type, whole_logits, layout, counted, monkeypatch):
     model = _tiny(model_type)
     model.config.use_cache = False  # as the backend loads it: the cache must be asked for explicitly
     if whole_logits:  # the path of FSDP2-sharded models and soft-capped logits
@@ -98,7 +112,15 @@ def test_shared_prompts_give_the_unshared_values_and_gradients(model_type, whole
     for grad in (False, True):
         shared = _run(model, tokens, lengths, share=True, grad=grad)
         _assert_same(shared, _run(model, tokens, lengths, share=False, grad=grad), lengths)
-    assert counted == [len(tokens), len(tokens)]
+    assert counted == [(len(tokens), layout)] * 2
+
+
+def test_eager_attention_shares_in_both_layouts(layout, counted):
+    model = _tiny("llama", attention="eager")
+    tokens, lengths = _micro_batch()
+    _assert_same(_run(model, tokens, lengths, share=True, grad=True),
+                 _run(model, tokens, lengths, share=False, grad=True), lengths)
+    assert counted == [(len(tokens), layout)]
 
 
 def test_plan_groups_samples_by_prefix():
@@ -108,13 +130,43 @@ def test_plan_groups_samples_by_prefix():
     assert plan.owner == [0, 1, 0, 0, 2, 2, 0, 3, 3]
     assert [len(p) for p in plan.prefixes] == [8, 11, 3, 5]
     assert [len(s) for s in plan.suffixes] == [t + 1 for t in lengths]
+    assert plan.layout == shared_prompts.ROWS
     assert shared_prompts.plan_sharing(seqs[:2], lengths[:2]) is None  # nothing shared
     assert shared_prompts.plan_sharing([torch.tensor([5, 6, 7])] * 2, [2, 2]) is None  # one-token prompts
-    # a long unshared prompt beside a short shared one: two passes pad to 2 x 19 + 3 x 11 = 71 tokens, one to 3 x 22
+
+
+def test_plan_takes_the_layout_of_least_work(monkeypatch):
+    # a long unshared prompt beside a short shared one: one pass pads to 3 x 22 = 66 tokens, two passes to
+    # 2 x 19 + 3 x 11 = 71, rows to 2 x max(19 + 3, 1 + 11 + 11) = 46
     long, short = list(range(4, 24)), [5, 6]
     seqs = [torch.tensor(long + [7, 7]), torch.tensor(short + [8] * 10), torch.tensor(short + [9] * 10)]
+    assert shared_prompts.plan_sharing(seqs, [2, 10, 10]).layout == shared_prompts.ROWS
+    monkeypatch.setattr(shared_prompts, "ROWS_MASK_LIMIT", 2 * 23 * 23 - 1)  # the rows' mask is over the limit
     assert shared_prompts.plan_sharing(seqs, [2, 10, 10]) is None
-    assert shared_prompts.plan_sharing(seqs[1:], [10, 10]) is not None
+    # four samples of 30 response tokens after a 3-token prompt, a query-key pair costing 0.01 token: one
+    # pass 4 x 33 + 0.01 x 4 x 33^2 = 175.6; rows (one of 2 + 4 x 31) 126 + 0.01 x 126^2 = 284.8;
+    # two passes 2 + 4 x 31 + 0.01 x (2^2 + 4 x 31 x 33) = 167.0
+    seqs = [torch.tensor([5, 6, 7] + [8 + k] * 30) for k in range(4)]
+    assert shared_prompts.plan_sharing(seqs, [30] * 4, pair_cost=0.01).layout == shared_prompts.TWO_PASSES
+    assert shared_prompts.plan_sharing(seqs, [30] * 4, pair_cost=0.001).layout == shared_prompts.TWO_PASSES
+    # responses of 1, 2, 3 and 10 tokens: two passes pad every suffix to 11, 2 + 4 x 11 + 0.01 x (4 + 4 x 11 x 13)
+    # = 51.8; rows lay them end to end, 2 + 20 + 0.01 x 22^2 = 26.8
+    seqs = [torch.tensor([5, 6, 7] + [8 + k] * n) for k, n in enumerate((1, 2, 3, 10))]
+    assert shared_prompts.plan_sharing(seqs, [1, 2, 3, 10], pair_cost=0.01).layout == shared_prompts.ROWS
+    # the same responses of 3 tokens each pad alike in both (18 tokens), and two passes have fewer query-key pairs
+    seqs = [torch.tensor([5, 6, 7] + [8 + k] * 3) for k in range(4)]
+    assert shared_prompts.plan_sharing(seqs, [3] * 4, pair_cost=0.01).layout == shared_prompts.TWO_PASSES
+
+
+def test_attention_pair_cost_counts_the_layer_weights():
+    from transformers import AutoConfig
+
+    demo = AutoConfig.from_pretrained(Path(__file__).parents[1] / "examples" / "demo" / "model")
+    # 4 heads of 32; weights 128 x 32 x (2 x 4 + 2 x 4) + 3 x 128 x 256 = 163,840
+    assert shared_prompts.attention_pair_cost(demo) == 2 * 4 * 32 / 163_840
+    moe = AutoConfig.for_model("qwen3_moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               intermediate_size=999, moe_intermediate_size=32, num_experts_per_tok=2)
+    assert shared_prompts.attention_pair_cost(moe) == 2 * 4 * 16 / (64 * 16 * (8 + 4) + 3 * 64 * 64)
 
 
 def test_lora_model_shares_prompts(counted):
@@ -124,10 +176,10 @@ def test_lora_model_shares_prompts(counted):
     tokens, lengths = _micro_batch()
     _assert_same(_run(model, tokens, lengths, share=True, grad=True),
                  _run(model, tokens, lengths, share=False, grad=True), lengths)
-    assert counted == [len(tokens)]
+    assert counted == [(len(tokens), shared_prompts.ROWS)]
 
 
-def test_bf16_autocast_stays_close():
+def test_bf16_autocast_stays_close(layout):
     model = _tiny("qwen2")
     tokens, lengths = _micro_batch()
 
@@ -142,8 +194,9 @@ def test_bf16_autocast_stays_close():
         assert torch.cosine_similarity(g_a[name].flatten(), g_b[name].flatten(), dim=0) > 0.99, name
 
 
-def test_gradient_checkpointing_shares_only_in_eval_mode(counted, caplog, monkeypatch):
-    """The backend trains in train mode (checkpointed layers drop the cache) and computes log-probs in eval mode."""
+def test_gradient_checkpointing_keeps_two_passes_to_eval_mode(layout, counted, caplog, monkeypatch):
+    """The backend trains in train mode (checkpointed layers drop the cache, which only ``two_passes`` needs) and
+    computes log-probs in eval mode."""
     monkeypatch.setattr(shared_prompts, "_logged", set())  # the choice is logged once per process
     model = _tiny("llama")
     enable_activation_checkpointing(model)
@@ -152,13 +205,14 @@ def test_gradient_checkpointing_shares_only_in_eval_mode(counted, caplog, monkey
     with caplog.at_level(logging.INFO, logger="furlong.backends.fsdp"):
         _assert_same(_run(model, tokens, lengths, share=True, grad=True),
                      _run(model, tokens, lengths, share=False, grad=True), lengths)
-        assert counted == []
+        assert counted == ([(len(tokens), layout)] if layout == shared_prompts.ROWS else [])
         model.eval()
         _assert_same(_run(model, tokens, lengths, share=True, grad=False),
                      _run(model, tokens, lengths, share=False, grad=False), lengths)
-        assert counted == [len(tokens)]
-    assert "fsdp: prompt sharing is off (--gradient-checkpointing drops the key/value cache in training passes); " \
-        "every sample runs its whole sequence" in caplog.messages
+        assert counted[-1] == (len(tokens), layout)
+    off = ("fsdp: prompt sharing is off (--gradient-checkpointing drops the key/value cache in training passes); "
+           "every sample runs its whole sequence")
+    assert (off in caplog.messages) == (layout == shared_prompts.TWO_PASSES)
     assert "fsdp: samples that share a prompt run it once per micro-batch (prompt sharing)" in caplog.messages
 
 
@@ -183,7 +237,8 @@ def test_models_that_cannot_share_say_why(case):
 @pytest.mark.timeout(240)
 def test_two_rank_fsdp2_shares_prompts(tiny_model_dir, tmp_path):
     """Two gloo ranks, FSDP2-sharded: each rank's shared-prompt pass gives the unshared log-probs and gradients;
-    a micro-batch shares only when every rank's does (each pass all-gathers every layer on all ranks)."""
+    a micro-batch shares only when every rank's does, and in the layout of fewer passes when their plans differ
+    (each pass all-gathers every layer on all ranks)."""
     run_two_ranks("fsdp_shared_prompts_two_ranks.py", str(tiny_model_dir), str(tmp_path))
     for rank in (0, 1):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
@@ -192,3 +247,6 @@ def test_two_rank_fsdp2_shares_prompts(tiny_model_dir, tmp_path):
         assert result["mixed_calls"] == 0  # only rank 0 could share, so neither did
         if rank == 0:  # (the gradients, summed over ranks, include rank 1's other micro-batch)
             _assert_same(result["mixed"][:2] + (None,), result["unshared"][:2] + (None,), result["lengths"])
+        # rank 0 planned rows, rank 1 two passes: both ran two passes (one forward pass each would not match)
+        assert result["shared_layouts"] == [shared_prompts.ROWS, shared_prompts.TWO_PASSES]
+        _assert_same(result["layouts"], result["unshared"], result["lengths"])

@@ -113,13 +113,13 @@ def forward_log_probs(
 
     seqs, ids = right_padded(tokens, response_lengths)
     split = _split_head(model)
-    shared = shared_prompts.plan_sharing(seqs, response_lengths) if share_prompts else None
+    pair_cost = shared_prompts.attention_pair_cost(getattr(base_model(model), "config", None))
+    shared = shared_prompts.plan_sharing(seqs, response_lengths, pair_cost) if share_prompts else None
     if shared is not None:
-        reason = shared_prompts.sharing_off_reason(model)
+        reason = shared_prompts.sharing_off_reason(model, shared.layout)
         shared_prompts.log_choice(reason)
         shared = None if reason else shared
-    if not shared_prompts.all_ranks_share(shared is not None, model, device):
-        shared = None
+    shared = shared_prompts.all_ranks_share(shared, model, device)
     with torch.set_grad_enabled(grad), autocast if autocast is not None else nullcontext():
         if shared is not None:  # out[i, k] predicts ids[i, k + 1]; the response starts at k = 1
             out, ids = shared_prompts.shared_forward(model, None if split is None else split[0], shared, device)

@@ -1,27 +1,35 @@
 """Prompt sharing: a prompt that several samples of a micro-batch share runs through the decoder once.
 
 GRPO and its relatives draw ``n`` responses per prompt, so a micro-batch usually holds
-groups of samples whose prompt tokens are identical. Instead of one right-padded pass over
-every whole sequence, :func:`shared_forward` runs two:
+groups of samples whose prompt tokens are identical. Each sample splits into a *prefix* (its
+tokens before its last prompt token) and a *suffix* (its last prompt token, then its
+response); samples with the same prefix share it. Instead of one right-padded pass over every
+whole sequence, :func:`shared_forward` takes one of two layouts:
 
-1. the ``U`` distinct *prefixes* (each sample's tokens before its last prompt token),
-   right-padded to ``P``, with a key/value cache: per layer ``[U, kv_heads, P, d]``;
-2. the cache gathered along the batch dimension (one row per sample; an indexing op, so
-   differentiable) and each sample's *suffix* (its last prompt token, then its response),
-   right-padded to ``S``, at positions ``len(prefix) + 0 .. S-1``, under a ``[N, P + S]``
-   attention mask that is 1 on the sample's real prefix tokens and its real suffix tokens
-   and 0 on the prefix padding and the suffix padding.
+``rows`` (one pass): one row per distinct prefix, the prefix followed by the suffixes of all
+its samples one after another, right-padded to the longest row, under a 4-D attention mask
+that lets each suffix token see its prefix and the earlier tokens of its own suffix, and
+nothing else (the row is a tree: a trunk and one branch per sample). Suffix tokens sit at
+rotary positions ``len(prefix) + 0, 1, ...``, as in the whole sequence.
 
-Every suffix query attends to exactly the keys it attends to in one pass over the whole
-sequence (its prefix, then the suffix tokens up to itself), at the same rotary positions,
-so the outputs are those of the unshared pass up to float rounding; the backward pass runs
-through the gather into stage 1, so parameter gradients are too. Stage 2 starts at the last
-prompt token rather than the first response token so that every position that predicts a
-response token is a stage-2 output (stage 1 needs no output projection at all).
+``two_passes``: the ``U`` distinct prefixes, right-padded to ``P``, with a key/value cache
+(per layer ``[U, kv_heads, P, d]``); then the cache gathered along the batch dimension (one
+row per sample; an indexing op, so differentiable) and each sample's suffix, right-padded to
+``S``, at positions ``len(prefix) + 0 .. S-1``, under a ``[N, P + S]`` attention mask that is
+1 on the sample's real prefix tokens and its real suffix tokens and 0 on the padding.
 
-Work saved: the prompt of a group of ``n`` runs once instead of ``n`` times; a micro-batch
-takes this path only when its padded token count ``U * P + N * S`` is below the unshared
-``N * L``.
+In both, every suffix query attends to exactly the keys it attends to in one pass over the
+whole sequence, at the same rotary positions, so the outputs are those of the unshared pass
+up to float rounding, and so are the parameter gradients. The suffix starts at the last prompt
+token rather than the first response token so that every position that predicts a response
+token is a suffix position.
+
+Which layout, if any: :func:`plan_sharing` estimates each one's work as padded tokens (each
+costs a pass through a layer's weights) plus query-key pairs of attention (each costs
+:func:`attention_pair_cost` of a token) and takes the cheapest of the two and the unshared
+pass. ``rows`` wins when responses are short beside the prompt (its attention is over whole
+rows, so long responses make it quadratic in the group's total length); it also pads less,
+since a group's responses are laid end to end rather than each padded to the longest.
 """
 
 from __future__ import annotations
@@ -36,8 +44,9 @@ from furlong.hooks.hf import decoder_layers
 
 from .lora import base_model
 
-__all__ = ["ATTENTION_IMPLEMENTATIONS", "MODEL_TYPES", "SharedPrompts", "all_ranks_share", "log_choice",
-           "plan_sharing", "shared_forward", "sharing_off_reason"]
+__all__ = ["ATTENTION_IMPLEMENTATIONS", "MODEL_TYPES", "ROWS", "ROWS_MASK_LIMIT", "TWO_PASSES", "SharedPrompts",
+           "all_ranks_share", "attention_pair_cost", "log_choice", "plan_sharing", "shared_forward",
+           "sharing_off_reason"]
 
 log = logging.getLogger("furlong.backends.fsdp")
 
@@ -51,6 +60,14 @@ ATTENTION_IMPLEMENTATIONS = frozenset({"sdpa", "eager"})
 _logged: set[str] = set()
 
 
+ROWS = "rows"
+TWO_PASSES = "two_passes"
+
+ROWS_MASK_LIMIT = 1 << 24
+"""Most elements of the ``rows`` layout's ``[U, 1, R, R]`` attention mask (16M: 64 MB as float32);
+a micro-batch that would need more takes ``two_passes``."""
+
+
 @attrs.frozen
 class SharedPrompts:
     """How a micro-batch's samples share prefixes.
@@ -59,21 +76,46 @@ class SharedPrompts:
         order of first appearance.
     :ivar owner: per sample, the index of its prefix in ``prefixes``.
     :ivar suffixes: per sample, int64 ``[T_i + 1]``: its last prompt token, then its response.
+    :ivar layout: :data:`ROWS` or :data:`TWO_PASSES` (the module docstring).
     """
 
     prefixes: list
     owner: list[int]
     suffixes: list
+    layout: str = ROWS
 
 
-def plan_sharing(seqs: Sequence[Any], response_lengths: Sequence[int]) -> SharedPrompts | None:
-    """Group the samples of a micro-batch by prefix; None when sharing saves nothing.
+def attention_pair_cost(config) -> float:
+    """Work of one query-key pair of attention relative to one token's pass through a decoder layer's weights.
+
+    A pair costs ``2 x heads x head_dim`` multiply-adds (its score and its share of the values); a
+    token costs one per weight of the layer: the query, key, value and output projections and the
+    gated MLP (``3 x hidden x intermediate``; a mixture of experts counts its routed experts). 0 when
+    ``config`` lacks the sizes.
+    """
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if not hidden or not heads:
+        return 0.0
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    routed = (getattr(config, "moe_intermediate_size", None) or 0) * (getattr(config, "num_experts_per_tok", None) or 0)
+    intermediate = routed or getattr(config, "intermediate_size", None) or 4 * hidden
+    weights = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * intermediate
+    return 2 * heads * head_dim / weights
+
+
+def plan_sharing(seqs: Sequence[Any], response_lengths: Sequence[int], pair_cost: float = 0.0) -> SharedPrompts | None:
+    """Group the samples of a micro-batch by prefix and choose the layout; None when sharing saves nothing.
 
     :param seqs: B int64 tensors ``[L_i]`` (prompt + response).
     :param response_lengths: B response lengths ``T_i`` (the last ``T_i`` tokens).
+    :param pair_cost: :func:`attention_pair_cost` of the model (0 counts tokens only).
     :returns: the plan, or None when no two samples share a prefix, a sample's prompt is a
-        single token (its prefix is empty), or the two-stage padded token count
-        ``U * max P_u + B * max (T_i + 1)`` is not below the one-pass ``B * max L_i``.
+        single token (its prefix is empty), or neither layout's estimated work (padded tokens
+        plus ``pair_cost`` x query-key pairs) is below the unshared pass's: ``B L + B L^2 c``
+        against ``U R + U R^2 c`` (``rows``, ``R`` = the longest prefix plus its suffixes; only
+        while ``U R^2`` is at most :data:`ROWS_MASK_LIMIT`) and
+        ``U P + B S + (U P^2 + B S (P + S)) c`` (``two_passes``).
     """
     index: dict[tuple[int, ...], int] = {}
     owner, prefixes, suffixes = [], [], []
@@ -89,23 +131,38 @@ def plan_sharing(seqs: Sequence[Any], response_lengths: Sequence[int]) -> Shared
         suffixes.append(seq[cut:])
     if len(prefixes) == len(seqs):
         return None
-    shared_tokens = len(prefixes) * max(len(p) for p in prefixes) + len(seqs) * max(len(s) for s in suffixes)
-    if shared_tokens >= len(seqs) * max(len(s) for s in seqs):
+    n, u = len(seqs), len(prefixes)
+    whole = max(len(s) for s in seqs)
+    prefix, suffix = max(len(p) for p in prefixes), max(len(s) for s in suffixes)
+    row = max(_row_lengths(prefixes, owner, suffixes))
+    costs = {TWO_PASSES: u * prefix + n * suffix + (u * prefix**2 + n * suffix * (prefix + suffix)) * pair_cost}
+    if u * row * row <= ROWS_MASK_LIMIT:
+        costs[ROWS] = u * row + u * row * row * pair_cost
+    layout = min(costs, key=costs.__getitem__)
+    if costs[layout] >= n * whole + n * whole * whole * pair_cost:
         return None
-    return SharedPrompts(prefixes=prefixes, owner=owner, suffixes=suffixes)
+    return SharedPrompts(prefixes=prefixes, owner=owner, suffixes=suffixes, layout=layout)
 
 
-def sharing_off_reason(model) -> str | None:
-    """Why prompt sharing cannot run on ``model`` now (a peft wrapper is looked through), or None when it can.
+def _row_lengths(prefixes, owner, suffixes) -> list[int]:
+    """Per prefix, the length of its ``rows`` row: the prefix, then its samples' suffixes."""
+    lengths = [len(p) for p in prefixes]
+    for u, suffix in zip(owner, suffixes):
+        lengths[u] += len(suffix)
+    return lengths
+
+
+def sharing_off_reason(model, layout: str = TWO_PASSES) -> str | None:
+    """Why prompt sharing in ``layout`` cannot run on ``model`` now (a peft wrapper is looked through), or None
+    when it can.
 
     Never on CUDA: measured on an H200 at the Qwen2.5-0.5B shape (docs/benchmarks.md), the
     shared step took twice the one-pass step's time, whose unmasked causal attention runs on
     flash kernels.
 
-    Not with compiled decoder layers (``--train-torch-compile``). A model in train mode with
-    gradient checkpointing on cannot: its decoder layers drop the
-    cache (transformers before 5.2x drops it even without grad). The fsdp backend runs its
-    log-prob passes in eval mode, so only its training passes lose sharing.
+    Not with compiled decoder layers (``--train-torch-compile``). ``two_passes`` not in a model in
+    train mode with gradient checkpointing on: its decoder layers drop the cache (transformers
+    before 5.2x drops it even without grad); ``rows`` keeps no cache, so it runs there too.
     """
     import transformers
 
@@ -114,7 +171,7 @@ def sharing_off_reason(model) -> str | None:
                 "kernels, which costs more than the prompts save (docs/benchmarks.md)")
     if any(getattr(layer, "_compiled_call_impl", None) is not None for layer in decoder_layers(model)):
         return ("--train-torch-compile: the compiled decoder layers would be compiled again for every shape of the "
-                "key/value cache")
+                "shared-prompt passes")
     from transformers import cache_utils
 
     if not hasattr(cache_utils, "DynamicLayer"):
@@ -127,7 +184,7 @@ def sharing_off_reason(model) -> str | None:
     attention = getattr(config, "_attn_implementation", None)
     if attention not in ATTENTION_IMPLEMENTATIONS:
         return f"attention {attention!r} (prompt sharing runs under {' or '.join(sorted(ATTENTION_IMPLEMENTATIONS))})"
-    if base.training and _checkpointing(base):
+    if layout == TWO_PASSES and base.training and _checkpointing(base):
         return "--gradient-checkpointing drops the key/value cache in training passes"
     if non_full_attention(config):
         return "the model has sliding-window or other non-full attention layers"
@@ -142,12 +199,14 @@ def non_full_attention(config) -> bool:
     return any(type(layer) is not DynamicLayer for layer in getattr(DynamicCache(config=config), "layers", []))
 
 
-def all_ranks_share(share: bool, model, device) -> bool:
-    """``share`` where every rank of an FSDP2-sharded ``model`` also shares, else False (a MIN all-reduce).
+def all_ranks_share(shared: SharedPrompts | None, model, device) -> SharedPrompts | None:
+    """``shared`` in a layout every rank of an FSDP2-sharded ``model`` runs too, or None (a MIN all-reduce).
 
     Each forward pass of a sharded model all-gathers every layer's parameters on all ranks, so
-    the ranks must run the same passes: one pass everywhere, or two everywhere. An unsharded
-    model (one process) returns ``share`` without communicating.
+    the ranks must run the same passes: one pass everywhere (unshared or ``rows``), or two
+    everywhere. The ranks agree on the least sharing among them (no sharing, then
+    ``two_passes``, then ``rows``), and a rank that planned ``rows`` runs ``two_passes`` when
+    another rank does. An unsharded model (one process) returns ``shared`` without communicating.
     """
     import torch
     import torch.distributed as dist
@@ -155,10 +214,12 @@ def all_ranks_share(share: bool, model, device) -> bool:
     base = base_model(model)
     sharded = hasattr(model, "unshard") or hasattr(base, "unshard")  # fully_shard on the root (peft or not)
     if not (sharded and dist.is_available() and dist.is_initialized()):
-        return share
-    flag = torch.tensor([1 if share else 0], dtype=torch.int32, device=device)
+        return shared
+    order = [None, TWO_PASSES, ROWS]
+    flag = torch.tensor([order.index(None if shared is None else shared.layout)], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    layout = order[int(flag.item())]
+    return None if layout is None else attrs.evolve(shared, layout=layout)
 
 
 def log_choice(reason: str | None) -> None:
@@ -175,7 +236,8 @@ def log_choice(reason: str | None) -> None:
 
 
 def shared_forward(model, decoder, shared: SharedPrompts, device):
-    """The two passes of prompt sharing (see the module docstring); run under the caller's grad and autocast.
+    """The pass or passes of prompt sharing in ``shared.layout`` (the module docstring); run under the
+    caller's grad and autocast.
 
     :param model: the causal LM (peft-wrapped or FSDP2-sharded alike).
     :param decoder: the model's decoder (returns ``.last_hidden_state``), or None to call
@@ -184,50 +246,99 @@ def shared_forward(model, decoder, shared: SharedPrompts, device):
     :returns: ``(out, ids)``: ``out`` ``[N, S, H]`` hidden states (or ``[N, S, V]`` logits)
         at the suffix positions and ``ids`` the right-padded suffixes, int64 ``[N, S]`` on
         ``device``: ``out[i, k]`` predicts ``ids[i, k + 1]``.
-    :raises RuntimeError: the first pass left no cache of the prefixes (a model outside
-        :data:`MODEL_TYPES`, or one :func:`sharing_off_reason` should have refused).
+    :raises RuntimeError: in ``two_passes``, the first pass left no cache of the prefixes (a
+        model outside :data:`MODEL_TYPES`, or one :func:`sharing_off_reason` should have refused).
     """
+    import torch
+
+    suffix_len = max(len(s) for s in shared.suffixes)
+    ids = torch.zeros(len(shared.suffixes), suffix_len, dtype=torch.long)
+    for i, suffix in enumerate(shared.suffixes):
+        ids[i, : len(suffix)] = suffix
+    ids = ids.to(device)
+    net = model if decoder is None else decoder
+    if shared.layout == ROWS:
+        out = _rows_pass(net, base_model(model), shared, suffix_len, device)
+    else:
+        out = _two_passes(model, net, decoder is None, shared, ids, device)
+    return out, ids
+
+
+def _rows_pass(net, base, shared: SharedPrompts, suffix_len: int, device):
+    """The ``rows`` layout: ``[N, S, ...]`` outputs at the suffix positions, gathered from one pass over ``[U, R]``."""
+    import torch
+
+    lengths = _row_lengths(shared.prefixes, shared.owner, shared.suffixes)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    positions = torch.zeros_like(ids)
+    branch = torch.full_like(ids, -2)  # per token: -1 on the prefix (the trunk), the sample's index on its suffix
+    ends = [len(p) for p in shared.prefixes]
+    where = torch.zeros(len(shared.suffixes), suffix_len, dtype=torch.long)  # flat index of each suffix position
+    for u, prefix in enumerate(shared.prefixes):
+        ids[u, : len(prefix)] = prefix
+        positions[u, : len(prefix)] = torch.arange(len(prefix))
+        branch[u, : len(prefix)] = -1
+    for i, (u, suffix) in enumerate(zip(shared.owner, shared.suffixes)):
+        start, end = ends[u], ends[u] + len(suffix)
+        ids[u, start:end] = suffix
+        positions[u, start:end] = torch.arange(len(shared.prefixes[u]), len(shared.prefixes[u]) + len(suffix))
+        branch[u, start:end] = i
+        where[i, : len(suffix)] = torch.arange(u * width + start, u * width + end)
+        ends[u] = end
+    # key k is visible from query q when it is not later and lies on the trunk or on q's own branch
+    # (padding, branch -2, sees earlier padding, itself included, so no row of the mask is empty)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    visible = causal & ((branch.unsqueeze(1) == -1) | (branch.unsqueeze(1) == branch.unsqueeze(2)))
+    mask = visible.unsqueeze(1)
+    if getattr(base.config, "_attn_implementation", None) == "eager":  # eager adds the mask to the scores
+        mask = torch.zeros(mask.shape).masked_fill_(~mask, torch.finfo(torch.float32).min)
+    out = net(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+              use_cache=False)
+    out = out.logits if hasattr(out, "logits") else out.last_hidden_state
+    return out.reshape(-1, out.shape[-1]).index_select(0, where.reshape(-1).to(out.device)).view(
+        len(shared.suffixes), suffix_len, -1)
+
+
+def _two_passes(model, net, whole_logits: bool, shared: SharedPrompts, ids, device):
+    """The ``two_passes`` layout: ``[N, S, ...]`` outputs of the suffixes run against the prefixes' gathered cache."""
     import torch
     from transformers.cache_utils import DynamicCache
 
     base = base_model(model)
-    net = model if decoder is None else decoder
-    cache_kwarg, keep = _cache_kwarg(base if decoder is None else decoder)
+    cache_kwarg, keep = _cache_kwarg(base if whole_logits else net)
     prefix_len = max(len(p) for p in shared.prefixes)
-    suffix_len = max(len(s) for s in shared.suffixes)
+    suffix_len = ids.shape[1]
     prefix_ids = torch.zeros(len(shared.prefixes), prefix_len, dtype=torch.long)
     prefix_mask = torch.zeros_like(prefix_ids)
     for u, prefix in enumerate(shared.prefixes):
         prefix_ids[u, : len(prefix)] = prefix
         prefix_mask[u, : len(prefix)] = 1
-    ids = torch.zeros(len(shared.suffixes), suffix_len, dtype=torch.long)
     mask = torch.zeros(len(shared.suffixes), prefix_len + suffix_len, dtype=torch.long)
     starts = torch.tensor([len(shared.prefixes[u]) for u in shared.owner], dtype=torch.long)
     for i, (u, suffix) in enumerate(zip(shared.owner, shared.suffixes)):
-        ids[i, : len(suffix)] = suffix
         mask[i, : len(shared.prefixes[u])] = 1
         mask[i, prefix_len : prefix_len + len(suffix)] = 1
     positions = starts.unsqueeze(1) + torch.arange(suffix_len).unsqueeze(0)
 
     cache = DynamicCache(config=base.config)
-    extra = {"logits_to_keep": 1} if decoder is None and keep else {}
+    extra = {"logits_to_keep": 1} if whole_logits and keep else {}
     first = net(input_ids=prefix_ids.to(device), attention_mask=prefix_mask.to(device), use_cache=True,
                 **{cache_kwarg: cache}, **extra)
     if cache.get_seq_length() != prefix_len:
         raise RuntimeError(f"prompt sharing: the prefix pass cached {cache.get_seq_length()} of {prefix_len} "
                            f"positions ({type(base).__name__} does not fill a key/value cache here)")
     cache.batch_select_indices(torch.tensor(shared.owner, device=device))
-    ids = ids.to(device)
     out = net(input_ids=ids, attention_mask=mask.to(device), position_ids=positions.to(device), use_cache=True,
               **{cache_kwarg: cache})
-    if decoder is not None:
-        return out.last_hidden_state, ids
+    if not whole_logits:
+        return out.last_hidden_state
     if torch.is_grad_enabled() and first.logits.requires_grad:
         # The prefix pass's logits feed nothing, so no gradient reaches its last layer's output and FSDP2's
         # pre-backward hook there (which gathers the layer's parameters) would never run before the backward
         # through that layer's cached keys and values. A zero-weighted term makes it run; the values are unchanged.
-        return out.logits + 0.0 * first.logits.sum(), ids
-    return out.logits, ids
+        return out.logits + 0.0 * first.logits.sum()
+    return out.logits
 
 
 def _checkpointing(model) -> bool:
