@@ -74,10 +74,7 @@ def right_padded(tokens: Sequence[Any], response_lengths: Sequence[int]):
     for i, (seq, t) in enumerate(zip(seqs, response_lengths)):
         if t > 0 and len(seq) - t < 1:
             raise ValueError(f"sample {i}: response_length {t} leaves no prompt token in {len(seq)} tokens")
-    ids = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
-    for i, seq in enumerate(seqs):
-        ids[i, : len(seq)] = seq
-    return seqs, ids
+    return seqs, torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
 
 
 def concatenated_ranges(starts, lengths):

@@ -251,11 +251,8 @@ def shared_forward(model, decoder, shared: SharedPrompts, device):
     """
     import torch
 
-    suffix_len = max(len(s) for s in shared.suffixes)
-    ids = torch.zeros(len(shared.suffixes), suffix_len, dtype=torch.long)
-    for i, suffix in enumerate(shared.suffixes):
-        ids[i, : len(suffix)] = suffix
-    ids = ids.to(device)
+    ids = torch.nn.utils.rnn.pad_sequence(list(shared.suffixes), batch_first=True).to(device)
+    suffix_len = ids.shape[1]
     net = model if decoder is None else decoder
     if shared.layout == ROWS:
         out = _rows_pass(net, base_model(model), shared, suffix_len, device)
@@ -268,33 +265,46 @@ def _rows_pass(net, base, shared: SharedPrompts, suffix_len: int, device):
     """The ``rows`` layout: ``[N, S, ...]`` outputs at the suffix positions, gathered from one pass over ``[U, R]``."""
     import torch
 
-    lengths = _row_lengths(shared.prefixes, shared.owner, shared.suffixes)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    positions = torch.zeros_like(ids)
-    branch = torch.full_like(ids, -2)  # per token: -1 on the prefix (the trunk), the sample's index on its suffix
-    ends = [len(p) for p in shared.prefixes]
-    where = torch.zeros(len(shared.suffixes), suffix_len, dtype=torch.long)  # flat index of each suffix position
-    for u, prefix in enumerate(shared.prefixes):
-        ids[u, : len(prefix)] = prefix
-        positions[u, : len(prefix)] = torch.arange(len(prefix))
-        branch[u, : len(prefix)] = -1
-    for i, (u, suffix) in enumerate(zip(shared.owner, shared.suffixes)):
-        start, end = ends[u], ends[u] + len(suffix)
-        ids[u, start:end] = suffix
-        positions[u, start:end] = torch.arange(len(shared.prefixes[u]), len(shared.prefixes[u]) + len(suffix))
-        branch[u, start:end] = i
-        where[i, : len(suffix)] = torch.arange(u * width + start, u * width + end)
-        ends[u] = end
+    from furlong.hooks.trainer import concatenated_ranges
+
+    owner = torch.tensor(shared.owner, dtype=torch.long)
+    prefix_lengths = torch.tensor([len(p) for p in shared.prefixes], dtype=torch.long)
+    suffix_lengths = torch.tensor([len(s) for s in shared.suffixes], dtype=torch.long)
+    # each sample's suffix starts after its prefix and the suffixes of the earlier samples of that prefix
+    order = torch.argsort(owner, stable=True)
+    before = suffix_lengths[order].cumsum(0) - suffix_lengths[order]  # suffix tokens ahead of it, all prefixes
+    first = torch.zeros(len(shared.prefixes), dtype=torch.long).scatter_reduce_(
+        0, owner[order], before, reduce="amin", include_self=False)
+    start = torch.empty_like(owner)
+    start[order] = prefix_lengths[owner[order]] + before - first[owner[order]]
+    width = int((prefix_lengths + torch.zeros_like(prefix_lengths).index_add_(0, owner, suffix_lengths)).max())
+
+    rows = torch.cat([torch.arange(len(shared.prefixes)).repeat_interleave(prefix_lengths),
+                      owner.repeat_interleave(suffix_lengths)])
+    columns = torch.cat([concatenated_ranges(torch.zeros_like(prefix_lengths), prefix_lengths),
+                         concatenated_ranges(start, suffix_lengths)])
+    # rotary positions: the prefix from 0, each suffix from its prefix's length, as in the whole sequence
+    positions = torch.cat([concatenated_ranges(torch.zeros_like(prefix_lengths), prefix_lengths),
+                           concatenated_ranges(prefix_lengths[owner], suffix_lengths)])
+    branches = torch.cat([torch.full((int(prefix_lengths.sum()),), -1, dtype=torch.long),
+                          torch.arange(len(owner)).repeat_interleave(suffix_lengths)])
+    flat = rows * width + columns
+    ids = torch.zeros(len(shared.prefixes) * width, dtype=torch.long).index_copy_(
+        0, flat, torch.cat([*shared.prefixes, *shared.suffixes]))
+    position_ids = torch.zeros_like(ids).index_copy_(0, flat, positions)
+    # per token: -1 on the prefix (the trunk), the sample's index on its suffix, -2 on the padding
+    branch = torch.full_like(ids, -2).index_copy_(0, flat, branches).view(len(shared.prefixes), width)
     # key k is visible from query q when it is not later and lies on the trunk or on q's own branch
-    # (padding, branch -2, sees earlier padding, itself included, so no row of the mask is empty)
+    # (padding sees earlier padding, itself included, so no row of the mask is empty)
     causal = torch.ones(width, width, dtype=torch.bool).tril()
-    visible = causal & ((branch.unsqueeze(1) == -1) | (branch.unsqueeze(1) == branch.unsqueeze(2)))
-    mask = visible.unsqueeze(1)
+    mask = (causal & ((branch.unsqueeze(1) == -1) | (branch.unsqueeze(1) == branch.unsqueeze(2)))).unsqueeze(1)
     if getattr(base.config, "_attn_implementation", None) == "eager":  # eager adds the mask to the scores
         mask = torch.zeros(mask.shape).masked_fill_(~mask, torch.finfo(torch.float32).min)
-    out = net(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-              use_cache=False)
+    step = torch.arange(suffix_len)
+    where = (owner * width + start).unsqueeze(1) + step  # flat index of each suffix position
+    where = where.masked_fill_(step >= suffix_lengths.unsqueeze(1), 0)
+    out = net(input_ids=ids.view(len(shared.prefixes), width).to(device), attention_mask=mask.to(device),
+              position_ids=position_ids.view(len(shared.prefixes), width).to(device), use_cache=False)
     out = out.logits if hasattr(out, "logits") else out.last_hidden_state
     return out.reshape(-1, out.shape[-1]).index_select(0, where.reshape(-1).to(out.device)).view(
         len(shared.suffixes), suffix_len, -1)
