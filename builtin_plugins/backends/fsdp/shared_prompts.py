@@ -317,18 +317,14 @@ def _two_passes(model, net, whole_logits: bool, shared: SharedPrompts, ids, devi
 
     base = base_model(model)
     cache_kwarg, keep = _cache_kwarg(base if whole_logits else net)
-    prefix_len = max(len(p) for p in shared.prefixes)
-    suffix_len = ids.shape[1]
-    prefix_ids = torch.zeros(len(shared.prefixes), prefix_len, dtype=torch.long)
-    prefix_mask = torch.zeros_like(prefix_ids)
-    for u, prefix in enumerate(shared.prefixes):
-        prefix_ids[u, : len(prefix)] = prefix
-        prefix_mask[u, : len(prefix)] = 1
-    mask = torch.zeros(len(shared.suffixes), prefix_len + suffix_len, dtype=torch.long)
-    starts = torch.tensor([len(shared.prefixes[u]) for u in shared.owner], dtype=torch.long)
-    for i, (u, suffix) in enumerate(zip(shared.owner, shared.suffixes)):
-        mask[i, : len(shared.prefixes[u])] = 1
-        mask[i, prefix_len : prefix_len + len(suffix)] = 1
+    prefix_ids = torch.nn.utils.rnn.pad_sequence(list(shared.prefixes), batch_first=True)
+    prefix_len, suffix_len = prefix_ids.shape[1], ids.shape[1]
+    prefix_lengths = torch.tensor([len(p) for p in shared.prefixes], dtype=torch.long)
+    suffix_lengths = torch.tensor([len(s) for s in shared.suffixes], dtype=torch.long)
+    prefix_mask = (torch.arange(prefix_len) < prefix_lengths.unsqueeze(1)).long()
+    owner = torch.tensor(shared.owner, dtype=torch.long)
+    starts = prefix_lengths[owner]
+    mask = torch.cat([prefix_mask[owner], (torch.arange(suffix_len) < suffix_lengths.unsqueeze(1)).long()], dim=1)
     positions = starts.unsqueeze(1) + torch.arange(suffix_len).unsqueeze(0)
 
     cache = DynamicCache(config=base.config)
@@ -338,7 +334,7 @@ def _two_passes(model, net, whole_logits: bool, shared: SharedPrompts, ids, devi
     if cache.get_seq_length() != prefix_len:
         raise RuntimeError(f"prompt sharing: the prefix pass cached {cache.get_seq_length()} of {prefix_len} "
                            f"positions ({type(base).__name__} does not fill a key/value cache here)")
-    cache.batch_select_indices(torch.tensor(shared.owner, device=device))
+    cache.batch_select_indices(owner.to(device))
     out = net(input_ids=ids, attention_mask=mask.to(device), position_ids=positions.to(device), use_cache=True,
               **{cache_kwarg: cache})
     if not whole_logits:
