@@ -11,6 +11,12 @@ micro-batch: the log-prob pass (no grad) and forward + backward of a policy-grad
 without prompt sharing (``forward_log_probs(share_prompts=False)``) and with it in each of its
 two layouts (``rows`` and ``two_passes``, forced for every micro-batch), alternating, the best of
 ``--repeats`` runs each.
+
+Prints one JSON object (also written to ``--json PATH``): ``samples``, ``tokens``,
+``prompt_tokens``, ``threads``, and per plan under ``plans`` the group placement
+(``micro_batches``, ``samples``, ``groups``, ``groups_in_one_micro_batch``, ``prompt_passes``)
+and the best seconds ``log_probs_s_<way>`` and ``forward_backward_s_<way>`` for each way
+(``unshared``, ``two_passes``, ``rows``).
 """
 
 from __future__ import annotations

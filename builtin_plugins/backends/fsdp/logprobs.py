@@ -11,8 +11,9 @@ head through activation checkpointing of the projection and the log-softmax
 (:func:`chunked_log_probs`). Models whose logits are not a plain projection of the last
 hidden state (a final soft-cap, a logit scale) and models sharded by FSDP2 (whose root
 forward gathers the projection) take the whole-logits path. When samples of the micro-batch
-share a prompt (on a CPU), the decoder runs each distinct prompt once and each response
-against its cached keys and values (:mod:`.shared_prompts`).
+share a prompt (on a CPU), the decoder runs each distinct prompt once: one row per prompt with
+its responses end to end under a tree mask, or each response against the prompt's cached keys
+and values (:mod:`.shared_prompts`).
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ def forward_log_probs(
     One pass over the right-padded sequences; or, when the model runs packed attention
     (:mod:`.packing`, switched on for GPUs by the backend), one pass over the sequences
     packed into one row without padding; or, when samples share a prompt (GRPO groups) and the model
-    takes it, prompt sharing: each distinct prompt once, then every sample's response against
-    its prompt's key/value cache (:mod:`.shared_prompts`). All three give the same values and
+    takes it, prompt sharing: each distinct prompt once, in one row with its samples' responses
+    or in a pass of its own whose key/value cache the responses then attend to (:mod:`.shared_prompts`). All three give the same values and
     gradients up to float rounding.
 
     :param model: a causal LM returning ``.logits`` ``[B, L, V]``.

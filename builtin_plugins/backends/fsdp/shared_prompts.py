@@ -167,8 +167,8 @@ def sharing_off_reason(model, layout: str = TWO_PASSES) -> str | None:
     import transformers
 
     if any(p.is_cuda for p in model.parameters()):
-        return ("on CUDA the second pass's attention mask (prompt padding in the middle) keeps SDPA off its flash "
-                "kernels, which costs more than the prompts save (docs/benchmarks.md)")
+        return ("on CUDA the attention mask that both layouts need keeps SDPA off its flash kernels, which costs "
+                "more than the prompts save (docs/benchmarks.md)")
     if any(getattr(layer, "_compiled_call_impl", None) is not None for layer in decoder_layers(model)):
         return ("--train-torch-compile: the compiled decoder layers would be compiled again for every shape of the "
                 "shared-prompt passes")
