@@ -277,7 +277,7 @@ def _rows_pass(net, base, shared: SharedPrompts, suffix_len: int, device):
         0, owner[order], before, reduce="amin", include_self=False)
     start = torch.empty_like(owner)
     start[order] = prefix_lengths[owner[order]] + before - first[owner[order]]
-    width = int((prefix_lengths + torch.zeros_like(prefix_lengths).index_add_(0, owner, suffix_lengths)).max())
+    width = max(_row_lengths(shared.prefixes, shared.owner, shared.suffixes))
 
     rows = torch.cat([torch.arange(len(shared.prefixes)).repeat_interleave(prefix_lengths),
                       owner.repeat_interleave(suffix_lengths)])
