@@ -33,7 +33,8 @@ micro-batches by tokens (its default), while TRL keeps micro-batches of ``--micr
 furlong's embedded engine generates the whole batch at once (``--embedded-max-batch-size`` =
 prompts x samples; its default is 64), as TRL does (``generation_batch_size``).
 
-It prints seconds per iteration and samples per second side by side with the ratio, and the
+It prints seconds per iteration and samples per second side by side with furlong's speed-up (how many
+times faster furlong is: above 1x favours furlong on every row), and the
 reward of the first and last iterations; ``--json PATH`` also writes every figure.
 docs/benchmarks.md records a run.
 """
@@ -260,16 +261,19 @@ def report(info: dict, opts, furlong: dict, trl: dict) -> str:
         f"samples = {opts.prompts * opts.group} samples, responses <= {opts.max_len} tokens, micro-batch "
         f"{opts.micro_batch}{' (TRL; furlong packs by tokens)' if opts.furlong_packing else ''}, lr {opts.lr}",
         "",
-        f"{'':28}{'furlong':>12}{'TRL':>12}{'TRL/furlong':>13}",
+        f"{'':28}{'furlong':>12}{'TRL':>12}{'furlong speed-up':>18}",
     ]
 
-    def line(label, a, b, fmt="{:.2f}"):
-        ratio = f"{b / a:.2f}x" if a else "-"
-        lines.append(f"{label:28}{fmt.format(a):>12}{fmt.format(b):>12}{ratio:>13}")
+    def line(label, a, b, fmt="{:.2f}", rate=False):
+        """One row; the last column is how many times faster furlong is (TRL's seconds over furlong's,
+        furlong's rate over TRL's), so above 1x always favours furlong."""
+        speed_up = (a / b if rate else b / a) if a and b else None
+        ratio = f"{speed_up:.2f}x" if speed_up is not None else "-"
+        lines.append(f"{label:28}{fmt.format(a):>12}{fmt.format(b):>12}{ratio:>18}")
 
     line("s / iteration", furlong["s_per_iteration"], trl["s_per_iteration"])
     line("  median s / iteration", furlong["s_per_iteration_median"], trl["s_per_iteration_median"])
-    line("samples / s", furlong["samples_per_s"], trl["samples_per_s"])
+    line("samples / s", furlong["samples_per_s"], trl["samples_per_s"], rate=True)
     line("  rollout (gen + reward) s", furlong["split_s"]["rollout"], trl["split_s"]["rollout"])
     line("  train s", furlong["split_s"]["train"], trl["split_s"]["train"])
     lines.append(f"{'    log-prob pass s':28}{furlong['split_s']['log_probs']:>12.2f}{'(none)':>12}")

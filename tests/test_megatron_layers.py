@@ -99,3 +99,22 @@ def test_the_triton_kernels_match_the_cpu_path():
             assert shape == json.loads(norm_shape.replace("(", "[").replace(")", "]")) and weight_dtype == dtype
             # bf16: one rounding of values up to ~10 (the scale's gradient, a sum over rows, up to ~25)
             assert out_gap <= tol and dx_gap <= tol and dw_gap <= (tol if dtype == "torch.float32" else 0.1)
+
+
+def test_the_norm_kernels_compile_once_for_every_row_count():
+    """Triton keys a compiled kernel on whether each integer argument is 1, a multiple of 16 or
+    neither; the row count is left out of that key, so a micro-batch of a new row count (65,281
+    tokens after 65,280) reuses the kernel instead of compiling another one during a train call."""
+    pytest.importorskip("triton", reason="Triton publishes wheels for Linux only (the dev extra installs it there)")
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from furlong.builtin_plugins.backends.megatron import _triton
+
+    def keys(kernel, name, values):
+        param = next(p for p in kernel.params if p.name == name)
+        return {native_specialize_impl(BaseBackend, v, False, not param.do_not_specialize, True) for v in values}
+
+    for kernel in (_triton._norm_forward, _triton._norm_backward):
+        assert len(keys(kernel, "rows", (1, 16, 65280, 65281))) == 1
+        assert len(keys(kernel, "width", (896, 897))) == 2  # the hidden size, fixed per model, stays specialized

@@ -58,7 +58,14 @@ def swiglu_backward(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return dx
 
 
-@triton.jit
+# Triton compiles a kernel once per pattern of its integer arguments (divisible by 16, equal to 1, other):
+# the row count changes with every micro-batch, so it is left unspecialized. Specialized, a micro-batch
+# whose token count first stops being a multiple of 16 (a response ending before the length limit)
+# compiled both RMSNorm kernels again in the middle of a train call (docs/benchmarks.md, "slow train calls").
+ROWS_UNSPECIALIZED = ["rows"]
+
+
+@triton.jit(do_not_specialize=ROWS_UNSPECIALIZED)
 def _norm_forward(x, weight, out, rstd, rows, width, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -71,7 +78,7 @@ def _norm_forward(x, weight, out, rstd, rows, width, eps, BLOCK: tl.constexpr, R
     tl.store(rstd + r, inv, mask=r < rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROWS_UNSPECIALIZED)
 def _norm_backward(x, weight, grad, rstd, dx, dw_parts, rows, width, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     scale = tl.load(weight + cols, mask=cols < width, other=0.0).to(tl.float32)
