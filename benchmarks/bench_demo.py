@@ -279,11 +279,13 @@ def report(info: dict, opts, furlong: dict, trl: dict) -> str:
     lines.append(f"{'    log-prob pass s':28}{furlong['split_s']['log_probs']:>12.2f}{'(none)':>12}")
     lines.append(f"{'    forward+backward+step s':28}{furlong['split_s']['actor_train']:>12.2f}"
                  f"{trl['split_s']['train']:>12.2f}")
+    rest = furlong["split_s"]["train"] - furlong["split_s"]["log_probs"] - furlong["split_s"]["actor_train"]
+    lines.append(f"{'    batching, advantages s':28}{rest:>12.2f}{'-':>12}")
     lines.append(f"{'  weight sync s':28}{furlong['split_s']['weight_sync']:>12.3f}{'(shared)':>12}")
     line("first iteration s", furlong["first_iteration_s"], trl["first_iteration_s"])
     line("wall s (incl. start-up)", furlong["wall_s"], trl["wall_s"], "{:.1f}")
-    lines.append(f"{'reward first -> last':28}{furlong['reward_first']:>5.2f} -> {furlong['reward_last']:.2f}"
-                 f"{trl['reward_first']:>5.2f} -> {trl['reward_last']:.2f}")
+    lines.append(f"{'reward first -> last':28}{furlong['reward_first']:>6.2f}->{furlong['reward_last']:.2f}"
+                 f"{trl['reward_first']:>8.2f}->{trl['reward_last']:.2f}")
     lines.append(f"{'reward, mean of last 3':28}{furlong['reward_mean_last3']:>12.3f}{trl['reward_mean_last3']:>12.3f}")
     lines.append("")
     lines.append("Means exclude the first iteration (warm-up). TRL generates with the training model itself, "
@@ -308,7 +310,8 @@ def _shared_argv(opts) -> list[str]:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEMO / "model", help="HF model folder (default: the demo model)")
     parser.add_argument("--data", type=Path, default=DEMO / "data", help="folder with train.jsonl (prompt, label)")
     parser.add_argument("--rollouts", type=int, default=10, help="iterations (rollouts = optimizer steps)")
@@ -317,15 +320,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=64,
                         help="samples per forward/backward pass, TRL per_device_train_batch_size (demo: 64)")
     parser.add_argument("--furlong-packing", action="store_true",
-                        help="furlong packs micro-batches by tokens (its default) instead of --micro-batch samples")
+                        help="furlong packs micro-batches by tokens (what furlong does without --micro-batch-size) instead "
+                             "of taking --micro-batch samples each; TRL keeps --micro-batch")
     parser.add_argument("--max-len", type=int, default=12, help="maximum response tokens (demo: 12)")
     parser.add_argument("--lr", type=float, default=1e-4, help="constant learning rate (demo: 1e-4)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (demo: 0)")
     parser.add_argument("--eps-clip-high", type=float, default=0.28, help="upper clip range (demo: 0.28)")
-    parser.add_argument("--threads", type=int, default=max(1, min(os.cpu_count() or 1, 4)), help="torch threads")
+    parser.add_argument("--threads", type=int, default=max(1, min(os.cpu_count() or 1, 4)), help="torch threads (this machine's cores, at most 4)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template to prompts")
-    parser.add_argument("--out", type=Path, default=None, help="keep the runs' files here (default: a temp folder)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="keep the runs' files here (None: in a temporary folder, deleted after)")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)

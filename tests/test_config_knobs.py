@@ -8,9 +8,9 @@ import pytest
 from furlong.core.config import ConfigError, parse_args
 
 R, N, G, S = "--rollout-batch-size", "--n-samples-per-prompt", "--global-batch-size", "--num-steps-per-rollout"
-REQUIRED = ("--rollout-batch-size is required: --rollout-batch-size (?) x --n-samples-per-prompt ({n}) = "
-            "--global-batch-size (?) x --num-steps-per-rollout ({s}) needs --rollout-batch-size or "
-            "--global-batch-size to be given.")
+REQUIRED = ("--rollout-batch-size is required: give the prompts per rollout (or --global-batch-size, the samples "
+            "per optimizer step, from which it follows: --rollout-batch-size (?) x --n-samples-per-prompt ({n}) = "
+            "--global-batch-size (?) x --num-steps-per-rollout ({s})).")
 
 
 pytestmark = pytest.mark.usefixtures("cpu_machine")  # the same defaults on every machine

@@ -26,8 +26,16 @@ def error_of(argv, **kwargs) -> str:
 # --- unknown and abbreviated flags --------------------------------------------------------
 
 def test_abbreviated_flag_is_rejected():
-    assert error_of(["--num-rollout", "3", "--rollout-batch", "4"]).splitlines()[0] == (
+    # alone: "--rollout-batch-size is required" would only repeat the hint
+    assert error_of(["--num-rollout", "3", "--rollout-batch", "4"]) == (
         "unrecognized argument --rollout-batch (did you mean --rollout-batch-size? flags are never abbreviated).")
+
+
+def test_a_misspelled_flag_hides_only_the_errors_about_the_flag_it_was_meant_to_be():
+    lines = error_of(["--num-rollouts", "2"]).splitlines()
+    assert lines[0] == "unrecognized argument --num-rollouts (did you mean --num-rollout? flags are never abbreviated)."
+    assert not any(line.startswith("--num-rollout is required") for line in lines)
+    assert len(lines) == 2 and lines[1].startswith("--rollout-batch-size is required: give the prompts per rollout")
 
 
 def test_unknown_flag_is_an_error_naming_it():

@@ -36,8 +36,8 @@ def resolve_knobs(values: dict, given: set[str]) -> tuple[dict | None, str | Non
         if len(known) < 3 and k not in known:
             known[k] = 1
     if len(known) < 3:
-        return None, (f"{FLAG[RBS]} is required: {_equation(known)} needs {FLAG[RBS]} "
-                      f"or {FLAG[GBS]} to be given.")
+        return None, (f"{FLAG[RBS]} is required: give the prompts per rollout (or {FLAG[GBS]}, the samples per "
+                      f"optimizer step, from which it follows: {_equation(known)}).")
     (missing,) = [k for k in KNOBS if k not in known]
     num, den, what = _derivation(known, missing)
     if num % den == 0 and num // den >= 1:

@@ -59,7 +59,8 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     tokens = _attach_negative_numbers(tokens, actions)
     parser.fromfile_prefix_chars = None  # files are expanded already
     args, extras, tokens, bad_values, bad_flags = _parse_collecting(parser, tokens)
-    problems += bad_values + _unrecognized(extras, actions)
+    unrecognized, meant = _unrecognized(extras, actions)
+    problems += bad_values + unrecognized
     explicit, megatron_given, refused = _given(tokens, actions)
     for attr, values in collected.items():
         setattr(args, attr, values)
@@ -74,8 +75,9 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     findings = validate(args, command)  # runs on the flags that parsed: all problems are reported at once
     if problems or findings.errors:
         _emit(findings, bad_flags, notes=False)  # a stopped run's errors stand alone; its warnings may explain them
-        # a rule about a flag whose value was rejected above would only repeat that problem
-        raise ConfigError(problems + [e for e in findings.errors if not names_any(e, bad_flags)],
+        # a rule about a flag whose value was rejected above, or about the flag a misspelling was meant to
+        # be (its "did you mean"), would only repeat that problem
+        raise ConfigError(problems + [e for e in findings.errors if not names_any(e, bad_flags | meant)],
                           partial=args, bad_flags=frozenset(bad_flags))
     if not args.custom_config_path:
         _emit(findings)
@@ -240,11 +242,11 @@ def _argv_of(tokens: list[str], flags: set[str]) -> list[str]:
     return out
 
 
-def _unrecognized(extras: list[str], actions: dict) -> list[str]:
-    """One line per unknown flag (with a near-identical flag when there is one)."""
+def _unrecognized(extras: list[str], actions: dict) -> tuple[list[str], set[str]]:
+    """One line per unknown flag (with a near-identical flag when there is one), and the flags suggested."""
     import difflib
 
-    problems = []
+    problems, suggested = [], set()
     previous_flag = False
     for token in extras:
         if token.startswith("-") and not _is_number(token):
@@ -253,11 +255,12 @@ def _unrecognized(extras: list[str], actions: dict) -> list[str]:
             close = longer if len(longer) == 1 else difflib.get_close_matches(
                 flag, [o for o in actions if o.startswith("--")], n=1, cutoff=SUGGEST_CUTOFF)
             hint = f" (did you mean {close[0]}? flags are never abbreviated)" if close else ""
+            suggested.update(close[:1])
             problems.append(f"unrecognized argument {flag}{hint}.")
             previous_flag = True
         elif not previous_flag:
             problems.append(f"unexpected value {token!r}: it follows no flag that takes a value.")
-    return problems
+    return problems, suggested
 
 
 def _is_number(token: str) -> bool:
