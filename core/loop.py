@@ -15,6 +15,7 @@ import time
 from argparse import Namespace
 
 from furlong.hooks import PluginError
+from furlong.hooks.compute_thread import shared_compute_thread
 
 from .batching import steps_per_rollout
 from .checkpoints import periodic, resolve_start, save_checkpoint, should_save
@@ -179,7 +180,22 @@ class Run:
 
 
 async def run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -> None:
-    """Run ``furlong train`` (sync) or ``furlong train-async`` (``args.train_mode == "async"``)."""
+    """Run ``furlong train`` (sync) or ``furlong train-async`` (``args.train_mode == "async"``).
+
+    A sync run does its torch work in one thread (:mod:`furlong.hooks.compute_thread`): its generation,
+    training and weight sync never overlap.
+    """
+    with shared_compute_thread(enabled=shares_compute_thread(args)):
+        await _run(args, pm, selection)
+
+
+def shares_compute_thread(args: Namespace) -> bool:
+    """Whether the run does its torch work in one thread: sync runs only (an async run's engine
+    decodes while the trainer trains, and may be paused mid-generation for a weight update)."""
+    return getattr(args, "train_mode", "sync") != "async"
+
+
+async def _run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -> None:
     _quiet_transformers()
     state = Run(args, pm, selection)
     try:

@@ -8,11 +8,11 @@ loops here call them in the order SPEC.md 6.1, 6.3 and 6.4 fix. The built-in ``f
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import defaultdict
 from typing import Any, Sequence
 
+from .compute_thread import run_compute
 from .errors import PluginError
 from .rows import SplitRows, concat_rows, row_lengths
 from .types import TrainBatch
@@ -168,7 +168,8 @@ class StepLoop:
         """Called at the end of :meth:`train`."""
 
     async def _in_thread(self, fn, *args, **kwargs):
-        """Run ``fn`` in a worker thread on this rank's CUDA device (the current device is per thread)."""
+        """Run ``fn`` in a worker thread (:func:`~furlong.hooks.compute_thread.run_compute`) on this rank's
+        CUDA device (the current device is per thread)."""
 
         def call():
             if self.device.type == "cuda":
@@ -177,7 +178,7 @@ class StepLoop:
                 torch.cuda.set_device(self.device)
             return fn(*args, **kwargs)
 
-        return await asyncio.to_thread(call)
+        return await run_compute(call)
 
     def _entropy_grad(self, grad: bool) -> bool:
         """Whether a forward keeps the entropy's graph: with grad, and only when ``--entropy-coef`` != 0."""

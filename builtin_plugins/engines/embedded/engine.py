@@ -17,6 +17,7 @@ from typing import Any, Callable
 import attrs
 
 from furlong.hooks import GenerateOutput, PluginError
+from furlong.hooks.compute_thread import run_compute
 
 from .decode import Request, SlotDecoder
 from .sampling import SamplingParams
@@ -204,7 +205,7 @@ class EmbeddedEngine:
 
         :raises PluginError: an unknown name or a shape mismatch (names the tensor).
         """
-        await asyncio.to_thread(self._copy_weights, list(named_tensors))
+        await run_compute(self._copy_weights, list(named_tensors))
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str = "gloo") -> None:
@@ -276,7 +277,7 @@ class EmbeddedEngine:
             self._wakeup.clear()
             if not self._pending:
                 continue
-            self._running = asyncio.ensure_future(asyncio.to_thread(self._decode))
+            self._running = asyncio.ensure_future(run_compute(self._decode))
             try:
                 await self._running
             except Exception as exc:  # noqa: BLE001 - handed to every waiting caller

@@ -1,0 +1,73 @@
+"""One thread for a process's heavy torch work, where the run allows it.
+
+Torch's OpenMP runtime on Linux (libgomp) keeps a team of threads for each thread that runs a
+parallel region. When the embedded engine decodes in one worker thread and the train backend
+computes in another, each with N intra-op threads, the process holds more OpenMP threads than
+there are cores (N = the core count, torch's default) and libgomp stops letting idle threads spin
+between parallel regions, so every region waits for threads to wake. On a 2-core machine with 2
+threads the demo's train step took 0.34-0.37 s and its rollout 0.19-0.21 s; with the engine and the
+trainer in one thread (and the event loop's thread at one intra-op thread) 0.18-0.21 s and
+0.10-0.13 s (docs/benchmarks.md, "Re-measured on 2026-12-03").
+
+In a synchronous run (``furlong train``) generation, training and weight sync never overlap, so
+the core opens :func:`shared_compute_thread` around the run and both built-in plugins send their
+work through :func:`run_compute`. Elsewhere (``train-async``, tests calling a plugin directly)
+:func:`run_compute` is ``asyncio.to_thread``: an asynchronous run's engine decodes while the trainer
+trains, and may be paused mid-generation for a weight update, so one thread could deadlock it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+__all__ = ["run_compute", "shared_compute_thread"]
+
+_shared: ThreadPoolExecutor | None = None
+
+
+async def run_compute(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in the process's compute thread inside :func:`shared_compute_thread`,
+    else in a worker thread (``asyncio.to_thread``); its result, or its exception raised here.
+
+    For calls that do torch work (forward and backward passes, decode steps, weight copies). Never for
+    a call that waits on another such call (a lock held by the decode loop, say): in the shared thread
+    it would wait forever.
+    """
+    if _shared is None:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_shared, call)
+
+
+@contextlib.contextmanager
+def shared_compute_thread(enabled: bool = True):
+    """Within the block, :func:`run_compute` runs everything in one thread that computes with torch's
+    intra-op thread count on entry, and the calling thread (the event loop's) computes with one thread;
+    on exit the thread is shut down and the calling thread's count restored. Nothing changes when
+    ``enabled`` is False or torch has one thread.
+
+    :raises RuntimeError: the block is already open (one compute thread per process).
+    """
+    global _shared
+    import torch
+
+    if enabled and _shared is not None:
+        raise RuntimeError("shared_compute_thread is already open in this process")
+    threads = torch.get_num_threads()
+    if not enabled or threads <= 1:
+        yield
+        return
+    _shared = ThreadPoolExecutor(1, thread_name_prefix="furlong-compute", initializer=torch.set_num_threads,
+                                 initargs=(threads,))
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        executor, _shared = _shared, None
+        executor.shutdown(wait=True)
+        torch.set_num_threads(threads)
