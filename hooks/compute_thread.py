@@ -1,19 +1,22 @@
 """One thread for a process's heavy torch work, where the run allows it.
 
 Torch's OpenMP runtime on Linux (libgomp) keeps a team of threads for each thread that runs a
-parallel region. When the embedded engine decodes in one worker thread and the train backend
-computes in another, each with N intra-op threads, the process holds more OpenMP threads than
-there are cores (N = the core count, torch's default) and libgomp stops letting idle threads spin
-between parallel regions, so every region waits for threads to wake. On a 2-core machine with 2
-threads the demo's train step took 0.34-0.37 s and its rollout 0.19-0.21 s; with the engine and the
-trainer in one thread (and the event loop's thread at one intra-op thread) 0.18-0.21 s and
-0.10-0.13 s (docs/benchmarks.md, "Re-measured on 2026-12-03").
+parallel region. When a process holds more OpenMP threads than there are cores, libgomp stops
+letting idle threads spin between parallel regions, and every region waits for threads to wake.
+With torch's default (as many intra-op threads as cores) a furlong run had up to three teams: the
+embedded engine's decode loop and the train backend's passes in two worker threads, and the event
+loop's thread (loading models, bookkeeping). On a 2-core machine with 2 threads the demo's train
+step took 0.34-0.37 s and its rollout 0.19-0.21 s. Running the engine and the trainer in one thread
+did not help while the event loop's thread kept two intra-op threads, nor did the reverse; with
+both (one team in the process) they took 0.18-0.21 s and 0.10-0.13 s (docs/benchmarks.md,
+"Re-measured on 2026-12-03").
 
 In a synchronous run (``furlong train``) generation, training and weight sync never overlap, so
 the core opens :func:`shared_compute_thread` around the run and both built-in plugins send their
-work through :func:`run_compute`. Elsewhere (``train-async``, tests calling a plugin directly)
-:func:`run_compute` is ``asyncio.to_thread``: an asynchronous run's engine decodes while the trainer
-trains, and may be paused mid-generation for a weight update, so one thread could deadlock it.
+work through :func:`run_compute`; the event loop's thread then computes with one intra-op thread,
+so a plugin doing heavy torch work on it (a reward model, say) should use :func:`run_compute` too.
+Elsewhere (``train-async``, tests calling a plugin directly) :func:`run_compute` is
+``asyncio.to_thread``: an asynchronous run's engine decodes while the trainer trains.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ async def run_compute(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     else in a worker thread (``asyncio.to_thread``); its result, or its exception raised here.
 
     For calls that do torch work (forward and backward passes, decode steps, weight copies). Never for
-    a call that waits on another such call (a lock held by the decode loop, say): in the shared thread
-    it would wait forever.
+    a call that may run while another ``run_compute`` call is blocked waiting for it, directly or
+    through something held outside (the embedded engine, paused mid-generation, has its decode loop
+    waiting on a lock inside the compute thread, so it copies weights with ``asyncio.to_thread``):
+    queued behind the blocked call, it would wait forever.
     """
     if _shared is None:
         return await asyncio.to_thread(fn, *args, **kwargs)
@@ -67,7 +72,12 @@ def shared_compute_thread(enabled: bool = True):
     torch.set_num_threads(1)
     try:
         yield
-    finally:
+    except BaseException:
+        executor, _shared = _shared, None
+        executor.shutdown(wait=False, cancel_futures=True)  # a failed or interrupted run waits for no queued work
+        raise
+    else:
         executor, _shared = _shared, None
         executor.shutdown(wait=True)
+    finally:
         torch.set_num_threads(threads)

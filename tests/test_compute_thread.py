@@ -90,3 +90,35 @@ def test_errors_reach_the_caller_and_the_block_cannot_be_nested():
 def test_only_sync_runs_share_the_compute_thread():
     assert shares_compute_thread(argparse.Namespace(train_mode="sync"))
     assert not shares_compute_thread(argparse.Namespace(train_mode="async"))
+
+
+@pytest.mark.usefixtures("two_torch_threads")
+def test_a_weight_update_mid_generation_does_not_wait_for_the_paused_decode_loop():
+    """Paused mid-generation, the embedded engine's decode loop waits for the pause's lock inside the
+    compute thread; the weight copy runs beside it, so the update completes and generation resumes."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from furlong.builtin_plugins.engines.embedded.engine import EmbeddedEngine
+
+    demo = Path(__file__).resolve().parents[1] / "examples" / "demo" / "model"
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(demo), AutoTokenizer.from_pretrained(demo)
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=2)
+    weights = [(name, tensor.clone()) for name, tensor in model.state_dict().items()]
+
+    async def main():
+        with shared_compute_thread():
+            prompt = tokenizer("1+2=")["input_ids"]
+            params = {"max_new_tokens": 40, "temperature": 1.0, "ignore_eos": True}
+            generating = asyncio.ensure_future(asyncio.gather(*(engine.generate(prompt, params) for _ in range(40))))
+            while engine._running is None:
+                await asyncio.sleep(0.01)
+            decoding = not engine._running.done()
+            await asyncio.wait_for(engine.update_weights(weights, 1), 30)
+            outputs = await asyncio.wait_for(generating, 120)
+        return decoding, outputs
+
+    decoding, outputs = asyncio.run(main())
+    assert decoding  # the update came while the decode loop ran in the compute thread
+    assert len(outputs) == 40 and engine.weight_version == 1

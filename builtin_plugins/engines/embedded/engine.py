@@ -205,7 +205,9 @@ class EmbeddedEngine:
 
         :raises PluginError: an unknown name or a shape mismatch (names the tensor).
         """
-        await run_compute(self._copy_weights, list(named_tensors))
+        # paused, the decode loop may be waiting for the lock inside the compute thread: copy beside it
+        copy = asyncio.to_thread if (self._paused or self._pausing) else run_compute
+        await copy(self._copy_weights, list(named_tensors))
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str = "gloo") -> None:
