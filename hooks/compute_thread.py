@@ -40,7 +40,8 @@ async def run_compute(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     For calls that do torch work (forward and backward passes, decode steps, weight copies). Never for
     a call that may run while another ``run_compute`` call is blocked waiting for it, directly or
     through something held outside (the embedded engine, paused mid-generation, has its decode loop
-    waiting on a lock inside the compute thread, so it copies weights with ``asyncio.to_thread``):
+    waiting on a lock inside the compute thread, so it copies weights with ``asyncio.to_thread``
+    while its decode loop runs):
     queued behind the blocked call, it would wait forever.
     """
     if _shared is None:

@@ -205,8 +205,10 @@ class EmbeddedEngine:
 
         :raises PluginError: an unknown name or a shape mismatch (names the tensor).
         """
-        # paused, the decode loop may be waiting for the lock inside the compute thread: copy beside it
-        copy = asyncio.to_thread if (self._paused or self._pausing) else run_compute
+        # while the decode loop runs (in the compute thread, where a pause holds it on the lock), copy beside
+        # it; otherwise in the compute thread, before any decode loop started later (its queue is in order)
+        decoding = self._running is not None and not self._running.done()
+        copy = asyncio.to_thread if decoding else run_compute
         await copy(self._copy_weights, list(named_tensors))
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
