@@ -109,6 +109,24 @@ def test_hook_rollout_fully_async_carries_queue_leftovers_to_the_next_rollout(tm
     assert all(d["status"] == "completed" and d["reward"] == 1 for g in settled["buffer"] for d in g)
 
 
+def test_stopping_at_any_moment_leaves_no_task_behind(tmp_path, plugin_manager):
+    """Cancelled at any point after a rollout (the engine answers at once, so each step of the event
+    loop finds the producer somewhere else), the producer cancels and awaits every task it started,
+    its wait for a finished sample included."""
+    args = _args(tmp_path)
+
+    async def stop_after(steps):
+        manager = rollout_manager(args, plugin_manager, ScriptedEngine(_answer))
+        await manager.generate(0)
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        await manager.dispose()
+        return [t.get_coro().__qualname__ for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    left = {steps: asyncio.run(stop_after(steps)) for steps in range(30)}
+    assert {steps: names for steps, names in left.items() if names} == {}
+
+
 @pytest.mark.parametrize("handler", ["drop", "retry"])
 def test_stale_groups_go_to_the_unused_handler(tmp_path, plugin_manager, handler):
     args = _args(tmp_path, "--max-weight-staleness", "0", "--async-unused-samples-handler", handler)

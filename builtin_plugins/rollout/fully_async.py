@@ -113,6 +113,7 @@ class _Producer:
 
     async def _run(self) -> None:
         tasks: set[asyncio.Task] = set()
+        slot: asyncio.Future | None = None  # waits for self.slot; cancelled with the groups when the producer stops
         try:
             while True:
                 while self.samples_in_flight + self.n <= self.groups_budget * self.n:
@@ -129,9 +130,10 @@ class _Producer:
                 for task in sorted(finished, key=_first_index):
                     await self._put(task.result())  # a generate/reward error stops the producer here
         finally:
-            for task in tasks:
+            pending = tasks | ({slot} if slot is not None else set())
+            for task in pending:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _generate(self, group: list) -> list:
         if not self.per_sample:
