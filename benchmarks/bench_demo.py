@@ -29,6 +29,10 @@ clip range 0.2 / 0.28.
 
 With ``--furlong-packing`` furlong runs without ``--micro-batch-size``, so it packs
 micro-batches by tokens (its default), while TRL keeps micro-batches of ``--micro-batch``.
+With ``--furlong-async`` furlong runs ``train-async`` (the next rollout is generated while this
+one trains, one step off-policy); its seconds per iteration are then ``perf/step_time``, the wall
+time between two train steps, and the report adds the time the trainer waited for generation.
+TRL stays synchronous.
 
 furlong's embedded engine generates the whole batch at once (``--embedded-max-batch-size`` =
 prompts x samples; its default is 64), as TRL does (``generation_batch_size``).
@@ -119,10 +123,10 @@ def summarize(step_times: list[float], parts: dict[str, list[float]], rewards: l
 
 
 def run_furlong(opts, out: Path) -> dict:
-    """``furlong train`` in a subprocess; figures from its metrics.jsonl."""
+    """``furlong train`` (or ``train-async``) in a subprocess; figures from its metrics.jsonl."""
     batch = opts.prompts * opts.group
     cmd = [
-        sys.executable, "-m", "furlong.core", "train",
+        sys.executable, "-m", "furlong.core", "train-async" if opts.furlong_async else "train",
         "--hf-checkpoint", str(opts.model), "--prompt-data", str(opts.data / "train.jsonl"),
         "--input-key", "prompt", "--label-key", "label", "--rm-type", "math",
         *(["--apply-chat-template"] if opts.chat_template else []),
@@ -145,7 +149,11 @@ def run_furlong(opts, out: Path) -> dict:
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "rollout/step" in r]
     parts = {"rollout": [r["perf/rollout_time"] for r in rows], "train": [r["perf/train_time"] for r in rows],
              "weight_sync": [r["perf/update_weights_time"] for r in rows]}
-    steps = [a + b + c for a, b, c in zip(*parts.values())]
+    if opts.furlong_async:  # generation overlaps training: an iteration is the wall time between two
+        steps = [r["perf/step_time"] for r in rows]  # train steps (waiting for generation included)
+        parts["wait"] = [r["perf/train_wait_time"] for r in rows]
+    else:
+        steps = [a + b + c for a, b, c in zip(*parts.values())]
     # inside train: the log-prob pass (pi_old, one forward) and the optimizer step(s)
     parts["log_probs"] = [r.get("perf/log_probs_time", 0.0) for r in rows]
     parts["actor_train"] = [r.get("perf/actor_train_time", 0.0) for r in rows]
@@ -260,6 +268,8 @@ def report(info: dict, opts, furlong: dict, trl: dict) -> str:
         f"workload: {_shown(opts.model)}, {opts.rollouts} iterations of {opts.prompts} prompts x {opts.group} "
         f"samples = {opts.prompts * opts.group} samples, responses <= {opts.max_len} tokens, micro-batch "
         f"{opts.micro_batch}{' (TRL; furlong packs by tokens)' if opts.furlong_packing else ''}, lr {opts.lr}",
+        *(["furlong: train-async (the next rollout generates while this one trains, one step off-policy); "
+           "TRL: synchronous"] if opts.furlong_async else []),
         "",
         f"{'':28}{'furlong':>12}{'TRL':>12}{'furlong speed-up':>18}",
     ]
@@ -282,6 +292,8 @@ def report(info: dict, opts, furlong: dict, trl: dict) -> str:
     rest = furlong["split_s"]["train"] - furlong["split_s"]["log_probs"] - furlong["split_s"]["actor_train"]
     lines.append(f"{'    batching, advantages s':28}{rest:>12.2f}{'-':>12}")
     lines.append(f"{'  weight sync s':28}{furlong['split_s']['weight_sync']:>12.3f}{'(shared)':>12}")
+    if "wait" in furlong["split_s"]:
+        lines.append(f"{'  waiting for generation s':28}{furlong['split_s']['wait']:>12.3f}{'-':>12}")
     line("first iteration s", furlong["first_iteration_s"], trl["first_iteration_s"])
     line("wall s (incl. start-up)", furlong["wall_s"], trl["wall_s"], "{:.1f}")
     lines.append(f"{'reward first -> last':28}{furlong['reward_first']:>6.2f}->{furlong['reward_last']:.2f}"
@@ -322,6 +334,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--furlong-packing", action="store_true",
                         help="furlong packs micro-batches by tokens (what furlong does without --micro-batch-size) instead "
                              "of taking --micro-batch samples each; TRL keeps --micro-batch")
+    parser.add_argument("--furlong-async", action="store_true",
+                        help="furlong runs train-async (generation of the next rollout overlaps training, one "
+                             "step off-policy) instead of train; TRL stays synchronous")
     parser.add_argument("--max-len", type=int, default=12, help="maximum response tokens (demo: 12)")
     parser.add_argument("--lr", type=float, default=1e-4, help="constant learning rate (demo: 1e-4)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (demo: 0)")
