@@ -171,19 +171,21 @@ def _disable_list(argv: list[str]) -> list[str]:
 
 def _train(command: str, argv: list[str]) -> int:
     from .config import config_to_dict, parse_args
+    from .config.notes import held_notes
     from .config.parser import machine_defaults, machine_note
     from .configure import configure_plugins, with_plugin_problems
     from .selection import resolve_selection
 
     pm = get_plugin_manager(_disable_list(argv))
-    try:
-        args = parse_args(argv, pm, command=command)
-    except ConfigError as exc:
-        raise with_plugin_problems(exc, pm) from None
-    args.train_mode = "async" if command == "train-async" else "sync"
-    _exit_on_sigterm()
-    selection = resolve_selection(args, pm)
-    configured = configure_plugins(args, pm, selection)
+    with held_notes():  # a run that selection or a plugin's configure rejects prints its errors alone
+        try:
+            args = parse_args(argv, pm, command=command)
+        except ConfigError as exc:
+            raise with_plugin_problems(exc, pm) from None
+        args.train_mode = "async" if command == "train-async" else "sync"
+        _exit_on_sigterm()
+        selection = resolve_selection(args, pm)
+        configured = configure_plugins(args, pm, selection)
     if args.print_config:
         machine = machine_defaults(args, pm)
         print(json.dumps({"args": config_to_dict(args), "plugins": selection.as_dict(),

@@ -178,3 +178,21 @@ def test_a_reward_that_is_not_a_number_names_the_plugin_and_keeps_the_samples(tm
     dumped = [json.loads(line) for line in (tmp_path / "failed_rollout_0.jsonl").read_text().splitlines()]
     assert len(dumped) == 4 and dumped[0]["prompt"] == "1+1="
     sys.modules.pop("word_reward", None)
+
+
+def test_a_run_rejected_after_its_flags_parse_prints_its_error_without_the_core_s_notes(tmp_path, tiny_model_dir,
+                                                                                         good_data, capsys, caplog):
+    """The --save-interval note is written once the whole configuration is accepted, not before the error of a
+    run that selection or a plugin's configure rejects."""
+    from furlong.core.cli import main
+
+    flags = [*BASE, "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(good_data),
+             "--save", str(tmp_path / "run")]
+    note = "--save-interval defaults to 100 rollouts (it was 10 before 0.0.8)."
+    caplog.set_level("INFO", logger="furlong.config")
+    assert main(["train", *[f if f != "math" else "maht" for f in flags]]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: --rm-type 'maht': no installed plugin of that name implements `reward`.")
+    assert caplog.messages == []
+    assert main(["train", *flags, "--print-config"]) == 0
+    assert note in caplog.messages
