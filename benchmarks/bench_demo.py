@@ -51,6 +51,7 @@ import os
 import platform
 import re
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,9 +101,12 @@ def machine_info() -> dict:
     return info
 
 
-def summarize(step_times: list[float], parts: dict[str, list[float]], rewards: list[float], samples: int) -> dict:
-    """Means over the iterations after the first (the first pays one-off warm-up costs)."""
-    steady = slice(1, None) if len(step_times) > 1 else slice(None)
+def summarize(step_times: list[float], parts: dict[str, list[float]], rewards: list[float], samples: int,
+              overlapped: bool = False) -> dict:
+    """Means over the iterations after the first (the first pays one-off warm-up costs); ``overlapped``
+    (train-async) also leaves out the last, which trains with no generation beside it."""
+    end = -1 if overlapped and len(step_times) > 2 else None
+    steady = slice(1, end) if len(step_times) > 1 else slice(None)
     mean_step = statistics.fmean(step_times[steady])
     return {
         "iterations": len(step_times),
@@ -157,7 +161,7 @@ def run_furlong(opts, out: Path) -> dict:
     # inside train: the log-prob pass (pi_old, one forward) and the optimizer step(s)
     parts["log_probs"] = [r.get("perf/log_probs_time", 0.0) for r in rows]
     parts["actor_train"] = [r.get("perf/actor_train_time", 0.0) for r in rows]
-    result = summarize(steps, parts, [r["rollout/raw_reward"] for r in rows], batch)
+    result = summarize(steps, parts, [r["rollout/raw_reward"] for r in rows], batch, overlapped=opts.furlong_async)
     result["wall_s"] = wall
     result["command"] = " ".join(cmd[1:])
     return result
@@ -303,6 +307,10 @@ def report(info: dict, opts, furlong: dict, trl: dict) -> str:
     lines.append("Means exclude the first iteration (warm-up). TRL generates with the training model itself, "
                  "so it has no weight sync;\nwith one optimizer step per iteration both take pi_old from the "
                  "training forward pass (furlong: --reuse-train-log-probs, its default; log-prob pass 0).")
+    if opts.furlong_async:
+        lines.append("furlong's s / iteration is the wall time between two train steps (perf/step_time): its rollout "
+                     "and train rows overlap\nand do not add up. Its means also exclude the last iteration, which "
+                     "trains with no rollout generating beside it.")
     return "\n".join(lines)
 
 
@@ -345,7 +353,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template to prompts")
     parser.add_argument("--out", type=Path, default=None,
-                        help="keep the runs' files here (None: in a temporary folder, deleted after)")
+                        help="keep the runs' files here, in furlong/ and trl/, replaced by each invocation (None: in a "
+                             "temporary folder, deleted after)")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
@@ -365,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no model at {opts.model}: build the demo first (python examples/demo/make_demo.py)")
     with tempfile.TemporaryDirectory(prefix="bench_demo_") as tmp:
         out = (opts.out or Path(tmp)).resolve()
-        (out / "furlong").mkdir(parents=True, exist_ok=True)
-        (out / "trl").mkdir(parents=True, exist_ok=True)
+        for side in ("furlong", "trl"):  # furlong appends to an existing metrics.jsonl: start each invocation afresh
+            shutil.rmtree(out / side, ignore_errors=True)
+            (out / side).mkdir(parents=True)
         info = machine_info()
         print(f"furlong: {opts.rollouts} rollouts ...", flush=True)
         furlong = run_furlong(opts, out / "furlong")
