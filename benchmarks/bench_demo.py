@@ -50,8 +50,8 @@ import json
 import os
 import platform
 import re
-import statistics
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
