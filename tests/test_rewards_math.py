@@ -235,6 +235,20 @@ def test_equivalent_many_async_keeps_order():
     assert asyncio.run(_grading.equivalent_many_async(pairs)) == [True, False, True, False, True]
 
 
+def test_first_grading_call_starts_the_worker_in_the_grading_thread_even_when_no_answer_needs_it(monkeypatch):
+    with _grading._lock:
+        _grading._drop_worker()
+    monkeypatch.setattr(_grading, "_warmed_in", None)  # as in a process that has graded nothing yet
+    before = _grading.grading_stats()["math_verify_calls"]
+    assert asyncio.run(_grading.equivalent_many_async([("3", "3"), ("4", "5")])) == [True, False]
+    _grading._grading_thread().submit(lambda: None).result(timeout=180)  # runs after the queued start
+    worker = _grading._worker
+    assert worker is not None and worker.proc.poll() is None
+    assert _grading.grading_stats()["math_verify_calls"] == before  # started, not asked anything
+    assert asyncio.run(_grading.equivalent_many_async([("x=5", "5")])) == [True]
+    assert _grading._worker is worker  # one start per process
+
+
 # --- normalization helpers ------------------------------------------------------------------
 
 

@@ -10,8 +10,12 @@ the worker, and the parent kills and restarts the worker if even that does not r
 long C-level computation). A timed-out comparison counts as "not equal" and is counted in
 :func:`grading_stats`.
 
-The worker is created lazily on first use, reused by every later call, recreated after a
-kill or in a forked child, and shut down at interpreter exit (or when its parent dies).
+The worker starts in the grading thread at the first asynchronous grading call of a process
+(:func:`equivalent_many_async`, which every reward plugin's ``reward`` goes through), whether or
+not that call needs it: its start-up (a Python process importing sympy, about a second) then
+overlaps the run's first rollouts instead of stalling the rollout whose answers first need
+math-verify. It is reused by every later call, recreated after a kill or in a forked child,
+and shut down at interpreter exit (or when its parent dies).
 Most answers never reach it: equal normalized strings (:func:`normalize_math_answer`) are
 accepted at once.
 """
@@ -54,6 +58,7 @@ _lock = threading.Lock()  # guards the worker process
 _executor_lock = threading.Lock()
 _worker: "_Worker | None" = None
 _executor: ThreadPoolExecutor | None = None
+_warmed_in: int | None = None  # the process that has queued the worker's start (see _warm_up)
 _stats = {"timeouts": 0, "math_verify_calls": 0, "worker_restarts": 0}
 # math-verify's answers by (answer, label): it is deterministic, so a pair seen again (a small model repeats
 # its wrong answers) gets the same verdict without a round trip; time-outs and errors are not kept
@@ -117,6 +122,7 @@ async def equivalent_many_async(pairs: list[tuple[str, str]], timeout_s: float =
     dedicated grading thread (one thread, so batches queue and each comparison's time-out
     starts when it really starts).
     """
+    _warm_up()
     results: list[bool | None] = [_fast_check(answer, label) for answer, label in pairs]
     todo = [i for i, r in enumerate(results) if r is None]
     if todo:
@@ -139,6 +145,22 @@ async def _graded_in_thread(pairs: list[tuple[str, str]], timeout_s: float) -> l
         loop.call_soon(_send_queued, loop)
     _queued[loop].append((pairs, timeout_s, done))
     return await done
+
+
+def _warm_up() -> None:
+    """Queue the worker's start in the grading thread, once per process; batches queued later wait behind it."""
+    global _warmed_in
+    if _warmed_in != os.getpid():
+        _warmed_in = os.getpid()
+        _grading_thread().submit(_start_worker)
+
+
+def _start_worker() -> None:
+    with _lock:
+        try:
+            _get_worker()
+        except PluginError:
+            pass  # math-verify missing or not starting: the first comparison that needs it raises the error
 
 
 def _send_queued(loop) -> None:
