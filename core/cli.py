@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             # before it prints them, so wait: torchrun stops this rank once rank 0 has exited, and a
             # rank 0 slower than the wait still leaves this rank's own report.
             time.sleep(SECONDARY_RANK_WAIT_S)
-        print(f"error: {exc}", file=sys.stderr)
+        for problem in exc.problems if isinstance(exc, ConfigError) else [str(exc)]:
+            print(f"error: {problem}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -490,6 +490,25 @@ def test_executor_is_local_for_torchrun_ranks_and_ray_otherwise(monkeypatch):
     assert parse_args(argv).executor == "local"
 
 
+def test_batch_flags_are_not_blamed_when_torchrun_started_another_number_of_ranks(monkeypatch):
+    argv = BASE + ["--n-samples-per-prompt", "4", "--global-batch-size", "16", "--actor-num-gpus-per-node", "3"]
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the local executor refuses 3 ranks flagged for 2 processes (CLI test below)
+    assert parse_args(argv).data_parallel_size == 3
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert "--global-batch-size (16) must be divisible by the data-parallel size 3" in error_of(argv)
+
+
+def test_cli_prints_each_flag_problem_on_its_own_error_line(capsys):
+    from furlong.core.cli import main
+
+    assert main(["train", *BASE, "--global-batch-size", "3", "--lr", "-1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --lr must be at least 0, got -1.",
+        "error: --rollout-batch-size (4) x --n-samples-per-prompt (1) = --global-batch-size (3) x --num-steps-per-rollout"
+        " (?) has no whole solution with --num-steps-per-rollout >= 1: num_steps_per_rollout = 4 samples per rollout / 3"
+        " samples per step = 1.333."]
+
+
 # --- device-dependent defaults ----------------------------------------------------------
 
 DEVICE_KEYS = ("actor_num_gpus_per_node", "num_gpus_per_node", "attn_implementation", "bf16", "distributed_backend",

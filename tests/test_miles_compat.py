@@ -131,12 +131,12 @@ def test_every_problem_is_in_one_report_exit_2_no_traceback(capsys):
     assert code == 2 and "Traceback" not in err
     assert err.strip().splitlines() == [
         "error: argument --lr: invalid float value: 'abc'",
-        "unexpected value 'stray': it follows no flag that takes a value.",
-        "unrecognized argument --frobnicate.",
-        "--enable-mtp-training is not supported yet; remove it.",
-        "--num-rollout is required: give the number of rollout iterations to run (it used to default to 1000; "
+        "error: unexpected value 'stray': it follows no flag that takes a value.",
+        "error: unrecognized argument --frobnicate.",
+        "error: --enable-mtp-training is not supported yet; remove it.",
+        "error: --num-rollout is required: give the number of rollout iterations to run (it used to default to 1000; "
         "--num-rollout 0 only evaluates).",
-        "--rollout-temperature must be > 0, got 0 (greedy decoding is for evaluation only: --eval-temperature 0).",
+        "error: --rollout-temperature must be > 0, got 0 (greedy decoding is for evaluation only: --eval-temperature 0).",
     ]
 
 
@@ -151,7 +151,7 @@ def test_parse_rule_and_backend_problems_share_one_report(capsys, caplog):
     lines = err.strip().splitlines()
     assert code == 2 and "Traceback" not in err
     assert lines[:3] == ["error: argument --n-samples-per-prompt: invalid int value: 'abc'",
-                         "unrecognized argument --no-such-flag.", "--lr must be at least 0, got -1."]
+                         "error: unrecognized argument --no-such-flag.", "error: --lr must be at least 0, got -1."]
     assert len(lines) == 4 and "--num-experts (the model has no experts)" in lines[3]
     assert not [m for m in caplog.messages if "--n-samples-per-prompt" in m]  # no note about its default (grpo's)
 
