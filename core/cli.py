@@ -13,6 +13,7 @@ import time
 import traceback
 
 from furlong.hooks import PluginError
+from furlong.hooks.dist import launched_processes
 
 from .config.errors import ConfigError
 from .discovery import split_names
@@ -110,7 +111,7 @@ def _exit_where_it_propagates(signum: int, frame) -> None:
 
 def _secondary_rank() -> bool:
     """A trainer rank other than 0 under ``torchrun`` (which sets ``RANK`` and ``WORLD_SIZE``)."""
-    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and int(os.environ.get("RANK", "0") or 0) > 0
+    return launched_processes() > 1 and int(os.environ.get("RANK", "0") or 0) > 0
 
 
 def _plugins(command: str, argv: list[str]) -> int:

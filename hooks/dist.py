@@ -17,7 +17,8 @@ from typing import Any
 
 from .errors import PluginError
 
-__all__ = ["broadcast_bucket", "free_port", "host_address", "new_weight_update_group", "receive_bucket"]
+__all__ = ["broadcast_bucket", "free_port", "host_address", "launched_processes", "new_weight_update_group",
+           "receive_bucket"]
 
 
 def new_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
@@ -66,6 +67,13 @@ def receive_bucket(dtypes: list[str], shapes: list[list[int]], group: Any, devic
         dist.broadcast(tensor, src=0, group=group)
         out.append(tensor)
     return out
+
+
+def launched_processes() -> int:
+    """The number of processes ``torchrun`` started for this run (its ``WORLD_SIZE``); 1 outside ``torchrun``."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
 def host_address() -> str:

@@ -9,9 +9,8 @@ bookkeeping) and also train rank 0; ranks 1..D-1 only serve train calls
 
 from __future__ import annotations
 
-import os
-
 from furlong.hooks import hookimpl
+from furlong.hooks.dist import launched_processes
 
 from ._in_process import InProcessWorkers, LocalExecutor
 
@@ -25,7 +24,7 @@ def configure(args, report):
     ``--actor-num-nodes x --actor-num-gpus-per-node`` sizes the data parallelism the batch
     flags were checked against.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    world = launched_processes()
     flagged = int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node)
     if world == 1 and flagged > 1:
         report.error(
@@ -48,7 +47,7 @@ def executor(args):
     equal the number of ``torchrun`` processes), ``--distributed-backend``,
     ``--distributed-timeout-minutes``.
     """
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    if launched_processes() > 1:
         from .torchrun import TorchrunExecutor
 
         return TorchrunExecutor(args)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from furlong.hooks.config_report import ConfigReport
+from furlong.hooks.dist import launched_processes
 
 from ..miles_paths import miles_builtin
 from . import env, rules
@@ -188,7 +189,7 @@ def _four_knobs(args, f: ConfigReport, given: set[str]) -> None:
         f.error(problem)
         return
     args.data_parallel_size = dp
-    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    launched = launched_processes()
     if launched > 1 and args.actor_num_nodes * args.actor_num_gpus_per_node != launched:
         return  # torchrun's process count is not the flags' (the local executor says so): not the batch flags' fault
     for message in dp_problems(args.global_batch_size, args.micro_batch_size, args.use_dynamic_batch_size, dp, text):
@@ -235,7 +236,7 @@ def default_executor(args) -> tuple[str, str]:
         return "ray", "RAY_ADDRESS is set (ray job submit)"
     if args.rollout_backend == "sglang":
         return "ray", "--rollout-backend sglang runs its engines as actors"
-    torchrun = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1  # every rank is a process of its own already
+    torchrun = launched_processes() > 1  # every rank is a process of its own already
     if world > 1 and not torchrun:
         return "ray", f"a trainer of {world} ranks, not started by torchrun"
     return "local", "torchrun started this process" if torchrun else "one train rank"
