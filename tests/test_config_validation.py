@@ -496,6 +496,8 @@ def test_batch_flags_are_not_blamed_when_torchrun_started_another_number_of_rank
     assert parse_args(argv).data_parallel_size == 3
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert "--global-batch-size (16) must be divisible by the data-parallel size 3" in error_of(argv)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # no local executor to refuse the count: the batch flags are checked
+    assert "--global-batch-size (16) must be divisible by the data-parallel size 3" in error_of(argv + ["--executor", "ray"])
 
 
 def test_cli_prints_each_flag_problem_on_its_own_error_line(capsys):

@@ -190,7 +190,8 @@ def _four_knobs(args, f: ConfigReport, given: set[str]) -> None:
         return
     args.data_parallel_size = dp
     launched = launched_processes()
-    if launched > 1 and args.actor_num_nodes * args.actor_num_gpus_per_node != launched:
+    local = getattr(args, "executor", None) in (None, "local")  # the default under torchrun
+    if local and launched > 1 and args.actor_num_nodes * args.actor_num_gpus_per_node != launched:
         return  # torchrun's process count is not the flags' (the local executor says so): not the batch flags' fault
     for message in dp_problems(args.global_batch_size, args.micro_batch_size, args.use_dynamic_batch_size, dp, text):
         f.error(message)
