@@ -329,6 +329,14 @@ def _shared_argv(opts) -> list[str]:
             *(["--chat-template"] if opts.chat_template else [])]
 
 
+def default_threads() -> int:
+    """OMP_NUM_THREADS when it is a positive integer, else this machine's cores capped at 4."""
+    flagged = os.environ.get("OMP_NUM_THREADS", "")
+    if flagged.isdigit() and int(flagged) > 0:
+        return int(flagged)
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -349,7 +357,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-4, help="constant learning rate (demo: 1e-4)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (demo: 0)")
     parser.add_argument("--eps-clip-high", type=float, default=0.28, help="upper clip range (demo: 0.28)")
-    parser.add_argument("--threads", type=int, default=max(1, min(os.cpu_count() or 1, 4)), help="torch threads (this machine's cores, at most 4)")
+    parser.add_argument("--threads", type=int, default=default_threads(),
+                        help="torch threads (OMP_NUM_THREADS when set, else this machine's cores, at most 4)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template to prompts")
     parser.add_argument("--out", type=Path, default=None,

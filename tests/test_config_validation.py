@@ -171,7 +171,7 @@ def test_config_error_is_a_plugin_error_with_the_problem_list():
      "trainer trains, so they cannot give their memory up; use furlong train."),
 ])
 def test_command_dependent_errors(extra, command, message):
-    assert error_of(BASE + extra, command=command) == message
+    assert error_of(BASE + ["--hf-checkpoint", "examples/demo/model"] + extra, command=command) == message
 
 
 def test_command_dependent_checks_pass_for_the_right_command():
@@ -503,12 +503,22 @@ def test_batch_flags_are_not_blamed_when_torchrun_started_another_number_of_rank
 def test_cli_prints_each_flag_problem_on_its_own_error_line(capsys):
     from furlong.core.cli import main
 
-    assert main(["train", *BASE, "--global-batch-size", "3", "--lr", "-1"]) == 2
+    assert main(["train", *BASE, "--hf-checkpoint", "examples/demo/model", "--global-batch-size", "3",
+                 "--lr", "-1"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "error: --lr must be at least 0, got -1.",
         "error: --rollout-batch-size (4) x --n-samples-per-prompt (1) = --global-batch-size (3) x --num-steps-per-rollout"
         " (?) has no whole solution with --num-steps-per-rollout >= 1: num_steps_per_rollout = 4 samples per rollout / 3"
         " samples per step = 1.333."]
+
+
+def test_a_missing_hf_checkpoint_is_told_with_the_other_flag_problems(capsys):
+    from furlong.core.cli import main
+
+    assert main(["train", "--num-rollout", "3", "--rollout-batch-size", "4", "--lr", "-1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --hf-checkpoint is required: the Hugging Face model directory (config, tokenizer, weights).",
+        "error: --lr must be at least 0, got -1."]
 
 
 # --- device-dependent defaults ----------------------------------------------------------

@@ -134,6 +134,7 @@ def test_every_problem_is_in_one_report_exit_2_no_traceback(capsys):
         "error: unexpected value 'stray': it follows no flag that takes a value.",
         "error: unrecognized argument --frobnicate.",
         "error: --enable-mtp-training is not supported yet; remove it.",
+        "error: --hf-checkpoint is required: the Hugging Face model directory (config, tokenizer, weights).",
         "error: --num-rollout is required: give the number of rollout iterations to run (it used to default to 1000; "
         "--num-rollout 0 only evaluates).",
         "error: --rollout-temperature must be > 0, got 0 (greedy decoding is for evaluation only: --eval-temperature 0).",

@@ -9,6 +9,7 @@ import logging
 import re
 from pathlib import PurePath
 
+from ..preflight import hf_checkpoint_problems
 from ._util import MEGATRON_ONLY
 from .deprecations import map_deprecated
 from .errors import ConfigError
@@ -74,6 +75,9 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     raw = copy.deepcopy(args)
     findings = validate(args, command)  # runs on the flags that parsed: all problems are reported at once
     if problems or findings.errors:
+        # told now rather than only once these are fixed (an overlay may still set it: then not)
+        if command is not None and not args.hf_checkpoint and not args.custom_config_path:
+            problems += hf_checkpoint_problems(args.hf_checkpoint)
         _emit(findings, bad_flags, notes=False)  # a stopped run's errors stand alone; its warnings may explain them
         # a rule about a flag whose value was rejected above, or about the flag a misspelling was meant to
         # be (its "did you mean"), would only repeat that problem

@@ -5,8 +5,8 @@
 #   OUT=runs/mine NUM_ROLLOUT=40 bash examples/demo/run_demo.sh
 #   COMMAND=train-async bash examples/demo/run_demo.sh --seed 2   # extra flags go to furlong
 #
-# $OUT (default runs/demo) starts empty; the run before it is kept as $OUT.previous (so a mistyped flag
-# loses no results). Each rollout prints one summary line; the run's metrics land in $OUT/metrics.jsonl and
+# $OUT (default runs/demo) starts empty; the run before it is moved to $OUT.previous, so one mistyped flag
+# loses no results (only one earlier run is kept: the next run replaces $OUT.previous). Each rollout prints one summary line; the run's metrics land in $OUT/metrics.jsonl and
 # `furlong plot $OUT` draws them. A `--save DIR` among the extra flags takes the place of $OUT and is
 # kept as it is, so a later run with `--save DIR --load DIR` resumes from it.
 set -euo pipefail
