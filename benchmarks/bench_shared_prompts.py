@@ -8,15 +8,17 @@ plans its micro-batches with the core's planner as ``run_demo.sh`` does (``--mic
 64``) and as a run without micro-batch flags does (packed by tokens, the default budget), counts
 how the groups land in micro-batches, then times over the 256 samples, micro-batch by
 micro-batch: the log-prob pass (no grad) and forward + backward of a policy-gradient loss, each
-without prompt sharing (``forward_log_probs(share_prompts=False)``) and with it in each of its
-two layouts (``rows`` and ``two_passes``, forced for every micro-batch), alternating, the best of
+without prompt sharing (``forward_log_probs(share_prompts=False)``), with it in each of its
+two layouts (``rows`` and ``two_passes``, forced for every micro-batch) and with the layout
+the planner chooses per micro-batch (``planned``, what a run does), alternating, the best of
 ``--repeats`` runs each.
 
 Prints one JSON object (also written to ``--json PATH``): ``samples``, ``tokens``,
 ``prompt_tokens``, ``threads``, and per plan under ``plans`` the group placement
 (``micro_batches``, ``samples``, ``groups``, ``groups_in_one_micro_batch``, ``prompt_passes``)
-and the best seconds ``log_probs_s_<way>`` and ``forward_backward_s_<way>`` for each way
-(``unshared``, ``two_passes``, ``rows``).
+the best seconds ``log_probs_s_<way>`` and ``forward_backward_s_<way>`` for each way
+(``unshared``, ``two_passes``, ``rows``, ``planned``) and ``planned_layouts``, how many
+micro-batches the planner gave each layout (``none``: no sharing).
 """
 
 from __future__ import annotations
@@ -69,19 +71,27 @@ def placement(plan: list[list[int]], samples: int) -> dict:
             "prompt_passes": sum(len({i // samples for i in micro}) for micro in plan)}
 
 
-WAYS = ("unshared", shared_prompts.TWO_PASSES, shared_prompts.ROWS)
+PLANNED = "planned"
+WAYS = ("unshared", shared_prompts.TWO_PASSES, shared_prompts.ROWS, PLANNED)
 
 
-def timed(model, tokens, lengths, plan, *, grad: bool, repeats: int) -> dict[str, float]:
+def timed(model, tokens, lengths, plan, *, grad: bool, repeats: int) -> tuple[dict[str, float], dict[str, int]]:
     """Best seconds of one pass over every micro-batch of ``plan`` (forward, plus backward when ``grad``) for
-    each of :data:`WAYS`; the ways alternate, so load from other jobs hits them alike."""
+    each of :data:`WAYS`, and how many micro-batches the planner gave each layout; the ways alternate, so
+    load from other jobs hits them alike."""
     planner = shared_prompts.plan_sharing
     times: dict[str, list[float]] = {way: [] for way in WAYS}
+    layouts: dict[str, int] = {}
     try:
-        for _ in range(repeats):
+        for repeat in range(repeats):
             for way in WAYS:
-                def forced(*args, _way=way, **kwargs):
+                def forced(*args, _way=way, _first=repeat == 0, **kwargs):
                     plan_ = planner(*args, **kwargs)
+                    if _way == PLANNED:
+                        if _first:
+                            key = "none" if plan_ is None else plan_.layout
+                            layouts[key] = layouts.get(key, 0) + 1
+                        return plan_
                     return None if plan_ is None else attrs.evolve(plan_, layout=_way)
 
                 shared_prompts.plan_sharing = forced
@@ -95,7 +105,7 @@ def timed(model, tokens, lengths, plan, *, grad: bool, repeats: int) -> dict[str
                 times[way].append(time.perf_counter() - start)
     finally:
         shared_prompts.plan_sharing = planner
-    return {way: min(t) for way, t in times.items()}
+    return {way: min(t) for way, t in times.items()}, layouts
 
 
 def main() -> None:
@@ -125,8 +135,9 @@ def main() -> None:
     for name, plan in plans.items():
         row = placement(plan, 8)
         for grad, label in ((False, "log_probs_s"), (True, "forward_backward_s")):
-            best = timed(model, tokens, lengths, plan, grad=grad, repeats=args.repeats)
+            best, layouts = timed(model, tokens, lengths, plan, grad=grad, repeats=args.repeats)
             row.update({f"{label}_{way}": round(seconds, 4) for way, seconds in best.items()})
+            row["planned_layouts"] = layouts
         report["plans"][name] = row
     print(json.dumps(report, indent=1))
     if args.json:

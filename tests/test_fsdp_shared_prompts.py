@@ -169,6 +169,25 @@ def test_attention_pair_cost_counts_the_layer_weights():
     assert shared_prompts.attention_pair_cost(moe) == 2 * 4 * 16 / (64 * 16 * (8 + 4) + 3 * 64 * 64)
 
 
+def test_a_second_pass_costs_a_fixed_number_of_tokens():
+    from transformers import AutoConfig
+
+    demo = AutoConfig.from_pretrained(Path(__file__).parents[1] / "examples" / "demo" / "model")
+    assert shared_prompts.pass_cost(demo) == shared_prompts.PASS_OVERHEAD / 163_840
+    # the demo's micro-batch: 8 prompts whose prefixes are 11 tokens, 8 samples each of 12 response tokens;
+    # with c = 1/640, rows: 8 x 115 + 8 x 115^2 c = 1085.3; two passes: 8 x 11 + 64 x 13 + (8 x 11^2 + 64 x 13 x 24) c
+    # = 952.7, below rows until the second pass's fixed cost (about 201 tokens here) is counted
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for _ in range(8):
+        prompt = torch.randint(4, 26, (12,), generator=g)
+        seqs += [torch.cat([prompt, torch.randint(4, 26, (12,), generator=g)]) for _ in range(8)]
+    pair, fixed = shared_prompts.attention_pair_cost(demo), shared_prompts.pass_cost(demo)
+    assert shared_prompts.plan_sharing(seqs, [12] * 64, pair).layout == shared_prompts.TWO_PASSES
+    assert shared_prompts.plan_sharing(seqs, [12] * 64, pair, fixed).layout == shared_prompts.ROWS
+    assert shared_prompts.pass_cost(AutoConfig.for_model("llama", hidden_size=0)) == 0.0
+
+
 def test_lora_model_shares_prompts(counted):
     from peft import LoraConfig, get_peft_model
 

@@ -114,8 +114,9 @@ def forward_log_probs(
 
     seqs, ids = right_padded(tokens, response_lengths)
     split = _split_head(model)
-    pair_cost = shared_prompts.attention_pair_cost(getattr(base_model(model), "config", None))
-    shared = shared_prompts.plan_sharing(seqs, response_lengths, pair_cost) if share_prompts else None
+    config = getattr(base_model(model), "config", None)
+    shared = shared_prompts.plan_sharing(seqs, response_lengths, shared_prompts.attention_pair_cost(config),
+                                         shared_prompts.pass_cost(config)) if share_prompts else None
     if shared is not None:
         reason = shared_prompts.sharing_off_reason(model, shared.layout)
         shared_prompts.log_choice(reason)

@@ -26,8 +26,8 @@ token is a suffix position.
 
 Which layout, if any: :func:`plan_sharing` estimates each one's work as padded tokens (each
 costs a pass through a layer's weights) plus query-key pairs of attention (each costs
-:func:`attention_pair_cost` of a token) and takes the cheapest of the two and the unshared
-pass. ``rows`` wins when responses are short beside the prompt (its attention is over whole
+:func:`attention_pair_cost` of a token) plus a fixed cost per pass (:func:`pass_cost` tokens)
+and takes the cheapest of the two and the unshared pass. ``rows`` wins when responses are short beside the prompt (its attention is over whole
 rows, so long responses make it quadratic in the group's total length); it also pads less,
 since a group's responses are laid end to end rather than each padded to the longest.
 """
@@ -44,9 +44,9 @@ from furlong.hooks.hf import decoder_layers
 
 from .lora import base_model
 
-__all__ = ["ATTENTION_IMPLEMENTATIONS", "MODEL_TYPES", "ROWS", "ROWS_MASK_LIMIT", "TWO_PASSES", "SharedPrompts",
-           "all_ranks_share", "attention_pair_cost", "log_choice", "plan_sharing", "shared_forward",
-           "sharing_off_reason"]
+__all__ = ["ATTENTION_IMPLEMENTATIONS", "MODEL_TYPES", "PASS_OVERHEAD", "ROWS", "ROWS_MASK_LIMIT", "TWO_PASSES",
+           "SharedPrompts", "all_ranks_share", "attention_pair_cost", "log_choice", "pass_cost", "plan_sharing",
+           "shared_forward", "sharing_off_reason"]
 
 log = logging.getLogger("furlong.backends.fsdp")
 
@@ -62,6 +62,12 @@ _logged: set[str] = set()
 
 ROWS = "rows"
 TWO_PASSES = "two_passes"
+
+PASS_OVERHEAD = 33_000_000
+"""Multiply-adds per decoder layer that one more pass costs whatever its size: its kernels' fixed
+cost (launch, thread fork and join) in a forward and backward. Measured on a 2-core x86 CPU
+(docs/benchmarks.md, "Prompt sharing: the cost of a second pass"): a forward and backward of the
+demo model (3 layers of 163,840 weights) over 2 tokens took as long as about 150-300 tokens more."""
 
 ROWS_MASK_LIMIT = 1 << 24
 """Most elements of the ``rows`` layout's ``[U, 1, R, R]`` attention mask (16M: 64 MB as float32);
@@ -89,33 +95,53 @@ def attention_pair_cost(config) -> float:
     """Work of one query-key pair of attention relative to one token's pass through a decoder layer's weights.
 
     A pair costs ``2 x heads x head_dim`` multiply-adds (its score and its share of the values); a
-    token costs one per weight of the layer: the query, key, value and output projections and the
-    gated MLP (``3 x hidden x intermediate``; a mixture of experts counts its routed experts). 0 when
-    ``config`` lacks the sizes.
+    token costs one per weight of the layer (:func:`_layer_weights`). 0 when ``config`` lacks the sizes.
     """
+    weights = _layer_weights(config)
+    if not weights:
+        return 0.0
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * heads * head_dim / weights
+
+
+def pass_cost(config) -> float:
+    """The fixed cost of one more pass through the decoder, in tokens: :data:`PASS_OVERHEAD` over a
+    layer's weights (about 200 tokens for the demo model, 9 for SmolLM2-135M). 0 when ``config`` lacks
+    the sizes."""
+    weights = _layer_weights(config)
+    return PASS_OVERHEAD / weights if weights else 0.0
+
+
+def _layer_weights(config) -> int:
+    """Weights of one decoder layer: the query, key, value and output projections and the gated MLP
+    (``3 x hidden x intermediate``; a mixture of experts counts its routed experts). 0 when ``config``
+    lacks the sizes."""
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     if not hidden or not heads:
-        return 0.0
+        return 0
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     routed = (getattr(config, "moe_intermediate_size", None) or 0) * (getattr(config, "num_experts_per_tok", None) or 0)
     intermediate = routed or getattr(config, "intermediate_size", None) or 4 * hidden
-    weights = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * intermediate
-    return 2 * heads * head_dim / weights
+    return hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * intermediate
 
 
-def plan_sharing(seqs: Sequence[Any], response_lengths: Sequence[int], pair_cost: float = 0.0) -> SharedPrompts | None:
+def plan_sharing(seqs: Sequence[Any], response_lengths: Sequence[int], pair_cost: float = 0.0,
+                 pass_tokens: float = 0.0) -> SharedPrompts | None:
     """Group the samples of a micro-batch by prefix and choose the layout; None when sharing saves nothing.
 
     :param seqs: B int64 tensors ``[L_i]`` (prompt + response).
     :param response_lengths: B response lengths ``T_i`` (the last ``T_i`` tokens).
     :param pair_cost: :func:`attention_pair_cost` of the model (0 counts tokens only).
+    :param pass_tokens: :func:`pass_cost` of the model, the fixed cost of ``two_passes``' second
+        pass (0: none).
     :returns: the plan, or None when no two samples share a prefix, a sample's prompt is a
         single token (its prefix is empty), or neither layout's estimated work (padded tokens
         plus ``pair_cost`` x query-key pairs) is below the unshared pass's: ``B L + B L^2 c``
         against ``U R + U R^2 c`` (``rows``, ``R`` = the longest prefix plus its suffixes; only
         while ``U R^2`` is at most :data:`ROWS_MASK_LIMIT`) and
-        ``U P + B S + (U P^2 + B S (P + S)) c`` (``two_passes``).
+        ``U P + B S + (U P^2 + B S (P + S)) c + pass_tokens`` (``two_passes``).
     """
     index: dict[tuple[int, ...], int] = {}
     owner, prefixes, suffixes = [], [], []
@@ -135,7 +161,8 @@ def plan_sharing(seqs: Sequence[Any], response_lengths: Sequence[int], pair_cost
     whole = max(len(s) for s in seqs)
     prefix, suffix = max(len(p) for p in prefixes), max(len(s) for s in suffixes)
     row = max(_row_lengths(prefixes, owner, suffixes))
-    costs = {TWO_PASSES: u * prefix + n * suffix + (u * prefix**2 + n * suffix * (prefix + suffix)) * pair_cost}
+    costs = {TWO_PASSES: u * prefix + n * suffix + (u * prefix**2 + n * suffix * (prefix + suffix)) * pair_cost
+             + pass_tokens}
     if u * row * row <= ROWS_MASK_LIMIT:
         costs[ROWS] = u * row + u * row * row * pair_cost
     layout = min(costs, key=costs.__getitem__)
