@@ -369,8 +369,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="run furlong and TRL this many times, alternating; report the median round")
     parser.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template to prompts")
     parser.add_argument("--out", type=Path, default=None,
-                        help="keep the runs' files here, in furlong/ and trl/, replaced by each run and round (None: in a "
-                             "temporary folder, deleted after)")
+                        help="keep the runs' files here, in furlong/ and trl/, replaced by each invocation and round "
+                             "(None: in a temporary folder, deleted after)")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)

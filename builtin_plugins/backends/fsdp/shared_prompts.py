@@ -26,10 +26,11 @@ token is a suffix position.
 
 Which layout, if any: :func:`plan_sharing` estimates each one's work as padded tokens (each
 costs a pass through a layer's weights) plus query-key pairs of attention (each costs
-:func:`attention_pair_cost` of a token) plus a fixed cost per pass (:func:`pass_cost` tokens)
-and takes the cheapest of the two and the unshared pass. ``rows`` wins when responses are short beside the prompt (its attention is over whole
-rows, so long responses make it quadratic in the group's total length); it also pads less,
-since a group's responses are laid end to end rather than each padded to the longest.
+:func:`attention_pair_cost` of a token) plus, for ``two_passes``, the fixed cost of its second
+pass (:func:`pass_cost` tokens), and takes the cheapest of the two and the unshared pass.
+``rows`` wins when responses are short beside the prompt (its attention is over whole rows, so
+long responses make it quadratic in the group's total length); it also pads less, since a
+group's responses are laid end to end rather than each padded to the longest.
 """
 
 from __future__ import annotations
