@@ -43,8 +43,8 @@ reward of the first and last iterations; ``--json PATH`` also writes every figur
 
 On a shared or small machine the same invocation moves by 20 % or more from one run to the
 next. ``--rounds N`` runs the pair N times, furlong and TRL alternating, prints the full table
-of the round whose speed-up is the median and one line per round, and ends with the median
-speed-up and its range.
+of the round whose speed-up is the median (of an even N, the lower of the two middle rounds) and
+one line per round, and ends with that median speed-up and the range.
 docs/benchmarks.md records a run.
 """
 
@@ -345,7 +345,7 @@ def default_threads() -> int:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", type=Path, default=DEMO / "model", help="HF model folder (default: the demo model)")
+    parser.add_argument("--model", type=Path, default=DEMO / "model", help="HF model folder")
     parser.add_argument("--data", type=Path, default=DEMO / "data", help="folder with train.jsonl (prompt, label)")
     parser.add_argument("--rollouts", type=int, default=10, help="iterations (rollouts = optimizer steps)")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per iteration (demo: 32)")
@@ -364,26 +364,30 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eps-clip-high", type=float, default=0.28, help="upper clip range (demo: 0.28)")
     parser.add_argument("--threads", type=int, default=default_threads(),
                         help="torch threads (OMP_NUM_THREADS when set, else this machine's cores, at most 4)")
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--seed", type=int, default=1234, help="seed of both runs (sampling)")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="run furlong and TRL this many times, alternating; report the median round")
+                        help="run furlong and TRL this many times, alternating; the full table is the median round's "
+                             "(of an even number, the lower of the two middle ones), whose speed-up the summary gives")
     parser.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template to prompts")
     parser.add_argument("--out", type=Path, default=None,
                         help="keep the runs' files here, in furlong/ and trl/, replaced by each invocation and round "
-                             "(None: in a temporary folder, deleted after)")
+                             "(without it: a temporary folder, deleted after)")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    opts = parser.parse_args(argv)
+    for flag, value in (("--rounds", opts.rounds), ("--threads", opts.threads), ("--rollouts", opts.rollouts),
+                        ("--micro-batch", opts.micro_batch)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if (opts.prompts * opts.group) % opts.micro_batch:
+        parser.error(f"--micro-batch {opts.micro_batch} must divide --prompts x --group = {opts.prompts * opts.group}")
+    return opts
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
     opts.model, opts.data = opts.model.resolve(), opts.data.resolve()
-    if opts.rounds < 1:
-        raise SystemExit(f"--rounds must be at least 1, got {opts.rounds}")
-    if (opts.prompts * opts.group) % opts.micro_batch:
-        raise SystemExit(f"--micro-batch {opts.micro_batch} must divide --prompts x --group = {opts.prompts * opts.group}")
     if opts.trl_worker:
         result = run_trl_worker(opts, opts.result.parent)
         opts.result.write_text(json.dumps(result))
@@ -414,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": info, "options": {k: str(v) for k, v in vars(opts).items()}, "furlong": furlong, "trl": trl,
             "rounds": [{"furlong_s_per_iteration": f["s_per_iteration"], "trl_s_per_iteration": t["s_per_iteration"],
                         "speed_up": x} for (f, t), x in zip(rounds, speed_ups)],
-            "median_round": middle + 1, "speed_up_median": statistics.median(speed_ups)}, indent=2))
+            "median_round": middle + 1, "speed_up_median": speed_ups[middle]}, indent=2))
     return 0
 
 
@@ -425,7 +429,8 @@ def rounds_summary(rounds: list[tuple[dict, dict]], speed_ups: list[float], midd
         mark = "  (the table above)" if k == middle else ""
         lines.append(f"{k + 1:<28}{furlong['s_per_iteration']:>15.3f}{trl['s_per_iteration']:>12.3f}"
                      f"{speed_up:>17.2f}x{mark}")
-    lines.append(f"median speed-up over {len(rounds)} rounds: {statistics.median(speed_ups):.2f}x "
+    lower = " (the lower of the two middle rounds)" if len(rounds) % 2 == 0 else ""
+    lines.append(f"median speed-up over {len(rounds)} rounds: {speed_ups[middle]:.2f}x{lower} "
                  f"(range {min(speed_ups):.2f}x-{max(speed_ups):.2f}x)")
     return "\n".join(lines)
 
