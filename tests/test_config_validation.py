@@ -512,13 +512,21 @@ def test_cli_prints_each_flag_problem_on_its_own_error_line(capsys):
         " samples per step = 1.333."]
 
 
-def test_a_missing_hf_checkpoint_is_told_with_the_other_flag_problems(capsys):
+def test_hf_checkpoint_problems_are_told_with_the_other_flag_problems(capsys):
     from furlong.core.cli import main
 
     assert main(["train", "--num-rollout", "3", "--rollout-batch-size", "4", "--lr", "-1"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "error: --hf-checkpoint is required: the Hugging Face model directory (config, tokenizer, weights).",
         "error: --lr must be at least 0, got -1."]
+    # a path that is not a model directory too, unless the flags are only printed
+    assert main(["train", "--hf-checkpoint", "/no/such/model", "--num-rollout", "3", "--rollout-batch-size", "4",
+                 "--lr", "-1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --hf-checkpoint '/no/such/model': no such directory.", "error: --lr must be at least 0, got -1."]
+    assert main(["train", "--hf-checkpoint", "/no/such/model", "--num-rollout", "3", "--rollout-batch-size", "4",
+                 "--lr", "-1", "--print-config"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["error: --lr must be at least 0, got -1."]
 
 
 # --- device-dependent defaults ----------------------------------------------------------

@@ -75,8 +75,9 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     raw = copy.deepcopy(args)
     findings = validate(args, command)  # runs on the flags that parsed: all problems are reported at once
     if problems or findings.errors:
-        # told now rather than only once these are fixed (an overlay may still set it: then not)
-        if command is not None and not args.hf_checkpoint and not args.custom_config_path:
+        # told now rather than only once these are fixed (an overlay may still set it: then not); a path that
+        # exists only on the cluster is not a problem for --print-config, so only a missing flag is told there
+        if command is not None and not args.custom_config_path and (not args.hf_checkpoint or not args.print_config):
             problems += hf_checkpoint_problems(args.hf_checkpoint)
         _emit(findings, bad_flags, notes=False)  # a stopped run's errors stand alone; its warnings may explain them
         # a rule about a flag whose value was rejected above, or about the flag a misspelling was meant to
