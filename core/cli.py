@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import importlib.metadata as md
 import json
 import logging
@@ -56,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"plugins": _plugins, "train": _train, "train-async": _train, "plot": _plot,
                 "new-plugin": _new_plugin, "serve": _serve}
     if command not in handlers:
-        print(f"furlong: unknown command '{command}'.\n{USAGE}", file=sys.stderr)
+        close = difflib.get_close_matches(command, handlers, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        print(f"furlong: unknown command '{command}'.{hint}\n{USAGE}", file=sys.stderr)
         return 2
     debug = "--debug" in rest
     try:
