@@ -307,7 +307,8 @@ def report(info: dict, opts, furlong: dict, trl: dict) -> str:
     line("wall s (incl. start-up)", furlong["wall_s"], trl["wall_s"], "{:.1f}")
     lines.append(f"{'reward first -> last':28}{furlong['reward_first']:>6.2f}->{furlong['reward_last']:.2f}"
                  f"{trl['reward_first']:>8.2f}->{trl['reward_last']:.2f}")
-    lines.append(f"{'reward, mean of last 3':28}{furlong['reward_mean_last3']:>12.3f}{trl['reward_mean_last3']:>12.3f}")
+    last = f"reward, mean of last {min(3, opts.rollouts)}"
+    lines.append(f"{last:28}{furlong['reward_mean_last3']:>12.3f}{trl['reward_mean_last3']:>12.3f}")
     lines.append("")
     lines.append("Means exclude the first iteration (warm-up). TRL generates with the training model itself, "
                  "so it has no weight sync;\nwith one optimizer step per iteration both take pi_old from the "
@@ -376,10 +377,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
-    for flag, value in (("--rounds", opts.rounds), ("--threads", opts.threads), ("--rollouts", opts.rollouts),
-                        ("--micro-batch", opts.micro_batch)):
+    for flag, value in (("--rounds", opts.rounds), ("--threads", opts.threads), ("--micro-batch", opts.micro_batch)):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
+    if opts.rollouts < 2:
+        parser.error(f"--rollouts must be at least 2 (the means leave the first, warm-up, iteration out), got "
+                     f"{opts.rollouts}")
     if (opts.prompts * opts.group) % opts.micro_batch:
         parser.error(f"--micro-batch {opts.micro_batch} must divide --prompts x --group = {opts.prompts * opts.group}")
     return opts
