@@ -84,22 +84,30 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-def _exit_on_sigterm() -> None:
-    """SIGTERM raises SystemExit(143), so the run's clean-up and atexit handlers run (servers, temporary files).
+def _exit_on_signals() -> None:
+    """SIGTERM raises SystemExit(143) and SIGINT (Ctrl-C) KeyboardInterrupt, also when they land inside a
+    finalizer, so the run's clean-up and atexit handlers run (servers, temporary files).
 
-    Only where SIGTERM still has its default action; Ray installs its own (``sys.exit``) when it starts.
+    Only for a signal that still has Python's default action; Ray installs its own SIGTERM handler
+    (``sys.exit``) when it starts.
     """
     import signal
     import threading
 
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _exit_where_it_propagates)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_where_it_propagates)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _raise_where_it_propagates)
 
 
-def _exit_where_it_propagates(signum: int, frame) -> None:
-    """Raise SystemExit(128 + signum), unless the interrupted code runs inside a ``__del__``: Python
-    ignores an exception raised there (a garbage collection can run one between any two bytecodes), so
-    the signal would be lost. The signal is then sent again 50 ms later, when the finalizer is done."""
+def _raise_where_it_propagates(signum: int, frame) -> None:
+    """Raise KeyboardInterrupt for SIGINT, else SystemExit(128 + signum), unless the interrupted code runs
+    inside a ``__del__``: Python ignores an exception raised there (a garbage collection can run one between
+    any two bytecodes; Ray's object references run one each), so the signal would be lost. The signal is then
+    sent again 50 ms later, when the finalizer is done."""
+    import signal
     import threading
 
     while frame is not None:
@@ -109,6 +117,8 @@ def _exit_where_it_propagates(signum: int, frame) -> None:
             again.start()
             return
         frame = frame.f_back
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     sys.exit(128 + signum)
 
 
@@ -188,7 +198,7 @@ def _train(command: str, argv: list[str]) -> int:
         except ConfigError as exc:
             raise with_plugin_problems(exc, pm) from None
         args.train_mode = "async" if command == "train-async" else "sync"
-        _exit_on_sigterm()
+        _exit_on_signals()
         selection = resolve_selection(args, pm)
         configured = configure_plugins(args, pm, selection)
     if args.print_config:
