@@ -49,17 +49,17 @@ def test_stray_value_is_an_error():
 
 def test_bad_value_type_names_the_flag():
     assert error_of(["--num-rollout", "3", "--rollout-batch-size", "four"]) == (
-        "argument --rollout-batch-size: invalid int value: 'four'")
+        "argument --rollout-batch-size: invalid int value: 'four'.")
 
 
 def test_bad_choice_names_the_flag():
     assert error_of(BASE + ["--kl-loss-type", "k9"]) == (
-        "argument --kl-loss-type: invalid choice: 'k9' (choose from 'k1', 'k2', 'k3', 'low_var_kl')")
+        "argument --kl-loss-type: invalid choice: 'k9' (choose from 'k1', 'k2', 'k3', 'low_var_kl').")
 
 
 def test_bad_json_value_names_the_flag():
     assert error_of(BASE + ["--apply-chat-template-kwargs", "[1]"]) == (
-        "argument --apply-chat-template-kwargs: expected a JSON object like '{\"k\": 1}', got '[1]'")
+        "argument --apply-chat-template-kwargs: expected a JSON object like '{\"k\": 1}', got '[1]'.")
 
 
 def test_parser_basics():

@@ -130,7 +130,7 @@ def test_every_problem_is_in_one_report_exit_2_no_traceback(capsys):
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert err.strip().splitlines() == [
-        "error: argument --lr: invalid float value: 'abc'",
+        "error: argument --lr: invalid float value: 'abc'.",
         "error: unexpected value 'stray': it follows no flag that takes a value.",
         "error: unrecognized argument --frobnicate.",
         "error: --enable-mtp-training is not supported yet; remove it.",
@@ -151,7 +151,7 @@ def test_parse_rule_and_backend_problems_share_one_report(capsys, caplog):
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert code == 2 and "Traceback" not in err
-    assert lines[:3] == ["error: argument --n-samples-per-prompt: invalid int value: 'abc'",
+    assert lines[:3] == ["error: argument --n-samples-per-prompt: invalid int value: 'abc'.",
                          "error: unrecognized argument --no-such-flag.", "error: --lr must be at least 0, got -1."]
     assert len(lines) == 4 and "--num-experts (the model has no experts)" in lines[3]
     assert not [m for m in caplog.messages if "--n-samples-per-prompt" in m]  # no note about its default (grpo's)

@@ -45,7 +45,8 @@ class FurlongArgumentParser(argparse.ArgumentParser):
     and reads ``@FILE`` argument files with shell quoting and ``#`` comments."""
 
     def error(self, message: str):  # noqa: D401 - argparse API
-        raise ConfigError(message)
+        # argparse's own messages have no final period; every other flag problem ends with one
+        raise ConfigError(message if message.endswith(".") else f"{message}.")
 
     def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
         """Split one line of an argument file like a shell would; ``#`` starts a comment."""

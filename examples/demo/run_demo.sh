@@ -48,7 +48,7 @@ import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 evals = [r for r in rows if "eval/step" in r]
 print(f"\ntest-split reward (4 samples per prompt, temperature 1.0): "
-      f"before {evals[0]['eval/test']:.3f} (rollout {evals[0]['eval/step']}), "
-      f"after {evals[-1]['eval/test']:.3f} (rollout {evals[-1]['eval/step']})")
+      f"before {evals[0]['eval/test']:.4f} (rollout {evals[0]['eval/step']}), "
+      f"after {evals[-1]['eval/test']:.4f} (rollout {evals[-1]['eval/step']})")
 PY
 furlong plot "$OUT"
