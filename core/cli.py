@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                 "new-plugin": _new_plugin, "serve": _serve}
     if command not in handlers:
         close = difflib.get_close_matches(command, handlers, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        print(f"furlong: unknown command '{command}'.{hint}\n{USAGE}", file=sys.stderr)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        print(f"error: unknown command '{command}'{hint}.\n{USAGE}", file=sys.stderr)
         return 2
     debug = "--debug" in rest
     try:

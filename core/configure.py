@@ -16,10 +16,10 @@ from furlong.hooks import ConfigReport, PluginError
 from .config.errors import ConfigError
 from .config.parse import names_any
 from .megatron_support import report_megatron_flags
-from .plugins import FurlongPluginManager, _run_sync
-from .selection import CHOSEN_HOOKS, Selection, resolve_selection
+from .plugins import OBSERVER_HOOKS, FurlongPluginManager, _run_sync
+from .selection import CHOSEN_HOOKS, Selection, boxed_base, resolve_selection
 
-__all__ = ["Configured", "configure_order", "configure_plugins", "with_plugin_problems"]
+__all__ = ["Configured", "configure_order", "configure_plugins", "unused_plugin_flags", "with_plugin_problems"]
 
 log = logging.getLogger("furlong.config")
 
@@ -122,6 +122,9 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
                 done.derived[dest] = {"value": new, "plugin": name}
         done.reports.append(report)
         errors.extend(report.errors)
+    also_used = {name for report in done.reports for name in report.uses}
+    flag_errors, flag_warnings = unused_plugin_flags(args, pm, selection, also_used=also_used, told=errors)
+    errors.extend(flag_errors)
     stopped = bool(errors) or after_errors  # a stopped run's errors stand alone: no notes, only warnings
     for report in done.reports:
         for line in report.infos if not stopped else ():
@@ -130,9 +133,61 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
         for line in report.warnings:
             if not names_any(line, rejected):
                 log.warning("%s", line)
+    for line in flag_warnings:
+        log.warning("%s", line)
     if errors:
         raise ConfigError(errors)
     return done
+
+
+def unused_plugin_flags(args: Namespace, pm: FurlongPluginManager, selection: Selection, *,
+                        also_used=frozenset(), told=()) -> tuple[list[str], list[str]]:
+    """Errors and warnings for the given flags of plugins this run does not use (``args.plugin_flags_given``).
+
+    A plugin is used when the run chose it (:func:`configure_order`, the base of a
+    ``boxed_<name>`` reward included), a chosen plugin runs it (``also_used``: what their
+    ``configure`` declared with :meth:`~furlong.hooks.ConfigReport.use_plugin`) or it
+    implements an observer hook (observers are broadcast). A flag of any other plugin
+    would be read by nothing: an error, naming the flags that would choose the plugin. A
+    reward plugin may still be chosen by a sample's ``metadata["rm_type"]`` (a data file
+    or an ``--eval-config`` dataset), which the flags cannot tell: its flags get a warning
+    instead. A flag that a message of ``told`` (errors already reported) names is left to it.
+
+    :returns: ``(errors, warnings)``, one line each.
+    """
+    given = getattr(args, "plugin_flags_given", None) or {}
+    if not given:
+        return [], []
+    used = {name for name, _ in configure_order(args, pm, selection)} | set(also_used)
+    if selection.reward:
+        used.add(boxed_base(pm, selection.reward[0]) or selection.reward[0])
+    used |= {impl.plugin_name for hook in OBSERVER_HOOKS for impl in getattr(pm.hook, hook).get_hookimpls()}
+    rewards = {impl.plugin_name for impl in pm.hook.reward.get_hookimpls()}
+    errors, warnings = [], []
+    for flag, plugin in given.items():
+        if plugin in used or any(names_any(message, {flag}) for message in told):
+            continue
+        if plugin in rewards:
+            warnings.append(f"{flag} is a flag of reward plugin '{plugin}' ({pm.origin(plugin)}), which no flag chooses "
+                            f"(the run's reward is {selection.reward[0] if selection.reward else 'none'}): it takes "
+                            f"effect only for samples whose metadata['rm_type'] is '{plugin}'.")
+            continue
+        choose = " or ".join(f"{flag_} {plugin}" for flag_ in _choosing_flags(pm, plugin)) or "its hook's flag"
+        errors.append(f"{flag} is a flag of plugin '{plugin}' ({pm.origin(plugin)}), which this run does not use: "
+                      f"choose the plugin ({choose}) or leave {flag} out.")
+    return errors, warnings
+
+
+def _choosing_flags(pm: FurlongPluginManager, plugin: str) -> list[str]:
+    """The name flags that can choose ``plugin``, one per chosen hook it implements."""
+    flags = [spec.name_flag for spec in CHOSEN_HOOKS if _implements(pm, plugin, spec.hook)]
+    if _implements(pm, plugin, "filter"):
+        flags.append("--dynamic-sampling-filter")
+    return flags
+
+
+def _implements(pm: FurlongPluginManager, plugin: str, hook: str) -> bool:
+    return any(impl.plugin_name == plugin for impl in getattr(pm.hook, hook).get_hookimpls())
 
 
 def with_plugin_problems(error: ConfigError, pm: FurlongPluginManager) -> ConfigError:

@@ -21,7 +21,8 @@ class ConfigReport:
     ``"--advantage-estimator ppo needs --kl-coef 0, got 0.1."``.
 
     ``plugin`` is the plugin's name (its entry-point name); ``flags`` the selection flags
-    that chose it (``("--advantage-estimator",)``).
+    that chose it (``("--advantage-estimator",)``); ``uses`` the other plugins it runs
+    (:meth:`use_plugin`).
     """
 
     plugin: str
@@ -29,6 +30,7 @@ class ConfigReport:
     errors: list[str] = attrs.field(factory=list)
     warnings: list[str] = attrs.field(factory=list)
     infos: list[str] = attrs.field(factory=list)
+    uses: list[str] = attrs.field(factory=list)
 
     def error(self, message: str) -> None:
         """A flag combination the plugin cannot run with: the run stops (exit code 2)."""
@@ -41,6 +43,13 @@ class ConfigReport:
     def info(self, message: str) -> None:
         """A note on a value the plugin derived (logged at INFO)."""
         self.infos.append(message)
+
+    def use_plugin(self, name: str) -> None:
+        """This run also runs plugin ``name`` through this one (e.g. an engine behind a server
+        this plugin starts), so ``name``'s own flags are read. Without it the core refuses a
+        given flag of a plugin that no flag chose, as a flag that would do nothing."""
+        if name not in self.uses:
+            self.uses.append(name)
 
     @staticmethod
     def given(args: Namespace, dest: str) -> bool:

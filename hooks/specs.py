@@ -56,7 +56,9 @@ def add_arguments(parser: ArgumentParser) -> None:
     Flags the core defines (`furlong train --help`, docs/flags.md) are not added again. A plugin
     whose ``add_arguments`` adds a flag the core or another plugin already defines, raises,
     or is ``async def`` is set aside: it adds none of its flags, ``furlong plugins`` lists it
-    as broken with the reason, and choosing it is an error.
+    as broken with the reason, and choosing it is an error. A given flag of a plugin the run
+    does not use (not chosen, not declared by a chosen plugin's ``configure`` with
+    ``report.use_plugin``, no observer hook) is an error, a reward plugin's a warning.
 
     :param parser: the ``argparse.ArgumentParser`` of ``furlong train``.
     :returns: nothing.

@@ -61,13 +61,13 @@ UNSOLVABLE = [
     ({S: 2}, REQUIRED.format(n=1, s=2)),
     ({N: 4, S: 2}, REQUIRED.format(n=4, s=2)),
     ({R: 0}, "--rollout-batch-size must be a positive whole number, got 0: --rollout-batch-size (0) x "
-             "--n-samples-per-prompt (?) = --global-batch-size (?) x --num-steps-per-rollout (?)."),
+             "--n-samples-per-prompt (1) = --global-batch-size (?) x --num-steps-per-rollout (1)."),
     ({G: -2}, "--global-batch-size must be a positive whole number, got -2: --rollout-batch-size (?) x "
-              "--n-samples-per-prompt (?) = --global-batch-size (-2) x --num-steps-per-rollout (?)."),
+              "--n-samples-per-prompt (1) = --global-batch-size (-2) x --num-steps-per-rollout (1)."),
     ({R: 4, N: 0}, "--n-samples-per-prompt must be a positive whole number, got 0: --rollout-batch-size (4) x "
-                   "--n-samples-per-prompt (0) = --global-batch-size (?) x --num-steps-per-rollout (?)."),
+                   "--n-samples-per-prompt (0) = --global-batch-size (?) x --num-steps-per-rollout (1)."),
     ({G: 8, S: 0}, "--num-steps-per-rollout must be a positive whole number, got 0: --rollout-batch-size (?) x "
-                   "--n-samples-per-prompt (?) = --global-batch-size (8) x --num-steps-per-rollout (0)."),
+                   "--n-samples-per-prompt (1) = --global-batch-size (8) x --num-steps-per-rollout (0)."),
     # n := 1, S = 4*1/8 = 0.5
     ({R: 4, G: 8}, "--rollout-batch-size (4) x --n-samples-per-prompt (1) = --global-batch-size (8) x "
                    "--num-steps-per-rollout (?) has no whole solution with --num-steps-per-rollout >= 1: "

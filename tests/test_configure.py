@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from importlib.metadata import version
 
 import pytest
 
@@ -16,6 +17,7 @@ from furlong.core.selection import resolve_selection
 from furlong.hooks import ConfigReport, PluginError, hookimpl
 
 BASE = ["--num-rollout", "3", "--rollout-batch-size", "4"]
+FURLONG = f"furlong {version('furlong')}"  # how built-in plugins are named in messages
 
 
 pytestmark = pytest.mark.usefixtures("cpu_machine")  # the same defaults on every machine
@@ -194,6 +196,103 @@ def test_hook_configure_warnings_and_notes_go_to_the_config_logger(resolve, regi
     logged = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "furlong.config"]
     assert ("WARNING", "--advantage-estimator c_adv ignores --gamma.") in logged
     assert ("INFO", "c_adv: baseline weight 1.") in logged
+
+
+class FlaggedGenerate:
+    """A third-party generate plugin with a flag of its own."""
+
+    @hookimpl
+    def add_arguments(self, parser):
+        parser.add_argument_group("flagged").add_argument("--flagged-turns", type=int, default=2)
+
+    @hookimpl
+    def generate(self, args, sample, sampling_params, engine, evaluation):
+        raise AssertionError("nothing generates while configuring")
+
+
+class FlaggedReward:
+    @hookimpl
+    def add_arguments(self, parser):
+        parser.add_argument_group("flagged_rm").add_argument("--flagged-rm-bonus", type=float, default=0.0)
+
+    @hookimpl
+    def reward(self, args, samples):
+        return [0.0 for _ in samples]
+
+
+class FlaggedObserver:
+    @hookimpl
+    def add_arguments(self, parser):
+        parser.add_argument_group("flagged_log").add_argument("--flagged-log-every", type=int, default=1)
+
+    @hookimpl
+    def on_rollout_end(self, args, rollout_id, metrics):
+        pass
+
+
+def test_a_flag_of_a_plugin_the_run_does_not_choose_is_an_error(resolve, error_of, register_plugin):
+    register_plugin(FlaggedGenerate(), "flagged")
+    assert error_of(BASE + ["--flagged-turns", "3"]) == (
+        "--flagged-turns is a flag of plugin 'flagged' (registered in-process), which this run does not use: "
+        "choose the plugin (--generate flagged) or leave --flagged-turns out.")
+    args, _ = resolve(BASE + ["--generate", "flagged", "--flagged-turns", "3"])
+    assert (args.flagged_turns, args.plugin_flags_given) == (3, {"--flagged-turns": "flagged"})
+    args, _ = resolve(BASE)  # not given: nothing to say
+    assert (args.flagged_turns, args.plugin_flags_given) == (2, {})
+
+
+def test_a_plugin_run_by_a_chosen_one_has_its_flags_read(resolve, error_of, register_plugin):
+    def runs_flagged(args, report):
+        report.use_plugin("flagged")
+
+    register_plugin(FlaggedGenerate(), "flagged")
+    register_plugin(_recording([], ("advantage",), runs_flagged), "c_adv")
+    args, _ = resolve(BASE + ["--advantage-estimator", "c_adv", "--flagged-turns", "4"])
+    assert args.flagged_turns == 4
+    # the built-in case: --sglang-server-impl furlong starts `furlong serve`, which runs the embedded engine
+    args, _ = resolve(BASE + ["--rollout-backend", "sglang", "--sglang-server-impl", "furlong", "--executor", "local",
+                              "--embedded-max-batch-size", "8"])
+    assert args.embedded_max_batch_size == 8
+    # under SGLang's own servers the sglang plugin's error says it, once
+    assert error_of(BASE + ["--rollout-backend", "sglang", "--rollout-external", "--rollout-external-engine-addrs",
+                            "127.0.0.1:1", "--embedded-max-batch-size", "8"]).count("--embedded-max-batch-size") == 1
+
+
+def test_a_built_in_plugin_s_flag_is_refused_when_its_plugin_is_not_chosen(error_of):
+    assert error_of(BASE + ["--ray-call-timeout", "30", "--sglang-server-restarts", "2"]) == (
+        f"--ray-call-timeout is a flag of plugin 'ray' ({FURLONG}), which this run does not use: choose the "
+        "plugin (--executor ray) or leave --ray-call-timeout out.\n"
+        f"--sglang-server-restarts is a flag of plugin 'sglang' ({FURLONG}), which this run does not use: "
+        "choose the plugin (--rollout-backend sglang) or leave --sglang-server-restarts out.")
+
+
+def test_a_reward_plugin_s_flag_only_warns_as_samples_may_choose_the_plugin(resolve, register_plugin, caplog):
+    register_plugin(FlaggedReward(), "flagged_rm")
+    with caplog.at_level(logging.WARNING, logger="furlong.config"):
+        args, _ = resolve(BASE + ["--rm-type", "math", "--flagged-rm-bonus", "0.5"])
+    assert args.flagged_rm_bonus == 0.5
+    assert [r.getMessage() for r in caplog.records if r.name == "furlong.config"] == [
+        "--flagged-rm-bonus is a flag of reward plugin 'flagged_rm' (registered in-process), which no flag chooses "
+        "(the run's reward is math): it takes effect only for samples whose metadata['rm_type'] is 'flagged_rm'."]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="furlong.config"):
+        resolve(BASE + ["--rm-type", "boxed_flagged_rm", "--flagged-rm-bonus", "0.5"])  # its boxed form uses it
+    assert not [r for r in caplog.records if r.name == "furlong.config"]
+
+
+def test_an_observer_plugin_s_flags_are_always_used(resolve, register_plugin):
+    register_plugin(FlaggedObserver(), "flagged_log")
+    args, _ = resolve(BASE + ["--flagged-log-every", "5"])
+    assert args.flagged_log_every == 5
+
+
+def test_the_cli_refuses_an_unchosen_plugin_s_flag_with_exit_2(run_furlong, tiny_model_dir):
+    proc = run_furlong("train", *BASE, "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", "/nonexistent.jsonl",
+                       "--ray-engine-restarts", "1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"error: --ray-engine-restarts is a flag of plugin 'ray' ({FURLONG}), which this run does not use: "
+        "choose the plugin (--executor ray) or leave --ray-engine-restarts out.")
 
 
 def test_hook_configure_async_def_is_awaited(resolve, register_plugin):

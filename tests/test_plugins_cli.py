@@ -291,6 +291,6 @@ def test_plugins_with_an_unknown_hook(furlong_with):
 
 def test_unknown_command(run_furlong):
     proc = run_furlong("trian")
-    assert _usage_error(proc).startswith("furlong: unknown command 'trian'. Did you mean 'train'?\n"
+    assert _usage_error(proc).startswith("error: unknown command 'trian' (did you mean 'train'?).\n"
                                          "usage: furlong [--version] COMMAND")
-    assert _usage_error(run_furlong("frobnicate")).startswith("furlong: unknown command 'frobnicate'.\nusage:")
+    assert _usage_error(run_furlong("frobnicate")).startswith("error: unknown command 'frobnicate'.\nusage:")

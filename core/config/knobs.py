@@ -26,15 +26,13 @@ def resolve_knobs(values: dict, given: set[str]) -> tuple[dict | None, str | Non
     known = {k: values[k] for k in KNOBS if k in given}
     for k, v in known.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            return None, f"{FLAG[k]} must be a positive whole number, got {v}: {_equation(known)}."
+            return None, f"{FLAG[k]} must be a positive whole number, got {v}: {_equation(_defaulted(known))}."
     if len(known) == 4:
         left, right = known[RBS] * known[N], known[GBS] * known[S]
         if left != right:
             return None, f"{_side(known, RBS, N)}, but {_side(known, GBS, S)}; {RULE}."
         return known, None
-    for k in (N, S):
-        if len(known) < 3 and k not in known:
-            known[k] = 1
+    known = _defaulted(known)
     if len(known) < 3:
         return None, (f"{FLAG[RBS]} is required: give the prompts per rollout (or {FLAG[GBS]}, the samples per "
                       f"optimizer step, from which it follows: {_equation(known)}).")
@@ -45,6 +43,15 @@ def resolve_knobs(values: dict, given: set[str]) -> tuple[dict | None, str | Non
         return known, None
     return None, (f"{_equation(known)} has no whole solution with {FLAG[missing]} >= 1: "
                   f"{what} = {num / den:.4g}.")
+
+
+def _defaulted(known: dict) -> dict:
+    """``known`` with ``n := 1``, then ``S := 1``, while fewer than three knobs are known."""
+    known = dict(known)
+    for k in (N, S):
+        if len(known) < 3 and k not in known:
+            known[k] = 1
+    return known
 
 
 def _derivation(known: dict, missing: str) -> tuple[int, int, str]:

@@ -35,6 +35,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     Besides one attribute per flag the Namespace holds ``sglang_passthrough``,
     ``router_passthrough``, ``eval_sglang_passthrough`` (dicts), ``explicit_args``
     (sorted attribute names given on the command line or by the overlay),
+    ``plugin_flags_given`` (``{flag: plugin}`` of the given flags a plugin added),
     ``megatron_flags_given`` (Megatron-only flags given, as typed), ``megatron_args``
     (``{dest: value}`` of those) and ``megatron_argv`` (those flags with their values, as
     typed: what a backend hands Megatron-LM's own parser), and derived values
@@ -66,6 +67,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     for attr, values in collected.items():
         setattr(args, attr, values)
     args.explicit_args = sorted(explicit)
+    args.plugin_flags_given = _plugin_flags_given(parser, explicit)
     args.megatron_flags_given = megatron_given
     args.megatron_args = {actions[f].dest: getattr(args, actions[f].dest) for f in megatron_given}
     args.megatron_argv = _argv_of(tokens, set(megatron_given))
@@ -99,6 +101,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
                         "that read it.%s", key, value, hint)
         setattr(final, key, value)
     final.explicit_args = sorted(set(final.explicit_args) | set(overlay))
+    final.plugin_flags_given = _plugin_flags_given(parser, final.explicit_args)
     try:
         findings = validate(final, command)
     except (TypeError, ValueError) as exc:
@@ -161,6 +164,11 @@ def expand_argsfiles(argv: list[str], parser: argparse.ArgumentParser) -> list[s
         inner = [arg for line in lines for arg in parser.convert_arg_line_to_args(line)]
         out.extend(expand_argsfiles(inner, parser))
     return out
+
+
+def _plugin_flags_given(parser, given) -> dict[str, str]:
+    """``{flag: plugin name}`` of the flags among ``given`` (attribute names) that a plugin added."""
+    return dict(sorted(parser.plugin_flags[dest] for dest in given if dest in parser.plugin_flags))
 
 
 def config_to_dict(args: argparse.Namespace) -> dict:

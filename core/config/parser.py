@@ -42,7 +42,15 @@ Miles flags furlong does not implement are refused when given."""
 
 class FurlongArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser that raises :class:`ConfigError` instead of exiting on errors
-    and reads ``@FILE`` argument files with shell quoting and ``#`` comments."""
+    and reads ``@FILE`` argument files with shell quoting and ``#`` comments.
+
+    ``plugin_flags``: ``dest -> (flag, plugin name)`` of every flag a plugin's
+    ``add_arguments`` added (:func:`add_plugin_arguments`).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.plugin_flags: dict[str, tuple[str, str]] = {}
 
     def error(self, message: str):  # noqa: D401 - argparse API
         # argparse's own messages have no final period; every other flag problem ends with one
@@ -270,9 +278,11 @@ def add_plugin_arguments(parser: argparse.ArgumentParser, pm) -> None:
     (:meth:`~furlong.core.plugins.FurlongPluginManager.set_aside`): it adds no flag,
     ``furlong plugins`` lists it as broken with the reason, and only a run that chooses it
     fails. Each plugin first adds its flags to a scratch parser holding the flags defined
-    so far, so a clash leaves nothing half-added on ``parser``.
+    so far, so a clash leaves nothing half-added on ``parser``. Who added which flag is
+    kept in ``parser.plugin_flags`` (when ``parser`` is a :class:`FurlongArgumentParser`).
     """
     owner: dict[str, str] = {opt: "furlong core" for opt in parser._option_string_actions}
+    added = getattr(parser, "plugin_flags", {})
     for impl in list(pm.hook.add_arguments.get_hookimpls()):
         name = impl.plugin_name
         problem = _add_arguments_problem(impl, name, owner)
@@ -281,8 +291,9 @@ def add_plugin_arguments(parser: argparse.ArgumentParser, pm) -> None:
             continue
         before = set(parser._option_string_actions)
         _call_add_arguments(impl, name, parser)
-        for opt in set(parser._option_string_actions) - before:
+        for opt in sorted(set(parser._option_string_actions) - before, key=len, reverse=True):
             owner[opt] = name
+            added.setdefault(parser._option_string_actions[opt].dest, (opt, name))  # the longest spelling
 
 
 def _add_arguments_problem(impl, name: str, owner: dict[str, str]) -> str:

@@ -73,6 +73,8 @@ def configure(args, report):
         report.error(f"{' and '.join(embedded)} set the embedded engine, which SGLang servers do not run (they reach "
                      "`furlong serve` with --sglang-server-impl furlong); SGLang's own are --sglang-enable-torch-compile "
                      "and --sglang-max-running-requests.")
+    if args.sglang_server_impl == "furlong" and not args.rollout_external:
+        report.use_plugin("embedded")  # furlong serve runs the embedded engine, with its flags
     if args.sglang_server_restarts < 0:
         report.error(f"--sglang-server-restarts must be at least 0, got {args.sglang_server_restarts}.")
     if not args.rollout_external and args.sglang_server_impl == "sglang":
