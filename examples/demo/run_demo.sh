@@ -3,7 +3,7 @@
 #
 #   bash examples/demo/run_demo.sh            # from the repository root, venv active
 #   OUT=runs/mine NUM_ROLLOUT=40 bash examples/demo/run_demo.sh
-#   COMMAND=train-async bash examples/demo/run_demo.sh --seed 2   # extra flags go to furlong
+#   COMMAND=train-async bash examples/demo/run_demo.sh --seed 2   # extra flags go to furlong, after (and over) these
 #
 # $OUT (default runs/demo) starts empty; the run before it is moved to $OUT.previous, so one mistyped flag
 # loses no results (only one earlier run is kept: the next run replaces $OUT.previous). Each rollout prints one summary line; the run's metrics land in $OUT/metrics.jsonl and
