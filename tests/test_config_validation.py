@@ -331,6 +331,20 @@ def test_partial_rollout_with_several_steps_without_tis_warns(caplog):
     assert warnings_of(caplog, argv + ["--use-tis"]) == []
 
 
+def test_update_weights_interval_under_sync_train_is_accepted_with_a_warning(caplog):
+    def warned(argv, command):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="furlong.config"):
+            args = parse_args(argv, command=command)
+        return args.update_weights_interval, [r.getMessage() for r in caplog.records if r.name == "furlong.config"]
+
+    assert warned(BASE + ["--update-weights-interval", "2"], "train") == (2, [
+        "--update-weights-interval 2 is read by furlong train-async only; furlong train syncs the weights after "
+        "every rollout."])
+    assert warned(BASE + ["--update-weights-interval", "1"], "train") == (1, [])
+    assert warned(BASE + ["--update-weights-interval", "2"], "train-async")[1] == []
+
+
 def test_train_async_turns_tis_on_unless_a_correction_or_no_use_tis_is_given(caplog):
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="furlong.config"):

@@ -142,6 +142,10 @@ def async_and_agents(args, f, given: set[str], command: str | None) -> None:
     """
     if args.fully_async and args.rollout_function_path:
         f.error("--fully-async cannot be combined with --rollout-function-path (both choose the rollout).")
+    if command == "train" and "update_weights_interval" in given and args.update_weights_interval != 1:
+        # accepted, as Miles' synchronous loop accepts it, but said: it would otherwise do nothing unseen
+        f.warn(f"--update-weights-interval {args.update_weights_interval} is read by furlong train-async only; "
+               "furlong train syncs the weights after every rollout.")
     if command == "train-async" and args.colocate:
         f.error("furlong train-async cannot run with --colocate (training and generation overlap); "
                 "use furlong train.")
