@@ -488,6 +488,22 @@ def test_fully_async_submits_per_sample_unless_given(resolve):
     assert args.rollout_submission_granularity == "group"
 
 
+def test_the_sync_rollout_warns_about_the_fully_async_rollout_s_flags(resolve, caplog):
+    def warnings(argv, command):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="furlong.config"):
+            resolve(BASE + argv, command)
+        return [r.getMessage() for r in caplog.records if r.name == "furlong.config"]
+
+    assert warnings(["--max-weight-staleness", "2", "--async-unused-samples-handler", "retry"], "train") == [
+        "--max-weight-staleness, --async-unused-samples-handler: read by the fully async rollout only (--rollout "
+        "fully_async, with furlong train-async); the sync rollout ignores them."]
+    assert warnings(["--rollout-submission-granularity", "group"], "train-async") == [
+        "--rollout-submission-granularity: read by the fully async rollout only (--rollout fully_async, with furlong "
+        "train-async); the sync rollout ignores it."]
+    assert warnings(["--rollout", "fully_async", "--max-weight-staleness", "2"], "train-async") == []
+
+
 def test_fully_async_function_path_selects_the_plugin_and_its_defaults(resolve):
     args, _ = resolve(BASE + ["--rollout-function-path", "fully_async_rollout.generate_rollout_fully_async"],
                       "train-async")

@@ -9,6 +9,24 @@ from furlong.hooks import PluginError, hookimpl
 
 log = logging.getLogger("furlong.rollout")
 
+# flags only the run-long producer of ``--rollout fully_async`` reads
+_FULLY_ASYNC_ONLY = ("rollout_submission_granularity", "async_max_concurrent_samples",
+                     "async_data_buffer_capacity_factor", "max_weight_staleness", "async_unused_samples_handler")
+
+
+@hookimpl
+def configure(args, report):
+    """Warn about the given flags of the fully async rollout, which this rollout does not read.
+
+    They are accepted (Miles' synchronous loop accepts them too) but said, so that none of
+    them looks in effect when it is not.
+    """
+    given = [dest for dest in _FULLY_ASYNC_ONLY if report.given(args, dest)]
+    if given:
+        flags = ", ".join("--" + dest.replace("_", "-") for dest in given)
+        report.warn(f"{flags}: read by the fully async rollout only (--rollout fully_async, with furlong "
+                    f"train-async); the sync rollout ignores {'it' if len(given) == 1 else 'them'}.")
+
 
 @hookimpl
 async def rollout(args, rollout_id, context):
