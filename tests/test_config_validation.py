@@ -350,8 +350,8 @@ def test_train_async_turns_tis_on_unless_a_correction_or_no_use_tis_is_given(cap
     with caplog.at_level(logging.INFO, logger="furlong.config"):
         assert parse_args(BASE, command="train-async").use_tis is True
     assert [r.getMessage() for r in caplog.records if r.name == "furlong.config" and "--use-tis" in r.getMessage()] == [
-        "furlong train-async: --use-tis is on (rollouts are generated one weight version behind the trainer); "
-        "--no-use-tis trains without an off-policy correction."]
+        "furlong train-async: --use-tis is on (rollouts are generated one or more weight versions behind the "
+        "trainer); --no-use-tis trains without an off-policy correction."]
     assert parse_args(BASE + ["--no-use-tis"], command="train-async").use_tis is False
     assert parse_args(BASE + ["--use-rollout-logprobs"], command="train-async").use_tis is False
     assert parse_args(BASE, command="train").use_tis is False  # sync is on-policy: nothing to correct

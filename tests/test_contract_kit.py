@@ -21,12 +21,12 @@ EXERCISED = {
     "policy_loss": ["loss"], "sft_loss": ["loss"], "value_loss": ["loss"],
     "dr_grpo": ["configure", "loss_reducer"], "embedded": ["add_arguments"], "fsdp": ["configure"], "local": ["configure"], "fully_async": ["configure"],
     "megatron": ["configure"], "sglang": ["add_arguments", "configure"],
-    "ray": ["add_arguments", "configure"], "sync": [],
+    "ray": ["add_arguments", "configure"], "sync": ["configure"],
     "tensorboard": ["add_arguments", "on_eval_end", "on_rollout_end", "on_train_step_end"],
     "wandb": ["on_eval_end", "on_rollout_end", "on_train_step_end"],
     **{name: ["configure", "advantage"] for name in ("grpo", "gspo", "ppo", "reinforce_plus_plus",
                                                       "reinforce_plus_plus_baseline", "on_policy_distillation")},
-    "remote_rm": ["add_arguments", "reward"],
+    "remote_rm": ["add_arguments", "configure", "reward"],
     **{name: ["reward"] for name in ("math", "dapo", "deepscaler", "f1", "gpqa", "random", "deterministic_random")},
 }
 

@@ -202,6 +202,28 @@ def test_flags_and_defaults(pm):
     assert (parsed.remote_rm_timeout, parsed.remote_rm_max_retries) == (2.5, 0)
 
 
+def test_configure_tells_a_missing_url_and_bad_limits_before_any_model_loads():
+    from furlong.core.config import ConfigError, parse_args
+    from furlong.core.configure import configure_plugins
+    from furlong.core.selection import resolve_selection
+
+    def problems(*extra):
+        pm = get_plugin_manager()
+        args = parse_args(["--num-rollout", "1", "--rollout-batch-size", "2", "--rm-type", "remote_rm", *extra], pm)
+        try:
+            configure_plugins(args, pm, resolve_selection(args, pm))
+        except ConfigError as exc:
+            return exc.problems
+        return []
+
+    assert problems() == ["--rm-type remote_rm needs --rm-url: the URL of the reward server to POST samples to "
+                          "(e.g. --rm-url http://127.0.0.1:8000/reward)."]
+    assert problems("--rm-url", "http://127.0.0.1:1/r", "--remote-rm-timeout", "0", "--remote-rm-max-retries", "-1") == [
+        "--remote-rm-timeout must be a positive number of seconds, got 0.",
+        "--remote-rm-max-retries must be at least 0, got -1."]
+    assert problems("--rm-url", "http://127.0.0.1:1/r") == []
+
+
 def test_boxed_response_is_bare_content(pm, server):
     module = pm.get_plugin("remote_rm")
     assert module.boxed_response("42") == "42"

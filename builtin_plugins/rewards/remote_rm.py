@@ -30,6 +30,20 @@ def add_arguments(parser):
 
 
 @hookimpl
+def configure(args, report):
+    """As the run-wide reward (``--rm-type remote_rm``): ``--rm-url`` is required, the time-out positive and
+    the retries at least 0, told before any model loads. (A sample that names ``remote_rm`` in its
+    ``metadata["rm_type"]`` is checked when it is scored: ``configure`` is not called for those.)"""
+    if not getattr(args, "rm_url", None):
+        report.error(f"--rm-type {report.plugin} needs --rm-url: the URL of the reward server to POST samples to "
+                     "(e.g. --rm-url http://127.0.0.1:8000/reward).")
+    if args.remote_rm_timeout <= 0:
+        report.error(f"--remote-rm-timeout must be a positive number of seconds, got {args.remote_rm_timeout:g}.")
+    if args.remote_rm_max_retries < 0:
+        report.error(f"--remote-rm-max-retries must be at least 0, got {args.remote_rm_max_retries}.")
+
+
+@hookimpl
 async def reward(args, samples):
     """Score each sample with a reward server: the sample is POSTed, the JSON answer is the reward.
 

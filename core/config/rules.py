@@ -159,8 +159,8 @@ def async_and_agents(args, f, given: set[str], command: str | None) -> None:
         # measured on the demo (docs/modes.md): one step off-policy without a correction lowered the test
         # reward in every seed, --use-tis kept nearly all of the sync gain
         args.use_tis = True
-        f.info("furlong train-async: --use-tis is on (rollouts are generated one weight version behind the "
-               "trainer); --no-use-tis trains without an off-policy correction.")
+        f.info("furlong train-async: --use-tis is on (rollouts are generated one or more weight versions behind "
+               "the trainer); --no-use-tis trains without an off-policy correction.")
     if args.partial_rollout and args.num_steps_per_rollout and args.num_steps_per_rollout > 1 and not args.use_tis:
         f.warn(f"--partial-rollout with --num-steps-per-rollout {args.num_steps_per_rollout} trains on samples "
                f"from older policies; add --use-tis to correct for it.")

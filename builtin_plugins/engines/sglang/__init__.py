@@ -70,7 +70,8 @@ def configure(args, report):
     given = set(getattr(args, "explicit_args", None) or ())
     embedded = [f"--{k.replace('_', '-')}" for k in ("embedded_max_batch_size", "embedded_torch_compile") if k in given]
     if embedded and (args.rollout_external or args.sglang_server_impl != "furlong"):
-        report.error(f"{' and '.join(embedded)} set the embedded engine, which SGLang servers do not run (they reach "
+        report.error(f"{' and '.join(embedded)} {'set' if len(embedded) > 1 else 'sets'} the embedded engine, which "
+                     "SGLang servers do not run (they reach "
                      "`furlong serve` with --sglang-server-impl furlong); SGLang's own are --sglang-enable-torch-compile "
                      "and --sglang-max-running-requests.")
     if args.sglang_server_impl == "furlong" and not args.rollout_external:
