@@ -180,14 +180,9 @@ def unused_plugin_flags(args: Namespace, pm: FurlongPluginManager, selection: Se
 
 def _choosing_flags(pm: FurlongPluginManager, plugin: str) -> list[str]:
     """The name flags that can choose ``plugin``, one per chosen hook it implements."""
-    flags = [spec.name_flag for spec in CHOSEN_HOOKS if _implements(pm, plugin, spec.hook)]
-    if _implements(pm, plugin, "filter"):
-        flags.append("--dynamic-sampling-filter")
-    return flags
-
-
-def _implements(pm: FurlongPluginManager, plugin: str, hook: str) -> bool:
-    return any(impl.plugin_name == plugin for impl in getattr(pm.hook, hook).get_hookimpls())
+    hooks = set(pm.hooks_of(plugin))
+    flags = [spec.name_flag for spec in CHOSEN_HOOKS if spec.hook in hooks]
+    return flags + (["--dynamic-sampling-filter"] if "filter" in hooks else [])
 
 
 def with_plugin_problems(error: ConfigError, pm: FurlongPluginManager) -> ConfigError:
