@@ -161,26 +161,24 @@ def unused_plugin_flags(args: Namespace, pm: FurlongPluginManager, selection: Se
     used = {name for name, _ in configure_order(args, pm, selection)} | set(also_used)
     if selection.reward:
         used.add(boxed_base(pm, selection.reward[0]) or selection.reward[0])
-    used |= {impl.plugin_name for hook in OBSERVER_HOOKS for impl in getattr(pm.hook, hook).get_hookimpls()}
-    rewards = {impl.plugin_name for impl in pm.hook.reward.get_hookimpls()}
     errors, warnings = [], []
     for flag, plugin in given.items():
-        if plugin in used or any(names_any(message, {flag}) for message in told):
+        hooks = set(pm.hooks_of(plugin))
+        if plugin in used or hooks & OBSERVER_HOOKS or any(names_any(message, {flag}) for message in told):
             continue
-        if plugin in rewards:
+        if "reward" in hooks:
             warnings.append(f"{flag} is a flag of reward plugin '{plugin}' ({pm.origin(plugin)}), which no flag chooses "
                             f"(the run's reward is {selection.reward[0] if selection.reward else 'none'}): it takes "
                             f"effect only for samples whose metadata['rm_type'] is '{plugin}'.")
             continue
-        choose = " or ".join(f"{flag_} {plugin}" for flag_ in _choosing_flags(pm, plugin)) or "its hook's flag"
+        choose = " or ".join(f"{flag_} {plugin}" for flag_ in _choosing_flags(hooks)) or "its hook's flag"
         errors.append(f"{flag} is a flag of plugin '{plugin}' ({pm.origin(plugin)}), which this run does not use: "
                       f"choose the plugin ({choose}) or leave {flag} out.")
     return errors, warnings
 
 
-def _choosing_flags(pm: FurlongPluginManager, plugin: str) -> list[str]:
-    """The name flags that can choose ``plugin``, one per chosen hook it implements."""
-    hooks = set(pm.hooks_of(plugin))
+def _choosing_flags(hooks: set[str]) -> list[str]:
+    """The name flags that can choose a plugin implementing ``hooks``, one per chosen hook among them."""
     flags = [spec.name_flag for spec in CHOSEN_HOOKS if spec.hook in hooks]
     return flags + (["--dynamic-sampling-filter"] if "filter" in hooks else [])
 

@@ -17,6 +17,9 @@ BACKOFF_S = 0.25  # sleep before retry k (k = 1, 2, ...) is BACKOFF_S * 2**(k-1)
 _BODY_CHARS = 300  # how much of an error body a message quotes
 
 
+_NEEDS_URL = "--rm-url: the URL of the reward server to POST samples to (e.g. --rm-url http://127.0.0.1:8000/reward)."
+
+
 @hookimpl
 def add_arguments(parser):
     """Add ``--remote-rm-timeout`` (float seconds, default 60) and ``--remote-rm-max-retries``
@@ -35,8 +38,7 @@ def configure(args, report):
     the retries at least 0, told before any model loads. (A sample that names ``remote_rm`` in its
     ``metadata["rm_type"]`` is checked when it is scored: ``configure`` is not called for those.)"""
     if not getattr(args, "rm_url", None):
-        report.error(f"--rm-type {report.plugin} needs --rm-url: the URL of the reward server to POST samples to "
-                     "(e.g. --rm-url http://127.0.0.1:8000/reward).")
+        report.error(f"--rm-type {report.plugin} needs {_NEEDS_URL}")
     if args.remote_rm_timeout <= 0:
         report.error(f"--remote-rm-timeout must be a positive number of seconds, got {args.remote_rm_timeout:g}.")
     if args.remote_rm_max_retries < 0:
@@ -68,8 +70,7 @@ async def reward(args, samples):
     """
     url = getattr(args, "rm_url", None)
     if not url:
-        raise PluginError("reward 'remote_rm' needs --rm-url: the URL of the reward server to POST samples to "
-                          "(e.g. --rm-url http://127.0.0.1:8000/reward).")
+        raise PluginError(f"reward 'remote_rm' needs {_NEEDS_URL}")
     timeout_s = float(getattr(args, "remote_rm_timeout", DEFAULT_TIMEOUT_S))
     retries = int(getattr(args, "remote_rm_max_retries", DEFAULT_MAX_RETRIES))
     bodies = [_body(s) for s in samples]
