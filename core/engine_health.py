@@ -52,6 +52,11 @@ class EngineHealthMonitor:
         self._running.set()
         self._task = asyncio.ensure_future(self._loop())
 
+    @property
+    def running(self) -> bool:
+        """Started and not paused."""
+        return self._running.is_set()
+
     def pause(self) -> None:
         self._running.clear()
 

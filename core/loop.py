@@ -111,6 +111,7 @@ class Run:
                 engine.on_restart = self.weights.resync
         if engines and health_monitor_wanted(args):
             self.health = EngineHealthMonitor.from_args(args, engines)
+            self.weights.monitor = self.health
             self.health.start()
         return resume.start_rollout_id
 

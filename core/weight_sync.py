@@ -1,10 +1,13 @@
 """Weight sync from the trainer to the rollout engines, in the phases of SGLang's API (SPEC.md 6.5, 8.4).
 
 One sync: every engine pauses (``--pause-generation-mode``) and, unless paused in place,
-flushes its prefix cache; the train workers walk their weights in Hugging Face names
-and rank 0 cuts them into buckets of at most ``--update-weight-buffer-size`` bytes;
-each bucket reaches every engine; the engines take the new weight version and continue
-(also when a bucket failed, so no engine stays paused). Two transports:
+flushes its prefix cache; every engine opens its weight-update session
+(``begin_weight_update``, which SGLang 0.5.21+ requires; engines without sessions need
+not have the method); the train workers walk their weights in Hugging Face names and
+rank 0 cuts them into buckets of at most ``--update-weight-buffer-size`` bytes; each
+bucket reaches every engine; the sessions close (``end_weight_update``, also when a
+bucket failed, so no session stays open); the engines take the new weight version and
+continue (also after a failure, so no engine stays paused). Two transports:
 
 - in-process (``Executor.weights_in_process``): the bucket's tensors are handed to each
   engine's ``load_weights``;
@@ -14,7 +17,9 @@ each bucket reaches every engine; the engines take the new weight version and co
   broadcasts the tensors.
 
 Syncs are serialized by one lock, shared with engine recovery (a restarted engine gets
-the current weights before it serves again).
+the current weights before it serves again). The engine health monitor, when one runs,
+is paused for the whole sync: a paused SGLang server's ``/health`` waits for generation
+and would report a healthy server dead.
 """
 
 from __future__ import annotations
@@ -48,6 +53,20 @@ class WeightSync:
         self.buckets = 0  # buckets sent by the last sync
         self._connected: list | None = None
         self._generation = 0
+        self.monitor: Any = None  # the EngineHealthMonitor, paused during a sync
+
+    async def _paused_monitor(self, sync) -> None:
+        """Run ``sync`` (a coroutine) with the health monitor paused."""
+        if self.monitor is None:
+            await sync
+            return
+        was_running = self.monitor.running  # paused already while the engines are offloaded
+        self.monitor.pause()
+        try:
+            await sync
+        finally:
+            if was_running:
+                self.monitor.resume()
 
     @property
     def max_bytes(self) -> int:
@@ -66,7 +85,7 @@ class WeightSync:
         async with self.lock:
             self.version += 1
             try:
-                await self._push(self.engines, self.version)
+                await self._paused_monitor(self._push(self.engines, self.version))
                 return self.version
             except PluginError:
                 dead = [e for e in (await self._split_by_health())[1] if hasattr(e, "recover")]
@@ -87,7 +106,7 @@ class WeightSync:
             await self.close()  # a new process joins: the weight-update group is built again
             if self.version:
                 # engines still dead (several died at once) join when their own replacement syncs
-                await self._push((await self._split_by_health())[0], self.version)
+                await self._paused_monitor(self._push((await self._split_by_health())[0], self.version))
 
     async def _split_by_health(self) -> tuple[list, list]:
         """``(healthy, dead)`` engines, asking each one."""
@@ -110,11 +129,25 @@ class WeightSync:
                     await asyncio.gather(*(e.flush_cache() for e in engines))
                 if not self.in_process and self._connected != engines:
                     await self._connect(engines)
-                await self._stream(engines)
+                await self._in_session(engines, lambda: self._stream(engines))
                 await asyncio.gather(*(e.set_weight_version(version) for e in engines))
             finally:
                 await asyncio.gather(*(_quiet(e.continue_generation()) for e in engines))
         log.debug("weights version %d sent in %d bucket(s)", version, self.buckets)
+
+    async def _in_session(self, engines: list, stream) -> None:
+        """Run ``stream()`` (a coroutine function) inside every engine's weight-update session.
+
+        Sessions are closed whatever happens; after a failure quietly (an engine that never
+        opened one refuses the close), so the first error is the one raised.
+        """
+        try:
+            await asyncio.gather(*(_phase(e, "begin_weight_update") for e in engines))
+            await stream()
+        except BaseException:
+            await asyncio.gather(*(_quiet(_phase(e, "end_weight_update")) for e in engines))
+            raise
+        await asyncio.gather(*(_phase(e, "end_weight_update") for e in engines))
 
     async def _stream(self, engines: list) -> None:
         """Every bucket of the trainer's weights to every engine."""
@@ -153,6 +186,14 @@ class WeightSync:
             raise PluginError(f"weight sync: could not build the weight-update group at {address}:{port} "
                               f"(trainer rank 0 + {len(engines)} engine(s), {backend}): {exc}") from exc
         self._connected = list(engines)
+
+
+async def _phase(engine: Any, name: str) -> None:
+    """The optional phase ``name`` of ``engine`` (``begin_weight_update``/``end_weight_update``):
+    an engine without weight-update sessions need not define it."""
+    method = getattr(engine, name, None)
+    if method is not None:
+        await method()
 
 
 async def _quiet(coro) -> None:

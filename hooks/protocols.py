@@ -21,9 +21,14 @@ class RolloutEngine(Protocol):
     """Generates tokens. Implementations: ``embedded`` (transformers), ``sglang``.
 
     Weight updates come in phases, the shape of SGLang's HTTP API (docs/architecture.md, weight sync):
-    ``pause_generation`` → ``flush_cache`` → one ``load_weights`` (in-process) or
-    ``update_weights_from_distributed`` (broadcast) per bucket → ``set_weight_version``
-    → ``continue_generation``.
+    ``pause_generation`` → ``flush_cache`` → ``begin_weight_update`` → one ``load_weights``
+    (in-process) or ``update_weights_from_distributed`` (broadcast) per bucket →
+    ``end_weight_update`` → ``set_weight_version`` → ``continue_generation``.
+
+    ``begin_weight_update()`` and ``end_weight_update()`` (async, no arguments) are optional:
+    an engine whose server needs a session around the buckets (SGLang 0.5.21 and later)
+    defines them; the core calls ``end_weight_update`` after every ``begin_weight_update``
+    that ran, also when a bucket failed. An engine without them has no session.
     """
 
     tokenizer: Any

@@ -157,7 +157,11 @@ class GenerateOutput:
     ``output_ids``: generated token ids (excluding the prompt). ``output_log_probs``: log-prob
     of each generated token under the sampling distribution (temperature applied), float,
     one per id. ``finish_reason``: ``"stop"``, ``"length"`` or ``"abort"``.
-    ``weight_version``: the engine's weight version as a string.
+    ``weight_version``: the engine's weight version as a string; for a request whose
+    tokens straddle a weight update, the version of its first tokens (the oldest).
+    ``weight_version_spans``: for such a request, ``(version, start, end)`` per stretch of
+    output tokens ``[start, end)`` generated under one version (SGLang's
+    ``meta_info.weight_versions``); empty otherwise.
     """
 
     output_ids: list[int]
@@ -165,6 +169,7 @@ class GenerateOutput:
     finish_reason: str
     weight_version: str = "0"
     text: str | None = None
+    weight_version_spans: list[tuple[str, int, int]] = attrs.field(factory=list)
 
 
 @attrs.define

@@ -151,10 +151,10 @@ def test_finish_reasons_and_stop_trimming(server, engine):
 
 @pytest.mark.parametrize("body, message", [
     ({"input_ids": [5, 6], "sampling_params": {"temprature": 0.5}},
-     "/generate 'sampling_params': unknown field 'temprature'; fields: beam_width, custom_params, ebnf, "
+     "/generate 'sampling_params': unknown field 'temprature'; fields: beam_width, choice, custom_params, ebnf, "
      "frequency_penalty, ignore_eos, json_schema, logit_bias, max_new_tokens, min_new_tokens, min_p, n, no_stop_trim, "
      "presence_penalty, regex, repetition_penalty, sampling_seed, skip_special_tokens, spaces_between_special_tokens, "
-     "stop, stop_regex, stop_token_ids, stream_interval, structural_tag, temperature, top_k, top_p"),
+     "stop, stop_regex, stop_token_ids, stream_interval, structural_tag, temperature, top_k, top_p, watermark"),
     ({"input_ids": [5, 6], "sampling_params": {"n": 2}},
      "/generate 'sampling_params': field 'n' = 2 is not supported by furlong serve (only its off value: null, "
      "false, empty or 1)"),
@@ -173,27 +173,63 @@ def test_finish_reasons_and_stop_trimming(server, engine):
     ({"text": ["a", "b"], "rid": ["x"]}, "/generate 'rid': 1 ids for 2 prompt(s); give one string per prompt"),
     ({"input_ids": [5] * 1024}, "/generate: the prompt of request 'x' has 1024 tokens; the model's context length "
      "is 1024 tokens (prompt plus generated tokens); send a shorter prompt."),
-    ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1022, "ignore_eos": True}},
-     "/generate: request 'x' asks for 2 prompt tokens + 1022 max_new_tokens = 1024 tokens; the model's context "
-     "length is 1024 tokens: lower max_new_tokens below 1022 or shorten the prompt."),
+    ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1023, "ignore_eos": True}},
+     "/generate: request 'x' asks for 2 prompt tokens + 1023 max_new_tokens = 1025 tokens; the model's context "
+     "length is 1024 tokens: lower max_new_tokens to at most 1022 or shorten the prompt."),
+    ({"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 3},
+     "/generate: logprob_start_len=3 is higher than the number of input tokens 2 of request 'x'"),
 ])
 def test_bad_generate_requests_are_400_with_a_clear_message(server, body, message):
+    """SGLang 0.5.23's two bodies: a broken JSON contract answers ``{"error": "<message>"}``; a request the
+    server refuses after reading it (sampling values, vocabulary, context) ``{"error": {"message"}}``."""
     status, out = server.call("/generate", {"rid": "x", **body} if "input_ids" in body else body)
     assert status == 400
     assert set(out) == {"error"}
-    assert out["error"]["message"].startswith(message), out
+    refused = message.startswith(("embedded engine", "/generate: token id", "/generate: the prompt",
+                                  "/generate: request", "/generate: logprob_start_len"))
+    text = out["error"]["message"] if refused else out["error"]
+    assert isinstance(text, str) and text.startswith(message), out
+
+
+def test_a_prompt_plus_max_new_tokens_equal_to_the_context_is_served(server):
+    """SGLang refuses only a total above the context length (``tokenizer_manager.py``)."""
+    out = _generate(server, input_ids=[5, 6], sampling_params=dict(GREEDY, max_new_tokens=1022), return_logprob=True)
+    assert out["meta_info"]["completion_tokens"] <= 1022
+
+
+def test_prompt_log_probs_from_logprob_start_len(server, engine):
+    """``input_token_logprobs`` holds the prompt's tokens from ``logprob_start_len`` on, each scored given the
+    ones before it (the first prompt token has none: null); the default (-1) holds none."""
+    import torch
+
+    ids = engine.tokenizer.encode("The sky is blue")
+    whole = _generate(server, input_ids=ids, sampling_params=dict(GREEDY, max_new_tokens=3), return_logprob=True,
+                      logprob_start_len=0)
+    entries = whole["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == ids and entries[0][0] is None
+    with torch.no_grad():
+        expected = torch.log_softmax(engine.model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    assert [e[0] for e in entries[1:]] == pytest.approx(
+        expected.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist(), abs=1e-4)
+    assert whole["meta_info"]["output_token_logprobs_length"] == 3
+    tail = _generate(server, input_ids=ids, sampling_params=dict(GREEDY, max_new_tokens=3), return_logprob=True,
+                     logprob_start_len=len(ids) - 2)
+    assert tail["meta_info"]["input_token_logprobs"] == entries[-2:]
+    default = _generate(server, input_ids=ids, sampling_params=dict(GREEDY, max_new_tokens=3), return_logprob=True)
+    assert default["meta_info"]["input_token_logprobs"] == []
 
 
 def test_bad_json_and_bad_control_bodies_are_400(server):
-    assert server.call("/generate", raw=b"{not json") == (400, {"error": {"message": (
-        "/generate: the body is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 "
-        "(char 1))")}})
+    """SGLang answers a body its request type cannot read with its validation error body."""
+    assert server.call("/generate", raw=b"{not json") == (400, {
+        "object": "error", "type": "Bad Request", "param": None, "code": 400, "message": (
+            "/generate: the body is not valid JSON (Expecting property name enclosed in double quotes: line 1 "
+            "column 2 (char 1))")})
     status, out = server.call("/pause_generation", {"mode": "sideways"})
-    assert (status, out["error"]["message"]) == (400, "/pause_generation 'mode': 'sideways' is not one of 'abort', "
-                                                      "'retract', 'in_place'")
+    assert (status, out["message"]) == (400, "/pause_generation 'mode': 'sideways' is not one of 'abort', "
+                                             "'retract', 'in_place'")
     status, out = server.call("/abort_request", {"rid": "x", "everything": True})
-    assert (status, out["error"]["message"]) == (400, "/abort_request: unknown field 'everything'; fields: "
-                                                      "abort_all, rid")
+    assert (status, out["message"]) == (400, "/abort_request: unknown field 'everything'; fields: abort_all, rid")
     assert server.call("/loads")[0] == 404  # routers accept a 404 here
 
 
@@ -442,21 +478,78 @@ def test_a_client_broadcasts_new_weights_over_the_update_group(server, engine, o
     assert joined["value"] == (200, {"success": True, "message": "Succeeded to initialize custom process group."})
     state = load_file(str(other_model_dir / "model.safetensors"))
     names = sorted(state)
+    assert server.call("/begin_weight_update", {"selector": "all"}) == (200, {"success": True, "message": "Success"})
     sending, sent = _in_thread(server.call, "/update_weights_from_distributed", {
         "names": names, "dtypes": [str(state[n].dtype).removeprefix("torch.") for n in names],
         "shapes": [list(state[n].shape) for n in names], "group_name": "test_group", "weight_version": "7"})
     broadcast_bucket([state[n] for n in names], group)
     sending.join(60)
     assert sent["value"] == (200, {"success": True, "message": "Succeeded to update parameter online."})
+    assert server.call("/end_weight_update", {}) == (200, {"success": True, "message": "Success"})
     after = _generate(server, input_ids=ids, sampling_params=GREEDY)
     expected = _engine_output(embedded.load_engine(str(other_model_dir)), ids, GREEDY).output_ids
     assert after["output_ids"] == expected != before["output_ids"]
     assert after["meta_info"]["weight_version"] == "7" == server.call("/model_info")[1]["weight_version"]
     assert server.call("/destroy_weights_update_group", {"group_name": "test_group"})[0] == 200
     dist.destroy_process_group(group)
+    server.call("/begin_weight_update", {})
     status, out = server.call("/update_weights_from_distributed", {
         "names": names[:1], "dtypes": ["float32"], "shapes": [list(state[names[0]].shape)], "group_name": "test_group"})
     assert status == 400 and "no weight-update group 'test_group'" in out["message"]
+    server.call("/end_weight_update", {})
+    restore = server.call("/model_info")[1]["model_path"]
+    assert server.call("/update_weights_from_disk", {"model_path": restore, "weight_version": "default"})[0] == 200
+
+
+def test_broadcast_and_tensor_updates_need_a_weight_update_session(server):
+    """SGLang 0.5.21+'s rule (``scheduler_components/weight_updater.py``), answer for answer."""
+    outside = {"success": False, "message": "update_weights_from_distributed must run between "
+                                            "begin_weight_update() and end_weight_update()"}
+    bucket = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1, 1]], "group_name": "none"}
+    assert server.call("/update_weights_from_distributed", bucket) == (400, outside)
+    status, out = server.call("/update_weights_from_tensor", {"serialized_named_tensors": ["e30="]})
+    assert (status, out["success"]) == (400, False) and out["message"].startswith("update_weights_from_tensor must")
+    assert server.call("/end_weight_update", {}) == (400, {
+        "success": False, "message": "no weight-update session is open; call begin_weight_update() first"})
+    assert server.call("/begin_weight_update", {})[0] == 200
+    assert server.call("/begin_weight_update", {}) == (400, {
+        "success": False, "message": "a weight-update session is already open; call end_weight_update() first"})
+    assert server.call("/end_weight_update", {})[0] == 200
+    assert server.call("/begin_weight_update", {"selector": "everything"})[0] == 400
+
+
+def test_a_tensor_update_loads_the_pickled_tensors_and_refuses_other_pickles(server, engine, other_model_dir):
+    """``/update_weights_from_tensor`` as SGLang's own client sends it: ForkingPickler + base64, one payload per
+    TP rank (CPU tensors travel as shared-memory file names under the ``file_system`` sharing strategy)."""
+    import base64
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+
+    ids = engine.tokenizer.encode("Hello there")
+    state = load_file(str(other_model_dir / "model.safetensors"))
+    previous = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        buffer = io.BytesIO()
+        ForkingPickler(buffer).dump(sorted(state.items()))
+        payload = base64.b64encode(buffer.getvalue()).decode()
+        assert server.call("/begin_weight_update", {})[0] == 200
+        status, out = server.call("/update_weights_from_tensor", {"serialized_named_tensors": [payload],
+                                                                   "weight_version": "t1"})
+        assert (status, out) == (200, {"success": True, "message": "Success"})
+        evil = base64.b64encode(pickle.dumps(print)).decode()
+        status, out = server.call("/update_weights_from_tensor", {"serialized_named_tensors": [evil]})
+        assert status == 400 and "builtins.print, which a tensor payload never holds" in out["message"]
+        assert server.call("/end_weight_update", {})[0] == 200
+    finally:
+        mp.set_sharing_strategy(previous)
+    expected = _engine_output(embedded.load_engine(str(other_model_dir)), ids, GREEDY).output_ids
+    after = _generate(server, input_ids=ids, sampling_params=GREEDY)
+    assert after["output_ids"] == expected and after["meta_info"]["weight_version"] == "t1"
     restore = server.call("/model_info")[1]["model_path"]
     assert server.call("/update_weights_from_disk", {"model_path": restore, "weight_version": "default"})[0] == 200
 

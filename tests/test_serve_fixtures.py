@@ -106,7 +106,7 @@ def test_unknown_sampling_key_is_refused_with_sglang_s_error_body(serve_server):
     status, out = serve_server.call("/generate", load("generate_request_unknown_sampling_key.json"))
     assert status == 400
     assert_same_shape(load("error_400.json"), out)
-    assert "'temprature'" in out["error"]["message"]
+    assert "'temprature'" in out["error"]
 
 
 def test_finish_reason_shapes(serve_server):
@@ -177,10 +177,12 @@ def test_control_requests(serve_server, tiny_model_dir):
     check("/init_weights_update_group", answer=result["answer"])
     bucket = requests["/update_weights_from_distributed"]
     weights = load_file(str(Path(tiny_model_dir) / "model.safetensors"))  # the same weights: outputs stay put
+    check("/begin_weight_update", {"selector": "all"})
     thread, result = in_thread("/update_weights_from_distributed", bucket)
     broadcast_bucket([weights[name] for name in bucket["names"]], group)
     thread.join(60)
     check("/update_weights_from_distributed", answer=result["answer"])
+    check("/end_weight_update", {})
     check("/destroy_weights_update_group")
     import torch.distributed as dist
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from furlong.hooks import hookimpl
+from furlong.hooks import PluginError, hookimpl
 
 pytest.importorskip("sglang_router", reason='the router extra: pip install "furlong[router]"')
 
@@ -314,10 +314,18 @@ def test_weights_reach_every_server_by_broadcast_over_gloo(fleet):
             await asyncio.gather(*(e.init_weights_update_group("127.0.0.1", port, 1 + i, 3, name, "gloo")
                                    for i, e in enumerate(engines)))
             thread.join(60)
+            # furlong serve follows SGLang 0.5.23: a broadcast bucket outside a weight-update session is refused
+            assert [e.protocol.weight_session for e in engines] == [True, True]
+            with pytest.raises(PluginError, match=r"sglang engine 0 .*SGLang 0\.5\.23 refused POST "
+                                                  r"/update_weights_from_distributed: .* must run between "
+                                                  r"begin_weight_update\(\) and end_weight_update\(\)"):
+                await engines[0].update_weights_from_distributed(["lm_head.weight"], ["float32"], [[26, 128]], name)
             zeros = torch.zeros(26, 128)  # lm_head: every token equally likely afterwards
+            await asyncio.gather(*(e.begin_weight_update() for e in engines))
             await asyncio.gather(asyncio.to_thread(broadcast_bucket, [zeros], got["group"]),
                                  *(e.update_weights_from_distributed(["lm_head.weight"], ["float32"], [[26, 128]], name)
                                    for e in engines))
+            await asyncio.gather(*(e.end_weight_update() for e in engines))
             await asyncio.gather(*(e.set_weight_version(7) for e in engines))
             assert [get(url, "/model_info")["weight_version"] for url in fleet["urls"]] == ["7", "7"]
             await asyncio.gather(*(e.release_memory() for e in engines))  # what --offload-rollout does

@@ -545,6 +545,12 @@ class RemoteEngine:
     async def load_weights(self, named_tensors) -> None:
         await self._call("load_weights", list(named_tensors), retry=False)
 
+    async def begin_weight_update(self) -> None:
+        await self._call("begin_weight_update", retry=False)
+
+    async def end_weight_update(self) -> None:
+        await self._call("end_weight_update", retry=False)
+
     async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
                                         backend) -> None:
         await self._call("init_weights_update_group", master_address, master_port, rank_offset, world_size,

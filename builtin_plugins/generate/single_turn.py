@@ -18,7 +18,8 @@ async def generate(args, sample, sampling_params, engine, evaluation):
     means ``truncated`` without a request. ``--rollout-max-context-len`` caps prompt +
     response tokens the same way. Appends output ids to ``tokens``, their log-probs to
     ``rollout_log_probs``, the text to ``response``, the engine's weight version to
-    ``weight_versions``; status from the finish reason (stop → completed, length →
+    ``weight_versions`` (and, for a request that straddled a weight update, its spans in
+    response-token positions to ``extra["weight_version_spans"]``); status from the finish reason (stop → completed, length →
     truncated, abort → aborted).
 
     :raises PluginError: the prompt is a chat message list and ``--apply-chat-template``
@@ -71,4 +72,7 @@ def _append(args, sample, out, tokenizer, params) -> None:
     elif sample.loss_mask is not None:
         sample.loss_mask = sample.loss_mask + [1] * new
     sample.weight_versions.append(str(out.weight_version))
+    if out.weight_version_spans:  # the request straddled a weight update: which tokens came from which version
+        spans = [(version, previous + start, previous + end) for version, start, end in out.weight_version_spans]
+        sample.extra.setdefault("weight_version_spans", []).extend(spans)
     sample.status = _FINISH_STATUS.get(out.finish_reason, Status.COMPLETED)

@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .schema import BadRequest
+from .schema import BadRequest, BodyError, ContractError
 
 __all__ = ["error_middleware", "read_json"]
 
@@ -23,13 +23,18 @@ async def read_json(request: web.Request) -> Any:
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"{request.path}: the body is not valid JSON ({exc})") from None
+        raise BodyError(f"{request.path}: the body is not valid JSON ({exc})") from None
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
-    """A :class:`BadRequest` becomes HTTP 400 ``{"error": {"message": ...}}`` (SGLang's error body)."""
+    """A :class:`BadRequest` becomes HTTP 400 with the body SGLang 0.5.23 gives that kind of refusal."""
     try:
         return await handler(request)
+    except ContractError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    except BodyError as exc:
+        return web.json_response({"object": "error", "message": str(exc), "type": "Bad Request", "param": None,
+                                  "code": 400}, status=400)
     except BadRequest as exc:
         return web.json_response({"error": {"message": str(exc)}}, status=400)

@@ -5,8 +5,15 @@ Request bodies and answers follow SGLang 0.5.23 (``srt/entrypoints/http_server.p
 ``PauseGenerationReqInput``, ``ContinueGenerationReqInput``,
 ``InitWeightsUpdateGroupReqInput``, ``UpdateWeightsFromDistributedReqInput``,
 ``DestroyWeightsUpdateGroupReqInput``, ``UpdateWeightFromDiskReqInput``,
+``UpdateWeightsFromTensorReqInput``, ``Begin/EndWeightUpdateReqInput``,
 ``UpdateWeightVersionReqInput``, ``Release/ResumeMemoryOccupationReqInput``. Weight
 calls answer ``{"success", "message"}`` (400 with ``success: false`` on failure).
+
+The weight-update session is SGLang 0.5.21+'s rule
+(``srt/managers/scheduler_components/weight_updater.py``): ``/update_weights_from_distributed``
+and ``/update_weights_from_tensor`` are refused unless ``/begin_weight_update`` opened a
+session; a second begin, or an end without a begin, is refused;
+``/update_weights_from_disk`` needs none.
 """
 
 from __future__ import annotations
@@ -17,16 +24,22 @@ from aiohttp import web
 
 from .body import read_json
 from .disk_weights import read_safetensors_dir
-from .schema import BadRequest, Field, check_bool, check_int, check_str, list_of, one_of, optional, check_body
+from .schema import BadRequest, BodyError, Field, check_bool, check_int, check_str, list_of, one_of, optional, check_body
 from .state import ServeState, state_of
+from .tensor_payload import read_named_tensors
 
 __all__ = ["ROUTES"]
 
 _MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang/srt/constants.py
+_SELECTOR = Field(one_of("target", "draft", "all"), "all")  # furlong serve has no draft model: all = target
 
 
 async def _body(request: web.Request, fields: dict[str, Field]) -> dict:
-    return check_body(request.path, await read_json(request), fields)
+    """The checked body; a problem is SGLang's 400 for a body its request type refuses."""
+    try:
+        return check_body(request.path, await read_json(request), fields)
+    except BadRequest as exc:
+        raise BodyError(str(exc)) from None
 
 
 async def abort_request(request: web.Request) -> web.Response:
@@ -76,7 +89,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     try:
         timeout = float(request.query.get("timeout", 0))
     except ValueError:
-        raise BadRequest(f"/flush_cache: timeout={request.query['timeout']!r} is not a number") from None
+        raise BodyError(f"/flush_cache: timeout={request.query['timeout']!r} is not a number") from None
     state = state_of(request)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + max(0.0, timeout)
@@ -92,7 +105,7 @@ async def update_weight_version(request: web.Request) -> web.Response:
     """``{"new_version": str, "abort_all_requests": true}`` -> ``{success, message, new_version}``."""
     body = await _body(request, {"new_version": Field(check_str), "abort_all_requests": Field(check_bool, True)})
     if body["new_version"] is None:
-        raise BadRequest("/update_weight_version: 'new_version' is required")
+        raise BodyError("/update_weight_version: 'new_version' is required")
     state = state_of(request)
     if body["abort_all_requests"]:
         await state.abort_all("Aborted by /update_weight_version")
@@ -115,6 +128,65 @@ def _failure_extra(request: web.Request) -> dict:
     return {"num_paused_requests": 0} if request.path == "/update_weights_from_disk" else {}
 
 
+def _session_refusal(request: web.Request) -> web.Response | None:
+    """SGLang 0.5.21+'s answer to a broadcast or tensor update outside a weight-update session."""
+    if state_of(request).weight_session is not None:
+        return None
+    message = f"{request.path.lstrip('/')} must run between begin_weight_update() and end_weight_update()"
+    return web.json_response({"success": False, "message": message}, status=400)
+
+
+async def begin_weight_update(request: web.Request) -> web.Response:
+    """``{"selector": "all"}``: open the weight-update session (400 when one is open)."""
+    body = await _body(request, {"selector": _SELECTOR})
+    state = state_of(request)
+    if state.weight_session is not None:
+        return web.json_response({"success": False, "message": "a weight-update session is already open; call "
+                                  "end_weight_update() first"}, status=400)
+    state.weight_session = body["selector"]
+    return web.json_response({"success": True, "message": "Success"})
+
+
+async def end_weight_update(request: web.Request) -> web.Response:
+    """``{}``: close the session (400 when none is open)."""
+    await _body(request, {})
+    state = state_of(request)
+    if state.weight_session is None:
+        return web.json_response({"success": False, "message": "no weight-update session is open; call "
+                                  "begin_weight_update() first"}, status=400)
+    state.weight_session = None
+    return web.json_response({"success": True, "message": "Success"})
+
+
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    """``{"serialized_named_tensors": [base64 per TP rank], "load_format", "flush_cache", ...}``.
+
+    This server is one rank: it reads the first payload (:mod:`.tensor_payload`), in the
+    default load format only (``load_format`` null).
+    """
+    body = await _body(request, {
+        "serialized_named_tensors": Field(list_of(check_str)), "load_format": Field(check_str, honoured=False),
+        "flush_cache": Field(check_bool, True), "abort_all_requests": Field(check_bool, False),
+        "weight_version": Field(optional(check_str)), "selector": _SELECTOR,
+        "torch_empty_cache": Field(check_bool, False),
+    })
+    if not body["serialized_named_tensors"]:
+        raise BodyError("/update_weights_from_tensor: 'serialized_named_tensors' is required: one payload per TP rank")
+    refusal = _session_refusal(request)
+    if refusal is not None:
+        return refusal
+    state = state_of(request)
+
+    async def action():
+        if body["abort_all_requests"]:
+            await state.abort_all("Aborted by /update_weights_from_tensor")
+        named = read_named_tensors(body["serialized_named_tensors"][0])
+        await state.engine.load_weights(named)
+        await _after_update(state, body)
+
+    return await _weight_call(request, action, "Success")
+
+
 async def init_weights_update_group(request: web.Request) -> web.Response:
     body = await _body(request, {
         "master_address": Field(check_str), "master_port": Field(check_int), "rank_offset": Field(check_int),
@@ -123,7 +195,7 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     })
     missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if body[k] is None]
     if missing:
-        raise BadRequest(f"/init_weights_update_group: missing {', '.join(missing)}")
+        raise BodyError(f"/init_weights_update_group: missing {', '.join(missing)}")
     return await _weight_call(request, lambda: state_of(request).engine.init_weights_update_group(**body),
                               "Succeeded to initialize custom process group.")
 
@@ -142,12 +214,15 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         "shapes": Field(list_of(list_of(check_int))), "group_name": Field(check_str, "weight_update_group"),
         "flush_cache": Field(check_bool, True), "abort_all_requests": Field(check_bool, False),
         "weight_version": Field(optional(check_str)), "load_format": Field(check_str, honoured=False),
-        "selector": Field(one_of("target", "all"), "all"), "torch_empty_cache": Field(check_bool, False),
+        "selector": _SELECTOR, "torch_empty_cache": Field(check_bool, False),
     })
     lengths = {len(body[k] or []) for k in ("names", "dtypes", "shapes")}
     if body["names"] is None or len(lengths) != 1:
-        raise BadRequest("/update_weights_from_distributed: 'names', 'dtypes' and 'shapes' are required, "
-                         "one entry per tensor")
+        raise BodyError("/update_weights_from_distributed: 'names', 'dtypes' and 'shapes' are required, "
+                        "one entry per tensor")
+    refusal = _session_refusal(request)
+    if refusal is not None:
+        return refusal
     state = state_of(request)
 
     async def action():
@@ -176,7 +251,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         "manifest": Field(check_str, honoured=False),
     })
     if body["model_path"] is None:
-        raise BadRequest("/update_weights_from_disk: 'model_path' is required")
+        raise BodyError("/update_weights_from_disk: 'model_path' is required")
     state = state_of(request)
 
     async def action():
@@ -243,6 +318,9 @@ ROUTES = [
     ("POST", "/destroy_weights_update_group", destroy_weights_update_group),
     ("POST", "/update_weights_from_distributed", update_weights_from_distributed),
     ("POST", "/update_weights_from_disk", update_weights_from_disk),
+    ("POST", "/update_weights_from_tensor", update_weights_from_tensor),
+    ("POST", "/begin_weight_update", begin_weight_update),
+    ("POST", "/end_weight_update", end_weight_update),
     ("GET", "/release_memory_occupation", release_memory_occupation),
     ("POST", "/release_memory_occupation", release_memory_occupation),
     ("GET", "/resume_memory_occupation", resume_memory_occupation),

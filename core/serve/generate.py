@@ -20,7 +20,7 @@ from aiohttp import web
 
 from .body import read_json
 from .responses import generate_body
-from .schema import BadRequest, GenerateItem, parse_generate
+from .schema import BadRequest, ContractError, GenerateItem, parse_generate
 from .state import ServeState, state_of
 
 __all__ = ["generate_route", "health_generate_route"]
@@ -30,7 +30,11 @@ HEALTH_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))  #
 
 async def generate_route(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
-    items, batch, top = parse_generate(await read_json(request))
+    raw = await read_json(request)
+    try:
+        items, batch, top = parse_generate(raw)
+    except BadRequest as exc:
+        raise ContractError(str(exc)) from None
     started = time.monotonic()
 
     def body(item: GenerateItem, progress, start: int = 0) -> dict:

@@ -7,26 +7,40 @@ deprecated ``/get_model_info``) has ``model_path``, ``served_model_name``,
 ``disaggregation_mode``, ``has_image_understanding``, ``has_audio_understanding``,
 ``model_type``, ``architectures``; ``/server_info`` (and ``/get_server_info``) has the
 server's arguments under SGLang's names (``model_path``, ``tp_size``, ``dp_size``, ...)
-plus ``max_total_num_tokens``, ``startup_time``, ``internal_states``, ``version``;
+plus ``max_total_num_tokens``, ``startup_time``, ``internal_states``, ``version`` (the
+SGLang version whose HTTP API furlong serve follows, :data:`SGLANG_API_VERSION`, so that
+clients pick that version's rules; furlong's own is ``furlong_version``) and
+``enable_deterministic_inference`` (true: every request's ``sampling_seed`` is honoured);
 ``/v1/models`` is OpenAI's model list with ``owned_by: "sglang"`` (sglang-router and
 smg read it to pick the SGLang protocol). SGLang 0.5.23 has no ``/get_weight_version``:
 clients read ``weight_version`` from ``/model_info``, and so does furlong serve.
+``/health`` runs the same one-token probe as ``/health_generate``, as SGLang's does
+unless ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``; so a paused server answers 503
+after ``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds, as SGLang's.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
 
+import os
+
 from aiohttp import web
 
+from .generate import health_generate_route
 from .state import state_of
 
-__all__ = ["ROUTES"]
+__all__ = ["ROUTES", "SGLANG_API_VERSION"]
+
+SGLANG_API_VERSION = "0.5.23"
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while serving; 503 once shutting down."""
-    return web.Response(status=503 if state_of(request).exiting else 200)
+    """The generation probe of ``/health_generate``; with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false,
+    200 while serving and 503 once shutting down."""
+    if os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() in ("0", "false", "no", "off"):
+        return web.Response(status=503 if state_of(request).exiting else 200)
+    return await health_generate_route(request)
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -74,7 +88,9 @@ async def server_info(request: web.Request) -> web.Response:
         "max_total_num_tokens": None,
         "startup_time": state.started_at,
         "internal_states": [{"paused": state.pause_mode, "running_requests": len(state.running)}],
-        "version": md.version("furlong"),
+        "enable_deterministic_inference": True,
+        "version": SGLANG_API_VERSION,
+        "furlong_version": md.version("furlong"),
         "frontend": "furlong",
         "rollout_backend": args.rollout_backend,
     })

@@ -5,8 +5,10 @@ One response (or one streamed chunk) is ``{"text", "output_ids", "meta_info"}``;
 ``num_retractions``, ``reasoning_tokens`` (both 0 here), ``completion_tokens``,
 ``cached_tokens`` (0: no prefix cache), ``e2e_latency``, ``weight_versions`` (spans
 ``{"version", "start", "end"}`` of output tokens, only for a request that straddled a
-weight update) and, when ``return_logprob``,
-``output_token_logprobs`` as ``[logprob, token_id, text or null]`` triples
+weight update) and, when ``return_logprob``, ``input_token_logprobs`` (the prompt's
+tokens from ``logprob_start_len`` on; none by default) and ``output_token_logprobs`` as
+``[logprob, token_id, text or null]`` triples (the first prompt token's logprob is
+null), with ``output_token_logprobs_length``
 (``sglang/srt/managers/tokenizer_manager.py``, ``api/v1/api_types.py``
 ``GenerateMetaInfo``/``LogprobEntry``). Finish reasons are SGLang's tagged objects
 (``schedule_batch.py`` ``FINISH_*.to_json``): ``{"type": "stop", "matched": id or
@@ -37,6 +39,7 @@ class Progress:
     reason: str | None = None
     abort_message: str = "Aborted"
     versions: list[tuple[str, int]] = attrs.field(factory=list)
+    input_log_probs: list = attrs.field(factory=list)  # of the prompt tokens from logprob_start_len on
 
     def version_spans(self) -> list[dict]:
         """SGLang's ``weight_versions``: ``[{"version", "start", "end"}]`` over the output tokens."""
@@ -76,10 +79,13 @@ def generate_body(tokenizer: Any, item: Any, progress: Progress, *, weight_versi
     if len(progress.versions) > 1:  # the request straddled a weight update (SGLang: utils/weight_versions.py)
         meta["weight_versions"] = progress.version_spans()
     if item.return_logprob:
-        meta["output_token_logprobs"] = [
-            [lp, tok, tokenizer.decode([tok]) if text_in_logprobs else None]
-            for lp, tok in zip(progress.log_probs[start:], ids[start:])
-        ]
+        def entry(log_prob, token):
+            return [log_prob, token, tokenizer.decode([token]) if text_in_logprobs else None]
+
+        prompt = item.input_ids[len(item.input_ids) - len(progress.input_log_probs):]
+        meta["input_token_logprobs"] = [entry(lp, tok) for lp, tok in zip(progress.input_log_probs, prompt)]
+        meta["output_token_logprobs"] = [entry(lp, tok) for lp, tok in zip(progress.log_probs[start:], ids[start:])]
+        meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
     return {"text": text, "output_ids": list(ids[start:]), "meta_info": meta}
 
 

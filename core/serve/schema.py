@@ -18,12 +18,26 @@ from typing import Any, Callable
 
 import attrs
 
-__all__ = ["BadRequest", "Field", "GenerateItem", "check_body", "check_bool", "check_int", "check_number", "check_str",
+__all__ = ["BadRequest", "BodyError", "ContractError", "Field", "GenerateItem", "check_body", "check_bool", "check_int", "check_number", "check_str",
            "list_of", "one_of", "optional", "parse_generate"]
 
 
 class BadRequest(ValueError):
-    """A request the server refuses with HTTP 400; ``str(exc)`` is the message sent back."""
+    """A request the server refuses with HTTP 400; ``str(exc)`` is the message sent back.
+
+    The body of the answer follows SGLang 0.5.23 (``srt/entrypoints/http_server.py``), which
+    has three: a plain refusal of a valid request (a prompt longer than the context)
+    answers ``{"error": {"message"}}``; :class:`ContractError` and :class:`BodyError` below.
+    """
+
+
+class ContractError(BadRequest):
+    """A ``/generate`` body that breaks SGLang's JSON contract: ``{"error": "<message>"}``."""
+
+
+class BodyError(BadRequest):
+    """A control endpoint's body its request type refuses: ``{"object": "error", "message", "type":
+    "Bad Request", "param": null, "code": 400}`` (SGLang's answer to a failed body validation)."""
 
 
 # --- value checks: each returns the value or raises BadRequest --------------------------------
@@ -109,6 +123,8 @@ class Field:
 def _is_off(value: Any, field: Field) -> bool:
     if isinstance(value, list):
         return all(_is_off(v, field) for v in value)
+    if isinstance(value, dict):  # an options object whose every option is off (``{"enabled": false}``)
+        return all(_is_off(v, field) for v in value.values())
     return value is None or value is False or value == field.off or value in ([], {}, "")
 
 
@@ -180,6 +196,8 @@ SAMPLING_FIELDS: dict[str, Field] = {
     "logit_bias": Field(_ANY, honoured=False),
     "custom_params": Field(_ANY, honoured=False),
     "beam_width": Field(check_int, honoured=False, off=1),
+    "watermark": Field(_ANY, honoured=False),
+    "choice": Field(list_of(check_str), honoured=False),
 }
 
 # Fields that only steer SGLang's logging, metrics or routing: they change no output here.
@@ -190,7 +208,7 @@ _INERT = ("log_metrics", "no_logs", "custom_labels", "routing_key", "conversatio
 # SGLang 0.5.23 GenerateReqInput fields furlong serve does not implement (accepted when off).
 _NOT_IMPLEMENTED = (
     "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes", "use_audio_in_video",
-    "video_config", "watermark", "token_ids_logprob", "return_sampling_mask", "sampling_logprobs_mode",
+    "video_config", "token_ids_logprob", "return_sampling_mask", "sampling_logprobs_mode",
     "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs", "return_hidden_states",
     "return_routed_experts", "routed_experts_start_len", "return_indexer_topk", "modalities", "session_params",
     "lora_path", "lora_id", "custom_logit_processor", "positional_embed_overrides", "bootstrap_host",
@@ -204,7 +222,7 @@ _NOT_IMPLEMENTED = (
 GENERATE_FIELDS: dict[str, Field] = {
     "rid": Field(_ANY), "text": Field(_ANY), "input_ids": Field(_ANY), "sampling_params": Field(_ANY),
     "return_logprob": Field(_ANY), "stream": Field(check_bool, False), "return_text_in_logprobs":
-    Field(check_bool, False), "logprob_start_len": Field(_ANY, honoured=False, off=-1),
+    Field(check_bool, False), "logprob_start_len": Field(_ANY),
     "top_logprobs_num": Field(_ANY, honoured=False, off=0),
     **{name: Field(_ANY) for name in _INERT},
     **{name: Field(_ANY, honoured=False) for name in _NOT_IMPLEMENTED},
@@ -227,6 +245,7 @@ class GenerateItem:
     return_logprob: bool
     input_ids: list[int] | None = None
     text: str | None = None
+    logprob_start_len: int = -1
 
 
 _OUTPUT_KEYS = ("no_stop_trim", "spaces_between_special_tokens", "stream_interval")
@@ -260,6 +279,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, dict]:
     n = len(prompts)
     params = _per_item("sampling_params", top["sampling_params"], n, batch, dict, {})
     logprob = _per_item("return_logprob", top["return_logprob"], n, batch, bool, False)
+    starts = _per_item("logprob_start_len", top["logprob_start_len"], n, batch, int, -1)
     rids = _rids(top["rid"], n, batch)
     items = []
     for i in range(n):
@@ -268,7 +288,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, dict]:
         given = {k: v for k, v in params[i].items() if v is not None and SAMPLING_FIELDS[k].honoured}
         output = {k: given.pop(k) for k in _OUTPUT_KEYS if k in given}
         items.append(GenerateItem(rid=rids[i], sampling_params=given, output_params=output,
-                                  return_logprob=logprob[i], **{"text" if text is not None else "input_ids":
+                                  return_logprob=logprob[i], logprob_start_len=starts[i], **{"text" if text is not None else "input_ids":
                                                                 prompts[i]}))
     return items, batch, top
 
@@ -283,9 +303,10 @@ def _per_item(name: str, value: Any, n: int, batch: bool, kind: type, default: A
         values = value
     else:
         values = [value] * n
+    expected = {dict: "an object", bool: "true or false", int: "an integer"}[kind]
     for i, v in enumerate(values):
-        if v is not None and not isinstance(v, kind):
-            raise _type_error(f"{where}[{i}]" if batch else where, v, "an object" if kind is dict else "true or false")
+        if v is not None and (not isinstance(v, kind) or (kind is int and isinstance(v, bool))):
+            raise _type_error(f"{where}[{i}]" if batch else where, v, expected)
     return [default if v is None else v for v in values]
 
 

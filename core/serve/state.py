@@ -24,7 +24,8 @@ class ServeState:
     update sets one). ``running``: rid -> the request's progress, for ``/abort_request``
     and ``/flush_cache``. ``pause_mode``: the mode of the pause in force, or None.
     ``last_token_at``: monotonic time of the last decoded token (``/health_generate``
-    counts a busy engine as healthy, as SGLang does).
+    counts a busy engine as healthy, as SGLang does). ``weight_session``: the selector of
+    the open weight-update session (``/begin_weight_update``), or None.
     """
 
     def __init__(self, engine: Any, args: Namespace) -> None:
@@ -34,6 +35,7 @@ class ServeState:
         self.weight_version = str(args.weight_version)
         self.running: dict[str, Progress] = {}
         self.pause_mode: str | None = None
+        self.weight_session: str | None = None
         self.exiting = False
         self.last_token_at = 0.0
         self.started_at = time.time()
@@ -60,6 +62,8 @@ class ServeState:
         if item.rid in self.running:
             raise BadRequest(f"/generate: request id {item.rid!r} is already running")
         progress = Progress()
+        if item.return_logprob:
+            progress.input_log_probs = await self._input_log_probs(item)
         self.running[item.rid] = progress
         kwargs = {}
         if self.engine_takes_rid:
@@ -85,11 +89,30 @@ class ServeState:
         progress.reason = out.finish_reason
         return progress
 
+    async def _input_log_probs(self, item: GenerateItem) -> list:
+        """SGLang's ``input_token_logprobs`` values: prompt positions from ``logprob_start_len`` on
+        (-1, or the prompt's length: none, which is SGLang's default).
+
+        :raises BadRequest: ``logprob_start_len`` beyond the prompt, or prompt log-probs asked
+            of an engine that cannot compute them (it has no ``prompt_log_probs``).
+        """
+        start, length = item.logprob_start_len, len(item.input_ids)
+        if start == -1 or start == length:
+            return []
+        if not 0 <= start < length:
+            raise BadRequest(f"/generate: logprob_start_len={start} is higher than the number of input tokens "
+                             f"{length} of request {item.rid!r}; use a smaller logprob_start_len.")
+        score = getattr(self.engine, "prompt_log_probs", None)
+        if score is None:
+            raise BadRequest(f"/generate: --rollout-backend '{self.args.rollout_backend}' cannot score prompt "
+                             "tokens: logprob_start_len is not supported yet with it (leave it at -1).")
+        return list(await score(item.input_ids, start))
+
     def _check_context(self, item: GenerateItem) -> None:
         """Refuse a request that does not fit the model's context, as SGLang's tokenizer manager does.
 
         SGLang (``TokenizerManager._validate_one_request``) refuses a prompt of at least
-        ``context_length`` tokens, and a prompt plus ``max_new_tokens`` of at least
+        ``context_length`` tokens, and a prompt plus ``max_new_tokens`` of more than
         ``context_length`` unless ``--allow-auto-truncate``; without ``max_new_tokens`` it
         generates until the context is full.
         """
@@ -100,10 +123,11 @@ class ServeState:
             raise BadRequest(f"/generate: the prompt of request {item.rid!r} has {prompt} tokens; the model's context "
                              f"length is {context} tokens (prompt plus generated tokens); send a shorter prompt.")
         max_new = item.sampling_params.get("max_new_tokens")
-        if max_new is not None and prompt + int(max_new) >= context:
+        if max_new is not None and prompt + int(max_new) > context:
             raise BadRequest(f"/generate: request {item.rid!r} asks for {prompt} prompt tokens + {max_new} "
                              f"max_new_tokens = {prompt + int(max_new)} tokens; the model's context length is "
-                             f"{context} tokens: lower max_new_tokens below {context - prompt} or shorten the prompt.")
+                             f"{context} tokens: lower max_new_tokens to at most {context - prompt} or shorten the "
+                             "prompt.")
 
     def mark_aborted(self, rids, message: str) -> None:
         """Say why these running requests end with finish reason abort."""

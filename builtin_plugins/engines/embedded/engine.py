@@ -259,6 +259,24 @@ class EmbeddedEngine:
         if self.device.type == "cuda":
             await asyncio.to_thread(self._move, self.device)
 
+    async def prompt_log_probs(self, input_ids: list[int], start: int) -> list[float | None]:
+        """Log-probs of the prompt's own tokens ``input_ids[start:]``, each given the tokens before it.
+
+        Raw model distribution (temperature 1), float; the first token of the prompt has
+        no context and gets None (SGLang's ``input_token_logprobs``). Waits while
+        generation is paused (the forward pass takes the decode lock).
+        """
+        def forward() -> list[float | None]:
+            torch = self._torch
+            self._use_device()
+            with self._lock, torch.no_grad():
+                ids = torch.tensor([input_ids], device=self.device)
+                log_probs = torch.log_softmax(self.model(ids).logits[0, :-1].float(), dim=-1)
+                picked = log_probs.gather(1, ids[0, 1:, None])[:, 0].tolist()
+            return ([None] + picked)[start:]
+
+        return await asyncio.to_thread(forward)
+
     async def health(self) -> bool:
         """True unless the scheduler's worker task died."""
         return self._worker is None or not self._worker.done() or self._worker.cancelled()

@@ -3,7 +3,9 @@
 Generation goes through the router (``POST {router}/generate``), which picks a server and
 fails over when one dies; control calls and the weight-update phases go to this engine's
 own server. The engine either started its server (a process it owns, restarted when it
-dies) or attached to one someone else started (``--rollout-external``).
+dies) or attached to one someone else started (``--rollout-external``). Once the server
+serves, the engine reads its SGLang version and speaks that version's API
+(:mod:`.protocol`): a weight-update session on 0.5.21 and later, none before.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from furlong.hooks import GenerateOutput, PluginError
 from .buckets import save_bucket, serialize_cuda_bucket
 from .http import HttpError, release_http, shared_http
 from .launch import ManagedProcess, ServerPlace, server_command, server_env
+from .protocol import ServerProtocol, protocol_for
 from .router import deregister, register
 from .weight_files import new_weights_dir, remove_weights_dir
 
@@ -28,7 +31,8 @@ log = logging.getLogger("furlong.engines.sglang")
 
 START_TIMEOUT_S = 1800.0  # a large model can take many minutes to load
 POLL_S = 1.0
-HEALTH_TIMEOUT_S = 5.0
+# SGLang's /health runs a one-token generation and gives it SGLANG_HEALTH_CHECK_TIMEOUT (20 s) before answering 503
+HEALTH_TIMEOUT_S = 30.0
 FINISH_TYPES = ("stop", "length", "abort")
 
 
@@ -47,6 +51,10 @@ class SGLangEngine:
         self.register_with_router = register_with_router
         self.tokenizer = tokenizer
         self.weight_update_ranks = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+        self.protocol: ServerProtocol | None = None  # read from the server once it serves
+        self.paused = False  # between pause_generation and continue_generation
+        api_key = (getattr(args, "sglang_passthrough", None) or {}).get("api_key")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.on_restart = None  # set by the core: gives a replaced server the current weights
         self.restarts_left = int(getattr(args, "sglang_server_restarts", 3))
         self.process: ManagedProcess | None = None
@@ -77,10 +85,8 @@ class SGLangEngine:
         if self.place is not None:
             self.process = ManagedProcess(f"sglang server {self.index}", server_command(self.args, self.place),
                                           env=server_env(self.args))
-        else:
-            info = await self._call("GET", "/get_server_info", retries=5, timeout_s=30)
-            log.info("%s: external server, version %s", self.who, (info or {}).get("version", "?"))
         await self._wait_ready()
+        await self._read_protocol()
         if self.register_with_router:
             await register(self.http, self.router_url, self.url, alive=self._dead_reason)
 
@@ -97,21 +103,48 @@ class SGLangEngine:
                 if reason:
                     raise PluginError(f"{self.who}: the server did not start: {reason}")
                 try:
-                    await self.http.call("GET", self.url + path, timeout_s=30, retries=0)
+                    await self.http.call("GET", self.url + path, timeout_s=30, retries=0, headers=self._headers)
                     break
                 except HttpError as exc:
                     if time.monotonic() > deadline:
                         raise PluginError(f"{self.who}: not ready after {START_TIMEOUT_S:g} s ({exc})") from exc
                 await asyncio.sleep(POLL_S)
 
+    async def _read_protocol(self) -> None:
+        """Read the server's SGLang version (``/server_info``; ``/get_server_info`` before 0.5.6).
+
+        :raises PluginError: the server is older than furlong supports, or reports no version.
+        """
+        try:
+            info = await self._call("GET", "/server_info", retries=5, timeout_s=30)
+        except HttpError as exc:
+            if exc.status != 404:
+                raise
+            info = await self._call("GET", "/get_server_info", retries=5, timeout_s=30)
+        reported = info.get("version") if isinstance(info, dict) else None
+        self.protocol = protocol_for(reported, self.who)
+        log.info("%s: SGLang %s%s", self.who, self.protocol.version,
+                 " (weight updates in sessions)" if self.protocol.weight_session else "")
+        if info.get("enable_deterministic_inference") is False and self.index == 0:
+            log.warning("%s: SGLang uses each request's sampling_seed only when the server runs with "
+                        "--enable-deterministic-inference (furlong passes --sglang-enable-deterministic-inference "
+                        "on); without it --seed does not make samples repeatable.", self.who)
+
     def _dead_reason(self) -> str | None:
         return self.process.exited() if self.process is not None else None
 
     async def health(self) -> bool:
-        """Whether the server answers ``GET /health``; a dead server is taken off the router at once."""
+        """Whether the server serves; a dead server is taken off the router at once.
+
+        ``GET /health`` runs a one-token generation on SGLang, which waits while generation
+        is paused and, after 20 s, marks the server unhealthy. So while this engine has
+        paused its server (a weight sync), only liveness is asked: ``GET /model_info``.
+        """
         if self._dead_reason() is None:
+            path = "/model_info" if self.paused else "/health"
             try:
-                await self.http.call("GET", self.url + "/health", timeout_s=HEALTH_TIMEOUT_S, retries=0)
+                await self.http.call("GET", self.url + path, timeout_s=HEALTH_TIMEOUT_S, retries=0,
+                                     headers=self._headers)
                 return True
             except HttpError:
                 pass
@@ -154,7 +187,9 @@ class SGLangEngine:
                 await asyncio.to_thread(self.process.kill)
             self.process = ManagedProcess(f"sglang server {self.index}", server_command(self.args, self.place),
                                           env=server_env(self.args))
+            self.paused = False
             await self._wait_ready()
+            await self._read_protocol()
             if self.register_with_router:
                 await register(self.http, self.router_url, self.url, alive=self._dead_reason)
             if self.on_restart is not None:
@@ -189,14 +224,19 @@ class SGLangEngine:
         :param sampling_params: SGLang's names (the server rejects others with 400).
         :returns: ids and sampling log-probs of the generated tokens (from
             ``meta_info.output_token_logprobs``, ``[logprob, token_id, text]`` each), the finish
-            reason's type and ``meta_info.weight_version``.
+            reason's type and the weight version: ``meta_info.weight_version``, or, for a
+            response that straddles a weight update (``meta_info.weight_versions``, SGLang
+            0.5.20+), the version of its first span, the oldest; the spans themselves in
+            ``weight_version_spans``.
         :raises PluginError: the router failed after retries, or the answer lacks those fields.
         """
         body = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
                 "return_logprob": True}
-        headers = {"X-SMG-Routing-Key": uuid.uuid4().hex} if self._policy_key else None
+        headers = dict(self._headers or {})
+        if self._policy_key:
+            headers["X-SMG-Routing-Key"] = uuid.uuid4().hex
         request = asyncio.ensure_future(self.http.call("POST", self.router_url + "/generate", body, generation=True,
-                                                       timeout_s=self._generate_timeout, headers=headers))
+                                                       timeout_s=self._generate_timeout, headers=headers or None))
         self._in_flight.add(request)
         try:
             answer = await request  # a cancelled caller cancels the request too
@@ -217,8 +257,10 @@ class SGLangEngine:
                 raise ValueError(f"output_ids ({len(output_ids)}) and output_token_logprobs ({len(ids)}) disagree")
             if kind not in FINISH_TYPES:
                 raise ValueError(f"finish_reason {reason!r} is none of {FINISH_TYPES}")
+            spans = [(str(s["version"]), int(s["start"]), int(s["end"])) for s in meta.get("weight_versions") or []]
+            version = spans[0][0] if spans else str(meta.get("weight_version", "0"))
             return GenerateOutput(output_ids=ids, output_log_probs=log_probs, finish_reason=kind,
-                                  weight_version=str(meta.get("weight_version", "0")), text=answer.get("text"))
+                                  weight_version=version, text=answer.get("text"), weight_version_spans=spans)
         except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
             raise PluginError(f"sglang engine: the router at {self.router_url} answered /generate with "
                               f"something that is not SGLang's response ({exc}): {str(answer)[:300]}") from exc
@@ -234,10 +276,23 @@ class SGLangEngine:
     # --- weight updates, in SGLang's phases ---------------------------------------------
 
     async def pause_generation(self, mode: str = "retract") -> None:
+        self.paused = True
         await self._call("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> None:
         await self._call("POST", "/continue_generation", {})
+        self.paused = False
+
+    async def begin_weight_update(self) -> None:
+        """Open the weight-update session SGLang 0.5.21+ requires around broadcast and tensor updates
+        (``POST /begin_weight_update``); nothing on earlier versions, which have no session."""
+        if self.protocol is not None and self.protocol.weight_session:
+            await self._checked("/begin_weight_update", {"selector": "all"}, idempotent=False)
+
+    async def end_weight_update(self) -> None:
+        """Close the session :meth:`begin_weight_update` opened (``POST /end_weight_update``)."""
+        if self.protocol is not None and self.protocol.weight_session:
+            await self._checked("/end_weight_update", {}, idempotent=False)
 
     async def flush_cache(self) -> None:
         """``POST /flush_cache``; SGLang answers 400 while requests are queued, so it is retried."""
@@ -257,13 +312,13 @@ class SGLangEngine:
                                         world_size: int, group_name: str, backend: str = "nccl") -> None:
         await self._checked("/init_weights_update_group", {
             "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
-            "world_size": int(world_size), "group_name": group_name, "backend": backend})
+            "world_size": int(world_size), "group_name": group_name, "backend": backend}, idempotent=False)
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str) -> None:
         await self._checked("/update_weights_from_distributed", {
             "names": list(names), "dtypes": list(dtypes), "shapes": [list(map(int, s)) for s in shapes],
-            "group_name": group_name, "flush_cache": False})
+            "group_name": group_name, "flush_cache": False}, idempotent=False)
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._checked("/destroy_weights_update_group", {"group_name": group_name})
@@ -271,14 +326,16 @@ class SGLangEngine:
     async def load_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
         """One bucket from the trainer in this process (the ``local`` executor).
 
-        CUDA tensors go by ``/update_weights_from_tensor`` (CUDA IPC handles, one copy per
-        TP rank; the server maps the trainer's memory); CPU tensors are written to a
-        safetensors file loaded by ``/update_weights_from_disk``.
+        CUDA tensors go by ``/update_weights_from_tensor`` (CUDA IPC handles serialized once
+        per TP rank, as SGLang's own client does: each rank opens its own copy, and a copy
+        shared by several ranks would upset the sender's IPC reference counts); CPU tensors
+        are written to a safetensors file loaded by ``/update_weights_from_disk``.
         """
         if named_tensors and getattr(named_tensors[0][1], "is_cuda", False):
-            payload = await asyncio.to_thread(serialize_cuda_bucket, named_tensors)
+            payloads = [await asyncio.to_thread(serialize_cuda_bucket, named_tensors)
+                        for _ in range(self.weight_update_ranks)]
             await self._checked("/update_weights_from_tensor", {
-                "serialized_named_tensors": [payload] * self.weight_update_ranks, "flush_cache": False})
+                "serialized_named_tensors": payloads, "flush_cache": False}, idempotent=False)
             return
         if self._weights_dir is None:
             self._weights_dir = new_weights_dir(self.index)
@@ -298,16 +355,24 @@ class SGLangEngine:
     # --- plumbing -----------------------------------------------------------------------
 
     async def _call(self, method: str, path: str, body: Any = None, retries: int = 60,
-                    timeout_s: float | None = None) -> Any:
+                    timeout_s: float | None = None, idempotent: bool = True) -> Any:
         try:
-            return await self.http.call(method, self.url + path, body, retries=retries,
-                                        timeout_s=timeout_s or self._control_timeout, give_up=self._dead_reason)
+            return await self.http.call(method, self.url + path, body, retries=retries, headers=self._headers,
+                                        timeout_s=timeout_s or self._control_timeout, give_up=self._dead_reason,
+                                        idempotent=idempotent)
         except HttpError as exc:
-            raise HttpError(f"{self.who}: {exc}", exc.status) from exc
+            raise HttpError(f"{self.who}: {exc}", exc.status, exc.answer) from exc
 
-    async def _checked(self, path: str, body: dict) -> Any:
-        """A call whose answer is ``{"success": bool, "message": str}``; ``success: false`` is an error."""
-        answer = await self._call("POST", path, body)
+    async def _checked(self, path: str, body: dict, idempotent: bool = True) -> Any:
+        """A call whose answer is ``{"success": bool, "message": str}``: ``success: false`` (SGLang
+        answers it with 400) is one error naming this engine and the server's message."""
+        try:
+            answer = await self._call("POST", path, body, idempotent=idempotent)
+        except HttpError as exc:
+            if not (isinstance(exc.answer, dict) and exc.answer.get("success") is False):
+                raise
+            answer = exc.answer
         if isinstance(answer, dict) and answer.get("success") is False:
-            raise PluginError(f"{self.who}: POST {path} failed: {answer.get('message', '')}")
+            version = f"SGLang {self.protocol.version}" if self.protocol is not None else "the server"
+            raise HttpError(f"{self.who}: {version} refused POST {path}: {answer.get('message', '')}", 400, answer)
         return answer

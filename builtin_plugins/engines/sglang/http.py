@@ -23,11 +23,12 @@ RETRIED_STATUS = (408, 429, 500, 502, 503, 504)  # the server or router may come
 
 
 class HttpError(PluginError):
-    """A call that failed for good; ``status`` is the last HTTP status (None: no answer)."""
+    """A call that failed for good; ``status`` is the last HTTP status (None: no answer), ``answer``
+    the decoded body of that last answer (None: no answer)."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, answer: Any = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.answer = status, answer
 
 
 class Http:
@@ -40,12 +41,16 @@ class Http:
         self.control = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
 
     async def call(self, method: str, url: str, body: Any = None, *, timeout_s: float, retries: int = 60,
-                   generation: bool = False, headers: dict | None = None,
+                   generation: bool = False, headers: dict | None = None, idempotent: bool = True,
                    give_up: Callable[[], str | None] | None = None) -> Any:
         """``method url`` with JSON ``body``; return the decoded JSON answer (or its text, or None).
 
         Connection errors, time-outs and the statuses in :data:`RETRIED_STATUS` are retried
-        ``retries`` times, one second apart; another 4xx fails at once.
+        ``retries`` times, one second apart; another 4xx fails at once. A call that is not
+        ``idempotent`` (opening a weight-update session, joining a process group, receiving
+        a broadcast bucket) is sent again only when the connection was refused, which means
+        the server never saw it: after a time-out or a 5xx it may have acted, and a second
+        copy would fail or wait for a broadcast that never comes.
 
         :param give_up: called before each retry; a non-None reason stops retrying (a
             server process known to be dead).
@@ -54,7 +59,7 @@ class Http:
         import aiohttp
 
         session = self.generation if generation else self.control
-        attempts, last, status = 0, "", None
+        attempts, last, status, answer = 0, "", None, None
         while True:
             attempts += 1
             try:
@@ -64,11 +69,13 @@ class Http:
                     status = response.status
                     if status < 400:
                         return _decode(response.content_type, text)
-                    last = f"HTTP {status}: {text.strip()[:300]}"
-                    if status not in RETRIED_STATUS:
+                    last, answer = f"HTTP {status}: {text.strip()[:300]}", _decode(response.content_type, text)
+                    if status not in RETRIED_STATUS or not idempotent:
                         break
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                last, status = f"{type(exc).__name__}: {exc}".rstrip(": "), None
+                last, status, answer = f"{type(exc).__name__}: {exc}".rstrip(": "), None, None
+                if not idempotent and not isinstance(exc, aiohttp.ClientConnectorError):
+                    break
             reason = give_up() if give_up is not None else None
             if reason:
                 last = f"{last}; {reason}"
@@ -76,7 +83,7 @@ class Http:
             if attempts > retries:
                 break
             await asyncio.sleep(RETRY_SLEEP_S)
-        raise HttpError(f"{method} {url} failed after {attempts} attempt(s): {last}", status)
+        raise HttpError(f"{method} {url} failed after {attempts} attempt(s): {last}", status, answer)
 
     async def close(self) -> None:
         await self.generation.close()
