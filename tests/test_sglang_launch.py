@@ -56,11 +56,9 @@ def test_pass_through_flags_follow_and_forced_ones_are_ignored_with_a_warning(ca
         "ignored."]
 
 
-def test_memory_saver_follows_offload_rollout_and_engines_spanning_nodes_count_nodes():
-    args = parse_args(BASE + ["--offload-rollout"])
-    args.num_gpus_per_node = 1
-    got = dict(pairs(sglang_server_args(args, PLACE)))
-    assert (got["--enable-memory-saver"], got["--nnodes"]) == (True, "2")
+def test_memory_saver_follows_offload_rollout():
+    got = dict(pairs(sglang_server_args(parse_args(BASE + ["--offload-rollout"]), PLACE)))
+    assert (got["--enable-memory-saver"], got["--nnodes"], got["--base-gpu-id"]) == (True, "1", "2")
     assert "--enable-memory-saver" not in sglang_server_args(parse_args(BASE), PLACE)
 
 
@@ -132,6 +130,12 @@ def configure(extra):
      "--rollout-num-gpus 4 does not match the 3 external server(s) of --rollout-external-engine-addrs x "
      "--rollout-num-gpus-per-engine 2."),
     (["--sglang-server-restarts", "-1"], "--sglang-server-restarts must be at least 0, got -1."),
+    (["--num-gpus-per-node", "1"], "--rollout-num-gpus-per-engine 2 is more than --num-gpus-per-node 1: an SGLang "
+     "server spanning nodes is not supported yet; use at most 1 GPUs per engine (or start the servers yourself: "
+     "--rollout-external)."),
+    (["--executor", "ray"], "--rollout-num-gpus-per-engine 2 under --executor ray: an engine actor sees only its "
+     "first GPU, so a tensor-parallel SGLang server is not supported yet there; use --executor local on one "
+     "machine, or --rollout-external with servers you start."),
 ])
 def test_configure_refuses_inconsistent_server_flags(extra, error):
     _, report = configure(["--sglang-server-impl", "furlong"] + extra)
@@ -153,6 +157,29 @@ def test_the_sglang_server_needs_the_sglang_package(monkeypatch):
     _, report = configure([])
     assert report.errors == ['--sglang-server-impl sglang needs SGLang: pip install "furlong[sglang]" on a GPU '
                              "machine (or --sglang-server-impl furlong to serve the model with furlong's own engine)."]
+
+
+def test_print_config_only_warns_that_the_sglang_package_is_missing(monkeypatch):
+    """--print-config checks a cluster's launch script on a laptop: the missing package is the cluster's business."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    _, report = configure(["--print-config"])
+    assert report.errors == [] and report.warnings[0].endswith("(not needed for --print-config)")
+
+
+@pytest.mark.parametrize("extra, firsts", [
+    ([], [1, 3]),  # the trainer's one GPU (the default flags), then two GPUs per engine
+    (["--colocate", "--actor-num-gpus-per-node", "4", "--global-batch-size", "4", "--n-samples-per-prompt", "4"], [0, 2]),
+    (["--actor-num-gpus-per-node", "2", "--global-batch-size", "4", "--n-samples-per-prompt", "4"], [2, 4]),
+    (["--actor-num-gpus-per-node", "4", "--global-batch-size", "4", "--n-samples-per-prompt", "4"], [4, 6]),
+])
+def test_each_local_engine_s_server_starts_on_its_own_gpus(extra, firsts):
+    from furlong.builtin_plugins.engines.sglang import _base_gpu_id
+
+    args = parse_args(BASE + extra, get_plugin_manager())
+    assert [_base_gpu_id(args, i) for i in range(2)] == firsts
 
 
 def test_rollout_external_needs_the_sglang_engine():

@@ -82,8 +82,23 @@ def configure(args, report):
         import importlib.util
 
         if importlib.util.find_spec("sglang") is None:
-            report.error('--sglang-server-impl sglang needs SGLang: pip install "furlong[sglang]" on a GPU machine '
-                         "(or --sglang-server-impl furlong to serve the model with furlong's own engine).")
+            needs = ('--sglang-server-impl sglang needs SGLang: pip install "furlong[sglang]" on a GPU machine '
+                     "(or --sglang-server-impl furlong to serve the model with furlong's own engine).")
+            # --print-config checks a cluster's script on any machine: what the cluster has is not judged here
+            if getattr(args, "print_config", False):
+                report.warn(f"{needs} (not needed for --print-config)")
+            else:
+                report.error(needs)
+    per_node = int(getattr(args, "num_gpus_per_node", 8) or 8)
+    if per_engine > per_node and not args.rollout_external:
+        report.error(f"--rollout-num-gpus-per-engine {per_engine} is more than --num-gpus-per-node {per_node}: an "
+                     "SGLang server spanning nodes is not supported yet; use at most "
+                     f"{per_node} GPUs per engine (or start the servers yourself: --rollout-external).")
+    if per_engine > 1 and args.executor == "ray" and not args.rollout_external and not report.errors:
+        # an engine actor holds a share of one bundle, and Ray shows it that bundle's GPU alone
+        report.error(f"--rollout-num-gpus-per-engine {per_engine} under --executor ray: an engine actor sees only "
+                     "its first GPU, so a tensor-parallel SGLang server is not supported yet there; use "
+                     "--executor local on one machine, or --rollout-external with servers you start.")
     if args.sglang_server_impl == "furlong" and not args.rollout_external and args.sglang_passthrough:
         shown = " ".join("--sglang-" + k.replace("_", "-") for k in args.sglang_passthrough)
         report.warn(f"{shown}: furlong serve takes no SGLang server arguments; they are not passed on.")
@@ -135,7 +150,8 @@ async def rollout_engine(args):
     else:
         host = "127.0.0.1" if args.executor == "local" else _host_address()
         port = _free_port()
-        place = ServerPlace(index, host, port, nccl_port=_free_port(), dist_init_addr=f"{host}:{_free_port()}")
+        place = ServerPlace(index, host, port, nccl_port=_free_port(), dist_init_addr=f"{host}:{_free_port()}",
+                            base_gpu_id=_base_gpu_id(args, index))
     register = not (args.rollout_external and args.sglang_router_given)
     engine = SGLangEngine(args, index, f"http://{host}:{port}", router_url, place, register, tokenizer)
     try:
@@ -144,6 +160,21 @@ async def rollout_engine(args):
         await engine.shutdown()
         raise
     return engine
+
+
+def _base_gpu_id(args, index: int) -> int:
+    """The first GPU of engine ``index``'s server, as its process numbers them.
+
+    ``--executor local``: the trainer (this process) uses the first
+    ``--actor-num-nodes x --actor-num-gpus-per-node`` GPUs unless ``--colocate``; engine
+    ``i`` takes the ``--rollout-num-gpus-per-engine`` GPUs after those of the engines
+    before it. Under Ray an engine actor is shown its own GPU alone: 0.
+    """
+    if args.executor != "local":
+        return 0
+    per_engine = int(args.rollout_num_gpus_per_engine or 1)
+    trainer = 0 if args.colocate else int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node)
+    return trainer + index * per_engine
 
 
 def _host_port(address: str) -> tuple[str, int] | None:

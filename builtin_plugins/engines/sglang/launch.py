@@ -54,13 +54,13 @@ def sglang_server_args(args: Any, place: ServerPlace) -> list[str]:
     ``--fp16``. Then every other ``--sglang-<X>`` as given (a bare flag stays bare).
     """
     per_engine = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
-    per_node = int(getattr(args, "num_gpus_per_node", 8) or 8)
     forced: dict[str, Any] = {
         "model_path": args.hf_checkpoint, "trust_remote_code": True,
         "random_seed": int(args.seed or 0) + place.index, "tp_size": per_engine,
         "enable_memory_saver": bool(getattr(args, "offload_rollout", False)),
         "host": place.host, "port": place.port, "nccl_port": place.nccl_port,
-        "nnodes": max(1, per_engine // per_node), "node_rank": 0, "dist_init_addr": place.dist_init_addr,
+        # nnodes 1: a server spanning nodes is refused when the run is configured
+        "nnodes": 1, "node_rank": 0, "dist_init_addr": place.dist_init_addr,
         "base_gpu_id": place.base_gpu_id, "gpu_id_step": 1, "skip_server_warmup": True,
     }
     given = dict(getattr(args, "sglang_passthrough", None) or {})

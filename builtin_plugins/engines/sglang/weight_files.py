@@ -34,8 +34,13 @@ def new_weights_dir(index: int) -> str:
 
 
 def remove_weights_dir(path: str) -> None:
+    """Remove one engine's directory, and the per-user root with it once no engine uses it."""
     shutil.rmtree(path, ignore_errors=True)
     _OWNED.discard(path)
+    try:
+        os.rmdir(os.path.dirname(path))
+    except OSError:  # another engine's directory is still there
+        pass
 
 
 def _remove_stale(root: str) -> None:
