@@ -172,6 +172,13 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     })
     if not body["serialized_named_tensors"]:
         raise BodyError("/update_weights_from_tensor: 'serialized_named_tensors' is required: one payload per TP rank")
+    engine = state_of(request).engine
+    return await _update_in_session(request, body, lambda: engine.load_weights(
+        read_named_tensors(body["serialized_named_tensors"][0])), "Success")
+
+
+async def _update_in_session(request: web.Request, body: dict, load, message: str) -> web.Response:
+    """A broadcast or tensor update: refused outside a weight-update session; ``load()`` brings the weights in."""
     refusal = _session_refusal(request)
     if refusal is not None:
         return refusal
@@ -179,12 +186,11 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
 
     async def action():
         if body["abort_all_requests"]:
-            await state.abort_all("Aborted by /update_weights_from_tensor")
-        named = read_named_tensors(body["serialized_named_tensors"][0])
-        await state.engine.load_weights(named)
+            await state.abort_all(f"Aborted by {request.path}")
+        await load()
         await _after_update(state, body)
 
-    return await _weight_call(request, action, "Success")
+    return await _weight_call(request, action, message)
 
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
@@ -220,19 +226,9 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     if body["names"] is None or len(lengths) != 1:
         raise BodyError("/update_weights_from_distributed: 'names', 'dtypes' and 'shapes' are required, "
                         "one entry per tensor")
-    refusal = _session_refusal(request)
-    if refusal is not None:
-        return refusal
-    state = state_of(request)
-
-    async def action():
-        if body["abort_all_requests"]:
-            await state.abort_all("Aborted by /update_weights_from_distributed")
-        await state.engine.update_weights_from_distributed(body["names"], body["dtypes"], body["shapes"],
-                                                           body["group_name"])
-        await _after_update(state, body)
-
-    return await _weight_call(request, action, "Succeeded to update parameter online.")
+    engine = state_of(request).engine
+    return await _update_in_session(request, body, lambda: engine.update_weights_from_distributed(
+        body["names"], body["dtypes"], body["shapes"], body["group_name"]), "Succeeded to update parameter online.")
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
