@@ -62,6 +62,25 @@ def test_ctrl_c_inside_a_finalizer_still_interrupts():
     assert "Exception ignored" not in done.stderr
 
 
+STATE = ("import signal; handler = signal.getsignal(signal.SIGINT); "
+         "print('ignored' if handler == signal.SIG_IGN else 'default' if handler is signal.default_int_handler "
+         "else handler, *sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))")
+CLEAN_CHILD = f"""
+import subprocess, sys
+from furlong.hooks.testing.processes import signal_state
+{STATE}
+sys.stdout.flush()
+subprocess.run([sys.executable, "-c", {STATE!r}], preexec_fn=signal_state())
+"""
+
+
+def test_signal_state_starts_a_child_in_the_state_asked_for_whatever_its_parent_is_in():
+    # a parent that ignores SIGINT and blocks SIGINT and SIGTERM starts a child with neither
+    done = subprocess.run([sys.executable, "-c", CLEAN_CHILD], capture_output=True, text=True, timeout=60,
+                          preexec_fn=signal_state(ignored={signal.SIGINT}, blocked={signal.SIGINT, signal.SIGTERM}))
+    assert done.stdout.splitlines() == ["ignored SIGINT SIGTERM", "default"], done.stderr
+
+
 NUM_ROLLOUT = 1000  # far more than run before the signal: a lost signal fails on the fixture's time-out
 
 
