@@ -84,22 +84,38 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-def _exit_on_signals() -> None:
+STOP_SIGNALS = {"SIGINT": "Ctrl-C", "SIGTERM": "SIGTERM"}
+"""The signals that stop a run or a server, with the words the note on a blocked mask uses for them."""
+
+
+def _exit_on_signals(what: str = "the run") -> None:
     """SIGTERM raises SystemExit(143) and SIGINT (Ctrl-C) KeyboardInterrupt, also when they land inside a
     finalizer, so the run's clean-up and atexit handlers run (servers, temporary files).
 
-    Only for a signal that still has Python's default action; Ray installs its own SIGTERM handler
-    (``sys.exit``) when it starts.
+    Whatever signal state the parent left (docs/checkpoints.md, "Stopping a run"): a signal inherited as
+    ignored (SIG_IGN: a non-interactive shell's background job has SIGINT so) gets the handler too, and
+    one the parent blocked is unblocked, with one line on stderr naming it (``what`` is what it stops).
+    A handler already installed in this process (an embedding program's, a test's) is kept.
     """
     import signal
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _raise_where_it_propagates)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _raise_where_it_propagates)
+    ours = (signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler)
+    stop = {getattr(signal, name): words for name, words in STOP_SIGNALS.items()}
+    for signum in stop:
+        if signal.getsignal(signum) in ours:
+            signal.signal(signum, _raise_where_it_propagates)
+    blocked = sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []) & stop.keys())
+    if blocked and not _secondary_rank():  # rank 0 says it for every rank
+        names = " and ".join(signal.Signals(s).name for s in blocked)
+        words = " and ".join(stop[s] for s in blocked)
+        one = len(blocked) == 1
+        print(f"note: {names} {'was' if one else 'were'} blocked by the parent process; furlong unblocks "
+              f"{'it' if one else 'them'} so {words} {'stops' if one else 'stop'} {what}", file=sys.stderr)
+    # after the handlers: a signal that arrived while blocked is delivered now, to them
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop)
 
 
 def _raise_where_it_propagates(signum: int, frame) -> None:
@@ -231,4 +247,5 @@ def _new_plugin(command: str, argv: list[str]) -> int:
 def _serve(command: str, argv: list[str]) -> int:
     from .serve import serve
 
+    _exit_on_signals("the server")  # until it listens; then its own handlers end it cleanly (exit code 0)
     return serve(argv)

@@ -1,14 +1,34 @@
-"""Shared pytest fixtures.
+r"""Shared pytest fixtures.
 
 Sections:
 - plugins: ``plugin_dist`` (a throwaway installed distribution), ``plugin_manager``,
   ``register_plugin``, ``furlong_entry_points``, ``run_furlong`` (STYLE.md section 6).
+- end-to-end runs: the tiny model and data, ``signal_after_rollout_1``, ``serve_server``.
+- order and repetition: ``--repeat N`` and ``--shuffle SEED``, and the scheduling of process modules.
+
+Tests that send a signal to a process they start are marked ``signals`` and start it with
+``preexec_fn=signal_state()`` (furlong.hooks.testing.processes): default signal actions and an
+empty signal mask, so they hold whatever ran before them in the same worker and whatever state
+pytest itself inherited. Whoever changes them, or the modules of :data:`PROCESS_MODULES`, checks
+that they depend on neither order nor timing by running them shuffled and repeated in one
+process, which is the worst case for state one test leaves to the next::
+
+    python -m pytest -n 0 -m signals --repeat 5 --shuffle 1
+    python -m pytest -n 0 --shuffle 2 tests/test_ray_executor.py tests/test_serve.py  # a module group
+
+and the signal tests from a parent that ignores SIGINT (as a script's background job has it) and
+from one that blocks it::
+
+    (trap '' INT; python -m pytest -n 0 -m signals)
+    python -c "import signal as s, subprocess as p, sys; s.pthread_sigmask(s.SIG_BLOCK, {s.SIGINT}); \
+sys.exit(p.call(sys.argv[1:]))" python -m pytest -n 0 -m signals
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -254,6 +274,45 @@ def cpu_machine(monkeypatch):
     monkeypatch.setattr(env, "megatron_available", lambda: False)
 
 
+@pytest.fixture
+def signal_after_rollout_1(tmp_path):
+    """``signal_after_rollout_1(signum, *argv, ignored=(), blocked=())``: run ``python *argv`` in ``tmp_path``
+    (one torch thread, a private Ray), send it ``signum`` once it prints rollout 1's summary line, and return
+    ``(exit code, stdout and stderr)``.
+
+    The process starts with default signal actions and an empty mask, then ignores ``ignored`` and blocks
+    ``blocked``, as if its parent had (furlong.hooks.testing.processes). A process that has not exited 120 s
+    after the signal is killed and fails the test.
+    """
+    from furlong.hooks.testing.processes import signal_state
+
+    def run(signum: int, *argv: str, ignored=(), blocked=()) -> tuple[int, str]:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env["OMP_NUM_THREADS"] = "1"
+        proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env, cwd=tmp_path, preexec_fn=signal_state(ignored, blocked))
+        output = []
+        try:
+            for line in proc.stdout:
+                output.append(line)
+                if line.startswith("rollout    1 "):
+                    proc.send_signal(signum)
+                    break
+            try:
+                output.append(proc.communicate(timeout=120)[0])
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                output.append(proc.communicate()[0])
+                pytest.fail(f"still running 120 s after signal {signum}:\n{''.join(output)[-3000:]}")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        return proc.returncode, "".join(output)
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def serve_server(tiny_model_dir, tmp_path_factory):
     """One ``furlong serve`` process on the tiny model for the session (tests/serve_helpers.py).
@@ -264,6 +323,35 @@ def serve_server(tiny_model_dir, tmp_path_factory):
 
     with running_server(tiny_model_dir, log_dir=tmp_path_factory.mktemp("serve")) as server:
         yield server
+
+
+# --- order and repetition -------------------------------------------------------------
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("furlong", "furlong's test order checks (tests/conftest.py's module doc)")
+    group.addoption("--repeat", type=int, default=1, metavar="N", help="run every selected test N times")
+    group.addoption("--shuffle", type=int, default=None, metavar="SEED",
+                    help="run the selected tests in an order shuffled with SEED (the same SEED, the same order)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "signals: sends a signal to a process the test started (tests/conftest.py)")
+
+
+def pytest_generate_tests(metafunc):
+    """``--repeat N``: every test once per round, as if parametrized with ``round0`` ... ``round<N-1>``."""
+    rounds = metafunc.config.getoption("repeat", 1)
+    if rounds > 1:
+        metafunc.fixturenames.append("repeat_round")  # a parameter the test function does not take
+        metafunc.parametrize("repeat_round", range(rounds), ids=[f"round{i}" for i in range(rounds)])
+
+
+def pytest_collection_modifyitems(config, items):
+    """``--shuffle SEED``: the collected tests in a seeded random order (every xdist worker collects the same)."""
+    seed = config.getoption("shuffle", None)
+    if seed is not None:
+        random.Random(seed).shuffle(items)
 
 
 # Modules whose tests start Ray, servers or routers, or look for leftover ones: one after the other on one worker

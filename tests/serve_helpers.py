@@ -1,8 +1,9 @@
 """Start ``furlong serve`` on loopback for tests, talk to it, and always stop it.
 
 ``running_server(model_dir, *flags)`` is a context manager: a real server process on a
-free port (one torch thread), ready once ``GET /health`` answers 200, SIGTERMed (then
-killed) on exit. ``call`` sends one request with urllib and returns ``(status, body)``.
+free port (one torch thread), started with default signal actions and an empty signal mask
+(``ignored``/``blocked`` change that on purpose: furlong.hooks.testing.processes), ready once
+``GET /health`` answers 200, SIGTERMed (then killed) on exit. ``call`` sends one request with urllib and returns ``(status, body)``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import urllib.request
 from typing import Any, Iterator
 
 from furlong.hooks.dist import free_port
+from furlong.hooks.testing.processes import signal_state
 
 START_TIMEOUT_S = 60
 
@@ -61,13 +63,14 @@ def sse_events(raw: str) -> list:
 
 
 @contextlib.contextmanager
-def running_server(model_dir, *flags: str, log_dir) -> Iterator[Server]:
+def running_server(model_dir, *flags: str, log_dir, ignored=(), blocked=()) -> Iterator[Server]:
     port = free_port()
     log_path = os.path.join(str(log_dir), f"serve-{port}.log")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "furlong.core", "serve", "--hf-checkpoint", str(model_dir),
-                                 "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                 "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=signal_state(ignored, blocked))
     server = Server(proc, f"http://127.0.0.1:{port}", log_path)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -14,6 +14,8 @@ import time
 import pytest
 from safetensors.torch import load_file
 
+from furlong.hooks.testing.processes import signal_state
+
 
 def _command(model, data, save, num_rollout=4):
     return [sys.executable, "-m", "furlong.core", "train",
@@ -34,13 +36,14 @@ def _train_rows(save):
     return {r["train/step"]: r for r in rows if "train/step" in r}
 
 
+@pytest.mark.signals
 @pytest.mark.timeout(240)
 def test_killed_run_resumes_where_the_uninterrupted_run_would_be(tmp_path, tiny_model_dir, arithmetic_jsonl):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     subprocess.run(_command(tiny_model_dir, arithmetic_jsonl, whole), check=True, capture_output=True, timeout=120)
 
     proc = subprocess.Popen(_command(tiny_model_dir, arithmetic_jsonl, killed), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, preexec_fn=signal_state())
     marker = killed / "latest_checkpointed_iteration.txt"
     deadline = time.time() + 120
     while time.time() < deadline and not (marker.exists() and marker.read_text().strip() == "1"):

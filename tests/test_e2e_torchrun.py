@@ -9,6 +9,7 @@ only rank 0 writes metrics, checkpoint state and the marker.
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from argparse import Namespace
@@ -22,9 +23,10 @@ from furlong.builtin_plugins.executors.torchrun import TorchrunExecutor
 from furlong.hooks.config_report import ConfigReport
 
 
-def _flags(model, data):
+def _flags(model, data, rollouts=2):
     return ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--input-key", "prompt",
-            "--label-key", "label", "--rm-type", "deterministic_random", "--num-rollout", "2", "--rollout-batch-size", "2",
+            "--label-key", "label", "--rm-type", "deterministic_random", "--num-rollout", str(rollouts),
+            "--rollout-batch-size", "2",
             "--n-samples-per-prompt", "4", "--global-batch-size", "8", "--micro-batch-size", "2",
             "--rollout-max-response-len", "6", "--lr", "1e-3", "--use-kl-loss", "--kl-loss-coef", "0.1",
             "--eval-prompt-data", "arith", str(data), "--eval-interval", "1", "--n-samples-per-eval-prompt", "1",
@@ -142,6 +144,32 @@ def test_a_failure_on_rank_0_stops_every_rank_with_one_line_each(tmp_path, tiny_
     # rank 1 either says in one line that it lost rank 0, or torchrun stopped it first; never a furlong traceback
     assert "furlong/core" not in proc.stderr and "core/loop.py" not in proc.stderr, proc.stderr[-3000:]
     assert len((tmp_path / "run" / "failed_rollout_0.jsonl").read_text().splitlines()) == 8
+
+
+LONG_RUN = 200
+
+
+@pytest.mark.signals
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_to_torchrun_stops_every_rank(signal_after_rollout_1, tmp_path, tiny_model_dir, arithmetic_jsonl,
+                                               signum):
+    """torchrun passes the signal on to the ranks (each in a session of its own, out of a terminal's reach);
+    they exit on it without torchrun having to kill them, and none is left; the last checkpoint is complete."""
+    save = tmp_path / "run"
+    flags = ["train", *_flags(tiny_model_dir, arithmetic_jsonl, rollouts=LONG_RUN)[:-9], "--save-interval", "1"]
+    code, output = signal_after_rollout_1(signum, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                          "2", "-m", "furlong.core", *flags, "--save", str(save),
+                                          "--actor-num-gpus-per-node", "2")
+    assert code != 0, output[-3000:]  # torchrun reports that it was signalled
+    assert "Unable to shutdown process" not in output, output[-3000:]  # no rank needed SIGKILL
+    if signum == signal.SIGINT:
+        assert output.splitlines().count("interrupted") == 2, output[-3000:]
+    ranks = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(save) not in ranks
+    last = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert 1 <= last < LONG_RUN - 1
+    assert load_file(save / f"iter_{last:07d}" / "model" / "model.safetensors")
 
 
 def test_a_flag_problem_under_torchrun_is_printed_once(tmp_path, tiny_model_dir, arithmetic_jsonl):

@@ -21,6 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from furlong.hooks.testing.processes import signal_state
+
 RAY_PROCESS_MARKERS = ("raylet", "gcs_server", "ray::", "ray/dashboard", "ray/autoscaler", "log_monitor")
 
 
@@ -178,39 +180,42 @@ def test_a_train_actor_killed_mid_run_stops_the_run_with_one_error_and_keeps_the
     assert weights and json.loads((save / "rollout" / "state_0.json").read_text())
 
 
-def _signal_after_rollout_1(tmp_path, tiny_model_dir, arithmetic_jsonl, signum) -> tuple[int, str]:
-    """Start a long Ray run, send ``signum`` once rollout 1 is printed; ``(exit code, output)``."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.Popen([sys.executable, "-m", "furlong.core", "train",
-                             *_flags(tiny_model_dir, arithmetic_jsonl, rollouts=200), "--save", str(tmp_path / "run"),
-                             "--executor", "ray"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=tmp_path)
-    try:
-        for line in proc.stdout:
-            if line.startswith("rollout    1 "):
-                proc.send_signal(signum)
-                break
-        output = proc.communicate(timeout=120)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return proc.returncode, output
+def _long_ray_run(tiny_model_dir, arithmetic_jsonl, save) -> list[str]:
+    return ["-m", "furlong.core", "train", *_flags(tiny_model_dir, arithmetic_jsonl, rollouts=LONG_RUN),
+            "--save", str(save), "--executor", "ray"]
 
 
+LONG_RUN = 200
+
+
+def _assert_stopped_early_with_a_checkpoint(save):
+    """The run stopped long before its last rollout; the checkpoint its marker names is complete (which rollout
+    that is depends on how far the run got before the signal arrived)."""
+    last = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert 0 <= last < LONG_RUN - 1
+    assert load_file(save / f"iter_{last:07d}" / "model" / "model.safetensors")
+
+
+@pytest.mark.signals
 @pytest.mark.timeout(300)
-def test_ctrl_c_stops_a_ray_run_and_leaves_no_ray_process(tmp_path, tiny_model_dir, arithmetic_jsonl):
-    code, output = _signal_after_rollout_1(tmp_path, tiny_model_dir, arithmetic_jsonl, signal.SIGINT)
+def test_ctrl_c_stops_a_ray_run_and_leaves_no_ray_process(signal_after_rollout_1, tmp_path, tiny_model_dir,
+                                                           arithmetic_jsonl):
+    code, output = signal_after_rollout_1(signal.SIGINT, *_long_ray_run(tiny_model_dir, arithmetic_jsonl,
+                                                                        tmp_path / "run"))
     assert code == 130, output[-2000:]
     assert "Task exception was never retrieved" not in output
-    assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text().strip() in ("0", "1")
+    _assert_stopped_early_with_a_checkpoint(tmp_path / "run")
 
 
+@pytest.mark.signals
 @pytest.mark.timeout(300)
-def test_sigterm_stops_a_ray_run_and_leaves_no_ray_process(tmp_path, tiny_model_dir, arithmetic_jsonl):
-    code, output = _signal_after_rollout_1(tmp_path, tiny_model_dir, arithmetic_jsonl, signal.SIGTERM)
+def test_sigterm_stops_a_ray_run_and_leaves_no_ray_process(signal_after_rollout_1, tmp_path, tiny_model_dir,
+                                                           arithmetic_jsonl):
+    code, output = signal_after_rollout_1(signal.SIGTERM, *_long_ray_run(tiny_model_dir, arithmetic_jsonl,
+                                                                         tmp_path / "run"))
     assert code == 15, output[-2000:]  # Ray's handler exits with the signal's number
     assert "SIGTERM received" not in output and "PC: @" not in output, output[-2000:]  # no C++ stack dump
+    _assert_stopped_early_with_a_checkpoint(tmp_path / "run")
 
 
 @pytest.mark.timeout(300)
@@ -220,7 +225,8 @@ def test_under_ray_job_submit_the_run_joins_the_cluster_and_leaves_it_running(tm
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
     before = _ray_processes()
     start = subprocess.run(["ray", "start", "--head", "--num-cpus", "4", "--include-dashboard=false",
-                            "--port", "0", f"--temp-dir={temp}"], env=env, capture_output=True, text=True, timeout=120)
+                            "--port", "0", f"--temp-dir={temp}"], env=env, capture_output=True, text=True, timeout=120,
+                           preexec_fn=signal_state())  # _stop_processes signals what it starts
     try:
         assert start.returncode == 0, start.stderr[-2000:]
         address = next(line.split("'")[1] for line in start.stdout.splitlines() if "ray start --address=" in line)

@@ -8,6 +8,7 @@ embedded engine run in this process.
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import threading
 import time
@@ -557,6 +558,7 @@ def test_a_tensor_update_loads_the_pickled_tensors_and_refuses_other_pickles(ser
 # --- process ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.signals
 def test_sigterm_ends_running_streams_even_paused_ones_and_exits_cleanly(tiny_model_dir, tmp_path):
     with running_server(tiny_model_dir, log_dir=tmp_path) as srv:
         sink = []
@@ -571,6 +573,18 @@ def test_sigterm_ends_running_streams_even_paused_ones_and_exits_cleanly(tiny_mo
         assert sink[-1] == "[DONE]"
         assert sink[-2]["meta_info"]["finish_reason"]["message"] == "The server is shutting down"
         assert "Traceback" not in srv.log() and "shutting down" in srv.log()
+
+
+@pytest.mark.signals
+def test_ctrl_c_stops_a_server_whose_parent_ignored_and_blocked_sigint(tiny_model_dir, tmp_path):
+    """docs/checkpoints.md, "Stopping a run": the server unblocks SIGINT, says so, and stops on it."""
+    with running_server(tiny_model_dir, log_dir=tmp_path, ignored={signal.SIGINT}, blocked={signal.SIGINT}) as srv:
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(30) == 0, srv.log()[-3000:]
+    notes = [line for line in srv.log().splitlines() if line.startswith("note: ")]
+    assert notes == ["note: SIGINT was blocked by the parent process; furlong unblocks it so Ctrl-C stops the "
+                     "server"]
+    assert "shutting down" in srv.log() and "Traceback" not in srv.log()
 
 
 @pytest.mark.parametrize("dtype, bf16, fp16", [("auto", True, False), ("bfloat16", True, False),

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from furlong.hooks.testing.processes import signal_state
+
 pytest.importorskip("sglang_router", reason='the router extra: pip install "furlong[router]"')
+pytestmark = pytest.mark.signals
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "examples" / "demo"
@@ -29,7 +32,7 @@ def _start_run(tmp: Path) -> subprocess.Popen:
     # PYTHONFAULTHANDLER: a run that does not exit is sent SIGABRT and prints every thread's stack (_finish)
     env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     return subprocess.Popen([sys.executable, "-m", "furlong.core", "train", *argv], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=signal_state())
 
 
 def _weight_copies(tmp: Path) -> list[Path]:

@@ -22,7 +22,9 @@ loss that carries grad, the token budget across turns). A broken rule raises
 
 Not exercised (they need a model, files or a cluster): ``rollout``, ``rollout_engine``,
 ``train_backend``, ``executor``; ``data_source`` only when ``args`` is given (it reads
-``--prompt-data``). They are listed in :attr:`ContractReport.not_exercised`.
+``--prompt-data``). They are listed in :attr:`ContractReport.not_exercised`; test them with a
+short ``furlong train`` in a subprocess (:mod:`.processes` starts one in a known signal state,
+for tests that stop it with a signal).
 """
 
 from __future__ import annotations

@@ -119,6 +119,7 @@ def served_engine(tmp_path):
     (stopped after the test), and an :class:`HttpEngine` talking to it."""
     from furlong.hooks.dist import free_port
     from furlong.hooks.hf import load_tokenizer
+    from furlong.hooks.testing.processes import signal_state
 
     servers = []
 
@@ -128,7 +129,8 @@ def served_engine(tmp_path):
         log = open(tmp_path / "serve.log", "wb")
         servers.append(subprocess.Popen([sys.executable, "-m", "furlong.core", "serve", "--hf-checkpoint", path,
                                          "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "OMP_NUM_THREADS": "1"}))
+                                        env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                        preexec_fn=signal_state()))  # it is stopped with SIGTERM
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
