@@ -90,4 +90,4 @@ def test_weight_copies_of_a_killed_run_go_at_the_next_run(tmp_path, monkeypatch)
     finally:
         for path in list(weight_files._OWNED):
             weight_files.remove_weights_dir(path)
-    assert list((tmp_path / f"furlong-sglang-weights-{os.getuid()}").iterdir()) == []
+    assert not (tmp_path / f"furlong-sglang-weights-{os.getuid()}").exists()  # the root goes with its last engine
