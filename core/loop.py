@@ -27,6 +27,7 @@ from .plugins import FurlongPluginManager
 from .preflight import check_paths
 from .progress import RolloutProgress
 from .rollout_side import RolloutSideFactory
+from .run_lock import lock_output_folders
 from .seeding import seed_everything
 from .selection import Selection
 from .train_group import TrainGroup
@@ -65,6 +66,7 @@ class Run:
         self.engines: list = []
         self.weights: WeightSync | None = None
         self.health: EngineHealthMonitor | None = None
+        self.locks: list = []  # the run's locks on its output folders (core/run_lock.py)
         # train-async: rollout id -> {generate,train}_{start,end}, seconds since the loop started
         self.timeline: dict[int, dict[str, float]] = {}
 
@@ -82,6 +84,8 @@ class Run:
         seed_everything(args.seed)
         self.executor = _checked_executor(await pm.call_chosen("executor", *sel.chosen["executor"], args=args),
                                           *sel.chosen["executor"])
+        if self.executor.is_driver:  # one run per --save / --log-dir folder; told before its other problems
+            self.locks = lock_output_folders(args)
         check_paths(args)
         make_worker = WorkerFactory(args, {h: sel.chosen[h] for h in ("train_backend", "loss")}, pm)
         if not self.executor.is_driver:
@@ -221,6 +225,8 @@ async def _run(args: Namespace, pm: FurlongPluginManager, selection: Selection) 
     else:
         await _close(state)
     finally:
+        for lock in state.locks:
+            lock.release()
         gc.unfreeze()  # a caller that runs again (tests) gets its objects collected as usual
 
 
