@@ -196,3 +196,34 @@ def test_a_run_rejected_after_its_flags_parse_prints_its_error_without_the_core_
     assert caplog.messages == []
     assert main(["train", *flags, "--print-config"]) == 0
     assert note in caplog.messages
+
+
+def test_a_relative_model_path_that_is_not_there_is_one_error_and_no_hub_download(tmp_path, good_data, capsys,
+                                                                                 monkeypatch):
+    """`models/SmolLM2-135M` looks like a Hub id: furlong never downloads, so it is one error at once."""
+    import time
+
+    from furlong.core.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    start = time.monotonic()
+    code = main(["train", *BASE, "--hf-checkpoint", "models/SmolLM2-135M", "--prompt-data", str(good_data),
+                 "--apply-chat-template"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.splitlines() == [
+        f"error: --hf-checkpoint 'models/SmolLM2-135M': no such directory (in {tmp_path}). furlong reads local model "
+        "directories only, never the Hugging Face Hub; if this is a Hub id, download it first (hf download "
+        "models/SmolLM2-135M --local-dir models/SmolLM2-135M) and pass that folder."]
+    assert time.monotonic() - start < 30  # the Hub was not tried (that took 52 s on a machine without network)
+
+
+def test_the_tokenizer_helper_names_a_missing_directory():
+    from furlong.hooks import PluginError
+    from furlong.hooks.hf import load_tokenizer
+
+    with pytest.raises(PluginError) as excinfo:
+        load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert str(excinfo.value) == ("--hf-checkpoint HuggingFaceTB/SmolLM2-135M-Instruct: no such directory (furlong "
+                                  "reads local model directories only).")
