@@ -227,3 +227,25 @@ def test_the_tokenizer_helper_names_a_missing_directory():
         load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert str(excinfo.value) == ("--hf-checkpoint HuggingFaceTB/SmolLM2-135M-Instruct: no such directory (furlong "
                                   "reads local model directories only).")
+
+
+def test_every_line_of_a_multi_line_error_starts_with_error(tmp_path, tiny_model_dir, good_data, capsys):
+    from furlong.core.cli import main
+
+    flags = [*BASE, "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(good_data)]
+    assert main(["train", *[f if f != "math" else "maht" for f in flags]]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "error: --rm-type 'maht': no installed plugin of that name implements `reward`."
+    assert lines[1].startswith("error:   Available: ") and "math (furlong " in lines[1]
+    assert lines[2] == "error:   Did you mean 'math'? List them with: furlong plugins --hook reward"
+    assert all(line.startswith("error: ") for line in lines)
+
+
+def test_error_lines_prefix_each_line_of_each_problem():
+    from furlong.core.cli import error_lines
+    from furlong.core.config import ConfigError
+    from furlong.hooks import PluginError
+
+    assert error_lines(PluginError("rollout 0 failed: boom\n  The rollout's samples are in x.jsonl.")) == [
+        "error: rollout 0 failed: boom", "error:   The rollout's samples are in x.jsonl."]
+    assert error_lines(ConfigError(["one.", "two:\n  detail."])) == ["error: one.", "error: two:", "error:   detail."]

@@ -291,10 +291,12 @@ def _unrecognized(extras: list[str], actions: dict) -> tuple[list[str], set[str]
     for token in extras:
         if token.startswith("-") and not _is_number(token):
             flag = token.split("=", 1)[0]
-            longer = [o for o in actions if o.startswith(flag + "-")]  # an abbreviation of one flag
-            close = longer if len(longer) == 1 else difflib.get_close_matches(
+            longer = [o for o in actions if o.startswith(flag + "-")]
+            abbreviated = len(longer) == 1  # the start of one flag's name
+            close = longer if abbreviated else difflib.get_close_matches(
                 flag, [o for o in actions if o.startswith("--")], n=1, cutoff=SUGGEST_CUTOFF)
-            hint = f" (did you mean {close[0]}? flags are never abbreviated)" if close else ""
+            remark = " flags are never abbreviated" if abbreviated else ""  # not for a misspelling
+            hint = f" (did you mean {close[0]}?{remark})" if close else ""
             suggested.update(close[:1])
             problems.append(f"unrecognized argument {flag}{hint}.")
             previous_flag = True
