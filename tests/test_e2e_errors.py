@@ -249,3 +249,55 @@ def test_error_lines_prefix_each_line_of_each_problem():
     assert error_lines(PluginError("rollout 0 failed: boom\n  The rollout's samples are in x.jsonl.")) == [
         "error: rollout 0 failed: boom", "error:   The rollout's samples are in x.jsonl."]
     assert error_lines(ConfigError(["one.", "two:\n  detail."])) == ["error: one.", "error: two:", "error:   detail."]
+
+
+def test_no_reward_for_the_first_rows_is_told_before_any_model_loads(tmp_path, good_data, capsys, monkeypatch):
+    """Without --rm-type the rows must name a reward: told before the model loads, no failed_rollout file."""
+    from furlong.core.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    flags = [f for f in BASE if f not in ("--rm-type", "math")]
+    # a model path with a config.json but no weights: the run must stop before anything reads them
+    (tmp_path / "unloadable").mkdir()
+    (tmp_path / "unloadable" / "config.json").write_text("{}")
+    code = main(["train", *flags, "--hf-checkpoint", str(tmp_path / "unloadable"), "--prompt-data", str(good_data)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith(
+        "error: no reward chosen: the run has neither --rm-type nor --custom-rm-path, and 2 of the 2 prompts the first "
+        f"rollout draws from {good_data} name none in metadata['rm_type'] (the first: '1+1='). Pass --rm-type NAME "
+        "(installed: ")
+    assert "math" in err.splitlines()[-1]
+    assert list(tmp_path.glob("failed_rollout_*")) == []
+
+
+def test_rows_that_name_their_reward_pass_and_are_drawn_again(plugin_manager):
+    from argparse import Namespace
+
+    from furlong.core.rewards import check_first_rows_name_a_reward
+    from furlong.hooks import PluginError
+    from furlong.hooks.epochs import EpochOrder
+
+    class Rows:
+        def __init__(self, rows):
+            self.rows, self.order = rows, EpochOrder(len(rows), shuffle=True, seed=3)
+
+        def next_rows(self, k):
+            return [self.rows[i] for i in self.order.take(k)]
+
+        def state(self):
+            return self.order.state()
+
+        def load_state(self, state):
+            self.order.load_state(state)
+
+    named = Rows([{"prompt": str(i), "label": "1", "metadata": {"rm_type": "math"}} for i in range(5)])
+    args = Namespace(rollout_batch_size=3, over_sampling_batch_size=4, prompt_data="d.jsonl")
+    first = Rows(named.rows).next_rows(4)
+    check_first_rows_name_a_reward(args, plugin_manager, named)
+    assert named.next_rows(4) == first  # the rows checked are drawn again
+    mixed = Rows([{"prompt": "p" * 80 if i == 4 else str(i), "label": "1",
+                   "metadata": {"rm_type": "math"} if i != 4 else {}} for i in range(5)])
+    with pytest.raises(PluginError, match=r"and 1 of the 4 prompts the first rollout draws from d\.jsonl name none in "
+                                          r"metadata\['rm_type'\] \(the first: 'p{57}\.\.\.'\)"):
+        check_first_rows_name_a_reward(args, plugin_manager, mixed)
