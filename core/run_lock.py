@@ -1,4 +1,4 @@
-"""One run per output folder: the lock a run holds on its ``--save`` (and ``--log-dir``) folder.
+"""One run per output folder: the lock a run holds on its ``--save`` (else ``--log-dir``) folder.
 
 Two runs writing the same folder would interleave their ``metrics.jsonl`` and overwrite each
 other's checkpoints. A run takes ``DIR/furlong.lock`` before anything loads: the file is created
@@ -28,14 +28,13 @@ LOCK_NAME = "furlong.lock"
 
 
 def output_folders(args: Namespace) -> list[tuple[str, str]]:
-    """``(flag, folder)`` of the folders this run writes its outputs to: ``--save``, and ``--log-dir``
-    when it is another folder. A path that exists and is not a folder is left out (the path checks of
-    :func:`furlong.core.preflight.check_paths` report it)."""
-    out: list[tuple[str, str]] = []
+    """``(flag, folder)`` of the folder this run writes its outputs to: ``--save``, else ``--log-dir``
+    (``metrics.jsonl``, loggers' files and checkpoints go there), or none. A path that exists and is not
+    a folder is left out (the path checks of :func:`furlong.core.preflight.check_paths` report it)."""
     for flag, folder in (("--save", getattr(args, "save", None)), ("--log-dir", getattr(args, "log_dir", None))):
-        if folder and (os.path.isdir(folder) or not os.path.exists(folder)) and all(os.path.realpath(folder) != os.path.realpath(seen) for _, seen in out):
-            out.append((flag, folder))
-    return out
+        if folder:
+            return [(flag, folder)] if os.path.isdir(folder) or not os.path.exists(folder) else []
+    return []
 
 
 def lock_output_folders(args: Namespace) -> list["RunLock"]:

@@ -1,4 +1,4 @@
-"""One run per output folder: ``--save`` (and ``--log-dir``) is locked by the run writing it (core/run_lock.py)."""
+"""One run per output folder: ``--save`` (else ``--log-dir``) is locked by the run writing it (core/run_lock.py)."""
 
 from __future__ import annotations
 
@@ -103,16 +103,18 @@ def test_another_host_s_lock_is_not_taken_over(tmp_path):
         f"{tmp_path / 'run' / LOCK_NAME}.")
 
 
-def test_both_output_folders_are_locked_once_each(tmp_path, sleeper):
+def test_the_folder_the_run_writes_is_the_one_locked(tmp_path, sleeper):
     from argparse import Namespace
 
-    same = Namespace(save=str(tmp_path / "a"), log_dir=str(tmp_path / "a" / ".." / "a"))
-    assert output_folders(same) == [("--save", str(tmp_path / "a"))]
-    two = Namespace(save=str(tmp_path / "a"), log_dir=str(tmp_path / "b"))
+    assert output_folders(Namespace(save=str(tmp_path / "a"), log_dir=str(tmp_path / "b"))) == [
+        ("--save", str(tmp_path / "a"))]
+    assert output_folders(Namespace(save=None, log_dir=str(tmp_path / "b"))) == [("--log-dir", str(tmp_path / "b"))]
+    assert output_folders(Namespace(save=None, log_dir=None)) == []
+    (tmp_path / "file").write_text("x")
+    assert output_folders(Namespace(save=str(tmp_path / "file"), log_dir=None)) == []  # check_paths reports it
     _write_lock(tmp_path / "b", _holder(sleeper.pid))
     with pytest.raises(PluginError, match="^--log-dir"):
-        lock_output_folders(two)
-    assert not (tmp_path / "a").exists()  # the --save lock taken first was given back
+        lock_output_folders(Namespace(save=None, log_dir=str(tmp_path / "b")))
 
 
 def test_a_second_run_on_a_held_save_folder_exits_2_before_any_model_loads(tmp_path, tiny_model_dir, sleeper,
