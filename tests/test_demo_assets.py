@@ -214,3 +214,12 @@ def test_gsm8k_prepare_missing_source(tmp_path):
 
 def test_gsm8k_output_folder_is_git_ignored():
     assert (REPO_ROOT / "examples" / "gsm8k" / ".gitignore").read_text().splitlines() == ["data/"]
+
+
+@pytest.mark.parametrize("path", ["models/smollm2-135m-instruct/model.safetensors", "examples/smollm2/data/train.jsonl",
+                                  "examples/gsm8k/data/train.jsonl", "runs/demo/metrics.jsonl",
+                                  "failed_rollout_0.jsonl"])
+def test_what_the_docs_commands_write_is_git_ignored(path):
+    """docs/smollm2.md, examples/gsm8k and the quick start write these; none may show up in `git status`."""
+    done = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO_ROOT)
+    assert done.returncode == 0, path
