@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 from furlong.hooks import PluginError, hookimpl
 
+from .reward_forms import reward_adapter
+
 __all__ = ["ADAPTERS", "import_dotted", "make_adapter", "agent_abort_adapter"]
 
 log = logging.getLogger("furlong.config")
@@ -204,6 +206,8 @@ def make_adapter(hook: str, path: str, flag: str) -> object:
         kind = "a class" if hook == "data_source" else "a function"
         raise PluginError(f"{flag} '{path}': '{path.rpartition('.')[2]}' is a {type(fn).__name__}, not callable; "
                           f"point the flag at {kind}.")
+    if hook == "reward":  # a TRL or verl reward function keeps its own form (core/reward_forms.py)
+        return reward_adapter(fn, path, _RewardAdapter)
     return ADAPTERS[hook](fn)
 
 

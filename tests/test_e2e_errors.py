@@ -106,10 +106,12 @@ def _cases(tmp_path, model, good):
          f"error: --eval-prompt-data t '{tmp_path / 'nope.jsonl'}': no such file."),
         (["--hf-checkpoint", model, "--prompt-data", str(tmp_path / "folder")],
          f"error: --prompt-data '{tmp_path / 'folder'}': is a directory; pass a JSONL file (one JSON object per line)."),
-        (["--hf-checkpoint", model, "--prompt-data", str(parquet)],
-         f"error: --prompt-data '{parquet}': Parquet files are not read by the jsonl data source; convert it to "
-         "JSONL (pandas: df.to_json('data.jsonl', orient='records', lines=True)) or choose a data source plugin "
-         "that reads it (--data-source NAME)."),
+        (["--hf-checkpoint", model, "--prompt-data", str(parquet)],  # the file chooses the parquet data source
+         f"error: --prompt-data '{parquet}': cannot read it as Parquet (ArrowInvalid: Could not open Parquet input "
+         f"source '{parquet}': Parquet file size is 6 bytes, smaller than the minimum file footer (8 bytes))."),
+        (["--hf-checkpoint", model, "--prompt-data", str(parquet), "--data-source", "jsonl"],
+         f"error: --prompt-data '{parquet}': Parquet files are not read by the jsonl data source; choose --data-source "
+         "parquet, or convert it to JSONL (pandas: df.to_json('data.jsonl', orient='records', lines=True))."),
         (["--hf-checkpoint", model, "--prompt-data", str(latin1)],
          f"error: {latin1}:2: not valid UTF-8 (byte 0xe9 at column 16); save the file as UTF-8."),
         (["--hf-checkpoint", model, "--prompt-data", str(blank_prompt)],
