@@ -2,7 +2,8 @@
 
 Each adapter is registered with the plugin manager under the dotted path itself, so the
 core calls it exactly like a plugin chosen by name. The user's function is called
-positionally, Miles-style (``async def rm(args, sample) -> float``); it may be sync or async.
+positionally, Miles-style (``async def rm(args, sample) -> float``); it may be sync or async. A
+reward function written for TRL or verl is called in its own form (:mod:`furlong.core.reward_forms`).
 """
 
 from __future__ import annotations
