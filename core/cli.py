@@ -20,7 +20,7 @@ from .config.errors import ConfigError
 from .discovery import split_names
 from .plugins import FurlongPluginManager, get_plugin_manager
 
-__all__ = ["main"]
+__all__ = ["error_lines", "main"]
 
 log = logging.getLogger("furlong")
 
@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             # before it prints them, so wait: torchrun stops this rank once rank 0 has exited, and a
             # rank 0 slower than the wait still leaves this rank's own report.
             time.sleep(SECONDARY_RANK_WAIT_S)
-        for problem in exc.problems if isinstance(exc, ConfigError) else [str(exc)]:
-            print(f"error: {problem}", file=sys.stderr)
+        for line in error_lines(exc):
+            print(line, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -82,6 +82,14 @@ def main(argv: list[str] | None = None) -> int:
         # The reader of our output went away (`furlong plugins | head`): stop quietly.
         sys.stdout = open(os.devnull, "w")
         return 0
+
+
+def error_lines(exc: PluginError) -> list[str]:
+    """The lines the CLI prints for ``exc``: every line starts with ``error:``, also the continuation
+    lines of a multi-line problem (they keep their indentation after the prefix), so a reader (or
+    ``grep error:``) never sees a line of the report without it."""
+    problems = exc.problems if isinstance(exc, ConfigError) else [str(exc)]
+    return [f"error: {line}" for problem in problems for line in (str(problem).splitlines() or [""])]
 
 
 STOP_SIGNALS = {"SIGINT": "Ctrl-C", "SIGTERM": "SIGTERM"}

@@ -10,6 +10,7 @@ import time
 
 from furlong.hooks import PluginError, Sample
 
+from .data_choice import data_source_for
 from .eval_config import EvalDataset, load_eval_datasets, sampling_params
 from .metrics_log import eval_metrics
 from .plugins import FurlongPluginManager
@@ -33,11 +34,27 @@ class Evaluator:
         self.pm = pm
         self.source = selection.chosen["data_source"]
         self.datasets: list[tuple[EvalDataset, list[dict]]] = []
-        self._to_load = [(ds, _source_args(args, ds)) for ds in load_eval_datasets(args)]
-        if self._to_load and not inspect.iscoroutinefunction(pm.chosen_impl("data_source", *self.source).function):
-            for ds, ds_args in self._to_load:
-                self._add(ds, pm.call_chosen_sync("data_source", *self.source, args=ds_args))
-            self._to_load = []
+        self._to_load = []
+        for ds in load_eval_datasets(args):
+            ds_args = _source_args(args, ds)
+            self._to_load.append((ds, ds_args, self._reader(ds, ds_args)))
+        waiting = []
+        for ds, ds_args, reader in self._to_load:  # a plain data_source is called now, an async one by load()
+            if inspect.iscoroutinefunction(pm.chosen_impl("data_source", *reader).function):
+                waiting.append((ds, ds_args, reader))
+            else:
+                self._add(ds, reader, pm.call_chosen_sync("data_source", *reader, args=ds_args))
+        self._to_load = waiting
+
+    def _reader(self, ds: EvalDataset, ds_args: argparse.Namespace) -> tuple[str, str]:
+        """``(plugin, flag)`` reading eval set ``ds``: the data source flags' choice, else the plugin that
+        claims its file (:mod:`furlong.core.data_choice`), else ``--data-source``'s default."""
+        by_file = data_source_for(self.args, self.pm, ds.path, ds_args.prompt_data_flag)
+        if by_file is not None:
+            return by_file
+        if self.source[1] == "--prompt-data":  # the training file chose its reader; this file claims none
+            return self.args.data_source, "--data-source"
+        return self.source
 
     async def load(self) -> None:
         """Create the eval data sources not created yet, awaiting the ``data_source`` hook.
@@ -45,12 +62,12 @@ class Evaluator:
         :raises PluginError: a data source without ``__len__``, or the plugin's own error.
         """
         while self._to_load:
-            ds, ds_args = self._to_load[0]
-            self._add(ds, await self.pm.call_chosen("data_source", *self.source, args=ds_args))
+            ds, ds_args, reader = self._to_load[0]
+            self._add(ds, reader, await self.pm.call_chosen("data_source", *reader, args=ds_args))
             self._to_load.pop(0)
 
-    def _add(self, ds: EvalDataset, source) -> None:
-        name, flag = self.source
+    def _add(self, ds: EvalDataset, reader: tuple[str, str], source) -> None:
+        name, flag = reader
         if not hasattr(source, "__len__"):
             raise PluginError(f"{flag} '{name}': an eval data source must define __len__ (eval set '{ds.name}').")
         self.datasets.append((ds, source.next_rows(len(source))))

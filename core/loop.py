@@ -22,11 +22,13 @@ from .checkpoints import periodic, resolve_start, save_checkpoint, should_save
 from .engine_health import EngineHealthMonitor, health_monitor_wanted
 from .engine_set import EngineFactory
 from .epochs import derive_num_rollout
-from .metrics_log import MetricsLog, rollout_metrics, summary_line
+from .metrics_log import (SUPERSEDED_NAME, MetricsLog, rollout_metrics, set_aside_rows_from, summary_line,
+                          zero_spread_warning)
 from .plugins import FurlongPluginManager
 from .preflight import check_paths
 from .progress import RolloutProgress
 from .rollout_side import RolloutSideFactory
+from .run_lock import lock_output_folders
 from .seeding import seed_everything
 from .selection import Selection
 from .train_group import TrainGroup
@@ -65,6 +67,8 @@ class Run:
         self.engines: list = []
         self.weights: WeightSync | None = None
         self.health: EngineHealthMonitor | None = None
+        self.locks: list = []  # the run's locks on its output folders (core/run_lock.py)
+        self.warned_zero_spread = False
         # train-async: rollout id -> {generate,train}_{start,end}, seconds since the loop started
         self.timeline: dict[int, dict[str, float]] = {}
 
@@ -82,6 +86,8 @@ class Run:
         seed_everything(args.seed)
         self.executor = _checked_executor(await pm.call_chosen("executor", *sel.chosen["executor"], args=args),
                                           *sel.chosen["executor"])
+        if self.executor.is_driver:  # one run per output folder; told before its other problems
+            self.locks = lock_output_folders(args)
         check_paths(args)
         make_worker = WorkerFactory(args, {h: sel.chosen[h] for h in ("train_backend", "loss")}, pm)
         if not self.executor.is_driver:
@@ -93,7 +99,14 @@ class Run:
         derive_num_rollout(args, await self.rollout.dataset_size(), sel.name("data_source"))
         if self.metrics_dir:
             self.metrics = MetricsLog(os.path.join(self.metrics_dir, "metrics.jsonl"))
+        level, where = output_note(args)
+        log.log(level, "%s", where)
         resume = resolve_start(args)
+        if self.metrics.path is not None:  # this run logs its rollouts from here on: earlier rows of them go aside
+            moved = set_aside_rows_from(self.metrics.path, resume.start_rollout_id, steps_per_rollout(args))
+            if moved:
+                log.info("%s: %d rows of rollout %d and later (logged after the checkpoint this run starts from) moved "
+                         "to %s", self.metrics.path, moved, resume.start_rollout_id, SUPERSEDED_NAME)
         engines = await self.executor.start_engines(args, EngineFactory(args, sel.chosen["rollout_engine"], pm))
         self.engines = engines
         if args.offload_rollout:  # the trainer loads first; the engines take their memory back at the first sync
@@ -177,6 +190,10 @@ class Run:
         metrics.update(await self.rollout.pop_metrics(rollout_id))
         self.metrics.log(metrics, "rollout/step", rollout_id)
         print(summary_line(rollout_id, metrics), flush=True)
+        warning = None if self.warned_zero_spread else zero_spread_warning(rollout_id, metrics, len(groups))
+        if warning:
+            log.warning("%s", warning)
+            self.warned_zero_spread = True
         await self.pm.notify("on_rollout_end", args=self.args, rollout_id=rollout_id, metrics=metrics)
 
 
@@ -222,6 +239,8 @@ async def _run(args: Namespace, pm: FurlongPluginManager, selection: Selection) 
     else:
         await _close(state)
     finally:
+        for lock in state.locks:
+            lock.release()
         gc.unfreeze()  # a caller that runs again (tests) gets its objects collected as usual
 
 
@@ -336,6 +355,22 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
 def _syncs_weights_after(args: Namespace, rollout_id: int) -> bool:
     """Whether the trainer pushes weights after training on ``rollout_id`` (every rollout in sync mode)."""
     return getattr(args, "train_mode", "sync") != "async" or (rollout_id + 1) % args.update_weights_interval == 0
+
+
+def output_note(args: Namespace) -> tuple[int, str]:
+    """``(logging level, sentence)`` saying where the run's outputs go: a warning when it keeps none
+    (neither ``--save`` nor ``--log-dir``: only the console lines) or when ``--log-dir`` is not used
+    (``--save`` takes the metrics), else a note naming the folder."""
+    if args.save:
+        every = f"every {args.save_interval} rollouts and " if args.save_interval else ""
+        where = f"outputs go to {args.save}: metrics.jsonl, and checkpoints after {every}the last rollout."
+        if args.log_dir and os.path.realpath(args.log_dir) != os.path.realpath(args.save):
+            return logging.WARNING, f"{where} --log-dir {args.log_dir} is not used: with --save the metrics go there."
+        return logging.INFO, where
+    if args.log_dir:
+        return logging.INFO, f"metrics go to {os.path.join(args.log_dir, 'metrics.jsonl')}; no checkpoints (no --save)."
+    return logging.WARNING, ("neither --save nor --log-dir: this run keeps no metrics.jsonl and no checkpoint, only the "
+                             "console lines; pass --log-dir DIR to keep its metrics, --save DIR for checkpoints too.")
 
 
 def _checked_executor(executor, name: str, flag: str):

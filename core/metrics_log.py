@@ -16,7 +16,8 @@ from typing import Any, Iterable
 
 from furlong.hooks import PluginError, Sample, Status
 
-__all__ = ["MetricsLog", "eval_metrics", "rollout_metrics", "summary_line", "to_json_value"]
+__all__ = ["SUPERSEDED_NAME", "MetricsLog", "eval_metrics", "one_row_per_step", "rollout_metrics", "set_aside_rows_from",
+           "summary_line", "to_json_value", "zero_spread_warning"]
 
 STEP_KEYS = ("rollout/step", "train/step", "eval/step")
 
@@ -102,13 +103,71 @@ class MetricsLog:
         self.close()
 
 
+SUPERSEDED_NAME = "metrics.superseded.jsonl"
+"""Beside ``metrics.jsonl``: the rows a resumed run set aside (logged after the checkpoint it resumes from)."""
+
+
+def set_aside_rows_from(path: str, rollout_id: int, steps_per_rollout: int) -> int:
+    """Move the rows of ``metrics.jsonl`` at ``path`` that belong to rollout ``rollout_id`` or later into
+    ``metrics.superseded.jsonl`` beside it; return how many moved.
+
+    A run resumed at rollout ``rollout_id`` (from the checkpoint of ``rollout_id - 1``) logs those
+    rollouts again: without this the file would hold them twice. Rows count as later when their
+    ``rollout/step`` or ``eval/step`` is at least ``rollout_id``, or their ``train/step`` at least
+    ``rollout_id * steps_per_rollout``. The file is rewritten atomically (a new file renamed over
+    it); lines that are not JSON are kept where they are. A missing file moves nothing.
+    """
+    if not os.path.isfile(path):
+        return 0
+    first = {"rollout/step": rollout_id, "eval/step": rollout_id, "train/step": rollout_id * steps_per_rollout}
+    kept, moved = [], []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                kept.append(line)
+                continue
+            later = isinstance(row, dict) and any(isinstance(row.get(k), int) and row[k] >= v for k, v in first.items())
+            (moved if later else kept).append(line)
+    if not moved:
+        return 0
+    with open(os.path.join(os.path.dirname(path), SUPERSEDED_NAME), "a", encoding="utf-8") as f:
+        f.writelines(line if line.endswith("\n") else line + "\n" for line in moved)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+    return len(moved)
+
+
+def one_row_per_step(rows: list[dict]) -> list[dict]:
+    """``rows`` with one row per step key and step: a later row of the same ``rollout/step``,
+    ``train/step`` or ``eval/step`` replaces the earlier one, in its place (the rows of a file two runs
+    appended to, or written before :func:`set_aside_rows_from` existed). Rows without a step key stay."""
+    out: list[dict] = []
+    where: dict[tuple[str, int], int] = {}
+    for row in rows:
+        key = next(((k, row[k]) for k in STEP_KEYS if k in row), None)
+        if key is not None and key in where:
+            out[where[key]] = row
+            continue
+        if key is not None:
+            where[key] = len(out)
+        out.append(row)
+    return out
+
+
 # (label, metric keys tried in order, format spec, unit)
 _SUMMARY_FIELDS = (
     ("reward", ("rollout/raw_reward",), "6.3f", ""),
     ("len", ("rollout/response_len/mean", "rollout/response_lengths"), "7.1f", ""),
+    ("zero-spread", ("rollout/zero_std/share",), "4.2f", ""),
     ("kl", ("train/ppo_kl",), "7.4f", ""),
     ("clip", ("train/pg_clipfrac",), "5.3f", ""),
 )
+NEARLY_ALL_ZERO_SPREAD = 0.9
+"""A rollout whose share of zero-spread groups is at least this gets a warning (:func:`zero_spread_warning`)."""
 _MISMATCH_KL = "train/train_rollout_kl"
 _MISMATCH_SHOWN_FROM = 1e-6  # below: float rounding between the engine's and the trainer's forward
 _SUMMARY_TIMES = (
@@ -130,14 +189,15 @@ def summary_line(rollout_id: int, metrics: dict) -> str:
     """One fixed-width console line for a finished rollout; missing values print ``-``.
 
     Fields: reward = ``rollout/raw_reward``; len = ``rollout/response_len/mean`` (else
-    ``rollout/response_lengths``), tokens; kl = ``train/ppo_kl``; clip =
+    ``rollout/response_lengths``), tokens; zero-spread = ``rollout/zero_std/share`` (the share of
+    groups whose samples all scored the same); kl = ``train/ppo_kl``; clip =
     ``train/pg_clipfrac``; times in seconds = ``perf/rollout_time``, ``perf/train_time``,
     ``perf/update_weights_time``. When ``train/train_rollout_kl`` (the KL between the
     trainer's and the engine's log-probs of the same tokens) is at least 1e-6, a
     ``rollout-kl`` field follows ``clip``: the generating policy differs from the trained one
     (train-async, fully async, partial rollout, or a precision mismatch).
 
-    Example: ``rollout    3 | reward  0.412 | len    11.2 | kl  0.0012 | clip 0.031 |
+    Example: ``rollout    3 | reward  0.412 | len    11.2 | zero-spread 0.25 | kl  0.0012 | clip 0.031 |
     rollout-kl 6.2e-02 | rollout   4.1s train   1.2s sync   0.1s``.
     """
     parts = [f"rollout {rollout_id:>4}"]
@@ -150,6 +210,25 @@ def summary_line(rollout_id: int, metrics: dict) -> str:
     times = " ".join(f"{label} {_fmt(metrics.get(key), '5.1f', 's')}" for label, key in _SUMMARY_TIMES)
     parts.append(times)
     return " | ".join(parts).rstrip()
+
+
+def zero_spread_warning(rollout_id: int, metrics: dict, groups: int) -> str | None:
+    """A warning when nearly every group of a rollout (:data:`NEARLY_ALL_ZERO_SPREAD`) scored one reward
+    on all its samples, else None: a group-relative advantage (GRPO's) is 0 for such a group, so the
+    rollout trains (almost) nothing, which the reward alone does not show.
+
+    :param groups: the number of groups the rollout trained on.
+    """
+    share = to_json_value(metrics.get("rollout/zero_std/share"))
+    if not isinstance(share, (int, float)) or share < NEARLY_ALL_ZERO_SPREAD or groups <= 0:
+        return None
+    same = round(share * groups)
+    return (f"rollout {rollout_id}: {same} of {groups} groups ({share:.0%}) scored the same reward on every sample "
+            "(all wrong or all right), so a group-relative advantage is 0 for them and they train nothing. More "
+            "samples per prompt (--n-samples-per-prompt), a higher --rollout-temperature, prompts nearer the model's "
+            "level, or dynamic sampling (--dynamic-sampling-filter check_reward_nonzero_std with "
+            "--over-sampling-batch-size) give groups with a spread. The rollout line's zero-spread field shows the "
+            "share; this warning is not repeated.")
 
 
 # --- sample-side metrics ---------------------------------------------------------------

@@ -17,6 +17,8 @@ import os
 
 from furlong.hooks import PluginError
 
+from .metrics_log import one_row_per_step
+
 __all__ = ["PANELS", "curves", "ema", "load_metrics", "main", "plot_runs"]
 
 EVAL_KEYS = "eval/*"
@@ -40,7 +42,8 @@ _STYLES = ("-", "--", ":", "-.")
 
 
 def load_metrics(run_dir: str) -> list[dict]:
-    """Rows of ``RUN_DIR/metrics.jsonl`` (or the file itself when given).
+    """Rows of ``RUN_DIR/metrics.jsonl`` (or the file itself when given), one per step: a step logged
+    twice (a run resumed before resumed runs set their later rows aside) is drawn once, with its last row.
 
     :raises PluginError: the file is missing or a line is not JSON (names file and line).
     """
@@ -55,7 +58,7 @@ def load_metrics(run_dir: str) -> list[dict]:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as exc:
                     raise PluginError(f"{path}:{lineno}: not valid JSON ({exc.msg}).") from None
-    return rows
+    return one_row_per_step(rows)
 
 
 def ema(values: list[float], weight: float) -> list[float]:

@@ -12,13 +12,18 @@ from .checkpoints import read_marker, same_dir
 __all__ = ["check_paths", "hf_checkpoint_problems"]
 
 
-def _hub_name(path: str) -> bool:
-    """``org/model``: a Hugging Face hub name rather than a local path."""
-    return path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.exists(path)
+def _looks_like_hub_id(path: str) -> bool:
+    """``org/model``: what a Hugging Face Hub id looks like (furlong does not download it)."""
+    return path.count("/") == 1 and not path.startswith((".", "/", "~")) and not path.endswith("/")
 
 
 def hf_checkpoint_problems(path: str | None) -> list[str]:
-    """What is wrong with ``--hf-checkpoint path`` (empty when it names a model directory or a hub name)."""
+    """What is wrong with ``--hf-checkpoint path`` (empty when it names a model directory).
+
+    furlong reads local model directories only: a path that does not exist is an error at once,
+    never a Hugging Face Hub download (which would try the network for a minute on a machine
+    without it). A value that looks like a Hub id (``org/model``) gets the command that downloads it.
+    """
     if not path:
         return ["--hf-checkpoint is required: the Hugging Face model directory (config, tokenizer, weights)."]
     if os.path.isdir(path):
@@ -29,16 +34,18 @@ def hf_checkpoint_problems(path: str | None) -> list[str]:
     if os.path.isfile(path):
         return [f"--hf-checkpoint '{path}': is a file; pass the model directory "
                 f"('{os.path.dirname(path) or '.'}' holds it)."]
-    if not _hub_name(path):
-        return [f"--hf-checkpoint '{path}': no such directory."]
-    return []
+    if _looks_like_hub_id(path):
+        return [f"--hf-checkpoint '{path}': no such directory (in {os.getcwd()}). furlong reads local model "
+                "directories only, never the Hugging Face Hub; if this is a Hub id, download it first "
+                f"(hf download {path} --local-dir models/{path.split('/')[1]}) and pass that folder."]
+    return [f"--hf-checkpoint '{path}': no such directory."]
 
 
 def check_paths(args: Namespace) -> None:
     """Every path flag names something that exists; all problems reported at once.
 
     ``--hf-checkpoint`` must be a directory with a ``config.json`` (a Hugging Face model
-    directory); a name like ``org/model`` without such a directory is left to the hub.
+    directory); a Hub id (``org/model``) is not downloaded (:func:`hf_checkpoint_problems`).
 
     :raises PluginError: one line per missing or unusable path.
     """

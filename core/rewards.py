@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from argparse import Namespace
 
@@ -14,7 +15,7 @@ from furlong.hooks.contract import check_reward_list, check_reward_value
 from .plugins import FurlongPluginManager
 from .selection import Selection, boxed_base, check_reward_name
 
-__all__ = ["RewardScorer", "scalar_reward"]
+__all__ = ["RewardScorer", "check_first_rows_name_a_reward", "scalar_reward"]
 
 log = logging.getLogger("furlong.rewards")
 
@@ -123,3 +124,32 @@ class RewardScorer:
             make = getattr(self.pm.get_plugin(base), "boxed_response", None)
             response = make(content) if callable(make) else f"\\boxed{{{content}}}"
         return attrs.evolve(sample, response=response)
+
+
+def check_first_rows_name_a_reward(args: Namespace, pm: FurlongPluginManager, source) -> None:
+    """Without a run-wide reward (no ``--rm-type``, no ``--custom-rm-path``) every sample needs
+    ``metadata["rm_type"]``: check the rows the first rollout draws now, before any model loads,
+    rather than after a whole rollout was generated.
+
+    The rows are read with the data source's ``next_rows`` and its position is put back with
+    ``load_state(state())``, so the run draws them again.
+
+    :param source: the train data source (``furlong.hooks.DataSource``).
+    :raises PluginError: one of those rows names no reward; the message says how many and what to pass.
+    """
+    k = int(getattr(args, "over_sampling_batch_size", None) or args.rollout_batch_size or 1)
+    state = copy.deepcopy(source.state())
+    rows = source.next_rows(k)
+    source.load_state(state)
+    missing = [row for row in rows if not (isinstance(row.get("metadata"), dict) and row["metadata"].get("rm_type"))]
+    if not missing:
+        return
+    prompt = str(missing[0].get("prompt"))
+    prompt = prompt if len(prompt) <= 60 else prompt[:57] + "..."
+    where = getattr(args, "prompt_data", None) or "the data"
+    raise PluginError(
+        f"no reward chosen: the run has neither --rm-type nor --custom-rm-path, and {len(missing)} of the {len(rows)} "
+        f"prompts the first rollout draws from {where} name none in metadata['rm_type'] (the first: {prompt!r}). "
+        f"Pass --rm-type NAME (installed: {', '.join(pm.names_for('reward'))}) or --custom-rm-path module.function, "
+        "or give every row metadata['rm_type']."
+    )

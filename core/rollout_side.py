@@ -18,6 +18,7 @@ from furlong.hooks import Sample
 from .data_cursor import DataCursor
 from .engine_set import EngineSet
 from .evaluation import Evaluator
+from .rewards import check_first_rows_name_a_reward
 from .rollout_manager import RolloutManager
 from .selection import Selection, plugins_of_this_process
 
@@ -46,6 +47,8 @@ class RolloutSide:
             self.pm = plugins_of_this_process(self.args)
         sel = self.selection
         source = await self.pm.call_chosen("data_source", *sel.chosen["data_source"], args=self.args)
+        if sel.reward is None:
+            check_first_rows_name_a_reward(self.args, self.pm, source)
         self.cursor = DataCursor(self.args, self.pm, source, sel.chosen["buffer_pop"])
         self.evaluator = Evaluator(self.args, self.pm, sel)
         await self.evaluator.load()

@@ -10,6 +10,7 @@ import attrs
 from furlong.hooks import PluginError
 
 from .adapters import agent_abort_adapter, make_adapter
+from .data_choice import data_source_for
 from .miles_paths import miles_builtin
 from .plugins import FurlongPluginManager
 
@@ -91,7 +92,8 @@ def resolve_selection(args: Namespace, pm: FurlongPluginManager, hooks: tuple[st
         if hooks is not None and spec.hook not in hooks:
             continue
         try:
-            choice = _resolve_one(args, pm, spec)
+            choice = _by_file(args, pm) if spec.hook == "data_source" else None
+            choice = choice or _resolve_one(args, pm, spec)
             if choice is not None:
                 selection.chosen[spec.hook] = choice
         except PluginError as exc:
@@ -163,6 +165,14 @@ def _resolve_one(args: Namespace, pm: FurlongPluginManager, spec: ChosenHook) ->
             raise PluginError(f"{flag} {name} needs {spec.path_flag} module.function.")
     pm.chosen_impl(spec.hook, name, flag)
     return name, flag
+
+
+def _by_file(args: Namespace, pm: FurlongPluginManager) -> tuple[str, str] | None:
+    """The data source chosen by the ``--prompt-data`` file (no data source flag given), checked; or None."""
+    choice = data_source_for(args, pm, getattr(args, "prompt_data", None), "--prompt-data")
+    if choice is not None:
+        pm.chosen_impl("data_source", *choice)
+    return choice
 
 
 def chosen_reducer(args: Namespace, pm: FurlongPluginManager) -> tuple[str, str] | None:

@@ -24,15 +24,17 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def load_tokenizer(path: str, flag: str = "--hf-checkpoint") -> Any:
-    """``AutoTokenizer.from_pretrained(path)``.
+    """``AutoTokenizer.from_pretrained(path, local_files_only=True)``: a local directory, never a Hub download.
 
-    :raises PluginError: the directory holds no usable tokenizer (the message names
-        ``flag``, ``path`` and the files a tokenizer needs).
+    :raises PluginError: ``path`` is not a directory, or it holds no usable tokenizer (the
+        message names ``flag``, ``path`` and the files a tokenizer needs).
     """
     from transformers import AutoTokenizer
 
+    if not os.path.isdir(path):
+        raise PluginError(f"{flag} {path}: no such directory (furlong reads local model directories only).")
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types here
         found = [n for n in _TOKENIZER_FILES if os.path.exists(os.path.join(path, n))] if os.path.isdir(path) else []
         problem = f"cannot load the tokenizer ({_first_line(exc)})" if found else "no tokenizer files"
@@ -44,7 +46,8 @@ def load_tokenizer(path: str, flag: str = "--hf-checkpoint") -> Any:
 
 def load_causal_lm_weights(path: str, flag: str, attn_implementations: Sequence[str] = ("sdpa", "eager"),
                            **kwargs: Any) -> Any:
-    """``AutoModelForCausalLM.from_pretrained(path, attn_implementation=..., **kwargs)``.
+    """``AutoModelForCausalLM.from_pretrained(path, attn_implementation=..., local_files_only=True, **kwargs)``:
+    a local directory, never a Hub download.
 
     Tries each attention implementation in order (one that is not installed or not
     supported by the architecture raises ``ImportError``/``ValueError``; the next is tried
@@ -56,6 +59,7 @@ def load_causal_lm_weights(path: str, flag: str, attn_implementations: Sequence[
     """
     from transformers import AutoModelForCausalLM
 
+    kwargs.setdefault("local_files_only", True)
     problem = ""
     for i, attn in enumerate(attn_implementations):
         try:

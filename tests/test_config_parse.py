@@ -33,7 +33,7 @@ def test_abbreviated_flag_is_rejected():
 
 def test_a_misspelled_flag_hides_only_the_errors_about_the_flag_it_was_meant_to_be():
     lines = error_of(["--num-rollouts", "2"]).splitlines()
-    assert lines[0] == "unrecognized argument --num-rollouts (did you mean --num-rollout? flags are never abbreviated)."
+    assert lines[0] == "unrecognized argument --num-rollouts (did you mean --num-rollout?)."
     assert not any(line.startswith("--num-rollout is required") for line in lines)
     assert len(lines) == 2 and lines[1].startswith("--rollout-batch-size is required: give the prompts per rollout")
 
@@ -153,6 +153,38 @@ def test_argument_file_with_comments_quotes_and_nesting(tmp_path):
 def test_missing_argument_file_is_an_error(tmp_path):
     missing = tmp_path / "nope.args"
     assert error_of([f"@{missing}"]) == f"argument file {missing}: cannot read it (No such file or directory)."
+
+
+def test_an_unbalanced_quote_in_an_argument_file_names_file_and_line(tmp_path):
+    path = tmp_path / "run.args"
+    path.write_text("--num-rollout 3\n# the learning rate\n--rollout-batch-size 4\n\n--lr \"1e-4\n")
+    assert error_of([f"@{path}"]) == (
+        f'{path}, line 5: a quote is not closed (--lr "1e-4); close it, or escape a quote meant literally with a '
+        "backslash.")
+
+
+def test_a_backslash_at_a_line_s_end_in_an_argument_file_names_file_and_line(tmp_path):
+    path = tmp_path / "run.args"
+    path.write_text("--num-rollout 3 \\\n--rollout-batch-size 4\n")
+    assert error_of([f"@{path}"]) == (
+        f"{path}, line 1: the line ends with a backslash (--num-rollout 3 \\); each line is read alone: remove the "
+        "backslash.")
+
+
+def test_an_argument_file_that_reads_itself_is_an_error(tmp_path):
+    path = tmp_path / "run.args"
+    path.write_text(f"--num-rollout 3\n@{path}\n")
+    assert error_of([f"@{path}"]) == (
+        f"argument file {path}: it is read again from within itself (@{path}); remove that line.")
+
+
+def test_an_argument_file_error_exits_2_without_a_traceback(tmp_path, run_furlong):
+    (tmp_path / "file.args").write_text("--num-rollout 1\n--rollout-batch-size 2\n\n\n--lr \"1e-4\n")
+    done = run_furlong("train", "@file.args")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        'error: file.args, line 5: a quote is not closed (--lr "1e-4); close it, or escape a quote meant literally '
+        "with a backslash."]
 
 
 # --- --custom-config-path -------------------------------------------------------------------

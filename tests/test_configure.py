@@ -170,7 +170,7 @@ def test_a_stopped_run_prints_its_errors_without_notes(run_furlong):
     assert proc.returncode == 2
     assert "INFO" not in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines()[0] == ("error: unrecognized argument --rollout-temprature (did you mean "
-                                           "--rollout-temperature? flags are never abbreviated).")
+                                           "--rollout-temperature?).")
 
 
 def test_hook_configure_changing_a_given_flag_is_an_error_and_is_undone(resolve, register_plugin):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO = REPO_ROOT / "examples" / "demo"
 MODEL = DEMO / "model"
-GSM8K_SRC = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
+# a few rows in GSM8K's format ({"question", "answer"}, the answer ending "#### N"), written for these tests
+GSM8K_SRC = Path(__file__).resolve().parent / "data" / "gsm8k"
 
 
 def _rows(split: str) -> list[dict]:
@@ -147,7 +149,7 @@ def test_gsm8k_prepare_first_five_test_rows(tmp_path):
     with open(GSM8K_SRC / "test.jsonl", encoding="utf-8") as handle:
         raw = [json.loads(next(handle)) for _ in range(5)]
     # the last line of each GSM8K answer is "#### <number>"
-    assert [r["label"] for r in rows] == ["18", "3", "70000", "540", "20"]
+    assert [r["label"] for r in rows] == ["12", "90", "2250", "47", "200"]
     assert [r["label"] for r in rows] == [
         a["answer"].splitlines()[-1].removeprefix("#### ").replace(",", "") for a in raw
     ]
@@ -182,6 +184,25 @@ def test_gsm8k_prepare_names_the_bad_line(tmp_path):
     )
 
 
+def test_gsm8k_prepare_needs_src():
+    with pytest.raises(SystemExit) as excinfo:
+        _prepare().main(["--out", "unused"])
+    assert excinfo.value.code == 2
+
+
+def test_no_file_reads_data_outside_the_repository():
+    """Tests and examples use only what the repository holds: no path into a sibling folder."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    outside = re.compile(r"(\.\.|/work)/shared\b")
+    offenders = []
+    for name in tracked.stdout.splitlines():
+        path = REPO_ROOT / name
+        if path.suffix in {".py", ".sh", ".md", ".toml", ".args", ".txt", ".cfg", ".yaml"} and path.is_file():
+            if outside.search(path.read_text(encoding="utf-8", errors="replace")):
+                offenders.append(name)
+    assert offenders == []
+
+
 def test_gsm8k_prepare_missing_source(tmp_path):
     with pytest.raises(SystemExit) as excinfo:
         _prepare().main(["--src", str(tmp_path), "--out", str(tmp_path / "out")])
@@ -193,3 +214,12 @@ def test_gsm8k_prepare_missing_source(tmp_path):
 
 def test_gsm8k_output_folder_is_git_ignored():
     assert (REPO_ROOT / "examples" / "gsm8k" / ".gitignore").read_text().splitlines() == ["data/"]
+
+
+@pytest.mark.parametrize("path", ["models/smollm2-135m-instruct/model.safetensors", "examples/smollm2/data/train.jsonl",
+                                  "examples/gsm8k/data/train.jsonl", "runs/demo/metrics.jsonl",
+                                  "failed_rollout_0.jsonl"])
+def test_what_the_docs_commands_write_is_git_ignored(path):
+    """docs/smollm2.md, examples/gsm8k and the quick start write these; none may show up in `git status`."""
+    done = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO_ROOT)
+    assert done.returncode == 0, path

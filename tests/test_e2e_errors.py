@@ -106,10 +106,12 @@ def _cases(tmp_path, model, good):
          f"error: --eval-prompt-data t '{tmp_path / 'nope.jsonl'}': no such file."),
         (["--hf-checkpoint", model, "--prompt-data", str(tmp_path / "folder")],
          f"error: --prompt-data '{tmp_path / 'folder'}': is a directory; pass a JSONL file (one JSON object per line)."),
-        (["--hf-checkpoint", model, "--prompt-data", str(parquet)],
-         f"error: --prompt-data '{parquet}': Parquet files are not read by the jsonl data source; convert it to "
-         "JSONL (pandas: df.to_json('data.jsonl', orient='records', lines=True)) or choose a data source plugin "
-         "that reads it (--data-source NAME)."),
+        (["--hf-checkpoint", model, "--prompt-data", str(parquet)],  # the file chooses the parquet data source
+         f"error: --prompt-data '{parquet}': cannot read it as Parquet (ArrowInvalid: Could not open Parquet input "
+         f"source '{parquet}': Parquet file size is 6 bytes, smaller than the minimum file footer (8 bytes))."),
+        (["--hf-checkpoint", model, "--prompt-data", str(parquet), "--data-source", "jsonl"],
+         f"error: --prompt-data '{parquet}': Parquet files are not read by the jsonl data source; choose --data-source "
+         "parquet, or convert it to JSONL (pandas: df.to_json('data.jsonl', orient='records', lines=True))."),
         (["--hf-checkpoint", model, "--prompt-data", str(latin1)],
          f"error: {latin1}:2: not valid UTF-8 (byte 0xe9 at column 16); save the file as UTF-8."),
         (["--hf-checkpoint", model, "--prompt-data", str(blank_prompt)],
@@ -196,3 +198,108 @@ def test_a_run_rejected_after_its_flags_parse_prints_its_error_without_the_core_
     assert caplog.messages == []
     assert main(["train", *flags, "--print-config"]) == 0
     assert note in caplog.messages
+
+
+def test_a_relative_model_path_that_is_not_there_is_one_error_and_no_hub_download(tmp_path, good_data, capsys,
+                                                                                 monkeypatch):
+    """`models/SmolLM2-135M` looks like a Hub id: furlong never downloads, so it is one error at once."""
+    import time
+
+    from furlong.core.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    start = time.monotonic()
+    code = main(["train", *BASE, "--hf-checkpoint", "models/SmolLM2-135M", "--prompt-data", str(good_data),
+                 "--apply-chat-template"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.splitlines() == [
+        f"error: --hf-checkpoint 'models/SmolLM2-135M': no such directory (in {tmp_path}). furlong reads local model "
+        "directories only, never the Hugging Face Hub; if this is a Hub id, download it first (hf download "
+        "models/SmolLM2-135M --local-dir models/SmolLM2-135M) and pass that folder."]
+    assert time.monotonic() - start < 30  # the Hub was not tried (that took 52 s on a machine without network)
+
+
+def test_the_tokenizer_helper_names_a_missing_directory():
+    from furlong.hooks import PluginError
+    from furlong.hooks.hf import load_tokenizer
+
+    with pytest.raises(PluginError) as excinfo:
+        load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert str(excinfo.value) == ("--hf-checkpoint HuggingFaceTB/SmolLM2-135M-Instruct: no such directory (furlong "
+                                  "reads local model directories only).")
+
+
+def test_every_line_of_a_multi_line_error_starts_with_error(tmp_path, tiny_model_dir, good_data, capsys):
+    from furlong.core.cli import main
+
+    flags = [*BASE, "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(good_data)]
+    assert main(["train", *[f if f != "math" else "maht" for f in flags]]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "error: --rm-type 'maht': no installed plugin of that name implements `reward`."
+    assert lines[1].startswith("error:   Available: ") and "math (furlong " in lines[1]
+    assert lines[2] == "error:   Did you mean 'math'? List them with: furlong plugins --hook reward"
+    assert all(line.startswith("error: ") for line in lines)
+
+
+def test_error_lines_prefix_each_line_of_each_problem():
+    from furlong.core.cli import error_lines
+    from furlong.core.config import ConfigError
+    from furlong.hooks import PluginError
+
+    assert error_lines(PluginError("rollout 0 failed: boom\n  The rollout's samples are in x.jsonl.")) == [
+        "error: rollout 0 failed: boom", "error:   The rollout's samples are in x.jsonl."]
+    assert error_lines(ConfigError(["one.", "two:\n  detail."])) == ["error: one.", "error: two:", "error:   detail."]
+
+
+def test_no_reward_for_the_first_rows_is_told_before_any_model_loads(tmp_path, good_data, capsys, monkeypatch):
+    """Without --rm-type the rows must name a reward: told before the model loads, no failed_rollout file."""
+    from furlong.core.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    flags = [f for f in BASE if f not in ("--rm-type", "math")]
+    # a model path with a config.json but no weights: the run must stop before anything reads them
+    (tmp_path / "unloadable").mkdir()
+    (tmp_path / "unloadable" / "config.json").write_text("{}")
+    code = main(["train", *flags, "--hf-checkpoint", str(tmp_path / "unloadable"), "--prompt-data", str(good_data)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith(
+        "error: no reward chosen: the run has neither --rm-type nor --custom-rm-path, and 2 of the 2 prompts the first "
+        f"rollout draws from {good_data} name none in metadata['rm_type'] (the first: '1+1='). Pass --rm-type NAME "
+        "(installed: ")
+    assert "math" in err.splitlines()[-1]
+    assert list(tmp_path.glob("failed_rollout_*")) == []
+
+
+def test_rows_that_name_their_reward_pass_and_are_drawn_again(plugin_manager):
+    from argparse import Namespace
+
+    from furlong.core.rewards import check_first_rows_name_a_reward
+    from furlong.hooks import PluginError
+    from furlong.hooks.epochs import EpochOrder
+
+    class Rows:
+        def __init__(self, rows):
+            self.rows, self.order = rows, EpochOrder(len(rows), shuffle=True, seed=3)
+
+        def next_rows(self, k):
+            return [self.rows[i] for i in self.order.take(k)]
+
+        def state(self):
+            return self.order.state()
+
+        def load_state(self, state):
+            self.order.load_state(state)
+
+    named = Rows([{"prompt": str(i), "label": "1", "metadata": {"rm_type": "math"}} for i in range(5)])
+    args = Namespace(rollout_batch_size=3, over_sampling_batch_size=4, prompt_data="d.jsonl")
+    first = Rows(named.rows).next_rows(4)
+    check_first_rows_name_a_reward(args, plugin_manager, named)
+    assert named.next_rows(4) == first  # the rows checked are drawn again
+    mixed = Rows([{"prompt": "p" * 80 if i == 4 else str(i), "label": "1",
+                   "metadata": {"rm_type": "math"} if i != 4 else {}} for i in range(5)])
+    with pytest.raises(PluginError, match=r"and 1 of the 4 prompts the first rollout draws from d\.jsonl name none in "
+                                          r"metadata\['rm_type'\] \(the first: 'p{57}\.\.\.'\)"):
+        check_first_rows_name_a_reward(args, plugin_manager, mixed)

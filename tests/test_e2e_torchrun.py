@@ -139,7 +139,9 @@ def test_a_failure_on_rank_0_stops_every_rank_with_one_line_each(tmp_path, tiny_
     assert errors[0].startswith("error: rollout 0 failed: reward plugin 'failing_reward.reward' (from "
                                 "--custom-rm-path) failed on sample "), errors
     assert errors[0].endswith(": RuntimeError: grader down")
-    assert errors[1:] in ([], ["error: trainer rank 1: lost contact with rank 0 (RuntimeError); its own error above "
+    # the problem's second line, with the prefix too
+    assert errors[1] == f"error:   The rollout's samples are in {tmp_path / 'run' / 'failed_rollout_0.jsonl'}."
+    assert errors[2:] in ([], ["error: trainer rank 1: lost contact with rank 0 (RuntimeError); its own error above "
                                "says what went wrong. Stopping this rank."])
     # rank 1 either says in one line that it lost rank 0, or torchrun stopped it first; never a furlong traceback
     assert "furlong/core" not in proc.stderr and "core/loop.py" not in proc.stderr, proc.stderr[-3000:]

@@ -1,6 +1,7 @@
 """Loss reducers as plugins: ``--loss-reducer NAME`` (built-in ``dr_grpo``) and Miles' dotted-path factory."""
 
 import asyncio
+import os
 from argparse import Namespace
 
 import pytest
@@ -88,7 +89,9 @@ def test_an_unknown_reducer_name_lists_the_reducers(plugin_manager):
     ("noreducer", "--custom-pg-loss-reducer-function-path 'noreducer': expected a dotted path 'module.function'."),
     ("furlong_no_such_module.fn",
      "--custom-pg-loss-reducer-function-path 'furlong_no_such_module.fn': cannot import module "
-     "'furlong_no_such_module': ModuleNotFoundError: No module named 'furlong_no_such_module'"),
+     "'furlong_no_such_module': ModuleNotFoundError: No module named 'furlong_no_such_module' (not installed, not on "
+     "PYTHONPATH and not in the working directory {cwd}: run furlong from the folder holding it, or set PYTHONPATH to "
+     "that folder)"),
     ("math.no_such_fn",
      "--custom-pg-loss-reducer-function-path 'math.no_such_fn': module 'math' has no attribute 'no_such_fn'"),
     ("math.pi",
@@ -96,7 +99,8 @@ def test_an_unknown_reducer_name_lists_the_reducers(plugin_manager):
      "function."),
 ])
 def test_a_bad_reducer_path_names_flag_module_and_attribute(plugin_manager, path, message):
-    assert _choice_error(plugin_manager, custom_pg_loss_reducer_function_path=path) == message
+    assert _choice_error(plugin_manager, custom_pg_loss_reducer_function_path=path) == message.replace("{cwd}",
+                                                                                                        os.getcwd())
 
 
 def test_dr_grpo_refuses_the_per_token_step_factor(plugin_manager):

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from furlong.core.metrics_log import MetricsLog, eval_metrics, rollout_metrics, summary_line, to_json_value
+from furlong.core.metrics_log import (MetricsLog, eval_metrics, one_row_per_step, rollout_metrics, set_aside_rows_from,
+                                      summary_line, to_json_value, zero_spread_warning)
 from furlong.hooks import PluginError, Sample, Status
 
 
@@ -82,6 +83,7 @@ def test_summary_line_full_and_missing():
     metrics = {
         "rollout/raw_reward": 0.4123,
         "rollout/response_len/mean": 11.24,
+        "rollout/zero_std/share": 0.25,
         "train/ppo_kl": 0.00123,
         "train/pg_clipfrac": 0.0311,
         "perf/rollout_time": 4.12,
@@ -89,11 +91,13 @@ def test_summary_line_full_and_missing():
         "perf/update_weights_time": 0.06,
     }
     assert summary_line(3, metrics) == (
-        "rollout    3 | reward  0.412 | len    11.2 | kl  0.0012 | clip 0.031 | rollout   4.1s train   1.2s sync   0.1s"
+        "rollout    3 | reward  0.412 | len    11.2 | zero-spread 0.25 | kl  0.0012 | clip 0.031 | rollout   4.1s train   "
+        "1.2s sync   0.1s"
     )
     sparse = {"rollout/raw_reward": -1.0, "rollout/response_lengths": 120.0, "train/ppo_kl": float("nan")}
     assert summary_line(1234, sparse) == (
-        "rollout 1234 | reward -1.000 | len   120.0 | kl       - | clip     - | rollout     -  train     -  sync     -"
+        "rollout 1234 | reward -1.000 | len   120.0 | zero-spread    - | kl       - | clip     - | rollout     -  train     -  "
+        "sync     -"
     )
     # Fixed width: the separators line up whatever the values.
     def bars(line):
@@ -103,12 +107,13 @@ def test_summary_line_full_and_missing():
 
 
 def test_summary_line_shows_the_trainer_rollout_kl_when_not_zero():
-    metrics = {"rollout/raw_reward": 0.25, "rollout/response_len/mean": 7.5, "train/ppo_kl": 0.0,
+    metrics = {"rollout/raw_reward": 0.25, "rollout/response_len/mean": 7.5, "rollout/zero_std/share": 1.0,
+               "train/ppo_kl": 0.0,
                "train/pg_clipfrac": 0.0, "perf/rollout_time": 0.9, "perf/train_time": 0.7,
                "perf/update_weights_time": 0.0}
     # train-async: the batch was generated one weight version back
     assert summary_line(2, {**metrics, "train/train_rollout_kl": 0.0623}) == (
-        "rollout    2 | reward  0.250 | len     7.5 | kl  0.0000 | clip 0.000 | rollout-kl 6.2e-02 | "
+        "rollout    2 | reward  0.250 | len     7.5 | zero-spread 1.00 | kl  0.0000 | clip 0.000 | rollout-kl 6.2e-02 | "
         "rollout   0.9s train   0.7s sync   0.0s"
     )
     # sync: only float rounding separates the engine's log-probs from the trainer's
@@ -200,3 +205,41 @@ def test_metrics_round_trip_through_jsonl(tmp_path):
     assert row["rollout/raw_reward"] == 0.5
     assert row["rollout/response_len/median"] == 3.0
     assert row["rollout/step"] == 0
+
+
+def test_a_rollout_of_nearly_only_zero_spread_groups_gets_a_warning():
+    assert zero_spread_warning(4, {"rollout/zero_std/share": 0.875}, 8) is None
+    assert zero_spread_warning(4, {}, 8) is None
+    assert zero_spread_warning(4, {"rollout/zero_std/share": 0.9375}, 16) == (
+        "rollout 4: 15 of 16 groups (94%) scored the same reward on every sample (all wrong or all right), so a "
+        "group-relative advantage is 0 for them and they train nothing. More samples per prompt "
+        "(--n-samples-per-prompt), a higher --rollout-temperature, prompts nearer the model's level, or dynamic "
+        "sampling (--dynamic-sampling-filter check_reward_nonzero_std with --over-sampling-batch-size) give groups "
+        "with a spread. The rollout line's zero-spread field shows the share; this warning is not repeated.")
+
+
+def _lines(rows):
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def test_a_resumed_run_sets_aside_the_rows_logged_after_its_checkpoint(tmp_path):
+    """Resumed at rollout 2 (two optimizer steps per rollout): rollout rows 2, 3, train steps 4-7 and the eval
+    of rollout 3 were logged after the checkpoint of rollout 1; they move aside, in file order."""
+    path = tmp_path / "metrics.jsonl"
+    rows = ([{"train/step": step} for step in range(8)] + [{"rollout/step": r} for r in range(4)]
+            + [{"eval/step": r} for r in (1, 3)])
+    path.write_text(_lines(rows) + "not json\n")
+    assert set_aside_rows_from(str(path), 2, 2) == 7
+    assert path.read_text() == _lines([{"train/step": step} for step in range(4)] + [{"rollout/step": 0},
+                                       {"rollout/step": 1}, {"eval/step": 1}]) + "not json\n"
+    assert (tmp_path / "metrics.superseded.jsonl").read_text() == _lines(
+        [{"train/step": step} for step in range(4, 8)] + [{"rollout/step": 2}, {"rollout/step": 3}, {"eval/step": 3}])
+    assert set_aside_rows_from(str(path), 2, 2) == 0  # nothing left to move
+    assert set_aside_rows_from(str(tmp_path / "none.jsonl"), 0, 1) == 0
+
+
+def test_one_row_per_step_keeps_the_last_row_in_the_first_place():
+    rows = [{"rollout/step": 0, "v": 0}, {"rollout/step": 1, "v": 1}, {"eval/step": 1, "v": 9},
+            {"rollout/step": 1, "v": 11}, {"rollout/step": 2, "v": 2}, {"note": "no step"}]
+    assert one_row_per_step(rows) == [{"rollout/step": 0, "v": 0}, {"rollout/step": 1, "v": 11},
+                                      {"eval/step": 1, "v": 9}, {"rollout/step": 2, "v": 2}, {"note": "no step"}]

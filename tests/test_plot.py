@@ -154,3 +154,16 @@ def test_plot_line_that_is_not_json_is_an_error_naming_file_and_line(tmp_path, r
     assert done.returncode == 2
     assert done.stderr == f"error: run/metrics.jsonl:3: not valid JSON ({reason}).\n"
     assert not (tmp_path / "run" / "metrics.png").exists()
+
+
+def test_a_rollout_logged_twice_is_drawn_once_with_its_last_values(tmp_path):
+    """A run resumed before resumed runs set their later rows aside: rollouts 3 and 4 appear twice."""
+    from furlong.core.plot import load_metrics
+
+    rows = _rows()
+    again = [{**r, "rollout/raw_reward": 0.9} for r in rows if r.get("rollout/step") in (3, 4)]
+    _write(tmp_path / "run", rows + again)
+    loaded = load_metrics(str(tmp_path / "run"))
+    [(members, steps, values)] = curves({"run": loaded}, ("rollout/raw_reward",))
+    assert steps == [0, 1, 2, 3, 4]
+    assert values == pytest.approx([0.3, 0.35, 0.4, 0.9, 0.9])

@@ -149,8 +149,8 @@ UNKNOWN = _case("unknown", "--advantage-estimator", "t_adw")
 def test_unknown_name_lists_names_with_distributions_and_a_guess(train):
     assert _usage_error(train[UNKNOWN]) == (
         "error: --advantage-estimator 't_adw': no installed plugin of that name implements `advantage`.\n"
-        "  Available: t_adv (furlong-cli-stack 0.1.0).\n"
-        "  Did you mean 't_adv'? List them with: furlong plugins --hook advantage\n"
+        "error:   Available: t_adv (furlong-cli-stack 0.1.0).\n"
+        "error:   Did you mean 't_adv'? List them with: furlong plugins --hook advantage\n"
     )
 
 
@@ -163,13 +163,13 @@ def test_every_bad_choice_is_reported_at_once(train):
         # a dotted path whose module lacks the function
         "error: --custom-generate-function-path 'my_rm.score': module 'my_rm' has no attribute 'score'\n"
         # a chosen plugin that lacks the hook
-        "--loss-type 't_adv': plugin 't_adv' (furlong-cli-stack 0.1.0) does not implement `loss`; "
+        "error: --loss-type 't_adv': plugin 't_adv' (furlong-cli-stack 0.1.0) does not implement `loss`; "
         "it implements: advantage.\n"
         # boxed_<name> with an unknown <name>
-        "--rm-type 'boxed_t_rewrd' grades the last \\boxed{} with reward plugin 't_rewrd':\n"
-        "  --rm-type 't_rewrd': no installed plugin of that name implements `reward`.\n"
-        "  Available: t_reward (furlong-cli-stack 0.1.0).\n"
-        "  Did you mean 't_reward'? List them with: furlong plugins --hook reward\n"
+        "error: --rm-type 'boxed_t_rewrd' grades the last \\boxed{} with reward plugin 't_rewrd':\n"
+        "error:   --rm-type 't_rewrd': no installed plugin of that name implements `reward`.\n"
+        "error:   Available: t_reward (furlong-cli-stack 0.1.0).\n"
+        "error:   Did you mean 't_reward'? List them with: furlong plugins --hook reward\n"
     )
 
 
@@ -180,8 +180,8 @@ DISABLE_FLAG = _case("disable_flag", "--disable-plugins", "furlong-cli-twin:t_ad
 def test_name_registered_by_two_distributions_names_both(train):
     assert _usage_error(train[CONFLICT]) == (
         "error: plugin name 't_adv' is registered twice in entry-point group 'furlong':\n"
-        "  furlong-cli-stack 0.1.0 -> furlong_cli_stack.t_adv; furlong-cli-twin 2.0.0 -> furlong_cli_twin.\n"
-        "  Uninstall one, or pick one with --disable-plugins furlong-cli-twin:t_adv.\n"
+        "error:   furlong-cli-stack 0.1.0 -> furlong_cli_stack.t_adv; furlong-cli-twin 2.0.0 -> furlong_cli_twin.\n"
+        "error:   Uninstall one, or pick one with --disable-plugins furlong-cli-twin:t_adv.\n"
     )
 
 
@@ -229,14 +229,14 @@ def test_choosing_broken_plugins_names_entry_point_distribution_and_error(train)
         "error: --buffer-filter 't_argname': plugin 't_argname' is broken: entry point "
         f"'t_argname = furlong_cli_bad.t_argname' of furlong-cli-bad 0.0.1 failed to load: {BAD_ARGNAME}\n"
         # a plugin that fails to import
-        "--advantage-estimator 't_broken': plugin 't_broken' is broken: entry point "
+        "error: --advantage-estimator 't_broken': plugin 't_broken' is broken: entry point "
         f"'t_broken = furlong_cli_bad.t_broken' of furlong-cli-bad 0.0.1 failed to load: {BROKEN_IMPORT}\n"
         # a misspelled hook name
-        "--loss-type 't_typo': plugin 't_typo' is broken: entry point "
+        "error: --loss-type 't_typo': plugin 't_typo' is broken: entry point "
         "'t_typo = furlong_cli_bad.t_typo' of furlong-cli-bad 0.0.1 failed to load: "
         "implements unknown hook `advantge` (did you mean `advantage`?)\n"
         # a plugin whose add_arguments redefines a core flag
-        "--rm-type 't_clash': plugin 't_clash' is broken: entry point 't_clash = furlong_cli_bad.t_clash' of "
+        "error: --rm-type 't_clash': plugin 't_clash' is broken: entry point 't_clash = furlong_cli_bad.t_clash' of "
         f"furlong-cli-bad 0.0.1 was set aside: {CLASH}\n"
     )
 

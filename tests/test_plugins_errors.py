@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from argparse import ArgumentParser, Namespace
 
 import pytest
@@ -390,7 +391,8 @@ def user_module(tmp_path, monkeypatch):
         ("score", "--custom-rm-path 'score': expected a dotted path 'module.function'."),
         ("no_such_module_xyz.grade",
          "--custom-rm-path 'no_such_module_xyz.grade': cannot import module 'no_such_module_xyz': "
-         "ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+         "ModuleNotFoundError: No module named 'no_such_module_xyz' (not installed, not on PYTHONPATH and not in the "
+         "working directory {cwd}: run furlong from the folder holding it, or set PYTHONPATH to that folder)"),
         ("broken_mod.grade",
          "--custom-rm-path 'broken_mod.grade': cannot import module 'broken_mod': RuntimeError: bad config at import"),
     ],
@@ -398,7 +400,7 @@ def user_module(tmp_path, monkeypatch):
 def test_bad_dotted_path_names_flag_module_and_attribute(user_module, load_plugins, path, expected):
     pm = load_plugins()
     args = _launch_args(custom_rm_path=path)
-    assert _raises(resolve_selection, args, pm, ("reward",)) == expected
+    assert _raises(resolve_selection, args, pm, ("reward",)) == expected.replace("{cwd}", os.getcwd())
 
 
 def test_bad_dotted_path_chains_the_import_error(user_module):
@@ -415,3 +417,44 @@ def test_no_plugin_is_loaded_when_every_name_is_disabled(monkeypatch):
 
     pm = get_plugin_manager([f"{r.dist}:{r.name}" for r in read_entry_points()])
     assert pm.describe() == []
+
+
+def test_a_module_in_the_working_directory_imports_as_under_python_m(tmp_path, monkeypatch, caplog):
+    """The furlong console script does not put the working directory on sys.path; python -m does. A module there
+    imports, and the directory goes on PYTHONPATH for the run's other processes."""
+    import logging
+    import sys
+
+    from furlong.core.adapters import import_dotted
+
+    (tmp_path / "cwd_reward_mod.py").write_text("def rm(args, sample):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    caplog.set_level(logging.INFO, logger="furlong.config")
+    try:
+        fn = import_dotted("cwd_reward_mod.rm", "--custom-rm-path")
+        assert fn(None, None) == 1.0
+        assert sys.path[0] == str(tmp_path)
+        assert os.environ["PYTHONPATH"] == os.pathsep.join([str(tmp_path), "/elsewhere"])
+        assert caplog.messages == [
+            f"--custom-rm-path cwd_reward_mod.rm: 'cwd_reward_mod' imported from the working directory {tmp_path} "
+            "(as python -m would); added to PYTHONPATH for the run's other processes."]
+    finally:
+        sys.modules.pop("cwd_reward_mod", None)
+
+
+def test_the_console_script_reads_a_reward_module_from_the_working_directory(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "myrm.py").write_text("def rm(args, sample):\n    return 1.0\n")
+    script = os.path.join(os.path.dirname(sys.executable), "furlong")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FURLONG_DISABLE_PLUGINS")}
+    done = subprocess.run([script, "train", "--print-config", "--hf-checkpoint", "m", "--prompt-data", "d.jsonl",
+                           "--num-rollout", "1", "--rollout-batch-size", "2", "--custom-rm-path", "myrm.rm"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["plugins"]["reward"] == "myrm.rm"
+    assert f"'myrm' imported from the working directory {tmp_path}" in done.stderr

@@ -106,9 +106,12 @@ def _assert_same_run(local, ray_run):
 @pytest.mark.timeout(300)
 def test_two_ray_train_actors_reproduce_the_local_executor(local_run, tmp_path, tiny_model_dir, arithmetic_jsonl):
     save = tmp_path / "ray"
+    home = tmp_path / "home"  # the run's private Ray writes no auth token (or anything else) into the home folder
+    home.mkdir()
     proc = _furlong(["train", *_flags(tiny_model_dir, arithmetic_jsonl), "--save", str(save), "--executor", "ray",
-                     "--actor-num-gpus-per-node", "2"], tmp_path)
+                     "--actor-num-gpus-per-node", "2"], tmp_path, env={"HOME": str(home)})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in home.iterdir()) == []
     assert "placement group of 3 bundle(s) {'CPU': 1} ready" in proc.stderr  # 2 train ranks + 1 engine
     assert "2 train actor(s) started (gloo)" in proc.stderr and "rollout-manager actor started" in proc.stderr
     _assert_same_run(local_run, save)

@@ -144,6 +144,7 @@ class RayExecutor:
         self.per_engine = per_engine
         self.colocate = bool(getattr(args, "colocate", False))
         self.started_ray = False
+        self.own_token = False  # the RAY_AUTH_TOKEN this executor set for its private Ray
         self.pg = None
         self.actors: list = []
         self.engines: list[RemoteEngine] = []
@@ -179,6 +180,7 @@ class RayExecutor:
                                       f"{reason}") from exc
             else:
                 gpus = _gpu_count() if self.gpu else 0
+                self.own_token = _private_auth_token()
                 try:
                     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots + 1), num_gpus=gpus, **kwargs)
                 except Exception as exc:  # noqa: BLE001 - Ray reports a failed start with a bare Exception
@@ -310,6 +312,9 @@ class RayExecutor:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
+        if self.own_token:
+            os.environ.pop(RAY_AUTH_TOKEN, None)
+            self.own_token = False
 
 
 class RayWorkers:
@@ -612,6 +617,27 @@ def _gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count()
+
+
+RAY_AUTH_TOKEN = "RAY_AUTH_TOKEN"
+RAY_AUTH_SETTINGS = ("RAY_AUTH_MODE", RAY_AUTH_TOKEN, "RAY_AUTH_TOKEN_PATH")
+
+
+def _private_auth_token() -> bool:
+    """Give the private Ray of a run a token of its own in the environment; return whether one was set.
+
+    Ray (2.5x and later) turns token authentication on for a local cluster and, without a token,
+    writes a new one to ``~/.ray/auth_token``, a file left in the home folder after the run. A token
+    in ``RAY_AUTH_TOKEN`` keeps authentication on and writes nothing; Ray's processes inherit it.
+    Any Ray authentication setting of the user's (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``,
+    ``RAY_AUTH_TOKEN_PATH``) is left as it is.
+    """
+    import secrets
+
+    if any(name in os.environ for name in RAY_AUTH_SETTINGS):
+        return False
+    os.environ[RAY_AUTH_TOKEN] = secrets.token_hex(32)
+    return True
 
 
 def _forwarded_env() -> dict:

@@ -9,7 +9,8 @@ __all__ = ["add_debugging", "add_logging"]
 
 def add_logging(g, dev) -> None:
     """Add the flags to argument group ``g``; ``dev`` holds the machine-dependent defaults."""
-    g.add_argument("--log-dir", default=None, help="Directory for metrics.jsonl and the run log.")
+    g.add_argument("--log-dir", default=None, help="Directory for metrics.jsonl and the loggers' files when --save is not given (with --save "
+                        "they go to --save).")
     g.add_argument("--log-interval", type=int, default=1,
                    help="Rollouts between stdout metric lines (not supported yet).")
     g.add_argument("--log-passrate", action="store_true", help="Log pass@k over each group (not supported yet).")

@@ -15,7 +15,8 @@ def add(g, dev) -> None:
     """Add the flags to argument group ``g``; ``dev`` holds the machine-dependent defaults."""
     g.add_argument("--hf-checkpoint", default=None,
                    help="HF model directory: tokenizer, config, engine boot weights, fsdp weights; "
-                        "also the reference model when --ref-load is absent.")
+                        "also the reference model when --ref-load is absent. A local folder: Hugging Face Hub ids "
+                        "are not downloaded (hf download ID --local-dir DIR first).")
     megatron(g, "--model-name", default=None,
              help="Megatron: model family for Megatron->HF weight conversion (default: from the HF config).")
     g.add_argument("--ref-load", default=None,

@@ -10,10 +10,14 @@ __all__ = ["add"]
 def add(g, dev) -> None:
     """Add the flags to argument group ``g``; ``dev`` holds the machine-dependent defaults."""
     g.add_argument("--prompt-data", default=None,
-                   help="Prompt set: JSONL or .parquet; PATH@[a:b] keeps rows a..b.")
-    g.add_argument("--input-key", default="input", help="Row field holding the prompt.")
-    g.add_argument("--label-key", default=None, help="Row field holding the label (reference answer).")
-    g.add_argument("--metadata-key", default="metadata", help="Row field holding the sample metadata.")
+                   help="Prompt set: JSONL, .parquet, a save_to_disk folder or .arrow/.csv/.tsv (the file chooses "
+                        "the data source unless --data-source is given); PATH@[a:b] keeps rows a..b.")
+    g.add_argument("--input-key", default="input", help="Row field holding the prompt (a.b: a nested field).")
+    g.add_argument("--label-key", default=None,
+                   help="Row field holding the label (reference answer); a.b: a nested field.")
+    g.add_argument("--metadata-key", default="metadata",
+                   help="Row field holding the sample metadata (an object); several comma-separated fields: "
+                        "each kept under its own name.")
     g.add_argument("--tool-key", default="tools", help="Row field holding tool specs (stored as metadata['tools']).")
     g.add_argument("--multimodal-keys", type=json_object, default=None,
                    help="JSON mapping of multimodal row fields (not supported yet).")

@@ -6,6 +6,7 @@ import argparse
 import copy
 import difflib
 import logging
+import os
 import re
 from pathlib import PurePath
 
@@ -143,27 +144,53 @@ def _typed(overlay: dict, parser: argparse.ArgumentParser) -> dict:
     return out
 
 
-def expand_argsfiles(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+def expand_argsfiles(argv: list[str], parser: argparse.ArgumentParser, _within: tuple[str, ...] = ()) -> list[str]:
     """Replace each ``@FILE`` token by the arguments in FILE (recursively).
 
     Lines are split like a shell would (quotes kept together); ``#`` starts a comment;
     blank lines are ignored.
 
-    :raises ConfigError: a file cannot be read.
+    :raises ConfigError: a file cannot be read, a line cannot be split (an unbalanced quote, a
+        backslash at its end: the message names file and line), or a file names itself through
+        ``@FILE`` lines.
     """
     out: list[str] = []
     for token in argv:
         if not token.startswith("@") or len(token) == 1:
             out.append(token)
             continue
+        path = token[1:]
+        if os.path.realpath(path) in _within:
+            raise ConfigError(f"argument file {path}: it is read again from within itself (@{path}); remove that line.")
         try:
-            with open(token[1:], encoding="utf-8") as handle:
+            with open(path, encoding="utf-8") as handle:
                 lines = handle.read().splitlines()
         except OSError as exc:
-            raise ConfigError(f"argument file {token[1:]}: cannot read it ({exc.strerror or exc}).") from None
-        inner = [arg for line in lines for arg in parser.convert_arg_line_to_args(line)]
-        out.extend(expand_argsfiles(inner, parser))
+            raise ConfigError(f"argument file {path}: cannot read it ({exc.strerror or exc}).") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"argument file {path}: not valid UTF-8 (byte 0x{exc.object[exc.start]:02x}); save it as "
+                              "UTF-8.") from None
+        inner = [arg for number, line in enumerate(lines, 1) for arg in _split_line(parser, path, number, line)]
+        out.extend(expand_argsfiles(inner, parser, (*_within, os.path.realpath(path))))
     return out
+
+
+_SPLIT_PROBLEMS = {
+    "No closing quotation": "a quote is not closed ({}); close it, or escape a quote meant literally with a backslash.",
+    "No escaped character": "the line ends with a backslash ({}); each line is read alone: remove the backslash.",
+}
+
+
+def _split_line(parser, path: str, number: int, line: str) -> list[str]:
+    """The arguments of line ``number`` of argument file ``path``.
+
+    :raises ConfigError: the line cannot be split like a shell would (``file, line N: ...``).
+    """
+    try:
+        return parser.convert_arg_line_to_args(line)
+    except ValueError as exc:
+        what = _SPLIT_PROBLEMS.get(str(exc), f"{exc} ({{}}).")
+        raise ConfigError(f"{path}, line {number}: " + what.format(line.strip())) from None
 
 
 def _plugin_flags_given(parser, given) -> dict[str, str]:
@@ -264,10 +291,12 @@ def _unrecognized(extras: list[str], actions: dict) -> tuple[list[str], set[str]
     for token in extras:
         if token.startswith("-") and not _is_number(token):
             flag = token.split("=", 1)[0]
-            longer = [o for o in actions if o.startswith(flag + "-")]  # an abbreviation of one flag
-            close = longer if len(longer) == 1 else difflib.get_close_matches(
+            longer = [o for o in actions if o.startswith(flag + "-")]
+            abbreviated = len(longer) == 1  # the start of one flag's name
+            close = longer if abbreviated else difflib.get_close_matches(
                 flag, [o for o in actions if o.startswith("--")], n=1, cutoff=SUGGEST_CUTOFF)
-            hint = f" (did you mean {close[0]}? flags are never abbreviated)" if close else ""
+            remark = " flags are never abbreviated" if abbreviated else ""  # not for a misspelling
+            hint = f" (did you mean {close[0]}?{remark})" if close else ""
             suggested.update(close[:1])
             problems.append(f"unrecognized argument {flag}{hint}.")
             previous_flag = True

@@ -9,8 +9,11 @@ the default ``--out`` is git-ignored.
 
 Run from anywhere::
 
-    python examples/gsm8k/prepare.py                 # ../shared/data/gsm8k -> examples/gsm8k/data
-    python examples/gsm8k/prepare.py --limit 100 --out /tmp/gsm8k
+    python examples/gsm8k/prepare.py --src /path/to/gsm8k             # -> examples/gsm8k/data
+    python examples/gsm8k/prepare.py --src /path/to/gsm8k --limit 100 --out /tmp/gsm8k
+
+``--src`` is a folder holding GSM8K's ``train.jsonl`` and ``test.jsonl`` (as published by its
+authors, github.com/openai/grade-school-math, ``grade_school_math/data``).
 
 Then train with ``--prompt-data examples/gsm8k/data/train.jsonl --input-key prompt
 --label-key label --rm-type math``.
@@ -23,7 +26,6 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parent.parent
 INSTRUCTION = "Solve the problem step by step, then write the final answer as \\boxed{answer}."
 SPLITS = ("train", "test")
 
@@ -81,9 +83,8 @@ def convert_file(src: Path, dst: Path, limit: int | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Convert both splits; print where they went."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--src", type=Path, default=REPO_ROOT / ".." / "shared" / "data" / "gsm8k",
-                        help="folder with GSM8K train.jsonl and test.jsonl "
-                             "(default: ../shared/data/gsm8k from the repository root).")
+    parser.add_argument("--src", type=Path, required=True,
+                        help="folder with GSM8K train.jsonl and test.jsonl.")
     parser.add_argument("--out", type=Path, default=HERE / "data",
                         help="output folder (default: examples/gsm8k/data, git-ignored).")
     parser.add_argument("--limit", type=int, default=None, help="keep the first N rows of each split.")

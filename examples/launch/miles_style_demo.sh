@@ -2,8 +2,10 @@
 # The CPU demo written the way a Miles launch script is: eight *_ARGS arrays handed to
 # one command. Runs on a laptop: fsdp trainer on one CPU process, embedded engine.
 #
-#   python examples/demo/make_demo.py     # once: writes examples/demo/{model,data}
 #   bash examples/launch/miles_style_demo.sh [EXTRA FLAGS...]
+#
+# The model and data it trains on (examples/demo/{model,data}) are in the repository
+# (examples/demo/make_demo.py is how they were built; nothing to run first).
 #
 # Extra flags are appended, so they override the arrays (e.g. --num-rollout 2).
 set -euo pipefail

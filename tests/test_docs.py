@@ -1,0 +1,54 @@
+"""The documentation cites only what the repository holds, and says what the code does."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tracked(suffix: str) -> list[Path]:
+    names = subprocess.run(["git", "ls-files", f"*{suffix}"], cwd=REPO_ROOT, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    return [REPO_ROOT / name for name in names]
+
+
+def test_the_docs_cite_no_markdown_file_the_repository_lacks():
+    """SPEC.md, DESIGN.md and the like are not in the repository: a page that cites one sends readers nowhere."""
+    have = {path.name for path in _tracked(".md")}
+    missing = []
+    for page in _tracked(".md"):
+        for name in set(re.findall(r"\b([A-Z][A-Z_-]*\.md)\b", page.read_text(encoding="utf-8"))):
+            if name not in have:
+                missing.append(f"{page.relative_to(REPO_ROOT)}: {name}")
+    assert sorted(missing) == []
+
+
+def test_the_debugging_group_does_not_list_refused_modes_as_working():
+    text = (REPO_ROOT / "docs" / "flags.md").read_text(encoding="utf-8")
+    row = next(line for line in text.splitlines() if line.startswith("| debugging |"))
+    assert "refused" in row
+    assert "| `--debug-rollout-only`, `--debug-train-only`" in text  # the refused table names them
+
+
+def test_the_math_section_describes_a_response_without_a_box_as_the_code_grades_it():
+    import asyncio
+    from argparse import Namespace
+
+    from furlong.builtin_plugins.rewards.math_reward import reward
+    from furlong.hooks import Sample
+
+    text = (REPO_ROOT / "PLUGINS.md").read_text(encoding="utf-8")
+    section = text[text.index("#### `math`"):text.index("#### `deepscaler`")]
+    assert "no box scores 0" not in section and "`Answer: X`" in section
+    samples = [Sample(response="So 7 + 5 = 12.\nAnswer: 12", label="12"), Sample(response="12", label="12"),
+               Sample(response="It is \\boxed{1", label="1")]
+    assert asyncio.run(reward(Namespace(), samples)) == [1, 0, 0]
+
+
+def test_the_miles_style_demo_needs_nothing_run_first():
+    head = (REPO_ROOT / "examples" / "launch" / "miles_style_demo.sh").read_text(encoding="utf-8").split("set -euo")[0]
+    assert "nothing to run first" in head
+    assert not re.search(r"^#\s+python examples/demo/make_demo\.py", head, re.M)
