@@ -17,7 +17,7 @@ from .test_rewards_remote_rm import server  # noqa: F401 - the reward server fix
 # what the kit exercises of each built-in, and what it leaves to integration tests
 EXERCISED = {
     "check_reward_nonzero_std": ["filter"], "no_aborted": ["filter"], "pop_first": ["buffer_pop"],
-    "single_turn": ["generate"], "jsonl": ["data_source"],
+    "single_turn": ["generate"], "jsonl": ["data_source"], "parquet": ["data_source"], "hf_datasets": ["data_source"],
     "policy_loss": ["loss"], "sft_loss": ["loss"], "value_loss": ["loss"],
     "dr_grpo": ["configure", "loss_reducer"], "embedded": ["add_arguments"], "fsdp": ["configure"], "local": ["configure"], "fully_async": ["configure"],
     "megatron": ["configure"], "sglang": ["add_arguments", "configure"],
@@ -75,9 +75,32 @@ def test_a_data_source_whose_state_does_not_round_trip_fails(tmp_path):
         "rows; a resumed run must see the same data.")
 
 
+@pytest.fixture(scope="module")
+def own_data(builtins, tmp_path_factory):
+    """The kit's rows in the files the parquet and hf_datasets data sources read."""
+    import json
+
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _, args = builtins
+    with open(args.prompt_data, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    folder = tmp_path_factory.mktemp("kit_data")
+    pq.write_table(pa.Table.from_pylist(rows), folder / "train.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(folder / "saved"))
+    return {"parquet": str(folder / "train.parquet"), "hf_datasets": str(folder / "saved")}
+
+
 @pytest.mark.parametrize("name", sorted(EXERCISED))
-def test_every_built_in_plugin_passes_the_kit(builtins, name):
+def test_every_built_in_plugin_passes_the_kit(builtins, own_data, name):
+    import copy
+
     pm, args = builtins
+    if name in own_data:
+        args = copy.copy(args)
+        args.prompt_data = own_data[name]
     report = check_plugin(pm.get_plugin(name), name, args=args)
     assert report.checked == EXERCISED[name]
     assert sorted(report.checked + list(report.not_exercised)) == pm.hooks_of(name)

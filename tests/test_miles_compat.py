@@ -332,7 +332,8 @@ def test_num_epoch_derives_num_rollout_from_the_loaded_data(tmp_path, arithmetic
     from furlong.core.selection import resolve_selection
 
     args = parse_args(["--num-epoch", "2", "--rollout-batch-size", "8", "--global-batch-size", "8",
-                       "--prompt-data", str(arithmetic_jsonl), "--input-key", "prompt", "--label-key", "label"])
+                       "--prompt-data", str(arithmetic_jsonl), "--input-key", "prompt", "--label-key", "label",
+                       "--rm-type", "math"])  # a run names its reward before the data loads
     assert (args.num_rollout, args.lr_decay_iters) == (None, None)
     side = RolloutSide(args, resolve_selection(args, pm), pm)
     asyncio.run(side.load_data())

@@ -148,4 +148,5 @@ def test_through_the_cli_it_is_one_message_and_exit_2(tmp_path, tiny_model_dir, 
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
         "error: rollout 0 failed: generate plugin 'short_mask_gen.generate' (from --custom-generate-function-path) "
         "returned sample 0 whose per-token fields disagree: len(loss_mask)=1 != response_length=2; loss_mask and "
-        "rollout_log_probs hold one entry per response token (the last response_length ids of tokens)."]
+        "rollout_log_probs hold one entry per response token (the last response_length ids of tokens).",
+        f"error:   The rollout's samples are in {tmp_path / 'failed_rollout_0.jsonl'}."]
