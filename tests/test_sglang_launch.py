@@ -182,6 +182,12 @@ def test_each_local_engine_s_server_starts_on_its_own_gpus(extra, firsts):
     assert [_base_gpu_id(args, i) for i in range(2)] == firsts
 
 
+def test_print_config_does_not_judge_gpus_per_node_by_this_machine():
+    """A cluster script checked on a laptop: --num-gpus-per-node defaults to this machine's GPU count."""
+    _, report = configure(["--num-gpus-per-node", "1", "--print-config"])
+    assert report.errors == []
+
+
 def test_rollout_external_needs_the_sglang_engine():
     from furlong.core.config.errors import ConfigError
 

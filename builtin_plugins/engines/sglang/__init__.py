@@ -89,8 +89,8 @@ def configure(args, report):
                 report.warn(f"{needs} (not needed for --print-config)")
             else:
                 report.error(needs)
-    per_node = int(getattr(args, "num_gpus_per_node", 8) or 8)
-    if per_engine > per_node and not args.rollout_external:
+    per_node = int(args.num_gpus_per_node)  # its default is this machine's GPU count: not judged under --print-config
+    if per_engine > per_node and not args.rollout_external and not getattr(args, "print_config", False):
         report.error(f"--rollout-num-gpus-per-engine {per_engine} is more than --num-gpus-per-node {per_node}: an "
                      "SGLang server spanning nodes is not supported yet; use at most "
                      f"{per_node} GPUs per engine (or start the servers yourself: --rollout-external).")
