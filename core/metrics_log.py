@@ -274,7 +274,7 @@ def rollout_metrics(groups: list[list[Sample]], reward_key: str | None, zero_std
     unscored sample counts 0). ``rollout/response_lengths``: mean ``response_length``
     (tokens). ``rollout/response_len/{mean,median,max,min}``: over effective lengths
     (``sum(loss_mask)``). ``rollout/truncated`` and ``rollout/truncated_ratio``: fraction of
-    samples with status ``truncated``. With ``zero_std`` (off for ppo):
+    samples with status ``truncated``. With ``zero_std`` (the loop always asks for it):
     ``rollout/zero_std/count_<r>`` = number of groups whose rewards are all equal to ``r``
     (``r`` rounded to 1 decimal, e.g. ``count_1.0``), and
     ``rollout/zero_std/all_{zero,one}_percentage`` = fraction (0..1) of all groups whose
