@@ -16,7 +16,7 @@ def _tracked(suffix: str) -> list[Path]:
 
 
 def test_the_docs_cite_no_markdown_file_the_repository_lacks():
-    """SPEC.md, DESIGN.md and the like are not in the repository: a page that cites one sends readers nowhere."""
+    """A page that cites a markdown file the repository does not hold sends readers nowhere."""
     have = {path.name for path in _tracked(".md")}
     missing = []
     for page in _tracked(".md"):
