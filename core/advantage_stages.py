@@ -1,4 +1,4 @@
-"""The fixed stages the core runs around the chosen ``advantage`` estimator (SPEC.md 4.5).
+"""The fixed stages the core runs around the chosen ``advantage`` estimator.
 
 Order, the same for every estimator, built-in or third-party:
 
@@ -124,7 +124,7 @@ def whiten(advantages: list, loss_masks: list) -> list:
     :returns: N float32 tensors [T_i].
     :raises PluginError: no token has ``m = 1``.
 
-    Reference: Miles ``distributed_masked_whiten`` (SPEC.md 4.5).
+    Reference: Miles ``distributed_masked_whiten``.
     """
     import torch
 

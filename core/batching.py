@@ -1,12 +1,11 @@
 """Micro-batch planning: which samples each data-parallel rank trains on, step by step.
 
-SPEC.md 6.2 (step split, fixed micro-batches) and 1.6 (dynamic batching): step ``s`` uses
-samples ``[s*gbs, (s+1)*gbs)`` of the rollout order; each step's samples are shared out
-over the ``D`` data-parallel ranks, either in fixed micro-batches of
+Step ``s`` uses samples ``[s*gbs, (s+1)*gbs)`` of the rollout order; each step's samples
+are shared out over the ``D`` data-parallel ranks, either in fixed micro-batches of
 ``--micro-batch-size`` or, under ``--use-dynamic-batch-size``, packed first-fit-decreasing
 into micro-batches of at most ``C`` tokens. Every rank runs the same number of
 micro-batches per step (FSDP and Megatron collectives need it). The gradient never
-depends on the plan: the core's objective reduces with whole-step denominators (6.3).
+depends on the plan: the core's objective reduces with whole-step denominators.
 
 Pure Python; no torch.
 """
@@ -123,11 +122,11 @@ def dynamic_global_batch(group_sizes: Sequence[int], dp_size: int) -> int:
 def split_steps(
     num_samples: int, global_batch_size: int, num_steps: int, trajectory_ids: Sequence[int] | None = None
 ) -> list[list[int]]:
-    """Sample indices of each optimizer step, in rollout order (SPEC.md 6.2).
+    """Sample indices of each optimizer step, in rollout order.
 
     Without trajectories (or when every trajectory is one sample) step ``s`` holds samples
     ``[s*gbs, (s+1)*gbs)`` and ``num_samples`` must equal ``gbs * num_steps``. With
-    multi-sample trajectories the unit is the trajectory (each counts once, SPEC.md 4.5):
+    multi-sample trajectories the unit is the trajectory (each counts once):
     trajectories are numbered by first appearance, step ``s`` holds every sample of
     trajectories ``[s*gbs, (s+1)*gbs)``, so siblings never straddle two steps.
 
@@ -196,7 +195,7 @@ def plan_steps(
 
     Fixed mode: a step's samples go to ranks round-robin (position ``p`` to rank ``p % D``),
     or by Karmarkar-Karp on lengths under ``balance``; each rank cuts its samples, in
-    order, into micro-batches of ``micro_batch_size``. Dynamic mode (SPEC.md 1.6):
+    order, into micro-batches of ``micro_batch_size``. Dynamic mode:
     first-fit-decreasing into bins of at most ``C`` tokens (a sample longer than ``C`` gets
     a bin of its own), the bin count raised to a multiple of ``D`` by halving the heaviest
     multi-sample bin, bins dealt to ranks round-robin or by Karmarkar-Karp on token sums.
@@ -266,7 +265,7 @@ def _even_chunks(items: list[int], count: int) -> list[list[int]]:
 
 
 def _dynamic_step(step: list[int], lengths, cap: int, dp: int, balance: bool, s: int) -> list[list[list[int]]]:
-    """Per rank, the micro-batches of one step under dynamic batching (SPEC.md 1.6)."""
+    """Per rank, the micro-batches of one step under dynamic batching."""
     bins: list[list[int]] = []  # each bin: sample indices
     sums: list[int] = []
     for i in sorted(step, key=lambda k: (-lengths[k], k)):

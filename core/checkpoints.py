@@ -1,4 +1,4 @@
-"""Checkpoint cadence, crash-safe save order and the resume point (SPEC.md section 7).
+"""Checkpoint cadence, crash-safe save order and the resume point (docs/checkpoints.md).
 
 Layout under ``--save DIR``::
 
@@ -51,7 +51,7 @@ _OLD_SUFFIX = ".old"
 
 
 def periodic(r: int, k: int | None, last: int | None = None, epoch: int | None = None) -> bool:
-    """Whether rollout ``r`` is on a cadence of every ``k`` rollouts (SPEC.md 6.6).
+    """Whether rollout ``r`` is on a cadence of every ``k`` rollouts.
 
     False when ``k`` is None; True when ``r == last - 1`` (the final rollout of a run of
     ``last`` rollouts; pass ``last=None`` for a cadence without a forced final point), or
@@ -74,7 +74,7 @@ def periodic(r: int, k: int | None, last: int | None = None, epoch: int | None =
 
 
 def should_save(args: Any, rollout_id: int) -> bool:
-    """Whether the loop saves after training on ``rollout_id`` (SPEC.md 7.3).
+    """Whether the loop saves after training on ``rollout_id``.
 
     True when ``args.save`` is set and either the cadence fires
     (``periodic(rollout_id, args.save_interval, args.num_rollout, args.num_rollout_per_epoch)``) or the file
@@ -134,7 +134,7 @@ async def save_checkpoint(
 ) -> str:
     """Save the checkpoint of ``rollout_id`` under ``args.save``; return its final directory.
 
-    Order (SPEC.md 7.1, 7.3): remove a stale ``iter_N.tmp/``; ``await save_model(tmp)``
+    Order: remove a stale ``iter_N.tmp/``; ``await save_model(tmp)``
     (the train backend writes weights, optimizer, scheduler, RNG into it, every rank
     finished when it returns); rename ``iter_N.tmp`` to ``iter_N`` (an existing
     ``iter_N`` is moved aside to ``iter_N.old`` first and deleted afterwards; ``iter_N/writer.json``
@@ -254,7 +254,7 @@ def _post_save_hook(args: Any, rollout_id: int, ckpt_dir: str, hf_dir: str | Non
 
 @attrs.define
 class ResumePoint:
-    """Where a run starts (SPEC.md 7.2).
+    """Where a run starts.
 
     ``start_rollout_id``: first rollout id to run. ``load_dir``: the ``iter_*`` directory to
     load weights, optimizer, scheduler and RNG from, or None for a warm start (weights from
@@ -308,14 +308,14 @@ def _check_writer(args: Any, load_dir: str, loaded: int) -> None:
 
 
 def resolve_start(args: Any) -> ResumePoint:
-    """Decide the start rollout id, the checkpoint to load and the data state (SPEC.md 7.2).
+    """Decide the start rollout id, the checkpoint to load and the data state.
 
     With ``args.load`` holding the marker ``M``: weights from ``iter_<M>``, or from
     ``iter_<args.ckpt_step>`` when given (call that loaded id ``L``); start at ``L + 1``
     unless ``args.start_rollout_id`` is given; data state from
     ``<load>/rollout/state_<start - 1>.json`` (a missing file gives None and an info
     log). Without ``--load``, or with an empty or marker-less one: warm start at
-    ``args.start_rollout_id`` if given, else 0. Examples (CASES.md C012): marker 7 ->
+    ``args.start_rollout_id`` if given, else 0. Examples: marker 7 ->
     start 8 with state 7; empty dir and ``--start-rollout-id 3`` -> 3; empty dir -> 0.
 
     An ``iter_<L>`` lost in the middle of replacing it with a re-save (only

@@ -1,6 +1,6 @@
-"""The ``configure`` step: every chosen plugin derives and checks its own flags (DESIGN.md
-"Execution seam"), after the core validated the flags and resolved the selection, before
-any model loads. Core's config knows flags, never algorithm names (STYLE.md section 7)."""
+"""The ``configure`` step: every chosen plugin derives and checks its own flags
+(docs/architecture.md, "Configure"), after the core validated the flags and resolved the
+selection, before any model loads. Core's config knows flags, never algorithm names."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The core's cursor over a data source: groups, run-wide counters, the partial-rollout buffer.
 
-Every data source gets these for free (DESIGN.md "Protocols"): the data source only yields
+Every data source gets these for free (PLUGINS.md, "data_source"): the data source only yields
 rows; the cursor turns each row into a group of ``n_samples_per_prompt`` samples with
 run-wide ``group_index``/``index`` counters, serves buffered partial groups first through
 the ``buffer_pop`` hook, and saves all of it as JSON in checkpoints.

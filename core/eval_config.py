@@ -1,6 +1,6 @@
 """Eval datasets from ``--eval-config`` or ``--eval-prompt-data``, with per-field inheritance.
 
-Each field of an eval dataset resolves, first set wins (SPEC.md 1.5; CASES.md C005):
+Each field of an eval dataset resolves, first set wins:
 dataset entry -> ``eval.defaults`` -> ``--eval-<field>`` flag -> the training rollout's
 flag. ``stop``, ``stop_token_ids`` and ``min_new_tokens`` skip the ``--eval-`` step (there
 is no such flag); ``n_samples_per_eval_prompt`` ends at ``--n-samples-per-eval-prompt``
@@ -297,7 +297,7 @@ def load_eval_datasets(args: Any) -> list[EvalDataset]:
 
 
 def sampling_params(ds: EvalDataset, args: Any) -> dict:
-    """SGLang-style ``sampling_params`` for every request of eval dataset ``ds`` (SPEC.md 8.3).
+    """SGLang-style ``sampling_params`` for every request of eval dataset ``ds``.
 
     Keys: ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens`` (tokens, None when no
     cap is set), ``stop``, ``stop_token_ids`` (None = the model's default),

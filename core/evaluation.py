@@ -1,4 +1,4 @@
-"""Evaluation rollouts over the eval datasets (SPEC.md 5.3): no filters, no abort, no group RM."""
+"""Evaluation rollouts over the eval datasets: no filters, no abort, no group RM."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The training loop (SPEC.md 6.6 sync, 9.2 train-async), written with async/await.
+"""The training loop (sync and train-async: docs/modes.md), written with async/await.
 
 ``async def train(args)`` is the Miles-shaped entry: ``await group.train(...)``,
 ``await rollout_manager.generate(rollout_id)``, ``await group.update_weights()``,
@@ -160,7 +160,7 @@ class Run:
         """Train on one rollout's groups; log per-step metrics; return the rollout's metrics."""
         args = self.args
         start = time.perf_counter()
-        if args.offload_rollout:  # the engines give the device to the trainer (SPEC.md 6.7)
+        if args.offload_rollout:  # the engines give the device to the trainer
             if self.health is not None:
                 self.health.pause()
             await self.all_engines("release_memory")
@@ -287,7 +287,7 @@ async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
 
 
 async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
-    """Rollout ``r + 1`` is generated while ``r`` trains (one step off-policy, SPEC.md 9.2).
+    """Rollout ``r + 1`` is generated while ``r`` trains (one step off-policy).
 
     Weights sync every ``--update-weights-interval`` rollouts, and only after the rollout
     in flight finished (never mid-generation); a rollout finished that way is trained on

@@ -2,7 +2,7 @@
 
 ``MetricsLog`` appends one JSON object per line (flushed per line, so a killed run keeps
 everything it logged). ``rollout_metrics`` and ``eval_metrics`` compute the sample-side
-metrics of SPEC.md sections 5.5 and 10 from ``furlong.hooks.Sample`` objects.
+metrics of PLUGINS.md's "Metrics reference" from ``furlong.hooks.Sample`` objects.
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def _fraction(flags: Iterable[bool], n: int) -> float:
 
 
 def rollout_metrics(groups: list[list[Sample]], reward_key: str | None, zero_std: bool = True) -> dict:
-    """Rollout-side metrics of the groups trained on (SPEC.md 5.5, 10). Empty input: ``{}``.
+    """Rollout-side metrics of the groups trained on. Empty input: ``{}``.
 
     ``rollout/raw_reward``: mean scalar reward (dicts reduced with ``reward_key``; an
     unscored sample counts 0). ``rollout/response_lengths``: mean ``response_length``
@@ -312,7 +312,7 @@ def rollout_metrics(groups: list[list[Sample]], reward_key: str | None, zero_std
 
 
 def eval_metrics(name: str, samples: list[Sample], reward_key: str | None) -> dict:
-    """Metrics of one eval dataset (SPEC.md 10). Empty input: ``{}``.
+    """Metrics of one eval dataset. Empty input: ``{}``.
 
     ``eval/<name>``: mean reward, an unscored (None) sample counting 0;
     ``eval/<name>-truncated_ratio``: fraction with status ``truncated``;

@@ -6,7 +6,7 @@ the whole optimizer step (:mod:`furlong.core.reduction`). Summing the returned l
 metrics over a step's micro-batches gives the step objective and metrics exactly.
 
 The loss plugin returns the *combined* per-token objective in ``token_loss`` (for
-``policy_loss``: ``l - entropy_coef*H + kl_loss_coef*kl``, SPEC.md 4.6); the core reduces
+``policy_loss``: ``l - entropy_coef*H + kl_loss_coef*kl``); the core reduces
 it once, so ``loss = pg_loss - entropy_coef*entropy_loss + kl_loss_coef*kl_loss`` holds for
 the reduced values because the reducer is linear. With a ``loss_reducer`` plugin
 (``--loss-reducer NAME`` or ``--custom-pg-loss-reducer-function-path``) the

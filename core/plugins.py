@@ -1,7 +1,7 @@
 """The plugin manager: discovery, selection by name, and the core's calling rules.
 
 pluggy supplies the specs, markers, registration and validation; this module calls the
-implementations itself (DESIGN.md "How the core calls hooks"): the chosen one for a
+implementations itself (PLUGINS.md, "How plugins work"): the chosen one for a
 chosen hook, each one separately for a broadcast, filters in flag order, coroutines
 awaited, ``on_hook_call`` around every non-observer call.
 """

@@ -1,4 +1,4 @@
-"""The core's loss reducer: masks and denominators over a whole optimizer step (SPEC.md 4.6, 6.3).
+"""The core's loss reducer: masks and denominators over a whole optimizer step.
 
 A loss plugin returns per-token values; this module turns them into the step objective.
 With ``m`` the loss mask, ``D_i`` the trained-token count of sample ``i``'s trajectory,
@@ -12,7 +12,7 @@ Each micro-batch contributes its samples' share, so the sum over micro-batches i
 whatever the packing. A step with no trained token gives 0 (denominators are clamped to
 1). Samples whose mask is all 0 (``remove_sample``) still count in ``n_s``; under
 ``--mask-truncated-samples`` truncated samples get mask 0 and leave ``n_s`` and ``N_s``
-(CASES.md C009).
+(masked tokens never dilute the denominator).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-sample reward resolution and the ``boxed_<name>`` rule (DESIGN.md "Selecting plugins")."""
+"""Per-sample reward resolution and the ``boxed_<name>`` rule (PLUGINS.md, hook ``reward``)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ log = logging.getLogger("furlong.rollout")
 
 
 def train_sampling_params(args: Namespace) -> dict:
-    """SGLang-style sampling parameters of training rollouts (SPEC.md 1.4)."""
+    """SGLang-style sampling parameters of training rollouts."""
     params = {
         "temperature": args.rollout_temperature,
         "top_p": args.rollout_top_p,
@@ -94,7 +94,7 @@ class RolloutManager:
         Right after accounting, the data state (:meth:`data_state`) is kept in
         ``data_states[rollout_id]`` (the last two rollouts): train-async saves it with rollout
         ``rollout_id``'s checkpoint while rollout ``rollout_id + 1`` is already drawing
-        (DESIGN.md "Checkpoints").
+        (docs/modes.md, "train-async").
 
         :raises PluginError: the plugin (or a generate/reward it called) failed; the
             rollout's samples were first written to ``failed_rollout_<id>.jsonl``.
@@ -132,7 +132,7 @@ class RolloutManager:
     async def _postprocess(self, groups: list[list[Sample]]) -> None:
         """``--rollout-sample-filter-path`` on the groups to train on (it may set ``remove_sample``),
         then ``--rollout-all-samples-process-path`` on every group that finished generating this
-        rollout, kept or not, sorted by first index, with the data cursor (SPEC.md 5.1)."""
+        rollout, kept or not, sorted by first index, with the data cursor."""
         if self.sample_filter:
             await _call(self.args, "rollout_sample_filter_path", self.sample_filter, groups)
         if self.all_samples_process:
@@ -147,7 +147,7 @@ class RolloutManager:
                         self.cursor)
 
     def set_weight_version(self, version: int) -> None:
-        """Record the weight version the trainer just pushed to the engine (SPEC.md 6.5).
+        """Record the weight version the trainer just pushed to the engine.
 
         :raises PluginError: ``version`` is older than the one recorded (versions never go back).
         """

@@ -26,7 +26,7 @@ __all__ = ["RolloutSide", "RolloutSideFactory"]
 
 
 class RolloutSide:
-    """The rollout-manager role (SPEC.md 9.1): ``generate``, ``evaluate``, data state, weight versions.
+    """The rollout-manager role: ``generate``, ``evaluate``, data state, weight versions.
 
     Call order: :meth:`load_data` (before any model loads: bad data fails first), then
     :meth:`start` once the engines exist, then the rest; :meth:`dispose` at the end.

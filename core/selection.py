@@ -1,4 +1,4 @@
-"""Which plugin serves each hook, from the launch flags (DESIGN.md "Selecting plugins")."""
+"""Which plugin serves each hook, from the launch flags (PLUGINS.md, "At a glance")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Turning a rollout's groups into the trainer's batch (SPEC.md 5.2)."""
+"""Turning a rollout's groups into the trainer's batch."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def truncated_flags(samples: list[Sample]) -> list[bool]:
 
 
 def advantage_input(samples: list[Sample], rewards: list[float], batch: TrainBatch) -> AdvantageInput:
-    """The ``advantage`` hook's input; trajectory siblings must share one reward (CASES.md C002)."""
+    """The ``advantage`` hook's input; trajectory siblings must share one reward."""
     trajectory = trajectory_ids(samples)
     seen: dict[int, float] = {}
     for tid, reward, s in zip(trajectory, rewards, samples):

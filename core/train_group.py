@@ -1,10 +1,11 @@
 """The driver's train group: the loop's handle on the train workers, whatever executor placed them.
 
-``await group.train(rollout_id, groups)`` does the driver's part of training (SPEC.md 5.2,
-6.1-6.3) and hands each worker only plain data: it turns the groups into the train batch,
-plans each data-parallel rank's micro-batches, collects the workers' old and reference
-log-probs, runs the advantage stages, computes the whole step's denominators, and sends
-each rank its :class:`~furlong.core.train_worker.WorkerShare`. Workers run forward,
+``await group.train(rollout_id, groups)`` does the driver's part of training and
+hands each worker only plain data (docs/architecture.md, "One rollout's training, split"):
+it turns the groups into the train batch, plans each data-parallel rank's micro-batches,
+collects the workers' old and reference log-probs, runs the advantage stages, computes the
+whole step's denominators, and sends each rank its
+:class:`~furlong.core.train_worker.WorkerShare`. Workers run forward,
 backward and optimizer steps (:class:`~furlong.core.train_worker.TrainWorker`).
 Tensor/pipeline/context-parallel peers (ranks sharing a ``dp_rank`` in their backend's
 :class:`~furlong.hooks.ParallelLayout`) receive the same share; only ranks that return
@@ -300,7 +301,7 @@ def _pick(rows: list | None, ids: list[int]) -> list | None:
 
 def _global_denominators(args: Namespace, batch, tids: list[int], gbs: int, num_steps: int,
                          trained: list | None = None) -> dict:
-    """Step and sample denominators over the whole rollout batch (every rank's samples), SPEC.md 6.3.
+    """Step and sample denominators over the whole rollout batch (every rank's samples).
 
     ``trained``: every rank's plan when some samples are not trained; then also
     ``metric_step_denominators``, the step denominators over the trained samples.
@@ -317,7 +318,7 @@ def _global_denominators(args: Namespace, batch, tids: list[int], gbs: int, num_
 
 
 def _token_means(batch, entropy) -> dict:
-    """Sample-mean over loss masks of the per-token rollout tensors (SPEC.md 10); a field's samples
+    """Sample-mean over loss masks of the per-token rollout tensors; a field's samples
     without a value (None: left out of training, for pi_old from the training forward) are left out."""
     fields = {"rollout/log_probs": batch.old_log_probs, "rollout/ref_log_probs": batch.ref_log_probs,
               "rollout/rollout_log_probs": batch.rollout_log_probs, "rollout/advantages": batch.advantages,

@@ -38,7 +38,7 @@ class WorkerShare:
     ``batch.steps`` this rank's micro-batches in local indices). ``sample_ids``: each
     local sample's index in the whole rollout batch. ``step_denominators``: one per
     step, over every rank's samples; ``sample_denominators``/``trajectory_ids``: per local
-    sample, computed on the whole batch (SPEC.md 6.3). ``reuse_old_log_probs``: pi_old is the
+    sample, computed on the whole batch. ``reuse_old_log_probs``: pi_old is the
     training forward's (``batch.old_log_probs`` is None; :meth:`TrainWorker.train_log_probs`
     returns them after training). ``metric_step_denominators``: one per step over the samples the
     ranks train (``--skip-zero-advantage-samples`` leaves some out), for every metric but the loss
@@ -163,7 +163,7 @@ class TrainWorker:
             gc.collect()
             torch.cuda.empty_cache()
 
-    # --- weight sync (SPEC.md 6.5, 8.4) ---------------------------------------------------
+    # --- weight sync ----------------------------------------------------------------------
 
     async def begin_weights(self) -> None:
         """Start a new pass over the backend's weights (every rank: it may be a collective)."""

@@ -1,4 +1,4 @@
-"""Weight sync from the trainer to the rollout engines, in the phases of SGLang's API (SPEC.md 6.5, 8.4).
+"""Weight sync from the trainer to the rollout engines, in the phases of SGLang's API.
 
 One sync: every engine pauses (``--pause-generation-mode``) and, unless paused in place,
 flushes its prefix cache; every engine opens its weight-update session

@@ -2,8 +2,9 @@
 
 A backend subclasses :class:`StepLoop` and supplies the model-specific pieces (one forward
 pass, the gradient norm and clipping, the learning rate and the optimizer step); the
-loops here call them in the order SPEC.md 6.1, 6.3 and 6.4 fix. The built-in ``fsdp`` and
-``megatron`` backends use it; a third-party backend may.
+loops here call them in one fixed order (forward-only log-prob passes before any step;
+per step, gradients accumulated over every micro-batch, then clipping and the optimizer
+step). The built-in ``fsdp`` and ``megatron`` backends use it; a third-party backend may.
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ class StepLoop:
     # --- the loops ---------------------------------------------------------------------------
 
     async def log_probs(self, batch: TrainBatch, model: str = "actor") -> dict:
-        """Forward-only log-probs and entropy of every response token (SPEC.md 6.1).
+        """Forward-only log-probs and entropy of every response token.
 
         Micro-batches: those of ``batch.steps`` (this rank's samples, so every rank runs
         the same number of passes); with no steps, all samples in chunks of
@@ -311,7 +312,7 @@ class StepLoop:
         return await self._in_thread(sum_step_metrics, losses, metric_rows)
 
     async def train(self, rollout_id: int, batch: TrainBatch) -> list[dict]:
-        """One optimizer step per entry of ``batch.steps`` (SPEC.md 6.3, 6.4).
+        """One optimizer step per entry of ``batch.steps``.
 
         Per step: zero grads; per micro-batch a forward with grad, ``batch.objective``,
         backward (gradients accumulate); the metric sums over ranks; :meth:`_clip`

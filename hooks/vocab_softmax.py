@@ -1,11 +1,11 @@
 """Softmax statistics of logit row chunks: each token's log-prob, its entropy, and their gradient.
 
 Train backends compute ``logp_t = z_t[target] - log sum_v exp z_t[v]`` and
-``H_t = log sum exp z_t - sum_v p_v z_t[v]`` (``z = logits / tau``, SPEC.md 6.1) a chunk of
-rows at a time, so the float32 ``[tokens, V]`` softmax never exists. A chunk may be one
-slice of the vocabulary (tensor parallelism: ``start`` is its first column, and the
-caller combines the per-slice maxima and sums across ranks). The gradient needs no
-softmax kept from the forward pass:
+``H_t = log sum exp z_t - sum_v p_v z_t[v]`` (``z = logits / tau``, ``tau`` the rollout
+temperature) a chunk of rows at a time, so the float32 ``[tokens, V]`` softmax never
+exists. A chunk may be one slice of the vocabulary (tensor parallelism: ``start`` is its
+first column, and the caller combines the per-slice maxima and sums across ranks). The
+gradient needs no softmax kept from the forward pass:
 ``d logp_t / d z_v = 1[v = target] - p_v`` and ``d H_t / d z_v = -p_v (log p_v + H_t)``.
 
 On CUDA :func:`fused` compiles each function (``torch.compile``, the rows dynamic) into

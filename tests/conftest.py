@@ -2,7 +2,7 @@ r"""Shared pytest fixtures.
 
 Sections:
 - plugins: ``plugin_dist`` (a throwaway installed distribution), ``plugin_manager``,
-  ``register_plugin``, ``furlong_entry_points``, ``run_furlong`` (STYLE.md section 6).
+  ``register_plugin``, ``furlong_entry_points``, ``run_furlong``.
 - end-to-end runs: the tiny model and data, ``signal_after_rollout_1``, ``serve_server``.
 - order and repetition: ``--repeat N`` and ``--shuffle SEED``, and the scheduling of process modules.
 

@@ -1,4 +1,4 @@
-"""Built-in advantage estimators, each called through a real plugin manager (SPEC.md 4.5)."""
+"""Built-in advantage estimators, each called through a real plugin manager."""
 
 from argparse import Namespace
 
@@ -8,7 +8,7 @@ import torch
 from furlong.core.plugins import get_plugin_manager
 from furlong.hooks import AdvantageInput, AdvantageOutput, PluginError
 
-# SPEC.md section 1.7 defaults of the flags the estimators read.
+# The launch defaults of the flags the estimators read.
 DEFAULTS = dict(
     disable_grpo_std_normalization=False, disable_rewards_normalization=False,
     gamma=1.0, lambd=1.0, kl_coef=0.0, kl_loss_type="k1",
@@ -47,7 +47,8 @@ def first_tokens(out):
 
 # --- grpo / gspo ------------------------------------------------------------------------
 
-# CASES.md C002: four uneven groups; (r - mean) / (Bessel std + 1e-6) per group.
+# Four uneven groups, one of a single sample: statistics per group, never over the whole
+# batch; (r - mean) / (Bessel std + 1e-6) per group.
 C002_REWARDS = [0, 1, 1, 2.5, 2.5, 0.5, 1, 0, 0, 0]
 C002_GROUPS = [0, 0, 0, 1, 1, 2, 3, 3, 3, 3]
 # g0: mean 2/3, std sqrt(1/3) -> -0.6667/0.57735 = -1.1547, 0.3333/0.57735 = 0.5774

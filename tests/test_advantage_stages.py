@@ -1,4 +1,4 @@
-"""The core's advantage stages: shaping KL, the chosen estimator, OPD, whitening (SPEC.md 4.5)."""
+"""The core's advantage stages: shaping KL, the chosen estimator, OPD, whitening."""
 
 import asyncio
 from argparse import Namespace

@@ -1,4 +1,4 @@
-"""Micro-batch planning (furlong.core.batching): SPEC.md 6.2 and 1.6, hand-worked plans."""
+"""Micro-batch planning (furlong.core.batching): fixed and dynamic, hand-worked plans."""
 
 from __future__ import annotations
 

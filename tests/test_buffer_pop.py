@@ -1,4 +1,4 @@
-"""The ``pop_first`` buffer policy (SPEC.md 4.4)."""
+"""The ``pop_first`` buffer policy."""
 
 import asyncio
 from argparse import Namespace

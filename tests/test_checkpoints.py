@@ -1,4 +1,5 @@
-"""Checkpoint cadence, crash-safe save order and resume point (SPEC.md 7; CASES.md C011, C012)."""
+"""Checkpoint cadence, crash-safe save order and resume point: a run without a critic still
+saves, and a resume never restarts at rollout 0 when there is a checkpoint."""
 
 import asyncio
 import json

@@ -1,5 +1,6 @@
-"""Deprecated flags (SPEC.md 1.0, seed migration guide): one warning per old flag below
-the removal version, an error at or above it, and an error for old and new together."""
+"""Deprecated flags (docs/flags.md, "Deprecations and changed defaults"): one warning per
+old flag below the removal version, an error at or above it, and an error for old and new
+together."""
 
 from __future__ import annotations
 

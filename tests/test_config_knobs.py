@@ -1,5 +1,6 @@
-"""The four-knob invariant (SPEC.md 1.3): every subset of given knobs, CASES.md C016, and
-the data-parallel divisibility checks."""
+"""The four-knob invariant: every subset of given knobs, a rollout smaller than one
+optimizer step (an error naming all four knobs, never zero steps), and the data-parallel
+divisibility checks."""
 
 from __future__ import annotations
 
@@ -80,11 +81,11 @@ UNSOLVABLE = [
     ({N: 3, G: 8}, "--rollout-batch-size (?) x --n-samples-per-prompt (3) = --global-batch-size (8) x "
                    "--num-steps-per-rollout (1) has no whole solution with --rollout-batch-size >= 1: "
                    "rollout_batch_size = 8 samples per rollout / 3 samples per prompt = 2.667."),
-    # S = 4*4/64 = 0.25 (CASES.md C016)
+    # S = 4*4/64 = 0.25: a rollout smaller than one step
     ({R: 4, N: 4, G: 64}, "--rollout-batch-size (4) x --n-samples-per-prompt (4) = --global-batch-size (64) x "
                           "--num-steps-per-rollout (?) has no whole solution with --num-steps-per-rollout >= 1: "
                           "num_steps_per_rollout = 16 samples per rollout / 64 samples per step = 0.25."),
-    # gbs = 4*4/3 = 5.333 (C016: rejected, not rounded down to 5)
+    # gbs = 4*4/3 = 5.333 (rejected, not rounded down to 5)
     ({R: 4, N: 4, S: 3}, "--rollout-batch-size (4) x --n-samples-per-prompt (4) = --global-batch-size (?) x "
                          "--num-steps-per-rollout (3) has no whole solution with --global-batch-size >= 1: "
                          "global_batch_size = 16 samples per rollout / 3 steps per rollout = 5.333."),
@@ -116,7 +117,7 @@ def test_every_subset_of_the_four_knobs_is_covered():
 
 
 class TestC016:
-    """CASES.md C016: num_rollout 3, rbs 4, n 4 -> 16 samples per rollout."""
+    """A rollout smaller than the global batch: num_rollout 3, rbs 4, n 4 -> 16 samples."""
 
     base = ["--num-rollout", "3", R, "4", N, "4"]
 

@@ -1,5 +1,5 @@
-"""Validation rules and derived defaults of the launch flags (SPEC.md 1.1-1.15): every
-error message compared whole, warnings read from the ``furlong.config`` logger."""
+"""Validation rules and derived defaults of the launch flags: every error message compared
+whole, warnings read from the ``furlong.config`` logger."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The documentation cites only what the repository holds, and says what the code does."""
+"""The repository cites only what it holds, and the documentation says what the code does."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def _tracked(suffix: str) -> list[Path]:
+def _tracked(suffix: str = "") -> list[Path]:
     names = subprocess.run(["git", "ls-files", f"*{suffix}"], cwd=REPO_ROOT, capture_output=True, text=True,
                            check=True).stdout.splitlines()
     return [REPO_ROOT / name for name in names]
 
 
 def test_the_docs_cite_no_markdown_file_the_repository_lacks():
-    """SPEC.md, DESIGN.md and the like are not in the repository: a page that cites one sends readers nowhere."""
+    """A page that cites a markdown file the repository does not hold sends readers nowhere."""
     have = {path.name for path in _tracked(".md")}
     missing = []
     for page in _tracked(".md"):
@@ -24,6 +24,28 @@ def test_the_docs_cite_no_markdown_file_the_repository_lacks():
             if name not in have:
                 missing.append(f"{page.relative_to(REPO_ROOT)}: {name}")
     assert sorted(missing) == []
+
+
+# Design notes that were never part of the repository, and the folder beside it that held
+# them. Built from parts so that this file does not itself mention them.
+_OUTSIDE = re.compile(r"\b(?:%s)\.md\b|(?:\.\./|/work/)%s\b" % (
+    "|".join(["SPEC", "DESIGN", "STYLE", "CASES", "RAY_SGLANG", "MEGATRON"]), "shared"))
+
+
+def test_no_tracked_file_points_outside_the_repository():
+    """Code, docstrings, tests, docs and scripts cite only pages a clone holds: a pointer to the
+    design notes or the folder they were kept in sends a maintainer nowhere."""
+    found = []
+    for path in _tracked():
+        if not path.is_file():
+            continue  # deleted in the working tree, not yet committed
+        data = path.read_bytes()
+        if b"\0" in data:
+            continue  # binary (weights)
+        for number, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+            if _OUTSIDE.search(line):
+                found.append(f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}")
+    assert not found, "lines that point outside the repository:\n" + "\n".join(found)
 
 
 def test_the_debugging_group_does_not_list_refused_modes_as_working():

@@ -1,6 +1,6 @@
 """Kill a real run after a checkpoint, restart the same command, and compare with a run never killed.
 
-SPEC.md 7.4: the resumed run starts after the last complete checkpoint with identical
+The resumed run starts after the last complete checkpoint with identical
 prompts, data position, learning rate and weights for every later rollout.
 """
 
@@ -77,7 +77,7 @@ def test_killed_run_resumes_where_the_uninterrupted_run_would_be(tmp_path, tiny_
 
 
 def test_resume_with_nothing_left_to_run_does_nothing(tmp_path, tiny_model_dir, arithmetic_jsonl):
-    """C011/C012: a finished run's directory resumes at num_rollout, with no rollout left."""
+    """A finished run's directory resumes at num_rollout, with no rollout left."""
     save = tmp_path / "run"
     subprocess.run(_command(tiny_model_dir, arithmetic_jsonl, save, num_rollout=2), check=True,
                    capture_output=True, timeout=120)

@@ -1,4 +1,5 @@
-"""Eval dataset resolution: config format, inheritance chain, errors (SPEC.md 1.5; CASES.md C005)."""
+"""Eval dataset resolution: config format, inheritance chain, errors. A dataset's own stop
+strings and min_new_tokens are kept, and an unknown key is an error, never ignored."""
 
 import base64
 from argparse import Namespace

@@ -1,4 +1,4 @@
-"""The group filters ``check_reward_nonzero_std`` and ``no_aborted`` (SPEC.md 4.3)."""
+"""The group filters ``check_reward_nonzero_std`` and ``no_aborted``."""
 
 import asyncio
 import math

@@ -1,4 +1,4 @@
-"""CASES.md C014: trainer log-probs divide the logits by the rollout temperature (SPEC.md 6.1)."""
+"""Trainer log-probs divide the logits by the rollout temperature, as the sampling engine does."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""KL estimators of the loss and of the core's reward shaping (SPEC.md 4.6; CASES.md C010)."""
+"""KL estimators of the loss and of the core's reward shaping."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch
 from furlong.hooks.kl import kl_estimate
 from furlong.core.advantage_stages import shaping_kl
 
-# CASES.md C010: one token with logp - logp_ref = -0.5
+# One token with logp - logp_ref = -0.5: each estimator's value, sign included
 # k1 = -0.5; k2 = 0.25/2 = 0.125; k3 = low_var_kl = e^0.5 - 1 - 0.5 = 0.148721
 C010 = {"k1": -0.5, "k2": 0.125, "k3": 0.148721, "low_var_kl": 0.148721}
 

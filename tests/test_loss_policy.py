@@ -1,4 +1,4 @@
-"""The policy_loss plugin: clipped surrogate, dual clip, GSPO ratio, OPSM, TIS, entropy, KL (SPEC.md 4.6)."""
+"""The policy_loss plugin: clipped surrogate, dual clip, GSPO ratio, OPSM, TIS, entropy, KL."""
 
 import math
 from argparse import Namespace
@@ -165,7 +165,8 @@ def test_entropy_is_reported_detached_when_its_coefficient_is_zero(policy_loss):
 
 
 def test_kl_loss_is_added_with_a_positive_sign_c010(policy_loss):
-    # CASES.md C010: pg 0.5 (rho 1, A -0.5), KL 0.2 (k1, logp - ref = 0.2), coef 0.1 -> 0.52
+    # the KL term is added, never subtracted:
+    # pg 0.5 (rho 1, A -0.5), KL 0.2 (k1, logp - ref = 0.2), coef 0.1 -> 0.52
     ref = torch.tensor([-0.2], requires_grad=True)
     inp, _ = one_sample([1.0], [-0.5], ref_log_probs=[ref])
     out = policy_loss(args=make_args(use_kl_loss=True, kl_loss_coef=0.1), batch=inp)

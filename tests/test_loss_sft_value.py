@@ -1,4 +1,4 @@
-"""The sft_loss and value_loss plugins (SPEC.md 4.6)."""
+"""The sft_loss and value_loss plugins."""
 
 from argparse import Namespace
 

@@ -1,4 +1,4 @@
-"""metrics.jsonl writing, the console summary line, rollout and eval metrics (SPEC.md 5.5, 10)."""
+"""metrics.jsonl writing, the console summary line, rollout and eval metrics."""
 
 import json
 import math

@@ -1,4 +1,4 @@
-"""The core's step objective: loss plugin + reducer, exact over micro-batches and ranks (SPEC.md 4.6, 6.3)."""
+"""The core's step objective: loss plugin + reducer, exact over micro-batches and ranks."""
 
 import asyncio
 from argparse import Namespace

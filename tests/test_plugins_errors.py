@@ -1,4 +1,4 @@
-"""Every plugin error a user can cause, compared as whole messages (STYLE.md section 4)."""
+"""Every plugin error a user can cause, compared as whole messages."""
 
 from __future__ import annotations
 

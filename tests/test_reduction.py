@@ -1,4 +1,4 @@
-"""The core's loss reducer: masks, step denominators, truncation (SPEC.md 4.6, 6.3)."""
+"""The core's loss reducer: masks, step denominators, truncation."""
 
 import pytest
 import torch
@@ -17,7 +17,8 @@ def reduce_step(values, masks, per_token, trajectory_ids=None, truncated=None, m
     return reduction.reduce_tokens(values, eff, weights)
 
 
-# CASES.md C007: A has 10 tokens, mask 6 ones then 4 zeros, loss 1.0; B has 4 trained tokens, loss 2.0.
+# Per-token loss divides by the trained tokens, not by every response token:
+# A has 10 tokens, mask 6 ones then 4 zeros, loss 1.0; B has 4 trained tokens, loss 2.0.
 C007_MASKS = [torch.tensor([1.0] * 6 + [0.0] * 4), torch.ones(4)]
 C007_VALUES = [torch.ones(10), torch.full((4,), 2.0)]
 
@@ -32,7 +33,8 @@ def test_c007_per_sample_mean_of_sample_means():
     assert reduce_step(C007_VALUES, C007_MASKS, per_token=False).item() == pytest.approx(1.5)
 
 
-# CASES.md C009: A 8 tokens loss 0.5, B 12 tokens loss 1.0 (both EOS), C 20 tokens truncated.
+# Masked truncated samples leave the denominator as well as the numerator:
+# A 8 tokens loss 0.5, B 12 tokens loss 1.0 (both EOS), C 20 tokens truncated.
 C009_MASKS = [torch.ones(8), torch.ones(12), torch.ones(20)]
 C009_VALUES = [torch.full((8,), 0.5), torch.ones(12), torch.full((20,), 3.0)]
 

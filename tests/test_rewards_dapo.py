@@ -1,4 +1,4 @@
-"""The ``dapo`` reward (SPEC.md 4.2; Yu et al. 2025)."""
+"""The ``dapo`` reward (DAPO, Yu et al. 2025)."""
 
 from argparse import Namespace
 

@@ -1,4 +1,4 @@
-"""The ``deepscaler`` reward (SPEC.md 4.2, CASES.md C017)."""
+"""The ``deepscaler`` reward; with a repeated ``###Response`` marker the last segment is graded."""
 
 import asyncio
 import logging

@@ -1,4 +1,4 @@
-"""The ``math`` reward, its answer normalization and the math-verify grading worker (SPEC.md 4.2)."""
+"""The ``math`` reward, its answer normalization and the math-verify grading worker."""
 
 import asyncio
 import hashlib
@@ -143,7 +143,7 @@ def test_math_case_table_is_large():
     assert len(MATH_CASES) >= 50
 
 
-# CASES.md C018: numeric labels are stringified (after the emptiness check) and never crash.
+# Labels read from JSON may be numbers: stringified (after the emptiness check), never a crash.
 @pytest.mark.parametrize(
     "response, label, expected",
     [

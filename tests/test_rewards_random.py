@@ -1,4 +1,4 @@
-"""The ``random`` and ``deterministic_random`` rewards (SPEC.md 4.2)."""
+"""The ``random`` and ``deterministic_random`` rewards."""
 
 import hashlib
 import random

@@ -1,4 +1,4 @@
-"""The ``remote_rm`` reward against a real HTTP server on 127.0.0.1 (SPEC.md 4.2)."""
+"""The ``remote_rm`` reward against a real HTTP server on 127.0.0.1."""
 
 import argparse
 import asyncio

@@ -1,4 +1,4 @@
-"""The fully async rollout (SPEC.md 9.3) with a scripted engine.
+"""The fully async rollout with a scripted engine.
 
 One ``asyncio.run`` per test drives several rollouts through the real rollout manager,
 since the producer task lives on the event loop of the first rollout. The engine is

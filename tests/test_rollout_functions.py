@@ -1,4 +1,4 @@
-"""Miles' dotted-path functions around a rollout and a save (SPEC.md 1.2, 1.9, 5.1):
+"""Miles' dotted-path functions around a rollout and a save:
 ``--rollout-sample-filter-path``, ``--rollout-all-samples-process-path`` and
 ``--custom-megatron-post-save-hook-path``."""
 

@@ -2,7 +2,7 @@
 
 The engine is deterministic (tests/scripted_engine.py) so the rollout logic is checked
 exactly: waves, filters, abort, partial rollout, the token budget of resumed samples
-(CASES.md C003) and group accounting.
+(never the whole budget again) and group accounting.
 """
 
 import asyncio
@@ -44,7 +44,7 @@ def test_hook_rollout_sync_returns_scored_groups_in_order(tmp_path, plugin_manag
 
 
 def test_hook_generate_single_turn_resumed_sample_gets_remaining_budget(tmp_path, plugin_manager):
-    """C003: max 100 tokens, 60 already generated -> the continuation asks for 40."""
+    """Only the budget left: max 100 tokens, 60 generated -> the continuation asks for 40."""
     args = _args(tmp_path, "--rollout-max-response-len", "100")
     engine = ScriptedEngine(lambda p, c: ("y" * 70, "stop"))
     prompt_ids = engine.tokenizer("7+0=")["input_ids"]

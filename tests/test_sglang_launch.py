@@ -1,4 +1,4 @@
-"""The ``sglang`` engine's command lines: ``sglang.launch_server`` (SPEC.md 8.1), ``furlong serve`` and the router."""
+"""The ``sglang`` engine's command lines: ``sglang.launch_server``, ``furlong serve`` and the router."""
 
 import json
 import logging

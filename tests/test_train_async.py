@@ -1,4 +1,4 @@
-"""``furlong train-async`` end to end on the tiny real model (SPEC.md 9.2, 9.3).
+"""``furlong train-async`` end to end on the tiny real model.
 
 The loop runs in-process (``run`` from ``furlong.core.loop``) with the embedded engine and
 the fsdp backend on CPU. A recording filter (keeps everything) sees every group with its

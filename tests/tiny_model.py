@@ -45,7 +45,7 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
 
 
 def train_args(hf_dir: Path | str, **overrides) -> argparse.Namespace:
-    """The launch flags the fsdp backend reads, at SPEC.md defaults, for a 1-rollout run.
+    """The launch flags the fsdp backend reads, for a 1-rollout run.
 
     Defaults: 1 rollout of 4 samples, ``gbs`` 4, Adam at lr 1e-2 (constant), no weight
     decay, clip 1.0. ``overrides`` replace any of them.
@@ -100,7 +100,7 @@ def make_batch(tokenizer, steps, temperature: float = 1.0, advantages=(1.0, -0.5
 
 
 class MeanPG:
-    """A per-sample policy-gradient objective (SPEC.md 4.6, per-sample mode, unit masks).
+    """A per-sample policy-gradient objective (the core's per-sample mode, unit masks).
 
     Micro-batch loss ``sum_i (-A_i * mean_t(logp_{i,t}) - c * mean_t(H_{i,t})) / gbs`` (``c``:
     ``entropy_coef``): summed over a step's micro-batches (and ranks) it is the step objective,

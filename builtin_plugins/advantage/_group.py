@@ -1,4 +1,4 @@
-"""Group statistics shared by the built-in advantage estimators (SPEC.md 4.5, group phase)."""
+"""Group statistics shared by the built-in advantage estimators."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Flag rules shared by the built-in advantage estimators' ``configure`` hooks (SPEC.md 1.7)."""
+"""Flag rules shared by the built-in advantage estimators' ``configure`` hooks."""
 
 from __future__ import annotations
 

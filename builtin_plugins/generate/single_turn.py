@@ -1,4 +1,4 @@
-"""One request per sample: prompt in, response out (SPEC.md section 4.1, ``single_turn``)."""
+"""One request per sample: prompt in, response out (the ``single_turn`` generate plugin)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ async def generate(args, sample, sampling_params, engine, evaluation):
     """Generate ``sample``'s response with one engine request, or continue a partial one.
 
     A resumed partial sample (``response_length > 0``) continues from its ``tokens`` with
-    the budget left: ``max_new_tokens - response_length`` (CASES.md C003); no budget left
-    means ``truncated`` without a request. ``--rollout-max-context-len`` caps prompt +
+    the budget left, ``max_new_tokens - response_length`` (never the whole budget again); no
+    budget left means ``truncated`` without a request. ``--rollout-max-context-len`` caps prompt +
     response tokens the same way. Appends output ids to ``tokens``, their log-probs to
     ``rollout_log_probs``, the text to ``response``, the engine's weight version to
     ``weight_versions`` (and, for a request that straddled a weight update, its spans in

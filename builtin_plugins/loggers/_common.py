@@ -3,8 +3,8 @@
 There is no end-of-run hook, so a logger tells the run's last event from the observer calls
 themselves (:func:`is_last_event`): the ``on_rollout_end`` of rollout ``--num-rollout - 1``
 when no evaluation follows it, else the ``on_eval_end`` after that rollout (the loop always
-evaluates after the final rollout when ``--eval-interval`` and eval data are set, SPEC.md
-6.6), or the single evaluation of a ``--num-rollout 0`` run. Loggers flush on every call, so
+evaluates after the final rollout when ``--eval-interval`` and eval data are set),
+or the single evaluation of a ``--num-rollout 0`` run. Loggers flush on every call, so
 a killed run loses nothing, and close at that last event; anything still open is closed at
 interpreter exit.
 """
@@ -85,7 +85,7 @@ def rollout_axis_step(args: Namespace, rollout_id: int, use_train_step: bool) ->
     """x value of rollout and eval metrics: ``rollout_id``, or with ``use_train_step`` the
     optimizer step reached at the start of that rollout, ``rollout_id * S`` with
     ``S = --num-steps-per-rollout = rollout_batch_size * n_samples_per_prompt / global_batch_size``
-    (SPEC.md 5.5, ``--wandb-always-use-train-step``)."""
+    (``--wandb-always-use-train-step``)."""
     if not use_train_step:
         return int(rollout_id)
     steps = getattr(args, "num_steps_per_rollout", None)

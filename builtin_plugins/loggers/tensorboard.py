@@ -1,7 +1,7 @@
 """TensorBoard logger: every metric as a scalar against its step key (enabled by ``--use-tensorboard``).
 
 Writes with ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` package:
-``pip install "furlong[tensorboard]"``). Steps follow ``metrics.jsonl`` (SPEC.md 10): rollout
+``pip install "furlong[tensorboard]"``). Steps follow ``metrics.jsonl``'s step keys: rollout
 and ``perf/`` metrics at ``rollout/step`` = rollout id, optimizer-step metrics at
 ``train/step`` = ``rollout_id * S + s``, eval metrics at ``eval/step`` = rollout id. The
 ``train/`` values that ``on_rollout_end`` repeats (the rollout's last step) are skipped there,

@@ -1,6 +1,6 @@
 """Weights & Biases logger (enabled by ``--use-wandb``; the ``wandb`` package is optional).
 
-Flags (defined by the core, SPEC.md 1.13): ``--wandb-project`` (default ``furlong``),
+Flags (defined by the core, ``logging`` group): ``--wandb-project`` (default ``furlong``),
 ``--wandb-team`` (entity), ``--wandb-group`` (also the run name; a random 6-character suffix
 is added unless ``--disable-wandb-random-suffix``), ``--wandb-mode`` (``online``, ``offline``
 - no network needed - or ``disabled``), ``--wandb-dir`` (default ``--save`` or ``--log-dir``;
@@ -11,7 +11,7 @@ wandb writes its ``wandb/`` folder there), ``--wandb-run-id`` (resume that run:
 Every row carries its step key as a value and ``define_metric`` ties each prefix to it:
 ``train/*`` to ``train/step`` (``rollout_id * S + s``); ``rollout/*`` and ``perf/*`` to
 ``rollout/step``; ``eval/*`` to ``eval/step``. Rollout and eval steps are the rollout id, or
-``rollout_id * S`` with ``--wandb-always-use-train-step`` (SPEC.md 5.5). ``on_rollout_end``
+``rollout_id * S`` with ``--wandb-always-use-train-step``. ``on_rollout_end``
 skips the ``train/`` values it repeats from the rollout's last step. The run is finished
 after the run's last event (see ``loggers._common``) and at interpreter exit otherwise.
 """

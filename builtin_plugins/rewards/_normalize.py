@@ -26,8 +26,9 @@ def label_answer(label: Any) -> str:
     """The answer a ground-truth label stands for: ``str(label)``, stripped, with the
     content of its last ``\\boxed{}`` taken when it has one.
 
-    Numbers are stringified (``12`` -> ``"12"``, ``0`` -> ``"0"``: CASES.md C018); the caller
-    decides first whether the label counts as missing (``None``, a blank string).
+    Numbers are stringified (``12`` -> ``"12"``, ``0`` -> ``"0"``), so a numeric label read
+    from JSON never crashes the grader; the caller decides first whether the label counts as
+    missing (``None``, a blank string).
     """
     text = str(label).strip()
     inner = last_boxed_content(text)

@@ -21,7 +21,7 @@ _ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 def reward(args, samples):
     """Score each sample +1.0 when its final ``Answer:`` equals its integer label, else -1.0.
 
-    Per sample (SPEC.md 4.2):
+    Per sample:
 
     1. Only the last 300 characters of the response are read; the prediction is the text
        after the last ``Answer:`` there (case-insensitive, up to the end of its line), or

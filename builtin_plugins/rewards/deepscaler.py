@@ -26,7 +26,7 @@ _warned_no_marker = False
 async def reward(args, samples):
     """Score each sample 1 when the boxed answer of its final solution equals its label.
 
-    Per sample (SPEC.md 4.2, CASES.md C017):
+    Per sample:
 
     1. The solution is the text after the last ``</think>``; without one, the text after the
        last ``###Response`` (the last, not the first: a repeated marker must not make a

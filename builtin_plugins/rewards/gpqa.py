@@ -23,7 +23,7 @@ _STANDALONE = re.compile(r"(?<![A-Za-z\\])([A-Z])(?![A-Za-z])")
 def reward(args, samples):
     """Score each sample 1.0 when the choice letter it picks is the correct one.
 
-    Per sample (SPEC.md 4.2):
+    Per sample:
 
     1. Only the text after the last ``</think>`` is read (the whole response without one).
     2. Valid letters: ``metadata["valid_letters"]``, else ``A``, ``B``... one per entry of

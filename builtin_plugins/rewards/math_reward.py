@@ -19,7 +19,7 @@ __all__ = ["boxed_response", "grading_stats", "reward"]
 async def reward(args, samples):
     """Score each sample 1 when the final answer of its response equals its label.
 
-    Per sample, in order (SPEC.md 4.2, CASES.md C018):
+    Per sample, in order:
 
     1. An empty label (``None`` or a blank string) scores 0. A numeric label is a real
        answer: the integer ``0`` is graded like the string ``"0"`` (Miles tests emptiness
@@ -54,7 +54,7 @@ def boxed_response(content: str) -> str:
 
 def _answer_and_label(response: str, label: Any) -> tuple[str, str] | None:
     if label is None or (isinstance(label, str) and not label.strip()):
-        return None  # a numeric 0 is an answer, not a missing label (CASES.md C018)
+        return None  # a numeric 0 is an answer, not a missing label
     response = response or ""
     answer = last_boxed_content(response)
     if answer is None and not _opens_a_box(response):

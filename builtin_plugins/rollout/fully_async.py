@@ -1,4 +1,4 @@
-"""Fully async rollout: a producer generates across rollouts into a FIFO queue (SPEC.md 9.3)."""
+"""Fully async rollout: a producer generates across rollouts into a FIFO queue (docs/modes.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Synchronous rollout with dynamic sampling waves, abort and partial rollout (SPEC.md 5.1)."""
+"""Synchronous rollout with dynamic sampling waves, abort and partial rollout."""
 
 from __future__ import annotations
 

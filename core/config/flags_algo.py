@@ -1,5 +1,5 @@
-"""Flags of the ``algorithm`` group: the RL objective (GRPO_ARGS of a Miles script;
-SPEC.md 1.7). The estimator and the loss are chosen in the ``plugins`` group."""
+"""Flags of the ``algorithm`` group: the RL objective (GRPO_ARGS of a Miles script).
+The estimator and the loss are chosen in the ``plugins`` group."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Flags of the ``cluster`` group (SPEC.md 1.1; Megatron run flags of 1.14)."""
+"""Flags of the ``cluster`` group, with Megatron's run flags."""
 
 from __future__ import annotations
 

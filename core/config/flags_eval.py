@@ -1,4 +1,4 @@
-"""Flags of the ``eval`` group (SPEC.md 1.5). Unset eval sampling values inherit the
+"""Flags of the ``eval`` group. Unset eval sampling values inherit the
 rollout ones (see validate.py); ``--n-samples-per-eval-prompt`` does not."""
 
 from __future__ import annotations

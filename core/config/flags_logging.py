@@ -1,4 +1,4 @@
-"""Flags of the ``logging`` and ``debugging`` groups (SPEC.md 1.13)."""
+"""Flags of the ``logging`` and ``debugging`` groups."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Flags of the ``model and checkpoints`` group (SPEC.md 1.2; Megatron architecture of 1.14).
+"""Flags of the ``model and checkpoints`` group, with Megatron's architecture flags.
 
 Megatron architecture flags default to None: the megatron backend then takes the value
 from the ``--hf-checkpoint`` config, and compares every given value against it.

@@ -1,4 +1,4 @@
-"""Flags of the ``optimizer`` group (OPTIMIZER_ARGS; SPEC.md 1.8). Megatron names; the
+"""Flags of the ``optimizer`` group (OPTIMIZER_ARGS of a Miles script). Megatron names; the
 fsdp backend maps them. Defaults are furlong's documented ones, the same on both backends."""
 
 from __future__ import annotations

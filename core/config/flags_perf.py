@@ -1,5 +1,5 @@
 """Flags of the ``performance`` group: dynamic batching, FSDP options, and Megatron
-parallelism, recompute and numerics (SPEC.md 1.6, 1.14)."""
+parallelism, recompute and numerics."""
 
 from __future__ import annotations
 

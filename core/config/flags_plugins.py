@@ -1,5 +1,5 @@
-"""Flags of the ``plugins`` group: which plugin serves each hook (DESIGN.md "Selecting
-plugins"). Names are entry-point names of group ``furlong``, never restricted by
+"""Flags of the ``plugins`` group: which plugin serves each hook (PLUGINS.md,
+"At a glance"). Names are entry-point names of group ``furlong``, never restricted by
 ``choices``: any installed plugin's name works; ``furlong plugins`` lists them."""
 
 from __future__ import annotations

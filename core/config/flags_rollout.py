@@ -1,4 +1,4 @@
-"""``rollout`` group, part 1: prompt data, the four batch knobs, sampling (SPEC.md 1.3, 1.4)."""
+"""``rollout`` group, part 1: prompt data, the four batch knobs, sampling."""
 
 from __future__ import annotations
 

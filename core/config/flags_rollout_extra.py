@@ -1,5 +1,5 @@
-"""``rollout`` group, part 2: reward and sample hooks, async and partial rollout, agents
-(SPEC.md 1.9, 1.11, 1.12). Plugin-selection flags live in the ``plugins`` group."""
+"""``rollout`` group, part 2: reward and sample hooks, async and partial rollout, agents.
+Plugin-selection flags live in the ``plugins`` group."""
 
 from __future__ import annotations
 

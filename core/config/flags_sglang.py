@@ -1,4 +1,4 @@
-"""Flags of the ``SGLang and router`` group (SPEC.md 1.10). Every other ``--sglang-X`` and
+"""Flags of the ``SGLang and router`` group. Every other ``--sglang-X`` and
 ``--router-X`` flag passes through to SGLang / the router (see passthrough.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The four-knob invariant (SPEC.md 1.3): rollout_batch_size x n_samples_per_prompt =
+"""The four-knob invariant: rollout_batch_size x n_samples_per_prompt =
 global_batch_size x num_steps_per_rollout, and the data-parallel divisibility checks."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ RULE = "both sides must be equal"
 def resolve_knobs(values: dict, given: set[str]) -> tuple[dict | None, str | None]:
     """Derive the knobs that were not given, or explain why that is impossible.
 
-    Steps (SPEC.md 1.3): a given knob must be a positive whole number; all four given
+    Steps: a given knob must be a positive whole number; all four given
     must satisfy the equation; while fewer than three are known, ``n := 1`` then
     ``S := 1``; still fewer than three is an error (``--rollout-batch-size`` is
     required); the missing one is derived and must be a positive whole number.

@@ -27,7 +27,7 @@ log = logging.getLogger("furlong.config")
 def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argparse.Namespace:
     """Parse, map deprecated flags, derive and validate the flags of ``furlong train``.
 
-    Order (SPEC.md 1.15): ``@FILE`` expansion, deprecation mapping, plugin flags
+    Order: ``@FILE`` expansion, deprecation mapping, plugin flags
     (``pm``), pass-through split, parse, validation (:func:`validate`), then the
     ``--custom-config-path`` overlay and a second validation of the result. The rules
     of the chosen plugins run later, in their ``configure`` hooks

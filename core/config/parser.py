@@ -75,7 +75,7 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
 @dataclass(frozen=True)
 class DeviceDefaults:
-    """Defaults that depend on the machine (DESIGN.md "Flags"; docs/flags.md).
+    """Defaults that depend on the machine (docs/flags.md, "Defaults that depend on the machine").
 
     ``gpus_per_node``: the CUDA devices torch sees (1 without CUDA). Without CUDA: sdpa
     attention, fp32, gloo. ``rollout_backend`` is ``sglang`` only when a furlong plugin
@@ -218,7 +218,7 @@ def _dp_note(args: argparse.Namespace) -> dict:
 
 
 def build_parser(pm=None, dev: DeviceDefaults | None = None) -> argparse.ArgumentParser:
-    """The parser of ``furlong train``: every flag of SPEC.md section 1, in the Miles groups.
+    """The parser of ``furlong train``: every flag, in the Miles groups (docs/flags.md).
 
     :param pm: a :class:`furlong.core.plugins.FurlongPluginManager`; when given, every
         plugin's ``add_arguments`` is called (one at a time) so it can add its own group.

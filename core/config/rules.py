@@ -1,5 +1,6 @@
-"""Validation rules after the four knobs and the cluster (SPEC.md 1.15 order), each one
-appending to a :class:`furlong.hooks.ConfigReport` (the core's own findings)."""
+"""Validation rules after the four knobs and the cluster, called in a fixed order by
+:func:`.validate.validate`, each one appending to a :class:`furlong.hooks.ConfigReport` (the
+core's own findings)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from ..batching import pi_old_needs_own_pass, zero_advantage_skip_blocked
 __all__ = ["async_and_agents", "defaults", "evaluation", "importance_sampling", "kl_and_reference", "lengths",
            "performance", "saving", "sglang"]
 
-# eval attribute <- rollout attribute it inherits when not given (SPEC.md 1.5).
+# eval attribute <- rollout attribute it inherits when not given.
 EVAL_INHERITS: tuple[tuple[str, str], ...] = (
     ("eval_temperature", "rollout_temperature"),
     ("eval_top_p", "rollout_top_p"),
@@ -235,7 +236,7 @@ def _off_unless_exact(args, f, given: set[str], dest: str, reason: str | None, w
 
 
 def sglang(args, f) -> None:
-    """Pass-through values that core derives or checks (SPEC.md 1.1, 1.10)."""
+    """Pass-through values that core derives or checks."""
     sg = args.sglang_passthrough
     args.sglang_tp_size = args.rollout_num_gpus_per_engine
     user_tp = sg.pop("tp_size", None)

@@ -1,4 +1,4 @@
-"""Derivations and validation of the parsed flags, in the order of SPEC.md 1.15.
+"""Derivations and validation of the parsed flags, in the fixed order of :func:`validate`.
 
 :func:`validate` mutates the Namespace (derived values) and returns every problem at
 once; warnings and info lines are returned too, so a second pass (after a
@@ -231,7 +231,7 @@ def _cluster(args, f: ConfigReport, given: set[str]) -> None:
 
 
 def default_executor(args) -> tuple[str, str]:
-    """``(executor, why)`` when ``--executor`` is not given (DESIGN.md "Selecting plugins")."""
+    """``(executor, why)`` when ``--executor`` is not given (docs/architecture.md, "Executors")."""
     world = world_size(args)
     if os.environ.get("RAY_ADDRESS"):
         return "ray", "RAY_ADDRESS is set (ray job submit)"

@@ -56,7 +56,7 @@ class FSDPBackend(StepLoop):
     async def init(self, args: Any) -> int:
         """Load actor (and reference), build optimizer and LR schedule; return 0.
 
-        Warm start (SPEC.md 7.2): actor weights from ``--ref-load`` when it is a Hugging
+        Warm start: actor weights from ``--ref-load`` when it is a Hugging
         Face directory, else ``--hf-checkpoint``. The reference (``--use-kl-loss`` or
         ``--kl-coef`` != 0) loads from the same place and never trains. Resume is the
         core's job: it calls :meth:`load` and decides the start rollout id.

@@ -1,4 +1,4 @@
-"""Per-token log-probs and entropy of response tokens from a causal LM forward pass (SPEC.md 6.1).
+"""Per-token log-probs and entropy of response tokens from a causal LM forward pass.
 
 The decoder runs once over the micro-batch, right-padded, or on a GPU packed into one row
 without padding (:mod:`.packing`); the output projection (``lm_head``) then runs only on the
@@ -39,7 +39,8 @@ def token_log_probs(logits, targets, temperature: float, entropy_grad: bool = Tr
     ``logp_t = log_softmax(logits_t / tau)[target_t]`` and ``H_t = -sum_v p_v log p_v``
     of the same scaled distribution, with ``tau`` = the rollout temperature when it is
     > 0 and != 1 (else no scaling). Matches what the engine reports for the token it
-    sampled (CASES.md C014: logits [2, 0], tau 0.5, token 0 -> -0.018150).
+    sampled (logits [2, 0], tau 0.5, token 0 -> -0.018150; ignoring the temperature would
+    give -0.126928 and bias the importance ratios of an on-policy batch).
 
     :param logits: float tensor ``[T, V]``: the logits at the position *before* each target.
     :param targets: int64 tensor ``[T]``.

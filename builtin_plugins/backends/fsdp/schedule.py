@@ -1,4 +1,4 @@
-"""Learning-rate schedule of the fsdp backend (SPEC.md 6.4; Megatron's OptimizerParamScheduler semantics).
+"""Learning-rate schedule of the fsdp backend (Megatron's OptimizerParamScheduler semantics).
 
 Counted in optimizer steps; Megatron counts samples (``steps x gbs``), which gives the
 same values because every length scales by ``gbs``.
@@ -43,7 +43,7 @@ def lr_at(
     ``2 * 0.5**r - 1``, minus_sqrt ``1 - sqrt(r)`` (coefficient of ``lr - min_lr`` above
     ``min_lr``). After ``decay`` steps: ``min_lr`` (all styles but constant).
 
-    Reference: SPEC.md 6.4; Megatron-LM ``OptimizerParamScheduler.get_lr``.
+    Reference: Megatron-LM ``OptimizerParamScheduler.get_lr``.
     """
     if warmup > 0 and step < warmup:
         return init + (lr - init) * step / warmup

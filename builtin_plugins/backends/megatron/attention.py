@@ -2,7 +2,7 @@
 
 megatron-core's own local ``DotProductAttention`` materialises the ``[b*heads, s, s]``
 score matrix and refuses packed (``thd``) sequences. :class:`SDPACoreAttention` takes its
-place in ``SelfAttentionSubmodules.core_attention`` (MEGATRON.md 7). Without
+place in ``SelfAttentionSubmodules.core_attention``. Without
 TransformerEngine megatron-core applies RoPE to packed input one sequence at a time, with a
 host read of the sequence bounds in every layer, and to any input in about ten element-wise
 kernels per tensor; :class:`RopeSelfAttention` takes RoPE over: it gathers each token's

@@ -1,7 +1,7 @@
 """``torch_dist`` checkpoints of the megatron backend (megatron-core ``dist_checkpointing``).
 
 Layout of ``path`` (the core's ``iter_N.tmp/``, renamed by the core when every rank is done;
-SPEC.md 7)::
+docs/checkpoints.md)::
 
     metadata.json, .metadata, common.pt, __<rank>_<n>.distcp    megatron-core torch_dist files
     meta.json     {"global_step", "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",

@@ -1,13 +1,13 @@
 """Weight conversion Hugging Face <-> megatron-core (local spec), one tensor group at a time.
 
-Name mapping and packing (MEGATRON.md 2, checked bit-exact there and in tests):
+Name mapping and packing (docs/megatron.md, "Weight conversion"; checked bit-exact in tests):
 
 - ``linear_qkv`` = q/k/v packed per KV group: rows ``[q heads of group 0, k0, v0, q heads of
   group 1, k1, v1, ...]`` (weight and, for Qwen2, bias);
 - ``linear_fc1`` = ``cat(gate_proj, up_proj)``; ``linear_fc2`` = ``down_proj``;
 - embedding and untied output layer padded with zero rows to the Megatron vocabulary.
 
-Tensor parallelism (MEGATRON.md 4.1, checked against megatron-core's own initialisation in
+Tensor parallelism (checked against megatron-core's own initialisation in
 tests): column-parallel layers (embedding, qkv, fc1, output) split dim 0, row-parallel
 layers (proj, fc2) split dim 1, norms are replicated. Rank ``r`` holds chunk ``r`` of every
 one of the ``stride`` parts of the full tensor along that dim (fc1 has stride 2: rank ``r``

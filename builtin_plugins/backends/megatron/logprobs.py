@@ -1,4 +1,4 @@
-"""Per-token log-probs and entropy from vocab-parallel logits (SPEC.md 6.1; MEGATRON.md 6).
+"""Per-token log-probs and entropy from vocab-parallel logits (docs/megatron.md).
 
 Each tensor-parallel rank holds the logits of its vocabulary slice. The softmax pieces are
 combined with all-reduces over the TP group: the row maximum, ``sum exp``, the target's

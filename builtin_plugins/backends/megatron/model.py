@@ -64,7 +64,7 @@ def cpu_shims(device):
 
     megatron-core 0.16 moves RoPE's ``inv_freq`` to ``torch.cuda.current_device()`` and
     calls ``torch.cuda.synchronize()`` when saving a distributed checkpoint
-    (MEGATRON.md 3.2); its pipeline schedule and p2p exchange allocate on
+    (docs/megatron.md, "CPU"); its pipeline schedule and p2p exchange allocate on
     ``torch.cuda.current_device()`` and ``device="cuda"``, a tied model's last
     pipeline stage calls ``Tensor.cuda()`` on its copy of the embedding, and under sequence
     parallelism the embedding forks the CUDA RNG tracker around its dropout. All are undefined
@@ -124,8 +124,8 @@ def _cuda_on_cpu():
 
 
 def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
-    """megatron-core ``TransformerConfig`` of ``shape`` (MEGATRON.md 1.1): RMSNorm, SwiGLU, no
-    dropout, no biases but q/k/v's where the family has them; of the fused kernels only
+    """megatron-core ``TransformerConfig`` of ``shape`` (docs/megatron.md, "Models"): RMSNorm,
+    SwiGLU, no dropout, no biases but q/k/v's where the family has them; of the fused kernels only
     furlong's SwiGLU module (``use_te_activation_func``: the MLP calls the spec's
     ``activation_func``, :class:`~.layers.FusedSwiGLU`; TransformerEngine and Apex are not used).
 

@@ -6,7 +6,7 @@ micro-batch's activations ``[s, b, h]`` to the next stage and their gradients ba
 last stage turns the logits into response log-probs and entropy (:mod:`.logprobs`) and,
 when training, into the loss of the core's objective, which the schedule back-propagates
 unscaled (the model's config sets ``calculate_per_token_loss``; the objective already
-carries the step's denominators, SPEC.md 6.3). :class:`PipelineStages` holds the backend's
+carries the step's denominators). :class:`PipelineStages` holds the backend's
 methods for it and for a tied model's two embedding copies.
 """
 

@@ -1,7 +1,7 @@
 """Embedded rollout engine: batched generation with a Hugging Face transformers model in this process.
 
 Meant for CPU runs, tests and small models; SGLang serves production. The sampling
-semantics follow SGLang's native API (SPEC.md 8.3); see :mod:`.sampling`.
+semantics follow the ``sampling_params`` of SGLang's native API; see :mod:`.sampling`.
 """
 
 from __future__ import annotations

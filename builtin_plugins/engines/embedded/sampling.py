@@ -15,7 +15,7 @@ whichever slot it runs in.
 
 Reported log-prob: ``log_softmax(logits / T)[token]`` over the full vocabulary, before
 the ban, top-k and top-p (for greedy, ``T = 1``). That is what SGLang reports and what
-the trainer recomputes (SPEC.md 6.1), so ``exp(train - rollout)`` is 1 on-policy.
+the trainer recomputes from the same scaled logits, so ``exp(train - rollout)`` is 1 on-policy.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``--rollout-backend sglang``. Each engine is a client of one server and of the router:
 generation through the router, control calls and weight updates to its own server
-(SGLang's native API, SPEC.md section 8). Servers are started by furlong (one per engine,
+(SGLang's native API, docs/sglang.md). Servers are started by furlong (one per engine,
 in the engine's process: a Ray actor, or the driver under ``--executor local``) or, with
 ``--rollout-external``, attached to. The router is started when the run is configured,
 on the driver's host, unless ``--sglang-router-ip``/``--sglang-router-port`` name a

@@ -91,7 +91,7 @@ class SGLangEngine:
             await register(self.http, self.router_url, self.url, alive=self._dead_reason)
 
     async def _wait_ready(self) -> None:
-        """Poll ``GET /health_generate`` until 200, then ``GET /flush_cache`` until 200 (SPEC.md 8.1).
+        """Poll ``GET /health_generate`` until 200, then ``GET /flush_cache`` until 200.
 
         An external server may be busy with someone else's requests (``/flush_cache`` would
         answer 400): only its health is asked.

@@ -1,6 +1,6 @@
 """Command lines of the servers and the router furlong starts, and the processes running them.
 
-``sglang.launch_server`` gets the arguments of SPEC.md 8.1: furlong forces the ones that
+``sglang.launch_server`` gets the arguments README.md lists: furlong forces the ones that
 place the server and tie it to the run (:data:`FORCED`), sets the ones the launch flags
 decide, then passes every ``--sglang-<X>`` the user gave that is not forced. ``furlong
 serve`` (``--sglang-server-impl furlong``) takes the model, address and seed only.

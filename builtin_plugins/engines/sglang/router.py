@@ -1,6 +1,6 @@
 """The router in front of the engines: start it, register and remove workers (sglang-router >= 0.3, smg).
 
-Worker API (RAY_SGLANG.md section 3, sglang-router 0.3.x and smg): ``POST /workers {"url",
+Worker API (sglang-router 0.3.x and smg): ``POST /workers {"url",
 "worker_type"}`` answers 202 and registers asynchronously, so the caller polls ``GET
 /workers`` until the worker is listed healthy; ``DELETE /workers/{id}`` removes one (the id
 comes from the listing). Routers before 0.3 (``/add_worker``) are refused with an error.
