@@ -335,8 +335,35 @@ def pytest_addoption(parser):
                     help="run the selected tests in an order shuffled with SEED (the same SEED, the same order)")
 
 
+_PRIVATE_TMP: list[str] = []
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "signals: sends a signal to a process the test started (tests/conftest.py)")
+    _private_temp_folder()
+
+
+def _private_temp_folder() -> None:
+    """Point TMPDIR (for this process and every process it starts) at a folder of its own, removed at the end.
+
+    What the tests' processes write to "the system's temporary folder" (the log of a server a
+    test killed, which furlong keeps for its user; weight buckets; Ray's session files, which
+    Ray puts under TMPDIR on Linux) then goes with the test run. The name stays short: Ray's
+    socket paths below it must fit in 107 bytes.
+    """
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="fl-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    os.environ["TMPDIR"] = folder
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    _PRIVATE_TMP.append(folder)
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    for folder in _PRIVATE_TMP:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_generate_tests(metafunc):
