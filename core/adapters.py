@@ -39,6 +39,9 @@ def import_dotted(path: str, flag: str) -> Any:
     module_name, _, attr = path.rpartition(".")
     if not module_name:
         raise PluginError(f"{flag} '{path}': expected a dotted path 'module.function'.")
+    if attr == "py" and "/" not in path:
+        raise PluginError(f"{flag} '{path}': a dotted path names the module without '.py' and then the function: "
+                          f"'{module_name}.FUNCTION'.")
     try:
         module = _import_module(module_name, path, flag)
     except Exception as exc:  # noqa: BLE001 - report any import failure the same way

@@ -102,6 +102,10 @@ class Run:
         level, where = output_note(args)
         log.log(level, "%s", where)
         resume = resolve_start(args)
+        if resume.start_rollout_id >= args.num_rollout:
+            log.warning("the run starts at rollout %d and --num-rollout is %d: there is nothing left to train (a "
+                        "finished run resumed, or --num-rollout lowered); raise --num-rollout to train further.",
+                        resume.start_rollout_id, args.num_rollout)
         if self.metrics.path is not None:  # this run logs its rollouts from here on: earlier rows of them go aside
             moved = set_aside_rows_from(self.metrics.path, resume.start_rollout_id, steps_per_rollout(args))
             if moved:

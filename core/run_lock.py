@@ -121,6 +121,16 @@ class RunLock:
         raise PluginError(f"{self.flag} '{self.folder}': another run keeps taking its lock {self.path}; "
                           "choose another folder.")
 
+    def busy(self) -> str | None:
+        """Why a run cannot use the folder now (a live run holds its lock, or the lock names no run), else None.
+
+        For scripts that move or clear an output folder before a run: they must not pull it
+        from under a run that is writing it.
+        """
+        if not os.path.exists(self.path):
+            return None
+        return self._held_by(self._read()) or None
+
     def release(self) -> None:
         """Remove the lock if this process still holds it, and the folder when the lock created it and the
         run wrote nothing there (a run stopped by an error before it wrote anything leaves no empty folder)."""

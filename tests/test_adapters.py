@@ -263,3 +263,12 @@ def test_a_miles_path_whose_built_in_is_disabled_is_imported_as_written(load_plu
     with pytest.raises(PluginError) as err:
         resolve_selection(_args(dynamic_sampling_filter_path=[MILES_FILTER]), pm, ("filter",))
     assert str(err.value).startswith(f"--dynamic-sampling-filter-path '{MILES_FILTER}': ")
+
+
+def test_a_file_name_instead_of_a_dotted_path_gets_the_right_form():
+    from furlong.core.adapters import import_dotted
+    from furlong.hooks import PluginError
+
+    with pytest.raises(PluginError, match=r"^--custom-rm-path 'myrm\.py': a dotted path names the module without "
+                                          r"'\.py' and then the function: 'myrm\.FUNCTION'\.$"):
+        import_dotted("myrm.py", "--custom-rm-path")

@@ -152,3 +152,30 @@ def test_two_runs_started_at_once_on_one_folder(tmp_path, tiny_model_dir, arithm
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/step"] for r in rows if "rollout/step" in r] == [0, 1, 2]
     assert not (save / LOCK_NAME).exists()
+
+
+def test_busy_says_why_a_folder_is_in_use_and_nothing_for_a_stale_lock(tmp_path, sleeper):
+    assert RunLock(str(tmp_path / "none")).busy() is None
+    _write_lock(tmp_path / "live", _holder(sleeper.pid))
+    assert "another run writes this folder (pid" in RunLock(str(tmp_path / "live")).busy()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    _write_lock(tmp_path / "stale", _holder(gone.pid))
+    assert RunLock(str(tmp_path / "stale")).busy() is None
+
+
+def test_the_demo_script_leaves_a_folder_a_live_run_writes_in_place(tmp_path, sleeper):
+    """run_demo.sh moves its output folder aside before a run; not while another run writes it."""
+    from pathlib import Path
+
+    out = tmp_path / "demo"
+    _write_lock(out, _holder(sleeper.pid))
+    (out / "metrics.jsonl").write_text('{"rollout/step": 0}\n')
+    script = Path(__file__).resolve().parents[1] / "examples" / "demo" / "run_demo.sh"
+    done = subprocess.run(["bash", str(script)], env={**os.environ, "OUT": str(out)}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (f"error: --save '{out}': another run writes this folder (pid {sleeper.pid} on "
+                                   f"host {socket.gethostname()} since {_since(1_700_000_000.0)}); wait for it to "
+                                   "end or choose another --save.")
+    assert (out / "metrics.jsonl").exists() and not (tmp_path / "demo.previous").exists()
