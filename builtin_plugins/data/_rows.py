@@ -58,8 +58,11 @@ def split_slice(spec: str, flag: str) -> tuple[str, int | None, int | None]:
     return match["path"], to_int(match["start"]), to_int(match["stop"])
 
 
-def _keys(record: dict) -> str:
-    return ", ".join(sorted(map(str, record)))
+def _missing_key(where: str, record: dict, key: str, flag: str) -> PluginError:
+    """The error for a row without ``key``: its keys, and the dotted path of a nested value so named."""
+    nested = sorted(f"{outer}.{key}" for outer, value in record.items() if isinstance(value, dict) and key in value)
+    hint = f" (did you mean {flag} {nested[0]}?)" if len(nested) == 1 else ""
+    return PluginError(f"{where}: row has no key '{key}' ({flag}); keys: {', '.join(sorted(map(str, record)))}{hint}.")
 
 
 def _check_messages(where: str, input_key: str, messages: list) -> None:
@@ -98,7 +101,7 @@ def row_from_record(where: str, record: Any, input_key: str, label_key: str | No
         raise PluginError(f"{where}: expected a JSON object, got {type(record).__name__}.")
     prompt = lookup(record, input_key)
     if prompt is MISSING:
-        raise PluginError(f"{where}: row has no key '{input_key}' (--input-key); keys: {_keys(record)}.")
+        raise _missing_key(where, record, input_key, "--input-key")
     if not isinstance(prompt, (str, list)):
         raise PluginError(f"{where}: '{input_key}' must be a string or a list of chat messages.")
     if not prompt or (isinstance(prompt, str) and not prompt.strip()):
@@ -107,7 +110,7 @@ def row_from_record(where: str, record: Any, input_key: str, label_key: str | No
         _check_messages(where, input_key, prompt)
     label = lookup(record, label_key) if label_key else None
     if label is MISSING:
-        raise PluginError(f"{where}: row has no key '{label_key}' (--label-key); keys: {_keys(record)}.")
+        raise _missing_key(where, record, label_key, "--label-key")
     metadata = _metadata(where, record, metadata_key)
     tools = lookup(record, tool_key) if tool_key else MISSING
     if tools is not MISSING and tools is not None:
