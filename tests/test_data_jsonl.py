@@ -54,8 +54,8 @@ def test_slice_keeps_python_slice_rows(tmp_path, plugin_manager):
     (['{"prompt": "a", "label": "1"}', "{not json"], ":2: not valid JSON (Expecting property name enclosed in double quotes at column 2)."),
     (['{"prompt": "a", "label": "1"}', '{"question": "b", "label": "2"}'], ":2: row has no key 'prompt' (--input-key); keys: label, question."),
     (['{"prompt": "a"}'], ":1: row has no key 'label' (--label-key); keys: prompt."),
-    (['{"prompt": "a", "reward_model": {"ground_truth": "1"}}'], ":1: row has no key 'ground_truth' (--label-key); "
-     "keys: prompt, reward_model (did you mean --label-key reward_model.ground_truth?)."),
+    (['{"prompt": "a", "reward_model": {"label": "1"}}'], ":1: row has no key 'label' (--label-key); "
+     "keys: prompt, reward_model (did you mean --label-key reward_model.label?)."),
     (['[1, 2]'], ":1: expected a JSON object, got list."),
     (['{"prompt": "a", "label": "1", "metadata": 3}'], ":1: 'metadata' (--metadata-key) must be a JSON object."),
 ])
