@@ -10,7 +10,7 @@ from typing import Any
 
 from furlong.hooks import PluginError
 
-__all__ = ["MISSING", "base_path", "lookup", "row_from_record", "split_slice"]
+__all__ = ["MISSING", "base_path", "lookup", "row_from_record", "rows_of", "split_slice"]
 
 _SLICE = re.compile(r"^(?P<path>.*)@\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
 
@@ -119,3 +119,19 @@ def row_from_record(where: str, record: Any, input_key: str, label_key: str | No
             raise PluginError(f"{where}: '{tool_key}' (--tool-key) must be a list.")
         metadata = {**metadata, "tools": tools}
     return {"prompt": prompt, "label": label, "metadata": metadata}
+
+
+def rows_of(records: list, spec: str, path: str, start: int | None, stop: int | None, keys: tuple, flag: str,
+            what: str) -> list[dict]:
+    """The checked rows of a whole file's ``records`` (each named ``path, row N``), sliced ``[start:stop]``.
+
+    :param keys: ``(input_key, label_key, metadata_key, tool_key)`` as :func:`row_from_record` takes them.
+    :param what: what ``path`` is, for messages ("file", "data set").
+    :raises PluginError: no records; a bad record (see :func:`row_from_record`); a slice that selects none.
+    """
+    if not records:
+        raise PluginError(f"{flag} '{path}': the {what} has no rows.")
+    rows = [row_from_record(f"{path}, row {i}", record, *keys) for i, record in enumerate(records, 1)][start:stop]
+    if not rows:
+        raise PluginError(f"{flag} '{spec}': the slice selects no rows (the {what} has some).")
+    return rows

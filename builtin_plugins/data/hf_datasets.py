@@ -15,7 +15,7 @@ import os
 
 from furlong.hooks import PluginError, hookimpl
 
-from ._rows import base_path, row_from_record, split_slice
+from ._rows import base_path, rows_of, split_slice
 from ._source import RowsDataSource
 
 __all__ = ["HfDatasetsDataSource", "data_source", "read_dataset_rows", "reads_path"]
@@ -57,15 +57,8 @@ def read_dataset_rows(spec: str, input_key: str, label_key: str | None, metadata
     path, start, stop = split_slice(spec, flag)
     if not os.path.exists(path):
         raise PluginError(f"{flag} '{path}': no such file or directory.")
-    records = _records(path, flag)
-    if not records:
-        raise PluginError(f"{flag} '{path}': the data set has no rows.")
-    rows = [row_from_record(f"{path}, row {i}", record, input_key, label_key, metadata_key, tool_key)
-            for i, record in enumerate(records, 1)]
-    rows = rows[start:stop]
-    if not rows:
-        raise PluginError(f"{flag} '{spec}': the slice selects no rows (the data set has some).")
-    return rows
+    return rows_of(_records(path, flag), spec, path, start, stop, (input_key, label_key, metadata_key, tool_key),
+                   flag, "data set")
 
 
 def _records(path: str, flag: str) -> list[dict]:

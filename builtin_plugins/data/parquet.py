@@ -13,7 +13,7 @@ import os
 
 from furlong.hooks import PluginError, hookimpl
 
-from ._rows import base_path, row_from_record, split_slice
+from ._rows import base_path, rows_of, split_slice
 from ._source import RowsDataSource
 
 __all__ = ["ParquetDataSource", "data_source", "read_parquet_rows", "reads_path"]
@@ -61,14 +61,7 @@ def read_parquet_rows(spec: str, input_key: str, label_key: str | None, metadata
     except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...
         raise PluginError(f"{flag} '{path}': cannot read it as Parquet ({type(exc).__name__}: "
                           f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc}).") from None
-    if not records:
-        raise PluginError(f"{flag} '{path}': the file has no rows.")
-    rows = [row_from_record(f"{path}, row {i}", record, input_key, label_key, metadata_key, tool_key)
-            for i, record in enumerate(records, 1)]
-    rows = rows[start:stop]
-    if not rows:
-        raise PluginError(f"{flag} '{spec}': the slice selects no rows (the file has some).")
-    return rows
+    return rows_of(records, spec, path, start, stop, (input_key, label_key, metadata_key, tool_key), flag, "file")
 
 
 class ParquetDataSource(RowsDataSource):
