@@ -10,14 +10,14 @@ __all__ = ["DERIVED", "launch_args"]
 REQUIRED = {"--num-rollout": "1", "--rollout-batch-size": "1"}
 
 # attributes a run derives (no flag defines them) that a test may still set through ``overrides``
-DERIVED = frozenset({"explicit_args", "megatron_flags_given", "megatron_args"})
+DERIVED = frozenset({"explicit_args", "megatron_flags_given", "megatron_args", "train_mode"})
 
 
 def launch_args(*argv: str, pm=None, **overrides) -> Namespace:
     """Parse ``argv`` as ``furlong train`` does, after the installed plugins added their flags, then apply ``overrides``.
 
     The two flags a run must give (``--num-rollout``, ``--rollout-batch-size``) default
-    to 1 here; everything else takes furlong's and the plugins' defaults. Touches no file.
+    to 1 here (``--num-rollout`` not when ``--num-epoch`` is given); everything else takes furlong's and the plugins' defaults. Touches no file.
 
     This is the one way tests build launch flags: every flag the parser defines is there,
     with the value a real run would have, so code that reads ``args.flag`` sees what it sees
@@ -37,7 +37,8 @@ def launch_args(*argv: str, pm=None, **overrides) -> Namespace:
     including Megatron flags the parse leaves unset), or one of :data:`DERIVED`, the
     attributes the parse itself derives that tests set: ``explicit_args`` (the flags given
     on the command line), ``megatron_flags_given`` and ``megatron_args`` (the Megatron flags
-    given, as typed and as ``{dest: value}``).
+    given, as typed and as ``{dest: value}``), and ``train_mode`` (``"sync"`` here, ``"async"``
+    under ``furlong train-async``).
 
     :param argv: launch flags, e.g. ``("--rm-type", "my_reward", "--my-reward-scale", "2")``.
     :param pm: the plugin manager whose plugins add flags (default: every installed plugin).
@@ -51,6 +52,8 @@ def launch_args(*argv: str, pm=None, **overrides) -> Namespace:
 
     pm = pm if pm is not None else get_plugin_manager()
     given = {token.split("=", 1)[0] for token in argv}
+    if "--num-epoch" in given:  # the run derives --num-rollout from it (furlong.core.epochs)
+        given.add("--num-rollout")
     filled = [item for flag, value in REQUIRED.items() if flag not in given for item in (flag, value)]
     args = parse_args(filled + list(argv), pm, command="train")
     if overrides:

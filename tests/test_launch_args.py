@@ -17,9 +17,9 @@ def test_every_flag_has_the_value_of_a_run_that_gives_only_the_required_ones():
 
 
 def test_overrides_are_set_after_parsing_and_are_not_explicit():
-    args = launch_args("--num-rollout", "3", lr=1e-2, sgd_momentum=0.5, explicit_args=["lr"])
+    args = launch_args("--num-rollout", "3", lr=1e-2, sgd_momentum=0.5, explicit_args=["lr"], train_mode="async")
     assert (args.num_rollout, args.lr, args.sgd_momentum) == (3, 1e-2, 0.5)  # sgd_momentum: left unset by the parse
-    assert args.explicit_args == ["lr"]
+    assert (args.explicit_args, args.train_mode) == (["lr"], "async")
     # derived from --num-rollout by the parse, not again from an override
     assert launch_args("--num-rollout", "3").lr_decay_iters == 3
     assert launch_args(num_rollout=3).lr_decay_iters == 1
@@ -34,3 +34,8 @@ def test_the_derived_attributes_tests_may_set_are_not_flags():
     dests = {action.dest for action in build_parser(get_plugin_manager())._actions}
     assert DERIVED and not DERIVED & dests
     assert set(DERIVED) <= set(vars(launch_args()))
+
+
+def test_num_epoch_stands_for_num_rollout_which_the_run_derives_from_it():
+    args = launch_args("--num-epoch", "2")
+    assert (args.num_epoch, args.num_rollout) == (2, None)
