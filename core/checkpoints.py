@@ -83,7 +83,7 @@ def should_save(args: Any, rollout_id: int) -> bool:
     """
     if not getattr(args, "save", None):
         return False
-    if periodic(rollout_id, getattr(args, "save_interval", None), getattr(args, "num_rollout", None),
+    if periodic(rollout_id, args.save_interval, args.num_rollout,
                 getattr(args, "num_rollout_per_epoch", None)):
         return True
     sentinel = getattr(args, "save_trigger_sentinel", None)
@@ -173,7 +173,7 @@ async def save_checkpoint(
     os.makedirs(tmp)
     await save_model(tmp)
     with open(os.path.join(tmp, WRITER_NAME), "w", encoding="utf-8") as f:
-        json.dump({"train_backend": getattr(args, "train_backend", None)}, f)
+        json.dump({"train_backend": args.train_backend}, f)
     _fsync_dir(tmp)
     _publish(args, save, rollout_id, tmp, final, state_text)
     hf_dir = hf_export_dir(args, rollout_id)
@@ -300,7 +300,7 @@ def _check_writer(args: Any, load_dir: str, loaded: int) -> None:
             writer = json.load(f).get("train_backend")
     except (OSError, ValueError, AttributeError):
         return
-    backend = getattr(args, "train_backend", None)
+    backend = args.train_backend
     if writer and backend and writer != backend:
         raise PluginError(f"--load {args.load}: {os.path.basename(load_dir)} was written by --train-backend {writer}, "
                           f"which this run's --train-backend {backend} cannot read; resume with --train-backend "

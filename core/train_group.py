@@ -91,7 +91,7 @@ class TrainGroup:
         else:
             log.info("a separate forward pass computes pi_old: %s.", reason)
         blocked = zero_advantage_skip_blocked(self.args)
-        self.skip_zero_advantage = bool(getattr(self.args, "skip_zero_advantage_samples", False)) and blocked is None
+        self.skip_zero_advantage = bool(self.args.skip_zero_advantage_samples) and blocked is None
         if blocked is not None:
             log.info("every sample is trained, zero advantage or not (--skip-zero-advantage-samples is off: %s).",
                      blocked)

@@ -347,7 +347,7 @@ class StepLoop:
                 message = (f"{self.name}: rollout {rollout_id} step {s}: non-finite loss or gradient (grad norm "
                            f"{grad_norm}); lower --lr, check rewards and data, or pass "
                            "--no-check-for-nan-in-loss-and-grad to skip such steps.")
-                if not getattr(self.args, "no_check_for_nan_in_loss_and_grad", False):
+                if self.args.check_for_nan_in_loss_and_grad:  # --no-check-for-nan-in-loss-and-grad sets it False
                     raise FloatingPointError(message)
                 log.warning("%s Step skipped.", message)
                 self.optimizer.zero_grad(set_to_none=True)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import random
 
 import pytest
 
 from furlong.core.batching import count_dp_size, karmarkar_karp, plan_steps, split_steps
+from furlong.core.launch_args import launch_args
 from furlong.hooks import PluginError
 
 
@@ -167,16 +167,16 @@ def test_karmarkar_karp_pads_uneven_counts():
 
 
 def test_count_dp_size():
-    fsdp = argparse.Namespace(actor_num_nodes=2, actor_num_gpus_per_node=4, train_backend="fsdp")
+    fsdp = launch_args(actor_num_nodes=2, actor_num_gpus_per_node=4, train_backend="fsdp")
     assert count_dp_size(fsdp) == 8
-    mega = argparse.Namespace(actor_num_nodes=2, actor_num_gpus_per_node=4, train_backend="megatron",
-                              tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=1)
+    mega = launch_args(actor_num_nodes=2, actor_num_gpus_per_node=4, train_backend="megatron",
+                       tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=1)
     assert count_dp_size(mega) == 2  # 8 GPUs / (tp 2 x pp 2 x cp 1)
 
 
 def test_count_dp_size_rejects_indivisible_parallel_sizes():
-    args = argparse.Namespace(actor_num_nodes=1, actor_num_gpus_per_node=4, train_backend="megatron",
-                              tensor_model_parallel_size=3, pipeline_model_parallel_size=1, context_parallel_size=1)
+    args = launch_args(actor_num_nodes=1, actor_num_gpus_per_node=4, train_backend="megatron",
+                       tensor_model_parallel_size=3, pipeline_model_parallel_size=1, context_parallel_size=1)
     with pytest.raises(PluginError) as err:
         count_dp_size(args)
     assert str(err.value) == (

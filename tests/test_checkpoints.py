@@ -4,26 +4,17 @@ saves, and a resume never restarts at rollout 0 when there is a checkpoint."""
 import asyncio
 import json
 import os
-from argparse import Namespace
 
 import pytest
 
 from furlong.core import checkpoints as ck
+from furlong.core.launch_args import launch_args
 from furlong.hooks import PluginError
 
 
 def _args(**kw):
-    base = dict(
-        save=None,
-        save_interval=100,
-        num_rollout=10,
-        save_trigger_sentinel=None,
-        load=None,
-        start_rollout_id=None,
-        ckpt_step=None,
-    )
-    base.update(kw)
-    return Namespace(**base)
+    """The launch flags of a 10-rollout run (every other flag at the parser's default), ``kw`` replacing any."""
+    return launch_args(**{"num_rollout": 10, **kw})
 
 
 def _writer(content: str):

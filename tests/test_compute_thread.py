@@ -4,13 +4,13 @@ train backend's passes, weight copies), the event loop's thread at one intra-op 
 from __future__ import annotations
 
 import asyncio
-import argparse
 import threading
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from furlong.core.launch_args import launch_args  # noqa: E402
 from furlong.core.loop import shares_compute_thread  # noqa: E402
 from furlong.hooks.compute_thread import run_compute, shared_compute_thread  # noqa: E402
 
@@ -88,8 +88,8 @@ def test_errors_reach_the_caller_and_the_block_cannot_be_nested():
 
 
 def test_only_sync_runs_share_the_compute_thread():
-    assert shares_compute_thread(argparse.Namespace(train_mode="sync"))
-    assert not shares_compute_thread(argparse.Namespace(train_mode="async"))
+    assert shares_compute_thread(launch_args(train_mode="sync"))
+    assert not shares_compute_thread(launch_args(train_mode="async"))
 
 
 @pytest.mark.usefixtures("two_torch_threads")

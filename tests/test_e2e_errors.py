@@ -274,8 +274,7 @@ def test_no_reward_for_the_first_rows_is_told_before_any_model_loads(tmp_path, g
 
 
 def test_rows_that_name_their_reward_pass_and_are_drawn_again(plugin_manager):
-    from argparse import Namespace
-
+    from furlong.core.launch_args import launch_args
     from furlong.core.rewards import check_first_rows_name_a_reward
     from furlong.hooks import PluginError
     from furlong.hooks.epochs import EpochOrder
@@ -294,7 +293,7 @@ def test_rows_that_name_their_reward_pass_and_are_drawn_again(plugin_manager):
             self.order.load_state(state)
 
     named = Rows([{"prompt": str(i), "label": "1", "metadata": {"rm_type": "math"}} for i in range(5)])
-    args = Namespace(rollout_batch_size=3, over_sampling_batch_size=4, prompt_data="d.jsonl")
+    args = launch_args(rollout_batch_size=3, over_sampling_batch_size=4, prompt_data="d.jsonl")
     first = Rows(named.rows).next_rows(4)
     check_first_rows_name_a_reward(args, plugin_manager, named)
     assert named.next_rows(4) == first  # the rows checked are drawn again

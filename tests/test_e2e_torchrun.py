@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-from argparse import Namespace
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from safetensors.torch import load_file
 
 from furlong.builtin_plugins.executors.local import InProcessWorkers, LocalExecutor, configure, executor
 from furlong.builtin_plugins.executors.torchrun import TorchrunExecutor
+from furlong.core.launch_args import launch_args
 from furlong.hooks.config_report import ConfigReport
 
 
@@ -94,18 +94,18 @@ def test_two_trainer_ranks_reproduce_one_process(tmp_path, tiny_model_dir, arith
 def test_torchrun_size_must_match_the_trainer_flags(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     report = ConfigReport("local", ("--executor",))
-    configure(Namespace(actor_num_nodes=1, actor_num_gpus_per_node=1), report)
+    configure(launch_args(actor_num_nodes=1, actor_num_gpus_per_node=1), report)
     assert report.errors == [
         "torchrun started 2 trainer processes but --actor-num-nodes 1 x --actor-num-gpus-per-node 1 = 1; pass "
         "flags whose product is 2 (e.g. --actor-num-gpus-per-node 2) or change --nproc-per-node."]
     matching = ConfigReport("local", ("--executor",))
-    configure(Namespace(actor_num_nodes=1, actor_num_gpus_per_node=2), matching)
+    configure(launch_args(actor_num_nodes=1, actor_num_gpus_per_node=2), matching)
     assert matching.errors == []
 
 
 def test_one_process_runs_its_one_worker_in_process(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    local = executor(Namespace(actor_num_nodes=1, actor_num_gpus_per_node=1))
+    local = executor(launch_args(actor_num_nodes=1, actor_num_gpus_per_node=1))
     assert isinstance(local, LocalExecutor) and local.is_driver and local.weights_in_process
 
     class Worker:
@@ -121,7 +121,7 @@ def test_one_process_runs_its_one_worker_in_process(monkeypatch):
 def test_torchrun_processes_are_the_torchrun_executor(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    ranks = executor(Namespace(actor_num_nodes=1, actor_num_gpus_per_node=2))
+    ranks = executor(launch_args(actor_num_nodes=1, actor_num_gpus_per_node=2))
     assert isinstance(ranks, TorchrunExecutor) and not ranks.is_driver and ranks.size == 2
 
 
@@ -190,7 +190,7 @@ def test_a_flag_problem_under_torchrun_is_printed_once(tmp_path, tiny_model_dir,
 def test_local_executor_outside_torchrun_refuses_several_train_ranks(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     report = ConfigReport("local", ("--executor",))
-    configure(Namespace(actor_num_nodes=1, actor_num_gpus_per_node=2), report)
+    configure(launch_args(actor_num_nodes=1, actor_num_gpus_per_node=2), report)
     assert report.errors == [
         "--executor local runs one train rank in this process, but --actor-num-nodes 1 x --actor-num-gpus-per-node "
         "2 = 2; start one process per rank (torchrun --nproc-per-node 2 -m furlong.core train ...), use --executor "

@@ -19,6 +19,7 @@ from furlong.builtin_plugins.engines.embedded import decode  # noqa: E402
 from furlong.builtin_plugins.engines.embedded.decode import width_bucket  # noqa: E402
 from furlong.builtin_plugins.engines.embedded.fusion import compile_model, decoder_layers  # noqa: E402
 from furlong.builtin_plugins.engines.embedded.sampling import SamplingParams, filter_logits, sample_batch  # noqa: E402
+from furlong.core.launch_args import launch_args  # noqa: E402
 from furlong.hooks import PluginError, RolloutEngine, TrainBatch  # noqa: E402
 
 PROMPTS = ["Hello there", "Q: 1+1=", "x"]
@@ -61,7 +62,7 @@ def test_engine_meets_the_protocol_and_round_trips_text(engine):
 
 
 def test_rollout_engine_hook_reads_the_flags(tiny_dir):
-    args = argparse.Namespace(hf_checkpoint=str(tiny_dir), embedded_max_batch_size=3, bf16=True, fp16=False)
+    args = launch_args(hf_checkpoint=str(tiny_dir), embedded_max_batch_size=3, bf16=True, fp16=False)
     built = embedded.rollout_engine(args=args)
     assert built.max_batch_size == 3
     assert next(built.model.parameters()).dtype == torch.float32  # CPU always float32
@@ -69,7 +70,7 @@ def test_rollout_engine_hook_reads_the_flags(tiny_dir):
 
 @pytest.mark.parametrize("size", [0, -3])
 def test_a_batch_size_below_one_is_a_plugin_error(tiny_dir, size):
-    args = argparse.Namespace(hf_checkpoint=str(tiny_dir), embedded_max_batch_size=size, bf16=True, fp16=False)
+    args = launch_args(hf_checkpoint=str(tiny_dir), embedded_max_batch_size=size, bf16=True, fp16=False)
     with pytest.raises(PluginError, match=f"--embedded-max-batch-size {size}: must be at least 1"):
         embedded.rollout_engine(args=args)
 
@@ -84,12 +85,12 @@ def test_add_arguments_defines_the_batch_size_and_compile_flags():
 
 
 def test_torch_compile_flag_reaches_the_decoder(tiny_dir):
-    args = argparse.Namespace(hf_checkpoint=str(tiny_dir), embedded_max_batch_size=3, embedded_torch_compile=True)
+    args = launch_args(hf_checkpoint=str(tiny_dir), embedded_max_batch_size=3, embedded_torch_compile=True)
     built = embedded.rollout_engine(args=args)
     layers = decoder_layers(built.model)
     assert built._decoder.compile_backend == "inductor" and len(layers) == 2
     assert all(layer._compiled_call_impl is not None for layer in layers)
-    plain = embedded.rollout_engine(args=argparse.Namespace(hf_checkpoint=str(tiny_dir)))
+    plain = embedded.rollout_engine(args=launch_args(hf_checkpoint=str(tiny_dir)))
     assert plain._decoder.compile_backend is None
     assert all(layer._compiled_call_impl is None for layer in decoder_layers(plain.model))
 

@@ -5,7 +5,6 @@ down) shows what crosses the seam: plain calls by name, each rank's share of the
 weight buckets bounded by ``--update-weight-buffer-size``, engine phases in SGLang's order.
 """
 
-import argparse
 import asyncio
 import pickle
 
@@ -15,6 +14,7 @@ import torch
 from furlong.builtin_plugins.executors.local import InProcessWorkers, LocalExecutor
 from furlong.core.config import parse_args
 from furlong.core.engine_set import EngineFactory, EngineSet
+from furlong.core.launch_args import launch_args
 from furlong.core.loop import run
 from furlong.core.selection import resolve_selection
 from furlong.core.advantage_stages import compute_advantages
@@ -227,7 +227,7 @@ def test_ray_configure_checks_engines_and_machine_size_on_gpus(monkeypatch):
                       actor_num_gpus_per_node=4, rollout_num_gpus=None, colocate=False, ray_call_timeout=3600.0,
                       ray_engine_restarts=3)
         report = ConfigReport("ray", ("--executor",))
-        ray_executor.configure(argparse.Namespace(**{**values, **flags}), report)
+        ray_executor.configure(launch_args(**{**values, **flags}), report)
         return report.errors
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

@@ -105,7 +105,11 @@ def test_nan_loss_is_a_hard_error(tiny_dir):
 
 
 def test_nan_step_is_skipped_with_the_flag(tiny_dir):
-    backend = _backend(tiny_dir, no_check_for_nan_in_loss_and_grad=True)
+    from furlong.builtin_plugins.backends.fsdp import MEGATRON_FLAGS
+
+    # --no-check-for-nan-in-loss-and-grad stores False here; not reported as a Megatron flag the backend ignores
+    assert MEGATRON_FLAGS.honoured("check_for_nan_in_loss_and_grad", False)
+    backend = _backend(tiny_dir, check_for_nan_in_loss_and_grad=False)
     start = _weights(backend)
     batch = make_batch(backend.tokenizer, ALL_IN_ONE)
     batch.objective.scale = float("inf")
@@ -327,13 +331,12 @@ def test_two_rank_fsdp2_matches_one_process(tiny_dir, tmp_path):
 def test_flash_attention_that_is_not_installed_falls_back_to_sdpa(tiny_dir, caplog):
     """On CUDA the default is flash_attention_2; without the package the model loads with sdpa, which
     on CUDA then becomes packed attention (sdpa for unpacked calls)."""
-    from argparse import Namespace
-
     from furlong.builtin_plugins.backends.fsdp.model import load_causal_lm
+    from furlong.core.launch_args import launch_args
 
     if __import__("importlib").util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here, so there is nothing to fall back from")
-    args = Namespace(attn_implementation="flash_attention_2", gradient_checkpointing=False, bf16=True)
+    args = launch_args(attn_implementation="flash_attention_2", gradient_checkpointing=False, bf16=True)
     with caplog.at_level(logging.WARNING, logger="furlong"):
         model = load_causal_lm(str(tiny_dir), args, torch.device("cuda"), "--hf-checkpoint")  # loads on the host
     assert model.config._attn_implementation == "furlong_packed"

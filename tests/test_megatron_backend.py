@@ -3,7 +3,6 @@ log-probs against Hugging Face, training against the fsdp backend, torch_dist ch
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import shutil
@@ -32,6 +31,7 @@ from furlong.builtin_plugins.backends.megatron.convert import (Stage, Unit, expo
                                                                stage_layer_counts, units)
 from furlong.builtin_plugins.backends.megatron.logprobs import vocab_parallel_log_probs  # noqa: E402
 from furlong.builtin_plugins.backends.megatron.model import build_gpt, cpu_shims, init_parallel  # noqa: E402
+from furlong.core.launch_args import launch_args  # noqa: E402
 from furlong.hooks import ConfigReport, PluginError  # noqa: E402
 
 from .tiny_model import make_batch, train_args  # noqa: E402
@@ -111,9 +111,9 @@ def test_unsupported_models_are_refused_by_name(change, message):
 
 def test_model_args_that_disagree_with_the_config_name_both_values():
     shape = model_shape(random_hf("qwen2-untied").config)
-    args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
-                              group_query_attention=True, swiglu=True, disable_bias_linear=True, add_qkv_bias=True,
-                              qk_layernorm=False, untie_embeddings_and_output_weights=False, normalization="RMSNorm")
+    args = launch_args(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                       group_query_attention=True, swiglu=True, disable_bias_linear=True, add_qkv_bias=True,
+                       qk_layernorm=False, untie_embeddings_and_output_weights=False, normalization="RMSNorm")
     problems = check_model_args(args, shape, "m/config.json")
     assert problems == [
         "--hidden-size 64 disagrees with m/config.json (hidden_size = 32).",
@@ -127,7 +127,7 @@ def test_model_args_that_disagree_with_the_config_name_both_values():
 
 def test_a_switch_for_a_feature_the_model_lacks_is_refused_without_num_layers_too():
     shape = model_shape(random_hf("llama3-untied").config)
-    args = argparse.Namespace(num_layers=None, qk_layernorm=True, add_qkv_bias=True, swiglu=False)
+    args = launch_args(num_layers=None, qk_layernorm=True, add_qkv_bias=True, swiglu=False)
     assert check_model_args(args, shape, "m/config.json") == [
         "--add-qkv-bias is given but m/config.json says model_type = llama (no add-qkv-bias in the model).",
         "--qk-layernorm is given but m/config.json says model_type = llama (no qk-layernorm in the model).",
@@ -467,7 +467,7 @@ def test_micro_batches_are_packed_where_attention_is_one_varlen_call(monkeypatch
 
     def packed(device, dtype, tokens, cp=1, dynamic=False):
         backend = SimpleNamespace(device=torch.device(device), cp=cp, _dtype=lambda: dtype,
-                                  args=argparse.Namespace(use_dynamic_batch_size=dynamic))
+                                  args=launch_args(use_dynamic_batch_size=dynamic))
         return MegatronBackend._packed(backend, tokens)
 
     same, mixed = [[1] * 8] * 4, [[1] * 20, [1] * 2, [1] * 2]

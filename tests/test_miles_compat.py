@@ -351,11 +351,14 @@ def test_num_epoch_derives_num_rollout_from_the_loaded_data(tmp_path, arithmetic
 
 def test_epoch_ends_are_save_and_eval_points_too():
     from furlong.core.checkpoints import periodic, should_save
+    from furlong.core.epochs import derive_num_rollout
+    from furlong.core.launch_args import launch_args
 
     assert [r for r in range(14) if periodic(r, 5, 14, epoch=7)] == [4, 6, 9, 13]
     assert [r for r in range(14) if periodic(r, 5, 14)] == [4, 9, 13]
-    args = Namespace(save="/ckpt", save_interval=100, num_rollout=14, num_rollout_per_epoch=7,
-                     save_trigger_sentinel=None)
+    args = launch_args("--num-epoch", "2", save="/ckpt", save_interval=100, save_trigger_sentinel=None)
+    derive_num_rollout(args, 7, "jsonl")  # 7 prompts, one a rollout: 2 epochs of 7 rollouts
+    assert (args.num_rollout, args.num_rollout_per_epoch) == (14, 7)
     assert [r for r in range(14) if should_save(args, r)] == [6, 13]
 
 

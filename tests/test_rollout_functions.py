@@ -7,12 +7,12 @@ import itertools
 import json
 import os
 import textwrap
-from argparse import Namespace
 
 import pytest
 
 from furlong.core import checkpoints as ck
 from furlong.core.config import parse_args
+from furlong.core.launch_args import launch_args
 from furlong.hooks import PluginError
 
 from .scripted_engine import ScriptedEngine, boxed_first_operand, rollout_manager
@@ -148,8 +148,8 @@ async def _save_model(path):
 
 
 def _save_args(tmp_path, hook):
-    return Namespace(save=str(tmp_path / "save"), save_trigger_sentinel=None,
-                     custom_megatron_post_save_hook_path=hook)
+    return launch_args(save=str(tmp_path / "save"), save_trigger_sentinel=None,
+                       custom_megatron_post_save_hook_path=hook)
 
 
 def test_post_save_hook_runs_after_the_marker_names_the_checkpoint(tmp_path, functions):

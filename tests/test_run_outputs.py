@@ -49,11 +49,10 @@ def test_a_run_names_its_output_folder(tmp_path, tiny_model_dir, arithmetic_json
 
 @pytest.mark.parametrize("log_dir", [False, True])
 def test_output_note_with_save(tmp_path, log_dir):
-    from argparse import Namespace
-
+    from furlong.core.launch_args import launch_args
     from furlong.core.loop import output_note
 
-    args = Namespace(save=str(tmp_path / "s"), save_interval=100, log_dir=str(tmp_path / "l") if log_dir else None)
+    args = launch_args(save=str(tmp_path / "s"), save_interval=100, log_dir=str(tmp_path / "l") if log_dir else None)
     level, text = output_note(args)
     where = f"outputs go to {tmp_path / 's'}: metrics.jsonl, and checkpoints after every 100 rollouts and the last rollout."
     if log_dir:

@@ -45,25 +45,23 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
 
 
 def train_args(hf_dir: Path | str, **overrides) -> argparse.Namespace:
-    """The launch flags the fsdp backend reads, for a 1-rollout run.
+    """The launch flags of a 1-rollout run on the model in ``hf_dir``, through the parser.
 
-    Defaults: 1 rollout of 4 samples, ``gbs`` 4, Adam at lr 1e-2 (constant), no weight
-    decay, clip 1.0. ``overrides`` replace any of them.
+    Defaults: 1 rollout of 4 samples, ``gbs`` 4 in fixed micro-batches of 1 (no dynamic
+    batch size), Adam at lr 1e-2 (constant, decaying over the backend's own step count), no
+    weight decay, clip 1.0, float32; every other flag takes the parser's default.
+    ``overrides`` replace any of them (flag attribute names: see
+    :func:`furlong.core.launch_args.launch_args`).
     """
+    from furlong.core.launch_args import launch_args
+
     values = dict(
-        hf_checkpoint=str(hf_dir), ref_load=None, use_kl_loss=False, kl_coef=0.0,
-        optimizer="adam", lr=1e-2, min_lr=0.0, lr_decay_style="constant", lr_decay_iters=None,
-        lr_warmup_iters=0, lr_warmup_fraction=None, lr_warmup_init=0.0, weight_decay=0.0,
-        adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-8, clip_grad=1.0,
-        num_rollout=1, rollout_batch_size=4, n_samples_per_prompt=1, global_batch_size=4,
-        num_steps_per_rollout=1, micro_batch_size=1, use_dynamic_batch_size=False, max_tokens_per_gpu=None,
-        no_check_for_nan_in_loss_and_grad=False, reset_optimizer_states=False,
-        no_load_optim=False, no_load_rng=False, no_save_optim=False,
-        gradient_checkpointing=False, attn_implementation="sdpa", bf16=False, fp16=False,
-        entropy_coef=0.0, seed=1234, megatron_flags_given=[],
+        hf_checkpoint=str(hf_dir), optimizer="adam", lr=1e-2, lr_decay_style="constant", lr_decay_iters=None,
+        weight_decay=0.0, clip_grad=1.0, rollout_batch_size=4, global_batch_size=4, micro_batch_size=1,
+        use_dynamic_batch_size=False, max_tokens_per_gpu=None, bf16=False, fp16=False,
     )
     values.update(overrides)
-    return argparse.Namespace(**values)
+    return launch_args(**values)
 
 
 # flags of the 2-rank FSDP2 test (worker and single-process reference): SGD's first update is

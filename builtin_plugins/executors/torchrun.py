@@ -60,7 +60,7 @@ class TorchrunExecutor(LocalExecutor):
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            nccl = torch.cuda.is_available() and getattr(args, "distributed_backend", "nccl") == "nccl"
+            nccl = torch.cuda.is_available() and args.distributed_backend == "nccl"
             minutes = getattr(args, "distributed_timeout_minutes", 10) or 10
             dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", timeout=timedelta(minutes=minutes))
         self.group = dist.new_group(backend="gloo", timeout=OBJECT_TIMEOUT)

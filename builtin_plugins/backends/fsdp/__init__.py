@@ -8,13 +8,14 @@ from .backend import FSDPBackend
 
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "MEGATRON_FLAGS", "FSDPBackend", "configure", "train_backend"]
 
-# Of the backend flags LoRA's (peft, lora.py) and --sgd-momentum (--optimizer sgd) are read;
+# Of the backend flags LoRA's (peft, lora.py), --sgd-momentum (--optimizer sgd) and
+# --no-check-for-nan-in-loss-and-grad (the step loop skips a non-finite step) are read;
 # --context-parallel-size and --fp16 are refused by configure below; the model trains without dropout (eval mode), which is what
 # dropout 0 asks; the model comes from the --hf-checkpoint config, against which the core
 # checks the architecture flags given.
 MEGATRON_FLAGS = MegatronFlags(
     honours=frozenset({"lora_rank", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules",
-                       "context_parallel_size", "fp16", "sgd_momentum"}),
+                       "context_parallel_size", "fp16", "sgd_momentum", "check_for_nan_in_loss_and_grad"}),
     at_values={"attention_dropout": (0.0,), "hidden_dropout": (0.0,)}, architecture_from_hf=True)
 
 

@@ -100,7 +100,7 @@ class FSDPBackend(StepLoop):
         if self.rank == 0:
             log.info("fsdp: %s", self._precision())
             log.info("fsdp optimizer: %s, weight decay %s, clip %s, schedule %s", type(self.optimizer).__name__,
-                     getattr(args, "weight_decay", None), getattr(args, "clip_grad", None), self.schedule)
+                     args.weight_decay, args.clip_grad, self.schedule)
         return 0
 
     def _place(self, model, *, trainable: bool):

@@ -52,7 +52,7 @@ def load_causal_lm(path: str, args: Any, device, flag: str):
     if not is_hf_dir(path):
         raise PluginError(f"{flag} {path}: not a Hugging Face model directory (no config.json); the fsdp backend "
                           "loads Hugging Face checkpoints.")
-    wanted = getattr(args, "attn_implementation", None) or "sdpa"
+    wanted = args.attn_implementation
     if device.type != "cuda" and wanted.startswith("flash"):
         wanted = "sdpa"
     order = (wanted,) if wanted == "sdpa" else (wanted, "sdpa")

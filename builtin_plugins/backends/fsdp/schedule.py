@@ -111,7 +111,7 @@ class LRSchedule:
                 f"{decay:g} decay steps (--lr-decay-iters, default num_rollout x steps per rollout); shorten the warmup."
             )
         wsd_decay = getattr(args, "lr_wsd_decay_iters", None)
-        wsd_style = getattr(args, "lr_wsd_decay_style", None) or "exponential"
+        wsd_style = args.lr_wsd_decay_style
         if style == "WSD":
             if not wsd_decay:
                 raise PluginError("--lr-decay-style WSD needs --lr-wsd-decay-iters (steps of the final anneal).")

@@ -80,7 +80,7 @@ def build_scheduler(optimizer, args: Any):
     wsd = getattr(args, "lr_wsd_decay_iters", None)
     if style == "WSD" and not wsd:
         raise PluginError("--lr-decay-style WSD needs --lr-wsd-decay-iters (steps of the final anneal).")
-    wd = float(getattr(args, "weight_decay", 0.0) or 0.0)
+    wd = float(args.weight_decay)
     override = bool(getattr(args, "override_opt_param_scheduler", False))
     return OptimizerParamScheduler(
         optimizer, init_lr=float(getattr(args, "lr_warmup_init", 0.0) or 0.0), max_lr=float(args.lr),
@@ -88,4 +88,4 @@ def build_scheduler(optimizer, args: Any):
         lr_decay_style=style, start_wd=wd, end_wd=wd, wd_incr_steps=decay, wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=bool(getattr(args, "use_checkpoint_opt_param_scheduler", False))
         and not override, override_opt_param_scheduler=override, wsd_decay_steps=wsd,
-        lr_wsd_decay_style=getattr(args, "lr_wsd_decay_style", None) or "exponential")
+        lr_wsd_decay_style=args.lr_wsd_decay_style)

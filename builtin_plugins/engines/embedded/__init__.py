@@ -49,9 +49,9 @@ def rollout_engine(args):
     return load_engine(
         args.hf_checkpoint,
         max_batch_size=64 if size is None else int(size),  # 0 reaches the engine's check
-        half=not getattr(args, "fp16", False) and getattr(args, "bf16", True),
-        fp16=bool(getattr(args, "fp16", False)),
-        seed=int(getattr(args, "seed", 0) or 0) + int(getattr(args, "rollout_engine_index", 0) or 0),
+        half=not args.fp16 and args.bf16,
+        fp16=bool(args.fp16),
+        seed=int(args.seed) + int(getattr(args, "rollout_engine_index", 0) or 0),
         compile="inductor" if getattr(args, "embedded_torch_compile", False) else None,
     )
 
