@@ -137,7 +137,7 @@ def check_first_rows_name_a_reward(args: Namespace, pm: FurlongPluginManager, so
     :param source: the train data source (``furlong.hooks.DataSource``).
     :raises PluginError: one of those rows names no reward; the message says how many and what to pass.
     """
-    k = int(getattr(args, "over_sampling_batch_size", None) or args.rollout_batch_size or 1)
+    k = int(args.over_sampling_batch_size or args.rollout_batch_size or 1)
     state = copy.deepcopy(source.state())
     rows = source.next_rows(k)
     source.load_state(state)
@@ -146,7 +146,7 @@ def check_first_rows_name_a_reward(args: Namespace, pm: FurlongPluginManager, so
         return
     prompt = str(missing[0].get("prompt"))
     prompt = prompt if len(prompt) <= 60 else prompt[:57] + "..."
-    where = getattr(args, "prompt_data", None) or "the data"
+    where = args.prompt_data or "the data"
     raise PluginError(
         f"no reward chosen: the run has neither --rm-type nor --custom-rm-path, and {len(missing)} of the {len(rows)} "
         f"prompts the first rollout draws from {where} name none in metadata['rm_type'] (the first: {prompt!r}). "

@@ -31,7 +31,7 @@ def output_folders(args: Namespace) -> list[tuple[str, str]]:
     """``(flag, folder)`` of the folder this run writes its outputs to: ``--save``, else ``--log-dir``
     (``metrics.jsonl``, loggers' files and checkpoints go there), or none. A path that exists and is not
     a folder is left out (the path checks of :func:`furlong.core.preflight.check_paths` report it)."""
-    for flag, folder in (("--save", getattr(args, "save", None)), ("--log-dir", getattr(args, "log_dir", None))):
+    for flag, folder in (("--save", args.save), ("--log-dir", args.log_dir)):
         if folder:
             return [(flag, folder)] if os.path.isdir(folder) or not os.path.exists(folder) else []
     return []

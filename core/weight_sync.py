@@ -25,6 +25,7 @@ and would report a healthy server dead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from argparse import Namespace
 from typing import Any
@@ -55,15 +56,15 @@ class WeightSync:
         self._generation = 0
         self.monitor: Any = None  # the EngineHealthMonitor, paused during a sync
 
-    async def _paused_monitor(self, sync) -> None:
-        """Run ``sync`` (a coroutine) with the health monitor paused."""
-        if self.monitor is None:
-            await sync
-            return
-        was_running = self.monitor.running  # paused already while the engines are offloaded
-        self.monitor.pause()
+    @contextlib.asynccontextmanager
+    async def _monitor_paused(self):
+        """The health monitor (if any) paused inside the block; resumed after unless it was paused before
+        (while the engines are offloaded)."""
+        was_running = self.monitor is not None and self.monitor.running
+        if was_running:
+            self.monitor.pause()
         try:
-            await sync
+            yield
         finally:
             if was_running:
                 self.monitor.resume()
@@ -85,7 +86,7 @@ class WeightSync:
         async with self.lock:
             self.version += 1
             try:
-                await self._paused_monitor(self._push(self.engines, self.version))
+                await self._push(self.engines, self.version)
                 return self.version
             except PluginError:
                 dead = [e for e in (await self._split_by_health())[1] if hasattr(e, "recover")]
@@ -106,7 +107,7 @@ class WeightSync:
             await self.close()  # a new process joins: the weight-update group is built again
             if self.version:
                 # engines still dead (several died at once) join when their own replacement syncs
-                await self._paused_monitor(self._push((await self._split_by_health())[0], self.version))
+                await self._push((await self._split_by_health())[0], self.version)
 
     async def _split_by_health(self) -> tuple[list, list]:
         """``(healthy, dead)`` engines, asking each one."""
@@ -122,7 +123,7 @@ class WeightSync:
 
     async def _push(self, engines: list, version: int) -> None:
         mode = getattr(self.args, "pause_generation_mode", "retract") or "retract"
-        async with self.group.busy:  # engines pause only once the trainer is free (train-async)
+        async with self._monitor_paused(), self.group.busy:  # engines pause once the trainer is free (train-async)
             await asyncio.gather(*(e.pause_generation(mode) for e in engines))
             try:
                 if mode != "in_place":
