@@ -37,8 +37,8 @@ import bench_gpu  # noqa: E402
 
 from furlong.builtin_plugins.backends.fsdp import head_log_probs, packing  # noqa: E402
 from furlong.builtin_plugins.backends.fsdp.logprobs import forward_log_probs  # noqa: E402
-from furlong.hooks.hf import compile_decoder_layers  # noqa: E402
-from furlong.hooks.master_weights import MasterWeights  # noqa: E402
+from furlong.kit.hf import compile_decoder_layers  # noqa: E402
+from furlong.kit.master_weights import MasterWeights  # noqa: E402
 
 SAMPLES, PROMPT, RESPONSE = 256, 128, 256
 

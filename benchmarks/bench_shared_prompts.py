@@ -33,7 +33,7 @@ import torch
 
 from furlong.builtin_plugins.backends.fsdp import shared_prompts
 from furlong.builtin_plugins.backends.fsdp.logprobs import forward_log_probs
-from furlong.core.batching import plan_steps
+from furlong.core.train.batching import plan_steps
 from furlong.core.config.rules import DEFAULT_TOKENS_PER_MICRO_BATCH
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo"

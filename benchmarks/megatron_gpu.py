@@ -178,7 +178,7 @@ def part_kernels(rows: int = 16384, vocab: int = 151936) -> dict:
     dimension dynamic and run eagerly: the largest differences and the times of forward + backward."""
     from furlong.builtin_plugins.backends.megatron import logprobs
     from furlong.builtin_plugins.backends.megatron.model import init_parallel
-    from furlong.hooks import vocab_softmax
+    from furlong.kit import vocab_softmax
 
     init_parallel(1, torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(5)

@@ -1,15 +1,22 @@
-"""furlong's hook contract: hookspecs, the ``hookimpl`` marker, shared types, Protocols."""
+"""furlong's hook contract: hookspecs, the ``hookimpl`` marker, shared types, Protocols.
 
-from . import answers, epochs, kl, rows, specs
+Helpers for plugin authors (trainer utilities, Hugging Face loading, KL estimators, answer
+extraction, epoch order, ...) live in :mod:`furlong.kit`. Their old module paths under
+``furlong.hooks`` still import, with a ``DeprecationWarning``, until the next minor version.
+"""
+
+from . import _moved, rows, specs
 from .config_report import ConfigReport
 from .errors import PluginError
 from .markers import PROJECT, hookimpl, hookspec
 from .megatron_flags import MegatronFlags
+from .run_config import PluginConfig, RunConfig
 from .protocols import (DataSource, Executor, RolloutContext, RolloutEngine, StepObjective, TrainBackend,
                         WorkerGroup)
 from .types import (
     AdvantageInput,
     AdvantageOutput,
+    DatasetSpec,
     FilterResult,
     GenerateOutput,
     LossInput,
@@ -26,6 +33,7 @@ __all__ = [
     "AdvantageInput",
     "AdvantageOutput",
     "ConfigReport",
+    "DatasetSpec",
     "DataSource",
     "Executor",
     "FilterResult",
@@ -34,9 +42,11 @@ __all__ = [
     "LossOutput",
     "MegatronFlags",
     "ParallelLayout",
+    "PluginConfig",
     "PluginError",
     "RolloutContext",
     "RolloutEngine",
+    "RunConfig",
     "Sample",
     "Status",
     "StepObjective",
@@ -46,9 +56,6 @@ __all__ = [
     "WorkerGroup",
     "hookimpl",
     "hookspec",
-    "answers",
-    "epochs",
-    "kl",
     "rows",
     "specs",
 ]

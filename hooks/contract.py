@@ -42,6 +42,10 @@ GENERATED = (Status.COMPLETED, Status.TRUNCATED, Status.ABORTED, Status.FAILED)
 # --- registration: what pluggy's validation and the hook names say ------------------------
 
 
+# still accepted, with a DeprecationWarning, until the next minor version (PLUGINS.md, "Deprecations")
+DEPRECATED_ARGUMENTS = frozenset({"args"})
+
+
 def argument_name_problems(pm: pluggy.PluginManager, plugin: object) -> str:
     """Why pluggy refuses ``plugin``: each implementation argument its hookspec lacks, with the valid names.
 
@@ -59,10 +63,11 @@ def argument_name_problems(pm: pluggy.PluginManager, plugin: object) -> str:
         except (TypeError, ValueError):
             continue
         valid = getattr(pm.hook, hook).spec.argnames
+        current = [a for a in valid if a not in DEPRECATED_ARGUMENTS]
         for arg in [a for a in params if a not in valid]:
-            close = difflib.get_close_matches(arg, valid, n=1)
+            close = difflib.get_close_matches(arg, current, n=1)
             problems.append(f"`{hook}({', '.join(params)})` takes '{arg}', which is not an argument of hook "
-                            f"`{hook}`; its arguments are: {', '.join(valid)} (take any of them, by name)"
+                            f"`{hook}`; its arguments are: {', '.join(current)} (take any of them, by name)"
                             + (f"; did you mean '{close[0]}'?" if close else "."))
     return " ".join(problems)
 

@@ -114,7 +114,7 @@ class StepObjective(Protocol):
         :param entropy: N float32 tensors [T_i] or None.
         :returns: ``(loss, metrics)``: a 0-dim tensor to ``backward()`` and a dict of 0-dim
             tensors (on the loss's device, detached) or floats, already divided by the step's
-            denominator: sum them over micro-batches (:func:`furlong.hooks.trainer.sum_step_metrics`
+            denominator: sum them over micro-batches (:func:`furlong.kit.trainer.sum_step_metrics`
             reads a step's sums with one synchronisation).
         """
 
@@ -168,7 +168,7 @@ class TrainBackend(Protocol):
 
     # Optional: ``async def save_hf(self, path: str) -> None`` writes the weights as a Hugging
     # Face model directory (``--save-hf``; every rank calls it). Backends built on
-    # :class:`furlong.hooks.trainer.StepLoop` inherit one; without it ``--save-hf`` is an error.
+    # :class:`furlong.kit.trainer.StepLoop` inherit one; without it ``--save-hf`` is an error.
 
 
 @runtime_checkable

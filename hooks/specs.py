@@ -9,6 +9,13 @@ take no defaults. Call styles:
 - *broadcast*: every enabled implementation runs, each on its own; one failure does not
   stop the others.
 - *observer*: broadcast, failures logged as warnings, never timed by ``on_hook_call``.
+
+Every hook but ``add_arguments`` and ``configure`` receives ``config``, the run's frozen
+:class:`~furlong.hooks.RunConfig` (typed fields; a plugin's own flags through
+``config.plugin_config(name)``). ``configure`` runs before the freeze and receives the
+mutable ``argparse.Namespace`` of that set-up step. The old form, an implementation that
+takes ``args``, still receives ``config.namespace()`` until the next minor version (with a
+``DeprecationWarning``; PLUGINS.md, "Deprecations").
 """
 
 from __future__ import annotations
@@ -17,8 +24,9 @@ from argparse import ArgumentParser, Namespace
 
 from .config_report import ConfigReport
 from .markers import hookspec
+from .run_config import RunConfig
 from .protocols import DataSource, Executor, RolloutContext, RolloutEngine, TrainBackend
-from .types import AdvantageInput, AdvantageOutput, FilterResult, LossInput, LossOutput, Sample
+from .types import AdvantageInput, AdvantageOutput, DatasetSpec, FilterResult, LossInput, LossOutput, Sample
 
 __all__ = [
     "abort",
@@ -104,7 +112,7 @@ def configure(args: Namespace, report: ConfigReport) -> None:
 
 
 @hookspec
-def executor(args: Namespace) -> Executor:
+def executor(config: RunConfig, args: Namespace) -> Executor:
     """Create the executor: what places the train workers and the rollout engines.
 
     Call: chosen by name (``--executor NAME``; default ``ray`` under ``ray job submit``
@@ -117,7 +125,7 @@ def executor(args: Namespace) -> Executor:
     each engine, and drives the workers through the returned
     :class:`~furlong.hooks.WorkerGroup` (``await group.call(method, args_per_rank)``).
 
-    :param args: resolved launch flags; read the cluster flags (``--actor-num-nodes``,
+    :param config: the run's configuration; read the cluster flags (``--actor-num-nodes``,
         ``--actor-num-gpus-per-node``, ``--rollout-num-gpus``,
         ``--rollout-num-gpus-per-engine``, ``--colocate``, ``--offload-*``).
     :returns: an object meeting :class:`~furlong.hooks.Executor`.
@@ -127,7 +135,7 @@ def executor(args: Namespace) -> Executor:
 
 
 @hookspec
-def rollout_engine(args: Namespace) -> RolloutEngine:
+def rollout_engine(config: RunConfig, args: Namespace, engine_index: int) -> RolloutEngine:
     """Create the generation engine.
 
     Call: chosen by name (``--rollout-backend NAME``; default ``sglang`` when a furlong
@@ -139,14 +147,14 @@ def rollout_engine(args: Namespace) -> RolloutEngine:
     ``--seed``, the sample's index and train/eval): honour it and a run samples the same
     tokens in any process and after a resume.
 
-    :param args: resolved launch flags, plus ``args.rollout_engine_index``: which engine
-        this is (0, 1, ...), e.g. for a per-engine seed.
+    :param config: the run's configuration.
+    :param engine_index: which engine this is (0, 1, ...), e.g. for a per-engine seed.
     :returns: an object meeting :class:`~furlong.hooks.RolloutEngine`.
     """
 
 
 @hookspec
-def train_backend(args: Namespace) -> TrainBackend:
+def train_backend(config: RunConfig, args: Namespace) -> TrainBackend:
     """Create the training backend (the actor, and the reference when KL is used).
 
     Call: chosen by name (``--train-backend NAME``; default ``megatron`` when a furlong
@@ -155,22 +163,22 @@ def train_backend(args: Namespace) -> TrainBackend:
     driver's, a ``torchrun`` process or a Ray actor). The backend receives only its rank's
     share of each rollout batch and reports its parallel layout (``layout()``).
 
-    :param args: resolved launch flags.
+    :param config: the run's configuration.
     :returns: an object meeting :class:`~furlong.hooks.TrainBackend`.
     """
 
 
 @hookspec
-def data_source(args: Namespace) -> DataSource:
+def data_source(config: RunConfig, args: Namespace, dataset: DatasetSpec) -> DataSource:
     """Create the prompt data source.
 
     Call: chosen by name (``--data-source NAME``, default ``jsonl``). Called once per run,
-    before any model loads: a bad file must fail here, naming file and line. Called again
-    once per eval dataset, with ``args.prompt_data`` and the keys set to the dataset's and
-    ``args.prompt_data_flag`` naming where the path came from (e.g. ``--eval-prompt-data
-    gsm8k``; absent or None for the training data, whose flag is ``--prompt-data``).
+    before any model loads, for the training data: a bad file must fail here, naming file
+    and line. Called again once per eval dataset.
 
-    :param args: resolved launch flags (``--prompt-data``, ``--input-key``, ...).
+    :param config: the run's configuration.
+    :param dataset: what to read: path, the flag it came from (for messages), row keys,
+        shuffling, the prompt-length limit (:class:`~furlong.hooks.DatasetSpec`).
     :returns: an object meeting :class:`~furlong.hooks.DataSource`.
     :raises PluginError: the data is missing, empty or malformed (message names file and line).
     """
@@ -180,7 +188,7 @@ def data_source(args: Namespace) -> DataSource:
 
 
 @hookspec
-def rollout(args: Namespace, rollout_id: int, context: RolloutContext) -> list[list[Sample]]:
+def rollout(config: RunConfig, args: Namespace, rollout_id: int, context: RolloutContext) -> list[list[Sample]]:
     """Produce the groups one rollout iteration trains on.
 
     Call: chosen by name (``--rollout NAME``, default ``sync``; ``--rollout-function-path``).
@@ -195,7 +203,7 @@ def rollout(args: Namespace, rollout_id: int, context: RolloutContext) -> list[l
 
 @hookspec
 def generate(
-    args: Namespace, sample: Sample, sampling_params: dict, engine: RolloutEngine, evaluation: bool
+    config: RunConfig, args: Namespace, sample: Sample, sampling_params: dict, engine: RolloutEngine, evaluation: bool
 ) -> Sample | list[Sample]:
     """Generate the response of one sample.
 
@@ -216,7 +224,7 @@ def generate(
 
 
 @hookspec
-def reward(args: Namespace, samples: list[Sample]) -> list[float | dict]:
+def reward(config: RunConfig, args: Namespace, samples: list[Sample]) -> list[float | dict]:
     """Score finished samples.
 
     Call: chosen by name, per sample: ``--custom-rm-path`` wins, then
@@ -230,7 +238,7 @@ def reward(args: Namespace, samples: list[Sample]) -> list[float | dict]:
 
 
 @hookspec
-def filter(args: Namespace, samples: list[Sample], rollout_id: int) -> FilterResult | bool:
+def filter(config: RunConfig, args: Namespace, samples: list[Sample], rollout_id: int) -> FilterResult | bool:
     """Decide whether one finished, scored group is kept for training (dynamic sampling).
 
     Call: every filter named by ``--dynamic-sampling-filter`` (and
@@ -244,7 +252,9 @@ def filter(args: Namespace, samples: list[Sample], rollout_id: int) -> FilterRes
 
 
 @hookspec
-def buffer_pop(args: Namespace, rollout_id: int, buffer: list[list[Sample]], num_samples: int) -> list[list[Sample]]:
+def buffer_pop(
+    config: RunConfig, args: Namespace, rollout_id: int, buffer: list[list[Sample]], num_samples: int
+) -> list[list[Sample]]:
     """Choose which buffered partial groups leave the buffer at the start of a rollout.
 
     Call: chosen by name (``--buffer-filter NAME``, default ``pop_first``;
@@ -257,7 +267,7 @@ def buffer_pop(args: Namespace, rollout_id: int, buffer: list[list[Sample]], num
 
 
 @hookspec
-def abort(args: Namespace, rollout_id: int) -> None:
+def abort(config: RunConfig, args: Namespace, rollout_id: int) -> None:
     """Tear down external work when a rollout aborts its leftovers.
 
     Call: broadcast to every enabled implementation after the engine's abort requests were
@@ -271,7 +281,7 @@ def abort(args: Namespace, rollout_id: int) -> None:
 
 
 @hookspec
-def advantage(args: Namespace, batch: AdvantageInput) -> AdvantageOutput:
+def advantage(config: RunConfig, args: Namespace, batch: AdvantageInput) -> AdvantageOutput:
     """Turn one rollout batch's rewards into per-token advantages and returns.
 
     Call: chosen by name (``--advantage-estimator NAME``, default ``grpo``;
@@ -291,7 +301,7 @@ def advantage(args: Namespace, batch: AdvantageInput) -> AdvantageOutput:
 
 
 @hookspec
-def loss(args: Namespace, batch: LossInput) -> LossOutput:
+def loss(config: RunConfig, args: Namespace, batch: LossInput) -> LossOutput:
     """Per-token objective of one micro-batch; the core reduces it.
 
     Call: chosen by name (``--loss-type NAME``, default ``policy_loss``;
@@ -306,7 +316,7 @@ def loss(args: Namespace, batch: LossInput) -> LossOutput:
 
 
 @hookspec
-def loss_reducer(args: Namespace, values: list, loss_masks: list, total_lengths: list[int]):
+def loss_reducer(config: RunConfig, args: Namespace, values: list, loss_masks: list, total_lengths: list[int]):
     """Reduce one micro-batch's per-token policy-gradient values to its share of the step loss.
 
     Call: chosen by name (``--loss-reducer NAME``; ``--custom-pg-loss-reducer-function-path``
@@ -336,7 +346,7 @@ def loss_reducer(args: Namespace, values: list, loss_masks: list, total_lengths:
 
 
 @hookspec
-def on_rollout_end(args: Namespace, rollout_id: int, metrics: dict) -> None:
+def on_rollout_end(config: RunConfig, args: Namespace, rollout_id: int, metrics: dict) -> None:
     """Observer: a rollout iteration finished (rollout, training, weight sync).
 
     :param metrics: ``rollout/...`` and ``perf/...`` values (floats), step key ``rollout/step``.
@@ -344,7 +354,7 @@ def on_rollout_end(args: Namespace, rollout_id: int, metrics: dict) -> None:
 
 
 @hookspec
-def on_train_step_end(args: Namespace, rollout_id: int, step: int, metrics: dict) -> None:
+def on_train_step_end(config: RunConfig, args: Namespace, rollout_id: int, step: int, metrics: dict) -> None:
     """Observer: one optimizer step finished.
 
     :param step: global optimizer step (``rollout_id * num_steps_per_rollout + s``).
@@ -353,12 +363,12 @@ def on_train_step_end(args: Namespace, rollout_id: int, step: int, metrics: dict
 
 
 @hookspec
-def on_eval_end(args: Namespace, rollout_id: int, metrics: dict) -> None:
+def on_eval_end(config: RunConfig, args: Namespace, rollout_id: int, metrics: dict) -> None:
     """Observer: an evaluation finished. ``metrics`` holds ``eval/<name>`` and friends."""
 
 
 @hookspec
-def on_checkpoint_saved(args: Namespace, rollout_id: int, path: str) -> None:
+def on_checkpoint_saved(config: RunConfig, args: Namespace, rollout_id: int, path: str) -> None:
     """Observer: checkpoint ``path`` (``<save>/iter_NNNNNNN``) is complete and marked latest."""
 
 

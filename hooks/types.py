@@ -14,6 +14,7 @@ import attrs
 __all__ = [
     "AdvantageInput",
     "AdvantageOutput",
+    "DatasetSpec",
     "FilterResult",
     "GenerateOutput",
     "LossInput",
@@ -262,6 +263,37 @@ class TrainBatch:
     truncated: list | None = None
     sample_indices: list | None = None
     temperature: float = 1.0
+
+
+@attrs.frozen(kw_only=True)
+class DatasetSpec:
+    """Which prompts a ``data_source`` reads: the training data, or one evaluation set.
+
+    ``path``: what the flag gave (a file, a folder, a dataset name; the plugin decides how
+    to read it); ``flag``: where it came from, for messages (``"--prompt-data"``,
+    ``"--eval-prompt-data gsm8k"``, ``"--eval-config dataset 'aime'"``); ``name``: the
+    evaluation set's name, ``None`` for the training data; the ``*_key`` fields: the row
+    keys of ``--input-key``, ``--label-key``, ``--metadata-key`` (comma-separated),
+    ``--tool-key`` (or the evaluation set's own); ``shuffle``: shuffle every epoch with
+    ``seed`` (never for evaluation); ``max_prompt_len``: drop prompts longer than this many
+    tokens (``None``: keep all).
+    """
+
+    path: str | None
+    flag: str
+    name: str | None = None
+    input_key: str | None = None
+    label_key: str | None = None
+    metadata_key: str | None = None
+    tool_key: str | None = None
+    shuffle: bool = False
+    seed: int = 0
+    max_prompt_len: int | None = None
+
+    @property
+    def evaluation(self) -> bool:
+        """True for an evaluation set."""
+        return self.name is not None
 
 
 @attrs.define(frozen=True)

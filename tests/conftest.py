@@ -138,7 +138,7 @@ def plugin_manager(monkeypatch):
     ``FURLONG_DISABLE_PLUGINS`` and ``FURLONG_TRACE_HOOKS`` are cleared first, so the
     caller's environment does not change what a test sees.
     """
-    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.plugins.manager import get_plugin_manager
 
     monkeypatch.delenv("FURLONG_DISABLE_PLUGINS", raising=False)
     monkeypatch.delenv("FURLONG_TRACE_HOOKS", raising=False)
@@ -178,7 +178,7 @@ def furlong_entry_points() -> dict[str, str]:
 def installed_plugins(furlong_entry_points) -> list[str]:
     """``DIST:NAME`` of furlong's built-ins and of every plugin distribution installed beside it
     (the contrib/ packages, ...): disabling them leaves only what a test installs itself."""
-    from furlong.core.discovery import read_entry_points
+    from furlong.core.plugins.discovery import read_entry_points
 
     return sorted({f"furlong:{name}" for name in furlong_entry_points}
                   | {f"{record.dist}:{record.name}" for record in read_entry_points()})
@@ -193,7 +193,7 @@ def load_plugins(monkeypatch, installed_plugins):
     other installed plugin distributions are disabled the way a user would, with
     ``DIST:NAME``.
     """
-    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.plugins.manager import get_plugin_manager
 
     monkeypatch.delenv("FURLONG_DISABLE_PLUGINS", raising=False)
     monkeypatch.delenv("FURLONG_TRACE_HOOKS", raising=False)

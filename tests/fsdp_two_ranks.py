@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tiny_model import TWO_RANK_FLAGS, make_batch, train_args
 
 from furlong.builtin_plugins.backends.fsdp import train_backend
-from furlong.core.batching import plan_steps
+from furlong.core.train.batching import plan_steps
 
 
 async def main(hf_dir: str, out: Path) -> None:

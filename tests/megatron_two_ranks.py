@@ -91,7 +91,7 @@ async def data_parallel(hf_dir: str, out: Path, rank: int) -> None:
     from megatron.core import parallel_state
     from transformers import AutoTokenizer
 
-    from furlong.core.batching import plan_steps
+    from furlong.core.train.batching import plan_steps
 
     parallel_state.destroy_model_parallel()
     backend = train_backend(args=train_args(hf_dir, adam_eps=1e-3))
@@ -116,7 +116,7 @@ async def distributed_optimizer(hf_dir: str, out: Path, rank: int, steps: list, 
     optimizer with the plain run's moments."""
     from transformers import AutoTokenizer
 
-    from furlong.hooks.trainer import local_optimizer
+    from furlong.kit.trainer import local_optimizer
 
     def owned(backend) -> dict:
         names = {id(p): n for n, p in backend.model.named_parameters()}

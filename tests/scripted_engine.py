@@ -85,9 +85,9 @@ class ScriptedEngine:
 
 def rollout_manager(args, pm, engine):
     """A RolloutManager over the chosen data source and ``engine`` (as a run builds it), for rollout-logic tests."""
-    from furlong.core.data_cursor import DataCursor
-    from furlong.core.rollout_manager import RolloutManager
-    from furlong.core.selection import resolve_selection
+    from furlong.core.rollout.data_cursor import DataCursor
+    from furlong.core.rollout.manager import RolloutManager
+    from furlong.core.plugins.selection import resolve_selection
 
     selection = resolve_selection(args, pm)
     source = pm.call_chosen_sync("data_source", *selection.chosen["data_source"], args=args)

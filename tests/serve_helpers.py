@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Iterator
 
-from furlong.hooks.dist import free_port
+from furlong.kit.dist import free_port
 from furlong.hooks.testing.processes import signal_state
 
 START_TIMEOUT_S = 60

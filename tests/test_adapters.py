@@ -9,7 +9,7 @@ from argparse import Namespace
 
 import pytest
 
-from furlong.core.selection import resolve_selection
+from furlong.core.plugins.selection import resolve_selection
 from furlong.hooks import FilterResult, PluginError
 
 USER_MODULE = '''
@@ -238,8 +238,8 @@ MILES_FILTER = "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_n
 
 
 def test_miles_filter_hub_paths_resolve_to_the_built_in_plugins(caplog):
-    from furlong.core.miles_paths import MILES_BUILTINS
-    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.plugins.miles_paths import MILES_BUILTINS
+    from furlong.core.plugins.manager import get_plugin_manager
 
     pm = get_plugin_manager()
     paths = [path for path, (hook, _) in MILES_BUILTINS.items() if hook == "filter"]
@@ -266,7 +266,7 @@ def test_a_miles_path_whose_built_in_is_disabled_is_imported_as_written(load_plu
 
 
 def test_a_file_name_instead_of_a_dotted_path_gets_the_right_form():
-    from furlong.core.adapters import import_dotted
+    from furlong.core.plugins.adapters import import_dotted
     from furlong.hooks import PluginError
 
     with pytest.raises(PluginError, match=r"^--custom-rm-path 'myrm\.py': a dotted path names the module without "

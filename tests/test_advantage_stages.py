@@ -6,8 +6,8 @@ from argparse import Namespace
 import pytest
 import torch
 
-from furlong.core.advantage_stages import apply_opd, compute_advantages, shaping_kl, whiten
-from furlong.core.plugins import get_plugin_manager
+from furlong.core.train.advantage_stages import apply_opd, compute_advantages, shaping_kl, whiten
+from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import AdvantageInput, AdvantageOutput, PluginError, hookimpl
 
 DEFAULTS = dict(

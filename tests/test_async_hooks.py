@@ -31,7 +31,7 @@ async def data_source(args):
 
 
 def _selection(name):
-    from furlong.core.selection import Selection
+    from furlong.core.plugins.selection import Selection
 
     return Selection(chosen={"data_source": (name, "--data-source")})
 
@@ -51,7 +51,7 @@ def _eval_args(path, **extra):
 
 
 def test_async_eval_data_source_is_awaited_inside_the_running_loop(plugin_manager, register_plugin, tmp_path):
-    from furlong.core.evaluation import Evaluator
+    from furlong.core.rollout.evaluation import Evaluator
 
     seen = []
 
@@ -79,7 +79,7 @@ def test_async_eval_data_source_is_awaited_inside_the_running_loop(plugin_manage
 
 def test_plain_eval_data_source_still_fails_at_construction(plugin_manager, register_plugin, tmp_path):
     """A synchronous data source is read when the Evaluator is built, before any model loads."""
-    from furlong.core.evaluation import Evaluator
+    from furlong.core.rollout.evaluation import Evaluator
 
     class NoLen:
         @hookimpl
@@ -97,7 +97,7 @@ def test_plain_eval_data_source_still_fails_at_construction(plugin_manager, regi
 
 
 def test_async_eval_data_source_error_names_the_set_when_loaded(plugin_manager, register_plugin, tmp_path):
-    from furlong.core.evaluation import Evaluator
+    from furlong.core.rollout.evaluation import Evaluator
 
     class AsyncNoLen:
         @hookimpl
@@ -256,9 +256,9 @@ def test_every_hook_of_a_run_may_be_async(plugin_dist, tmp_path, tiny_model_dir,
 def _run_recording_the_loop(argv: list[str]) -> list[int]:
     """Run ``furlong train`` in-process with the installed plugins; ``[id of the run's event loop]``."""
     from furlong.core.config import parse_args
-    from furlong.core.loop import run
-    from furlong.core.plugins import get_plugin_manager
-    from furlong.core.selection import resolve_selection
+    from furlong.core.run.loop import run
+    from furlong.core.plugins.manager import get_plugin_manager
+    from furlong.core.plugins.selection import resolve_selection
 
     pm = get_plugin_manager()
     args = parse_args(argv, pm)

@@ -1,4 +1,4 @@
-"""Micro-batch planning (furlong.core.batching): fixed and dynamic, hand-worked plans."""
+"""Micro-batch planning (furlong.core.train.batching): fixed and dynamic, hand-worked plans."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from furlong.core.batching import count_dp_size, karmarkar_karp, plan_steps, split_steps
-from furlong.core.launch_args import launch_args
+from furlong.core.train.batching import count_dp_size, karmarkar_karp, plan_steps, split_steps
+from furlong.core.config.launch_args import launch_args
 from furlong.hooks import PluginError
 
 

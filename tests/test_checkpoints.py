@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from furlong.core import checkpoints as ck
-from furlong.core.launch_args import launch_args
+from furlong.core.run import checkpoints as ck
+from furlong.core.config.launch_args import launch_args
 from furlong.hooks import PluginError
 
 

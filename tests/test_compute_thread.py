@@ -1,4 +1,4 @@
-"""furlong.hooks.compute_thread: one thread for a sync run's torch work (the engine's decode loop, the
+"""furlong.kit.compute_thread: one thread for a sync run's torch work (the engine's decode loop, the
 train backend's passes, weight copies), the event loop's thread at one intra-op thread."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from furlong.core.launch_args import launch_args  # noqa: E402
-from furlong.core.loop import shares_compute_thread  # noqa: E402
-from furlong.hooks.compute_thread import run_compute, shared_compute_thread  # noqa: E402
+from furlong.core.config.launch_args import launch_args  # noqa: E402
+from furlong.core.run.loop import shares_compute_thread  # noqa: E402
+from furlong.kit.compute_thread import run_compute, shared_compute_thread  # noqa: E402
 
 
 @pytest.fixture

@@ -175,7 +175,7 @@ def example_argv(name: str) -> list[str]:
 def test_gsm8k_megatron_script_prints_its_config_with_one_warning_for_the_cluster_model_path(capsys, caplog):
     """Its own backend accepts it (no-op parallel sizes of 1 included); the model path of the cluster
     does not exist here: one warning that it cannot be checked here, no error."""
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     argv = example_argv("gsm8k_qwen_megatron.sh")
     assert not os.path.exists(argv[argv.index("--hf-checkpoint") + 1])
@@ -219,7 +219,7 @@ def demo_argv() -> list[str]:
 
 def test_cpu_sglang_demo_command_parses_to_one_engine():
     """README's CPU command for the sglang engine: run_demo.sh --rollout-backend sglang --sglang-server-impl furlong."""
-    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.plugins.manager import get_plugin_manager
 
     flags = ["--rollout-backend", "sglang", "--sglang-server-impl", "furlong", "--executor", "local"]
     args = parse_args(demo_argv() + flags, get_plugin_manager())

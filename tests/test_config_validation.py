@@ -515,7 +515,7 @@ def test_batch_flags_are_not_blamed_when_torchrun_started_another_number_of_rank
 
 
 def test_cli_prints_each_flag_problem_on_its_own_error_line(capsys):
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     assert main(["train", *BASE, "--hf-checkpoint", "examples/demo/model", "--global-batch-size", "3",
                  "--lr", "-1"]) == 2
@@ -527,7 +527,7 @@ def test_cli_prints_each_flag_problem_on_its_own_error_line(capsys):
 
 
 def test_hf_checkpoint_problems_are_told_with_the_other_flag_problems(capsys):
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     assert main(["train", "--num-rollout", "3", "--rollout-batch-size", "4", "--lr", "-1"]) == 2
     assert capsys.readouterr().err.splitlines() == [
@@ -579,7 +579,7 @@ def test_cuda_defaults_use_the_gpus_torch_sees(monkeypatch):
 
 
 def test_sglang_engines_need_rollout_num_gpus_only_for_sglang_servers_on_cuda(monkeypatch):
-    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.plugins.manager import get_plugin_manager
 
     assert parse_args(BASE + ["--rollout-backend", "sglang"]).rollout_num_gpus == 1  # no GPU: one engine
     _cuda(monkeypatch, gpus=2)
@@ -650,7 +650,7 @@ def backend_plugins(plugin_dist):
 ])
 def test_backend_defaults_need_their_furlong_plugin_and_the_machine(monkeypatch, backend_plugins, cuda, packages,
                                                                     expected):
-    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.plugins.manager import get_plugin_manager
 
     _cuda(monkeypatch, gpus=2, packages=packages)
     monkeypatch.setattr(env, "cuda_available", lambda: cuda)
@@ -662,7 +662,7 @@ def test_backend_defaults_need_their_furlong_plugin_and_the_machine(monkeypatch,
 
 
 def test_a_disabled_backend_plugin_is_not_a_default(monkeypatch, backend_plugins):
-    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.plugins.manager import get_plugin_manager
 
     _cuda(monkeypatch, gpus=2)
     monkeypatch.delenv("FURLONG_DISABLE_PLUGINS", raising=False)

@@ -10,10 +10,10 @@ from importlib.metadata import version
 
 import pytest
 
-from furlong.core.cli import main
+from furlong.core.cli.commands import main
 from furlong.core.config import ConfigError, parse_args
-from furlong.core.configure import configure_plugins
-from furlong.core.selection import resolve_selection
+from furlong.core.config.configure import configure_plugins
+from furlong.core.plugins.selection import resolve_selection
 from furlong.hooks import ConfigReport, PluginError, hookimpl
 
 BASE = ["--num-rollout", "3", "--rollout-batch-size", "4"]
@@ -414,7 +414,7 @@ def test_ppo_runs_with_a_critic_backend_and_derives_its_critic_defaults(resolve,
 
 
 def test_ppo_is_not_supported_yet_by_either_built_in_backend(tiny_model_dir):
-    from furlong.core.cli import _train
+    from furlong.core.cli.commands import _train
 
     for backend in ("fsdp", "megatron"):
         argv = [*BASE, "--advantage-estimator", "ppo", "--train-backend", backend, "--hf-checkpoint",

@@ -7,8 +7,8 @@ import types
 import pytest
 import torch
 
-from furlong.core.launch_args import launch_args
-from furlong.core.plugins import get_plugin_manager
+from furlong.core.config.launch_args import launch_args
+from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import AdvantageOutput, FilterResult, LossOutput, Status, hookimpl
 from furlong.hooks.testing import ContractViolation, TinyEngine, check_plugin
 
@@ -119,7 +119,7 @@ def _plugin(**functions) -> types.SimpleNamespace:
 def test_registration_mistakes_fail_with_the_core_s_message():
     assert _kit_error(_plugin(reward=lambda args, sample: [1.0])) == (
         "plugin 'careless' does not register: `reward(args, sample)` takes 'sample', which is not an argument of "
-        "hook `reward`; its arguments are: args, samples (take any of them, by name); did you mean 'samples'?")
+        "hook `reward`; its arguments are: config, samples (take any of them, by name); did you mean 'samples'?")
     assert _kit_error(types.SimpleNamespace(reward=lambda args, samples: [1.0])) == (
         "plugin 'careless' does not register: defines `reward` without @hookimpl: decorate each hook function with "
         "@hookimpl (from furlong.hooks import hookimpl).")

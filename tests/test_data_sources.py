@@ -116,7 +116,7 @@ def test_csv_and_arrow_files_read_without_the_datasets_cache(tmp_path, plugin_ma
                                           ("d.csv", "hf_datasets"), ("saved", "hf_datasets"),
                                           ("train.jsonl", "jsonl"), ("plain_folder", "jsonl")])
 def test_the_file_chooses_the_reader_when_no_flag_does(tmp_path, plugin_manager, monkeypatch, name, reader):
-    from furlong.core.selection import resolve_selection
+    from furlong.core.plugins.selection import resolve_selection
 
     monkeypatch.chdir(tmp_path)
     _parquet(tmp_path, verl_rows(2))
@@ -131,8 +131,8 @@ def test_the_file_chooses_the_reader_when_no_flag_does(tmp_path, plugin_manager,
 
 
 def test_an_eval_set_is_read_by_its_own_file_s_reader(tmp_path, plugin_manager):
-    from furlong.core.evaluation import Evaluator
-    from furlong.core.selection import resolve_selection
+    from furlong.core.rollout.evaluation import Evaluator
+    from furlong.core.plugins.selection import resolve_selection
 
     train = _parquet(tmp_path, verl_rows(4))
     (tmp_path / "test.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "q"}],

@@ -34,9 +34,9 @@ def test_a_micro_batch_size_keeps_fixed_micro_batches(extra):
 
 
 def _losses(tmp_path, tiny_model_dir, arithmetic_jsonl, extra: list[str]) -> list[dict]:
-    from furlong.core.loop import run
-    from furlong.core.plugins import get_plugin_manager
-    from furlong.core.selection import resolve_selection
+    from furlong.core.run.loop import run
+    from furlong.core.plugins.manager import get_plugin_manager
+    from furlong.core.plugins.selection import resolve_selection
 
     argv = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(arithmetic_jsonl), "--input-key", "prompt",
             "--label-key", "label", "--rm-type", "deterministic_random", "--num-rollout", "2", "--rollout-batch-size", "3",

@@ -148,7 +148,7 @@ def _cases(tmp_path, model, good):
 
 def test_bad_inputs_end_in_one_clear_error(tmp_path, tiny_model_dir, good_data, capsys):
     """In-process through the CLI's main (tests/test_plugins_cli.py runs the real subprocess)."""
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     for extra, expected in _cases(tmp_path, str(tiny_model_dir), str(good_data)):
         code = main(["train", *BASE, *extra])
@@ -165,7 +165,7 @@ def test_bad_inputs_end_in_one_clear_error(tmp_path, tiny_model_dir, good_data, 
 ])
 def test_a_reward_that_is_not_a_number_names_the_plugin_and_keeps_the_samples(tmp_path, tiny_model_dir, good_data,
                                                                              capsys, monkeypatch, value, complaint):
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     (tmp_path / "word_reward.py").write_text(f"def reward(args, sample):\n    return {value}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -186,7 +186,7 @@ def test_a_run_rejected_after_its_flags_parse_prints_its_error_without_the_core_
                                                                                          good_data, capsys, caplog):
     """The --save-interval note is written once the whole configuration is accepted, not before the error of a
     run that selection or a plugin's configure rejects."""
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     flags = [*BASE, "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(good_data),
              "--save", str(tmp_path / "run")]
@@ -205,7 +205,7 @@ def test_a_relative_model_path_that_is_not_there_is_one_error_and_no_hub_downloa
     """`models/SmolLM2-135M` looks like a Hub id: furlong never downloads, so it is one error at once."""
     import time
 
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
@@ -223,7 +223,7 @@ def test_a_relative_model_path_that_is_not_there_is_one_error_and_no_hub_downloa
 
 def test_the_tokenizer_helper_names_a_missing_directory():
     from furlong.hooks import PluginError
-    from furlong.hooks.hf import load_tokenizer
+    from furlong.kit.hf import load_tokenizer
 
     with pytest.raises(PluginError) as excinfo:
         load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -232,7 +232,7 @@ def test_the_tokenizer_helper_names_a_missing_directory():
 
 
 def test_every_line_of_a_multi_line_error_starts_with_error(tmp_path, tiny_model_dir, good_data, capsys):
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     flags = [*BASE, "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(good_data)]
     assert main(["train", *[f if f != "math" else "maht" for f in flags]]) == 2
@@ -244,7 +244,7 @@ def test_every_line_of_a_multi_line_error_starts_with_error(tmp_path, tiny_model
 
 
 def test_error_lines_prefix_each_line_of_each_problem():
-    from furlong.core.cli import error_lines
+    from furlong.core.cli.commands import error_lines
     from furlong.core.config import ConfigError
     from furlong.hooks import PluginError
 
@@ -255,7 +255,7 @@ def test_error_lines_prefix_each_line_of_each_problem():
 
 def test_no_reward_for_the_first_rows_is_told_before_any_model_loads(tmp_path, good_data, capsys, monkeypatch):
     """Without --rm-type the rows must name a reward: told before the model loads, no failed_rollout file."""
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     monkeypatch.chdir(tmp_path)
     flags = [f for f in BASE if f not in ("--rm-type", "math")]
@@ -274,10 +274,10 @@ def test_no_reward_for_the_first_rows_is_told_before_any_model_loads(tmp_path, g
 
 
 def test_rows_that_name_their_reward_pass_and_are_drawn_again(plugin_manager):
-    from furlong.core.launch_args import launch_args
-    from furlong.core.rewards import check_first_rows_name_a_reward
+    from furlong.core.config.launch_args import launch_args
+    from furlong.core.rollout.rewards import check_first_rows_name_a_reward
     from furlong.hooks import PluginError
-    from furlong.hooks.epochs import EpochOrder
+    from furlong.kit.epochs import EpochOrder
 
     class Rows:
         def __init__(self, rows):

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from furlong.core.config import parse_args
-from furlong.core.loop import run
-from furlong.core.plugins import get_plugin_manager
-from furlong.core.selection import resolve_selection
+from furlong.core.run.loop import run
+from furlong.core.plugins.manager import get_plugin_manager
+from furlong.core.plugins.selection import resolve_selection
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo"
 

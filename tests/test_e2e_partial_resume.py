@@ -8,9 +8,9 @@ import asyncio
 import json
 
 from furlong.core.config import parse_args
-from furlong.core.loop import run
-from furlong.core.plugins import get_plugin_manager
-from furlong.core.selection import resolve_selection
+from furlong.core.run.loop import run
+from furlong.core.plugins.manager import get_plugin_manager
+from furlong.core.plugins.selection import resolve_selection
 
 
 def _run(argv):

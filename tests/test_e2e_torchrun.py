@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from furlong.builtin_plugins.executors.local import InProcessWorkers, LocalExecutor, configure, executor
 from furlong.builtin_plugins.executors.torchrun import TorchrunExecutor
-from furlong.core.launch_args import launch_args
+from furlong.core.config.launch_args import launch_args
 from furlong.hooks.config_report import ConfigReport
 
 
@@ -144,7 +144,7 @@ def test_a_failure_on_rank_0_stops_every_rank_with_one_line_each(tmp_path, tiny_
     assert errors[2:] in ([], ["error: trainer rank 1: lost contact with rank 0 (RuntimeError); its own error above "
                                "says what went wrong. Stopping this rank."])
     # rank 1 either says in one line that it lost rank 0, or torchrun stopped it first; never a furlong traceback
-    assert "furlong/core" not in proc.stderr and "core/loop.py" not in proc.stderr, proc.stderr[-3000:]
+    assert "furlong/core" not in proc.stderr and "core/run/loop.py" not in proc.stderr, proc.stderr[-3000:]
     assert len((tmp_path / "run" / "failed_rollout_0.jsonl").read_text().splitlines()) == 8
 
 
@@ -202,7 +202,7 @@ def test_a_flag_problem_on_a_secondary_rank_waits_for_rank_0_then_is_still_print
     """Rank 0 prints the launch flags' problems; another rank waits first, so that exiting before rank 0
     cannot make torchrun stop rank 0 before it prints (then torchrun stops it). Were rank 0 slower than
     the wait, that rank would still print its own report: a flag problem is never silent."""
-    from furlong.core import cli
+    from furlong.core.cli import commands as cli
 
     slept = []
     monkeypatch.setattr(cli.time, "sleep", slept.append)

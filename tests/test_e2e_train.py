@@ -45,9 +45,9 @@ def short_run(tmp_path_factory, tiny_model_dir, arithmetic_jsonl):
     import asyncio
 
     from furlong.core.config import parse_args
-    from furlong.core.loop import run
-    from furlong.core.plugins import get_plugin_manager
-    from furlong.core.selection import resolve_selection
+    from furlong.core.run.loop import run
+    from furlong.core.plugins.manager import get_plugin_manager
+    from furlong.core.plugins.selection import resolve_selection
 
     save = tmp_path_factory.mktemp("run") / "save"
     argv = ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(arithmetic_jsonl), "--input-key", "prompt",

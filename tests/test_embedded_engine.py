@@ -19,7 +19,7 @@ from furlong.builtin_plugins.engines.embedded import decode  # noqa: E402
 from furlong.builtin_plugins.engines.embedded.decode import width_bucket  # noqa: E402
 from furlong.builtin_plugins.engines.embedded.fusion import compile_model, decoder_layers  # noqa: E402
 from furlong.builtin_plugins.engines.embedded.sampling import SamplingParams, filter_logits, sample_batch  # noqa: E402
-from furlong.core.launch_args import launch_args  # noqa: E402
+from furlong.core.config.launch_args import launch_args  # noqa: E402
 from furlong.hooks import PluginError, RolloutEngine, TrainBatch  # noqa: E402
 
 PROMPTS = ["Hello there", "Q: 1+1=", "x"]

@@ -1,10 +1,10 @@
-"""``furlong.hooks.epochs.EpochOrder``: the row order data sources share."""
+"""``furlong.kit.epochs.EpochOrder``: the row order data sources share."""
 
 import random
 
 import pytest
 
-from furlong.hooks.epochs import EpochOrder
+from furlong.kit.epochs import EpochOrder
 
 
 def test_plain_order_rolls_over_epochs():

@@ -7,7 +7,7 @@ from argparse import Namespace
 import pytest
 import yaml
 
-from furlong.core.eval_config import EvalDataset, load_eval_datasets, sampling_params
+from furlong.core.config.eval_config import EvalDataset, load_eval_datasets, sampling_params
 from furlong.hooks import PluginError
 
 KNOWN = (

@@ -13,17 +13,17 @@ import torch
 
 from furlong.builtin_plugins.executors.local import InProcessWorkers, LocalExecutor
 from furlong.core.config import parse_args
-from furlong.core.engine_set import EngineFactory, EngineSet
-from furlong.core.launch_args import launch_args
-from furlong.core.loop import run
-from furlong.core.selection import resolve_selection
-from furlong.core.advantage_stages import compute_advantages
-from furlong.core.batching import plan_steps
-from furlong.core.objective import StepObjective
-from furlong.core.train_data import (advantage_input, flatten, post_process_rewards, to_train_batch, trajectory_ids,
+from furlong.core.rollout.engines import EngineFactory, EngineSet
+from furlong.core.config.launch_args import launch_args
+from furlong.core.run.loop import run
+from furlong.core.plugins.selection import resolve_selection
+from furlong.core.train.advantage_stages import compute_advantages
+from furlong.core.train.batching import plan_steps
+from furlong.core.train.objective import StepObjective
+from furlong.core.train.data import (advantage_input, flatten, post_process_rewards, to_train_batch, trajectory_ids,
                                      truncated_flags)
-from furlong.core.train_group import TrainGroup, _global_denominators, _share
-from furlong.core.train_worker import TrainWorker, WorkerFactory
+from furlong.core.train.group import TrainGroup, _global_denominators, _share
+from furlong.core.train.worker import TrainWorker, WorkerFactory
 from furlong.hooks import (Executor, GenerateOutput, ParallelLayout, PluginError, Sample, Status, TrainBatch,
                            WorkerGroup, hookimpl)
 

@@ -3,7 +3,7 @@
 A flag that parses but changes nothing must either work or be refused at validation
 ("not supported yet", :data:`furlong.core.config.UNSUPPORTED`). This test lists every flag
 the parser defines (core's and the installed plugins' ``add_arguments``) and looks for a
-use of its attribute in the package source (``hooks/``, ``core/``, ``builtin_plugins/``,
+use of its attribute in the package source (``hooks/``, ``kit/``, ``core/``, ``builtin_plugins/``,
 and the module of every plugin that adds flags):
 
 - ``args.<dest>`` (or ``self.args.<dest>``, ``ds_args.<dest>``, ...),
@@ -16,7 +16,7 @@ defaults (``core/config/validate.py``, ``rules.py``, plugins' ``configure`` hook
 ``--colocate`` was read there and nowhere else) and ``unsupported.py``. Megatron-only flags
 (declared with ``core.config._util.megatron``, and every flag of Megatron-LM's table) are
 handed to the train backend unchanged; the core reports the given ones the chosen backend
-does not honour (``MEGATRON_FLAGS``, :mod:`furlong.core.megatron_support`). Miles flags of
+does not honour (``MEGATRON_FLAGS``, :mod:`furlong.core.config.megatron_support`). Miles flags of
 Miles' table that furlong does not implement are refused when given (``miles_refused``).
 """
 
@@ -33,9 +33,9 @@ from furlong.core.config import UNSUPPORTED, build_parser
 from furlong.core.config._util import MEGATRON_ONLY
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_DIRS = ("hooks", "core", "builtin_plugins")
-NOT_A_USE = re.compile(r"core/config/(flags_\w+|validate|rules|unsupported)\.py$")
-ARGS_NAME = re.compile(r"(^|_)args$")
+SOURCE_DIRS = ("hooks", "kit", "core", "builtin_plugins")
+NOT_A_USE = re.compile(r"(core/config/(flags_\w+|validate|rules|unsupported)|hooks/run_config)\.py$")
+ARGS_NAME = re.compile(r"(^|_)(args|config)$")
 
 # Flags whose effect is, by design, somewhere this scan does not see. Keep it small.
 ALLOWED = {
@@ -105,7 +105,7 @@ def uses_in(source: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def plugin_manager_with_flags():
-    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.plugins.manager import get_plugin_manager
 
     return get_plugin_manager()
 
@@ -177,7 +177,7 @@ def on_rollout_end(args, metrics):
 
 def test_a_plugin_flag_nobody_reads_is_named(plugin_dist):
     """The scan covers plugins' own flags, read in the plugin's own source."""
-    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.plugins.manager import get_plugin_manager
 
     plugin_dist("furlong-toy", "furlong_toy", TOY, {"toy": "furlong_toy"})
     pm = get_plugin_manager()
@@ -209,7 +209,7 @@ def test_megatron_flags_are_judged_against_the_backend_declaration():
     from furlong.builtin_plugins.backends import fsdp
     from furlong.hooks import MegatronFlags
 
-    source = (REPO / "core" / "megatron_support.py").read_text(encoding="utf-8")
+    source = (REPO / "core" / "config" / "megatron_support.py").read_text(encoding="utf-8")
     assert "megatron_flags_given" in uses_in(source)
     assert isinstance(fsdp.MEGATRON_FLAGS, MegatronFlags)
 

@@ -332,7 +332,7 @@ def test_flash_attention_that_is_not_installed_falls_back_to_sdpa(tiny_dir, capl
     """On CUDA the default is flash_attention_2; without the package the model loads with sdpa, which
     on CUDA then becomes packed attention (sdpa for unpacked calls)."""
     from furlong.builtin_plugins.backends.fsdp.model import load_causal_lm
-    from furlong.core.launch_args import launch_args
+    from furlong.core.config.launch_args import launch_args
 
     if __import__("importlib").util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here, so there is nothing to fall back from")

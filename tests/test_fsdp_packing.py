@@ -24,7 +24,7 @@ from furlong.builtin_plugins.backends.fsdp import packing, train_backend  # noqa
 from furlong.builtin_plugins.backends.fsdp.head_log_probs import head_log_probs, takes_fused_head  # noqa: E402
 from furlong.builtin_plugins.backends.fsdp.logprobs import chunked_log_probs, forward_log_probs  # noqa: E402
 from furlong.builtin_plugins.backends.fsdp.shared_prompts import _cache_kwarg  # noqa: E402
-from furlong.hooks.packed_attention import packed_causal_attention  # noqa: E402
+from furlong.kit.packed_attention import packed_causal_attention  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -111,7 +111,7 @@ def test_packed_attention_model_continues_past_cached_keys_as_sdpa():
 def test_varlen_call_asks_for_causal_attention_in_the_form_this_torch_takes(monkeypatch):
     import torch.nn.attention.varlen as varlen
 
-    from furlong.hooks import packed_attention as pa
+    from furlong.kit import packed_attention as pa
 
     calls = []
     monkeypatch.setattr(varlen, "varlen_attn", lambda q, k, v, *a, **kw: calls.append((k.shape, kw)) or q)

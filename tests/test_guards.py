@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from furlong.core.plugins import FurlongPluginManager, get_plugin_manager
+from furlong.core.plugins.manager import FurlongPluginManager, get_plugin_manager
 from furlong.hooks import specs
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
-PACKAGES = {"hooks": "furlong.hooks", "core": "furlong.core", "builtin_plugins": "furlong.builtin_plugins"}
+PACKAGES = {"hooks": "furlong.hooks", "kit": "furlong.kit", "core": "furlong.core", "builtin_plugins": "furlong.builtin_plugins"}
 
 
 def _hooks_in_loop_order() -> list[str]:
@@ -151,8 +151,8 @@ def _py_files(folder: str) -> list[Path]:
 
 
 def test_import_resolution_of_relative_imports(tmp_path):
-    # what _imports sees in core/cli.py: "from .plugins import X" -> furlong.core.plugins
-    assert (1, "furlong.core.plugins") in [(1, name) for _, name in _imports(REPO / "core" / "cli.py")]
+    # what _imports sees in core/cli/commands.py: "from ..plugins.manager import X" -> furlong.core.plugins.manager
+    assert (1, "furlong.core.plugins.manager") in [(1, name) for _, name in _imports(REPO / "core" / "cli" / "main.py")]
     assert _module_name(REPO / "builtin_plugins" / "__init__.py") == "furlong.builtin_plugins"
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from furlong.core.config import build_parser
-from furlong.core.launch_args import DERIVED, launch_args
-from furlong.core.plugins import get_plugin_manager
+from furlong.core.config.launch_args import DERIVED, launch_args
+from furlong.core.plugins.manager import get_plugin_manager
 
 
 def test_every_flag_has_the_value_of_a_run_that_gives_only_the_required_ones():

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-FOLDERS = {"hooks": "furlong/hooks", "core": "furlong/core", "builtin_plugins": "furlong/builtin_plugins"}
+FOLDERS = {"hooks": "furlong/hooks", "kit": "furlong/kit", "core": "furlong/core", "builtin_plugins": "furlong/builtin_plugins"}
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_wheel_entry_points_equal_pyproject(wheel, furlong_entry_points):
 def test_pyproject_packages_match_the_source_folders():
     with open(REPO / "pyproject.toml", "rb") as fh:
         tool = tomllib.load(fh)["tool"]["setuptools"]
-    assert tool["package-dir"] == {"furlong.hooks": "hooks", "furlong.core": "core",
+    assert tool["package-dir"] == {"furlong.hooks": "hooks", "furlong.kit": "kit", "furlong.core": "core",
                                    "furlong.builtin_plugins": "builtin_plugins"}
     expected = sorted(p[: -len("/__init__.py")].replace("/", ".") for p in _source_files() if p.endswith("/__init__.py"))
     assert sorted(tool["packages"]) == expected

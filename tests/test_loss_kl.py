@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from furlong.hooks.kl import kl_estimate
-from furlong.core.advantage_stages import shaping_kl
+from furlong.kit.kl import kl_estimate
+from furlong.core.train.advantage_stages import shaping_kl
 
 # One token with logp - logp_ref = -0.5: each estimator's value, sign included
 # k1 = -0.5; k2 = 0.25/2 = 0.125; k3 = low_var_kl = e^0.5 - 1 - 0.5 = 0.148721

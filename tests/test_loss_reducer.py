@@ -7,8 +7,8 @@ from argparse import Namespace
 import pytest
 import torch
 
-from furlong.core.objective import StepObjective
-from furlong.core.selection import chosen_reducer
+from furlong.core.train.objective import StepObjective
+from furlong.core.plugins.selection import chosen_reducer
 from furlong.hooks import ConfigReport, PluginError, TrainBatch, hookimpl
 
 FLAGS = dict(eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=None, kl_loss_type="k1", kl_loss_coef=0.0,

@@ -5,7 +5,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-from furlong.core.plugins import get_plugin_manager
+from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import LossInput, PluginError
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from furlong.builtin_plugins.rewards._normalize import label_answer, normalize_math_answer
-from furlong.core.plugins import get_plugin_manager
+from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import Sample
-from furlong.hooks.answers import last_boxed_content, stated_answer
+from furlong.kit.answers import last_boxed_content, stated_answer
 
 GRADED = Path(__file__).parent / "data" / "math_graded_responses.jsonl"
 

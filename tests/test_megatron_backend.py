@@ -31,7 +31,7 @@ from furlong.builtin_plugins.backends.megatron.convert import (Stage, Unit, expo
                                                                stage_layer_counts, units)
 from furlong.builtin_plugins.backends.megatron.logprobs import vocab_parallel_log_probs  # noqa: E402
 from furlong.builtin_plugins.backends.megatron.model import build_gpt, cpu_shims, init_parallel  # noqa: E402
-from furlong.core.launch_args import launch_args  # noqa: E402
+from furlong.core.config.launch_args import launch_args  # noqa: E402
 from furlong.hooks import ConfigReport, PluginError  # noqa: E402
 
 from .tiny_model import make_batch, train_args  # noqa: E402
@@ -201,7 +201,7 @@ def test_a_model_path_absent_here_is_one_warning_under_print_config_else_one_err
 
 def test_the_core_reports_only_the_megatron_flags_this_backend_does_not_read(tiny_model_dir):
     import furlong.builtin_plugins.backends.megatron as plugin
-    from furlong.core.megatron_support import report_megatron_flags
+    from furlong.core.config.megatron_support import report_megatron_flags
 
     given = ["--num-layers", "--tensor-model-parallel-size", "--sequence-parallel", "--use-distributed-optimizer",
              "--overlap-grad-reduce", "--moe-router-topk"]
@@ -462,7 +462,7 @@ def test_token_planned_micro_batches_are_packed_only_when_padding_wastes_much():
 
 def test_micro_batches_are_packed_where_attention_is_one_varlen_call(monkeypatch):
     """Always packed on CUDA in 16-bit with a torch that has varlen_attn and no CP; elsewhere by the padding rule."""
-    import furlong.hooks.packed_attention as pa
+    import furlong.kit.packed_attention as pa
     from furlong.builtin_plugins.backends.megatron.backend import MegatronBackend
 
     def packed(device, dtype, tokens, cp=1, dynamic=False):
@@ -931,9 +931,9 @@ def _grpo_run(save: Path, backend: str) -> list[dict]:
     import json
 
     from furlong.core.config import parse_args
-    from furlong.core.loop import run
-    from furlong.core.plugins import get_plugin_manager
-    from furlong.core.selection import resolve_selection
+    from furlong.core.run.loop import run
+    from furlong.core.plugins.manager import get_plugin_manager
+    from furlong.core.plugins.selection import resolve_selection
 
     argv = ["--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
             "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--num-rollout", "2",

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from furlong.core.metrics_log import (MetricsLog, eval_metrics, one_row_per_step, rollout_metrics, set_aside_rows_from,
+from furlong.core.run.metrics_log import (MetricsLog, eval_metrics, one_row_per_step, rollout_metrics, set_aside_rows_from,
                                       summary_line, to_json_value, zero_spread_warning)
 from furlong.hooks import PluginError, Sample, Status
 

@@ -17,7 +17,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-from furlong.core.cli import main
+from furlong.core.cli.commands import main
 from furlong.core.config import ConfigError, build_parser, parse_args
 from furlong.core.config.passthrough import split_passthrough
 from furlong.core.config.tables import FlagRow, megatron_table, miles_table, sglang_table
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("cpu_machine")  # the same defaults on ever
 
 @pytest.fixture(scope="module")
 def pm():
-    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.plugins.manager import get_plugin_manager
 
     return get_plugin_manager()
 
@@ -174,7 +174,7 @@ def test_did_you_mean_only_when_really_close(typed, suggested):
 # --- Megatron flags against the backend ---------------------------------------------------------
 
 def _megatron_report(tmp_path, argv, support, config=None):
-    from furlong.core.megatron_support import report_megatron_flags
+    from furlong.core.config.megatron_support import report_megatron_flags
 
     hf = tmp_path / "hf"
     if config is not None:
@@ -309,8 +309,8 @@ PATH_FLAGS = {"filter": "--dynamic-sampling-filter-path", "reward": "--custom-rm
 
 
 def test_every_miles_path_resolves_to_its_built_in_plugin(pm, caplog):
-    from furlong.core.miles_paths import MILES_BUILTINS, RM_TYPE
-    from furlong.core.selection import resolve_selection
+    from furlong.core.plugins.miles_paths import MILES_BUILTINS, RM_TYPE
+    from furlong.core.plugins.selection import resolve_selection
 
     for path, (hook, plugin) in MILES_BUILTINS.items():
         with caplog.at_level("INFO", logger="furlong.config"):
@@ -327,9 +327,9 @@ def test_every_miles_path_resolves_to_its_built_in_plugin(pm, caplog):
 # --- the cheap Miles flags ------------------------------------------------------------------------
 
 def test_num_epoch_derives_num_rollout_from_the_loaded_data(tmp_path, arithmetic_jsonl, pm):
-    from furlong.core.epochs import derive_num_rollout
-    from furlong.core.rollout_side import RolloutSide
-    from furlong.core.selection import resolve_selection
+    from furlong.core.run.epochs import derive_num_rollout
+    from furlong.core.rollout.side import RolloutSide
+    from furlong.core.plugins.selection import resolve_selection
 
     args = parse_args(["--num-epoch", "2", "--rollout-batch-size", "8", "--global-batch-size", "8",
                        "--prompt-data", str(arithmetic_jsonl), "--input-key", "prompt", "--label-key", "label",
@@ -350,9 +350,9 @@ def test_num_epoch_derives_num_rollout_from_the_loaded_data(tmp_path, arithmetic
 
 
 def test_epoch_ends_are_save_and_eval_points_too():
-    from furlong.core.checkpoints import periodic, should_save
-    from furlong.core.epochs import derive_num_rollout
-    from furlong.core.launch_args import launch_args
+    from furlong.core.run.checkpoints import periodic, should_save
+    from furlong.core.run.epochs import derive_num_rollout
+    from furlong.core.config.launch_args import launch_args
 
     assert [r for r in range(14) if periodic(r, 5, 14, epoch=7)] == [4, 6, 9, 13]
     assert [r for r in range(14) if periodic(r, 5, 14)] == [4, 9, 13]
@@ -363,7 +363,7 @@ def test_epoch_ends_are_save_and_eval_points_too():
 
 
 def test_train_env_vars_are_set_in_the_train_worker_process(monkeypatch):
-    from furlong.core.train_worker import WorkerFactory
+    from furlong.core.train.worker import WorkerFactory
 
     monkeypatch.delenv("FURLONG_TEST_ENV", raising=False)
     args = parse_args(BASE + ["--train-env-vars", '{"FURLONG_TEST_ENV": "on", "FURLONG_TEST_N": 3}'])
@@ -383,13 +383,13 @@ def test_chunked_log_probs_equal_one_pass():
 
 @pytest.mark.parametrize("groups, dp, kept", [([4, 4], 2, 2), ([3, 3, 3], 2, 2), ([3, 3, 3], 3, 3), ([2, 1], 2, 1)])
 def test_dynamic_global_batch_keeps_whole_groups_to_a_multiple_of_dp(groups, dp, kept):
-    from furlong.core.batching import dynamic_global_batch
+    from furlong.core.train.batching import dynamic_global_batch
 
     assert dynamic_global_batch(groups, dp) == kept
 
 
 def test_dynamic_global_batch_trains_one_step_per_rollout():
-    from furlong.core.batching import steps_per_rollout
+    from furlong.core.train.batching import steps_per_rollout
 
     args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "4", "--global-batch-size", "2",
                        "--use-dynamic-global-batch-size"])
@@ -415,7 +415,7 @@ class FlakyEngine:
 
 
 def test_health_monitor_restarts_engines_that_fail_or_hang(caplog):
-    from furlong.core.engine_health import EngineHealthMonitor
+    from furlong.core.rollout.engine_health import EngineHealthMonitor
 
     ok, down, hung = FlakyEngine([True, True]), FlakyEngine([False, True]), FlakyEngine(["hang", True])
 
@@ -438,7 +438,7 @@ def test_health_monitor_restarts_engines_that_fail_or_hang(caplog):
 
 
 def test_an_engine_that_cannot_restart_is_reported_once_per_failure(caplog):
-    from furlong.core.engine_health import EngineHealthMonitor
+    from furlong.core.rollout.engine_health import EngineHealthMonitor
 
     class NoRestart:
         who = "an engine without recover()"

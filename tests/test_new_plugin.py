@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from furlong.core.cli import main
+from furlong.core.cli.commands import main
 from furlong.hooks import specs
 
 pytestmark = pytest.mark.timeout(240)

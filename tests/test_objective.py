@@ -6,9 +6,9 @@ from argparse import Namespace
 import pytest
 import torch
 
-from furlong.core import reduction
-from furlong.core.objective import StepObjective
-from furlong.core.plugins import get_plugin_manager
+from furlong.core.train import reduction
+from furlong.core.train.objective import StepObjective
+from furlong.core.plugins.manager import get_plugin_manager
 from furlong import hooks
 from furlong.hooks import LossOutput, PluginError, TrainBatch, hookimpl
 

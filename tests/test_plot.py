@@ -7,7 +7,7 @@ import json
 import pytest
 from PIL import Image
 
-from furlong.core.plot import curves, ema
+from furlong.core.cli.plot import curves, ema
 
 C0 = (31, 119, 180)  # matplotlib's first line colour, #1f77b4: every panel with data has a C0 line
 C1 = (255, 127, 14)  # the second, #ff7f0e: the second run's colour
@@ -158,7 +158,7 @@ def test_plot_line_that_is_not_json_is_an_error_naming_file_and_line(tmp_path, r
 
 def test_a_rollout_logged_twice_is_drawn_once_with_its_last_values(tmp_path):
     """A run resumed before resumed runs set their later rows aside: rollouts 3 and 4 appear twice."""
-    from furlong.core.plot import load_metrics
+    from furlong.core.cli.plot import load_metrics
 
     rows = _rows()
     again = [{**r, "rollout/raw_reward": 0.9} for r in rows if r.get("rollout/step") in (3, 4)]

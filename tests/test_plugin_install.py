@@ -79,7 +79,7 @@ def test_installed_plugin_is_called_through_the_chosen_reward_hook(installed_plu
     script = textwrap.dedent("""
         import asyncio, json
         from argparse import Namespace
-        from furlong.core.plugins import get_plugin_manager
+        from furlong.core.plugins.manager import get_plugin_manager
         from furlong.hooks import Sample
 
         pm = get_plugin_manager()

@@ -127,7 +127,7 @@ def test_through_the_cli_it_is_one_message_and_exit_2(tmp_path, tiny_model_dir, 
     """A Miles-style generate function whose loss_mask is one token short, run by ``furlong train``."""
     import sys
 
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     (tmp_path / "short_mask_gen.py").write_text(
         "def generate(args, sample, sampling_params):\n"

@@ -38,7 +38,7 @@ ARGNAMES = {"executor": "args", "data_source": "args", "rollout_engine": "args",
             "advantage": "args, batch", "loss": "args, batch", "reward": "args, samples"}
 BROKEN_IMPORT = "ModuleNotFoundError: No module named 'furlong_missing_dependency_xyz'"
 BAD_ARGNAME = ("`advantage(args, batches)` takes 'batches', which is not an argument of hook `advantage`; its "
-               "arguments are: args, batch (take any of them, by name); did you mean 'batch'?")
+               "arguments are: config, batch (take any of them, by name); did you mean 'batch'?")
 CLASH = ("`add_arguments` adds the flag --lr, which furlong core already defines; a plugin adds only new flags, "
          "prefixed with its name (--t-clash-...).")
 

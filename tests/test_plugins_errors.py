@@ -8,8 +8,8 @@ from argparse import ArgumentParser, Namespace
 
 import pytest
 
-from furlong.core.plugins import get_plugin_manager
-from furlong.core.selection import boxed_base, check_reward_name, resolve_selection
+from furlong.core.plugins.manager import get_plugin_manager
+from furlong.core.plugins.selection import boxed_base, check_reward_name, resolve_selection
 from furlong.hooks import PluginError, hookimpl
 
 
@@ -404,7 +404,7 @@ def test_bad_dotted_path_names_flag_module_and_attribute(user_module, load_plugi
 
 
 def test_bad_dotted_path_chains_the_import_error(user_module):
-    from furlong.core.adapters import import_dotted
+    from furlong.core.plugins.adapters import import_dotted
 
     with pytest.raises(PluginError) as excinfo:
         import_dotted("broken_mod.grade", "--custom-rm-path")
@@ -413,7 +413,7 @@ def test_bad_dotted_path_chains_the_import_error(user_module):
 
 def test_no_plugin_is_loaded_when_every_name_is_disabled(monkeypatch):
     monkeypatch.delenv("FURLONG_DISABLE_PLUGINS", raising=False)
-    from furlong.core.discovery import read_entry_points
+    from furlong.core.plugins.discovery import read_entry_points
 
     pm = get_plugin_manager([f"{r.dist}:{r.name}" for r in read_entry_points()])
     assert pm.describe() == []
@@ -425,7 +425,7 @@ def test_a_module_in_the_working_directory_imports_as_under_python_m(tmp_path, m
     import logging
     import sys
 
-    from furlong.core.adapters import import_dotted
+    from furlong.core.plugins.adapters import import_dotted
 
     (tmp_path / "cwd_reward_mod.py").write_text("def rm(args, sample):\n    return 1.0\n")
     monkeypatch.chdir(tmp_path)

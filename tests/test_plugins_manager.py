@@ -8,8 +8,8 @@ from argparse import ArgumentParser, Namespace
 
 import pytest
 
-from furlong.core.discovery import EntryRecord, is_disabled, read_entry_points, split_names
-from furlong.core.plugins import get_plugin_manager
+from furlong.core.plugins.discovery import EntryRecord, is_disabled, read_entry_points, split_names
+from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import FilterResult, hookimpl
 
 ADVANTAGE_SOURCE = """

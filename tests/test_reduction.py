@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from furlong.core import reduction
-from furlong.core.reduction import StepDenominators
+from furlong.core.train import reduction
+from furlong.core.train.reduction import StepDenominators
 
 
 def reduce_step(values, masks, per_token, trajectory_ids=None, truncated=None, mask_truncated=False):

@@ -1,4 +1,4 @@
-"""Reward functions as TRL and verl users wrote them, named by --custom-rm-path (core/reward_forms.py)."""
+"""Reward functions as TRL and verl users wrote them, named by --custom-rm-path (core/rollout/reward_forms.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from furlong.core.reward_forms import TrlRewardAdapter, VerlRewardAdapter, reward_form
+from furlong.core.rollout.reward_forms import TrlRewardAdapter, VerlRewardAdapter, reward_form
 from furlong.hooks import ConfigReport, PluginError, Sample
 
 REWARDS = '''
@@ -131,7 +131,7 @@ def test_configure_takes_the_decoding_and_the_dict_key_of_trl_and_verl(forms):
 
 
 def test_the_dotted_path_picks_the_adapter(forms, plugin_manager):
-    from furlong.core.selection import resolve_selection
+    from furlong.core.plugins.selection import resolve_selection
 
     for path, kind in (("forms_mod.accuracy_reward", TrlRewardAdapter), ("forms_mod.compute_score", VerlRewardAdapter)):
         args = Namespace(**{**vars(_args()), "custom_rm_path": path, "rm_type": None})
@@ -159,7 +159,7 @@ BASE = ["--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prom
 def test_a_verl_parquet_file_and_a_verl_score_train_end_to_end(tmp_path, forms, one_torch_thread, monkeypatch):
     import pyarrow.parquet as pq
 
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     rows = [{"data_source": "demo", "prompt": [{"role": "user", "content": r["prompt"]}], "ability": "math",
              "reward_model": {"style": "rule", "ground_truth": r["label"]}, "extra_info": {"index": i}}
@@ -182,7 +182,7 @@ def test_a_verl_parquet_file_and_a_verl_score_train_end_to_end(tmp_path, forms, 
 
 def test_a_saved_data_set_and_a_trl_reward_train_end_to_end(tmp_path, forms, one_torch_thread, monkeypatch):
     datasets = pytest.importorskip("datasets")
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "solution": r["label"]} for r in _demo_rows(16)]
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "data"))
@@ -204,8 +204,8 @@ def test_a_saved_data_set_and_a_trl_reward_train_end_to_end(tmp_path, forms, one
 ])
 def test_what_a_trl_function_returns_is_checked_like_every_reward(tmp_path, monkeypatch, plugin_manager, body,
                                                                   complaint):
-    from furlong.core.rewards import RewardScorer
-    from furlong.core.selection import resolve_selection
+    from furlong.core.rollout.rewards import RewardScorer
+    from furlong.core.plugins.selection import resolve_selection
 
     (tmp_path / "bad_trl.py").write_text(f"def rm(completions, **kwargs):\n    {body}\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -4,7 +4,7 @@ from argparse import Namespace
 
 import pytest
 
-from furlong.core.plugins import get_plugin_manager
+from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import Sample
 
 

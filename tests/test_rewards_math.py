@@ -9,7 +9,7 @@ import pytest
 
 from furlong.builtin_plugins.rewards import _grading
 from furlong.builtin_plugins.rewards._normalize import label_answer, normalize_final_answer, normalize_math_answer
-from furlong.core.plugins import get_plugin_manager
+from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import Sample
 
 

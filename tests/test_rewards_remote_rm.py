@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from furlong.core.plugins import get_plugin_manager
+from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import PluginError, Sample
 
 
@@ -204,8 +204,8 @@ def test_flags_and_defaults(pm):
 
 def test_configure_tells_a_missing_url_and_bad_limits_before_any_model_loads():
     from furlong.core.config import ConfigError, parse_args
-    from furlong.core.configure import configure_plugins
-    from furlong.core.selection import resolve_selection
+    from furlong.core.config.configure import configure_plugins
+    from furlong.core.plugins.selection import resolve_selection
 
     def problems(*extra):
         pm = get_plugin_manager()

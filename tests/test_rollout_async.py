@@ -14,8 +14,8 @@ import pytest
 
 from furlong.builtin_plugins.rollout import fully_async
 from furlong.core.config import parse_args
-from furlong.core.configure import configure_plugins
-from furlong.core.selection import resolve_selection
+from furlong.core.config.configure import configure_plugins
+from furlong.core.plugins.selection import resolve_selection
 from furlong.hooks import FilterResult, PluginError, Status, hookimpl
 
 from .scripted_engine import ScriptedEngine, rollout_manager

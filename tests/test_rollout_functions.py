@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 
-from furlong.core import checkpoints as ck
+from furlong.core.run import checkpoints as ck
 from furlong.core.config import parse_args
-from furlong.core.launch_args import launch_args
+from furlong.core.config.launch_args import launch_args
 from furlong.hooks import PluginError
 
 from .scripted_engine import ScriptedEngine, boxed_first_operand, rollout_manager

@@ -5,13 +5,13 @@ import asyncio
 import torch
 
 from furlong.core.config import parse_args
-from furlong.core.objective import StepObjective
-from furlong.core.plugins import get_plugin_manager
+from furlong.core.train.objective import StepObjective
+from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import PluginError, TrainBatch
 from furlong.hooks.contract import check_loss_output
-from furlong.hooks.masked import MaskedSum
+from furlong.kit.masked import MaskedSum
 from furlong.hooks.rows import SplitRows, concat_rows, detached_rows, row_lengths
-from furlong.hooks.trainer import rows_to_device
+from furlong.kit.trainer import rows_to_device
 from furlong.hooks.types import LossOutput
 
 LENGTHS = [3, 1, 4, 2]
@@ -118,7 +118,7 @@ def test_the_objective_gives_the_same_values_from_split_and_plain_rows():
 
 
 def test_concatenated_ranges_are_each_span_one_after_another():
-    from furlong.hooks.trainer import concatenated_ranges
+    from furlong.kit.trainer import concatenated_ranges
 
     starts, lengths = torch.tensor([5, 0, 10, 7]), torch.tensor([2, 3, 0, 1])
     assert concatenated_ranges(starts, lengths).tolist() == [5, 6, 0, 1, 2, 7]

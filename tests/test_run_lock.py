@@ -1,4 +1,4 @@
-"""One run per output folder: ``--save`` (else ``--log-dir``) is locked by the run writing it (core/run_lock.py)."""
+"""One run per output folder: ``--save`` (else ``--log-dir``) is locked by the run writing it (core/run/lock.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from furlong.core.run_lock import LOCK_NAME, RunLock, lock_output_folders, output_folders
+from furlong.core.run.lock import LOCK_NAME, RunLock, lock_output_folders, output_folders
 from furlong.hooks import PluginError
 
 BASE = ["--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
@@ -119,7 +119,7 @@ def test_the_folder_the_run_writes_is_the_one_locked(tmp_path, sleeper):
 
 def test_a_second_run_on_a_held_save_folder_exits_2_before_any_model_loads(tmp_path, tiny_model_dir, sleeper,
                                                                            capsys):
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")

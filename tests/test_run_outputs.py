@@ -22,7 +22,7 @@ def _steps(path, key):
 def test_a_run_without_an_output_folder_says_so_and_warns_once_about_zero_spread(
         tmp_path, tiny_model_dir, arithmetic_jsonl, capsys, caplog, monkeypatch, one_torch_thread):
     """The tiny random model never boxes an answer: every group scores 0 on every sample."""
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     monkeypatch.chdir(tmp_path)
     caplog.set_level(logging.INFO)
@@ -39,7 +39,7 @@ def test_a_run_without_an_output_folder_says_so_and_warns_once_about_zero_spread
 
 
 def test_a_run_names_its_output_folder(tmp_path, tiny_model_dir, arithmetic_jsonl, caplog, one_torch_thread):
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     caplog.set_level(logging.INFO, logger="furlong")
     assert main(_flags(tiny_model_dir, arithmetic_jsonl, "--num-rollout", "1", "--log-dir", str(tmp_path / "logs"))) == 0
@@ -49,8 +49,8 @@ def test_a_run_names_its_output_folder(tmp_path, tiny_model_dir, arithmetic_json
 
 @pytest.mark.parametrize("log_dir", [False, True])
 def test_output_note_with_save(tmp_path, log_dir):
-    from furlong.core.launch_args import launch_args
-    from furlong.core.loop import output_note
+    from furlong.core.config.launch_args import launch_args
+    from furlong.core.run.loop import output_note
 
     args = launch_args(save=str(tmp_path / "s"), save_interval=100, log_dir=str(tmp_path / "l") if log_dir else None)
     level, text = output_note(args)
@@ -65,7 +65,7 @@ def test_output_note_with_save(tmp_path, log_dir):
 def test_a_resumed_run_logs_each_rollout_once(tmp_path, tiny_model_dir, arithmetic_jsonl, caplog, one_torch_thread):
     """A run stopped after it logged rollout 1 but before its checkpoint: the resumed run starts at rollout 1, and
     metrics.jsonl ends with each rollout once (the first rows of rollout 1 set aside)."""
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     save = tmp_path / "run"
     flags = _flags(tiny_model_dir, arithmetic_jsonl, "--num-rollout", "2", "--save", str(save), "--load", str(save),

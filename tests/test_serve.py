@@ -22,7 +22,7 @@ from serve_helpers import running_server, sse_events, stop  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
 
 from furlong.builtin_plugins.engines import embedded  # noqa: E402
-from furlong.core.cli import main  # noqa: E402
+from furlong.core.cli.commands import main  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -466,7 +466,7 @@ def test_a_client_broadcasts_new_weights_over_the_update_group(server, engine, o
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from furlong.hooks.dist import broadcast_bucket, free_port, new_weight_update_group
+    from furlong.kit.dist import broadcast_bucket, free_port, new_weight_update_group
 
     ids = engine.tokenizer.encode("Hello there")
     before = _generate(server, input_ids=ids, sampling_params=GREEDY)
@@ -590,7 +590,7 @@ def test_ctrl_c_stops_a_server_whose_parent_ignored_and_blocked_sigint(tiny_mode
 @pytest.mark.parametrize("dtype, bf16, fp16", [("auto", True, False), ("bfloat16", True, False),
                                                ("float16", False, True), ("float32", False, False)])
 def test_serve_flags_become_what_the_engine_plugin_reads(dtype, bf16, fp16):
-    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.plugins.manager import get_plugin_manager
     from furlong.core.serve.command import parse_serve_args
 
     args = parse_serve_args(["--hf-checkpoint", "m", "--dtype", dtype, "--embedded-max-batch-size", "3"],

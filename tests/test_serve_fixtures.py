@@ -149,7 +149,7 @@ def test_control_requests(serve_server, tiny_model_dir):
     """Each control body of the fixtures is accepted and answered in SGLang's shape."""
     from safetensors.torch import load_file
 
-    from furlong.hooks.dist import broadcast_bucket, free_port, new_weight_update_group
+    from furlong.kit.dist import broadcast_bucket, free_port, new_weight_update_group
 
     requests, answers = load("control_requests.json"), load("control_responses.json")
     call = serve_server.call

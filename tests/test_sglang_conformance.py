@@ -132,7 +132,7 @@ def standins(tmp_path):
     """Two furlong serve processes, each behind a stand-in: SGLang 0.5.23's rules and 0.5.16's."""
     from contextlib import ExitStack
 
-    from furlong.hooks.dist import free_port
+    from furlong.kit.dist import free_port
     from sglang_standin import StandIn
 
     with ExitStack() as stack:

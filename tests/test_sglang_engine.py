@@ -131,10 +131,10 @@ def train(argv: list[str], *observers) -> None:
     """``furlong train`` in this process (observers registered in-process); the router stops at the end."""
     from furlong.builtin_plugins.engines.sglang import stop_routers
     from furlong.core.config import parse_args
-    from furlong.core.configure import configure_plugins
-    from furlong.core.loop import run as run_loop
-    from furlong.core.plugins import get_plugin_manager
-    from furlong.core.selection import resolve_selection
+    from furlong.core.config.configure import configure_plugins
+    from furlong.core.run.loop import run as run_loop
+    from furlong.core.plugins.manager import get_plugin_manager
+    from furlong.core.plugins.selection import resolve_selection
 
     pm = get_plugin_manager()
     for i, observer in enumerate(observers):
@@ -217,8 +217,8 @@ def fleet():
     from furlong.builtin_plugins.engines.sglang.launch import ManagedProcess
     from furlong.builtin_plugins.engines.sglang.router import start_router, stop_routers
     from furlong.core.config import parse_args
-    from furlong.core.plugins import get_plugin_manager
-    from furlong.hooks.dist import free_port
+    from furlong.core.plugins.manager import get_plugin_manager
+    from furlong.kit.dist import free_port
 
     base = ["--hf-checkpoint", str(DEMO / "model"), "--num-rollout", "1", "--rollout-batch-size", "1",
             "--rollout-backend", "sglang", "--executor", "local", "--sglang-router-policy", "round_robin"]
@@ -245,7 +245,7 @@ async def attach(fleet):
     from furlong.builtin_plugins.engines.sglang.http import shared_http, release_http
     from furlong.builtin_plugins.engines.sglang.router import register
     from furlong.core.config import parse_args
-    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.plugins.manager import get_plugin_manager
     from furlong.hooks import ConfigReport
 
     args = parse_args(fleet["argv"], get_plugin_manager())
@@ -299,7 +299,7 @@ def test_weights_reach_every_server_by_broadcast_over_gloo(fleet):
 
     import torch
 
-    from furlong.hooks.dist import broadcast_bucket, free_port, new_weight_update_group
+    from furlong.kit.dist import broadcast_bucket, free_port, new_weight_update_group
 
     async def main():
         engines = await attach(fleet)

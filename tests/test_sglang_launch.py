@@ -9,7 +9,7 @@ import pytest
 from furlong.builtin_plugins.engines.sglang.launch import (FORCED, ServerPlace, router_command, server_command,
                                                            sglang_server_args)
 from furlong.core.config import parse_args
-from furlong.core.plugins import get_plugin_manager
+from furlong.core.plugins.manager import get_plugin_manager
 
 BASE = ["--hf-checkpoint", "/models/qwen", "--rollout-backend", "sglang", "--rollout-num-gpus", "4",
         "--rollout-num-gpus-per-engine", "2", "--seed", "7", "--executor", "local", "--num-rollout", "1",
@@ -109,7 +109,7 @@ def test_router_command(extra, expected):
 
 def configure(extra):
     from furlong.builtin_plugins.engines import sglang
-    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.plugins.manager import get_plugin_manager
     from furlong.hooks import ConfigReport
 
     args = parse_args(BASE + ["--sglang-router-ip", "127.0.0.1", "--sglang-router-port", "3999"] + extra,
@@ -197,7 +197,7 @@ def test_rollout_external_needs_the_sglang_engine():
 
 
 def test_print_config_starts_no_router(capsys):
-    from furlong.core.cli import main
+    from furlong.core.cli.commands import main
 
     assert main(["train", *BASE, "--sglang-server-impl", "furlong", "--print-config"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -62,7 +62,7 @@ def test_control_requests_use_sglangs_keys_and_types(tmp_path):
     import torch
     from aiohttp import web
 
-    from furlong.hooks.dist import free_port
+    from furlong.kit.dist import free_port
 
     expected = fixture("control_requests.json")
     seen: dict[str, list] = {}
@@ -123,7 +123,7 @@ def test_control_requests_use_sglangs_keys_and_types(tmp_path):
 
 def test_a_call_that_keeps_failing_names_the_url_the_attempts_and_the_last_error():
     from furlong.builtin_plugins.engines.sglang.http import HttpError, release_http, shared_http
-    from furlong.hooks.dist import free_port
+    from furlong.kit.dist import free_port
 
     url = f"http://127.0.0.1:{free_port()}/health"  # nothing listens there
 

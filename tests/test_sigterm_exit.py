@@ -18,7 +18,7 @@ pytestmark = pytest.mark.signals
 
 IN_A_FINALIZER = r"""
 import os, signal, time
-from furlong.core import cli
+from furlong.core.cli import commands as cli
 
 cli._exit_on_signals()
 

@@ -1,6 +1,6 @@
 """``furlong train-async`` end to end on the tiny real model.
 
-The loop runs in-process (``run`` from ``furlong.core.loop``) with the embedded engine and
+The loop runs in-process (``run`` from ``furlong.core.run.loop``) with the embedded engine and
 the fsdp backend on CPU. A recording filter (keeps everything) sees every group with its
 rollout id, so the weight versions the samples were generated with can be checked.
 """
@@ -11,8 +11,8 @@ import json
 import pytest
 
 from furlong.core.config import parse_args
-from furlong.core.loop import run
-from furlong.core.selection import resolve_selection
+from furlong.core.run.loop import run
+from furlong.core.plugins.selection import resolve_selection
 from furlong.hooks import hookimpl
 
 from .tiny_model import build_tiny_model
@@ -51,7 +51,7 @@ def _train_async(tmp_path, tiny, pm, *extra):
         await run(args, pm, resolve_selection(args, pm))
         # what is still pending besides the embedded engine's own scheduler and the decode it may
         # still be finishing for cancelled requests (both live as long as the engine; the decode runs
-        # through furlong.hooks.compute_thread.run_compute)
+        # through furlong.kit.compute_thread.run_compute)
         names = [t.get_coro().__qualname__ for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         return [name for name in names if name not in ("EmbeddedEngine._work", "run_compute")]
 

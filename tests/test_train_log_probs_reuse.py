@@ -14,9 +14,9 @@ COMPARED = ("train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/entropy
 def _demo_run(save: Path, *extra: str) -> list[dict]:
     """Rollouts of the demo task (``extra`` gives their number), one optimizer step each over four micro-batches."""
     from furlong.core.config import parse_args
-    from furlong.core.loop import run
-    from furlong.core.plugins import get_plugin_manager
-    from furlong.core.selection import resolve_selection
+    from furlong.core.run.loop import run
+    from furlong.core.plugins.manager import get_plugin_manager
+    from furlong.core.plugins.selection import resolve_selection
 
     argv = ["--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
             "--input-key", "prompt", "--label-key", "label", "--rm-type", "math",
@@ -55,9 +55,9 @@ def test_reused_pi_old_gives_the_losses_grad_norms_rewards_and_metrics_of_the_se
 ])
 def test_runs_that_need_pi_old_fixed_or_early_keep_the_pass(tmp_path, caplog, extra, reason):
     from furlong.core.config import parse_args
-    from furlong.core.plugins import get_plugin_manager
-    from furlong.core.selection import resolve_selection
-    from furlong.core.train_group import TrainGroup
+    from furlong.core.plugins.manager import get_plugin_manager
+    from furlong.core.plugins.selection import resolve_selection
+    from furlong.core.train.group import TrainGroup
 
     argv = ["--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
             "--input-key", "prompt", "--label-key", "label", "--num-rollout", "1", "--rollout-batch-size", "4",
@@ -84,8 +84,8 @@ def test_flags_that_need_the_pass_turn_the_reuse_off_in_the_config_and_refuse_it
 
 def test_an_estimator_that_reads_pi_old_turns_the_reuse_off_and_refuses_it_when_given(plugin_manager):
     from furlong.core.config import parse_args
-    from furlong.core.configure import configure_plugins
-    from furlong.core.selection import resolve_selection
+    from furlong.core.config.configure import configure_plugins
+    from furlong.core.plugins.selection import resolve_selection
     from furlong.hooks import PluginError
 
     def configured(*extra):

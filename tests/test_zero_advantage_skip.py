@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from furlong.core.batching import plan_steps
-from furlong.core.train_data import zero_advantage
+from furlong.core.train.batching import plan_steps
+from furlong.core.train.data import zero_advantage
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo"
 EXACT = ("train/pg_loss", "train/loss", "train/grad_norm", "rollout/raw_reward", "rollout/advantages",
@@ -69,9 +69,9 @@ def test_the_skip_is_on_by_default_off_where_inexact_and_refused_there_when_give
 def _demo_run(save: Path, *extra: str) -> list[dict]:
     """Three rollouts of the demo task, 4 groups of 4 samples, one optimizer step over micro-batches of 4."""
     from furlong.core.config import parse_args
-    from furlong.core.loop import run
-    from furlong.core.plugins import get_plugin_manager
-    from furlong.core.selection import resolve_selection
+    from furlong.core.run.loop import run
+    from furlong.core.plugins.manager import get_plugin_manager
+    from furlong.core.plugins.selection import resolve_selection
 
     argv = ["--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
             "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--num-rollout", "3",

@@ -51,9 +51,9 @@ def train_args(hf_dir: Path | str, **overrides) -> argparse.Namespace:
     batch size), Adam at lr 1e-2 (constant, decaying over the backend's own step count), no
     weight decay, clip 1.0, float32; every other flag takes the parser's default.
     ``overrides`` replace any of them (flag attribute names: see
-    :func:`furlong.core.launch_args.launch_args`).
+    :func:`furlong.core.config.launch_args.launch_args`).
     """
-    from furlong.core.launch_args import launch_args
+    from furlong.core.config.launch_args import launch_args
 
     values = dict(
         hf_checkpoint=str(hf_dir), optimizer="adam", lr=1e-2, lr_decay_style="constant", lr_decay_iters=None,

@@ -7,8 +7,8 @@ import logging
 from typing import Callable
 
 from furlong.hooks import PluginError
-from furlong.hooks.epochs import EpochOrder
-from furlong.hooks.hf import load_tokenizer
+from furlong.kit.epochs import EpochOrder
+from furlong.kit.hf import load_tokenizer
 
 __all__ = ["RowsDataSource"]
 

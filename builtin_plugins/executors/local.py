@@ -10,7 +10,7 @@ bookkeeping) and also train rank 0; ranks 1..D-1 only serve train calls
 from __future__ import annotations
 
 from furlong.hooks import hookimpl
-from furlong.hooks.dist import launched_processes
+from furlong.kit.dist import launched_processes
 
 from ._in_process import InProcessWorkers, LocalExecutor
 

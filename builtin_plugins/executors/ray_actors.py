@@ -68,7 +68,7 @@ class TrainActor:
 
     def master_address(self) -> tuple[str, int]:
         """Rank 0's node address and a free port on it, for the trainer's rendezvous."""
-        from furlong.hooks.dist import free_port
+        from furlong.kit.dist import free_port
 
         return _where()["node"], free_port()
 

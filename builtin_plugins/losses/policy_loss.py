@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from furlong.hooks import LossOutput, PluginError, hookimpl
 
-from furlong.hooks.kl import KL_TYPES, kl_estimate
+from furlong.kit.kl import KL_TYPES, kl_estimate
 from furlong.hooks.rows import SplitRows, concat_rows, row_lengths
-from furlong.hooks.trainer import to_device
+from furlong.kit.trainer import to_device
 
 _LOG_RATIO_LIMIT = 20.0
 _RATIO_LEVELS = ("token", "sequence")

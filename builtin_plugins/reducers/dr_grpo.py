@@ -12,7 +12,7 @@ Pair it with ``--disable-grpo-std-normalization`` for the paper's unbiased advan
 from __future__ import annotations
 
 from furlong.hooks import hookimpl
-from furlong.hooks.masked import masked_sum
+from furlong.kit.masked import masked_sum
 
 
 @hookimpl

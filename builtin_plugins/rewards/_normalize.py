@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from furlong.hooks.answers import last_boxed_content
+from furlong.kit.answers import last_boxed_content
 
 __all__ = ["label_answer", "normalize_final_answer", "normalize_math_answer"]
 

@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from furlong.hooks import hookimpl
-from furlong.hooks.answers import last_boxed_content
+from furlong.kit.answers import last_boxed_content
 
 from ._grading import grading_stats, score_pairs
 from ._normalize import label_answer

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from furlong.hooks import hookimpl
-from furlong.hooks.answers import last_boxed_content, stated_answer
+from furlong.kit.answers import last_boxed_content, stated_answer
 
 from ._grading import grading_stats, score_pairs
 from ._normalize import label_answer
@@ -27,7 +27,7 @@ async def reward(args, samples):
     2. The label is stringified; if it holds a ``\\boxed{}``, its content is the answer.
     3. The answer is the content of the response's last complete ``\\boxed{}``/``\\fbox{}``
        (balanced braces). A response with no complete box is graded on the answer it
-       states in words (:func:`furlong.hooks.answers.stated_answer`): the last ``Answer: X``
+       states in words (:func:`furlong.kit.answers.stated_answer`): the last ``Answer: X``
        / ``Final answer: X`` line or ``the answer is X`` sentence, math delimiters, a
        trailing period, unit words after a number and thousands separators removed. A
        response whose box never closes (cut off inside its answer) and one with neither form

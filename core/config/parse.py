@@ -10,7 +10,7 @@ import os
 import re
 from pathlib import PurePath
 
-from ..preflight import hf_checkpoint_problems
+from ..run.preflight import hf_checkpoint_problems
 from ._util import MEGATRON_ONLY
 from .deprecations import map_deprecated
 from .errors import ConfigError
@@ -31,7 +31,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     (``pm``), pass-through split, parse, validation (:func:`validate`), then the
     ``--custom-config-path`` overlay and a second validation of the result. The rules
     of the chosen plugins run later, in their ``configure`` hooks
-    (:func:`furlong.core.configure.configure_plugins`, after the selection).
+    (:func:`furlong.core.config.configure.configure_plugins`, after the selection).
 
     Besides one attribute per flag the Namespace holds ``sglang_passthrough``,
     ``router_passthrough``, ``eval_sglang_passthrough`` (dicts), ``explicit_args``
@@ -72,6 +72,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     args.megatron_flags_given = megatron_given
     args.megatron_args = {actions[f].dest: getattr(args, actions[f].dest) for f in megatron_given}
     args.megatron_argv = _argv_of(tokens, set(megatron_given))
+    args.num_rollout_per_epoch = None  # known once the data is loaded (--num-epoch)
     problems += [f"{flag} is not supported yet; remove it." for flag in refused]
     if command is not None:
         args.train_mode = "async" if command == "train-async" else "sync"

@@ -220,15 +220,14 @@ def _dp_note(args: argparse.Namespace) -> dict:
 def build_parser(pm=None, dev: DeviceDefaults | None = None) -> argparse.ArgumentParser:
     """The parser of ``furlong train``: every flag, in the Miles groups (docs/flags.md).
 
-    :param pm: a :class:`furlong.core.plugins.FurlongPluginManager`; when given, every
+    :param pm: a :class:`furlong.core.plugins.manager.FurlongPluginManager`; when given, every
         plugin's ``add_arguments`` is called (one at a time) so it can add its own group.
     :param dev: the machine-dependent defaults (default: probe this machine, which imports torch).
     :returns: a :class:`FurlongArgumentParser` (``allow_abbrev=False``, ``@FILE`` files).
     A plugin whose ``add_arguments`` redefines a flag, fails or is ``async def`` is set
     aside (see :func:`add_plugin_arguments`).
     """
-    from . import (flags_algo, flags_cluster, flags_compat, flags_eval, flags_logging, flags_model, flags_optim,
-                   flags_perf, flags_plugins, flags_rollout, flags_rollout_extra, flags_sglang)
+    from . import flags_algo, flags_cluster, flags_compat, flags_eval, flags_logging, flags_model, flags_optim, flags_perf, flags_plugins, flags_rollout, flags_rollout_extra, flags_sglang
 
     dev = dev or device_defaults(pm)
     parser = FurlongArgumentParser(
@@ -275,7 +274,7 @@ def add_plugin_arguments(parser: argparse.ArgumentParser, pm) -> None:
 
     A plugin whose ``add_arguments`` adds a flag furlong core or an earlier plugin already
     defines, raises, or is ``async def`` is set aside
-    (:meth:`~furlong.core.plugins.FurlongPluginManager.set_aside`): it adds no flag,
+    (:meth:`~furlong.core.plugins.manager.FurlongPluginManager.set_aside`): it adds no flag,
     ``furlong plugins`` lists it as broken with the reason, and only a run that chooses it
     fails. Each plugin first adds its flags to a scratch parser holding the flags defined
     so far, so a clash leaves nothing half-added on ``parser``. Who added which flag is

@@ -4,7 +4,7 @@ core's own findings)."""
 
 from __future__ import annotations
 
-from ..batching import pi_old_needs_own_pass, zero_advantage_skip_blocked
+from ..train.batching import pi_old_needs_own_pass, zero_advantage_skip_blocked
 
 __all__ = ["async_and_agents", "defaults", "evaluation", "importance_sampling", "kl_and_reference", "lengths",
            "performance", "saving", "sglang"]
@@ -31,7 +31,7 @@ def defaults(args, f, given: set[str]) -> None:
     """Defaults that follow other flags: clip, eval inheritance, caps, schedule.
 
     Defaults that belong to one plugin are derived by that plugin's ``configure`` hook,
-    after the selection (:mod:`furlong.core.configure`).
+    after the selection (:mod:`furlong.core.config.configure`).
     """
     if _unset("eps_clip_high", args, given):
         args.eps_clip_high = args.eps_clip

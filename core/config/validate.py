@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 
 from furlong.hooks.config_report import ConfigReport
-from furlong.hooks.dist import launched_processes
+from furlong.kit.dist import launched_processes
 
-from ..miles_paths import miles_builtin
+from ..plugins.miles_paths import miles_builtin
 from . import env, rules
 from .knobs import KNOBS, dp_problems, resolve_knobs
 from .unsupported import unsupported_problems

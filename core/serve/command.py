@@ -16,9 +16,9 @@ import socket
 
 from furlong.hooks import PluginError
 
-from ..discovery import split_names
-from ..preflight import hf_checkpoint_problems
-from ..plugins import get_plugin_manager
+from ..plugins.discovery import split_names
+from ..run.preflight import hf_checkpoint_problems
+from ..plugins.manager import get_plugin_manager
 
 __all__ = ["build_serve_parser", "check_port_free", "parse_serve_args", "serve"]
 
@@ -142,7 +142,7 @@ def parse_serve_args(argv: list[str], pm) -> argparse.Namespace:
 async def _serve(args: argparse.Namespace, pm) -> int:
     from aiohttp import web
 
-    from ..engine_set import EngineFactory
+    from ..rollout.engines import EngineFactory
     from .app import make_app
     from .state import ServeState
 

@@ -25,7 +25,7 @@ elif [ -e "$OUT" ]; then
   # a run still writing $OUT keeps it (the lock furlong takes on its --save folder)
   python - "$OUT" <<'PY' || exit 2
 import sys
-from furlong.core.run_lock import RunLock
+from furlong.core.run.lock import RunLock
 problem = RunLock(sys.argv[1]).busy()
 sys.exit(f"error: {problem}" if problem else 0)
 PY

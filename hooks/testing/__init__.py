@@ -63,7 +63,7 @@ def check_plugin(plugin: object, name: str, args: argparse.Namespace | None = No
     :param name: its entry-point name (flags it adds should start with ``--<name>-``).
     :param args: the launch flags the hooks get. Default: a Namespace of the plugin's own
         flag defaults (from its ``add_arguments``); a plugin that reads furlong's flags
-        needs the real ones: ``furlong.core.launch_args.launch_args()``.
+        needs the real ones: ``furlong.core.config.launch_args.launch_args()``.
     :param engine: the engine ``generate`` gets (default a :class:`TinyEngine`).
     :returns: a :class:`ContractReport`.
     :raises ContractViolation: the first broken rule (plugin, hook and rule named).

@@ -8,9 +8,9 @@ import os
 from typing import Any
 
 from furlong.hooks import ParallelLayout, PluginError, TrainBatch
-from furlong.hooks.hf import compile_decoder_layers, is_hf_dir
-from furlong.hooks.master_weights import MasterWeights
-from furlong.hooks.trainer import StepLoop
+from furlong.kit.hf import compile_decoder_layers, is_hf_dir
+from furlong.kit.master_weights import MasterWeights
+from furlong.kit.trainer import StepLoop
 
 from . import checkpoint, lora
 from .logprobs import forward_log_probs
@@ -26,7 +26,7 @@ class FSDPBackend(StepLoop):
     """A :class:`furlong.hooks.TrainBackend` over a Hugging Face model (see PLUGINS.md, "Built-in plugins").
 
     Single process: plain torch, float32, or with ``--bf16`` bfloat16 parameters over float32
-    master weights (:class:`furlong.hooks.master_weights.MasterWeights`: a bfloat16 copy of
+    master weights (:class:`furlong.kit.master_weights.MasterWeights`: a bfloat16 copy of
     the model runs every pass, the float32 model is what the optimizer updates, checkpoints
     hold and the engines receive). With ``torch.distributed`` initialized over several ranks: FSDP2
     ``fully_shard`` per decoder layer and on the whole model, gradients SUMMED over ranks.

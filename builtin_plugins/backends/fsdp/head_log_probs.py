@@ -1,7 +1,7 @@
 """The output projection and the token log-probs in one autograd Function, a chunk of rows at a time.
 
 For a bias-free projection ``logits = states @ W.T`` the Function computes each chunk's
-logits, reduces them to the target's log-prob and the entropy (:mod:`furlong.hooks.vocab_softmax`,
+logits, reduces them to the target's log-prob and the entropy (:mod:`furlong.kit.vocab_softmax`,
 fused kernels on CUDA) and keeps nothing of them: the backward pass projects the chunk
 again and turns it straight into ``d loss / d logits`` with the closed form
 ``(1[v = target] - p_v) g_logp - p_v (log p_v + H) g_H``, then into the gradients of the
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from furlong.hooks import vocab_softmax as vs
+from furlong.kit import vocab_softmax as vs
 
 __all__ = ["head_log_probs", "takes_fused_head"]
 

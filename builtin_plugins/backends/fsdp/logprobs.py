@@ -22,7 +22,7 @@ from contextlib import nullcontext
 from typing import Any, Sequence
 
 from furlong.hooks.rows import SplitRows
-from furlong.hooks.trainer import concatenated_ranges, right_padded, to_device
+from furlong.kit.trainer import concatenated_ranges, right_padded, to_device
 
 from . import packing, shared_prompts
 from .lora import base_model

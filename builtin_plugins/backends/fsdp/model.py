@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from furlong.hooks import PluginError
-from furlong.hooks.hf import decoder_layers, is_hf_dir, load_causal_lm_weights
+from furlong.kit.hf import decoder_layers, is_hf_dir, load_causal_lm_weights
 
 from .packing import use_packed_attention
 

@@ -5,7 +5,7 @@ each sequence (RoPE sees each sequence's own positions) and a :class:`PackedSpan
 ``packed_spans`` keyword, which transformers passes down to every attention layer. The
 model runs with transformers' attention interface set to ``furlong_packed``
 (:func:`packed_attention`): with ``packed_spans`` each sequence attends only to itself
-(:func:`furlong.hooks.packed_attention.packed_causal_attention`, one flash call on CUDA);
+(:func:`furlong.kit.packed_attention.packed_causal_attention`, one flash call on CUDA);
 without it the function is transformers' ``sdpa`` attention, and the model works as before.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import attrs
 
-from furlong.hooks.trainer import to_device
+from furlong.kit.trainer import to_device
 
 from .lora import base_model
 
@@ -66,7 +66,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from furlong.hooks.packed_attention import packed_causal_attention, varlen_kernel
+    from furlong.kit.packed_attention import packed_causal_attention, varlen_kernel
 
     spans: PackedSpans | None = kwargs.get("packed_spans")
     if spans is None:
@@ -125,7 +125,7 @@ def use_packed_attention(model) -> str | None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from furlong.hooks.packed_attention import packed_causal_attention
+    from furlong.kit.packed_attention import packed_causal_attention
 
     global _per_sequence
     reason = packing_off_reason(model)

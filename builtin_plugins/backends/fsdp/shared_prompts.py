@@ -41,7 +41,7 @@ from typing import Any, Sequence
 
 import attrs
 
-from furlong.hooks.hf import decoder_layers
+from furlong.kit.hf import decoder_layers
 
 from .lora import base_model
 
@@ -293,7 +293,7 @@ def _rows_pass(net, base, shared: SharedPrompts, suffix_len: int, device):
     """The ``rows`` layout: ``[N, S, ...]`` outputs at the suffix positions, gathered from one pass over ``[U, R]``."""
     import torch
 
-    from furlong.hooks.trainer import concatenated_ranges
+    from furlong.kit.trainer import concatenated_ranges
 
     owner = torch.tensor(shared.owner, dtype=torch.long)
     prefix_lengths = torch.tensor([len(p) for p in shared.prefixes], dtype=torch.long)

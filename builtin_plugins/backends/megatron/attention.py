@@ -23,8 +23,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
 
-from furlong.hooks.packed_attention import packed_causal_attention
-from furlong.hooks.vocab_softmax import fused
+from furlong.kit.packed_attention import packed_causal_attention
+from furlong.kit.vocab_softmax import fused
 
 from .context import chunk_bounds, context_parallel, gather_sequence
 

@@ -9,8 +9,8 @@ import warnings
 from typing import Any
 
 from furlong.hooks import ParallelLayout, PluginError, TrainBatch
-from furlong.hooks.hf import is_hf_dir
-from furlong.hooks.trainer import StepLoop, local_optimizer
+from furlong.kit.hf import is_hf_dir
+from furlong.kit.trainer import StepLoop, local_optimizer
 
 from . import checkpoint
 from .config import check_model_args, model_shape, padded_vocab_size
@@ -212,7 +212,7 @@ class MegatronBackend(PipelineStages, StepLoop):
         (CUDA in bfloat16 with a torch that has it, no context parallelism); elsewhere, under
         ``--use-dynamic-batch-size`` (micro-batches planned by tokens), when right-padding would waste
         much (:func:`pack_micro_batch`)."""
-        from furlong.hooks.packed_attention import varlen_supported
+        from furlong.kit.packed_attention import varlen_supported
 
         if self.cp == 1 and varlen_supported(self.device, self._dtype()):
             return True

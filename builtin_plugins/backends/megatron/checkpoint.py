@@ -27,7 +27,7 @@ import random
 import time
 
 from furlong.hooks import PluginError
-from furlong.hooks.trainer import local_optimizer
+from furlong.kit.trainer import local_optimizer
 
 __all__ = ["load_checkpoint", "load_weights", "save_checkpoint"]
 

@@ -9,7 +9,7 @@ The work is one autograd Function over row chunks, like megatron-core's fused
 vocab-parallel cross-entropy: the float32 softmax of a chunk lives only while that chunk
 is processed (forward and backward), so the full ``[tokens, vocab]`` float32 tensors are
 never built and the gradient comes back in the logits' dtype. On CUDA each chunk's
-passes are compiled into fused kernels (:mod:`furlong.hooks.vocab_softmax`, shared with the
+passes are compiled into fused kernels (:mod:`furlong.kit.vocab_softmax`, shared with the
 fsdp backend). Backward needs no communication: each rank computes the gradient of its own columns.
 """
 
@@ -23,9 +23,9 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from furlong.hooks import vocab_softmax as vs
+from furlong.kit import vocab_softmax as vs
 from furlong.hooks.rows import SplitRows
-from furlong.hooks.trainer import concatenated_ranges, right_padded, to_device
+from furlong.kit.trainer import concatenated_ranges, right_padded, to_device
 
 from .context import context_parallel, gather_sequence, local_chunks, padded_length
 

@@ -1,16 +1,16 @@
 """Float32 master weights of a bfloat16 megatron-core model (``--bf16``): the generic
-:class:`furlong.hooks.master_weights.MasterWeights`, plus the masters' place in megatron-core's
+:class:`furlong.kit.master_weights.MasterWeights`, plus the masters' place in megatron-core's
 sharded state dicts (checkpoints hold the masters, the same files as a float32 model's)."""
 
 from __future__ import annotations
 
-from furlong.hooks.master_weights import MasterWeights as _MasterWeights
+from furlong.kit.master_weights import MasterWeights as _MasterWeights
 
 __all__ = ["MasterWeights"]
 
 
 class MasterWeights(_MasterWeights):
-    """:class:`furlong.hooks.master_weights.MasterWeights` that megatron-core checkpoints can save and load."""
+    """:class:`furlong.kit.master_weights.MasterWeights` that megatron-core checkpoints can save and load."""
 
     def sharded_state_dict(self, model_sharded: dict) -> dict:
         """``model_sharded`` (the model's megatron-core sharded state dict) with each parameter's

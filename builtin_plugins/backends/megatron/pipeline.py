@@ -16,7 +16,7 @@ import asyncio
 from typing import Any, Callable
 
 from furlong.hooks import TrainBatch
-from furlong.hooks.trainer import sum_step_metrics
+from furlong.kit.trainer import sum_step_metrics
 
 from .logprobs import micro_batch_inputs, projecting_rows, response_log_probs, sequence_parallel_size
 
@@ -68,7 +68,7 @@ def broadcast_from_last_stage(value: Any) -> Any:
 
 class PipelineStages:
     """The :class:`~.backend.MegatronBackend` parts that differ with PP > 1: micro-batch passes through
-    :func:`run_schedule` (PP = 1 keeps :class:`furlong.hooks.trainer.StepLoop`'s) and a tied model's two
+    :func:`run_schedule` (PP = 1 keeps :class:`furlong.kit.trainer.StepLoop`'s) and a tied model's two
     embedding copies (the first stage's table, the last stage's output layer).
 
     Uses the backend's ``pp``, ``stage``, ``shape``, ``model``, ``masters``, ``args`` and ``device``.

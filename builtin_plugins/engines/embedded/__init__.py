@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from furlong.hooks import PluginError, hookimpl
-from furlong.hooks.hf import load_causal_lm_weights, load_tokenizer
+from furlong.kit.hf import load_causal_lm_weights, load_tokenizer
 
 from .engine import EmbeddedEngine
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import attrs
 
 from furlong.hooks import GenerateOutput, PluginError
-from furlong.hooks.compute_thread import run_compute
+from furlong.kit.compute_thread import run_compute
 
 from .decode import Request, SlotDecoder
 from .sampling import SamplingParams
@@ -214,7 +214,7 @@ class EmbeddedEngine:
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str = "gloo") -> None:
         """Join the weight-update group as rank ``rank_offset`` (trainer rank 0 broadcasts)."""
-        from furlong.hooks.dist import new_weight_update_group
+        from furlong.kit.dist import new_weight_update_group
 
         group = await asyncio.to_thread(new_weight_update_group, master_address, int(master_port), int(rank_offset),
                                         int(world_size), group_name, backend)
@@ -223,7 +223,7 @@ class EmbeddedEngine:
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str) -> None:
         """Receive one bucket over ``group_name`` and load it (SGLang's ``/update_weights_from_distributed``)."""
-        from furlong.hooks.dist import receive_bucket
+        from furlong.kit.dist import receive_bucket
 
         if group_name not in self._groups:
             raise PluginError(f"embedded engine: no weight-update group '{group_name}'; "

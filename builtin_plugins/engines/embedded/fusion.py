@@ -16,7 +16,7 @@ shape (decode, prefill), seconds each; inductor's on-disk cache shortens later s
 
 from __future__ import annotations
 
-from furlong.hooks.hf import compile_decoder_layers, decoder_layers
+from furlong.kit.hf import compile_decoder_layers, decoder_layers
 
 from .sampling import sample_batch
 

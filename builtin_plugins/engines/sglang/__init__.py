@@ -134,7 +134,7 @@ async def rollout_engine(args):
     :raises PluginError: the server did not start or is not reachable, or the router did
         not take it (the message names the server and the cause).
     """
-    from furlong.hooks.hf import load_tokenizer
+    from furlong.kit.hf import load_tokenizer
 
     index = int(getattr(args, "rollout_engine_index", 0) or 0)
     if not args.hf_checkpoint:
@@ -183,7 +183,7 @@ def _host_port(address: str) -> tuple[str, int] | None:
 
 
 def _host_address() -> str:
-    from furlong.hooks.dist import host_address
+    from furlong.kit.dist import host_address
 
     return host_address()
 
@@ -203,7 +203,7 @@ def _routable_address() -> str:
 
 
 def _free_port() -> int:
-    from furlong.hooks.dist import free_port
+    from furlong.kit.dist import free_port
 
     return free_port()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from furlong.hooks.hf import save_safetensors
+from furlong.kit.hf import save_safetensors
 
 __all__ = ["save_bucket", "serialize_cuda_bucket"]
 

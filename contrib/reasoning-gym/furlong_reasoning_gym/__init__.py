@@ -17,8 +17,8 @@ import functools
 import json
 
 from furlong.hooks import PluginError, hookimpl
-from furlong.hooks.answers import last_boxed_content, stated_answer
-from furlong.hooks.epochs import EpochOrder
+from furlong.kit.answers import last_boxed_content, stated_answer
+from furlong.kit.epochs import EpochOrder
 
 __all__ = ["ReasoningGymSource", "add_arguments", "configure", "data_source", "extract_answer", "reward"]
 
@@ -190,7 +190,7 @@ def _dataset(task: str, size: int, seed: int):
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(path: str):
-    from furlong.hooks.hf import load_tokenizer
+    from furlong.kit.hf import load_tokenizer
 
     return load_tokenizer(path)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from furlong.core.plugins import get_plugin_manager
+from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import ConfigReport, PluginError, Sample
 
 DEMO_MODEL = Path(__file__).resolve().parents[3] / "examples" / "demo" / "model"

@@ -76,7 +76,7 @@ def script_model(tmp_path):
 @pytest.fixture
 def script_engine(tmp_path):
     """``script_engine(transitions, extra_words=())``: the embedded engine (through its plugin) serving a script model."""
-    from furlong.core.plugins import get_plugin_manager
+    from furlong.core.plugins.manager import get_plugin_manager
 
     def make(transitions: dict[str, str], extra_words=()):
         path = build_script_model(tmp_path / "model", transitions, extra_words)
@@ -117,8 +117,8 @@ class HttpEngine:
 def served_engine(tmp_path):
     """``served_engine(transitions)``: a script model behind a ``furlong serve`` process on loopback
     (stopped after the test), and an :class:`HttpEngine` talking to it."""
-    from furlong.hooks.dist import free_port
-    from furlong.hooks.hf import load_tokenizer
+    from furlong.kit.dist import free_port
+    from furlong.kit.hf import load_tokenizer
     from furlong.hooks.testing.processes import signal_state
 
     servers = []

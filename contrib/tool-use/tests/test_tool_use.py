@@ -11,7 +11,7 @@ from argparse import Namespace
 
 import pytest
 
-from furlong.core.plugins import get_plugin_manager
+from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import ConfigReport, PluginError, Sample, Status
 
 
@@ -164,7 +164,7 @@ def test_furlong_train_runs_tool_use_episodes_and_trains_on_the_model_tokens_onl
 
 def test_tool_use_passes_the_contract_kit():
     import furlong_tool_use
-    from furlong.core.launch_args import launch_args
+    from furlong.core.config.launch_args import launch_args
     from furlong.hooks.testing import check_plugin
 
     report = check_plugin(furlong_tool_use, "tool_use", args=launch_args("--generate", "tool_use"))

@@ -1,0 +1,241 @@
+"""The ``configure`` step: every chosen plugin derives and checks its own flags
+(docs/architecture.md, "Configure"), after the core validated the flags and resolved the
+selection, before any model loads. Core's config knows flags, never algorithm names."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from argparse import Namespace
+
+import attrs
+
+from furlong.hooks import ConfigReport, PluginError
+
+from .errors import ConfigError
+from .parse import names_any
+from .megatron_support import report_megatron_flags
+from ..plugins.manager import OBSERVER_HOOKS, FurlongPluginManager, _run_sync
+from ..plugins.selection import CHOSEN_HOOKS, Selection, boxed_base, resolve_selection
+
+__all__ = ["Configured", "configure_order", "configure_plugins", "unused_plugin_flags", "with_plugin_problems"]
+
+log = logging.getLogger("furlong.config")
+
+
+@attrs.define
+class Configured:
+    """What the ``configure`` step did.
+
+    ``derived``: attribute -> ``{"value": v, "plugin": name}`` for every flag value a
+    plugin's ``configure`` set (shown by ``--print-config`` as ``plugin_defaults``).
+    ``reports``: one :class:`ConfigReport` per plugin called, in call order.
+    """
+
+    derived: dict[str, dict] = attrs.field(factory=dict)
+    reports: list[ConfigReport] = attrs.field(factory=list)
+
+
+def configure_order(args: Namespace, pm: FurlongPluginManager,
+                    selection: Selection) -> list[tuple[str, tuple[str, ...]]]:
+    """``(plugin name, flags that chose it)`` in the order ``configure`` is called.
+
+    The chosen hooks in :data:`CHOSEN_HOOKS` order, then the filters in flag order, then
+    the run-wide reward, then the executor (``selection.chosen["executor"]`` when the
+    selection has it, else ``args.executor`` when a plugin of that name is registered).
+    A plugin chosen several times appears once, at its first place, with every flag.
+    """
+    known = [spec.hook for spec in CHOSEN_HOOKS]
+    hooks = [h for h in known if h in selection.chosen] + [h for h in selection.chosen if h not in known]
+    picks = [selection.chosen[hook] for hook in hooks if hook != "executor"]
+    picks.extend(selection.filters)
+    if selection.reward:
+        picks.append(selection.reward)
+    if "executor" in selection.chosen:
+        picks.append(selection.chosen["executor"])
+    else:
+        name = getattr(args, "executor", None)
+        if name and pm.get_plugin(name) is not None:
+            picks.append((name, "--executor"))
+    order: dict[str, list[str]] = {}
+    for name, flag in picks:
+        flags = order.setdefault(name, [])
+        if flag not in flags:
+            flags.append(flag)
+    return [(name, tuple(flags)) for name, flags in order.items()]
+
+
+def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Selection, *,
+                      after_errors: bool = False, rejected: frozenset[str] = frozenset()) -> Configured:
+    """Call ``configure(args, report)`` of every chosen plugin that implements it.
+
+    The chosen train backend's report also lists the Megatron flags given that it does
+    not honour (:func:`furlong.core.config.megatron_support.report_megatron_flags`).
+
+    Warnings and notes go to the ``furlong.config`` logger (which ranks other than 0 keep
+    quiet); when the run stops on errors only the warnings are logged. A plugin that changes a flag the user gave is an error naming it (the value
+    is put back); one that raises is an error naming it (a :class:`PluginError`'s message
+    is kept as written).
+
+    :param after_errors: the flags already have reported problems (see
+        :func:`with_plugin_problems`): a plugin that raises something other than a
+        :class:`PluginError` is taken to trip over them and is not reported again.
+    :param rejected: flags whose value was rejected (they hold their defaults): notes and
+        warnings naming them are not logged.
+    :returns: :class:`Configured`: the values plugins derived, and their reports.
+    :raises ConfigError: every error of every plugin, one per line, after the warnings
+        were logged.
+    """
+    impls = {impl.plugin_name: impl for impl in pm.hook.configure.get_hookimpls()}
+    given = set(getattr(args, "explicit_args", ()) or ())
+    done = Configured()
+    errors: list[str] = []
+    backend = selection.chosen.get("train_backend", (None, None))[0]
+    for name, flags in configure_order(args, pm, selection):
+        impl = impls.get(name)
+        if impl is None and name != backend:
+            continue
+        report = ConfigReport(plugin=name, flags=flags)
+        before = _snapshot(args)
+        try:
+            if impl is not None:
+                result = pm._call_sync("configure", impl, {"args": args, "report": report})
+                if inspect.isawaitable(result):
+                    _run_sync(_await(result))
+        except PluginError as exc:
+            report.error(str(exc))
+        except Exception as exc:  # noqa: BLE001 - name the plugin at fault
+            if after_errors:
+                log.debug("plugin '%s' failed in `configure` on flags with problems: %r", name, exc)
+                continue
+            report.error(f"plugin '{name}' ({pm.origin(name)}) failed in `configure`: {type(exc).__name__}: {exc}")
+        if name == backend:
+            report_megatron_flags(args, name, pm.get_plugin(name), report)
+        for dest, (old, new) in _changes(before, args).items():
+            if dest in given:
+                setattr(args, dest, old)
+                report.error(f"plugin '{name}' ({pm.origin(name)}) changed {_flag(dest)} in `configure` from "
+                             f"{old!r} to {new!r}, but that flag was given; `configure` sets only flags that were "
+                             f"not given (args.explicit_args).")
+            else:
+                done.derived[dest] = {"value": new, "plugin": name}
+        done.reports.append(report)
+        errors.extend(report.errors)
+    also_used = {name for report in done.reports for name in report.uses}
+    flag_errors, flag_warnings = unused_plugin_flags(args, pm, selection, also_used=also_used, told=errors)
+    errors.extend(flag_errors)
+    stopped = bool(errors) or after_errors  # a stopped run's errors stand alone: no notes, only warnings
+    for report in done.reports:
+        for line in report.infos if not stopped else ():
+            if not names_any(line, rejected):
+                log.info("%s", line)
+        for line in report.warnings:
+            if not names_any(line, rejected):
+                log.warning("%s", line)
+    for line in flag_warnings:
+        log.warning("%s", line)
+    if errors:
+        raise ConfigError(errors)
+    return done
+
+
+def unused_plugin_flags(args: Namespace, pm: FurlongPluginManager, selection: Selection, *,
+                        also_used=frozenset(), told=()) -> tuple[list[str], list[str]]:
+    """Errors and warnings for the given flags of plugins this run does not use (``args.plugin_flags_given``).
+
+    A plugin is used when the run chose it (:func:`configure_order`, the base of a
+    ``boxed_<name>`` reward included), a chosen plugin runs it (``also_used``: what their
+    ``configure`` declared with :meth:`~furlong.hooks.ConfigReport.use_plugin`) or it
+    implements an observer hook (observers are broadcast). A flag of any other plugin
+    would be read by nothing: an error, naming the flags that would choose the plugin. A
+    reward plugin may still be chosen by a sample's ``metadata["rm_type"]`` (a data file
+    or an ``--eval-config`` dataset), which the flags cannot tell: its flags get a warning
+    instead. A flag that a message of ``told`` (errors already reported) names is left to it.
+
+    :returns: ``(errors, warnings)``, one line each.
+    """
+    given = getattr(args, "plugin_flags_given", None) or {}
+    if not given:
+        return [], []
+    used = {name for name, _ in configure_order(args, pm, selection)} | set(also_used)
+    if selection.reward:
+        used.add(boxed_base(pm, selection.reward[0]) or selection.reward[0])
+    errors, warnings = [], []
+    for flag, plugin in given.items():
+        hooks = set(pm.hooks_of(plugin))
+        if plugin in used or hooks & OBSERVER_HOOKS or any(names_any(message, {flag}) for message in told):
+            continue
+        if "reward" in hooks:
+            warnings.append(f"{flag} is a flag of reward plugin '{plugin}' ({pm.origin(plugin)}), which no flag chooses "
+                            f"(the run's reward is {selection.reward[0] if selection.reward else 'none'}): it takes "
+                            f"effect only for samples whose metadata['rm_type'] is '{plugin}'.")
+            continue
+        choose = " or ".join(f"{flag_} {plugin}" for flag_ in _choosing_flags(hooks)) or "its hook's flag"
+        errors.append(f"{flag} is a flag of plugin '{plugin}' ({pm.origin(plugin)}), which this run does not use: "
+                      f"choose the plugin ({choose}) or leave {flag} out.")
+    return errors, warnings
+
+
+def _choosing_flags(hooks: set[str]) -> list[str]:
+    """The name flags that can choose a plugin implementing ``hooks``, one per chosen hook among them."""
+    flags = [spec.name_flag for spec in CHOSEN_HOOKS if spec.hook in hooks]
+    return flags + (["--dynamic-sampling-filter"] if "filter" in hooks else [])
+
+
+def with_plugin_problems(error: ConfigError, pm: FurlongPluginManager) -> ConfigError:
+    """``error`` (from :func:`~furlong.core.config.parse_args`) extended by the problems the
+    selection and the chosen plugins' ``configure`` find in the flags that did parse, so one
+    report holds every problem (docs/miles.md).
+
+    A problem naming a flag whose value was rejected (``error.bad_flags``) or repeating one
+    already listed is left out: it is a consequence of an error already reported.
+
+    :returns: a :class:`ConfigError` (``error`` itself when there is nothing to add).
+    """
+    args = error.partial
+    if args is None:
+        return error
+
+    try:
+        configure_plugins(args, pm, resolve_selection(args, pm), after_errors=True, rejected=error.bad_flags)
+        return error
+    except ConfigError as exc:
+        more = exc.problems
+    except PluginError as exc:
+        more = [str(exc)]
+    more = [p for p in more if p not in error.problems and not names_any(p, error.bad_flags)]
+    return ConfigError(error.problems + more) if more else error
+
+
+async def _await(awaitable):
+    return await awaitable
+
+
+def _snapshot(args: Namespace) -> dict:
+    out = {}
+    for key, value in vars(args).items():
+        try:
+            out[key] = copy.deepcopy(value)
+        except Exception:  # noqa: BLE001 - an object that cannot be copied is compared by identity
+            out[key] = value
+    return out
+
+
+def _changes(before: dict, args: Namespace) -> dict[str, tuple]:
+    """``dest -> (old, new)`` for every attribute added or changed since ``before``."""
+    missing = object()
+    changed = {}
+    for key, new in vars(args).items():
+        old = before.get(key, missing)
+        try:
+            same = old is not missing and bool(old == new)
+        except Exception:  # noqa: BLE001 - e.g. tensors: compare by identity
+            same = old is new
+        if not same:
+            changed[key] = (None if old is missing else old, new)
+    return changed
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")

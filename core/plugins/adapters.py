@@ -1,0 +1,232 @@
+"""Adapters that turn a Miles-style dotted ``module.function`` flag into a plugin.
+
+Each adapter is registered with the plugin manager under the dotted path itself, so the
+core calls it exactly like a plugin chosen by name. The user's function is called
+positionally, Miles-style (``async def rm(args, sample) -> float``); it may be sync or async. A
+reward function written for TRL or verl is called in its own form (:mod:`furlong.core.rollout.reward_forms`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import os
+import sys
+from typing import Any, Callable
+
+from furlong.hooks import PluginError, hookimpl
+
+from ..rollout.reward_forms import reward_adapter
+
+__all__ = ["ADAPTERS", "import_dotted", "make_adapter", "agent_abort_adapter"]
+
+log = logging.getLogger("furlong.config")
+
+
+def import_dotted(path: str, flag: str) -> Any:
+    """Import ``package.module.attr`` named by ``flag``.
+
+    A module found in the working directory imports as under ``python -m`` (which puts that
+    directory first on ``sys.path``; the ``furlong`` console script does not): the directory is
+    added to ``sys.path`` and to ``PYTHONPATH`` (so the run's other processes, Ray actors
+    included, import it too), with a note.
+
+    :raises PluginError: the path has no dot, the module cannot be imported, or it lacks
+        the attribute (the message names the flag, module and attribute; for a module that is
+        nowhere, where furlong looked and how to add a folder).
+    """
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise PluginError(f"{flag} '{path}': expected a dotted path 'module.function'.")
+    if attr == "py" and "/" not in path:
+        raise PluginError(f"{flag} '{path}': a dotted path names the module without '.py' and then the function: "
+                          f"'{module_name}.FUNCTION'.")
+    try:
+        module = _import_module(module_name, path, flag)
+    except Exception as exc:  # noqa: BLE001 - report any import failure the same way
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".")[0]:
+            hint = (f" (not installed, not on PYTHONPATH and not in the working directory {os.getcwd()}: run furlong "
+                    "from the folder holding it, or set PYTHONPATH to that folder)")
+        raise PluginError(f"{flag} '{path}': cannot import module '{module_name}': {type(exc).__name__}: {exc}"
+                          f"{hint}") from exc
+    if not hasattr(module, attr):
+        raise PluginError(f"{flag} '{path}': module '{module_name}' has no attribute '{attr}'")
+    return getattr(module, attr)
+
+
+def _import_module(module_name: str, path: str, flag: str) -> Any:
+    """``importlib.import_module(module_name)``, from the working directory when its top package is there."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        top = module_name.split(".")[0]
+        cwd = os.getcwd()
+        here = os.path.isfile(os.path.join(cwd, f"{top}.py")) or os.path.isdir(os.path.join(cwd, top))
+        if exc.name != top or not here or _on_sys_path(cwd):
+            raise
+    sys.path.insert(0, cwd)
+    os.environ["PYTHONPATH"] = os.pathsep.join([cwd, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    importlib.invalidate_caches()
+    log.info("%s %s: '%s' imported from the working directory %s (as python -m would); added to PYTHONPATH for the "
+             "run's other processes.", flag, path, top, cwd)
+    return importlib.import_module(module_name)
+
+
+def _on_sys_path(folder: str) -> bool:
+    real = os.path.realpath(folder)
+    return any(os.path.realpath(entry or os.curdir) == real for entry in sys.path)
+
+
+async def _resolve(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+class _RolloutAdapter:
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def rollout(self, args, rollout_id, context):
+        return await _resolve(self.fn(args, rollout_id, context))
+
+
+class _GenerateAdapter:
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def generate(self, args, sample, sampling_params, evaluation):
+        if _accepts(self.fn, "evaluation"):
+            return await _resolve(self.fn(args, sample, sampling_params, evaluation=evaluation))
+        return await _resolve(self.fn(args, sample, sampling_params))
+
+
+class _RewardAdapter:
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def reward(self, args, samples):
+        if args.group_rm:
+            return await _resolve(self.fn(args, samples))
+        return [await _resolve(self.fn(args, sample)) for sample in samples]
+
+
+class _FilterAdapter:
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def filter(self, args, samples, rollout_id):
+        if _accepts(self.fn, "rollout_id"):
+            return await _resolve(self.fn(args, samples, rollout_id=rollout_id))
+        return await _resolve(self.fn(args, samples))
+
+
+class _BufferPopAdapter:
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def buffer_pop(self, args, rollout_id, buffer, num_samples):
+        return await _resolve(self.fn(args, rollout_id, buffer, num_samples))
+
+
+class _AdvantageAdapter:
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def advantage(self, args, batch):
+        return await _resolve(self.fn(args, batch))
+
+
+class _LossAdapter:
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def loss(self, args, batch):
+        return await _resolve(self.fn(args, batch))
+
+
+class _LossReducerAdapter:
+    """Miles' reducer factory ``fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss)
+    -> reducer``, whose ``reducer(flat)`` sums the micro-batch's pg values concatenated in sample order."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def loss_reducer(self, args, values, loss_masks, total_lengths):
+        import torch
+
+        response_lengths = [int(m.numel()) for m in loss_masks]
+        reducer = await _resolve(self.fn(total_lengths, response_lengths, loss_masks,
+                                         bool(args.calculate_per_token_loss)))
+        flat = torch.cat([v.reshape(-1).float() for v in values]) if values else torch.zeros(0)
+        return await _resolve(reducer(flat))
+
+
+class _DataSourceAdapter:
+    def __init__(self, cls):
+        self.cls = cls
+
+    @hookimpl
+    def data_source(self, args):
+        return self.cls(args)
+
+
+ADAPTERS: dict[str, type] = {
+    "rollout": _RolloutAdapter,
+    "generate": _GenerateAdapter,
+    "reward": _RewardAdapter,
+    "filter": _FilterAdapter,
+    "buffer_pop": _BufferPopAdapter,
+    "advantage": _AdvantageAdapter,
+    "loss": _LossAdapter,
+    "loss_reducer": _LossReducerAdapter,
+    "data_source": _DataSourceAdapter,
+}
+
+
+def make_adapter(hook: str, path: str, flag: str) -> object:
+    """Import ``path`` and wrap it in the adapter of ``hook``.
+
+    :raises PluginError: as :func:`import_dotted`, or the attribute is not callable.
+    """
+    fn = import_dotted(path, flag)
+    if not callable(fn):
+        kind = "a class" if hook == "data_source" else "a function"
+        raise PluginError(f"{flag} '{path}': '{path.rpartition('.')[2]}' is a {type(fn).__name__}, not callable; "
+                          f"point the flag at {kind}.")
+    if hook == "reward":  # a TRL or verl reward function keeps its own form (core/rollout/reward_forms.py)
+        return reward_adapter(fn, path, _RewardAdapter)
+    return ADAPTERS[hook](fn)
+
+
+class _AgentAbort:
+    def __init__(self, fn):
+        self.fn = fn
+
+    @hookimpl
+    async def abort(self, args, rollout_id):
+        await _resolve(self.fn(args))
+
+
+def agent_abort_adapter(agent_path: str) -> object | None:
+    """The ``abort`` function beside ``--custom-agent-function-path``, wrapped, or None."""
+    import_dotted(agent_path, "--custom-agent-function-path")
+    module = importlib.import_module(agent_path.rpartition(".")[0])
+    fn = getattr(module, "abort", None)
+    return _AgentAbort(fn) if callable(fn) else None

@@ -1,0 +1,385 @@
+"""The plugin manager: discovery, selection by name, and the core's calling rules.
+
+pluggy supplies the specs, markers, registration and validation; this module calls the
+implementations itself (PLUGINS.md, "How plugins work"): the chosen one for a
+chosen hook, each one separately for a broadcast, filters in flag order, coroutines
+awaited, ``on_hook_call`` around every non-observer call.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import logging
+import os
+import time
+import warnings
+from typing import Any, Iterable
+
+import pluggy
+
+from furlong.hooks import PROJECT, FilterResult, PluginError, specs
+from furlong.hooks.contract import (argument_name_problems, check_filter_result, no_hookimpl_problem,
+                                    unknown_hook_problems)
+
+from .discovery import EntryRecord, disabled_from_env, is_disabled, read_entry_points, split_names
+
+__all__ = ["FurlongPluginManager", "get_plugin_manager", "OBSERVER_HOOKS", "WARN_ONLY_HOOKS"]
+
+log = logging.getLogger("furlong.plugins")
+
+OBSERVER_HOOKS = frozenset(
+    {"on_rollout_end", "on_train_step_end", "on_eval_end", "on_checkpoint_saved", "on_hook_call"}
+)
+WARN_ONLY_HOOKS = OBSERVER_HOOKS | {"abort"}
+TRACE_ENV = "FURLONG_TRACE_HOOKS"
+
+
+class FurlongPluginManager(pluggy.PluginManager):
+    """A pluggy ``PluginManager`` that knows where each plugin came from.
+
+    ``records`` maps a registered plugin name to its entry point; ``broken`` maps a name
+    to the error that kept it from loading; ``conflicts`` maps a name registered by two or
+    more distributions to their records (none of them is loaded).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(PROJECT)
+        self.add_hookspecs(specs)
+        self.records: dict[str, EntryRecord] = {}
+        self.broken: dict[str, tuple[EntryRecord | None, str]] = {}
+        self.conflicts: dict[str, list[EntryRecord]] = {}
+        self.path_flags: dict[str, str] = {}
+        self.set_aside_names: set[str] = set()
+        self.trace_calls = os.environ.get(TRACE_ENV, "") not in ("", "0")
+
+    # --- describing plugins ------------------------------------------------------------
+
+    def hooks_of(self, name: str) -> list[str]:
+        """Names of the hooks plugin ``name`` implements, sorted."""
+        plugin = self.get_plugin(name)
+        if plugin is None:
+            return []
+        return sorted(caller.name for caller in self.get_hookcallers(plugin) or [])
+
+    def origin(self, name: str) -> str:
+        """``"dist version"`` of plugin ``name``, or where an in-process plugin came from."""
+        record = self.records.get(name)
+        if record:
+            return record.label
+        if name in self.path_flags:
+            return f"from {self.path_flags[name]}"
+        return "registered in-process"
+
+    def names_for(self, hook: str) -> list[str]:
+        """Enabled plugin names implementing ``hook``, sorted."""
+        caller = getattr(self.hook, hook)
+        return sorted({impl.plugin_name for impl in caller.get_hookimpls()})
+
+    def describe(self) -> list[dict]:
+        """One row per plugin (loaded, broken or conflicting), for ``furlong plugins``."""
+        rows = []
+        for name in sorted(set(self.list_name_plugin_names()) | set(self.broken) | set(self.conflicts)):
+            if name in self.conflicts:
+                for rec in self.conflicts[name]:
+                    rows.append(_row(name, [], rec.dist, rec.version, "conflict", rec.value))
+            elif name in self.broken:
+                rec, error = self.broken[name]
+                rows.append(_row(name, [], rec.dist if rec else "?", rec.version if rec else "?", "broken", error))
+            else:
+                rec = self.records.get(name)
+                rows.append(
+                    _row(name, self.hooks_of(name), rec.dist if rec else "-", rec.version if rec else "-", "ok",
+                         rec.value if rec else "")
+                )
+        return rows
+
+    def list_name_plugin_names(self) -> list[str]:
+        return [name for name, _ in self.list_name_plugin()]
+
+    # --- selecting ---------------------------------------------------------------------
+
+    def chosen_impl(self, hook: str, name: str, flag: str) -> pluggy.HookImpl:
+        """The implementation of ``hook`` in plugin ``name``, chosen by ``flag``.
+
+        :raises PluginError: unknown name (lists the available ones and a "did you mean"),
+            a name two distributions register, a plugin that failed to import, or a plugin
+            that does not implement ``hook`` (lists the hooks it does implement).
+        """
+        if name in self.conflicts:
+            raise PluginError(conflict_message(name, self.conflicts[name]))
+        if name in self.broken:
+            record, error = self.broken[name]
+            where = f"entry point '{record.name} = {record.value}' of {record.label}" if record else "it"
+            verb = "was set aside" if name in self.set_aside_names else "failed to load"
+            raise PluginError(f"{flag} '{name}': plugin '{name}' is broken: {where} {verb}: {error}")
+        plugin = self.get_plugin(name)
+        if plugin is None:
+            raise PluginError(self._unknown_message(hook, name, flag))
+        for impl in getattr(self.hook, hook).get_hookimpls():
+            if impl.plugin_name == name:
+                return impl
+        implemented = ", ".join(self.hooks_of(name))
+        raise PluginError(
+            f"{flag} '{name}': plugin '{name}' ({self.origin(name)}) does not implement `{hook}`; "
+            + (f"it implements: {implemented}." if implemented else "it implements no hook.")
+        )
+
+    def _unknown_message(self, hook: str, name: str, flag: str) -> str:
+        available = self.names_for(hook)
+        listing = ", ".join(f"{n} ({self.origin(n)})" for n in available) or "none"
+        lines = [f"{flag} '{name}': no installed plugin of that name implements `{hook}`.", f"  Available: {listing}."]
+        close = difflib.get_close_matches(name, available, n=1)
+        hint = f"  Did you mean '{close[0]}'? " if close else "  "
+        lines.append(hint + f"List them with: furlong plugins --hook {hook}")
+        return "\n".join(lines)
+
+    # --- calling -----------------------------------------------------------------------
+
+    async def call_chosen(self, hook: str, name: str, flag: str, /, **kwargs: Any) -> Any:
+        """Call plugin ``name``'s implementation of ``hook``; await it if it is a coroutine.
+
+        :raises PluginError: the plugin cannot be chosen (see :meth:`chosen_impl`) or
+            returned None.
+        """
+        impl = self.chosen_impl(hook, name, flag)
+        result = await self._call(hook, impl, kwargs)
+        if result is None:
+            raise PluginError(
+                f"plugin '{name}' ({self.origin(name)}) returned None from `{hook}` (chosen by {flag}); "
+                f"a chosen `{hook}` must return its result."
+            )
+        return result
+
+    def call_chosen_sync(self, hook: str, name: str, flag: str, /, **kwargs: Any) -> Any:
+        """Like :meth:`call_chosen` for set-up hooks called outside an event loop."""
+        impl = self.chosen_impl(hook, name, flag)
+        result = self._call_sync(hook, impl, kwargs)
+        if inspect.isawaitable(result):
+            import asyncio
+
+            result = asyncio.run(_await(result))
+        if result is None:
+            expected = "; expected FilterResult or bool" if hook == "filter" else ""
+            raise PluginError(f"plugin '{name}' ({self.origin(name)}) returned None from `{hook}` (chosen by {flag})"
+                              f"{expected}.")
+        return result
+
+    async def broadcast(self, hook: str, /, **kwargs: Any) -> list[Any]:
+        """Call every implementation of ``hook`` separately; return their results.
+
+        For ``abort`` and observers a failure is logged as a warning. For other hooks every
+        implementation still runs, then the first failure is raised as a PluginError
+        naming its plugin.
+        """
+        results, failures = [], []
+        for impl in getattr(self.hook, hook).get_hookimpls():
+            try:
+                results.append(await self._call(hook, impl, kwargs))
+            except Exception as exc:  # noqa: BLE001 - one plugin must not stop the others
+                failures.append((impl.plugin_name, exc))
+                if hook in WARN_ONLY_HOOKS:
+                    log.warning("plugin '%s' failed in `%s`: %s: %s", impl.plugin_name, hook, type(exc).__name__, exc)
+        if failures and hook not in WARN_ONLY_HOOKS:
+            name, exc = failures[0]
+            raise PluginError(f"plugin '{name}' ({self.origin(name)}) failed in `{hook}`: {type(exc).__name__}: {exc}") from exc
+        return results
+
+    def broadcast_sync(self, hook: str, /, **kwargs: Any) -> list[Any]:
+        """Synchronous broadcast for ``add_arguments``; an implementation may not be async."""
+        results = []
+        for impl in getattr(self.hook, hook).get_hookimpls():
+            result = self._call_sync(hook, impl, kwargs)
+            if inspect.isawaitable(result):
+                if inspect.iscoroutine(result):
+                    result.close()  # never awaited on purpose: no "never awaited" warning
+                raise PluginError(f"plugin '{impl.plugin_name}': `{hook}` may not be async def.")
+            results.append(result)
+        return results
+
+    async def notify(self, hook: str, /, **kwargs: Any) -> None:
+        """Broadcast an observer hook (failures are warnings)."""
+        await self.broadcast(hook, **kwargs)
+
+    async def run_filters(self, names: Iterable[str], flag: str, /, **kwargs: Any) -> FilterResult:
+        """Run filters one by one in the given order; the first that rejects gives the reason."""
+        for name in names:
+            try:
+                result = await self.call_chosen_allow_false("filter", name, flag, **kwargs)
+            except PluginError:
+                raise
+            except Exception as exc:
+                raise PluginError(f"filter plugin '{name}' ({self.origin(name)}) failed: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+            result = check_filter_result(result, f"plugin '{name}' ({self.origin(name)})")
+            if not result.keep:
+                return result
+        return FilterResult(keep=True)
+
+    async def call_chosen_allow_false(self, hook: str, name: str, flag: str, /, **kwargs: Any) -> Any:
+        impl = self.chosen_impl(hook, name, flag)
+        result = await self._call(hook, impl, kwargs)
+        if result is None:
+            expected = "; expected FilterResult or bool" if hook == "filter" else ""
+            raise PluginError(f"plugin '{name}' ({self.origin(name)}) returned None from `{hook}` (chosen by {flag})"
+                              f"{expected}.")
+        return result
+
+    async def _call(self, hook: str, impl: pluggy.HookImpl, kwargs: dict) -> Any:
+        start = time.perf_counter()
+        error = None
+        try:
+            result = impl.function(**_select(impl, kwargs))
+            if inspect.isawaitable(result):
+                result = await result
+            if self.trace_calls:
+                log.info("hook %s[%s](%s) -> %r", hook, impl.plugin_name, _brief(kwargs), result)
+            return result
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if hook not in OBSERVER_HOOKS:
+                await self.broadcast(
+                    "on_hook_call", hook=hook, plugin=impl.plugin_name,
+                    seconds=time.perf_counter() - start, error=error,
+                )
+
+    def _call_sync(self, hook: str, impl: pluggy.HookImpl, kwargs: dict) -> Any:
+        start = time.perf_counter()
+        error = None
+        try:
+            result = impl.function(**_select(impl, kwargs))
+            if self.trace_calls:
+                log.info("hook %s[%s](%s) -> %r", hook, impl.plugin_name, _brief(kwargs), result)
+            return result
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if hook not in OBSERVER_HOOKS and self.hook.on_hook_call.get_hookimpls():
+                _run_sync(self.broadcast(
+                    "on_hook_call", hook=hook, plugin=impl.plugin_name,
+                    seconds=time.perf_counter() - start, error=error,
+                ))
+
+    # --- registration --------------------------------------------------------------------
+
+    def register_checked(self, plugin: object, name: str, record: EntryRecord | None = None) -> bool:
+        """Register ``plugin`` under ``name``; on a validation error mark it broken and return False.
+
+        :raises PluginError: ``name`` is already registered (the registered plugin stays).
+        """
+        if self.get_plugin(name) is not None:
+            raise PluginError(f"plugin name '{name}' is already registered ({self.origin(name)}).")
+        other = self.get_name(plugin)
+        if other is not None:
+            self.broken[name] = (record, f"it is the object already registered as plugin '{other}'; "
+                                         "give each name its own object (entry point 'module:object')")
+            return False
+        try:
+            self.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            self.broken[name] = (record, argument_name_problems(self, plugin) or f"{type(exc).__name__}: {exc}")
+            if self.get_plugin(name) is plugin:
+                self.unregister(name=name)
+            return False
+        problem = unknown_hook_problems(self, plugin) or no_hookimpl_problem(self, plugin)
+        if problem:
+            self.unregister(name=name)
+            self.broken[name] = (record, problem)
+            return False
+        if record is not None:
+            self.records[name] = record
+        return True
+
+    def set_aside(self, name: str, reason: str) -> None:
+        """Unregister plugin ``name`` and list it as broken for ``reason`` (it can no longer be chosen)."""
+        if self.get_plugin(name) is not None:
+            self.unregister(name=name)
+        self.broken[name] = (self.records.pop(name, None), reason)
+        self.set_aside_names.add(name)
+
+def conflict_message(name: str, records: list[EntryRecord]) -> str:
+    owners = "; ".join(f"{r.label} -> {r.value}" for r in records)
+    pick = records[-1]
+    return (
+        f"plugin name '{name}' is registered twice in entry-point group '{PROJECT}':\n"
+        f"  {owners}.\n"
+        f"  Uninstall one, or pick one with --disable-plugins {pick.dist}:{name}."
+    )
+
+
+def get_plugin_manager(disable: str | list[str] | None = None) -> FurlongPluginManager:
+    """A fresh manager with every enabled entry point of group ``furlong`` registered.
+
+    :param disable: ``NAME`` or ``DIST:NAME`` items (a list, or comma-separated text) not to
+        load, added to those of ``FURLONG_DISABLE_PLUGINS``.
+    """
+    pm = FurlongPluginManager()
+    disabled = split_names(disable) + disabled_from_env()
+    by_name: dict[str, list[EntryRecord]] = {}
+    for record in read_entry_points():
+        if not is_disabled(record, disabled):
+            by_name.setdefault(record.name, []).append(record)
+    for name, records in by_name.items():
+        if len(records) > 1:
+            pm.conflicts[name] = records
+            continue
+        record = records[0]
+        try:
+            plugin = record.entry_point.load()
+        except Exception as exc:  # noqa: BLE001 - any import failure marks the plugin broken
+            pm.broken[name] = (record, f"{type(exc).__name__}: {exc}")
+            continue
+        pm.register_checked(plugin, name, record)
+    pm.check_pending()
+    return pm
+
+
+def _select(impl: pluggy.HookImpl, kwargs: dict) -> dict:
+    """The arguments ``impl`` asks for; an old-form implementation that asks for ``args`` where the
+    core passes ``config`` gets ``config.namespace()`` (accepted until the next minor version)."""
+    chosen = {name: kwargs[name] for name in impl.argnames if name in kwargs}
+    if "args" in impl.argnames and "args" not in kwargs and "config" in kwargs:
+        _warn_old_form(impl)
+        chosen["args"] = kwargs["config"].namespace()
+    return chosen
+
+
+_WARNED_OLD_FORM: set[tuple[str, str]] = set()
+
+
+def _warn_old_form(impl: pluggy.HookImpl) -> None:
+    key = (impl.plugin_name, impl.function.__name__)
+    if key not in _WARNED_OLD_FORM:
+        _WARNED_OLD_FORM.add(key)
+        warnings.warn(f"plugin '{impl.plugin_name}': `{impl.function.__name__}(args, ...)` is the old form of the "
+                      f"hook; take `config` (a furlong.hooks.RunConfig) instead. The old form goes away in the next "
+                      f"minor version (PLUGINS.md, \"Deprecations\").", DeprecationWarning, stacklevel=2)
+
+
+async def _await(awaitable):
+    return await awaitable
+
+
+def _run_sync(coro) -> Any:
+    """Run ``coro`` to the end from synchronous code, inside or outside an event loop."""
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _brief(kwargs: dict) -> str:
+    return ", ".join(f"{k}={type(v).__name__}" for k, v in kwargs.items())
+
+
+def _row(name, hooks, dist, version, status, detail) -> dict:
+    return {"name": name, "hooks": hooks, "distribution": dist, "version": version, "status": status, "detail": detail}

@@ -1,0 +1,1 @@
+"""The rollout side: data, engines, the rollout manager, rewards and evaluation."""

@@ -1,0 +1,92 @@
+"""Several rollout engines behind one :class:`~furlong.hooks.RolloutEngine`, and the picklable engine factory.
+
+The rollout manager talks to one engine. With several (``--rollout-num-gpus`` /
+``--rollout-num-gpus-per-engine`` engines under the Ray executor) :class:`EngineSet`
+sends each request to the engine with the fewest requests in flight and every control
+call (abort, pause, continue, memory) to all of them. Weight sync talks to each engine
+itself (:mod:`furlong.core.run.weight_sync`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from argparse import Namespace
+from typing import Any
+
+from furlong.hooks import GenerateOutput, PluginError, RolloutEngine
+
+__all__ = ["EngineFactory", "EngineSet"]
+
+
+class EngineFactory:
+    """``await make_engine(i)`` for :meth:`furlong.hooks.Executor.start_engines`.
+
+    Calls the chosen ``rollout_engine`` plugin. Picklable: a copy sent to another process
+    builds its own plugin manager there.
+    """
+
+    def __init__(self, args: Namespace, chosen: tuple[str, str], pm: Any = None) -> None:
+        self.args, self.chosen, self.pm = args, tuple(chosen), pm
+
+    async def __call__(self, index: int) -> RolloutEngine:
+        pm = self.pm
+        if pm is None:  # a process of its own (an engine actor)
+            from ..plugins.selection import plugins_of_this_process
+
+            pm = plugins_of_this_process(self.args, hooks=("rollout_engine",))
+        name, flag = self.chosen
+        args = copy.copy(self.args)
+        args.rollout_engine_index = index  # e.g. per-engine sampling seeds (seed + index)
+        engine = await pm.call_chosen("rollout_engine", name, flag, args=args)
+        missing = [m for m in ("generate", "abort", "pause_generation", "continue_generation", "flush_cache",
+                               "load_weights", "set_weight_version", "release_memory", "resume_memory", "health")
+                   if not callable(getattr(engine, m, None))]
+        if missing:
+            raise PluginError(f"{flag} '{name}': the engine it returned ({type(engine).__name__}) lacks "
+                              f"{', '.join(missing)} (see furlong.hooks.RolloutEngine).")
+        return engine
+
+    def __getstate__(self) -> dict:
+        return {"args": self.args, "chosen": self.chosen, "pm": None}
+
+
+class EngineSet:
+    """:class:`~furlong.hooks.RolloutEngine` over several engines (least requests in flight first)."""
+
+    def __init__(self, engines: list) -> None:
+        self.engines = list(engines)
+        self.tokenizer = self.engines[0].tokenizer
+        self._in_flight = [0] * len(self.engines)
+
+    async def generate(self, input_ids: list[int], sampling_params: dict) -> GenerateOutput:
+        i = min(range(len(self.engines)), key=self._in_flight.__getitem__)
+        self._in_flight[i] += 1
+        try:
+            return await self.engines[i].generate(input_ids, sampling_params)
+        finally:
+            self._in_flight[i] -= 1
+
+    async def _all(self, method: str, *args) -> None:
+        await asyncio.gather(*(getattr(e, method)(*args) for e in self.engines))
+
+    async def abort(self) -> None:
+        await self._all("abort")
+
+    async def pause_generation(self, mode: str) -> None:
+        await self._all("pause_generation", mode)
+
+    async def continue_generation(self) -> None:
+        await self._all("continue_generation")
+
+    async def flush_cache(self) -> None:
+        await self._all("flush_cache")
+
+    async def release_memory(self) -> None:
+        await self._all("release_memory")
+
+    async def resume_memory(self) -> None:
+        await self._all("resume_memory")
+
+    async def health(self) -> bool:
+        return all(await asyncio.gather(*(e.health() for e in self.engines)))

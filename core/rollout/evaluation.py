@@ -1,0 +1,118 @@
+"""Evaluation rollouts over the eval datasets: no filters, no abort, no group RM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import inspect
+import time
+
+from furlong.hooks import PluginError, Sample
+
+from .data_choice import data_source_for
+from ..config.eval_config import EvalDataset, load_eval_datasets, sampling_params
+from ..run.metrics_log import eval_metrics
+from ..plugins.manager import FurlongPluginManager
+from .manager import RolloutManager
+from ..plugins.selection import Selection
+
+__all__ = ["Evaluator"]
+
+
+class Evaluator:
+    """Loads every eval dataset once (through the ``data_source`` hook), then evaluates on demand.
+
+    Construct it before any model loads: a plain ``data_source`` is called here, so bad
+    eval files fail early, naming file and line. An ``async def`` one is awaited inside
+    the running event loop by :meth:`load` (which :meth:`evaluate` calls first; the loop
+    may call it right after construction to fail as early).
+    """
+
+    def __init__(self, args: argparse.Namespace, pm: FurlongPluginManager, selection: Selection):
+        self.args = args
+        self.pm = pm
+        self.source = selection.chosen["data_source"]
+        self.datasets: list[tuple[EvalDataset, list[dict]]] = []
+        self._to_load = []
+        for ds in load_eval_datasets(args):
+            ds_args = _source_args(args, ds)
+            self._to_load.append((ds, ds_args, self._reader(ds, ds_args)))
+        waiting = []
+        for ds, ds_args, reader in self._to_load:  # a plain data_source is called now, an async one by load()
+            if inspect.iscoroutinefunction(pm.chosen_impl("data_source", *reader).function):
+                waiting.append((ds, ds_args, reader))
+            else:
+                self._add(ds, reader, pm.call_chosen_sync("data_source", *reader, args=ds_args))
+        self._to_load = waiting
+
+    def _reader(self, ds: EvalDataset, ds_args: argparse.Namespace) -> tuple[str, str]:
+        """``(plugin, flag)`` reading eval set ``ds``: the data source flags' choice, else the plugin that
+        claims its file (:mod:`furlong.core.rollout.data_choice`), else ``--data-source``'s default."""
+        by_file = data_source_for(self.args, self.pm, ds.path, ds_args.prompt_data_flag)
+        if by_file is not None:
+            return by_file
+        if self.source[1] == "--prompt-data":  # the training file chose its reader; this file claims none
+            return self.args.data_source, "--data-source"
+        return self.source
+
+    async def load(self) -> None:
+        """Create the eval data sources not created yet, awaiting the ``data_source`` hook.
+
+        :raises PluginError: a data source without ``__len__``, or the plugin's own error.
+        """
+        while self._to_load:
+            ds, ds_args, reader = self._to_load[0]
+            self._add(ds, reader, await self.pm.call_chosen("data_source", *reader, args=ds_args))
+            self._to_load.pop(0)
+
+    def _add(self, ds: EvalDataset, reader: tuple[str, str], source) -> None:
+        name, flag = reader
+        if not hasattr(source, "__len__"):
+            raise PluginError(f"{flag} '{name}': an eval data source must define __len__ (eval set '{ds.name}').")
+        self.datasets.append((ds, source.next_rows(len(source))))
+
+    def __bool__(self) -> bool:
+        return bool(self.datasets or self._to_load)
+
+    async def evaluate(self, manager: RolloutManager) -> dict:
+        """Generate and score every eval dataset concurrently; return ``eval/...`` metrics."""
+        await self.load()
+        start = time.perf_counter()
+        per_set = await asyncio.gather(*(self._one(manager, ds, rows) for ds, rows in self.datasets))
+        metrics: dict = {}
+        for (ds, _), samples in zip(self.datasets, per_set):
+            metrics.update(eval_metrics(ds.name, samples, self.args.eval_reward_key or self.args.reward_key))
+        metrics["perf/eval_time"] = time.perf_counter() - start
+        return metrics
+
+    async def _one(self, manager: RolloutManager, ds: EvalDataset, rows: list[dict]) -> list[Sample]:
+        params = sampling_params(ds, self.args)
+        groups = [[_eval_sample(row, ds, p * ds.n_samples_per_eval_prompt + j, p)
+                   for j in range(ds.n_samples_per_eval_prompt)] for p, row in enumerate(rows)]
+        await asyncio.gather(*(manager.generate_group(g, evaluation=True, sampling_params=params) for g in groups))
+        return sorted((s for g in groups for s in g), key=lambda s: s.index)
+
+
+def _source_args(args: argparse.Namespace, ds: EvalDataset) -> argparse.Namespace:
+    """A copy of ``args`` that points the data source at eval set ``ds`` (its keys, no shuffle)."""
+    ds_args = copy.copy(args)
+    ds_args.prompt_data = ds.path
+    ds_args.prompt_data_flag = (f"--eval-config dataset '{ds.name}'" if getattr(args, "eval_config", None)
+                                else f"--eval-prompt-data {ds.name}")
+    ds_args.input_key = ds.input_key
+    ds_args.label_key = ds.label_key
+    ds_args.metadata_key = ds.metadata_key
+    ds_args.tool_key = ds.tool_key
+    ds_args.rollout_shuffle = False
+    ds_args.rollout_max_prompt_len = args.eval_max_prompt_len
+    return ds_args
+
+
+def _eval_sample(row: dict, ds: EvalDataset, index: int, group_index: int) -> Sample:
+    metadata = copy.deepcopy(row.get("metadata") or {})
+    metadata.update(ds.metadata_overrides or {})
+    if ds.rm_type:
+        metadata["rm_type"] = ds.rm_type
+    return Sample(prompt=copy.deepcopy(row["prompt"]), label=copy.deepcopy(row.get("label")), metadata=metadata,
+                  group_index=group_index, index=index)

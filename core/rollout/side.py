@@ -1,0 +1,113 @@
+"""The rollout side of a run: data, rollout manager, rewards and evaluation, in one object the executor places.
+
+The loop talks to it only through coroutines that take and return plain data (rollout
+ids, groups of :class:`~furlong.hooks.Sample`, metrics, JSON states), so an executor can
+keep it in the driver's process (``local``) or put it in an actor of its own (``ray``: the
+rollout-manager actor). Where it runs it builds everything itself from the launch flags
+and the selection: the plugin manager (unless it runs in the driver's process), the data
+source and cursor, the evaluation sets, the :class:`~furlong.core.rollout.manager.RolloutManager`.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+from typing import Any
+
+from furlong.hooks import Sample
+
+from .data_cursor import DataCursor
+from .engines import EngineSet
+from .evaluation import Evaluator
+from .rewards import check_first_rows_name_a_reward
+from .manager import RolloutManager
+from ..plugins.selection import Selection, plugins_of_this_process
+
+__all__ = ["RolloutSide", "RolloutSideFactory"]
+
+
+class RolloutSide:
+    """The rollout-manager role: ``generate``, ``evaluate``, data state, weight versions.
+
+    Call order: :meth:`load_data` (before any model loads: bad data fails first), then
+    :meth:`start` once the engines exist, then the rest; :meth:`dispose` at the end.
+    """
+
+    def __init__(self, args: Namespace, selection: Selection, pm: Any = None) -> None:
+        self.args, self.selection, self.pm = args, selection, pm
+        self.cursor: DataCursor | None = None
+        self.evaluator: Evaluator | None = None
+        self.manager: RolloutManager | None = None
+
+    async def load_data(self) -> bool:
+        """Create the train and eval data sources; return whether there are eval sets.
+
+        :raises PluginError: the data source plugin's own error (bad files are named there).
+        """
+        if self.pm is None:  # a process of its own (the rollout-manager actor)
+            self.pm = plugins_of_this_process(self.args)
+        sel = self.selection
+        source = await self.pm.call_chosen("data_source", *sel.chosen["data_source"], args=self.args)
+        if sel.reward is None:
+            check_first_rows_name_a_reward(self.args, self.pm, source)
+        self.cursor = DataCursor(self.args, self.pm, source, sel.chosen["buffer_pop"])
+        self.evaluator = Evaluator(self.args, self.pm, sel)
+        await self.evaluator.load()
+        return bool(self.evaluator)
+
+    async def dataset_size(self) -> int | None:
+        """Prompts in the train data source (``len()``), or None when it cannot tell (``--num-epoch``)."""
+        source = self.cursor.source if self.cursor is not None else None
+        return len(source) if hasattr(source, "__len__") else None
+
+    async def start(self, engines: list, state: dict | None) -> None:
+        """Resume the data position from a checkpoint's ``state`` (or start fresh) and build the manager."""
+        if state:
+            self.cursor.load_state(state)
+        engine = engines[0] if len(engines) == 1 else EngineSet(engines)
+        self.manager = RolloutManager(self.args, self.pm, self.selection, engine, self.cursor)
+
+    async def generate(self, rollout_id: int) -> list[list[Sample]]:
+        """The groups to train on for ``rollout_id`` (the ``rollout`` hook and everything it calls)."""
+        return await self.manager.generate(rollout_id)
+
+    async def evaluate(self) -> dict:
+        """Generate and score every eval set; ``eval/...`` metrics."""
+        return await self.evaluator.evaluate(self.manager)
+
+    async def data_state(self, rollout_id: int | None = None) -> dict | None:
+        """The data side's checkpoint state now, or as it was when ``rollout_id``'s batch was drawn."""
+        if rollout_id is None:
+            return self.manager.data_state()
+        return self.manager.data_states.get(rollout_id)
+
+    async def pop_metrics(self, rollout_id: int) -> dict:
+        """The ``rollout/...`` metrics the rollout of ``rollout_id`` gathered (once)."""
+        return self.manager.rollout_metrics.pop(rollout_id, {})
+
+    async def set_weight_version(self, version: int) -> None:
+        self.manager.set_weight_version(version)
+
+    async def progress(self) -> dict:
+        """``samples_done``, ``samples_total``, ``tokens`` of the rollout generating now."""
+        return dict(self.manager.progress)
+
+    async def dispose(self) -> None:
+        """Stop work a rollout plugin keeps across rollouts."""
+        if self.manager is not None:
+            await self.manager.dispose()
+
+
+class RolloutSideFactory:
+    """``make_rollout_side()`` for :meth:`furlong.hooks.Executor.start_rollout_side`.
+
+    Picklable: a copy sent to another process builds its own plugin manager there.
+    """
+
+    def __init__(self, args: Namespace, selection: Selection, pm: Any = None) -> None:
+        self.args, self.selection, self.pm = args, selection, pm
+
+    def __call__(self) -> RolloutSide:
+        return RolloutSide(self.args, self.selection, self.pm)
+
+    def __getstate__(self) -> dict:
+        return {"args": self.args, "selection": self.selection, "pm": None}

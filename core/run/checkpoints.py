@@ -1,0 +1,380 @@
+"""Checkpoint cadence, crash-safe save order and the resume point (docs/checkpoints.md).
+
+Layout under ``--save DIR``::
+
+    DIR/latest_checkpointed_iteration.txt   # rollout id of the newest complete checkpoint
+    DIR/iter_0000004/                       # weights etc. *after* training on rollout 4
+    DIR/iter_0000004/writer.json            # {"train_backend": name} of the backend that wrote it
+    DIR/rollout/state_4.json                # data source, cursor, buffer, counters (JSON)
+
+A save writes ``iter_N.tmp/``, renames it to ``iter_N/``, writes the state JSON, and only
+then replaces the marker (write a temp file, ``os.replace``), so a crash at any point
+leaves the previous marker and everything it points to intact. The training loop calls
+:func:`should_save`, :func:`save_checkpoint` and :func:`resolve_start`; the train backend
+only writes into the directory it is given.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import re
+import shutil
+from typing import Any, Awaitable, Callable
+
+import attrs
+
+from furlong.hooks import PluginError
+
+
+__all__ = [
+    "MARKER_NAME",
+    "WRITER_NAME",
+    "ResumePoint",
+    "iter_dir",
+    "periodic",
+    "read_marker",
+    "resolve_start",
+    "save_checkpoint",
+    "should_save",
+    "state_path",
+]
+
+log = logging.getLogger("furlong.checkpoints")
+
+MARKER_NAME = "latest_checkpointed_iteration.txt"
+WRITER_NAME = "writer.json"
+_TMP_SUFFIX = ".tmp"
+_OLD_SUFFIX = ".old"
+
+
+def periodic(r: int, k: int | None, last: int | None = None, epoch: int | None = None) -> bool:
+    """Whether rollout ``r`` is on a cadence of every ``k`` rollouts.
+
+    False when ``k`` is None; True when ``r == last - 1`` (the final rollout of a run of
+    ``last`` rollouts; pass ``last=None`` for a cadence without a forced final point), or
+    at the end of an epoch of ``epoch`` rollouts (``--num-epoch`` runs, as Miles);
+    otherwise ``(r + 1) % k == 0``, so ``k=100`` fires at r = 99, 199, ...
+
+    :param r: 0-based rollout id.
+    :param k: interval in rollouts (``--save-interval``, ``--eval-interval``), or None.
+    :param last: number of rollouts in the run (``--num-rollout``), or None.
+    :param epoch: rollouts per epoch (``args.num_rollout_per_epoch``), or None.
+    :raises ValueError: ``k`` is not positive.
+    """
+    if k is None:
+        return False
+    if k <= 0:
+        raise ValueError(f"interval must be a positive number of rollouts, got {k}")
+    if last is not None and r == last - 1:
+        return True
+    return (r + 1) % k == 0 or bool(epoch and (r + 1) % epoch == 0)
+
+
+def should_save(args: Any, rollout_id: int) -> bool:
+    """Whether the loop saves after training on ``rollout_id``.
+
+    True when ``args.save`` is set and either the cadence fires
+    (``periodic(rollout_id, args.save_interval, args.num_rollout, args.num_rollout_per_epoch)``) or the file
+    ``args.save_trigger_sentinel`` exists. ``--save-interval`` without ``--save`` is a
+    config error raised at validation, not here.
+    """
+    if not getattr(args, "save", None):
+        return False
+    if periodic(rollout_id, args.save_interval, args.num_rollout,
+                getattr(args, "num_rollout_per_epoch", None)):
+        return True
+    sentinel = getattr(args, "save_trigger_sentinel", None)
+    return bool(sentinel) and os.path.exists(sentinel)
+
+
+def iter_dir(save: str, rollout_id: int) -> str:
+    """``<save>/iter_<rollout_id:07d>``: the checkpoint holding the state after ``rollout_id``."""
+    return os.path.join(save, f"iter_{rollout_id:07d}")
+
+
+def state_path(save: str, rollout_id: int) -> str:
+    """``<save>/rollout/state_<rollout_id>.json``: data-side state saved with ``iter_<rollout_id>``."""
+    return os.path.join(save, "rollout", f"state_{rollout_id}.json")
+
+
+def _fsync_dir(path: str) -> None:
+    """Flush a directory entry to disk so a rename in it survives a power loss (best effort)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so readers see the old or the new content, never a mix."""
+    tmp = path + _TMP_SUFFIX
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+async def save_checkpoint(
+    args: Any,
+    rollout_id: int,
+    save_model: Callable[[str], Awaitable[Any]],
+    state: dict,
+    save_hf: Callable[[str], Awaitable[Any]] | None = None,
+) -> str:
+    """Save the checkpoint of ``rollout_id`` under ``args.save``; return its final directory.
+
+    Order: remove a stale ``iter_N.tmp/``; ``await save_model(tmp)``
+    (the train backend writes weights, optimizer, scheduler, RNG into it, every rank
+    finished when it returns); rename ``iter_N.tmp`` to ``iter_N`` (an existing
+    ``iter_N`` is moved aside to ``iter_N.old`` first and deleted afterwards; ``iter_N/writer.json``
+    records ``--train-backend``); write
+    ``rollout/state_N.json`` atomically; replace the marker atomically with ``N``; delete
+    ``args.save_trigger_sentinel`` if it exists. If anything raises before the marker is
+    replaced, the previous marker and the checkpoint it names stay valid.
+
+    ``state`` is serialized to JSON before ``save_model`` is awaited, so later mutation by
+    the caller (train-async drawing the next batch) does not leak into this checkpoint.
+
+    :param args: needs ``save``; reads ``save_trigger_sentinel`` if present.
+    :param rollout_id: rollout just trained on.
+    :param save_model: coroutine function writing the model state into the given path;
+        the train group's ``save_model``, which returns once every train rank wrote its
+        part (the driver alone renames, writes the state JSON and the marker).
+    :param state: JSON-serializable dict (data-source state, cursor counters, buffer of
+        groups as ``Sample.to_dict()`` lists, sample counters), built by the caller.
+    :param save_hf: coroutine function writing a Hugging Face export into the given path
+        (the train group's ``save_hf``); with ``--save-hf TEMPLATE`` it is awaited after the
+        marker names the new checkpoint, into ``TEMPLATE.format(rollout_id=N)``, before the
+        post-save hook (which gets that directory as ``hf_dir``).
+    :returns: ``<save>/iter_<rollout_id:07d>``.
+    :raises PluginError: ``args.save`` is not set, or ``state`` is not JSON-serializable.
+    """
+    save = getattr(args, "save", None)
+    if not save:
+        raise PluginError("save_checkpoint needs --save DIR: pass the directory checkpoints go to.")
+    state_text = _state_json(state, rollout_id)
+    final = iter_dir(save, rollout_id)
+    tmp = final + _TMP_SUFFIX
+    os.makedirs(save, exist_ok=True)
+    if os.path.lexists(tmp):
+        log.info("removing stale partial checkpoint %s", tmp)
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    await save_model(tmp)
+    with open(os.path.join(tmp, WRITER_NAME), "w", encoding="utf-8") as f:
+        json.dump({"train_backend": args.train_backend}, f)
+    _fsync_dir(tmp)
+    _publish(args, save, rollout_id, tmp, final, state_text)
+    hf_dir = hf_export_dir(args, rollout_id)
+    if hf_dir:
+        await save_hf(hf_dir)
+        log.info("saved Hugging Face weights %s", hf_dir)
+    _post_save_hook(args, rollout_id, final, hf_dir)
+    return final
+
+
+def hf_export_dir(args: Any, rollout_id: int) -> str | None:
+    """``--save-hf`` for this rollout (``{rollout_id}`` filled in), or None without the flag."""
+    template = getattr(args, "save_hf", None)
+    return template.format(rollout_id=rollout_id) if template else None
+
+
+def _state_json(state: dict, rollout_id: int) -> str:
+    try:
+        return json.dumps(state, indent=1, allow_nan=True)
+    except (TypeError, ValueError) as exc:
+        raise PluginError(
+            f"checkpoint of rollout {rollout_id}: the data state is not JSON-serializable ({exc}); "
+            "data-source state() and buffered samples must hold only JSON types."
+        ) from exc
+
+
+def _publish(args: Any, save: str, rollout_id: int, tmp: str, final: str, state_text: str) -> None:
+    """Rename the complete ``iter_N.tmp`` into place, write the state JSON, then the marker."""
+    old = final + _OLD_SUFFIX
+    if os.path.isdir(final):
+        # iter_N already exists (a re-run of rollout N): keep it as iter_N.old until the
+        # new one is in place, so a crash between the two renames can be recovered.
+        if os.path.lexists(old):
+            shutil.rmtree(old)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(save)
+    if os.path.lexists(old):
+        shutil.rmtree(old)
+
+    os.makedirs(os.path.dirname(state_path(save, rollout_id)), exist_ok=True)
+    _atomic_write_text(state_path(save, rollout_id), state_text)
+    _atomic_write_text(os.path.join(save, MARKER_NAME), str(rollout_id))
+
+    sentinel = getattr(args, "save_trigger_sentinel", None)
+    if sentinel and os.path.exists(sentinel):
+        os.remove(sentinel)
+        log.info("save trigger %s honoured at rollout %d and removed", sentinel, rollout_id)
+    log.info("saved checkpoint %s", final)
+
+
+def _post_save_hook(args: Any, rollout_id: int, ckpt_dir: str, hf_dir: str | None) -> None:
+    """Call ``--custom-megatron-post-save-hook-path`` as ``hook(args, rollout_id, ckpt_dir, hf_dir)``.
+
+    Runs once per save, after the marker names the new checkpoint and the ``--save-hf``
+    export is written, in the process that wrote the marker. ``hf_dir`` is that export's
+    directory, or None without ``--save-hf``.
+
+    :raises PluginError: the path cannot be imported, the hook raises, or it is ``async def``
+        (it is called synchronously).
+    """
+    path = getattr(args, "custom_megatron_post_save_hook_path", None)
+    if not path:
+        return
+    from ..plugins.adapters import import_dotted
+
+    flag = "--custom-megatron-post-save-hook-path"
+    hook = import_dotted(path, flag)
+    try:
+        result = hook(args, rollout_id, ckpt_dir, hf_dir)
+    except Exception as exc:  # noqa: BLE001 - name the hook at fault
+        raise PluginError(f"{flag} '{path}' failed after saving {ckpt_dir}: {type(exc).__name__}: {exc}") from exc
+    if inspect.isawaitable(result):
+        getattr(result, "close", lambda: None)()
+        raise PluginError(f"{flag} '{path}' returned an awaitable: the hook is called synchronously after each save; "
+                          f"make it a plain function.")
+
+
+@attrs.define
+class ResumePoint:
+    """Where a run starts.
+
+    ``start_rollout_id``: first rollout id to run. ``load_dir``: the ``iter_*`` directory to
+    load weights, optimizer, scheduler and RNG from, or None for a warm start (weights from
+    ``--ref-load`` / ``--hf-checkpoint``). ``state``: the data-side state dict saved with
+    rollout ``start_rollout_id - 1``, or None (start the data source fresh).
+    ``loaded_rollout_id``: the rollout id of ``load_dir``, or None.
+    """
+
+    start_rollout_id: int
+    load_dir: str | None = None
+    state: dict | None = None
+    loaded_rollout_id: int | None = None
+
+
+def same_dir(a: str | None, b: str | None) -> bool:
+    """Whether two flag values name the same directory (both set)."""
+    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def read_marker(load: str) -> int | None:
+    """The rollout id in ``<load>/latest_checkpointed_iteration.txt``, or None without one.
+
+    :raises PluginError: the marker exists but does not hold an integer.
+    """
+    path = os.path.join(load, MARKER_NAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        text = f.read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise PluginError(
+            f"--load {load!r}: {path} holds {text!r}, not a rollout id; "
+            "write the id of the newest complete iter_* directory into it, or delete it to warm-start."
+        ) from None
+
+
+def _check_writer(args: Any, load_dir: str, loaded: int) -> None:
+    """The checkpoint was written by this run's ``--train-backend`` (checkpoints without ``writer.json`` pass)."""
+    try:
+        with open(os.path.join(load_dir, WRITER_NAME), encoding="utf-8") as f:
+            writer = json.load(f).get("train_backend")
+    except (OSError, ValueError, AttributeError):
+        return
+    backend = args.train_backend
+    if writer and backend and writer != backend:
+        raise PluginError(f"--load {args.load}: {os.path.basename(load_dir)} was written by --train-backend {writer}, "
+                          f"which this run's --train-backend {backend} cannot read; resume with --train-backend "
+                          f"{writer} (or start another run without --load).")
+
+
+def resolve_start(args: Any) -> ResumePoint:
+    """Decide the start rollout id, the checkpoint to load and the data state.
+
+    With ``args.load`` holding the marker ``M``: weights from ``iter_<M>``, or from
+    ``iter_<args.ckpt_step>`` when given (call that loaded id ``L``); start at ``L + 1``
+    unless ``args.start_rollout_id`` is given; data state from
+    ``<load>/rollout/state_<start - 1>.json`` (a missing file gives None and an info
+    log). Without ``--load``, or with an empty or marker-less one: warm start at
+    ``args.start_rollout_id`` if given, else 0. Examples: marker 7 ->
+    start 8 with state 7; empty dir and ``--start-rollout-id 3`` -> 3; empty dir -> 0.
+
+    An ``iter_<L>`` lost in the middle of replacing it with a re-save (only
+    ``iter_<L>.old`` left) is loaded from ``iter_<L>.old`` with a warning.
+
+    :raises PluginError: the marker is not an integer, the checkpoint it (or
+        ``--ckpt-step``) names does not exist (the message names the path), or its
+        ``writer.json`` names another ``--train-backend`` than this run's (each backend
+        reads only its own layout).
+    """
+    load = getattr(args, "load", None)
+    start_override = getattr(args, "start_rollout_id", None)
+    marker = read_marker(load) if load and os.path.isdir(load) else None
+
+    iteration = re.fullmatch(r"iter_(\d+)(\.old)?", os.path.basename(os.path.normpath(load))) if load else None
+    if marker is None and iteration:
+        parent = os.path.dirname(os.path.normpath(load)) or "."
+        raise PluginError(f"--load '{load}' is one checkpoint iteration; pass the directory that holds it: "
+                          f"--load {parent} (add --ckpt-step {int(iteration[1])} to resume from this iteration).")
+    if marker is None:
+        start = start_override if start_override is not None else 0
+        if load and not os.path.isdir(load) and not same_dir(load, getattr(args, "save", None)):
+            log.warning("--load %s does not exist: warm start from the initial weights at rollout %d", load, start)
+        elif load:
+            log.info("--load %s has no %s: warm start at rollout %d", load, MARKER_NAME, start)
+        return ResumePoint(start_rollout_id=start)
+
+    ckpt_step = getattr(args, "ckpt_step", None)
+    loaded = ckpt_step if ckpt_step is not None else marker
+    load_dir = iter_dir(load, loaded)
+    if not os.path.isdir(load_dir):
+        if os.path.isdir(load_dir + _OLD_SUFFIX):
+            log.warning("%s is missing (a re-save was interrupted); loading %s", load_dir, load_dir + _OLD_SUFFIX)
+            load_dir = load_dir + _OLD_SUFFIX
+        else:
+            source = f"--ckpt-step {ckpt_step}" if ckpt_step is not None else f"{MARKER_NAME} ({marker})"
+            raise PluginError(
+                f"--load {load!r}: {source} names checkpoint {load_dir}, which does not exist. "
+                f"Point --load at the directory holding iter_* and {MARKER_NAME}, fix the marker, "
+                "or pass --ckpt-step with an existing iteration."
+            )
+
+    _check_writer(args, load_dir, loaded)
+    start = start_override if start_override is not None else loaded + 1
+    state = None
+    if start > 0:
+        path = state_path(load, start - 1)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            try:
+                state = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise PluginError(
+                    f"{path}: not valid JSON ({exc.msg}: line {exc.lineno}, column {exc.colno}); the data state of "
+                    f"checkpoint {loaded} is damaged. Restore it, delete it to start the data source fresh, or "
+                    "resume from an earlier checkpoint with --ckpt-step."
+                ) from None
+        else:
+            log.info("no data state %s: the data source starts fresh", path)
+    log.info("resuming from %s at rollout %d", load_dir, start)
+    return ResumePoint(start_rollout_id=start, load_dir=load_dir, state=state, loaded_rollout_id=loaded)

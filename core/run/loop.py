@@ -1,0 +1,407 @@
+"""The training loop (sync and train-async: docs/modes.md), written with async/await.
+
+``async def train(args)`` is the Miles-shaped entry: ``await group.train(...)``,
+``await rollout_manager.generate(rollout_id)``, ``await group.update_weights()``,
+``await group.save_model(...)``. ``run(args, pm, selection)`` is what ``furlong train`` calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import time
+from argparse import Namespace
+
+from furlong.hooks import PluginError
+from furlong.kit.compute_thread import shared_compute_thread
+
+from ..train.batching import steps_per_rollout
+from .checkpoints import periodic, resolve_start, save_checkpoint, should_save
+from ..rollout.engine_health import EngineHealthMonitor, health_monitor_wanted
+from ..rollout.engines import EngineFactory
+from .epochs import derive_num_rollout
+from .metrics_log import (SUPERSEDED_NAME, MetricsLog, rollout_metrics, set_aside_rows_from, summary_line,
+                          zero_spread_warning)
+from ..plugins.manager import FurlongPluginManager
+from .preflight import check_paths
+from ..rollout.progress import RolloutProgress
+from ..rollout.side import RolloutSideFactory
+from .lock import lock_output_folders
+from .seeding import seed_everything
+from ..plugins.selection import Selection
+from ..train.group import TrainGroup
+from ..train.worker import WorkerFactory
+from .weight_sync import WeightSync
+
+__all__ = ["run", "train"]
+
+log = logging.getLogger("furlong")
+
+
+async def train(args: Namespace) -> None:
+    """Run the loop with plugins from the installed entry points (as ``furlong train`` does)."""
+    from ..config.configure import configure_plugins
+    from ..plugins.manager import get_plugin_manager
+    from ..plugins.selection import resolve_selection
+
+    pm = get_plugin_manager(args.disable_plugins)
+    selection = resolve_selection(args, pm)
+    configure_plugins(args, pm, selection)
+    await run(args, pm, selection)
+
+
+class Run:
+    """Everything one run holds: executor, data, engines, train group, rollout manager, logs."""
+
+    def __init__(self, args: Namespace, pm: FurlongPluginManager, selection: Selection):
+        self.args = args
+        self.pm = pm
+        self.selection = selection
+        self.executor = None
+        self.metrics_dir = args.save or args.log_dir
+        self.metrics = MetricsLog(None)
+        self.rollout = None  # the rollout side (RolloutSide, or the executor's handle on it)
+        self.has_eval = False
+        self.engines: list = []
+        self.weights: WeightSync | None = None
+        self.health: EngineHealthMonitor | None = None
+        self.locks: list = []  # the run's locks on its output folders (core/run/lock.py)
+        self.warned_zero_spread = False
+        # train-async: rollout id -> {generate,train}_{start,end}, seconds since the loop started
+        self.timeline: dict[int, dict[str, float]] = {}
+
+    @property
+    def is_driver(self) -> bool:
+        return self.executor is None or self.executor.is_driver
+
+    async def setup(self) -> int:
+        """Start the executor, check data (before any model loads), start engines and train workers, resume.
+
+        Returns the start rollout id. In a process that only serves train workers
+        (``torchrun`` ranks above 0) this serves until the driver ends the run.
+        """
+        args, pm, sel = self.args, self.pm, self.selection
+        seed_everything(args.seed)
+        self.executor = _checked_executor(await pm.call_chosen("executor", *sel.chosen["executor"], args=args),
+                                          *sel.chosen["executor"])
+        if self.executor.is_driver:  # one run per output folder; told before its other problems
+            self.locks = lock_output_folders(args)
+        check_paths(args)
+        make_worker = WorkerFactory(args, {h: sel.chosen[h] for h in ("train_backend", "loss")}, pm)
+        if not self.executor.is_driver:
+            await self.executor.start_train_workers(args, make_worker)
+            await self.executor.serve()
+            return args.num_rollout
+        self.rollout = await self.executor.start_rollout_side(args, RolloutSideFactory(args, sel, pm))
+        self.has_eval = await self.rollout.load_data()  # train and eval data, before any model loads
+        derive_num_rollout(args, await self.rollout.dataset_size(), sel.name("data_source"))
+        if self.metrics_dir:
+            self.metrics = MetricsLog(os.path.join(self.metrics_dir, "metrics.jsonl"))
+        level, where = output_note(args)
+        log.log(level, "%s", where)
+        resume = resolve_start(args)
+        if resume.start_rollout_id >= args.num_rollout:
+            log.warning("the run starts at rollout %d and --num-rollout is %d: there is nothing left to train (a "
+                        "finished run resumed, or --num-rollout lowered); raise --num-rollout to train further.",
+                        resume.start_rollout_id, args.num_rollout)
+        if self.metrics.path is not None:  # this run logs its rollouts from here on: earlier rows of them go aside
+            moved = set_aside_rows_from(self.metrics.path, resume.start_rollout_id, steps_per_rollout(args))
+            if moved:
+                log.info("%s: %d rows of rollout %d and later (logged after the checkpoint this run starts from) moved "
+                         "to %s", self.metrics.path, moved, resume.start_rollout_id, SUPERSEDED_NAME)
+        engines = await self.executor.start_engines(args, EngineFactory(args, sel.chosen["rollout_engine"], pm))
+        self.engines = engines
+        if args.offload_rollout:  # the trainer loads first; the engines take their memory back at the first sync
+            await self.all_engines("release_memory")
+        self.group = TrainGroup(args, pm, sel, await self.executor.start_train_workers(args, make_worker))
+        await self.group.init()
+        if resume.load_dir:
+            await self.group.load_model(resume.load_dir)
+        if args.offload_train:
+            await self.group.offload()
+        await self.rollout.start(engines, resume.state)
+        self.weights = WeightSync(args, self.group, engines, self.executor.weights_in_process)
+        for engine in engines:
+            if hasattr(engine, "on_restart"):  # a remote engine that was replaced gets the current weights
+                engine.on_restart = self.weights.resync
+        if engines and health_monitor_wanted(args):
+            self.health = EngineHealthMonitor.from_args(args, engines)
+            self.weights.monitor = self.health
+            self.health.start()
+        return resume.start_rollout_id
+
+    def eval_due(self, rollout_id: int) -> bool:
+        """Evaluate after ``rollout_id``: every ``--eval-interval``, after the last rollout and at each epoch's end."""
+        args = self.args
+        return bool(args.eval_interval and self.has_eval and periodic(
+            rollout_id, args.eval_interval, args.num_rollout, getattr(args, "num_rollout_per_epoch", None)))
+
+    async def all_engines(self, method: str) -> None:
+        await asyncio.gather(*(getattr(engine, method)() for engine in self.engines))
+
+    async def update_weights(self) -> float:
+        """Sync weights to the engines (``--offload-rollout``: they take their memory back first)."""
+        start = time.perf_counter()
+        if self.args.offload_rollout:
+            await self.all_engines("resume_memory")
+            if self.health is not None:
+                self.health.resume()
+        version = await self.weights.push()
+        await self.rollout.set_weight_version(version)
+        log.debug("weights synced, version %d", version)
+        return time.perf_counter() - start
+
+    async def evaluate(self, rollout_id: int) -> None:
+        metrics = await self.rollout.evaluate()
+        self.metrics.log(metrics, "eval/step", rollout_id)
+        log.info("eval at rollout %d: %s", rollout_id,
+                 ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.count("/") == 1 and "-" not in k))
+        await self.pm.notify("on_eval_end", args=self.args, rollout_id=rollout_id, metrics=metrics)
+
+    async def train_on(self, rollout_id: int, groups) -> dict:
+        """Train on one rollout's groups; log per-step metrics; return the rollout's metrics."""
+        args = self.args
+        start = time.perf_counter()
+        if args.offload_rollout:  # the engines give the device to the trainer
+            if self.health is not None:
+                self.health.pause()
+            await self.all_engines("release_memory")
+        if args.offload_train:
+            await self.group.onload()
+        [metrics] = await self.group.train(rollout_id, groups)
+        steps = metrics.pop("train/steps")
+        for s, step in enumerate(steps):
+            step_id = rollout_id * steps_per_rollout(args) + s
+            step_metrics = {f"train/{k}": float(v) for k, v in step.items()}
+            self.metrics.log(step_metrics, "train/step", step_id)
+            await self.pm.notify("on_train_step_end", args=args, rollout_id=rollout_id, step=step_id,
+                                 metrics=step_metrics)
+            metrics.update(step_metrics)
+        metrics["perf/train_time"] = time.perf_counter() - start
+        return metrics
+
+    async def save(self, rollout_id: int, data_state: dict | None = None) -> None:
+        """Checkpoint ``rollout_id`` with ``data_state`` (default: the data side's state now)."""
+        if data_state is None:
+            data_state = await self.rollout.data_state()
+        path = await save_checkpoint(self.args, rollout_id, self.group.save_model, data_state, self.group.save_hf)
+        await self.pm.notify("on_checkpoint_saved", args=self.args, rollout_id=rollout_id, path=path)
+
+    async def finish_rollout(self, rollout_id: int, groups, metrics: dict) -> None:
+        metrics.update(rollout_metrics(groups, self.args.reward_key))
+        metrics.update(await self.rollout.pop_metrics(rollout_id))
+        self.metrics.log(metrics, "rollout/step", rollout_id)
+        print(summary_line(rollout_id, metrics), flush=True)
+        warning = None if self.warned_zero_spread else zero_spread_warning(rollout_id, metrics, len(groups))
+        if warning:
+            log.warning("%s", warning)
+            self.warned_zero_spread = True
+        await self.pm.notify("on_rollout_end", args=self.args, rollout_id=rollout_id, metrics=metrics)
+
+
+async def run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -> None:
+    """Run ``furlong train`` (sync) or ``furlong train-async`` (``args.train_mode == "async"``).
+
+    A sync run does its torch work in one thread (:mod:`furlong.kit.compute_thread`): its generation,
+    training and weight sync never overlap.
+    """
+    with shared_compute_thread(enabled=shares_compute_thread(args)):
+        await _run(args, pm, selection)
+
+
+def shares_compute_thread(args: Namespace) -> bool:
+    """Whether the run does its torch work in one thread: sync runs only (an async run's engine
+    decodes while the trainer trains, and may be paused mid-generation for a weight update)."""
+    return getattr(args, "train_mode", "sync") != "async"
+
+
+async def _run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -> None:
+    _quiet_transformers()
+    state = Run(args, pm, selection)
+    try:
+        start_id = await state.setup()
+        if not state.is_driver:
+            return
+        sync_time = await state.update_weights()
+        _freeze_startup_objects()
+        if args.num_rollout == 0 and args.eval_interval and state.has_eval:
+            await state.evaluate(0)
+            return
+        if getattr(args, "train_mode", "sync") == "async":
+            await _async_loop(state, start_id, sync_time)
+        else:
+            await _sync_loop(state, start_id, sync_time)
+    except BaseException as exc:
+        try:
+            # interrupted (Ctrl-C, SIGTERM): engine processes go with their parents; no more calls to them
+            await _close(state, stop_engines=isinstance(exc, Exception))
+        except Exception:  # noqa: BLE001 - the run's own error is the one to report
+            log.warning("clean-up after the error failed too", exc_info=True)
+        raise
+    else:
+        await _close(state)
+    finally:
+        for lock in state.locks:
+            lock.release()
+        gc.unfreeze()  # a caller that runs again (tests) gets its objects collected as usual
+
+
+async def _close(state: Run, stop_engines: bool = True) -> None:
+    """Stop what the run started, in reverse order (engines that own processes, e.g. servers, stop them)."""
+    try:
+        if state.health is not None:
+            await state.health.stop()
+        if state.rollout is not None:
+            await state.rollout.dispose()  # stops work a rollout plugin keeps across rollouts
+        if state.weights is not None:
+            await state.weights.close()
+    finally:
+        try:
+            if stop_engines:
+                await asyncio.gather(*(e.shutdown() for e in state.engines if hasattr(e, "shutdown")))
+        except Exception:  # noqa: BLE001 - the executor still stops its processes
+            log.warning("an engine did not stop cleanly", exc_info=True)
+        if state.executor is not None:
+            await state.executor.shutdown()
+
+
+def _eval_first(args: Namespace, state: Run, rollout_id: int, start_id: int) -> bool:
+    return bool(args.eval_interval and state.has_eval and rollout_id == start_id and not args.skip_eval_before_train)
+
+
+async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
+    args = state.args
+    for rollout_id in range(start_id, args.num_rollout):
+        if _eval_first(args, state, rollout_id, start_id):
+            await state.evaluate(rollout_id)
+        with RolloutProgress(state.rollout.progress, rollout_id):
+            groups = await state.rollout.generate(rollout_id)
+        metrics = await state.train_on(rollout_id, groups)
+        if should_save(args, rollout_id):
+            start = time.perf_counter()
+            await state.save(rollout_id)
+            metrics["perf/save_model_time"] = time.perf_counter() - start
+        await (state.group.offload() if args.offload_train else state.group.clear_memory())
+        metrics["perf/update_weights_time"] = await state.update_weights()
+        await state.finish_rollout(rollout_id, groups, metrics)
+        if state.eval_due(rollout_id):
+            await state.evaluate(rollout_id)
+
+
+async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
+    """Rollout ``r + 1`` is generated while ``r`` trains (one step off-policy).
+
+    Weights sync every ``--update-weights-interval`` rollouts, and only after the rollout
+    in flight finished (never mid-generation); a rollout finished that way is trained on
+    in the next iteration. A checkpoint of rollout ``r`` saves the data state taken when
+    rollout ``r``'s generate finished, so prompts already drawn by rollout ``r + 1`` are
+    drawn again on resume. Per rollout: ``perf/train_wait_time`` (seconds the trainer
+    waited for generation), ``perf/step_time``, ``perf/wait_time_ratio`` (wait / step) and
+    ``timeline/{generate,train}_{start,end}`` (seconds since the loop started, also in
+    ``state.timeline``).
+    """
+    args = state.args
+    if args.eval_interval and state.has_eval and start_id == 0 and not args.skip_eval_before_train:
+        await state.evaluate(0)
+    clock = time.perf_counter
+    origin = clock()
+
+    async def generate(rollout_id: int):
+        state.timeline[rollout_id] = {"generate_start": clock() - origin}
+        groups = await state.rollout.generate(rollout_id)
+        state.timeline[rollout_id]["generate_end"] = clock() - origin
+        return groups
+
+    future = asyncio.ensure_future(generate(start_id)) if start_id < args.num_rollout else None
+    data = None
+    step_start = clock()
+    try:
+        for rollout_id in range(start_id, args.num_rollout):
+            wait = clock()
+            if future is not None:
+                data, future = await future, None
+            wait = clock() - wait
+            groups = data
+            if rollout_id + 1 < args.num_rollout:
+                future = asyncio.ensure_future(generate(rollout_id + 1))  # overlaps training of rollout_id
+            times = state.timeline[rollout_id]
+            times["train_start"] = clock() - origin
+            metrics = await state.train_on(rollout_id, groups)
+            times["train_end"] = clock() - origin
+            if should_save(args, rollout_id):
+                start = time.perf_counter()
+                await state.save(rollout_id, await state.rollout.data_state(rollout_id))
+                metrics["perf/save_model_time"] = time.perf_counter() - start
+            if _syncs_weights_after(args, rollout_id):
+                if future is not None:  # never update mid-generation
+                    waited = clock()
+                    data, future = await future, None
+                    wait += clock() - waited
+                metrics["perf/update_weights_time"] = await state.update_weights()
+            step = clock() - step_start
+            step_start = clock()
+            metrics.update({"perf/train_wait_time": wait, "perf/step_time": step,
+                            "perf/wait_time_ratio": wait / step if step > 0 else 0.0})
+            metrics.update({f"timeline/{k}": v for k, v in times.items()})
+            await state.finish_rollout(rollout_id, groups, metrics)
+            if state.eval_due(rollout_id):
+                if future is not None:  # evaluation shares the rollout manager: the rollout in flight ends first
+                    data, future = await future, None
+                await state.evaluate(rollout_id)
+    finally:
+        if future is not None and not future.done():
+            future.cancel()
+            await asyncio.gather(future, return_exceptions=True)
+
+
+def _syncs_weights_after(args: Namespace, rollout_id: int) -> bool:
+    """Whether the trainer pushes weights after training on ``rollout_id`` (every rollout in sync mode)."""
+    return getattr(args, "train_mode", "sync") != "async" or (rollout_id + 1) % args.update_weights_interval == 0
+
+
+def output_note(args: Namespace) -> tuple[int, str]:
+    """``(logging level, sentence)`` saying where the run's outputs go: a warning when it keeps none
+    (neither ``--save`` nor ``--log-dir``: only the console lines) or when ``--log-dir`` is not used
+    (``--save`` takes the metrics), else a note naming the folder."""
+    if args.save:
+        every = f"every {args.save_interval} rollouts and " if args.save_interval else ""
+        where = f"outputs go to {args.save}: metrics.jsonl, and checkpoints after {every}the last rollout."
+        if args.log_dir and os.path.realpath(args.log_dir) != os.path.realpath(args.save):
+            return logging.WARNING, f"{where} --log-dir {args.log_dir} is not used: with --save the metrics go there."
+        return logging.INFO, where
+    if args.log_dir:
+        return logging.INFO, f"metrics go to {os.path.join(args.log_dir, 'metrics.jsonl')}; no checkpoints (no --save)."
+    return logging.WARNING, ("neither --save nor --log-dir: this run keeps no metrics.jsonl and no checkpoint, only the "
+                             "console lines; pass --log-dir DIR to keep its metrics, --save DIR for checkpoints too.")
+
+
+def _checked_executor(executor, name: str, flag: str):
+    """The executor plugin's object, if it has what the loop calls.
+
+    :raises PluginError: it lacks an attribute of :class:`furlong.hooks.Executor` (named).
+    """
+    missing = [a for a in ("is_driver", "weights_in_process", "start_train_workers", "start_engines",
+                           "start_rollout_side", "serve", "shutdown") if not hasattr(executor, a)]
+    if missing:
+        raise PluginError(f"{flag} '{name}': `executor` returned {type(executor).__name__}, which lacks "
+                          f"{', '.join(missing)}; return an object meeting furlong.hooks.Executor.")
+    return executor
+
+
+def _freeze_startup_objects() -> None:
+    """Keep the objects of the start (modules of torch and transformers, models, tokenizers) out of later
+    garbage collections: a full collection scans every tracked object, about 0.2 s in a process holding
+    transformers, and Python runs one every few rollouts on its own (``gc.freeze``; :func:`run`
+    unfreezes them when it returns)."""
+    gc.collect()
+    gc.freeze()
+
+
+def _quiet_transformers() -> None:
+    """No per-file progress bars from transformers: furlong prints one line per rollout."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()

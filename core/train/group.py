@@ -1,0 +1,342 @@
+"""The driver's train group: the loop's handle on the train workers, whatever executor placed them.
+
+``await group.train(rollout_id, groups)`` does the driver's part of training and
+hands each worker only plain data (docs/architecture.md, "One rollout's training, split"):
+it turns the groups into the train batch, plans each data-parallel rank's micro-batches,
+collects the workers' old and reference log-probs, runs the advantage stages, computes the
+whole step's denominators, and sends each rank its
+:class:`~furlong.core.train.worker.WorkerShare`. Workers run forward,
+backward and optimizer steps (:class:`~furlong.core.train.worker.TrainWorker`).
+Tensor/pipeline/context-parallel peers (ranks sharing a ``dp_rank`` in their backend's
+:class:`~furlong.hooks.ParallelLayout`) receive the same share; only ranks that return
+outputs are read. Methods return the list of per-rank results, as Miles' group does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from argparse import Namespace
+
+import torch
+
+from furlong.hooks import ParallelLayout, PluginError, Sample, TrainBatch, WorkerGroup
+
+from .advantage_stages import compute_advantages
+from .batching import (dynamic_global_batch, pi_old_needs_own_pass, plan_steps, split_steps, steps_per_rollout,
+                       zero_advantage_skip_blocked)
+from ..plugins.manager import FurlongPluginManager
+from .reduction import effective_loss_masks, excluded_samples, sample_denominators, step_denominators
+from ..plugins.selection import Selection
+from .data import (advantage_input, flatten, post_process_rewards, to_train_batch, trajectory_ids,
+                         truncated_flags, zero_advantage)
+from .worker import WorkerShare
+
+__all__ = ["TrainGroup"]
+
+log = logging.getLogger("furlong.train")
+
+PER_TOKEN_FIELDS = ("loss_masks", "old_log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "returns")
+
+
+class TrainGroup:
+    """The train workers of one run behind Miles' async group API.
+
+    :param workers: the :class:`~furlong.hooks.WorkerGroup` the executor started.
+    """
+
+    def __init__(self, args: Namespace, pm: FurlongPluginManager, selection: Selection, workers: WorkerGroup):
+        self.args, self.pm, self.selection, self.workers = args, pm, selection, workers
+        self.layouts: list[ParallelLayout] = []
+        self.reuse_old_log_probs = False  # decided in init (see _keeps_log_prob_pass)
+        self.skip_zero_advantage = False  # decided in init (--skip-zero-advantage-samples)
+        # held by every operation on the workers (train, save, load, offload, onload, a whole
+        # weight sync): a sync started by an engine's recovery (train-async) waits for the
+        # training or save in flight, so the ranks' collectives never interleave
+        self.busy = asyncio.Lock()
+
+    @property
+    def dp_size(self) -> int:
+        return self.layouts[0].dp_size if self.layouts else 1
+
+    async def init(self) -> list[int]:
+        """Initialize every worker's backend; return the start rollout ids (one per rank).
+
+        :raises PluginError: the backends report inconsistent layouts (data-parallel
+            sizes that differ, a data-parallel rank nobody returns outputs for).
+        """
+        results = await self._call("init", [()] * self.workers.size)
+        self.layouts = [layout for _, layout in results]
+        sizes = {layout.dp_size for layout in self.layouts}
+        returning = {layout.dp_rank for layout in self.layouts if layout.returns_outputs}
+        if len(sizes) != 1 or returning != set(range(sizes.pop())):
+            raise PluginError(f"--train-backend {self.args.train_backend}: inconsistent parallel layouts "
+                              f"{self.layouts}; "
+                              "every rank must report the same dp_size and each data-parallel rank needs one rank "
+                              "with returns_outputs.")
+        if self.dp_size != getattr(self.args, "data_parallel_size", self.dp_size):
+            raise PluginError(f"--train-backend {self.args.train_backend}: the backend runs {self.dp_size} "
+                              f"data-parallel ranks but the flags give {self.args.data_parallel_size}.")
+        reason = self._keeps_log_prob_pass() or (
+            None if all(await self._all("train_forward_gives_old_log_probs")) else
+            f"--train-backend {self.args.train_backend}'s training forward differs from its log-prob pass "
+            "(dropout) or it does not say that it does not")
+        self.reuse_old_log_probs = reason is None
+        if self.reuse_old_log_probs:
+            log.info("pi_old comes from the training forward (one optimizer step per rollout, nothing reads it "
+                     "before training): the separate log-prob pass is skipped; --no-reuse-train-log-probs keeps it.")
+        elif self.args.use_rollout_logprobs:
+            log.info("pi_old is the rollout engine's log-probs (--use-rollout-logprobs).")
+        else:
+            log.info("a separate forward pass computes pi_old: %s.", reason)
+        blocked = zero_advantage_skip_blocked(self.args)
+        self.skip_zero_advantage = bool(self.args.skip_zero_advantage_samples) and blocked is None
+        if blocked is not None:
+            log.info("every sample is trained, zero advantage or not (--skip-zero-advantage-samples is off: %s).",
+                     blocked)
+        elif self.skip_zero_advantage:
+            log.info("samples with zero advantage on every trained token are left out of the forward and backward "
+                     "passes (their loss is 0; the loss denominators still count them); metrics other than loss "
+                     "and pg_loss are means over the trained samples; --no-skip-zero-advantage-samples trains them.")
+        packed = getattr(self.args, "packed_by_default", None)
+        if packed:
+            log.info("no --micro-batch-size or --use-dynamic-batch-size: micro-batches are packed by tokens, at most "
+                     "%d tokens each (%s); pass --micro-batch-size N for fixed micro-batches.",
+                     self.args.max_tokens_per_gpu, packed)
+        return [start for start, _ in results]
+
+    async def _call(self, method: str, args_per_rank: list) -> list:
+        return await self.workers.call(method, args_per_rank)
+
+    def needs_ref(self) -> bool:
+        return bool(self.args.use_kl_loss or self.args.kl_coef)
+
+    def _keeps_log_prob_pass(self) -> str | None:
+        """Why pi_old needs a separate forward-only pass, or None when the training forward of the
+        rollout's single optimizer step may give it (``--reuse-train-log-probs``)."""
+        reason = pi_old_needs_own_pass(self.args)
+        if reason is None and not self.args.reuse_train_log_probs:
+            reason = "--no-reuse-train-log-probs"
+        return reason
+
+    async def train(self, rollout_id: int, groups: list[list[Sample]]) -> list[dict]:
+        """Train on one rollout; returns ``[metrics]`` with ``rollout/*``, ``perf/*`` and ``train/steps``."""
+        async with self.busy:
+            return await self._train(rollout_id, groups)
+
+    async def _train(self, rollout_id: int, groups: list[list[Sample]]) -> list[dict]:
+        args = self.args
+        gbs, num_steps = args.global_batch_size, steps_per_rollout(args)
+        if args.use_dynamic_global_batch_size:
+            kept = dynamic_global_batch([len(g) for g in groups], self.dp_size)
+            if kept < len(groups):
+                log.info("--use-dynamic-global-batch-size: training on %d of %d groups (a multiple of the "
+                         "data-parallel size %d samples).", kept, len(groups), self.dp_size)
+            groups = groups[:kept]
+            gbs = len(set(trajectory_ids(flatten(groups))))
+        samples = flatten(groups)
+        raw, rewards = post_process_rewards(args, samples)
+        batch = to_train_batch(args, samples)
+        batch.rewards = rewards
+        batch.truncated = truncated_flags(samples)
+        tids = trajectory_ids(samples)
+        plans = self._plans(batch, gbs, num_steps, tids)
+        shares = [_share(batch, plan) for plan in plans]
+        metrics: dict = {}
+        start = time.perf_counter()
+        if self.needs_ref():
+            batch.ref_log_probs = (await self._log_probs(shares, len(samples), "ref"))[0]
+        metrics["perf/ref_log_probs_time"] = time.perf_counter() - start
+        start = time.perf_counter()
+        reuse = self.reuse_old_log_probs and all(len(plan) == 1 for plan in plans)
+        if args.use_rollout_logprobs and batch.rollout_log_probs is not None:
+            batch.old_log_probs, entropy = batch.rollout_log_probs, None
+        elif reuse:  # the training forward gives pi_old; the advantage stages see none
+            batch.old_log_probs, entropy = None, None
+        else:
+            batch.old_log_probs, entropy = await self._log_probs(shares, len(samples), "actor")
+        metrics["perf/log_probs_time"] = 0.0 if reuse else time.perf_counter() - start
+        name, flag = self.selection.chosen["advantage"]
+        adv = await compute_advantages(args, self.pm, advantage_input(samples, rewards, batch), name, flag)
+        batch.advantages, batch.returns = adv.advantages, adv.returns
+        trained = None
+        if self.skip_zero_advantage:
+            trained = self._plans(batch, gbs, num_steps, tids, zero_advantage(batch.advantages, batch.loss_masks))
+            shares = [_share(batch, plan) for plan in trained]
+            metrics["perf/skipped_samples"] = float(len(samples) - sum(len(share.sample_ids) for share in shares))
+        denominators = _global_denominators(args, batch, tids, gbs, num_steps, trained)
+        for share in shares:
+            _fill(share, batch, tids, denominators)
+            share.reuse_old_log_probs = reuse
+        start = time.perf_counter()
+        results = await self._call("train", self._per_rank(lambda s: (rollout_id, s), shares))
+        metrics["perf/actor_train_time"] = time.perf_counter() - start
+        if reuse:  # samples left out of training have none (None)
+            batch.old_log_probs, entropy = await self._train_log_probs(shares, len(samples))
+        metrics.update(_token_means(batch, entropy))
+        metrics["rollout/rewards"] = float(torch.tensor(rewards).mean()) if rewards else 0.0
+        metrics["rollout/raw_reward"] = float(torch.tensor(raw).mean()) if raw else 0.0
+        metrics["train/steps"] = next(r for r, lay in zip(results, self.layouts) if lay.returns_outputs)
+        return [metrics]
+
+    def _plans(self, batch: TrainBatch, gbs: int, num_steps: int, tids: list[int], skip: list[bool] | None = None):
+        """Every data-parallel rank's micro-batches (:func:`~furlong.core.train.batching.plan_steps`)."""
+        args = self.args
+        return [plan_steps(
+            lengths=[len(t) for t in batch.tokens], global_batch_size=gbs,
+            num_steps=num_steps, dp_size=self.dp_size, rank=r,
+            micro_batch_size=args.micro_batch_size, max_tokens_per_gpu=args.max_tokens_per_gpu,
+            dynamic=args.use_dynamic_batch_size, balance=args.balance_data, trajectory_ids=tids, skip=skip,
+        ) for r in range(self.dp_size)]
+
+    async def _log_probs(self, shares: list[WorkerShare], n: int, model: str) -> tuple[list, list | None]:
+        """Every sample's log-probs and entropy (float32 [T_i]) in batch order, from the workers' shares."""
+        results = await self._call("log_probs", self._per_rank(lambda s: (s, model), shares))
+        return self._merge(results, shares, n, f"log_probs(model={model!r})")
+
+    async def _train_log_probs(self, shares: list[WorkerShare], n: int) -> tuple[list, list | None]:
+        """pi_old and entropy of every sample as the last training forward gave them, in batch order."""
+        results = await self._call("train_log_probs", self._per_rank(lambda s: (s,), shares))
+        return self._merge(results, shares, n, "train_log_probs()", every=False)
+
+    def _merge(self, results: list, shares: list[WorkerShare], n: int, what: str,
+               every: bool = True) -> tuple[list, list | None]:
+        """Per-rank outputs in batch order; ``every``: each of the ``n`` samples must have one (else the
+        samples no share holds stay None)."""
+        log_probs, entropy = [None] * n, [None] * n
+        for result, layout in zip(results, self.layouts):
+            if not layout.returns_outputs:
+                continue
+            share = shares[layout.dp_rank]
+            ent = result.get("entropy") or [None] * len(share.sample_ids)
+            for local, i in enumerate(share.sample_ids):
+                log_probs[i], entropy[i] = result["log_probs"][local], ent[local]
+        held = {i for share in shares for i in share.sample_ids}
+        missing = [i for i, row in enumerate(log_probs) if row is None and (every or i in held)]
+        if missing:
+            raise PluginError(f"--train-backend {self.args.train_backend}: {what} returned no "
+                              f"log-probs for samples {missing[:8]}.")
+        complete = all(e is not None for e, lp in zip(entropy, log_probs) if lp is not None)
+        return log_probs, (entropy if complete else None)
+
+    def _per_rank(self, make, shares: list[WorkerShare]) -> list[tuple]:
+        """Arguments for every rank: its data-parallel rank's share (peers get the same)."""
+        return [make(shares[layout.dp_rank]) for layout in self.layouts]
+
+    async def _all(self, method: str, *args) -> list:
+        return await self._call(method, [args] * self.workers.size)
+
+    async def _all_exclusive(self, method: str, *args) -> list:
+        async with self.busy:
+            return await self._all(method, *args)
+
+    async def save_model(self, path: str) -> list:
+        """Every rank writes its part of the checkpoint into ``path``."""
+        return await self._all_exclusive("save", path)
+
+    async def save_hf(self, path: str) -> list:
+        """Every rank takes part in writing a Hugging Face export of the weights to ``path`` (``--save-hf``)."""
+        return await self._all_exclusive("save_hf", path)
+
+    async def load_model(self, path: str) -> list:
+        return await self._all_exclusive("load", path)
+
+    async def offload(self) -> list:
+        """Trainer memory to the host while the engines generate (``--offload-train``)."""
+        return await self._all_exclusive("offload")
+
+    async def onload(self) -> list:
+        return await self._all_exclusive("onload")
+
+    async def clear_memory(self) -> list:
+        return await self._all_exclusive("clear_memory")
+
+    # --- weight stream, driven by :mod:`furlong.core.run.weight_sync`, which holds ``busy`` -------
+
+    async def begin_weights(self) -> None:
+        await self._all("begin_weights")
+
+    async def next_weight_bucket(self, max_bytes: int, with_tensors: bool):
+        """Rank 0's next bucket (every rank takes part: gathering full tensors may be a collective)."""
+        return (await self._all("next_weight_bucket", max_bytes, with_tensors))[0]
+
+    async def call_rank0(self, method: str, *args):
+        """``method`` on train rank 0 alone (the weight-update group's rank 0)."""
+        return (await self._call(method, [args] + [None] * (self.workers.size - 1)))[0]
+
+
+def _share(batch: TrainBatch, plan: list[list[list[int]]]) -> WorkerShare:
+    """The samples of one rank's plan as a batch of their own, micro-batches in local indices."""
+    ids = [i for step in plan for mb in step for i in mb]
+    local = {i: k for k, i in enumerate(ids)}
+    sub = TrainBatch(
+        tokens=[batch.tokens[i] for i in ids],
+        response_lengths=[batch.response_lengths[i] for i in ids],
+        loss_masks=[batch.loss_masks[i] for i in ids],
+        steps=[[[local[i] for i in mb] for mb in step] for step in plan],
+        truncated=[batch.truncated[i] for i in ids] if batch.truncated is not None else None,
+        sample_indices=[batch.sample_indices[i] for i in ids] if batch.sample_indices is not None else None,
+        rollout_log_probs=_pick(batch.rollout_log_probs, ids),
+        temperature=batch.temperature,
+    )
+    return WorkerShare(batch=sub, sample_ids=ids)
+
+
+def _fill(share: WorkerShare, batch: TrainBatch, tids: list[int], denominators: dict) -> None:
+    """Add what training needs once the driver has it: per-token tensors and the denominators."""
+    ids = share.sample_ids
+    for field in PER_TOKEN_FIELDS:
+        setattr(share.batch, field, _pick(getattr(batch, field), ids))
+    share.batch.rewards = [batch.rewards[i] for i in ids] if batch.rewards is not None else None
+    share.step_denominators = denominators["step_denominators"]
+    share.metric_step_denominators = denominators.get("metric_step_denominators") or []
+    share.sample_denominators = [denominators["sample_denominators"][i] for i in ids]
+    share.trajectory_ids = [tids[i] for i in ids]
+
+
+def _pick(rows: list | None, ids: list[int]) -> list | None:
+    return None if rows is None else [rows[i] for i in ids]
+
+
+def _global_denominators(args: Namespace, batch, tids: list[int], gbs: int, num_steps: int,
+                         trained: list | None = None) -> dict:
+    """Step and sample denominators over the whole rollout batch (every rank's samples).
+
+    ``trained``: every rank's plan when some samples are not trained; then also
+    ``metric_step_denominators``, the step denominators over the trained samples.
+    """
+    masks = effective_loss_masks(batch.loss_masks, batch.truncated, args.mask_truncated_samples)
+    steps = split_steps(len(masks), gbs, num_steps, tids)
+    excluded = excluded_samples(batch.truncated, args.mask_truncated_samples, len(masks))
+    out = {"step_denominators": step_denominators(masks, steps, tids, excluded),
+           "sample_denominators": sample_denominators(masks, tids)}
+    if trained is not None:
+        ran = [sorted(i for plan in trained for mb in plan[s] for i in mb) for s in range(len(steps))]
+        out["metric_step_denominators"] = step_denominators(masks, ran, tids, excluded)
+    return out
+
+
+def _token_means(batch, entropy) -> dict:
+    """Sample-mean over loss masks of the per-token rollout tensors; a field's samples
+    without a value (None: left out of training, for pi_old from the training forward) are left out."""
+    fields = {"rollout/log_probs": batch.old_log_probs, "rollout/ref_log_probs": batch.ref_log_probs,
+              "rollout/rollout_log_probs": batch.rollout_log_probs, "rollout/advantages": batch.advantages,
+              "rollout/returns": batch.returns, "rollout/entropy": entropy}
+    masks = torch.cat([m.reshape(-1).float() for m in batch.loss_masks]) if batch.loss_masks else torch.zeros(0)
+    sample = torch.repeat_interleave(torch.arange(len(batch.loss_masks)),
+                                     torch.tensor([m.numel() for m in batch.loss_masks], dtype=torch.long))
+    counts = torch.zeros(len(batch.loss_masks)).index_add_(0, sample, masks)
+    counted = counts > 0
+    out = {}
+    for name, values in fields.items():
+        if values is None:
+            continue
+        use = counted & torch.tensor([v is not None for v in values], dtype=torch.bool)
+        if not bool(use.any()):
+            continue
+        rows = [v.reshape(-1).float() if v is not None else torch.zeros(m.numel())
+                for v, m in zip(values, batch.loss_masks)]
+        sums = torch.zeros(len(values)).index_add_(0, sample, torch.cat(rows) * masks)
+        out[name] = float((sums[use] / counts[use]).mean())
+    return out

@@ -1,0 +1,261 @@
+"""One train rank: the train backend plus the loss objective, driven by the driver's :class:`TrainGroup`.
+
+A worker runs wherever the executor put it: in the driver's process (``--executor
+local``), in a ``torchrun`` process, or in a Ray actor. Everything it receives is plain
+and picklable: the launch flags, the names of the chosen plugins, its share of the batch
+(:class:`WorkerShare`) and the step denominators. It builds its own plugin manager (unless
+the driver's is handed to it in-process) and its own :class:`~furlong.core.train.objective.StepObjective`,
+so nothing that holds a plugin manager ever travels between processes. It runs forward,
+backward and optimizer steps; the driver does everything else (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from argparse import Namespace
+from typing import Any, AsyncIterator
+
+import attrs
+
+from furlong.hooks import ParallelLayout, PluginError, TrainBatch, WeightBucket
+from furlong.kit.dist import broadcast_bucket, free_port, host_address, new_weight_update_group
+
+from .objective import StepObjective
+from .reduction import StepDenominators
+from ..plugins.selection import plugins_of_this_process
+
+__all__ = ["TrainWorker", "WorkerFactory", "WorkerShare"]
+
+log = logging.getLogger("furlong.train")
+
+
+@attrs.define
+class WorkerShare:
+    """A data-parallel rank's share of one rollout batch.
+
+    ``batch``: a :class:`TrainBatch` of the share's samples only (local indices ``0..n-1``;
+    ``batch.steps`` this rank's micro-batches in local indices). ``sample_ids``: each
+    local sample's index in the whole rollout batch. ``step_denominators``: one per
+    step, over every rank's samples; ``sample_denominators``/``trajectory_ids``: per local
+    sample, computed on the whole batch. ``reuse_old_log_probs``: pi_old is the
+    training forward's (``batch.old_log_probs`` is None; :meth:`TrainWorker.train_log_probs`
+    returns them after training). ``metric_step_denominators``: one per step over the samples the
+    ranks train (``--skip-zero-advantage-samples`` leaves some out), for every metric but the loss
+    terms; empty: the step denominators.
+    """
+
+    batch: TrainBatch
+    sample_ids: list
+    step_denominators: list[StepDenominators] = attrs.field(factory=list)
+    sample_denominators: list[float] = attrs.field(factory=list)
+    trajectory_ids: list[int] = attrs.field(factory=list)
+    reuse_old_log_probs: bool = False
+    metric_step_denominators: list[StepDenominators] = attrs.field(factory=list)
+
+
+class TrainWorker:
+    """The worker side of the execution seam, one per train rank.
+
+    :param args: the launch flags (picklable ``argparse.Namespace``).
+    :param chosen: ``{hook: (plugin name, flag)}`` for ``train_backend`` and ``loss``.
+    :param rank: this train rank; :param world: the number of train ranks.
+    :param pm: the driver's plugin manager when the worker runs in the driver's process;
+        None builds one from the installed entry points (with ``--disable-plugins``).
+    """
+
+    def __init__(self, args: Namespace, chosen: dict[str, tuple[str, str]], rank: int, world: int,
+                 pm: Any = None) -> None:
+        self.args, self.chosen, self.rank, self.world, self.pm = args, dict(chosen), rank, world, pm
+        self.backend = None
+        self._weights: AsyncIterator | None = None
+        self._held: tuple | None = None
+        self._held_tensors: list = []
+        self._weight_groups: dict[str, Any] = {}
+        self._train_log_probs: dict | None = None
+
+    async def init(self) -> tuple[int, ParallelLayout]:
+        """Create and initialize the backend; return ``(start rollout id, layout)``."""
+        if self.pm is None:  # a process of its own (a Ray actor)
+            self.pm = plugins_of_this_process(self.args, hooks=("train_backend", "loss"))
+        name, flag = self.chosen["train_backend"]
+        self.backend = await self.pm.call_chosen("train_backend", name, flag, args=self.args)
+        start = await self.backend.init(self.args)
+        layout = self.backend.layout() if hasattr(self.backend, "layout") else ParallelLayout(
+            dp_rank=self.rank, dp_size=self.world, rank=self.rank, world=self.world)
+        if not isinstance(layout, ParallelLayout):
+            raise PluginError(f"{flag} '{name}': layout() returned {type(layout).__name__}; "
+                              "it must return furlong.hooks.ParallelLayout.")
+        if self.args.save_hf and not callable(getattr(self.backend, "save_hf", None)):
+            raise PluginError(f"--save-hf: {flag} '{name}' has no save_hf(path) method, so it cannot export "
+                              "Hugging Face weights; drop --save-hf or use a backend that has one (fsdp, megatron).")
+        return int(start or 0), layout
+
+    async def log_probs(self, share: WorkerShare, model: str) -> dict | None:
+        """Forward-only log-probs (and entropy) of the share's samples, local order."""
+        out = await self.backend.log_probs(share.batch, model=model)
+        return {"log_probs": out["log_probs"], "entropy": out.get("entropy")}
+
+    async def train_forward_gives_old_log_probs(self) -> bool:
+        """Whether the backend's training forward equals its log-prob pass (its
+        ``train_forward_gives_old_log_probs()``; False for a backend without that method)."""
+        check = getattr(self.backend, "train_forward_gives_old_log_probs", None)
+        return bool(check()) if callable(check) else False
+
+    async def train(self, rollout_id: int, share: WorkerShare) -> list[dict]:
+        """The rollout's optimizer steps on this share; per-step metrics (summed over ranks by the backend)."""
+        loss_name, loss_flag = self.chosen["loss"]
+        objective = StepObjective(
+            self.args, self.pm, share.batch, loss_name, loss_flag, trajectory_ids=share.trajectory_ids,
+            step_denominators=share.step_denominators, sample_denominators=share.sample_denominators,
+            reuse_old_log_probs=share.reuse_old_log_probs,
+            metric_step_denominators=share.metric_step_denominators or None)
+        share.batch.objective = objective
+        self._train_log_probs = None
+        try:
+            steps = await self.backend.train(rollout_id, share.batch)
+        finally:
+            share.batch.objective = None
+        if share.reuse_old_log_probs:
+            entropy = None if any(e is None for e in objective.entropy) else objective.entropy
+            self._train_log_probs = {"log_probs": objective.old_log_probs, "entropy": entropy}
+        return steps
+
+    async def train_log_probs(self, share: WorkerShare) -> dict:
+        """pi_old and entropy the last :meth:`train` took from its training forward (``reuse_old_log_probs``),
+        local order, in the form of :meth:`log_probs`; consumed by this call.
+
+        :raises PluginError: the last train did not reuse its forward's log-probs.
+        """
+        out, self._train_log_probs = self._train_log_probs, None
+        if out is None:
+            name, flag = self.chosen["train_backend"]
+            raise PluginError(f"{flag} '{name}': no log-probs kept from the last training forward (it ran "
+                              "without reuse_old_log_probs).")
+        return out
+
+    async def save(self, path: str) -> None:
+        await self.backend.save(path)
+
+    async def save_hf(self, path: str) -> None:
+        await self.backend.save_hf(path)
+
+    async def load(self, path: str) -> None:
+        await self.backend.load(path)
+
+    async def offload(self) -> None:
+        await self.backend.offload()
+
+    async def onload(self) -> None:
+        await self.backend.onload()
+
+    async def clear_memory(self) -> None:
+        """Return cached accelerator memory to the device (a no-op without CUDA).
+
+        The garbage collection that frees unreachable tensors first runs only with CUDA: a
+        full ``gc.collect`` costs about 0.2 s per rollout in a process holding transformers.
+        """
+        import gc
+
+        import torch
+
+        if torch.cuda.is_available():
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    # --- weight sync ----------------------------------------------------------------------
+
+    async def begin_weights(self) -> None:
+        """Start a new pass over the backend's weights (every rank: it may be a collective)."""
+        self._weights = aiter(self.backend.iter_weights())
+        self._held = None
+
+    async def next_weight_bucket(self, max_bytes: int, with_tensors: bool) -> WeightBucket | None:
+        """The next bucket of at most ``max_bytes`` (one tensor larger than that is a bucket alone).
+
+        Rank 0 keeps the bucket's tensors for :meth:`broadcast_weight_bucket` and returns
+        them too when ``with_tensors`` (in-process transport); other ranks return None.
+        Returns None on rank 0 once every tensor was sent.
+        """
+        names, tensors, size = [], [], 0
+        pending = self._held
+        self._held = None
+        while True:
+            if pending is None:
+                try:
+                    pending = await anext(self._weights)
+                except StopAsyncIteration:
+                    break
+            name, tensor = pending
+            nbytes = tensor.numel() * tensor.element_size()
+            if tensors and size + nbytes > max_bytes:
+                self._held = pending  # starts the next bucket
+                break
+            names.append(name)
+            tensors.append(tensor.detach())
+            size += nbytes
+            pending = None
+        if self.rank != 0:
+            return None
+        if not names:
+            self._weights = None
+            return None
+        bucket = WeightBucket(names=names, dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors],
+                              shapes=[list(t.shape) for t in tensors])
+        self._held_tensors = tensors
+        if with_tensors:
+            bucket.tensors = tensors
+        return bucket
+
+    async def weight_group_address(self) -> tuple[str, int]:
+        """``(host, free port)`` for the weight-update group's rendezvous (rank 0 hosts it)."""
+        return host_address(), free_port()
+
+    async def join_weight_group(self, address: str, port: int, world_size: int, group_name: str, backend: str,
+                                timeout_s: float) -> None:
+        """Join the weight-update group as its rank 0 (the engines join concurrently)."""
+        import asyncio
+
+        group = await asyncio.to_thread(new_weight_update_group, address, port, 0, world_size, group_name, backend,
+                                        timeout_s)
+        self._weight_groups[group_name] = (group, backend)
+
+    async def leave_weight_group(self, group_name: str) -> None:
+        group, _ = self._weight_groups.pop(group_name, (None, None))
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(group)
+
+    async def broadcast_weight_bucket(self, group_name: str) -> None:
+        """Broadcast the tensors of the bucket :meth:`next_weight_bucket` returned last (rank 0).
+
+        NCCL sends from the GPU, gloo from host memory: tensors move to where the group's
+        backend needs them.
+        """
+        import asyncio
+
+        group, backend = self._weight_groups[group_name]
+        device = "cuda" if backend == "nccl" else "cpu"
+        tensors = [t.to(device) for t in self._held_tensors]
+        await asyncio.to_thread(broadcast_bucket, tensors, group)
+        self._held_tensors = []
+
+
+class WorkerFactory:
+    """``make_worker(rank, world)`` for :meth:`furlong.hooks.Executor.start_train_workers`.
+
+    Picklable: the plugin manager is kept only while the factory stays in the driver's
+    process; a copy sent to another process builds workers with their own manager.
+    """
+
+    def __init__(self, args: Namespace, chosen: dict[str, tuple[str, str]], pm: Any = None) -> None:
+        self.args, self.chosen, self.pm = args, chosen, pm
+
+    def __call__(self, rank: int, world: int) -> TrainWorker:
+        """Build rank ``rank``'s worker in this (the worker's) process, after setting ``--train-env-vars`` there."""
+        os.environ.update({str(k): str(v) for k, v in (getattr(self.args, "train_env_vars", None) or {}).items()})
+        return TrainWorker(self.args, self.chosen, rank, world, self.pm)
+
+    def __getstate__(self) -> dict:
+        return {"args": self.args, "chosen": self.chosen, "pm": None}

@@ -1,0 +1,160 @@
+"""Loading Hugging Face model directories with errors that name the flag and the file at fault.
+
+Engines, train backends and data sources all read ``--hf-checkpoint`` (or ``--ref-load``);
+these helpers turn the many ways that can fail (missing tokenizer files, a truncated or
+corrupt ``*.safetensors``, an unreadable ``config.json``) into one :class:`PluginError`.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from typing import Any, Sequence
+
+from furlong.hooks.errors import PluginError
+
+__all__ = ["compile_decoder_layers", "decoder_layers", "is_hf_dir", "load_causal_lm_weights", "load_tokenizer",
+           "save_safetensors", "write_hf_checkpoint"]
+
+log = logging.getLogger("furlong")
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "merges.txt", "spiece.model")
+
+
+def load_tokenizer(path: str, flag: str = "--hf-checkpoint") -> Any:
+    """``AutoTokenizer.from_pretrained(path, local_files_only=True)``: a local directory, never a Hub download.
+
+    :raises PluginError: ``path`` is not a directory, or it holds no usable tokenizer (the
+        message names ``flag``, ``path`` and the files a tokenizer needs).
+    """
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise PluginError(f"{flag} {path}: no such directory (furlong reads local model directories only).")
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types here
+        found = [n for n in _TOKENIZER_FILES if os.path.exists(os.path.join(path, n))] if os.path.isdir(path) else []
+        problem = f"cannot load the tokenizer ({_first_line(exc)})" if found else "no tokenizer files"
+        raise PluginError(
+            f"{flag} {path}: {problem}. The directory needs the model's tokenizer files (tokenizer.json and "
+            "tokenizer_config.json, or its vocabulary files); copy them from where the model came from."
+        ) from exc
+
+
+def load_causal_lm_weights(path: str, flag: str, attn_implementations: Sequence[str] = ("sdpa", "eager"),
+                           **kwargs: Any) -> Any:
+    """``AutoModelForCausalLM.from_pretrained(path, attn_implementation=..., local_files_only=True, **kwargs)``:
+    a local directory, never a Hub download.
+
+    Tries each attention implementation in order (one that is not installed or not
+    supported by the architecture raises ``ImportError``/``ValueError``; the next is tried
+    with a warning).
+
+    :raises PluginError: no implementation loads (e.g. an unknown ``model_type``), no
+        weights, weights that do not match ``config.json``, a corrupt or truncated weight
+        file, or an unreadable config; the message names ``flag``, ``path`` and the cause.
+    """
+    from transformers import AutoModelForCausalLM
+
+    kwargs.setdefault("local_files_only", True)
+    problem = ""
+    for i, attn in enumerate(attn_implementations):
+        try:
+            return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, **kwargs)
+        except (ImportError, ValueError) as exc:
+            problem = _first_line(exc)
+            if i + 1 < len(attn_implementations):
+                log.warning("%s %s: attention %r did not load (%s); trying %r", flag, path, attn, problem,
+                            attn_implementations[i + 1])
+        except OSError as exc:
+            raise PluginError(f"{flag} {path}: cannot load the model ({_first_line(exc)}).") from exc
+        except Exception as exc:  # noqa: BLE001 - e.g. safetensors' SafetensorError on a corrupt file
+            raise PluginError(f"{flag} {path}: {_weights_problem(path, exc)}") from exc
+    raise PluginError(f"{flag} {path}: cannot load the model ({problem}).")
+
+
+def decoder_layers(model) -> list:
+    """The transformer blocks of a Hugging Face model: modules whose class it names in ``_no_split_modules``
+    (a peft-wrapped model's too)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if not names and hasattr(model, "get_base_model"):
+        names = set(getattr(model.get_base_model(), "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def compile_decoder_layers(model, flag: str, backend: str = "inductor", dynamic: bool | None = None) -> int:
+    """Compile every decoder layer of ``model`` in place with ``torch.compile`` (regional compilation:
+    the layers share one compiled code, their parameters are its inputs, so weights changed in
+    place reach it and the compilation costs one layer's, not the model's).
+
+    :param flag: the flag that asked for it, for the error message.
+    :param dynamic: passed to ``torch.compile`` (True: sizes symbolic from the start, for inputs
+        whose lengths change at every call).
+    :returns: the number of layers compiled.
+    :raises PluginError: the model names no decoder layer class (``_no_split_modules``).
+    """
+    layers = decoder_layers(model)
+    if not layers:
+        raise PluginError(f"{flag}: {type(model).__name__} names no decoder layer class "
+                          "(_no_split_modules), so there is nothing to compile; run without the flag.")
+    for layer in layers:
+        layer.compile(backend=backend, dynamic=dynamic)
+    return len(layers)
+
+
+def is_hf_dir(path: str | None) -> bool:
+    """True when ``path`` is a Hugging Face model directory (has ``config.json``)."""
+    return bool(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def save_safetensors(named_tensors: dict[str, Any], path: str) -> None:
+    """Write ``named_tensors`` (moved to the CPU, contiguous) to ``path`` as safetensors, replacing any
+    file there atomically (written aside, then renamed), so a reader never sees half a file."""
+    from safetensors.torch import save_file
+
+    save_file({name: t.detach().to("cpu").contiguous() for name, t in named_tensors.items()}, path + ".tmp",
+              metadata={"format": "pt"})
+    os.replace(path + ".tmp", path)
+
+
+def write_hf_checkpoint(path: str, weights: dict[str, Any], source: str) -> None:
+    """Write a Hugging Face model directory: ``weights`` as ``model.safetensors``, and the
+    config, generation config and tokenizer files of ``source`` (the ``--hf-checkpoint``).
+
+    :param weights: HF parameter name -> tensor (any device and dtype; saved as given, on
+        the CPU); tied aliases may be left out (``tie_word_embeddings`` restores them).
+    :raises PluginError: ``source`` has no readable ``config.json``, or ``path`` cannot be written.
+    """
+    import shutil
+
+    config = os.path.join(source, "config.json")
+    if not os.path.isfile(config):
+        raise PluginError(f"--save-hf {path}: --hf-checkpoint {source} has no config.json to copy next to the weights.")
+    try:
+        os.makedirs(path, exist_ok=True)
+        save_safetensors(weights, os.path.join(path, "model.safetensors"))
+        for name in ("config.json", "generation_config.json", *_TOKENIZER_FILES, "special_tokens_map.json",
+                     "added_tokens.json", "chat_template.jinja"):
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
+    except OSError as exc:
+        raise PluginError(f"--save-hf {path}: cannot write the Hugging Face export ({_first_line(exc)}).") from exc
+
+
+def _weights_problem(path: str, exc: Exception) -> str:
+    text = _first_line(exc)
+    if "size mismatch" in str(exc):
+        return (f"the weights do not match config.json ({text}); the config and the weight files come from "
+                "different models.")
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) or sorted(glob.glob(os.path.join(path, "*.bin")))
+    named = ", ".join(os.path.basename(f) for f in files) or "the weight files"
+    return (f"cannot read the weights in {named} ({type(exc).__name__}: {text}); the file is corrupt or truncated: "
+            "download or export it again.")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
