@@ -213,6 +213,8 @@ def _train(command: str, argv: list[str]) -> int:
     from ..config.notes import held_notes
     from ..config.parser import machine_defaults, machine_note
     from ..config.configure import configure_plugins, with_plugin_problems
+    from ..config.freeze import freeze_config
+    from ..config.parser import build_parser
     from ..plugins.selection import resolve_selection
 
     pm = get_plugin_manager(_disable_list(argv))
@@ -225,7 +227,8 @@ def _train(command: str, argv: list[str]) -> int:
         _exit_on_signals()
         selection = resolve_selection(args, pm)
         configured = configure_plugins(args, pm, selection)
-    if args.print_config:
+    config = freeze_config(args, build_parser(pm).plugin_flags, configured.derived)
+    if config.print_config:
         machine = machine_defaults(args, pm)
         print(json.dumps({"args": config_to_dict(args), "plugins": selection.as_dict(),
                           "machine_defaults": config_to_dict(argparse.Namespace(**machine)),
@@ -236,7 +239,7 @@ def _train(command: str, argv: list[str]) -> int:
     warn_broken(pm)
     from ..run.loop import run
 
-    asyncio.run(run(args, pm, selection))
+    asyncio.run(run(config, pm, selection))
     return 0
 
 

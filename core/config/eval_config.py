@@ -177,11 +177,11 @@ def _check_entry(entry: dict, where: str, source: str, allowed: tuple[str, ...])
     return out
 
 
-def _resolve(name: str, path: str, entry: dict, defaults: dict, args: Any) -> EvalDataset:
+def _resolve(name: str, path: str, entry: dict, defaults: dict, config: Any) -> EvalDataset:
     values: dict[str, Any] = {"name": name, "path": path}
     for field, (eval_flag, rollout_flag) in _FALLBACKS.items():
         chain = [entry.get(field), defaults.get(field)]
-        chain += [getattr(args, flag, None) for flag in (eval_flag, rollout_flag) if flag]
+        chain += [getattr(config, flag, None) for flag in (eval_flag, rollout_flag) if flag]
         value = next((v for v in chain if v is not None), None)
         if value is None:
             continue  # keep the attrs default
@@ -213,7 +213,7 @@ def _read_config(spec: str) -> tuple[Any, str]:
         raise PluginError(f"{source}: not valid YAML: {exc}") from exc
 
 
-def _from_config(spec: str, args: Any) -> list[EvalDataset]:
+def _from_config(spec: str, config: Any) -> list[EvalDataset]:
     data, source = _read_config(spec)
     if not isinstance(data, dict) or not isinstance(data.get("eval"), dict):
         raise PluginError(f"{source}: expected a mapping with a top-level 'eval:' mapping holding 'datasets'.")
@@ -246,11 +246,11 @@ def _from_config(spec: str, args: Any) -> list[EvalDataset]:
                 raise PluginError(
                     f"{source}: {where} has no {required!r}; every dataset needs 'name' and 'path'."
                 )
-        out.append(_resolve(entry["name"], entry["path"], entry, defaults, args))
+        out.append(_resolve(entry["name"], entry["path"], entry, defaults, config))
     return out
 
 
-def _from_prompt_data(values: list[str], args: Any) -> list[EvalDataset]:
+def _from_prompt_data(values: list[str], config: Any) -> list[EvalDataset]:
     if len(values) == 1:
         pairs = [(LONE_PATH_NAME, values[0])]
     elif len(values) % 2:
@@ -260,15 +260,15 @@ def _from_prompt_data(values: list[str], args: Any) -> list[EvalDataset]:
         )
     else:
         pairs = list(zip(values[0::2], values[1::2]))
-    return [_resolve(name, path, {}, {}, args) for name, path in pairs]
+    return [_resolve(name, path, {}, {}, config) for name, path in pairs]
 
 
-def load_eval_datasets(args: Any) -> list[EvalDataset]:
+def load_eval_datasets(config: Any) -> list[EvalDataset]:
     """Resolve the run's eval datasets, in config order.
 
-    ``args.eval_config`` (a YAML path or ``base64:<YAML>``) with top-level
+    ``config.eval_config`` (a YAML path or ``base64:<YAML>``) with top-level
     ``eval: {defaults: {...}, datasets: [{name, path, ...}, ...]}`` replaces
-    ``args.eval_prompt_data`` (flat ``name path`` pairs; one lone value is named ``aime``).
+    ``config.eval_prompt_data`` (flat ``name path`` pairs; one lone value is named ``aime``).
     Neither given: an empty list.
 
     :raises PluginError: the config file is missing or not YAML; a key in ``eval.defaults``
@@ -276,15 +276,15 @@ def load_eval_datasets(args: Any) -> list[EvalDataset]:
         value; a dataset lacks ``name`` or ``path``; two datasets share a name;
         ``--eval-prompt-data`` has an odd number of values other than one.
     """
-    spec = getattr(args, "eval_config", None)
-    prompt_data = getattr(args, "eval_prompt_data", None)
+    spec = config.eval_config
+    prompt_data = config.eval_prompt_data
     if spec:
         if prompt_data:
             log.warning("--eval-config replaces --eval-prompt-data; ignoring %s", " ".join(prompt_data))
-        datasets = _from_config(spec, args)
+        datasets = _from_config(spec, config)
         source = "--eval-config"
     elif prompt_data:
-        datasets = _from_prompt_data(list(prompt_data), args)
+        datasets = _from_prompt_data(list(prompt_data), config)
         source = "--eval-prompt-data"
     else:
         return []
@@ -296,12 +296,12 @@ def load_eval_datasets(args: Any) -> list[EvalDataset]:
     return datasets
 
 
-def sampling_params(ds: EvalDataset, args: Any) -> dict:
+def sampling_params(ds: EvalDataset, config: Any) -> dict:
     """SGLang-style ``sampling_params`` for every request of eval dataset ``ds``.
 
     Keys: ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens`` (tokens, None when no
     cap is set), ``stop``, ``stop_token_ids`` (None = the model's default),
-    ``skip_special_tokens`` (``args.rollout_skip_special_tokens``), ``no_stop_trim`` True,
+    ``skip_special_tokens`` (``config.rollout_skip_special_tokens``), ``no_stop_trim`` True,
     ``spaces_between_special_tokens`` False, and ``min_new_tokens`` only when set.
     """
     params = {
@@ -311,7 +311,7 @@ def sampling_params(ds: EvalDataset, args: Any) -> dict:
         "max_new_tokens": ds.max_response_len,
         "stop": list(ds.stop) if ds.stop is not None else None,
         "stop_token_ids": list(ds.stop_token_ids) if ds.stop_token_ids is not None else None,
-        "skip_special_tokens": bool(getattr(args, "rollout_skip_special_tokens", False)),
+        "skip_special_tokens": bool(config.rollout_skip_special_tokens),
         "no_stop_trim": True,
         "spaces_between_special_tokens": False,
     }

@@ -7,7 +7,7 @@ from argparse import Namespace
 
 import attrs
 
-from furlong.hooks import PluginError
+from furlong.hooks import PluginError, RunConfig
 
 from .adapters import agent_abort_adapter, make_adapter
 from ..rollout.data_choice import data_source_for
@@ -108,7 +108,7 @@ def resolve_selection(args: Namespace, pm: FurlongPluginManager, hooks: tuple[st
             selection.reward = resolve_default_reward(args, pm)
         except PluginError as exc:
             errors.append(str(exc))
-    if getattr(args, "custom_agent_function_path", None) and (hooks is None or "abort" in hooks):
+    if args.custom_agent_function_path and (hooks is None or "abort" in hooks):
         try:
             _register_agent_abort(args.custom_agent_function_path, pm)
         except PluginError as exc:
@@ -118,7 +118,7 @@ def resolve_selection(args: Namespace, pm: FurlongPluginManager, hooks: tuple[st
     return selection
 
 
-def plugins_of_this_process(args: Namespace, hooks: tuple[str, ...] | None = None) -> FurlongPluginManager:
+def plugins_of_this_process(config: RunConfig, hooks: tuple[str, ...] | None = None) -> FurlongPluginManager:
     """The plugin manager of a process the executor started (a Ray actor): seeded, with the run's selection.
 
     Seeds the process's generators from ``--seed``, loads the installed plugins (less
@@ -128,9 +128,9 @@ def plugins_of_this_process(args: Namespace, hooks: tuple[str, ...] | None = Non
     from .manager import get_plugin_manager
     from ..run.seeding import seed_everything
 
-    seed_everything(args.seed)
-    pm = get_plugin_manager(args.disable_plugins)
-    resolve_selection(args, pm, hooks)
+    seed_everything(config.seed)
+    pm = get_plugin_manager(config.disable_plugins)
+    resolve_selection(config, pm, hooks)
     return pm
 
 
@@ -154,11 +154,11 @@ def register_path(pm: FurlongPluginManager, hook: str, path: str, flag: str, rm_
 
 def _resolve_one(args: Namespace, pm: FurlongPluginManager, spec: ChosenHook) -> tuple[str, str] | None:
     """``(name, flag)`` of the plugin serving ``spec.hook``; None for an optional hook no flag chose."""
-    path = getattr(args, spec.path_attr, None) if spec.path_attr else None
+    path = getattr(args, spec.path_attr) if spec.path_attr else None
     if path:
         name, flag = register_path(pm, spec.hook, path, spec.path_flag), spec.path_flag
     else:
-        name, flag = getattr(args, spec.name_attr, None), spec.name_flag
+        name, flag = getattr(args, spec.name_attr), spec.name_flag
         if spec.optional and not name:
             return None
         if spec.path_value is not None and name == spec.path_value:
@@ -169,7 +169,7 @@ def _resolve_one(args: Namespace, pm: FurlongPluginManager, spec: ChosenHook) ->
 
 def _by_file(args: Namespace, pm: FurlongPluginManager) -> tuple[str, str] | None:
     """The data source chosen by the ``--prompt-data`` file (no data source flag given), checked; or None."""
-    choice = data_source_for(args, pm, getattr(args, "prompt_data", None), "--prompt-data")
+    choice = data_source_for(args, pm, args.prompt_data, "--prompt-data")
     if choice is not None:
         pm.chosen_impl("data_source", *choice)
     return choice

@@ -10,7 +10,8 @@ for each eval set) whose path it claims, so ``--prompt-data train.parquet`` need
 from __future__ import annotations
 
 import logging
-from argparse import Namespace
+
+from furlong.hooks import RunConfig
 
 from ..plugins.manager import FurlongPluginManager
 
@@ -36,14 +37,14 @@ def reader_for(path: str | None, pm: FurlongPluginManager) -> str | None:
     return None
 
 
-def data_source_for(args: Namespace, pm: FurlongPluginManager, path: str | None, flag: str) -> tuple[str, str] | None:
+def data_source_for(config: RunConfig, pm: FurlongPluginManager, path: str | None, flag: str) -> tuple[str, str] | None:
     """``(plugin name, flag that chose it)`` of the data source that reads ``path`` when the flags leave
     the choice to the file (no ``--data-source``, no ``--data-source-path``), else None (the flags decide).
 
     :param flag: the flag that named ``path`` (``--prompt-data``, ``--eval-prompt-data NAME``), which
         then counts as the one that chose the plugin.
     """
-    if getattr(args, "data_source_path", None) or "data_source" in (getattr(args, "explicit_args", None) or ()):
+    if config.data_source_path or "data_source" in config.explicit_args:
         return None
     name = reader_for(path, pm)
     return (name, flag) if name else None

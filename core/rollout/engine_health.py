@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from argparse import Namespace
+
+from furlong.hooks import RunConfig
 
 __all__ = ["EngineHealthMonitor", "health_monitor_wanted"]
 
 log = logging.getLogger("furlong.engines")
 
 
-def health_monitor_wanted(args: Namespace) -> bool:
+def health_monitor_wanted(config: RunConfig) -> bool:
     """``--use-fault-tolerance`` with ``rollout`` among ``--ft-components`` (the default), and engines in use."""
-    components = getattr(args, "ft_components", None) or ["rollout"]
-    return bool(getattr(args, "use_fault_tolerance", False) and "rollout" in components
-                and not getattr(args, "debug_train_only", False))
+    components = config.ft_components or ["rollout"]
+    return bool(config.use_fault_tolerance and "rollout" in components
+                and not config.debug_train_only)
 
 
 class EngineHealthMonitor:
@@ -44,9 +45,9 @@ class EngineHealthMonitor:
         self._waited = False
 
     @classmethod
-    def from_args(cls, args: Namespace, engines: list) -> EngineHealthMonitor:
-        return cls(engines, args.rollout_health_check_interval, args.rollout_health_check_timeout,
-                   args.rollout_health_check_first_wait)
+    def from_args(cls, config: RunConfig, engines: list) -> EngineHealthMonitor:
+        return cls(engines, config.rollout_health_check_interval, config.rollout_health_check_timeout,
+                   config.rollout_health_check_first_wait)
 
     def start(self) -> None:
         self._running.set()

@@ -10,11 +10,9 @@ itself (:mod:`furlong.core.run.weight_sync`).
 from __future__ import annotations
 
 import asyncio
-import copy
-from argparse import Namespace
 from typing import Any
 
-from furlong.hooks import GenerateOutput, PluginError, RolloutEngine
+from furlong.hooks import GenerateOutput, PluginError, RolloutEngine, RunConfig
 
 __all__ = ["EngineFactory", "EngineSet"]
 
@@ -26,19 +24,20 @@ class EngineFactory:
     builds its own plugin manager there.
     """
 
-    def __init__(self, args: Namespace, chosen: tuple[str, str], pm: Any = None) -> None:
-        self.args, self.chosen, self.pm = args, tuple(chosen), pm
+    def __init__(self, config: RunConfig, chosen: tuple[str, str], pm: Any = None) -> None:
+        self.config, self.chosen, self.pm = config, tuple(chosen), pm
 
     async def __call__(self, index: int) -> RolloutEngine:
         pm = self.pm
         if pm is None:  # a process of its own (an engine actor)
             from ..plugins.selection import plugins_of_this_process
 
-            pm = plugins_of_this_process(self.args, hooks=("rollout_engine",))
+            pm = plugins_of_this_process(self.config, hooks=("rollout_engine",))
         name, flag = self.chosen
-        args = copy.copy(self.args)
-        args.rollout_engine_index = index  # e.g. per-engine sampling seeds (seed + index)
-        engine = await pm.call_chosen("rollout_engine", name, flag, args=args)
+        # transitional, until the engine plugins read `engine_index`: `args` is a view that holds it
+        view = self.config.namespace()
+        view.rollout_engine_index = index
+        engine = await pm.call_chosen("rollout_engine", name, flag, config=self.config, engine_index=index, args=view)
         missing = [m for m in ("generate", "abort", "pause_generation", "continue_generation", "flush_cache",
                                "load_weights", "set_weight_version", "release_memory", "resume_memory", "health")
                    if not callable(getattr(engine, m, None))]
@@ -48,7 +47,7 @@ class EngineFactory:
         return engine
 
     def __getstate__(self) -> dict:
-        return {"args": self.args, "chosen": self.chosen, "pm": None}
+        return {"config": self.config, "chosen": self.chosen, "pm": None}
 
 
 class EngineSet:

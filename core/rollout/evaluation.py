@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import copy
 import inspect
 import time
 
-from furlong.hooks import PluginError, Sample
+from furlong.hooks import DatasetSpec, PluginError, RunConfig, Sample
 
 from .data_choice import data_source_for
+from .datasets import data_source_kwargs, eval_dataset
 from ..config.eval_config import EvalDataset, load_eval_datasets, sampling_params
 from ..run.metrics_log import eval_metrics
 from ..plugins.manager import FurlongPluginManager
@@ -29,31 +29,31 @@ class Evaluator:
     may call it right after construction to fail as early).
     """
 
-    def __init__(self, args: argparse.Namespace, pm: FurlongPluginManager, selection: Selection):
-        self.args = args
+    def __init__(self, config: RunConfig, pm: FurlongPluginManager, selection: Selection):
+        self.config = config
         self.pm = pm
         self.source = selection.chosen["data_source"]
         self.datasets: list[tuple[EvalDataset, list[dict]]] = []
         self._to_load = []
-        for ds in load_eval_datasets(args):
-            ds_args = _source_args(args, ds)
-            self._to_load.append((ds, ds_args, self._reader(ds, ds_args)))
+        for ds in load_eval_datasets(config):
+            spec = eval_dataset(config, ds)
+            self._to_load.append((ds, spec, self._reader(spec)))
         waiting = []
-        for ds, ds_args, reader in self._to_load:  # a plain data_source is called now, an async one by load()
+        for ds, spec, reader in self._to_load:  # a plain data_source is called now, an async one by load()
             if inspect.iscoroutinefunction(pm.chosen_impl("data_source", *reader).function):
-                waiting.append((ds, ds_args, reader))
+                waiting.append((ds, spec, reader))
             else:
-                self._add(ds, reader, pm.call_chosen_sync("data_source", *reader, args=ds_args))
+                self._add(ds, reader, pm.call_chosen_sync("data_source", *reader, **data_source_kwargs(self.config, spec)))
         self._to_load = waiting
 
-    def _reader(self, ds: EvalDataset, ds_args: argparse.Namespace) -> tuple[str, str]:
+    def _reader(self, spec: DatasetSpec) -> tuple[str, str]:
         """``(plugin, flag)`` reading eval set ``ds``: the data source flags' choice, else the plugin that
         claims its file (:mod:`furlong.core.rollout.data_choice`), else ``--data-source``'s default."""
-        by_file = data_source_for(self.args, self.pm, ds.path, ds_args.prompt_data_flag)
+        by_file = data_source_for(self.config, self.pm, spec.path, spec.flag)
         if by_file is not None:
             return by_file
         if self.source[1] == "--prompt-data":  # the training file chose its reader; this file claims none
-            return self.args.data_source, "--data-source"
+            return self.config.data_source, "--data-source"
         return self.source
 
     async def load(self) -> None:
@@ -62,8 +62,8 @@ class Evaluator:
         :raises PluginError: a data source without ``__len__``, or the plugin's own error.
         """
         while self._to_load:
-            ds, ds_args, reader = self._to_load[0]
-            self._add(ds, reader, await self.pm.call_chosen("data_source", *reader, args=ds_args))
+            ds, spec, reader = self._to_load[0]
+            self._add(ds, reader, await self.pm.call_chosen("data_source", *reader, **data_source_kwargs(self.config, spec)))
             self._to_load.pop(0)
 
     def _add(self, ds: EvalDataset, reader: tuple[str, str], source) -> None:
@@ -82,31 +82,16 @@ class Evaluator:
         per_set = await asyncio.gather(*(self._one(manager, ds, rows) for ds, rows in self.datasets))
         metrics: dict = {}
         for (ds, _), samples in zip(self.datasets, per_set):
-            metrics.update(eval_metrics(ds.name, samples, self.args.eval_reward_key or self.args.reward_key))
+            metrics.update(eval_metrics(ds.name, samples, self.config.eval_reward_key or self.config.reward_key))
         metrics["perf/eval_time"] = time.perf_counter() - start
         return metrics
 
     async def _one(self, manager: RolloutManager, ds: EvalDataset, rows: list[dict]) -> list[Sample]:
-        params = sampling_params(ds, self.args)
+        params = sampling_params(ds, self.config)
         groups = [[_eval_sample(row, ds, p * ds.n_samples_per_eval_prompt + j, p)
                    for j in range(ds.n_samples_per_eval_prompt)] for p, row in enumerate(rows)]
         await asyncio.gather(*(manager.generate_group(g, evaluation=True, sampling_params=params) for g in groups))
         return sorted((s for g in groups for s in g), key=lambda s: s.index)
-
-
-def _source_args(args: argparse.Namespace, ds: EvalDataset) -> argparse.Namespace:
-    """A copy of ``args`` that points the data source at eval set ``ds`` (its keys, no shuffle)."""
-    ds_args = copy.copy(args)
-    ds_args.prompt_data = ds.path
-    ds_args.prompt_data_flag = (f"--eval-config dataset '{ds.name}'" if getattr(args, "eval_config", None)
-                                else f"--eval-prompt-data {ds.name}")
-    ds_args.input_key = ds.input_key
-    ds_args.label_key = ds.label_key
-    ds_args.metadata_key = ds.metadata_key
-    ds_args.tool_key = ds.tool_key
-    ds_args.rollout_shuffle = False
-    ds_args.rollout_max_prompt_len = args.eval_max_prompt_len
-    return ds_args
 
 
 def _eval_sample(row: dict, ds: EvalDataset, index: int, group_index: int) -> Sample:

@@ -14,7 +14,7 @@ The form is read from the function's parameter names:
   conversational data set's, else text), ``completion_ids``, the label under the last part of
   ``--label-key``'s name (``solution``, ``ground_truth``) and every metadata key, as TRL passes a
   data set's columns.
-- anything else: Miles' ``fn(args, sample)`` (``fn(args, samples)`` under ``--group-rm``).
+- anything else: Miles' ``fn(config, sample)`` (``fn(config, samples)`` under ``--group-rm``).
 
 Both TRL and verl decode responses without special tokens: a TRL or verl function's ``configure``
 turns ``--rollout-skip-special-tokens`` on when it was not given (a ``<|im_end|>`` at the end of a
@@ -73,15 +73,15 @@ def _accepted(fn: Callable, path: str, offered: dict) -> dict:
     return {k: v for k, v in offered.items() if k in params}
 
 
-def _derive(report, args, dest: str, value: Any, note: str) -> None:
-    """``args.<dest> = value`` with a note, unless the flag was given."""
-    if not report.given(args, dest) and getattr(args, dest, None) != value:
-        report.default(args, dest, value)
+def _derive(report, config, dest: str, value: Any, note: str) -> None:
+    """``config.<dest> = value`` with a note, unless the flag was given."""
+    if not report.given(config, dest) and getattr(config, dest, None) != value:
+        report.default(config, dest, value)
         report.info(note)
 
 
-def _text_mode(report, args, path: str, form: str) -> None:
-    _derive(report, args, "rollout_skip_special_tokens", True,
+def _text_mode(report, config, path: str, form: str) -> None:
+    _derive(report, config, "rollout_skip_special_tokens", True,
             f"--custom-rm-path {path} is a {form} reward: responses are decoded without special tokens, as {form} "
             "does (--rollout-skip-special-tokens).")
 
@@ -93,23 +93,23 @@ class TrlRewardAdapter:
         self.fn, self.path = fn, path
 
     @hookimpl
-    def configure(self, args, report):
+    def configure(self, config, report):
         """Decode responses without special tokens, as TRL does, unless the flag was given."""
-        _text_mode(report, args, self.path, "TRL")
+        _text_mode(report, config, self.path, "TRL")
 
     @hookimpl
-    async def reward(self, args, samples):
+    async def reward(self, config, samples):
         """Call the function once on ``samples`` as TRL calls a batch; return its list."""
         offered = {
             "prompts": [s.prompt for s in samples],
-            "completions": [[{"role": "assistant", "content": s.response}] if args.apply_chat_template
+            "completions": [[{"role": "assistant", "content": s.response}] if config.apply_chat_template
                             else s.response for s in samples],
             "completion_ids": [list(s.tokens[len(s.tokens) - s.response_length:]) for s in samples],
         }
         for key in sorted({k for s in samples for k in (s.metadata or {})}):
             offered.setdefault(key, [(s.metadata or {}).get(key) for s in samples])
-        if args.label_key:
-            offered[args.label_key.rsplit(".", 1)[-1]] = [s.label for s in samples]
+        if config.label_key:
+            offered[config.label_key.rsplit(".", 1)[-1]] = [s.label for s in samples]
         return await _resolve(self.fn(**_accepted(self.fn, self.path, offered)))
 
 
@@ -120,20 +120,20 @@ class VerlRewardAdapter:
         self.fn, self.path = fn, path
 
     @hookimpl
-    def configure(self, args, report):
+    def configure(self, config, report):
         """verl's decoding and dict convention, and a warning when ``data_source`` cannot reach the function."""
-        _text_mode(report, args, self.path, "verl")
-        _derive(report, args, "reward_key", "score", f"--custom-rm-path {self.path} is a verl compute_score: a dict "
+        _text_mode(report, config, self.path, "verl")
+        _derive(report, config, "reward_key", "score", f"--custom-rm-path {self.path} is a verl compute_score: a dict "
                 "it returns trains on its 'score' (--reward-key score).")
-        keys = [k.strip().rsplit(".", 1)[-1] for k in (args.metadata_key or "").split(",")]
+        keys = [k.strip().rsplit(".", 1)[-1] for k in (config.metadata_key or "").split(",")]
         if "data_source" in _parameters(self.fn) and "data_source" not in keys:
             report.warn(f"--custom-rm-path {self.path} is a verl compute_score, which gets data_source from each "
-                        f"sample's metadata, but --metadata-key {args.metadata_key} does not bring it: pass "
+                        f"sample's metadata, but --metadata-key {config.metadata_key} does not bring it: pass "
                         "--metadata-key data_source,extra_info (verl's Parquet columns), or every call gets "
                         "data_source=None.")
 
     @hookimpl
-    async def reward(self, args, samples):
+    async def reward(self, config, samples):
         """One ``compute_score`` call per sample, by keyword, as verl's reward manager makes it."""
         out = []
         for s in samples:

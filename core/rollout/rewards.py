@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import copy
 import logging
-from argparse import Namespace
 
 import attrs
 
-from furlong.hooks import PluginError, Sample
+from furlong.hooks import PluginError, RunConfig, Sample
 from furlong.kit.answers import last_boxed_content
 from furlong.hooks.contract import check_reward_list, check_reward_value
 
@@ -50,8 +49,8 @@ class RewardScorer:
     ``\\boxed{content}``); a response without a box is graded as an empty response.
     """
 
-    def __init__(self, args: Namespace, pm: FurlongPluginManager, selection: Selection):
-        self.args = args
+    def __init__(self, config: RunConfig, pm: FurlongPluginManager, selection: Selection):
+        self.config = config
         self.pm = pm
         self.default = selection.reward
         self._checked: set[str] = set()
@@ -93,7 +92,7 @@ class RewardScorer:
         graded = [self._boxed(base, s) for s in samples] if base else samples
         plugin = base or name
         try:
-            rewards = await self.pm.call_chosen("reward", plugin, flag, args=self.args, samples=graded)
+            rewards = await self.pm.call_chosen("reward", plugin, flag, config=self.config, samples=graded)
         except PluginError:
             raise
         except Exception as exc:
@@ -126,7 +125,7 @@ class RewardScorer:
         return attrs.evolve(sample, response=response)
 
 
-def check_first_rows_name_a_reward(args: Namespace, pm: FurlongPluginManager, source) -> None:
+def check_first_rows_name_a_reward(config: RunConfig, pm: FurlongPluginManager, source) -> None:
     """Without a run-wide reward (no ``--rm-type``, no ``--custom-rm-path``) every sample needs
     ``metadata["rm_type"]``: check the rows the first rollout draws now, before any model loads,
     rather than after a whole rollout was generated.
@@ -137,7 +136,7 @@ def check_first_rows_name_a_reward(args: Namespace, pm: FurlongPluginManager, so
     :param source: the train data source (``furlong.hooks.DataSource``).
     :raises PluginError: one of those rows names no reward; the message says how many and what to pass.
     """
-    k = int(args.over_sampling_batch_size or args.rollout_batch_size or 1)
+    k = int(config.over_sampling_batch_size or config.rollout_batch_size or 1)
     state = copy.deepcopy(source.state())
     rows = source.next_rows(k)
     source.load_state(state)
@@ -146,7 +145,7 @@ def check_first_rows_name_a_reward(args: Namespace, pm: FurlongPluginManager, so
         return
     prompt = str(missing[0].get("prompt"))
     prompt = prompt if len(prompt) <= 60 else prompt[:57] + "..."
-    where = args.prompt_data or "the data"
+    where = config.prompt_data or "the data"
     raise PluginError(
         f"no reward chosen: the run has neither --rm-type nor --custom-rm-path, and {len(missing)} of the {len(rows)} "
         f"prompts the first rollout draws from {where} name none in metadata['rm_type'] (the first: {prompt!r}). "

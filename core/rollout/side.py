@@ -10,12 +10,12 @@ source and cursor, the evaluation sets, the :class:`~furlong.core.rollout.manage
 
 from __future__ import annotations
 
-from argparse import Namespace
 from typing import Any
 
-from furlong.hooks import Sample
+from furlong.hooks import RunConfig, Sample
 
 from .data_cursor import DataCursor
+from .datasets import data_source_kwargs, train_dataset
 from .engines import EngineSet
 from .evaluation import Evaluator
 from .rewards import check_first_rows_name_a_reward
@@ -32,8 +32,8 @@ class RolloutSide:
     :meth:`start` once the engines exist, then the rest; :meth:`dispose` at the end.
     """
 
-    def __init__(self, args: Namespace, selection: Selection, pm: Any = None) -> None:
-        self.args, self.selection, self.pm = args, selection, pm
+    def __init__(self, config: RunConfig, selection: Selection, pm: Any = None) -> None:
+        self.config, self.selection, self.pm = config, selection, pm
         self.cursor: DataCursor | None = None
         self.evaluator: Evaluator | None = None
         self.manager: RolloutManager | None = None
@@ -44,13 +44,14 @@ class RolloutSide:
         :raises PluginError: the data source plugin's own error (bad files are named there).
         """
         if self.pm is None:  # a process of its own (the rollout-manager actor)
-            self.pm = plugins_of_this_process(self.args)
+            self.pm = plugins_of_this_process(self.config)
         sel = self.selection
-        source = await self.pm.call_chosen("data_source", *sel.chosen["data_source"], args=self.args)
+        source = await self.pm.call_chosen("data_source", *sel.chosen["data_source"],
+                                           **data_source_kwargs(self.config, train_dataset(self.config)))
         if sel.reward is None:
-            check_first_rows_name_a_reward(self.args, self.pm, source)
-        self.cursor = DataCursor(self.args, self.pm, source, sel.chosen["buffer_pop"])
-        self.evaluator = Evaluator(self.args, self.pm, sel)
+            check_first_rows_name_a_reward(self.config, self.pm, source)
+        self.cursor = DataCursor(self.config, self.pm, source, sel.chosen["buffer_pop"])
+        self.evaluator = Evaluator(self.config, self.pm, sel)
         await self.evaluator.load()
         return bool(self.evaluator)
 
@@ -64,7 +65,7 @@ class RolloutSide:
         if state:
             self.cursor.load_state(state)
         engine = engines[0] if len(engines) == 1 else EngineSet(engines)
-        self.manager = RolloutManager(self.args, self.pm, self.selection, engine, self.cursor)
+        self.manager = RolloutManager(self.config, self.pm, self.selection, engine, self.cursor)
 
     async def generate(self, rollout_id: int) -> list[list[Sample]]:
         """The groups to train on for ``rollout_id`` (the ``rollout`` hook and everything it calls)."""
@@ -103,11 +104,11 @@ class RolloutSideFactory:
     Picklable: a copy sent to another process builds its own plugin manager there.
     """
 
-    def __init__(self, args: Namespace, selection: Selection, pm: Any = None) -> None:
-        self.args, self.selection, self.pm = args, selection, pm
+    def __init__(self, config: RunConfig, selection: Selection, pm: Any = None) -> None:
+        self.config, self.selection, self.pm = config, selection, pm
 
     def __call__(self) -> RolloutSide:
-        return RolloutSide(self.args, self.selection, self.pm)
+        return RolloutSide(self.config, self.selection, self.pm)
 
     def __getstate__(self) -> dict:
-        return {"args": self.args, "selection": self.selection, "pm": None}
+        return {"config": self.config, "selection": self.selection, "pm": None}

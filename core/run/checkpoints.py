@@ -61,7 +61,7 @@ def periodic(r: int, k: int | None, last: int | None = None, epoch: int | None =
     :param r: 0-based rollout id.
     :param k: interval in rollouts (``--save-interval``, ``--eval-interval``), or None.
     :param last: number of rollouts in the run (``--num-rollout``), or None.
-    :param epoch: rollouts per epoch (``args.num_rollout_per_epoch``), or None.
+    :param epoch: rollouts per epoch (``config.num_rollout_per_epoch``), or None.
     :raises ValueError: ``k`` is not positive.
     """
     if k is None:
@@ -73,20 +73,20 @@ def periodic(r: int, k: int | None, last: int | None = None, epoch: int | None =
     return (r + 1) % k == 0 or bool(epoch and (r + 1) % epoch == 0)
 
 
-def should_save(args: Any, rollout_id: int) -> bool:
+def should_save(config: Any, rollout_id: int) -> bool:
     """Whether the loop saves after training on ``rollout_id``.
 
-    True when ``args.save`` is set and either the cadence fires
-    (``periodic(rollout_id, args.save_interval, args.num_rollout, args.num_rollout_per_epoch)``) or the file
-    ``args.save_trigger_sentinel`` exists. ``--save-interval`` without ``--save`` is a
+    True when ``config.save`` is set and either the cadence fires
+    (``periodic(rollout_id, config.save_interval, config.num_rollout, config.num_rollout_per_epoch)``) or the file
+    ``config.save_trigger_sentinel`` exists. ``--save-interval`` without ``--save`` is a
     config error raised at validation, not here.
     """
-    if not getattr(args, "save", None):
+    if not config.save:
         return False
-    if periodic(rollout_id, args.save_interval, args.num_rollout,
-                getattr(args, "num_rollout_per_epoch", None)):
+    if periodic(rollout_id, config.save_interval, config.num_rollout,
+                config.num_rollout_per_epoch):
         return True
-    sentinel = getattr(args, "save_trigger_sentinel", None)
+    sentinel = config.save_trigger_sentinel
     return bool(sentinel) and os.path.exists(sentinel)
 
 
@@ -126,13 +126,13 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 
 async def save_checkpoint(
-    args: Any,
+    config: Any,
     rollout_id: int,
     save_model: Callable[[str], Awaitable[Any]],
     state: dict,
     save_hf: Callable[[str], Awaitable[Any]] | None = None,
 ) -> str:
-    """Save the checkpoint of ``rollout_id`` under ``args.save``; return its final directory.
+    """Save the checkpoint of ``rollout_id`` under ``config.save``; return its final directory.
 
     Order: remove a stale ``iter_N.tmp/``; ``await save_model(tmp)``
     (the train backend writes weights, optimizer, scheduler, RNG into it, every rank
@@ -140,13 +140,13 @@ async def save_checkpoint(
     ``iter_N`` is moved aside to ``iter_N.old`` first and deleted afterwards; ``iter_N/writer.json``
     records ``--train-backend``); write
     ``rollout/state_N.json`` atomically; replace the marker atomically with ``N``; delete
-    ``args.save_trigger_sentinel`` if it exists. If anything raises before the marker is
+    ``config.save_trigger_sentinel`` if it exists. If anything raises before the marker is
     replaced, the previous marker and the checkpoint it names stay valid.
 
     ``state`` is serialized to JSON before ``save_model`` is awaited, so later mutation by
     the caller (train-async drawing the next batch) does not leak into this checkpoint.
 
-    :param args: needs ``save``; reads ``save_trigger_sentinel`` if present.
+    :param config: needs ``save``; reads ``save_trigger_sentinel`` if present.
     :param rollout_id: rollout just trained on.
     :param save_model: coroutine function writing the model state into the given path;
         the train group's ``save_model``, which returns once every train rank wrote its
@@ -158,9 +158,9 @@ async def save_checkpoint(
         marker names the new checkpoint, into ``TEMPLATE.format(rollout_id=N)``, before the
         post-save hook (which gets that directory as ``hf_dir``).
     :returns: ``<save>/iter_<rollout_id:07d>``.
-    :raises PluginError: ``args.save`` is not set, or ``state`` is not JSON-serializable.
+    :raises PluginError: ``config.save`` is not set, or ``state`` is not JSON-serializable.
     """
-    save = getattr(args, "save", None)
+    save = config.save
     if not save:
         raise PluginError("save_checkpoint needs --save DIR: pass the directory checkpoints go to.")
     state_text = _state_json(state, rollout_id)
@@ -173,20 +173,20 @@ async def save_checkpoint(
     os.makedirs(tmp)
     await save_model(tmp)
     with open(os.path.join(tmp, WRITER_NAME), "w", encoding="utf-8") as f:
-        json.dump({"train_backend": args.train_backend}, f)
+        json.dump({"train_backend": config.train_backend}, f)
     _fsync_dir(tmp)
-    _publish(args, save, rollout_id, tmp, final, state_text)
-    hf_dir = hf_export_dir(args, rollout_id)
+    _publish(config, save, rollout_id, tmp, final, state_text)
+    hf_dir = hf_export_dir(config, rollout_id)
     if hf_dir:
         await save_hf(hf_dir)
         log.info("saved Hugging Face weights %s", hf_dir)
-    _post_save_hook(args, rollout_id, final, hf_dir)
+    _post_save_hook(config, rollout_id, final, hf_dir)
     return final
 
 
-def hf_export_dir(args: Any, rollout_id: int) -> str | None:
+def hf_export_dir(config: Any, rollout_id: int) -> str | None:
     """``--save-hf`` for this rollout (``{rollout_id}`` filled in), or None without the flag."""
-    template = getattr(args, "save_hf", None)
+    template = config.save_hf
     return template.format(rollout_id=rollout_id) if template else None
 
 
@@ -200,7 +200,7 @@ def _state_json(state: dict, rollout_id: int) -> str:
         ) from exc
 
 
-def _publish(args: Any, save: str, rollout_id: int, tmp: str, final: str, state_text: str) -> None:
+def _publish(config: Any, save: str, rollout_id: int, tmp: str, final: str, state_text: str) -> None:
     """Rename the complete ``iter_N.tmp`` into place, write the state JSON, then the marker."""
     old = final + _OLD_SUFFIX
     if os.path.isdir(final):
@@ -218,15 +218,15 @@ def _publish(args: Any, save: str, rollout_id: int, tmp: str, final: str, state_
     _atomic_write_text(state_path(save, rollout_id), state_text)
     _atomic_write_text(os.path.join(save, MARKER_NAME), str(rollout_id))
 
-    sentinel = getattr(args, "save_trigger_sentinel", None)
+    sentinel = config.save_trigger_sentinel
     if sentinel and os.path.exists(sentinel):
         os.remove(sentinel)
         log.info("save trigger %s honoured at rollout %d and removed", sentinel, rollout_id)
     log.info("saved checkpoint %s", final)
 
 
-def _post_save_hook(args: Any, rollout_id: int, ckpt_dir: str, hf_dir: str | None) -> None:
-    """Call ``--custom-megatron-post-save-hook-path`` as ``hook(args, rollout_id, ckpt_dir, hf_dir)``.
+def _post_save_hook(config: Any, rollout_id: int, ckpt_dir: str, hf_dir: str | None) -> None:
+    """Call ``--custom-megatron-post-save-hook-path`` as ``hook(config, rollout_id, ckpt_dir, hf_dir)``.
 
     Runs once per save, after the marker names the new checkpoint and the ``--save-hf``
     export is written, in the process that wrote the marker. ``hf_dir`` is that export's
@@ -235,7 +235,7 @@ def _post_save_hook(args: Any, rollout_id: int, ckpt_dir: str, hf_dir: str | Non
     :raises PluginError: the path cannot be imported, the hook raises, or it is ``async def``
         (it is called synchronously).
     """
-    path = getattr(args, "custom_megatron_post_save_hook_path", None)
+    path = config.custom_megatron_post_save_hook_path
     if not path:
         return
     from ..plugins.adapters import import_dotted
@@ -243,7 +243,7 @@ def _post_save_hook(args: Any, rollout_id: int, ckpt_dir: str, hf_dir: str | Non
     flag = "--custom-megatron-post-save-hook-path"
     hook = import_dotted(path, flag)
     try:
-        result = hook(args, rollout_id, ckpt_dir, hf_dir)
+        result = hook(config, rollout_id, ckpt_dir, hf_dir)
     except Exception as exc:  # noqa: BLE001 - name the hook at fault
         raise PluginError(f"{flag} '{path}' failed after saving {ckpt_dir}: {type(exc).__name__}: {exc}") from exc
     if inspect.isawaitable(result):
@@ -293,29 +293,29 @@ def read_marker(load: str) -> int | None:
         ) from None
 
 
-def _check_writer(args: Any, load_dir: str, loaded: int) -> None:
+def _check_writer(config: Any, load_dir: str, loaded: int) -> None:
     """The checkpoint was written by this run's ``--train-backend`` (checkpoints without ``writer.json`` pass)."""
     try:
         with open(os.path.join(load_dir, WRITER_NAME), encoding="utf-8") as f:
             writer = json.load(f).get("train_backend")
     except (OSError, ValueError, AttributeError):
         return
-    backend = args.train_backend
+    backend = config.train_backend
     if writer and backend and writer != backend:
-        raise PluginError(f"--load {args.load}: {os.path.basename(load_dir)} was written by --train-backend {writer}, "
+        raise PluginError(f"--load {config.load}: {os.path.basename(load_dir)} was written by --train-backend {writer}, "
                           f"which this run's --train-backend {backend} cannot read; resume with --train-backend "
                           f"{writer} (or start another run without --load).")
 
 
-def resolve_start(args: Any) -> ResumePoint:
+def resolve_start(config: Any) -> ResumePoint:
     """Decide the start rollout id, the checkpoint to load and the data state.
 
-    With ``args.load`` holding the marker ``M``: weights from ``iter_<M>``, or from
-    ``iter_<args.ckpt_step>`` when given (call that loaded id ``L``); start at ``L + 1``
-    unless ``args.start_rollout_id`` is given; data state from
+    With ``config.load`` holding the marker ``M``: weights from ``iter_<M>``, or from
+    ``iter_<config.ckpt_step>`` when given (call that loaded id ``L``); start at ``L + 1``
+    unless ``config.start_rollout_id`` is given; data state from
     ``<load>/rollout/state_<start - 1>.json`` (a missing file gives None and an info
     log). Without ``--load``, or with an empty or marker-less one: warm start at
-    ``args.start_rollout_id`` if given, else 0. Examples: marker 7 ->
+    ``config.start_rollout_id`` if given, else 0. Examples: marker 7 ->
     start 8 with state 7; empty dir and ``--start-rollout-id 3`` -> 3; empty dir -> 0.
 
     An ``iter_<L>`` lost in the middle of replacing it with a re-save (only
@@ -326,8 +326,8 @@ def resolve_start(args: Any) -> ResumePoint:
         ``writer.json`` names another ``--train-backend`` than this run's (each backend
         reads only its own layout).
     """
-    load = getattr(args, "load", None)
-    start_override = getattr(args, "start_rollout_id", None)
+    load = config.load
+    start_override = config.start_rollout_id
     marker = read_marker(load) if load and os.path.isdir(load) else None
 
     iteration = re.fullmatch(r"iter_(\d+)(\.old)?", os.path.basename(os.path.normpath(load))) if load else None
@@ -337,13 +337,13 @@ def resolve_start(args: Any) -> ResumePoint:
                           f"--load {parent} (add --ckpt-step {int(iteration[1])} to resume from this iteration).")
     if marker is None:
         start = start_override if start_override is not None else 0
-        if load and not os.path.isdir(load) and not same_dir(load, getattr(args, "save", None)):
+        if load and not os.path.isdir(load) and not same_dir(load, config.save):
             log.warning("--load %s does not exist: warm start from the initial weights at rollout %d", load, start)
         elif load:
             log.info("--load %s has no %s: warm start at rollout %d", load, MARKER_NAME, start)
         return ResumePoint(start_rollout_id=start)
 
-    ckpt_step = getattr(args, "ckpt_step", None)
+    ckpt_step = config.ckpt_step
     loaded = ckpt_step if ckpt_step is not None else marker
     load_dir = iter_dir(load, loaded)
     if not os.path.isdir(load_dir):
@@ -358,7 +358,7 @@ def resolve_start(args: Any) -> ResumePoint:
                 "or pass --ckpt-step with an existing iteration."
             )
 
-    _check_writer(args, load_dir, loaded)
+    _check_writer(config, load_dir, loaded)
     start = start_override if start_override is not None else loaded + 1
     state = None
     if start > 0:

@@ -16,9 +16,8 @@ import logging
 import os
 import socket
 import time
-from argparse import Namespace
 
-from furlong.hooks import PluginError
+from furlong.hooks import PluginError, RunConfig
 
 __all__ = ["LOCK_NAME", "RunLock", "lock_output_folders", "output_folders"]
 
@@ -27,17 +26,17 @@ log = logging.getLogger("furlong")
 LOCK_NAME = "furlong.lock"
 
 
-def output_folders(args: Namespace) -> list[tuple[str, str]]:
+def output_folders(config: RunConfig) -> list[tuple[str, str]]:
     """``(flag, folder)`` of the folder this run writes its outputs to: ``--save``, else ``--log-dir``
     (``metrics.jsonl``, loggers' files and checkpoints go there), or none. A path that exists and is not
     a folder is left out (the path checks of :func:`furlong.core.run.preflight.check_paths` report it)."""
-    for flag, folder in (("--save", args.save), ("--log-dir", args.log_dir)):
+    for flag, folder in (("--save", config.save), ("--log-dir", config.log_dir)):
         if folder:
             return [(flag, folder)] if os.path.isdir(folder) or not os.path.exists(folder) else []
     return []
 
 
-def lock_output_folders(args: Namespace) -> list["RunLock"]:
+def lock_output_folders(config: RunConfig) -> list["RunLock"]:
     """Take the lock of every output folder of the run (:func:`output_folders`).
 
     :returns: the locks taken; release each with :meth:`RunLock.release`.
@@ -46,7 +45,7 @@ def lock_output_folders(args: Namespace) -> list["RunLock"]:
     """
     taken: list[RunLock] = []
     try:
-        for flag, folder in output_folders(args):
+        for flag, folder in output_folders(config):
             lock = RunLock(folder, flag)
             lock.acquire()
             taken.append(lock)

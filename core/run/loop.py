@@ -1,8 +1,8 @@
 """The training loop (sync and train-async: docs/modes.md), written with async/await.
 
-``async def train(args)`` is the Miles-shaped entry: ``await group.train(...)``,
+``async def train(config)`` is the Miles-shaped entry: ``await group.train(...)``,
 ``await rollout_manager.generate(rollout_id)``, ``await group.update_weights()``,
-``await group.save_model(...)``. ``run(args, pm, selection)`` is what ``furlong train`` calls.
+``await group.save_model(...)``. ``run(config, pm, selection)`` is what ``furlong train`` calls.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import time
 from argparse import Namespace
 
-from furlong.hooks import PluginError
+from furlong.hooks import PluginError, RunConfig
 from furlong.kit.compute_thread import shared_compute_thread
 
 from ..train.batching import steps_per_rollout
@@ -41,26 +41,29 @@ log = logging.getLogger("furlong")
 
 
 async def train(args: Namespace) -> None:
-    """Run the loop with plugins from the installed entry points (as ``furlong train`` does)."""
+    """Run the loop on parsed launch flags ``args`` with plugins from the installed entry points (as
+    ``furlong train`` does: selection, every chosen plugin's ``configure``, the freeze, the run)."""
     from ..config.configure import configure_plugins
+    from ..config.freeze import freeze_config
+    from ..config.parser import build_parser
     from ..plugins.manager import get_plugin_manager
     from ..plugins.selection import resolve_selection
 
     pm = get_plugin_manager(args.disable_plugins)
     selection = resolve_selection(args, pm)
-    configure_plugins(args, pm, selection)
-    await run(args, pm, selection)
+    configured = configure_plugins(args, pm, selection)
+    await run(freeze_config(args, build_parser(pm).plugin_flags, configured.derived), pm, selection)
 
 
 class Run:
     """Everything one run holds: executor, data, engines, train group, rollout manager, logs."""
 
-    def __init__(self, args: Namespace, pm: FurlongPluginManager, selection: Selection):
-        self.args = args
+    def __init__(self, config: RunConfig, pm: FurlongPluginManager, selection: Selection):
+        self.config = config
         self.pm = pm
         self.selection = selection
         self.executor = None
-        self.metrics_dir = args.save or args.log_dir
+        self.metrics_dir = config.save or config.log_dir
         self.metrics = MetricsLog(None)
         self.rollout = None  # the rollout side (RolloutSide, or the executor's handle on it)
         self.has_eval = False
@@ -82,61 +85,62 @@ class Run:
         Returns the start rollout id. In a process that only serves train workers
         (``torchrun`` ranks above 0) this serves until the driver ends the run.
         """
-        args, pm, sel = self.args, self.pm, self.selection
-        seed_everything(args.seed)
-        self.executor = _checked_executor(await pm.call_chosen("executor", *sel.chosen["executor"], args=args),
+        config, pm, sel = self.config, self.pm, self.selection
+        seed_everything(config.seed)
+        self.executor = _checked_executor(await pm.call_chosen("executor", *sel.chosen["executor"], config=config),
                                           *sel.chosen["executor"])
         if self.executor.is_driver:  # one run per output folder; told before its other problems
-            self.locks = lock_output_folders(args)
-        check_paths(args)
-        make_worker = WorkerFactory(args, {h: sel.chosen[h] for h in ("train_backend", "loss")}, pm)
+            self.locks = lock_output_folders(config)
+        check_paths(config)
+        train_plugins = {h: sel.chosen[h] for h in ("train_backend", "loss")}
         if not self.executor.is_driver:
-            await self.executor.start_train_workers(args, make_worker)
+            await self.executor.start_train_workers(config, WorkerFactory(config, train_plugins, pm))
             await self.executor.serve()
-            return args.num_rollout
-        self.rollout = await self.executor.start_rollout_side(args, RolloutSideFactory(args, sel, pm))
+            return config.num_rollout
+        self.rollout = await self.executor.start_rollout_side(config, RolloutSideFactory(config, sel, pm))
         self.has_eval = await self.rollout.load_data()  # train and eval data, before any model loads
-        derive_num_rollout(args, await self.rollout.dataset_size(), sel.name("data_source"))
+        self.config = config = derive_num_rollout(config, await self.rollout.dataset_size(), sel.name("data_source"))
         if self.metrics_dir:
             self.metrics = MetricsLog(os.path.join(self.metrics_dir, "metrics.jsonl"))
-        level, where = output_note(args)
+        level, where = output_note(config)
         log.log(level, "%s", where)
-        resume = resolve_start(args)
-        if resume.start_rollout_id >= args.num_rollout:
+        resume = resolve_start(config)
+        if resume.start_rollout_id >= config.num_rollout:
             log.warning("the run starts at rollout %d and --num-rollout is %d: there is nothing left to train (a "
                         "finished run resumed, or --num-rollout lowered); raise --num-rollout to train further.",
-                        resume.start_rollout_id, args.num_rollout)
+                        resume.start_rollout_id, config.num_rollout)
         if self.metrics.path is not None:  # this run logs its rollouts from here on: earlier rows of them go aside
-            moved = set_aside_rows_from(self.metrics.path, resume.start_rollout_id, steps_per_rollout(args))
+            moved = set_aside_rows_from(self.metrics.path, resume.start_rollout_id, steps_per_rollout(config))
             if moved:
                 log.info("%s: %d rows of rollout %d and later (logged after the checkpoint this run starts from) moved "
                          "to %s", self.metrics.path, moved, resume.start_rollout_id, SUPERSEDED_NAME)
-        engines = await self.executor.start_engines(args, EngineFactory(args, sel.chosen["rollout_engine"], pm))
+        engines = await self.executor.start_engines(config, EngineFactory(config, sel.chosen["rollout_engine"], pm))
         self.engines = engines
-        if args.offload_rollout:  # the trainer loads first; the engines take their memory back at the first sync
+        if config.offload_rollout:  # the trainer loads first; the engines take their memory back at the first sync
             await self.all_engines("release_memory")
-        self.group = TrainGroup(args, pm, sel, await self.executor.start_train_workers(args, make_worker))
+        self.group = TrainGroup(config, pm, sel, await self.executor.start_train_workers(
+            config, WorkerFactory(config, train_plugins, pm)))
         await self.group.init()
         if resume.load_dir:
             await self.group.load_model(resume.load_dir)
-        if args.offload_train:
+        if config.offload_train:
             await self.group.offload()
         await self.rollout.start(engines, resume.state)
-        self.weights = WeightSync(args, self.group, engines, self.executor.weights_in_process)
+        self.weights = WeightSync(config, self.group, engines, self.executor.weights_in_process)
         for engine in engines:
             if hasattr(engine, "on_restart"):  # a remote engine that was replaced gets the current weights
                 engine.on_restart = self.weights.resync
-        if engines and health_monitor_wanted(args):
-            self.health = EngineHealthMonitor.from_args(args, engines)
+        if engines and health_monitor_wanted(config):
+            self.health = EngineHealthMonitor.from_config(config, engines)
             self.weights.monitor = self.health
             self.health.start()
         return resume.start_rollout_id
 
     def eval_due(self, rollout_id: int) -> bool:
         """Evaluate after ``rollout_id``: every ``--eval-interval``, after the last rollout and at each epoch's end."""
-        args = self.args
-        return bool(args.eval_interval and self.has_eval and periodic(
-            rollout_id, args.eval_interval, args.num_rollout, getattr(args, "num_rollout_per_epoch", None)))
+        config = self.config
+        return bool(config.eval_interval and self.has_eval and periodic(
+            rollout_id, config.eval_interval, config.num_rollout, config.num_rollout_per_epoch))
 
     async def all_engines(self, method: str) -> None:
         await asyncio.gather(*(getattr(engine, method)() for engine in self.engines))
@@ -144,7 +148,7 @@ class Run:
     async def update_weights(self) -> float:
         """Sync weights to the engines (``--offload-rollout``: they take their memory back first)."""
         start = time.perf_counter()
-        if self.args.offload_rollout:
+        if self.config.offload_rollout:
             await self.all_engines("resume_memory")
             if self.health is not None:
                 self.health.resume()
@@ -158,25 +162,25 @@ class Run:
         self.metrics.log(metrics, "eval/step", rollout_id)
         log.info("eval at rollout %d: %s", rollout_id,
                  ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.count("/") == 1 and "-" not in k))
-        await self.pm.notify("on_eval_end", args=self.args, rollout_id=rollout_id, metrics=metrics)
+        await self.pm.notify("on_eval_end", config=self.config, rollout_id=rollout_id, metrics=metrics)
 
     async def train_on(self, rollout_id: int, groups) -> dict:
         """Train on one rollout's groups; log per-step metrics; return the rollout's metrics."""
-        args = self.args
+        config = self.config
         start = time.perf_counter()
-        if args.offload_rollout:  # the engines give the device to the trainer
+        if config.offload_rollout:  # the engines give the device to the trainer
             if self.health is not None:
                 self.health.pause()
             await self.all_engines("release_memory")
-        if args.offload_train:
+        if config.offload_train:
             await self.group.onload()
         [metrics] = await self.group.train(rollout_id, groups)
         steps = metrics.pop("train/steps")
         for s, step in enumerate(steps):
-            step_id = rollout_id * steps_per_rollout(args) + s
+            step_id = rollout_id * steps_per_rollout(config) + s
             step_metrics = {f"train/{k}": float(v) for k, v in step.items()}
             self.metrics.log(step_metrics, "train/step", step_id)
-            await self.pm.notify("on_train_step_end", args=args, rollout_id=rollout_id, step=step_id,
+            await self.pm.notify("on_train_step_end", config=config, rollout_id=rollout_id, step=step_id,
                                  metrics=step_metrics)
             metrics.update(step_metrics)
         metrics["perf/train_time"] = time.perf_counter() - start
@@ -186,11 +190,11 @@ class Run:
         """Checkpoint ``rollout_id`` with ``data_state`` (default: the data side's state now)."""
         if data_state is None:
             data_state = await self.rollout.data_state()
-        path = await save_checkpoint(self.args, rollout_id, self.group.save_model, data_state, self.group.save_hf)
-        await self.pm.notify("on_checkpoint_saved", args=self.args, rollout_id=rollout_id, path=path)
+        path = await save_checkpoint(self.config, rollout_id, self.group.save_model, data_state, self.group.save_hf)
+        await self.pm.notify("on_checkpoint_saved", config=self.config, rollout_id=rollout_id, path=path)
 
     async def finish_rollout(self, rollout_id: int, groups, metrics: dict) -> None:
-        metrics.update(rollout_metrics(groups, self.args.reward_key))
+        metrics.update(rollout_metrics(groups, self.config.reward_key))
         metrics.update(await self.rollout.pop_metrics(rollout_id))
         self.metrics.log(metrics, "rollout/step", rollout_id)
         print(summary_line(rollout_id, metrics), flush=True)
@@ -198,38 +202,38 @@ class Run:
         if warning:
             log.warning("%s", warning)
             self.warned_zero_spread = True
-        await self.pm.notify("on_rollout_end", args=self.args, rollout_id=rollout_id, metrics=metrics)
+        await self.pm.notify("on_rollout_end", config=self.config, rollout_id=rollout_id, metrics=metrics)
 
 
-async def run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -> None:
-    """Run ``furlong train`` (sync) or ``furlong train-async`` (``args.train_mode == "async"``).
+async def run(config: RunConfig, pm: FurlongPluginManager, selection: Selection) -> None:
+    """Run ``furlong train`` (sync) or ``furlong train-async`` (``config.train_mode == "async"``).
 
     A sync run does its torch work in one thread (:mod:`furlong.kit.compute_thread`): its generation,
     training and weight sync never overlap.
     """
-    with shared_compute_thread(enabled=shares_compute_thread(args)):
-        await _run(args, pm, selection)
+    with shared_compute_thread(enabled=shares_compute_thread(config)):
+        await _run(config, pm, selection)
 
 
-def shares_compute_thread(args: Namespace) -> bool:
+def shares_compute_thread(config: RunConfig) -> bool:
     """Whether the run does its torch work in one thread: sync runs only (an async run's engine
     decodes while the trainer trains, and may be paused mid-generation for a weight update)."""
-    return getattr(args, "train_mode", "sync") != "async"
+    return config.train_mode != "async"
 
 
-async def _run(args: Namespace, pm: FurlongPluginManager, selection: Selection) -> None:
+async def _run(config: RunConfig, pm: FurlongPluginManager, selection: Selection) -> None:
     _quiet_transformers()
-    state = Run(args, pm, selection)
+    state = Run(config, pm, selection)
     try:
         start_id = await state.setup()
         if not state.is_driver:
             return
         sync_time = await state.update_weights()
         _freeze_startup_objects()
-        if args.num_rollout == 0 and args.eval_interval and state.has_eval:
+        if config.num_rollout == 0 and config.eval_interval and state.has_eval:
             await state.evaluate(0)
             return
-        if getattr(args, "train_mode", "sync") == "async":
+        if config.train_mode == "async":
             await _async_loop(state, start_id, sync_time)
         else:
             await _sync_loop(state, start_id, sync_time)
@@ -267,23 +271,23 @@ async def _close(state: Run, stop_engines: bool = True) -> None:
             await state.executor.shutdown()
 
 
-def _eval_first(args: Namespace, state: Run, rollout_id: int, start_id: int) -> bool:
-    return bool(args.eval_interval and state.has_eval and rollout_id == start_id and not args.skip_eval_before_train)
+def _eval_first(config: RunConfig, state: Run, rollout_id: int, start_id: int) -> bool:
+    return bool(config.eval_interval and state.has_eval and rollout_id == start_id and not config.skip_eval_before_train)
 
 
 async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
-    args = state.args
-    for rollout_id in range(start_id, args.num_rollout):
-        if _eval_first(args, state, rollout_id, start_id):
+    config = state.config
+    for rollout_id in range(start_id, config.num_rollout):
+        if _eval_first(config, state, rollout_id, start_id):
             await state.evaluate(rollout_id)
         with RolloutProgress(state.rollout.progress, rollout_id):
             groups = await state.rollout.generate(rollout_id)
         metrics = await state.train_on(rollout_id, groups)
-        if should_save(args, rollout_id):
+        if should_save(config, rollout_id):
             start = time.perf_counter()
             await state.save(rollout_id)
             metrics["perf/save_model_time"] = time.perf_counter() - start
-        await (state.group.offload() if args.offload_train else state.group.clear_memory())
+        await (state.group.offload() if config.offload_train else state.group.clear_memory())
         metrics["perf/update_weights_time"] = await state.update_weights()
         await state.finish_rollout(rollout_id, groups, metrics)
         if state.eval_due(rollout_id):
@@ -302,8 +306,8 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
     ``timeline/{generate,train}_{start,end}`` (seconds since the loop started, also in
     ``state.timeline``).
     """
-    args = state.args
-    if args.eval_interval and state.has_eval and start_id == 0 and not args.skip_eval_before_train:
+    config = state.config
+    if config.eval_interval and state.has_eval and start_id == 0 and not config.skip_eval_before_train:
         await state.evaluate(0)
     clock = time.perf_counter
     origin = clock()
@@ -314,27 +318,27 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
         state.timeline[rollout_id]["generate_end"] = clock() - origin
         return groups
 
-    future = asyncio.ensure_future(generate(start_id)) if start_id < args.num_rollout else None
+    future = asyncio.ensure_future(generate(start_id)) if start_id < config.num_rollout else None
     data = None
     step_start = clock()
     try:
-        for rollout_id in range(start_id, args.num_rollout):
+        for rollout_id in range(start_id, config.num_rollout):
             wait = clock()
             if future is not None:
                 data, future = await future, None
             wait = clock() - wait
             groups = data
-            if rollout_id + 1 < args.num_rollout:
+            if rollout_id + 1 < config.num_rollout:
                 future = asyncio.ensure_future(generate(rollout_id + 1))  # overlaps training of rollout_id
             times = state.timeline[rollout_id]
             times["train_start"] = clock() - origin
             metrics = await state.train_on(rollout_id, groups)
             times["train_end"] = clock() - origin
-            if should_save(args, rollout_id):
+            if should_save(config, rollout_id):
                 start = time.perf_counter()
                 await state.save(rollout_id, await state.rollout.data_state(rollout_id))
                 metrics["perf/save_model_time"] = time.perf_counter() - start
-            if _syncs_weights_after(args, rollout_id):
+            if _syncs_weights_after(config, rollout_id):
                 if future is not None:  # never update mid-generation
                     waited = clock()
                     data, future = await future, None
@@ -356,23 +360,23 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
             await asyncio.gather(future, return_exceptions=True)
 
 
-def _syncs_weights_after(args: Namespace, rollout_id: int) -> bool:
+def _syncs_weights_after(config: RunConfig, rollout_id: int) -> bool:
     """Whether the trainer pushes weights after training on ``rollout_id`` (every rollout in sync mode)."""
-    return getattr(args, "train_mode", "sync") != "async" or (rollout_id + 1) % args.update_weights_interval == 0
+    return config.train_mode != "async" or (rollout_id + 1) % config.update_weights_interval == 0
 
 
-def output_note(args: Namespace) -> tuple[int, str]:
+def output_note(config: RunConfig) -> tuple[int, str]:
     """``(logging level, sentence)`` saying where the run's outputs go: a warning when it keeps none
     (neither ``--save`` nor ``--log-dir``: only the console lines) or when ``--log-dir`` is not used
     (``--save`` takes the metrics), else a note naming the folder."""
-    if args.save:
-        every = f"every {args.save_interval} rollouts and " if args.save_interval else ""
-        where = f"outputs go to {args.save}: metrics.jsonl, and checkpoints after {every}the last rollout."
-        if args.log_dir and os.path.realpath(args.log_dir) != os.path.realpath(args.save):
-            return logging.WARNING, f"{where} --log-dir {args.log_dir} is not used: with --save the metrics go there."
+    if config.save:
+        every = f"every {config.save_interval} rollouts and " if config.save_interval else ""
+        where = f"outputs go to {config.save}: metrics.jsonl, and checkpoints after {every}the last rollout."
+        if config.log_dir and os.path.realpath(config.log_dir) != os.path.realpath(config.save):
+            return logging.WARNING, f"{where} --log-dir {config.log_dir} is not used: with --save the metrics go there."
         return logging.INFO, where
-    if args.log_dir:
-        return logging.INFO, f"metrics go to {os.path.join(args.log_dir, 'metrics.jsonl')}; no checkpoints (no --save)."
+    if config.log_dir:
+        return logging.INFO, f"metrics go to {os.path.join(config.log_dir, 'metrics.jsonl')}; no checkpoints (no --save)."
     return logging.WARNING, ("neither --save nor --log-dir: this run keeps no metrics.jsonl and no checkpoint, only the "
                              "console lines; pass --log-dir DIR to keep its metrics, --save DIR for checkpoints too.")
 

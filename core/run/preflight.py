@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import os
-from argparse import Namespace
 
-from furlong.hooks import PluginError
+from furlong.hooks import PluginError, RunConfig
 
 from .checkpoints import read_marker, same_dir
 
@@ -41,7 +40,7 @@ def hf_checkpoint_problems(path: str | None) -> list[str]:
     return [f"--hf-checkpoint '{path}': no such directory."]
 
 
-def check_paths(args: Namespace) -> None:
+def check_paths(config: RunConfig) -> None:
     """Every path flag names something that exists; all problems reported at once.
 
     ``--hf-checkpoint`` must be a directory with a ``config.json`` (a Hugging Face model
@@ -49,28 +48,28 @@ def check_paths(args: Namespace) -> None:
 
     :raises PluginError: one line per missing or unusable path.
     """
-    problems = hf_checkpoint_problems(args.hf_checkpoint)
-    for flag, value in (("--ref-load", args.ref_load), ("--chat-template-path", args.chat_template_path)):
+    problems = hf_checkpoint_problems(config.hf_checkpoint)
+    for flag, value in (("--ref-load", config.ref_load), ("--chat-template-path", config.chat_template_path)):
         if value and not os.path.exists(value):
             problems.append(f"{flag} '{value}': no such file or directory.")
-    problems.extend(_save_problems(args))
+    problems.extend(_save_problems(config))
     if problems:
         raise PluginError("\n".join(problems))
 
 
-def _save_problems(args: Namespace) -> list[str]:
+def _save_problems(config: RunConfig) -> list[str]:
     """``--save`` must be a directory (or not exist yet) and must not hold another run.
 
     A ``--save`` directory with a checkpoint marker is resumed only through ``--load`` of
     the same directory; otherwise its checkpoints would be overwritten from rollout 0.
     """
-    save = getattr(args, "save", None)
+    save = config.save
     if not save:
         return []
     if os.path.exists(save) and not os.path.isdir(save):
         return [f"--save '{save}': is an existing file; --save needs a directory (it is created if missing)."]
     marker = read_marker(save) if os.path.isdir(save) else None
-    load = getattr(args, "load", None)
+    load = config.load
     if marker is not None and not same_dir(load, save):
         return [f"--save '{save}': already holds a run (latest checkpoint {marker}); pass --load {save} to resume "
                 "it, or choose an empty --save directory."]

@@ -27,10 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from argparse import Namespace
 from typing import Any
 
-from furlong.hooks import PluginError
+from furlong.hooks import PluginError, RunConfig
 
 from ..train.group import TrainGroup
 
@@ -47,8 +46,8 @@ class WeightSync:
     :param in_process: the executor's ``weights_in_process``.
     """
 
-    def __init__(self, args: Namespace, group: TrainGroup, engines: list, in_process: bool) -> None:
-        self.args, self.group, self.engines, self.in_process = args, group, list(engines), in_process
+    def __init__(self, config: RunConfig, group: TrainGroup, engines: list, in_process: bool) -> None:
+        self.config, self.group, self.engines, self.in_process = config, group, list(engines), in_process
         self.version = 0
         self.lock = asyncio.Lock()
         self.buckets = 0  # buckets sent by the last sync
@@ -71,7 +70,7 @@ class WeightSync:
 
     @property
     def max_bytes(self) -> int:
-        return int(getattr(self.args, "update_weight_buffer_size", 512 * 1024**2) or 512 * 1024**2)
+        return self.config.update_weight_buffer_size
 
     async def push(self) -> int:
         """Sync every engine to the trainer's weights under the next version; return it.
@@ -122,7 +121,7 @@ class WeightSync:
         self._connected = None
 
     async def _push(self, engines: list, version: int) -> None:
-        mode = getattr(self.args, "pause_generation_mode", "retract") or "retract"
+        mode = self.config.pause_generation_mode
         async with self._monitor_paused(), self.group.busy:  # engines pause once the trainer is free (train-async)
             await asyncio.gather(*(e.pause_generation(mode) for e in engines))
             try:
@@ -175,8 +174,8 @@ class WeightSync:
         ranks = [int(getattr(e, "weight_update_ranks", 1) or 1) for e in engines]
         world = 1 + sum(ranks)
         # NCCL cannot put two ranks of one group on one GPU: colocated engines share the trainer's
-        backend = "nccl" if self.args.distributed_backend == "nccl" and _cuda() and not self.args.colocate else "gloo"
-        timeout = 60.0 * float(getattr(self.args, "distributed_timeout_minutes", 10) or 10)
+        backend = "nccl" if self.config.distributed_backend == "nccl" and _cuda() and not self.config.colocate else "gloo"
+        timeout = 60.0 * self.config.distributed_timeout_minutes
         offsets = [1 + sum(ranks[:i]) for i in range(len(engines))]
         try:
             await asyncio.gather(

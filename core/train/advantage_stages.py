@@ -29,14 +29,14 @@ WHITEN_EPS = 1e-8
 
 
 async def compute_advantages(
-    args: Any, pm: Any, batch: AdvantageInput, estimator_name: str, estimator_flag: str
+    config: Any, pm: Any, batch: AdvantageInput, estimator_name: str, estimator_flag: str
 ) -> AdvantageOutput:
     """Run stages 2-5 on one whole rollout batch (all data-parallel shards gathered).
 
     Flags read: ``kl_coef``, ``kl_loss_type``, ``use_opd``, ``opd_kl_coef``,
     ``normalize_advantages``; the estimator reads its own.
 
-    :param args: the launch configuration.
+    :param config: the launch configuration.
     :param pm: the plugin manager.
     :param batch: ``AdvantageInput`` of N samples (not modified; the plugin gets a copy
         with ``kl`` filled when ``--kl-coef`` != 0).
@@ -48,27 +48,27 @@ async def compute_advantages(
     :raises PluginError: a stage lacks the log-probs it needs, the estimator returns the
         wrong shapes, or whitening finds no trained token.
     """
-    if args.kl_coef != 0:
+    if config.kl_coef != 0:
         for field in ("log_probs", "ref_log_probs"):
             if getattr(batch, field) is None:
                 raise PluginError(
-                    f"--kl-coef {args.kl_coef}: reward-shaping KL needs AdvantageInput.{field}, but the batch has "
+                    f"--kl-coef {config.kl_coef}: reward-shaping KL needs AdvantageInput.{field}, but the batch has "
                     "none; the reference model is loaded when --kl-coef != 0 (set --ref-load)."
                 )
         batch = attrs.evolve(
-            batch, kl=shaping_kl(batch.log_probs, batch.ref_log_probs, batch.loss_masks, args.kl_loss_type)
+            batch, kl=shaping_kl(batch.log_probs, batch.ref_log_probs, batch.loss_masks, config.kl_loss_type)
         )
-    out = await pm.call_chosen("advantage", estimator_name, estimator_flag, args=args, batch=batch)
+    out = await pm.call_chosen("advantage", estimator_name, estimator_flag, config=config, batch=batch)
     advantages, returns = _checked_output(out, batch, estimator_name, estimator_flag)
-    if args.use_opd:
+    if config.use_opd:
         for field in ("teacher_log_probs", "log_probs"):
             if getattr(batch, field) is None:
                 raise PluginError(
                     f"--use-opd: the OPD modifier needs AdvantageInput.{field}, but the batch has none; teacher "
                     "log-probs come from --opd-type sglang (teacher /generate) or megatron (--opd-teacher-load)."
                 )
-        advantages = apply_opd(advantages, batch.log_probs, batch.teacher_log_probs, args.opd_kl_coef)
-    if args.normalize_advantages:
+        advantages = apply_opd(advantages, batch.log_probs, batch.teacher_log_probs, config.opd_kl_coef)
+    if config.normalize_advantages:
         advantages = whiten(advantages, batch.loss_masks)
     return AdvantageOutput(advantages=advantages, returns=returns)
 

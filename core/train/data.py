@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from argparse import Namespace
 
 import torch
 
-from furlong.hooks import AdvantageInput, PluginError, Sample, Status, TrainBatch
+from furlong.hooks import AdvantageInput, PluginError, RunConfig, Sample, Status, TrainBatch
 
 from ..plugins.adapters import import_dotted
 from ..rollout.rewards import scalar_reward
@@ -19,19 +18,19 @@ def flatten(groups: list[list[Sample]]) -> list[Sample]:
     return sorted((s for g in groups for s in g), key=lambda s: s.index)
 
 
-def post_process_rewards(args: Namespace, samples: list[Sample]) -> tuple[list[float], list[float]]:
+def post_process_rewards(config: RunConfig, samples: list[Sample]) -> tuple[list[float], list[float]]:
     """``(raw, rewards)``: scalar rewards, through ``--custom-reward-post-process-path`` when set.
 
     :raises PluginError: the custom function returned lists of the wrong length.
     """
-    if args.custom_reward_post_process_path:
-        fn = import_dotted(args.custom_reward_post_process_path, "--custom-reward-post-process-path")
-        raw, rewards = fn(args, samples)
+    if config.custom_reward_post_process_path:
+        fn = import_dotted(config.custom_reward_post_process_path, "--custom-reward-post-process-path")
+        raw, rewards = fn(config, samples)
         if len(raw) != len(samples) or len(rewards) != len(samples):
-            raise PluginError(f"--custom-reward-post-process-path '{args.custom_reward_post_process_path}' returned "
+            raise PluginError(f"--custom-reward-post-process-path '{config.custom_reward_post_process_path}' returned "
                               f"{len(raw)} raw and {len(rewards)} rewards for {len(samples)} samples.")
         return [float(r) for r in raw], [float(r) for r in rewards]
-    raw = [scalar_reward(s.reward, args.reward_key) for s in samples]
+    raw = [scalar_reward(s.reward, config.reward_key) for s in samples]
     return raw, list(raw)
 
 
@@ -44,7 +43,7 @@ def loss_masks(samples: list[Sample]) -> list[torch.Tensor]:
     return masks
 
 
-def to_train_batch(args: Namespace, samples: list[Sample]) -> TrainBatch:
+def to_train_batch(config: RunConfig, samples: list[Sample]) -> TrainBatch:
     """The trainer's view of the samples: tokens, response lengths, masks, rollout log-probs."""
     rollout_lp = None
     if all(s.rollout_log_probs is not None and len(s.rollout_log_probs) == s.response_length for s in samples):
@@ -55,7 +54,7 @@ def to_train_batch(args: Namespace, samples: list[Sample]) -> TrainBatch:
         loss_masks=loss_masks(samples),
         rollout_log_probs=rollout_lp,
         sample_indices=[s.index for s in samples],
-        temperature=float(args.rollout_temperature),
+        temperature=float(config.rollout_temperature),
     )
 
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from argparse import Namespace
 
 import torch
 
-from furlong.hooks import ParallelLayout, PluginError, Sample, TrainBatch, WorkerGroup
+from furlong.hooks import ParallelLayout, PluginError, RunConfig, Sample, TrainBatch, WorkerGroup
 
 from .advantage_stages import compute_advantages
 from .batching import (dynamic_global_batch, pi_old_needs_own_pass, plan_steps, split_steps, steps_per_rollout,
@@ -46,8 +45,8 @@ class TrainGroup:
     :param workers: the :class:`~furlong.hooks.WorkerGroup` the executor started.
     """
 
-    def __init__(self, args: Namespace, pm: FurlongPluginManager, selection: Selection, workers: WorkerGroup):
-        self.args, self.pm, self.selection, self.workers = args, pm, selection, workers
+    def __init__(self, config: RunConfig, pm: FurlongPluginManager, selection: Selection, workers: WorkerGroup):
+        self.config, self.pm, self.selection, self.workers = config, pm, selection, workers
         self.layouts: list[ParallelLayout] = []
         self.reuse_old_log_probs = False  # decided in init (see _keeps_log_prob_pass)
         self.skip_zero_advantage = False  # decided in init (--skip-zero-advantage-samples)
@@ -71,27 +70,27 @@ class TrainGroup:
         sizes = {layout.dp_size for layout in self.layouts}
         returning = {layout.dp_rank for layout in self.layouts if layout.returns_outputs}
         if len(sizes) != 1 or returning != set(range(sizes.pop())):
-            raise PluginError(f"--train-backend {self.args.train_backend}: inconsistent parallel layouts "
+            raise PluginError(f"--train-backend {self.config.train_backend}: inconsistent parallel layouts "
                               f"{self.layouts}; "
                               "every rank must report the same dp_size and each data-parallel rank needs one rank "
                               "with returns_outputs.")
-        if self.dp_size != getattr(self.args, "data_parallel_size", self.dp_size):
-            raise PluginError(f"--train-backend {self.args.train_backend}: the backend runs {self.dp_size} "
-                              f"data-parallel ranks but the flags give {self.args.data_parallel_size}.")
+        if self.dp_size != self.config.data_parallel_size:
+            raise PluginError(f"--train-backend {self.config.train_backend}: the backend runs {self.dp_size} "
+                              f"data-parallel ranks but the flags give {self.config.data_parallel_size}.")
         reason = self._keeps_log_prob_pass() or (
             None if all(await self._all("train_forward_gives_old_log_probs")) else
-            f"--train-backend {self.args.train_backend}'s training forward differs from its log-prob pass "
+            f"--train-backend {self.config.train_backend}'s training forward differs from its log-prob pass "
             "(dropout) or it does not say that it does not")
         self.reuse_old_log_probs = reason is None
         if self.reuse_old_log_probs:
             log.info("pi_old comes from the training forward (one optimizer step per rollout, nothing reads it "
                      "before training): the separate log-prob pass is skipped; --no-reuse-train-log-probs keeps it.")
-        elif self.args.use_rollout_logprobs:
+        elif self.config.use_rollout_logprobs:
             log.info("pi_old is the rollout engine's log-probs (--use-rollout-logprobs).")
         else:
             log.info("a separate forward pass computes pi_old: %s.", reason)
-        blocked = zero_advantage_skip_blocked(self.args)
-        self.skip_zero_advantage = bool(self.args.skip_zero_advantage_samples) and blocked is None
+        blocked = zero_advantage_skip_blocked(self.config)
+        self.skip_zero_advantage = bool(self.config.skip_zero_advantage_samples) and blocked is None
         if blocked is not None:
             log.info("every sample is trained, zero advantage or not (--skip-zero-advantage-samples is off: %s).",
                      blocked)
@@ -99,24 +98,24 @@ class TrainGroup:
             log.info("samples with zero advantage on every trained token are left out of the forward and backward "
                      "passes (their loss is 0; the loss denominators still count them); metrics other than loss "
                      "and pg_loss are means over the trained samples; --no-skip-zero-advantage-samples trains them.")
-        packed = getattr(self.args, "packed_by_default", None)
+        packed = self.config.packed_by_default
         if packed:
             log.info("no --micro-batch-size or --use-dynamic-batch-size: micro-batches are packed by tokens, at most "
                      "%d tokens each (%s); pass --micro-batch-size N for fixed micro-batches.",
-                     self.args.max_tokens_per_gpu, packed)
+                     self.config.max_tokens_per_gpu, packed)
         return [start for start, _ in results]
 
     async def _call(self, method: str, args_per_rank: list) -> list:
         return await self.workers.call(method, args_per_rank)
 
     def needs_ref(self) -> bool:
-        return bool(self.args.use_kl_loss or self.args.kl_coef)
+        return bool(self.config.use_kl_loss or self.config.kl_coef)
 
     def _keeps_log_prob_pass(self) -> str | None:
         """Why pi_old needs a separate forward-only pass, or None when the training forward of the
         rollout's single optimizer step may give it (``--reuse-train-log-probs``)."""
-        reason = pi_old_needs_own_pass(self.args)
-        if reason is None and not self.args.reuse_train_log_probs:
+        reason = pi_old_needs_own_pass(self.config)
+        if reason is None and not self.config.reuse_train_log_probs:
             reason = "--no-reuse-train-log-probs"
         return reason
 
@@ -126,9 +125,9 @@ class TrainGroup:
             return await self._train(rollout_id, groups)
 
     async def _train(self, rollout_id: int, groups: list[list[Sample]]) -> list[dict]:
-        args = self.args
-        gbs, num_steps = args.global_batch_size, steps_per_rollout(args)
-        if args.use_dynamic_global_batch_size:
+        config = self.config
+        gbs, num_steps = config.global_batch_size, steps_per_rollout(config)
+        if config.use_dynamic_global_batch_size:
             kept = dynamic_global_batch([len(g) for g in groups], self.dp_size)
             if kept < len(groups):
                 log.info("--use-dynamic-global-batch-size: training on %d of %d groups (a multiple of the "
@@ -136,8 +135,8 @@ class TrainGroup:
             groups = groups[:kept]
             gbs = len(set(trajectory_ids(flatten(groups))))
         samples = flatten(groups)
-        raw, rewards = post_process_rewards(args, samples)
-        batch = to_train_batch(args, samples)
+        raw, rewards = post_process_rewards(config, samples)
+        batch = to_train_batch(config, samples)
         batch.rewards = rewards
         batch.truncated = truncated_flags(samples)
         tids = trajectory_ids(samples)
@@ -150,7 +149,7 @@ class TrainGroup:
         metrics["perf/ref_log_probs_time"] = time.perf_counter() - start
         start = time.perf_counter()
         reuse = self.reuse_old_log_probs and all(len(plan) == 1 for plan in plans)
-        if args.use_rollout_logprobs and batch.rollout_log_probs is not None:
+        if config.use_rollout_logprobs and batch.rollout_log_probs is not None:
             batch.old_log_probs, entropy = batch.rollout_log_probs, None
         elif reuse:  # the training forward gives pi_old; the advantage stages see none
             batch.old_log_probs, entropy = None, None
@@ -158,14 +157,14 @@ class TrainGroup:
             batch.old_log_probs, entropy = await self._log_probs(shares, len(samples), "actor")
         metrics["perf/log_probs_time"] = 0.0 if reuse else time.perf_counter() - start
         name, flag = self.selection.chosen["advantage"]
-        adv = await compute_advantages(args, self.pm, advantage_input(samples, rewards, batch), name, flag)
+        adv = await compute_advantages(config, self.pm, advantage_input(samples, rewards, batch), name, flag)
         batch.advantages, batch.returns = adv.advantages, adv.returns
         trained = None
         if self.skip_zero_advantage:
             trained = self._plans(batch, gbs, num_steps, tids, zero_advantage(batch.advantages, batch.loss_masks))
             shares = [_share(batch, plan) for plan in trained]
             metrics["perf/skipped_samples"] = float(len(samples) - sum(len(share.sample_ids) for share in shares))
-        denominators = _global_denominators(args, batch, tids, gbs, num_steps, trained)
+        denominators = _global_denominators(config, batch, tids, gbs, num_steps, trained)
         for share in shares:
             _fill(share, batch, tids, denominators)
             share.reuse_old_log_probs = reuse
@@ -182,12 +181,12 @@ class TrainGroup:
 
     def _plans(self, batch: TrainBatch, gbs: int, num_steps: int, tids: list[int], skip: list[bool] | None = None):
         """Every data-parallel rank's micro-batches (:func:`~furlong.core.train.batching.plan_steps`)."""
-        args = self.args
+        config = self.config
         return [plan_steps(
             lengths=[len(t) for t in batch.tokens], global_batch_size=gbs,
             num_steps=num_steps, dp_size=self.dp_size, rank=r,
-            micro_batch_size=args.micro_batch_size, max_tokens_per_gpu=args.max_tokens_per_gpu,
-            dynamic=args.use_dynamic_batch_size, balance=args.balance_data, trajectory_ids=tids, skip=skip,
+            micro_batch_size=config.micro_batch_size, max_tokens_per_gpu=config.max_tokens_per_gpu,
+            dynamic=config.use_dynamic_batch_size, balance=config.balance_data, trajectory_ids=tids, skip=skip,
         ) for r in range(self.dp_size)]
 
     async def _log_probs(self, shares: list[WorkerShare], n: int, model: str) -> tuple[list, list | None]:
@@ -215,7 +214,7 @@ class TrainGroup:
         held = {i for share in shares for i in share.sample_ids}
         missing = [i for i, row in enumerate(log_probs) if row is None and (every or i in held)]
         if missing:
-            raise PluginError(f"--train-backend {self.args.train_backend}: {what} returned no "
+            raise PluginError(f"--train-backend {self.config.train_backend}: {what} returned no "
                               f"log-probs for samples {missing[:8]}.")
         complete = all(e is not None for e, lp in zip(entropy, log_probs) if lp is not None)
         return log_probs, (entropy if complete else None)
@@ -225,7 +224,7 @@ class TrainGroup:
         return [make(shares[layout.dp_rank]) for layout in self.layouts]
 
     async def _all(self, method: str, *args) -> list:
-        return await self._call(method, [args] * self.workers.size)
+        return await self._call(method, [config] * self.workers.size)
 
     async def _all_exclusive(self, method: str, *args) -> list:
         async with self.busy:
@@ -263,7 +262,7 @@ class TrainGroup:
 
     async def call_rank0(self, method: str, *args):
         """``method`` on train rank 0 alone (the weight-update group's rank 0)."""
-        return (await self._call(method, [args] + [None] * (self.workers.size - 1)))[0]
+        return (await self._call(method, [config] + [None] * (self.workers.size - 1)))[0]
 
 
 def _share(batch: TrainBatch, plan: list[list[list[int]]]) -> WorkerShare:
@@ -299,16 +298,16 @@ def _pick(rows: list | None, ids: list[int]) -> list | None:
     return None if rows is None else [rows[i] for i in ids]
 
 
-def _global_denominators(args: Namespace, batch, tids: list[int], gbs: int, num_steps: int,
+def _global_denominators(config: RunConfig, batch, tids: list[int], gbs: int, num_steps: int,
                          trained: list | None = None) -> dict:
     """Step and sample denominators over the whole rollout batch (every rank's samples).
 
     ``trained``: every rank's plan when some samples are not trained; then also
     ``metric_step_denominators``, the step denominators over the trained samples.
     """
-    masks = effective_loss_masks(batch.loss_masks, batch.truncated, args.mask_truncated_samples)
+    masks = effective_loss_masks(batch.loss_masks, batch.truncated, config.mask_truncated_samples)
     steps = split_steps(len(masks), gbs, num_steps, tids)
-    excluded = excluded_samples(batch.truncated, args.mask_truncated_samples, len(masks))
+    excluded = excluded_samples(batch.truncated, config.mask_truncated_samples, len(masks))
     out = {"step_denominators": step_denominators(masks, steps, tids, excluded),
            "sample_denominators": sample_denominators(masks, tids)}
     if trained is not None:

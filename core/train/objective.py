@@ -56,7 +56,7 @@ class StepObjective:
     ``loss_reducer``, ``custom_pg_loss_reducer_function_path``, ``use_rollout_logprobs`` (pi_old is then the
     engine's log-probs, ``batch.rollout_log_probs``); the loss plugin reads its own.
 
-    :param args: the launch configuration (``argparse.Namespace``).
+    :param config: the launch configuration (``argparse.Namespace``).
     :param pm: the plugin manager (``furlong.core.plugins.manager.FurlongPluginManager``).
     :param batch: this rank's ``TrainBatch``; ``batch.steps[s][m]`` lists the sample ids
         of micro-batch ``m`` of step ``s``.
@@ -88,7 +88,7 @@ class StepObjective:
 
     def __init__(
         self,
-        args: Any,
+        config: Any,
         pm: Any,
         batch: TrainBatch,
         loss_name: str,
@@ -103,7 +103,7 @@ class StepObjective:
         reuse_old_log_probs: bool = False,
         metric_step_denominators: Sequence[reduction.StepDenominators] | None = None,
     ) -> None:
-        self.args, self.pm, self.batch = args, pm, batch
+        self.config, self.pm, self.batch = config, pm, batch
         if reuse_old_log_probs and len(batch.steps) != 1:
             raise ValueError(f"StepObjective: pi_old from the training forward needs one optimizer step, "
                              f"got {len(batch.steps)}")
@@ -113,10 +113,10 @@ class StepObjective:
         self.loss_name, self.loss_flag = loss_name, loss_flag
         self.dp_world_size = int(dp_world_size)
         self.old_values = old_values
-        self.per_token = bool(args.calculate_per_token_loss)
+        self.per_token = bool(config.calculate_per_token_loss)
         if truncated is None:
             truncated = batch.truncated
-        self.masks = reduction.effective_loss_masks(batch.loss_masks, truncated, args.mask_truncated_samples)
+        self.masks = reduction.effective_loss_masks(batch.loss_masks, truncated, config.mask_truncated_samples)
         n = len(self.masks)
         self.step_of = {}
         for s, step in enumerate(batch.steps):
@@ -128,7 +128,7 @@ class StepObjective:
                     "StepObjective: dp_world_size > 1 needs step_denominators computed over every rank's samples "
                     "(furlong.core.train.reduction.step_denominators on the whole rollout batch)"
                 )
-            excluded = reduction.excluded_samples(truncated, args.mask_truncated_samples, n)
+            excluded = reduction.excluded_samples(truncated, config.mask_truncated_samples, n)
             step_denominators = reduction.step_denominators(self.masks, batch.steps, trajectory_ids, excluded)
         if len(step_denominators) != len(batch.steps):
             raise ValueError(f"{len(step_denominators)} step denominators for {len(batch.steps)} steps")
@@ -145,7 +145,7 @@ class StepObjective:
             sample_denominators = reduction.sample_denominators(self.masks, trajectory_ids)
         reduction._check_len("sample_denominators", sample_denominators, n)
         self.sample_denominators = [float(d) for d in sample_denominators]
-        self.reducer = chosen_reducer(args, pm)
+        self.reducer = chosen_reducer(config, pm)
 
     async def __call__(
         self, sample_ids: list[int], log_probs: list, entropy: list | None, values: list | None = None
@@ -170,7 +170,7 @@ class StepObjective:
         step = self.step_denominators[s] if s is not None else reduction.StepDenominators(0, 0.0)
         device = log_probs[0].device if log_probs else torch.device("cpu")
         masks = rows_to_device([self.masks[i] for i in sample_ids], device)
-        if self.args.use_rollout_logprobs and self.batch.rollout_log_probs is not None:
+        if self.config.use_rollout_logprobs and self.batch.rollout_log_probs is not None:
             old = self._pick(self.batch.rollout_log_probs, sample_ids, device)
         elif self.reuse_old_log_probs:
             old = detached_rows(log_probs)
@@ -189,7 +189,7 @@ class StepObjective:
             old_values=self._pick(self.old_values, sample_ids, device),
             returns=self._pick(self.batch.returns, sample_ids, device),
         )
-        out = await self.pm.call_chosen("loss", self.loss_name, self.loss_flag, args=self.args, batch=loss_input)
+        out = await self.pm.call_chosen("loss", self.loss_name, self.loss_flag, config=self.config, batch=loss_input)
         self._check_output(out, masks)
         weights = reduction.sample_weights(sample_ids, self.sample_denominators, step, self.per_token)
         reduce = MaskedSum(masks, weights)  # reduction.reduce_tokens, the masks and weights built once
@@ -256,7 +256,7 @@ class StepObjective:
                 "carrying grad, as token_metrics['pg_loss'] for a loss reducer."
             )
         total_lengths = [len(self.batch.tokens[i]) for i in sample_ids]
-        value = await self.pm.call_chosen("loss_reducer", name, flag, args=self.args, values=list(pg_rows),
+        value = await self.pm.call_chosen("loss_reducer", name, flag, config=self.config, values=list(pg_rows),
                                           loss_masks=masks, total_lengths=total_lengths)
         check_loss_reducer_output(value, where)
         return value.reshape(()).float() * reduction.step_scale(step, self.per_token)

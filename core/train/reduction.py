@@ -51,7 +51,7 @@ def effective_loss_masks(loss_masks: Sequence, truncated: Sequence[bool] | None,
 
     :param loss_masks: N tensors [T_i] (0/1, any dtype).
     :param truncated: N bools (finish reason ``length``), or None (none truncated).
-    :param mask_truncated: ``args.mask_truncated_samples``.
+    :param mask_truncated: ``config.mask_truncated_samples``.
     :returns: N float32 tensors [T_i]; the input tensors are not modified.
     """
     import torch

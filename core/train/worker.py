@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
-from argparse import Namespace
 from typing import Any, AsyncIterator
 
 import attrs
 
-from furlong.hooks import ParallelLayout, PluginError, TrainBatch, WeightBucket
+from furlong.hooks import ParallelLayout, PluginError, RunConfig, TrainBatch, WeightBucket
 from furlong.kit.dist import broadcast_bucket, free_port, host_address, new_weight_update_group
 
 from .objective import StepObjective
@@ -57,16 +56,16 @@ class WorkerShare:
 class TrainWorker:
     """The worker side of the execution seam, one per train rank.
 
-    :param args: the launch flags (picklable ``argparse.Namespace``).
+    :param config: the launch flags (picklable ``argparse.Namespace``).
     :param chosen: ``{hook: (plugin name, flag)}`` for ``train_backend`` and ``loss``.
     :param rank: this train rank; :param world: the number of train ranks.
     :param pm: the driver's plugin manager when the worker runs in the driver's process;
         None builds one from the installed entry points (with ``--disable-plugins``).
     """
 
-    def __init__(self, args: Namespace, chosen: dict[str, tuple[str, str]], rank: int, world: int,
+    def __init__(self, config: RunConfig, chosen: dict[str, tuple[str, str]], rank: int, world: int,
                  pm: Any = None) -> None:
-        self.args, self.chosen, self.rank, self.world, self.pm = args, dict(chosen), rank, world, pm
+        self.config, self.chosen, self.rank, self.world, self.pm = config, dict(chosen), rank, world, pm
         self.backend = None
         self._weights: AsyncIterator | None = None
         self._held: tuple | None = None
@@ -77,16 +76,16 @@ class TrainWorker:
     async def init(self) -> tuple[int, ParallelLayout]:
         """Create and initialize the backend; return ``(start rollout id, layout)``."""
         if self.pm is None:  # a process of its own (a Ray actor)
-            self.pm = plugins_of_this_process(self.args, hooks=("train_backend", "loss"))
+            self.pm = plugins_of_this_process(self.config, hooks=("train_backend", "loss"))
         name, flag = self.chosen["train_backend"]
-        self.backend = await self.pm.call_chosen("train_backend", name, flag, args=self.args)
-        start = await self.backend.init(self.args)
+        self.backend = await self.pm.call_chosen("train_backend", name, flag, config=self.config)
+        start = await self.backend.init(self.config)
         layout = self.backend.layout() if hasattr(self.backend, "layout") else ParallelLayout(
             dp_rank=self.rank, dp_size=self.world, rank=self.rank, world=self.world)
         if not isinstance(layout, ParallelLayout):
             raise PluginError(f"{flag} '{name}': layout() returned {type(layout).__name__}; "
                               "it must return furlong.hooks.ParallelLayout.")
-        if self.args.save_hf and not callable(getattr(self.backend, "save_hf", None)):
+        if self.config.save_hf and not callable(getattr(self.backend, "save_hf", None)):
             raise PluginError(f"--save-hf: {flag} '{name}' has no save_hf(path) method, so it cannot export "
                               "Hugging Face weights; drop --save-hf or use a backend that has one (fsdp, megatron).")
         return int(start or 0), layout
@@ -106,7 +105,7 @@ class TrainWorker:
         """The rollout's optimizer steps on this share; per-step metrics (summed over ranks by the backend)."""
         loss_name, loss_flag = self.chosen["loss"]
         objective = StepObjective(
-            self.args, self.pm, share.batch, loss_name, loss_flag, trajectory_ids=share.trajectory_ids,
+            self.config, self.pm, share.batch, loss_name, loss_flag, trajectory_ids=share.trajectory_ids,
             step_denominators=share.step_denominators, sample_denominators=share.sample_denominators,
             reuse_old_log_probs=share.reuse_old_log_probs,
             metric_step_denominators=share.metric_step_denominators or None)
@@ -249,13 +248,13 @@ class WorkerFactory:
     process; a copy sent to another process builds workers with their own manager.
     """
 
-    def __init__(self, args: Namespace, chosen: dict[str, tuple[str, str]], pm: Any = None) -> None:
-        self.args, self.chosen, self.pm = args, chosen, pm
+    def __init__(self, config: RunConfig, chosen: dict[str, tuple[str, str]], pm: Any = None) -> None:
+        self.config, self.chosen, self.pm = config, chosen, pm
 
     def __call__(self, rank: int, world: int) -> TrainWorker:
         """Build rank ``rank``'s worker in this (the worker's) process, after setting ``--train-env-vars`` there."""
-        os.environ.update({str(k): str(v) for k, v in (getattr(self.args, "train_env_vars", None) or {}).items()})
-        return TrainWorker(self.args, self.chosen, rank, world, self.pm)
+        os.environ.update({str(k): str(v) for k, v in self.config.train_env_vars.items()})
+        return TrainWorker(self.config, self.chosen, rank, world, self.pm)
 
     def __getstate__(self) -> dict:
-        return {"args": self.args, "chosen": self.chosen, "pm": None}
+        return {"config": self.config, "chosen": self.chosen, "pm": None}
