@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from furlong.core.config import parse_args
+from furlong.core.config.launch_args import launch_config
 from furlong.core.config.rules import DEFAULT_TOKENS_PER_MICRO_BATCH
 
 BASE = ["--num-rollout", "3", "--rollout-batch-size", "4"]
@@ -43,8 +44,8 @@ def _losses(tmp_path, tiny_model_dir, arithmetic_jsonl, extra: list[str]) -> lis
             "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "2", "--rollout-max-response-len", "6",
             "--lr", "1e-2", "--log-dir", str(tmp_path), *extra]
     pm = get_plugin_manager()
-    args = parse_args(argv, pm)
-    asyncio.run(run(args, pm, resolve_selection(args, pm)))
+    config = launch_config(*argv, pm=pm)
+    asyncio.run(run(config, pm, resolve_selection(config, pm)))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "train/step" in r]
 

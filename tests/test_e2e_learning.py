@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from furlong.core.config import parse_args
+from furlong.core.config.launch_args import launch_config
 from furlong.core.run.loop import run
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.core.plugins.selection import resolve_selection
@@ -30,8 +30,8 @@ def test_grpo_raises_the_reward_on_fixed_prompts(tmp_path):
             "--eval-prompt-data", "fixed", str(prompts), "--eval-interval", "12", "--n-samples-per-eval-prompt", "8",
             "--log-dir", str(tmp_path / "logs")]
     pm = get_plugin_manager()
-    args = parse_args(argv, pm)
-    asyncio.run(run(args, pm, resolve_selection(args, pm)))
+    config = launch_config(*argv, pm=pm)
+    asyncio.run(run(config, pm, resolve_selection(config, pm)))
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/fixed"] for r in rows if "eval/step" in r]
     assert len(evals) == 2

@@ -7,7 +7,7 @@ On the committed timeline, drawn = trained + filtered + surplus + aborted_droppe
 import asyncio
 import json
 
-from furlong.core.config import parse_args
+from furlong.core.config.launch_args import launch_config
 from furlong.core.run.loop import run
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.core.plugins.selection import resolve_selection
@@ -15,8 +15,8 @@ from furlong.core.plugins.selection import resolve_selection
 
 def _run(argv):
     pm = get_plugin_manager()
-    args = parse_args(argv, pm)
-    asyncio.run(run(args, pm, resolve_selection(args, pm)))
+    config = launch_config(*argv, pm=pm)
+    asyncio.run(run(config, pm, resolve_selection(config, pm)))
 
 
 def _balanced(state):

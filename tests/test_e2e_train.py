@@ -44,7 +44,7 @@ def short_run(tmp_path_factory, tiny_model_dir, arithmetic_jsonl):
     """Three rollouts, two optimizer steps each, KL loss on, eval every 2 rollouts, saves."""
     import asyncio
 
-    from furlong.core.config import parse_args
+    from furlong.core.config.launch_args import launch_config
     from furlong.core.run.loop import run
     from furlong.core.plugins.manager import get_plugin_manager
     from furlong.core.plugins.selection import resolve_selection
@@ -59,8 +59,8 @@ def short_run(tmp_path_factory, tiny_model_dir, arithmetic_jsonl):
     pm = get_plugin_manager()
     recorder = Recorder()
     pm.register(recorder, name="recorder")
-    args = parse_args(argv, pm)
-    asyncio.run(run(args, pm, resolve_selection(args, pm)))
+    config = launch_config(*argv, pm=pm)
+    asyncio.run(run(config, pm, resolve_selection(config, pm)))
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     return save, rows, recorder.calls
 

@@ -930,7 +930,7 @@ def _grpo_run(save: Path, backend: str) -> list[dict]:
     """Two rollouts of the demo task (examples/demo: its model scores about 0.3 before training)."""
     import json
 
-    from furlong.core.config import parse_args
+    from furlong.core.config.launch_args import launch_config
     from furlong.core.run.loop import run
     from furlong.core.plugins.manager import get_plugin_manager
     from furlong.core.plugins.selection import resolve_selection
@@ -942,8 +942,8 @@ def _grpo_run(save: Path, backend: str) -> list[dict]:
             "--train-backend", backend, "--save", str(save), "--save-interval", "1",
             "--seed", "1"]  # a seed whose groups have reward spread, so the policy gradient is not zero
     pm = get_plugin_manager()
-    args = parse_args(argv, pm)
-    asyncio.run(run(args, pm, resolve_selection(args, pm)))
+    config = launch_config(*argv, pm=pm)
+    asyncio.run(run(config, pm, resolve_selection(config, pm)))
     return [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
 
 

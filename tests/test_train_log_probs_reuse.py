@@ -13,7 +13,7 @@ COMPARED = ("train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/entropy
 
 def _demo_run(save: Path, *extra: str) -> list[dict]:
     """Rollouts of the demo task (``extra`` gives their number), one optimizer step each over four micro-batches."""
-    from furlong.core.config import parse_args
+    from furlong.core.config.launch_args import launch_config
     from furlong.core.run.loop import run
     from furlong.core.plugins.manager import get_plugin_manager
     from furlong.core.plugins.selection import resolve_selection
@@ -24,8 +24,8 @@ def _demo_run(save: Path, *extra: str) -> list[dict]:
             "--rollout-max-response-len", "12", "--lr", "1e-4", "--entropy-coef", "0.01", "--micro-batch-size", "4",
             "--save", str(save), "--save-interval", "1000", "--seed", "1", *extra]
     pm = get_plugin_manager()
-    args = parse_args(argv, pm)
-    asyncio.run(run(args, pm, resolve_selection(args, pm)))
+    config = launch_config(*argv, pm=pm)
+    asyncio.run(run(config, pm, resolve_selection(config, pm)))
     return [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -64,8 +64,8 @@ def test_runs_that_need_pi_old_fixed_or_early_keep_the_pass(tmp_path, caplog, ex
             "--n-samples-per-prompt", "4", *extra]
 
     pm = get_plugin_manager()
-    args = parse_args(argv, pm)
-    group = TrainGroup(args, pm, resolve_selection(args, pm), workers=None)
+    config = launch_config(*argv, pm=pm)
+    group = TrainGroup(config, pm, resolve_selection(config, pm), workers=None)
     assert reason in group._keeps_log_prob_pass()
 
 

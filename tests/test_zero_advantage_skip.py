@@ -68,7 +68,7 @@ def test_the_skip_is_on_by_default_off_where_inexact_and_refused_there_when_give
 
 def _demo_run(save: Path, *extra: str) -> list[dict]:
     """Three rollouts of the demo task, 4 groups of 4 samples, one optimizer step over micro-batches of 4."""
-    from furlong.core.config import parse_args
+    from furlong.core.config.launch_args import launch_config
     from furlong.core.run.loop import run
     from furlong.core.plugins.manager import get_plugin_manager
     from furlong.core.plugins.selection import resolve_selection
@@ -79,8 +79,8 @@ def _demo_run(save: Path, *extra: str) -> list[dict]:
             "--rollout-max-response-len", "12", "--lr", "1e-3", "--micro-batch-size", "4",
             "--save", str(save), "--save-interval", "1000", "--seed", "1", *extra]
     pm = get_plugin_manager()
-    args = parse_args(argv, pm)
-    asyncio.run(run(args, pm, resolve_selection(args, pm)))
+    config = launch_config(*argv, pm=pm)
+    asyncio.run(run(config, pm, resolve_selection(config, pm)))
     return [r for r in map(json.loads, (save / "metrics.jsonl").read_text().splitlines()) if "rollout/step" in r]
 
 

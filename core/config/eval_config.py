@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import attrs
 
-from furlong.hooks import PluginError
+from furlong.hooks import PluginError, RunConfig
 
 __all__ = ["DATASET_KEYS", "EvalDataset", "load_eval_datasets", "sampling_params"]
 
@@ -177,7 +177,7 @@ def _check_entry(entry: dict, where: str, source: str, allowed: tuple[str, ...])
     return out
 
 
-def _resolve(name: str, path: str, entry: dict, defaults: dict, config: Any) -> EvalDataset:
+def _resolve(name: str, path: str, entry: dict, defaults: dict, config: RunConfig) -> EvalDataset:
     values: dict[str, Any] = {"name": name, "path": path}
     for field, (eval_flag, rollout_flag) in _FALLBACKS.items():
         chain = [entry.get(field), defaults.get(field)]
@@ -213,7 +213,7 @@ def _read_config(spec: str) -> tuple[Any, str]:
         raise PluginError(f"{source}: not valid YAML: {exc}") from exc
 
 
-def _from_config(spec: str, config: Any) -> list[EvalDataset]:
+def _from_config(spec: str, config: RunConfig) -> list[EvalDataset]:
     data, source = _read_config(spec)
     if not isinstance(data, dict) or not isinstance(data.get("eval"), dict):
         raise PluginError(f"{source}: expected a mapping with a top-level 'eval:' mapping holding 'datasets'.")
@@ -250,7 +250,7 @@ def _from_config(spec: str, config: Any) -> list[EvalDataset]:
     return out
 
 
-def _from_prompt_data(values: list[str], config: Any) -> list[EvalDataset]:
+def _from_prompt_data(values: list[str], config: RunConfig) -> list[EvalDataset]:
     if len(values) == 1:
         pairs = [(LONE_PATH_NAME, values[0])]
     elif len(values) % 2:
@@ -263,7 +263,7 @@ def _from_prompt_data(values: list[str], config: Any) -> list[EvalDataset]:
     return [_resolve(name, path, {}, {}, config) for name, path in pairs]
 
 
-def load_eval_datasets(config: Any) -> list[EvalDataset]:
+def load_eval_datasets(config: RunConfig) -> list[EvalDataset]:
     """Resolve the run's eval datasets, in config order.
 
     ``config.eval_config`` (a YAML path or ``base64:<YAML>``) with top-level
@@ -296,7 +296,7 @@ def load_eval_datasets(config: Any) -> list[EvalDataset]:
     return datasets
 
 
-def sampling_params(ds: EvalDataset, config: Any) -> dict:
+def sampling_params(ds: EvalDataset, config: RunConfig) -> dict:
     """SGLang-style ``sampling_params`` for every request of eval dataset ``ds``.
 
     Keys: ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens`` (tokens, None when no

@@ -14,7 +14,7 @@ The form is read from the function's parameter names:
   conversational data set's, else text), ``completion_ids``, the label under the last part of
   ``--label-key``'s name (``solution``, ``ground_truth``) and every metadata key, as TRL passes a
   data set's columns.
-- anything else: Miles' ``fn(config, sample)`` (``fn(config, samples)`` under ``--group-rm``).
+- anything else: Miles' ``fn(args, sample)`` (``fn(args, samples)`` under ``--group-rm``).
 
 Both TRL and verl decode responses without special tokens: a TRL or verl function's ``configure``
 turns ``--rollout-skip-special-tokens`` on when it was not given (a ``<|im_end|>`` at the end of a
@@ -73,15 +73,15 @@ def _accepted(fn: Callable, path: str, offered: dict) -> dict:
     return {k: v for k, v in offered.items() if k in params}
 
 
-def _derive(report, config, dest: str, value: Any, note: str) -> None:
-    """``config.<dest> = value`` with a note, unless the flag was given."""
-    if not report.given(config, dest) and getattr(config, dest, None) != value:
-        report.default(config, dest, value)
+def _derive(report, args, dest: str, value: Any, note: str) -> None:
+    """``args.<dest> = value`` with a note, unless the flag was given."""
+    if not report.given(args, dest) and getattr(args, dest, None) != value:
+        report.default(args, dest, value)
         report.info(note)
 
 
-def _text_mode(report, config, path: str, form: str) -> None:
-    _derive(report, config, "rollout_skip_special_tokens", True,
+def _text_mode(report, args, path: str, form: str) -> None:
+    _derive(report, args, "rollout_skip_special_tokens", True,
             f"--custom-rm-path {path} is a {form} reward: responses are decoded without special tokens, as {form} "
             "does (--rollout-skip-special-tokens).")
 
@@ -93,9 +93,9 @@ class TrlRewardAdapter:
         self.fn, self.path = fn, path
 
     @hookimpl
-    def configure(self, config, report):
+    def configure(self, args, report):
         """Decode responses without special tokens, as TRL does, unless the flag was given."""
-        _text_mode(report, config, self.path, "TRL")
+        _text_mode(report, args, self.path, "TRL")
 
     @hookimpl
     async def reward(self, config, samples):
@@ -120,15 +120,15 @@ class VerlRewardAdapter:
         self.fn, self.path = fn, path
 
     @hookimpl
-    def configure(self, config, report):
+    def configure(self, args, report):
         """verl's decoding and dict convention, and a warning when ``data_source`` cannot reach the function."""
-        _text_mode(report, config, self.path, "verl")
-        _derive(report, config, "reward_key", "score", f"--custom-rm-path {self.path} is a verl compute_score: a dict "
+        _text_mode(report, args, self.path, "verl")
+        _derive(report, args, "reward_key", "score", f"--custom-rm-path {self.path} is a verl compute_score: a dict "
                 "it returns trains on its 'score' (--reward-key score).")
-        keys = [k.strip().rsplit(".", 1)[-1] for k in (config.metadata_key or "").split(",")]
+        keys = [k.strip().rsplit(".", 1)[-1] for k in (args.metadata_key or "").split(",")]
         if "data_source" in _parameters(self.fn) and "data_source" not in keys:
             report.warn(f"--custom-rm-path {self.path} is a verl compute_score, which gets data_source from each "
-                        f"sample's metadata, but --metadata-key {config.metadata_key} does not bring it: pass "
+                        f"sample's metadata, but --metadata-key {args.metadata_key} does not bring it: pass "
                         "--metadata-key data_source,extra_info (verl's Parquet columns), or every call gets "
                         "data_source=None.")
 

@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable
 
 import attrs
 
-from furlong.hooks import PluginError
+from furlong.hooks import PluginError, RunConfig
 
 
 __all__ = [
@@ -73,7 +73,7 @@ def periodic(r: int, k: int | None, last: int | None = None, epoch: int | None =
     return (r + 1) % k == 0 or bool(epoch and (r + 1) % epoch == 0)
 
 
-def should_save(config: Any, rollout_id: int) -> bool:
+def should_save(config: RunConfig, rollout_id: int) -> bool:
     """Whether the loop saves after training on ``rollout_id``.
 
     True when ``config.save`` is set and either the cadence fires
@@ -126,7 +126,7 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 
 async def save_checkpoint(
-    config: Any,
+    config: RunConfig,
     rollout_id: int,
     save_model: Callable[[str], Awaitable[Any]],
     state: dict,
@@ -184,7 +184,7 @@ async def save_checkpoint(
     return final
 
 
-def hf_export_dir(config: Any, rollout_id: int) -> str | None:
+def hf_export_dir(config: RunConfig, rollout_id: int) -> str | None:
     """``--save-hf`` for this rollout (``{rollout_id}`` filled in), or None without the flag."""
     template = config.save_hf
     return template.format(rollout_id=rollout_id) if template else None
@@ -200,7 +200,7 @@ def _state_json(state: dict, rollout_id: int) -> str:
         ) from exc
 
 
-def _publish(config: Any, save: str, rollout_id: int, tmp: str, final: str, state_text: str) -> None:
+def _publish(config: RunConfig, save: str, rollout_id: int, tmp: str, final: str, state_text: str) -> None:
     """Rename the complete ``iter_N.tmp`` into place, write the state JSON, then the marker."""
     old = final + _OLD_SUFFIX
     if os.path.isdir(final):
@@ -225,8 +225,9 @@ def _publish(config: Any, save: str, rollout_id: int, tmp: str, final: str, stat
     log.info("saved checkpoint %s", final)
 
 
-def _post_save_hook(config: Any, rollout_id: int, ckpt_dir: str, hf_dir: str | None) -> None:
-    """Call ``--custom-megatron-post-save-hook-path`` as ``hook(config, rollout_id, ckpt_dir, hf_dir)``.
+def _post_save_hook(config: RunConfig, rollout_id: int, ckpt_dir: str, hf_dir: str | None) -> None:
+    """Call ``--custom-megatron-post-save-hook-path`` as ``hook(args, rollout_id, ckpt_dir, hf_dir)`` (``args``: a
+    Namespace view of the configuration).
 
     Runs once per save, after the marker names the new checkpoint and the ``--save-hf``
     export is written, in the process that wrote the marker. ``hf_dir`` is that export's
@@ -243,7 +244,7 @@ def _post_save_hook(config: Any, rollout_id: int, ckpt_dir: str, hf_dir: str | N
     flag = "--custom-megatron-post-save-hook-path"
     hook = import_dotted(path, flag)
     try:
-        result = hook(config, rollout_id, ckpt_dir, hf_dir)
+        result = hook(config.namespace(), rollout_id, ckpt_dir, hf_dir)
     except Exception as exc:  # noqa: BLE001 - name the hook at fault
         raise PluginError(f"{flag} '{path}' failed after saving {ckpt_dir}: {type(exc).__name__}: {exc}") from exc
     if inspect.isawaitable(result):
@@ -293,7 +294,7 @@ def read_marker(load: str) -> int | None:
         ) from None
 
 
-def _check_writer(config: Any, load_dir: str, loaded: int) -> None:
+def _check_writer(config: RunConfig, load_dir: str, loaded: int) -> None:
     """The checkpoint was written by this run's ``--train-backend`` (checkpoints without ``writer.json`` pass)."""
     try:
         with open(os.path.join(load_dir, WRITER_NAME), encoding="utf-8") as f:
@@ -307,7 +308,7 @@ def _check_writer(config: Any, load_dir: str, loaded: int) -> None:
                           f"{writer} (or start another run without --load).")
 
 
-def resolve_start(config: Any) -> ResumePoint:
+def resolve_start(config: RunConfig) -> ResumePoint:
     """Decide the start rollout id, the checkpoint to load and the data state.
 
     With ``config.load`` holding the marker ``M``: weights from ``iter_<M>``, or from

@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from furlong.hooks import AdvantageInput, AdvantageOutput, PluginError
+from furlong.hooks import AdvantageInput, AdvantageOutput, PluginError, RunConfig
 from furlong.hooks.contract import check_advantage_output
 from furlong.kit.kl import KL_TYPES, kl_estimate
 
@@ -29,7 +29,7 @@ WHITEN_EPS = 1e-8
 
 
 async def compute_advantages(
-    config: Any, pm: Any, batch: AdvantageInput, estimator_name: str, estimator_flag: str
+    config: RunConfig, pm: Any, batch: AdvantageInput, estimator_name: str, estimator_flag: str
 ) -> AdvantageOutput:
     """Run stages 2-5 on one whole rollout batch (all data-parallel shards gathered).
 

@@ -25,7 +25,7 @@ def post_process_rewards(config: RunConfig, samples: list[Sample]) -> tuple[list
     """
     if config.custom_reward_post_process_path:
         fn = import_dotted(config.custom_reward_post_process_path, "--custom-reward-post-process-path")
-        raw, rewards = fn(config, samples)
+        raw, rewards = fn(config.namespace(), samples)
         if len(raw) != len(samples) or len(rewards) != len(samples):
             raise PluginError(f"--custom-reward-post-process-path '{config.custom_reward_post_process_path}' returned "
                               f"{len(raw)} raw and {len(rewards)} rewards for {len(samples)} samples.")

@@ -224,7 +224,7 @@ class TrainGroup:
         return [make(shares[layout.dp_rank]) for layout in self.layouts]
 
     async def _all(self, method: str, *args) -> list:
-        return await self._call(method, [config] * self.workers.size)
+        return await self._call(method, [args] * self.workers.size)
 
     async def _all_exclusive(self, method: str, *args) -> list:
         async with self.busy:
@@ -262,7 +262,7 @@ class TrainGroup:
 
     async def call_rank0(self, method: str, *args):
         """``method`` on train rank 0 alone (the weight-update group's rank 0)."""
-        return (await self._call(method, [config] + [None] * (self.workers.size - 1)))[0]
+        return (await self._call(method, [args] + [None] * (self.workers.size - 1)))[0]
 
 
 def _share(batch: TrainBatch, plan: list[list[list[int]]]) -> WorkerShare:

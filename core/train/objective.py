@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from furlong.hooks import LossInput, LossOutput, PluginError, TrainBatch
+from furlong.hooks import LossInput, LossOutput, PluginError, RunConfig, TrainBatch
 from furlong.hooks.contract import check_loss_output, check_loss_reducer_output
 from furlong.kit.masked import MaskedSum
 from furlong.hooks.rows import SplitRows, concat_rows, detached_rows, row_lengths
@@ -56,7 +56,7 @@ class StepObjective:
     ``loss_reducer``, ``custom_pg_loss_reducer_function_path``, ``use_rollout_logprobs`` (pi_old is then the
     engine's log-probs, ``batch.rollout_log_probs``); the loss plugin reads its own.
 
-    :param config: the launch configuration (``argparse.Namespace``).
+    :param config: the run configuration.
     :param pm: the plugin manager (``furlong.core.plugins.manager.FurlongPluginManager``).
     :param batch: this rank's ``TrainBatch``; ``batch.steps[s][m]`` lists the sample ids
         of micro-batch ``m`` of step ``s``.
@@ -88,7 +88,7 @@ class StepObjective:
 
     def __init__(
         self,
-        config: Any,
+        config: RunConfig,
         pm: Any,
         batch: TrainBatch,
         loss_name: str,

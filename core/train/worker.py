@@ -56,7 +56,7 @@ class WorkerShare:
 class TrainWorker:
     """The worker side of the execution seam, one per train rank.
 
-    :param config: the launch flags (picklable ``argparse.Namespace``).
+    :param config: the run configuration (picklable).
     :param chosen: ``{hook: (plugin name, flag)}`` for ``train_backend`` and ``loss``.
     :param rank: this train rank; :param world: the number of train ranks.
     :param pm: the driver's plugin manager when the worker runs in the driver's process;
