@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from furlong.builtin_plugins.executors.local import InProcessWorkers, LocalExecutor
-from furlong.core.config import parse_args
 from furlong.core.rollout.engines import EngineFactory, EngineSet
-from furlong.core.config.launch_args import launch_args
+from furlong.core.config.launch_args import launch_args, launch_config
 from furlong.core.run.loop import run
 from furlong.core.plugins.selection import resolve_selection
 from furlong.core.train.advantage_stages import compute_advantages
@@ -66,14 +65,14 @@ class RecordingExecutor(LocalExecutor):
     def __init__(self):
         self.calls, self.phases = [], []
 
-    async def start_train_workers(self, args, make_worker):
+    async def start_train_workers(self, config, make_worker):
         return RecordingWorkers(make_worker(0, 1), self.calls)
 
-    async def start_engines(self, args, make_engine):
+    async def start_engines(self, config, make_engine):
         return [PhaseRecorder(await make_engine(0), self.phases)]
 
     @hookimpl
-    def executor(self, args):
+    def executor(self, config):
         return self
 
 
@@ -85,19 +84,19 @@ def recording(register_plugin):
     return executor
 
 
-def _args(tiny, tmp_path, pm, *extra):
+def _config(tiny, tmp_path, pm, *extra, **overrides):
     model, data = tiny
-    return parse_args(["--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-                       "--global-batch-size", "4", "--micro-batch-size", "1", "--hf-checkpoint", str(model),
-                       "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
-                       "--rm-type", "deterministic_random", "--rollout-max-response-len", "6",
-                       "--save", str(tmp_path / "run"), "--save-interval", "1", *extra], pm, command="train")
+    return launch_config("--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                         "--global-batch-size", "4", "--micro-batch-size", "1", "--hf-checkpoint", str(model),
+                         "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
+                         "--rm-type", "deterministic_random", "--rollout-max-response-len", "6",
+                         "--save", str(tmp_path / "run"), "--save-interval", "1", *extra, pm=pm, **overrides)
 
 
 def test_hook_executor_places_workers_and_engines_and_the_loop_drives_them(tiny, tmp_path, plugin_manager,
                                                                            recording):
-    args = _args(tiny, tmp_path, plugin_manager, "--executor", "recording", "--update-weight-buffer-size", "2000")
-    asyncio.run(run(args, plugin_manager, resolve_selection(args, plugin_manager)))
+    config = _config(tiny, tmp_path, plugin_manager, "--executor", "recording", "--update-weight-buffer-size", "2000")
+    asyncio.run(run(config, plugin_manager, resolve_selection(config, plugin_manager)))
 
     methods = [m for m, _, _ in recording.calls]
     assert methods[0] == "init" and methods.count("train") == 2 and methods.count("save") == 2
@@ -124,9 +123,9 @@ def test_hook_executor_places_workers_and_engines_and_the_loop_drives_them(tiny,
 
 
 def test_pause_in_place_skips_the_cache_flush(tiny, tmp_path, plugin_manager, recording):
-    args = _args(tiny, tmp_path, plugin_manager, "--executor", "recording", "--pause-generation-mode", "in_place")
-    args.num_rollout = 0
-    asyncio.run(run(args, plugin_manager, resolve_selection(args, plugin_manager)))
+    config = _config(tiny, tmp_path, plugin_manager, "--executor", "recording", "--pause-generation-mode", "in_place",
+                     num_rollout=0)
+    asyncio.run(run(config, plugin_manager, resolve_selection(config, plugin_manager)))
     assert [p[0] for p in recording.phases] == ["pause_generation", "load_weights", "set_weight_version",
                                                  "continue_generation"]
 
@@ -143,11 +142,11 @@ def test_a_rank_s_share_is_its_own_batch_with_local_micro_batches():
 
 
 def test_factories_travel_without_the_plugin_manager(plugin_manager):
-    args = parse_args(["--num-rollout", "1", "--rollout-batch-size", "16", "--global-batch-size", "16"],
-                      plugin_manager, command="train")
-    worker = WorkerFactory(args, {"train_backend": ("fsdp", "--train-backend"), "loss": ("policy_loss", "--loss-type")},
-                           plugin_manager)
-    engine = EngineFactory(args, ("embedded", "--rollout-backend"), plugin_manager)
+    config = launch_config("--num-rollout", "1", "--rollout-batch-size", "16", "--global-batch-size", "16",
+                         pm=plugin_manager)
+    worker = WorkerFactory(config, {"train_backend": ("fsdp", "--train-backend"),
+                                    "loss": ("policy_loss", "--loss-type")}, plugin_manager)
+    engine = EngineFactory(config, ("embedded", "--rollout-backend"), plugin_manager)
     assert worker(1, 2).pm is plugin_manager  # in-process: the driver's manager
     copy = pickle.loads(pickle.dumps(worker))
     built = copy(1, 2)
@@ -189,10 +188,9 @@ def test_an_engine_set_spreads_requests_and_broadcasts_control_calls():
 
 
 def test_colocate_takes_turns_on_the_device_in_spec_order(tiny, tmp_path, plugin_manager, recording):
-    args = _args(tiny, tmp_path, plugin_manager, "--executor", "recording", "--colocate")
-    assert args.offload_train and args.offload_rollout  # implied by --colocate
-    args.num_rollout = 1
-    asyncio.run(run(args, plugin_manager, resolve_selection(args, plugin_manager)))
+    config = _config(tiny, tmp_path, plugin_manager, "--executor", "recording", "--colocate", num_rollout=1)
+    assert config.offload_train and config.offload_rollout  # implied by --colocate
+    asyncio.run(run(config, plugin_manager, resolve_selection(config, plugin_manager)))
     engine = [p[0] for p in recording.phases if p[0] in ("release_memory", "resume_memory", "set_weight_version")]
     assert engine == ["release_memory", "resume_memory", "set_weight_version",  # start, first sync
                       "release_memory", "resume_memory", "set_weight_version"]  # after generate, before the sync
@@ -203,13 +201,13 @@ def test_colocate_takes_turns_on_the_device_in_spec_order(tiny, tmp_path, plugin
 def test_an_executor_plugin_returning_the_wrong_object_is_named(tiny, tmp_path, plugin_manager, register_plugin):
     class Plugin:
         @hookimpl
-        def executor(self, args):
+        def executor(self, config):
             return "nope"
 
     register_plugin(Plugin(), "wrong")
-    args = _args(tiny, tmp_path, plugin_manager, "--executor", "wrong")
+    config = _config(tiny, tmp_path, plugin_manager, "--executor", "wrong")
     with pytest.raises(PluginError) as err:
-        asyncio.run(run(args, plugin_manager, resolve_selection(args, plugin_manager)))
+        asyncio.run(run(config, plugin_manager, resolve_selection(config, plugin_manager)))
     assert str(err.value) == ("--executor 'wrong': `executor` returned str, which lacks is_driver, weights_in_process, "
                               "start_train_workers, start_engines, start_rollout_side, serve, shutdown; return an "
                               "object meeting furlong.hooks.Executor.")
@@ -264,36 +262,36 @@ def _fixed_groups(n_groups=4, per_group=2):
 
 def test_the_driver_worker_split_reproduces_the_whole_batch_computation_exactly(tiny_model_dir, plugin_manager):
     """Losses, gradient norms and weights of the seam equal one objective over the whole batch in one place."""
-    args = parse_args(["--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
-                       "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
-                       "--use-kl-loss", "--kl-loss-coef", "0.1", "--lr", "1e-3"], plugin_manager, command="train")
-    selection = resolve_selection(args, plugin_manager)
+    config = launch_config("--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
+                         "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
+                         "--use-kl-loss", "--kl-loss-coef", "0.1", "--lr", "1e-3", pm=plugin_manager)
+    selection = resolve_selection(config, plugin_manager)
     chosen = {h: selection.chosen[h] for h in ("train_backend", "loss")}
 
     async def seam():
-        worker = TrainWorker(args, chosen, 0, 1, plugin_manager)
-        group = TrainGroup(args, plugin_manager, selection, InProcessWorkers(worker))
+        worker = TrainWorker(config, chosen, 0, 1, plugin_manager)
+        group = TrainGroup(config, plugin_manager, selection, InProcessWorkers(worker))
         await group.init()
         [metrics] = await group.train(0, _fixed_groups())
         return metrics["train/steps"], await worker.backend.named_weights()
 
     async def whole_batch():
-        backend = await plugin_manager.call_chosen("train_backend", *chosen["train_backend"], args=args)
-        await backend.init(args)
+        backend = await plugin_manager.call_chosen("train_backend", *chosen["train_backend"], config=config)
+        await backend.init(config)
         samples = flatten(_fixed_groups())
-        raw, rewards = post_process_rewards(args, samples)
-        batch = to_train_batch(args, samples)
+        raw, rewards = post_process_rewards(config, samples)
+        batch = to_train_batch(config, samples)
         batch.rewards, batch.truncated, tids = rewards, truncated_flags(samples), trajectory_ids(samples)
         batch.steps = plan_steps(lengths=[len(t) for t in batch.tokens], global_batch_size=4, num_steps=2,
                                  dp_size=1, rank=0, micro_batch_size=2, max_tokens_per_gpu=None, dynamic=False,
                                  balance=False, trajectory_ids=tids)
         batch.ref_log_probs = (await backend.log_probs(batch, model="ref"))["log_probs"]
         batch.old_log_probs = (await backend.log_probs(batch, model="actor"))["log_probs"]
-        adv = await compute_advantages(args, plugin_manager, advantage_input(samples, rewards, batch),
+        adv = await compute_advantages(config, plugin_manager, advantage_input(samples, rewards, batch),
                                        *selection.chosen["advantage"])
         batch.advantages, batch.returns = adv.advantages, adv.returns
-        batch.objective = StepObjective(args, plugin_manager, batch, *chosen["loss"], trajectory_ids=tids,
-                                        **_global_denominators(args, batch, tids, 4, 2))
+        batch.objective = StepObjective(config, plugin_manager, batch, *chosen["loss"], trajectory_ids=tids,
+                                        **_global_denominators(config, batch, tids, 4, 2))
         return await backend.train(0, batch), await backend.named_weights()
 
     torch.manual_seed(0)
@@ -336,12 +334,13 @@ class TensorParallelPeers:
 
 
 def test_parallel_peers_get_the_same_share_and_only_returning_ranks_are_read(tiny_model_dir, plugin_manager):
-    args = parse_args(["--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
-                       "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--micro-batch-size", "2",
-                       "--actor-num-gpus-per-node", "4", "--executor", "ray"], plugin_manager, command="train")
-    args.data_parallel_size = 2  # a backend with TP 2 on 4 ranks
+    # the ray executor's own check of the machine is left out (configure=False): these ranks are fakes
+    config = launch_config("--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
+                         "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--micro-batch-size", "2",
+                         "--actor-num-gpus-per-node", "4", "--executor", "ray", pm=plugin_manager, configure=False,
+                         data_parallel_size=2)  # a backend with TP 2 on 4 ranks
     workers = TensorParallelPeers()
-    group = TrainGroup(args, plugin_manager, resolve_selection(args, plugin_manager), workers)
+    group = TrainGroup(config, plugin_manager, resolve_selection(config, plugin_manager), workers)
 
     async def main():
         await group.init()
@@ -361,12 +360,13 @@ def test_parallel_peers_get_the_same_share_and_only_returning_ranks_are_read(tin
 def test_pi_old_from_the_training_forward_is_gathered_from_the_returning_ranks(tiny_model_dir, plugin_manager):
     """One step per rollout and a backend whose training forward is its log-prob pass: no log_probs call; the
     old log-probs the ranks' training forwards kept come back by global index for the rollout metrics."""
-    args = parse_args(["--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
-                       "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--micro-batch-size", "2",
-                       "--actor-num-gpus-per-node", "4", "--executor", "ray"], plugin_manager, command="train")
-    args.data_parallel_size = 2
+    # the ray executor's own check of the machine is left out (configure=False): these ranks are fakes
+    config = launch_config("--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "1", "--rollout-batch-size", "4",
+                         "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--micro-batch-size", "2",
+                         "--actor-num-gpus-per-node", "4", "--executor", "ray", pm=plugin_manager, configure=False,
+                         data_parallel_size=2)
     workers = TensorParallelPeers(reuse=True)
-    group = TrainGroup(args, plugin_manager, resolve_selection(args, plugin_manager), workers)
+    group = TrainGroup(config, plugin_manager, resolve_selection(config, plugin_manager), workers)
 
     async def main():
         await group.init()

@@ -16,6 +16,10 @@ __all__ = ["field_problems", "freeze_config"]
 
 PLUGINS_FIELD = "plugins"
 
+SET_WHEN_THEY_APPLY = {"packed_by_default": None}
+"""Derived fields the parse sets only when they apply (``--print-config`` shows them only then), with their
+value otherwise."""
+
 
 def freeze_config(args: argparse.Namespace, plugin_flags: Mapping[str, tuple[str, str]],
                   derived: Mapping[str, Mapping[str, Any]] = FrozenMap()) -> RunConfig:
@@ -33,7 +37,7 @@ def freeze_config(args: argparse.Namespace, plugin_flags: Mapping[str, tuple[str
         or an attribute that is no field, no plugin flag and nothing a plugin derived (each
         is a defect of whoever built ``args``; the message names them all).
     """
-    values = vars(args)
+    values = {**SET_WHEN_THEY_APPLY, **vars(args)}
     fields = _field_types()
     sections: dict[str, dict] = {}
     for dest, (_flag, plugin) in plugin_flags.items():
