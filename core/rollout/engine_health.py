@@ -23,9 +23,8 @@ log = logging.getLogger("furlong.engines")
 
 def health_monitor_wanted(config: RunConfig) -> bool:
     """``--use-fault-tolerance`` with ``rollout`` among ``--ft-components`` (the default), and engines in use."""
-    components = config.ft_components or ["rollout"]
-    return bool(config.use_fault_tolerance and "rollout" in components
-                and not config.debug_train_only)
+    components = config.ft_components or ("rollout",)
+    return config.use_fault_tolerance and "rollout" in components and not config.debug_train_only
 
 
 class EngineHealthMonitor:
@@ -45,7 +44,8 @@ class EngineHealthMonitor:
         self._waited = False
 
     @classmethod
-    def from_args(cls, config: RunConfig, engines: list) -> EngineHealthMonitor:
+    def from_config(cls, config: RunConfig, engines: list) -> EngineHealthMonitor:
+        """A monitor of ``engines`` on the ``--rollout-health-check-*`` timings."""
         return cls(engines, config.rollout_health_check_interval, config.rollout_health_check_timeout,
                    config.rollout_health_check_first_wait)
 
