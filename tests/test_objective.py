@@ -1,11 +1,12 @@
 """The core's step objective: loss plugin + reducer, exact over micro-batches and ranks."""
 
 import asyncio
-from argparse import Namespace
+import functools
 
 import pytest
 import torch
 
+from furlong.core.config.launch_args import launch_config
 from furlong.core.train import reduction
 from furlong.core.train.objective import StepObjective
 from furlong.core.plugins.manager import get_plugin_manager
@@ -22,8 +23,13 @@ DEFAULTS = dict(
 FLAG = "--loss-type"
 
 
-def make_args(**overrides):
-    return Namespace(**{**DEFAULTS, **overrides})
+@functools.cache
+def _base_config():
+    return launch_config(**DEFAULTS)
+
+
+def make_config(**overrides):
+    return _base_config().replace(**overrides)
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +80,10 @@ SPLITS = [
 ]
 
 
-def run_split(pm, data, split, args, trajectory_ids):
+def run_split(pm, data, split, config, trajectory_ids):
     batch = train_batch(data["masks"], [split], old_log_probs=data["old"], ref_log_probs=data["ref"],
                         advantages=data["adv"], rollout_log_probs=data["rollout"])
-    objective = StepObjective(args, pm, batch, "policy_loss", FLAG, trajectory_ids=trajectory_ids)
+    objective = StepObjective(config, pm, batch, "policy_loss", FLAG, trajectory_ids=trajectory_ids)
     leaves = [lp.clone().requires_grad_(True) for lp in data["logp"]]
     ent_leaves = [e.clone().requires_grad_(True) for e in data["entropy"]]
     total, metrics = None, {}
@@ -94,8 +100,8 @@ def run_split(pm, data, split, args, trajectory_ids):
 @pytest.mark.parametrize("trajectory_ids", [None, TRAJECTORIES])
 def test_step_objective_does_not_depend_on_micro_batching(pm, per_token, trajectory_ids):
     data = rollout_data()
-    args = make_args(calculate_per_token_loss=per_token, **FULL_ARGS)
-    results = [run_split(pm, data, split, args, trajectory_ids) for split in SPLITS]
+    config = make_config(calculate_per_token_loss=per_token, **FULL_ARGS)
+    results = [run_split(pm, data, split, config, trajectory_ids) for split in SPLITS]
     ref_loss, ref_metrics, ref_grads, ref_ent_grads = results[0]
     for loss, metrics, grads, ent_grads in results[1:]:
         assert loss == pytest.approx(ref_loss, abs=1e-6)
@@ -103,7 +109,7 @@ def test_step_objective_does_not_depend_on_micro_batching(pm, per_token, traject
         for g, r in zip(grads + ent_grads, ref_grads + ref_ent_grads):
             assert torch.allclose(g, r, atol=1e-7)
     # the reference value against SPEC 4.6 computed directly from the plugin's per-token loss
-    out = pm.get_plugin("policy_loss").loss(args=args, batch=_loss_input(data))
+    out = pm.get_plugin("policy_loss").loss(args=config.namespace(), batch=_loss_input(data))
     masks = data["masks"]
     sums = [float((t * m).sum()) for t, m in zip(out.token_loss, masks)]
     if per_token:
@@ -135,8 +141,8 @@ def test_objective_call_has_the_protocol_signature():
 
 def test_data_parallel_ranks_with_global_denominators_match_one_rank(pm):
     data = rollout_data()
-    args = make_args(**FULL_ARGS)
-    single_loss, single_metrics, single_grads, _ = run_split(pm, data, [[0, 1, 2, 3, 4, 5]], args, TRAJECTORIES)
+    config = make_config(**FULL_ARGS)
+    single_loss, single_metrics, single_grads, _ = run_split(pm, data, [[0, 1, 2, 3, 4, 5]], config, TRAJECTORIES)
     masks = reduction.effective_loss_masks(data["masks"], None, False)
     steps = reduction.step_denominators(masks, [[0, 1, 2, 3, 4, 5]], TRAJECTORIES)
     denoms = reduction.sample_denominators(masks, TRAJECTORIES)
@@ -146,7 +152,7 @@ def test_data_parallel_ranks_with_global_denominators_match_one_rank(pm):
         pick = {k: [v[i] for i in rank_ids] for k, v in data.items()}
         batch = train_batch(pick["masks"], [micro], old_log_probs=pick["old"], ref_log_probs=pick["ref"],
                             advantages=pick["adv"], rollout_log_probs=pick["rollout"])
-        objective = StepObjective(args, pm, batch, "policy_loss", FLAG, dp_world_size=2,
+        objective = StepObjective(config, pm, batch, "policy_loss", FLAG, dp_world_size=2,
                                   trajectory_ids=[TRAJECTORIES[i] for i in rank_ids],
                                   sample_denominators=[denoms[i] for i in rank_ids], step_denominators=steps)
         leaves = [lp.clone().requires_grad_(True) for lp in pick["logp"]]
@@ -167,7 +173,7 @@ def test_data_parallel_ranks_with_global_denominators_match_one_rank(pm):
 
 def test_data_parallel_without_global_denominators_is_an_error(pm):
     with pytest.raises(ValueError) as excinfo:
-        StepObjective(make_args(), pm, train_batch([torch.ones(1)], [[[0]]]), "sft_loss", FLAG, dp_world_size=2)
+        StepObjective(make_config(), pm, train_batch([torch.ones(1)], [[[0]]]), "sft_loss", FLAG, dp_world_size=2)
     assert str(excinfo.value).startswith("StepObjective: dp_world_size > 1 needs step_denominators")
 
 
@@ -176,7 +182,7 @@ def test_c007_through_the_objective(pm):
     # sft_loss: token loss -logp -> 1.0 on A, 2.0 on B
     logp = [torch.full((10,), -1.0, requires_grad=True), torch.full((4,), -2.0, requires_grad=True)]
     for per_token, expected in ((True, 1.4), (False, 1.5)):
-        objective = StepObjective(make_args(calculate_per_token_loss=per_token), pm,
+        objective = StepObjective(make_config(calculate_per_token_loss=per_token), pm,
                                   train_batch(masks, [[[0], [1]]]), "sft_loss", FLAG)
         first, m0 = call(objective, [0], logp[:1])
         second, m1 = call(objective, [1], logp[1:])
@@ -187,14 +193,14 @@ def test_c007_through_the_objective(pm):
 def test_c009_through_the_objective(pm):
     masks = [torch.ones(8), torch.ones(12), torch.ones(20)]
     logp = [torch.full((8,), -0.5), torch.full((12,), -1.0), torch.full((20,), -3.0)]
-    args = make_args(calculate_per_token_loss=True, mask_truncated_samples=True)
-    objective = StepObjective(args, pm, train_batch(masks, [[[0, 1], [2]]]), "sft_loss", FLAG,
+    config = make_config(calculate_per_token_loss=True, mask_truncated_samples=True)
+    objective = StepObjective(config, pm, train_batch(masks, [[[0, 1], [2]]]), "sft_loss", FLAG,
                               truncated=[False, False, True])
     a, _ = call(objective, [0, 1], [x.clone().requires_grad_(True) for x in logp[:2]])
     b, _ = call(objective, [2], [logp[2].clone().requires_grad_(True)])
     assert (a + b).item() == pytest.approx(0.8)
     # the flags may also come on the TrainBatch
-    everything = StepObjective(args, pm, train_batch(masks, [[[0, 1, 2]]], truncated=[True] * 3), "sft_loss", FLAG)
+    everything = StepObjective(config, pm, train_batch(masks, [[[0, 1, 2]]], truncated=[True] * 3), "sft_loss", FLAG)
     leaves = [x.clone().requires_grad_(True) for x in logp]
     loss, metrics = call(everything, [0, 1, 2], leaves)
     assert loss.item() == 0.0 and metrics["loss"] == 0.0
@@ -207,7 +213,7 @@ def test_c010_total_loss_and_kl_gradient_through_the_objective(pm):
     ref = torch.tensor([-0.2], requires_grad=True)
     batch = train_batch([torch.ones(1)], [[[0]]], old_log_probs=[torch.zeros(1)], advantages=[torch.tensor([-0.5])],
                         ref_log_probs=[ref])
-    objective = StepObjective(make_args(use_kl_loss=True, kl_loss_coef=0.1), pm, batch, "policy_loss", FLAG)
+    objective = StepObjective(make_config(use_kl_loss=True, kl_loss_coef=0.1), pm, batch, "policy_loss", FLAG)
     loss, metrics = call(objective, [0], [torch.zeros(1, requires_grad=True)])
     assert loss.item() == pytest.approx(0.52)
     assert metrics == pytest.approx({"loss": 0.52, "pg_loss": 0.5, "kl_loss": 0.2, "pg_clipfrac": 0.0, "ppo_kl": 0.0})
@@ -220,8 +226,8 @@ def test_identical_policy_and_reference_leave_the_loss_equal_to_pg_loss(pm):
     batch = train_batch([torch.ones(2)], [[[0]]], old_log_probs=[lp + 0.1], advantages=[torch.tensor([1.0, -2.0])],
                         ref_log_probs=[lp.clone()])
     for kl_type in ("k1", "k2", "k3", "low_var_kl"):
-        args = make_args(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type=kl_type)
-        _, metrics = call(StepObjective(args, pm, batch, "policy_loss", FLAG), [0], [lp.clone().requires_grad_(True)])
+        config = make_config(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type=kl_type)
+        _, metrics = call(StepObjective(config, pm, batch, "policy_loss", FLAG), [0], [lp.clone().requires_grad_(True)])
         assert metrics["kl_loss"] == 0.0
         assert metrics["loss"] == metrics["pg_loss"]
 
@@ -229,7 +235,7 @@ def test_identical_policy_and_reference_leave_the_loss_equal_to_pg_loss(pm):
 def test_rollout_log_probs_are_pi_old_with_use_rollout_logprobs(pm):
     batch = train_batch([torch.ones(1)], [[[0]]], old_log_probs=[torch.tensor([5.0])],
                         rollout_log_probs=[torch.tensor([-0.1])], advantages=[torch.ones(1)])
-    _, metrics = call(StepObjective(make_args(use_rollout_logprobs=True), pm, batch, "policy_loss", FLAG),
+    _, metrics = call(StepObjective(make_config(use_rollout_logprobs=True), pm, batch, "policy_loss", FLAG),
                       [0], [torch.zeros(1, requires_grad=True)])
     # delta = logp_old - logp = -0.1 - 0
     assert metrics["ppo_kl"] == pytest.approx(-0.1)
@@ -251,8 +257,8 @@ def test_custom_pg_reducer_replaces_the_pg_term_only(pm, tmp_path, monkeypatch):
     masks = [torch.tensor([1.0, 1.0, 0.0]), torch.ones(1)]
     batch = train_batch(masks, [[[0, 1]]], old_log_probs=[torch.zeros(3), torch.zeros(1)],
                         advantages=[torch.tensor([1.0, 2.0, 9.0]), torch.tensor([-1.0])])
-    args = make_args(entropy_coef=0.1, custom_pg_loss_reducer_function_path="furlong_test_reducers.masked_sum")
-    objective = StepObjective(args, pm, batch, "policy_loss", FLAG)
+    config = make_config(entropy_coef=0.1, custom_pg_loss_reducer_function_path="furlong_test_reducers.masked_sum")
+    objective = StepObjective(config, pm, batch, "policy_loss", FLAG)
     logp = [torch.zeros(3, requires_grad=True), torch.zeros(1, requires_grad=True)]
     loss, metrics = call(objective, [0, 1], logp, [torch.full((3,), 0.5), torch.full((1,), 0.2)])
     # pg per token: [-1, -2, masked], [1]; custom: masked sum -2, times 1/n_s = 1/2 -> -1.0
@@ -268,8 +274,8 @@ def test_custom_pg_reducer_replaces_the_pg_term_only(pm, tmp_path, monkeypatch):
 def test_custom_pg_reducer_needs_a_pg_loss_term(pm, tmp_path, monkeypatch):
     (tmp_path / "furlong_test_reducers2.py").write_text(REDUCER_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    args = make_args(custom_pg_loss_reducer_function_path="furlong_test_reducers2.masked_sum")
-    objective = StepObjective(args, pm, train_batch([torch.ones(1)], [[[0]]]), "sft_loss", FLAG)
+    config = make_config(custom_pg_loss_reducer_function_path="furlong_test_reducers2.masked_sum")
+    objective = StepObjective(config, pm, train_batch([torch.ones(1)], [[[0]]]), "sft_loss", FLAG)
     with pytest.raises(PluginError) as excinfo:
         call(objective, [0], [torch.zeros(1, requires_grad=True)])
     assert str(excinfo.value) == (
@@ -279,9 +285,9 @@ def test_custom_pg_reducer_needs_a_pg_loss_term(pm, tmp_path, monkeypatch):
 
 
 def test_bad_custom_pg_reducer_path_fails_when_the_objective_is_built(pm):
-    args = make_args(custom_pg_loss_reducer_function_path="math.no_such_reducer")
+    config = make_config(custom_pg_loss_reducer_function_path="math.no_such_reducer")
     with pytest.raises(PluginError) as excinfo:
-        StepObjective(args, pm, train_batch([torch.ones(1)], [[[0]]]), "policy_loss", FLAG)
+        StepObjective(config, pm, train_batch([torch.ones(1)], [[[0]]]), "policy_loss", FLAG)
     assert str(excinfo.value) == (
         "--custom-pg-loss-reducer-function-path 'math.no_such_reducer': "
         "module 'math' has no attribute 'no_such_reducer'"
@@ -297,7 +303,7 @@ class ReducesItself:
 def test_a_loss_that_reduces_itself_is_an_error():
     pm = get_plugin_manager()
     pm.register(ReducesItself(), name="reduces_itself")
-    objective = StepObjective(make_args(), pm, train_batch([torch.ones(3)], [[[0]]]), "reduces_itself", FLAG)
+    objective = StepObjective(make_config(), pm, train_batch([torch.ones(3)], [[[0]]]), "reduces_itself", FLAG)
     with pytest.raises(PluginError) as excinfo:
         call(objective, [0], [torch.zeros(3, requires_grad=True)])
     assert str(excinfo.value) == (
@@ -307,7 +313,7 @@ def test_a_loss_that_reduces_itself_is_an_error():
 
 
 def test_a_micro_batch_mixing_steps_is_an_error(pm):
-    objective = StepObjective(make_args(), pm, train_batch([torch.ones(1), torch.ones(1)], [[[0]], [[1]]]),
+    objective = StepObjective(make_config(), pm, train_batch([torch.ones(1), torch.ones(1)], [[[0]], [[1]]]),
                               "sft_loss", FLAG)
     with pytest.raises(ValueError) as excinfo:
         call(objective, [0, 1], [torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)])
@@ -316,7 +322,7 @@ def test_a_micro_batch_mixing_steps_is_an_error(pm):
 
 def test_each_step_uses_its_own_denominators(pm):
     masks = [torch.ones(2), torch.ones(3), torch.ones(5)]
-    objective = StepObjective(make_args(calculate_per_token_loss=True), pm,
+    objective = StepObjective(make_config(calculate_per_token_loss=True), pm,
                               train_batch(masks, [[[0], [1]], [[2]]]), "sft_loss", FLAG)
     a, _ = call(objective, [0], [torch.full((2,), -1.0, requires_grad=True)])
     b, _ = call(objective, [1], [torch.full((3,), -2.0, requires_grad=True)])
