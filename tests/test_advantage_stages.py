@@ -1,11 +1,12 @@
 """The core's advantage stages: shaping KL, the chosen estimator, OPD, whitening."""
 
 import asyncio
-from argparse import Namespace
+import functools
 
 import pytest
 import torch
 
+from furlong.core.config.launch_args import launch_config
 from furlong.core.train.advantage_stages import apply_opd, compute_advantages, shaping_kl, whiten
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import AdvantageInput, AdvantageOutput, PluginError, hookimpl
@@ -18,8 +19,13 @@ DEFAULTS = dict(
 FLAG = "--advantage-estimator"
 
 
-def make_args(**overrides):
-    return Namespace(**{**DEFAULTS, **overrides})
+@functools.cache
+def _base_config():
+    return launch_config(**DEFAULTS)
+
+
+def make_config(**overrides):
+    return _base_config().replace(**overrides)
 
 
 @pytest.fixture
@@ -28,7 +34,7 @@ def pm():
 
 
 def stages(pm, name, batch, **flags):
-    return asyncio.run(compute_advantages(make_args(**flags), pm, batch, name, FLAG))
+    return asyncio.run(compute_advantages(make_config(**flags), pm, batch, name, FLAG))
 
 
 def batch_of(rewards, masks, **extra):

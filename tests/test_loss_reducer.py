@@ -2,11 +2,11 @@
 
 import asyncio
 import os
-from argparse import Namespace
 
 import pytest
 import torch
 
+from furlong.core.config.launch_args import launch_args, launch_config
 from furlong.core.train.objective import StepObjective
 from furlong.core.plugins.selection import chosen_reducer
 from furlong.hooks import ConfigReport, PluginError, TrainBatch, hookimpl
@@ -24,10 +24,10 @@ ADVANTAGES = [torch.tensor([1.0, 1.0, 5.0]), torch.full((4,), -1.0)]
 
 def _step_loss(pm, **flags):
     """Loss and grads of policy_loss on one step where pi = pi_old (ratio 1: pg per token = -A)."""
-    args = Namespace(**{**FLAGS, **flags})
+    config = launch_config(**{**FLAGS, **flags})
     batch = TrainBatch(tokens=[[0] * 5, [0] * 6], response_lengths=[3, 4], loss_masks=MASKS, steps=[[[0, 1]]],
                        old_log_probs=[torch.zeros(3), torch.zeros(4)], advantages=ADVANTAGES)
-    objective = StepObjective(args, pm, batch, "policy_loss", "--loss-type")
+    objective = StepObjective(config, pm, batch, "policy_loss", "--loss-type")
     log_probs = [torch.zeros(3, requires_grad=True), torch.zeros(4, requires_grad=True)]
     loss, metrics = asyncio.run(objective([0, 1], log_probs, None))
     loss.backward()
@@ -74,7 +74,7 @@ def test_a_dotted_path_factory_matches_the_named_plugin(plugin_manager, tmp_path
 
 def _choice_error(pm, **flags) -> str:
     with pytest.raises(PluginError) as excinfo:
-        chosen_reducer(Namespace(**{**FLAGS, **flags}), pm)
+        chosen_reducer(launch_args(**{**FLAGS, **flags}), pm)
     return str(excinfo.value)
 
 
@@ -105,7 +105,7 @@ def test_a_bad_reducer_path_names_flag_module_and_attribute(plugin_manager, path
 
 def test_dr_grpo_refuses_the_per_token_step_factor(plugin_manager):
     report = ConfigReport(plugin="dr_grpo", flags=("--loss-reducer",))
-    plugin_manager.get_plugin("dr_grpo").configure(args=Namespace(**{**FLAGS, "calculate_per_token_loss": True}),
+    plugin_manager.get_plugin("dr_grpo").configure(args=launch_args(**{**FLAGS, "calculate_per_token_loss": True}),
                                                    report=report)
     assert report.errors == [
         "--loss-reducer dr_grpo divides each response by --rollout-max-response-len and the step by its sample "

@@ -4,7 +4,7 @@ import asyncio
 
 import torch
 
-from furlong.core.config import parse_args
+from furlong.core.config.launch_args import launch_config
 from furlong.core.train.objective import StepObjective
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import PluginError, TrainBatch
@@ -98,9 +98,9 @@ def _objective_on(rows_of):
     rows = lambda: [torch.randn(t, generator=gen) for t in lengths]  # noqa: E731
     batch = TrainBatch(tokens=[[0] * (t + 2) for t in lengths], response_lengths=lengths, loss_masks=masks,
                        steps=[[[0, 1, 2, 3, 4]]], advantages=rows(), rollout_log_probs=[-r.abs() for r in rows()])
-    args = parse_args(["--num-rollout", "1", "--rollout-batch-size", "5", "--eps-clip-high", "0.28",
-                       "--entropy-coef", "0.01"])
-    objective = StepObjective(args, get_plugin_manager(), batch, "policy_loss", "--loss-type", reuse_old_log_probs=True)
+    config = launch_config("--num-rollout", "1", "--rollout-batch-size", "5", "--eps-clip-high", "0.28",
+                           "--entropy-coef", "0.01")
+    objective = StepObjective(config, get_plugin_manager(), batch, "policy_loss", "--loss-type", reuse_old_log_probs=True)
     flat = (-torch.rand(sum(lengths), generator=gen)).requires_grad_()
     entropy = torch.rand(sum(lengths), generator=gen).requires_grad_()
     loss, metrics = asyncio.run(objective([0, 1, 2, 3, 4], rows_of(flat, lengths), rows_of(entropy, lengths)))
