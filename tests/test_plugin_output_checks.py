@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from furlong.core.config import parse_args
+from furlong.core.config.launch_args import launch_config
 from furlong.hooks import PluginError, Status, hookimpl
 
 from .scripted_engine import ScriptedEngine, boxed_first_operand, rollout_manager
@@ -19,9 +19,10 @@ from .scripted_engine import ScriptedEngine, boxed_first_operand, rollout_manage
 def _args(tmp_path, *extra):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+0=", "label": str(i)}) + "\n" for i in range(8)))
-    return parse_args(["--num-rollout", "1", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
-                       "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
-                       "--rollout-max-response-len", "16", "--log-dir", str(tmp_path / "logs"), *extra])
+    return launch_config("--num-rollout", "1", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
+                         "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
+                         "--rollout-max-response-len", "16", "--log-dir", str(tmp_path / "logs"), *extra,
+                         configure=False)
 
 
 def _rollout_error(args, pm) -> str:

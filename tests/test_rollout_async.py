@@ -14,6 +14,7 @@ import pytest
 
 from furlong.builtin_plugins.rollout import fully_async
 from furlong.core.config import parse_args
+from furlong.core.config.launch_args import launch_config
 from furlong.core.config.configure import configure_plugins
 from furlong.core.plugins.selection import resolve_selection
 from furlong.hooks import FilterResult, PluginError, Status, hookimpl
@@ -28,10 +29,10 @@ def _data(tmp_path, n=40):
 
 
 def _args(tmp_path, *extra):
-    return parse_args(["--num-rollout", "4", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-                       "--prompt-data", str(_data(tmp_path)), "--input-key", "prompt", "--label-key", "label",
-                       "--rm-type", "math", "--rollout-max-response-len", "16", "--rollout", "fully_async",
-                       "--log-dir", str(tmp_path / "logs"), *extra])
+    return launch_config("--num-rollout", "4", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                         "--prompt-data", str(_data(tmp_path)), "--input-key", "prompt", "--label-key", "label",
+                         "--rm-type", "math", "--rollout-max-response-len", "16", "--rollout", "fully_async",
+                         "--log-dir", str(tmp_path / "logs"), *extra, configure=False)
 
 
 def _answer(prompt, call):

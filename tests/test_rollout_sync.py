@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from furlong.core.config import parse_args
+from furlong.core.config.launch_args import launch_config
 from furlong.hooks import FilterResult, PluginError, Sample, Status, hookimpl
 
 from .scripted_engine import ScriptedEngine, boxed_first_operand, rollout_manager
@@ -23,9 +23,9 @@ def _data(tmp_path, n=40):
 
 
 def _args(tmp_path, *extra):
-    return parse_args(["--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-                       "--prompt-data", str(_data(tmp_path)), "--input-key", "prompt", "--label-key", "label",
-                       "--rm-type", "math", "--rollout-max-response-len", "16", *extra])
+    return launch_config("--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                         "--prompt-data", str(_data(tmp_path)), "--input-key", "prompt", "--label-key", "label",
+                         "--rm-type", "math", "--rollout-max-response-len", "16", *extra, configure=False)
 
 
 def _alternating(prompt, call):
