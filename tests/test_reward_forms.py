@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
 
+from furlong.core.config.launch_args import launch_args, launch_config
 from furlong.core.rollout.reward_forms import TrlRewardAdapter, VerlRewardAdapter, reward_form
 from furlong.hooks import ConfigReport, PluginError, Sample
 
@@ -57,10 +57,18 @@ def _samples():
                    response="\\boxed{4}", response_length=1, index=1)]
 
 
+FLAGS = dict(apply_chat_template=False, label_key="solution", metadata_key="metadata", custom_rm_path="forms_mod.f",
+             reward_key=None, rollout_skip_special_tokens=False, explicit_args=[], group_rm=False)
+
+
 def _args(**kw):
-    base = dict(apply_chat_template=False, label_key="solution", metadata_key="metadata", custom_rm_path="forms_mod.f",
-                reward_key=None, rollout_skip_special_tokens=False, explicit_args=[], group_rm=False)
-    return Namespace(**{**base, **kw})
+    """The set-up step's flags (what ``configure`` and the selection see)."""
+    return launch_args(**{**FLAGS, **kw})
+
+
+def _config(**kw):
+    """The run's configuration (what the ``reward`` hook sees)."""
+    return launch_config(**{**FLAGS, **kw}, configure=False)
 
 
 def test_the_form_comes_from_the_parameter_names(forms):
@@ -70,16 +78,16 @@ def test_the_form_comes_from_the_parameter_names(forms):
 
 def test_a_trl_function_gets_the_batch_as_trl_gives_it(forms):
     adapter = TrlRewardAdapter(forms.accuracy_reward, "forms_mod.accuracy_reward")
-    assert asyncio.run(adapter.reward(args=_args(), samples=_samples())) == [1.0, 0.0]
-    assert asyncio.run(adapter.reward(args=_args(apply_chat_template=True), samples=_samples())) == [1.0, 0.0]
+    assert asyncio.run(adapter.reward(config=_config(), samples=_samples())) == [1.0, 0.0]
+    assert asyncio.run(adapter.reward(config=_config(apply_chat_template=True), samples=_samples())) == [1.0, 0.0]
     seen = {}
 
     def spy(prompts, completions, **kwargs):
         seen.update(prompts=prompts, completions=completions, **kwargs)
         return [0.0, 0.0]
 
-    asyncio.run(TrlRewardAdapter(spy, "m.spy").reward(args=_args(apply_chat_template=True,
-                                                                 label_key="reward_model.ground_truth"),
+    asyncio.run(TrlRewardAdapter(spy, "m.spy").reward(config=_config(apply_chat_template=True,
+                                                                     label_key="reward_model.ground_truth"),
                                                       samples=_samples()))
     assert seen == {"prompts": ["p0", "p1"],
                     "completions": [[{"role": "assistant", "content": "so \\boxed{3}"}],
@@ -89,10 +97,10 @@ def test_a_trl_function_gets_the_batch_as_trl_gives_it(forms):
 
 
 def test_a_trl_function_without_kwargs_gets_only_its_arguments_and_a_missing_one_is_named(forms):
-    assert asyncio.run(TrlRewardAdapter(forms.strict_trl, "x").reward(args=_args(), samples=_samples())) == [0.5, 0.5]
+    assert asyncio.run(TrlRewardAdapter(forms.strict_trl, "x").reward(config=_config(), samples=_samples())) == [0.5, 0.5]
     with pytest.raises(PluginError) as excinfo:
-        asyncio.run(TrlRewardAdapter(forms.needs_column, "forms_mod.needs_column").reward(args=_args(),
-                                                                                         samples=_samples()))
+        asyncio.run(TrlRewardAdapter(forms.needs_column, "forms_mod.needs_column").reward(config=_config(),
+                                                                                           samples=_samples()))
     assert str(excinfo.value) == (
         "--custom-rm-path forms_mod.needs_column: the function needs difficulty, which the samples do not give; they "
         "give completion_ids, completions, data_source, extra_info, prompts, solution (the label under the last part "
@@ -103,11 +111,11 @@ def test_a_verl_function_is_called_per_sample_by_keyword(forms):
     adapter = VerlRewardAdapter(forms.compute_score, "forms_mod.compute_score")
     samples = _samples()
     samples[1].response = "answer 5"
-    assert asyncio.run(adapter.reward(args=_args(), samples=samples)) == [
+    assert asyncio.run(adapter.reward(config=_config(), samples=samples)) == [
         {"score": -1.0, "acc": True}, {"score": 1.0, "acc": True}]
     assert forms.calls == [("toy", "so \\boxed{3}", "3", {"i": 0}), ("toy", "answer 5", "5", {"i": 1})]
     gsm = VerlRewardAdapter(forms.gsm8k_style, "forms_mod.gsm8k_style")
-    assert asyncio.run(gsm.reward(args=_args(), samples=_samples())) == [1.0, 0.0]
+    assert asyncio.run(gsm.reward(config=_config(), samples=_samples())) == [1.0, 0.0]
 
 
 def test_configure_takes_the_decoding_and_the_dict_key_of_trl_and_verl(forms):
@@ -134,7 +142,7 @@ def test_the_dotted_path_picks_the_adapter(forms, plugin_manager):
     from furlong.core.plugins.selection import resolve_selection
 
     for path, kind in (("forms_mod.accuracy_reward", TrlRewardAdapter), ("forms_mod.compute_score", VerlRewardAdapter)):
-        args = Namespace(**{**vars(_args()), "custom_rm_path": path, "rm_type": None})
+        args = _args(custom_rm_path=path, rm_type=None)
         assert resolve_selection(args, plugin_manager, ("reward",)).reward == (path, "--custom-rm-path")
         assert isinstance(plugin_manager.get_plugin(path), kind)
 
@@ -210,8 +218,8 @@ def test_what_a_trl_function_returns_is_checked_like_every_reward(tmp_path, monk
     (tmp_path / "bad_trl.py").write_text(f"def rm(completions, **kwargs):\n    {body}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("bad_trl", None)
-    args = Namespace(**{**vars(_args()), "custom_rm_path": "bad_trl.rm", "rm_type": None, "group_rm": True})
-    scorer = RewardScorer(args, plugin_manager, resolve_selection(args, plugin_manager, ("reward",)))
+    config = _config(custom_rm_path="bad_trl.rm", rm_type=None, group_rm=True)
+    scorer = RewardScorer(config, plugin_manager, resolve_selection(config, plugin_manager, ("reward",)))
     with pytest.raises(PluginError) as excinfo:
         asyncio.run(scorer.score(_samples()))
     assert str(excinfo.value) == f"reward plugin 'bad_trl.rm' (from --custom-rm-path) {complaint}"
