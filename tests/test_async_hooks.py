@@ -36,18 +36,11 @@ def _selection(name):
     return Selection(chosen={"data_source": (name, "--data-source")})
 
 
-def _eval_args(path, **extra):
-    from argparse import Namespace
+def _eval_config(path):
+    from furlong.core.config.launch_args import launch_config
 
-    values = dict(eval_config=None, eval_prompt_data=["arith", str(path)], prompt_data=None, input_key="prompt",
-                  label_key="label", metadata_key="metadata", tool_key="tools", eval_input_key=None,
-                  eval_label_key=None, eval_tool_key=None, eval_max_prompt_len=None, rollout_max_prompt_len=None,
-                  apply_chat_template=False, rollout_shuffle=False, rollout_seed=1, n_samples_per_eval_prompt=1,
-                  eval_temperature=None, eval_top_p=None, eval_top_k=None, eval_max_response_len=None,
-                  rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1, rollout_max_response_len=4,
-                  rollout_stop=None, rollout_stop_token_ids=None, hf_checkpoint=None)
-    values.update(extra)
-    return Namespace(**values)
+    return launch_config("--eval-prompt-data", "arith", str(path), "--input-key", "prompt", "--label-key", "label",
+                         "--rollout-seed", "1", "--rollout-max-response-len", "4", configure=False)
 
 
 def test_async_eval_data_source_is_awaited_inside_the_running_loop(plugin_manager, register_plugin, tmp_path):
@@ -65,7 +58,7 @@ def test_async_eval_data_source_is_awaited_inside_the_running_loop(plugin_manage
     register_plugin(AsyncRows(), "async_rows")
 
     async def main():
-        evaluator = Evaluator(_eval_args(tmp_path / "eval.jsonl"), plugin_manager, _selection("async_rows"))
+        evaluator = Evaluator(_eval_config(tmp_path / "eval.jsonl"), plugin_manager, _selection("async_rows"))
         assert evaluator and not evaluator.datasets and not seen  # nothing awaited yet
         await evaluator.load()
         await evaluator.load()  # idempotent
@@ -89,7 +82,7 @@ def test_plain_eval_data_source_still_fails_at_construction(plugin_manager, regi
     register_plugin(NoLen(), "no_len")
 
     async def main():
-        Evaluator(_eval_args(tmp_path / "x.jsonl"), plugin_manager, _selection("no_len"))
+        Evaluator(_eval_config(tmp_path / "x.jsonl"), plugin_manager, _selection("no_len"))
 
     with pytest.raises(PluginError) as excinfo:
         asyncio.run(main())
@@ -107,7 +100,7 @@ def test_async_eval_data_source_error_names_the_set_when_loaded(plugin_manager, 
     register_plugin(AsyncNoLen(), "async_no_len")
 
     async def main():
-        evaluator = Evaluator(_eval_args(tmp_path / "x.jsonl"), plugin_manager, _selection("async_no_len"))
+        evaluator = Evaluator(_eval_config(tmp_path / "x.jsonl"), plugin_manager, _selection("async_no_len"))
         await evaluator.load()
 
     with pytest.raises(PluginError) as excinfo:
@@ -255,18 +248,18 @@ def test_every_hook_of_a_run_may_be_async(plugin_dist, tmp_path, tiny_model_dir,
 
 def _run_recording_the_loop(argv: list[str]) -> list[int]:
     """Run ``furlong train`` in-process with the installed plugins; ``[id of the run's event loop]``."""
-    from furlong.core.config import parse_args
+    from furlong.core.config.launch_args import launch_config
     from furlong.core.run.loop import run
     from furlong.core.plugins.manager import get_plugin_manager
     from furlong.core.plugins.selection import resolve_selection
 
     pm = get_plugin_manager()
-    args = parse_args(argv, pm)
+    config = launch_config(*argv, pm=pm)
     loops = []
 
     async def main():
         loops.append(id(asyncio.get_running_loop()))
-        await run(args, pm, resolve_selection(args, pm))
+        await run(config, pm, resolve_selection(config, pm))
 
     asyncio.run(main())
     return loops
