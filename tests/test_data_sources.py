@@ -131,15 +131,17 @@ def test_the_file_chooses_the_reader_when_no_flag_does(tmp_path, plugin_manager,
 
 
 def test_an_eval_set_is_read_by_its_own_file_s_reader(tmp_path, plugin_manager):
+    from furlong.core.config.launch_args import launch_config
     from furlong.core.rollout.evaluation import Evaluator
     from furlong.core.plugins.selection import resolve_selection
 
     train = _parquet(tmp_path, verl_rows(4))
     (tmp_path / "test.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "q"}],
                                                      "reward_model": {"ground_truth": "7"}}) + "\n")
-    args = _args(train, *VERL_KEYS, extra=("--eval-prompt-data", "jl", str(tmp_path / "test.jsonl"), "pq",
-                                           str(train), "--eval-interval", "1"))
-    evaluator = Evaluator(args, plugin_manager, resolve_selection(args, plugin_manager))
+    config = launch_config("--num-rollout", "1", "--rollout-batch-size", "2", "--prompt-data", str(train),
+                           "--rm-type", "math", *VERL_KEYS, "--eval-prompt-data", "jl", str(tmp_path / "test.jsonl"),
+                           "pq", str(train), "--eval-interval", "1", configure=False)
+    evaluator = Evaluator(config, plugin_manager, resolve_selection(config, plugin_manager))
     assert {ds.name: [r["label"] for r in rows] for ds, rows in evaluator.datasets} == {
         "jl": ["7"], "pq": ["0", "2", "4", "6"]}
 

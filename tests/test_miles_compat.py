@@ -327,47 +327,49 @@ def test_every_miles_path_resolves_to_its_built_in_plugin(pm, caplog):
 # --- the cheap Miles flags ------------------------------------------------------------------------
 
 def test_num_epoch_derives_num_rollout_from_the_loaded_data(tmp_path, arithmetic_jsonl, pm):
+    from furlong.core.config.launch_args import launch_config
     from furlong.core.run.epochs import derive_num_rollout
     from furlong.core.rollout.side import RolloutSide
     from furlong.core.plugins.selection import resolve_selection
 
-    args = parse_args(["--num-epoch", "2", "--rollout-batch-size", "8", "--global-batch-size", "8",
-                       "--prompt-data", str(arithmetic_jsonl), "--input-key", "prompt", "--label-key", "label",
-                       "--rm-type", "math"])  # a run names its reward before the data loads
-    assert (args.num_rollout, args.lr_decay_iters) == (None, None)
-    side = RolloutSide(args, resolve_selection(args, pm), pm)
+    config = launch_config("--num-epoch", "2", "--rollout-batch-size", "8", "--global-batch-size", "8",
+                           "--prompt-data", str(arithmetic_jsonl), "--input-key", "prompt", "--label-key", "label",
+                           "--rm-type", "math", pm=pm)  # a run names its reward before the data loads
+    assert (config.num_rollout, config.lr_decay_iters) == (None, None)
+    side = RolloutSide(config, resolve_selection(config, pm), pm)
     asyncio.run(side.load_data())
     size = asyncio.run(side.dataset_size())
-    derive_num_rollout(args, size, "jsonl")
-    assert (size, args.num_rollout_per_epoch, args.num_rollout, args.lr_decay_iters) == (60, 7, 14, 14)  # 2 x (60 // 8)
-    given = parse_args(BASE + ["--num-epoch", "5"])
-    derive_num_rollout(given, 60, "jsonl")
-    assert given.num_rollout == 2  # --num-rollout wins
+    derived = derive_num_rollout(config, size, "jsonl")
+    assert (size, derived.num_rollout_per_epoch, derived.num_rollout, derived.lr_decay_iters) == (60, 7, 14, 14)
+    assert (config.num_rollout, config.num_rollout_per_epoch) == (None, None)  # a new config; this one is frozen
+    given = launch_config(*BASE, "--num-epoch", "5", pm=pm)
+    assert derive_num_rollout(given, 60, "jsonl") is given  # --num-rollout wins
     with pytest.raises(PluginError, match="less than one rollout"):
-        derive_num_rollout(parse_args(["--num-epoch", "1", "--rollout-batch-size", "80"]), 60, "jsonl")
+        derive_num_rollout(launch_config("--num-epoch", "1", "--rollout-batch-size", "80", pm=pm), 60, "jsonl")
     with pytest.raises(PluginError, match="has no len"):
-        derive_num_rollout(parse_args(["--num-epoch", "1", "--rollout-batch-size", "4"]), None, "custom")
+        derive_num_rollout(launch_config("--num-epoch", "1", "--rollout-batch-size", "4", pm=pm), None, "custom")
 
 
 def test_epoch_ends_are_save_and_eval_points_too():
     from furlong.core.run.checkpoints import periodic, should_save
     from furlong.core.run.epochs import derive_num_rollout
-    from furlong.core.config.launch_args import launch_args
+    from furlong.core.config.launch_args import launch_config
 
     assert [r for r in range(14) if periodic(r, 5, 14, epoch=7)] == [4, 6, 9, 13]
     assert [r for r in range(14) if periodic(r, 5, 14)] == [4, 9, 13]
-    args = launch_args("--num-epoch", "2", save="/ckpt", save_interval=100, save_trigger_sentinel=None)
-    derive_num_rollout(args, 7, "jsonl")  # 7 prompts, one a rollout: 2 epochs of 7 rollouts
-    assert (args.num_rollout, args.num_rollout_per_epoch) == (14, 7)
-    assert [r for r in range(14) if should_save(args, r)] == [6, 13]
+    config = launch_config("--num-epoch", "2", save="/ckpt", save_interval=100, save_trigger_sentinel=None)
+    config = derive_num_rollout(config, 7, "jsonl")  # 7 prompts, one a rollout: 2 epochs of 7 rollouts
+    assert (config.num_rollout, config.num_rollout_per_epoch) == (14, 7)
+    assert [r for r in range(14) if should_save(config, r)] == [6, 13]
 
 
 def test_train_env_vars_are_set_in_the_train_worker_process(monkeypatch):
+    from furlong.core.config.launch_args import launch_config
     from furlong.core.train.worker import WorkerFactory
 
     monkeypatch.delenv("FURLONG_TEST_ENV", raising=False)
-    args = parse_args(BASE + ["--train-env-vars", '{"FURLONG_TEST_ENV": "on", "FURLONG_TEST_N": 3}'])
-    WorkerFactory(args, {"train_backend": ("fsdp", "--train-backend"), "loss": ("policy_loss", "--loss-type")})(0, 1)
+    config = launch_config(*BASE, "--train-env-vars", '{"FURLONG_TEST_ENV": "on", "FURLONG_TEST_N": 3}')
+    WorkerFactory(config, {"train_backend": ("fsdp", "--train-backend"), "loss": ("policy_loss", "--loss-type")})(0, 1)
     assert (os.environ.pop("FURLONG_TEST_ENV"), os.environ.pop("FURLONG_TEST_N")) == ("on", "3")
 
 
