@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from furlong.core.config import parse_args
+from furlong.core.config.launch_args import launch_config
 from furlong.core.run.loop import run
 from furlong.core.plugins.selection import resolve_selection
 from furlong.hooks import hookimpl
@@ -40,15 +40,15 @@ class Recorder:
 
 def _train_async(tmp_path, tiny, pm, *extra):
     model, data = tiny
-    args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-                       "--global-batch-size", "4", "--hf-checkpoint", str(model), "--prompt-data", str(data),
-                       "--input-key", "prompt", "--label-key", "label", "--rm-type", "deterministic_random",
-                       "--rollout-max-response-len", "8", "--dynamic-sampling-filter", "recorder",
-                       "--save", str(tmp_path / "ckpt"), "--save-interval", "1", *extra], pm, command="train-async")
-    args.train_mode = "async"
+    config = launch_config("--num-rollout", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                           "--global-batch-size", "4", "--hf-checkpoint", str(model), "--prompt-data", str(data),
+                           "--input-key", "prompt", "--label-key", "label", "--rm-type", "deterministic_random",
+                           "--rollout-max-response-len", "8", "--dynamic-sampling-filter", "recorder",
+                           "--save", str(tmp_path / "ckpt"), "--save-interval", "1", *extra, pm=pm,
+                           command="train-async")
 
     async def main():
-        await run(args, pm, resolve_selection(args, pm))
+        await run(config, pm, resolve_selection(config, pm))
         # what is still pending besides the embedded engine's own scheduler and the decode it may
         # still be finishing for cancelled requests (both live as long as the engine; the decode runs
         # through furlong.kit.compute_thread.run_compute)

@@ -54,7 +54,7 @@ def test_reused_pi_old_gives_the_losses_grad_norms_rewards_and_metrics_of_the_se
     (("--global-batch-size", "16", "--use-kl-loss", "--kl-loss-coef", "0.01"), "a reference model is loaded"),
 ])
 def test_runs_that_need_pi_old_fixed_or_early_keep_the_pass(tmp_path, caplog, extra, reason):
-    from furlong.core.config import parse_args
+    from furlong.core.config.launch_args import launch_config
     from furlong.core.plugins.manager import get_plugin_manager
     from furlong.core.plugins.selection import resolve_selection
     from furlong.core.train.group import TrainGroup

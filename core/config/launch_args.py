@@ -17,8 +17,9 @@ REQUIRED = {"--num-rollout": "1", "--rollout-batch-size": "1"}
 DERIVED = frozenset({"explicit_args", "megatron_flags_given", "megatron_args", "train_mode"})
 
 
-def launch_args(*argv: str, pm=None, **overrides) -> Namespace:
-    """Parse ``argv`` as ``furlong train`` does, after the installed plugins added their flags, then apply ``overrides``.
+def launch_args(*argv: str, pm=None, command: str = "train", **overrides) -> Namespace:
+    """Parse ``argv`` as ``furlong train`` (or ``command``: ``"train-async"``) does, after the installed plugins
+    added their flags, then apply ``overrides``.
 
     The two flags a run must give (``--num-rollout``, ``--rollout-batch-size``) default
     to 1 here (``--num-rollout`` not when ``--num-epoch`` is given); everything else takes furlong's and the plugins' defaults. Touches no file.
@@ -59,7 +60,7 @@ def launch_args(*argv: str, pm=None, **overrides) -> Namespace:
     if "--num-epoch" in given:  # the run derives --num-rollout from it (furlong.core.run.epochs)
         given.add("--num-rollout")
     filled = [item for flag, value in REQUIRED.items() if flag not in given for item in (flag, value)]
-    args = parse_args(filled + list(argv), pm, command="train")
+    args = parse_args(filled + list(argv), pm, command=command)
     if overrides:
         known = {action.dest for action in build_parser(pm)._actions} | DERIVED
         unknown = sorted(set(overrides) - known)
@@ -71,8 +72,8 @@ def launch_args(*argv: str, pm=None, **overrides) -> Namespace:
     return args
 
 
-def launch_config(*argv: str, pm=None, configure: bool = True, **overrides) -> RunConfig:
-    """The frozen :class:`~furlong.hooks.RunConfig` of a ``furlong train`` run with flags ``argv``.
+def launch_config(*argv: str, pm=None, configure: bool = True, command: str = "train", **overrides) -> RunConfig:
+    """The frozen :class:`~furlong.hooks.RunConfig` of a ``furlong train`` (or ``command``) run with flags ``argv``.
 
     What a run does before its loop starts, touching no model: :func:`launch_args`, the
     selection, every chosen plugin's ``configure`` (unless ``configure=False``), then
@@ -92,7 +93,7 @@ def launch_config(*argv: str, pm=None, configure: bool = True, **overrides) -> R
     from .parser import build_parser
 
     pm = pm if pm is not None else get_plugin_manager()
-    args = launch_args(*argv, pm=pm)
+    args = launch_args(*argv, pm=pm, command=command)
     derived = configure_plugins(args, pm, resolve_selection(args, pm)).derived if configure else {}
     plugin_flags = build_parser(pm).plugin_flags
     config = freeze_config(args, plugin_flags, derived)
