@@ -2,11 +2,12 @@
 strings and min_new_tokens are kept, and an unknown key is an error, never ignored."""
 
 import base64
-from argparse import Namespace
+import functools
 
 import pytest
 import yaml
 
+from furlong.core.config.launch_args import launch_config
 from furlong.core.config.eval_config import EvalDataset, load_eval_datasets, sampling_params
 from furlong.hooks import PluginError
 
@@ -18,6 +19,12 @@ KNOWN = (
 
 
 def _args(**kw):
+    """The run configuration with the eval flags' defaults and ``kw`` (the training flags below set as a run sets them)."""
+    return _base_config().replace(**kw)
+
+
+@functools.cache
+def _base_config():
     base = dict(
         eval_config=None,
         eval_prompt_data=None,
@@ -42,8 +49,7 @@ def _args(**kw):
         tool_key="tools",
         metadata_key="metadata",
     )
-    base.update(kw)
-    return Namespace(**base)
+    return launch_config(configure=False, **base)
 
 
 def _config(tmp_path, text):

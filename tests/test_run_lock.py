@@ -104,17 +104,18 @@ def test_another_host_s_lock_is_not_taken_over(tmp_path):
 
 
 def test_the_folder_the_run_writes_is_the_one_locked(tmp_path, sleeper):
-    from argparse import Namespace
+    from furlong.core.config.launch_args import launch_config
 
-    assert output_folders(Namespace(save=str(tmp_path / "a"), log_dir=str(tmp_path / "b"))) == [
+    base = launch_config(configure=False)
+    assert output_folders(base.replace(save=str(tmp_path / "a"), log_dir=str(tmp_path / "b"))) == [
         ("--save", str(tmp_path / "a"))]
-    assert output_folders(Namespace(save=None, log_dir=str(tmp_path / "b"))) == [("--log-dir", str(tmp_path / "b"))]
-    assert output_folders(Namespace(save=None, log_dir=None)) == []
+    assert output_folders(base.replace(log_dir=str(tmp_path / "b"))) == [("--log-dir", str(tmp_path / "b"))]
+    assert output_folders(base) == []
     (tmp_path / "file").write_text("x")
-    assert output_folders(Namespace(save=str(tmp_path / "file"), log_dir=None)) == []  # check_paths reports it
+    assert output_folders(base.replace(save=str(tmp_path / "file"))) == []  # check_paths reports it
     _write_lock(tmp_path / "b", _holder(sleeper.pid))
     with pytest.raises(PluginError, match="^--log-dir"):
-        lock_output_folders(Namespace(save=None, log_dir=str(tmp_path / "b")))
+        lock_output_folders(base.replace(log_dir=str(tmp_path / "b")))
 
 
 def test_a_second_run_on_a_held_save_folder_exits_2_before_any_model_loads(tmp_path, tiny_model_dir, sleeper,
