@@ -19,7 +19,7 @@ KNOWN = (
 
 
 def _args(**kw):
-    """The run configuration with the eval flags' defaults and ``kw`` (the training flags below set as a run sets them)."""
+    """The run configuration with the eval flags' defaults and ``kw``."""
     return _base_config().replace(**kw)
 
 

@@ -97,7 +97,8 @@ def test_a_trl_function_gets_the_batch_as_trl_gives_it(forms):
 
 
 def test_a_trl_function_without_kwargs_gets_only_its_arguments_and_a_missing_one_is_named(forms):
-    assert asyncio.run(TrlRewardAdapter(forms.strict_trl, "x").reward(config=_config(), samples=_samples())) == [0.5, 0.5]
+    adapter = TrlRewardAdapter(forms.strict_trl, "x")
+    assert asyncio.run(adapter.reward(config=_config(), samples=_samples())) == [0.5, 0.5]
     with pytest.raises(PluginError) as excinfo:
         asyncio.run(TrlRewardAdapter(forms.needs_column, "forms_mod.needs_column").reward(config=_config(),
                                                                                            samples=_samples()))

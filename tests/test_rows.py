@@ -100,7 +100,8 @@ def _objective_on(rows_of):
                        steps=[[[0, 1, 2, 3, 4]]], advantages=rows(), rollout_log_probs=[-r.abs() for r in rows()])
     config = launch_config("--num-rollout", "1", "--rollout-batch-size", "5", "--eps-clip-high", "0.28",
                            "--entropy-coef", "0.01")
-    objective = StepObjective(config, get_plugin_manager(), batch, "policy_loss", "--loss-type", reuse_old_log_probs=True)
+    objective = StepObjective(config, get_plugin_manager(), batch, "policy_loss", "--loss-type",
+                              reuse_old_log_probs=True)
     flat = (-torch.rand(sum(lengths), generator=gen)).requires_grad_()
     entropy = torch.rand(sum(lengths), generator=gen).requires_grad_()
     loss, metrics = asyncio.run(objective([0, 1, 2, 3, 4], rows_of(flat, lengths), rows_of(entropy, lengths)))

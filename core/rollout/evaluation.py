@@ -43,7 +43,8 @@ class Evaluator:
             if inspect.iscoroutinefunction(pm.chosen_impl("data_source", *reader).function):
                 waiting.append((ds, spec, reader))
             else:
-                self._add(ds, reader, pm.call_chosen_sync("data_source", *reader, **data_source_kwargs(self.config, spec)))
+                source = pm.call_chosen_sync("data_source", *reader, **data_source_kwargs(config, spec))
+                self._add(ds, reader, source)
         self._to_load = waiting
 
     def _reader(self, spec: DatasetSpec) -> tuple[str, str]:
@@ -63,7 +64,8 @@ class Evaluator:
         """
         while self._to_load:
             ds, spec, reader = self._to_load[0]
-            self._add(ds, reader, await self.pm.call_chosen("data_source", *reader, **data_source_kwargs(self.config, spec)))
+            source = await self.pm.call_chosen("data_source", *reader, **data_source_kwargs(self.config, spec))
+            self._add(ds, reader, source)
             self._to_load.pop(0)
 
     def _add(self, ds: EvalDataset, reader: tuple[str, str], source) -> None:

@@ -303,9 +303,9 @@ def _check_writer(config: RunConfig, load_dir: str, loaded: int) -> None:
         return
     backend = config.train_backend
     if writer and backend and writer != backend:
-        raise PluginError(f"--load {config.load}: {os.path.basename(load_dir)} was written by --train-backend {writer}, "
-                          f"which this run's --train-backend {backend} cannot read; resume with --train-backend "
-                          f"{writer} (or start another run without --load).")
+        raise PluginError(f"--load {config.load}: {os.path.basename(load_dir)} was written by --train-backend "
+                          f"{writer}, which this run's --train-backend {backend} cannot read; resume with "
+                          f"--train-backend {writer} (or start another run without --load).")
 
 
 def resolve_start(config: RunConfig) -> ResumePoint:

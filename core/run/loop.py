@@ -272,7 +272,8 @@ async def _close(state: Run, stop_engines: bool = True) -> None:
 
 
 def _eval_first(config: RunConfig, state: Run, rollout_id: int, start_id: int) -> bool:
-    return bool(config.eval_interval and state.has_eval and rollout_id == start_id and not config.skip_eval_before_train)
+    return bool(config.eval_interval and state.has_eval and rollout_id == start_id
+                and not config.skip_eval_before_train)
 
 
 async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
@@ -376,7 +377,8 @@ def output_note(config: RunConfig) -> tuple[int, str]:
             return logging.WARNING, f"{where} --log-dir {config.log_dir} is not used: with --save the metrics go there."
         return logging.INFO, where
     if config.log_dir:
-        return logging.INFO, f"metrics go to {os.path.join(config.log_dir, 'metrics.jsonl')}; no checkpoints (no --save)."
+        metrics = os.path.join(config.log_dir, "metrics.jsonl")
+        return logging.INFO, f"metrics go to {metrics}; no checkpoints (no --save)."
     return logging.WARNING, ("neither --save nor --log-dir: this run keeps no metrics.jsonl and no checkpoint, only the "
                              "console lines; pass --log-dir DIR to keep its metrics, --save DIR for checkpoints too.")
 

@@ -174,7 +174,8 @@ class WeightSync:
         ranks = [int(getattr(e, "weight_update_ranks", 1) or 1) for e in engines]
         world = 1 + sum(ranks)
         # NCCL cannot put two ranks of one group on one GPU: colocated engines share the trainer's
-        backend = "nccl" if self.config.distributed_backend == "nccl" and _cuda() and not self.config.colocate else "gloo"
+        nccl = self.config.distributed_backend == "nccl" and _cuda() and not self.config.colocate
+        backend = "nccl" if nccl else "gloo"
         timeout = 60.0 * self.config.distributed_timeout_minutes
         offsets = [1 + sum(ranks[:i]) for i in range(len(engines))]
         try:
