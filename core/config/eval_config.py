@@ -181,7 +181,7 @@ def _resolve(name: str, path: str, entry: dict, defaults: dict, config: RunConfi
     values: dict[str, Any] = {"name": name, "path": path}
     for field, (eval_flag, rollout_flag) in _FALLBACKS.items():
         chain = [entry.get(field), defaults.get(field)]
-        chain += [getattr(config, flag, None) for flag in (eval_flag, rollout_flag) if flag]
+        chain += [getattr(config, flag) for flag in (eval_flag, rollout_flag) if flag]
         value = next((v for v in chain if v is not None), None)
         if value is None:
             continue  # keep the attrs default

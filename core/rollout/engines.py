@@ -14,7 +14,7 @@ from typing import Any
 
 from furlong.hooks import GenerateOutput, PluginError, RolloutEngine, RunConfig
 
-__all__ = ["EngineFactory", "EngineSet"]
+__all__ = ["EngineFactory", "EngineSet", "checked_engine"]
 
 
 class EngineFactory:
@@ -38,16 +38,24 @@ class EngineFactory:
         view = self.config.namespace()
         view.rollout_engine_index = index
         engine = await pm.call_chosen("rollout_engine", name, flag, config=self.config, engine_index=index, args=view)
-        missing = [m for m in ("generate", "abort", "pause_generation", "continue_generation", "flush_cache",
-                               "load_weights", "set_weight_version", "release_memory", "resume_memory", "health")
-                   if not callable(getattr(engine, m, None))]
-        if missing:
-            raise PluginError(f"{flag} '{name}': the engine it returned ({type(engine).__name__}) lacks "
-                              f"{', '.join(missing)} (see furlong.hooks.RolloutEngine).")
-        return engine
+        return checked_engine(engine, name, flag)
 
     def __getstate__(self) -> dict:
         return {"config": self.config, "chosen": self.chosen, "pm": None}
+
+
+def checked_engine(engine: Any, name: str, flag: str) -> RolloutEngine:
+    """``engine``, which plugin ``name`` (chosen by ``flag``) returned, if it has every method of a rollout engine.
+
+    :raises PluginError: it lacks one (named).
+    """
+    missing = [m for m in ("generate", "abort", "pause_generation", "continue_generation", "flush_cache",
+                           "load_weights", "set_weight_version", "release_memory", "resume_memory", "health")
+               if not callable(getattr(engine, m, None))]
+    if missing:
+        raise PluginError(f"{flag} '{name}': the engine it returned ({type(engine).__name__}) lacks "
+                          f"{', '.join(missing)} (see furlong.hooks.RolloutEngine).")
+    return engine
 
 
 class EngineSet:

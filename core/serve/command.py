@@ -142,11 +142,13 @@ def parse_serve_args(argv: list[str], pm) -> argparse.Namespace:
 async def _serve(args: argparse.Namespace, pm) -> int:
     from aiohttp import web
 
-    from ..rollout.engines import EngineFactory
+    from ..rollout.engines import checked_engine
     from .app import make_app
     from .state import ServeState
 
-    engine = await EngineFactory(args, (args.rollout_backend, "--rollout-backend"), pm)(0)
+    name, flag = args.rollout_backend, "--rollout-backend"
+    # the server's own flags (no run configuration): the engine plugin reads them from `args`
+    engine = checked_engine(await pm.call_chosen("rollout_engine", name, flag, args=args, engine_index=0), name, flag)
     state = ServeState(engine, args)
     # handler_cancellation: a client that goes away cancels its request, and the engine drops it (as SGLang)
     runner = web.AppRunner(make_app(state), access_log=None, shutdown_timeout=5, handler_cancellation=True)
