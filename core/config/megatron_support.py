@@ -94,7 +94,7 @@ def report_megatron_flags(args: Namespace, backend: str, plugin: Any, report: Co
     :param report: the backend's report: at most one warning and one error line, each
         listing the flags as typed.
     """
-    given = list(getattr(args, "megatron_flags_given", None) or [])
+    given = list(args.megatron_flags_given)
     if not given:
         return
     support = getattr(plugin, "MEGATRON_FLAGS", None)
@@ -102,7 +102,7 @@ def report_megatron_flags(args: Namespace, backend: str, plugin: Any, report: Co
         support = MegatronFlags()
     options = {**miles_table().by_option(), **megatron_table().by_option()}
     hf_config = _hf_config(args) if support.architecture_from_hf else None
-    where = f"--hf-checkpoint {getattr(args, 'hf_checkpoint', None)}/config.json"
+    where = f"--hf-checkpoint {args.hf_checkpoint}/config.json"
     disagree = dict(architecture_disagreements(args, hf_architecture_values(hf_config), where)) if hf_config else {}
     ignored, wrong, absent, unchecked = [], [], [], []
     for flag in given:
@@ -143,7 +143,9 @@ def report_megatron_flags(args: Namespace, backend: str, plugin: Any, report: Co
 
 
 def _value(args: Namespace, dest: str) -> Any:
-    return getattr(args, "megatron_args", {}).get(dest, getattr(args, dest, None))
+    """The value of flag ``dest``: as given, else its parsed default; None for a Megatron-LM-only flag not given
+    (the parse sets no attribute for those)."""
+    return args.megatron_args.get(dest, getattr(args, dest, None))
 
 
 def _at_default(args: Namespace, dest: str, default: Any) -> bool:
@@ -154,7 +156,7 @@ def _at_default(args: Namespace, dest: str, default: Any) -> bool:
 
 
 def _hf_config(args: Namespace) -> dict | None:
-    path = os.path.join(str(getattr(args, "hf_checkpoint", None) or ""), "config.json")
+    path = os.path.join(args.hf_checkpoint or "", "config.json")
     try:
         with open(path, encoding="utf-8") as handle:
             config = json.load(handle)
