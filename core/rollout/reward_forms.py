@@ -75,7 +75,7 @@ def _accepted(fn: Callable, path: str, offered: dict) -> dict:
 
 def _derive(report, args, dest: str, value: Any, note: str) -> None:
     """``args.<dest> = value`` with a note, unless the flag was given."""
-    if not report.given(args, dest) and getattr(args, dest, None) != value:
+    if not report.given(args, dest) and getattr(args, dest) != value:
         report.default(args, dest, value)
         report.info(note)
 
