@@ -417,7 +417,7 @@ class RunConfig:
     custom_agent_function_path: str | None
     rm_type: str | None
     custom_rm_path: str | None
-    dynamic_sampling_filter: tuple[tuple[str, ...], ...] | None
+    dynamic_sampling_filter: tuple[str, ...] | None
     dynamic_sampling_filter_path: str | None
     buffer_filter: str
     buffer_filter_path: str | None

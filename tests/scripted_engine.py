@@ -83,16 +83,19 @@ class ScriptedEngine:
         return True
 
 
-def rollout_manager(args, pm, engine):
-    """A RolloutManager over the chosen data source and ``engine`` (as a run builds it), for rollout-logic tests."""
+def rollout_manager(config, pm, engine):
+    """A RolloutManager over the chosen data source and ``engine`` (as a run builds it), for rollout-logic tests.
+
+    :param config: the run's ``RunConfig`` (``launch_config(...)``).
+    """
     from furlong.core.rollout.data_cursor import DataCursor
     from furlong.core.rollout.manager import RolloutManager
     from furlong.core.plugins.selection import resolve_selection
 
-    selection = resolve_selection(args, pm)
-    source = pm.call_chosen_sync("data_source", *selection.chosen["data_source"], args=args)
-    cursor = DataCursor(args, pm, source, selection.chosen["buffer_pop"])
-    return RolloutManager(args, pm, selection, engine, cursor)
+    selection = resolve_selection(config, pm)
+    source = pm.call_chosen_sync("data_source", *selection.chosen["data_source"], config=config)
+    cursor = DataCursor(config, pm, source, selection.chosen["buffer_pop"])
+    return RolloutManager(config, pm, selection, engine, cursor)
 
 
 def boxed_first_operand(prompt, call):

@@ -14,6 +14,7 @@ import pytest
 
 from furlong.builtin_plugins.rollout import fully_async
 from furlong.core.config import parse_args
+from furlong.core.config.launch_args import launch_config
 from furlong.core.config.configure import configure_plugins
 from furlong.core.plugins.selection import resolve_selection
 from furlong.hooks import FilterResult, PluginError, Status, hookimpl
@@ -27,11 +28,14 @@ def _data(tmp_path, n=40):
     return path
 
 
-def _args(tmp_path, *extra):
-    return parse_args(["--num-rollout", "4", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-                       "--prompt-data", str(_data(tmp_path)), "--input-key", "prompt", "--label-key", "label",
-                       "--rm-type", "math", "--rollout-max-response-len", "16", "--rollout", "fully_async",
-                       "--log-dir", str(tmp_path / "logs"), *extra])
+def _args(tmp_path, *extra, pm=None):
+    """The configuration of a ``furlong train-async`` run (the fully async rollout's ``configure``
+    refuses ``furlong train``, so it is frozen unconfigured and given ``train_mode="async"``)."""
+    return launch_config("--num-rollout", "4", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                         "--prompt-data", str(_data(tmp_path)), "--input-key", "prompt", "--label-key", "label",
+                         "--rm-type", "math", "--rollout-max-response-len", "16", "--rollout", "fully_async",
+                         "--log-dir", str(tmp_path / "logs"), *extra, pm=pm, configure=False,
+                         train_mode="async")
 
 
 def _answer(prompt, call):
@@ -202,7 +206,7 @@ def test_filter_drops_are_counted(tmp_path, plugin_manager, register_plugin):
             return FilterResult(keep=samples[0].group_index != 0, reason="first")
 
     register_plugin(RejectFirst(), "reject_first")
-    args = _args(tmp_path, "--dynamic-sampling-filter", "reject_first")
+    args = _args(tmp_path, "--dynamic-sampling-filter", "reject_first", pm=plugin_manager)
     manager = rollout_manager(args, plugin_manager, ScriptedEngine(_answer, delay=0.001))
 
     async def main():
@@ -227,7 +231,7 @@ def test_producer_failure_is_raised_by_every_later_rollout(tmp_path, plugin_mana
             return [1.0 for _ in samples]
 
     register_plugin(Broken(), "broken_rm")
-    args = _args(tmp_path, "--rm-type", "broken_rm")
+    args = _args(tmp_path, "--rm-type", "broken_rm", pm=plugin_manager)
     manager = rollout_manager(args, plugin_manager, ScriptedEngine(_answer))
 
     async def main():

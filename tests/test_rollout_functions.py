@@ -12,7 +12,7 @@ import pytest
 
 from furlong.core.run import checkpoints as ck
 from furlong.core.config import parse_args
-from furlong.core.config.launch_args import launch_args
+from furlong.core.config.launch_args import launch_args, launch_config
 from furlong.hooks import PluginError
 
 from .scripted_engine import ScriptedEngine, boxed_first_operand, rollout_manager
@@ -80,12 +80,12 @@ def _calls(module):
     return importlib.import_module(module).CALLS
 
 
-def _args(tmp_path, *extra):
+def _args(tmp_path, *extra, pm=None):
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{i}+0=", "label": str(i)}) + "\n" for i in range(40)))
-    return parse_args(["--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-                       "--prompt-data", str(path), "--input-key", "prompt", "--label-key", "label",
-                       "--rm-type", "math", "--rollout-max-response-len", "16", *extra])
+    return launch_config("--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                         "--prompt-data", str(path), "--input-key", "prompt", "--label-key", "label",
+                         "--rm-type", "math", "--rollout-max-response-len", "16", *extra, pm=pm)
 
 
 def test_sample_filter_sees_the_sorted_batch_and_may_remove_samples(tmp_path, plugin_manager, functions):
