@@ -57,9 +57,8 @@ class DataCursor:
         groups: list[list[Sample]] = []
         if self.buffer:
             name, flag = self.buffer_pop
-            popped = await self.pm.call_chosen(
-                "buffer_pop", name, flag, config=self.config, rollout_id=self.rollout_id, buffer=self.buffer, num_samples=k
-            )
+            popped = await self.pm.call_chosen("buffer_pop", name, flag, config=self.config,
+                                               rollout_id=self.rollout_id, buffer=self.buffer, num_samples=k)
             check_buffer_pop(popped, k, f"buffer_pop plugin '{name}' ({self.pm.origin(name)})")
             groups.extend(popped)
         fresh = self.new_groups(self.source.next_rows(k - len(groups))) if k > len(groups) else []

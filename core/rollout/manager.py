@@ -87,7 +87,8 @@ class RolloutManager:
             path = dump_failed_rollout(self.config, rollout_id, self.ledger.handed_out_groups())
             self.ledger.new_window()
             message = str(exc) if isinstance(exc, PluginError) else f"{type(exc).__name__}: {exc}"
-            raise PluginError(f"rollout {rollout_id} failed: {message}\n  The rollout's samples are in {path}.") from exc
+            raise PluginError(f"rollout {rollout_id} failed: {message}\n"
+                              f"  The rollout's samples are in {path}.") from exc
         finally:
             self.runner.clear_abort()
         self._check_groups(name, groups)

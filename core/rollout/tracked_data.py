@@ -12,7 +12,7 @@ __all__ = ["TrackedData"]
 
 
 class TrackedData:
-    """``get_samples``, ``add_samples``, ``hold``, ``release``, ``buffer_len`` and ``drop_counts`` of ``context.data``."""
+    """``context.data``: ``get_samples``, ``add_samples``, ``hold``, ``release``, ``buffer_len``, ``drop_counts``."""
 
     def __init__(self, cursor: DataCursor, ledger: GroupLedger, progress: GenerationProgress):
         self._cursor = cursor
