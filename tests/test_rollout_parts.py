@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -196,3 +197,19 @@ def test_held_groups_are_saved_in_the_buffer_unfinished_ones_reset(tmp_path, plu
     assert state["buffer"][0] == [s.to_dict() for s in finished]
     assert [(d["status"], d["response_length"], d["response"], d["index"]) for d in state["buffer"][1]] == [
         ("aborted", 0, "", 2), ("aborted", 0, "", 3)]
+
+
+def test_a_data_state_saved_before_the_split_resumes_with_its_group_ids(tmp_path, plugin_manager):
+    """``tests/data/partial_rollout_state.json``: the state after rollout 0 of the partial-rollout run above,
+    written by the rollout manager before it was split into parts (groups 2 and 3 buffered half-generated)."""
+    state = json.loads((Path(__file__).parent / "data" / "partial_rollout_state.json").read_text())
+    config = _config(tmp_path, "--over-sampling-batch-size", "4", "--partial-rollout",
+                     "--rollout-max-response-len", "12")
+    manager = rollout_manager(config, plugin_manager, ScriptedEngine(_slow_after_two, delay=0.002))
+    manager.cursor.load_state(state)
+    groups = asyncio.run(manager.generate(1))
+    assert [group_id(g) for g in groups] == [2, 3]
+    assert [(s.index, s.status, s.response_length) for g in groups for s in g] == [
+        (i, Status.TRUNCATED, 12) for i in (4, 5, 6, 7)]
+    assert manager.cursor.counters == {"drawn": 6, "trained": 4, "filtered": 0, "surplus": 0, "aborted_dropped": 0}
+    assert [group_id(g) for g in manager.cursor.buffer] == [4, 5]
