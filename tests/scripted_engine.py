@@ -84,10 +84,7 @@ class ScriptedEngine:
 
 
 def rollout_manager(config, pm, engine):
-    """A RolloutManager over the chosen data source and ``engine`` (as a run builds it), for rollout-logic tests.
-
-    :param config: the run's ``RunConfig`` (``launch_config(...)``).
-    """
+    """A RolloutManager over the chosen data source and ``engine`` (as a run builds it), for rollout-logic tests."""
     from furlong.core.rollout.data_cursor import DataCursor
     from furlong.core.rollout.manager import RolloutManager
     from furlong.core.plugins.selection import resolve_selection

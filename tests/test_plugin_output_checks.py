@@ -10,19 +10,19 @@ import json
 
 import pytest
 
-from furlong.core.config import parse_args
 from furlong.core.config.launch_args import launch_config
 from furlong.hooks import PluginError, Status, hookimpl
 
 from .scripted_engine import ScriptedEngine, boxed_first_operand, rollout_manager
 
 
-def _args(tmp_path, *extra, pm=None):
+def _args(tmp_path, *extra):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+0=", "label": str(i)}) + "\n" for i in range(8)))
     return launch_config("--num-rollout", "1", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
                          "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
-                         "--rollout-max-response-len", "16", "--log-dir", str(tmp_path / "logs"), *extra, pm=pm)
+                         "--rollout-max-response-len", "16", "--log-dir", str(tmp_path / "logs"), *extra,
+                         configure=False)
 
 
 def _rollout_error(args, pm) -> str:
@@ -83,13 +83,13 @@ class _Generate:
 def test_a_generate_result_whose_lists_disagree_is_blamed_on_the_plugin(tmp_path, plugin_manager, register_plugin,
                                                                         mistake, expected):
     register_plugin(_Generate(mistake), "two_turn")
-    args = _args(tmp_path, "--generate", "two_turn", "--rm-type", "math", pm=plugin_manager)
+    args = _args(tmp_path, "--generate", "two_turn", "--rm-type", "math")
     assert _rollout_error(args, plugin_manager) == expected
 
 
 def test_a_consistent_two_turn_result_trains(tmp_path, plugin_manager, register_plugin):
     register_plugin(_Generate(None), "two_turn")
-    args = _args(tmp_path, "--generate", "two_turn", "--rm-type", "math", pm=plugin_manager)
+    args = _args(tmp_path, "--generate", "two_turn", "--rm-type", "math")
     groups = asyncio.run(rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand)).generate(0))
     assert [s.response_length for s in groups[0]] == [30, 30]
 
@@ -120,7 +120,7 @@ class _Reward:
 def test_a_reward_of_the_wrong_shape_is_blamed_on_the_plugin(tmp_path, plugin_manager, register_plugin, returns,
                                                              expected):
     register_plugin(_Reward(returns), "careless")
-    args = _args(tmp_path, "--rm-type", "careless", "--group-rm", pm=plugin_manager)
+    args = _args(tmp_path, "--rm-type", "careless", "--group-rm")
     assert _rollout_error(args, plugin_manager) == expected
 
 

@@ -28,14 +28,11 @@ def _data(tmp_path, n=40):
     return path
 
 
-def _args(tmp_path, *extra, pm=None):
-    """The configuration of a ``furlong train-async`` run (the fully async rollout's ``configure``
-    refuses ``furlong train``, so it is frozen unconfigured and given ``train_mode="async"``)."""
+def _args(tmp_path, *extra):
     return launch_config("--num-rollout", "4", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
                          "--prompt-data", str(_data(tmp_path)), "--input-key", "prompt", "--label-key", "label",
                          "--rm-type", "math", "--rollout-max-response-len", "16", "--rollout", "fully_async",
-                         "--log-dir", str(tmp_path / "logs"), *extra, pm=pm, configure=False,
-                         train_mode="async")
+                         "--log-dir", str(tmp_path / "logs"), *extra, configure=False)
 
 
 def _answer(prompt, call):
@@ -206,7 +203,7 @@ def test_filter_drops_are_counted(tmp_path, plugin_manager, register_plugin):
             return FilterResult(keep=samples[0].group_index != 0, reason="first")
 
     register_plugin(RejectFirst(), "reject_first")
-    args = _args(tmp_path, "--dynamic-sampling-filter", "reject_first", pm=plugin_manager)
+    args = _args(tmp_path, "--dynamic-sampling-filter", "reject_first")
     manager = rollout_manager(args, plugin_manager, ScriptedEngine(_answer, delay=0.001))
 
     async def main():
@@ -231,7 +228,7 @@ def test_producer_failure_is_raised_by_every_later_rollout(tmp_path, plugin_mana
             return [1.0 for _ in samples]
 
     register_plugin(Broken(), "broken_rm")
-    args = _args(tmp_path, "--rm-type", "broken_rm", pm=plugin_manager)
+    args = _args(tmp_path, "--rm-type", "broken_rm")
     manager = rollout_manager(args, plugin_manager, ScriptedEngine(_answer))
 
     async def main():

@@ -11,8 +11,7 @@ import textwrap
 import pytest
 
 from furlong.core.run import checkpoints as ck
-from furlong.core.config import parse_args
-from furlong.core.config.launch_args import launch_args, launch_config
+from furlong.core.config.launch_args import launch_config
 from furlong.hooks import PluginError
 
 from .scripted_engine import ScriptedEngine, boxed_first_operand, rollout_manager
@@ -80,37 +79,37 @@ def _calls(module):
     return importlib.import_module(module).CALLS
 
 
-def _args(tmp_path, *extra, pm=None):
+def _config(tmp_path, *extra):
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{i}+0=", "label": str(i)}) + "\n" for i in range(40)))
     return launch_config("--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
                          "--prompt-data", str(path), "--input-key", "prompt", "--label-key", "label",
-                         "--rm-type", "math", "--rollout-max-response-len", "16", *extra, pm=pm)
+                         "--rm-type", "math", "--rollout-max-response-len", "16", *extra, configure=False)
 
 
 def test_sample_filter_sees_the_sorted_batch_and_may_remove_samples(tmp_path, plugin_manager, functions):
-    args = _args(tmp_path, "--rollout-sample-filter-path", f"{functions}.mark_odd")
-    manager = rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand))
+    config = _config(tmp_path, "--rollout-sample-filter-path", f"{functions}.mark_odd")
+    manager = rollout_manager(config, plugin_manager, ScriptedEngine(boxed_first_operand))
     groups = asyncio.run(manager.generate(0))
     assert _calls(functions) == [("mark_odd", [[0, 1], [2, 3]])]
     assert [[s.remove_sample for s in g] for g in groups] == [[False, True], [False, True]]
 
 
 def test_sample_filter_may_be_async(tmp_path, plugin_manager, functions):
-    args = _args(tmp_path, "--rollout-sample-filter-path", f"{functions}.async_mark_all")
-    groups = asyncio.run(rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand)).generate(0))
+    config = _config(tmp_path, "--rollout-sample-filter-path", f"{functions}.async_mark_all")
+    groups = asyncio.run(rollout_manager(config, plugin_manager, ScriptedEngine(boxed_first_operand)).generate(0))
     assert all(s.remove_sample for g in groups for s in g)
 
 
 def test_all_samples_process_sees_kept_and_dropped_groups(tmp_path, plugin_manager, functions):
-    args = _args(tmp_path, "--rollout-all-samples-process-path", f"{functions}.see_all",
+    config = _config(tmp_path, "--rollout-all-samples-process-path", f"{functions}.see_all",
                  "--dynamic-sampling-filter", "check_reward_nonzero_std", "--over-sampling-batch-size", "4")
 
     def answer(prompt, call):  # even prompts: both samples right (zero std, dropped); odd: right or wrong
         i = int(prompt.split("+")[0])
         return "\\boxed{" + (str(i) if i % 2 == 0 or call % 2 else "x") + "}", "stop"
 
-    manager = rollout_manager(args, plugin_manager, ScriptedEngine(answer))
+    manager = rollout_manager(config, plugin_manager, ScriptedEngine(answer))
     groups = asyncio.run(manager.generate(0))
     [(_, seen, cursor)] = _calls(functions)
     counters = manager.cursor.counters
@@ -122,17 +121,17 @@ def test_all_samples_process_sees_kept_and_dropped_groups(tmp_path, plugin_manag
 
 
 def test_a_failing_rollout_function_names_its_flag(tmp_path, plugin_manager, functions):
-    args = _args(tmp_path, "--rollout-sample-filter-path", f"{functions}.boom")
-    manager = rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand))
+    config = _config(tmp_path, "--rollout-sample-filter-path", f"{functions}.boom")
+    manager = rollout_manager(config, plugin_manager, ScriptedEngine(boxed_first_operand))
     with pytest.raises(PluginError) as excinfo:
         asyncio.run(manager.generate(0))
     assert str(excinfo.value) == f"--rollout-sample-filter-path '{functions}.boom' failed: ValueError: boom"
 
 
 def test_a_bad_rollout_function_path_fails_when_the_manager_is_built(tmp_path, plugin_manager, functions):
-    args = _args(tmp_path, "--rollout-all-samples-process-path", f"{functions}.missing")
+    config = _config(tmp_path, "--rollout-all-samples-process-path", f"{functions}.missing")
     with pytest.raises(PluginError) as excinfo:
-        rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand))
+        rollout_manager(config, plugin_manager, ScriptedEngine(boxed_first_operand))
     assert str(excinfo.value) == (f"--rollout-all-samples-process-path '{functions}.missing': module '{functions}' "
                                   f"has no attribute 'missing'")
 
@@ -147,44 +146,43 @@ async def _save_model(path):
     _write(path)
 
 
-def _save_args(tmp_path, hook):
-    return launch_args(save=str(tmp_path / "save"), save_trigger_sentinel=None,
-                       custom_megatron_post_save_hook_path=hook)
+def _save_config(tmp_path, hook, **overrides):
+    return launch_config(save=str(tmp_path / "save"), save_trigger_sentinel=None,
+                         custom_megatron_post_save_hook_path=hook, **overrides)
 
 
 def test_post_save_hook_runs_after_the_marker_names_the_checkpoint(tmp_path, functions):
-    args = _save_args(tmp_path, f"{functions}.after_save")
-    final = asyncio.run(ck.save_checkpoint(args, 3, _save_model, {"r": 3}))
+    config = _save_config(tmp_path, f"{functions}.after_save")
+    final = asyncio.run(ck.save_checkpoint(config, 3, _save_model, {"r": 3}))
     assert _calls(functions) == [("after_save", 3, final, None, "3", True)]
 
 
 def test_post_save_hook_gets_the_save_hf_directory_written_before_it(tmp_path, functions):
-    args = _save_args(tmp_path, f"{functions}.after_save")
-    args.save_hf = str(tmp_path / "hf" / "r{rollout_id}")
+    config = _save_config(tmp_path, f"{functions}.after_save", save_hf=str(tmp_path / "hf" / "r{rollout_id}"))
     written = []
 
     async def save_hf(path):
         written.append(path)
 
-    final = asyncio.run(ck.save_checkpoint(args, 3, _save_model, {"r": 3}, save_hf))
+    final = asyncio.run(ck.save_checkpoint(config, 3, _save_model, {"r": 3}, save_hf))
     assert written == [str(tmp_path / "hf" / "r3")]
     assert _calls(functions) == [("after_save", 3, final, str(tmp_path / "hf" / "r3"), "3", True)]
 
 
 def test_post_save_hook_failure_names_the_flag(tmp_path, functions):
-    args = _save_args(tmp_path, f"{functions}.failing_save")
+    config = _save_config(tmp_path, f"{functions}.failing_save")
     with pytest.raises(PluginError) as excinfo:
-        asyncio.run(ck.save_checkpoint(args, 0, _save_model, {"r": 0}))
-    final = ck.iter_dir(args.save, 0)
+        asyncio.run(ck.save_checkpoint(config, 0, _save_model, {"r": 0}))
+    final = ck.iter_dir(config.save, 0)
     assert str(excinfo.value) == (f"--custom-megatron-post-save-hook-path '{functions}.failing_save' failed after "
                                   f"saving {final}: OSError: disk full")
-    assert ck.read_marker(args.save) == 0  # the checkpoint itself is complete
+    assert ck.read_marker(config.save) == 0  # the checkpoint itself is complete
 
 
 def test_post_save_hook_may_not_be_async(tmp_path, functions):
-    args = _save_args(tmp_path, f"{functions}.async_save")
+    config = _save_config(tmp_path, f"{functions}.async_save")
     with pytest.raises(PluginError) as excinfo:
-        asyncio.run(ck.save_checkpoint(args, 0, _save_model, {"r": 0}))
+        asyncio.run(ck.save_checkpoint(config, 0, _save_model, {"r": 0}))
     assert str(excinfo.value) == (f"--custom-megatron-post-save-hook-path '{functions}.async_save' returned an "
                                   f"awaitable: the hook is called synchronously after each save; make it a plain "
                                   f"function.")

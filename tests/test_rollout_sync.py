@@ -10,7 +10,6 @@ import json
 
 import pytest
 
-from furlong.core.config import parse_args
 from furlong.core.config.launch_args import launch_config
 from furlong.hooks import FilterResult, PluginError, Sample, Status, hookimpl
 
@@ -23,10 +22,10 @@ def _data(tmp_path, n=40):
     return path
 
 
-def _args(tmp_path, *extra, pm=None):
+def _args(tmp_path, *extra):
     return launch_config("--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
                          "--prompt-data", str(_data(tmp_path)), "--input-key", "prompt", "--label-key", "label",
-                         "--rm-type", "math", "--rollout-max-response-len", "16", *extra, pm=pm)
+                         "--rm-type", "math", "--rollout-max-response-len", "16", *extra, configure=False)
 
 
 def _alternating(prompt, call):
@@ -103,7 +102,7 @@ def test_reject_all_filter_errors_after_max_waves_instead_of_hanging(tmp_path, p
 
     register_plugin(RejectAll(), "reject_all")
     args = _args(tmp_path, "--dynamic-sampling-filter", "reject_all", "--max-sampling-waves", "3",
-                 "--over-sampling-batch-size", "2", "--log-dir", str(tmp_path / "logs"), pm=plugin_manager)
+                 "--over-sampling-batch-size", "2", "--log-dir", str(tmp_path / "logs"))
     manager = rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand))
     with pytest.raises(PluginError) as excinfo:
         asyncio.run(asyncio.wait_for(manager.generate(0), timeout=30))
@@ -174,7 +173,7 @@ def test_failing_reward_dumps_the_rollout_and_names_plugin_and_sample(tmp_path, 
             raise ValueError("grader exploded")
 
     register_plugin(Broken(), "broken_rm")
-    args = _args(tmp_path, "--rm-type", "broken_rm", "--log-dir", str(tmp_path / "logs"), pm=plugin_manager)
+    args = _args(tmp_path, "--rm-type", "broken_rm", "--log-dir", str(tmp_path / "logs"))
     manager = rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand))
     with pytest.raises(PluginError) as excinfo:
         asyncio.run(manager.generate(0))
