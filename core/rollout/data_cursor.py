@@ -9,9 +9,8 @@ the ``buffer_pop`` hook, and saves all of it as JSON in checkpoints.
 from __future__ import annotations
 
 import copy
-from argparse import Namespace
 
-from furlong.hooks import DataSource, PluginError, Sample
+from furlong.hooks import DataSource, PluginError, RunConfig, Sample
 from furlong.hooks.contract import check_buffer_pop
 
 from ..plugins.manager import FurlongPluginManager
@@ -37,15 +36,16 @@ class DataCursor:
 
     :param data_source: the object the ``data_source`` hook returned.
     :param buffer_pop: ``(name, flag)`` of the chosen ``buffer_pop`` plugin.
+    :param n_samples: samples per group (default ``--n-samples-per-prompt``).
     """
 
-    def __init__(self, args: Namespace, pm: FurlongPluginManager, data_source: DataSource,
+    def __init__(self, config: RunConfig, pm: FurlongPluginManager, data_source: DataSource,
                  buffer_pop: tuple[str, str], n_samples: int | None = None):
-        self.args = args
+        self.config = config
         self.pm = pm
         self.source = data_source
         self.buffer_pop = buffer_pop
-        self.n = int(n_samples or args.n_samples_per_prompt)
+        self.n = int(n_samples or config.n_samples_per_prompt)
         self.group_index = 0
         self.sample_index = 0
         self.buffer: list[list[Sample]] = []
@@ -57,9 +57,8 @@ class DataCursor:
         groups: list[list[Sample]] = []
         if self.buffer:
             name, flag = self.buffer_pop
-            popped = await self.pm.call_chosen(
-                "buffer_pop", name, flag, args=self.args, rollout_id=self.rollout_id, buffer=self.buffer, num_samples=k
-            )
+            popped = await self.pm.call_chosen("buffer_pop", name, flag, config=self.config,
+                                               rollout_id=self.rollout_id, buffer=self.buffer, num_samples=k)
             check_buffer_pop(popped, k, f"buffer_pop plugin '{name}' ({self.pm.origin(name)})")
             groups.extend(popped)
         fresh = self.new_groups(self.source.next_rows(k - len(groups))) if k > len(groups) else []
