@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import inspect
 import time
 
 from furlong.hooks import PluginError, Sample
@@ -23,10 +22,9 @@ __all__ = ["Evaluator"]
 class Evaluator:
     """Loads every eval dataset once (through the ``data_source`` hook), then evaluates on demand.
 
-    Construct it before any model loads: a plain ``data_source`` is called here, so bad
-    eval files fail early, naming file and line. An ``async def`` one is awaited inside
-    the running event loop by :meth:`load` (which :meth:`evaluate` calls first; the loop
-    may call it right after construction to fail as early).
+    Construct it before any model loads, then call :meth:`load` (:meth:`evaluate` calls it
+    first; the rollout side calls it right after construction), so bad eval files fail
+    early, naming file and line.
     """
 
     def __init__(self, args: argparse.Namespace, pm: FurlongPluginManager, selection: Selection):
@@ -38,13 +36,6 @@ class Evaluator:
         for ds in load_eval_datasets(args):
             ds_args = _source_args(args, ds)
             self._to_load.append((ds, ds_args, self._reader(ds, ds_args)))
-        waiting = []
-        for ds, ds_args, reader in self._to_load:  # a plain data_source is called now, an async one by load()
-            if inspect.iscoroutinefunction(pm.chosen_impl("data_source", *reader).function):
-                waiting.append((ds, ds_args, reader))
-            else:
-                self._add(ds, reader, pm.call_chosen_sync("data_source", *reader, args=ds_args))
-        self._to_load = waiting
 
     def _reader(self, ds: EvalDataset, ds_args: argparse.Namespace) -> tuple[str, str]:
         """``(plugin, flag)`` reading eval set ``ds``: the data source flags' choice, else the plugin that
