@@ -90,7 +90,7 @@ def rollout_manager(args, pm, engine):
     from furlong.core.plugins.selection import resolve_selection
 
     selection = resolve_selection(args, pm)
-    source = pm.call_chosen_sync("data_source", *selection.chosen["data_source"], args=args)
+    source = asyncio.run(pm.call_chosen("data_source", *selection.chosen["data_source"], args=args))
     cursor = DataCursor(args, pm, source, selection.chosen["buffer_pop"])
     return RolloutManager(args, pm, selection, engine, cursor)
 

@@ -197,7 +197,7 @@ def test_rollout_path_gets_args_rollout_id_and_context(user, load_plugins):
 
 def test_data_source_path_constructs_the_class_with_args(user, load_plugins):
     pm, args, selection = _select(load_plugins, ("data_source",), data_source_path="my_funcs.Rows")
-    source = pm.call_chosen_sync("data_source", *selection.chosen["data_source"], args=args)
+    source = asyncio.run(pm.call_chosen("data_source", *selection.chosen["data_source"], args=args))
     assert isinstance(source, user.Rows)
     assert user.CALLS == [("Rows", (args,), {})]
 
