@@ -25,6 +25,7 @@ from furlong.hooks import PROJECT, FilterResult, PluginError, specs
 from furlong.hooks.contract import (argument_name_problems, check_filter_result, no_hookimpl_problem,
                                     unknown_hook_problems)
 
+from . import path_specs
 from .discovery import EntryRecord, disabled_from_env, is_disabled, read_entry_points, split_names
 
 __all__ = ["FurlongPluginManager", "get_plugin_manager", "OBSERVER_HOOKS", "WARN_ONLY_HOOKS"]
@@ -49,6 +50,7 @@ class FurlongPluginManager(pluggy.PluginManager):
     def __init__(self) -> None:
         super().__init__(PROJECT)
         self.add_hookspecs(specs)
+        self.add_hookspecs(path_specs)
         self.records: dict[str, EntryRecord] = {}
         self.broken: dict[str, tuple[EntryRecord | None, str]] = {}
         self.conflicts: dict[str, list[EntryRecord]] = {}
@@ -146,15 +148,19 @@ class FurlongPluginManager(pluggy.PluginManager):
         """Call plugin ``name``'s implementation of ``hook``; await it if it is a coroutine.
 
         :raises PluginError: the plugin cannot be chosen (see :meth:`chosen_impl`) or
-            returned None.
+            returned None from a hook whose spec returns something.
         """
         impl = self.chosen_impl(hook, name, flag)
         result = await self._call(hook, impl, kwargs)
-        if result is None:
+        if result is None and self._returns_result(hook):
             expected = "; expected FilterResult or bool" if hook == "filter" else f"; a chosen `{hook}` must return its result"
             raise PluginError(f"plugin '{name}' ({self.origin(name)}) returned None from `{hook}` (chosen by {flag})"
                               f"{expected}.")
         return result
+
+    def _returns_result(self, hook: str) -> bool:
+        spec = getattr(self.hook, hook).spec
+        return spec is None or inspect.signature(spec.function).return_annotation not in (None, "None")
 
     async def broadcast(self, hook: str, /, **kwargs: Any) -> list[Any]:
         """Call every implementation of ``hook`` separately; return their results.
@@ -269,7 +275,8 @@ class FurlongPluginManager(pluggy.PluginManager):
             if self.get_plugin(name) is plugin:
                 self.unregister(name=name)
             return False
-        problem = unknown_hook_problems(self, plugin) or no_hookimpl_problem(self, plugin)
+        internal = tuple(path_specs.PATH_HOOKS) if getattr(plugin, "dotted_path_adapter", False) else ()
+        problem = unknown_hook_problems(self, plugin, internal) or no_hookimpl_problem(self, plugin)
         if problem:
             self.unregister(name=name)
             self.broken[name] = (record, problem)
@@ -323,11 +330,13 @@ def get_plugin_manager(disable: str | list[str] | None = None) -> FurlongPluginM
 
 
 def _select(impl: pluggy.HookImpl, kwargs: dict) -> dict:
-    """The arguments ``impl`` asks for; an old-form implementation that asks for ``args`` where the
-    core passes ``config`` gets ``config.namespace()`` (accepted until the next minor version)."""
+    """The arguments ``impl`` asks for; an implementation that asks for ``args`` where the core
+    passes ``config`` gets ``config.namespace()``: an old-form plugin (accepted until the next minor
+    version, with a warning) or an adapter handing it to a Miles-style function (``dotted_path_adapter``)."""
     chosen = {name: kwargs[name] for name in impl.argnames if name in kwargs}
     if "args" in impl.argnames and "args" not in kwargs and "config" in kwargs:
-        _warn_old_form(impl)
+        if not getattr(impl.plugin, "dotted_path_adapter", False):  # an adapter of a Miles-style function
+            _warn_old_form(impl)
         chosen["args"] = kwargs["config"].namespace()
     return chosen
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -22,7 +21,6 @@ from collections import Counter
 from furlong.hooks import FilterResult, PluginError, RolloutContext, RolloutEngine, Sample, Status
 from furlong.hooks.contract import check_generate_result
 
-from ..plugins.adapters import import_dotted
 from .data_cursor import DataCursor
 from ..plugins.manager import FurlongPluginManager
 from .rewards import RewardScorer
@@ -83,8 +81,6 @@ class RolloutManager:
         self.data_states: dict[int, dict] = {}
         self.rollout_metrics: dict[int, dict] = {}
         self.progress = {"samples_done": 0, "tokens": 0, "samples_total": 0}
-        self.sample_filter = _function(args, "rollout_sample_filter_path")
-        self.all_samples_process = _function(args, "rollout_all_samples_process_path")
 
     # --- the rollout ---------------------------------------------------------------------
 
@@ -133,9 +129,11 @@ class RolloutManager:
         """``--rollout-sample-filter-path`` on the groups to train on (it may set ``remove_sample``),
         then ``--rollout-all-samples-process-path`` on every group that finished generating this
         rollout, kept or not, sorted by first index, with the data cursor."""
-        if self.sample_filter:
-            await _call(self.args, "rollout_sample_filter_path", self.sample_filter, groups)
-        if self.all_samples_process:
+        paths = self.selection.paths
+        if "rollout_sample_filter" in paths:
+            await self.pm.call_chosen("rollout_sample_filter", *paths["rollout_sample_filter"], args=self.args,
+                                      samples=groups)
+        if "rollout_all_samples_process" in paths:
             seen = {id(g) for g in self.cursor.buffer}  # partial rollout: resumed next time, not seen yet
             finished = []
             for group in [*groups, *self._handed_out]:
@@ -143,8 +141,8 @@ class RolloutManager:
                     seen.add(id(group))
                     finished.append(group)
             finished.sort(key=lambda g: g[0].index)
-            await _call(self.args, "rollout_all_samples_process_path", self.all_samples_process, finished,
-                        self.cursor)
+            await self.pm.call_chosen("rollout_all_samples_process", *paths["rollout_all_samples_process"],
+                                      args=self.args, all_samples=finished, data_source=self.cursor)
 
     def set_weight_version(self, version: int) -> None:
         """Record the weight version the trainer just pushed to the engine.
@@ -362,32 +360,6 @@ class _TrackingCursor:
     @property
     def drop_counts(self) -> dict:
         return self._manager.drop_counts()
-
-
-def _function(args: Namespace, dest: str):
-    """The function a dotted-path flag names (imported now, so a bad path fails at set-up), or None."""
-    path = getattr(args, dest, None)
-    if not path:
-        return None
-    flag = "--" + dest.replace("_", "-")
-    fn = import_dotted(path, flag)
-    if not callable(fn):
-        raise PluginError(f"{flag} '{path}': '{path.rpartition('.')[2]}' is a {type(fn).__name__}, not callable; "
-                          f"point the flag at a function.")
-    return fn
-
-
-async def _call(args: Namespace, dest: str, fn, *fn_args) -> None:
-    """Call the function of dotted-path flag ``dest`` (plain or ``async def``); a failure names the flag."""
-    try:
-        result = fn(args, *fn_args)
-        if inspect.isawaitable(result):
-            await result
-    except PluginError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - name the function at fault
-        flag = "--" + dest.replace("_", "-")
-        raise PluginError(f"{flag} '{getattr(args, dest)}' failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _finished(group: list[Sample]) -> bool:

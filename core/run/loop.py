@@ -18,7 +18,7 @@ from furlong.hooks import PluginError
 from furlong.kit.compute_thread import shared_compute_thread
 
 from ..train.batching import steps_per_rollout
-from .checkpoints import periodic, resolve_start, save_checkpoint, should_save
+from .checkpoints import periodic, post_save_hook, resolve_start, save_checkpoint, should_save
 from ..rollout.engine_health import EngineHealthMonitor, health_monitor_wanted
 from ..rollout.engines import EngineFactory
 from .epochs import derive_num_rollout
@@ -186,7 +186,8 @@ class Run:
         """Checkpoint ``rollout_id`` with ``data_state`` (default: the data side's state now)."""
         if data_state is None:
             data_state = await self.rollout.data_state()
-        path = await save_checkpoint(self.args, rollout_id, self.group.save_model, data_state, self.group.save_hf)
+        path = await save_checkpoint(self.args, rollout_id, self.group.save_model, data_state, self.group.save_hf,
+                                     post_save_hook(self.args, self.pm, self.selection, rollout_id))
         await self.pm.notify("on_checkpoint_saved", args=self.args, rollout_id=rollout_id, path=path)
 
     async def finish_rollout(self, rollout_id: int, groups, metrics: dict) -> None:

@@ -136,7 +136,7 @@ class TrainGroup:
             groups = groups[:kept]
             gbs = len(set(trajectory_ids(flatten(groups))))
         samples = flatten(groups)
-        raw, rewards = post_process_rewards(args, samples)
+        raw, rewards = await post_process_rewards(args, samples, self.pm, self.selection)
         batch = to_train_batch(args, samples)
         batch.rewards = rewards
         batch.truncated = truncated_flags(samples)
