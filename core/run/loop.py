@@ -1,8 +1,8 @@
 """The training loop (sync and train-async: docs/modes.md), written with async/await.
 
-``async def train(args)`` is the Miles-shaped entry: ``await group.train(...)``,
-``await rollout_manager.generate(rollout_id)``, ``await group.update_weights()``,
-``await group.save_model(...)``. ``run(args, pm, selection)`` is what ``furlong train`` calls.
+Miles-shaped: ``await group.train(...)``, ``await rollout_manager.generate(rollout_id)``,
+``await group.update_weights()``, ``await group.save_model(...)``. ``run(args, pm, selection)``
+is what ``furlong train`` calls, once the flags are parsed and the chosen plugins configured.
 """
 
 from __future__ import annotations
@@ -35,21 +35,9 @@ from ..train.group import TrainGroup
 from ..train.worker import WorkerFactory
 from .weight_sync import WeightSync
 
-__all__ = ["run", "train"]
+__all__ = ["run"]
 
 log = logging.getLogger("furlong")
-
-
-async def train(args: Namespace) -> None:
-    """Run the loop with plugins from the installed entry points (as ``furlong train`` does)."""
-    from ..config.configure import configure_plugins
-    from ..plugins.manager import get_plugin_manager
-    from ..plugins.selection import resolve_selection
-
-    pm = get_plugin_manager(args.disable_plugins)
-    selection = resolve_selection(args, pm)
-    configure_plugins(args, pm, selection)
-    await run(args, pm, selection)
 
 
 class Run:
