@@ -374,7 +374,7 @@ PLUGIN_ERRORS = [
      "--fully-async cannot be combined with --colocate (the producer generates while the trainer trains)."),
     (["--fully-async", "--partial-rollout"], None,
      "--fully-async cannot be combined with --partial-rollout (unfinished groups simply stay in flight)."),
-    (["--rollout", "fully_async", "--rollout-all-samples-process-path", "my.process"], None,
+    (["--rollout", "fully_async", "--rollout-all-samples-process-path", "json.loads"], None,
      "--fully-async cannot be combined with --rollout-all-samples-process-path (there is no end of a rollout "
      "to see all samples at)."),
     (["--fully-async", "--pause-generation-mode", "abort"], None,

@@ -18,12 +18,12 @@ from furlong.hooks.markers import hookspec
 
 __all__ = ["PATH_HOOKS", "post_save", "reward_post_process", "rollout_all_samples_process", "rollout_sample_filter"]
 
-# hook -> (attribute, flag) of the dotted-path flag that chooses it
-PATH_HOOKS: dict[str, tuple[str, str]] = {
-    "rollout_sample_filter": ("rollout_sample_filter_path", "--rollout-sample-filter-path"),
-    "rollout_all_samples_process": ("rollout_all_samples_process_path", "--rollout-all-samples-process-path"),
-    "reward_post_process": ("custom_reward_post_process_path", "--custom-reward-post-process-path"),
-    "post_save": ("custom_megatron_post_save_hook_path", "--custom-megatron-post-save-hook-path"),
+# hook -> attribute of the dotted-path flag that chooses it (the flag: "--" + the attribute with dashes)
+PATH_HOOKS: dict[str, str] = {
+    "rollout_sample_filter": "rollout_sample_filter_path",
+    "rollout_all_samples_process": "rollout_all_samples_process_path",
+    "reward_post_process": "custom_reward_post_process_path",
+    "post_save": "custom_megatron_post_save_hook_path",
 }
 
 

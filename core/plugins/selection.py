@@ -112,9 +112,10 @@ def resolve_selection(args: Namespace, pm: FurlongPluginManager, hooks: tuple[st
             selection.reward = resolve_default_reward(args, pm)
         except PluginError as exc:
             errors.append(str(exc))
-    for hook, (attr, flag) in PATH_HOOKS.items():
+    for hook, attr in PATH_HOOKS.items():
         path = getattr(args, attr, None)
         if path and (hooks is None or hook in hooks):
+            flag = "--" + attr.replace("_", "-")
             try:
                 selection.paths[hook] = (register_path(pm, hook, path, flag), flag)
             except PluginError as exc:
