@@ -153,8 +153,9 @@ class FurlongPluginManager(pluggy.PluginManager):
         impl = self.chosen_impl(hook, name, flag)
         result = await self._call(hook, impl, kwargs)
         if result is None and self._returns_result(hook):
-            expected = "; expected FilterResult or bool" if hook == "filter" else f"; a chosen `{hook}` must return its result"
-            raise PluginError(f"plugin '{name}' ({self.origin(name)}) returned None from `{hook}` (chosen by {flag})"
+            expected = ("expected FilterResult or bool" if hook == "filter"
+                        else f"a chosen `{hook}` must return its result")
+            raise PluginError(f"plugin '{name}' ({self.origin(name)}) returned None from `{hook}` (chosen by {flag}); "
                               f"{expected}.")
         return result
 

@@ -230,7 +230,8 @@ def _publish(args: Any, save: str, rollout_id: int, tmp: str, final: str, state_
     log.info("saved checkpoint %s", final)
 
 
-def post_save_hook(args: Any, pm: Any, selection: Any, rollout_id: int) -> Callable[[str, str | None], Awaitable[None]] | None:
+def post_save_hook(args: Any, pm: Any, selection: Any,
+                   rollout_id: int) -> Callable[[str, str | None], Awaitable[None]] | None:
     """``--custom-megatron-post-save-hook-path`` as :func:`save_checkpoint`'s ``post_save``, or None without it.
 
     The hook is called through the plugin manager as ``hook(args, rollout_id, ckpt_dir, hf_dir)``
