@@ -10,7 +10,7 @@ from argparse import Namespace
 import pytest
 
 from furlong.core.plugins.selection import resolve_selection
-from furlong.hooks import FilterResult, PluginError
+from furlong.hooks import FilterResult, PluginError, hookimpl
 
 USER_MODULE = '''
 CALLS = []
@@ -272,3 +272,31 @@ def test_a_file_name_instead_of_a_dotted_path_gets_the_right_form():
     with pytest.raises(PluginError, match=r"^--custom-rm-path 'myrm\.py': a dotted path names the module without "
                                           r"'\.py' and then the function: 'myrm\.FUNCTION'\.$"):
         import_dotted("myrm.py", "--custom-rm-path")
+
+
+def test_a_path_function_given_the_run_configuration_gets_a_namespace_view_without_warning(user, recwarn):
+    from furlong.core.config.launch_args import launch_config
+    from furlong.core.plugins.manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    config = launch_config("--custom-advantage-function-path", "my_funcs.advantage", pm=pm)
+    selection = resolve_selection(config.namespace(), pm, ("advantage",))
+    out = asyncio.run(pm.call_chosen("advantage", *selection.chosen["advantage"], config=config, batch="B"))
+    [(name, (args, batch), _)] = user.CALLS
+    assert (out, name, batch) == ("advantages", "advantage", "B")
+    assert isinstance(args, Namespace) and args.custom_advantage_function_path == "my_funcs.advantage"
+    assert [str(w.message) for w in recwarn if issubclass(w.category, DeprecationWarning)] == []
+
+
+def test_every_path_function_call_is_reported_to_on_hook_call(user, load_plugins):
+    events = []
+
+    class Recorder:
+        @hookimpl
+        def on_hook_call(self, hook, plugin, error):
+            events.append((hook, plugin, error))
+
+    pm, args, selection = _select(load_plugins, ("advantage",), custom_advantage_function_path="my_funcs.advantage")
+    pm.register_checked(Recorder(), "recorder")
+    asyncio.run(pm.call_chosen("advantage", *selection.chosen["advantage"], args=args, batch="B"))
+    assert events == [("advantage", "my_funcs.advantage", None)]
