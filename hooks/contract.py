@@ -72,9 +72,10 @@ def argument_name_problems(pm: pluggy.PluginManager, plugin: object) -> str:
     return " ".join(problems)
 
 
-def unknown_hook_problems(pm: pluggy.PluginManager, plugin: object) -> str:
-    """The ``@hookimpl`` functions of a registered ``plugin`` whose names are no furlong hook, or ""."""
-    known = sorted(specs.__all__)
+def unknown_hook_problems(pm: pluggy.PluginManager, plugin: object, also: tuple[str, ...] = ()) -> str:
+    """The ``@hookimpl`` functions of a registered ``plugin`` whose names are no furlong hook (nor in
+    ``also``), or ""."""
+    known = sorted([*specs.__all__, *also])
     bad = []
     for caller in pm.get_hookcallers(plugin) or []:
         if caller.name not in known:

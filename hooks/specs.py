@@ -1,8 +1,18 @@
 """The hook contract: every hook furlong's core emits, in loop order.
 
 Implementations take keyword arguments and may accept any subset of a spec's arguments.
-Any implementation may be ``async def``; the core awaits it. Implementation parameters
-take no defaults. Call styles:
+Implementation parameters take no defaults. Only the plugin manager calls implementations,
+in one of two ways:
+
+- from async code (every hook but the two set-up hooks): an implementation may be
+  ``async def``; the core awaits it.
+- from set-up code (``add_arguments``, ``configure``): these run while the parser is built
+  and the flags are configured, before the run's event loop starts, and nothing awaits
+  them: an ``async def`` implementation is an error naming the plugin (``add_arguments``:
+  the plugin is set aside).
+
+Both ways time every call of a non-observer hook and report it to ``on_hook_call``. Call
+styles:
 
 - *chosen*: only the implementation of the plugin named by the selection flag runs;
   returning None is an error naming the plugin.
@@ -83,7 +93,8 @@ def configure(args: Namespace, report: ConfigReport) -> None:
     reward; then the executor), each plugin once even when chosen for several hooks.
     Called after the core validated the flags and resolved the selection, before
     ``--print-config`` prints them. Not called for per-sample rewards
-    (``metadata["rm_type"]``) or dotted-path functions. May be ``async def``.
+    (``metadata["rm_type"]``) or dotted-path functions. A set-up hook: a plain function
+    (``async def`` is an error naming the plugin).
 
     Derive a default only for a flag the user did not give (``report.default(args,
     dest, value)`` does that; ``args.explicit_args`` lists the given ones); changing a
@@ -375,6 +386,11 @@ def on_checkpoint_saved(config: RunConfig, args: Namespace, rollout_id: int, pat
 @hookspec
 def on_hook_call(hook: str, plugin: str, seconds: float, error: str | None) -> None:
     """Observer: a non-observer hook implementation returned or raised.
+
+    Call: observer, around every call of a non-observer hook, set-up hooks included
+    (``add_arguments`` twice per plugin: on a scratch parser that checks for clashing
+    flags, then on the real one). May be ``async def``: after a set-up call it is run to
+    the end when no event loop is running, else scheduled on the running loop.
 
     :param hook: hook name; :param plugin: plugin name; :param seconds: wall-clock
         duration in seconds; :param error: ``"ExcType: message"`` when it raised, else None.

@@ -91,8 +91,8 @@ def rollout_manager(config, pm, engine):
     from furlong.core.plugins.selection import resolve_selection
 
     selection = resolve_selection(config, pm)
-    source = pm.call_chosen_sync("data_source", *selection.chosen["data_source"],
-                                 **data_source_kwargs(config, train_dataset(config)))
+    source = asyncio.run(pm.call_chosen("data_source", *selection.chosen["data_source"],
+                                        **data_source_kwargs(config, train_dataset(config))))
     cursor = DataCursor(config, pm, source, selection.chosen["buffer_pop"])
     return RolloutManager(config, pm, selection, engine, cursor)
 

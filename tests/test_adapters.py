@@ -9,8 +9,9 @@ from argparse import Namespace
 
 import pytest
 
+from furlong.core.config.launch_args import launch_args
 from furlong.core.plugins.selection import resolve_selection
-from furlong.hooks import FilterResult, PluginError
+from furlong.hooks import FilterResult, PluginError, hookimpl
 
 USER_MODULE = '''
 CALLS = []
@@ -97,16 +98,7 @@ def user(tmp_path, monkeypatch):
 
 
 def _args(**overrides) -> Namespace:
-    values = dict(
-        data_source="jsonl", data_source_path=None, rollout_backend="embedded", train_backend="fsdp",
-        rollout="sync", rollout_function_path=None, generate="single_turn", custom_generate_function_path=None,
-        buffer_filter="pop_first", buffer_filter_path=None, advantage_estimator="grpo",
-        custom_advantage_function_path=None, loss_type="policy_loss", custom_loss_function_path=None,
-        dynamic_sampling_filter=None, dynamic_sampling_filter_path=None, custom_rm_path=None, rm_type=None,
-        custom_agent_function_path=None, group_rm=False,
-    )
-    values.update(overrides)
-    return Namespace(**values)
+    return launch_args(**overrides)
 
 
 def _select(load_plugins, hooks, **overrides):
@@ -197,7 +189,7 @@ def test_rollout_path_gets_args_rollout_id_and_context(user, load_plugins):
 
 def test_data_source_path_constructs_the_class_with_args(user, load_plugins):
     pm, args, selection = _select(load_plugins, ("data_source",), data_source_path="my_funcs.Rows")
-    source = pm.call_chosen_sync("data_source", *selection.chosen["data_source"], args=args)
+    source = asyncio.run(pm.call_chosen("data_source", *selection.chosen["data_source"], args=args))
     assert isinstance(source, user.Rows)
     assert user.CALLS == [("Rows", (args,), {})]
 
@@ -272,3 +264,31 @@ def test_a_file_name_instead_of_a_dotted_path_gets_the_right_form():
     with pytest.raises(PluginError, match=r"^--custom-rm-path 'myrm\.py': a dotted path names the module without "
                                           r"'\.py' and then the function: 'myrm\.FUNCTION'\.$"):
         import_dotted("myrm.py", "--custom-rm-path")
+
+
+def test_a_path_function_given_the_run_configuration_gets_a_namespace_view_without_warning(user, recwarn):
+    from furlong.core.config.launch_args import launch_config
+    from furlong.core.plugins.manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    config = launch_config("--custom-advantage-function-path", "my_funcs.advantage", pm=pm)
+    selection = resolve_selection(config.namespace(), pm, ("advantage",))
+    out = asyncio.run(pm.call_chosen("advantage", *selection.chosen["advantage"], config=config, batch="B"))
+    [(name, (args, batch), _)] = user.CALLS
+    assert (out, name, batch) == ("advantages", "advantage", "B")
+    assert isinstance(args, Namespace) and args.custom_advantage_function_path == "my_funcs.advantage"
+    assert [str(w.message) for w in recwarn if issubclass(w.category, DeprecationWarning)] == []
+
+
+def test_every_path_function_call_is_reported_to_on_hook_call(user, load_plugins):
+    events = []
+
+    class Recorder:
+        @hookimpl
+        def on_hook_call(self, hook, plugin, error):
+            events.append((hook, plugin, error))
+
+    pm, args, selection = _select(load_plugins, ("advantage",), custom_advantage_function_path="my_funcs.advantage")
+    pm.register_checked(Recorder(), "recorder")
+    asyncio.run(pm.call_chosen("advantage", *selection.chosen["advantage"], args=args, batch="B"))
+    assert events == [("advantage", "my_funcs.advantage", None)]

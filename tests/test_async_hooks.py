@@ -70,22 +70,30 @@ def test_async_eval_data_source_is_awaited_inside_the_running_loop(plugin_manage
     assert ds.name == "arith" and len(rows) == 3
 
 
-def test_plain_eval_data_source_still_fails_at_construction(plugin_manager, register_plugin, tmp_path):
-    """A synchronous data source is read when the Evaluator is built, before any model loads."""
+def test_plain_eval_data_source_is_read_when_loaded_inside_the_running_loop(plugin_manager, register_plugin,
+                                                                           tmp_path):
+    """A plain data source is called through the async path too: nothing is read at construction, and
+    load() (which the rollout side calls right after it, before any model loads) names the bad set."""
     from furlong.core.rollout.evaluation import Evaluator
+
+    calls = []
 
     class NoLen:
         @hookimpl
         def data_source(self, args):
+            calls.append(asyncio.get_running_loop())
             return object()
 
     register_plugin(NoLen(), "no_len")
 
     async def main():
-        Evaluator(_eval_config(tmp_path / "x.jsonl"), plugin_manager, _selection("no_len"))
+        evaluator = Evaluator(_eval_config(tmp_path / "x.jsonl"), plugin_manager, _selection("no_len"))
+        assert calls == []
+        await evaluator.load()
 
     with pytest.raises(PluginError) as excinfo:
         asyncio.run(main())
+    assert len(calls) == 1
     assert str(excinfo.value) == "--data-source 'no_len': an eval data source must define __len__ (eval set 'arith')."
 
 

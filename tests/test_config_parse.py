@@ -335,7 +335,8 @@ def test_an_async_add_arguments_is_set_aside(plugin_manager, register_plugin):
 
     register_plugin(Async(), "async_flags")
     assert "--async-width" not in build_parser(plugin_manager)._option_string_actions
-    assert plugin_manager.broken["async_flags"][1] == "`add_arguments` may not be async def."
+    assert plugin_manager.broken["async_flags"][1] == ("`add_arguments` may not be async def; set-up hooks run before "
+                                                       "the event loop starts (make it a plain def).")
 
 
 def test_overlay_text_values_of_typed_flags_are_converted(tmp_path):

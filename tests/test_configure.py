@@ -295,7 +295,8 @@ def test_the_cli_refuses_an_unchosen_plugin_s_flag_with_exit_2(run_furlong, tiny
         "choose the plugin (--executor ray) or leave --ray-engine-restarts out.")
 
 
-def test_hook_configure_async_def_is_awaited(resolve, register_plugin):
+def test_hook_configure_async_def_is_an_error_naming_the_plugin(resolve, register_plugin):
+    """``configure`` is a set-up hook: it runs before the event loop starts, so it is a plain function."""
     class AsyncConfigure:
         @hookimpl
         def advantage(self, args, batch):
@@ -306,9 +307,10 @@ def test_hook_configure_async_def_is_awaited(resolve, register_plugin):
             report.default(args, "gamma", 0.5)
 
     register_plugin(AsyncConfigure(), "c_async")
-    args, configured = resolve(BASE + ["--advantage-estimator", "c_async"])
-    assert args.gamma == 0.5
-    assert derived_by(configured, "c_async") == {"gamma": 0.5}
+    with pytest.raises(ConfigError) as excinfo:
+        resolve(BASE + ["--advantage-estimator", "c_async"])
+    assert str(excinfo.value) == ("plugin 'c_async': `configure` may not be async def; set-up hooks run before the "
+                                  "event loop starts (make it a plain def).")
 
 
 def test_config_report_default_and_given():
@@ -372,7 +374,7 @@ PLUGIN_ERRORS = [
      "--fully-async cannot be combined with --colocate (the producer generates while the trainer trains)."),
     (["--fully-async", "--partial-rollout"], None,
      "--fully-async cannot be combined with --partial-rollout (unfinished groups simply stay in flight)."),
-    (["--rollout", "fully_async", "--rollout-all-samples-process-path", "my.process"], None,
+    (["--rollout", "fully_async", "--rollout-all-samples-process-path", "json.loads"], None,
      "--fully-async cannot be combined with --rollout-all-samples-process-path (there is no end of a rollout "
      "to see all samples at)."),
     (["--fully-async", "--pause-generation-mode", "abort"], None,

@@ -228,8 +228,17 @@ def test_an_async_add_arguments_fails():
         parser.add_argument("--careless-x")
 
     assert _kit_error(_plugin(add_arguments=add_arguments)) == (
-        "plugin 'careless' breaks the `add_arguments` contract: it is async def; `add_arguments` runs while the "
-        "parser is built and may not be async.")
+        "plugin 'careless' breaks the `add_arguments` contract: it is async def; `add_arguments` is a set-up hook, "
+        "run before the event loop starts, and may not be async.")
+
+
+def test_kit_refuses_an_async_configure():
+    async def configure(args, report):
+        report.default(args, "gamma", 0.5)
+
+    assert _kit_error(_plugin(configure=configure)) == (
+        "plugin 'careless' breaks the `configure` contract: it is async def; `configure` is a set-up hook, "
+        "run before the event loop starts, and may not be async.")
 
 
 def _documented_example(marker: str) -> types.ModuleType:

@@ -3,6 +3,7 @@ and Arrow/CSV/TSV files (``hf_datasets``), nested keys, several metadata keys, a
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -142,6 +143,7 @@ def test_an_eval_set_is_read_by_its_own_file_s_reader(tmp_path, plugin_manager):
                            "--rm-type", "math", *VERL_KEYS, "--eval-prompt-data", "jl", str(tmp_path / "test.jsonl"),
                            "pq", str(train), "--eval-interval", "1", configure=False)
     evaluator = Evaluator(config, plugin_manager, resolve_selection(config, plugin_manager))
+    asyncio.run(evaluator.load())
     assert {ds.name: [r["label"] for r in rows] for ds, rows in evaluator.datasets} == {
         "jl": ["7"], "pq": ["0", "2", "4", "6"]}
 

@@ -279,7 +279,7 @@ def test_the_driver_worker_split_reproduces_the_whole_batch_computation_exactly(
         backend = await plugin_manager.call_chosen("train_backend", *chosen["train_backend"], config=config)
         await backend.init(config)
         samples = flatten(_fixed_groups())
-        raw, rewards = post_process_rewards(config, samples)
+        raw, rewards = await post_process_rewards(config, samples, plugin_manager, selection)
         batch = to_train_batch(config, samples)
         batch.rewards, batch.truncated, tids = rewards, truncated_flags(samples), trajectory_ids(samples)
         batch.steps = plan_steps(lengths=[len(t) for t in batch.tokens], global_batch_size=4, num_steps=2,

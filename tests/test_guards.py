@@ -152,7 +152,7 @@ def _py_files(folder: str) -> list[Path]:
 
 def test_import_resolution_of_relative_imports(tmp_path):
     # what _imports sees in core/cli/commands.py: "from ..plugins.manager import X" -> furlong.core.plugins.manager
-    assert (1, "furlong.core.plugins.manager") in [(1, name) for _, name in _imports(REPO / "core" / "cli" / "main.py")]
+    assert (1, "furlong.core.plugins.manager") in [(1, name) for _, name in _imports(REPO / "core" / "cli" / "commands.py")]
     assert _module_name(REPO / "builtin_plugins" / "__init__.py") == "furlong.builtin_plugins"
 
 
@@ -205,3 +205,76 @@ def test_hooks_import_neither_core_nor_builtin_plugins():
            for path in _py_files("hooks") for line, name in _imports(path)
            if any(_within(name, p) for p in ("furlong.core", "furlong.builtin_plugins", "core", "builtin_plugins"))]
     assert bad == []
+
+
+# --- who calls plugin and user code --------------------------------------------------------
+
+_MANAGER = Path("core/plugins/manager.py")
+# the contract kit (furlong.hooks.testing) checks one implementation in isolation, in a plugin author's
+# tests: it is no part of a run, and furlong.hooks may not import the plugin manager
+_KIT_CALLER = Path("hooks/testing/checks.py")
+_LOADERS = {"import_dotted", "import_module", "__import__", "exec_module", "run_path", "make_adapter"}
+# hooks/_moved.py imports furlong.kit's own modules for the old furlong.hooks paths, never a user's
+_MOVED = Path("hooks/_moved.py")
+
+
+def _hook_calls(source: str) -> list[tuple[int, str]]:
+    """Calls that run a hook implementation without the plugin manager's two ways: ``X.function(...)``
+    (a pluggy HookImpl's function), ``X._call(...)``/``X._call_setup(...)``/``X._call_sync(...)`` on
+    another object than ``self``, and pluggy's own ``X.hook.NAME(...)``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        func = node.func
+        on_self = isinstance(func.value, ast.Name) and func.value.id == "self"
+        if (func.attr == "function"
+                or func.attr in ("_call", "_call_setup", "_call_sync") and not on_self
+                or isinstance(func.value, ast.Attribute) and func.value.attr == "hook"):
+            found.append((node.lineno, ast.unparse(func)))
+    return found
+
+
+def _loader_uses(source: str) -> list[tuple[int, str]]:
+    """Names and calls that import code by a dotted path (``import_dotted``, ``importlib.import_module``, ...)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in _LOADERS:
+                found.append((node.lineno, ast.unparse(node.func)))
+        elif isinstance(node, ast.ImportFrom):
+            found += [(node.lineno, f"imports {alias.name}") for alias in node.names if alias.name in _LOADERS]
+    return found
+
+
+def test_the_call_detectors_see_each_way_around_the_manager():
+    source = textwrap.dedent("""
+        from furlong.core.plugins.adapters import import_dotted
+        result = pm._call_sync("configure", impl, {"args": args})
+        impl.function(parser=parser)
+        pm.hook.abort(args=args, rollout_id=1)
+        fn = import_dotted(path, flag)
+        module = importlib.import_module(name)
+        self._call(method)  # another class's own helper
+        pm.hook.configure.get_hookimpls()
+    """)
+    assert _hook_calls(source) == [(3, "pm._call_sync"), (4, "impl.function"), (5, "pm.hook.abort")]
+    assert _loader_uses(source) == [(2, "imports import_dotted"), (6, "import_dotted"),
+                                    (7, "importlib.import_module")]
+
+
+def test_hooks_are_called_only_by_the_plugin_manager():
+    bad = [f"{path.relative_to(REPO)}:{line} calls {what}"
+           for folder in PACKAGES for path in _py_files(folder)
+           if path.relative_to(REPO) not in (_MANAGER, _KIT_CALLER)
+           for line, what in _hook_calls(path.read_text())]
+    assert bad == [], "call hooks through the plugin manager (call_chosen, broadcast, notify, run_filters, call_setup)"
+
+
+def test_dotted_paths_are_imported_only_by_the_adapters():
+    bad = [f"{path.relative_to(REPO)}:{line}: {what}"
+           for folder in PACKAGES for path in _py_files(folder)
+           if path.relative_to(REPO).parts[:2] != ("core", "plugins") and path.relative_to(REPO) != _MOVED
+           for line, what in _loader_uses(path.read_text())]
+    assert bad == [], "wrap a dotted-path flag's function as an adapter plugin (core/plugins/adapters.py)"

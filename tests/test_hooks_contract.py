@@ -13,6 +13,7 @@ from argparse import ArgumentParser, Namespace
 import pytest
 import torch
 
+from furlong.core.config.parser import add_plugin_arguments
 from furlong.hooks import (
     AdvantageInput,
     AdvantageOutput,
@@ -107,7 +108,7 @@ def test_hook_add_arguments_broadcast_adds_each_plugin_s_flags(plugin_manager, r
     register_plugin(LeaveOneOut(), "leave_one_out")
     register_plugin(Shaping(), "shaping")
     parser = ArgumentParser()
-    plugin_manager.broadcast_sync("add_arguments", parser=parser)
+    add_plugin_arguments(parser, plugin_manager)
     parsed = vars(parser.parse_args(["--leave-one-out-weight", "0.5", "--shaping-bonus", "3"]))
     assert (parsed["leave_one_out_weight"], parsed["shaping_bonus"]) == (0.5, 3)
     assert "leave_one_out" in [group.title for group in parser._action_groups]
@@ -120,7 +121,8 @@ def test_hook_rollout_engine_factory_returns_a_rollout_engine(plugin_manager, re
             return CountingEngine(n=args.n)
 
     register_plugin(Factory(), "counting")
-    engine = plugin_manager.call_chosen_sync("rollout_engine", "counting", "--rollout-backend", args=Namespace(n=2))
+    engine = asyncio.run(plugin_manager.call_chosen("rollout_engine", "counting", "--rollout-backend",
+                                                    args=Namespace(n=2)))
     assert isinstance(engine, RolloutEngine)
     out = asyncio.run(engine.generate([5, 9], {"max_new_tokens": 8}))
     assert (out.output_ids, out.finish_reason) == ([10, 11], "length")
@@ -164,8 +166,8 @@ def test_hook_train_backend_factory_returns_a_train_backend(plugin_manager, regi
             return Backend(start=args.resume_at)
 
     register_plugin(Factory(), "tiny_backend")
-    backend = plugin_manager.call_chosen_sync("train_backend", "tiny_backend", "--train-backend",
-                                              args=Namespace(resume_at=6))
+    backend = asyncio.run(plugin_manager.call_chosen("train_backend", "tiny_backend", "--train-backend",
+                                                     args=Namespace(resume_at=6)))
     assert isinstance(backend, TrainBackend)
     assert asyncio.run(backend.init(None)) == 6
 
@@ -192,8 +194,8 @@ def test_hook_data_source_factory_returns_rows_and_state(plugin_manager, registe
             return ListSource([{"prompt": p, "label": None, "metadata": {}} for p in args.prompts])
 
     register_plugin(Factory(), "list_source")
-    source = plugin_manager.call_chosen_sync("data_source", "list_source", "--data-source",
-                                             args=Namespace(prompts=["a", "b"]))
+    source = asyncio.run(plugin_manager.call_chosen("data_source", "list_source", "--data-source",
+                                                    args=Namespace(prompts=["a", "b"])))
     assert isinstance(source, DataSource)
     assert [row["prompt"] for row in source.next_rows(3)] == ["a", "b", "a"]  # rolls over the epoch
     assert source.state() == {"offset": 3}

@@ -31,9 +31,9 @@ def _read(path):
 def test_jsonl_lines_with_step_keys_and_conversions(tmp_path):
     path = tmp_path / "run" / "metrics.jsonl"
     log = MetricsLog(str(path))
-    log.log_rollout(3, {"rollout/raw_reward": torch.tensor(0.5), "rollout/x": np.float32(0.25)})
-    log.log_train(7, {"train/loss": float("nan"), "train/grad_norm": float("inf"), "train/n": np.int64(4)})
-    log.log_eval(3, {"eval/gsm": torch.tensor([0.5, 1.0]), "eval/ok": True})
+    log.log({"rollout/raw_reward": torch.tensor(0.5), "rollout/x": np.float32(0.25)}, "rollout/step", 3)
+    log.log({"train/loss": float("nan"), "train/grad_norm": float("inf"), "train/n": np.int64(4)}, "train/step", 7)
+    log.log({"eval/gsm": torch.tensor([0.5, 1.0]), "eval/ok": True}, "eval/step", 3)
     # Flushed per line: readable while the log is still open.
     rows = _read(path)
     assert len(rows) == 3
@@ -47,13 +47,13 @@ def test_jsonl_lines_with_step_keys_and_conversions(tmp_path):
     log.close()
     # Append mode: a resumed run continues the same file.
     with MetricsLog(str(path)) as again:
-        again.log_rollout(4, {"rollout/raw_reward": 1})
+        again.log({"rollout/raw_reward": 1}, "rollout/step", 4)
     assert [r["rollout/step"] for r in _read(path) if "rollout/step" in r] == [3, 4]
 
 
 def test_directory_path_gets_metrics_jsonl(tmp_path):
     log = MetricsLog(str(tmp_path))
-    log.log_rollout(0, {"a": 1})
+    log.log({"a": 1}, "rollout/step", 0)
     log.close()
     assert [{k: v for k, v in r.items() if k != "time"} for r in _read(tmp_path / "metrics.jsonl")] == [
         {"a": 1, "rollout/step": 0}
@@ -200,7 +200,7 @@ def test_eval_metrics_hand_computed():
 def test_metrics_round_trip_through_jsonl(tmp_path):
     groups = [[_sample(1.0, 4), _sample(0.0, 2)]]
     with MetricsLog(str(tmp_path / "metrics.jsonl")) as log:
-        log.log_rollout(0, rollout_metrics(groups, reward_key=None))
+        log.log(rollout_metrics(groups, reward_key=None), "rollout/step", 0)
     (row,) = _read(tmp_path / "metrics.jsonl")
     assert row["rollout/raw_reward"] == 0.5
     assert row["rollout/response_len/median"] == 3.0

@@ -243,13 +243,6 @@ def test_chosen_hook_returning_none_is_an_error_naming_the_plugin(plugin_manager
     assert sample == ["generated"]
 
 
-def test_chosen_set_up_hook_returning_none_is_an_error_naming_the_plugin(plugin_manager, register_plugin):
-    register_plugin(_ReturnsNone(), "forgetful")
-    assert _raises(plugin_manager.call_chosen_sync, "data_source", "forgetful", "--data-source", args=None) == (
-        "plugin 'forgetful' (registered in-process) returned None from `data_source` (chosen by --data-source)."
-    )
-
-
 def test_filter_returning_neither_result_nor_bool_is_an_error(plugin_manager, register_plugin):
     register_plugin(_ReturnsNone(), "forgetful")
     coro = plugin_manager.run_filters(["forgetful"], "--dynamic-sampling-filter", args=None, samples=[], rollout_id=0)
@@ -285,8 +278,9 @@ def test_async_add_arguments_is_an_error_naming_the_plugin(plugin_manager, regis
             parser.add_argument("--async-flags-x")
 
     register_plugin(AsyncFlags(), "async_flags")
-    message = _raises(plugin_manager.broadcast_sync, "add_arguments", parser=ArgumentParser())
-    assert message == "plugin 'async_flags': `add_arguments` may not be async def."
+    message = _raises(plugin_manager.call_setup, "add_arguments", "async_flags", parser=ArgumentParser())
+    assert message == ("plugin 'async_flags': `add_arguments` may not be async def; set-up hooks run before the "
+                       "event loop starts (make it a plain def).")
 
 
 # --- the boxed_<name> rule -------------------------------------------------------------

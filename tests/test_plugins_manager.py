@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from argparse import ArgumentParser, Namespace
 
 import pytest
 
+from furlong.core.config.parser import add_plugin_arguments
 from furlong.core.plugins.discovery import EntryRecord, is_disabled, read_entry_points, split_names
 from furlong.core.plugins.manager import get_plugin_manager
-from furlong.hooks import FilterResult, hookimpl
+from furlong.hooks import FilterResult, PluginError, hookimpl
 
 ADVANTAGE_SOURCE = """
     from furlong.hooks import hookimpl
@@ -181,15 +183,32 @@ def test_chosen_hook_awaits_an_async_implementation(plugin_manager, register_plu
     assert out == ("loss of", 7)
 
 
-def test_chosen_sync_call_awaits_an_async_factory(plugin_manager, register_plugin):
-    class AsyncFactory:
-        @hookimpl
-        async def data_source(self, args):
-            return {"rows": args.rows}
+def test_set_up_call_refuses_async_def_without_running_it(plugin_manager, register_plugin, recwarn):
+    ran = []
 
-    register_plugin(AsyncFactory(), "async_rows")
-    out = plugin_manager.call_chosen_sync("data_source", "async_rows", "--data-source", args=Namespace(rows=3))
-    assert out == {"rows": 3}
+    class AsyncConfigure:
+        @hookimpl
+        async def configure(self, args, report):
+            ran.append(args)
+
+    register_plugin(AsyncConfigure(), "async_configure")
+    with pytest.raises(PluginError) as excinfo:
+        plugin_manager.call_setup("configure", "async_configure", args=Namespace(), report=None)
+    assert str(excinfo.value) == ("plugin 'async_configure': `configure` may not be async def; set-up hooks run "
+                                  "before the event loop starts (make it a plain def).")
+    assert ran == [] and not [w for w in recwarn if "never awaited" in str(w.message)]
+
+
+def test_set_up_call_of_a_plugin_without_the_hook_is_an_error(plugin_manager, register_plugin):
+    class NoConfigure:
+        @hookimpl
+        def advantage(self, args, batch):
+            return "adv"
+
+    register_plugin(NoConfigure(), "no_configure")
+    with pytest.raises(PluginError) as excinfo:
+        plugin_manager.call_setup("configure", "no_configure", args=Namespace(), report=None)
+    assert str(excinfo.value) == "plugin 'no_configure' (registered in-process) does not implement `configure`."
 
 
 def test_implementation_receives_only_the_arguments_it_names(plugin_manager, register_plugin):
@@ -395,19 +414,49 @@ def test_on_hook_call_times_synchronous_set_up_calls(plugin_manager, register_pl
             parser.add_argument("--set-up-x")
 
         @hookimpl
-        def train_backend(self, args):
-            return "backend"
+        def configure(self, args, report):
+            raise ValueError("bad flag")
 
     register_plugin(SetUp(), "set_up")
-    plugin_manager.broadcast_sync("add_arguments", parser=ArgumentParser())
-    assert plugin_manager.call_chosen_sync("train_backend", "set_up", "--train-backend", args=None) == "backend"
+    add_plugin_arguments(ArgumentParser(), plugin_manager)
+    with pytest.raises(ValueError):
+        plugin_manager.call_setup("configure", "set_up", args=Namespace(), report=None)
+    # add_arguments runs twice per plugin: on a scratch parser (the clash check), then on the real one
     assert [(hook, plugin, error) for hook, plugin, _, error in recorder.events if plugin == "set_up"] == [
         ("add_arguments", "set_up", None),
-        ("train_backend", "set_up", None),
+        ("add_arguments", "set_up", None),
+        ("configure", "set_up", "ValueError: bad flag"),
     ]
-    # every add_arguments implementation (built-ins included) was timed once
-    assert sorted(p for h, p, _, _ in recorder.events if h == "add_arguments") == plugin_manager.names_for(
+    assert sorted({p for h, p, _, _ in recorder.events if h == "add_arguments"}) == plugin_manager.names_for(
         "add_arguments")
+
+
+def test_set_up_call_inside_a_running_loop_starts_no_thread_and_no_loop(plugin_manager, register_plugin):
+    """An ``async def`` observer of a set-up call made inside a running loop is scheduled on that loop."""
+    seen = []
+
+    class AsyncRecorder:
+        @hookimpl
+        async def on_hook_call(self, hook, plugin):
+            seen.append((hook, plugin, asyncio.get_running_loop(), threading.get_ident()))
+
+    class SetUp:
+        @hookimpl
+        def configure(self, args, report):
+            return None
+
+    register_plugin(AsyncRecorder(), "async_recorder")
+    register_plugin(SetUp(), "set_up")
+
+    async def main():
+        threads = threading.active_count()
+        plugin_manager.call_setup("configure", "set_up", args=Namespace(), report=None)
+        assert threading.active_count() == threads
+        await asyncio.sleep(0)
+        return asyncio.get_running_loop()
+
+    loop = asyncio.run(main())
+    assert seen == [("configure", "set_up", loop, threading.get_ident())]
 
 
 def test_trace_hooks_logs_every_call(monkeypatch, caplog):

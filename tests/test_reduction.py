@@ -5,6 +5,7 @@ import torch
 
 from furlong.core.train import reduction
 from furlong.core.train.reduction import StepDenominators
+from furlong.kit.masked import masked_sum
 
 
 def reduce_step(values, masks, per_token, trajectory_ids=None, truncated=None, mask_truncated=False):
@@ -14,7 +15,7 @@ def reduce_step(values, masks, per_token, trajectory_ids=None, truncated=None, m
     (step,) = reduction.step_denominators(eff, [list(range(len(masks)))], trajectory_ids, excluded)
     denoms = reduction.sample_denominators(eff, trajectory_ids)
     weights = reduction.sample_weights(list(range(len(masks))), denoms, step, per_token)
-    return reduction.reduce_tokens(values, eff, weights)
+    return masked_sum(values, eff, weights)
 
 
 # Per-token loss divides by the trained tokens, not by every response token:
@@ -99,7 +100,7 @@ def test_steps_get_their_own_denominators():
 
 def test_masked_nan_and_inf_change_neither_value_nor_gradient():
     x = torch.tensor([1.0, float("nan"), float("inf")], requires_grad=True)
-    out = reduction.reduce_tokens([x], [torch.tensor([1.0, 0.0, 0.0])], [0.5])
+    out = masked_sum([x], [torch.tensor([1.0, 0.0, 0.0])], [0.5])
     assert out.item() == 0.5
     out.backward()
     assert x.grad.tolist() == [0.5, 0.0, 0.0]

@@ -116,15 +116,15 @@ def test_stopping_at_any_moment_leaves_no_task_behind(tmp_path, plugin_manager):
     its wait for a finished sample included."""
     args = _args(tmp_path)
 
-    async def stop_after(steps):
-        manager = rollout_manager(args, plugin_manager, ScriptedEngine(_answer))
+    async def stop_after(manager, steps):
         await manager.generate(0)
         for _ in range(steps):
             await asyncio.sleep(0)
         await manager.dispose()
         return [t.get_coro().__qualname__ for t in asyncio.all_tasks() if t is not asyncio.current_task()]
 
-    left = {steps: asyncio.run(stop_after(steps)) for steps in range(30)}
+    left = {steps: asyncio.run(stop_after(rollout_manager(args, plugin_manager, ScriptedEngine(_answer)), steps))
+            for steps in range(30)}
     assert {steps: names for steps, names in left.items() if names} == {}
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from furlong.core.run import checkpoints as ck
 from furlong.core.config.launch_args import launch_config
+from furlong.core.plugins.selection import resolve_selection
 from furlong.hooks import PluginError
 
 from .scripted_engine import ScriptedEngine, boxed_first_operand, rollout_manager
@@ -128,7 +129,7 @@ def test_a_failing_rollout_function_names_its_flag(tmp_path, plugin_manager, fun
     assert str(excinfo.value) == f"--rollout-sample-filter-path '{functions}.boom' failed: ValueError: boom"
 
 
-def test_a_bad_rollout_function_path_fails_when_the_manager_is_built(tmp_path, plugin_manager, functions):
+def test_a_bad_rollout_function_path_fails_when_plugins_are_selected(tmp_path, plugin_manager, functions):
     config = _config(tmp_path, "--rollout-all-samples-process-path", f"{functions}.missing")
     with pytest.raises(PluginError) as excinfo:
         rollout_manager(config, plugin_manager, ScriptedEngine(boxed_first_operand))
@@ -151,38 +152,44 @@ def _save_config(tmp_path, hook, **overrides):
                          custom_megatron_post_save_hook_path=hook, **overrides)
 
 
-def test_post_save_hook_runs_after_the_marker_names_the_checkpoint(tmp_path, functions):
+def _save(config, rollout_id, pm, save_hf=None):
+    """``save_checkpoint`` with the run's post-save hook, called through ``pm`` as the loop calls it."""
+    post_save = ck.post_save_hook(config, pm, resolve_selection(config, pm), rollout_id)
+    return asyncio.run(ck.save_checkpoint(config, rollout_id, _save_model, {"r": rollout_id}, save_hf, post_save))
+
+
+def test_post_save_hook_runs_after_the_marker_names_the_checkpoint(tmp_path, functions, plugin_manager):
     config = _save_config(tmp_path, f"{functions}.after_save")
-    final = asyncio.run(ck.save_checkpoint(config, 3, _save_model, {"r": 3}))
+    final = _save(config, 3, plugin_manager)
     assert _calls(functions) == [("after_save", 3, final, None, "3", True)]
 
 
-def test_post_save_hook_gets_the_save_hf_directory_written_before_it(tmp_path, functions):
+def test_post_save_hook_gets_the_save_hf_directory_written_before_it(tmp_path, functions, plugin_manager):
     config = _save_config(tmp_path, f"{functions}.after_save", save_hf=str(tmp_path / "hf" / "r{rollout_id}"))
     written = []
 
     async def save_hf(path):
         written.append(path)
 
-    final = asyncio.run(ck.save_checkpoint(config, 3, _save_model, {"r": 3}, save_hf))
+    final = _save(config, 3, plugin_manager, save_hf)
     assert written == [str(tmp_path / "hf" / "r3")]
     assert _calls(functions) == [("after_save", 3, final, str(tmp_path / "hf" / "r3"), "3", True)]
 
 
-def test_post_save_hook_failure_names_the_flag(tmp_path, functions):
+def test_post_save_hook_failure_names_the_flag(tmp_path, functions, plugin_manager):
     config = _save_config(tmp_path, f"{functions}.failing_save")
     with pytest.raises(PluginError) as excinfo:
-        asyncio.run(ck.save_checkpoint(config, 0, _save_model, {"r": 0}))
+        _save(config, 0, plugin_manager)
     final = ck.iter_dir(config.save, 0)
     assert str(excinfo.value) == (f"--custom-megatron-post-save-hook-path '{functions}.failing_save' failed after "
                                   f"saving {final}: OSError: disk full")
     assert ck.read_marker(config.save) == 0  # the checkpoint itself is complete
 
 
-def test_post_save_hook_may_not_be_async(tmp_path, functions):
+def test_post_save_hook_may_not_be_async(tmp_path, functions, plugin_manager):
     config = _save_config(tmp_path, f"{functions}.async_save")
     with pytest.raises(PluginError) as excinfo:
-        asyncio.run(ck.save_checkpoint(config, 0, _save_model, {"r": 0}))
+        _save(config, 0, plugin_manager)
     assert str(excinfo.value) == (f"--custom-megatron-post-save-hook-path '{functions}.async_save' returned an "
                                   f"awaitable: the hook is called synchronously after each save; make it a plain "
                                   f"function.")

@@ -13,7 +13,7 @@ import sys
 import time
 import traceback
 
-from furlong.hooks import PluginError
+from furlong.hooks import PluginError, specs
 from furlong.kit.dist import launched_processes
 
 from ..config.errors import ConfigError
@@ -175,7 +175,8 @@ def _plugins(command: str, argv: list[str]) -> int:
 
 
 def _hook_names(pm: FurlongPluginManager) -> list[str]:
-    return sorted(name for name in vars(pm.hook) if not name.startswith("_"))
+    """The hooks of the plugin contract (not the adapters' own hooks of core/plugins/path_specs.py)."""
+    return sorted(name for name in vars(pm.hook) if name in specs.__all__)
 
 
 def _table(rows: list[dict]) -> str:

@@ -5,7 +5,6 @@ selection, before any model loads. Core's config knows flags, never algorithm na
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 from argparse import Namespace
 
@@ -16,7 +15,7 @@ from furlong.hooks import ConfigReport, PluginError
 from .errors import ConfigError
 from .parse import names_any
 from .megatron_support import report_megatron_flags
-from ..plugins.manager import OBSERVER_HOOKS, FurlongPluginManager, _run_sync
+from ..plugins.manager import OBSERVER_HOOKS, FurlongPluginManager
 from ..plugins.selection import CHOSEN_HOOKS, Selection, boxed_base, resolve_selection
 
 __all__ = ["Configured", "configure_order", "configure_plugins", "unused_plugin_flags", "with_plugin_problems"]
@@ -87,22 +86,20 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
     :raises ConfigError: every error of every plugin, one per line, after the warnings
         were logged.
     """
-    impls = {impl.plugin_name: impl for impl in pm.hook.configure.get_hookimpls()}
+    implementers = {impl.plugin_name for impl in pm.hook.configure.get_hookimpls()}
     given = set(getattr(args, "explicit_args", ()) or ())
     done = Configured()
     errors: list[str] = []
     backend = selection.chosen.get("train_backend", (None, None))[0]
     for name, flags in configure_order(args, pm, selection):
-        impl = impls.get(name)
-        if impl is None and name != backend:
+        implements = name in implementers
+        if not implements and name != backend:
             continue
         report = ConfigReport(plugin=name, flags=flags)
         before = _snapshot(args)
         try:
-            if impl is not None:
-                result = pm._call_sync("configure", impl, {"args": args, "report": report})
-                if inspect.isawaitable(result):
-                    _run_sync(_await(result))
+            if implements:
+                pm.call_setup("configure", name, args=args, report=report)
         except PluginError as exc:
             report.error(str(exc))
         except Exception as exc:  # noqa: BLE001 - name the plugin at fault
@@ -206,10 +203,6 @@ def with_plugin_problems(error: ConfigError, pm: FurlongPluginManager) -> Config
         more = [str(exc)]
     more = [p for p in more if p not in error.problems and not names_any(p, error.bad_flags)]
     return ConfigError(error.problems + more) if more else error
-
-
-async def _await(awaitable):
-    return await awaitable
 
 
 def _snapshot(args: Namespace) -> dict:

@@ -58,14 +58,6 @@ def renamed() -> list[Deprecation]:
     return [row for row in DEPRECATIONS if row.kind == "rename"]
 
 
-def row_for(old: str) -> Deprecation:
-    """The table row of flag ``old`` (any kind)."""
-    for row in DEPRECATIONS:
-        if row.old == old:
-            return row
-    raise KeyError(old)
-
-
 def furlong_version() -> str:
     """The installed furlong version (``importlib.metadata``); tests monkeypatch this."""
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import shlex
 from dataclasses import dataclass, field
 
@@ -282,26 +281,25 @@ def add_plugin_arguments(parser: argparse.ArgumentParser, pm) -> None:
     """
     owner: dict[str, str] = {opt: "furlong core" for opt in parser._option_string_actions}
     added = getattr(parser, "plugin_flags", {})
-    for impl in list(pm.hook.add_arguments.get_hookimpls()):
-        name = impl.plugin_name
-        problem = _add_arguments_problem(impl, name, owner)
+    for name in [impl.plugin_name for impl in pm.hook.add_arguments.get_hookimpls()]:
+        problem = _add_arguments_problem(pm, name, owner)
         if problem:
             pm.set_aside(name, problem)
             continue
         before = set(parser._option_string_actions)
-        _call_add_arguments(impl, name, parser)
+        _call_add_arguments(pm, name, parser)
         for opt in sorted(set(parser._option_string_actions) - before, key=len, reverse=True):
             owner[opt] = name
             added.setdefault(parser._option_string_actions[opt].dest, (opt, name))  # the longest spelling
 
 
-def _add_arguments_problem(impl, name: str, owner: dict[str, str]) -> str:
+def _add_arguments_problem(pm, name: str, owner: dict[str, str]) -> str:
     """Why plugin ``name``'s ``add_arguments`` cannot join the flags of ``owner`` (flag -> owner), or ""."""
     scratch = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for i, opt in enumerate(owner):
         scratch.add_argument(opt, dest=f"_defined_{i}")
     try:
-        _call_add_arguments(impl, name, scratch)
+        _call_add_arguments(pm, name, scratch)
     except argparse.ArgumentError as exc:
         flags = [opt for opt in (exc.argument_name or "").split("/") if opt in owner] or ["?"]
         flag, first = flags[0], owner.get(flags[0], "another plugin")
@@ -315,16 +313,14 @@ def _add_arguments_problem(impl, name: str, owner: dict[str, str]) -> str:
     return ""
 
 
-def _call_add_arguments(impl, name: str, parser: argparse.ArgumentParser) -> None:
-    """Run one plugin's ``add_arguments`` on ``parser``; argparse's ArgumentError passes through.
+def _call_add_arguments(pm, name: str, parser: argparse.ArgumentParser) -> None:
+    """Run plugin ``name``'s ``add_arguments`` on ``parser`` through the plugin manager's set-up call
+    (timed and reported to ``on_hook_call``); argparse's ArgumentError passes through.
 
     :raises PluginError: the implementation is ``async def`` or raises anything else.
     """
     try:
-        result = impl.function(**({"parser": parser} if "parser" in impl.argnames else {}))
-        if inspect.isawaitable(result):
-            getattr(result, "close", lambda: None)()
-            raise PluginError(f"plugin '{name}': `add_arguments` may not be async def.")
+        pm.call_setup("add_arguments", name, parser=parser)
     except (argparse.ArgumentError, PluginError):
         raise
     except Exception as exc:  # noqa: BLE001 - name the plugin at fault

@@ -1,9 +1,13 @@
 """Adapters that turn a Miles-style dotted ``module.function`` flag into a plugin.
 
 Each adapter is registered with the plugin manager under the dotted path itself, so the
-core calls it exactly like a plugin chosen by name. The user's function is called
-positionally, Miles-style (``async def rm(args, sample) -> float``); it may be sync or async. A
-reward function written for TRL or verl is called in its own form (:mod:`furlong.core.rollout.reward_forms`).
+core calls it exactly like a plugin chosen by name, and only the plugin manager calls user
+code. The user's function is called positionally, Miles-style (``async def rm(args, sample)
+-> float``), with ``args`` an ``argparse.Namespace`` (``config.namespace()`` when the core
+passes the typed configuration); it may be sync or async. A reward function written for TRL
+or verl is called in its own form (:mod:`furlong.core.rollout.reward_forms`). The flags that
+no public hook covers reach their function through the hooks of
+:mod:`furlong.core.plugins.path_specs`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from furlong.hooks import PluginError, hookimpl
 
 from ..rollout.reward_forms import reward_adapter
 
-__all__ = ["ADAPTERS", "import_dotted", "make_adapter", "agent_abort_adapter"]
+__all__ = ["ADAPTERS", "PATH_ADAPTERS", "MilesStyle", "import_dotted", "make_adapter", "agent_abort_adapter"]
 
 log = logging.getLogger("furlong.config")
 
@@ -91,19 +95,25 @@ def _accepts(fn: Callable, name: str) -> bool:
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-class _RolloutAdapter:
+class MilesStyle:
+    """Base of the adapters. The plugin manager knows them by ``dotted_path_adapter``: they ask for
+    ``args`` on purpose, to hand a Namespace to a Miles-style function, so they get
+    ``config.namespace()`` without a deprecation warning; and they may implement the hooks of
+    :mod:`furlong.core.plugins.path_specs`, which no installed plugin may."""
+
+    dotted_path_adapter = True
+
     def __init__(self, fn):
         self.fn = fn
 
+
+class _RolloutAdapter(MilesStyle):
     @hookimpl
     async def rollout(self, args, rollout_id, context):
         return await _resolve(self.fn(args, rollout_id, context))
 
 
-class _GenerateAdapter:
-    def __init__(self, fn):
-        self.fn = fn
-
+class _GenerateAdapter(MilesStyle):
     @hookimpl
     async def generate(self, args, sample, sampling_params, evaluation):
         if _accepts(self.fn, "evaluation"):
@@ -111,10 +121,7 @@ class _GenerateAdapter:
         return await _resolve(self.fn(args, sample, sampling_params))
 
 
-class _RewardAdapter:
-    def __init__(self, fn):
-        self.fn = fn
-
+class _RewardAdapter(MilesStyle):
     @hookimpl
     async def reward(self, args, samples):
         if args.group_rm:
@@ -122,10 +129,7 @@ class _RewardAdapter:
         return [await _resolve(self.fn(args, sample)) for sample in samples]
 
 
-class _FilterAdapter:
-    def __init__(self, fn):
-        self.fn = fn
-
+class _FilterAdapter(MilesStyle):
     @hookimpl
     async def filter(self, args, samples, rollout_id):
         if _accepts(self.fn, "rollout_id"):
@@ -133,39 +137,27 @@ class _FilterAdapter:
         return await _resolve(self.fn(args, samples))
 
 
-class _BufferPopAdapter:
-    def __init__(self, fn):
-        self.fn = fn
-
+class _BufferPopAdapter(MilesStyle):
     @hookimpl
     async def buffer_pop(self, args, rollout_id, buffer, num_samples):
         return await _resolve(self.fn(args, rollout_id, buffer, num_samples))
 
 
-class _AdvantageAdapter:
-    def __init__(self, fn):
-        self.fn = fn
-
+class _AdvantageAdapter(MilesStyle):
     @hookimpl
     async def advantage(self, args, batch):
         return await _resolve(self.fn(args, batch))
 
 
-class _LossAdapter:
-    def __init__(self, fn):
-        self.fn = fn
-
+class _LossAdapter(MilesStyle):
     @hookimpl
     async def loss(self, args, batch):
         return await _resolve(self.fn(args, batch))
 
 
-class _LossReducerAdapter:
+class _LossReducerAdapter(MilesStyle):
     """Miles' reducer factory ``fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss)
     -> reducer``, whose ``reducer(flat)`` sums the micro-batch's pg values concatenated in sample order."""
-
-    def __init__(self, fn):
-        self.fn = fn
 
     @hookimpl
     async def loss_reducer(self, args, values, loss_masks, total_lengths):
@@ -178,13 +170,70 @@ class _LossReducerAdapter:
         return await _resolve(reducer(flat))
 
 
-class _DataSourceAdapter:
-    def __init__(self, cls):
-        self.cls = cls
-
+class _DataSourceAdapter(MilesStyle):
     @hookimpl
     def data_source(self, args):
-        return self.cls(args)
+        return self.fn(args)
+
+
+class _PathFunction(MilesStyle):
+    """A function of one of the flags of :mod:`furlong.core.plugins.path_specs`; a failure names the flag."""
+
+    def __init__(self, fn, path: str, flag: str):
+        super().__init__(fn)
+        self.path, self.flag = path, flag
+
+    async def _run(self, *fn_args) -> Any:
+        try:
+            return await _resolve(self.fn(*fn_args))
+        except PluginError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - name the function at fault
+            raise PluginError(f"{self.flag} '{self.path}' failed: {type(exc).__name__}: {exc}") from exc
+
+
+class _SampleFilterAdapter(_PathFunction):
+    @hookimpl
+    async def rollout_sample_filter(self, args, samples):
+        await self._run(args, samples)
+
+
+class _AllSamplesProcessAdapter(_PathFunction):
+    @hookimpl
+    async def rollout_all_samples_process(self, args, all_samples, data_source):
+        await self._run(args, all_samples, data_source)
+
+
+class _RewardPostProcessAdapter(_PathFunction):
+    @hookimpl
+    async def reward_post_process(self, args, samples):
+        raw, rewards = await self._run(args, samples)
+        if len(raw) != len(samples) or len(rewards) != len(samples):
+            raise PluginError(f"{self.flag} '{self.path}' returned {len(raw)} raw and {len(rewards)} rewards for "
+                              f"{len(samples)} samples.")
+        return [float(r) for r in raw], [float(r) for r in rewards]
+
+
+class _PostSaveAdapter(_PathFunction):
+    @hookimpl
+    def post_save(self, args, rollout_id, ckpt_dir, hf_dir):
+        try:
+            result = self.fn(args, rollout_id, ckpt_dir, hf_dir)
+        except Exception as exc:  # noqa: BLE001 - name the hook at fault
+            raise PluginError(f"{self.flag} '{self.path}' failed after saving {ckpt_dir}: {type(exc).__name__}: "
+                              f"{exc}") from exc
+        if inspect.isawaitable(result):
+            getattr(result, "close", lambda: None)()
+            raise PluginError(f"{self.flag} '{self.path}' returned an awaitable: the hook is called synchronously "
+                              f"after each save; make it a plain function.")
+
+
+PATH_ADAPTERS: dict[str, type] = {
+    "rollout_sample_filter": _SampleFilterAdapter,
+    "rollout_all_samples_process": _AllSamplesProcessAdapter,
+    "reward_post_process": _RewardPostProcessAdapter,
+    "post_save": _PostSaveAdapter,
+}
 
 
 ADAPTERS: dict[str, type] = {
@@ -212,13 +261,12 @@ def make_adapter(hook: str, path: str, flag: str) -> object:
                           f"point the flag at {kind}.")
     if hook == "reward":  # a TRL or verl reward function keeps its own form (core/rollout/reward_forms.py)
         return reward_adapter(fn, path, _RewardAdapter)
+    if hook in PATH_ADAPTERS:
+        return PATH_ADAPTERS[hook](fn, path, flag)
     return ADAPTERS[hook](fn)
 
 
-class _AgentAbort:
-    def __init__(self, fn):
-        self.fn = fn
-
+class _AgentAbort(MilesStyle):
     @hookimpl
     async def abort(self, args, rollout_id):
         await _resolve(self.fn(args))

@@ -1,9 +1,12 @@
 """The plugin manager: discovery, selection by name, and the core's calling rules.
 
 pluggy supplies the specs, markers, registration and validation; this module calls the
-implementations itself (PLUGINS.md, "How plugins work"): the chosen one for a
-chosen hook, each one separately for a broadcast, filters in flag order, coroutines
-awaited, ``on_hook_call`` around every non-observer call.
+implementations itself (PLUGINS.md, "How plugins work"), in one of two ways: from async
+code (:meth:`~FurlongPluginManager.call_chosen`, :meth:`~FurlongPluginManager.broadcast`,
+:meth:`~FurlongPluginManager.notify`, :meth:`~FurlongPluginManager.run_filters`), which awaits
+coroutines, or from set-up code (:meth:`~FurlongPluginManager.call_setup`, for
+``add_arguments`` and ``configure``), which calls plain functions only. Both time every
+non-observer call and report it to ``on_hook_call``. No other module calls plugin code.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from furlong.hooks import PROJECT, FilterResult, PluginError, specs
 from furlong.hooks.contract import (argument_name_problems, check_filter_result, no_hookimpl_problem,
                                     unknown_hook_problems)
 
+from . import path_specs
 from .discovery import EntryRecord, disabled_from_env, is_disabled, read_entry_points, split_names
 
 __all__ = ["FurlongPluginManager", "get_plugin_manager", "OBSERVER_HOOKS", "WARN_ONLY_HOOKS"]
@@ -46,6 +50,7 @@ class FurlongPluginManager(pluggy.PluginManager):
     def __init__(self) -> None:
         super().__init__(PROJECT)
         self.add_hookspecs(specs)
+        self.add_hookspecs(path_specs)
         self.records: dict[str, EntryRecord] = {}
         self.broken: dict[str, tuple[EntryRecord | None, str]] = {}
         self.conflicts: dict[str, list[EntryRecord]] = {}
@@ -135,35 +140,28 @@ class FurlongPluginManager(pluggy.PluginManager):
         return "\n".join(lines)
 
     # --- calling -----------------------------------------------------------------------
+    # Two ways in: ``_call`` from async code (awaits what an implementation returns) and
+    # ``_call_setup`` from set-up code (plain functions only). Both time the call, trace it
+    # and tell the ``on_hook_call`` observers through one ``_ObservedCall``.
 
     async def call_chosen(self, hook: str, name: str, flag: str, /, **kwargs: Any) -> Any:
         """Call plugin ``name``'s implementation of ``hook``; await it if it is a coroutine.
 
         :raises PluginError: the plugin cannot be chosen (see :meth:`chosen_impl`) or
-            returned None.
+            returned None from a hook whose spec returns something.
         """
         impl = self.chosen_impl(hook, name, flag)
         result = await self._call(hook, impl, kwargs)
-        if result is None:
-            raise PluginError(
-                f"plugin '{name}' ({self.origin(name)}) returned None from `{hook}` (chosen by {flag}); "
-                f"a chosen `{hook}` must return its result."
-            )
-        return result
-
-    def call_chosen_sync(self, hook: str, name: str, flag: str, /, **kwargs: Any) -> Any:
-        """Like :meth:`call_chosen` for set-up hooks called outside an event loop."""
-        impl = self.chosen_impl(hook, name, flag)
-        result = self._call_sync(hook, impl, kwargs)
-        if inspect.isawaitable(result):
-            import asyncio
-
-            result = asyncio.run(_await(result))
-        if result is None:
-            expected = "; expected FilterResult or bool" if hook == "filter" else ""
-            raise PluginError(f"plugin '{name}' ({self.origin(name)}) returned None from `{hook}` (chosen by {flag})"
+        if result is None and self._returns_result(hook):
+            expected = ("expected FilterResult or bool" if hook == "filter"
+                        else f"a chosen `{hook}` must return its result")
+            raise PluginError(f"plugin '{name}' ({self.origin(name)}) returned None from `{hook}` (chosen by {flag}); "
                               f"{expected}.")
         return result
+
+    def _returns_result(self, hook: str) -> bool:
+        spec = getattr(self.hook, hook).spec
+        return spec is None or inspect.signature(spec.function).return_annotation not in (None, "None")
 
     async def broadcast(self, hook: str, /, **kwargs: Any) -> list[Any]:
         """Call every implementation of ``hook`` separately; return their results.
@@ -179,22 +177,10 @@ class FurlongPluginManager(pluggy.PluginManager):
             except Exception as exc:  # noqa: BLE001 - one plugin must not stop the others
                 failures.append((impl.plugin_name, exc))
                 if hook in WARN_ONLY_HOOKS:
-                    log.warning("plugin '%s' failed in `%s`: %s: %s", impl.plugin_name, hook, type(exc).__name__, exc)
+                    _warn_failed(impl, hook, exc)
         if failures and hook not in WARN_ONLY_HOOKS:
             name, exc = failures[0]
             raise PluginError(f"plugin '{name}' ({self.origin(name)}) failed in `{hook}`: {type(exc).__name__}: {exc}") from exc
-        return results
-
-    def broadcast_sync(self, hook: str, /, **kwargs: Any) -> list[Any]:
-        """Synchronous broadcast for ``add_arguments``; an implementation may not be async."""
-        results = []
-        for impl in getattr(self.hook, hook).get_hookimpls():
-            result = self._call_sync(hook, impl, kwargs)
-            if inspect.isawaitable(result):
-                if inspect.iscoroutine(result):
-                    result.close()  # never awaited on purpose: no "never awaited" warning
-                raise PluginError(f"plugin '{impl.plugin_name}': `{hook}` may not be async def.")
-            results.append(result)
         return results
 
     async def notify(self, hook: str, /, **kwargs: Any) -> None:
@@ -205,7 +191,7 @@ class FurlongPluginManager(pluggy.PluginManager):
         """Run filters one by one in the given order; the first that rejects gives the reason."""
         for name in names:
             try:
-                result = await self.call_chosen_allow_false("filter", name, flag, **kwargs)
+                result = await self.call_chosen("filter", name, flag, **kwargs)
             except PluginError:
                 raise
             except Exception as exc:
@@ -216,52 +202,58 @@ class FurlongPluginManager(pluggy.PluginManager):
                 return result
         return FilterResult(keep=True)
 
-    async def call_chosen_allow_false(self, hook: str, name: str, flag: str, /, **kwargs: Any) -> Any:
-        impl = self.chosen_impl(hook, name, flag)
-        result = await self._call(hook, impl, kwargs)
-        if result is None:
-            expected = "; expected FilterResult or bool" if hook == "filter" else ""
-            raise PluginError(f"plugin '{name}' ({self.origin(name)}) returned None from `{hook}` (chosen by {flag})"
-                              f"{expected}.")
-        return result
+    def call_setup(self, hook: str, name: str, /, **kwargs: Any) -> Any:
+        """Call plugin ``name``'s implementation of set-up hook ``hook`` (``add_arguments``,
+        ``configure``) from synchronous code, and return what it returns.
+
+        Set-up hooks are plain functions: they run while the parser is built and the flags
+        are configured, before the run's event loop starts, and nothing awaits them.
+
+        :raises PluginError: plugin ``name`` does not implement ``hook``, or its
+            implementation is ``async def`` (returned an awaitable; nothing of it ran).
+            What the implementation raises passes through unchanged.
+        """
+        for impl in getattr(self.hook, hook).get_hookimpls():
+            if impl.plugin_name == name:
+                return self._call_setup(hook, impl, kwargs)
+        raise PluginError(f"plugin '{name}' ({self.origin(name)}) does not implement `{hook}`.")
 
     async def _call(self, hook: str, impl: pluggy.HookImpl, kwargs: dict) -> Any:
-        start = time.perf_counter()
-        error = None
+        call = _ObservedCall(hook, impl.plugin_name, kwargs, self.trace_calls)
         try:
-            result = impl.function(**_select(impl, kwargs))
-            if inspect.isawaitable(result):
-                result = await result
-            if self.trace_calls:
-                log.info("hook %s[%s](%s) -> %r", hook, impl.plugin_name, _brief(kwargs), result)
-            return result
-        except BaseException as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            raise
+            with call:
+                result = impl.function(**_select(impl, kwargs))
+                if inspect.isawaitable(result):
+                    result = await result
+                return call.returned(result)
         finally:
-            if hook not in OBSERVER_HOOKS:
-                await self.broadcast(
-                    "on_hook_call", hook=hook, plugin=impl.plugin_name,
-                    seconds=time.perf_counter() - start, error=error,
-                )
+            if call.event is not None:
+                await self.broadcast("on_hook_call", **call.event)
 
-    def _call_sync(self, hook: str, impl: pluggy.HookImpl, kwargs: dict) -> Any:
-        start = time.perf_counter()
-        error = None
+    def _call_setup(self, hook: str, impl: pluggy.HookImpl, kwargs: dict) -> Any:
+        call = _ObservedCall(hook, impl.plugin_name, kwargs, self.trace_calls)
         try:
-            result = impl.function(**_select(impl, kwargs))
-            if self.trace_calls:
-                log.info("hook %s[%s](%s) -> %r", hook, impl.plugin_name, _brief(kwargs), result)
-            return result
-        except BaseException as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            raise
+            with call:
+                result = impl.function(**_select(impl, kwargs))
+                if inspect.isawaitable(result):
+                    getattr(result, "close", lambda: None)()  # never awaited on purpose: no "never awaited" warning
+                    raise PluginError(f"plugin '{impl.plugin_name}': `{hook}` may not be async def; set-up hooks "
+                                      f"run before the event loop starts (make it a plain def).")
+                return call.returned(result)
         finally:
-            if hook not in OBSERVER_HOOKS and self.hook.on_hook_call.get_hookimpls():
-                _run_sync(self.broadcast(
-                    "on_hook_call", hook=hook, plugin=impl.plugin_name,
-                    seconds=time.perf_counter() - start, error=error,
-                ))
+            if call.event is not None:
+                self._notify_setup(call.event)
+
+    def _notify_setup(self, event: dict) -> None:
+        """Tell the ``on_hook_call`` observers of a set-up call; an ``async def`` observer is awaited when no event
+        loop is running, else scheduled on the running loop (no second loop, no thread)."""
+        for impl in self.hook.on_hook_call.get_hookimpls():
+            try:
+                result = impl.function(**_select(impl, event))
+                if inspect.isawaitable(result):
+                    _finish_observer(impl, result)
+            except Exception as exc:  # noqa: BLE001 - an observer must not stop set-up
+                _warn_failed(impl, "on_hook_call", exc)
 
     # --- registration --------------------------------------------------------------------
 
@@ -284,7 +276,8 @@ class FurlongPluginManager(pluggy.PluginManager):
             if self.get_plugin(name) is plugin:
                 self.unregister(name=name)
             return False
-        problem = unknown_hook_problems(self, plugin) or no_hookimpl_problem(self, plugin)
+        internal = tuple(path_specs.PATH_HOOKS) if getattr(plugin, "dotted_path_adapter", False) else ()
+        problem = unknown_hook_problems(self, plugin, internal) or no_hookimpl_problem(self, plugin)
         if problem:
             self.unregister(name=name)
             self.broken[name] = (record, problem)
@@ -338,11 +331,13 @@ def get_plugin_manager(disable: str | list[str] | None = None) -> FurlongPluginM
 
 
 def _select(impl: pluggy.HookImpl, kwargs: dict) -> dict:
-    """The arguments ``impl`` asks for; an old-form implementation that asks for ``args`` where the
-    core passes ``config`` gets ``config.namespace()`` (accepted until the next minor version)."""
+    """The arguments ``impl`` asks for; an implementation that asks for ``args`` where the core
+    passes ``config`` gets ``config.namespace()``: an old-form plugin (accepted until the next minor
+    version, with a warning) or an adapter handing it to a Miles-style function (``dotted_path_adapter``)."""
     chosen = {name: kwargs[name] for name in impl.argnames if name in kwargs}
     if "args" in impl.argnames and "args" not in kwargs and "config" in kwargs:
-        _warn_old_form(impl)
+        if not getattr(impl.plugin, "dotted_path_adapter", False):  # an adapter of a Miles-style function
+            _warn_old_form(impl)
         chosen["args"] = kwargs["config"].namespace()
     return chosen
 
@@ -359,22 +354,60 @@ def _warn_old_form(impl: pluggy.HookImpl) -> None:
                       f"minor version (PLUGINS.md, \"Deprecations\").", DeprecationWarning, stacklevel=2)
 
 
-async def _await(awaitable):
-    return await awaitable
+class _ObservedCall:
+    """One call of one implementation: its wall-clock time, its error, the trace line of its result.
+
+    ``event`` is the ``on_hook_call`` keyword arguments once the call ended (None for an
+    observer hook, which is never timed).
+    """
+
+    def __init__(self, hook: str, plugin: str, kwargs: dict, trace: bool):
+        self.hook, self.plugin, self.kwargs, self.trace = hook, plugin, kwargs, trace
+        self.event: dict | None = None
+
+    def __enter__(self) -> "_ObservedCall":
+        self.start = time.perf_counter()
+        return self
+
+    def returned(self, result: Any) -> Any:
+        if self.trace:
+            log.info("hook %s[%s](%s) -> %r", self.hook, self.plugin, _brief(self.kwargs), result)
+        return result
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self.hook not in OBSERVER_HOOKS:
+            self.event = {"hook": self.hook, "plugin": self.plugin, "seconds": time.perf_counter() - self.start,
+                          "error": None if exc is None else f"{type(exc).__name__}: {exc}"}
+        return False
 
 
-def _run_sync(coro) -> Any:
-    """Run ``coro`` to the end from synchronous code, inside or outside an event loop."""
+def _finish_observer(impl: pluggy.HookImpl, awaitable) -> None:
+    """Await an ``on_hook_call`` observer's coroutine from synchronous code without a second event
+    loop: run it now when no loop is running, else schedule it on the running loop."""
     import asyncio
 
     try:
-        asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro)
-    import concurrent.futures
+        asyncio.run(_observer_done(impl, awaitable))
+        return
+    task = loop.create_task(_observer_done(impl, awaitable))
+    _PENDING_OBSERVERS.add(task)
+    task.add_done_callback(_PENDING_OBSERVERS.discard)
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()
+
+_PENDING_OBSERVERS: set = set()
+
+
+async def _observer_done(impl: pluggy.HookImpl, awaitable) -> None:
+    try:
+        await awaitable
+    except Exception as exc:  # noqa: BLE001 - an observer's failure is a warning
+        _warn_failed(impl, "on_hook_call", exc)
+
+
+def _warn_failed(impl: pluggy.HookImpl, hook: str, exc: BaseException) -> None:
+    log.warning("plugin '%s' failed in `%s`: %s: %s", impl.plugin_name, hook, type(exc).__name__, exc)
 
 
 def _brief(kwargs: dict) -> str:

@@ -10,6 +10,7 @@ import attrs
 from furlong.hooks import PluginError, RunConfig
 
 from .adapters import agent_abort_adapter, make_adapter
+from .path_specs import PATH_HOOKS
 from ..rollout.data_choice import data_source_for
 from .miles_paths import miles_builtin
 from .manager import FurlongPluginManager
@@ -59,11 +60,14 @@ class Selection:
 
     ``filters``: ``(name, flag)`` in flag order. ``reward``: the run-wide default reward
     ``(name, flag)`` or None (samples may still name one in ``metadata["rm_type"]``).
+    ``paths``: ``paths[hook] = (dotted path, flag)`` for the hooks of
+    :mod:`furlong.core.plugins.path_specs` whose flag was given.
     """
 
     chosen: dict[str, tuple[str, str]] = attrs.field(factory=dict)
     filters: list[tuple[str, str]] = attrs.field(factory=list)
     reward: tuple[str, str] | None = None
+    paths: dict[str, tuple[str, str]] = attrs.field(factory=dict)
 
     def name(self, hook: str) -> str:
         return self.chosen[hook][0]
@@ -108,6 +112,14 @@ def resolve_selection(args: Namespace, pm: FurlongPluginManager, hooks: tuple[st
             selection.reward = resolve_default_reward(args, pm)
         except PluginError as exc:
             errors.append(str(exc))
+    for hook, attr in PATH_HOOKS.items():
+        path = getattr(args, attr)
+        if path and (hooks is None or hook in hooks):
+            flag = "--" + attr.replace("_", "-")
+            try:
+                selection.paths[hook] = (register_path(pm, hook, path, flag), flag)
+            except PluginError as exc:
+                errors.append(str(exc))
     if args.custom_agent_function_path and (hooks is None or "abort" in hooks):
         try:
             _register_agent_abort(args.custom_agent_function_path, pm)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import inspect
 import time
 
 from furlong.hooks import DatasetSpec, PluginError, RunConfig, Sample
@@ -23,10 +22,9 @@ __all__ = ["Evaluator"]
 class Evaluator:
     """Loads every eval dataset once (through the ``data_source`` hook), then evaluates on demand.
 
-    Construct it before any model loads: a plain ``data_source`` is called here, so bad
-    eval files fail early, naming file and line. An ``async def`` one is awaited inside
-    the running event loop by :meth:`load` (which :meth:`evaluate` calls first; the loop
-    may call it right after construction to fail as early).
+    Construct it before any model loads, then call :meth:`load` (:meth:`evaluate` calls it
+    first; the rollout side calls it right after construction), so bad eval files fail
+    early, naming file and line.
     """
 
     def __init__(self, config: RunConfig, pm: FurlongPluginManager, selection: Selection):
@@ -38,14 +36,6 @@ class Evaluator:
         for ds in load_eval_datasets(config):
             spec = eval_dataset(config, ds)
             self._to_load.append((ds, spec, self._reader(spec)))
-        waiting = []
-        for ds, spec, reader in self._to_load:  # a plain data_source is called now, an async one by load()
-            if inspect.iscoroutinefunction(pm.chosen_impl("data_source", *reader).function):
-                waiting.append((ds, spec, reader))
-            else:
-                source = pm.call_chosen_sync("data_source", *reader, **data_source_kwargs(config, spec))
-                self._add(ds, reader, source)
-        self._to_load = waiting
 
     def _reader(self, spec: DatasetSpec) -> tuple[str, str]:
         """``(plugin, flag)`` reading eval set ``ds``: the data source flags' choice, else the plugin that

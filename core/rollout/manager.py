@@ -53,7 +53,7 @@ class RolloutManager:
         self._progress = GenerationProgress()
         self.runner = SampleRunner(config, pm, selection, engine, self._progress)
         self.group_filter = GroupFilter(config, pm, selection, self.ledger)
-        self.functions = RolloutFunctions(config)
+        self.functions = RolloutFunctions(config, pm, selection)
         self.data = TrackedData(cursor, self.ledger, self._progress)
         self.rollout_state: dict = {}
         self.weight_version: int | None = None

@@ -89,6 +89,8 @@ def _text_mode(report, args, path: str, form: str) -> None:
 class TrlRewardAdapter:
     """A TRL reward function as a furlong ``reward`` plugin (see the module doc)."""
 
+    dotted_path_adapter = True  # the plugin manager's mark of an adapter (core/plugins/adapters.MilesStyle)
+
     def __init__(self, fn: Callable, path: str):
         self.fn, self.path = fn, path
 
@@ -115,6 +117,8 @@ class TrlRewardAdapter:
 
 class VerlRewardAdapter:
     """A verl ``compute_score`` as a furlong ``reward`` plugin (see the module doc)."""
+
+    dotted_path_adapter = True  # the plugin manager's mark of an adapter (core/plugins/adapters.MilesStyle)
 
     def __init__(self, fn: Callable, path: str):
         self.fn, self.path = fn, path

@@ -1,33 +1,24 @@
 """The Miles-style functions run on a rollout's groups: ``--rollout-sample-filter-path`` and
-``--rollout-all-samples-process-path`` (each ``module.function(args, ...)``, plain or ``async def``)."""
+``--rollout-all-samples-process-path`` (each ``module.function(args, ...)``, plain or ``async def``),
+called through their adapter plugins (:mod:`furlong.core.plugins.path_specs`)."""
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
+from furlong.hooks import RunConfig, Sample
 
-from furlong.hooks import PluginError, RunConfig, Sample
-
-from ..plugins.adapters import import_dotted
+from ..plugins.manager import FurlongPluginManager
+from ..plugins.selection import Selection
 from .data_cursor import DataCursor
 from .group_ledger import group_id, is_finished
 
 __all__ = ["RolloutFunctions"]
 
-SAMPLE_FILTER = "rollout_sample_filter_path"
-ALL_SAMPLES_PROCESS = "rollout_all_samples_process_path"
-
 
 class RolloutFunctions:
-    """Imports both functions at construction (a bad path fails at set-up) and runs them after a rollout.
+    """Runs the functions the selection registered (``selection.paths``) after a rollout."""
 
-    :raises PluginError: a flag names something that cannot be imported or is not callable.
-    """
-
-    def __init__(self, config: RunConfig):
-        self.config = config
-        self.sample_filter = _function(SAMPLE_FILTER, config.rollout_sample_filter_path)
-        self.all_samples_process = _function(ALL_SAMPLES_PROCESS, config.rollout_all_samples_process_path)
+    def __init__(self, config: RunConfig, pm: FurlongPluginManager, selection: Selection):
+        self.config, self.pm, self.paths = config, pm, selection.paths
 
     async def run(self, groups: list[list[Sample]], handed_out: list[list[Sample]], cursor: DataCursor) -> None:
         """``--rollout-sample-filter-path`` on the groups to train on (it may set ``remove_sample``),
@@ -38,9 +29,10 @@ class RolloutFunctions:
         :param handed_out: every group handed out this rollout (buffered ones, to be resumed, are skipped).
         :raises PluginError: a function raised (the message names its flag).
         """
-        if self.sample_filter:
-            await self._call(SAMPLE_FILTER, self.config.rollout_sample_filter_path, self.sample_filter, groups)
-        if self.all_samples_process:
+        if "rollout_sample_filter" in self.paths:
+            await self.pm.call_chosen("rollout_sample_filter", *self.paths["rollout_sample_filter"],
+                                      config=self.config, samples=groups)
+        if "rollout_all_samples_process" in self.paths:
             seen = {group_id(g) for g in cursor.buffer}
             finished = []
             for group in [*groups, *handed_out]:
@@ -48,29 +40,5 @@ class RolloutFunctions:
                     seen.add(group_id(group))
                     finished.append(group)
             finished.sort(key=lambda g: g[0].index)
-            await self._call(ALL_SAMPLES_PROCESS, self.config.rollout_all_samples_process_path,
-                             self.all_samples_process, finished, cursor)
-
-    async def _call(self, dest: str, path: str, fn: Callable, *fn_args) -> None:
-        try:
-            result = fn(self.config.namespace(), *fn_args)
-            if inspect.isawaitable(result):
-                await result
-        except PluginError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - name the function at fault
-            raise PluginError(f"{_flag(dest)} '{path}' failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _function(dest: str, path: str | None) -> Callable | None:
-    if not path:
-        return None
-    fn = import_dotted(path, _flag(dest))
-    if not callable(fn):
-        raise PluginError(f"{_flag(dest)} '{path}': '{path.rpartition('.')[2]}' is a {type(fn).__name__}, "
-                          f"not callable; point the flag at a function.")
-    return fn
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
+            await self.pm.call_chosen("rollout_all_samples_process", *self.paths["rollout_all_samples_process"],
+                                      config=self.config, all_samples=finished, data_source=cursor)

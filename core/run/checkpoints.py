@@ -16,7 +16,6 @@ only writes into the directory it is given.
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ __all__ = [
     "ResumePoint",
     "iter_dir",
     "periodic",
+    "post_save_hook",
     "read_marker",
     "resolve_start",
     "save_checkpoint",
@@ -131,6 +131,7 @@ async def save_checkpoint(
     save_model: Callable[[str], Awaitable[Any]],
     state: dict,
     save_hf: Callable[[str], Awaitable[Any]] | None = None,
+    post_save: Callable[[str, str | None], Awaitable[Any]] | None = None,
 ) -> str:
     """Save the checkpoint of ``rollout_id`` under ``config.save``; return its final directory.
 
@@ -157,6 +158,9 @@ async def save_checkpoint(
         (the train group's ``save_hf``); with ``--save-hf TEMPLATE`` it is awaited after the
         marker names the new checkpoint, into ``TEMPLATE.format(rollout_id=N)``, before the
         post-save hook (which gets that directory as ``hf_dir``).
+    :param post_save: coroutine function ``post_save(ckpt_dir, hf_dir)`` awaited last, once the
+        marker names the checkpoint and the export is written (the run's
+        ``--custom-megatron-post-save-hook-path``, through the plugin manager), or None.
     :returns: ``<save>/iter_<rollout_id:07d>``.
     :raises PluginError: ``config.save`` is not set, or ``state`` is not JSON-serializable.
     """
@@ -180,7 +184,8 @@ async def save_checkpoint(
     if hf_dir:
         await save_hf(hf_dir)
         log.info("saved Hugging Face weights %s", hf_dir)
-    _post_save_hook(config, rollout_id, final, hf_dir)
+    if post_save is not None:
+        await post_save(final, hf_dir)
     return final
 
 
@@ -225,32 +230,24 @@ def _publish(config: RunConfig, save: str, rollout_id: int, tmp: str, final: str
     log.info("saved checkpoint %s", final)
 
 
-def _post_save_hook(config: RunConfig, rollout_id: int, ckpt_dir: str, hf_dir: str | None) -> None:
-    """Call ``--custom-megatron-post-save-hook-path`` as ``hook(args, rollout_id, ckpt_dir, hf_dir)`` (``args``: a
-    Namespace view of the configuration).
+def post_save_hook(config: RunConfig, pm: Any, selection: Any,
+                   rollout_id: int) -> Callable[[str, str | None], Awaitable[None]] | None:
+    """``--custom-megatron-post-save-hook-path`` as :func:`save_checkpoint`'s ``post_save``, or None without it.
 
-    Runs once per save, after the marker names the new checkpoint and the ``--save-hf``
-    export is written, in the process that wrote the marker. ``hf_dir`` is that export's
-    directory, or None without ``--save-hf``.
+    The hook is called through the plugin manager as ``hook(args, rollout_id, ckpt_dir, hf_dir)``
+    (its adapter: :mod:`furlong.core.plugins.adapters`; ``args``: the configuration's Namespace view);
+    it is a plain function.
 
-    :raises PluginError: the path cannot be imported, the hook raises, or it is ``async def``
-        (it is called synchronously).
+    :param selection: the run's :class:`~furlong.core.plugins.selection.Selection` (``paths["post_save"]``).
     """
-    path = config.custom_megatron_post_save_hook_path
-    if not path:
-        return
-    from ..plugins.adapters import import_dotted
+    choice = selection.paths.get("post_save")
+    if choice is None:
+        return None
 
-    flag = "--custom-megatron-post-save-hook-path"
-    hook = import_dotted(path, flag)
-    try:
-        result = hook(config.namespace(), rollout_id, ckpt_dir, hf_dir)
-    except Exception as exc:  # noqa: BLE001 - name the hook at fault
-        raise PluginError(f"{flag} '{path}' failed after saving {ckpt_dir}: {type(exc).__name__}: {exc}") from exc
-    if inspect.isawaitable(result):
-        getattr(result, "close", lambda: None)()
-        raise PluginError(f"{flag} '{path}' returned an awaitable: the hook is called synchronously after each save; "
-                          f"make it a plain function.")
+    async def post_save(ckpt_dir: str, hf_dir: str | None) -> None:
+        await pm.call_chosen("post_save", *choice, config=config, rollout_id=rollout_id, ckpt_dir=ckpt_dir,
+                             hf_dir=hf_dir)
+    return post_save
 
 
 @attrs.define

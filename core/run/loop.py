@@ -1,8 +1,9 @@
 """The training loop (sync and train-async: docs/modes.md), written with async/await.
 
-``async def train(config)`` is the Miles-shaped entry: ``await group.train(...)``,
-``await rollout_manager.generate(rollout_id)``, ``await group.update_weights()``,
-``await group.save_model(...)``. ``run(config, pm, selection)`` is what ``furlong train`` calls.
+Miles-shaped: ``await group.train(...)``, ``await rollout_manager.generate(rollout_id)``,
+``await group.update_weights()``, ``await group.save_model(...)``. ``run(config, pm, selection)``
+is what ``furlong train`` calls, once the flags are parsed, the chosen plugins configured and the
+configuration frozen.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from furlong.hooks import PluginError, RunConfig
 from furlong.kit.compute_thread import shared_compute_thread
 
 from ..train.batching import steps_per_rollout
-from .checkpoints import periodic, resolve_start, save_checkpoint, should_save
+from .checkpoints import periodic, post_save_hook, resolve_start, save_checkpoint, should_save
 from ..rollout.engine_health import EngineHealthMonitor, health_monitor_wanted
 from ..rollout.engines import EngineFactory
 from .epochs import derive_num_rollout
@@ -35,24 +36,9 @@ from ..train.group import TrainGroup
 from ..train.worker import WorkerFactory
 from .weight_sync import WeightSync
 
-__all__ = ["run", "train"]
+__all__ = ["run"]
 
 log = logging.getLogger("furlong")
-
-
-async def train(args: Namespace) -> None:
-    """Run the loop on parsed launch flags ``args`` with plugins from the installed entry points (as
-    ``furlong train`` does: selection, every chosen plugin's ``configure``, the freeze, the run)."""
-    from ..config.configure import configure_plugins
-    from ..config.freeze import freeze_config
-    from ..config.parser import build_parser
-    from ..plugins.manager import get_plugin_manager
-    from ..plugins.selection import resolve_selection
-
-    pm = get_plugin_manager(args.disable_plugins)
-    selection = resolve_selection(args, pm)
-    configured = configure_plugins(args, pm, selection)
-    await run(freeze_config(args, build_parser(pm).plugin_flags, configured.derived), pm, selection)
 
 
 class Run:
@@ -190,7 +176,8 @@ class Run:
         """Checkpoint ``rollout_id`` with ``data_state`` (default: the data side's state now)."""
         if data_state is None:
             data_state = await self.rollout.data_state()
-        path = await save_checkpoint(self.config, rollout_id, self.group.save_model, data_state, self.group.save_hf)
+        path = await save_checkpoint(self.config, rollout_id, self.group.save_model, data_state, self.group.save_hf,
+                                     post_save_hook(self.config, self.pm, self.selection, rollout_id))
         await self.pm.notify("on_checkpoint_saved", config=self.config, rollout_id=rollout_id, path=path)
 
     async def finish_rollout(self, rollout_id: int, groups, metrics: dict) -> None:

@@ -79,18 +79,6 @@ class MetricsLog:
             self._file.flush()
         return record
 
-    def log_rollout(self, rollout_id: int, metrics: dict) -> dict:
-        """``log(metrics, "rollout/step", rollout_id)``."""
-        return self.log(metrics, "rollout/step", rollout_id)
-
-    def log_train(self, step: int, metrics: dict) -> dict:
-        """``log(metrics, "train/step", step)``, step = ``rollout_id * S + s``."""
-        return self.log(metrics, "train/step", step)
-
-    def log_eval(self, rollout_id: int, metrics: dict) -> dict:
-        """``log(metrics, "eval/step", rollout_id)``."""
-        return self.log(metrics, "eval/step", rollout_id)
-
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

@@ -65,14 +65,13 @@ def build_serve_parser(pm=None, backend: str | None = None) -> argparse.Argument
 
 
 def _add_backend_arguments(parser: argparse.ArgumentParser, pm, backend: str) -> None:
-    for impl in pm.hook.add_arguments.get_hookimpls():
-        if impl.plugin_name != backend:
-            continue
-        try:
-            impl.function(**({"parser": parser} if "parser" in impl.argnames else {}))
-        except argparse.ArgumentError as exc:
-            raise PluginError(f"--rollout-backend '{backend}': its add_arguments adds a flag furlong serve already "
-                              f"defines ({exc.argument_name}).") from exc
+    if backend not in pm.names_for("add_arguments"):
+        return
+    try:
+        pm.call_setup("add_arguments", backend, parser=parser)
+    except argparse.ArgumentError as exc:
+        raise PluginError(f"--rollout-backend '{backend}': its add_arguments adds a flag furlong serve already "
+                          f"defines ({exc.argument_name}).") from exc
 
 
 def _backend_of(argv: list[str]) -> str:

@@ -7,7 +7,8 @@ import torch
 
 from furlong.hooks import AdvantageInput, PluginError, RunConfig, Sample, Status, TrainBatch
 
-from ..plugins.adapters import import_dotted
+from ..plugins.manager import FurlongPluginManager
+from ..plugins.selection import Selection
 from ..rollout.rewards import scalar_reward
 
 __all__ = ["advantage_input", "flatten", "post_process_rewards", "to_train_batch", "zero_advantage"]
@@ -18,18 +19,16 @@ def flatten(groups: list[list[Sample]]) -> list[Sample]:
     return sorted((s for g in groups for s in g), key=lambda s: s.index)
 
 
-def post_process_rewards(config: RunConfig, samples: list[Sample]) -> tuple[list[float], list[float]]:
-    """``(raw, rewards)``: scalar rewards, through ``--custom-reward-post-process-path`` when set.
+async def post_process_rewards(config: RunConfig, samples: list[Sample], pm: FurlongPluginManager,
+                               selection: Selection) -> tuple[list[float], list[float]]:
+    """``(raw, rewards)``: scalar rewards, through ``--custom-reward-post-process-path`` when given
+    (its adapter, called by the plugin manager).
 
-    :raises PluginError: the custom function returned lists of the wrong length.
+    :raises PluginError: the custom function failed or returned lists of the wrong length.
     """
-    if config.custom_reward_post_process_path:
-        fn = import_dotted(config.custom_reward_post_process_path, "--custom-reward-post-process-path")
-        raw, rewards = fn(config.namespace(), samples)
-        if len(raw) != len(samples) or len(rewards) != len(samples):
-            raise PluginError(f"--custom-reward-post-process-path '{config.custom_reward_post_process_path}' returned "
-                              f"{len(raw)} raw and {len(rewards)} rewards for {len(samples)} samples.")
-        return [float(r) for r in raw], [float(r) for r in rewards]
+    if "reward_post_process" in selection.paths:
+        return await pm.call_chosen("reward_post_process", *selection.paths["reward_post_process"], config=config,
+                                    samples=samples)
     raw = [scalar_reward(s.reward, config.reward_key) for s in samples]
     return raw, list(raw)
 

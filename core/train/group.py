@@ -135,7 +135,7 @@ class TrainGroup:
             groups = groups[:kept]
             gbs = len(set(trajectory_ids(flatten(groups))))
         samples = flatten(groups)
-        raw, rewards = post_process_rewards(config, samples)
+        raw, rewards = await post_process_rewards(config, samples, self.pm, self.selection)
         batch = to_train_batch(config, samples)
         batch.rewards = rewards
         batch.truncated = truncated_flags(samples)

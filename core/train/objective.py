@@ -192,7 +192,7 @@ class StepObjective:
         out = await self.pm.call_chosen("loss", self.loss_name, self.loss_flag, config=self.config, batch=loss_input)
         self._check_output(out, masks)
         weights = reduction.sample_weights(sample_ids, self.sample_denominators, step, self.per_token)
-        reduce = MaskedSum(masks, weights)  # reduction.reduce_tokens, the masks and weights built once
+        reduce = MaskedSum(masks, weights)  # kit.masked.masked_sum, the masks and weights built once
         trained = self.metric_step_denominators[s] if s is not None else step
         reduce_metric = reduce if trained == step else MaskedSum(
             masks, reduction.sample_weights(sample_ids, self.sample_denominators, trained, self.per_token))

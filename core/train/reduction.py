@@ -21,12 +21,9 @@ from typing import Sequence
 
 import attrs
 
-from furlong.kit.masked import masked_sum
-
 __all__ = [
     "StepDenominators",
     "effective_loss_masks",
-    "reduce_tokens",
     "sample_denominators",
     "sample_weights",
     "step_denominators",
@@ -135,15 +132,6 @@ def sample_weights(
 def step_scale(step: StepDenominators, per_token: bool) -> float:
     """The step factor alone: ``1/max(N_s, 1)`` per-token, ``1/max(n_s, 1)`` per-sample."""
     return 1.0 / max(step.tokens, 1.0) if per_token else 1.0 / max(step.samples, 1)
-
-
-def reduce_tokens(values: Sequence, loss_masks: Sequence, weights: Sequence[float]):
-    """``sum_i w_i sum_t x_it m_it`` (:func:`furlong.kit.masked.masked_sum`) with ``w`` from :func:`sample_weights`.
-
-    :param values: N tensors [T_i]; :param loss_masks: N [T_i]; :param weights: N floats.
-    :returns: a 0-dim float32 tensor that keeps the graph; masked NaN/inf do not leak.
-    """
-    return masked_sum(values, loss_masks, weights)
 
 
 def _flatten(step: Sequence) -> list[int]:

@@ -47,9 +47,10 @@ class Caller:
         try:
             result = self.impl.function(**{k: v for k, v in kwargs.items() if k in self.impl.argnames})
             if inspect.isawaitable(result):
-                if self.hook == "add_arguments":
+                if self.hook in ("add_arguments", "configure"):
                     getattr(result, "close", lambda: None)()
-                    self.fail("it is async def; `add_arguments` runs while the parser is built and may not be async")
+                    self.fail(f"it is async def; `{self.hook}` is a set-up hook, run before the event loop starts, "
+                              "and may not be async")
                 result = asyncio.run(_await(result))
         except ContractViolation:
             raise

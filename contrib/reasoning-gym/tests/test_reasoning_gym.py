@@ -1,3 +1,4 @@
+import asyncio
 """The reasoning_gym plugin through furlong's plugin manager and the ``furlong`` command."""
 
 import json
@@ -28,13 +29,13 @@ def flags(**overrides):
 
 
 def source(pm, **overrides):
-    return pm.call_chosen_sync("data_source", "reasoning_gym", "--data-source", args=flags(**overrides))
+    return asyncio.run(pm.call_chosen("data_source", "reasoning_gym", "--data-source", args=flags(**overrides)))
 
 
 def score(pm, rows, responses):
     samples = [Sample(response=r, label=row["label"], metadata=row["metadata"], index=i)
                for i, (row, r) in enumerate(zip(rows, responses))]
-    return pm.call_chosen_sync("reward", "reasoning_gym", "--rm-type", args=flags(), samples=samples)
+    return asyncio.run(pm.call_chosen("reward", "reasoning_gym", "--rm-type", args=flags(), samples=samples))
 
 
 def test_rows_are_seeded_interleaved_and_roll_over(pm):
@@ -73,8 +74,8 @@ def test_reward_uses_the_task_verifier(pm):
 
 def test_reward_refuses_prompts_from_another_source(pm):
     with pytest.raises(PluginError, match="sample 7 has no metadata\\['reasoning_gym'\\]"):
-        pm.call_chosen_sync("reward", "reasoning_gym", "--rm-type", args=flags(),
-                            samples=[Sample(response="<answer>3</answer>", label="3", index=7)])
+        asyncio.run(pm.call_chosen("reward", "reasoning_gym", "--rm-type", args=flags(),
+                                   samples=[Sample(response="<answer>3</answer>", label="3", index=7)]))
 
 
 def test_unknown_task_is_one_error_naming_close_names(pm):

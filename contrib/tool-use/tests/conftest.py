@@ -10,6 +10,8 @@ script word for word under greedy decoding, with log-probs a little below 0.
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import os
 import signal
@@ -80,10 +82,10 @@ def script_engine(tmp_path):
 
     def make(transitions: dict[str, str], extra_words=()):
         path = build_script_model(tmp_path / "model", transitions, extra_words)
-        return get_plugin_manager().call_chosen_sync(
+        return asyncio.run(get_plugin_manager().call_chosen(
             "rollout_engine", "embedded", "--rollout-backend",
             args=Namespace(hf_checkpoint=path, seed=0, bf16=False, fp16=False, embedded_max_batch_size=8,
-                           rollout_engine_index=0))
+                           rollout_engine_index=0)))
 
     return make
 

@@ -58,8 +58,8 @@ def test_calculator_turn_is_masked_and_the_answer_is_graded(pm, script_engine):
     assert all(-0.05 < lp < 0 for lp, m in zip(sample.rollout_log_probs, sample.loss_mask) if m)
     assert sample.weight_versions == ["0", "0"]  # one per engine request
     assert sample.metadata == {"source": "test", "tool_use": {"calls": 1, "errors": 0}}
-    scores = pm.call_chosen_sync("reward", "math", "--rm-type", args=Namespace(rm_url=None, reward_key=None),
-                                 samples=[Sample(response=sample.response, label="42")])
+    scores = asyncio.run(pm.call_chosen("reward", "math", "--rm-type", args=Namespace(rm_url=None, reward_key=None),
+                                        samples=[Sample(response=sample.response, label="42")]))
     assert scores == [1]
 
 
