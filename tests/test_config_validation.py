@@ -23,6 +23,15 @@ def error_of(argv: list[str], **kwargs) -> str:
     return str(excinfo.value)
 
 
+def configured_error_of(argv: list[str]) -> str:
+    """The problems of ``argv`` once every chosen plugin's ``configure`` ran (the data-parallel checks among them)."""
+    from furlong.core.config.launch_args import launch_config
+
+    with pytest.raises(ConfigError) as excinfo:
+        launch_config(*argv)
+    return str(excinfo.value)
+
+
 def warnings_of(caplog, argv: list[str]) -> list[str]:
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="furlong.config"):
@@ -506,12 +515,14 @@ def test_executor_is_local_for_torchrun_ranks_and_ray_otherwise(monkeypatch):
 
 def test_batch_flags_are_not_blamed_when_torchrun_started_another_number_of_ranks(monkeypatch):
     argv = BASE + ["--n-samples-per-prompt", "4", "--global-batch-size", "16", "--actor-num-gpus-per-node", "3"]
-    monkeypatch.setenv("WORLD_SIZE", "2")  # the local executor refuses 3 ranks flagged for 2 processes (CLI test below)
-    assert parse_args(argv).data_parallel_size == 3
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the local executor refuses 3 ranks flagged for 2 processes
+    problems = configured_error_of(argv)
+    assert "torchrun started 2 trainer processes" in problems and "--global-batch-size" not in problems
     monkeypatch.setenv("WORLD_SIZE", "3")
-    assert "--global-batch-size (16) must be divisible by the data-parallel size 3" in error_of(argv)
+    assert "--global-batch-size (16) must be divisible by the data-parallel size 3" in configured_error_of(argv)
     monkeypatch.setenv("WORLD_SIZE", "2")  # no local executor to refuse the count: the batch flags are checked
-    assert "--global-batch-size (16) must be divisible by the data-parallel size 3" in error_of(argv + ["--executor", "ray"])
+    assert "--global-batch-size (16) must be divisible by the data-parallel size 3" in configured_error_of(
+        argv + ["--executor", "ray"])
 
 
 def test_cli_prints_each_flag_problem_on_its_own_error_line(capsys):

@@ -226,7 +226,7 @@ def _train(command: str, argv: list[str]) -> int:
         selection = resolve_selection(args, pm)
         configured = configure_plugins(args, pm, selection)
     if args.print_config:
-        machine = machine_defaults(args, pm)
+        machine = machine_defaults(args, pm, configured.data_parallel)
         print(json.dumps({"args": config_to_dict(args), "plugins": selection.as_dict(),
                           "machine_defaults": config_to_dict(argparse.Namespace(**machine)),
                           "machine_note": machine_note(machine),

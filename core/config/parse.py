@@ -10,6 +10,9 @@ import os
 import re
 from pathlib import PurePath
 
+from furlong.hooks import PluginError
+
+from ..plugins.executor_fit import resolve_executor
 from ..run.preflight import hf_checkpoint_problems
 from ._util import MEGATRON_ONLY
 from .deprecations import map_deprecated
@@ -78,6 +81,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
         args.train_mode = "async" if command == "train-async" else "sync"
     raw = copy.deepcopy(args)
     findings = validate(args, command)  # runs on the flags that parsed: all problems are reported at once
+    problems += _choose_executor(args, pm)
     if problems or findings.errors:
         # told now rather than only once these are fixed (an overlay may still set it: then not); a path that
         # exists only on the cluster is not a problem for --print-config, so only a missing flag is told there
@@ -111,9 +115,22 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     for key, value in overlay.items():  # the overlay has the last word, also on derived attributes
         setattr(final, key, value)
     _emit(findings)
-    if findings.errors:
-        raise ConfigError([f"after --custom-config-path: {e}" for e in findings.errors])
+    errors = findings.errors + _choose_executor(final, pm)
+    if errors:
+        raise ConfigError([f"after --custom-config-path: {e}" for e in errors])
     return final
+
+
+def _choose_executor(args: argparse.Namespace, pm) -> list[str]:
+    """Set ``args.executor`` (its default: the first that fits) and ``args.engines_in_driver``; the problem, if any."""
+    from ..plugins.manager import get_plugin_manager
+
+    try:
+        resolve_executor(args, pm if pm is not None else get_plugin_manager(), "executor" in args.explicit_args)
+    except PluginError as exc:
+        args.engines_in_driver = False
+        return [str(exc)]
+    return []
 
 
 _NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?|-inf|-nan", re.IGNORECASE)
