@@ -6,9 +6,7 @@ import random
 
 import pytest
 
-from furlong.core.train.batching import count_dp_size, karmarkar_karp, plan_steps, split_steps
-from furlong.core.config.launch_args import launch_args
-from furlong.hooks import PluginError
+from furlong.core.train.batching import karmarkar_karp, plan_steps, split_steps
 
 
 def _plan(lengths, gbs, steps, dp, rank, mbs=1, cap=None, dynamic=False, balance=False, traj=None):
@@ -164,22 +162,3 @@ def test_karmarkar_karp_pads_uneven_counts():
     parts = karmarkar_karp([5, 4, 3], 2)
     assert sorted(i for p in parts for i in p) == [0, 1, 2]
     assert sorted(len(p) for p in parts) == [1, 2]
-
-
-def test_count_dp_size():
-    fsdp = launch_args(actor_num_nodes=2, actor_num_gpus_per_node=4, train_backend="fsdp")
-    assert count_dp_size(fsdp) == 8
-    mega = launch_args(actor_num_nodes=2, actor_num_gpus_per_node=4, train_backend="megatron",
-                       tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=1)
-    assert count_dp_size(mega) == 2  # 8 GPUs / (tp 2 x pp 2 x cp 1)
-
-
-def test_count_dp_size_rejects_indivisible_parallel_sizes():
-    args = launch_args(actor_num_nodes=1, actor_num_gpus_per_node=4, train_backend="megatron",
-                       tensor_model_parallel_size=3, pipeline_model_parallel_size=1, context_parallel_size=1)
-    with pytest.raises(PluginError) as err:
-        count_dp_size(args)
-    assert str(err.value) == (
-        "--actor-num-nodes x --actor-num-gpus-per-node = 4 GPUs is not divisible by --tensor-model-parallel-size 3 x "
-        "--pipeline-model-parallel-size 1 x --context-parallel-size 1 = 3; change the trainer size or the parallel sizes."
-    )

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from furlong.hooks.config_report import ConfigReport
 
-from ..plugins.miles_paths import miles_builtin
-from . import env, rules
+from ..plugins.miles_paths import MILES_FLAG_CHOICES, miles_builtin
+from . import rules
 from .knobs import KNOBS, resolve_knobs
 from .unsupported import unsupported_problems
 
@@ -72,20 +72,21 @@ def _normalize(args, f: ConfigReport, given: set[str]) -> None:
     """Spellings that mean the same thing become one."""
     args.disable_plugins = [p.strip() for item in args.disable_plugins or [] for p in item.split(",") if p.strip()]
     path = args.rollout_function_path
-    builtin = "fully_async" if path and path.endswith(FULLY_ASYNC_SUFFIX) else miles_builtin(path, "rollout")
+    fully_async = MILES_FLAG_CHOICES["fully_async"][1]  # the rollout plugin --fully-async chooses
+    builtin = fully_async if path and path.endswith(FULLY_ASYNC_SUFFIX) else miles_builtin(path, "rollout")
     if builtin is not None:
         f.info(f"--rollout-function-path {path}: furlong's built-in plugin '{builtin}' does this; using it "
                f"(--rollout {builtin}).")
         args.rollout_function_path = None
-        args.fully_async = args.fully_async or builtin == "fully_async"
+        args.fully_async = args.fully_async or builtin == fully_async
         if "rollout" not in given:
             args.rollout = builtin
-    if args.fully_async and args.rollout != "fully_async":
+    if args.fully_async and args.rollout != fully_async:
         if "rollout" in given:
             f.error(f"--fully-async and --rollout {args.rollout} both choose the rollout; pass only one.")
         else:
-            args.rollout = "fully_async"
-    args.fully_async = args.rollout == "fully_async"
+            args.rollout = fully_async
+    args.fully_async = args.rollout == fully_async
     if args.moe_token_dispatcher_type == "allgather":
         args.moe_token_dispatcher_type = "alltoall"
         f.info("--moe-token-dispatcher-type allgather is run as alltoall.")
@@ -172,25 +173,6 @@ def _cluster(args, f: ConfigReport, given: set[str]) -> None:
             f.warn(f"--rollout-num-gpus {args.rollout_num_gpus} is ignored under --colocate: the engines share "
                    f"the trainer's {world} GPUs (actor_num_nodes x actor_num_gpus_per_node).")
         args.rollout_num_gpus = world
-    if (args.rollout_external or args.rollout_external_engine_addrs) and args.rollout_backend != "sglang":
-        f.error("--rollout-external and --rollout-external-engine-addrs attach to SGLang servers: they need "
-                "--rollout-backend sglang.")
-    needs_gpus = (args.rollout_backend == "sglang" and not args.colocate and not args.debug_train_only
-                  and not args.rollout_external)
-    if needs_gpus and args.rollout_num_gpus is None:
-        cpu_servers = getattr(args, "sglang_server_impl", "sglang") == "furlong" or not env.cuda_available()
-        if cpu_servers:  # furlong serve on CPUs: one engine unless --rollout-num-gpus says how many
-            args.rollout_num_gpus = args.rollout_num_gpus_per_engine
-            f.info(f"--rollout-num-gpus not given: one engine ({args.rollout_num_gpus} slot; "
-                   "engines = --rollout-num-gpus / --rollout-num-gpus-per-engine).")
-        else:
-            f.error("--rollout-num-gpus is required with --rollout-backend sglang (GPUs for the engines), "
-                    "unless --colocate puts the engines on the trainer's GPUs.")
-    per_engine = args.rollout_num_gpus_per_engine
-    if args.rollout_backend == "sglang" and args.rollout_num_gpus and per_engine >= 1 \
-            and args.rollout_num_gpus % per_engine:
-        f.error(f"--rollout-num-gpus ({args.rollout_num_gpus}) must be a multiple of --rollout-num-gpus-per-engine "
-                f"({per_engine}): every engine gets the same number of GPUs.")
 
 
 def _offload(args, f: ConfigReport, given: set[str]) -> None:

@@ -15,35 +15,9 @@ from __future__ import annotations
 import heapq
 from typing import Any, Sequence
 
-from furlong.hooks import PluginError
 
-__all__ = ["count_dp_size", "dynamic_global_batch", "karmarkar_karp", "pi_old_needs_own_pass", "plan_steps",
+__all__ = ["dynamic_global_batch", "karmarkar_karp", "pi_old_needs_own_pass", "plan_steps",
            "split_steps", "steps_per_rollout", "zero_advantage_skip_blocked"]
-
-
-def count_dp_size(args: Any) -> int:
-    """Data-parallel size ``D`` of the trainer.
-
-    World size = ``actor_num_nodes * actor_num_gpus_per_node``. The megatron backend
-    divides it by ``tensor_model_parallel_size * pipeline_model_parallel_size *
-    context_parallel_size`` (Megatron's rule); the fsdp backend shards every parameter
-    over all ranks, so ``D`` is the world size.
-
-    :raises PluginError: the model-parallel product does not divide the world size.
-    """
-    world = int(getattr(args, "actor_num_nodes", 1) or 1) * int(getattr(args, "actor_num_gpus_per_node", 1) or 1)
-    if getattr(args, "train_backend", None) != "megatron":
-        return world
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    cp = int(getattr(args, "context_parallel_size", 1) or 1)
-    if world % (tp * pp * cp):
-        raise PluginError(
-            f"--actor-num-nodes x --actor-num-gpus-per-node = {world} GPUs is not divisible by "
-            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x "
-            f"--context-parallel-size {cp} = {tp * pp * cp}; change the trainer size or the parallel sizes."
-        )
-    return world // (tp * pp * cp)
 
 
 def steps_per_rollout(args: Any) -> int:

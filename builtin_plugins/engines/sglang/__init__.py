@@ -52,6 +52,7 @@ def configure(args, report):
     ``sglang_engines_per_process``. The router starts here because its address must be in
     the flags before the executor hands them to the engines and the rollout side.
     """
+    _engine_gpus(args, report)
     per_engine = int(args.rollout_num_gpus_per_engine or 1)
     addrs = list(args.rollout_external_engine_addrs or [])
     if args.rollout_external and not addrs:
@@ -161,6 +162,37 @@ async def rollout_engine(args):
         await engine.shutdown()
         raise
     return engine
+
+
+def _engine_gpus(args, report) -> None:
+    """``--rollout-num-gpus`` for servers furlong starts on GPUs of their own (not ``--colocate``).
+
+    Required on CUDA with SGLang's server; ``furlong serve`` (or no CUDA) gets one engine
+    when it is not given. Always a multiple of ``--rollout-num-gpus-per-engine``.
+    """
+    per_engine = args.rollout_num_gpus_per_engine
+    own_gpus = not args.colocate and not args.debug_train_only and not args.rollout_external
+    if own_gpus and args.rollout_num_gpus is None:
+        if args.sglang_server_impl == "furlong" or not _cuda_available():
+            args.rollout_num_gpus = per_engine
+            report.info(f"--rollout-num-gpus not given: one engine ({per_engine} slot; "
+                        "engines = --rollout-num-gpus / --rollout-num-gpus-per-engine).")
+        else:
+            report.error("--rollout-num-gpus is required with --rollout-backend sglang (GPUs for the engines), "
+                         "unless --colocate puts the engines on the trainer's GPUs.")
+    if args.rollout_num_gpus and per_engine >= 1 and args.rollout_num_gpus % per_engine:
+        report.error(f"--rollout-num-gpus ({args.rollout_num_gpus}) must be a multiple of "
+                     f"--rollout-num-gpus-per-engine ({per_engine}): every engine gets the same number of GPUs.")
+
+
+def _cuda_available() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def _base_gpu_id(args, index: int) -> int:
