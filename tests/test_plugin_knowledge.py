@@ -128,3 +128,34 @@ def test_an_executor_fit_that_returns_something_else_is_named(plugin_manager, re
         parse_args(BASE, plugin_manager)
     assert "plugin 'cluster_executor' (registered in-process): `executor_fit` returned str, not an ExecutorFit." \
         in str(excinfo.value)
+
+
+def test_an_engine_lacking_a_protocol_member_is_refused_naming_the_plugin_and_the_member(plugin_manager,
+                                                                                       register_plugin):
+    import asyncio
+    from argparse import Namespace
+
+    from furlong.core.rollout.engines import EngineFactory
+    from furlong.hooks import PluginError
+
+    class NoRanks:
+        tokenizer = context_len = None
+
+        def __getattr__(self, name):  # every method the core calls, but no weight_update_ranks
+            if name == "weight_update_ranks" or name.startswith("__"):
+                raise AttributeError(name)
+            return lambda *a, **k: None
+
+    class Factory:
+        @hookimpl
+        def rollout_engine(self, args):
+            return NoRanks()
+
+    register_plugin(Factory(), "no_ranks")
+    make = EngineFactory(Namespace(), ("no_ranks", "--rollout-backend"), plugin_manager)
+    with pytest.raises(PluginError) as excinfo:
+        asyncio.run(make(0))
+    assert str(excinfo.value) == (
+        "--rollout-backend 'no_ranks': the engine it returned (NoRanks) lacks weight_update_ranks (see "
+        "furlong.hooks.RolloutEngine; subclassing it gives the documented defaults of weight_update_ranks and "
+        "context_len).")

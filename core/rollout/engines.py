@@ -19,6 +19,12 @@ from furlong.hooks import GenerateOutput, PluginError, RolloutEngine
 __all__ = ["EngineFactory", "EngineSet"]
 
 
+# the RolloutEngine members the core calls and reads, checked when the rollout_engine hook hands an engine over
+ENGINE_METHODS = ("generate", "abort", "pause_generation", "continue_generation", "flush_cache", "load_weights",
+                  "set_weight_version", "release_memory", "resume_memory", "health")
+ENGINE_DATA = ("tokenizer", "weight_update_ranks", "context_len")
+
+
 class EngineFactory:
     """``await make_engine(i)`` for :meth:`furlong.hooks.Executor.start_engines`.
 
@@ -39,12 +45,12 @@ class EngineFactory:
         args = copy.copy(self.args)
         args.rollout_engine_index = index  # e.g. per-engine sampling seeds (seed + index)
         engine = await pm.call_chosen("rollout_engine", name, flag, args=args)
-        missing = [m for m in ("generate", "abort", "pause_generation", "continue_generation", "flush_cache",
-                               "load_weights", "set_weight_version", "release_memory", "resume_memory", "health")
-                   if not callable(getattr(engine, m, None))]
+        missing = [m for m in ENGINE_METHODS if not callable(getattr(engine, m, None))]
+        missing += [m for m in ENGINE_DATA if not hasattr(engine, m)]
         if missing:
             raise PluginError(f"{flag} '{name}': the engine it returned ({type(engine).__name__}) lacks "
-                              f"{', '.join(missing)} (see furlong.hooks.RolloutEngine).")
+                              f"{', '.join(missing)} (see furlong.hooks.RolloutEngine; subclassing it gives the "
+                              "documented defaults of weight_update_ranks and context_len).")
         return engine
 
     def __getstate__(self) -> dict:
