@@ -236,11 +236,9 @@ def demo_argv() -> list[str]:
 
 def test_cpu_sglang_demo_command_parses_to_one_engine():
     """README's CPU command for the sglang engine: run_demo.sh --rollout-backend sglang --sglang-server-impl furlong."""
-    from furlong.core.plugins.manager import get_plugin_manager
-
-    flags = ["--rollout-backend", "sglang", "--sglang-server-impl", "furlong", "--executor", "local"]
-    args = parse_args(demo_argv() + flags, get_plugin_manager())
+    flags = ["--rollout-backend", "sglang", "--sglang-server-impl", "furlong", "--executor", "local", "--print-config"]
+    args, _lacking_here = configured(demo_argv() + flags)  # the sglang engine's configure counts the engines
     assert (args.rollout_backend, args.sglang_server_impl, args.executor) == ("sglang", "furlong", "local")
     assert (args.rollout_num_gpus, args.rollout_num_gpus_per_engine) == (1, 1)  # one engine
-    args = parse_args(demo_argv() + flags + ["--rollout-num-gpus", "2"], get_plugin_manager())
+    args, _lacking_here = configured(demo_argv() + flags + ["--rollout-num-gpus", "2"])
     assert args.rollout_num_gpus == 2  # two engines, as given
