@@ -31,8 +31,9 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     """Parse, map deprecated flags, derive and validate the flags of ``furlong train``.
 
     Order: ``@FILE`` expansion, deprecation mapping, plugin flags
-    (``pm``), pass-through split, parse, validation (:func:`validate`), then the
-    ``--custom-config-path`` overlay and a second validation of the result. The rules
+    (``pm``), pass-through split, parse, validation (:func:`validate`), the executor
+    (``--executor`` or the first that fits: :func:`~furlong.core.plugins.executor_fit.resolve_executor`),
+    then the ``--custom-config-path`` overlay and a second validation of the result. The rules
     of the chosen plugins run later, in their ``configure`` hooks
     (:func:`furlong.core.config.configure.configure_plugins`, after the selection).
 
@@ -43,7 +44,8 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     ``megatron_flags_given`` (Megatron-only flags given, as typed), ``megatron_args``
     (``{dest: value}`` of those) and ``megatron_argv`` (those flags with their values, as
     typed: what a backend hands Megatron-LM's own parser), and derived values
-    such as ``data_parallel_size`` and ``sglang_tp_size``.
+    such as ``sglang_tp_size``, ``engines_in_driver`` and ``data_parallel_size`` (the world
+    size here; the train backend's ``configure`` reports its own rule).
 
     Touches no file except ``@FILE`` argument files and the ``--custom-config-path`` file.
 
