@@ -6,7 +6,7 @@ extraction, epoch order, ...) live in :mod:`furlong.kit`. Their old module paths
 """
 
 from . import _moved, rows, specs
-from .config_report import ConfigReport
+from .config_report import ConfigReport, DataParallelRule
 from .errors import PluginError
 from .markers import PROJECT, hookimpl, hookspec
 from .megatron_flags import MegatronFlags
@@ -17,6 +17,7 @@ from .types import (
     AdvantageInput,
     AdvantageOutput,
     DatasetSpec,
+    ExecutorFit,
     FilterResult,
     GenerateOutput,
     LossInput,
@@ -33,9 +34,11 @@ __all__ = [
     "AdvantageInput",
     "AdvantageOutput",
     "ConfigReport",
+    "DataParallelRule",
     "DatasetSpec",
     "DataSource",
     "Executor",
+    "ExecutorFit",
     "FilterResult",
     "GenerateOutput",
     "LossInput",

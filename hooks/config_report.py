@@ -7,7 +7,29 @@ from typing import Any
 
 import attrs
 
-__all__ = ["ConfigReport"]
+__all__ = ["ConfigReport", "DataParallelRule"]
+
+
+@attrs.frozen
+class DataParallelRule:
+    """How a train backend splits the trainer's ranks (``report.data_parallel_rule``).
+
+    Each model replica spans the product of ``model_parallel``'s sizes (ranks that hold
+    parts of one model, e.g. ``(("TP", 2), ("PP", 1), ("CP", 1))``); the replicas are the
+    data-parallel ranks: ``D = world / product``, where ``world`` is
+    ``--actor-num-nodes x --actor-num-gpus-per-node``. Empty (the default, and the rule of
+    a backend that reports none): every rank holds the whole model, ``D = world``.
+    """
+
+    model_parallel: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def model_size(self) -> int:
+        """Ranks per model replica (1 when ``model_parallel`` is empty)."""
+        size = 1
+        for _name, value in self.model_parallel:
+            size *= value
+        return size
 
 
 @attrs.define
@@ -31,6 +53,7 @@ class ConfigReport:
     warnings: list[str] = attrs.field(factory=list)
     infos: list[str] = attrs.field(factory=list)
     uses: list[str] = attrs.field(factory=list)
+    data_parallel: DataParallelRule | None = None
 
     def error(self, message: str) -> None:
         """A flag combination the plugin cannot run with: the run stops (exit code 2)."""
@@ -50,6 +73,18 @@ class ConfigReport:
         given flag of a plugin that no flag chose, as a flag that would do nothing."""
         if name not in self.uses:
             self.uses.append(name)
+
+    def data_parallel_rule(self, **model_parallel: int) -> None:
+        """Train backends: how this run's trainer ranks split into model replicas.
+
+        ``model_parallel`` names each size a model replica spans, in the order it is shown
+        (``report.data_parallel_rule(TP=2, PP=1, CP=1)``); the core derives the data-parallel
+        size ``D = world / product`` (``config.data_parallel_size``), checks that it divides
+        the world and the batch flags, and names the sizes in its messages. Without
+        arguments: every rank holds the whole model, ``D = world``, which is also the
+        rule of a backend that reports nothing (:class:`DataParallelRule`).
+        """
+        self.data_parallel = DataParallelRule(tuple((name, int(value)) for name, value in model_parallel.items()))
 
     @staticmethod
     def given(args: Namespace, dest: str) -> bool:

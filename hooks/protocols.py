@@ -25,6 +25,15 @@ class RolloutEngine(Protocol):
     (in-process) or ``update_weights_from_distributed`` (broadcast) per bucket →
     ``end_weight_update`` → ``set_weight_version`` → ``continue_generation``.
 
+    Data members, with the default a class gets by subclassing this Protocol
+    (``class MyEngine(RolloutEngine)``): ``weight_update_ranks`` (int, default 1): the ranks
+    this engine takes in a weight-update group (its server's tensor-parallel GPUs);
+    ``context_len`` (int or None, default None): the most tokens a prompt plus its
+    completion may have, None when the engine does not know (``furlong serve`` then reads
+    the model config's ``max_position_embeddings``). The core checks every member of this
+    Protocol when the ``rollout_engine`` hook hands the engine over: a missing one is a
+    ``PluginError`` naming the plugin and the member.
+
     ``begin_weight_update()`` and ``end_weight_update()`` (async, no arguments) are optional:
     an engine whose server needs a session around the buckets (SGLang 0.5.21 and later)
     defines them; the core calls ``end_weight_update`` after every ``begin_weight_update``
@@ -32,6 +41,8 @@ class RolloutEngine(Protocol):
     """
 
     tokenizer: Any
+    weight_update_ranks: int = 1
+    context_len: int | None = None
 
     async def generate(self, input_ids: list[int], sampling_params: dict) -> GenerateOutput:
         """Generate one continuation of ``input_ids``.
@@ -121,7 +132,13 @@ class StepObjective(Protocol):
 
 @runtime_checkable
 class TrainBackend(Protocol):
-    """Trains the policy. Implementations: ``fsdp`` (torch, CPU or GPU), ``megatron``."""
+    """Trains the policy. Implementations: ``fsdp`` (torch, CPU or GPU), ``megatron``.
+
+    The core checks every member of this Protocol when the ``train_backend`` hook hands
+    the backend over: a missing one is a ``PluginError`` naming the plugin and the member.
+    A class that subclasses this Protocol (``class MyBackend(TrainBackend)``) inherits the
+    documented default of :meth:`train_forward_gives_old_log_probs` (False).
+    """
 
     async def init(self, args: Any) -> int:
         """Load the model and optimizer; return the start rollout id (0 unless resumed)."""
@@ -140,6 +157,14 @@ class TrainBackend(Protocol):
         then clip, step, LR schedule); return one metrics dict per step (objective metrics
         summed over micro-batches and ranks, plus ``grad_norm`` (pre-clip) and ``lr``),
         the same on every rank."""
+
+    def train_forward_gives_old_log_probs(self) -> bool:
+        """True when the training forward computes exactly what :meth:`log_probs` would, so
+        pi_old can come from it (``--reuse-train-log-probs``) instead of a pass of its own.
+
+        Default (inherited from this Protocol): False, the core runs the forward-only pass.
+        """
+        return False
 
     def layout(self) -> ParallelLayout:
         """This rank's place in the backend's parallelism; called after :meth:`init`.

@@ -468,7 +468,11 @@ class RunConfig:
     eval_sglang_passthrough: Mapping[str, Any]
     """``--eval-sglang-*`` flags furlong does not define, for the evaluation servers."""
     data_parallel_size: int
-    """Data-parallel ranks of the trainer, as the train backend's layout rule gives them."""
+    """Data-parallel ranks of the trainer, as the train backend's layout rule gives them
+    (:meth:`~furlong.hooks.ConfigReport.data_parallel_rule`)."""
+    engines_in_driver: bool
+    """The chosen executor runs the rollout engines in the driver's process, on its host
+    (:class:`~furlong.hooks.ExecutorFit`)."""
     packed_by_default: str | None
     """Why micro-batches are packed by token budget (``--max-tokens-per-gpu`` or the default budget)."""
     sglang_tp_size: int | None

@@ -36,7 +36,7 @@ from .config_report import ConfigReport
 from .markers import hookspec
 from .run_config import RunConfig
 from .protocols import DataSource, Executor, RolloutContext, RolloutEngine, TrainBackend
-from .types import AdvantageInput, AdvantageOutput, DatasetSpec, FilterResult, LossInput, LossOutput, Sample
+from .types import AdvantageInput, AdvantageOutput, DatasetSpec, ExecutorFit, FilterResult, LossInput, LossOutput, Sample
 
 __all__ = [
     "abort",
@@ -46,6 +46,7 @@ __all__ = [
     "configure",
     "data_source",
     "executor",
+    "executor_fit",
     "filter",
     "generate",
     "loss",
@@ -126,10 +127,9 @@ def configure(args: Namespace, report: ConfigReport) -> None:
 def executor(config: RunConfig, args: Namespace) -> Executor:
     """Create the executor: what places the train workers and the rollout engines.
 
-    Call: chosen by name (``--executor NAME``; default ``ray`` under ``ray job submit``
-    (``RAY_ADDRESS`` set) or when a trainer of several ranks is not started by ``torchrun``
-    or with ``--rollout-backend sglang``, else ``local``). Called once per process, first
-    thing when a run starts, before any data or model loads.
+    Call: chosen by name (``--executor NAME``; default: the first executor whose
+    :func:`executor_fit` says it fits, see there). Called once per process, first thing
+    when a run starts, before any data or model loads.
 
     The loop is written once against what the executor starts: the core hands it a
     picklable ``make_worker(rank, world)`` for each train rank and ``make_engine(i)`` for
@@ -142,6 +142,32 @@ def executor(config: RunConfig, args: Namespace) -> Executor:
     :returns: an object meeting :class:`~furlong.hooks.Executor`.
     :raises PluginError: the placement the flags ask for cannot be had (the message
         names the flags and what the machine or cluster offers).
+    """
+
+
+@hookspec
+def executor_fit(args: Namespace) -> ExecutorFit:
+    """Say whether this plugin's executor fits this machine and launch, and why.
+
+    Call: broadcast, during parsing, to every plugin implementing it, after the core
+    validated the flags and before any ``configure``. When ``--executor`` is not given,
+    the default is the first executor that fits, asked in this order: plugins outside
+    furlong's own distribution first, in name order, then furlong's (``local``, ``ray``,
+    whose rules do not overlap). No executor fitting is an error listing every answer.
+    The chosen executor's answer (given or default) also sets
+    ``config.engines_in_driver``, which engine plugins read instead of the executor's name.
+    Plain and quick: read flags and the environment, start nothing.
+
+    :param args: the validated launch flags (the set-up step's Namespace; do not change it).
+    :returns: an :class:`~furlong.hooks.ExecutorFit` (``fits``, ``why``, ``engines_in_driver``).
+
+    Example::
+
+        @hookimpl
+        def executor_fit(args):
+            if os.environ.get("SLURM_JOB_ID"):
+                return ExecutorFit(True, "SLURM_JOB_ID is set (inside a Slurm allocation)")
+            return ExecutorFit(False, "not inside a Slurm allocation")
     """
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "AdvantageInput",
     "AdvantageOutput",
     "DatasetSpec",
+    "ExecutorFit",
     "FilterResult",
     "GenerateOutput",
     "LossInput",
@@ -313,6 +314,25 @@ class ParallelLayout:
     returns_outputs: bool = True
     rank: int = 0
     world: int = 1
+
+
+@attrs.define(frozen=True)
+class ExecutorFit:
+    """What an executor plugin says of this machine and launch (the ``executor_fit`` hook).
+
+    ``fits``: the executor can place this run here as the flags stand; when ``--executor``
+    is not given, the first executor that fits is the default. ``why``: one phrase saying
+    what decided it (shown by ``--print-config``, e.g. ``"RAY_ADDRESS is set (ray job
+    submit)"``). ``engines_in_driver``: the rollout engines run in the driver's process,
+    on the driver's host (engines may then share one process and reach each other on
+    127.0.0.1); False when each engine runs in a process of its own, wherever the
+    executor puts it. An executor plugin without ``executor_fit`` never becomes the
+    default and counts as ``ExecutorFit(False, "", engines_in_driver=False)``.
+    """
+
+    fits: bool
+    why: str
+    engines_in_driver: bool = False
 
 
 @attrs.define

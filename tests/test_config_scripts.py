@@ -3,6 +3,7 @@ examples/launch (run by bash with ``furlong`` replaced by a function printing it
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import subprocess
@@ -10,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from furlong.core.config import parse_args
+from furlong.core.config import ConfigError, parse_args
+from furlong.core.config.configure import configure_plugins
+from furlong.core.plugins.manager import get_plugin_manager
+from furlong.core.plugins.selection import resolve_selection
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -130,6 +134,19 @@ printf '%s\n' --actor-num-nodes 1 --actor-num-gpus-per-node 4 --rollout-num-gpus
 pytestmark = pytest.mark.usefixtures("cpu_machine")  # the same defaults on every machine
 
 
+def configured(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """``argv`` parsed and configured by every chosen plugin (the train backend reports the
+    data-parallel rule there), and the problems the plugins found: what this machine lacks
+    and the cluster has (SGLang, the checkpoints, GPUs); the derived values stand regardless."""
+    pm = get_plugin_manager()
+    args = parse_args(argv, pm, command="train")
+    try:
+        configure_plugins(args, pm, resolve_selection(args, pm))
+    except ConfigError as exc:
+        return args, exc.problems
+    return args, []
+
+
 def bash_argv(script: str) -> list[str]:
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True, timeout=60)
     return out.stdout.splitlines()
@@ -137,7 +154,7 @@ def bash_argv(script: str) -> list[str]:
 
 def test_walkthrough_script_parses(caplog):
     with caplog.at_level(logging.WARNING, logger="furlong.config"):
-        args = parse_args(bash_argv(WALKTHROUGH))
+        args, _lacking_here = configured(bash_argv(WALKTHROUGH))
     # 16 prompts x 8 samples = 128 x 1 step; D = 4 GPUs / (TP 2 x PP 1 x CP 2) = 1
     assert (args.global_batch_size, args.num_steps_per_rollout, args.data_parallel_size) == (128, 1, 1)
     assert (args.rotary_base, args.num_layers, args.kl_loss_type, args.eps_clip_high) == (10000, 40, "low_var_kl", 0.28)
@@ -201,7 +218,7 @@ def test_miles_style_demo_script_parses():
 
 
 def test_gsm8k_megatron_script_parses():
-    args = parse_args(example_argv("gsm8k_qwen_megatron.sh"))
+    args, _lacking_here = configured(example_argv("gsm8k_qwen_megatron.sh"))
     assert (args.train_backend, args.rollout_backend, args.executor) == ("megatron", "sglang", "ray")
     assert (args.tensor_model_parallel_size, args.sequence_parallel, args.data_parallel_size) == (2, False, 2)
     assert (args.apply_chat_template, args.rm_type, args.prompt_data) == (True, "math", "examples/gsm8k/data/train.jsonl")
@@ -219,11 +236,9 @@ def demo_argv() -> list[str]:
 
 def test_cpu_sglang_demo_command_parses_to_one_engine():
     """README's CPU command for the sglang engine: run_demo.sh --rollout-backend sglang --sglang-server-impl furlong."""
-    from furlong.core.plugins.manager import get_plugin_manager
-
-    flags = ["--rollout-backend", "sglang", "--sglang-server-impl", "furlong", "--executor", "local"]
-    args = parse_args(demo_argv() + flags, get_plugin_manager())
+    flags = ["--rollout-backend", "sglang", "--sglang-server-impl", "furlong", "--executor", "local", "--print-config"]
+    args, _lacking_here = configured(demo_argv() + flags)  # the sglang engine's configure counts the engines
     assert (args.rollout_backend, args.sglang_server_impl, args.executor) == ("sglang", "furlong", "local")
     assert (args.rollout_num_gpus, args.rollout_num_gpus_per_engine) == (1, 1)  # one engine
-    args = parse_args(demo_argv() + flags + ["--rollout-num-gpus", "2"], get_plugin_manager())
+    args, _lacking_here = configured(demo_argv() + flags + ["--rollout-num-gpus", "2"])
     assert args.rollout_num_gpus == 2  # two engines, as given

@@ -23,6 +23,15 @@ def error_of(argv: list[str], **kwargs) -> str:
     return str(excinfo.value)
 
 
+def configured_error_of(argv: list[str]) -> str:
+    """The problems of ``argv`` once every chosen plugin's ``configure`` ran (the data-parallel checks among them)."""
+    from furlong.core.config.launch_args import launch_config
+
+    with pytest.raises(ConfigError) as excinfo:
+        launch_config(*argv)
+    return str(excinfo.value)
+
+
 def warnings_of(caplog, argv: list[str]) -> list[str]:
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="furlong.config"):
@@ -50,9 +59,6 @@ ERRORS = [
     (["--weight-decay=-0.1"], "--weight-decay must be at least 0, got -0.1."),
     (["--use-dynamic-batch-size"],
      "--use-dynamic-batch-size requires --max-tokens-per-gpu (the token cap per micro-batch per GPU)."),
-    (["--rollout-backend", "sglang", "--rollout-num-gpus", "6", "--rollout-num-gpus-per-engine", "4"],
-     "--rollout-num-gpus (6) must be a multiple of --rollout-num-gpus-per-engine (4): every engine gets the "
-     "same number of GPUs."),
     (["--use-kl-loss"],
      "--use-kl-loss needs a reference model: give --ref-load (or --hf-checkpoint, used as the reference when "
      "--ref-load is absent)."),
@@ -129,6 +135,23 @@ ERRORS = [
 @pytest.mark.parametrize("extra, message", ERRORS, ids=lambda v: " ".join(v)[:50] if isinstance(v, list) else "")
 def test_validation_error_message(extra, message):
     assert error_of(BASE + extra) == message
+
+
+# the engine plugins' rules, told by their ``configure`` (the flags parse): (extra flags after BASE, one problem)
+ENGINE_ERRORS = [
+    (["--rollout-backend", "sglang", "--sglang-server-impl", "furlong", "--rollout-num-gpus", "6",
+      "--rollout-num-gpus-per-engine", "4"],
+     "--rollout-num-gpus (6) must be a multiple of --rollout-num-gpus-per-engine (4): every engine gets the "
+     "same number of GPUs."),
+    (["--rollout-external"],
+     "--rollout-external and --rollout-external-engine-addrs attach to SGLang servers: they need "
+     "--rollout-backend sglang."),
+]
+
+
+@pytest.mark.parametrize("extra, message", ENGINE_ERRORS, ids=lambda v: " ".join(v)[:50] if isinstance(v, list) else "")
+def test_engine_plugin_error_message(extra, message):
+    assert message in configured_error_of(BASE + extra).splitlines()
 
 
 def test_num_rollout_is_required_and_mentions_the_old_default():
@@ -506,12 +529,14 @@ def test_executor_is_local_for_torchrun_ranks_and_ray_otherwise(monkeypatch):
 
 def test_batch_flags_are_not_blamed_when_torchrun_started_another_number_of_ranks(monkeypatch):
     argv = BASE + ["--n-samples-per-prompt", "4", "--global-batch-size", "16", "--actor-num-gpus-per-node", "3"]
-    monkeypatch.setenv("WORLD_SIZE", "2")  # the local executor refuses 3 ranks flagged for 2 processes (CLI test below)
-    assert parse_args(argv).data_parallel_size == 3
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the local executor refuses 3 ranks flagged for 2 processes
+    problems = configured_error_of(argv)
+    assert "torchrun started 2 trainer processes" in problems and "--global-batch-size" not in problems
     monkeypatch.setenv("WORLD_SIZE", "3")
-    assert "--global-batch-size (16) must be divisible by the data-parallel size 3" in error_of(argv)
+    assert "--global-batch-size (16) must be divisible by the data-parallel size 3" in configured_error_of(argv)
     monkeypatch.setenv("WORLD_SIZE", "2")  # no local executor to refuse the count: the batch flags are checked
-    assert "--global-batch-size (16) must be divisible by the data-parallel size 3" in error_of(argv + ["--executor", "ray"])
+    assert "--global-batch-size (16) must be divisible by the data-parallel size 3" in configured_error_of(
+        argv + ["--executor", "ray"])
 
 
 def test_cli_prints_each_flag_problem_on_its_own_error_line(capsys):
@@ -579,16 +604,19 @@ def test_cuda_defaults_use_the_gpus_torch_sees(monkeypatch):
 
 
 def test_sglang_engines_need_rollout_num_gpus_only_for_sglang_servers_on_cuda(monkeypatch):
-    from furlong.core.plugins.manager import get_plugin_manager
+    import torch
 
-    assert parse_args(BASE + ["--rollout-backend", "sglang"]).rollout_num_gpus == 1  # no GPU: one engine
+    from furlong.core.config.launch_args import launch_config
+
+    sglang = ["--rollout-backend", "sglang", "--print-config"]  # --print-config starts no router
+    assert launch_config(*BASE, *sglang, "--sglang-server-impl", "furlong").rollout_num_gpus == 1  # one engine
     _cuda(monkeypatch, gpus=2)
-    assert error_of(BASE + ["--rollout-backend", "sglang"]) == (
-        "--rollout-num-gpus is required with --rollout-backend sglang (GPUs for the engines), unless --colocate "
-        "puts the engines on the trainer's GPUs.")
-    argv = BASE + ["--rollout-backend", "sglang", "--sglang-server-impl", "furlong", "--rollout-num-gpus-per-engine",
-                   "2"]
-    assert parse_args(argv, get_plugin_manager()).rollout_num_gpus == 2  # furlong serve: one engine of 2 slots
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert ("--rollout-num-gpus is required with --rollout-backend sglang (GPUs for the engines), unless --colocate "
+            "puts the engines on the trainer's GPUs.") in configured_error_of(BASE + sglang).splitlines()
+    argv = BASE + sglang + ["--sglang-server-impl", "furlong", "--rollout-num-gpus-per-engine", "2", "--executor", "local",
+                            "--actor-num-gpus-per-node", "1"]
+    assert launch_config(*argv).rollout_num_gpus == 2  # furlong serve: one engine of 2 slots
 
 
 def test_cuda_device_count_probe_is_zero_without_cuda(monkeypatch):

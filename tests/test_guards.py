@@ -278,3 +278,69 @@ def test_dotted_paths_are_imported_only_by_the_adapters():
            if path.relative_to(REPO).parts[:2] != ("core", "plugins") and path.relative_to(REPO) != _MOVED
            for line, what in _loader_uses(path.read_text())]
     assert bad == [], "wrap a dotted-path flag's function as an adapter plugin (core/plugins/adapters.py)"
+
+
+# --- core names no plugin ----------------------------------------------------------------
+
+# Comparisons of a built-in plugin's name that core may make, each with why it is no choice of plugin:
+# ``(file, name)``. Everything else that decides behaviour by a plugin's name belongs in that plugin
+# (its ``configure``, ``executor_fit``, a report it makes) or in a Protocol member core reads.
+NAME_COMPARISONS_ALLOWED = {
+    # --opd-type names the kind of teacher (an SGLang server or a Megatron checkpoint), not a plugin
+    ("core/config/rules.py", "megatron"),
+    # "math" is the kind of a Megatron flag (it changes the computation), not the reward plugin
+    ("core/config/megatron_support.py", "math"),
+    # the zero-advantage skip is exact only for this loss; no loss plugin declares that yet
+    ("core/train/batching.py", "policy_loss"),
+}
+
+
+def _literal_names(node: ast.AST) -> list[str]:
+    """The string constants an operand of a comparison is: ``"x"`` or a tuple, list or set of them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return []
+
+
+def _plugin_name_comparisons(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    """``(line, name)`` of each ``==``, ``!=``, ``in``, ``not in`` or ``match`` case on a literal that is in ``names``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Compare):
+            for operand in (node.left, *node.comparators):
+                found += [(node.lineno, value) for value in _literal_names(operand) if value in names]
+        elif isinstance(node, ast.MatchValue):
+            found += [(node.lineno, value) for value in _literal_names(node.value) if value in names]
+    return found
+
+
+def test_core_compares_no_selection_to_a_builtin_plugin_name(furlong_entry_points):
+    """Core decides nothing by a built-in plugin's name: a DeepSpeed backend or a Slurm executor must
+    need no core edit. Names may appear as data (the parser's flag defaults, the machine defaults'
+    table, Miles' dotted-path and switch-flag tables, messages); what is refused is comparing a value
+    to one (``args.train_backend == "megatron"``, ``name in ("local", "ray")``, ``case "sglang":``)."""
+    names = set(furlong_entry_points)
+    found = [(str(path.relative_to(REPO)), line, name) for path in _py_files("core")
+             for line, name in _plugin_name_comparisons(path, names)]
+    bad = [f"{path}:{line} compares with plugin name {name!r}" for path, line, name in found
+           if (path, name) not in NAME_COMPARISONS_ALLOWED]
+    assert bad == []
+    assert {(path, name) for path, _, name in found} == NAME_COMPARISONS_ALLOWED, "an allowed comparison is gone"
+
+
+def test_the_plugin_name_guard_sees_comparisons_in_every_form(tmp_path):
+    source = tmp_path / "sample.py"
+    source.write_text(textwrap.dedent("""
+        a = x == "megatron"
+        b = "local" != y
+        c = z in ("ray", "other")
+        match w:
+            case "sglang":
+                pass
+        d = x == "not_a_plugin"
+        e = {"fsdp": 1}
+    """))
+    assert _plugin_name_comparisons(source, {"megatron", "local", "ray", "sglang", "fsdp"}) == [
+        (2, "megatron"), (3, "local"), (4, "ray"), (6, "sglang")]

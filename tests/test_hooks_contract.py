@@ -41,8 +41,9 @@ class Recorder:
         self.events.append((hook, plugin, error))
 
 
-class CountingEngine:
-    """A rollout engine that answers every request with the next ``n`` token ids."""
+class CountingEngine(RolloutEngine):
+    """A rollout engine that answers every request with the next ``n`` token ids (subclassing the
+    Protocol gives it the documented defaults of ``weight_update_ranks`` and ``context_len``)."""
 
     tokenizer = None
 
@@ -124,12 +125,13 @@ def test_hook_rollout_engine_factory_returns_a_rollout_engine(plugin_manager, re
     engine = asyncio.run(plugin_manager.call_chosen("rollout_engine", "counting", "--rollout-backend",
                                                     args=Namespace(n=2)))
     assert isinstance(engine, RolloutEngine)
+    assert (engine.weight_update_ranks, engine.context_len) == (1, None)
     out = asyncio.run(engine.generate([5, 9], {"max_new_tokens": 8}))
     assert (out.output_ids, out.finish_reason) == ([10, 11], "length")
 
 
 def test_hook_train_backend_factory_returns_a_train_backend(plugin_manager, register_plugin):
-    class Backend:
+    class Backend(TrainBackend):  # inherits train_forward_gives_old_log_probs() -> False
         def __init__(self, start):
             self.start = start
 
@@ -170,6 +172,7 @@ def test_hook_train_backend_factory_returns_a_train_backend(plugin_manager, regi
                                                      args=Namespace(resume_at=6)))
     assert isinstance(backend, TrainBackend)
     assert asyncio.run(backend.init(None)) == 6
+    assert backend.train_forward_gives_old_log_probs() is False
 
 
 def test_hook_data_source_factory_returns_rows_and_state(plugin_manager, register_plugin):

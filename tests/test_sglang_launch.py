@@ -190,10 +190,11 @@ def test_print_config_does_not_judge_gpus_per_node_by_this_machine():
 
 def test_rollout_external_needs_the_sglang_engine():
     from furlong.core.config.errors import ConfigError
+    from furlong.core.config.launch_args import launch_config
 
     with pytest.raises(ConfigError, match="--rollout-external and --rollout-external-engine-addrs attach to SGLang "
                                           "servers: they need --rollout-backend sglang."):
-        parse_args(["--num-rollout", "1", "--rollout-batch-size", "1", "--rollout-external"])
+        launch_config("--num-rollout", "1", "--rollout-batch-size", "1", "--rollout-external")  # embedded's configure
 
 
 def test_print_config_starts_no_router(capsys):

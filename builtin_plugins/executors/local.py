@@ -9,12 +9,21 @@ bookkeeping) and also train rank 0; ranks 1..D-1 only serve train calls
 
 from __future__ import annotations
 
-from furlong.hooks import hookimpl
+from furlong.hooks import ExecutorFit, hookimpl
 from furlong.kit.dist import launched_processes
 
+from ._fit import in_process_reason, needs_actors
 from ._in_process import InProcessWorkers, LocalExecutor
 
-__all__ = ["InProcessWorkers", "LocalExecutor", "configure", "executor"]
+__all__ = ["InProcessWorkers", "LocalExecutor", "configure", "executor", "executor_fit"]
+
+
+@hookimpl
+def executor_fit(args):
+    """Fits unless the launch needs actors (``RAY_ADDRESS``, engines run as actors, several train
+    ranks not started by ``torchrun``); the engines run in the driver's process."""
+    reason = needs_actors(args)
+    return ExecutorFit(reason is None, reason or in_process_reason(), engines_in_driver=True)
 
 
 @hookimpl

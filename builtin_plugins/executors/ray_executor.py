@@ -25,12 +25,13 @@ import asyncio
 import logging
 import os
 
-from furlong.hooks import PluginError, hookimpl
+from furlong.hooks import ExecutorFit, PluginError, hookimpl
 
+from ._fit import in_process_reason, needs_actors
 from .ray_actors import EngineActor, RolloutActor, TrainActor, actor_died
 from .ray_actors import await_call as _await
 
-__all__ = ["RayExecutor", "add_arguments", "executor"]
+__all__ = ["RayExecutor", "add_arguments", "executor", "executor_fit"]
 
 log = logging.getLogger("furlong.ray")
 
@@ -50,6 +51,14 @@ def add_arguments(parser):
                        help="Seconds any call to a Ray actor may take before the run stops with an error naming it.")
     group.add_argument("--ray-engine-restarts", type=int, default=3,
                        help="Times a dead rollout-engine actor is replaced in one run before the run stops.")
+
+
+@hookimpl
+def executor_fit(args):
+    """Fits when the launch needs actors (``RAY_ADDRESS``, engines run as actors, several train
+    ranks not started by ``torchrun``); each engine runs in an actor of its own."""
+    reason = needs_actors(args)
+    return ExecutorFit(reason is not None, reason or in_process_reason(), engines_in_driver=False)
 
 
 @hookimpl

@@ -230,7 +230,7 @@ def _train(command: str, argv: list[str]) -> int:
         configured = configure_plugins(args, pm, selection)
     config = freeze_config(args, build_parser(pm).plugin_flags, configured.derived)
     if config.print_config:
-        machine = machine_defaults(args, pm)
+        machine = machine_defaults(args, pm, configured.data_parallel)
         print(json.dumps({"args": config_to_dict(args), "plugins": selection.as_dict(),
                           "machine_defaults": config_to_dict(argparse.Namespace(**machine)),
                           "machine_note": machine_note(machine),

@@ -33,6 +33,8 @@ BODIES = {
         return None  # report.error(...) / report.warn(...) / report.default(args, dest, value)""",
     "executor": """\
         raise PluginError("plugin '{name}': `executor` is not written yet.")""",
+    "executor_fit": """\
+        return ExecutorFit(False, "{name} is not written yet")  # never the default until it says it fits""",
     "rollout_engine": """\
         raise PluginError("plugin '{name}': `rollout_engine` is not written yet.")""",
     "train_backend": """\
@@ -89,6 +91,7 @@ BODIES = {
 ASYNC = {"generate"}
 IMPORTS = {  # hook -> (module-level imports, names from furlong.hooks)
     "executor": ((), ("PluginError",)),
+    "executor_fit": ((), ("ExecutorFit",)),
     "rollout_engine": ((), ("PluginError",)),
     "train_backend": ((), ("PluginError",)),
     "rollout": ((), ("PluginError",)),

@@ -10,8 +10,9 @@ from argparse import Namespace
 
 import attrs
 
-from furlong.hooks import ConfigReport, PluginError
+from furlong.hooks import ConfigReport, DataParallelRule, PluginError
 
+from .data_parallel import apply_data_parallel
 from .errors import ConfigError
 from .parse import names_any
 from .megatron_support import report_megatron_flags
@@ -30,10 +31,12 @@ class Configured:
     ``derived``: attribute -> ``{"value": v, "plugin": name}`` for every flag value a
     plugin's ``configure`` set (shown by ``--print-config`` as ``plugin_defaults``).
     ``reports``: one :class:`ConfigReport` per plugin called, in call order.
+    ``data_parallel``: the rule the train backend reported (None: it reported none).
     """
 
     derived: dict[str, dict] = attrs.field(factory=dict)
     reports: list[ConfigReport] = attrs.field(factory=list)
+    data_parallel: DataParallelRule | None = None
 
 
 def configure_order(args: Namespace, pm: FurlongPluginManager,
@@ -70,7 +73,10 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
     """Call ``configure(args, report)`` of every chosen plugin that implements it.
 
     The chosen train backend's report also lists the Megatron flags given that it does
-    not honour (:func:`furlong.core.config.megatron_support.report_megatron_flags`).
+    not honour (:func:`furlong.core.config.megatron_support.report_megatron_flags`). Its
+    data-parallel rule (``report.data_parallel_rule``) sets ``args.data_parallel_size``,
+    against which the batch flags are then checked, unless the executor's ``configure``
+    refused the trainer's size (:func:`~furlong.core.config.data_parallel.apply_data_parallel`).
 
     Warnings and notes go to the ``furlong.config`` logger (which ranks other than 0 keep
     quiet); when the run stops on errors only the warnings are logged. A plugin that changes a flag the user gave is an error naming it (the value
@@ -109,6 +115,7 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
             report.error(f"plugin '{name}' ({pm.origin(name)}) failed in `configure`: {type(exc).__name__}: {exc}")
         if name == backend:
             report_megatron_flags(args, name, pm.get_plugin(name), report)
+            done.data_parallel = report.data_parallel
         for dest, (old, new) in _changes(before, args).items():
             if dest in given:
                 setattr(args, dest, old)
@@ -119,6 +126,9 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
                 done.derived[dest] = {"value": new, "plugin": name}
         done.reports.append(report)
         errors.extend(report.errors)
+    executor = selection.chosen.get("executor", (args.executor, None))[0]
+    refused = any(report.errors for report in done.reports if report.plugin == executor)
+    errors.extend(apply_data_parallel(args, done.data_parallel, check_batches=not refused))
     also_used = {name for report in done.reports for name in report.uses}
     flag_errors, flag_warnings = unused_plugin_flags(args, pm, selection, also_used=also_used, told=errors)
     errors.extend(flag_errors)

@@ -10,6 +10,9 @@ import os
 import re
 from pathlib import PurePath
 
+from furlong.hooks import PluginError
+
+from ..plugins.executor_fit import resolve_executor
 from ..run.preflight import hf_checkpoint_problems
 from ._util import MEGATRON_ONLY
 from .deprecations import map_deprecated
@@ -28,8 +31,9 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     """Parse, map deprecated flags, derive and validate the flags of ``furlong train``.
 
     Order: ``@FILE`` expansion, deprecation mapping, plugin flags
-    (``pm``), pass-through split, parse, validation (:func:`validate`), then the
-    ``--custom-config-path`` overlay and a second validation of the result. The rules
+    (``pm``), pass-through split, parse, validation (:func:`validate`), the executor
+    (``--executor`` or the first that fits: :func:`~furlong.core.plugins.executor_fit.resolve_executor`),
+    then the ``--custom-config-path`` overlay and a second validation of the result. The rules
     of the chosen plugins run later, in their ``configure`` hooks
     (:func:`furlong.core.config.configure.configure_plugins`, after the selection).
 
@@ -40,7 +44,8 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     ``megatron_flags_given`` (Megatron-only flags given, as typed), ``megatron_args``
     (``{dest: value}`` of those) and ``megatron_argv`` (those flags with their values, as
     typed: what a backend hands Megatron-LM's own parser), and derived values
-    such as ``data_parallel_size`` and ``sglang_tp_size``.
+    such as ``sglang_tp_size``, ``engines_in_driver`` and ``data_parallel_size`` (the world
+    size here; the train backend's ``configure`` reports its own rule).
 
     Touches no file except ``@FILE`` argument files and the ``--custom-config-path`` file.
 
@@ -78,6 +83,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
         args.train_mode = "async" if command == "train-async" else "sync"
     raw = copy.deepcopy(args)
     findings = validate(args, command)  # runs on the flags that parsed: all problems are reported at once
+    problems += _choose_executor(args, pm)
     if problems or findings.errors:
         # told now rather than only once these are fixed (an overlay may still set it: then not); a path that
         # exists only on the cluster is not a problem for --print-config, so only a missing flag is told there
@@ -111,9 +117,22 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     for key, value in overlay.items():  # the overlay has the last word, also on derived attributes
         setattr(final, key, value)
     _emit(findings)
-    if findings.errors:
-        raise ConfigError([f"after --custom-config-path: {e}" for e in findings.errors])
+    errors = findings.errors + _choose_executor(final, pm)
+    if errors:
+        raise ConfigError([f"after --custom-config-path: {e}" for e in errors])
     return final
+
+
+def _choose_executor(args: argparse.Namespace, pm) -> list[str]:
+    """Set ``args.executor`` (its default: the first that fits) and ``args.engines_in_driver``; the problem, if any."""
+    from ..plugins.manager import get_plugin_manager
+
+    try:
+        resolve_executor(args, pm if pm is not None else get_plugin_manager(), "executor" in args.explicit_args)
+    except PluginError as exc:
+        args.engines_in_driver = False
+        return [str(exc)]
+    return []
 
 
 _NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?|-inf|-nan", re.IGNORECASE)

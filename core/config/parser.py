@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import shlex
 from dataclasses import dataclass, field
 
-from furlong.hooks import PluginError
+from furlong.hooks import ConfigReport, DataParallelRule, PluginError
 
 from . import env
+from .data_parallel import rule_in_words, world_of
 from .errors import ConfigError
 
 __all__ = ["GROUP_TITLES", "MACHINE_FLAGS", "DeviceDefaults", "FurlongArgumentParser", "build_parser",
@@ -96,6 +98,13 @@ class DeviceDefaults:
     probes: dict = field(default_factory=dict, compare=False)
 
 
+# selection flag -> (its default on a CUDA machine with the plugin's package, its default elsewhere): data, like
+# the parser's flag defaults
+BACKEND_DEFAULTS: dict[str, tuple[str, str]] = {
+    "rollout_backend": ("sglang", "embedded"),
+    "train_backend": ("megatron", "fsdp"),
+}
+
 # flag attribute -> the DeviceDefaults field its default comes from
 MACHINE_FLAGS: tuple[tuple[str, str], ...] = (
     ("actor_num_gpus_per_node", "gpus_per_node"),
@@ -119,9 +128,11 @@ def device_defaults(pm=None) -> DeviceDefaults:
     cuda = env.cuda_available()
     count = env.cuda_device_count() if cuda else 0
     gpus = max(count, 1)
-    sglang_plugin = _backend_plugin(pm, "sglang", "rollout_engine")
+    sglang, embedded = BACKEND_DEFAULTS["rollout_backend"]
+    megatron, fsdp = BACKEND_DEFAULTS["train_backend"]
+    sglang_plugin = _backend_plugin(pm, sglang, "rollout_engine")
     sglang_package = env.sglang_available()
-    megatron_plugin = _backend_plugin(pm, "megatron", "train_backend")
+    megatron_plugin = _backend_plugin(pm, megatron, "train_backend")
     megatron_package = env.megatron_available()
     on_cuda = f"torch.cuda.is_available() = {cuda}"
     probes = {
@@ -129,9 +140,9 @@ def device_defaults(pm=None) -> DeviceDefaults:
         "attn_implementation": on_cuda,
         "bf16": on_cuda,
         "distributed_backend": on_cuda,
-        "rollout_backend": f"furlong plugin 'sglang' installed: {sglang_plugin}, CUDA: {cuda}, "
+        "rollout_backend": f"furlong plugin '{sglang}' installed: {sglang_plugin}, CUDA: {cuda}, "
                            f"sglang package importable: {sglang_package}",
-        "train_backend": f"furlong plugin 'megatron' installed: {megatron_plugin}, CUDA: {cuda}, "
+        "train_backend": f"furlong plugin '{megatron}' installed: {megatron_plugin}, CUDA: {cuda}, "
                          f"megatron.core importable: {megatron_package}",
     }
     return DeviceDefaults(
@@ -140,8 +151,8 @@ def device_defaults(pm=None) -> DeviceDefaults:
         attn_implementation="flash_attention_2" if cuda else "sdpa",
         bf16=cuda,
         distributed_backend="nccl" if cuda else "gloo",
-        rollout_backend="sglang" if sglang_plugin and cuda and sglang_package else "embedded",
-        train_backend="megatron" if megatron_plugin and cuda and megatron_package else "fsdp",
+        rollout_backend=sglang if sglang_plugin and cuda and sglang_package else embedded,
+        train_backend=megatron if megatron_plugin and cuda and megatron_package else fsdp,
         probes=probes,
     )
 
@@ -166,17 +177,23 @@ ON_CUDA: dict[str, object] = {
 }
 
 
-def machine_defaults(args: argparse.Namespace, pm=None) -> dict:
+def machine_defaults(args: argparse.Namespace, pm=None, data_parallel: DataParallelRule | None = None) -> dict:
     """``{attribute: {"value": v, "probe": text, "on_cuda": w}}`` for the flags whose value came from the machine.
 
     A flag counts when it was not given (``args.explicit_args``) and still holds the
     machine-dependent default (a later rule, such as ``--fp16`` turning ``bf16`` off,
     takes it out); ``on_cuda`` is the value a GPU machine would give it when it differs.
     ``data_parallel_size`` is listed when the train backend came from a machine without
-    CUDA: fsdp shards data over the whole world, megatron over world / (TP x PP x CP).
+    CUDA: the probe says the chosen backend's rule (``data_parallel``, what its
+    ``configure`` reported), ``on_cuda`` what the CUDA machine's backend would report for
+    these flags. ``executor`` is listed when not given: the first executor that fits, and why.
     Shown by ``furlong train --print-config`` as ``machine_defaults``.
     """
+    from ..plugins.executor_fit import default_executor
+    from ..plugins.manager import get_plugin_manager
+
     dev = device_defaults(pm)
+    pm = pm if pm is not None else get_plugin_manager()
     given = set(getattr(args, "explicit_args", ()) or ())
     out = {}
     for dest, name in MACHINE_FLAGS:
@@ -186,12 +203,10 @@ def machine_defaults(args: argparse.Namespace, pm=None) -> dict:
             if not dev.cuda and str(ON_CUDA[name]).split(" ")[0] != str(value):
                 out[dest]["on_cuda"] = ON_CUDA[name]
     if "train_backend" in out and not dev.cuda and getattr(args, "data_parallel_size", None) is not None:
-        out["data_parallel_size"] = _dp_note(args)
+        out["data_parallel_size"] = _dp_note(args, pm, data_parallel)
     if "executor" not in given and hasattr(args, "actor_num_nodes"):
-        from .validate import default_executor
-
-        value, why = default_executor(args)
-        out["executor"] = {"value": value, "probe": why}
+        value, fit = default_executor(args, pm)
+        out["executor"] = {"value": value, "probe": fit.why}
     return out
 
 
@@ -204,16 +219,30 @@ def machine_note(defaults: dict) -> str | None:
             + "; ".join(differ) + ". Give the flags to pin them.")
 
 
-def _dp_note(args: argparse.Namespace) -> dict:
-    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+def _dp_note(args: argparse.Namespace, pm, rule: DataParallelRule | None) -> dict:
+    world = world_of(args)
     note = {"value": args.data_parallel_size,
-            "probe": f"--train-backend {args.train_backend}: the world size ({world} = actor_num_nodes x "
-                     f"actor_num_gpus_per_node)" if args.train_backend != "megatron" else
-                     "--train-backend megatron: world / (TP x PP x CP)"}
-    model = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
-    if args.train_backend != "megatron" and model > 1 and world % model == 0:
-        note["on_cuda"] = f"{world // model} under megatron (world {world} / TP x PP x CP {model})"
+            "probe": f"--train-backend {args.train_backend}: {rule_in_words(rule, world)}"}
+    on_cuda = BACKEND_DEFAULTS["train_backend"][0]
+    other = _data_parallel_rule_of(args, pm, on_cuda)
+    if other is not None and other.model_size > 1 and world % other.model_size == 0:
+        names = " x ".join(name for name, _ in other.model_parallel)
+        note["on_cuda"] = f"{world // other.model_size} under {on_cuda} (world {world} / {names} {other.model_size})"
     return note
+
+
+def _data_parallel_rule_of(args: argparse.Namespace, pm, name: str) -> DataParallelRule | None:
+    """The rule train backend ``name``'s ``configure`` reports for these flags (run on a copy), or None."""
+    if "configure" not in pm.hooks_of(name):
+        return None
+    scratch = copy.deepcopy(args)
+    scratch.train_backend = name
+    report = ConfigReport(plugin=name, flags=("--train-backend",))
+    try:
+        pm.call_setup("configure", name, args=scratch, report=report)
+    except Exception:  # noqa: BLE001 - a backend that cannot run here tells nothing about its rule
+        return None
+    return report.data_parallel
 
 
 def build_parser(pm=None, dev: DeviceDefaults | None = None) -> argparse.ArgumentParser:

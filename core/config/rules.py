@@ -202,6 +202,7 @@ def default_packing(args, f, given: set[str]) -> None:
     train group logs the choice when training starts.
     """
     if "micro_batch_size" in given or args.use_dynamic_batch_size:
+        args.packed_by_default = None
         return
     args.use_dynamic_batch_size = True
     args.packed_by_default = "--max-tokens-per-gpu" if "max_tokens_per_gpu" in given else "the default budget"

@@ -9,14 +9,11 @@ again on overlaid values gives the same result as running it once.
 
 from __future__ import annotations
 
-import os
-
 from furlong.hooks.config_report import ConfigReport
-from furlong.kit.dist import launched_processes
 
-from ..plugins.miles_paths import miles_builtin
-from . import env, rules
-from .knobs import KNOBS, dp_problems, resolve_knobs
+from ..plugins.miles_paths import MILES_FLAG_CHOICES, miles_builtin
+from . import rules
+from .knobs import KNOBS, resolve_knobs
 from .unsupported import unsupported_problems
 
 __all__ = ["validate"]
@@ -55,6 +52,7 @@ def validate(args, command: str | None = None) -> ConfigReport:
         f.error(message)
     _basic_values(args, f)
     _four_knobs(args, f, given)
+    args.data_parallel_size = world_size(args)  # until the train backend's configure reports its rule
     _cluster(args, f, given)
     _offload(args, f, given)
     rules.defaults(args, f, given)
@@ -74,20 +72,21 @@ def _normalize(args, f: ConfigReport, given: set[str]) -> None:
     """Spellings that mean the same thing become one."""
     args.disable_plugins = [p.strip() for item in args.disable_plugins or [] for p in item.split(",") if p.strip()]
     path = args.rollout_function_path
-    builtin = "fully_async" if path and path.endswith(FULLY_ASYNC_SUFFIX) else miles_builtin(path, "rollout")
+    fully_async = MILES_FLAG_CHOICES["fully_async"][1]  # the rollout plugin --fully-async chooses
+    builtin = fully_async if path and path.endswith(FULLY_ASYNC_SUFFIX) else miles_builtin(path, "rollout")
     if builtin is not None:
         f.info(f"--rollout-function-path {path}: furlong's built-in plugin '{builtin}' does this; using it "
                f"(--rollout {builtin}).")
         args.rollout_function_path = None
-        args.fully_async = args.fully_async or builtin == "fully_async"
+        args.fully_async = args.fully_async or builtin == fully_async
         if "rollout" not in given:
             args.rollout = builtin
-    if args.fully_async and args.rollout != "fully_async":
+    if args.fully_async and args.rollout != fully_async:
         if "rollout" in given:
             f.error(f"--fully-async and --rollout {args.rollout} both choose the rollout; pass only one.")
         else:
-            args.rollout = "fully_async"
-    args.fully_async = args.rollout == "fully_async"
+            args.rollout = fully_async
+    args.fully_async = args.rollout == fully_async
     if args.moe_token_dispatcher_type == "allgather":
         args.moe_token_dispatcher_type = "alltoall"
         f.info("--moe-token-dispatcher-type allgather is run as alltoall.")
@@ -154,25 +153,6 @@ def world_size(args) -> int:
     return args.actor_num_nodes * args.actor_num_gpus_per_node
 
 
-def data_parallel(args) -> tuple[int | None, str, str | None]:
-    """``(D, how D was computed, problem)`` for the trainer.
-
-    megatron: ``D = world / (TP x PP x CP)``; other backends shard data over the whole
-    world (the Megatron parallel sizes do not apply to them).
-    """
-    world = world_size(args)
-    base = f"actor_num_nodes {args.actor_num_nodes} x actor_num_gpus_per_node {args.actor_num_gpus_per_node}"
-    if args.train_backend != "megatron":
-        return world, f"{base}, --train-backend {args.train_backend}", None
-    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    model = tp * pp * cp
-    text = f"{base} / (TP {tp} x PP {pp} x CP {cp})"
-    if world % model:
-        return None, text, (f"trainer world size {world} ({base}) is not divisible by TP {tp} x PP {pp} x CP {cp} "
-                            f"= {model}.")
-    return world // model, text, None
-
-
 def _four_knobs(args, f: ConfigReport, given: set[str]) -> None:
     values = {k: getattr(args, k) for k in KNOBS}
     knobs, problem = resolve_knobs(values, given & set(KNOBS))
@@ -181,20 +161,6 @@ def _four_knobs(args, f: ConfigReport, given: set[str]) -> None:
         return
     for k, v in knobs.items():
         setattr(args, k, v)
-    if min(args.actor_num_nodes, args.actor_num_gpus_per_node, args.tensor_model_parallel_size,
-           args.pipeline_model_parallel_size, args.context_parallel_size, args.micro_batch_size) < 1:
-        return  # already reported
-    dp, text, problem = data_parallel(args)
-    if problem:
-        f.error(problem)
-        return
-    args.data_parallel_size = dp
-    launched = launched_processes()
-    local = getattr(args, "executor", None) in (None, "local")  # the default under torchrun
-    if local and launched > 1 and args.actor_num_nodes * args.actor_num_gpus_per_node != launched:
-        return  # torchrun's process count is not the flags' (the local executor says so): not the batch flags' fault
-    for message in dp_problems(args.global_batch_size, args.micro_batch_size, args.use_dynamic_batch_size, dp, text):
-        f.error(message)
 
 
 def _cluster(args, f: ConfigReport, given: set[str]) -> None:
@@ -207,40 +173,6 @@ def _cluster(args, f: ConfigReport, given: set[str]) -> None:
             f.warn(f"--rollout-num-gpus {args.rollout_num_gpus} is ignored under --colocate: the engines share "
                    f"the trainer's {world} GPUs (actor_num_nodes x actor_num_gpus_per_node).")
         args.rollout_num_gpus = world
-    if (args.rollout_external or args.rollout_external_engine_addrs) and args.rollout_backend != "sglang":
-        f.error("--rollout-external and --rollout-external-engine-addrs attach to SGLang servers: they need "
-                "--rollout-backend sglang.")
-    needs_gpus = (args.rollout_backend == "sglang" and not args.colocate and not args.debug_train_only
-                  and not args.rollout_external)
-    if needs_gpus and args.rollout_num_gpus is None:
-        cpu_servers = getattr(args, "sglang_server_impl", "sglang") == "furlong" or not env.cuda_available()
-        if cpu_servers:  # furlong serve on CPUs: one engine unless --rollout-num-gpus says how many
-            args.rollout_num_gpus = args.rollout_num_gpus_per_engine
-            f.info(f"--rollout-num-gpus not given: one engine ({args.rollout_num_gpus} slot; "
-                   "engines = --rollout-num-gpus / --rollout-num-gpus-per-engine).")
-        else:
-            f.error("--rollout-num-gpus is required with --rollout-backend sglang (GPUs for the engines), "
-                    "unless --colocate puts the engines on the trainer's GPUs.")
-    per_engine = args.rollout_num_gpus_per_engine
-    if args.rollout_backend == "sglang" and args.rollout_num_gpus and per_engine >= 1 \
-            and args.rollout_num_gpus % per_engine:
-        f.error(f"--rollout-num-gpus ({args.rollout_num_gpus}) must be a multiple of --rollout-num-gpus-per-engine "
-                f"({per_engine}): every engine gets the same number of GPUs.")
-    if "executor" not in given or args.executor is None:
-        args.executor = default_executor(args)[0]
-
-
-def default_executor(args) -> tuple[str, str]:
-    """``(executor, why)`` when ``--executor`` is not given (docs/architecture.md, "Executors")."""
-    world = world_size(args)
-    if os.environ.get("RAY_ADDRESS"):
-        return "ray", "RAY_ADDRESS is set (ray job submit)"
-    if args.rollout_backend == "sglang":
-        return "ray", "--rollout-backend sglang runs its engines as actors"
-    torchrun = launched_processes() > 1  # every rank is a process of its own already
-    if world > 1 and not torchrun:
-        return "ray", f"a trainer of {world} ranks, not started by torchrun"
-    return "local", "torchrun started this process" if torchrun else "one train rank"
 
 
 def _offload(args, f: ConfigReport, given: set[str]) -> None:

@@ -203,7 +203,7 @@ class FurlongPluginManager(pluggy.PluginManager):
         return FilterResult(keep=True)
 
     def call_setup(self, hook: str, name: str, /, **kwargs: Any) -> Any:
-        """Call plugin ``name``'s implementation of set-up hook ``hook`` (``add_arguments``,
+        """Call plugin ``name``'s implementation of set-up hook ``hook`` (``add_arguments``, ``executor_fit``,
         ``configure``) from synchronous code, and return what it returns.
 
         Set-up hooks are plain functions: they run while the parser is built and the flags

@@ -14,9 +14,14 @@ reward plugin ``--rm-type`` names (Miles' ``async_rm`` dispatches on it).
 
 from __future__ import annotations
 
-__all__ = ["MILES_BUILTINS", "RM_TYPE", "miles_builtin"]
+__all__ = ["MILES_BUILTINS", "MILES_FLAG_CHOICES", "RM_TYPE", "miles_builtin"]
 
 RM_TYPE = "<--rm-type>"
+
+# Miles' switch flag -> (hook, the built-in plugin it chooses): ``--fully-async`` is ``--rollout fully_async``
+MILES_FLAG_CHOICES: dict[str, tuple[str, str]] = {
+    "fully_async": ("rollout", "fully_async"),
+}
 
 # dotted path -> (hook, built-in plugin name)
 MILES_BUILTINS: dict[str, tuple[str, str]] = {

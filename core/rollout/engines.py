@@ -17,6 +17,12 @@ from furlong.hooks import GenerateOutput, PluginError, RolloutEngine, RunConfig
 __all__ = ["EngineFactory", "EngineSet", "checked_engine"]
 
 
+# the RolloutEngine members the core calls and reads, checked when the rollout_engine hook hands an engine over
+ENGINE_METHODS = ("generate", "abort", "pause_generation", "continue_generation", "flush_cache", "load_weights",
+                  "set_weight_version", "release_memory", "resume_memory", "health")
+ENGINE_DATA = ("tokenizer", "weight_update_ranks", "context_len")
+
+
 class EngineFactory:
     """``await make_engine(i)`` for :meth:`furlong.hooks.Executor.start_engines`.
 
@@ -45,16 +51,17 @@ class EngineFactory:
 
 
 def checked_engine(engine: Any, name: str, flag: str) -> RolloutEngine:
-    """``engine``, which plugin ``name`` (chosen by ``flag``) returned, if it has every method of a rollout engine.
+    """``engine``, which plugin ``name`` (chosen by ``flag``) returned, if it has every member of a rollout engine
+    the core calls or reads (:data:`ENGINE_METHODS`, :data:`ENGINE_DATA`).
 
-    :raises PluginError: it lacks one (named).
+    :raises PluginError: it lacks some (all named).
     """
-    missing = [m for m in ("generate", "abort", "pause_generation", "continue_generation", "flush_cache",
-                           "load_weights", "set_weight_version", "release_memory", "resume_memory", "health")
-               if not callable(getattr(engine, m, None))]
+    missing = [m for m in ENGINE_METHODS if not callable(getattr(engine, m, None))]
+    missing += [m for m in ENGINE_DATA if not hasattr(engine, m)]
     if missing:
         raise PluginError(f"{flag} '{name}': the engine it returned ({type(engine).__name__}) lacks "
-                          f"{', '.join(missing)} (see furlong.hooks.RolloutEngine).")
+                          f"{', '.join(missing)} (see furlong.hooks.RolloutEngine; subclassing it gives the "
+                          "documented defaults of weight_update_ranks and context_len).")
     return engine
 
 

@@ -171,7 +171,7 @@ class WeightSync:
         self._generation += 1
         self._group_name = f"{GROUP_NAME}_{self._generation}"
         address, port = await self.group.call_rank0("weight_group_address")
-        ranks = [int(getattr(e, "weight_update_ranks", 1) or 1) for e in engines]
+        ranks = [int(e.weight_update_ranks) for e in engines]
         world = 1 + sum(ranks)
         # NCCL cannot put two ranks of one group on one GPU: colocated engines share the trainer's
         nccl = self.config.distributed_backend == "nccl" and _cuda() and not self.config.colocate

@@ -41,7 +41,7 @@ class ServeState:
         self.started_at = time.time()
         config = getattr(getattr(engine, "model", None), "config", None)
         self.vocab_size = int(getattr(config, "vocab_size", 0) or len(self.tokenizer))
-        self.context_length = getattr(engine, "context_len", None) or getattr(config, "max_position_embeddings", None)
+        self.context_length = engine.context_len or getattr(config, "max_position_embeddings", None)
         names = inspect.signature(engine.generate).parameters
         self.engine_streams = "on_token" in names  # incremental output
         self.engine_takes_rid = "rid" in names and callable(getattr(engine, "abort_request", None))

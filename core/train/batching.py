@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 from typing import Any, Sequence
 
+
 __all__ = ["dynamic_global_batch", "karmarkar_karp", "pi_old_needs_own_pass", "plan_steps",
            "split_steps", "steps_per_rollout", "zero_advantage_skip_blocked"]
 

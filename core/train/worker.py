@@ -29,6 +29,11 @@ __all__ = ["TrainWorker", "WorkerFactory", "WorkerShare"]
 log = logging.getLogger("furlong.train")
 
 
+# the TrainBackend members the core calls, checked when the train_backend hook hands a backend over
+BACKEND_METHODS = ("init", "log_probs", "train", "train_forward_gives_old_log_probs", "layout", "iter_weights", "save",
+                   "load", "offload", "onload")
+
+
 @attrs.define
 class WorkerShare:
     """A data-parallel rank's share of one rollout batch.
@@ -79,9 +84,13 @@ class TrainWorker:
             self.pm = plugins_of_this_process(self.config, hooks=("train_backend", "loss"))
         name, flag = self.chosen["train_backend"]
         self.backend = await self.pm.call_chosen("train_backend", name, flag, config=self.config)
+        missing = [m for m in BACKEND_METHODS if not callable(getattr(self.backend, m, None))]
+        if missing:
+            raise PluginError(f"{flag} '{name}': the backend it returned ({type(self.backend).__name__}) lacks "
+                              f"{', '.join(missing)} (see furlong.hooks.TrainBackend; subclassing it gives the "
+                              "documented default of train_forward_gives_old_log_probs).")
         start = await self.backend.init(self.config)
-        layout = self.backend.layout() if hasattr(self.backend, "layout") else ParallelLayout(
-            dp_rank=self.rank, dp_size=self.world, rank=self.rank, world=self.world)
+        layout = self.backend.layout()
         if not isinstance(layout, ParallelLayout):
             raise PluginError(f"{flag} '{name}': layout() returned {type(layout).__name__}; "
                               "it must return furlong.hooks.ParallelLayout.")
@@ -96,10 +105,8 @@ class TrainWorker:
         return {"log_probs": out["log_probs"], "entropy": out.get("entropy")}
 
     async def train_forward_gives_old_log_probs(self) -> bool:
-        """Whether the backend's training forward equals its log-prob pass (its
-        ``train_forward_gives_old_log_probs()``; False for a backend without that method)."""
-        check = getattr(self.backend, "train_forward_gives_old_log_probs", None)
-        return bool(check()) if callable(check) else False
+        """Whether the backend's training forward equals its log-prob pass (its ``train_forward_gives_old_log_probs()``)."""
+        return bool(self.backend.train_forward_gives_old_log_probs())
 
     async def train(self, rollout_id: int, share: WorkerShare) -> list[dict]:
         """The rollout's optimizer steps on this share; per-step metrics (summed over ranks by the backend)."""

@@ -14,7 +14,7 @@ import pluggy
 from ..config_report import ConfigReport
 from ..contract import (check_advantage_output, check_buffer_pop, check_filter_result, check_generate_result,
                         check_loss_output, check_loss_reducer_output, check_reward_list, check_reward_value)
-from ..types import Sample, Status
+from ..types import ExecutorFit, Sample, Status
 from .inputs import TinyEngine, advantage_input, loss_input, sample_group
 
 __all__ = ["CHECKS", "NOT_EXERCISED", "ORDER", "Caller", "ContractViolation"]
@@ -32,7 +32,7 @@ class ContractViolation(AssertionError):
 
 
 # the order check_plugin calls the hooks in; the others (observers) follow in spec order
-ORDER = ["add_arguments", "configure", "data_source", "generate", "reward", "filter", "buffer_pop", "abort",
+ORDER = ["add_arguments", "configure", "executor_fit", "data_source", "generate", "reward", "filter", "buffer_pop", "abort",
          "advantage", "loss", "loss_reducer"]
 
 
@@ -84,6 +84,14 @@ def _check_configure(call: Caller, args, engine) -> None:
     for item in [*report.errors, *report.warnings, *report.infos]:
         if not isinstance(item, str) or not item:
             call.fail(f"it reported {item!r}; a report message is a non-empty sentence naming the flag and value")
+
+
+def _check_executor_fit(call: Caller, args, engine) -> None:
+    fit = call(args=args)
+    if not isinstance(fit, ExecutorFit):
+        call.fail(f"it returned {type(fit).__name__}; `executor_fit` returns a furlong.hooks.ExecutorFit")
+    if not isinstance(fit.why, str) or not fit.why:
+        call.fail(f"its ExecutorFit.why is {fit.why!r}; say in one phrase what decided it")
 
 
 def _check_data_source(call: Caller, args, engine) -> None:
@@ -212,6 +220,7 @@ def _observer(**kwargs) -> Callable:
 CHECKS: dict[str, Callable] = {
     "add_arguments": _check_add_arguments,
     "configure": _check_configure,
+    "executor_fit": _check_executor_fit,
     "data_source": _check_data_source,
     "generate": _check_generate,
     "reward": _check_reward,

@@ -29,11 +29,16 @@ def configure(args, report):
     """No context parallelism, no ``--fp16``; ``--dp-replicate-size`` (HSDP replicas) must divide the
     trainer world size; ``--train-torch-compile`` with one trainer rank only.
 
+    Data parallelism: every rank holds a shard of the whole model and trains on its own
+    share of each step (replicated or sharded, ``--dp-replicate-size``), so the data-parallel
+    size is the world size (``report.data_parallel_rule()`` with no model-parallel sizes).
+
     ``--attn-implementation`` must name one of transformers' attention implementations
     (:data:`ATTENTION_IMPLEMENTATIONS`, or a kernels hub repository ``namespace/name``); it
     defaults to ``sdpa``, with which on GPUs under ``--bf16`` each micro-batch is concatenated
     into one row (:mod:`.packing`; on an H200 1.4x the iteration rate of right-padded ones,
     docs/benchmarks.md)."""
+    report.data_parallel_rule()
     attention = args.attn_implementation
     if attention not in ATTENTION_IMPLEMENTATIONS and "/" not in str(attention):
         report.error(f"--attn-implementation {attention!r}: not an attention implementation of transformers; choose "

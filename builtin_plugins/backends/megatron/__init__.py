@@ -68,6 +68,9 @@ def configure(args, report):
     """Check the parallel sizes and features this backend supports, and Miles' architecture flags
     (``MODEL_ARGS``) against ``--hf-checkpoint``'s config.json (a disagreement names both values).
 
+    Data parallelism: each model replica spans TP x PP x CP ranks, so the data-parallel size
+    is ``world / (TP x PP x CP)`` (reported with ``report.data_parallel_rule``).
+
     The core reports the other Megatron flags given (``MEGATRON_FLAGS``): a warning for those
     that do not change results (overlap switches, fusions), an error for those that would.
     """
@@ -77,6 +80,8 @@ def configure(args, report):
         if value is not None and value is not False and value != default and not no_op:
             report.error(f"{flag} {value if value is not True else ''}".rstrip()
                          + " is not supported yet by --train-backend megatron.")
+    report.data_parallel_rule(TP=args.tensor_model_parallel_size, PP=args.pipeline_model_parallel_size,
+                              CP=args.context_parallel_size)
     _check_sequence_parallel(args, report)
     for dest in ("attention_dropout", "hidden_dropout"):
         value = getattr(args, dest, None)

@@ -13,7 +13,7 @@ from furlong.kit.hf import load_causal_lm_weights, load_tokenizer
 
 from .engine import EmbeddedEngine
 
-__all__ = ["EmbeddedEngine", "add_arguments", "load_engine", "rollout_engine"]
+__all__ = ["EmbeddedEngine", "add_arguments", "configure", "load_engine", "rollout_engine"]
 
 log = logging.getLogger("furlong.engines.embedded")
 
@@ -32,6 +32,14 @@ def add_arguments(parser):
              "graphs: fused kernels, a faster step on a GPU, for a compilation at the start (14 s for a 0.5B model "
              "on an H200, about a minute for the demo model on a CPU).",
     )
+
+
+@hookimpl
+def configure(args, report):
+    """The engine runs in this process: there are no external servers to attach to."""
+    if args.rollout_external or args.rollout_external_engine_addrs:
+        report.error("--rollout-external and --rollout-external-engine-addrs attach to SGLang servers: they need "
+                     "--rollout-backend sglang.")
 
 
 @hookimpl

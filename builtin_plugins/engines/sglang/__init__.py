@@ -52,6 +52,7 @@ def configure(args, report):
     ``sglang_engines_per_process``. The router starts here because its address must be in
     the flags before the executor hands them to the engines and the rollout side.
     """
+    _engine_gpus(args, report)
     per_engine = int(args.rollout_num_gpus_per_engine or 1)
     addrs = list(args.rollout_external_engine_addrs or [])
     if args.rollout_external and not addrs:
@@ -94,9 +95,10 @@ def configure(args, report):
         report.error(f"--rollout-num-gpus-per-engine {per_engine} is more than --num-gpus-per-node {per_node}: an "
                      "SGLang server spanning nodes is not supported yet; use at most "
                      f"{per_node} GPUs per engine (or start the servers yourself: --rollout-external).")
-    if per_engine > 1 and args.executor == "ray" and not args.rollout_external and not report.errors:
+    if per_engine > 1 and not args.engines_in_driver and not args.rollout_external and not report.errors:
         # an engine actor holds a share of one bundle, and Ray shows it that bundle's GPU alone
-        report.error(f"--rollout-num-gpus-per-engine {per_engine} under --executor ray: an engine actor sees only "
+        report.error(f"--rollout-num-gpus-per-engine {per_engine} under --executor {args.executor}: an engine actor "
+                     "sees only "
                      "its first GPU, so a tensor-parallel SGLang server is not supported yet there; use "
                      "--executor local on one machine, or --rollout-external with servers you start.")
     if args.sglang_server_impl == "furlong" and not args.rollout_external and args.sglang_passthrough:
@@ -105,14 +107,14 @@ def configure(args, report):
     if (args.sglang_router_ip is None) != (args.sglang_router_port is None) and args.sglang_router_ip is not None:
         report.error("--sglang-router-ip needs --sglang-router-port (the running router's port).")
     engines = max(1, int(args.rollout_num_gpus or per_engine) // per_engine)
-    args.sglang_engines_per_process = engines if args.executor == "local" else 1
+    args.sglang_engines_per_process = engines if args.engines_in_driver else 1
     args.sglang_router_given = args.sglang_router_ip is not None
     if args.sglang_router_given or report.errors or getattr(args, "print_config", False):
         return
     if router_module() is None:
         report.error(NEEDS_ROUTER)
         return
-    host = "127.0.0.1" if args.executor == "local" else _routable_address()
+    host = "127.0.0.1" if args.engines_in_driver else _routable_address()
     port = args.sglang_router_port or _free_port_in(host, *ROUTER_PORTS)
     start_router(args, "127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", port, _free_port())
     args.sglang_router_ip, args.sglang_router_port = host, port
@@ -148,7 +150,7 @@ async def rollout_engine(args):
         host, port = _host_port(args.rollout_external_engine_addrs[index])
         place = None
     else:
-        host = "127.0.0.1" if args.executor == "local" else _host_address()
+        host = "127.0.0.1" if args.engines_in_driver else _host_address()
         port = _free_port()
         place = ServerPlace(index, host, port, nccl_port=_free_port(), dist_init_addr=f"{host}:{_free_port()}",
                             base_gpu_id=_base_gpu_id(args, index))
@@ -162,15 +164,47 @@ async def rollout_engine(args):
     return engine
 
 
+def _engine_gpus(args, report) -> None:
+    """``--rollout-num-gpus`` for servers furlong starts on GPUs of their own (not ``--colocate``).
+
+    Required on CUDA with SGLang's server; ``furlong serve`` (or no CUDA) gets one engine
+    when it is not given. Always a multiple of ``--rollout-num-gpus-per-engine``.
+    """
+    per_engine = args.rollout_num_gpus_per_engine
+    own_gpus = not args.colocate and not args.debug_train_only and not args.rollout_external
+    if own_gpus and args.rollout_num_gpus is None:
+        if args.sglang_server_impl == "furlong" or not _cuda_available():
+            args.rollout_num_gpus = per_engine
+            report.info(f"--rollout-num-gpus not given: one engine ({per_engine} slot; "
+                        "engines = --rollout-num-gpus / --rollout-num-gpus-per-engine).")
+        else:
+            report.error("--rollout-num-gpus is required with --rollout-backend sglang (GPUs for the engines), "
+                         "unless --colocate puts the engines on the trainer's GPUs.")
+    if args.rollout_num_gpus and per_engine >= 1 and args.rollout_num_gpus % per_engine:
+        report.error(f"--rollout-num-gpus ({args.rollout_num_gpus}) must be a multiple of "
+                     f"--rollout-num-gpus-per-engine ({per_engine}): every engine gets the same number of GPUs.")
+
+
+def _cuda_available() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def _base_gpu_id(args, index: int) -> int:
     """The first GPU of engine ``index``'s server, as its process numbers them.
 
-    ``--executor local``: the trainer (this process) uses the first
-    ``--actor-num-nodes x --actor-num-gpus-per-node`` GPUs unless ``--colocate``; engine
-    ``i`` takes the ``--rollout-num-gpus-per-engine`` GPUs after those of the engines
-    before it. Under Ray an engine actor is shown its own GPU alone: 0.
+    Engines in the driver's process (``args.engines_in_driver``, ``--executor local``): the
+    trainer (this process) uses the first ``--actor-num-nodes x --actor-num-gpus-per-node``
+    GPUs unless ``--colocate``; engine ``i`` takes the ``--rollout-num-gpus-per-engine`` GPUs
+    after those of the engines before it. An engine in a process of its own (a Ray actor)
+    is shown its own GPU alone: 0.
     """
-    if args.executor != "local":
+    if not args.engines_in_driver:
         return 0
     per_engine = int(args.rollout_num_gpus_per_engine or 1)
     trainer = 0 if args.colocate else int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node)

@@ -45,6 +45,8 @@ class SGLangEngine:
     :param register_with_router: add the server to the router (and remove it at the end).
     """
 
+    context_len = None  # the server enforces its own context length
+
     def __init__(self, args: Any, index: int, url: str, router_url: str, place: ServerPlace | None,
                  register_with_router: bool, tokenizer: Any) -> None:
         self.args, self.index, self.url, self.router_url, self.place = args, index, url, router_url, place
