@@ -38,7 +38,7 @@ def reads_path(path: str) -> bool:
 
 @hookimpl
 def data_source(config, dataset):
-    """Read and check the data set of ``--prompt-data`` now, before any model loads.
+    """Read and check the data set ``dataset.path`` (``--prompt-data``, or an eval set) now, before any model loads.
 
     :raises PluginError: the package it needs is missing; the path is missing or holds no data set,
         a ``DatasetDict`` without a split named, no rows; a row lacks ``--input-key`` or

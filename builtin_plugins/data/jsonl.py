@@ -19,7 +19,7 @@ _OTHER_FORMATS = {".parquet": ("Parquet", "parquet"), ".csv": ("CSV", "hf_datase
 
 @hookimpl
 def data_source(config, dataset):
-    """Read and check ``--prompt-data`` now, so a bad file fails before any model loads.
+    """Read and check ``dataset.path`` (``--prompt-data``, or an eval set) now, so a bad file fails before any model loads.
 
     :raises PluginError: missing, empty or malformed file, or a row without
         ``--input-key`` / ``--label-key`` (the message names file and line).
