@@ -123,8 +123,8 @@ def sum_step_metrics(losses: Sequence[Any], metric_rows: Sequence[dict]) -> tupl
 class StepLoop:
     """Base of a train backend: ``log_probs`` and ``train`` over the core's micro-batches.
 
-    A subclass sets ``name``, ``config`` (the run's :class:`~furlong.hooks.RunConfig`), ``model``, ``ref_model``, ``optimizer``, ``device``
-    and ``global_step``, and implements :meth:`_forward`, :meth:`_clip`,
+    A subclass sets ``name``, ``config`` (the run's :class:`~furlong.hooks.RunConfig`), ``model``,
+    ``ref_model``, ``optimizer``, ``device`` and ``global_step``, and implements :meth:`_forward`, :meth:`_clip`,
     :meth:`_learning_rate` and :meth:`_optimizer_step`; it may override
     :meth:`_dp_group` / :meth:`_dp_size` (default: the default process group, ``self.world``
     ranks; metrics are summed over it), :meth:`_before_train` and :meth:`_after_train`, and
