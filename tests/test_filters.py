@@ -1,11 +1,12 @@
 """The group filters ``check_reward_nonzero_std`` and ``no_aborted``."""
 
 import asyncio
+import functools
 import math
-from argparse import Namespace
 
 import pytest
 
+from furlong.core.config.launch_args import launch_config
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import FilterResult, PluginError, Sample, Status
 
@@ -20,9 +21,16 @@ def group(*rewards, statuses=None):
     return [Sample(index=i, reward=r, status=s) for i, (r, s) in enumerate(zip(rewards, statuses))]
 
 
+@functools.cache
+def flag_defaults():
+    """The run configuration with every flag at its default."""
+    return launch_config(configure=False)
+
+
 def run(pm, names, samples, reward_key=None):
-    args = Namespace(reward_key=reward_key)
-    return asyncio.run(pm.run_filters(names, "--dynamic-sampling-filter", args=args, samples=samples, rollout_id=0))
+    config = flag_defaults().replace(reward_key=reward_key)
+    return asyncio.run(pm.run_filters(names, "--dynamic-sampling-filter", config=config, samples=samples,
+                                      rollout_id=0))
 
 
 @pytest.mark.parametrize(
