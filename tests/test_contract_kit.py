@@ -9,9 +9,10 @@ import torch
 
 from furlong.core.config.launch_args import launch_config
 from furlong.core.plugins.manager import get_plugin_manager
-from furlong.hooks import AdvantageOutput, DatasetSpec, FilterResult, LossOutput, Status, hookimpl
+from furlong.hooks import AdvantageOutput, FilterResult, LossOutput, Status, hookimpl
 from furlong.hooks.testing import ContractViolation, NoConfigGiven, TinyEngine, check_plugin
 
+from .dataset_spec import training_dataset
 from .test_rewards_remote_rm import server  # noqa: F401 - the reward server fixture, for remote_rm
 
 # what the kit exercises of each built-in, and what it leaves to integration tests
@@ -42,14 +43,6 @@ def builtins(tmp_path_factory, server):
                              url, "--rollout-max-response-len", "16", pm=pm)
 
 
-def _training_data(config, path=None) -> DatasetSpec:
-    """The training data set of ``config`` (``--prompt-data``, or ``path`` in its place), as the core describes it."""
-    return DatasetSpec(path=path or config.prompt_data, flag="--prompt-data", input_key=config.input_key,
-                       label_key=config.label_key, metadata_key=config.metadata_key, tool_key=config.tool_key,
-                       shuffle=config.rollout_shuffle, seed=config.rollout_seed,
-                       max_prompt_len=config.rollout_max_prompt_len)
-
-
 def test_the_table_names_every_built_in(furlong_entry_points):
     assert sorted(EXERCISED) == sorted(furlong_entry_points)
 
@@ -78,7 +71,7 @@ def test_a_data_source_whose_state_does_not_round_trip_fails(tmp_path):
 
     config = launch_config("--prompt-data", str(tmp_path / "unused.jsonl"))
     assert _kit_error(_plugin(data_source=lambda config, dataset: Rows()), config=config,
-                      dataset=_training_data(config)) == (
+                      dataset=training_dataset(config)) == (
         "plugin 'careless' breaks the `data_source` contract: next_rows(2) after load_state(state()) returned other "
         "rows; a resumed run must see the same data.")
 
@@ -104,7 +97,7 @@ def own_data(builtins, tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(EXERCISED))
 def test_every_built_in_plugin_passes_the_kit(builtins, own_data, name):
     pm, config = builtins
-    report = check_plugin(pm.get_plugin(name), name, config=config, dataset=_training_data(config, own_data.get(name)))
+    report = check_plugin(pm.get_plugin(name), name, config=config, dataset=training_dataset(config, own_data.get(name)))
     assert report.checked == EXERCISED[name]
     assert sorted(report.checked + list(report.not_exercised)) == pm.hooks_of(name)
 
