@@ -1,23 +1,16 @@
 """Built-in advantage estimators, each called through a real plugin manager."""
 
-import functools
-
 import pytest
 import torch
 
-from furlong.core.config.launch_args import launch_config
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import AdvantageInput, AdvantageOutput, PluginError
+
+from .configs import flag_defaults
 
 @pytest.fixture(scope="module")
 def pm():
     return get_plugin_manager()
-
-
-@functools.cache
-def flag_defaults():
-    """The run configuration with every flag at its default (no plugin's ``configure`` derived anything)."""
-    return launch_config(configure=False)
 
 
 def run(pm, name, batch, **flags):

@@ -12,7 +12,7 @@ from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import AdvantageOutput, FilterResult, LossOutput, Status, hookimpl
 from furlong.hooks.testing import ContractViolation, NoConfigGiven, TinyEngine, check_plugin
 
-from .dataset_spec import training_dataset
+from .configs import training_dataset
 from .test_rewards_remote_rm import server  # noqa: F401 - the reward server fixture, for remote_rm
 
 # what the kit exercises of each built-in, and what it leaves to integration tests

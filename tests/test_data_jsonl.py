@@ -7,7 +7,7 @@ import pytest
 from furlong.core.config.launch_args import launch_config
 from furlong.hooks import PluginError
 
-from .dataset_spec import training_dataset
+from .configs import training_dataset
 
 
 def _config(path, *extra):

@@ -11,7 +11,7 @@ from furlong.core.config import parse_args
 from furlong.core.config.launch_args import launch_config
 from furlong.hooks import PluginError
 
-from .dataset_spec import training_dataset
+from .configs import training_dataset
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

@@ -1,14 +1,14 @@
 """The group filters ``check_reward_nonzero_std`` and ``no_aborted``."""
 
 import asyncio
-import functools
 import math
 
 import pytest
 
-from furlong.core.config.launch_args import launch_config
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import FilterResult, PluginError, Sample, Status
+
+from .configs import flag_defaults
 
 
 @pytest.fixture(scope="module")
@@ -19,12 +19,6 @@ def pm():
 def group(*rewards, statuses=None):
     statuses = statuses or [Status.COMPLETED] * len(rewards)
     return [Sample(index=i, reward=r, status=s) for i, (r, s) in enumerate(zip(rewards, statuses))]
-
-
-@functools.cache
-def flag_defaults():
-    """The run configuration with every flag at its default."""
-    return launch_config(configure=False)
 
 
 def run(pm, names, samples, reward_key=None):

@@ -1,20 +1,14 @@
 """The policy_loss plugin: clipped surrogate, dual clip, GSPO ratio, OPSM, TIS, entropy, KL."""
 
-import functools
 import math
 
 import pytest
 import torch
 
-from furlong.core.config.launch_args import launch_config
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import LossInput, LossOutput, PluginError
 
-@functools.cache
-def flag_defaults():
-    """The run configuration with every flag at its default (no plugin's ``configure`` derived anything)."""
-    return launch_config(configure=False)
-
+from .configs import flag_defaults
 
 def make_config(**overrides):
     return flag_defaults().replace(**overrides)

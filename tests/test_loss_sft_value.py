@@ -1,19 +1,12 @@
 """The sft_loss and value_loss plugins."""
 
-import functools
-
 import pytest
 import torch
 
-from furlong.core.config.launch_args import launch_config
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import LossInput, PluginError
 
-
-@functools.cache
-def flag_defaults():
-    """The run configuration with every flag at its default."""
-    return launch_config(configure=False)
+from .configs import flag_defaults
 
 
 @pytest.fixture(scope="module")

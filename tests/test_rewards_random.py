@@ -1,20 +1,14 @@
 """The ``random`` and ``deterministic_random`` rewards."""
 
-import functools
 import hashlib
 import random
 
 import pytest
 
-from furlong.core.config.launch_args import launch_config
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import Sample
 
-
-@functools.cache
-def flag_defaults():
-    """The run configuration with every flag at its default."""
-    return launch_config(configure=False)
+from .configs import flag_defaults
 
 
 @pytest.fixture(scope="module")
