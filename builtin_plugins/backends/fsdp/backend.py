@@ -96,7 +96,7 @@ class FSDPBackend(StepLoop):
         except (OSError, ValueError):
             log.warning("fsdp: no tokenizer in %s; checkpoints will hold weights and config only", config.hf_checkpoint)
         self.optimizer = build_optimizer(self.model, config)
-        self.schedule = LRSchedule.from_args(config)
+        self.schedule = LRSchedule.from_config(config)
         if self.rank == 0:
             log.info("fsdp: %s", self._precision())
             log.info("fsdp optimizer: %s, weight decay %s, clip %s, schedule %s", type(self.optimizer).__name__,

@@ -74,7 +74,7 @@ def lr_at(
 
 @attrs.define
 class LRSchedule:
-    """The resolved schedule: lengths in optimizer steps. Build it with :meth:`from_args`."""
+    """The resolved schedule: lengths in optimizer steps. Build it with :meth:`from_config`."""
 
     lr: float
     min_lr: float
@@ -86,7 +86,7 @@ class LRSchedule:
     wsd_style: str = "exponential"
 
     @classmethod
-    def from_args(cls, config: RunConfig) -> "LRSchedule":
+    def from_config(cls, config: RunConfig) -> "LRSchedule":
         """Resolve ``--lr``, ``--min-lr``, ``--lr-decay-style``, ``--lr-decay-iters`` (default: total
         steps ``T = num_rollout * num_steps_per_rollout``), ``--lr-warmup-iters`` or
         ``--lr-warmup-fraction`` (of the decay steps), ``--lr-warmup-init``,
