@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from furlong.core.config.launch_args import launch_config
-from furlong.hooks import DatasetSpec, RunConfig
+from furlong.hooks import DatasetSpec, PluginConfig, RunConfig
 
 
 @functools.cache
@@ -22,3 +22,10 @@ def training_dataset(config: RunConfig, path: str | None = None) -> DatasetSpec:
                        input_key=config.input_key, label_key=config.label_key, metadata_key=config.metadata_key,
                        tool_key=config.tool_key, shuffle=config.rollout_shuffle, seed=config.rollout_seed,
                        max_prompt_len=config.rollout_max_prompt_len)
+
+
+def with_derived(config: RunConfig, plugin: str, **values) -> RunConfig:
+    """``config`` with ``values`` in ``plugin``'s section, as its ``configure`` derives them: for a unit
+    test that builds a plugin's object without running that ``configure`` (which would start processes)."""
+    section = PluginConfig(plugin, {**config.plugin_config(plugin), **values})
+    return config.replace(plugins={**config.plugins, plugin: section})

@@ -791,12 +791,19 @@ def test_a_pipeline_split_that_cannot_be_made_names_the_flags(layers, pp, first,
     assert message in str(err.value)
 
 
+def _first_stage_layers(hf_dir, layers):
+    """The launch flags of a run given ``--decoder-first-pipeline-num-layers layers`` (a Megatron-LM flag: the
+    parse also lists it in ``megatron_args``)."""
+    return train_args(hf_dir, decoder_first_pipeline_num_layers=layers,
+                      megatron_args={"decoder_first_pipeline_num_layers": layers})
+
+
 def test_split_flags_are_checked_at_one_stage_and_warned_about_there(tiny_model_dir):
     report = ConfigReport(plugin="megatron")
-    configure(args=train_args(tiny_model_dir, decoder_first_pipeline_num_layers=-1), report=report)
+    configure(args=_first_stage_layers(tiny_model_dir, -1), report=report)
     assert "--decoder-first-pipeline-num-layers -1: a pipeline stage needs at least 1 layer." in report.errors
     report = ConfigReport(plugin="megatron")
-    configure(args=train_args(tiny_model_dir, decoder_first_pipeline_num_layers=1), report=report)
+    configure(args=_first_stage_layers(tiny_model_dir, 1), report=report)
     assert not report.errors
     assert ("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers change nothing without "
             "--pipeline-model-parallel-size > 1.") in report.warnings
