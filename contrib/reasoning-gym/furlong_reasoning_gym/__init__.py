@@ -130,7 +130,7 @@ def extract_answer(response: str) -> str | None:
 
 class ReasoningGymSource:
     """Rows of generated tasks, the task names interleaved, in epoch order (shuffled per epoch
-    with ``dataset.seed + epoch`` when ``dataset.shuffle``: ``--rollout-seed`` and ``--rollout-shuffle``
+    with ``spec.seed + epoch`` when ``spec.shuffle``: ``--rollout-seed`` and ``--rollout-shuffle``
     for the training data, like the ``jsonl`` source).
 
     Rows are ``{"prompt", "label", "metadata"}``: the prompt is the system prompt and the
@@ -139,7 +139,7 @@ class ReasoningGymSource:
     index.
     """
 
-    def __init__(self, tasks: list[str], size: int, seed: int, config: RunConfig, dataset: DatasetSpec,
+    def __init__(self, tasks: list[str], size: int, seed: int, config: RunConfig, spec: DatasetSpec,
                  flag: str):
         if not tasks:
             raise PluginError(f"{flag}: no reasoning-gym task names given.")
@@ -155,7 +155,7 @@ class ReasoningGymSource:
                 entry = dataset[index]
                 self.rows.append({"prompt": self._prompt(entry["question"]), "label": entry["answer"],
                                   "metadata": {META_KEY: {"task": task, "seed": seed, "size": size, "index": index}}})
-        self.cursor = EpochOrder(len(self.rows), dataset.shuffle, dataset.seed)
+        self.cursor = EpochOrder(len(self.rows), spec.shuffle, spec.seed)
 
     def __len__(self) -> int:
         return len(self.rows)
