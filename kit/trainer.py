@@ -123,8 +123,8 @@ def sum_step_metrics(losses: Sequence[Any], metric_rows: Sequence[dict]) -> tupl
 class StepLoop:
     """Base of a train backend: ``log_probs`` and ``train`` over the core's micro-batches.
 
-    A subclass sets ``name``, ``args``, ``model``, ``ref_model``, ``optimizer``, ``device``
-    and ``global_step``, and implements :meth:`_forward`, :meth:`_clip`,
+    A subclass sets ``name``, ``config`` (the run's :class:`~furlong.hooks.RunConfig`), ``model``,
+    ``ref_model``, ``optimizer``, ``device`` and ``global_step``, and implements :meth:`_forward`, :meth:`_clip`,
     :meth:`_learning_rate` and :meth:`_optimizer_step`; it may override
     :meth:`_dp_group` / :meth:`_dp_size` (default: the default process group, ``self.world``
     ranks; metrics are summed over it), :meth:`_before_train` and :meth:`_after_train`, and
@@ -183,7 +183,7 @@ class StepLoop:
 
     def _entropy_grad(self, grad: bool) -> bool:
         """Whether a forward keeps the entropy's graph: with grad, and only when ``--entropy-coef`` != 0."""
-        return grad and float(getattr(self.args, "entropy_coef", 0.0) or 0.0) != 0.0
+        return grad and float(self.config.entropy_coef or 0.0) != 0.0
 
     def _dp_group(self):
         """The data-parallel process group (None: the default group, every rank)."""
@@ -231,7 +231,7 @@ class StepLoop:
             if writer:
                 weights[name] = tensor.to("cpu", copy=True)
         if writer:
-            await self._in_thread(write_hf_checkpoint, path, weights, self.args.hf_checkpoint)
+            await self._in_thread(write_hf_checkpoint, path, weights, self.config.hf_checkpoint)
         if self.world > 1:
             torch.distributed.barrier()
 
@@ -285,7 +285,7 @@ class StepLoop:
         if batch.steps:
             chunks = [list(mb) for step in batch.steps for mb in step]
         else:
-            size = max(1, int(getattr(self.args, "micro_batch_size", 1) or 1))
+            size = max(1, int(self.config.micro_batch_size or 1))
             chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
         log_probs: list = [None] * n
         entropy: list = [None] * n
@@ -328,7 +328,7 @@ class StepLoop:
             ``--no-check-for-nan-in-loss-and-grad`` (then the step and its LR advance are
             skipped, with a warning).
         """
-        if getattr(self.args, "reset_optimizer_states", False):
+        if self.config.reset_optimizer_states:
             self._optimizer_state().clear()
         self._before_train()
         cuda = self.device.type == "cuda"
@@ -347,7 +347,7 @@ class StepLoop:
                 message = (f"{self.name}: rollout {rollout_id} step {s}: non-finite loss or gradient (grad norm "
                            f"{grad_norm}); lower --lr, check rewards and data, or pass "
                            "--no-check-for-nan-in-loss-and-grad to skip such steps.")
-                if self.args.check_for_nan_in_loss_and_grad:  # --no-check-for-nan-in-loss-and-grad sets it False
+                if self.config.check_for_nan_in_loss_and_grad:  # --no-check-for-nan-in-loss-and-grad sets it False
                     raise FloatingPointError(message)
                 log.warning("%s Step skipped.", message)
                 self.optimizer.zero_grad(set_to_none=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tiny_model import TWO_RANK_FLAGS, train_args
+from tiny_model import TWO_RANK_FLAGS, train_config
 
 from furlong.builtin_plugins.backends.fsdp import logprobs, shared_prompts, train_backend
 
@@ -34,8 +34,8 @@ def run(model, tokens, lengths, share: bool):
 async def main(hf_dir: str, out: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    backend = train_backend(args=train_args(hf_dir, **TWO_RANK_FLAGS))
-    await backend.init(backend.args)
+    backend = train_backend(config=train_config(hf_dir, **TWO_RANK_FLAGS))
+    await backend.init(backend.config)
     rank = dist.get_rank()
     calls = []
     original = shared_prompts.shared_forward

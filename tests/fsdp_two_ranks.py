@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tiny_model import TWO_RANK_FLAGS, make_batch, train_args
+from tiny_model import TWO_RANK_FLAGS, make_batch, train_config
 
 from furlong.builtin_plugins.backends.fsdp import train_backend
 from furlong.core.train.batching import plan_steps
@@ -25,8 +25,8 @@ from furlong.core.train.batching import plan_steps
 async def main(hf_dir: str, out: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    backend = train_backend(args=train_args(hf_dir, **TWO_RANK_FLAGS))
-    await backend.init(backend.args)
+    backend = train_backend(config=train_config(hf_dir, **TWO_RANK_FLAGS))
+    await backend.init(backend.config)
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 2
     probe = make_batch(backend.tokenizer, [])

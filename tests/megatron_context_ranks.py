@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tiny_model import make_batch, train_args
+from tiny_model import make_batch, train_config
 
 from furlong.builtin_plugins.backends.megatron import train_backend
 
@@ -44,9 +44,9 @@ def batch(hf_dir: Path, steps):
 
 async def started(out: Path, layout: tuple, **flags):
     """The backend at the parallel sizes of ``flags``, its ``(dp_size, dp_rank, returns_outputs)`` checked."""
-    args = train_args(out / "hf", adam_eps=1e-3, entropy_coef=0.01, **flags)
-    backend = train_backend(args=args)
-    await backend.init(args)
+    config = train_config(out / "hf", adam_eps=1e-3, entropy_coef=0.01, **flags)
+    backend = train_backend(config=config)
+    await backend.init(config)
     got = backend.layout()
     assert (got.dp_size, got.dp_rank, got.returns_outputs) == layout, got
     return backend

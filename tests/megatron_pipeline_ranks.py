@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tiny_model import make_batch, train_args
+from tiny_model import make_batch, train_config
 
 from furlong.builtin_plugins.backends.megatron import train_backend
 
@@ -33,9 +33,9 @@ async def stages(out: Path, rank: int) -> None:
     from transformers import AutoTokenizer
 
     hf_dir = out / "hf"
-    args = train_args(hf_dir, pipeline_model_parallel_size=2, adam_eps=1e-3)
-    backend = train_backend(args=args)
-    await backend.init(args)
+    config = train_config(hf_dir, pipeline_model_parallel_size=2, adam_eps=1e-3)
+    backend = train_backend(config=config)
+    await backend.init(config)
     layout = backend.layout()
     assert (layout.dp_size, layout.dp_rank, layout.returns_outputs) == (1, 0, rank == 1), layout
     batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), STEPS)
@@ -43,14 +43,14 @@ async def stages(out: Path, rank: int) -> None:
     metrics = await backend.train(0, batch)
     weights = dict(await backend.named_weights())
     await backend.save(str(out / "pp2ckpt"))
-    resumed = train_backend(args=args)
+    resumed = train_backend(config=config)
     parallel_state.destroy_model_parallel()
-    await resumed.init(args)
+    await resumed.init(config)
     await resumed.load(str(out / "pp1ckpt"))
     loaded = dict(await resumed.named_weights())
     parallel_state.destroy_model_parallel()
-    packed = train_backend(args=train_args(hf_dir, pipeline_model_parallel_size=2, use_dynamic_batch_size=True))
-    await packed.init(packed.args)
+    packed = train_backend(config=train_config(hf_dir, pipeline_model_parallel_size=2, use_dynamic_batch_size=True))
+    await packed.init(packed.config)
     packed_batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), PACKED)
     assert packed._packed([packed_batch.tokens[i] for i in PACKED[0][0]])
     packed_log_probs = await packed.log_probs(packed_batch)
@@ -67,9 +67,9 @@ async def bf16_masters(out: Path, rank: int) -> None:
 
     from furlong.builtin_plugins.backends.megatron.convert import placed_units
 
-    args = train_args(out / "hf", pipeline_model_parallel_size=2, adam_eps=1e-3, bf16=True)
-    backend = train_backend(args=args)
-    await backend.init(args)
+    config = train_config(out / "hf", pipeline_model_parallel_size=2, adam_eps=1e-3, bf16=True)
+    backend = train_backend(config=config)
+    await backend.init(config)
     await backend.train(0, make_batch(AutoTokenizer.from_pretrained(out / "hf"), STEPS[:1]))
     await backend.save(str(out / "bf16ckpt"))
     names = {local: unit.mcore for unit, local in placed_units(backend.shape, backend.stage)}

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tiny_model import make_batch, train_args
+from tiny_model import make_batch, train_config
 
 from furlong.builtin_plugins.backends.megatron import train_backend
 from furlong.builtin_plugins.backends.megatron.config import model_shape
@@ -46,8 +46,8 @@ async def main(hf_dir: str, out: Path) -> None:
     rank = dist.get_rank()
     init_parallel(2, torch.device("cpu"))
     torch.save(megatron_init(hf_dir), out / f"init{rank}.pt")
-    backend = train_backend(args=train_args(hf_dir, tensor_model_parallel_size=2, adam_eps=1e-3))
-    await backend.init(backend.args)
+    backend = train_backend(config=train_config(hf_dir, tensor_model_parallel_size=2, adam_eps=1e-3))
+    await backend.init(backend.config)
     layout = backend.layout()
     assert (layout.dp_size, layout.dp_rank, layout.returns_outputs) == (1, 0, rank == 0), layout
     from transformers import AutoTokenizer
@@ -73,9 +73,9 @@ async def sequence_parallel(hf_dir: str, out: Path, rank: int, steps: list) -> N
 
     results = {}
     for layout in ("padded", "packed"):
-        backend = train_backend(args=train_args(hf_dir, tensor_model_parallel_size=2, sequence_parallel=True,
+        backend = train_backend(config=train_config(hf_dir, tensor_model_parallel_size=2, sequence_parallel=True,
                                                 adam_eps=1e-3))
-        await backend.init(backend.args)
+        await backend.init(backend.config)
         assert backend.model.config.sequence_parallel
         backend._packed = lambda tokens, packed=layout == "packed": packed
         batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), steps, pad_in_prompt=True)
@@ -94,8 +94,8 @@ async def data_parallel(hf_dir: str, out: Path, rank: int) -> None:
     from furlong.core.train.batching import plan_steps
 
     parallel_state.destroy_model_parallel()
-    backend = train_backend(args=train_args(hf_dir, adam_eps=1e-3))
-    await backend.init(backend.args)
+    backend = train_backend(config=train_config(hf_dir, adam_eps=1e-3))
+    await backend.init(backend.config)
     layout = backend.layout()
     assert (layout.dp_size, layout.dp_rank, layout.returns_outputs) == (2, rank, True), layout
     probe = make_batch(AutoTokenizer.from_pretrained(hf_dir), [], pad_in_prompt=True)
@@ -123,9 +123,9 @@ async def distributed_optimizer(hf_dir: str, out: Path, rank: int, steps: list, 
         local = local_optimizer(backend.optimizer)
         return {names[id(p)]: local.state[p] for group in local.param_groups for p in group["params"]}
 
-    args = train_args(hf_dir, adam_eps=1e-3, use_distributed_optimizer=True)
-    backend = train_backend(args=args)
-    await backend.init(backend.args)
+    config = train_config(hf_dir, adam_eps=1e-3, use_distributed_optimizer=True)
+    backend = train_backend(config=config)
+    await backend.init(backend.config)
     assert local_optimizer(backend.optimizer) is not backend.optimizer
     batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), steps, pad_in_prompt=True)
     metrics = (await backend.train(0, batch))[0]
@@ -134,8 +134,8 @@ async def distributed_optimizer(hf_dir: str, out: Path, rank: int, steps: list, 
     await backend.save(str(out / "zero_ckpt"))
     torch.save({"metrics": metrics, "weights": weights, "owned": sorted(mine)}, out / f"zero{rank}.pt")
 
-    resumed = train_backend(args=args)
-    await resumed.init(resumed.args)
+    resumed = train_backend(config=config)
+    await resumed.init(resumed.config)
     await resumed.load(str(out / "dp_ckpt"))
     assert resumed.global_step == plain.global_step == 1
     expected = {n: plain.optimizer.state[p] for n, p in plain.model.named_parameters()}

@@ -1,23 +1,12 @@
 """Built-in advantage estimators, each called through a real plugin manager."""
 
-from argparse import Namespace
-
 import pytest
 import torch
 
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import AdvantageInput, AdvantageOutput, PluginError
 
-# The launch defaults of the flags the estimators read.
-DEFAULTS = dict(
-    disable_grpo_std_normalization=False, disable_rewards_normalization=False,
-    gamma=1.0, lambd=1.0, kl_coef=0.0, kl_loss_type="k1",
-)
-
-
-def make_args(**overrides):
-    return Namespace(**{**DEFAULTS, **overrides})
-
+from .configs import flag_defaults
 
 @pytest.fixture(scope="module")
 def pm():
@@ -25,7 +14,7 @@ def pm():
 
 
 def run(pm, name, batch, **flags):
-    out = pm.get_plugin(name).advantage(args=make_args(**flags), batch=batch)
+    out = pm.get_plugin(name).advantage(config=flag_defaults().replace(**flags), batch=batch)
     assert isinstance(out, AdvantageOutput)
     return out
 

@@ -23,10 +23,10 @@ CALLS = []
 
 
 @hookimpl
-async def data_source(args):
+async def data_source(config, dataset):
     await asyncio.sleep(0)
-    CALLS.append((args.prompt_data, id(asyncio.get_running_loop())))
-    return JsonlDataSource(args)
+    CALLS.append((dataset.path, id(asyncio.get_running_loop())))
+    return JsonlDataSource(config, dataset)
 '''
 
 
@@ -169,46 +169,46 @@ async def _seen(hook):
 
 
 @hookimpl
-async def data_source(args):
+async def data_source(config, dataset):
     await _seen("data_source")
-    return JsonlDataSource(args)
+    return JsonlDataSource(config, dataset)
 
 
 @hookimpl
-async def generate(args, sample, sampling_params, engine, evaluation):
+async def generate(config, sample, sampling_params, engine, evaluation):
     await _seen("generate")
     if not evaluation and sample.group_index % 4 >= 2:
         await asyncio.sleep(0.3)  # still in flight when the batch is full: aborted, buffered, popped next time
-    return await single_turn.generate(args, sample, sampling_params, engine, evaluation)
+    return await single_turn.generate(config, sample, sampling_params, engine, evaluation)
 
 
 @hookimpl
-async def filter(args, samples, rollout_id):
+async def filter(samples, rollout_id):
     await _seen("filter")
     return True
 
 
 @hookimpl
-async def buffer_pop(args, rollout_id, buffer, num_samples):
+async def buffer_pop(rollout_id, buffer, num_samples):
     await _seen("buffer_pop")
     return pop_first.buffer_pop(buffer, num_samples)
 
 
 @hookimpl
-async def abort(args, rollout_id):
+async def abort(rollout_id):
     await _seen("abort")
 
 
 @hookimpl
-async def advantage(args, batch):
+async def advantage(config, batch):
     await _seen("advantage")
-    return grpo.advantage(args, batch)
+    return grpo.advantage(config, batch)
 
 
 @hookimpl
-async def loss(args, batch):
+async def loss(config, batch):
     await _seen("loss")
-    return policy_loss.loss(args, batch)
+    return policy_loss.loss(config, batch)
 
 
 @hookimpl

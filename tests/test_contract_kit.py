@@ -7,11 +7,12 @@ import types
 import pytest
 import torch
 
-from furlong.core.config.launch_args import launch_args
+from furlong.core.config.launch_args import launch_config
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import AdvantageOutput, FilterResult, LossOutput, Status, hookimpl
-from furlong.hooks.testing import ContractViolation, TinyEngine, check_plugin
+from furlong.hooks.testing import ContractViolation, NoConfigGiven, TinyEngine, check_plugin
 
+from .configs import training_dataset
 from .test_rewards_remote_rm import server  # noqa: F401 - the reward server fixture, for remote_rm
 
 # what the kit exercises of each built-in, and what it leaves to integration tests
@@ -34,14 +35,13 @@ EXERCISED = {
 
 @pytest.fixture(scope="module")
 def builtins(tmp_path_factory, server):
-    """``(plugin manager, launch args)``: every installed plugin, the flags a run would give them."""
+    """``(plugin manager, run configuration)``: every installed plugin, the configuration a run would give them."""
     data = tmp_path_factory.mktemp("kit") / "train.jsonl"
     data.write_text("".join(f'{{"prompt": "{i}+1=", "label": "{i + 1}"}}\n' for i in range(5)))
     pm = get_plugin_manager()
     url = f"http://127.0.0.1:{server.server_address[1]}/length"
-    return pm, launch_args("--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label", "--rm-url", url,
-                           "--rollout-max-response-len", "16",
-                           pm=pm)
+    return pm, launch_config("--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label", "--rm-url",
+                             url, "--rollout-max-response-len", "16", pm=pm)
 
 
 def test_the_table_names_every_built_in(furlong_entry_points):
@@ -70,8 +70,9 @@ def test_a_data_source_whose_state_does_not_round_trip_fails(tmp_path):
         def load_state(self, state):
             pass  # forgets the position
 
-    args = launch_args("--prompt-data", str(tmp_path / "unused.jsonl"))
-    assert _kit_error(_plugin(data_source=lambda args: Rows()), args=args) == (
+    config = launch_config("--prompt-data", str(tmp_path / "unused.jsonl"))
+    assert _kit_error(_plugin(data_source=lambda config, dataset: Rows()), config=config,
+                      dataset=training_dataset(config)) == (
         "plugin 'careless' breaks the `data_source` contract: next_rows(2) after load_state(state()) returned other "
         "rows; a resumed run must see the same data.")
 
@@ -85,8 +86,8 @@ def own_data(builtins, tmp_path_factory):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    _, args = builtins
-    with open(args.prompt_data, encoding="utf-8") as f:
+    _, config = builtins
+    with open(config.prompt_data, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
     folder = tmp_path_factory.mktemp("kit_data")
     pq.write_table(pa.Table.from_pylist(rows), folder / "train.parquet")
@@ -96,13 +97,8 @@ def own_data(builtins, tmp_path_factory):
 
 @pytest.mark.parametrize("name", sorted(EXERCISED))
 def test_every_built_in_plugin_passes_the_kit(builtins, own_data, name):
-    import copy
-
-    pm, args = builtins
-    if name in own_data:
-        args = copy.copy(args)
-        args.prompt_data = own_data[name]
-    report = check_plugin(pm.get_plugin(name), name, args=args)
+    pm, config = builtins
+    report = check_plugin(pm.get_plugin(name), name, config=config, dataset=training_dataset(config, own_data.get(name)))
     assert report.checked == EXERCISED[name]
     assert sorted(report.checked + list(report.not_exercised)) == pm.hooks_of(name)
 
@@ -118,10 +114,10 @@ def _plugin(**functions) -> types.SimpleNamespace:
 
 
 def test_registration_mistakes_fail_with_the_core_s_message():
-    assert _kit_error(_plugin(reward=lambda args, sample: [1.0])) == (
-        "plugin 'careless' does not register: `reward(args, sample)` takes 'sample', which is not an argument of "
+    assert _kit_error(_plugin(reward=lambda config, sample: [1.0])) == (
+        "plugin 'careless' does not register: `reward(config, sample)` takes 'sample', which is not an argument of "
         "hook `reward`; its arguments are: config, samples (take any of them, by name); did you mean 'samples'?")
-    assert _kit_error(types.SimpleNamespace(reward=lambda args, samples: [1.0])) == (
+    assert _kit_error(types.SimpleNamespace(reward=lambda config, samples: [1.0])) == (
         "plugin 'careless' does not register: defines `reward` without @hookimpl: decorate each hook function with "
         "@hookimpl (from furlong.hooks import hookimpl).")
 
@@ -210,18 +206,37 @@ def test_a_generate_plugin_gets_the_engine_it_is_given():
     (dict(add_arguments=lambda parser: parser.add_argument("--scale", type=float, default=1.0)),
      "plugin 'careless' breaks the `add_arguments` contract: it adds the flag --scale; a plugin's flags start with "
      "its name (--careless-...)."),
-    (dict(reward=lambda args, samples: [args.careless_scale for _ in samples]),
-     "plugin 'careless' raised in `reward` on the kit's realistic input: AttributeError: 'Namespace' object has no "
-     "attribute 'careless_scale' (a plugin that reads flags needs them in check_plugin's args)"),
+    (dict(reward=lambda config, samples: [config.plugin_config("careless").careless_scale for _ in samples]),
+     "plugin 'careless' raised in `reward` on the kit's realistic input: AttributeError: plugin 'careless' has no "
+     "flag or derived value 'careless_scale' (its section holds: nothing) (a plugin that reads flags needs them in "
+     "check_plugin's config)"),
 ])
 def test_a_broken_plugin_fails_naming_plugin_hook_and_rule(functions, expected):
-    assert _kit_error(_plugin(**functions)) == expected
+    assert _kit_error(_plugin(**functions), config=launch_config()) == expected
 
 
-def test_a_plugin_s_own_flag_defaults_are_the_default_args():
+def test_a_plugin_reads_its_own_flag_defaults_from_its_section(plugin_manager, register_plugin):
+    seen = []
     plugin = _plugin(add_arguments=lambda parser: parser.add_argument("--careful-scale", type=float, default=2.0),
-                     reward=lambda args, samples: [args.careful_scale for _ in samples])
-    assert check_plugin(plugin, "careful").checked == ["add_arguments", "reward"]
+                     reward=lambda config, samples: seen.append(config.plugin_config("careful").careful_scale)
+                     or [1.0 for _ in samples])
+    register_plugin(plugin, "careful")
+    config = launch_config(pm=plugin_manager)
+    assert check_plugin(plugin, "careful", config=config).checked == ["add_arguments", "reward"]
+    assert seen == [2.0, 2.0]
+
+
+def test_an_old_form_hook_gets_the_namespace_view_of_the_config():
+    seen = []
+    plugin = _plugin(reward=lambda args, samples: seen.append(args.rollout_batch_size) or [1.0 for _ in samples])
+    assert check_plugin(plugin, "old_form", config=launch_config("--rollout-batch-size", "3")).checked == ["reward"]
+    assert seen == [3, 3]
+
+
+def test_a_hook_that_reads_the_config_needs_one():
+    with pytest.raises(NoConfigGiven, match=r"`reward` of plugin 'careful' reads the run configuration; pass "
+                                            r"config=furlong\.core\.config\.launch_args\.launch_config"):
+        check_plugin(_plugin(reward=lambda config, samples: [1.0 for _ in samples]), "careful")
 
 
 def test_an_async_add_arguments_fails():

@@ -9,7 +9,10 @@ import json
 import pytest
 
 from furlong.core.config import parse_args
+from furlong.core.config.launch_args import launch_config
 from furlong.hooks import PluginError
+
+from .configs import training_dataset
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -34,6 +37,13 @@ def _args(path, *keys, extra=()):
                        "--rm-type", "math", *keys, *extra])
 
 
+def _reading(path, *keys) -> dict:
+    """The ``data_source`` arguments of a run reading ``path`` as its training data: ``config`` and ``dataset``."""
+    config = launch_config("--rollout-batch-size", "2", "--prompt-data", str(path), "--rm-type", "math", *keys,
+                           configure=False)
+    return {"config": config, "dataset": training_dataset(config)}
+
+
 def _parquet(tmp_path, rows, name="train.parquet"):
     path = tmp_path / name
     pq.write_table(pa.Table.from_pylist(rows), path)
@@ -42,7 +52,7 @@ def _parquet(tmp_path, rows, name="train.parquet"):
 
 def test_a_verl_parquet_file_reads_with_nested_keys(tmp_path, plugin_manager):
     path = _parquet(tmp_path, verl_rows())
-    source = plugin_manager.get_plugin("parquet").data_source(args=_args(path, *VERL_KEYS))
+    source = plugin_manager.get_plugin("parquet").data_source(**_reading(path, *VERL_KEYS))
     assert len(source) == 4
     assert source.next_rows(1) == [{
         "prompt": [{"role": "user", "content": "What is 0 + 0? Let's think step by step and output the final answer "
@@ -56,7 +66,7 @@ def test_a_verl_parquet_file_reads_with_nested_keys(tmp_path, plugin_manager):
 def test_one_metadata_key_is_the_metadata_and_a_nested_one_reaches_inside(tmp_path, plugin_manager):
     path = _parquet(tmp_path, verl_rows(2))
     source = plugin_manager.get_plugin("parquet").data_source(
-        args=_args(path, "--input-key", "extra_info.question", "--label-key", "reward_model.ground_truth",
+        **_reading(path, "--input-key", "extra_info.question", "--label-key", "reward_model.ground_truth",
                    "--metadata-key", "extra_info"))
     row = source.next_rows(2)[1]
     assert row["prompt"] == "What is 1 + 1?" and row["label"] == "2"
@@ -66,17 +76,17 @@ def test_one_metadata_key_is_the_metadata_and_a_nested_one_reaches_inside(tmp_pa
 def test_a_parquet_slice_and_the_reader_s_errors(tmp_path, plugin_manager):
     path = _parquet(tmp_path, verl_rows())
     parquet = plugin_manager.get_plugin("parquet")
-    assert [r["label"] for r in parquet.data_source(args=_args(f"{path}@[1:3]", *VERL_KEYS)).next_rows(2)] == ["2", "4"]
+    assert [r["label"] for r in parquet.data_source(**_reading(f"{path}@[1:3]", *VERL_KEYS)).next_rows(2)] == ["2", "4"]
     bad = verl_rows(3)
     for row in bad:  # a column a struct lacks in every row (a missing value in some rows is a null)
         row["reward_model"] = {"style": "rule"}
     with pytest.raises(PluginError) as excinfo:
-        parquet.data_source(args=_args(_parquet(tmp_path, bad, "bad.parquet"), *VERL_KEYS))
+        parquet.data_source(**_reading(_parquet(tmp_path, bad, "bad.parquet"), *VERL_KEYS))
     assert str(excinfo.value) == (f"{tmp_path / 'bad.parquet'}, row 1: row has no key 'reward_model.ground_truth' "
                                   "(--label-key); keys: ability, data_source, extra_info, prompt, reward_model.")
     (tmp_path / "junk.parquet").write_bytes(b"PAR1\x15\x04")
     with pytest.raises(PluginError, match=r"^--prompt-data '.*junk\.parquet': cannot read it as Parquet \(Arrow"):
-        parquet.data_source(args=_args(tmp_path / "junk.parquet", *VERL_KEYS))
+        parquet.data_source(**_reading(tmp_path / "junk.parquet", *VERL_KEYS))
 
 
 def test_a_data_set_saved_to_disk_reads_and_a_dataset_dict_asks_for_a_split(tmp_path, plugin_manager):
@@ -87,12 +97,12 @@ def test_a_data_set_saved_to_disk_reads_and_a_dataset_dict_asks_for_a_split(tmp_
     source_of = plugin_manager.get_plugin("hf_datasets").data_source
     keys = ["--input-key", "prompt", "--label-key", "solution", "--metadata-key", "level"]
     with pytest.raises(PluginError) as excinfo:
-        source_of(args=_args(tmp_path / "dd", *keys))
+        source_of(**_reading(tmp_path / "dd", *keys))
     assert str(excinfo.value) == (f"--prompt-data '{tmp_path / 'dd'}': a DatasetDict with the splits train, test; name "
                                   f"one of them: --prompt-data {tmp_path / 'dd' / 'train'}.")
     with pytest.raises(PluginError, match=r"row 1: '(level)' \(--metadata-key\) must be a JSON object\.$"):
-        source_of(args=_args(tmp_path / "dd" / "train", *keys))
-    source = source_of(args=_args(tmp_path / "dd" / "train", "--input-key", "prompt", "--label-key", "solution",
+        source_of(**_reading(tmp_path / "dd" / "train", *keys))
+    source = source_of(**_reading(tmp_path / "dd" / "train", "--input-key", "prompt", "--label-key", "solution",
                                   "--metadata-key", "level,solution"))
     assert len(source) == 5
     assert source.next_rows(1) == [{"prompt": [{"role": "user", "content": "0 + 1 = ?"}], "label": "1",
@@ -107,9 +117,9 @@ def test_csv_and_arrow_files_read_without_the_datasets_cache(tmp_path, plugin_ma
     arrow = next((tmp_path / "ds").glob("*.arrow"))
     source_of = plugin_manager.get_plugin("hf_datasets").data_source
     keys = ["--input-key", "question", "--label-key", "answer"]
-    assert [r["label"] for r in source_of(args=_args(tmp_path / "d.csv", *keys)).next_rows(2)] == [2, 4]
-    assert source_of(args=_args(tmp_path / "d.tsv", *keys)).next_rows(1)[0]["prompt"] == "1 + 1 = ?"
-    assert source_of(args=_args(arrow, *keys)).next_rows(1)[0] == {"prompt": "3 + 3 = ?", "label": "6", "metadata": {}}
+    assert [r["label"] for r in source_of(**_reading(tmp_path / "d.csv", *keys)).next_rows(2)] == [2, 4]
+    assert source_of(**_reading(tmp_path / "d.tsv", *keys)).next_rows(1)[0]["prompt"] == "1 + 1 = ?"
+    assert source_of(**_reading(arrow, *keys)).next_rows(1)[0] == {"prompt": "3 + 3 = ?", "label": "6", "metadata": {}}
     assert not (tmp_path / "cache").exists()
 
 
@@ -161,6 +171,6 @@ def test_without_the_package_the_error_says_what_to_install(tmp_path, plugin_man
     path = _parquet(tmp_path, verl_rows(1))
     monkeypatch.setattr(builtins, "__import__", no_pyarrow)
     with pytest.raises(PluginError) as excinfo:
-        plugin_manager.get_plugin("parquet").data_source(args=_args(path, *VERL_KEYS))
+        plugin_manager.get_plugin("parquet").data_source(**_reading(path, *VERL_KEYS))
     assert str(excinfo.value) == (f"--prompt-data '{path}': the parquet data source needs pyarrow: pip install "
                                   "\"furlong[parquet]\" (or pip install pyarrow).")

@@ -57,17 +57,18 @@ def test_the_debugging_group_does_not_list_refused_modes_as_working():
 
 def test_the_math_section_describes_a_response_without_a_box_as_the_code_grades_it():
     import asyncio
-    from argparse import Namespace
 
     from furlong.builtin_plugins.rewards.math_reward import reward
     from furlong.hooks import Sample
+
+    from .configs import flag_defaults
 
     text = (REPO_ROOT / "PLUGINS.md").read_text(encoding="utf-8")
     section = text[text.index("#### `math`"):text.index("#### `deepscaler`")]
     assert "no box scores 0" not in section and "`Answer: X`" in section
     samples = [Sample(response="So 7 + 5 = 12.\nAnswer: 12", label="12"), Sample(response="12", label="12"),
                Sample(response="It is \\boxed{1", label="1")]
-    assert asyncio.run(reward(Namespace(), samples)) == [1, 0, 0]
+    assert asyncio.run(reward(flag_defaults(), samples)) == [1, 0, 0]
 
 
 def test_the_miles_style_demo_needs_nothing_run_first():

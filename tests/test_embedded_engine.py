@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_model import EOS_ID, train_args  # noqa: E402
+from tiny_model import EOS_ID, train_config  # noqa: E402
 
 from furlong.builtin_plugins.backends.fsdp import train_backend  # noqa: E402
 from furlong.builtin_plugins.engines import embedded  # noqa: E402
@@ -19,7 +19,7 @@ from furlong.builtin_plugins.engines.embedded import decode  # noqa: E402
 from furlong.builtin_plugins.engines.embedded.decode import width_bucket  # noqa: E402
 from furlong.builtin_plugins.engines.embedded.fusion import compile_model, decoder_layers  # noqa: E402
 from furlong.builtin_plugins.engines.embedded.sampling import SamplingParams, filter_logits, sample_batch  # noqa: E402
-from furlong.core.config.launch_args import launch_args  # noqa: E402
+from furlong.core.config.launch_args import launch_config  # noqa: E402
 from furlong.hooks import PluginError, RolloutEngine, TrainBatch  # noqa: E402
 
 PROMPTS = ["Hello there", "Q: 1+1=", "x"]
@@ -62,17 +62,17 @@ def test_engine_meets_the_protocol_and_round_trips_text(engine):
 
 
 def test_rollout_engine_hook_reads_the_flags(tiny_dir):
-    args = launch_args(hf_checkpoint=str(tiny_dir), embedded_max_batch_size=3, bf16=True, fp16=False)
-    built = embedded.rollout_engine(args=args)
+    config = launch_config(hf_checkpoint=str(tiny_dir), embedded_max_batch_size=3, bf16=True, fp16=False)
+    built = embedded.rollout_engine(config=config, engine_index=0)
     assert built.max_batch_size == 3
     assert next(built.model.parameters()).dtype == torch.float32  # CPU always float32
 
 
 @pytest.mark.parametrize("size", [0, -3])
 def test_a_batch_size_below_one_is_a_plugin_error(tiny_dir, size):
-    args = launch_args(hf_checkpoint=str(tiny_dir), embedded_max_batch_size=size, bf16=True, fp16=False)
+    config = launch_config(hf_checkpoint=str(tiny_dir), embedded_max_batch_size=size, bf16=True, fp16=False)
     with pytest.raises(PluginError, match=f"--embedded-max-batch-size {size}: must be at least 1"):
-        embedded.rollout_engine(args=args)
+        embedded.rollout_engine(config=config, engine_index=0)
 
 
 def test_add_arguments_defines_the_batch_size_and_compile_flags():
@@ -85,12 +85,12 @@ def test_add_arguments_defines_the_batch_size_and_compile_flags():
 
 
 def test_torch_compile_flag_reaches_the_decoder(tiny_dir):
-    args = launch_args(hf_checkpoint=str(tiny_dir), embedded_max_batch_size=3, embedded_torch_compile=True)
-    built = embedded.rollout_engine(args=args)
+    config = launch_config(hf_checkpoint=str(tiny_dir), embedded_max_batch_size=3, embedded_torch_compile=True)
+    built = embedded.rollout_engine(config=config, engine_index=0)
     layers = decoder_layers(built.model)
     assert built._decoder.compile_backend == "inductor" and len(layers) == 2
     assert all(layer._compiled_call_impl is not None for layer in layers)
-    plain = embedded.rollout_engine(args=launch_args(hf_checkpoint=str(tiny_dir)))
+    plain = embedded.rollout_engine(config=launch_config(hf_checkpoint=str(tiny_dir)), engine_index=0)
     assert plain._decoder.compile_backend is None
     assert all(layer._compiled_call_impl is None for layer in decoder_layers(plain.model))
 
@@ -472,8 +472,8 @@ def test_log_probs_match_the_trainer_recomputation(tiny_dir, engine):
     params = {"temperature": 0.7, "top_p": 0.95, "max_new_tokens": 10, "ignore_eos": True}
     torch.manual_seed(0)
     outs = _run(_all(engine, PROMPTS[:2], params))
-    backend = train_backend(args=train_args(tiny_dir))
-    _run(backend.init(backend.args))
+    backend = train_backend(config=train_config(tiny_dir))
+    _run(backend.init(backend.config))
     tokens = [_ids(engine, p) + o.output_ids for p, o in zip(PROMPTS[:2], outs)]
     lengths = [len(o.output_ids) for o in outs]
     batch = TrainBatch(tokens=tokens, response_lengths=lengths, loss_masks=[torch.ones(n) for n in lengths],

@@ -2,12 +2,13 @@
 
 import asyncio
 import math
-from argparse import Namespace
 
 import pytest
 
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import FilterResult, PluginError, Sample, Status
+
+from .configs import flag_defaults
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +22,9 @@ def group(*rewards, statuses=None):
 
 
 def run(pm, names, samples, reward_key=None):
-    args = Namespace(reward_key=reward_key)
-    return asyncio.run(pm.run_filters(names, "--dynamic-sampling-filter", args=args, samples=samples, rollout_id=0))
+    config = flag_defaults().replace(reward_key=reward_key)
+    return asyncio.run(pm.run_filters(names, "--dynamic-sampling-filter", config=config, samples=samples,
+                                      rollout_id=0))
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_model import TWO_RANK_FLAGS, make_batch, run_two_ranks, train_args  # noqa: E402
+from tiny_model import TWO_RANK_FLAGS, make_batch, run_two_ranks, train_args, train_config  # noqa: E402
 
 from furlong.builtin_plugins.backends.fsdp import FSDPBackend, train_backend  # noqa: E402
 from furlong.builtin_plugins.backends.fsdp.schedule import LRSchedule, lr_at  # noqa: E402
@@ -32,8 +32,8 @@ def tiny_dir(tiny_model_dir):
 
 
 def _backend(tiny_dir, **overrides) -> FSDPBackend:
-    backend = train_backend(args=train_args(tiny_dir, **overrides))
-    assert asyncio.run(backend.init(backend.args)) == 0
+    backend = train_backend(config=train_config(tiny_dir, **overrides))
+    assert asyncio.run(backend.init(backend.config)) == 0
     return backend
 
 
@@ -206,21 +206,21 @@ def test_wsd_schedule_values(step, wsd_style, expected):
 
 def test_schedule_defaults_decay_to_total_steps(tiny_dir):
     # T = num_rollout * rbs * n / gbs = 3 * 4 * 4 / 8 = 6 steps; warmup 2
-    args = train_args(tiny_dir, num_rollout=3, rollout_batch_size=4, n_samples_per_prompt=4, global_batch_size=8,
-                      num_steps_per_rollout=2, lr=1.0, min_lr=0.0, lr_decay_style="linear", lr_warmup_iters=2)
-    schedule = LRSchedule.from_args(args)
+    config = train_config(tiny_dir, num_rollout=3, rollout_batch_size=4, n_samples_per_prompt=4, global_batch_size=8,
+                          num_steps_per_rollout=2, lr=1.0, min_lr=0.0, lr_decay_style="linear", lr_warmup_iters=2)
+    schedule = LRSchedule.from_config(config)
     assert schedule.decay == 6
     assert [schedule(k) for k in range(7)] == pytest.approx([0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0])
 
 
 def test_schedule_warmup_fraction_is_of_the_decay_steps(tiny_dir):
-    args = train_args(tiny_dir, num_rollout=10, lr_decay_style="cosine", lr_warmup_fraction=0.2)
-    assert LRSchedule.from_args(args).warmup == pytest.approx(2.0)  # 0.2 * T, T = 10 rollouts x 1 step
+    config = train_config(tiny_dir, num_rollout=10, lr_decay_style="cosine", lr_warmup_fraction=0.2)
+    assert LRSchedule.from_config(config).warmup == pytest.approx(2.0)  # 0.2 * T, T = 10 rollouts x 1 step
 
 
 def test_wsd_needs_its_anneal_length(tiny_dir):
     with pytest.raises(PluginError) as err:
-        LRSchedule.from_args(train_args(tiny_dir, lr_decay_style="WSD"))
+        LRSchedule.from_config(train_config(tiny_dir, lr_decay_style="WSD"))
     assert str(err.value) == "--lr-decay-style WSD needs --lr-wsd-decay-iters (steps of the final anneal)."
 
 
@@ -332,17 +332,18 @@ def test_flash_attention_that_is_not_installed_falls_back_to_sdpa(tiny_dir, capl
     """On CUDA the default is flash_attention_2; without the package the model loads with sdpa, which
     on CUDA then becomes packed attention (sdpa for unpacked calls)."""
     from furlong.builtin_plugins.backends.fsdp.model import load_causal_lm
-    from furlong.core.config.launch_args import launch_args
+    from furlong.core.config.launch_args import launch_config
 
     if __import__("importlib").util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here, so there is nothing to fall back from")
-    args = launch_args(attn_implementation="flash_attention_2", gradient_checkpointing=False, bf16=True)
+    config = launch_config(attn_implementation="flash_attention_2", gradient_checkpointing=False, bf16=True,
+                           configure=False)
     with caplog.at_level(logging.WARNING, logger="furlong"):
-        model = load_causal_lm(str(tiny_dir), args, torch.device("cuda"), "--hf-checkpoint")  # loads on the host
+        model = load_causal_lm(str(tiny_dir), config, torch.device("cuda"), "--hf-checkpoint")  # loads on the host
     assert model.config._attn_implementation == "furlong_packed"
-    args.bf16 = False  # float32 on a GPU: the variable-length flash kernel runs in 16-bit only, so no packing
+    config = config.replace(bf16=False)  # float32 on a GPU: the variable-length flash kernel runs in 16-bit only
     with caplog.at_level(logging.INFO, logger="furlong"):
-        model = load_causal_lm(str(tiny_dir), args, torch.device("cuda"), "--hf-checkpoint")
+        model = load_causal_lm(str(tiny_dir), config, torch.device("cuda"), "--hf-checkpoint")
     assert model.config._attn_implementation == "sdpa"
     assert any("right-padded, not packed: float32 training" in m for m in caplog.messages)
     assert any("attention 'flash_attention_2' did not load" in m and "trying 'sdpa'" in m for m in caplog.messages)

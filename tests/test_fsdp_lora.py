@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_model import make_batch, train_args  # noqa: E402
+from tiny_model import make_batch, train_config  # noqa: E402
 
 from furlong.builtin_plugins.backends.fsdp import train_backend  # noqa: E402
 
@@ -27,8 +27,8 @@ ALL_IN_ONE = [[[0, 1, 2, 3]]]
 
 
 def _backend(tiny_dir, **overrides):
-    backend = train_backend(args=train_args(tiny_dir, **{**LORA, **overrides}))
-    assert asyncio.run(backend.init(backend.args)) == 0
+    backend = train_backend(config=train_config(tiny_dir, **{**LORA, **overrides}))
+    assert asyncio.run(backend.init(backend.config)) == 0
     return backend
 
 

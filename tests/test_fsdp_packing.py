@@ -18,7 +18,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_model import make_batch, train_args  # noqa: E402
+from tiny_model import make_batch, train_config  # noqa: E402
 
 from furlong.builtin_plugins.backends.fsdp import packing, train_backend  # noqa: E402
 from furlong.builtin_plugins.backends.fsdp.head_log_probs import head_log_probs, takes_fused_head  # noqa: E402
@@ -217,9 +217,9 @@ def test_packed_training_step_equals_the_padded_one(tiny_model_dir, monkeypatch)
     monkeypatch.setattr(packing, "pack", lambda seqs, device: rows.append(len(seqs)) or original(seqs, device))
     weights = []
     for pack in (False, True):
-        backend = train_backend(args=train_args(tiny_model_dir, optimizer="sgd", sgd_momentum=0.0, lr=1.0,
+        backend = train_backend(config=train_config(tiny_model_dir, optimizer="sgd", sgd_momentum=0.0, lr=1.0,
                                                         clip_grad=0.0, micro_batch_size=4))
-        assert asyncio.run(backend.init(backend.args)) == 0
+        assert asyncio.run(backend.init(backend.config)) == 0
         if pack:
             assert packing.use_packed_attention(backend.model) is None
         batch = make_batch(backend.tokenizer, [[[0, 1, 2, 3]]])

@@ -26,8 +26,11 @@ def _hooks_in_loop_order() -> list[str]:
 
 
 def _spec_heading(name: str) -> str:
+    """The section heading of hook ``name``: its arguments in the new form (the deprecated ``args`` left out
+    where the hook takes ``config``)."""
     argnames = getattr(FurlongPluginManager().hook, name).spec.argnames
-    return f"## {name}({', '.join(argnames)})"
+    shown = [a for a in argnames if not (a == "args" and "config" in argnames)]
+    return f"## {name}({', '.join(shown)})"
 
 
 # --- documentation and tests -----------------------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 
 from furlong.builtin_plugins.loggers._common import is_last_event, rollout_axis_step, scalars
 from furlong.builtin_plugins.loggers.wandb_logger import init_kwargs
-from furlong.core.config import parse_args
+from furlong.core.config.launch_args import launch_config
 from furlong.hooks import PluginError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,32 +36,32 @@ def no_tensorboard_dir_variable(monkeypatch):
     monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
 
 
-def _args(pm, *extra):
-    return parse_args([*BASE, *extra], pm)
+def _config(pm, *extra):
+    return launch_config(*BASE, *extra, pm=pm, configure=False)
 
 
 def _notify(pm, hook, **kwargs):
     asyncio.run(pm.notify(hook, **kwargs))
 
 
-def _run_events(pm, args, with_eval):
+def _run_events(pm, config, with_eval):
     """The observer calls of a 2-rollout run with S = 2 steps per rollout, in loop order.
 
     Values: rollout r has raw_reward 0.25 + 0.5 r, rollout_time 1.5 + r; step t has loss 0.1 t;
     eval at r has eval/test 0.125 + 0.25 r (evaluations at 0 before training, then after each rollout).
     """
     if with_eval:
-        _notify(pm, "on_eval_end", args=args, rollout_id=0, metrics={"eval/test": 0.125, "perf/eval_time": 2.0})
+        _notify(pm, "on_eval_end", config=config, rollout_id=0, metrics={"eval/test": 0.125, "perf/eval_time": 2.0})
     for r in range(2):
         for s in range(2):
             step = r * 2 + s
-            _notify(pm, "on_train_step_end", args=args, rollout_id=r, step=step,
+            _notify(pm, "on_train_step_end", config=config, rollout_id=r, step=step,
                     metrics={"train/loss": 0.1 * step, "train/grad_norm": 1.0})
-        _notify(pm, "on_rollout_end", args=args, rollout_id=r,
+        _notify(pm, "on_rollout_end", config=config, rollout_id=r,
                 metrics={"rollout/raw_reward": 0.25 + 0.5 * r, "perf/rollout_time": 1.5 + r,
                          "train/loss": 0.1 * (2 * r + 1), "rollout/entropy": None, "rollout/nan": math.nan})
         if with_eval:
-            _notify(pm, "on_eval_end", args=args, rollout_id=r,
+            _notify(pm, "on_eval_end", config=config, rollout_id=r,
                     metrics={"eval/test": 0.125 + 0.25 * r, "perf/eval_time": 2.0})
 
 
@@ -87,20 +87,20 @@ def test_scalars_keeps_finite_numbers_and_drops_skipped_prefixes():
 ])
 def test_is_last_event(plugin_manager, hook, rollout_id, seen, with_eval, last):
     extra = ["--eval-interval", "1", "--eval-prompt-data", "test", "test.jsonl"] if with_eval else []
-    assert is_last_event(hook, _args(plugin_manager, *extra), rollout_id, seen) is last
+    assert is_last_event(hook, _config(plugin_manager, *extra), rollout_id, seen) is last
 
 
 def test_is_last_event_of_an_eval_only_run(plugin_manager):
-    args = parse_args(["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--num-rollout", "0",
-                       "--rollout-batch-size", "2", "--eval-interval", "1", "--eval-prompt-data", "test", "test.jsonl"],
-                      plugin_manager)
-    assert is_last_event("on_eval_end", args, 0, False) is True
+    config = launch_config("--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--num-rollout", "0",
+                           "--rollout-batch-size", "2", "--eval-interval", "1", "--eval-prompt-data", "test",
+                           "test.jsonl", pm=plugin_manager, configure=False)
+    assert is_last_event("on_eval_end", config, 0, False) is True
 
 
 def test_rollout_axis_step_uses_train_steps_when_asked(plugin_manager):
-    args = _args(plugin_manager)
-    assert rollout_axis_step(args, 3, False) == 3
-    assert rollout_axis_step(args, 3, True) == 6  # 3 * S, S = rollout_batch_size * n / gbs = 2 * 2 / 2
+    config = _config(plugin_manager)
+    assert rollout_axis_step(config, 3, False) == 3
+    assert rollout_axis_step(config, 3, True) == 6  # 3 * S, S = rollout_batch_size * n / gbs = 2 * 2 / 2
 
 
 # --- TensorBoard ----------------------------------------------------------------------------
@@ -119,9 +119,9 @@ def _event_files(folder: Path) -> list[Path]:
 
 
 def test_hook_on_rollout_end_tensorboard_writes_every_metric_at_its_step(tmp_path, plugin_manager):
-    args = _args(plugin_manager, "--use-tensorboard", "--save", str(tmp_path / "run"),
+    config = _config(plugin_manager, "--use-tensorboard", "--save", str(tmp_path / "run"),
                  "--eval-interval", "1", "--eval-prompt-data", "test", "test.jsonl")
-    _run_events(plugin_manager, args, with_eval=True)
+    _run_events(plugin_manager, config, with_eval=True)
     folder = tmp_path / "run" / "tensorboard"
     assert _read_tb(folder) == {
         "rollout/raw_reward": [(0, 0.25), (1, 0.75)],
@@ -137,12 +137,12 @@ def test_hook_on_rollout_end_tensorboard_writes_every_metric_at_its_step(tmp_pat
 
 
 def test_hook_on_train_step_end_tensorboard_after_close_opens_a_new_file(tmp_path, plugin_manager):
-    args = _args(plugin_manager, "--use-tensorboard", "--tensorboard-dir", str(tmp_path / "tb"),
+    config = _config(plugin_manager, "--use-tensorboard", "--tensorboard-dir", str(tmp_path / "tb"),
                  "--tb-experiment-name", "exp1")
-    _run_events(plugin_manager, args, with_eval=False)
+    _run_events(plugin_manager, config, with_eval=False)
     folder = tmp_path / "tb" / "exp1"
     assert len(_event_files(folder)) == 1  # closed at on_rollout_end of rollout 1 (no eval follows)
-    _notify(plugin_manager, "on_train_step_end", args=args, rollout_id=1, step=4, metrics={"train/loss": 0.5})
+    _notify(plugin_manager, "on_train_step_end", config=config, rollout_id=1, step=4, metrics={"train/loss": 0.5})
     assert len(_event_files(folder)) == 2
     assert _read_tb(folder)["train/loss"] == [(0, 0.0), (1, 0.1), (2, 0.2), (3, 0.3), (4, 0.5)]
 
@@ -159,19 +159,19 @@ def test_tensorboard_folder_precedence(plugin_manager, monkeypatch, flags, env, 
 
     if env:
         monkeypatch.setenv("TENSORBOARD_DIR", env)
-    assert log_dir(_args(plugin_manager, *flags)) == expected
+    assert log_dir(_config(plugin_manager, *flags)) == expected
 
 
 def test_hook_on_eval_end_tensorboard_does_nothing_unless_enabled(tmp_path, plugin_manager):
-    args = _args(plugin_manager, "--save", str(tmp_path / "run"), "--tensorboard-dir", str(tmp_path / "tb"))
-    _run_events(plugin_manager, args, with_eval=True)
+    config = _config(plugin_manager, "--save", str(tmp_path / "run"), "--tensorboard-dir", str(tmp_path / "tb"))
+    _run_events(plugin_manager, config, with_eval=True)
     assert not (tmp_path / "tb").exists() and not (tmp_path / "run").exists()
 
 
 def test_tensorboard_without_a_folder_warns_with_the_flags_to_pass(plugin_manager, caplog):
-    args = _args(plugin_manager, "--use-tensorboard")
+    config = _config(plugin_manager, "--use-tensorboard")
     with caplog.at_level(logging.WARNING, logger="furlong"):
-        _notify(plugin_manager, "on_rollout_end", args=args, rollout_id=0, metrics={"rollout/raw_reward": 1.0})
+        _notify(plugin_manager, "on_rollout_end", config=config, rollout_id=0, metrics={"rollout/raw_reward": 1.0})
     assert [r.getMessage() for r in caplog.records] == [
         "plugin 'tensorboard' failed in `on_rollout_end`: PluginError: --use-tensorboard: no folder to write "
         "events to. Pass --tensorboard-dir DIR (or set TENSORBOARD_DIR), or --save / --log-dir DIR (events then "
@@ -182,9 +182,9 @@ def test_tensorboard_without_a_folder_warns_with_the_flags_to_pass(plugin_manage
 def test_tensorboard_missing_package_is_a_plugin_error_naming_the_install(tmp_path, plugin_manager, monkeypatch,
                                                                            caplog):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
-    args = _args(plugin_manager, "--use-tensorboard", "--log-dir", str(tmp_path))
+    config = _config(plugin_manager, "--use-tensorboard", "--log-dir", str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="furlong"):
-        _notify(plugin_manager, "on_eval_end", args=args, rollout_id=0, metrics={"eval/test": 1.0})
+        _notify(plugin_manager, "on_eval_end", config=config, rollout_id=0, metrics={"eval/test": 1.0})
     assert [r.getMessage() for r in caplog.records] == [
         "plugin 'tensorboard' failed in `on_eval_end`: PluginError: --use-tensorboard needs the tensorboard "
         "package (ModuleNotFoundError: import of torch.utils.tensorboard halted; None in sys.modules). "
@@ -259,9 +259,9 @@ def _wandb_records(data: bytes) -> list:
 
 
 def test_hook_on_rollout_end_wandb_offline_logs_rows_with_their_step_keys(tmp_path, plugin_manager, wandb_home):
-    args = _args(plugin_manager, "--use-wandb", "--wandb-mode", "offline", "--wandb-dir", str(tmp_path / "wb"),
+    config = _config(plugin_manager, "--use-wandb", "--wandb-mode", "offline", "--wandb-dir", str(tmp_path / "wb"),
                  "--wandb-project", "proj", "--wandb-group", "grpo-demo", "--disable-wandb-random-suffix")
-    _run_events(plugin_manager, args, with_eval=False)
+    _run_events(plugin_manager, config, with_eval=False)
     run = _read_wandb_run(tmp_path / "wb")
     assert (run["project"], run["group"], run["name"], run["exit"]) == ("proj", "grpo-demo", "grpo-demo", 0)
     assert run["history"] == [
@@ -275,9 +275,9 @@ def test_hook_on_rollout_end_wandb_offline_logs_rows_with_their_step_keys(tmp_pa
 
 
 def test_hook_on_eval_end_wandb_always_use_train_step(tmp_path, plugin_manager, wandb_home):
-    args = _args(plugin_manager, "--use-wandb", "--wandb-mode", "offline", "--save", str(tmp_path / "run"),
+    config = _config(plugin_manager, "--use-wandb", "--wandb-mode", "offline", "--save", str(tmp_path / "run"),
                  "--wandb-always-use-train-step", "--eval-interval", "1", "--eval-prompt-data", "test", "t.jsonl")
-    _run_events(plugin_manager, args, with_eval=True)
+    _run_events(plugin_manager, config, with_eval=True)
     run = _read_wandb_run(tmp_path / "run")  # --wandb-dir defaults to --save
     assert run["exit"] == 0 and run["project"] == "furlong"
     # rollout and eval rows at rollout_id * S, S = 2
@@ -286,28 +286,28 @@ def test_hook_on_eval_end_wandb_always_use_train_step(tmp_path, plugin_manager, 
 
 
 def test_hook_on_train_step_end_wandb_does_nothing_unless_enabled(tmp_path, plugin_manager, wandb_home):
-    args = _args(plugin_manager, "--wandb-mode", "offline", "--wandb-dir", str(tmp_path / "wb"))
-    _run_events(plugin_manager, args, with_eval=False)
+    config = _config(plugin_manager, "--wandb-mode", "offline", "--wandb-dir", str(tmp_path / "wb"))
+    _run_events(plugin_manager, config, with_eval=False)
     assert not (tmp_path / "wb").exists()
 
 
 def test_wandb_group_gets_a_random_suffix_unless_disabled(plugin_manager):
-    kwargs = init_kwargs(_args(plugin_manager, "--wandb-group", "exp"))
+    kwargs = init_kwargs(_config(plugin_manager, "--wandb-group", "exp"))
     assert re.fullmatch(r"exp-[0-9a-f]{6}", kwargs["name"]) and kwargs["group"] == kwargs["name"]
-    assert "wandb_key" not in init_kwargs(_args(plugin_manager, "--wandb-key", "secret"))["config"]
+    assert "wandb_key" not in init_kwargs(_config(plugin_manager, "--wandb-key", "secret"))["config"]
 
 
 def test_wandb_bad_mode_names_the_flag(plugin_manager):
     with pytest.raises(PluginError) as excinfo:
-        init_kwargs(_args(plugin_manager, "--wandb-mode", "offlne"))
+        init_kwargs(_config(plugin_manager, "--wandb-mode", "offlne"))
     assert str(excinfo.value) == "--wandb-mode 'offlne': not a W&B mode. Choose one of: online, offline, disabled."
 
 
 def test_wandb_missing_package_is_a_plugin_error_at_the_first_call(tmp_path, plugin_manager, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if wandb were not installed
-    args = _args(plugin_manager, "--use-wandb", "--wandb-mode", "offline", "--wandb-dir", str(tmp_path))
+    config = _config(plugin_manager, "--use-wandb", "--wandb-mode", "offline", "--wandb-dir", str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="furlong"):
-        _notify(plugin_manager, "on_train_step_end", args=args, rollout_id=0, step=0, metrics={"train/loss": 1.0})
+        _notify(plugin_manager, "on_train_step_end", config=config, rollout_id=0, step=0, metrics={"train/loss": 1.0})
     assert [r.getMessage() for r in caplog.records] == [
         "plugin 'wandb' failed in `on_train_step_end`: PluginError: --use-wandb needs the wandb package "
         "(ModuleNotFoundError: import of wandb halted; None in sys.modules). Install it with: pip install wandb "

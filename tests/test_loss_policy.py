@@ -1,7 +1,6 @@
 """The policy_loss plugin: clipped surrogate, dual clip, GSPO ratio, OPSM, TIS, entropy, KL."""
 
 import math
-from argparse import Namespace
 
 import pytest
 import torch
@@ -9,15 +8,10 @@ import torch
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import LossInput, LossOutput, PluginError
 
-DEFAULTS = dict(
-    eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=None, kl_loss_type="k1", kl_loss_coef=0.0,
-    use_kl_loss=False, entropy_coef=0.0, use_tis=False, tis_clip=2.0, tis_clip_low=0.0,
-    policy_ratio_level="token", use_opsm=False, opsm_delta=1e-4, use_unbiased_kl=False,
-)
+from .configs import flag_defaults
 
-
-def make_args(**overrides):
-    return Namespace(**{**DEFAULTS, **overrides})
+def make_config(**overrides):
+    return flag_defaults().replace(**overrides)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +32,7 @@ def one_sample(ratios, advantages, mask=None, **extra):
 
 def test_clipped_surrogate_by_hand(policy_loss):
     inp, _ = one_sample([1.5, 0.5, 0.5, 1.0], [1.0, 1.0, -1.0, 2.0])
-    out = policy_loss(args=make_args(), batch=inp)
+    out = policy_loss(config=make_config(), batch=inp)
     assert isinstance(out, LossOutput)
     # rho 1.5, A 1: max(-1.5, -1.2) = -1.2 (clipped)
     # rho 0.5, A 1: max(-0.5, -0.8) = -0.5
@@ -52,14 +46,14 @@ def test_clipped_surrogate_by_hand(policy_loss):
 
 def test_asymmetric_clip_higher(policy_loss):
     inp, _ = one_sample([1.5, 0.5], [1.0, -1.0])
-    out = policy_loss(args=make_args(eps_clip=0.1, eps_clip_high=0.28), batch=inp)
+    out = policy_loss(config=make_config(eps_clip=0.1, eps_clip_high=0.28), batch=inp)
     # A > 0 clipped at 1 + 0.28; A < 0 clipped at 1 - 0.1: max(0.5, 0.9) = 0.9
     assert out.token_loss[0].tolist() == pytest.approx([-1.28, 0.9], abs=1e-6)
 
 
 def test_gradient_is_zero_where_the_clip_is_active(policy_loss):
     inp, logp = one_sample([1.5, 0.5, 0.5, 0.9], [1.0, -1.0, 1.0, -1.0])
-    out = policy_loss(args=make_args(), batch=inp)
+    out = policy_loss(config=make_config(), batch=inp)
     out.token_loss[0].sum().backward()
     # clipped tokens 0 and 1 get no gradient; unclipped: d(-rho*A)/dlogp = -rho*A
     assert logp.grad.tolist() == pytest.approx([0.0, 0.0, -0.5, 0.9], abs=1e-6)
@@ -67,7 +61,7 @@ def test_gradient_is_zero_where_the_clip_is_active(policy_loss):
 
 def test_dual_clip_only_for_negative_advantages(policy_loss):
     inp, _ = one_sample([5.0, 0.1, 2.0], [-1.0, 1.0, -0.5])
-    out = policy_loss(args=make_args(eps_clip_c=3.0), batch=inp)
+    out = policy_loss(config=make_config(eps_clip_c=3.0), batch=inp)
     # rho 5, A -1: max(5, 1.2) = 5 -> min(5, 3) = 3
     # rho 0.1, A 1: max(-0.1, -0.8) = -0.1; dual clip must not apply (it would give -3)
     # rho 2, A -0.5: max(1.0, 0.6) = 1.0 -> min(1.0, 1.5) = 1.0
@@ -77,7 +71,7 @@ def test_dual_clip_only_for_negative_advantages(policy_loss):
 def test_dual_clip_bound_must_exceed_one(policy_loss):
     inp, _ = one_sample([1.0], [1.0])
     with pytest.raises(PluginError) as excinfo:
-        policy_loss(args=make_args(eps_clip_c=1.0), batch=inp)
+        policy_loss(config=make_config(eps_clip_c=1.0), batch=inp)
     assert str(excinfo.value) == "--eps-clip-c 1.0: the dual-clip bound must be > 1; raise it or leave it unset."
 
 
@@ -85,7 +79,7 @@ def test_sequence_ratio_level_uses_the_masked_mean_log_ratio(policy_loss):
     logp = torch.tensor([0.05, 0.15, 9.0], requires_grad=True)
     inp = LossInput(log_probs=[logp], old_log_probs=[torch.zeros(3)], advantages=[torch.ones(3)],
                     loss_masks=[torch.tensor([1.0, 1.0, 0.0])])
-    out = policy_loss(args=make_args(policy_ratio_level="sequence"), batch=inp)
+    out = policy_loss(config=make_config(policy_ratio_level="sequence"), batch=inp)
     # delta = mean(0 - [0.05, 0.15]) = -0.1 for both trained tokens; rho = e^0.1 = 1.105171 < 1.2
     assert out.token_loss[0][:2].tolist() == pytest.approx([-1.105171, -1.105171], abs=1e-6)
     assert out.token_metrics["ppo_kl"][0].tolist() == pytest.approx([-0.1, -0.1, 0.0])
@@ -100,7 +94,7 @@ def test_opsm_drops_negative_advantage_tokens_of_far_off_policy_samples(policy_l
         log_probs=[logp[0], logp[1]], old_log_probs=[torch.zeros(2), torch.zeros(2)],
         advantages=[torch.tensor([-1.0, 1.0]), torch.tensor([-1.0, -1.0])], loss_masks=[torch.ones(2), torch.ones(2)],
     )
-    out = policy_loss(args=make_args(use_opsm=True, opsm_delta=0.1), batch=inp)
+    out = policy_loss(config=make_config(use_opsm=True, opsm_delta=0.1), batch=inp)
     # sample 0: mean(old - logp) = 0.3 > 0.1 -> its A<0 token is dropped; rho = e^-0.3 = 0.740818, A = 1 -> -0.740818
     assert out.token_loss[0].tolist() == pytest.approx([0.0, -0.740818], abs=1e-6)
     # sample 1 is on-policy (0 <= 0.1): kept, -1*(-1) = 1
@@ -113,7 +107,7 @@ def test_tis_weights_are_clamped_detached_and_multiply_the_loss(policy_loss):
     rollout = torch.tensor([-1.5, -0.2], requires_grad=True)
     inp = LossInput(log_probs=[logp], old_log_probs=[torch.tensor([-1.0, -1.0])], advantages=[torch.ones(2)],
                     loss_masks=[torch.ones(2)], rollout_log_probs=[rollout])
-    out = policy_loss(args=make_args(use_tis=True, tis_clip=1.5, tis_clip_low=0.5), batch=inp)
+    out = policy_loss(config=make_config(use_tis=True, tis_clip=1.5, tis_clip_low=0.5), batch=inp)
     # raw ratio exp(old - rollout) = [e^0.5, e^-0.8] = [1.648721, 0.449329] -> w = [1.5, 0.5]
     assert out.token_loss[0].tolist() == pytest.approx([-1.5, -0.5])
     m = out.token_metrics
@@ -132,7 +126,7 @@ def test_tis_weights_are_clamped_detached_and_multiply_the_loss(policy_loss):
 def test_tis_needs_rollout_log_probs(policy_loss):
     inp, _ = one_sample([1.0], [1.0])
     with pytest.raises(PluginError) as excinfo:
-        policy_loss(args=make_args(use_tis=True), batch=inp)
+        policy_loss(config=make_config(use_tis=True), batch=inp)
     assert str(excinfo.value) == (
         "--use-tis: the batch has no rollout log-probs; the rollout engine must return per-token "
         "log-probs (Sample.rollout_log_probs) for truncated importance sampling."
@@ -141,7 +135,7 @@ def test_tis_needs_rollout_log_probs(policy_loss):
 
 def test_train_rollout_mismatch_metrics(policy_loss):
     inp, _ = one_sample([1.0, 1.0], [1.0, 1.0], rollout_log_probs=[torch.tensor([-0.5, 0.25])])
-    out = policy_loss(args=make_args(), batch=inp)
+    out = policy_loss(config=make_config(), batch=inp)
     # |old - rollout| = [0.5, 0.25]; low_var_kl(rollout, old): x = rollout - old, k3 = e^-x - 1 + x
     assert out.token_metrics["train_rollout_logprob_abs_diff"][0].tolist() == pytest.approx([0.5, 0.25])
     expected = [math.exp(0.5) - 1 - 0.5, math.exp(-0.25) - 1 + 0.25]
@@ -150,7 +144,7 @@ def test_train_rollout_mismatch_metrics(policy_loss):
 
 def test_entropy_bonus_is_subtracted(policy_loss):
     inp, _ = one_sample([1.0, 1.0], [1.0, -1.0], entropy=[torch.tensor([0.7, 0.3], requires_grad=True)])
-    out = policy_loss(args=make_args(entropy_coef=0.01), batch=inp)
+    out = policy_loss(config=make_config(entropy_coef=0.01), batch=inp)
     # l = [-1, 1]; token_loss = l - 0.01 * H
     assert out.token_loss[0].tolist() == pytest.approx([-1.007, 0.997])
     assert out.token_metrics["entropy_loss"][0].requires_grad
@@ -158,7 +152,7 @@ def test_entropy_bonus_is_subtracted(policy_loss):
 
 def test_entropy_is_reported_detached_when_its_coefficient_is_zero(policy_loss):
     inp, _ = one_sample([1.0], [1.0], entropy=[torch.tensor([0.7], requires_grad=True)])
-    out = policy_loss(args=make_args(), batch=inp)
+    out = policy_loss(config=make_config(), batch=inp)
     assert out.token_loss[0].tolist() == pytest.approx([-1.0])
     assert out.token_metrics["entropy_loss"][0].tolist() == pytest.approx([0.7])
     assert not out.token_metrics["entropy_loss"][0].requires_grad
@@ -169,7 +163,7 @@ def test_kl_loss_is_added_with_a_positive_sign_c010(policy_loss):
     # pg 0.5 (rho 1, A -0.5), KL 0.2 (k1, logp - ref = 0.2), coef 0.1 -> 0.52
     ref = torch.tensor([-0.2], requires_grad=True)
     inp, _ = one_sample([1.0], [-0.5], ref_log_probs=[ref])
-    out = policy_loss(args=make_args(use_kl_loss=True, kl_loss_coef=0.1), batch=inp)
+    out = policy_loss(config=make_config(use_kl_loss=True, kl_loss_coef=0.1), batch=inp)
     assert out.token_loss[0].tolist() == pytest.approx([0.52])
     assert out.token_metrics["kl_loss"][0].tolist() == pytest.approx([0.2])
     out.token_loss[0].sum().backward()
@@ -179,7 +173,7 @@ def test_kl_loss_is_added_with_a_positive_sign_c010(policy_loss):
 
 def test_kl_loss_at_coefficient_zero_is_reported_but_not_added(policy_loss):
     inp, _ = one_sample([1.0], [-0.5], ref_log_probs=[torch.tensor([-0.2])])
-    out = policy_loss(args=make_args(use_kl_loss=True, kl_loss_coef=0.0), batch=inp)
+    out = policy_loss(config=make_config(use_kl_loss=True, kl_loss_coef=0.0), batch=inp)
     assert out.token_loss[0].tolist() == pytest.approx([0.5])
     assert out.token_metrics["kl_loss"][0].tolist() == pytest.approx([0.2])
 
@@ -188,14 +182,14 @@ def test_kl_loss_at_coefficient_zero_is_reported_but_not_added(policy_loss):
 def test_identical_policy_and_reference_give_zero_kl(policy_loss, kl_type):
     inp, logp = one_sample([0.8, 1.3], [-0.5, 1.0])
     inp.ref_log_probs = [logp.detach().clone()]
-    out = policy_loss(args=make_args(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type=kl_type), batch=inp)
+    out = policy_loss(config=make_config(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type=kl_type), batch=inp)
     assert out.token_metrics["kl_loss"][0].tolist() == [0.0, 0.0]
     assert torch.equal(out.token_loss[0], out.token_metrics["pg_loss"][0])
 
 
 def test_unbiased_kl_multiplies_by_the_current_over_old_ratio(policy_loss):
     inp, _ = one_sample([2.0], [0.0], ref_log_probs=[torch.tensor([math.log(2.0) - 0.2])])
-    out = policy_loss(args=make_args(use_kl_loss=True, kl_loss_coef=1.0, use_unbiased_kl=True), batch=inp)
+    out = policy_loss(config=make_config(use_kl_loss=True, kl_loss_coef=1.0, use_unbiased_kl=True), batch=inp)
     # k1 = 0.2, times pi/pi_old = 2 -> 0.4
     assert out.token_metrics["kl_loss"][0].tolist() == pytest.approx([0.4])
 
@@ -203,15 +197,15 @@ def test_unbiased_kl_multiplies_by_the_current_over_old_ratio(policy_loss):
 def test_kl_loss_needs_reference_log_probs(policy_loss):
     inp, _ = one_sample([1.0], [1.0])
     with pytest.raises(PluginError) as excinfo:
-        policy_loss(args=make_args(use_kl_loss=True), batch=inp)
+        policy_loss(config=make_config(use_kl_loss=True), batch=inp)
     assert str(excinfo.value) == (
         "--use-kl-loss: the batch has no reference log-probs; set --ref-load so the reference is loaded."
     )
 
 
 def test_masked_tokens_with_garbage_change_nothing(policy_loss):
-    args = make_args(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", use_tis=True,
-                     entropy_coef=0.01, use_opsm=True, eps_clip_c=3.0)
+    flags = dict(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", use_tis=True,
+                 entropy_coef=0.01, use_opsm=True, eps_clip_c=3.0)
 
     def build(extra):
         logp = torch.tensor([-0.4, -1.1] + extra["logp"], requires_grad=True)
@@ -229,9 +223,9 @@ def test_masked_tokens_with_garbage_change_nothing(policy_loss):
     logp_b, padded = build(dict(logp=[-3.0, 0.0], old=[nan, 50.0], adv=[inf, nan], ref=[-inf, 40.0],
                                 roll=[nan, -60.0], ent=[2.0, 2.0]))
     for policy in ("token", "sequence"):
-        args.policy_ratio_level = policy
-        a = policy_loss(args=args, batch=plain)
-        b = policy_loss(args=args, batch=padded)
+        config = make_config(**flags, policy_ratio_level=policy)
+        a = policy_loss(config=config, batch=plain)
+        b = policy_loss(config=config, batch=padded)
         assert b.token_loss[0][:2].tolist() == pytest.approx(a.token_loss[0].tolist(), abs=1e-7)
         for name, rows in a.token_metrics.items():
             assert b.token_metrics[name][0][:2].tolist() == pytest.approx(rows[0].tolist(), abs=1e-7), name

@@ -1,12 +1,12 @@
 """The sft_loss and value_loss plugins."""
 
-from argparse import Namespace
-
 import pytest
 import torch
 
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import LossInput, PluginError
+
+from .configs import flag_defaults
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def pm():
 def test_sft_loss_is_the_negative_log_likelihood(pm):
     logp = torch.tensor([-0.5, -2.0], requires_grad=True)
     batch = LossInput(log_probs=[logp], old_log_probs=None, advantages=None, loss_masks=[torch.ones(2)])
-    out = pm.get_plugin("sft_loss").loss(args=Namespace(), batch=batch)
+    out = pm.get_plugin("sft_loss").loss(config=flag_defaults(), batch=batch)
     assert out.token_loss[0].tolist() == [0.5, 2.0]
     out.token_loss[0].sum().backward()
     assert logp.grad.tolist() == [-1.0, -1.0]
@@ -32,7 +32,7 @@ def value_batch(values, old, returns, mask):
 
 def test_value_loss_by_hand(pm):
     v, batch = value_batch([1.0, 0.5, 0.0], [0.5, 0.4, 0.0], [0.0, 1.0, 0.3], [1.0, 1.0, 1.0])
-    out = pm.get_plugin("value_loss").loss(args=Namespace(value_clip=0.2), batch=batch)
+    out = pm.get_plugin("value_loss").loss(config=flag_defaults().replace(value_clip=0.2), batch=batch)
     # token 0: v_clip = 0.5 + 0.2 = 0.7; max(0.7^2, 1.0^2) = 1.0 (unclipped wins); |v - v_old| = 0.5 > 0.2
     # token 1: v_clip = 0.5; max((0.5-1)^2, (0.5-1)^2) = 0.25; |0.1| <= 0.2
     # token 2: v_clip = 0; max(0.09, 0.09) = 0.09
@@ -45,7 +45,7 @@ def test_value_loss_by_hand(pm):
 
 def test_value_loss_clipped_branch_has_no_gradient(pm):
     v, batch = value_batch([1.0], [0.5], [2.0], [1.0])
-    out = pm.get_plugin("value_loss").loss(args=Namespace(value_clip=0.2), batch=batch)
+    out = pm.get_plugin("value_loss").loss(config=flag_defaults().replace(value_clip=0.2), batch=batch)
     # v_clip = 0.7: (0.7-2)^2 = 1.69 > (1-2)^2 = 1 -> the clipped term wins, constant in v
     assert out.token_loss[0].tolist() == pytest.approx([1.69])
     out.token_loss[0].sum().backward()
@@ -54,7 +54,7 @@ def test_value_loss_clipped_branch_has_no_gradient(pm):
 
 def test_value_loss_masked_tokens_give_zero_and_no_gradient(pm):
     v, batch = value_batch([1.0, 2.0], [0.5, float("nan")], [0.0, float("inf")], [1.0, 0.0])
-    out = pm.get_plugin("value_loss").loss(args=Namespace(value_clip=0.2), batch=batch)
+    out = pm.get_plugin("value_loss").loss(config=flag_defaults().replace(value_clip=0.2), batch=batch)
     assert out.token_loss[0].tolist() == [1.0, 0.0]
     out.token_loss[0].sum().backward()
     assert v.grad.tolist() == [2.0, 0.0]
@@ -64,7 +64,7 @@ def test_value_loss_needs_returns(pm):
     v, batch = value_batch([1.0], [0.5], [2.0], [1.0])
     batch.returns = None
     with pytest.raises(PluginError) as excinfo:
-        pm.get_plugin("value_loss").loss(args=Namespace(value_clip=0.2), batch=batch)
+        pm.get_plugin("value_loss").loss(config=flag_defaults().replace(value_clip=0.2), batch=batch)
     assert str(excinfo.value) == (
         "the clipped value loss needs LossInput.returns but the batch has none; it trains the critic of "
         "--advantage-estimator ppo, whose train backend must pass values, old values and returns."

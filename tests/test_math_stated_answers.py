@@ -3,7 +3,6 @@ sentences, checked against human grades of MATH-style responses (tests/data)."""
 
 import asyncio
 import json
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,8 @@ from furlong.builtin_plugins.rewards._normalize import label_answer, normalize_m
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import Sample
 from furlong.kit.answers import last_boxed_content, stated_answer
+
+from .configs import flag_defaults
 
 GRADED = Path(__file__).parent / "data" / "math_graded_responses.jsonl"
 
@@ -58,7 +59,7 @@ def test_math_reward_agrees_with_human_grades_well_above_exact_match():
     assert len(rows) >= 70 and 0.4 < sum(r["human"] for r in rows) / len(rows) < 0.8
     pm = get_plugin_manager()
     scores = asyncio.run(pm.call_chosen(
-        "reward", "math", "--rm-type", args=Namespace(rm_url=None, reward_key=None),
+        "reward", "math", "--rm-type", config=flag_defaults(),
         samples=[Sample(response=r["response"], label=r["label"]) for r in rows]))
     # exact match: the last box's content equals the label as a string (after MATH normalization
     # for the second grader)

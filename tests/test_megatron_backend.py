@@ -31,10 +31,10 @@ from furlong.builtin_plugins.backends.megatron.convert import (Stage, Unit, expo
                                                                stage_layer_counts, units)
 from furlong.builtin_plugins.backends.megatron.logprobs import vocab_parallel_log_probs  # noqa: E402
 from furlong.builtin_plugins.backends.megatron.model import build_gpt, cpu_shims, init_parallel  # noqa: E402
-from furlong.core.config.launch_args import launch_args  # noqa: E402
+from furlong.core.config.launch_args import launch_args, launch_config  # noqa: E402
 from furlong.hooks import ConfigReport, PluginError  # noqa: E402
 
-from .tiny_model import make_batch, train_args  # noqa: E402
+from .tiny_model import make_batch, train_args, train_config  # noqa: E402
 
 CPU = torch.device("cpu")
 STEPS = [[[0, 1], [2]], [[3], [0, 2], [1]]]  # two optimizer steps (as tests/megatron_pipeline_ranks.py)
@@ -294,8 +294,8 @@ def test_only_the_positions_predicting_responses_reach_the_output_layer(packed, 
 def test_save_hf_writes_a_hugging_face_model_of_the_trained_weights(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    backend = megatron_backend(args=train_args(tiny_model_dir))
-    asyncio.run(backend.init(backend.args))
+    backend = megatron_backend(config=train_config(tiny_model_dir))
+    asyncio.run(backend.init(backend.config))
     asyncio.run(backend.train(0, make_batch(AutoTokenizer.from_pretrained(tiny_model_dir), [[[0, 1, 2, 3]]])))
     asyncio.run(backend.save_hf(str(tmp_path / "hf")))
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
@@ -356,8 +356,8 @@ def test_backend_trains_like_fsdp(tiny_model_dir):
     steps = [[[0, 1], [2, 3]], [[0, 1, 2, 3]]]
     results = {}
     for name, make in (("fsdp", fsdp_backend), ("megatron", megatron_backend)):
-        backend = make(args=train_args(tiny_model_dir, entropy_coef=0.01))
-        asyncio.run(backend.init(backend.args))
+        backend = make(config=train_config(tiny_model_dir, entropy_coef=0.01))
+        asyncio.run(backend.init(backend.config))
         batch = make_batch(tokenizer, steps, temperature=0.8)
         old = asyncio.run(backend.log_probs(batch))
         results[name] = old, asyncio.run(backend.train(0, batch)), _weights(backend)
@@ -382,8 +382,8 @@ def test_the_pad_token_row_trains_as_in_fsdp(tiny_model_dir, tmp_path, tied):
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     weights = {}
     for name, build in (("fsdp", fsdp_backend), ("megatron", megatron_backend)):
-        backend = build(args=train_args(hf_dir, adam_eps=1e-3))
-        asyncio.run(backend.init(backend.args))
+        backend = build(config=train_config(hf_dir, adam_eps=1e-3))
+        asyncio.run(backend.init(backend.config))
         batch = make_batch(tokenizer, [[[0, 1], [2, 3]]])
         batch.tokens[0] = [batch.tokens[0][0], 0, *batch.tokens[0][2:]]
         asyncio.run(backend.train(0, batch))
@@ -402,8 +402,8 @@ def test_bf16_trains_bfloat16_parameters_over_float32_master_weights(tiny_model_
     steps = [[[0, 1], [2, 3]], [[0, 1, 2, 3]]]
     runs = {}
     for bf16 in (False, True):
-        backend = megatron_backend(args=train_args(tiny_model_dir, bf16=bf16, lr=1e-3))
-        asyncio.run(backend.init(backend.args))
+        backend = megatron_backend(config=train_config(tiny_model_dir, bf16=bf16, lr=1e-3))
+        asyncio.run(backend.init(backend.config))
         runs[bf16] = backend, asyncio.run(backend.train(0, make_batch(tokenizer, steps, temperature=0.8)))
     (fp32, m32), (bf, m16) = runs[False], runs[True]
     assert all(p.dtype == torch.bfloat16 and p.grad is None for p in bf.model.parameters())
@@ -421,8 +421,8 @@ def test_bf16_trains_bfloat16_parameters_over_float32_master_weights(tiny_model_
     for name, master in masters.items():
         torch.testing.assert_close(master, f32[name], rtol=0, atol=2e-2)
 
-    tiny = megatron_backend(args=train_args(tiny_model_dir, bf16=True, lr=1e-7))
-    asyncio.run(tiny.init(tiny.args))
+    tiny = megatron_backend(config=train_config(tiny_model_dir, bf16=True, lr=1e-7))
+    asyncio.run(tiny.init(tiny.config))
     before = {n: m.detach().clone() for n, m in tiny.masters.named_parameters()}
     model_before = {n: p.detach().clone() for n, p in tiny.model.named_parameters()}
     asyncio.run(tiny.train(0, make_batch(tokenizer, [[[0, 1, 2, 3]]])))
@@ -432,20 +432,20 @@ def test_bf16_trains_bfloat16_parameters_over_float32_master_weights(tiny_model_
         "some update is below bfloat16 resolution: the model does not show it, the master keeps it"
 
     asyncio.run(bf.save(str(tmp_path / "iter_0000001")))
-    again = megatron_backend(args=train_args(tiny_model_dir, bf16=True, lr=1e-3))
-    asyncio.run(again.init(again.args))
+    again = megatron_backend(config=train_config(tiny_model_dir, bf16=True, lr=1e-3))
+    asyncio.run(again.init(again.config))
     asyncio.run(again.load(str(tmp_path / "iter_0000001")))
     loaded = dict(again.masters.named_parameters())
     for name, master in masters.items():
         assert torch.equal(loaded[name], master), name
     for name, param in again.model.named_parameters():
         assert torch.equal(param, dict(bf.model.named_parameters())[name]), name
-    warm = megatron_backend(args=train_args(tiny_model_dir, bf16=True, ref_load=str(tmp_path / "iter_0000001")))
-    asyncio.run(warm.init(warm.args))  # --ref-load of a bf16 run: the actor's masters are the saved float32 ones
+    warm = megatron_backend(config=train_config(tiny_model_dir, bf16=True, ref_load=str(tmp_path / "iter_0000001")))
+    asyncio.run(warm.init(warm.config))  # --ref-load of a bf16 run: the actor's masters are the saved float32 ones
     for name, master in warm.masters.named_parameters():
         assert torch.equal(master, masters[name]), name
-    as_fp32 = megatron_backend(args=train_args(tiny_model_dir, lr=1e-3))  # the files hold float32 weights
-    asyncio.run(as_fp32.init(as_fp32.args))
+    as_fp32 = megatron_backend(config=train_config(tiny_model_dir, lr=1e-3))  # the files hold float32 weights
+    asyncio.run(as_fp32.init(as_fp32.config))
     asyncio.run(as_fp32.load(str(tmp_path / "iter_0000001")))
     for name, param in as_fp32.model.named_parameters():
         assert torch.equal(param, masters[name]), name
@@ -467,7 +467,7 @@ def test_micro_batches_are_packed_where_attention_is_one_varlen_call(monkeypatch
 
     def packed(device, dtype, tokens, cp=1, dynamic=False):
         backend = SimpleNamespace(device=torch.device(device), cp=cp, _dtype=lambda: dtype,
-                                  args=launch_args(use_dynamic_batch_size=dynamic))
+                                  config=launch_config(use_dynamic_batch_size=dynamic, configure=False))
         return MegatronBackend._packed(backend, tokens)
 
     same, mixed = [[1] * 8] * 4, [[1] * 20, [1] * 2, [1] * 2]
@@ -485,8 +485,8 @@ def test_packed_micro_batches_give_the_padded_results(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     out = []
     for dynamic in (False, True):
-        backend = megatron_backend(args=train_args(tiny_model_dir, use_dynamic_batch_size=dynamic, entropy_coef=0.01))
-        asyncio.run(backend.init(backend.args))
+        backend = megatron_backend(config=train_config(tiny_model_dir, use_dynamic_batch_size=dynamic, entropy_coef=0.01))
+        asyncio.run(backend.init(backend.config))
         batch = make_batch(tokenizer, [[[0, 1, 2, 3]]], temperature=0.9)
         out.append((asyncio.run(backend.log_probs(batch)), asyncio.run(backend.train(0, batch))[0]))
     (padded, m_padded), (packed, m_packed) = out
@@ -497,9 +497,9 @@ def test_packed_micro_batches_give_the_padded_results(tiny_model_dir):
 
 
 def test_lr_schedule_is_megatrons(tiny_model_dir):
-    backend = megatron_backend(args=train_args(tiny_model_dir, lr=1e-2, min_lr=1e-3, lr_decay_style="cosine",
+    backend = megatron_backend(config=train_config(tiny_model_dir, lr=1e-2, min_lr=1e-3, lr_decay_style="cosine",
                                                lr_warmup_iters=1, lr_decay_iters=5))
-    asyncio.run(backend.init(backend.args))
+    asyncio.run(backend.init(backend.config))
     lrs = []
     for _ in range(6):
         lrs.append(backend.optimizer.param_groups[0]["lr"])
@@ -514,14 +514,14 @@ def test_lr_schedule_is_megatrons(tiny_model_dir):
 def test_checkpoint_resumes_weights_optimizer_and_schedule(tiny_model_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     flags = dict(lr_decay_style="linear", lr_decay_iters=10, min_lr=1e-3)
-    first = megatron_backend(args=train_args(tiny_model_dir, **flags))
-    asyncio.run(first.init(first.args))
+    first = megatron_backend(config=train_config(tiny_model_dir, **flags))
+    asyncio.run(first.init(first.config))
     asyncio.run(first.train(0, make_batch(tokenizer, [[[0, 1]], [[2, 3]]])))
     asyncio.run(first.save(str(tmp_path / "iter_0000000")))
     at_save = _weights(first)
     assert {"metadata.json", "common.pt", ".metadata", "meta.json"} <= {p.name for p in (tmp_path / "iter_0000000").iterdir()}
-    second = megatron_backend(args=train_args(tiny_model_dir, **flags))
-    asyncio.run(second.init(second.args))
+    second = megatron_backend(config=train_config(tiny_model_dir, **flags))
+    asyncio.run(second.init(second.config))
     asyncio.run(second.load(str(tmp_path / "iter_0000000")))
     assert second.global_step == 2 and second.scheduler.num_steps == 2
     for backend in (first, second):
@@ -533,8 +533,8 @@ def test_checkpoint_resumes_weights_optimizer_and_schedule(tiny_model_dir, tmp_p
         asyncio.run(second.load(str(tmp_path)))
     # --ref-load may name a save root with its marker: actor and reference start from its weights
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("0")
-    warm = megatron_backend(args=train_args(tiny_model_dir, ref_load=str(tmp_path), use_kl_loss=True, **flags))
-    asyncio.run(warm.init(warm.args))
+    warm = megatron_backend(config=train_config(tiny_model_dir, ref_load=str(tmp_path), use_kl_loss=True, **flags))
+    asyncio.run(warm.init(warm.config))
     assert warm.global_step == 0
     for name, tensor in _weights(warm).items():
         assert torch.equal(tensor, at_save[name]), name
@@ -547,23 +547,23 @@ def test_checkpoint_resumes_weights_optimizer_and_schedule(tiny_model_dir, tmp_p
 def test_a_changed_lr_schedule_on_resume_is_one_error_naming_the_choice(tiny_model_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     for style in ("cosine", "constant"):
-        first = megatron_backend(args=train_args(tiny_model_dir, lr_decay_style=style))
-        asyncio.run(first.init(first.args))
+        first = megatron_backend(config=train_config(tiny_model_dir, lr_decay_style=style))
+        asyncio.run(first.init(first.config))
         asyncio.run(first.train(0, make_batch(tokenizer, [[[0, 1, 2, 3]]])))
         asyncio.run(first.save(str(tmp_path / style / "iter_0000000")))
-    longer = megatron_backend(args=train_args(tiny_model_dir, num_rollout=5, lr_decay_style="cosine"))
-    asyncio.run(longer.init(longer.args))
+    longer = megatron_backend(config=train_config(tiny_model_dir, num_rollout=5, lr_decay_style="cosine"))
+    asyncio.run(longer.init(longer.config))
     with pytest.raises(PluginError, match="learning-rate schedule saved there differs.*--override-opt_param-scheduler"):
         asyncio.run(longer.load(str(tmp_path / "cosine" / "iter_0000000")))
     for flag in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
-        resumed = megatron_backend(args=train_args(tiny_model_dir, num_rollout=5, lr_decay_style="cosine",
+        resumed = megatron_backend(config=train_config(tiny_model_dir, num_rollout=5, lr_decay_style="cosine",
                                                    **{flag: True}))
-        asyncio.run(resumed.init(resumed.args))
+        asyncio.run(resumed.init(resumed.config))
         asyncio.run(resumed.load(str(tmp_path / "cosine" / "iter_0000000")))
         assert resumed.global_step == 1
     # a constant learning rate: a longer run resumes as it is (the decay length changes no learning rate)
-    constant = megatron_backend(args=train_args(tiny_model_dir, num_rollout=5))
-    asyncio.run(constant.init(constant.args))
+    constant = megatron_backend(config=train_config(tiny_model_dir, num_rollout=5))
+    asyncio.run(constant.init(constant.config))
     asyncio.run(constant.load(str(tmp_path / "constant" / "iter_0000000")))
     assert constant.global_step == 1 and constant.scheduler.get_lr(constant.optimizer.param_groups[0]) == 1e-2
 
@@ -613,8 +613,8 @@ def with_tiny_tokenizer(model, tiny_model_dir, path: Path) -> Path:
 def _assert_loads_on_one_rank(path: Path, hf_dir: Path, global_step: int, weights: dict, single) -> None:
     """The checkpoint at ``path`` loads into a one-rank backend: its step, the exported ``weights`` exactly,
     and the Adam moments of ``single`` (the one-rank backend that took the same steps)."""
-    reloaded = megatron_backend(args=train_args(hf_dir, adam_eps=1e-3))
-    asyncio.run(reloaded.init(reloaded.args))
+    reloaded = megatron_backend(config=train_config(hf_dir, adam_eps=1e-3))
+    asyncio.run(reloaded.init(reloaded.config))
     asyncio.run(reloaded.load(str(path)))
     assert reloaded.global_step == global_step
     for name, tensor in _weights(reloaded).items():
@@ -657,8 +657,8 @@ def test_tensor_parallel_two_ranks(tiny_model_dir, tmp_path):
     # 2. log-probs and one AdamW step at TP=2 equal the TP=1 backend's. Adam's eps is 1e-3 here (in the
     # worker too): with the default 1e-8 the first update is lr * sign(g), which flips on fp32 noise
     # wherever g is about 0.
-    single = megatron_backend(args=train_args(hf_dir, adam_eps=1e-3))
-    asyncio.run(single.init(single.args))
+    single = megatron_backend(config=train_config(hf_dir, adam_eps=1e-3))
+    asyncio.run(single.init(single.config))
     batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), [[[0, 1], [2, 3]]], pad_in_prompt=True)
     old = asyncio.run(single.log_probs(batch))
     metrics = asyncio.run(single.train(0, batch))[0]
@@ -706,14 +706,14 @@ def test_tensor_parallel_two_ranks(tiny_model_dir, tmp_path):
 def test_pipeline_two_stages(tiny_model_dir, tmp_path):
     """Two gloo ranks at PP=2 (untied Llama, tied Qwen2): log-probs, two AdamW steps (grad norms, losses,
     weights) and the weight export equal PP=1's; checkpoints load from PP=2 at PP=1 and the other way."""
-    from .tiny_model import run_two_ranks
+    from .tiny_model import run_two_ranks, train_config
 
     models = {"llama-untied": gqa_llama_dir, "qwen2-tied": qwen2_tied_dir}
     single = {}
     for name, make in models.items():
         hf_dir = make(tiny_model_dir, tmp_path / name / "hf")
-        backend = megatron_backend(args=train_args(hf_dir, adam_eps=1e-3))
-        asyncio.run(backend.init(backend.args))
+        backend = megatron_backend(config=train_config(hf_dir, adam_eps=1e-3))
+        asyncio.run(backend.init(backend.config))
         batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), STEPS)
         single[name] = {"log_probs": asyncio.run(backend.log_probs(batch)),
                         "metrics": asyncio.run(backend.train(0, batch)), "weights": _weights(backend)}
@@ -743,8 +743,8 @@ def test_pipeline_two_stages(tiny_model_dir, tmp_path):
             for hf_name, tensor in expected["weights"].items():
                 assert torch.equal(got["loaded"][hf_name], tensor), (name, hf_name)
         # the PP=2 checkpoint loads at PP=1
-        reloaded = megatron_backend(args=train_args(tmp_path / name / "hf", adam_eps=1e-3))
-        asyncio.run(reloaded.init(reloaded.args))
+        reloaded = megatron_backend(config=train_config(tmp_path / name / "hf", adam_eps=1e-3))
+        asyncio.run(reloaded.init(reloaded.config))
         asyncio.run(reloaded.load(str(tmp_path / name / "pp2ckpt")))
         assert reloaded.global_step == 2
         for hf_name, tensor in _weights(reloaded).items():
@@ -754,8 +754,8 @@ def test_pipeline_two_stages(tiny_model_dir, tmp_path):
     masters = {}
     for r in (0, 1):
         masters.update(torch.load(tmp_path / "qwen2-tied" / f"bf16_rank{r}.pt", weights_only=True))
-    bf16 = megatron_backend(args=train_args(tmp_path / "qwen2-tied" / "hf", adam_eps=1e-3, bf16=True))
-    asyncio.run(bf16.init(bf16.args))
+    bf16 = megatron_backend(config=train_config(tmp_path / "qwen2-tied" / "hf", adam_eps=1e-3, bf16=True))
+    asyncio.run(bf16.init(bf16.config))
     asyncio.run(bf16.load(str(tmp_path / "qwen2-tied" / "bf16ckpt")))
     loaded = dict(bf16.masters.named_parameters())
     assert sorted(loaded) == sorted(masters)
@@ -791,12 +791,19 @@ def test_a_pipeline_split_that_cannot_be_made_names_the_flags(layers, pp, first,
     assert message in str(err.value)
 
 
+def _first_stage_layers(hf_dir, layers):
+    """The launch flags of a run given ``--decoder-first-pipeline-num-layers layers`` (a Megatron-LM flag: the
+    parse also lists it in ``megatron_args``)."""
+    return train_args(hf_dir, decoder_first_pipeline_num_layers=layers,
+                      megatron_args={"decoder_first_pipeline_num_layers": layers})
+
+
 def test_split_flags_are_checked_at_one_stage_and_warned_about_there(tiny_model_dir):
     report = ConfigReport(plugin="megatron")
-    configure(args=train_args(tiny_model_dir, decoder_first_pipeline_num_layers=-1), report=report)
+    configure(args=_first_stage_layers(tiny_model_dir, -1), report=report)
     assert "--decoder-first-pipeline-num-layers -1: a pipeline stage needs at least 1 layer." in report.errors
     report = ConfigReport(plugin="megatron")
-    configure(args=train_args(tiny_model_dir, decoder_first_pipeline_num_layers=1), report=report)
+    configure(args=_first_stage_layers(tiny_model_dir, 1), report=report)
     assert not report.errors
     assert ("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers change nothing without "
             "--pipeline-model-parallel-size > 1.") in report.warnings
@@ -877,13 +884,13 @@ def test_context_parallel_four_ranks(tiny_model_dir, tmp_path):
     (losses, grad norms, weights) equal CP=1's, a CP=1 checkpoint loads and the CP=2 one loads at CP=1. At
     CP=2 x DP=2 (padded), PP=2 x CP=2, and TP=2 x PP=2 and TP=2 x CP=2 with sequence parallelism (packed and
     padded) the same two steps (and the same log-probs from the ranks that hold them)."""
-    from .tiny_model import run_two_ranks
+    from .tiny_model import run_two_ranks, train_config
 
     hf_dir = gqa_llama_dir(tiny_model_dir, tmp_path / "hf")
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     assert {len(t) % 4 for t in make_batch(tokenizer, []).tokens} - {0}
-    single = megatron_backend(args=train_args(hf_dir, adam_eps=1e-3, entropy_coef=0.01))
-    asyncio.run(single.init(single.args))
+    single = megatron_backend(config=train_config(hf_dir, adam_eps=1e-3, entropy_coef=0.01))
+    asyncio.run(single.init(single.config))
     batch = make_batch(tokenizer, STEPS, temperature=0.8, entropy_coef=0.01)
     old = asyncio.run(single.log_probs(batch))
     metrics = asyncio.run(single.train(0, batch))

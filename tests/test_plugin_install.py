@@ -78,7 +78,7 @@ def test_installed_plugin_is_listed_with_its_distribution_and_version(installed_
 def test_installed_plugin_is_called_through_the_chosen_reward_hook(installed_plugin, tmp_path):
     script = textwrap.dedent("""
         import asyncio, json
-        from argparse import Namespace
+        from furlong.core.config.launch_args import launch_config
         from furlong.core.plugins.manager import get_plugin_manager
         from furlong.hooks import Sample
 
@@ -88,9 +88,9 @@ def test_installed_plugin_is_called_through_the_chosen_reward_hook(installed_plu
                    Sample(response="12</s>", label="12"), Sample(response="x\\n12<|im_end|>\\n", label="12")]
         out = {}
         for fold in (False, True):
-            args = Namespace(exact_match_ignore_case=fold)
+            config = launch_config("--rm-type", "exact_match", *(["--exact-match-ignore-case"] if fold else []), pm=pm)
             out[str(fold)] = asyncio.run(pm.call_chosen("reward", "exact_match", "--rm-type",
-                                                        args=args, samples=samples))
+                                                        config=config, samples=samples))
         print(json.dumps([pm.origin("exact_match"), out]))
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)

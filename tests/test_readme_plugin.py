@@ -1,9 +1,9 @@
 """The reward plugin README.md shows under "Writing a plugin" scores real responses correctly."""
 
 import re
-from argparse import Namespace
 from pathlib import Path
 
+from furlong.core.config.launch_args import launch_config
 from furlong.hooks import Sample
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -21,4 +21,4 @@ def test_readme_reward_ignores_the_end_of_sequence_text_a_response_keeps():
     reward = _readme_plugin()["reward"]
     samples = [Sample(response="-5</s>", label=-5), Sample(response="\\boxed{12}<|im_end|>\n", label="12}"),
                Sample(response=" 7 ", label="7"), Sample(response="17</s>", label="71")]
-    assert reward(Namespace(), samples) == [1.0, 1.0, 1.0, 0.0]
+    assert reward(launch_config(), samples) == [1.0, 1.0, 1.0, 0.0]

@@ -1,11 +1,11 @@
 """The ``dapo`` reward (DAPO, Yu et al. 2025)."""
 
-from argparse import Namespace
-
 import pytest
 
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import PluginError, Sample
+
+from .configs import flag_defaults
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +14,7 @@ def pm():
 
 
 def dapo(pm, response, label, index=0):
-    return pm.get_plugin("dapo").reward(args=Namespace(reward_key="score"),
+    return pm.get_plugin("dapo").reward(config=flag_defaults().replace(reward_key="score"),
                                          samples=[Sample(response=response, label=label, index=index)])[0]
 
 
@@ -63,7 +63,7 @@ def test_dapo_non_numeric_label_raises(pm):
 
 def test_dapo_batch_keeps_order(pm):
     samples = [Sample(response="Answer: 1", label=1), Sample(response="Answer: 3", label=2)]
-    assert pm.get_plugin("dapo").reward(args=Namespace(reward_key="score"), samples=samples) == [right("1"), wrong("3")]
+    assert pm.get_plugin("dapo").reward(config=flag_defaults().replace(reward_key="score"), samples=samples) == [right("1"), wrong("3")]
 
 
 def test_dapo_boxed_response(pm):

@@ -2,12 +2,12 @@
 
 import asyncio
 import logging
-from argparse import Namespace
-
 import pytest
 
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import Sample
+
+from .configs import flag_defaults
 
 
 @pytest.fixture(scope="module")
@@ -16,9 +16,8 @@ def pm():
 
 
 def score(pm, response, label):
-    args = Namespace(rm_url=None, reward_key=None)
     samples = [Sample(response=response, label=label)]
-    return asyncio.run(pm.call_chosen("reward", "deepscaler", "--rm-type", args=args, samples=samples))[0]
+    return asyncio.run(pm.call_chosen("reward", "deepscaler", "--rm-type", config=flag_defaults(), samples=samples))[0]
 
 
 def test_c017_last_response_marker_is_graded(pm):

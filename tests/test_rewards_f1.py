@@ -1,11 +1,11 @@
 """The ``f1`` reward: SQuAD token F1 (Rajpurkar et al. 2016)."""
 
-from argparse import Namespace
-
 import pytest
 
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import Sample
+
+from .configs import flag_defaults
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +14,7 @@ def pm():
 
 
 def f1(pm, response, label):
-    return pm.get_plugin("f1").reward(args=Namespace(), samples=[Sample(response=response, label=label)])[0]
+    return pm.get_plugin("f1").reward(config=flag_defaults(), samples=[Sample(response=response, label=label)])[0]
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,11 @@
 """The ``gpqa`` reward: multiple-choice letters (Rein et al. 2023)."""
 
-from argparse import Namespace
-
 import pytest
 
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import Sample
+
+from .configs import flag_defaults
 
 CHOICES = ["Argon", "Neon", "Xenon", "Krypton"]
 
@@ -17,7 +17,7 @@ def pm():
 
 def gpqa(pm, response, label, **metadata):
     sample = Sample(response=response, label=label, metadata=metadata)
-    return pm.get_plugin("gpqa").reward(args=Namespace(), samples=[sample])[0]
+    return pm.get_plugin("gpqa").reward(config=flag_defaults(), samples=[sample])[0]
 
 
 @pytest.mark.parametrize(

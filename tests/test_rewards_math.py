@@ -3,14 +3,14 @@
 import asyncio
 import hashlib
 import time
-from argparse import Namespace
-
 import pytest
 
 from furlong.builtin_plugins.rewards import _grading
 from furlong.builtin_plugins.rewards._normalize import label_answer, normalize_final_answer, normalize_math_answer
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import Sample
+
+from .configs import flag_defaults
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +19,8 @@ def pm():
 
 
 def grade(pm, name, samples, **flags):
-    args = Namespace(**{"rm_url": None, "reward_key": None, **flags})
-    return asyncio.run(pm.call_chosen("reward", name, "--rm-type", args=args, samples=samples))
+    config = flag_defaults().replace(**flags)
+    return asyncio.run(pm.call_chosen("reward", name, "--rm-type", config=config, samples=samples))
 
 
 def math_score(pm, response, label):

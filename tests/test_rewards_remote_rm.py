@@ -2,15 +2,16 @@
 
 import argparse
 import asyncio
+import functools
 import json
 import sys
 import threading
 import time
-from argparse import Namespace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from furlong.core.config.launch_args import launch_config
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import PluginError, Sample
 
@@ -88,9 +89,17 @@ def url_of(server, path):
     return f"http://127.0.0.1:{server.server_address[1]}{path}"
 
 
+@functools.cache
+def remote_config(url, timeout, retries):
+    """The configuration of a run with ``--rm-url url`` (unless None) and remote_rm's own flags."""
+    given_url = ["--rm-url", url] if url is not None else []
+    return launch_config(*given_url, "--remote-rm-timeout", str(timeout), "--remote-rm-max-retries", str(retries),
+                         configure=False)
+
+
 def remote(pm, url, samples, timeout=5.0, retries=2):
-    args = Namespace(rm_url=url, reward_key=None, remote_rm_timeout=timeout, remote_rm_max_retries=retries)
-    return asyncio.run(pm.call_chosen("reward", "remote_rm", "--rm-type", args=args, samples=samples))
+    config = remote_config(url, timeout, retries)
+    return asyncio.run(pm.call_chosen("reward", "remote_rm", "--rm-type", config=config, samples=samples))
 
 
 def test_success_posts_prompt_response_label(pm, server):
@@ -141,6 +150,7 @@ def test_4xx_fails_without_retry(pm, server):
 
 def test_timeout_is_retried_then_raises(pm, server):
     url = url_of(server, "/slow")
+    remote_config(url, 0.2, 1)  # parsed before the clock starts
     start = time.monotonic()
     with pytest.raises(PluginError) as excinfo:
         remote(pm, url, [Sample(response="r", label=1)], timeout=0.2, retries=1)

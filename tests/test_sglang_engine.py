@@ -11,7 +11,6 @@ an abort returns the tokens generated so far.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import signal
 import sys
@@ -244,14 +243,11 @@ async def attach(fleet):
     from furlong.builtin_plugins.engines import sglang
     from furlong.builtin_plugins.engines.sglang.http import shared_http, release_http
     from furlong.builtin_plugins.engines.sglang.router import register
-    from furlong.core.config import parse_args
+    from furlong.core.config.launch_args import launch_config
     from furlong.core.plugins.manager import get_plugin_manager
-    from furlong.hooks import ConfigReport
 
-    args = parse_args(fleet["argv"], get_plugin_manager())
-    report = ConfigReport("sglang")
-    sglang.configure(args=args, report=report)
-    assert not report.errors and args.rollout_num_gpus == 2 and args.sglang_router_given
+    config = launch_config(*fleet["argv"], pm=get_plugin_manager())  # every chosen plugin configures, sglang too
+    assert config.rollout_num_gpus == 2 and config.plugin_config("sglang").sglang_router_given
     http = shared_http(1)
     try:
         await asyncio.gather(*(register(http, fleet["router"], url, alive=None) for url in fleet["urls"]))
@@ -259,9 +255,7 @@ async def attach(fleet):
         await release_http()
     engines = []
     for index in range(2):
-        engine_args = copy.copy(args)
-        engine_args.rollout_engine_index = index
-        engines.append(await sglang.rollout_engine(args=engine_args))
+        engines.append(await sglang.rollout_engine(config=config, engine_index=index))
     assert [e.url for e in engines] == fleet["urls"] and not any(e.register_with_router for e in engines)
     return engines
 

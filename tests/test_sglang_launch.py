@@ -9,6 +9,7 @@ import pytest
 from furlong.builtin_plugins.engines.sglang.launch import (FORCED, ServerPlace, router_command, server_command,
                                                            sglang_server_args)
 from furlong.core.config import parse_args
+from furlong.core.config.launch_args import launch_config
 from furlong.core.plugins.manager import get_plugin_manager
 
 BASE = ["--hf-checkpoint", "/models/qwen", "--rollout-backend", "sglang", "--rollout-num-gpus", "4",
@@ -16,6 +17,11 @@ BASE = ["--hf-checkpoint", "/models/qwen", "--rollout-backend", "sglang", "--rol
         "--num-gpus-per-node", "8",
         "--rollout-batch-size", "1"]
 PLACE = ServerPlace(1, "10.0.0.5", 15001, nccl_port=16001, dist_init_addr="10.0.0.5:17001", base_gpu_id=2)
+
+
+def run_config(*extra):
+    """The configuration of a run with ``BASE`` and ``extra`` (no plugin's ``configure``: nothing is started)."""
+    return launch_config(*BASE, *extra, configure=False)
 
 
 def pairs(argv):
@@ -32,7 +38,7 @@ def pairs(argv):
 
 
 def test_forced_arguments_place_the_server_and_tie_it_to_the_run():
-    argv = sglang_server_args(parse_args(BASE), PLACE)
+    argv = sglang_server_args(run_config(), PLACE)
     assert pairs(argv) == [
         ("--model-path", "/models/qwen"), ("--trust-remote-code", True), ("--random-seed", "8"), ("--tp-size", "2"),
         ("--host", "10.0.0.5"), ("--port", "15001"), ("--nccl-port", "16001"), ("--nnodes", "1"),
@@ -41,11 +47,10 @@ def test_forced_arguments_place_the_server_and_tie_it_to_the_run():
 
 
 def test_pass_through_flags_follow_and_forced_ones_are_ignored_with_a_warning(caplog):
-    args = parse_args(BASE + ["--sglang-mem-fraction-static", "0.7", "--sglang-enable-dp-attention",
-                              "--sglang-dp-size", "2", "--sglang-port", "9999", "--sglang-random-seed", "1",
-                              "--sglang-enable-metrics", "--fp16"])
+    config = run_config("--sglang-mem-fraction-static", "0.7", "--sglang-enable-dp-attention", "--sglang-dp-size", "2",
+                        "--sglang-port", "9999", "--sglang-random-seed", "1", "--sglang-enable-metrics", "--fp16")
     with caplog.at_level(logging.WARNING, logger="furlong.engines.sglang"):
-        argv = sglang_server_args(args, PLACE)
+        argv = sglang_server_args(config, PLACE)
     got = dict(pairs(argv))
     assert (got["--port"], got["--random-seed"]) == ("15001", "8")
     assert (got["--mem-fraction-static"], got["--dp-size"], got["--enable-dp-attention"]) == ("0.7", "2", True)
@@ -57,26 +62,26 @@ def test_pass_through_flags_follow_and_forced_ones_are_ignored_with_a_warning(ca
 
 
 def test_memory_saver_follows_offload_rollout():
-    got = dict(pairs(sglang_server_args(parse_args(BASE + ["--offload-rollout"]), PLACE)))
+    got = dict(pairs(sglang_server_args(run_config("--offload-rollout"), PLACE)))
     assert (got["--enable-memory-saver"], got["--nnodes"], got["--base-gpu-id"]) == (True, "1", "2")
-    assert "--enable-memory-saver" not in sglang_server_args(parse_args(BASE), PLACE)
+    assert "--enable-memory-saver" not in sglang_server_args(run_config(), PLACE)
 
 
 def test_every_forced_argument_is_set():
-    argv = sglang_server_args(parse_args(BASE + ["--offload-rollout"]), PLACE)
+    argv = sglang_server_args(run_config("--offload-rollout"), PLACE)
     assert {"--" + k.replace("_", "-") for k in FORCED} <= set(argv)
 
 
 def test_server_command_by_implementation():
-    args = parse_args(BASE)
-    args.sglang_server_impl = "sglang"
-    assert server_command(args, PLACE)[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    args.sglang_server_impl = "furlong"
-    assert server_command(args, PLACE) == [sys.executable, "-m", "furlong.core", "serve", "--hf-checkpoint",
-                                           "/models/qwen", "--host", "10.0.0.5", "--port", "15001", "--seed", "8"]
-    args = parse_args(BASE + ["--embedded-max-batch-size", "128", "--embedded-torch-compile"], get_plugin_manager())
-    args.sglang_server_impl = "furlong"  # furlong serve runs the embedded engine: its flags reach it
-    assert server_command(args, PLACE)[-3:] == ["--embedded-max-batch-size", "128", "--embedded-torch-compile"]
+    config = run_config("--sglang-server-impl", "sglang")
+    assert server_command(config, PLACE)[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    config = run_config("--sglang-server-impl", "furlong")
+    assert server_command(config, PLACE) == [sys.executable, "-m", "furlong.core", "serve", "--hf-checkpoint",
+                                             "/models/qwen", "--host", "10.0.0.5", "--port", "15001", "--seed", "8",
+                                             "--embedded-max-batch-size", "64"]
+    # furlong serve runs the embedded engine: its flags reach it
+    config = run_config("--sglang-server-impl", "furlong", "--embedded-max-batch-size", "128", "--embedded-torch-compile")
+    assert server_command(config, PLACE)[-3:] == ["--embedded-max-batch-size", "128", "--embedded-torch-compile"]
 
 
 @pytest.mark.parametrize("impl, refused", [("sglang", True), ("furlong", False)])

@@ -24,14 +24,17 @@ def fixture(name: str):
 
 
 def engine_for(url: str, router_url: str | None = None, policy: str | None = None):
-    from argparse import Namespace
-
     from furlong.builtin_plugins.engines.sglang.engine import SGLangEngine
+    from furlong.core.config.launch_args import launch_config
 
-    args = Namespace(rollout_num_gpus_per_engine=1, sglang_server_restarts=0, sglang_router_policy=policy,
-                     sglang_server_concurrency=4, sglang_engines_per_process=1,
-                     sglang_router_request_timeout_secs=30, distributed_timeout_minutes=1)
-    return SGLangEngine(args, 0, url, router_url or url, None, False, tokenizer=None)
+    from .configs import with_derived
+
+    given_policy = ["--sglang-router-policy", policy] if policy else []
+    config = launch_config("--rollout-num-gpus-per-engine", "1", "--sglang-server-restarts", "0", *given_policy,
+                           "--sglang-server-concurrency", "4", "--sglang-router-request-timeout-secs", "30",
+                           "--distributed-timeout-minutes", "1", configure=False)
+    config = with_derived(config, "sglang", sglang_engines_per_process=1, sglang_router_given=False)
+    return SGLangEngine(config, 0, url, router_url or url, None, False, tokenizer=None)
 
 
 def test_sglang_generate_answer_becomes_a_generate_output():

@@ -122,11 +122,11 @@ def test_two_data_parallel_ranks_reusing_pi_old_reproduce_one_process_with_the_s
 def test_the_fsdp_backend_says_when_its_training_forward_differs_from_its_log_prob_pass(tiny_model_dir):
     from furlong.builtin_plugins.backends.fsdp import train_backend
 
-    from .tiny_model import train_args
+    from .tiny_model import train_config
 
     def gives(attention_dropout=0.0, **flags):
-        backend = train_backend(args=train_args(tiny_model_dir, **flags))
-        asyncio.run(backend.init(backend.args))
+        backend = train_backend(config=train_config(tiny_model_dir, **flags))
+        asyncio.run(backend.init(backend.config))
         backend.model.config.attention_dropout = attention_dropout
         return backend.train_forward_gives_old_log_probs()
 

@@ -44,8 +44,19 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def _train_flags(hf_dir: Path | str, overrides: dict) -> dict:
+    values = dict(
+        hf_checkpoint=str(hf_dir), optimizer="adam", lr=1e-2, lr_decay_style="constant", lr_decay_iters=None,
+        weight_decay=0.0, clip_grad=1.0, rollout_batch_size=4, global_batch_size=4, micro_batch_size=1,
+        use_dynamic_batch_size=False, max_tokens_per_gpu=None, bf16=False, fp16=False,
+    )
+    values.update(overrides)
+    return values
+
+
 def train_args(hf_dir: Path | str, **overrides) -> argparse.Namespace:
-    """The launch flags of a 1-rollout run on the model in ``hf_dir``, through the parser.
+    """The launch flags of a 1-rollout run on the model in ``hf_dir``, through the parser: what a
+    backend's ``configure`` gets.
 
     Defaults: 1 rollout of 4 samples, ``gbs`` 4 in fixed micro-batches of 1 (no dynamic
     batch size), Adam at lr 1e-2 (constant, decaying over the backend's own step count), no
@@ -55,13 +66,26 @@ def train_args(hf_dir: Path | str, **overrides) -> argparse.Namespace:
     """
     from furlong.core.config.launch_args import launch_args
 
-    values = dict(
-        hf_checkpoint=str(hf_dir), optimizer="adam", lr=1e-2, lr_decay_style="constant", lr_decay_iters=None,
-        weight_decay=0.0, clip_grad=1.0, rollout_batch_size=4, global_batch_size=4, micro_batch_size=1,
-        use_dynamic_batch_size=False, max_tokens_per_gpu=None, bf16=False, fp16=False,
-    )
-    values.update(overrides)
-    return launch_args(**values)
+    return launch_args(**_train_flags(hf_dir, overrides))
+
+
+def train_config(hf_dir: Path | str, **overrides) -> "RunConfig":
+    """The run configuration of :func:`train_args`' flags: what ``train_backend`` and ``init`` get.
+
+    ``overrides`` name a field (``lr=1e-2``), a plugin's flag, or a Megatron-LM flag (``sgd_momentum=0.9``:
+    set in ``megatron_args``, as if given), applied after the freeze like :func:`train_args`' after the parse.
+    """
+    import attrs
+
+    from furlong.core.config.launch_args import launch_config
+    from furlong.hooks import RunConfig
+
+    values = _train_flags(hf_dir, overrides)
+    base = launch_config(configure=False)
+    known = set(attrs.fields_dict(RunConfig)) | {dest for section in base.plugins.values() for dest in section}
+    megatron = {name: values.pop(name) for name in list(values) if name not in known}
+    config = launch_config(configure=False, **values)
+    return config.replace(megatron_args={**config.megatron_args, **megatron}) if megatron else config
 
 
 # flags of the 2-rank FSDP2 test (worker and single-process reference): SGD's first update is

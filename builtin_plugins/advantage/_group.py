@@ -160,7 +160,7 @@ def masked_kl(batch, kl_coef: float) -> list | None:
     ]
 
 
-def group_relative_advantages(args, batch):
+def group_relative_advantages(config, batch):
     """GRPO/GSPO outcome advantages: each trajectory's group-normalized reward on every token.
 
     Flags read: ``disable_rewards_normalization``, ``disable_grpo_std_normalization``.
@@ -170,10 +170,10 @@ def group_relative_advantages(args, batch):
     from furlong.hooks import AdvantageOutput
 
     check_batch(batch)
-    normalize = not args.disable_rewards_normalization
+    normalize = not config.disable_rewards_normalization
     scores = group_normalized_rewards(
         batch.rewards, batch.group_ids, batch.trajectory_ids,
-        subtract_mean=normalize, divide_std=normalize and not args.disable_grpo_std_normalization,
+        subtract_mean=normalize, divide_std=normalize and not config.disable_grpo_std_normalization,
     )
     advantages = broadcast_to_tokens(scores, batch.loss_masks)
     return AdvantageOutput(advantages=advantages, returns=[a.clone() for a in advantages])

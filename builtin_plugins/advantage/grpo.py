@@ -18,7 +18,7 @@ def configure(args, report):
 
 
 @hookimpl
-def advantage(args, batch):
+def advantage(config, batch):
     """Every token of sample ``i`` gets ``A = R = (r_i - mean_g) / (std_g + 1e-6)``.
 
     ``mean_g`` and the Bessel-corrected ``std_g`` run over the trajectories of the group
@@ -37,4 +37,4 @@ def advantage(args, batch):
 
     Reference: Shao et al. 2024, DeepSeekMath, sec. 4.1.2 (outcome supervision).
     """
-    return group_relative_advantages(args, batch)
+    return group_relative_advantages(config, batch)

@@ -22,7 +22,7 @@ def configure(args, report):
 
 
 @hookimpl
-def advantage(args, batch):
+def advantage(config, batch):
     """Every token of sample ``i`` gets ``A = R = (r_i - mean_g) / (std_g + 1e-6)``, as GRPO.
 
     GSPO differs from GRPO in the loss, not the advantage: its sequence-level importance
@@ -37,4 +37,4 @@ def advantage(args, batch):
 
     Reference: Zheng et al. 2025, "Group Sequence Policy Optimization", sec. 4.1 (eq. 7).
     """
-    return group_relative_advantages(args, batch)
+    return group_relative_advantages(config, batch)

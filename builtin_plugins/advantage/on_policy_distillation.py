@@ -19,12 +19,12 @@ def configure(args, report):
 
 
 @hookimpl
-def advantage(args, batch):
+def advantage(config, batch):
     """``A_t = R_t = logp_teacher_t - logp_old_t`` for every token (masked ones included).
 
     The per-token reverse-KL reward of on-policy distillation: minimizing the policy loss
     with this advantage lowers ``KL(pi_student || pi_teacher)`` on the student's samples.
-    Reads no flag (``args`` is unused); rewards are ignored.
+    Reads no flag (``config`` is unused); rewards are ignored.
 
     :param batch: needs ``teacher_log_probs`` and ``log_probs`` (pi_old), N x [T_i].
     :returns: ``AdvantageOutput(advantages, returns)``: N float32 tensors [T_i] each.

@@ -29,7 +29,7 @@ def configure(args, report):
                      "megatron).")
     if args.kl_coef != 0:
         report.error(f"--advantage-estimator {name} needs --kl-coef 0, got {args.kl_coef:g}.")
-    if getattr(args, "train_mode", None) == "async" and not (
+    if args.train_mode == "async" and not (
             args.use_rollout_logprobs or args.use_tis or args.keep_old_actor):
         report.error(f"furlong train-async with --advantage-estimator {name} needs --use-rollout-logprobs, --use-tis "
                      "or --keep-old-actor (the old policy is gone by the time the batch trains).")
@@ -39,7 +39,7 @@ def configure(args, report):
 
 
 @hookimpl
-def advantage(args, batch):
+def advantage(config, batch):
     """GAE over the trained positions of each sample, skipping masked ones.
 
     With the ``K`` positions where ``m = 1``, in order (masked positions are removed, so
@@ -63,21 +63,21 @@ def advantage(args, batch):
     values = require(batch, "values", "GAE")
     trajectory_rewards(batch.rewards, batch.group_ids, batch.trajectory_ids)
     rewards = batch.rewards.reshape(-1).tolist()
-    kl = masked_kl(batch, args.kl_coef)
+    kl = masked_kl(batch, config.kl_coef)
     positions, deltas, kept_values = [], [], []
     for i, mask in enumerate(batch.loss_masks):
         idx = (mask.reshape(-1) > 0).nonzero().reshape(-1)
         v = values[i].reshape(-1).to(torch.float64)[idx]
         rho = torch.zeros(idx.numel(), dtype=torch.float64, device=v.device)
         if kl is not None:
-            rho = rho - args.kl_coef * kl[i][idx]
+            rho = rho - config.kl_coef * kl[i][idx]
         if idx.numel():
             rho[-1] += rewards[i]
         next_v = torch.cat([v[1:], v.new_zeros(1)]) if idx.numel() else v
         positions.append(idx)
-        deltas.append(rho + args.gamma * next_v - v)
+        deltas.append(rho + config.gamma * next_v - v)
         kept_values.append(v)
-    gae = reverse_discounted_sum(deltas, args.gamma * args.lambd)
+    gae = reverse_discounted_sum(deltas, config.gamma * config.lambd)
     advantages, returns = [], []
     for mask, idx, a, v in zip(batch.loss_masks, positions, gae, kept_values):
         adv = torch.zeros(int(mask.numel()), dtype=torch.float32, device=a.device)

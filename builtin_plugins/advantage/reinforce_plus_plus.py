@@ -16,7 +16,7 @@ def configure(args, report):
 
 
 @hookimpl
-def advantage(args, batch):
+def advantage(config, batch):
     """``A_t = R_t = G_t`` with ``G_t = rho_t + gamma * G_{t+1}``, ``G_T = 0``.
 
     Token rewards: ``rho_t = -beta * kl_t * m_t`` (``beta`` = ``--kl-coef``, ``kl`` the
@@ -39,7 +39,7 @@ def advantage(args, batch):
     check_batch(batch)
     trajectory_rewards(batch.rewards, batch.group_ids, batch.trajectory_ids)
     rewards = batch.rewards.reshape(-1).tolist()
-    kl = masked_kl(batch, args.kl_coef)
+    kl = masked_kl(batch, config.kl_coef)
     token_rewards = []
     for i, mask in enumerate(batch.loss_masks):
         trained = (mask.reshape(-1) > 0).nonzero()
@@ -51,8 +51,8 @@ def advantage(args, batch):
             )
         rho = torch.zeros(int(mask.numel()), dtype=torch.float64, device=mask.device)
         if kl is not None:
-            rho = rho - args.kl_coef * kl[i]
+            rho = rho - config.kl_coef * kl[i]
         rho[int(trained[-1])] += rewards[i]
         token_rewards.append(rho)
-    returns = [g.to(torch.float32) for g in reverse_discounted_sum(token_rewards, args.gamma)]
+    returns = [g.to(torch.float32) for g in reverse_discounted_sum(token_rewards, config.gamma)]
     return AdvantageOutput(advantages=[g.clone() for g in returns], returns=returns)

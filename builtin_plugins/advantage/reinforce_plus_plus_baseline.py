@@ -15,7 +15,7 @@ def configure(args, report):
 
 
 @hookimpl
-def advantage(args, batch):
+def advantage(config, batch):
     """``A_t = R_t = (r_i - mean_g) - beta * kl_t * m_t`` for every token of sample ``i``.
 
     ``mean_g`` runs over the trajectories of the group in float64 (no std division; the
@@ -37,13 +37,13 @@ def advantage(args, batch):
     check_batch(batch)
     centered = group_normalized_rewards(
         batch.rewards, batch.group_ids, batch.trajectory_ids,
-        subtract_mean=not args.disable_rewards_normalization, divide_std=False,
+        subtract_mean=not config.disable_rewards_normalization, divide_std=False,
     ).tolist()
-    kl = masked_kl(batch, args.kl_coef)
+    kl = masked_kl(batch, config.kl_coef)
     advantages = []
     for i, mask in enumerate(batch.loss_masks):
         adv = torch.full((int(mask.numel()),), centered[i], dtype=torch.float64, device=mask.device)
         if kl is not None:
-            adv = adv - args.kl_coef * kl[i]
+            adv = adv - config.kl_coef * kl[i]
         advantages.append(adv.to(torch.float32))
     return AdvantageOutput(advantages=advantages, returns=[a.clone() for a in advantages])

@@ -6,7 +6,7 @@ import json
 import logging
 from typing import Callable
 
-from furlong.hooks import PluginError
+from furlong.hooks import DatasetSpec, PluginError, RunConfig
 from furlong.kit.epochs import EpochOrder
 from furlong.kit.hf import load_tokenizer
 
@@ -19,10 +19,11 @@ Reader = Callable[..., list]
 
 
 class RowsDataSource:
-    """Rows of a data set in epoch order (optionally shuffled per epoch with ``rollout_seed + epoch``).
+    """Rows of a data set in epoch order (optionally shuffled per epoch with ``dataset.seed + epoch``).
 
     A reader module subclasses it and sets :attr:`read` (its file reader) and :attr:`needs` (what
-    ``--prompt-data`` must name, for the message when it is missing). Rows are
+    ``--prompt-data`` must name, for the message when it is missing). ``config`` is the run's
+    :class:`~furlong.hooks.RunConfig`, ``dataset`` the :class:`~furlong.hooks.DatasetSpec` to read. Rows are
     ``{"prompt": str | list[dict], "label": Any, "metadata": dict}``; with ``--apply-chat-template``
     the prompt is rendered to a string by the tokenizer of ``--hf-checkpoint`` when it is served.
     """
@@ -30,18 +31,19 @@ class RowsDataSource:
     read: Reader
     needs = "a JSONL file with one prompt per line"
 
-    def __init__(self, args):
-        self.args = args
-        if not args.prompt_data:
-            raise PluginError(f"--prompt-data is required: {self.needs}.")
-        self.rows = type(self).read(args.prompt_data, args.input_key, args.label_key, args.metadata_key,
-                                    args.tool_key, getattr(args, "prompt_data_flag", None) or "--prompt-data")
+    def __init__(self, config: RunConfig, dataset: DatasetSpec):
+        self.config = config
+        self.dataset = dataset
+        if not dataset.path:
+            raise PluginError(f"{dataset.flag} is required: {self.needs}.")
+        self.rows = type(self).read(dataset.path, dataset.input_key, dataset.label_key, dataset.metadata_key,
+                                    dataset.tool_key, dataset.flag)
         self._tokenizer = None
-        if args.apply_chat_template:
+        if config.apply_chat_template:
             self._check_chat_template()
-        if args.rollout_max_prompt_len:
-            self.rows = self._drop_long_prompts(self.rows, args.rollout_max_prompt_len)
-        self.cursor = EpochOrder(len(self.rows), args.rollout_shuffle, args.rollout_seed)
+        if dataset.max_prompt_len:
+            self.rows = self._drop_long_prompts(self.rows, dataset.max_prompt_len)
+        self.cursor = EpochOrder(len(self.rows), dataset.shuffle, dataset.seed)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -59,16 +61,16 @@ class RowsDataSource:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.args.hf_checkpoint)
-            if self.args.chat_template_path:
-                with open(self.args.chat_template_path, encoding="utf-8") as f:
+            self._tokenizer = load_tokenizer(self.config.hf_checkpoint)
+            if self.config.chat_template_path:
+                with open(self.config.chat_template_path, encoding="utf-8") as f:
                     self._tokenizer.chat_template = f.read()
         return self._tokenizer
 
     def _check_chat_template(self) -> None:
         """The template exists and renders a one-message chat (so a syntax error stops the run now)."""
-        source = f"--chat-template-path {self.args.chat_template_path}" if self.args.chat_template_path else (
-            f"the tokenizer in {self.args.hf_checkpoint}")
+        source = f"--chat-template-path {self.config.chat_template_path}" if self.config.chat_template_path else (
+            f"the tokenizer in {self.config.hf_checkpoint}")
         if not getattr(self.tokenizer, "chat_template", None):
             raise PluginError(f"--apply-chat-template: {source} has no chat template; pass --chat-template-path "
                               "FILE (a Jinja template) or drop --apply-chat-template.")
@@ -82,11 +84,11 @@ class RowsDataSource:
                               f"{type(exc).__name__}: {exc}") from None
 
     def _template_kwargs(self) -> dict:
-        kwargs = self.args.apply_chat_template_kwargs
+        kwargs = self.config.apply_chat_template_kwargs
         return dict(json.loads(kwargs or "{}")) if isinstance(kwargs, str) else dict(kwargs or {})
 
     def _render(self, row: dict) -> dict:
-        if not self.args.apply_chat_template:
+        if not self.config.apply_chat_template:
             return row
         prompt = row["prompt"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -105,5 +107,5 @@ class RowsDataSource:
         if len(kept) < len(rows):
             log.info("--rollout-max-prompt-len %d dropped %d of %d prompts", max_len, len(rows) - len(kept), len(rows))
         if not kept:
-            raise PluginError(f"--rollout-max-prompt-len {max_len}: every prompt of --prompt-data is longer.")
+            raise PluginError(f"--rollout-max-prompt-len {max_len}: every prompt of {self.dataset.flag} is longer.")
         return kept

@@ -37,14 +37,14 @@ def reads_path(path: str) -> bool:
 
 
 @hookimpl
-def data_source(args):
-    """Read and check the data set of ``--prompt-data`` now, before any model loads.
+def data_source(config, dataset):
+    """Read and check the data set ``dataset.path`` (``--prompt-data``, or an eval set) now, before any model loads.
 
     :raises PluginError: the package it needs is missing; the path is missing or holds no data set,
         a ``DatasetDict`` without a split named, no rows; a row lacks ``--input-key`` or
         ``--label-key`` (the message names the path and the row).
     """
-    return HfDatasetsDataSource(args)
+    return HfDatasetsDataSource(config, dataset)
 
 
 def read_dataset_rows(spec: str, input_key: str, label_key: str | None, metadata_key: str, tool_key: str | None,

@@ -18,13 +18,13 @@ _OTHER_FORMATS = {".parquet": ("Parquet", "parquet"), ".csv": ("CSV", "hf_datase
 
 
 @hookimpl
-def data_source(args):
-    """Read and check ``--prompt-data`` now, so a bad file fails before any model loads.
+def data_source(config, dataset):
+    """Read and check ``dataset.path`` (``--prompt-data``, or an eval set) now, so a bad file fails before any model loads.
 
     :raises PluginError: missing, empty or malformed file, or a row without
         ``--input-key`` / ``--label-key`` (the message names file and line).
     """
-    return JsonlDataSource(args)
+    return JsonlDataSource(config, dataset)
 
 
 def read_rows(spec: str, input_key: str, label_key: str | None, metadata_key: str, tool_key: str | None,

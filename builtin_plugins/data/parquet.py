@@ -28,13 +28,13 @@ def reads_path(path: str) -> bool:
 
 
 @hookimpl
-def data_source(args):
-    """Read and check the Parquet file of ``--prompt-data`` now, before any model loads.
+def data_source(config, dataset):
+    """Read and check the Parquet file ``dataset.path`` (``--prompt-data``, or an eval set) now, before any model loads.
 
     :raises PluginError: pyarrow is missing; the file is missing, not Parquet or has no rows; a row
         lacks ``--input-key`` or ``--label-key`` (the message names the file and the row).
     """
-    return ParquetDataSource(args)
+    return ParquetDataSource(config, dataset)
 
 
 def read_parquet_rows(spec: str, input_key: str, label_key: str | None, metadata_key: str, tool_key: str | None,

@@ -26,10 +26,10 @@ class LocalExecutor:
     is_driver = True
     weights_in_process = True
 
-    async def start_train_workers(self, args, make_worker):
+    async def start_train_workers(self, config, make_worker):
         return InProcessWorkers(make_worker(0, 1))
 
-    async def start_engines(self, args, make_engine):
+    async def start_engines(self, config, make_engine):
         """``--rollout-num-gpus / --rollout-num-gpus-per-engine`` engines (at least one), started together.
 
         If one fails, the others are stopped (``shutdown``, for engines that own processes)
@@ -37,8 +37,8 @@ class LocalExecutor:
         """
         import asyncio
 
-        per_engine = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
-        count = max(1, int(getattr(args, "rollout_num_gpus", None) or per_engine) // per_engine)
+        per_engine = int(config.rollout_num_gpus_per_engine or 1)
+        count = max(1, int(config.rollout_num_gpus or per_engine) // per_engine)
         made = await asyncio.gather(*(make_engine(i) for i in range(count)), return_exceptions=True)
         errors = [e for e in made if isinstance(e, BaseException)]
         if errors:
@@ -47,7 +47,7 @@ class LocalExecutor:
             raise errors[0]
         return list(made)
 
-    async def start_rollout_side(self, args, make_rollout_side):
+    async def start_rollout_side(self, config, make_rollout_side):
         return make_rollout_side()
 
     async def serve(self) -> None:

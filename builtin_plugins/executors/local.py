@@ -49,7 +49,7 @@ def configure(args, report):
 
 
 @hookimpl
-def executor(args):
+def executor(config):
     """One process, or the ranks ``torchrun`` started (``WORLD_SIZE > 1``).
 
     Flags read: ``--actor-num-nodes``, ``--actor-num-gpus-per-node`` (their product must
@@ -59,5 +59,5 @@ def executor(args):
     if launched_processes() > 1:
         from .torchrun import TorchrunExecutor
 
-        return TorchrunExecutor(args)
+        return TorchrunExecutor(config)
     return LocalExecutor()

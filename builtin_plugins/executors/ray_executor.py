@@ -120,7 +120,7 @@ def _rollout_slots(args) -> int:
 
 
 @hookimpl
-def executor(args):
+def executor(config):
     """Place train ranks and engines as Ray actors (needs ``pip install "furlong[ray]"``).
 
     Flags read: ``--actor-num-nodes``, ``--actor-num-gpus-per-node``, ``--rollout-num-gpus``,
@@ -133,7 +133,7 @@ def executor(args):
         import ray  # noqa: F401
     except ImportError as exc:
         raise PluginError(NEEDS_RAY) from exc
-    return RayExecutor(args)
+    return RayExecutor(config)
 
 
 class RayExecutor:
@@ -142,16 +142,16 @@ class RayExecutor:
     is_driver = True
     weights_in_process = False
 
-    def __init__(self, args) -> None:
-        self.args = args
-        self.timeout = float(args.ray_call_timeout)
+    def __init__(self, config) -> None:
+        self.config = config
+        self.timeout = float(config.plugin_config("ray").ray_call_timeout)
         self.gpu = _has_gpus()
-        self.train_world = int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node)
-        per_engine = int(args.rollout_num_gpus_per_engine or 1)
-        self.rollout_slots = _rollout_slots(args)
+        self.train_world = int(config.actor_num_nodes) * int(config.actor_num_gpus_per_node)
+        per_engine = int(config.rollout_num_gpus_per_engine or 1)
+        self.rollout_slots = _rollout_slots(config)
         self.num_engines = max(1, self.rollout_slots // per_engine)
         self.per_engine = per_engine
-        self.colocate = bool(getattr(args, "colocate", False))
+        self.colocate = bool(config.colocate)
         self.started_ray = False
         self.own_token = False  # the RAY_AUTH_TOKEN this executor set for its private Ray
         self.pg = None
@@ -176,7 +176,7 @@ class RayExecutor:
     def _init_ray(self) -> None:
         import ray
 
-        slots = bundles_needed(self.args)
+        slots = bundles_needed(self.config)
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
             kwargs = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
@@ -203,7 +203,7 @@ class RayExecutor:
         import ray
         from ray.util.placement_group import placement_group
 
-        slots = bundles_needed(self.args)
+        slots = bundles_needed(self.config)
 
         bundle = {"GPU": 1, "CPU": 1} if self.gpu else {"CPU": 1}
         self.slots = slots
@@ -232,7 +232,7 @@ class RayExecutor:
 
     # --- train workers -------------------------------------------------------------------
 
-    async def start_train_workers(self, args, make_worker):
+    async def start_train_workers(self, config, make_worker):
         import ray
 
         await self._ready()
@@ -244,17 +244,17 @@ class RayExecutor:
         group = RayWorkers(handles, self.timeout)
         await group.describe()
         master = await group.one(0, handles[0].master_address.remote(), "master_address")
-        backend = "nccl" if self.gpu and args.distributed_backend == "nccl" else "gloo"
-        minutes = int(getattr(args, "distributed_timeout_minutes", 10) or 10)
+        backend = "nccl" if self.gpu and config.distributed_backend == "nccl" else "gloo"
+        minutes = int(config.distributed_timeout_minutes or 10)
         await group.all([h.setup.remote(make_worker, master, backend, minutes) for h in handles], "setup")
         log.info("ray: %d train actor(s) started (%s)", len(handles), backend)
         return group
 
     # --- engines -------------------------------------------------------------------------
 
-    async def start_engines(self, args, make_engine):
+    async def start_engines(self, config, make_engine):
         await self._ready()
-        restarts = int(args.ray_engine_restarts)
+        restarts = int(self.config.plugin_config("ray").ray_engine_restarts)
         budget = _RestartBudget(restarts)
         self.engines = [RemoteEngine(self, i, make_engine, budget) for i in range(self.num_engines)]
         await asyncio.gather(*(e.start() for e in self.engines))
@@ -263,7 +263,7 @@ class RayExecutor:
 
     # --- the rollout-manager actor --------------------------------------------------------
 
-    async def start_rollout_side(self, args, make_rollout_side):
+    async def start_rollout_side(self, config, make_rollout_side):
         """The rollout-manager actor (1 CPU, outside the placement group, as Miles places it)."""
         import ray
 

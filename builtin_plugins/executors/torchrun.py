@@ -46,22 +46,22 @@ class TorchrunExecutor(LocalExecutor):
 
     weights_in_process = True
 
-    def __init__(self, args) -> None:
+    def __init__(self, config) -> None:
         self.world = int(os.environ["WORLD_SIZE"])
         self.rank = int(os.environ.get("RANK", "0"))
         self.is_driver = self.rank == 0
-        self.args = args
+        self.config = config
         self.group = None
         self.worker = None
         self._clean = True
 
-    async def start_train_workers(self, args, make_worker):
+    async def start_train_workers(self, config, make_worker):
         import torch
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            nccl = torch.cuda.is_available() and args.distributed_backend == "nccl"
-            minutes = getattr(args, "distributed_timeout_minutes", 10) or 10
+            nccl = torch.cuda.is_available() and config.distributed_backend == "nccl"
+            minutes = config.distributed_timeout_minutes or 10
             dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", timeout=timedelta(minutes=minutes))
         self.group = dist.new_group(backend="gloo", timeout=OBJECT_TIMEOUT)
         self.worker = make_worker(self.rank, self.world)

@@ -12,7 +12,7 @@ MIN_STD = 1e-8
 
 
 @hookimpl
-def filter(args, samples):
+def filter(config, samples):
     """Keep the group iff the sample standard deviation of its rewards exceeds 1e-8.
 
     A group whose samples all scored alike gives every sample a zero GRPO advantage, so it
@@ -34,7 +34,7 @@ def filter(args, samples):
     """
     if not samples:
         return FilterResult(False, "empty_group")
-    key = getattr(args, "reward_key", None)
+    key = config.reward_key
     rewards = [_scalar(s, key) for s in samples]
     if reward_std(rewards) > MIN_STD:
         return FilterResult(True)

@@ -10,7 +10,7 @@ _FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort":
 
 
 @hookimpl
-async def generate(args, sample, sampling_params, engine, evaluation):
+async def generate(config, sample, sampling_params, engine, evaluation):
     """Generate ``sample``'s response with one engine request, or continue a partial one.
 
     A resumed partial sample (``response_length > 0``) continues from its ``tokens`` with
@@ -39,7 +39,7 @@ async def generate(args, sample, sampling_params, engine, evaluation):
     else:
         input_ids = list(_prompt_ids(engine.tokenizer, sample.prompt))
         sample.tokens = list(input_ids)
-    context_cap = args.eval_max_context_len if evaluation else args.rollout_max_context_len
+    context_cap = config.eval_max_context_len if evaluation else config.rollout_max_context_len
     if context_cap:
         room = int(context_cap) - len(input_ids)
         budget = room if budget is None else min(budget, room)
@@ -48,7 +48,7 @@ async def generate(args, sample, sampling_params, engine, evaluation):
         return sample
     params["max_new_tokens"] = budget  # None: the engine's own default (SGLang's and the embedded engine's: 128)
     out = await engine.generate(input_ids, params)
-    _append(args, sample, out, engine.tokenizer, params)
+    _append(config, sample, out, engine.tokenizer, params)
     return sample
 
 
@@ -58,7 +58,7 @@ def _prompt_ids(tokenizer, prompt: str) -> tuple[int, ...]:
     return tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
-def _append(args, sample, out, tokenizer, params) -> None:
+def _append(config, sample, out, tokenizer, params) -> None:
     new = len(out.output_ids)
     previous = sample.response_length
     sample.tokens.extend(out.output_ids)
@@ -67,7 +67,7 @@ def _append(args, sample, out, tokenizer, params) -> None:
         out.output_ids, skip_special_tokens=bool(params.get("skip_special_tokens", False)))
     sample.response += text
     sample.response_length = previous + new
-    if args.mask_offpolicy_in_partial_rollout and previous:
+    if config.mask_offpolicy_in_partial_rollout and previous:
         sample.loss_mask = [0] * previous + [1] * new
     elif sample.loss_mask is not None:
         sample.loss_mask = sample.loss_mask + [1] * new

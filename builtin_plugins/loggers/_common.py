@@ -12,8 +12,9 @@ interpreter exit.
 from __future__ import annotations
 
 import math
-from argparse import Namespace
 from typing import Any
+
+from furlong.hooks import RunConfig
 
 __all__ = ["eval_follows_last_rollout", "is_last_event", "rollout_axis_step", "run_dir", "scalars"]
 
@@ -53,42 +54,42 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def run_dir(args: Namespace) -> str | None:
+def run_dir(config: RunConfig) -> str | None:
     """The run's output folder: ``--save``, else ``--log-dir``, else None."""
-    return getattr(args, "save", None) or getattr(args, "log_dir", None)
+    return config.save or config.log_dir
 
 
-def eval_follows_last_rollout(args: Namespace) -> bool:
+def eval_follows_last_rollout(config: RunConfig) -> bool:
     """Whether the loop evaluates after the final rollout: ``--eval-interval`` is set and
     eval data exists (``--eval-prompt-data`` or ``--eval-config``)."""
-    return bool(getattr(args, "eval_interval", None)
-                and (getattr(args, "eval_prompt_data", None) or getattr(args, "eval_config", None)))
+    return bool(config.eval_interval
+                and (config.eval_prompt_data or config.eval_config))
 
 
-def is_last_event(hook: str, args: Namespace, rollout_id: int, last_rollout_seen: bool) -> bool:
+def is_last_event(hook: str, config: RunConfig, rollout_id: int, last_rollout_seen: bool) -> bool:
     """Whether this observer call is the run's last (see the module docstring).
 
     :param hook: ``"on_rollout_end"``, ``"on_eval_end"`` or another observer hook (never last).
     :param last_rollout_seen: ``on_rollout_end`` of rollout ``--num-rollout - 1`` was seen.
     """
-    num_rollout = getattr(args, "num_rollout", None)
+    num_rollout = config.num_rollout
     if num_rollout is None:
         return False
     if hook == "on_rollout_end":
-        return rollout_id >= num_rollout - 1 and not eval_follows_last_rollout(args)
+        return rollout_id >= num_rollout - 1 and not eval_follows_last_rollout(config)
     if hook == "on_eval_end":
         return num_rollout == 0 or last_rollout_seen
     return False
 
 
-def rollout_axis_step(args: Namespace, rollout_id: int, use_train_step: bool) -> int:
+def rollout_axis_step(config: RunConfig, rollout_id: int, use_train_step: bool) -> int:
     """x value of rollout and eval metrics: ``rollout_id``, or with ``use_train_step`` the
     optimizer step reached at the start of that rollout, ``rollout_id * S`` with
     ``S = --num-steps-per-rollout = rollout_batch_size * n_samples_per_prompt / global_batch_size``
     (``--wandb-always-use-train-step``)."""
     if not use_train_step:
         return int(rollout_id)
-    steps = getattr(args, "num_steps_per_rollout", None)
+    steps = config.num_steps_per_rollout
     if not steps:
-        steps = args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
+        steps = config.rollout_batch_size * config.n_samples_per_prompt // config.global_batch_size
     return int(rollout_id) * int(steps)

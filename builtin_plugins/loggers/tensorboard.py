@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import atexit
 import os
-from argparse import Namespace
 
-from furlong.hooks import PluginError, hookimpl
+from furlong.hooks import PluginError, RunConfig, hookimpl
 
 from ._common import is_last_event, run_dir, scalars
 
@@ -39,58 +38,58 @@ def add_arguments(parser):
                             "else $TENSORBOARD_DIR, else <--save or --log-dir>/tensorboard).")
 
 
-def log_dir(args: Namespace) -> str:
+def log_dir(config: RunConfig) -> str:
     """The event folder of this run (see the module docstring).
 
     :raises PluginError: no ``--tensorboard-dir``, ``--tb-project-name``, ``TENSORBOARD_DIR``,
         ``--save`` or ``--log-dir``.
     """
-    base = (getattr(args, "tensorboard_dir", None) or getattr(args, "tb_project_name", None)
+    base = (config.plugin_config("tensorboard").tensorboard_dir or config.tb_project_name
             or os.environ.get("TENSORBOARD_DIR"))
     if not base:
-        out = run_dir(args)
+        out = run_dir(config)
         if not out:
             raise PluginError("--use-tensorboard: no folder to write events to. Pass --tensorboard-dir DIR "
                               "(or set TENSORBOARD_DIR), or --save / --log-dir DIR (events then go to "
                               "DIR/tensorboard).")
         base = os.path.join(out, "tensorboard")
-    experiment = getattr(args, "tb_experiment_name", None)
+    experiment = config.tb_experiment_name
     return os.path.join(base, experiment) if experiment else base
 
 
 @hookimpl
-def on_rollout_end(args, rollout_id, metrics):
+def on_rollout_end(config, rollout_id, metrics):
     """Write the rollout's ``rollout/`` and ``perf/`` scalars at step ``rollout_id``.
 
     :param metrics: ``dict[str, float]``; non-finite and non-numeric values are skipped.
     :raises PluginError: the ``tensorboard`` package is missing, or no folder (see :func:`log_dir`).
     """
-    _write(args, "on_rollout_end", rollout_id, scalars(metrics, ("train/",)), rollout_id)
+    _write(config, "on_rollout_end", rollout_id, scalars(metrics, ("train/",)), rollout_id)
 
 
 @hookimpl
-def on_train_step_end(args, rollout_id, step, metrics):
+def on_train_step_end(config, rollout_id, step, metrics):
     """Write one optimizer step's ``train/`` scalars at step ``step`` (``rollout_id * S + s``)."""
-    _write(args, "on_train_step_end", rollout_id, scalars(metrics), step)
+    _write(config, "on_train_step_end", rollout_id, scalars(metrics), step)
 
 
 @hookimpl
-def on_eval_end(args, rollout_id, metrics):
+def on_eval_end(config, rollout_id, metrics):
     """Write the evaluation's ``eval/`` (and ``perf/eval_time``) scalars at step ``rollout_id``."""
-    _write(args, "on_eval_end", rollout_id, scalars(metrics), rollout_id)
+    _write(config, "on_eval_end", rollout_id, scalars(metrics), rollout_id)
 
 
-def _write(args: Namespace, hook: str, rollout_id: int, values: dict[str, float], step: int) -> None:
-    if not getattr(args, "use_tensorboard", False):
+def _write(config: RunConfig, hook: str, rollout_id: int, values: dict[str, float], step: int) -> None:
+    if not config.use_tensorboard:
         return
-    path = log_dir(args)
+    path = log_dir(config)
     writer = _WRITERS.get(path) or _open(path)
     for tag, value in values.items():
         writer.add_scalar(tag, value, global_step=int(step))
     writer.flush()
-    if hook == "on_rollout_end" and rollout_id >= getattr(args, "num_rollout", 0) - 1:
+    if hook == "on_rollout_end" and rollout_id >= config.num_rollout - 1:
         _LAST_ROLLOUT_SEEN.add(path)
-    if is_last_event(hook, args, rollout_id, path in _LAST_ROLLOUT_SEEN):
+    if is_last_event(hook, config, rollout_id, path in _LAST_ROLLOUT_SEEN):
         _close(path)
 
 

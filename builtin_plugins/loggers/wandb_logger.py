@@ -21,9 +21,8 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
-from argparse import Namespace
 
-from furlong.hooks import PluginError, hookimpl
+from furlong.hooks import PluginError, RunConfig, hookimpl
 
 from ._common import is_last_event, rollout_axis_step, run_dir, scalars
 
@@ -33,76 +32,76 @@ MODES = ("online", "offline", "disabled")
 _STEP_OF_PREFIX = (("train/*", "train/step"), ("rollout/*", "rollout/step"), ("perf/*", "rollout/step"),
                    ("eval/*", "eval/step"))
 
-_RUNS: dict[int, tuple] = {}  # id(args) -> (args, open wandb run); holding args keeps its id unique
+_RUNS: dict[int, tuple] = {}  # id(config) -> (config, open wandb run); holding config keeps its id unique
 _LAST_ROLLOUT_SEEN: set[int] = set()
 
 
-def init_kwargs(args: Namespace) -> dict:
+def init_kwargs(config: RunConfig) -> dict:
     """Keyword arguments of ``wandb.init`` for these flags (see the module docstring).
 
     :raises PluginError: ``--wandb-mode`` is not one of ``online``, ``offline``, ``disabled``.
     """
-    mode = getattr(args, "wandb_mode", None)
+    mode = config.wandb_mode
     if mode is not None and mode not in MODES:
         raise PluginError(f"--wandb-mode '{mode}': not a W&B mode. Choose one of: {', '.join(MODES)}.")
-    group = getattr(args, "wandb_group", None)
+    group = config.wandb_group
     name = group
-    if group and not getattr(args, "disable_wandb_random_suffix", False):
+    if group and not config.disable_wandb_random_suffix:
         name = f"{group}-{secrets.token_hex(3)}"
-    run_id = getattr(args, "wandb_run_id", None)
+    run_id = config.wandb_run_id
     kwargs = {
-        "project": getattr(args, "wandb_project", None) or "furlong",
-        "entity": getattr(args, "wandb_team", None),
+        "project": config.wandb_project or "furlong",
+        "entity": config.wandb_team,
         "group": name,
         "name": name,
         "mode": mode,
-        "dir": getattr(args, "wandb_dir", None) or run_dir(args),
+        "dir": config.wandb_dir or run_dir(config),
         "id": run_id,
         "resume": "allow" if run_id else None,
-        "config": _config(args),
+        "config": _config(config),
         "reinit": "create_new",
     }
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
 @hookimpl
-def on_rollout_end(args, rollout_id, metrics):
+def on_rollout_end(config, rollout_id, metrics):
     """Log the rollout's ``rollout/`` and ``perf/`` values with ``rollout/step``.
 
     :raises PluginError: ``wandb`` is not installed (install it: ``pip install wandb``), or a
         bad ``--wandb-mode``.
     """
-    step = rollout_axis_step(args, rollout_id, getattr(args, "wandb_always_use_train_step", False))
-    _log(args, "on_rollout_end", rollout_id, {**scalars(metrics, ("train/",)), "rollout/step": step})
+    step = rollout_axis_step(config, rollout_id, config.wandb_always_use_train_step)
+    _log(config, "on_rollout_end", rollout_id, {**scalars(metrics, ("train/",)), "rollout/step": step})
 
 
 @hookimpl
-def on_train_step_end(args, rollout_id, step, metrics):
+def on_train_step_end(config, rollout_id, step, metrics):
     """Log one optimizer step's ``train/`` values with ``train/step`` = ``step``."""
-    _log(args, "on_train_step_end", rollout_id, {**scalars(metrics), "train/step": int(step)})
+    _log(config, "on_train_step_end", rollout_id, {**scalars(metrics), "train/step": int(step)})
 
 
 @hookimpl
-def on_eval_end(args, rollout_id, metrics):
+def on_eval_end(config, rollout_id, metrics):
     """Log the evaluation's values with ``eval/step`` (and ``rollout/step`` for ``perf/eval_time``)."""
-    step = rollout_axis_step(args, rollout_id, getattr(args, "wandb_always_use_train_step", False))
-    _log(args, "on_eval_end", rollout_id, {**scalars(metrics), "eval/step": step, "rollout/step": step})
+    step = rollout_axis_step(config, rollout_id, config.wandb_always_use_train_step)
+    _log(config, "on_eval_end", rollout_id, {**scalars(metrics), "eval/step": step, "rollout/step": step})
 
 
-def _log(args: Namespace, hook: str, rollout_id: int, row: dict) -> None:
-    if not getattr(args, "use_wandb", False):
+def _log(config: RunConfig, hook: str, rollout_id: int, row: dict) -> None:
+    if not config.use_wandb:
         return
-    key = id(args)
-    run = _RUNS[key][1] if key in _RUNS else _start(args, key)
+    key = id(config)
+    run = _RUNS[key][1] if key in _RUNS else _start(config, key)
     run.log(row)
-    if hook == "on_rollout_end" and rollout_id >= getattr(args, "num_rollout", 0) - 1:
+    if hook == "on_rollout_end" and rollout_id >= config.num_rollout - 1:
         _LAST_ROLLOUT_SEEN.add(key)
-    if is_last_event(hook, args, rollout_id, key in _LAST_ROLLOUT_SEEN):
+    if is_last_event(hook, config, rollout_id, key in _LAST_ROLLOUT_SEEN):
         _finish(key)
 
 
-def _start(args: Namespace, key: int):
-    kwargs = init_kwargs(args)
+def _start(config: RunConfig, key: int):
+    kwargs = init_kwargs(config)
     try:
         import wandb
     except ImportError as exc:
@@ -111,7 +110,7 @@ def _start(args: Namespace, key: int):
                           "or drop --use-wandb.") from exc
     if kwargs.get("dir"):
         os.makedirs(kwargs["dir"], exist_ok=True)
-    key_flag, host = getattr(args, "wandb_key", None), getattr(args, "wandb_host", None)
+    key_flag, host = config.wandb_key, config.wandb_host
     if (key_flag or host) and kwargs.get("mode") not in ("offline", "disabled"):
         wandb.login(key=key_flag, host=host)
     run = wandb.init(**kwargs)
@@ -119,7 +118,7 @@ def _start(args: Namespace, key: int):
         run.define_metric(step_key)
     for pattern, step_key in _STEP_OF_PREFIX:
         run.define_metric(pattern, step_metric=step_key)
-    _RUNS[key] = (args, run)
+    _RUNS[key] = (config, run)
     return run
 
 
@@ -130,10 +129,10 @@ def _finish(key: int) -> None:
         entry[1].finish()
 
 
-def _config(args: Namespace) -> dict:
-    """The launch flags as W&B config: JSON-like values kept, anything else as its ``str``."""
+def _config(config: RunConfig) -> dict:
+    """The run configuration as W&B config: JSON-like values kept, anything else as its ``str``."""
     out = {}
-    for name, value in sorted(vars(args).items()):
+    for name, value in sorted(vars(config.namespace()).items()):
         if name == "wandb_key":
             continue  # never store the API key in the run's config
         out[name] = value if isinstance(value, (bool, int, float, str, list, tuple, dict, type(None))) else str(value)

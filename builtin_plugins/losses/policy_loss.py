@@ -13,7 +13,7 @@ _RATIO_LEVELS = ("token", "sequence")
 
 
 @hookimpl
-def loss(args, batch):
+def loss(config, batch):
     """Per-token clipped surrogate plus the entropy bonus and the KL penalty.
 
     Shapes: ``N`` samples, ``T_i`` response tokens of sample ``i``; every input and output
@@ -58,7 +58,7 @@ def loss(args, batch):
     """
     import torch
 
-    _check_args(args, batch)
+    _check_args(config, batch)
     n = len(batch.log_probs)
     if n == 0:
         return LossOutput(token_loss=[], token_metrics={})
@@ -73,22 +73,22 @@ def loss(args, batch):
     adv = torch.where(active, torch.nan_to_num(_cat(batch.advantages, device), nan=0.0, posinf=0.0, neginf=0.0), 0.0)
 
     token_delta = torch.where(active, torch.nan_to_num(old - logp, nan=0.0, posinf=0.0, neginf=0.0), 0.0)
-    if args.policy_ratio_level == "sequence":
+    if config.policy_ratio_level == "sequence":
         seq_delta = _segment_sum(token_delta, seg, n) / counts
         delta = torch.where(active, seq_delta[seg], 0.0)
     else:
         delta = token_delta
     ratio = torch.exp(torch.nan_to_num(-delta, nan=0.0).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
-    pg, clipped = clipped_surrogate(ratio, adv, args.eps_clip, args.eps_clip_high, args.eps_clip_c)
+    pg, clipped = clipped_surrogate(ratio, adv, config.eps_clip, config.eps_clip_high, config.eps_clip_c)
     metrics = {"pg_clipfrac": clipped.float(), "ppo_kl": delta.detach()}
 
-    if args.use_opsm:
+    if config.use_opsm:
         seq_kl = _segment_sum(token_delta.detach(), seg, n) / counts
-        dropped = active & (adv < 0) & (seq_kl[seg] > args.opsm_delta)
+        dropped = active & (adv < 0) & (seq_kl[seg] > config.opsm_delta)
         pg = torch.where(dropped, 0.0, pg)
         metrics["opsm_clipfrac"] = dropped.float()
-    if args.use_tis:
-        pg = pg * _tis_terms(args, old, _cat(batch.rollout_log_probs, device), active, seg, n, counts, ratio, metrics)
+    if config.use_tis:
+        pg = pg * _tis_terms(config, old, _cat(batch.rollout_log_probs, device), active, seg, n, counts, ratio, metrics)
     if batch.rollout_log_probs is not None:
         rollout = _cat(batch.rollout_log_probs, device)
         rollout_safe = torch.where(active, rollout, old)
@@ -99,21 +99,21 @@ def loss(args, batch):
 
     if batch.entropy is not None:
         entropy = _cat(batch.entropy, device)
-        if args.entropy_coef != 0:
-            total = total - args.entropy_coef * entropy
+        if config.entropy_coef != 0:
+            total = total - config.entropy_coef * entropy
         else:
             entropy = entropy.detach()
         metrics["entropy_loss"] = entropy
-    if args.use_kl_loss:
+    if config.use_kl_loss:
         ref_safe = torch.where(active, _cat(batch.ref_log_probs, device), logp.detach())
-        kl = kl_estimate(logp, ref_safe, args.kl_loss_type)
-        if args.use_unbiased_kl:
+        kl = kl_estimate(logp, ref_safe, config.kl_loss_type)
+        if config.use_unbiased_kl:
             old_safe = torch.where(active, old, logp.detach())
             kl = kl * torch.exp(logp - old_safe)
         kl = _masked_finite(kl, active)
         metrics["kl_loss"] = kl
-        if args.kl_loss_coef != 0:
-            total = total + args.kl_loss_coef * kl
+        if config.kl_loss_coef != 0:
+            total = total + config.kl_loss_coef * kl
 
     return LossOutput(
         token_loss=SplitRows.of(total, lengths),
@@ -144,13 +144,13 @@ def clipped_surrogate(ratio, advantages, eps_low: float, eps_high: float, eps_c:
     return out, loss2 > loss1
 
 
-def _tis_terms(args, old, rollout, active, seg, n, counts, ratio, metrics):
+def _tis_terms(config, old, rollout, active, seg, n, counts, ratio, metrics):
     """TIS weights ``clamp(exp(logp_old - logp_rollout), low, high)`` (detached); fills the TIS metrics."""
     import torch
 
     log_w = torch.where(active, torch.nan_to_num(old - rollout, nan=0.0), 0.0).detach()
     raw = torch.exp(log_w)
-    weights = raw.clamp(args.tis_clip_low, args.tis_clip)
+    weights = raw.clamp(config.tis_clip_low, config.tis_clip)
     masked_w = torch.where(active, weights, 0.0)
     sum_w = _segment_sum(masked_w, seg, n)
     sum_w2 = _segment_sum(masked_w * masked_w, seg, n)
@@ -162,18 +162,18 @@ def _tis_terms(args, old, rollout, active, seg, n, counts, ratio, metrics):
     return weights
 
 
-def _check_args(args, batch) -> None:
-    if args.eps_clip_c is not None and args.eps_clip_c <= 1.0:
+def _check_args(config, batch) -> None:
+    if config.eps_clip_c is not None and config.eps_clip_c <= 1.0:
         raise PluginError(
-            f"--eps-clip-c {args.eps_clip_c}: the dual-clip bound must be > 1; raise it or leave it unset."
+            f"--eps-clip-c {config.eps_clip_c}: the dual-clip bound must be > 1; raise it or leave it unset."
         )
-    if args.policy_ratio_level not in _RATIO_LEVELS:
+    if config.policy_ratio_level not in _RATIO_LEVELS:
         raise PluginError(
-            f"--policy-ratio-level {args.policy_ratio_level!r}: unknown ratio level; choose token or sequence."
+            f"--policy-ratio-level {config.policy_ratio_level!r}: unknown ratio level; choose token or sequence."
         )
-    if args.use_kl_loss and args.kl_loss_type not in KL_TYPES:
+    if config.use_kl_loss and config.kl_loss_type not in KL_TYPES:
         raise PluginError(
-            f"--kl-loss-type {args.kl_loss_type!r}: unknown KL estimator; choose one of {', '.join(KL_TYPES)}."
+            f"--kl-loss-type {config.kl_loss_type!r}: unknown KL estimator; choose one of {', '.join(KL_TYPES)}."
         )
     if batch.old_log_probs is None:
         raise PluginError("the policy loss needs old log-probs (pi_old) but the batch has none; it cannot run "
@@ -181,15 +181,15 @@ def _check_args(args, batch) -> None:
     if batch.advantages is None:
         raise PluginError("the policy loss needs advantages but the batch has none; it cannot run "
                           "with --disable-compute-advantages-and-returns.")
-    if args.use_kl_loss and batch.ref_log_probs is None:
+    if config.use_kl_loss and batch.ref_log_probs is None:
         raise PluginError(
             "--use-kl-loss: the batch has no reference log-probs; set --ref-load so the reference is loaded."
         )
-    if args.use_tis and batch.rollout_log_probs is None:
+    if config.use_tis and batch.rollout_log_probs is None:
         raise PluginError("--use-tis: the batch has no rollout log-probs; the rollout engine must return per-token "
                           "log-probs (Sample.rollout_log_probs) for truncated importance sampling.")
-    if args.entropy_coef != 0 and batch.entropy is None:
-        raise PluginError(f"--entropy-coef {args.entropy_coef}: the train backend passed no entropy to the loss.")
+    if config.entropy_coef != 0 and batch.entropy is None:
+        raise PluginError(f"--entropy-coef {config.entropy_coef}: the train backend passed no entropy to the loss.")
 
 
 def _cat(tensors, device):

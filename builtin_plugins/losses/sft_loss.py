@@ -6,10 +6,10 @@ from furlong.hooks import LossOutput, hookimpl
 
 
 @hookimpl
-def loss(args, batch):
+def loss(config, batch):
     """Per-token negative log-likelihood ``-logp_t``; the core's reducer averages it.
 
-    Shapes: lists of ``N`` tensors [T_i]. Reads no flag (``args`` is unused). ``old_log_probs`` and
+    Shapes: lists of ``N`` tensors [T_i]. Reads no flag (``config`` is unused). ``old_log_probs`` and
     ``advantages`` may be None (``--disable-compute-advantages-and-returns``).
 
     :param batch: ``LossInput`` with ``log_probs`` (current policy, carries grad).

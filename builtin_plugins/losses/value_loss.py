@@ -6,7 +6,7 @@ from furlong.hooks import LossOutput, PluginError, hookimpl
 
 
 @hookimpl
-def loss(args, batch):
+def loss(config, batch):
     """Per-token clipped squared error of the critic's values against the returns.
 
     ``v_clip = v_old + clip(v - v_old, -value_clip, value_clip)``;
@@ -38,9 +38,9 @@ def loss(args, batch):
         # masked positions get v_old = R = v, so their loss and gradient are exactly 0
         v_old = torch.where(active, v_old.to(v.device).float(), v.detach())
         ret = torch.where(active, ret.to(v.device).float(), v.detach())
-        v_clip = v_old + (v - v_old).clamp(-args.value_clip, args.value_clip)
+        v_clip = v_old + (v - v_old).clamp(-config.value_clip, config.value_clip)
         value = torch.maximum((v_clip - ret) ** 2, (v - ret) ** 2)
         token_loss.append(value)
         losses.append(value)
-        clipfracs.append(((v - v_old).abs() > args.value_clip).float())
+        clipfracs.append(((v - v_old).abs() > config.value_clip).float())
     return LossOutput(token_loss=token_loss, token_metrics={"value_loss": losses, "value_clipfrac": clipfracs})

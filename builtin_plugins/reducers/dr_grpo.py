@@ -27,10 +27,10 @@ def configure(args, report):
 
 
 @hookimpl
-def loss_reducer(args, values, loss_masks):
+def loss_reducer(config, values, loss_masks):
     """``sum_i sum_t x_it m_it / L_max`` over the micro-batch: a 0-dim float32 tensor keeping the graph.
 
     :param values: N float32 tensors [T_i] carrying grad; :param loss_masks: N 0/1 tensors [T_i].
     Masked positions are selected away, so a NaN there changes neither value nor gradient.
     """
-    return masked_sum(values, loss_masks) / float(args.rollout_max_response_len)
+    return masked_sum(values, loss_masks) / float(config.rollout_max_response_len)

@@ -18,7 +18,7 @@ _ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 
 
 @hookimpl
-def reward(args, samples):
+def reward(config, samples):
     """Score each sample +1.0 when its final ``Answer:`` equals its integer label, else -1.0.
 
     Per sample:

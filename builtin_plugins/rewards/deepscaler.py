@@ -23,7 +23,7 @@ _warned_no_marker = False
 
 
 @hookimpl
-async def reward(args, samples):
+async def reward(config, samples):
     """Score each sample 1 when the boxed answer of its final solution equals its label.
 
     Per sample:

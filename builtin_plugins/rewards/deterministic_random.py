@@ -10,7 +10,7 @@ __all__ = ["boxed_response", "reward", "hash_bit"]
 
 
 @hookimpl
-def reward(args, samples):
+def reward(config, samples):
     """Score each sample with the parity of the first byte of SHA-256 of its tokens and response.
 
     ``reward = sha256((str(tokens) + response).encode("utf-8")).digest()[0] % 2``: the same

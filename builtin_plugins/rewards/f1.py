@@ -18,7 +18,7 @@ _SPECIAL = ("yes", "no", "noanswer")
 
 
 @hookimpl
-def reward(args, samples):
+def reward(config, samples):
     """Score each sample with the token F1 between its response and its label.
 
     Both texts are normalized (:func:`normalize_answer`) and split on whitespace; with

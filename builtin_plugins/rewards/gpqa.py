@@ -20,7 +20,7 @@ _STANDALONE = re.compile(r"(?<![A-Za-z\\])([A-Z])(?![A-Za-z])")
 
 
 @hookimpl
-def reward(args, samples):
+def reward(config, samples):
     """Score each sample 1.0 when the choice letter it picks is the correct one.
 
     Per sample:

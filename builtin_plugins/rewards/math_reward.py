@@ -16,7 +16,7 @@ __all__ = ["boxed_response", "grading_stats", "reward"]
 
 
 @hookimpl
-async def reward(args, samples):
+async def reward(config, samples):
     """Score each sample 1 when the final answer of its response equals its label.
 
     Per sample, in order:

@@ -10,7 +10,7 @@ __all__ = ["boxed_response", "reward"]
 
 
 @hookimpl
-def reward(args, samples):
+def reward(config, samples):
     """Score each sample with an integer drawn uniformly from {0, 1}, ignoring its content.
 
     Uses Python's global ``random`` generator, so ``random.seed`` makes it repeatable.

@@ -37,7 +37,7 @@ def configure(args, report):
     """As the run-wide reward (``--rm-type remote_rm``): ``--rm-url`` is required, the time-out positive and
     the retries at least 0, told before any model loads. (A sample that names ``remote_rm`` in its
     ``metadata["rm_type"]`` is checked when it is scored: ``configure`` is not called for those.)"""
-    if not getattr(args, "rm_url", None):
+    if not args.rm_url:
         report.error(f"--rm-type {report.plugin} needs {_NEEDS_URL}")
     if args.remote_rm_timeout <= 0:
         report.error(f"--remote-rm-timeout must be a positive number of seconds, got {args.remote_rm_timeout:g}.")
@@ -46,7 +46,7 @@ def configure(args, report):
 
 
 @hookimpl
-async def reward(args, samples):
+async def reward(config, samples):
     """Score each sample with a reward server: the sample is POSTed, the JSON answer is the reward.
 
     Request: ``POST <--rm-url>`` with body ``{"prompt": ..., "response": ..., "label": ...}``
@@ -68,11 +68,12 @@ async def reward(args, samples):
     :raises PluginError: ``--rm-url`` unset, a label that is not JSON-serializable, a
         request that fails after its retries, or an answer that is not a JSON number/object.
     """
-    url = getattr(args, "rm_url", None)
+    url = config.rm_url
     if not url:
         raise PluginError(f"reward 'remote_rm' needs {_NEEDS_URL}")
-    timeout_s = float(getattr(args, "remote_rm_timeout", DEFAULT_TIMEOUT_S))
-    retries = int(getattr(args, "remote_rm_max_retries", DEFAULT_MAX_RETRIES))
+    own = config.plugin_config("remote_rm")
+    timeout_s = float(own.remote_rm_timeout)
+    retries = int(own.remote_rm_max_retries)
     bodies = [_body(s) for s in samples]
     return list(await asyncio.gather(*(post_json(url, body, timeout_s, retries) for body in bodies)))
 

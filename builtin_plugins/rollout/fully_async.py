@@ -33,17 +33,17 @@ def configure(args, report):
     """
     report.default(args, "rollout_submission_granularity", "sample")
     for dest, flag, why in _EXCLUSIVE:
-        if getattr(args, dest, None):
+        if getattr(args, dest):
             report.error(f"--fully-async cannot be combined with {flag} ({why}).")
     if args.pause_generation_mode == "abort":
         report.error("--fully-async cannot use --pause-generation-mode abort: generation is always in flight, so "
                      "every weight update would throw it away; use retract or in_place.")
-    if getattr(args, "train_mode", None) == "sync":
+    if args.train_mode == "sync":
         report.error("fully async rollout (--rollout fully_async, --fully-async) needs furlong train-async.")
 
 
 @hookimpl
-async def rollout(args, rollout_id, context):
+async def rollout(config, rollout_id, context):
     """Take ``--rollout-batch-size`` groups from the queue a run-long producer fills.
 
     The first call starts the producer task (kept in ``context.state``; the core cancels
@@ -74,7 +74,7 @@ async def rollout(args, rollout_id, context):
     """
     producer = context.state.get("producer")
     if producer is None:
-        producer = _Producer(args, context)
+        producer = _Producer(config, context)
         context.state["producer"] = producer
         context.state["producer_task"] = producer.start()
     return await producer.take(rollout_id, context)
@@ -83,15 +83,15 @@ async def rollout(args, rollout_id, context):
 class _Producer:
     """The run-long generation task and its queue of finished groups."""
 
-    def __init__(self, args, context):
-        self.args = args
+    def __init__(self, config, context):
+        self.config = config
         self.context = context  # its callables and data stay valid for the whole run
-        self.rbs = int(args.rollout_batch_size)
-        self.n = int(args.n_samples_per_prompt)
-        self.groups_budget = _groups_in_flight(self.rbs, self.n, args.async_max_concurrent_samples)
-        self.capacity = _queue_capacity(args.async_data_buffer_capacity_factor, self.rbs)
-        granularity = getattr(args, "rollout_submission_granularity", None) or "sample"
-        self.per_sample = granularity == "sample" and not args.group_rm
+        self.rbs = int(config.rollout_batch_size)
+        self.n = int(config.n_samples_per_prompt)
+        self.groups_budget = _groups_in_flight(self.rbs, self.n, config.async_max_concurrent_samples)
+        self.capacity = _queue_capacity(config.async_data_buffer_capacity_factor, self.rbs)
+        granularity = config.rollout_submission_granularity or "sample"
+        self.per_sample = granularity == "sample" and not config.group_rm
         self.queue: deque = deque()
         self.counts: Counter = Counter()
         self.samples_in_flight = 0
@@ -178,7 +178,7 @@ class _Producer:
 
     def _unused(self, group: list) -> None:
         """``--async-unused-samples-handler``: drop the group, or reset it and buffer it for a retry."""
-        if self.args.async_unused_samples_handler == "retry":
+        if self.config.async_unused_samples_handler == "retry":
             for sample in group:
                 sample.reset_for_retry()
             self.context.data.add_samples([group])
@@ -193,7 +193,7 @@ class _Producer:
                               "call every rollout of a run from one event loop.")
         self.rollout_id = rollout_id
         version = context.weight_version
-        limit = self.args.max_weight_staleness
+        limit = self.config.max_weight_staleness
         batch, staleness, stale = [], [], 0
         while len(batch) < self.rbs:
             self._raise_if_stopped(rollout_id)

@@ -29,7 +29,7 @@ def configure(args, report):
 
 
 @hookimpl
-async def rollout(args, rollout_id, context):
+async def rollout(config, rollout_id, context):
     """Generate groups until ``--rollout-batch-size`` of them pass every filter.
 
     Each wave draws ``--over-sampling-batch-size`` groups; a new wave starts whenever the
@@ -42,20 +42,20 @@ async def rollout(args, rollout_id, context):
     :raises PluginError: ``--max-sampling-waves`` waves did not fill the batch (names the
         filters and the drop counts per reason).
     """
-    target = args.rollout_batch_size
+    target = config.rollout_batch_size
     kept: list[list] = []
     pending: set[asyncio.Task] = set()
     waves = 0
     try:
         while len(kept) < target:
             while len(pending) < target - len(kept):
-                if waves >= args.max_sampling_waves:
-                    raise PluginError(_too_many_waves(args, waves, len(kept), context.data.drop_counts))
+                if waves >= config.max_sampling_waves:
+                    raise PluginError(_too_many_waves(config, waves, len(kept), context.data.drop_counts))
                 waves += 1
                 if waves % 10 == 0:
                     log.warning("rollout %d: %d sampling waves so far, %d of %d groups kept; drops: %s",
                                 rollout_id, waves, len(kept), target, context.data.drop_counts)
-                for group in await context.data.get_samples(args.over_sampling_batch_size):
+                for group in await context.data.get_samples(config.over_sampling_batch_size):
                     pending.add(asyncio.ensure_future(context.generate_group(group)))
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             failed = [t.exception() for t in done if t.exception() is not None]
@@ -74,18 +74,18 @@ async def rollout(args, rollout_id, context):
     if pending:
         await context.abort(rollout_id)
         leftovers = [await task for task in pending]
-        if args.partial_rollout:
+        if config.partial_rollout:
             context.data.add_samples(sorted(leftovers, key=lambda g: g[0].index))
     kept.sort(key=lambda g: g[0].index)
     return kept
 
 
-def _too_many_waves(args, waves: int, kept: int, drops: dict) -> str:
-    filters = list(args.dynamic_sampling_filter or []) + _as_list(args.dynamic_sampling_filter_path)
+def _too_many_waves(config, waves: int, kept: int, drops: dict) -> str:
+    filters = list(config.dynamic_sampling_filter or []) + _as_list(config.dynamic_sampling_filter_path)
     counts = ", ".join(f"{reason}: {n}" for reason, n in sorted(drops.items())) or "none"
     return (
-        f"dynamic sampling gave up after {waves} waves (--max-sampling-waves {args.max_sampling_waves}): "
-        f"{kept} of {args.rollout_batch_size} groups kept.\n"
+        f"dynamic sampling gave up after {waves} waves (--max-sampling-waves {config.max_sampling_waves}): "
+        f"{kept} of {config.rollout_batch_size} groups kept.\n"
         f"  Filters: {', '.join(filters) or 'none'}. Groups dropped per reason: {counts}.\n"
         "  Loosen the filters, raise --over-sampling-batch-size or --max-sampling-waves."
     )

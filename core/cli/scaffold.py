@@ -28,7 +28,7 @@ BODIES = {
     "add_arguments": """\
         group = parser.add_argument_group("{name}")
         group.add_argument("--{flag}-scale", type=float, default=1.0,
-                           help="An example flag of {name}; read it as args.{name}_scale.")""",
+                           help="An example flag of {name}; read it as config.plugin_config('{name}').{name}_scale.")""",
     "configure": """\
         return None  # report.error(...) / report.warn(...) / report.default(args, dest, value)""",
     "executor": """\
@@ -40,7 +40,7 @@ BODIES = {
     "train_backend": """\
         raise PluginError("plugin '{name}': `train_backend` is not written yet.")""",
     "data_source": """\
-        return JsonlRows(args.prompt_data)""",
+        return JsonlRows(dataset.path)""",
     "rollout": """\
         raise PluginError("plugin '{name}': `rollout` is not written yet.")""",
     "generate": """\
@@ -222,7 +222,8 @@ def _module(name: str, hooks: list[str]) -> str:
 def _stub(name: str, hook: str) -> str:
     """One hook function: the spec's parameters and docstring, and a body that works."""
     spec = getattr(specs, hook)
-    params = ", ".join(inspect.signature(spec).parameters)
+    names = list(inspect.signature(spec).parameters)
+    params = ", ".join(n for n in names if not (n == "args" and "config" in names))  # the new form only
     doc = inspect.getdoc(spec) or ""
     quote = 'r"""' if "\\" in doc else '"""'
     body = textwrap.dedent(BODIES[hook]).format(name=name, flag=name.replace("_", "-"))
@@ -234,7 +235,7 @@ def _stub(name: str, hook: str) -> str:
 def _test(name: str, package: str, hooks: list[str]) -> str:
     return f'''"""{name}: found through its entry point, and every hook the kit can call meets furlong's contract."""
 
-from furlong.core.config.launch_args import launch_args
+from furlong.core.config.launch_args import launch_config
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks.testing import check_plugin
 
@@ -248,8 +249,8 @@ def test_furlong_finds_the_plugin_by_its_entry_point():
 
 
 def test_the_plugin_meets_the_hook_contract():
-    # the flags a run gives the hooks; add yours, e.g. launch_args("--{name.replace("_", "-")}-scale", "2")
-    report = check_plugin({package}, "{name}", args=launch_args())
+    # the configuration of a run with these flags; add yours, e.g. launch_config("--{name.replace("_", "-")}-scale", "2")
+    report = check_plugin({package}, "{name}", config=launch_config())
     assert sorted(report.checked + list(report.not_exercised)) == {sorted(hooks)!r}
 '''
 

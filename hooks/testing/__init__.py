@@ -20,16 +20,23 @@ rules the core cannot afford to check on every call (finite advantages and losse
 loss that carries grad, the token budget across turns). A broken rule raises
 :class:`ContractViolation` naming the plugin, the hook and the rule.
 
+The hooks get the run configuration the caller builds with
+``furlong.core.config.launch_args.launch_config(...)`` (``configure`` gets its
+``namespace()``, the mutable set-up view), as in a run::
+
+    from furlong.core.config.launch_args import launch_config
+
+    report = check_plugin(my_plugin, "my_plugin", config=launch_config("--rm-type", "my_plugin"))
+
 Not exercised (they need a model, files or a cluster): ``rollout``, ``rollout_engine``,
-``train_backend``, ``executor``; ``data_source`` only when ``args`` is given (it reads
-``--prompt-data``). They are listed in :attr:`ContractReport.not_exercised`; test them with a
+``train_backend``, ``executor``; ``data_source`` only when a ``dataset``
+(:class:`~furlong.hooks.DatasetSpec`) is given. They are listed in :attr:`ContractReport.not_exercised`; test them with a
 short ``furlong train`` in a subprocess (:mod:`.processes` starts one in a known signal state,
 for tests that stop it with a signal).
 """
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import attrs
@@ -39,11 +46,13 @@ from .. import specs
 from ..contract import argument_name_problems, no_hookimpl_problem, unknown_hook_problems
 from ..errors import PluginError
 from ..markers import PROJECT
-from .checks import CHECKS, NOT_EXERCISED, ORDER, Caller, ContractViolation
+from ..run_config import RunConfig
+from ..types import DatasetSpec
+from .checks import CHECKS, NOT_EXERCISED, ORDER, Caller, ContractViolation, KitRun, NoConfigGiven
 from .inputs import CharTokenizer, TinyEngine, advantage_input, loss_input, sample_group
 
-__all__ = ["CharTokenizer", "ContractReport", "ContractViolation", "TinyEngine", "advantage_input", "check_plugin",
-           "loss_input", "sample_group"]
+__all__ = ["CharTokenizer", "ContractReport", "ContractViolation", "NoConfigGiven", "TinyEngine", "advantage_input",
+           "check_plugin", "loss_input", "sample_group"]
 
 
 @attrs.define
@@ -55,37 +64,40 @@ class ContractReport:
     not_exercised: dict[str, str] = attrs.field(factory=dict)
 
 
-def check_plugin(plugin: object, name: str, args: argparse.Namespace | None = None,
-                 engine: Any = None) -> ContractReport:
+def check_plugin(plugin: object, name: str, config: RunConfig | None = None, engine: Any = None,
+                 dataset: DatasetSpec | None = None) -> ContractReport:
     """Check every hook ``plugin`` implements against furlong's hook contract.
 
     :param plugin: the plugin object (usually the module your entry point names).
-    :param name: its entry-point name (flags it adds should start with ``--<name>-``).
-    :param args: the launch flags the hooks get. Default: a Namespace of the plugin's own
-        flag defaults (from its ``add_arguments``); a plugin that reads furlong's flags
-        needs the real ones: ``furlong.core.config.launch_args.launch_args()``.
+    :param name: its entry-point name (flags it adds should start with ``--<name>-``; its
+        section of the configuration is ``config.plugin_config(name)``).
+    :param config: the run configuration the hooks get, built through the parser:
+        ``furlong.core.config.launch_args.launch_config(...)`` (the plugin installed, or
+        ``pm=`` a plugin manager that holds it, so its flags parse). May be left out when no
+        hook the kit calls reads it (``add_arguments`` never does).
     :param engine: the engine ``generate`` gets (default a :class:`TinyEngine`).
+    :param dataset: what ``data_source`` reads; without it ``data_source`` is not exercised.
     :returns: a :class:`ContractReport`.
     :raises ContractViolation: the first broken rule (plugin, hook and rule named).
+    :raises NoConfigGiven: (a TypeError) a hook the kit calls reads the run configuration and ``config`` is None.
     """
     pm = _register(plugin, name)
     hooks = [caller.name for caller in pm.get_hookcallers(plugin)]
     ordered = [h for h in specs.__all__ if h in hooks]
     report = ContractReport(plugin=name)
-    if args is None:
-        args = _own_flag_defaults(pm, plugin, name)
+    run = KitRun(config=config, engine=engine, dataset=dataset)
     for hook in sorted(ordered, key=lambda h: (ORDER.index(h) if h in ORDER else len(ORDER), ordered.index(h))):
-        if hook in NOT_EXERCISED or (hook == "data_source" and getattr(args, "prompt_data", None) is None):
-            report.not_exercised[hook] = NOT_EXERCISED.get(hook, "needs --prompt-data in args")
+        if hook in NOT_EXERCISED or (hook == "data_source" and dataset is None):
+            report.not_exercised[hook] = NOT_EXERCISED.get(hook, "needs a dataset (a furlong.hooks.DatasetSpec)")
             continue
         impl = next(i for i in getattr(pm.hook, hook).get_hookimpls() if i.plugin is plugin)
         check = CHECKS[hook]
         try:
-            check(Caller(impl, name, hook), args, engine)
+            check(Caller(impl, name, hook), run)
         except PluginError as exc:  # a rule of furlong.hooks.contract, the one the core applies
             rule = str(exc).removeprefix(f"plugin '{name}'").removeprefix(":").strip()
             raise ContractViolation(f"plugin '{name}' breaks the `{hook}` contract: {rule}") from None
-        except ContractViolation:
+        except (ContractViolation, NoConfigGiven):
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. a data source method that raises
             raise ContractViolation(f"plugin '{name}': what `{hook}` returned raised on the kit's realistic "
@@ -106,13 +118,3 @@ def _register(plugin: object, name: str) -> pluggy.PluginManager:
     if problem:
         raise ContractViolation(f"plugin '{name}' does not register: {problem}")
     return pm
-
-
-def _own_flag_defaults(pm: pluggy.PluginManager, plugin: object, name: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(add_help=False)
-    for impl in pm.hook.add_arguments.get_hookimpls():
-        if impl.plugin is plugin:
-            Caller(impl, name, "add_arguments")(parser=parser)
-    args = parser.parse_args([])
-    args.explicit_args = []
-    return args

@@ -65,7 +65,7 @@ def configure(args, report):
 
 
 @hookimpl
-def train_backend(args):
+def train_backend(config):
     """Create the fsdp backend; :meth:`FSDPBackend.init` loads the model.
 
     Flags read: ``--hf-checkpoint``, ``--ref-load``, ``--use-kl-loss``, ``--kl-coef``,
@@ -82,4 +82,4 @@ def train_backend(args):
 
     :returns: an :class:`FSDPBackend` (meets :class:`furlong.hooks.TrainBackend`).
     """
-    return FSDPBackend(args)
+    return FSDPBackend(config)

@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any
 
-from furlong.hooks import ParallelLayout, PluginError, TrainBatch
+from furlong.hooks import ParallelLayout, PluginError, RunConfig, TrainBatch
 from furlong.kit.hf import compile_decoder_layers, is_hf_dir
 from furlong.kit.master_weights import MasterWeights
 from furlong.kit.trainer import StepLoop
@@ -37,8 +37,8 @@ class FSDPBackend(StepLoop):
 
     name = "fsdp"
 
-    def __init__(self, args: Any) -> None:
-        self.args = args
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
         self.model = None
         self.compute_model = None  # the model the passes run: self.model, or its bfloat16 copy under --bf16
         self.masters: MasterWeights | None = None
@@ -53,7 +53,7 @@ class FSDPBackend(StepLoop):
 
     # --- set-up -------------------------------------------------------------------------
 
-    async def init(self, args: Any) -> int:
+    async def init(self, config: RunConfig) -> int:
         """Load actor (and reference), build optimizer and LR schedule; return 0.
 
         Warm start: actor weights from ``--ref-load`` when it is a Hugging
@@ -66,8 +66,8 @@ class FSDPBackend(StepLoop):
         import torch
         from transformers import AutoTokenizer
 
-        self.args = args
-        self.world, self.rank = dist_info(args)
+        self.config = config
+        self.world, self.rank = dist_info(config)
         if torch.cuda.is_available():
             local = int(os.environ.get("LOCAL_RANK", 0))
             if local >= torch.cuda.device_count():  # e.g. one visible GPU per Ray actor
@@ -76,47 +76,47 @@ class FSDPBackend(StepLoop):
             self.device = torch.device("cuda", local)
         else:
             self.device = torch.device("cpu")
-        if self.world > 1 and self.device.type == "cpu" and getattr(args, "bf16", False):
+        if self.world > 1 and self.device.type == "cpu" and config.bf16:
             raise PluginError(f"--bf16 with {self.world} FSDP2 ranks on CPU is not supported yet (FSDP2's mixed "
                               "precision runs on GPUs); leave it out to train in float32, or use one process.")
-        source, flag = (args.ref_load, "--ref-load") if is_hf_dir(getattr(args, "ref_load", None)) else (
-            args.hf_checkpoint, "--hf-checkpoint")
-        self.model = self._place(lora.apply_lora(load_causal_lm(source, args, self.device, flag), args),
+        source, flag = (config.ref_load, "--ref-load") if is_hf_dir(config.ref_load) else (
+            config.hf_checkpoint, "--hf-checkpoint")
+        self.model = self._place(lora.apply_lora(load_causal_lm(source, config, self.device, flag), config),
                                  trainable=True)
         self.compute_model, self.masters = self._bf16_copy()
         self._compile(self.compute_model, trainable=True)
-        if getattr(args, "use_kl_loss", False) or getattr(args, "kl_coef", 0.0):
-            ref = load_causal_lm(source, args, self.device, flag).requires_grad_(False)
+        if config.use_kl_loss or config.kl_coef:
+            ref = load_causal_lm(source, config, self.device, flag).requires_grad_(False)
             self.ref_model = self._place(ref, trainable=False)
             if self.masters is not None:  # a reference never trains: bfloat16 alone, like the model's passes
                 _bf16_parameters(self.ref_model)
             self._compile(self.ref_model, trainable=False)
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+            self.tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
         except (OSError, ValueError):
-            log.warning("fsdp: no tokenizer in %s; checkpoints will hold weights and config only", args.hf_checkpoint)
-        self.optimizer = build_optimizer(self.model, args)
-        self.schedule = LRSchedule.from_args(args)
+            log.warning("fsdp: no tokenizer in %s; checkpoints will hold weights and config only", config.hf_checkpoint)
+        self.optimizer = build_optimizer(self.model, config)
+        self.schedule = LRSchedule.from_config(config)
         if self.rank == 0:
             log.info("fsdp: %s", self._precision())
             log.info("fsdp optimizer: %s, weight decay %s, clip %s, schedule %s", type(self.optimizer).__name__,
-                     args.weight_decay, args.clip_grad, self.schedule)
+                     config.weight_decay, config.clip_grad, self.schedule)
         return 0
 
     def _place(self, model, *, trainable: bool):
-        if not trainable or not getattr(self.args, "gradient_checkpointing", False):
+        if not trainable or not self.config.gradient_checkpointing:
             model.eval()
         if trainable:
             self._tied = tied_names(model)
         if self.world > 1:
-            shard(model, self.args, self.world, self.device, trainable=trainable)
+            shard(model, self.config, self.world, self.device, trainable=trainable)
             return model
         return model.to(self.device)
 
     def _precision(self) -> str:
         if self.masters is not None:
             return "bf16 parameters, fp32 master weights"
-        if self.world > 1 and getattr(self.args, "bf16", False):
+        if self.world > 1 and self.config.bf16:
             return "FSDP2 bf16 compute over fp32 shards, fp32 gradient reduction"
         return "fp32"
 
@@ -126,13 +126,13 @@ class FSDPBackend(StepLoop):
         Otherwise ``(the model, None)``: float32, or FSDP2's bfloat16 compute over float32 shards."""
         import copy
 
-        if self.world > 1 or not getattr(self.args, "bf16", False):
+        if self.world > 1 or not self.config.bf16:
             return self.model, None
         compute = _bf16_parameters(copy.deepcopy(self.model))
         return compute, MasterWeights(compute, masters=dict(self.model.named_parameters()))
 
     def _compile(self, model, *, trainable: bool) -> None:
-        if not getattr(self.args, "train_torch_compile", False):
+        if not self.config.train_torch_compile:
             return
         # dynamic: every micro-batch has another length; compiled once, not once per length
         layers = compile_decoder_layers(model, "--train-torch-compile", dynamic=True)
@@ -148,12 +148,12 @@ class FSDPBackend(StepLoop):
     def _forward(self, model, batch: TrainBatch, ids: list[int], grad: bool):
         if model is self.model:
             model = self.compute_model  # the bfloat16 copy under --bf16 (its gradients reach the masters)
-            if lora.enabled(self.args):
+            if lora.enabled(self.config):
                 lora.set_dropout(model, active=grad)
         return forward_log_probs(
             model, [batch.tokens[i] for i in ids], [int(batch.response_lengths[i]) for i in ids], batch.temperature,
             self.device, grad=grad, entropy_grad=self._entropy_grad(grad),
-            chunk_size=int(getattr(self.args, "log_probs_chunk_size", -1) or -1),
+            chunk_size=int(self.config.log_probs_chunk_size or -1),
         )
 
     def train_forward_gives_old_log_probs(self) -> bool:
@@ -161,9 +161,9 @@ class FSDPBackend(StepLoop):
         dropout of the model's config under ``--gradient-checkpointing`` (which trains in train mode)."""
         import torch
 
-        if lora.enabled(self.args) and float(getattr(self.args, "lora_dropout", 0.0) or 0.0) > 0:
+        if lora.enabled(self.config) and float(self.config.lora_dropout or 0.0) > 0:
             return False
-        if not getattr(self.args, "gradient_checkpointing", False):
+        if not self.config.gradient_checkpointing:
             return True
         config = getattr(self.model, "config", None)
         rates = [v for k, v in (config.to_dict() if config is not None else {}).items()
@@ -174,11 +174,11 @@ class FSDPBackend(StepLoop):
     # --- training -----------------------------------------------------------------------
 
     def _before_train(self) -> None:
-        if getattr(self.args, "gradient_checkpointing", False):
+        if self.config.gradient_checkpointing:
             self.compute_model.train()
 
     def _after_train(self) -> None:
-        if getattr(self.args, "gradient_checkpointing", False):
+        if self.config.gradient_checkpointing:
             self.compute_model.eval()
 
     def _learning_rate(self) -> float:
@@ -196,7 +196,7 @@ class FSDPBackend(StepLoop):
         import torch
 
         params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = float(getattr(self.args, "clip_grad", 1.0) or 0.0)
+        clip = float(self.config.clip_grad or 0.0)
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf) if params else torch.tensor(0.0)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
@@ -221,7 +221,7 @@ class FSDPBackend(StepLoop):
         the live weights; copy them before the next :meth:`train`.
         """
         items = self._full_state()
-        if lora.enabled(self.args):  # LoRA: the engines get W + scaling * B A under the HF names
+        if lora.enabled(self.config):  # LoRA: the engines get W + scaling * B A under the HF names
             items = lora.merged_weights(self.model, items)
         async for name, tensor in items:
             yield name, tensor
@@ -246,7 +246,7 @@ class FSDPBackend(StepLoop):
         await self._in_thread(
             checkpoint.save_checkpoint, path, model=self.model, optimizer=self.optimizer, tokenizer=self.tokenizer,
             global_step=self.global_step, world=self.world, rank=self.rank, tied=self._tied,
-            save_optim=not getattr(self.args, "no_save_optim", False),
+            save_optim=not self.config.no_save_optim,
         )
 
     async def load(self, path: str) -> None:
@@ -261,13 +261,13 @@ class FSDPBackend(StepLoop):
         await self._in_thread(checkpoint.load_weights, path, self.model, self.world, self.rank, self._tied)
         if self.masters is not None:
             self.masters.copy_to_model()
-        if not getattr(self.args, "no_load_optim", False):
+        if not self.config.no_load_optim:
             found = await self._in_thread(checkpoint.load_optimizer, path, self.model, self.optimizer, self.world,
                                             self.rank)
             if not found and self.rank == 0:
                 log.warning("fsdp: %s has no optimizer.pt (saved with --no-save-optim); Adam starts fresh", path)
         self.global_step = int(meta["global_step"])
-        if not getattr(self.args, "no_load_rng", False):
+        if not self.config.no_load_rng:
             checkpoint.load_rng(path, self.rank)
 
 

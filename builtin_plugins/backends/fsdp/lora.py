@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any, AsyncIterator
 
-from furlong.hooks import PluginError
+from furlong.hooks import PluginError, RunConfig
 
 __all__ = ["ADAPTER", "adapter_keys", "apply_lora", "base_model", "enabled", "is_adapter_dir", "merged_weights",
            "set_dropout"]
@@ -29,11 +29,11 @@ def base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def enabled(args: Any) -> bool:
-    return int(getattr(args, "lora_rank", 0) or 0) > 0
+def enabled(config: RunConfig) -> bool:
+    return int(config.lora_rank or 0) > 0
 
 
-def apply_lora(model, args: Any):
+def apply_lora(model, config: RunConfig):
     """Wrap ``model`` with LoRA adapters when ``--lora-rank`` > 0, else return it unchanged.
 
     ``--target-modules``: ``all-linear`` (default; every linear layer but the output head)
@@ -41,23 +41,23 @@ def apply_lora(model, args: Any):
 
     :raises PluginError: peft is not installed, or peft rejects the targets.
     """
-    if not enabled(args):
+    if not enabled(config):
         return model
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:
         raise PluginError("--lora-rank needs peft: pip install 'furlong[lora]' (or pip install peft).") from exc
-    targets = _names(getattr(args, "target_modules", None)) or ["all-linear"]
-    config = LoraConfig(
-        r=int(args.lora_rank), lora_alpha=int(args.lora_alpha), lora_dropout=float(args.lora_dropout),
+    targets = _names(config.target_modules) or ["all-linear"]
+    lora_config = LoraConfig(
+        r=int(config.lora_rank), lora_alpha=int(config.lora_alpha), lora_dropout=float(config.lora_dropout),
         target_modules="all-linear" if targets == ["all-linear"] else targets,
-        exclude_modules=_names(getattr(args, "exclude_modules", None)) or None, task_type="CAUSAL_LM",
+        exclude_modules=_names(config.exclude_modules) or None, task_type="CAUSAL_LM",
     )
     try:
-        wrapped = get_peft_model(model, config)
+        wrapped = get_peft_model(model, lora_config)
     except ValueError as exc:
         raise PluginError(f"--target-modules {','.join(targets)}: {exc}") from exc
-    if getattr(args, "gradient_checkpointing", False):
+    if config.gradient_checkpointing:
         wrapped.enable_input_require_grads()  # the frozen embeddings would cut the checkpointed graph
     return wrapped
 

@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Any
 
-from furlong.hooks import PluginError
+from furlong.hooks import PluginError, RunConfig
 from furlong.kit.hf import decoder_layers, is_hf_dir, load_causal_lm_weights
 
 from .packing import use_packed_attention
@@ -16,7 +16,7 @@ __all__ = ["build_optimizer", "dist_info", "enable_activation_checkpointing", "l
 log = logging.getLogger("furlong.backends.fsdp")
 
 
-def dist_info(args: Any) -> tuple[int, int]:
+def dist_info(config: RunConfig) -> tuple[int, int]:
     """``(world_size, rank)`` of the default process group, ``(1, 0)`` without one.
 
     ``furlong train`` under ``torchrun`` initializes the group before the backend loads
@@ -35,7 +35,7 @@ def dist_info(args: Any) -> tuple[int, int]:
     return 1, 0
 
 
-def load_causal_lm(path: str, args: Any, device, flag: str):
+def load_causal_lm(path: str, config: RunConfig, device, flag: str):
     """Load a float32 causal LM from ``path`` into host memory (the caller moves or shards it).
 
     Attention: ``--attn-implementation`` when it loads, else ``sdpa`` (always ``sdpa`` on CPU,
@@ -52,7 +52,7 @@ def load_causal_lm(path: str, args: Any, device, flag: str):
     if not is_hf_dir(path):
         raise PluginError(f"{flag} {path}: not a Hugging Face model directory (no config.json); the fsdp backend "
                           "loads Hugging Face checkpoints.")
-    wanted = args.attn_implementation
+    wanted = config.attn_implementation
     if device.type != "cuda" and wanted.startswith("flash"):
         wanted = "sdpa"
     order = (wanted,) if wanted == "sdpa" else (wanted, "sdpa")
@@ -60,10 +60,10 @@ def load_causal_lm(path: str, args: Any, device, flag: str):
     model.config.use_cache = False
     if device.type == "cuda":
         reason = ("float32 training (--bf16 off): the variable-length flash kernel runs in 16-bit only"
-                  if not getattr(args, "bf16", False) else use_packed_attention(model))
+                  if not config.bf16 else use_packed_attention(model))
         if reason is not None:
             log.info("fsdp: %s: micro-batches are right-padded, not packed: %s", flag, reason)
-    if getattr(args, "gradient_checkpointing", False):
+    if config.gradient_checkpointing:
         enable_activation_checkpointing(model)
     return model
 
@@ -90,7 +90,7 @@ def tied_names(model) -> set[str]:
     return tied
 
 
-def shard(model, args: Any, world: int, device, *, trainable: bool) -> None:
+def shard(model, config: RunConfig, world: int, device, *, trainable: bool) -> None:
     """FSDP2: ``fully_shard`` each decoder layer, then the whole model (in place).
 
     Mesh: 1-D over all ranks, or 2-D ``(dp_replicate, dp_shard)`` (HSDP) with
@@ -111,16 +111,16 @@ def shard(model, args: Any, world: int, device, *, trainable: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    replicate = int(getattr(args, "dp_replicate_size", 1) or 1)
+    replicate = int(config.dp_replicate_size or 1)
     if world % replicate:
         raise PluginError(f"--dp-replicate-size {replicate} must divide the trainer world size {world}.")
     if replicate > 1:
         mesh = init_device_mesh(device.type, (replicate, world // replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
     else:
         mesh = init_device_mesh(device.type, (world,))
-    bf16 = device.type == "cuda" and getattr(args, "bf16", False)
+    bf16 = device.type == "cuda" and config.bf16
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    offload = CPUOffloadPolicy() if getattr(args, "fsdp_cpu_offload", False) else OffloadPolicy()
+    offload = CPUOffloadPolicy() if config.fsdp_cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
@@ -132,7 +132,7 @@ def shard(model, args: Any, world: int, device, *, trainable: bool) -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
 
-def build_optimizer(model, args: Any):
+def build_optimizer(model, config: RunConfig):
     """AdamW (``--optimizer adam``) or SGD (``sgd``) over the trainable parameters.
 
     Decoupled weight decay ``--weight-decay`` applies to matrices only: biases and other
@@ -149,14 +149,14 @@ def build_optimizer(model, args: Any):
     for name, param in model.named_parameters():
         if param.requires_grad:
             (no_decay if param.ndim < 2 or name.endswith(".bias") else decay).append(param)
-    wd = float(getattr(args, "weight_decay", 0.1))
+    wd = float(config.weight_decay)
     groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
-    kind = getattr(args, "optimizer", "adam") or "adam"
+    kind = config.optimizer or "adam"
     if kind == "adam":
         params = decay + no_decay
         fused = bool(params) and all(p.is_cuda and not hasattr(p, "full_tensor") for p in params)
-        return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                                  fused=fused or None)
     if kind == "sgd":
-        return torch.optim.SGD(groups, lr=args.lr, momentum=float(getattr(args, "sgd_momentum", 0.9)))
+        return torch.optim.SGD(groups, lr=config.lr, momentum=float(config.megatron_args.get("sgd_momentum", 0.9)))
     raise PluginError(f"--optimizer {kind!r}: the fsdp backend supports adam (AdamW) and sgd.")

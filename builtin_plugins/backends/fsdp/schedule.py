@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from furlong.hooks import PluginError
+from furlong.hooks import PluginError, RunConfig
 
 __all__ = ["LRSchedule", "lr_at"]
 
@@ -74,7 +74,7 @@ def lr_at(
 
 @attrs.define
 class LRSchedule:
-    """The resolved schedule: lengths in optimizer steps. Build it with :meth:`from_args`."""
+    """The resolved schedule: lengths in optimizer steps. Build it with :meth:`from_config`."""
 
     lr: float
     min_lr: float
@@ -86,7 +86,7 @@ class LRSchedule:
     wsd_style: str = "exponential"
 
     @classmethod
-    def from_args(cls, args: Any) -> "LRSchedule":
+    def from_config(cls, config: RunConfig) -> "LRSchedule":
         """Resolve ``--lr``, ``--min-lr``, ``--lr-decay-style``, ``--lr-decay-iters`` (default: total
         steps ``T = num_rollout * num_steps_per_rollout``), ``--lr-warmup-iters`` or
         ``--lr-warmup-fraction`` (of the decay steps), ``--lr-warmup-init``,
@@ -95,30 +95,30 @@ class LRSchedule:
         :raises PluginError: an unknown style, WSD without ``--lr-wsd-decay-iters``, or a
             warmup longer than the decay.
         """
-        style = getattr(args, "lr_decay_style", "constant") or "constant"
+        style = config.lr_decay_style or "constant"
         if style not in _STYLES:
             raise PluginError(f"--lr-decay-style {style!r}: the fsdp backend supports {', '.join(_STYLES)}.")
-        steps_per_rollout = getattr(args, "num_steps_per_rollout", None)
+        steps_per_rollout = config.num_steps_per_rollout
         if not steps_per_rollout:
-            steps_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
-        total = int(args.num_rollout) * int(steps_per_rollout)
-        decay = args.lr_decay_iters if getattr(args, "lr_decay_iters", None) is not None else total
-        fraction = getattr(args, "lr_warmup_fraction", None)
-        warmup = fraction * decay if fraction is not None else (getattr(args, "lr_warmup_iters", 0) or 0)
+            steps_per_rollout = config.rollout_batch_size * config.n_samples_per_prompt // config.global_batch_size
+        total = int(config.num_rollout) * int(steps_per_rollout)
+        decay = config.lr_decay_iters if config.lr_decay_iters is not None else total
+        fraction = config.lr_warmup_fraction
+        warmup = fraction * decay if fraction is not None else (config.lr_warmup_iters or 0)
         if style != "constant" and warmup > decay:
             raise PluginError(
                 f"--lr-warmup-iters/--lr-warmup-fraction give {warmup:g} warmup steps, more than the "
                 f"{decay:g} decay steps (--lr-decay-iters, default num_rollout x steps per rollout); shorten the warmup."
             )
-        wsd_decay = getattr(args, "lr_wsd_decay_iters", None)
-        wsd_style = args.lr_wsd_decay_style
+        wsd_decay = config.lr_wsd_decay_iters
+        wsd_style = config.lr_wsd_decay_style
         if style == "WSD":
             if not wsd_decay:
                 raise PluginError("--lr-decay-style WSD needs --lr-wsd-decay-iters (steps of the final anneal).")
             if wsd_style not in _WSD_STYLES:
                 raise PluginError(f"--lr-wsd-decay-style {wsd_style!r}: choose one of {', '.join(_WSD_STYLES)}.")
-        return cls(lr=float(args.lr), min_lr=float(getattr(args, "min_lr", 0.0) or 0.0), warmup=warmup,
-                   decay=decay, style=style, init=float(getattr(args, "lr_warmup_init", 0.0) or 0.0),
+        return cls(lr=float(config.lr), min_lr=float(config.min_lr or 0.0), warmup=warmup,
+                   decay=decay, style=style, init=float(config.lr_warmup_init or 0.0),
                    wsd_decay=wsd_decay, wsd_style=wsd_style)
 
     def __call__(self, step: int) -> float:

@@ -140,11 +140,11 @@ def _check_architecture(args, report) -> None:
             report.error(f"--tensor-model-parallel-size {tp} does not divide {what} {value} of {where}.")
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     try:
-        stage_layer_counts(shape.num_layers, pp, *pipeline_split(args))
+        stage_layer_counts(shape.num_layers, pp, *pipeline_split(args.megatron_args))
     except ValueError as exc:
         message = str(exc)  # a split flag's own value is at fault, or the split of this model's layers
         report.error(message if message.startswith("--decoder-") else f"{where}: {message}")
-    if pp == 1 and any(n is not None for n in pipeline_split(args)):
+    if pp == 1 and any(n is not None for n in pipeline_split(args.megatron_args)):
         report.warn("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers change nothing "
                     "without --pipeline-model-parallel-size > 1.")
     groups = shape.num_query_groups
@@ -154,7 +154,7 @@ def _check_architecture(args, report) -> None:
 
 
 @hookimpl
-def train_backend(args):
+def train_backend(config):
     """Create the megatron backend; :meth:`MegatronBackend.init` builds and loads the model.
 
     Flags read: ``--hf-checkpoint``, ``--ref-load``, ``--tensor-model-parallel-size``,
@@ -173,4 +173,4 @@ def train_backend(args):
     """
     from .backend import MegatronBackend
 
-    return MegatronBackend(args)
+    return MegatronBackend(config)

@@ -8,7 +8,7 @@ import os
 import warnings
 from typing import Any
 
-from furlong.hooks import ParallelLayout, PluginError, TrainBatch
+from furlong.hooks import ParallelLayout, PluginError, RunConfig, TrainBatch
 from furlong.kit.hf import is_hf_dir
 from furlong.kit.trainer import StepLoop, local_optimizer
 
@@ -58,8 +58,8 @@ class MegatronBackend(PipelineStages, StepLoop):
 
     name = "megatron"
 
-    def __init__(self, args: Any) -> None:
-        self.args = args
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
         self.model = None
         self.ref_model = None
         self.optimizer = None
@@ -75,7 +75,7 @@ class MegatronBackend(PipelineStages, StepLoop):
 
     # --- set-up -------------------------------------------------------------------------
 
-    async def init(self, args: Any) -> int:
+    async def init(self, config: RunConfig) -> int:
         """Build the model from ``--hf-checkpoint``'s config and load the actor (and reference) weights; return 0.
 
         Weights: ``--ref-load`` when it is a Hugging Face directory or a ``torch_dist``
@@ -88,7 +88,7 @@ class MegatronBackend(PipelineStages, StepLoop):
         import torch
         from transformers import AutoConfig
 
-        self.args = args
+        self.config = config
         if torch.cuda.is_available():
             local = int(os.environ.get("LOCAL_RANK", 0))
             if local >= torch.cuda.device_count():
@@ -100,27 +100,27 @@ class MegatronBackend(PipelineStages, StepLoop):
             # megatron-core's advice for overlapping tensor-parallel communication on a GPU
             warnings.filterwarnings("ignore", message=".*recommended to set the environment variable "
                                     "CUDA_DEVICE_MAX_CONNECTIONS", category=UserWarning)
-        if recompute_settings(args) and self.device.type != "cuda":
+        if recompute_settings(config) and self.device.type != "cuda":
             raise PluginError("--recompute-granularity needs CUDA with --train-backend megatron (megatron-core's "
                               "recompute restores CUDA RNG states).")
-        self.tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-        self.pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-        self.cp = int(getattr(args, "context_parallel_size", 1) or 1)
+        self.tp = int(config.tensor_model_parallel_size or 1)
+        self.pp = int(config.pipeline_model_parallel_size or 1)
+        self.cp = int(config.context_parallel_size or 1)
         self.world, self.rank = init_parallel(self.tp, self.device, self.pp, self.cp)
         if self.device.type == "cuda":
             from megatron.core import tensor_parallel
 
-            tensor_parallel.model_parallel_cuda_manual_seed(int(getattr(args, "seed", 1234)))
+            tensor_parallel.model_parallel_cuda_manual_seed(int(config.seed))
         try:
-            hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+            hf_config = AutoConfig.from_pretrained(config.hf_checkpoint)
         except (OSError, ValueError) as exc:
-            raise PluginError(f"--hf-checkpoint {args.hf_checkpoint}: cannot read config.json: {exc}") from exc
-        self.shape = model_shape(hf_config, f"--hf-checkpoint {args.hf_checkpoint}")
-        problems = check_model_args(args, self.shape, f"--hf-checkpoint {args.hf_checkpoint}/config.json")
+            raise PluginError(f"--hf-checkpoint {config.hf_checkpoint}: cannot read config.json: {exc}") from exc
+        self.shape = model_shape(hf_config, f"--hf-checkpoint {config.hf_checkpoint}")
+        problems = check_model_args(config, self.shape, f"--hf-checkpoint {config.hf_checkpoint}/config.json")
         try:
-            counts = stage_layer_counts(self.shape.num_layers, self.pp, *pipeline_split(args))
+            counts = stage_layer_counts(self.shape.num_layers, self.pp, *pipeline_split(config.megatron_args))
         except ValueError as exc:
-            problems.append(f"--hf-checkpoint {args.hf_checkpoint}: {exc}")
+            problems.append(f"--hf-checkpoint {config.hf_checkpoint}: {exc}")
         if problems:
             raise PluginError(" ".join(problems))
         if self.pp > 1:
@@ -128,21 +128,21 @@ class MegatronBackend(PipelineStages, StepLoop):
 
             self.stage = Stage(parallel_state.get_pipeline_model_parallel_rank(), self.pp, counts)
         self.vocab_rows = padded_vocab_size(self.shape.vocab_size, self.tp,
-                                            getattr(args, "make_vocab_size_divisible_by", None))
+                                            config.make_vocab_size_divisible_by)
         self.model = self._load_model()
         untrained_padding_lookups(self.model, self.shape.padding_idx)
         if self._dtype() != torch.float32:
             self.masters = MasterWeights(self.model)
-            saved = torch_dist_dir(getattr(args, "ref_load", None))
+            saved = torch_dist_dir(config.ref_load)
             if saved:  # the checkpoint holds float32 weights: the masters start from them, not from their rounding
                 checkpoint.load_weights(saved, self.model, self.device, masters=self.masters)
         params = dict(self._trained_parameters())
         self._tp_sharded = {id(params[local]) for u, local in placed_units(self.shape, self.stage)
                             if u.split is not None}
-        if getattr(args, "use_kl_loss", False) or getattr(args, "kl_coef", 0.0):
+        if config.use_kl_loss or config.kl_coef:
             self.ref_model = self._load_model().requires_grad_(False)
-        self.optimizer = build_optimizer(self._trained_parameters(), args, self._optimizer_shards())
-        self.scheduler = build_scheduler(self.optimizer, args)
+        self.optimizer = build_optimizer(self._trained_parameters(), config, self._optimizer_shards())
+        self.scheduler = build_scheduler(self.optimizer, config)
         if self.rank == 0:
             log.info("megatron: %s, TP %d%s, PP %d%s, CP %d, DP %d, vocab rows %d, %s%s", self.shape.family, self.tp,
                      " (sequence parallel)" if self._sequence_parallel() else "", self.pp, f" (layers per stage {'+'.join(map(str, self.stage.layers))})" if self.pp > 1 else "",
@@ -151,19 +151,19 @@ class MegatronBackend(PipelineStages, StepLoop):
         return 0
 
     def _load_model(self):
-        first, last = pipeline_split(self.args) if self.pp > 1 else (None, None)
+        first, last = pipeline_split(self.config.megatron_args) if self.pp > 1 else (None, None)
         split = {k: v for k, v in (("num_layers_in_first_pipeline_stage", first),
                                    ("num_layers_in_last_pipeline_stage", last)) if v is not None}
         model = build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device, pp=self.pp, cp=self.cp,
-                          sequence_parallel=self._sequence_parallel(), **recompute_settings(self.args), **split)
-        ref = getattr(self.args, "ref_load", None)
+                          sequence_parallel=self._sequence_parallel(), **recompute_settings(self.config), **split)
+        ref = self.config.ref_load
         if is_hf_dir(ref):
             load_hf(model, safetensors_stream(ref), self.shape, self.vocab_rows, self.tp, self._tp_rank(),
                     f"--ref-load {ref}", self.stage)
         elif torch_dist_dir(ref):
             checkpoint.load_weights(torch_dist_dir(ref), model, self.device)
         else:
-            source = self.args.hf_checkpoint
+            source = self.config.hf_checkpoint
             load_hf(model, safetensors_stream(source), self.shape, self.vocab_rows, self.tp, self._tp_rank(),
                     f"--hf-checkpoint {source}", self.stage)
         return model.eval()
@@ -175,13 +175,13 @@ class MegatronBackend(PipelineStages, StepLoop):
 
     def _sequence_parallel(self) -> bool:
         """``--sequence-parallel`` with TP > 1 (with TP 1 it changes nothing, as in Megatron)."""
-        return bool(getattr(self.args, "sequence_parallel", False)) and self.tp > 1
+        return bool(self.config.sequence_parallel) and self.tp > 1
 
     def _dtype(self):
         """Parameter dtype: bfloat16 with ``--bf16``, else float32."""
         import torch
 
-        return torch.bfloat16 if getattr(self.args, "bf16", False) else torch.float32
+        return torch.bfloat16 if self.config.bf16 else torch.float32
 
     def _trained_parameters(self):
         """``(name, tensor)`` of what the optimizer updates: the float32 masters under ``--bf16``."""
@@ -216,15 +216,15 @@ class MegatronBackend(PipelineStages, StepLoop):
 
         if self.cp == 1 and varlen_supported(self.device, self._dtype()):
             return True
-        return bool(getattr(self.args, "use_dynamic_batch_size", False)) and pack_micro_batch([len(t) for t in tokens])
+        return bool(self.config.use_dynamic_batch_size) and pack_micro_batch([len(t) for t in tokens])
 
     def _chunk_rows(self) -> int:
-        return int(getattr(self.args, "log_probs_chunk_size", -1) or -1)
+        return int(self.config.log_probs_chunk_size or -1)
 
     # --- training -----------------------------------------------------------------------
 
     def _before_train(self) -> None:
-        if recompute_settings(self.args):
+        if recompute_settings(self.config):
             self.model.train()  # megatron-core recomputes activations in training mode only (no dropout here)
 
     def _after_train(self) -> None:
@@ -233,14 +233,14 @@ class MegatronBackend(PipelineStages, StepLoop):
     def _optimizer_shards(self):
         """The group the AdamW state is sharded over: the data-parallel x context-parallel ranks under
         ``--use-distributed-optimizer`` (as megatron-core's distributed optimizer), None otherwise."""
-        if not getattr(self.args, "use_distributed_optimizer", False) or self._dp_size() * self.cp == 1:
+        if not self.config.use_distributed_optimizer or self._dp_size() * self.cp == 1:
             return None
         from megatron.core import parallel_state
 
         return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
     def _optimizer_note(self) -> str:
-        if not getattr(self.args, "use_distributed_optimizer", False):
+        if not self.config.use_distributed_optimizer:
             return ""
         shards = self._dp_size() * self.cp
         if shards == 1:
@@ -307,7 +307,7 @@ class MegatronBackend(PipelineStages, StepLoop):
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         finite = math.isfinite(norm) and float(flag) == 0.0
-        clip = float(getattr(self.args, "clip_grad", 1.0) or 0.0)
+        clip = float(self.config.clip_grad or 0.0)
         if finite and clip > 0 and norm > clip:
             torch._foreach_mul_([p.grad for p in params], clip / (norm + 1e-6))
         return norm, finite
@@ -358,7 +358,7 @@ class MegatronBackend(PipelineStages, StepLoop):
             checkpoint.save_checkpoint, path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             masters=self.masters, global_step=self.global_step, rank=self.rank, world=self.world, tp=self.tp,
             pp=self.pp, cp=self.cp,
-            save_optim=not getattr(self.args, "no_save_optim", False), device=self.device)
+            save_optim=not self.config.no_save_optim, device=self.device)
 
     async def load(self, path: str) -> None:
         """Restore weights, optimizer and schedule (unless ``--no-load-optim``), RNG (unless ``--no-load-rng``).
@@ -370,8 +370,8 @@ class MegatronBackend(PipelineStages, StepLoop):
         """
         self.global_step = await self._in_thread(
             checkpoint.load_checkpoint, path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            masters=self.masters, rank=self.rank, world=self.world, load_optim=not getattr(self.args, "no_load_optim", False),
-            load_rng=not getattr(self.args, "no_load_rng", False), device=self.device)
+            masters=self.masters, rank=self.rank, world=self.world, load_optim=not self.config.no_load_optim,
+            load_rng=not self.config.no_load_rng, device=self.device)
 
 
 def summed_over_tensor_parallel(name: str, sequence_parallel: bool = False) -> bool:
@@ -400,14 +400,14 @@ def pack_micro_batch(lengths: list[int]) -> bool:
     return bool(real) and len(lengths) * max(lengths) > PACK_ABOVE_PADDING * real
 
 
-def recompute_settings(args: Any) -> dict:
+def recompute_settings(config: RunConfig) -> dict:
     """``TransformerConfig`` recompute fields from ``--recompute-granularity``, ``--recompute-method``,
     ``--recompute-num-layers`` (none when the granularity is not given)."""
-    granularity = getattr(args, "recompute_granularity", None)
+    granularity = config.recompute_granularity
     if not granularity:
         return {}
     settings = {"recompute_granularity": granularity}
     if granularity == "full":
-        settings["recompute_method"] = getattr(args, "recompute_method", None) or "uniform"
-        settings["recompute_num_layers"] = int(getattr(args, "recompute_num_layers", None) or 1)
+        settings["recompute_method"] = config.recompute_method or "uniform"
+        settings["recompute_num_layers"] = int(config.recompute_num_layers or 1)
     return settings

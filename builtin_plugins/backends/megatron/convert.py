@@ -21,7 +21,7 @@ tied model's last stage holds a copy of the embedding as its output layer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -52,10 +52,14 @@ class Unit:
 COLUMN, ROW, FC1 = (0, 1), (1, 1), (0, 2)
 
 
-def pipeline_split(args: Any) -> tuple:
-    """``(--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers)``, None where not given."""
-    return (getattr(args, "decoder_first_pipeline_num_layers", None),
-            getattr(args, "decoder_last_pipeline_num_layers", None))
+def pipeline_split(megatron_args: Mapping[str, Any]) -> tuple:
+    """``(--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers)``, None where not given.
+
+    :param megatron_args: the Megatron-LM-only flags given, ``{dest: value}`` (``megatron_args`` of the
+        run configuration, or of the launch flags in ``configure``).
+    """
+    return (megatron_args.get("decoder_first_pipeline_num_layers"),
+            megatron_args.get("decoder_last_pipeline_num_layers"))
 
 
 def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> tuple:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from furlong.hooks import PluginError
+from furlong.hooks import PluginError, RunConfig
 
 __all__ = ["build_optimizer", "build_scheduler", "total_steps"]
 
 
-def build_optimizer(named_parameters, args: Any, shard_over=None):
+def build_optimizer(named_parameters, config: RunConfig, shard_over=None):
     """AdamW over ``named_parameters`` (``(name, tensor)`` pairs; those requiring grad are
     trained): ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``; the fused CUDA kernel on GPUs.
 
@@ -31,7 +31,7 @@ def build_optimizer(named_parameters, args: Any, shard_over=None):
     """
     import torch
 
-    kind = getattr(args, "optimizer", "adam") or "adam"
+    kind = config.optimizer or "adam"
     if kind != "adam":
         raise PluginError(f"--optimizer {kind!r}: the megatron backend supports adam (AdamW) only.")
     named = [(n, p) for n, p in named_parameters if p.requires_grad]
@@ -39,7 +39,7 @@ def build_optimizer(named_parameters, args: Any, shard_over=None):
               {"params": [p for n, p in named if p.ndim < 2 or n.endswith(".bias")], "wd_mult": 0.0}]
     groups = [g for g in groups if g["params"]]
     fused = bool(named) and all(p.is_cuda for _, p in named)  # one kernel for the whole step on CUDA
-    settings = dict(lr=float(args.lr), betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+    settings = dict(lr=float(config.lr), betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                     fused=fused or None)
     if shard_over is None:
         return torch.optim.AdamW(groups, **settings)
@@ -48,14 +48,14 @@ def build_optimizer(named_parameters, args: Any, shard_over=None):
     return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=shard_over, **settings)
 
 
-def total_steps(args: Any) -> int:
+def total_steps(config: RunConfig) -> int:
     """Optimizer steps of the run: ``num_rollout x steps per rollout``."""
-    per_rollout = getattr(args, "num_steps_per_rollout", None) or (
-        args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size)
-    return int(args.num_rollout) * int(per_rollout)
+    per_rollout = config.num_steps_per_rollout or (
+        config.rollout_batch_size * config.n_samples_per_prompt // config.global_batch_size)
+    return int(config.num_rollout) * int(per_rollout)
 
 
-def build_scheduler(optimizer, args: Any):
+def build_scheduler(optimizer, config: RunConfig):
     """megatron-core's ``OptimizerParamScheduler`` from Megatron's LR flags, counted in optimizer steps.
 
     ``--lr``, ``--min-lr``, ``--lr-decay-style``, ``--lr-decay-iters`` (default: total
@@ -69,23 +69,23 @@ def build_scheduler(optimizer, args: Any):
     """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    style = getattr(args, "lr_decay_style", "constant") or "constant"
-    decay = args.lr_decay_iters if getattr(args, "lr_decay_iters", None) is not None else total_steps(args)
+    style = config.lr_decay_style or "constant"
+    decay = config.lr_decay_iters if config.lr_decay_iters is not None else total_steps(config)
     decay = max(int(decay), 1)
-    fraction = getattr(args, "lr_warmup_fraction", None)
-    warmup = int(fraction * decay) if fraction is not None else int(getattr(args, "lr_warmup_iters", 0) or 0)
+    fraction = config.lr_warmup_fraction
+    warmup = int(fraction * decay) if fraction is not None else int(config.lr_warmup_iters or 0)
     if warmup >= decay:
         raise PluginError(f"--lr-warmup-iters/--lr-warmup-fraction give {warmup} warmup steps, not fewer than the "
                           f"{decay} decay steps (--lr-decay-iters, default num_rollout x steps per rollout).")
-    wsd = getattr(args, "lr_wsd_decay_iters", None)
+    wsd = config.lr_wsd_decay_iters
     if style == "WSD" and not wsd:
         raise PluginError("--lr-decay-style WSD needs --lr-wsd-decay-iters (steps of the final anneal).")
-    wd = float(args.weight_decay)
-    override = bool(getattr(args, "override_opt_param_scheduler", False))
+    wd = float(config.weight_decay)
+    override = bool(config.override_opt_param_scheduler)
     return OptimizerParamScheduler(
-        optimizer, init_lr=float(getattr(args, "lr_warmup_init", 0.0) or 0.0), max_lr=float(args.lr),
-        min_lr=float(getattr(args, "min_lr", 0.0) or 0.0), lr_warmup_steps=warmup, lr_decay_steps=decay,
+        optimizer, init_lr=float(config.lr_warmup_init or 0.0), max_lr=float(config.lr),
+        min_lr=float(config.min_lr or 0.0), lr_warmup_steps=warmup, lr_decay_steps=decay,
         lr_decay_style=style, start_wd=wd, end_wd=wd, wd_incr_steps=decay, wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=bool(getattr(args, "use_checkpoint_opt_param_scheduler", False))
+        use_checkpoint_opt_param_scheduler=bool(config.use_checkpoint_opt_param_scheduler)
         and not override, override_opt_param_scheduler=override, wsd_decay_steps=wsd,
-        lr_wsd_decay_style=args.lr_wsd_decay_style)
+        lr_wsd_decay_style=config.lr_wsd_decay_style)

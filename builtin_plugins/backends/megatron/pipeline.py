@@ -71,7 +71,7 @@ class PipelineStages:
     :func:`run_schedule` (PP = 1 keeps :class:`furlong.kit.trainer.StepLoop`'s) and a tied model's two
     embedding copies (the first stage's table, the last stage's output layer).
 
-    Uses the backend's ``pp``, ``stage``, ``shape``, ``model``, ``masters``, ``args`` and ``device``.
+    Uses the backend's ``pp``, ``stage``, ``shape``, ``model``, ``masters``, ``config`` and ``device``.
     """
 
     def _pipeline(self, net, batch: TrainBatch, chunks: list[list[int]], grad: bool, loop) -> list[tuple]:

@@ -17,6 +17,8 @@ __all__ = ["EmbeddedEngine", "add_arguments", "configure", "load_engine", "rollo
 
 log = logging.getLogger("furlong.engines.embedded")
 
+PLUGIN = "embedded"
+
 
 @hookimpl
 def add_arguments(parser):
@@ -43,24 +45,24 @@ def configure(args, report):
 
 
 @hookimpl
-def rollout_engine(args):
+def rollout_engine(config, engine_index):
     """Create the embedded engine from ``--hf-checkpoint`` (its own copy of the weights).
 
     Flags read: ``--hf-checkpoint``, ``--bf16``/``--fp16`` (CUDA only; CPU runs float32),
-    ``--embedded-max-batch-size``, ``--embedded-torch-compile``, ``--seed`` (engine ``i`` seeds its sampling with
-    ``seed + i``, ``i`` = ``args.rollout_engine_index``).
+    ``--embedded-max-batch-size``, ``--embedded-torch-compile``, ``--seed`` (engine ``engine_index``
+    seeds its sampling with ``seed + engine_index``).
 
     :returns: an :class:`EmbeddedEngine` (meets :class:`furlong.hooks.RolloutEngine`).
     :raises PluginError: ``--hf-checkpoint`` is missing or cannot be loaded.
     """
-    size = getattr(args, "embedded_max_batch_size", None)
+    own = config.plugin_config(PLUGIN)
     return load_engine(
-        args.hf_checkpoint,
-        max_batch_size=64 if size is None else int(size),  # 0 reaches the engine's check
-        half=not args.fp16 and args.bf16,
-        fp16=bool(args.fp16),
-        seed=int(args.seed) + int(getattr(args, "rollout_engine_index", 0) or 0),
-        compile="inductor" if getattr(args, "embedded_torch_compile", False) else None,
+        config.hf_checkpoint,
+        max_batch_size=int(own.embedded_max_batch_size),  # 0 reaches the engine's check
+        half=not config.fp16 and config.bf16,
+        fp16=config.fp16,
+        seed=config.seed + int(engine_index),
+        compile="inductor" if own.embedded_torch_compile else None,
     )
 
 

@@ -6,7 +6,7 @@ generation through the router, control calls and weight updates to its own serve
 in the engine's process: a Ray actor, or the driver under ``--executor local``) or, with
 ``--rollout-external``, attached to. The router is started when the run is configured,
 on the driver's host, unless ``--sglang-router-ip``/``--sglang-router-port`` name a
-running one; either way ``args.sglang_router_ip``/``args.sglang_router_port`` hold its
+running one; either way ``config.sglang_router_ip``/``config.sglang_router_port`` hold its
 address for the whole run (custom generate functions post to it).
 """
 
@@ -16,7 +16,7 @@ import logging
 import random
 import socket
 
-from furlong.hooks import PluginError, hookimpl
+from furlong.hooks import PluginError, RunConfig, hookimpl
 
 from .engine import SGLangEngine
 from .launch import ServerPlace, server_command, sglang_server_args
@@ -28,6 +28,7 @@ __all__ = ["SGLangEngine", "add_arguments", "configure", "rollout_engine", "serv
 log = logging.getLogger("furlong.engines.sglang")
 
 SERVABLE = False  # furlong serve refuses this engine: it is a client of servers, not one
+PLUGIN = "sglang"
 ROUTER_PORTS = (3000, 4000)  # furlong's router takes a free port here unless --sglang-router-port
 
 
@@ -63,12 +64,12 @@ def configure(args, report):
     if bad:
         report.error(f"--rollout-external-engine-addrs {' '.join(bad)}: each address must be HOST:PORT.")
     if args.rollout_external and addrs:
-        given = getattr(args, "explicit_args", None) or ()
+        given = args.explicit_args
         if "rollout_num_gpus" in given and args.rollout_num_gpus != len(addrs) * per_engine:
             report.error(f"--rollout-num-gpus {args.rollout_num_gpus} does not match the {len(addrs)} external "
                          f"server(s) of --rollout-external-engine-addrs x --rollout-num-gpus-per-engine {per_engine}.")
         args.rollout_num_gpus = len(addrs) * per_engine
-    given = set(getattr(args, "explicit_args", None) or ())
+    given = set(args.explicit_args)
     embedded = [f"--{k.replace('_', '-')}" for k in ("embedded_max_batch_size", "embedded_torch_compile") if k in given]
     if embedded and (args.rollout_external or args.sglang_server_impl != "furlong"):
         report.error(f"{' and '.join(embedded)} {'set' if len(embedded) > 1 else 'sets'} the embedded engine, which "
@@ -86,12 +87,12 @@ def configure(args, report):
             needs = ('--sglang-server-impl sglang needs SGLang: pip install "furlong[sglang]" on a GPU machine '
                      "(or --sglang-server-impl furlong to serve the model with furlong's own engine).")
             # --print-config checks a cluster's script on any machine: what the cluster has is not judged here
-            if getattr(args, "print_config", False):
+            if args.print_config:
                 report.warn(f"{needs} (not needed for --print-config)")
             else:
                 report.error(needs)
     per_node = int(args.num_gpus_per_node)  # its default is this machine's GPU count: not judged under --print-config
-    if per_engine > per_node and not args.rollout_external and not getattr(args, "print_config", False):
+    if per_engine > per_node and not args.rollout_external and not args.print_config:
         report.error(f"--rollout-num-gpus-per-engine {per_engine} is more than --num-gpus-per-node {per_node}: an "
                      "SGLang server spanning nodes is not supported yet; use at most "
                      f"{per_node} GPUs per engine (or start the servers yourself: --rollout-external).")
@@ -109,7 +110,7 @@ def configure(args, report):
     engines = max(1, int(args.rollout_num_gpus or per_engine) // per_engine)
     args.sglang_engines_per_process = engines if args.engines_in_driver else 1
     args.sglang_router_given = args.sglang_router_ip is not None
-    if args.sglang_router_given or report.errors or getattr(args, "print_config", False):
+    if args.sglang_router_given or report.errors or args.print_config:
         return
     if router_module() is None:
         report.error(NEEDS_ROUTER)
@@ -122,8 +123,8 @@ def configure(args, report):
 
 
 @hookimpl
-async def rollout_engine(args):
-    """Engine ``args.rollout_engine_index``: start (or attach to) its server, register it with the router.
+async def rollout_engine(config, engine_index):
+    """Engine ``engine_index``: start (or attach to) its server, register it with the router.
 
     Flags read: ``--hf-checkpoint`` (the tokenizer; the model of a started server),
     ``--sglang-server-impl``, ``--rollout-external``, ``--rollout-external-engine-addrs``,
@@ -138,24 +139,24 @@ async def rollout_engine(args):
     """
     from furlong.kit.hf import load_tokenizer
 
-    index = int(getattr(args, "rollout_engine_index", 0) or 0)
-    if not args.hf_checkpoint:
+    index = int(engine_index)
+    if not config.hf_checkpoint:
         raise PluginError("--rollout-backend sglang needs --hf-checkpoint (the tokenizer, and the model to serve).")
-    if args.sglang_router_ip is None:
+    if config.sglang_router_ip is None:
         raise PluginError("sglang engine: no router address (--sglang-router-ip/--sglang-router-port); the run's "
                           "configure step starts one.")
-    tokenizer = load_tokenizer(args.hf_checkpoint)
-    router_url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
-    if args.rollout_external:
-        host, port = _host_port(args.rollout_external_engine_addrs[index])
+    tokenizer = load_tokenizer(config.hf_checkpoint)
+    router_url = f"http://{config.sglang_router_ip}:{config.sglang_router_port}"
+    if config.rollout_external:
+        host, port = _host_port(config.rollout_external_engine_addrs[index])
         place = None
     else:
-        host = "127.0.0.1" if args.engines_in_driver else _host_address()
+        host = "127.0.0.1" if config.engines_in_driver else _host_address()
         port = _free_port()
         place = ServerPlace(index, host, port, nccl_port=_free_port(), dist_init_addr=f"{host}:{_free_port()}",
-                            base_gpu_id=_base_gpu_id(args, index))
-    register = not (args.rollout_external and args.sglang_router_given)
-    engine = SGLangEngine(args, index, f"http://{host}:{port}", router_url, place, register, tokenizer)
+                            base_gpu_id=_base_gpu_id(config, index))
+    register = not (config.rollout_external and config.plugin_config(PLUGIN).sglang_router_given)
+    engine = SGLangEngine(config, index, f"http://{host}:{port}", router_url, place, register, tokenizer)
     try:
         await engine.start()
     except BaseException:
@@ -195,19 +196,19 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _base_gpu_id(args, index: int) -> int:
+def _base_gpu_id(config: RunConfig, index: int) -> int:
     """The first GPU of engine ``index``'s server, as its process numbers them.
 
-    Engines in the driver's process (``args.engines_in_driver``, ``--executor local``): the
+    Engines in the driver's process (``config.engines_in_driver``, ``--executor local``): the
     trainer (this process) uses the first ``--actor-num-nodes x --actor-num-gpus-per-node``
     GPUs unless ``--colocate``; engine ``i`` takes the ``--rollout-num-gpus-per-engine`` GPUs
     after those of the engines before it. An engine in a process of its own (a Ray actor)
     is shown its own GPU alone: 0.
     """
-    if not args.engines_in_driver:
+    if not config.engines_in_driver:
         return 0
-    per_engine = int(args.rollout_num_gpus_per_engine or 1)
-    trainer = 0 if args.colocate else int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node)
+    per_engine = int(config.rollout_num_gpus_per_engine or 1)
+    trainer = 0 if config.colocate else int(config.actor_num_nodes) * int(config.actor_num_gpus_per_node)
     return trainer + index * per_engine
 
 

@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any
 
-from furlong.hooks import GenerateOutput, PluginError
+from furlong.hooks import GenerateOutput, PluginError, RunConfig
 
 from .buckets import save_bucket, serialize_cuda_bucket
 from .http import HttpError, release_http, shared_http
@@ -47,29 +47,30 @@ class SGLangEngine:
 
     context_len = None  # the server enforces its own context length
 
-    def __init__(self, args: Any, index: int, url: str, router_url: str, place: ServerPlace | None,
+    def __init__(self, config: RunConfig, index: int, url: str, router_url: str, place: ServerPlace | None,
                  register_with_router: bool, tokenizer: Any) -> None:
-        self.args, self.index, self.url, self.router_url, self.place = args, index, url, router_url, place
+        self.config, self.index, self.url, self.router_url, self.place = config, index, url, router_url, place
         self.register_with_router = register_with_router
         self.tokenizer = tokenizer
-        self.weight_update_ranks = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+        self.weight_update_ranks = int(config.rollout_num_gpus_per_engine or 1)
         self.protocol: ServerProtocol | None = None  # read from the server once it serves
         self.paused = False  # between pause_generation and continue_generation
-        api_key = (getattr(args, "sglang_passthrough", None) or {}).get("api_key")
+        api_key = (config.sglang_passthrough or {}).get("api_key")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.on_restart = None  # set by the core: gives a replaced server the current weights
-        self.restarts_left = int(getattr(args, "sglang_server_restarts", 3))
+        own = config.plugin_config("sglang")
+        self.restarts_left = int(own.sglang_server_restarts)
         self.process: ManagedProcess | None = None
         self.http = None
         self._in_flight: set[asyncio.Future] = set()
         self._weights_dir: str | None = None
         self._recovering: asyncio.Future | None = None
-        self._policy_key = getattr(args, "sglang_router_policy", None) in ("consistent_hashing", "manual")
-        concurrency = int(getattr(args, "sglang_server_concurrency", 512) or 512)
-        engines_here = int(getattr(args, "sglang_engines_per_process", 1) or 1)
+        self._policy_key = config.sglang_router_policy in ("consistent_hashing", "manual")
+        concurrency = int(config.sglang_server_concurrency or 512)
+        engines_here = int(own.sglang_engines_per_process or 1)
         self._generation_limit = concurrency * engines_here
-        self._generate_timeout = float(getattr(args, "sglang_router_request_timeout_secs", 14400) or 14400)
-        self._control_timeout = 60.0 * float(getattr(args, "distributed_timeout_minutes", 10) or 10)
+        self._generate_timeout = float(config.sglang_router_request_timeout_secs or 14400)
+        self._control_timeout = 60.0 * float(config.distributed_timeout_minutes or 10)
 
     @property
     def who(self) -> str:
@@ -85,8 +86,8 @@ class SGLangEngine:
         """
         self.http = shared_http(self._generation_limit)
         if self.place is not None:
-            self.process = ManagedProcess(f"sglang server {self.index}", server_command(self.args, self.place),
-                                          env=server_env(self.args))
+            self.process = ManagedProcess(f"sglang server {self.index}", server_command(self.config, self.place),
+                                          env=server_env(self.config))
         await self._wait_ready()
         await self._read_protocol()
         if self.register_with_router:
@@ -187,8 +188,8 @@ class SGLangEngine:
         try:
             if self.process is not None:
                 await asyncio.to_thread(self.process.kill)
-            self.process = ManagedProcess(f"sglang server {self.index}", server_command(self.args, self.place),
-                                          env=server_env(self.args))
+            self.process = ManagedProcess(f"sglang server {self.index}", server_command(self.config, self.place),
+                                          env=server_env(self.config))
             self.paused = False
             await self._wait_ready()
             await self._read_protocol()

@@ -17,7 +17,7 @@ import tempfile
 import weakref
 from typing import Any
 
-from furlong.hooks import PluginError
+from furlong.hooks import PluginError, RunConfig
 
 __all__ = ["FORCED", "ManagedProcess", "ServerPlace", "router_command", "server_command", "server_env",
            "sglang_server_args"]
@@ -43,7 +43,7 @@ class ServerPlace:
         return f"http://{self.host}:{self.port}"
 
 
-def sglang_server_args(args: Any, place: ServerPlace) -> list[str]:
+def sglang_server_args(config: RunConfig, place: ServerPlace) -> list[str]:
     """The argument list of ``python -m sglang.launch_server`` for engine ``place.index``.
 
     Forced: ``--model-path`` (``--hf-checkpoint``), ``--trust-remote-code``, ``--random-seed``
@@ -53,46 +53,47 @@ def sglang_server_args(args: Any, place: ServerPlace) -> list[str]:
     ``--skip-server-warmup``. Set unless given: ``--enable-metrics``, ``--dtype float16`` under
     ``--fp16``. Then every other ``--sglang-<X>`` as given (a bare flag stays bare).
     """
-    per_engine = int(getattr(args, "rollout_num_gpus_per_engine", 1) or 1)
+    per_engine = int(config.rollout_num_gpus_per_engine or 1)
     forced: dict[str, Any] = {
-        "model_path": args.hf_checkpoint, "trust_remote_code": True,
-        "random_seed": int(args.seed or 0) + place.index, "tp_size": per_engine,
-        "enable_memory_saver": bool(getattr(args, "offload_rollout", False)),
+        "model_path": config.hf_checkpoint, "trust_remote_code": True,
+        "random_seed": int(config.seed or 0) + place.index, "tp_size": per_engine,
+        "enable_memory_saver": bool(config.offload_rollout),
         "host": place.host, "port": place.port, "nccl_port": place.nccl_port,
         # nnodes 1: a server spanning nodes is refused when the run is configured
         "nnodes": 1, "node_rank": 0, "dist_init_addr": place.dist_init_addr,
         "base_gpu_id": place.base_gpu_id, "gpu_id_step": 1, "skip_server_warmup": True,
     }
-    given = dict(getattr(args, "sglang_passthrough", None) or {})
+    given = dict(config.sglang_passthrough or {})
     ignored = sorted(k for k in given if k in FORCED)
     if ignored:
         log.warning("%s: furlong sets these SGLang arguments itself; the values given are ignored.",
                     ", ".join("--sglang-" + k.replace("_", "-") for k in ignored))
     defaults: dict[str, Any] = {"enable_metrics": True}
-    if getattr(args, "fp16", False):
+    if config.fp16:
         defaults["dtype"] = "float16"
     values = {**forced, **{k: v for k, v in defaults.items() if k not in given},
               **{k: v for k, v in given.items() if k not in FORCED}}
     return _as_argv(values)
 
 
-def server_command(args: Any, place: ServerPlace) -> list[str]:
+def server_command(config: RunConfig, place: ServerPlace) -> list[str]:
     """The command that starts engine ``place.index``'s server (``--sglang-server-impl``)."""
-    if args.sglang_server_impl == "furlong":  # furlong serve runs the embedded engine: its flags go along
-        embedded = ["--embedded-max-batch-size", str(args.embedded_max_batch_size)] if getattr(
-            args, "embedded_max_batch_size", None) else []
-        if getattr(args, "embedded_torch_compile", False):
+    if config.plugin_config("sglang").sglang_server_impl == "furlong":  # furlong serve runs the embedded engine
+        embedded_flags = config.plugin_config("embedded")
+        embedded = ["--embedded-max-batch-size", str(embedded_flags.embedded_max_batch_size)] if (
+            embedded_flags.embedded_max_batch_size) else []
+        if embedded_flags.embedded_torch_compile:
             embedded.append("--embedded-torch-compile")
-        return [sys.executable, "-m", "furlong.core", "serve", "--hf-checkpoint", args.hf_checkpoint,
-                "--host", place.host, "--port", str(place.port), "--seed", str(int(args.seed or 0) + place.index),
+        return [sys.executable, "-m", "furlong.core", "serve", "--hf-checkpoint", config.hf_checkpoint,
+                "--host", place.host, "--port", str(place.port), "--seed", str(int(config.seed or 0) + place.index),
                 *embedded]
-    return [sys.executable, "-m", "sglang.launch_server", *sglang_server_args(args, place)]
+    return [sys.executable, "-m", "sglang.launch_server", *sglang_server_args(config, place)]
 
 
-def server_env(args: Any) -> dict:
+def server_env(config: RunConfig) -> dict:
     """The server's environment: this process's, plus a clean proxy bypass for loopback and the run's hosts."""
     env = dict(os.environ)
-    hosts = {"127.0.0.1", "localhost", str(getattr(args, "sglang_router_ip", "") or "")}
+    hosts = {"127.0.0.1", "localhost", str(config.sglang_router_ip or "")}
     hosts |= set(env.get("no_proxy", "").split(","))
     env["no_proxy"] = env["NO_PROXY"] = ",".join(sorted(h for h in hosts if h))
     return env

@@ -16,11 +16,14 @@ import difflib
 import functools
 import json
 
-from furlong.hooks import PluginError, hookimpl
+from furlong.hooks import DatasetSpec, PluginError, RunConfig, hookimpl
 from furlong.kit.answers import last_boxed_content, stated_answer
 from furlong.kit.epochs import EpochOrder
 
 __all__ = ["ReasoningGymSource", "add_arguments", "configure", "data_source", "extract_answer", "reward"]
+
+PLUGIN = "reasoning_gym"
+"""The plugin's name: its section of the run configuration."""
 
 META_KEY = "reasoning_gym"
 """``Sample.metadata[META_KEY]`` = ``{"task", "seed", "size", "index"}``: where the reward finds the task entry."""
@@ -53,7 +56,7 @@ def configure(args, report):
     as_source = "--data-source" in report.flags
     if as_source and not args.reasoning_gym_tasks:
         report.error("--data-source reasoning_gym needs --reasoning-gym-tasks TASK [TASK ...] (e.g. chain_sum).")
-    if as_source and getattr(args, "prompt_data", None):
+    if as_source and args.prompt_data:
         report.error(f"--data-source reasoning_gym generates its prompts; --prompt-data {args.prompt_data} would "
                      "not be read. Drop it, or use --data-source jsonl.")
     for task in args.reasoning_gym_tasks or ():
@@ -71,25 +74,25 @@ def configure(args, report):
 
 
 @hookimpl
-def data_source(args):
+def data_source(config, dataset):
     """Generate the prompts: ``--reasoning-gym-tasks`` for training; for an eval set
     (``--eval-prompt-data NAME TASK[,TASK...]``) the task names are its path.
 
     :raises PluginError: an unknown task name (with the closest names), or a task whose
         generator rejects its default configuration.
     """
-    eval_flag = getattr(args, "prompt_data_flag", None)
-    if eval_flag:
-        tasks = [t.strip() for t in str(args.prompt_data).split(",") if t.strip()]
-        seed = args.reasoning_gym_eval_seed
-        seed = args.reasoning_gym_seed + 1 if seed is None else seed
-        return ReasoningGymSource(tasks, args.reasoning_gym_eval_size, seed, args, flag=eval_flag)
-    return ReasoningGymSource(args.reasoning_gym_tasks or [], args.reasoning_gym_size, args.reasoning_gym_seed, args,
-                              flag="--reasoning-gym-tasks")
+    own = config.plugin_config(PLUGIN)
+    if dataset.evaluation:
+        tasks = [t.strip() for t in str(dataset.path).split(",") if t.strip()]
+        seed = own.reasoning_gym_eval_seed
+        seed = own.reasoning_gym_seed + 1 if seed is None else seed
+        return ReasoningGymSource(tasks, own.reasoning_gym_eval_size, seed, config, dataset, flag=dataset.flag)
+    return ReasoningGymSource(list(own.reasoning_gym_tasks or ()), own.reasoning_gym_size, own.reasoning_gym_seed,
+                              config, dataset, flag="--reasoning-gym-tasks")
 
 
 @hookimpl
-def reward(args, samples):
+def reward(config, samples):
     """Score each sample with its task's own verifier (``dataset.score_answer``).
 
     The answer is the content of the response's last ``<answer>...</answer>`` tag (what
@@ -127,7 +130,8 @@ def extract_answer(response: str) -> str | None:
 
 class ReasoningGymSource:
     """Rows of generated tasks, the task names interleaved, in epoch order (shuffled per epoch
-    with ``--rollout-seed + epoch`` under ``--rollout-shuffle``, like the ``jsonl`` source).
+    with ``spec.seed + epoch`` when ``spec.shuffle``: ``--rollout-seed`` and ``--rollout-shuffle``
+    for the training data, like the ``jsonl`` source).
 
     Rows are ``{"prompt", "label", "metadata"}``: the prompt is the system prompt and the
     question (rendered with the chat template under ``--apply-chat-template``), the label the
@@ -135,14 +139,15 @@ class ReasoningGymSource:
     index.
     """
 
-    def __init__(self, tasks: list[str], size: int, seed: int, args, flag: str):
+    def __init__(self, tasks: list[str], size: int, seed: int, config: RunConfig, spec: DatasetSpec,
+                 flag: str):
         if not tasks:
             raise PluginError(f"{flag}: no reasoning-gym task names given.")
         for task in tasks:
             problem = _unknown_task(task)
             if problem:
                 raise PluginError(f"{flag}: {problem}")
-        self.args = args
+        self.config = config
         self.rows = []
         datasets = [(task, _dataset(task, size, seed)) for task in tasks]
         for index in range(size):
@@ -150,8 +155,7 @@ class ReasoningGymSource:
                 entry = dataset[index]
                 self.rows.append({"prompt": self._prompt(entry["question"]), "label": entry["answer"],
                                   "metadata": {META_KEY: {"task": task, "seed": seed, "size": size, "index": index}}})
-        self.cursor = EpochOrder(len(self.rows), getattr(args, "rollout_shuffle", False),
-                                 getattr(args, "rollout_seed", 42))
+        self.cursor = EpochOrder(len(self.rows), spec.shuffle, spec.seed)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -167,12 +171,12 @@ class ReasoningGymSource:
         self.cursor.load_state(state)
 
     def _prompt(self, question: str) -> str:
-        key = getattr(self.args, "reasoning_gym_system_prompt", "default")
+        key = self.config.plugin_config(PLUGIN).reasoning_gym_system_prompt
         system = None if key == "none" else _system_prompts()[key]
-        if getattr(self.args, "apply_chat_template", False):
+        if self.config.apply_chat_template:
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": question}]
-            return _tokenizer(self.args.hf_checkpoint).apply_chat_template(messages, tokenize=False,
+            return _tokenizer(self.config.hf_checkpoint).apply_chat_template(messages, tokenize=False,
                                                                            add_generation_prompt=True)
         return f"{system}\n\n{question}\n" if system else question
 

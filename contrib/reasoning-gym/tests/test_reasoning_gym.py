@@ -1,16 +1,16 @@
-import asyncio
 """The reasoning_gym plugin through furlong's plugin manager and the ``furlong`` command."""
 
+import asyncio
 import json
 import subprocess
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
 
+from furlong.core.config.launch_args import launch_args, launch_config
 from furlong.core.plugins.manager import get_plugin_manager
-from furlong.hooks import ConfigReport, PluginError, Sample
+from furlong.hooks import ConfigReport, DatasetSpec, PluginError, Sample
 
 DEMO_MODEL = Path(__file__).resolve().parents[3] / "examples" / "demo" / "model"
 
@@ -20,22 +20,33 @@ def pm():
     return get_plugin_manager()
 
 
+ARGV = ("--data-source", "reasoning_gym", "--reasoning-gym-tasks", "chain_sum", "basic_arithmetic",
+        "--reasoning-gym-size", "5", "--reasoning-gym-seed", "3", "--reasoning-gym-eval-size", "4", "--rollout-seed", "42")
+
+
 def flags(**overrides):
-    values = dict(reasoning_gym_tasks=["chain_sum", "basic_arithmetic"], reasoning_gym_size=5, reasoning_gym_seed=3,
-                  reasoning_gym_eval_size=4, reasoning_gym_eval_seed=None, reasoning_gym_system_prompt="default",
-                  rollout_shuffle=False, rollout_seed=42, apply_chat_template=False, prompt_data=None)
-    values.update(overrides)
-    return Namespace(**values)
+    """The launch flags of a run on two tasks (what ``configure`` gets); ``overrides`` by attribute name."""
+    return launch_args(*ARGV, **overrides)
 
 
-def source(pm, **overrides):
-    return asyncio.run(pm.call_chosen("data_source", "reasoning_gym", "--data-source", args=flags(**overrides)))
+def run_config(**overrides):
+    """The frozen configuration of that run (what every other hook gets)."""
+    return launch_config(*ARGV, configure=False, **overrides)
+
+
+def source(pm, dataset=None, **overrides):
+    """The data source of the training data (or of ``dataset``)."""
+    config = run_config(**overrides)
+    dataset = dataset or DatasetSpec(path=config.prompt_data, flag="--prompt-data", shuffle=config.rollout_shuffle,
+                                     seed=config.rollout_seed)
+    return asyncio.run(pm.call_chosen("data_source", "reasoning_gym", "--data-source", config=config,
+                                      dataset=dataset))
 
 
 def score(pm, rows, responses):
     samples = [Sample(response=r, label=row["label"], metadata=row["metadata"], index=i)
                for i, (row, r) in enumerate(zip(rows, responses))]
-    return asyncio.run(pm.call_chosen("reward", "reasoning_gym", "--rm-type", args=flags(), samples=samples))
+    return asyncio.run(pm.call_chosen("reward", "reasoning_gym", "--rm-type", config=run_config(), samples=samples))
 
 
 def test_rows_are_seeded_interleaved_and_roll_over(pm):
@@ -55,7 +66,7 @@ def test_rows_are_seeded_interleaved_and_roll_over(pm):
 
 
 def test_eval_sets_name_their_tasks_and_use_their_own_seed(pm):
-    data = source(pm, prompt_data="basic_arithmetic", prompt_data_flag="--eval-prompt-data rg")
+    data = source(pm, DatasetSpec(path="basic_arithmetic", flag="--eval-prompt-data rg", name="rg"))
     rows = data.next_rows(len(data))
     assert len(rows) == 4 and {r["metadata"]["reasoning_gym"]["seed"] for r in rows} == {4}
     training = [r["prompt"] for r in source(pm, reasoning_gym_tasks=["basic_arithmetic"]).next_rows(4)]
@@ -74,7 +85,7 @@ def test_reward_uses_the_task_verifier(pm):
 
 def test_reward_refuses_prompts_from_another_source(pm):
     with pytest.raises(PluginError, match="sample 7 has no metadata\\['reasoning_gym'\\]"):
-        asyncio.run(pm.call_chosen("reward", "reasoning_gym", "--rm-type", args=flags(),
+        asyncio.run(pm.call_chosen("reward", "reasoning_gym", "--rm-type", config=run_config(),
                                    samples=[Sample(response="<answer>3</answer>", label="3", index=7)]))
 
 

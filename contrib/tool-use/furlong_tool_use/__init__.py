@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import textwrap
 
-from furlong.hooks import PluginError, Status, hookimpl
+from furlong.hooks import PluginConfig, PluginError, Status, hookimpl
 
 from .calculator import calculate
 from .sandbox import kill, run_python
@@ -27,6 +27,9 @@ TOOL_INSTRUCTIONS = (
     "<python>CODE</python> to run Python (print what you need). The result comes back as "
     "<result>...</result>. When you know the answer, write it as \\boxed{ANSWER}."
 )
+
+PLUGIN = "tool_use"
+"""The plugin's name: its section of the run configuration."""
 
 _FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
@@ -72,13 +75,13 @@ def configure(args, report):
             report.error(f"{flag} must be at least {low}, got {getattr(args, dest)}.")
     if args.tool_use_timeout <= 0:
         report.error(f"--tool-use-timeout must be positive, got {args.tool_use_timeout:g}.")
-    if getattr(args, "partial_rollout", False):
+    if args.partial_rollout:
         report.error("--generate tool_use with --partial-rollout is not supported yet: an aborted episode "
                      "cannot resume in the middle of its turns.")
 
 
 @hookimpl
-def abort(args, rollout_id):
+def abort(config, rollout_id):
     """Stop every episode in flight: a running tool is killed, no further turn starts, and the
     sample ends ``aborted`` (the engine's own abort ends the turn being generated)."""
     for episode in list(_live):
@@ -86,7 +89,7 @@ def abort(args, rollout_id):
 
 
 @hookimpl
-async def generate(args, sample, sampling_params, engine, evaluation):
+async def generate(config, sample, sampling_params, engine, evaluation):
     """Generate ``sample``'s response over several turns, running a tool between turns.
 
     Each turn is one engine request from all tokens so far (prompt, earlier turns, tool
@@ -115,12 +118,13 @@ async def generate(args, sample, sampling_params, engine, evaluation):
         raise PluginError(f"generate 'tool_use': sample {sample.index} already holds {sample.response_length} "
                           "response tokens; resuming a multi-turn episode is not supported.")
     tokenizer = engine.tokenizer
-    tools = tuple(getattr(args, "tool_use_tools", TOOLS))
+    own = config.plugin_config(PLUGIN)
+    tools = tuple(own.tool_use_tools)
     params = dict(sampling_params)
     params["stop"] = list(params.get("stop") or []) + [f"</{tool}>" for tool in tools]
     params["no_stop_trim"] = True  # the closing tag must stay in the text to find the call
     budget = params.get("max_new_tokens")
-    cap = args.eval_max_context_len if evaluation else args.rollout_max_context_len
+    cap = config.eval_max_context_len if evaluation else config.rollout_max_context_len
     sample.tokens = list(tokenizer(sample.prompt, add_special_tokens=False)["input_ids"])
     sample.loss_mask, sample.rollout_log_probs = [], []
     sample.response, sample.response_length = "", 0
@@ -142,11 +146,11 @@ async def generate(args, sample, sampling_params, engine, evaluation):
             call = _call_at_end(text, tools) if sample.status == Status.COMPLETED else None
             if call is None:
                 break
-            if calls >= args.tool_use_max_turns:
+            if calls >= own.tool_use_max_turns:
                 sample.status = Status.TRUNCATED
                 break
             calls += 1
-            output = await _run_tool(args, episode, *call)
+            output = await _run_tool(own, episode, *call)
             if episode.aborted:
                 sample.status = Status.ABORTED
                 break
@@ -195,8 +199,8 @@ def _call_at_end(text: str, tools: tuple[str, ...]) -> tuple[str, str] | None:
     return None
 
 
-async def _run_tool(args, episode: _Episode, tool: str, argument: str) -> str:
-    limit = args.tool_use_max_output_chars
+async def _run_tool(own: PluginConfig, episode: _Episode, tool: str, argument: str) -> str:
+    limit = own.tool_use_max_output_chars
     if tool == "calculator":
         return calculate(argument)[-limit:]
 
@@ -206,7 +210,7 @@ async def _run_tool(args, episode: _Episode, tool: str, argument: str) -> str:
             kill(process)
 
     try:
-        return await run_python(textwrap.dedent(argument.strip("\n")), args.tool_use_timeout, args.tool_use_memory_mb, limit,
+        return await run_python(textwrap.dedent(argument.strip("\n")), own.tool_use_timeout, own.tool_use_memory_mb, limit,
                                 on_start=started)
     finally:
         episode.process = None

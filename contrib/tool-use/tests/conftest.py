@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from argparse import Namespace
 
 import pytest
 
@@ -78,14 +77,15 @@ def script_model(tmp_path):
 @pytest.fixture
 def script_engine(tmp_path):
     """``script_engine(transitions, extra_words=())``: the embedded engine (through its plugin) serving a script model."""
+    from furlong.core.config.launch_args import launch_config
     from furlong.core.plugins.manager import get_plugin_manager
 
     def make(transitions: dict[str, str], extra_words=()):
         path = build_script_model(tmp_path / "model", transitions, extra_words)
-        return asyncio.run(get_plugin_manager().call_chosen(
-            "rollout_engine", "embedded", "--rollout-backend",
-            args=Namespace(hf_checkpoint=path, seed=0, bf16=False, fp16=False, embedded_max_batch_size=8,
-                           rollout_engine_index=0)))
+        config = launch_config("--hf-checkpoint", str(path), "--seed", "0", "--embedded-max-batch-size", "8",
+                               configure=False)
+        return asyncio.run(get_plugin_manager().call_chosen("rollout_engine", "embedded", "--rollout-backend",
+                                                            config=config, engine_index=0))
 
     return make
 

@@ -7,10 +7,10 @@ import json
 import subprocess
 import sys
 import time
-from argparse import Namespace
 
 import pytest
 
+from furlong.core.config.launch_args import launch_args, launch_config
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import ConfigReport, PluginError, Sample, Status
 
@@ -31,16 +31,18 @@ def pm():
 
 
 def flags(**overrides):
-    values = dict(tool_use_tools=["calculator", "python"], tool_use_max_turns=4, tool_use_timeout=5.0,
-                  tool_use_memory_mb=512, tool_use_max_output_chars=1000, rollout_max_context_len=None,
-                  eval_max_context_len=None, partial_rollout=False)
-    values.update(overrides)
-    return Namespace(**values)
+    """The launch flags of a ``--generate tool_use`` run (what ``configure`` gets); ``overrides`` by attribute name."""
+    return launch_args("--generate", "tool_use", **overrides)
+
+
+def run_config(**overrides):
+    """The frozen configuration of that run (what every other hook gets)."""
+    return launch_config("--generate", "tool_use", configure=False, **overrides)
 
 
 async def generate(pm, engine, max_new_tokens=40, prompt="Q: six times seven ?", **overrides):
     sample = Sample(prompt=prompt, index=0, metadata={"source": "test"})
-    return await pm.call_chosen("generate", "tool_use", "--generate", args=flags(**overrides), sample=sample,
+    return await pm.call_chosen("generate", "tool_use", "--generate", config=run_config(**overrides), sample=sample,
                                 sampling_params={"temperature": 0.0, "max_new_tokens": max_new_tokens, "stop": None},
                                 engine=engine, evaluation=False)
 
@@ -58,7 +60,7 @@ def test_calculator_turn_is_masked_and_the_answer_is_graded(pm, script_engine):
     assert all(-0.05 < lp < 0 for lp, m in zip(sample.rollout_log_probs, sample.loss_mask) if m)
     assert sample.weight_versions == ["0", "0"]  # one per engine request
     assert sample.metadata == {"source": "test", "tool_use": {"calls": 1, "errors": 0}}
-    scores = asyncio.run(pm.call_chosen("reward", "math", "--rm-type", args=Namespace(rm_url=None, reward_key=None),
+    scores = asyncio.run(pm.call_chosen("reward", "math", "--rm-type", config=run_config(),
                                         samples=[Sample(response=sample.response, label="42")]))
     assert scores == [1]
 
@@ -108,6 +110,8 @@ def test_abort_hook_stops_an_episode_waiting_for_its_tool(pm, script_engine):
     engine = script_engine({**script("?", "<python>", "import", "time;time.sleep(30)", "</python>"),
                             **script("</result>", "done")})
 
+    config = run_config()
+
     async def run():
         task = asyncio.create_task(generate(pm, engine, tool_use_timeout=60.0))
         import furlong_tool_use
@@ -116,7 +120,7 @@ def test_abort_hook_stops_an_episode_waiting_for_its_tool(pm, script_engine):
             await asyncio.sleep(0.05)
         process = next(iter(furlong_tool_use._live)).process
         start = time.monotonic()
-        pm.hook.abort(args=flags(), rollout_id=3)  # the broadcast the core makes
+        await pm.broadcast("abort", config=config, rollout_id=3)  # the broadcast the core makes
         sample = await asyncio.wait_for(task, 5)
         return sample, time.monotonic() - start, process, furlong_tool_use._live
 
@@ -164,8 +168,7 @@ def test_furlong_train_runs_tool_use_episodes_and_trains_on_the_model_tokens_onl
 
 def test_tool_use_passes_the_contract_kit():
     import furlong_tool_use
-    from furlong.core.config.launch_args import launch_args
     from furlong.hooks.testing import check_plugin
 
-    report = check_plugin(furlong_tool_use, "tool_use", args=launch_args("--generate", "tool_use"))
+    report = check_plugin(furlong_tool_use, "tool_use", config=run_config())
     assert report.checked == ["add_arguments", "configure", "generate", "abort"]
