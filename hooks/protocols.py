@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence, 
 
 import attrs
 
+from .run_config import RunConfig
 from .types import FilterResult, GenerateOutput, ParallelLayout, Sample, TrainBatch
 
 __all__ = ["DataSource", "Executor", "RolloutContext", "RolloutEngine", "StepObjective", "TrainBackend",
@@ -140,7 +141,7 @@ class TrainBackend(Protocol):
     documented default of :meth:`train_forward_gives_old_log_probs` (False).
     """
 
-    async def init(self, args: Any) -> int:
+    async def init(self, config: RunConfig) -> int:
         """Load the model and optimizer; return the start rollout id (0 unless resumed)."""
 
     async def log_probs(self, batch: TrainBatch, model: str = "actor") -> dict:
@@ -283,20 +284,20 @@ class Executor(Protocol):
     is_driver: bool
     weights_in_process: bool
 
-    async def start_train_workers(self, args: Any, make_worker: Callable[[int, int], Any]) -> WorkerGroup:
+    async def start_train_workers(self, config: RunConfig, make_worker: Callable[[int, int], Any]) -> WorkerGroup:
         """Start one worker per train rank; ``make_worker(rank, world)`` builds it where it runs.
 
         ``make_worker`` is picklable (an executor may send it to another process).
         """
 
-    async def start_engines(self, args: Any, make_engine: Callable[[int], Awaitable[RolloutEngine]]
+    async def start_engines(self, config: RunConfig, make_engine: Callable[[int], Awaitable[RolloutEngine]]
                             ) -> list[RolloutEngine]:
         """Start the rollout engines; ``await make_engine(i)`` builds engine ``i`` where it runs.
 
         Returns objects meeting :class:`RolloutEngine` in the driver (proxies for remote ones).
         """
 
-    async def start_rollout_side(self, args: Any, make_rollout_side: Callable[[], Any]) -> Any:
+    async def start_rollout_side(self, config: RunConfig, make_rollout_side: Callable[[], Any]) -> Any:
         """Place the rollout side (data, rollout manager, rewards, eval): ``make_rollout_side()`` builds it.
 
         Returns it, or a handle with the same coroutine methods (``load_data``, ``start(engines,

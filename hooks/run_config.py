@@ -449,8 +449,9 @@ class RunConfig:
     data_pad_size_multiplier: int
 
     # --- derived by the run ---
-    train_mode: str
-    """``"sync"`` (``furlong train``) or ``"async"`` (``furlong train-async``)."""
+    train_mode: str | None
+    """``"sync"`` (``furlong train``) or ``"async"`` (``furlong train-async``); None for flags parsed
+    without a command (a test of the set-up step)."""
     explicit_args: tuple[str, ...]
     """Attribute names of the flags given (command line or ``--custom-config-path``), sorted."""
     plugin_flags_given: Mapping[str, str]

@@ -86,13 +86,13 @@ class ScriptedEngine:
 def rollout_manager(config, pm, engine):
     """A RolloutManager over the chosen data source and ``engine`` (as a run builds it), for rollout-logic tests."""
     from furlong.core.rollout.data_cursor import DataCursor
-    from furlong.core.rollout.datasets import data_source_kwargs, train_dataset
+    from furlong.core.rollout.datasets import train_dataset
     from furlong.core.rollout.manager import RolloutManager
     from furlong.core.plugins.selection import resolve_selection
 
     selection = resolve_selection(config, pm)
     source = asyncio.run(pm.call_chosen("data_source", *selection.chosen["data_source"],
-                                        **data_source_kwargs(config, train_dataset(config))))
+                                        config=config, dataset=train_dataset(config)))
     cursor = DataCursor(config, pm, source, selection.chosen["buffer_pop"])
     return RolloutManager(config, pm, selection, engine, cursor)
 

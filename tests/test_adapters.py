@@ -9,7 +9,7 @@ from argparse import Namespace
 
 import pytest
 
-from furlong.core.config.launch_args import launch_args
+from furlong.core.config.launch_args import launch_args, launch_config
 from furlong.core.plugins.selection import resolve_selection
 from furlong.hooks import FilterResult, PluginError, hookimpl
 
@@ -245,7 +245,7 @@ def test_miles_filter_hub_paths_resolve_to_the_built_in_plugins(caplog):
     def verdict(rewards):
         group = [Sample(reward=r) for r in rewards]
         return asyncio.run(pm.run_filters([selection.filters[0][0]], "--dynamic-sampling-filter-path",
-                                          args=_args(reward_key=None), samples=group, rollout_id=0)).keep
+                                          config=launch_config(configure=False), samples=group, rollout_id=0)).keep
 
     assert (verdict([0.0, 1.0]), verdict([1.0, 1.0])) == (True, False)  # the built-in's behaviour
 

@@ -62,7 +62,8 @@ def _called(node: ast.Call) -> str:
 
 
 def uses_in(source: str) -> set[str]:
-    """Attribute names read from an args namespace, and string values, in ``source``.
+    """Attribute names read from an args namespace, a run configuration or a plugin's section
+    (``config.plugin_config(name)``), and string values, in ``source``.
 
     Skipped: docstrings, the bodies of ``configure`` hook implementations (which check flags
     and derive defaults, as validation does), a tuple or list naming a flag both ways,
@@ -70,6 +71,8 @@ def uses_in(source: str) -> set[str]:
     in an ``add_argument`` call (a plugin defining its own flag).
     """
     found: set[str] = set()
+    tree = ast.parse(source)
+    sections = _section_names(tree)
 
     def visit(node: ast.AST, skip: frozenset = frozenset()) -> None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "configure":
@@ -91,7 +94,7 @@ def uses_in(source: str) -> set[str]:
                 if not any(child is d for d in defined):
                     visit(child)
             return
-        if isinstance(node, ast.Attribute) and _is_args(node.value):
+        if isinstance(node, ast.Attribute) and (_is_args(node.value) or _is_section(node.value, sections)):
             found.add(node.attr)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value not in skip:
             found.add(node.value)
@@ -99,8 +102,29 @@ def uses_in(source: str) -> set[str]:
             if child is not docstring:
                 visit(child, skip if isinstance(node, (ast.Tuple, ast.List)) else frozenset())
 
-    visit(ast.parse(source))
+    visit(tree)
     return found
+
+
+def _is_section(node: ast.AST, names: set[str]) -> bool:
+    """``config.plugin_config(...)`` itself, or a name (or attribute) bound to one in the same file."""
+    if isinstance(node, ast.Call):
+        return _called(node) == "plugin_config"
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+    return name in names
+
+
+def _section_names(tree: ast.AST) -> set[str]:
+    """Names and attributes assigned a plugin's section (``own = config.plugin_config("x")``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _called(node.value) == "plugin_config":
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    names.add(target.id)
+                elif isinstance(target, ast.Attribute):
+                    names.add(target.attr)
+    return names
 
 
 @pytest.fixture(scope="module")

@@ -109,7 +109,7 @@ def test_step_objective_does_not_depend_on_micro_batching(pm, per_token, traject
         for g, r in zip(grads + ent_grads, ref_grads + ref_ent_grads):
             assert torch.allclose(g, r, atol=1e-7)
     # the reference value against SPEC 4.6 computed directly from the plugin's per-token loss
-    out = pm.get_plugin("policy_loss").loss(args=config.namespace(), batch=_loss_input(data))
+    out = pm.get_plugin("policy_loss").loss(config=config, batch=_loss_input(data))
     masks = data["masks"]
     sums = [float((t * m).sum()) for t, m in zip(out.token_loss, masks)]
     if per_token:

@@ -5,7 +5,8 @@ import asyncio
 
 from furlong.core.config.eval_config import load_eval_datasets
 from furlong.core.config.launch_args import launch_config
-from furlong.core.rollout.datasets import data_source_kwargs, eval_dataset, train_dataset
+from furlong.hooks.old_form import old_form_args
+from furlong.core.rollout.datasets import eval_dataset, train_dataset
 from furlong.core.rollout.engines import EngineFactory
 from furlong.hooks import DatasetSpec, hookimpl
 
@@ -32,18 +33,19 @@ def test_an_eval_set_keeps_its_own_keys_is_never_shuffled_and_names_its_flag():
 def test_a_data_source_plugin_still_reading_args_sees_the_data_set_it_reads():
     config = launch_config("--prompt-data", "train.jsonl", "--eval-prompt-data", "aime", "a.jsonl",
                            "--eval-input-key", "problem", configure=False)
-    kwargs = data_source_kwargs(config, eval_dataset(config, load_eval_datasets(config)[0]))
-    view = kwargs["args"]
-    assert kwargs["config"] is config and kwargs["dataset"].name == "aime"
+    dataset = eval_dataset(config, load_eval_datasets(config)[0])
+    view = old_form_args({"config": config, "dataset": dataset})
     assert (view.prompt_data, view.prompt_data_flag, view.input_key, view.rollout_shuffle) == (
         "a.jsonl", "--eval-prompt-data aime", "problem", False)
     assert config.prompt_data == "train.jsonl"  # the run's configuration is unchanged
+    assert old_form_args({"config": config, "engine_index": 2}).rollout_engine_index == 2
 
 
 class _Engine:
     """An engine with every method the core checks for; none is called here."""
 
-    tokenizer = None
+    tokenizer = context_len = None
+    weight_update_ranks = 1
     methods = ("generate", "abort", "pause_generation", "continue_generation", "flush_cache", "load_weights",
                "set_weight_version", "release_memory", "resume_memory", "health")
 

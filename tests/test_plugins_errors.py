@@ -8,6 +8,7 @@ from argparse import ArgumentParser, Namespace
 
 import pytest
 
+from furlong.core.config.launch_args import launch_args
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.core.plugins.selection import boxed_base, check_reward_name, resolve_selection
 from furlong.hooks import PluginError, hookimpl
@@ -184,7 +185,7 @@ def test_unknown_argument_name_is_an_error_naming_the_plugin(plugin_dist, load_p
     assert _raises(pm.chosen_impl, "advantage", "rloo", "--advantage-estimator") == (
         "--advantage-estimator 'rloo': plugin 'rloo' is broken: entry point 'rloo = furlong_rloo_pkg' "
         "of furlong-rloo 0.3.0 failed to load: `advantage(args, batches)` takes 'batches', which is not an "
-        "argument of hook `advantage`; its arguments are: args, batch (take any of them, by name); did you mean "
+        "argument of hook `advantage`; its arguments are: config, batch (take any of them, by name); did you mean "
         "'batch'?"
     )
 
@@ -325,16 +326,7 @@ def test_boxed_name_whose_base_is_not_a_reward(estimators, load_plugins):
 
 
 def _launch_args(**overrides) -> Namespace:
-    values = dict(
-        data_source="jsonl", data_source_path=None, rollout_backend="embedded", train_backend="fsdp",
-        rollout="sync", rollout_function_path=None, generate="single_turn", custom_generate_function_path=None,
-        buffer_filter="pop_first", buffer_filter_path=None, advantage_estimator="grpo",
-        custom_advantage_function_path=None, loss_type="policy_loss", custom_loss_function_path=None,
-        dynamic_sampling_filter=None, dynamic_sampling_filter_path=None, custom_rm_path=None, rm_type=None,
-        custom_agent_function_path=None, group_rm=False,
-    )
-    values.update(overrides)
-    return Namespace(**values)
+    return launch_args(**overrides)
 
 
 def test_selection_reports_every_bad_choice_in_one_message(estimators, load_plugins):

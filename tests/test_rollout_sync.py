@@ -22,7 +22,7 @@ def _data(tmp_path, n=40):
     return path
 
 
-def _args(tmp_path, *extra):
+def _config(tmp_path, *extra):
     return launch_config("--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
                          "--prompt-data", str(_data(tmp_path)), "--input-key", "prompt", "--label-key", "label",
                          "--rm-type", "math", "--rollout-max-response-len", "16", *extra, configure=False)
@@ -35,8 +35,8 @@ def _alternating(prompt, call):
 
 
 def test_hook_rollout_sync_returns_scored_groups_in_order(tmp_path, plugin_manager):
-    args = _args(tmp_path)
-    manager = rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand))
+    config = _config(tmp_path)
+    manager = rollout_manager(config, plugin_manager, ScriptedEngine(boxed_first_operand))
     groups = asyncio.run(manager.generate(0))
     assert [[s.index for s in g] for g in groups] == [[0, 1], [2, 3]]
     assert all(s.reward == 1 and s.status == Status.COMPLETED for g in groups for s in g)
@@ -45,12 +45,12 @@ def test_hook_rollout_sync_returns_scored_groups_in_order(tmp_path, plugin_manag
 
 def test_hook_generate_single_turn_resumed_sample_gets_remaining_budget(tmp_path, plugin_manager):
     """Only the budget left: max 100 tokens, 60 generated -> the continuation asks for 40."""
-    args = _args(tmp_path, "--rollout-max-response-len", "100")
+    config = _config(tmp_path, "--rollout-max-response-len", "100")
     engine = ScriptedEngine(lambda p, c: ("y" * 70, "stop"))
     prompt_ids = engine.tokenizer("7+0=")["input_ids"]
     sample = Sample(prompt="7+0=", tokens=prompt_ids + [ord("a")] * 60, response="a" * 60, response_length=60,
                     rollout_log_probs=[-1.0] * 60, status=Status.ABORTED, index=0)
-    out = asyncio.run(plugin_manager.call_chosen("generate", "single_turn", "--generate", args=args, sample=sample,
+    out = asyncio.run(plugin_manager.call_chosen("generate", "single_turn", "--generate", config=config, sample=sample,
                                                  sampling_params={"max_new_tokens": 100}, engine=engine,
                                                  evaluation=False))
     assert engine.requests[0]["max_new_tokens"] == 40
@@ -60,10 +60,10 @@ def test_hook_generate_single_turn_resumed_sample_gets_remaining_budget(tmp_path
 
 
 def test_single_turn_full_sample_is_truncated_without_a_request(tmp_path, plugin_manager):
-    args = _args(tmp_path, "--rollout-max-response-len", "100")
+    config = _config(tmp_path, "--rollout-max-response-len", "100")
     engine = ScriptedEngine(lambda p, c: ("y", "stop"))
     sample = Sample(prompt="7+0=", tokens=[1] * 104, response="a" * 100, response_length=100, status=Status.ABORTED)
-    out = asyncio.run(plugin_manager.call_chosen("generate", "single_turn", "--generate", args=args, sample=sample,
+    out = asyncio.run(plugin_manager.call_chosen("generate", "single_turn", "--generate", config=config, sample=sample,
                                                  sampling_params={"max_new_tokens": 100}, engine=engine,
                                                  evaluation=False))
     assert engine.requests == [] and out.status == Status.TRUNCATED and out.response_length == 100
@@ -74,19 +74,19 @@ def test_single_turn_without_response_len_leaves_the_budget_to_the_engine_or_the
                                                                                           extra, expected):
     """No --rollout-max-response-len: max_new_tokens stays None (the engine's default) unless a context cap
     leaves room for 20 - 4 prompt tokens."""
-    args = _args(tmp_path, *extra)
+    config = _config(tmp_path, *extra)
     engine = ScriptedEngine(lambda p, c: ("y", "stop"))
     sample = Sample(prompt="7+0=", index=0)
-    asyncio.run(plugin_manager.call_chosen("generate", "single_turn", "--generate", args=args, sample=sample,
+    asyncio.run(plugin_manager.call_chosen("generate", "single_turn", "--generate", config=config, sample=sample,
                                            sampling_params={"max_new_tokens": None}, engine=engine, evaluation=False))
     assert engine.requests[0]["max_new_tokens"] == expected
 
 
 def test_single_turn_rejects_message_lists_without_chat_template(tmp_path, plugin_manager):
-    args = _args(tmp_path)
+    config = _config(tmp_path)
     sample = Sample(prompt=[{"role": "user", "content": "hi"}], index=3)
     with pytest.raises(PluginError) as excinfo:
-        asyncio.run(plugin_manager.call_chosen("generate", "single_turn", "--generate", args=args, sample=sample,
+        asyncio.run(plugin_manager.call_chosen("generate", "single_turn", "--generate", config=config, sample=sample,
                                                sampling_params={"max_new_tokens": 4}, engine=ScriptedEngine(boxed_first_operand),
                                                evaluation=False))
     assert str(excinfo.value) == (
@@ -101,9 +101,9 @@ def test_reject_all_filter_errors_after_max_waves_instead_of_hanging(tmp_path, p
             return FilterResult(keep=False, reason="never")
 
     register_plugin(RejectAll(), "reject_all")
-    args = _args(tmp_path, "--dynamic-sampling-filter", "reject_all", "--max-sampling-waves", "3",
+    config = _config(tmp_path, "--dynamic-sampling-filter", "reject_all", "--max-sampling-waves", "3",
                  "--over-sampling-batch-size", "2", "--log-dir", str(tmp_path / "logs"))
-    manager = rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand))
+    manager = rollout_manager(config, plugin_manager, ScriptedEngine(boxed_first_operand))
     with pytest.raises(PluginError) as excinfo:
         asyncio.run(asyncio.wait_for(manager.generate(0), timeout=30))
     message = str(excinfo.value)
@@ -114,14 +114,14 @@ def test_reject_all_filter_errors_after_max_waves_instead_of_hanging(tmp_path, p
 
 def test_dapo_filter_keeps_exactly_the_batch_and_counts_drops(tmp_path, plugin_manager):
     # Groups whose two answers differ survive; all-correct groups are dropped as zero_std_1.0.
-    args = _args(tmp_path, "--dynamic-sampling-filter", "check_reward_nonzero_std", "--over-sampling-batch-size", "4")
+    config = _config(tmp_path, "--dynamic-sampling-filter", "check_reward_nonzero_std", "--over-sampling-batch-size", "4")
     calls = {"n": 0}
 
     def answer(prompt, call):
         i = int(prompt.split("+")[0])
         return "\\boxed{" + (str(i) if i % 2 == 0 or call % 2 else "x") + "}", "stop"
 
-    manager = rollout_manager(args, plugin_manager, ScriptedEngine(answer))
+    manager = rollout_manager(config, plugin_manager, ScriptedEngine(answer))
     groups = asyncio.run(manager.generate(0))
     assert len(groups) == 2
     for g in groups:
@@ -134,14 +134,14 @@ def test_dapo_filter_keeps_exactly_the_batch_and_counts_drops(tmp_path, plugin_m
 
 
 def test_abort_with_partial_rollout_buffers_leftovers_and_resumes_them(tmp_path, plugin_manager):
-    args = _args(tmp_path, "--over-sampling-batch-size", "4", "--partial-rollout", "--rollout-max-response-len", "12")
+    config = _config(tmp_path, "--over-sampling-batch-size", "4", "--partial-rollout", "--rollout-max-response-len", "12")
 
     def answer(prompt, call):
         i = int(prompt.split("+")[0])
         return ("\\boxed{" + str(i) + "}" if i < 2 else "\\boxed{" + str(i) + "}..."), "stop"
 
     engine = ScriptedEngine(answer, delay=0.002)
-    manager = rollout_manager(args, plugin_manager, engine)
+    manager = rollout_manager(config, plugin_manager, engine)
     # Prompts 2 and 3 take longer: rollout 0 keeps prompts 0 and 1 and aborts the rest.
     groups = asyncio.run(manager.generate(0))
     assert [g[0].prompt for g in groups] == ["0+0=", "1+0="]
@@ -173,8 +173,8 @@ def test_failing_reward_dumps_the_rollout_and_names_plugin_and_sample(tmp_path, 
             raise ValueError("grader exploded")
 
     register_plugin(Broken(), "broken_rm")
-    args = _args(tmp_path, "--rm-type", "broken_rm", "--log-dir", str(tmp_path / "logs"))
-    manager = rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand))
+    config = _config(tmp_path, "--rm-type", "broken_rm", "--log-dir", str(tmp_path / "logs"))
+    manager = rollout_manager(config, plugin_manager, ScriptedEngine(boxed_first_operand))
     with pytest.raises(PluginError) as excinfo:
         asyncio.run(manager.generate(0))
     dump = tmp_path / "logs" / "failed_rollout_0.jsonl"

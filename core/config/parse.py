@@ -52,8 +52,8 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     :param argv: the arguments after ``furlong train``.
     :param pm: plugin manager whose plugins may add flags (``add_arguments``).
     :param command: ``"train"`` or ``"train-async"`` to run the loop-dependent checks
-        (train-async rejects ``--colocate``, ...) and set ``args.train_mode`` (``"sync"``
-        or ``"async"``), which plugins' ``configure`` hooks read.
+        (train-async rejects ``--colocate``, ...); ``args.train_mode`` is then ``"sync"`` or
+        ``"async"`` (plugins' ``configure`` hooks read it), and None without a command.
     :raises ConfigError: every problem found, one per line: unknown flags, stray values,
         bad values, refused flags and validation, all at once.
     """
@@ -79,8 +79,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     args.megatron_argv = _argv_of(tokens, set(megatron_given))
     args.num_rollout_per_epoch = None  # known once the data is loaded (--num-epoch)
     problems += [f"{flag} is not supported yet; remove it." for flag in refused]
-    if command is not None:
-        args.train_mode = "async" if command == "train-async" else "sync"
+    args.train_mode = None if command is None else "async" if command == "train-async" else "sync"
     raw = copy.deepcopy(args)
     findings = validate(args, command)  # runs on the flags that parsed: all problems are reported at once
     problems += _choose_executor(args, pm)

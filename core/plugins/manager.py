@@ -22,6 +22,7 @@ from typing import Any, Iterable
 import pluggy
 
 from furlong.hooks import PROJECT, FilterResult, PluginError, specs
+from furlong.hooks.old_form import old_form_args
 from furlong.hooks.contract import (argument_name_problems, check_filter_result, no_hookimpl_problem,
                                     unknown_hook_problems)
 
@@ -338,7 +339,7 @@ def _select(impl: pluggy.HookImpl, kwargs: dict) -> dict:
     if "args" in impl.argnames and "args" not in kwargs and "config" in kwargs:
         if not getattr(impl.plugin, "dotted_path_adapter", False):  # an adapter of a Miles-style function
             _warn_old_form(impl)
-        chosen["args"] = kwargs["config"].namespace()
+        chosen["args"] = old_form_args(kwargs)
     return chosen
 
 

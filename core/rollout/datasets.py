@@ -3,13 +3,11 @@ evaluation set."""
 
 from __future__ import annotations
 
-from argparse import Namespace
-
 from furlong.hooks import DatasetSpec, RunConfig
 
 from ..config.eval_config import EvalDataset
 
-__all__ = ["data_source_kwargs", "eval_dataset", "train_dataset"]
+__all__ = ["eval_dataset", "train_dataset"]
 
 
 def train_dataset(config: RunConfig) -> DatasetSpec:
@@ -28,18 +26,3 @@ def eval_dataset(config: RunConfig, ds: EvalDataset) -> DatasetSpec:
     return DatasetSpec(path=ds.path, flag=flag, name=ds.name, input_key=ds.input_key, label_key=ds.label_key,
                        metadata_key=ds.metadata_key, tool_key=ds.tool_key, shuffle=False, seed=config.rollout_seed,
                        max_prompt_len=config.eval_max_prompt_len)
-
-
-def data_source_kwargs(config: RunConfig, dataset: DatasetSpec) -> dict:
-    """The ``data_source`` hook's arguments for reading ``dataset``."""
-    # transitional, until the data source plugins read `dataset`: `args` is a view pointed at it
-    return {"config": config, "dataset": dataset, "args": _source_view(config, dataset)}
-
-
-def _source_view(config: RunConfig, dataset: DatasetSpec) -> Namespace:
-    view = config.namespace()
-    view.prompt_data, view.prompt_data_flag = dataset.path, dataset.flag
-    view.input_key, view.label_key = dataset.input_key, dataset.label_key
-    view.metadata_key, view.tool_key = dataset.metadata_key, dataset.tool_key
-    view.rollout_shuffle, view.rollout_max_prompt_len = dataset.shuffle, dataset.max_prompt_len
-    return view

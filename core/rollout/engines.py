@@ -40,10 +40,7 @@ class EngineFactory:
 
             pm = plugins_of_this_process(self.config, hooks=("rollout_engine",))
         name, flag = self.chosen
-        # transitional, until the engine plugins read `engine_index`: `args` is a view that holds it
-        view = self.config.namespace()
-        view.rollout_engine_index = index
-        engine = await pm.call_chosen("rollout_engine", name, flag, config=self.config, engine_index=index, args=view)
+        engine = await pm.call_chosen("rollout_engine", name, flag, config=self.config, engine_index=index)
         return checked_engine(engine, name, flag)
 
     def __getstate__(self) -> dict:

@@ -9,7 +9,7 @@ import time
 from furlong.hooks import DatasetSpec, PluginError, RunConfig, Sample
 
 from .data_choice import data_source_for
-from .datasets import data_source_kwargs, eval_dataset
+from .datasets import eval_dataset
 from ..config.eval_config import EvalDataset, load_eval_datasets, sampling_params
 from ..run.metrics_log import eval_metrics
 from ..plugins.manager import FurlongPluginManager
@@ -54,7 +54,7 @@ class Evaluator:
         """
         while self._to_load:
             ds, spec, reader = self._to_load[0]
-            source = await self.pm.call_chosen("data_source", *reader, **data_source_kwargs(self.config, spec))
+            source = await self.pm.call_chosen("data_source", *reader, config=self.config, dataset=spec)
             self._add(ds, reader, source)
             self._to_load.pop(0)
 

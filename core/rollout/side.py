@@ -15,7 +15,7 @@ from typing import Any
 from furlong.hooks import RunConfig, Sample
 
 from .data_cursor import DataCursor
-from .datasets import data_source_kwargs, train_dataset
+from .datasets import train_dataset
 from .engines import EngineSet
 from .evaluation import Evaluator
 from .rewards import check_first_rows_name_a_reward
@@ -47,7 +47,7 @@ class RolloutSide:
             self.pm = plugins_of_this_process(self.config)
         sel = self.selection
         source = await self.pm.call_chosen("data_source", *sel.chosen["data_source"],
-                                           **data_source_kwargs(self.config, train_dataset(self.config)))
+                                           config=self.config, dataset=train_dataset(self.config))
         if sel.reward is None:
             check_first_rows_name_a_reward(self.config, self.pm, source)
         self.cursor = DataCursor(self.config, self.pm, source, sel.chosen["buffer_pop"])

@@ -14,13 +14,13 @@ import logging
 import signal
 import socket
 
-from furlong.hooks import PluginError
+from furlong.hooks import PluginError, RunConfig
 
 from ..plugins.discovery import split_names
 from ..run.preflight import hf_checkpoint_problems
 from ..plugins.manager import get_plugin_manager
 
-__all__ = ["build_serve_parser", "check_port_free", "parse_serve_args", "serve"]
+__all__ = ["build_serve_parser", "check_port_free", "engine_config", "parse_serve_args", "serve"]
 
 log = logging.getLogger("furlong.serve")
 
@@ -146,8 +146,8 @@ async def _serve(args: argparse.Namespace, pm) -> int:
     from .state import ServeState
 
     name, flag = args.rollout_backend, "--rollout-backend"
-    # the server's own flags (no run configuration): the engine plugin reads them from `args`
-    engine = checked_engine(await pm.call_chosen("rollout_engine", name, flag, args=args, engine_index=0), name, flag)
+    engine = await pm.call_chosen("rollout_engine", name, flag, config=engine_config(args, pm), engine_index=0)
+    engine = checked_engine(engine, name, flag)
     state = ServeState(engine, args)
     # handler_cancellation: a client that goes away cancels its request, and the engine drops it (as SGLang)
     runner = web.AppRunner(make_app(state), access_log=None, shutdown_timeout=5, handler_cancellation=True)
@@ -169,6 +169,24 @@ async def _serve(args: argparse.Namespace, pm) -> int:
     await state.shut_down()
     await runner.cleanup()
     return 0
+
+
+def engine_config(args: argparse.Namespace, pm) -> RunConfig:
+    """The run configuration the engine plugin gets: a ``furlong train`` run's defaults with the
+    server's engine flags (``--hf-checkpoint``, ``--rollout-backend``, ``--seed``, ``--dtype`` as
+    ``bf16``/``fp16``, and the backend plugin's own flags) in place.
+
+    :raises TypeError: a value does not fit its field (a defect of the serve parser).
+    """
+    from ..config.freeze import freeze_config
+    from ..config.launch_args import launch_args
+    from ..config.parser import build_parser
+
+    plugin_flags = build_parser(pm).plugin_flags
+    own = {dest: value for dest, value in vars(args).items() if dest in plugin_flags}
+    train = launch_args(pm=pm, hf_checkpoint=args.hf_checkpoint, rollout_backend=args.rollout_backend,
+                        seed=args.seed, bf16=args.bf16, fp16=args.fp16, **own)
+    return freeze_config(train, plugin_flags)
 
 
 def _quiet_http2_probes(record: logging.LogRecord) -> bool:

@@ -15,6 +15,7 @@ import pluggy
 from ..config_report import ConfigReport
 from ..contract import (check_advantage_output, check_buffer_pop, check_filter_result, check_generate_result,
                         check_loss_output, check_loss_reducer_output, check_reward_list, check_reward_value)
+from ..old_form import old_form_args
 from ..run_config import RunConfig
 from ..types import DatasetSpec, ExecutorFit, Sample, Status
 from .inputs import TinyEngine, advantage_input, loss_input, sample_group
@@ -67,9 +68,12 @@ class Caller:
         self.where = f"plugin '{name}'"
 
     def __call__(self, **kwargs) -> Any:
+        if self.hook in ("add_arguments", "configure") and inspect.iscoroutinefunction(self.impl.function):
+            self.fail(f"it is async def; `{self.hook}` is a set-up hook, run before the event loop starts, "
+                      "and may not be async")
         chosen = {k: v for k, v in kwargs.items() if k in self.impl.argnames}
         if "args" in self.impl.argnames and "args" not in kwargs and "config" in kwargs:
-            chosen["args"] = kwargs["config"].namespace() if kwargs["config"] is not None else None
+            chosen["args"] = old_form_args(kwargs) if kwargs["config"] is not None else None
         if any(chosen.get(k, False) is None for k in ("config", "args")):
             raise NoConfigGiven(f"check_plugin: `{self.hook}` of plugin '{self.name}' reads the run configuration; pass "
                             "config=furlong.core.config.launch_args.launch_config(...) (with the plugin installed, "
