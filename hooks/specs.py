@@ -6,10 +6,11 @@ in one of two ways:
 
 - from async code (every hook but the two set-up hooks): an implementation may be
   ``async def``; the core awaits it.
-- from set-up code (``add_arguments``, ``configure``): these run while the parser is built
-  and the flags are configured, before the run's event loop starts, and nothing awaits
-  them: an ``async def`` implementation is an error naming the plugin (``add_arguments``:
-  the plugin is set aside).
+- from set-up code (``add_arguments``, ``executor_fit``, ``configure``): these run while the
+  parser is built and the flags are configured, before the run's event loop starts, and are
+  plain functions: an ``async def`` implementation is an error naming the plugin
+  (``add_arguments``: the plugin is set aside), except the old ``async def configure``, which
+  still runs, with a ``DeprecationWarning``, until the next minor version.
 
 Both ways time every call of a non-observer hook and report it to ``on_hook_call``. Call
 styles:
@@ -95,7 +96,7 @@ def configure(args: Namespace, report: ConfigReport) -> None:
     Called after the core validated the flags and resolved the selection, before
     ``--print-config`` prints them. Not called for per-sample rewards
     (``metadata["rm_type"]``) or dotted-path functions. A set-up hook: a plain function
-    (``async def`` is an error naming the plugin).
+    (``async def`` still runs, with a ``DeprecationWarning``, until the next minor version).
 
     Derive a default only for a flag the user did not give (``report.default(args,
     dest, value)`` does that; ``args.explicit_args`` lists the given ones); changing a

@@ -206,7 +206,7 @@ def test_command_dependent_checks_pass_for_the_right_command():
 def test_the_command_sets_train_mode_for_the_plugins():
     assert parse_args(BASE, command="train").train_mode == "sync"
     assert parse_args(BASE, command="train-async").train_mode == "async"
-    assert not hasattr(parse_args(BASE), "train_mode")
+    assert parse_args(BASE).train_mode is None  # no command: the loop is not known
 
 
 # --- not supported yet ------------------------------------------------------------------

@@ -4,6 +4,8 @@ plugins' rules that moved out of core/config (whole messages compared)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import logging
 from importlib.metadata import version
@@ -295,11 +297,12 @@ def test_the_cli_refuses_an_unchosen_plugin_s_flag_with_exit_2(run_furlong, tiny
         "choose the plugin (--executor ray) or leave --ray-engine-restarts out.")
 
 
-def test_hook_configure_async_def_is_an_error_naming_the_plugin(resolve, register_plugin):
-    """``configure`` is a set-up hook: it runs before the event loop starts, so it is a plain function."""
+def test_hook_configure_async_def_still_runs_with_a_deprecation_warning(resolve, register_plugin):
+    """``configure`` is a set-up hook, a plain function; the old ``async def`` form runs (no event loop is running
+    yet) and warns, until the next minor version."""
     class AsyncConfigure:
         @hookimpl
-        def advantage(self, args, batch):
+        def advantage(self, config, batch):
             return None
 
         @hookimpl
@@ -307,10 +310,24 @@ def test_hook_configure_async_def_is_an_error_naming_the_plugin(resolve, registe
             report.default(args, "gamma", 0.5)
 
     register_plugin(AsyncConfigure(), "c_async")
-    with pytest.raises(ConfigError) as excinfo:
-        resolve(BASE + ["--advantage-estimator", "c_async"])
-    assert str(excinfo.value) == ("plugin 'c_async': `configure` may not be async def; set-up hooks run before the "
-                                  "event loop starts (make it a plain def).")
+    with pytest.warns(DeprecationWarning, match="plugin 'c_async': `async def configure` is the old form"):
+        args, configured = resolve(BASE + ["--advantage-estimator", "c_async"])
+    assert args.gamma == 0.5 and derived_by(configured, "c_async") == {"gamma": 0.5}
+
+
+def test_an_async_set_up_hook_is_refused_inside_a_running_loop(plugin_manager, register_plugin):
+    class AsyncConfigure:
+        @hookimpl
+        async def configure(self, args, report):
+            pass
+
+    register_plugin(AsyncConfigure(), "c_async_in_loop")
+
+    async def inside():
+        plugin_manager.call_setup("configure", "c_async_in_loop", args=None, report=None)
+
+    with pytest.raises(PluginError, match="`configure` may not be async def; set-up hooks run before the event loop"):
+        asyncio.run(inside())
 
 
 def test_config_report_default_and_given():

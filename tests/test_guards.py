@@ -347,3 +347,47 @@ def test_the_plugin_name_guard_sees_comparisons_in_every_form(tmp_path):
     """))
     assert _plugin_name_comparisons(source, {"megatron", "local", "ray", "sglang", "fsdp"}) == [
         (2, "megatron"), (3, "local"), (4, "ray"), (6, "sglang")]
+
+
+# --- core reads the typed configuration ------------------------------------------------------
+
+_FLAGS_NAME = re.compile(r"(^|_)(args|config)$")
+
+
+def _defaulted_flag_reads(source: str) -> list[tuple[int, str]]:
+    """``getattr(<args|config>, "name", default)``: a named flag read with a default of its own, which can
+    disagree with the parser's (every flag is set after parsing, every field of a RunConfig always). A name
+    computed from a table (Miles' flags, which the parse leaves unset unless given) is no such read."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and len(node.args) == 3 and isinstance(node.args[1], ast.Constant)):
+            target = node.args[0]
+            name = target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) else ""
+            if _FLAGS_NAME.search(name):
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_the_defaulted_read_detector_sees_args_and_config():
+    source = textwrap.dedent("""
+        a = getattr(args, "lr", 0.1)
+        b = getattr(self.config, "seed", None)
+        c = getattr(args, "lr")
+        d = getattr(model_config, "vocab_size", 0)
+        e = getattr(engine, "x", None)
+        f = getattr(args, dest, None)
+    """)
+    assert _defaulted_flag_reads(source) == [(2, "getattr(args, 'lr', 0.1)"), (3, "getattr(self.config, 'seed', None)"),
+                                             (5, "getattr(model_config, 'vocab_size', 0)")]
+
+
+# furlong serve's own flags hold the --rollout-backend plugin's flags only when that plugin defines them
+_SERVE_BACKEND_FLAG = ("core/serve/info.py", "getattr(args, 'embedded_max_batch_size', None)")
+
+
+def test_core_reads_flags_without_defaults_of_its_own():
+    bad = [f"{path.relative_to(REPO)}:{line}: {call}" for path in _py_files("core")
+           for line, call in _defaulted_flag_reads(path.read_text())
+           if not call.startswith("getattr(model_config") and (str(path.relative_to(REPO)), call) != _SERVE_BACKEND_FLAG]
+    assert bad == [], "read the flag as an attribute: the parse sets every flag, the RunConfig has every field"

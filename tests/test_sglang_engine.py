@@ -64,15 +64,15 @@ class Probe:
         return sorted(w["url"] for w in get(self.router, "/workers")["workers"])
 
     @hookimpl
-    def on_rollout_end(self, args, rollout_id, metrics):
-        self.router = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
+    def on_rollout_end(self, config, rollout_id, metrics):
+        self.router = f"http://{config.sglang_router_ip}:{config.sglang_router_port}"
         urls = self.workers()
         self.versions[rollout_id] = {url: get(url, "/model_info")["weight_version"] for url in urls}
         if self.prompt_ids is None:
             from transformers import AutoTokenizer
 
             first = json.loads((DEMO / "data" / "train.jsonl").read_text().splitlines()[0])
-            self.prompt_ids = AutoTokenizer.from_pretrained(args.hf_checkpoint)(first["prompt"])["input_ids"]
+            self.prompt_ids = AutoTokenizer.from_pretrained(config.hf_checkpoint)(first["prompt"])["input_ids"]
         greedy = {"input_ids": self.prompt_ids, "return_logprob": True,
                   "sampling_params": {"temperature": 0, "max_new_tokens": 12}}
 
@@ -130,7 +130,9 @@ def train(argv: list[str], *observers) -> None:
     """``furlong train`` in this process (observers registered in-process); the router stops at the end."""
     from furlong.builtin_plugins.engines.sglang import stop_routers
     from furlong.core.config import parse_args
+    from furlong.core.config import build_parser
     from furlong.core.config.configure import configure_plugins
+    from furlong.core.config.freeze import freeze_config
     from furlong.core.run.loop import run as run_loop
     from furlong.core.plugins.manager import get_plugin_manager
     from furlong.core.plugins.selection import resolve_selection
@@ -141,8 +143,8 @@ def train(argv: list[str], *observers) -> None:
     args = parse_args(argv, pm)
     selection = resolve_selection(args, pm)
     try:
-        configure_plugins(args, pm, selection)
-        asyncio.run(run_loop(args, pm, selection))
+        configured = configure_plugins(args, pm, selection)
+        asyncio.run(run_loop(freeze_config(args, build_parser(pm).plugin_flags, configured.derived), pm, selection))
     finally:
         stop_routers()
 

@@ -237,9 +237,7 @@ class FurlongPluginManager(pluggy.PluginManager):
             with call:
                 result = impl.function(**_select(impl, kwargs))
                 if inspect.isawaitable(result):
-                    getattr(result, "close", lambda: None)()  # never awaited on purpose: no "never awaited" warning
-                    raise PluginError(f"plugin '{impl.plugin_name}': `{hook}` may not be async def; set-up hooks "
-                                      f"run before the event loop starts (make it a plain def).")
+                    result = _old_async_configure(hook, impl, result)
                 return call.returned(result)
         finally:
             if call.event is not None:
@@ -341,6 +339,32 @@ def _select(impl: pluggy.HookImpl, kwargs: dict) -> dict:
             _warn_old_form(impl)
         chosen["args"] = old_form_args(kwargs)
     return chosen
+
+
+def _old_async_configure(hook: str, impl: pluggy.HookImpl, result: Any) -> Any:
+    """Run an ``async def configure`` to its end, with a ``DeprecationWarning``, when no event loop is running
+    (the old form, accepted until the next minor version); any other awaitable from a set-up hook is refused.
+
+    :raises PluginError: ``hook`` is not ``configure``, or an event loop is running.
+    """
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+        running = True
+    except RuntimeError:
+        running = False
+    if hook != "configure" or running:
+        getattr(result, "close", lambda: None)()  # never awaited on purpose: no "never awaited" warning
+        raise PluginError(f"plugin '{impl.plugin_name}': `{hook}` may not be async def; set-up hooks "
+                          f"run before the event loop starts (make it a plain def).")
+    warnings.warn(f"plugin '{impl.plugin_name}': `async def configure` is the old form; make it a plain def (set-up "
+                  f"hooks run before the event loop starts). The old form goes away in the next minor version "
+                  f"(PLUGINS.md, \"Deprecations\").", DeprecationWarning, stacklevel=3)
+    async def finish():
+        return await result
+
+    return asyncio.run(finish())
 
 
 _WARNED_OLD_FORM: set[tuple[str, str]] = set()
