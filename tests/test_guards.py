@@ -294,7 +294,7 @@ NAME_COMPARISONS_ALLOWED = {
     # "math" is the kind of a Megatron flag (it changes the computation), not the reward plugin
     ("core/config/megatron_support.py", "math"),
     # the zero-advantage skip is exact only for this loss; no loss plugin declares that yet
-    ("core/train/batching.py", "policy_loss"),
+    ("core/config/train_rules.py", "policy_loss"),
 }
 
 
@@ -391,3 +391,12 @@ def test_core_reads_flags_without_defaults_of_its_own():
            for line, call in _defaulted_flag_reads(path.read_text())
            if not call.startswith("getattr(model_config") and (str(path.relative_to(REPO)), call) != _SERVE_BACKEND_FLAG]
     assert bad == [], "read the flag as an attribute: the parse sets every flag, the RunConfig has every field"
+
+
+def test_the_configuration_imports_no_part_that_runs():
+    """core/config/ parses, checks and freezes flags: it imports none of the parts that run (rollout, train,
+    run, serve, cli), so reading flags never loads training or storage code."""
+    running = [f"furlong.core.{part}" for part in ("rollout", "train", "run", "serve", "cli")]
+    bad = [f"{path.relative_to(REPO)}:{line} imports {name}" for path in _py_files("core/config")
+           for line, name in _imports(path) if any(_within(name, part) for part in running)]
+    assert bad == []

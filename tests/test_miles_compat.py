@@ -391,7 +391,7 @@ def test_dynamic_global_batch_keeps_whole_groups_to_a_multiple_of_dp(groups, dp,
 
 
 def test_dynamic_global_batch_trains_one_step_per_rollout():
-    from furlong.core.train.batching import steps_per_rollout
+    from furlong.core.config.train_rules import steps_per_rollout
 
     args = parse_args(["--num-rollout", "3", "--rollout-batch-size", "4", "--global-batch-size", "2",
                        "--use-dynamic-global-batch-size"])

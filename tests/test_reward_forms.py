@@ -1,4 +1,4 @@
-"""Reward functions as TRL and verl users wrote them, named by --custom-rm-path (core/rollout/reward_forms.py)."""
+"""Reward functions as TRL and verl users wrote them, named by --custom-rm-path (core/plugins/reward_forms.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from furlong.core.config.launch_args import launch_args, launch_config
-from furlong.core.rollout.reward_forms import TrlRewardAdapter, VerlRewardAdapter, reward_form
+from furlong.core.plugins.reward_forms import TrlRewardAdapter, VerlRewardAdapter, reward_form
 from furlong.hooks import ConfigReport, PluginError, Sample
 
 REWARDS = '''

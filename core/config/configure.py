@@ -57,7 +57,7 @@ def configure_order(args: Namespace, pm: FurlongPluginManager,
     if "executor" in selection.chosen:
         picks.append(selection.chosen["executor"])
     else:
-        name = getattr(args, "executor", None)
+        name = args.executor
         if name and pm.get_plugin(name) is not None:
             picks.append((name, "--executor"))
     order: dict[str, list[str]] = {}
@@ -93,7 +93,7 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
         were logged.
     """
     implementers = {impl.plugin_name for impl in pm.hook.configure.get_hookimpls()}
-    given = set(getattr(args, "explicit_args", ()) or ())
+    given = set(args.explicit_args)
     done = Configured()
     errors: list[str] = []
     backend = selection.chosen.get("train_backend", (None, None))[0]
@@ -162,7 +162,7 @@ def unused_plugin_flags(args: Namespace, pm: FurlongPluginManager, selection: Se
 
     :returns: ``(errors, warnings)``, one line each.
     """
-    given = getattr(args, "plugin_flags_given", None) or {}
+    given = args.plugin_flags_given
     if not given:
         return [], []
     used = {name for name, _ in configure_order(args, pm, selection)} | set(also_used)

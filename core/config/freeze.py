@@ -64,7 +64,7 @@ def freeze_config(args: argparse.Namespace, plugin_flags: Mapping[str, tuple[str
 
 def args_megatron_dests(args: argparse.Namespace) -> set[str]:
     """The attributes of the Megatron-LM-only flags given (held in ``megatron_args`` too)."""
-    return set(getattr(args, "megatron_args", None) or ())
+    return set(vars(args).get("megatron_args") or ())  # a Namespace that lacks it is reported as missing
 
 
 def field_problems(values: Mapping[str, Any]) -> list[str]:

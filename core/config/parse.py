@@ -13,7 +13,7 @@ from pathlib import PurePath
 from furlong.hooks import PluginError
 
 from ..plugins.executor_fit import resolve_executor
-from ..run.preflight import hf_checkpoint_problems
+from .hf_checkpoint import hf_checkpoint_problems
 from ._util import MEGATRON_ONLY
 from .deprecations import map_deprecated
 from .errors import ConfigError

@@ -194,7 +194,7 @@ def machine_defaults(args: argparse.Namespace, pm=None, data_parallel: DataParal
 
     dev = device_defaults(pm)
     pm = pm if pm is not None else get_plugin_manager()
-    given = set(getattr(args, "explicit_args", ()) or ())
+    given = set(args.explicit_args)
     out = {}
     for dest, name in MACHINE_FLAGS:
         value = getattr(dev, name)
@@ -202,7 +202,7 @@ def machine_defaults(args: argparse.Namespace, pm=None, data_parallel: DataParal
             out[dest] = {"value": value, "probe": dev.probes[name]}
             if not dev.cuda and str(ON_CUDA[name]).split(" ")[0] != str(value):
                 out[dest]["on_cuda"] = ON_CUDA[name]
-    if "train_backend" in out and not dev.cuda and getattr(args, "data_parallel_size", None) is not None:
+    if "train_backend" in out and not dev.cuda and args.data_parallel_size is not None:
         out["data_parallel_size"] = _dp_note(args, pm, data_parallel)
     if "executor" not in given and hasattr(args, "actor_num_nodes"):
         value, fit = default_executor(args, pm)

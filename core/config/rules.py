@@ -4,7 +4,7 @@ core's own findings)."""
 
 from __future__ import annotations
 
-from ..train.batching import pi_old_needs_own_pass, zero_advantage_skip_blocked
+from .train_rules import pi_old_needs_own_pass, zero_advantage_skip_blocked
 
 __all__ = ["async_and_agents", "defaults", "evaluation", "importance_sampling", "kl_and_reference", "lengths",
            "performance", "saving", "sglang"]

@@ -101,15 +101,15 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
 def unsupported_problems(args) -> list[str]:
     """One message per row of :data:`UNSUPPORTED` whose attribute holds another value.
 
-    Only values that were given count (``args.explicit_args``, when present): a value
+    Only values that were given count (``args.explicit_args``): a value
     another flag implies (``--load-debug-rollout-data`` sets ``debug_train_only``) is
     reported through the flag that was given.
     """
-    given = getattr(args, "explicit_args", None)
+    given = args.explicit_args
     problems = []
     for row in UNSUPPORTED:
         value = getattr(args, row.dest, row.supported[0])
-        if value in row.supported or (given is not None and row.dest not in given):
+        if value in row.supported or row.dest not in given:
             continue
         if isinstance(value, bool) or all(v is False or v is None for v in row.supported):
             problems.append(f"{row.flag} is not supported yet; remove it.")

@@ -46,7 +46,7 @@ def validate(args, command: str | None = None) -> ConfigReport:
         raises ``ConfigError`` when it has errors.
     """
     f = ConfigReport(plugin="core")  # the core reports the way plugins' configure hooks do
-    given = set(getattr(args, "explicit_args", []))
+    given = set(args.explicit_args)
     _normalize(args, f, given)
     for message in unsupported_problems(args):
         f.error(message)
@@ -124,13 +124,13 @@ def _basic_values(args, f: ConfigReport) -> None:
         value = getattr(args, dest, None)
         if value is not None and value != -1 and value < 1:
             f.error(f"--{dest.replace('_', '-')} must be -1 (off) or at least 1, got {value}.")
-    start, total = getattr(args, "start_rollout_id", None), args.num_rollout
+    start, total = args.start_rollout_id, args.num_rollout
     if start is not None and total is not None and total > 0 and start >= total:
         f.error(f"--start-rollout-id {start} is not below --num-rollout {total}: there is nothing to run.")
     if args.eps_clip_c is not None and args.eps_clip_c <= 1:
         f.error(f"--eps-clip-c must be greater than 1 (the dual-clip bound), got {args.eps_clip_c:g}.")
     if args.fp16:
-        if args.bf16 and "bf16" in set(getattr(args, "explicit_args", [])):
+        if args.bf16 and "bf16" in args.explicit_args:
             f.error("--bf16 and --fp16 are exclusive; pass one.")
         args.bf16 = False
 

@@ -5,7 +5,7 @@ core calls it exactly like a plugin chosen by name, and only the plugin manager 
 code. The user's function is called positionally, Miles-style (``async def rm(args, sample)
 -> float``), with ``args`` an ``argparse.Namespace`` (``config.namespace()`` when the core
 passes the typed configuration); it may be sync or async. A reward function written for TRL
-or verl is called in its own form (:mod:`furlong.core.rollout.reward_forms`). The flags that
+or verl is called in its own form (:mod:`furlong.core.plugins.reward_forms`). The flags that
 no public hook covers reach their function through the hooks of
 :mod:`furlong.core.plugins.path_specs`.
 """
@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from furlong.hooks import PluginError, hookimpl
 
-from ..rollout.reward_forms import reward_adapter
+from .reward_forms import reward_adapter
 
 __all__ = ["ADAPTERS", "PATH_ADAPTERS", "MilesStyle", "import_dotted", "make_adapter", "agent_abort_adapter"]
 
@@ -259,7 +259,7 @@ def make_adapter(hook: str, path: str, flag: str) -> object:
         kind = "a class" if hook == "data_source" else "a function"
         raise PluginError(f"{flag} '{path}': '{path.rpartition('.')[2]}' is a {type(fn).__name__}, not callable; "
                           f"point the flag at {kind}.")
-    if hook == "reward":  # a TRL or verl reward function keeps its own form (core/rollout/reward_forms.py)
+    if hook == "reward":  # a TRL or verl reward function keeps its own form (core/plugins/reward_forms.py)
         return reward_adapter(fn, path, _RewardAdapter)
     if hook in PATH_ADAPTERS:
         return PATH_ADAPTERS[hook](fn, path, flag)

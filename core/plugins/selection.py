@@ -11,7 +11,7 @@ from furlong.hooks import PluginError, RunConfig
 
 from .adapters import agent_abort_adapter, make_adapter
 from .path_specs import PATH_HOOKS
-from ..rollout.data_choice import data_source_for
+from .data_choice import data_source_for
 from .miles_paths import miles_builtin
 from .manager import FurlongPluginManager
 

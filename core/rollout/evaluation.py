@@ -8,7 +8,7 @@ import time
 
 from furlong.hooks import DatasetSpec, PluginError, RunConfig, Sample
 
-from .data_choice import data_source_for
+from ..plugins.data_choice import data_source_for
 from .datasets import eval_dataset
 from ..config.eval_config import EvalDataset, load_eval_datasets, sampling_params
 from ..run.metrics_log import eval_metrics
@@ -39,7 +39,7 @@ class Evaluator:
 
     def _reader(self, spec: DatasetSpec) -> tuple[str, str]:
         """``(plugin, flag)`` reading eval set ``ds``: the data source flags' choice, else the plugin that
-        claims its file (:mod:`furlong.core.rollout.data_choice`), else ``--data-source``'s default."""
+        claims its file (:mod:`furlong.core.plugins.data_choice`), else ``--data-source``'s default."""
         by_file = data_source_for(self.config, self.pm, spec.path, spec.flag)
         if by_file is not None:
             return by_file

@@ -14,7 +14,7 @@ import logging
 
 from furlong.hooks import PluginError, RunConfig
 
-from ..train.batching import steps_per_rollout
+from ..config.train_rules import steps_per_rollout
 
 __all__ = ["derive_num_rollout"]
 

@@ -18,7 +18,7 @@ from argparse import Namespace
 from furlong.hooks import PluginError, RunConfig
 from furlong.kit.compute_thread import shared_compute_thread
 
-from ..train.batching import steps_per_rollout
+from ..config.train_rules import steps_per_rollout
 from .checkpoints import periodic, post_save_hook, resolve_start, save_checkpoint, should_save
 from ..rollout.engine_health import EngineHealthMonitor, health_monitor_wanted
 from ..rollout.engines import EngineFactory

@@ -17,7 +17,7 @@ import socket
 from furlong.hooks import PluginError, RunConfig
 
 from ..plugins.discovery import split_names
-from ..run.preflight import hf_checkpoint_problems
+from ..config.hf_checkpoint import hf_checkpoint_problems
 from ..plugins.manager import get_plugin_manager
 
 __all__ = ["build_serve_parser", "check_port_free", "engine_config", "parse_serve_args", "serve"]

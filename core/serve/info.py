@@ -46,7 +46,7 @@ async def health(request: web.Request) -> web.Response:
 async def model_info(request: web.Request) -> web.Response:
     state = state_of(request)
     args = state.args
-    config = getattr(getattr(state.engine, "model", None), "config", None)
+    model_config = getattr(getattr(state.engine, "model", None), "config", None)
     return web.json_response({
         "model_path": args.hf_checkpoint,
         "served_model_name": args.served_model_name,
@@ -60,8 +60,8 @@ async def model_info(request: web.Request) -> web.Response:
         "disaggregation_mode": "null",
         "has_image_understanding": False,
         "has_audio_understanding": False,
-        "model_type": getattr(config, "model_type", None),
-        "architectures": getattr(config, "architectures", None),
+        "model_type": getattr(model_config, "model_type", None),
+        "architectures": getattr(model_config, "architectures", None),
     })
 
 

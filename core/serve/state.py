@@ -39,9 +39,9 @@ class ServeState:
         self.exiting = False
         self.last_token_at = 0.0
         self.started_at = time.time()
-        config = getattr(getattr(engine, "model", None), "config", None)
-        self.vocab_size = int(getattr(config, "vocab_size", 0) or len(self.tokenizer))
-        self.context_length = engine.context_len or getattr(config, "max_position_embeddings", None)
+        model_config = getattr(getattr(engine, "model", None), "config", None)
+        self.vocab_size = int(getattr(model_config, "vocab_size", 0) or len(self.tokenizer))
+        self.context_length = engine.context_len or getattr(model_config, "max_position_embeddings", None)
         names = inspect.signature(engine.generate).parameters
         self.engine_streams = "on_token" in names  # incremental output
         self.engine_takes_rid = "rid" in names and callable(getattr(engine, "abort_request", None))

@@ -23,8 +23,8 @@ import torch
 from furlong.hooks import ParallelLayout, PluginError, RunConfig, Sample, TrainBatch, WorkerGroup
 
 from .advantage_stages import compute_advantages
-from .batching import (dynamic_global_batch, pi_old_needs_own_pass, plan_steps, split_steps, steps_per_rollout,
-                       zero_advantage_skip_blocked)
+from ..config.train_rules import pi_old_needs_own_pass, steps_per_rollout, zero_advantage_skip_blocked
+from .batching import dynamic_global_batch, plan_steps, split_steps
 from ..plugins.manager import FurlongPluginManager
 from .reduction import effective_loss_masks, excluded_samples, sample_denominators, step_denominators
 from ..plugins.selection import Selection
