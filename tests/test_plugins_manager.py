@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from argparse import ArgumentParser, Namespace
+from argparse import ArgumentParser
 
 import pytest
 
+from furlong.core.config.launch_args import launch_args, launch_config
 from furlong.core.config.parser import add_plugin_arguments
 from furlong.core.plugins.discovery import EntryRecord, is_disabled, read_entry_points, split_names
 from furlong.core.plugins.manager import get_plugin_manager
@@ -18,7 +19,7 @@ ADVANTAGE_SOURCE = """
     from furlong.hooks import hookimpl
 
     @hookimpl
-    def advantage(args, batch):
+    def advantage(config, batch):
         return "from {tag}"
 """
 
@@ -26,6 +27,18 @@ ADVANTAGE_SOURCE = """
 def _advantage_dist(plugin_dist, dist, package, name, version="0.1.0", site=None):
     return plugin_dist(dist, package, ADVANTAGE_SOURCE.replace("{tag}", package), {name: package},
                        version=version, site=site)
+
+
+@pytest.fixture(scope="module")
+def config():
+    """The configuration of a run with every default, as the core hands it to the hooks."""
+    return launch_config(configure=False)
+
+
+@pytest.fixture
+def setup_args():
+    """The validated launch flags ``configure`` receives (it runs before the freeze)."""
+    return launch_args()
 
 
 class Recorder:
@@ -54,7 +67,7 @@ def test_entry_point_is_discovered_with_its_distribution_and_version(plugin_dist
     assert pm.names_for("advantage") == ["demo_adv"]
 
 
-def test_module_object_entry_points_serve_two_names_from_one_module(plugin_dist, load_plugins):
+def test_module_object_entry_points_serve_two_names_from_one_module(plugin_dist, load_plugins, config):
     source = """
         from furlong.hooks import hookimpl
 
@@ -63,7 +76,7 @@ def test_module_object_entry_points_serve_two_names_from_one_module(plugin_dist,
                 self.scale = scale
 
             @hookimpl
-            def reward(self, args, samples):
+            def reward(self, config, samples):
                 return [self.scale * len(s) for s in samples]
 
         half = _Half(0.5)
@@ -74,7 +87,7 @@ def test_module_object_entry_points_serve_two_names_from_one_module(plugin_dist,
     pm = load_plugins()
     assert pm.names_for("reward") == ["double_len", "half_len"]
     # reward = scale * len(sample): 0.5 * 4 = 2.0; 2.0 * 4 = 8.0
-    got = [asyncio.run(pm.call_chosen("reward", name, "--rm-type", args=Namespace(), samples=["abcd"]))
+    got = [asyncio.run(pm.call_chosen("reward", name, "--rm-type", config=config, samples=["abcd"]))
            for name in ("half_len", "double_len")]
     assert got == [[2.0], [8.0]]
 
@@ -101,7 +114,7 @@ def test_misspelled_hook_is_broken_and_check_pending_passes(plugin_dist, load_pl
         from furlong.hooks import hookimpl
 
         @hookimpl
-        def advantge(args, batch):
+        def advantge(config, batch):
             return None
     """
     plugin_dist("furlong-typo", "furlong_typo", source, {"typo_adv": "furlong_typo"})
@@ -151,7 +164,7 @@ def test_disable_by_name_by_dist_and_by_environment(plugin_dist, load_plugins, m
 # --- chosen hooks ----------------------------------------------------------------------
 
 
-def test_chosen_hook_calls_only_the_named_plugin(plugin_manager, register_plugin):
+def test_chosen_hook_calls_only_the_named_plugin(plugin_manager, register_plugin, config):
     calls = []
 
     class Estimator:
@@ -159,31 +172,31 @@ def test_chosen_hook_calls_only_the_named_plugin(plugin_manager, register_plugin
             self.tag = tag
 
         @hookimpl
-        def advantage(self, args, batch):
+        def advantage(self, config, batch):
             calls.append(self.tag)
             return f"{self.tag}:{batch}"
 
     register_plugin(Estimator("a"), "est_a")
     register_plugin(Estimator("b"), "est_b")
     out = asyncio.run(plugin_manager.call_chosen("advantage", "est_b", "--advantage-estimator",
-                                                 args=Namespace(), batch="B"))
+                                                 config=config, batch="B"))
     assert out == "b:B"
     assert calls == ["b"]
 
 
-def test_chosen_hook_awaits_an_async_implementation(plugin_manager, register_plugin):
+def test_chosen_hook_awaits_an_async_implementation(plugin_manager, register_plugin, config):
     class AsyncLoss:
         @hookimpl
-        async def loss(self, args, batch):
+        async def loss(self, config, batch):
             await asyncio.sleep(0)
             return ("loss of", batch)
 
     register_plugin(AsyncLoss(), "async_loss")
-    out = asyncio.run(plugin_manager.call_chosen("loss", "async_loss", "--loss-type", args=Namespace(), batch=7))
+    out = asyncio.run(plugin_manager.call_chosen("loss", "async_loss", "--loss-type", config=config, batch=7))
     assert out == ("loss of", 7)
 
 
-def test_set_up_call_refuses_async_def_without_running_it(plugin_manager, register_plugin, recwarn):
+def test_set_up_call_refuses_async_def_without_running_it(plugin_manager, register_plugin, recwarn, setup_args):
     ran = []
 
     class AsyncConfigure:
@@ -193,25 +206,25 @@ def test_set_up_call_refuses_async_def_without_running_it(plugin_manager, regist
 
     register_plugin(AsyncConfigure(), "async_configure")
     with pytest.raises(PluginError) as excinfo:
-        plugin_manager.call_setup("configure", "async_configure", args=Namespace(), report=None)
+        plugin_manager.call_setup("configure", "async_configure", args=setup_args, report=None)
     assert str(excinfo.value) == ("plugin 'async_configure': `configure` may not be async def; set-up hooks run "
                                   "before the event loop starts (make it a plain def).")
     assert ran == [] and not [w for w in recwarn if "never awaited" in str(w.message)]
 
 
-def test_set_up_call_of_a_plugin_without_the_hook_is_an_error(plugin_manager, register_plugin):
+def test_set_up_call_of_a_plugin_without_the_hook_is_an_error(plugin_manager, register_plugin, setup_args):
     class NoConfigure:
         @hookimpl
-        def advantage(self, args, batch):
+        def advantage(self, config, batch):
             return "adv"
 
     register_plugin(NoConfigure(), "no_configure")
     with pytest.raises(PluginError) as excinfo:
-        plugin_manager.call_setup("configure", "no_configure", args=Namespace(), report=None)
+        plugin_manager.call_setup("configure", "no_configure", args=setup_args, report=None)
     assert str(excinfo.value) == "plugin 'no_configure' (registered in-process) does not implement `configure`."
 
 
-def test_implementation_receives_only_the_arguments_it_names(plugin_manager, register_plugin):
+def test_implementation_receives_only_the_arguments_it_names(plugin_manager, register_plugin, config):
     seen = {}
 
     class OnlyBatch:
@@ -222,14 +235,14 @@ def test_implementation_receives_only_the_arguments_it_names(plugin_manager, reg
 
     register_plugin(OnlyBatch(), "only_batch")
     asyncio.run(plugin_manager.call_chosen("advantage", "only_batch", "--advantage-estimator",
-                                           args=Namespace(), batch=[1, 2]))
+                                           config=config, batch=[1, 2]))
     assert seen == {"batch": [1, 2]}
 
 
 # --- broadcast and observers -----------------------------------------------------------
 
 
-def test_broadcast_abort_failure_warns_and_the_rest_still_run(plugin_manager, register_plugin, caplog):
+def test_broadcast_abort_failure_warns_and_the_rest_still_run(plugin_manager, register_plugin, caplog, config):
     ran = []
 
     class Good:
@@ -237,19 +250,19 @@ def test_broadcast_abort_failure_warns_and_the_rest_still_run(plugin_manager, re
             self.tag = tag
 
         @hookimpl
-        async def abort(self, args, rollout_id):
+        async def abort(self, config, rollout_id):
             ran.append((self.tag, rollout_id))
 
     class Bad:
         @hookimpl
-        def abort(self, args, rollout_id):
+        def abort(self, config, rollout_id):
             raise RuntimeError("sandbox gone")
 
     register_plugin(Good("first"), "first_abort")
     register_plugin(Bad(), "bad_abort")
     register_plugin(Good("last"), "last_abort")
     with caplog.at_level(logging.WARNING, logger="furlong.plugins"):
-        asyncio.run(plugin_manager.broadcast("abort", args=Namespace(), rollout_id=4))
+        asyncio.run(plugin_manager.broadcast("abort", config=config, rollout_id=4))
     assert sorted(ran) == [("first", 4), ("last", 4)]
     assert [r.getMessage() for r in caplog.records if "_abort'" in r.getMessage()] == [
         "plugin 'bad_abort' failed in `abort`: RuntimeError: sandbox gone"
@@ -284,7 +297,7 @@ def test_broadcast_of_a_non_observer_hook_runs_all_then_raises_naming_the_plugin
     assert sorted(ran) == ["--alpha-x", "--omega-x"]
 
 
-def test_observer_failure_is_a_warning_and_others_still_observe(plugin_manager, register_plugin, caplog):
+def test_observer_failure_is_a_warning_and_others_still_observe(plugin_manager, register_plugin, caplog, config):
     seen = []
 
     class Logger:
@@ -300,7 +313,7 @@ def test_observer_failure_is_a_warning_and_others_still_observe(plugin_manager, 
     register_plugin(Broken(), "broken_logger")
     register_plugin(Logger(), "logger")
     with caplog.at_level(logging.WARNING, logger="furlong.plugins"):
-        asyncio.run(plugin_manager.notify("on_rollout_end", args=Namespace(), rollout_id=2,
+        asyncio.run(plugin_manager.notify("on_rollout_end", config=config, rollout_id=2,
                                           metrics={"rollout/step": 2}))
     assert seen == [(2, {"rollout/step": 2})]
     assert [r.getMessage() for r in caplog.records if "logger'" in r.getMessage()] == [
@@ -318,14 +331,14 @@ def _filters(register_plugin, log, decisions):
                 self.name, self.decision = name, decision
 
             @hookimpl
-            async def filter(self, args, samples, rollout_id):
+            async def filter(self, config, samples, rollout_id):
                 log.append(self.name)
                 return self.decision
 
         register_plugin(Filter(name, decision), name)
 
 
-def test_filters_run_in_flag_order_and_the_first_rejecting_gives_the_reason(plugin_manager, register_plugin):
+def test_filters_run_in_flag_order_and_the_first_rejecting_gives_the_reason(plugin_manager, register_plugin, config):
     log = []
     _filters(register_plugin, log, {
         "keeps": True,
@@ -334,25 +347,25 @@ def test_filters_run_in_flag_order_and_the_first_rejecting_gives_the_reason(plug
     })
     order = ["keeps", "drops_zero", "drops_short"]
     result = asyncio.run(plugin_manager.run_filters(order, "--dynamic-sampling-filter",
-                                                    args=Namespace(), samples=[], rollout_id=0))
+                                                    config=config, samples=[], rollout_id=0))
     assert result == FilterResult(keep=False, reason="zero_std_0.0")
     assert log == ["keeps", "drops_zero"]
 
 
-def test_filters_that_all_keep_give_keep_without_reason(plugin_manager, register_plugin):
+def test_filters_that_all_keep_give_keep_without_reason(plugin_manager, register_plugin, config):
     log = []
     _filters(register_plugin, log, {"keep_bool": True, "keep_result": FilterResult(keep=True, reason="fine")})
     result = asyncio.run(plugin_manager.run_filters(["keep_result", "keep_bool"], "--dynamic-sampling-filter",
-                                                    args=Namespace(), samples=[], rollout_id=0))
+                                                    config=config, samples=[], rollout_id=0))
     assert result == FilterResult(keep=True, reason=None)
     assert log == ["keep_result", "keep_bool"]
 
 
-def test_a_bare_false_filter_rejects_with_no_reason(plugin_manager, register_plugin):
+def test_a_bare_false_filter_rejects_with_no_reason(plugin_manager, register_plugin, config):
     log = []
     _filters(register_plugin, log, {"false_filter": False, "never_reached": True})
     result = asyncio.run(plugin_manager.run_filters(["false_filter", "never_reached"], "--dynamic-sampling-filter",
-                                                    args=Namespace(), samples=[], rollout_id=0))
+                                                    config=config, samples=[], rollout_id=0))
     assert result == FilterResult(keep=False, reason=None)
     assert log == ["false_filter"]
 
@@ -360,23 +373,23 @@ def test_a_bare_false_filter_rejects_with_no_reason(plugin_manager, register_plu
 # --- on_hook_call and tracing ----------------------------------------------------------
 
 
-def test_on_hook_call_times_every_non_observer_call(plugin_manager, register_plugin):
+def test_on_hook_call_times_every_non_observer_call(plugin_manager, register_plugin, config):
     recorder = register_plugin(Recorder(), "recorder")
 
     class Slow:
         @hookimpl
-        async def advantage(self, args, batch):
+        async def advantage(self, config, batch):
             await asyncio.sleep(0.05)
             return "adv"
 
         @hookimpl
-        def loss(self, args, batch):
+        def loss(self, config, batch):
             raise ZeroDivisionError("empty micro-batch")
 
     register_plugin(Slow(), "slow")
-    asyncio.run(plugin_manager.call_chosen("advantage", "slow", "--advantage-estimator", args=None, batch=None))
+    asyncio.run(plugin_manager.call_chosen("advantage", "slow", "--advantage-estimator", config=config, batch=None))
     with pytest.raises(ZeroDivisionError):
-        asyncio.run(plugin_manager.call_chosen("loss", "slow", "--loss-type", args=None, batch=None))
+        asyncio.run(plugin_manager.call_chosen("loss", "slow", "--loss-type", config=config, batch=None))
     assert [(hook, plugin, error) for hook, plugin, _, error in recorder.events] == [
         ("advantage", "slow", None),
         ("loss", "slow", "ZeroDivisionError: empty micro-batch"),
@@ -386,7 +399,7 @@ def test_on_hook_call_times_every_non_observer_call(plugin_manager, register_plu
     assert 0.0 <= loss_seconds < 0.05
 
 
-def test_on_hook_call_is_never_emitted_for_observers(plugin_manager, register_plugin):
+def test_on_hook_call_is_never_emitted_for_observers(plugin_manager, register_plugin, config):
     recorder = register_plugin(Recorder(), "recorder")
 
     class Observer:
@@ -399,13 +412,13 @@ def test_on_hook_call_is_never_emitted_for_observers(plugin_manager, register_pl
             pass
 
     register_plugin(Observer(), "observer")
-    asyncio.run(plugin_manager.notify("on_train_step_end", args=None, rollout_id=0, step=1, metrics={}))
-    asyncio.run(plugin_manager.notify("on_checkpoint_saved", args=None, rollout_id=0, path="/x"))
+    asyncio.run(plugin_manager.notify("on_train_step_end", config=config, rollout_id=0, step=1, metrics={}))
+    asyncio.run(plugin_manager.notify("on_checkpoint_saved", config=config, rollout_id=0, path="/x"))
     asyncio.run(plugin_manager.notify("on_hook_call", hook="h", plugin="p", seconds=0.0, error=None))
     assert recorder.events == [("h", "p", 0.0, None)]  # only the direct call, nothing emitted
 
 
-def test_on_hook_call_times_synchronous_set_up_calls(plugin_manager, register_plugin):
+def test_on_hook_call_times_synchronous_set_up_calls(plugin_manager, register_plugin, setup_args):
     recorder = register_plugin(Recorder(), "recorder")
 
     class SetUp:
@@ -420,7 +433,7 @@ def test_on_hook_call_times_synchronous_set_up_calls(plugin_manager, register_pl
     register_plugin(SetUp(), "set_up")
     add_plugin_arguments(ArgumentParser(), plugin_manager)
     with pytest.raises(ValueError):
-        plugin_manager.call_setup("configure", "set_up", args=Namespace(), report=None)
+        plugin_manager.call_setup("configure", "set_up", args=setup_args, report=None)
     # add_arguments runs twice per plugin: on a scratch parser (the clash check), then on the real one
     assert [(hook, plugin, error) for hook, plugin, _, error in recorder.events if plugin == "set_up"] == [
         ("add_arguments", "set_up", None),
@@ -431,7 +444,8 @@ def test_on_hook_call_times_synchronous_set_up_calls(plugin_manager, register_pl
         "add_arguments")
 
 
-def test_set_up_call_inside_a_running_loop_starts_no_thread_and_no_loop(plugin_manager, register_plugin):
+def test_set_up_call_inside_a_running_loop_starts_no_thread_and_no_loop(plugin_manager, register_plugin,
+                                                                         setup_args):
     """An ``async def`` observer of a set-up call made inside a running loop is scheduled on that loop."""
     seen = []
 
@@ -450,7 +464,7 @@ def test_set_up_call_inside_a_running_loop_starts_no_thread_and_no_loop(plugin_m
 
     async def main():
         threads = threading.active_count()
-        plugin_manager.call_setup("configure", "set_up", args=Namespace(), report=None)
+        plugin_manager.call_setup("configure", "set_up", args=setup_args, report=None)
         assert threading.active_count() == threads
         await asyncio.sleep(0)
         return asyncio.get_running_loop()
@@ -459,7 +473,7 @@ def test_set_up_call_inside_a_running_loop_starts_no_thread_and_no_loop(plugin_m
     assert seen == [("configure", "set_up", loop, threading.get_ident())]
 
 
-def test_trace_hooks_logs_every_call(monkeypatch, caplog):
+def test_trace_hooks_logs_every_call(monkeypatch, caplog, config):
     monkeypatch.setenv("FURLONG_TRACE_HOOKS", "1")
     pm = get_plugin_manager()
     assert pm.trace_calls is True
@@ -471,20 +485,20 @@ def test_trace_hooks_logs_every_call(monkeypatch, caplog):
 
     pm.register_checked(Reward(), "traced_reward")
     with caplog.at_level(logging.INFO, logger="furlong.plugins"):
-        asyncio.run(pm.call_chosen("reward", "traced_reward", "--rm-type", args=Namespace(), samples=["a", "b"]))
+        asyncio.run(pm.call_chosen("reward", "traced_reward", "--rm-type", config=config, samples=["a", "b"]))
     assert [r.getMessage() for r in caplog.records if r.name == "furlong.plugins"] == [
-        "hook reward[traced_reward](args=Namespace, samples=list) -> [1.0, 1.0]"
+        "hook reward[traced_reward](config=RunConfig, samples=list) -> [1.0, 1.0]"
     ]
 
 
 def test_hooks_of_and_origin_describe_in_process_plugins(plugin_manager, register_plugin):
     class Both:
         @hookimpl
-        def reward(self, args, samples):
+        def reward(self, config, samples):
             return [0.0]
 
         @hookimpl
-        def filter(self, args, samples, rollout_id):
+        def filter(self, config, samples, rollout_id):
             return True
 
     register_plugin(Both(), "both")
