@@ -199,15 +199,15 @@ def test_chosen_hook_awaits_an_async_implementation(plugin_manager, register_plu
 def test_set_up_call_refuses_async_def_without_running_it(plugin_manager, register_plugin, recwarn, setup_args):
     ran = []
 
-    class AsyncConfigure:
+    class AsyncFit:
         @hookimpl
-        async def configure(self, args, report):
+        async def executor_fit(self, args):
             ran.append(args)
 
-    register_plugin(AsyncConfigure(), "async_configure")
+    register_plugin(AsyncFit(), "async_fit")
     with pytest.raises(PluginError) as excinfo:
-        plugin_manager.call_setup("configure", "async_configure", args=setup_args, report=None)
-    assert str(excinfo.value) == ("plugin 'async_configure': `configure` may not be async def; set-up hooks run "
+        plugin_manager.call_setup("executor_fit", "async_fit", args=setup_args)
+    assert str(excinfo.value) == ("plugin 'async_fit': `executor_fit` may not be async def; set-up hooks run "
                                   "before the event loop starts (make it a plain def).")
     assert ran == [] and not [w for w in recwarn if "never awaited" in str(w.message)]
 
