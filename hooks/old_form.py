@@ -11,9 +11,13 @@ plugin manager and the contract test kit both hand it over.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from argparse import Namespace
 
-__all__ = ["old_form_args"]
+__all__ = ["old_form_args", "warn_old_form"]
+
+_WARNED: set[tuple[str, str]] = set()
 
 
 def old_form_args(kwargs: dict) -> Namespace:
@@ -28,3 +32,18 @@ def old_form_args(kwargs: dict) -> Namespace:
         view.metadata_key, view.tool_key = dataset.metadata_key, dataset.tool_key
         view.rollout_shuffle, view.rollout_max_prompt_len = dataset.shuffle, dataset.max_prompt_len
     return view
+
+
+def warn_old_form(plugin: str, hook: str, old: str, new: str) -> None:
+    """Say once per plugin and hook that it uses an old form: a ``DeprecationWarning`` (for the plugin's
+    own tests) and a warning in the run's log (Python hides ``DeprecationWarning`` outside tests).
+
+    :param old: the form, e.g. "`reward(args, ...)`"; ``new``: what to do instead.
+    """
+    if (plugin, hook) in _WARNED:
+        return
+    _WARNED.add((plugin, hook))
+    message = (f"plugin '{plugin}': {old} is the old form of the hook; {new}. The old form goes away in the next "
+               f"minor version (PLUGINS.md, \"Deprecations\").")
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    logging.getLogger("furlong.plugins").warning("%s", message)

@@ -72,11 +72,12 @@ class PluginConfig(FrozenMap):
         message lists what the section holds).
     """
 
-    __slots__ = ("_plugin",)
+    __slots__ = ("_plugin", "_others")
 
-    def __init__(self, plugin: str, data: Mapping | None = None) -> None:
+    def __init__(self, plugin: str, data: Mapping | None = None, others: tuple[str, ...] = ()) -> None:
         super().__init__(data)
         object.__setattr__(self, "_plugin", plugin)
+        object.__setattr__(self, "_others", others)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -84,16 +85,20 @@ class PluginConfig(FrozenMap):
         try:
             return self._data[name]
         except KeyError:
-            held = ", ".join(sorted(self._data)) or "nothing"
-            raise AttributeError(f"plugin '{self._plugin}' has no flag or derived value '{name}' "
-                                 f"(its section holds: {held})") from None
+            if self._data:
+                held = f"its section holds: {', '.join(sorted(self._data))}"
+            else:
+                held = (f"it has no section: it added no flag, or no plugin is called '{self._plugin}' (plugins with "
+                        f"flags: {', '.join(sorted(self._others)) or 'none'})")
+            raise AttributeError(f"plugin '{self._plugin}' has no flag or derived value '{name}' ({held})") from None
 
     def __getstate__(self) -> dict:
-        return {"plugin": self._plugin, "data": self._data}
+        return {"plugin": self._plugin, "data": self._data, "others": self._others}
 
     def __setstate__(self, state: dict) -> None:
         object.__setattr__(self, "_plugin", state["plugin"])
         object.__setattr__(self, "_data", dict(state["data"]))
+        object.__setattr__(self, "_others", tuple(state.get("others", ())))
 
     def __repr__(self) -> str:
         return f"PluginConfig({self._plugin!r}, {self._data!r})"
@@ -486,9 +491,18 @@ class RunConfig:
     def plugin_config(self, name: str) -> PluginConfig:
         """Plugin ``name``'s section: its flags and the values its ``configure`` derived.
 
-        A plugin with no flags gets an empty section.
+        A plugin with no flags gets an empty section (reading from it names the sections there are).
         """
-        return self.plugins.get(name) or PluginConfig(name)
+        return self.plugins.get(name) or PluginConfig(name, others=tuple(self.plugins))
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for a name that is no field: say where a plugin's own flag lives
+        if name.startswith("_"):
+            raise AttributeError(name)
+        owners = [plugin for plugin, section in self.plugins.items() if name in section]
+        where = (f"it is a flag of plugin '{owners[0]}': read config.plugin_config({owners[0]!r}).{name}" if owners
+                 else "no core flag and no plugin's flag has that name")
+        raise AttributeError(f"'RunConfig' object has no attribute '{name}': {where}")
 
     def given(self, dest: str) -> bool:
         """True when the flag with attribute ``dest`` was given."""

@@ -310,7 +310,7 @@ def test_hook_configure_async_def_still_runs_with_a_deprecation_warning(resolve,
             report.default(args, "gamma", 0.5)
 
     register_plugin(AsyncConfigure(), "c_async")
-    with pytest.warns(DeprecationWarning, match="plugin 'c_async': `async def configure` is the old form"):
+    with pytest.warns(DeprecationWarning, match="plugin 'c_async': `async def configure` is the old form of the hook; make it a plain def"):
         args, configured = resolve(BASE + ["--advantage-estimator", "c_async"])
     assert args.gamma == 0.5 and derived_by(configured, "c_async") == {"gamma": 0.5}
 

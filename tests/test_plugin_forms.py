@@ -43,7 +43,7 @@ def test_a_new_form_plugin_reads_its_own_flag_from_its_section(plugin_manager, r
         given.plugin_config("scaled").other
 
 
-def test_an_old_form_plugin_runs_on_a_namespace_view_and_warns_once(plugin_manager, register_plugin):
+def test_an_old_form_plugin_runs_on_a_namespace_view_and_warns_once(plugin_manager, register_plugin, caplog):
     def reward(args, samples):
         return [args.legacy_scale * len(s.response) / args.rollout_batch_size for s in samples]
 
@@ -59,6 +59,7 @@ def test_an_old_form_plugin_runs_on_a_namespace_view_and_warns_once(plugin_manag
     assert old_form == ["plugin 'legacy': `reward(args, ...)` is the old form of the hook; take `config` (a "
                         "furlong.hooks.RunConfig) instead. The old form goes away in the next minor version "
                         "(PLUGINS.md, \"Deprecations\")."]
+    assert [r.getMessage() for r in caplog.records if r.name == "furlong.plugins"] == old_form  # seen in a run too
 
 
 @pytest.mark.parametrize("module", ["answers", "compute_thread", "dist", "epochs", "hf", "kl", "masked",

@@ -91,6 +91,18 @@ def test_a_plugin_reads_its_own_flags_and_what_its_configure_derived(pm):
     assert config.plugin_config("no_such_plugin") == {}
     with pytest.raises(AttributeError, match="plugin 'sglang' has no flag or derived value 'typo'"):
         section.typo
+    with pytest.raises(AttributeError, match=r"plugin 'sglang_typo' has no flag or derived value 'x' \(it has no "
+                                             r"section: it added no flag, or no plugin is called 'sglang_typo'"):
+        config.plugin_config("sglang_typo").x
+
+
+def test_a_plugin_flag_read_as_a_field_says_where_it_lives(pm):
+    config = launch_config(pm=pm)
+    with pytest.raises(AttributeError, match=r"it is a flag of plugin 'embedded': read "
+                                             r"config.plugin_config\('embedded'\).embedded_max_batch_size"):
+        config.embedded_max_batch_size
+    with pytest.raises(AttributeError, match="no core flag and no plugin's flag has that name"):
+        config.no_such_flag
 
 
 def test_the_namespace_view_holds_everything_as_argparse_would(pm):

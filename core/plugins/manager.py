@@ -16,13 +16,12 @@ import inspect
 import logging
 import os
 import time
-import warnings
 from typing import Any, Iterable
 
 import pluggy
 
 from furlong.hooks import PROJECT, FilterResult, PluginError, specs
-from furlong.hooks.old_form import old_form_args
+from furlong.hooks.old_form import old_form_args, warn_old_form
 from furlong.hooks.contract import (argument_name_problems, check_filter_result, no_hookimpl_problem,
                                     unknown_hook_problems)
 
@@ -358,25 +357,18 @@ def _old_async_configure(hook: str, impl: pluggy.HookImpl, result: Any) -> Any:
         getattr(result, "close", lambda: None)()  # never awaited on purpose: no "never awaited" warning
         raise PluginError(f"plugin '{impl.plugin_name}': `{hook}` may not be async def; set-up hooks "
                           f"run before the event loop starts (make it a plain def).")
-    warnings.warn(f"plugin '{impl.plugin_name}': `async def configure` is the old form; make it a plain def (set-up "
-                  f"hooks run before the event loop starts). The old form goes away in the next minor version "
-                  f"(PLUGINS.md, \"Deprecations\").", DeprecationWarning, stacklevel=3)
+    warn_old_form(impl.plugin_name, "configure", "`async def configure`",
+                  "make it a plain def (set-up hooks run before the event loop starts)")
+
     async def finish():
         return await result
 
     return asyncio.run(finish())
 
 
-_WARNED_OLD_FORM: set[tuple[str, str]] = set()
-
-
 def _warn_old_form(impl: pluggy.HookImpl) -> None:
-    key = (impl.plugin_name, impl.function.__name__)
-    if key not in _WARNED_OLD_FORM:
-        _WARNED_OLD_FORM.add(key)
-        warnings.warn(f"plugin '{impl.plugin_name}': `{impl.function.__name__}(args, ...)` is the old form of the "
-                      f"hook; take `config` (a furlong.hooks.RunConfig) instead. The old form goes away in the next "
-                      f"minor version (PLUGINS.md, \"Deprecations\").", DeprecationWarning, stacklevel=2)
+    hook = impl.function.__name__
+    warn_old_form(impl.plugin_name, hook, f"`{hook}(args, ...)`", "take `config` (a furlong.hooks.RunConfig) instead")
 
 
 class _ObservedCall:

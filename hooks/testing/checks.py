@@ -15,7 +15,7 @@ import pluggy
 from ..config_report import ConfigReport
 from ..contract import (check_advantage_output, check_buffer_pop, check_filter_result, check_generate_result,
                         check_loss_output, check_loss_reducer_output, check_reward_list, check_reward_value)
-from ..old_form import old_form_args
+from ..old_form import old_form_args, warn_old_form
 from ..run_config import RunConfig
 from ..types import DatasetSpec, ExecutorFit, Sample, Status
 from .inputs import TinyEngine, advantage_input, loss_input, sample_group
@@ -73,6 +73,8 @@ class Caller:
                       "and may not be async")
         chosen = {k: v for k, v in kwargs.items() if k in self.impl.argnames}
         if "args" in self.impl.argnames and "args" not in kwargs and "config" in kwargs:
+            warn_old_form(self.name, self.hook, f"`{self.hook}(args, ...)`",
+                          "take `config` (a furlong.hooks.RunConfig) instead")
             chosen["args"] = old_form_args(kwargs) if kwargs["config"] is not None else None
         if any(chosen.get(k, False) is None for k in ("config", "args")):
             raise NoConfigGiven(f"check_plugin: `{self.hook}` of plugin '{self.name}' reads the run configuration; pass "
