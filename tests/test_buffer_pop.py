@@ -1,10 +1,10 @@
 """The ``pop_first`` buffer policy."""
 
 import asyncio
-from argparse import Namespace
 
 import pytest
 
+from furlong.core.config.launch_args import launch_config
 from furlong.core.plugins.manager import get_plugin_manager
 from furlong.hooks import Sample
 
@@ -19,7 +19,7 @@ def groups(n):
 
 
 def pop(pm, buffer, k):
-    return asyncio.run(pm.call_chosen("buffer_pop", "pop_first", "--buffer-filter", args=Namespace(),
+    return asyncio.run(pm.call_chosen("buffer_pop", "pop_first", "--buffer-filter", config=launch_config(configure=False),
                                       rollout_id=3, buffer=buffer, num_samples=k))
 
 
