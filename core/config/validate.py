@@ -112,7 +112,7 @@ def _basic_values(args, f: ConfigReport) -> None:
         f.error(f"--num-epoch must be at least 1, got {args.num_epoch}.")
     _fault_tolerance(args, f)
     for dest, low in MINIMUMS:
-        value = getattr(args, dest, None)
+        value = getattr(args, dest)
         if value is not None and value < low:
             f.error(f"--{dest.replace('_', '-')} must be at least {low}, got {value:g}.")
     if args.rollout_temperature <= 0:
@@ -121,7 +121,7 @@ def _basic_values(args, f: ConfigReport) -> None:
     if not 0 < args.rollout_top_p <= 1:
         f.error(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p:g}.")
     for dest in ("rollout_top_k", "eval_top_k"):
-        value = getattr(args, dest, None)
+        value = getattr(args, dest)
         if value is not None and value != -1 and value < 1:
             f.error(f"--{dest.replace('_', '-')} must be -1 (off) or at least 1, got {value}.")
     start, total = args.start_rollout_id, args.num_rollout
