@@ -88,8 +88,8 @@ class PluginConfig(FrozenMap):
             if self._data:
                 held = f"its section holds: {', '.join(sorted(self._data))}"
             else:
-                held = (f"it has no section: it added no flag, or no plugin is called '{self._plugin}' (plugins with "
-                        f"flags: {', '.join(sorted(self._others)) or 'none'})")
+                others = ", ".join(sorted(self._others)) or "none"
+                held = f"it has no section: it added no flag, or no plugin is called that; sections: {others}"
             raise AttributeError(f"plugin '{self._plugin}' has no flag or derived value '{name}' ({held})") from None
 
     def __getstate__(self) -> dict:

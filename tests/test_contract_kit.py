@@ -208,8 +208,9 @@ def test_a_generate_plugin_gets_the_engine_it_is_given():
      "its name (--careless-...)."),
     (dict(reward=lambda config, samples: [config.plugin_config("careless").careless_scale for _ in samples]),
      "plugin 'careless' raised in `reward` on the kit's realistic input: AttributeError: plugin 'careless' has no "
-     "flag or derived value 'careless_scale' (its section holds: nothing) (a plugin that reads flags needs them in "
-     "check_plugin's config)"),
+     "flag or derived value 'careless_scale' (it has no section: it added no flag, or no plugin is called that; "
+     f"sections: {', '.join(sorted(launch_config(configure=False).plugins))}) (a plugin that reads flags needs them "
+     "in check_plugin's config)"),
 ])
 def test_a_broken_plugin_fails_naming_plugin_hook_and_rule(functions, expected):
     assert _kit_error(_plugin(**functions), config=launch_config()) == expected
