@@ -86,13 +86,18 @@ def _text_mode(report, args, path: str, form: str) -> None:
             "does (--rollout-skip-special-tokens).")
 
 
-class TrlRewardAdapter:
-    """A TRL reward function as a furlong ``reward`` plugin (see the module doc)."""
+class _FormAdapter:
+    """A reward function written for another framework, adapted; the plugin manager knows adapters by
+    ``dotted_path_adapter`` (core/plugins/adapters.MilesStyle)."""
 
-    dotted_path_adapter = True  # the plugin manager's mark of an adapter (core/plugins/adapters.MilesStyle)
+    dotted_path_adapter = True
 
     def __init__(self, fn: Callable, path: str):
         self.fn, self.path = fn, path
+
+
+class TrlRewardAdapter(_FormAdapter):
+    """A TRL reward function as a furlong ``reward`` plugin (see the module doc)."""
 
     @hookimpl
     def configure(self, args, report):
@@ -115,13 +120,8 @@ class TrlRewardAdapter:
         return await _resolve(self.fn(**_accepted(self.fn, self.path, offered)))
 
 
-class VerlRewardAdapter:
+class VerlRewardAdapter(_FormAdapter):
     """A verl ``compute_score`` as a furlong ``reward`` plugin (see the module doc)."""
-
-    dotted_path_adapter = True  # the plugin manager's mark of an adapter (core/plugins/adapters.MilesStyle)
-
-    def __init__(self, fn: Callable, path: str):
-        self.fn, self.path = fn, path
 
     @hookimpl
     def configure(self, args, report):
