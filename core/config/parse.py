@@ -100,7 +100,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     final = copy.deepcopy(raw)
     for key, value in overlay.items():
         if hasattr(raw, key):
-            log.info("--custom-config-path sets %s = %r (was %r).", key, value, getattr(args, key, None))
+            log.info("--custom-config-path sets %s = %r (was %r).", key, value, getattr(args, key))
         else:
             close = difflib.get_close_matches(key, vars(raw), n=1)
             hint = f" Did you mean {close[0]}?" if close else ""
