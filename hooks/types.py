@@ -54,6 +54,11 @@ class Sample:
     are the response. Per-token lists (``loss_mask``, ``rollout_log_probs``, ...) have
     ``response_length`` entries. Unknown keys given to :meth:`from_dict` are kept in
     ``extra`` and written back by :meth:`to_dict`.
+
+    ``rollout_routed_experts`` (mixture-of-experts models, ``--use-rollout-routing-replay``):
+    the experts the engine routed each token to, int ``[len(tokens) - 1, num_moe_layers, topk]``
+    (a numpy array or nested lists): row ``t`` is the routing of input position ``t`` of prompt
+    and response (the last token is never fed to the model), layer by layer in model order.
     """
 
     prompt: str | list[dict] = ""
@@ -77,6 +82,7 @@ class Sample:
     generate_function_path: str | None = None
     routing_key: str | None = None
     non_generation_time: float = 0.0
+    rollout_routed_experts: Any = None
     extra: dict = attrs.field(factory=dict)
 
     @property
@@ -108,6 +114,10 @@ class Sample:
                 raise ValueError(
                     f"sample {self.index}: len({name})={len(value)} != response_length={self.response_length}"
                 )
+        routed = self.rollout_routed_experts
+        if routed is not None and len(routed) != max(len(self.tokens) - 1, 0):
+            raise ValueError(f"sample {self.index}: len(rollout_routed_experts)={len(routed)} != "
+                             f"len(tokens) - 1={len(self.tokens) - 1}")
 
     def reset_for_retry(self) -> None:
         """Clear everything generation produced and mark the sample aborted (fully-async retry)."""
@@ -119,6 +129,7 @@ class Sample:
         self.rollout_log_probs = None
         self.teacher_log_probs = None
         self.opd_reverse_kl = None
+        self.rollout_routed_experts = None
         self.weight_versions = []
         self.status = Status.ABORTED
 
@@ -126,6 +137,8 @@ class Sample:
         """JSON-serializable dict; ``from_dict(to_dict())`` gives an equal sample."""
         out = {f.name: getattr(self, f.name) for f in attrs.fields(Sample) if f.name != "extra"}
         out["status"] = self.status.value
+        if hasattr(self.rollout_routed_experts, "tolist"):
+            out["rollout_routed_experts"] = self.rollout_routed_experts.tolist()
         out.update(self.extra)
         return out
 

@@ -213,3 +213,20 @@ def test_a_data_state_saved_before_the_split_resumes_with_its_group_ids(tmp_path
         (i, Status.TRUNCATED, 12) for i in (4, 5, 6, 7)]
     assert manager.cursor.counters == {"drawn": 6, "trained": 4, "filtered": 0, "surplus": 0, "aborted_dropped": 0}
     assert [group_id(g) for g in manager.cursor.buffer] == [4, 5]
+
+
+def test_sample_routed_experts_cover_every_fed_token_and_round_trip_as_lists():
+    import numpy as np
+
+    from furlong.hooks import Sample
+
+    routed = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2)
+    sample = Sample(tokens=[5, 6, 7, 8, 9], response_length=2, rollout_routed_experts=routed)
+    sample.validate()
+    back = Sample.from_dict(sample.to_dict())
+    assert back.rollout_routed_experts == routed.tolist()
+    short = Sample(index=3, tokens=[5, 6, 7, 8, 9], response_length=2, rollout_routed_experts=routed[:3])
+    with pytest.raises(ValueError, match=r"sample 3: len\(rollout_routed_experts\)=3 != len\(tokens\) - 1=4"):
+        short.validate()
+    sample.reset_for_retry()
+    assert sample.rollout_routed_experts is None

@@ -186,3 +186,31 @@ def one_process_and_torchrun(flags: list[str], cwd: Path, one: list[str], two: l
     rows = {name: [json.loads(line) for line in (cwd / name / "metrics.jsonl").read_text().splitlines()
                    if '"rollout/step"' in line] for name in ("one", "two")}
     return rows, done.stderr
+
+
+def build_tiny_moe_model(path: Path, seed: int = 0, *, num_experts: int = 4, top_k: int = 2,
+                         norm_topk_prob: bool = True, tied: bool = False) -> Path:
+    """Write a tiny random Qwen3-MoE (``Qwen3MoeForCausalLM``) with the character tokenizer to ``path``.
+
+    2 layers, hidden 32, 4 query / 2 key-value heads of 16, ``num_experts`` experts of
+    intermediate size 16 on every layer, ``top_k`` routed per token, float32.
+    """
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    build_tiny_model(path, seed)  # the tokenizer (the dense weights are replaced below)
+    for stale in path.glob("model*.safetensors*"):
+        stale.unlink()
+    config = Qwen3MoeConfig(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=num_experts,
+        num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=len(SPECIALS) + 96, max_position_embeddings=1024, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID, tie_word_embeddings=tied, rope_theta=10000.0, router_aux_loss_coef=0.001,
+    )
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    torch.random.set_rng_state(state)
+    model.save_pretrained(path)
+    return path
