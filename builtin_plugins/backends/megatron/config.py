@@ -1,7 +1,8 @@
 """Hugging Face config -> megatron-core GPTModel settings, and the check of Miles' ``MODEL_ARGS`` against it.
 
 Families: Qwen2 / Qwen2.5 (``qwen2``: bias on q/k/v), Qwen3 (``qwen3``: per-head q/k
-RMSNorm, explicit ``head_dim``) and Llama 3 (``llama``, with the ``llama3`` RoPE scaling
+RMSNorm, explicit ``head_dim``), Qwen3-MoE (``qwen3_moe``: Qwen3 attention, top-k softmax-routed
+SwiGLU experts without shared experts) and Llama 3 (``llama``, with the ``llama3`` RoPE scaling
 of Llama 3.1/3.2). All are pre-norm RMSNorm decoders with SwiGLU MLPs and rotate-half RoPE.
 """
 
@@ -17,7 +18,14 @@ from furlong.hooks.megatron_flags import architecture_disagreements
 
 __all__ = ["ModelShape", "check_model_args", "flag_dest", "model_shape", "padded_vocab_size"]
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama")
+
+# families a user may expect, and what this backend lacks to build them
+_NOT_YET = {
+    "deepseek_v3": "multi-latent attention, the sigmoid router with its expert bias (e_score_correction_bias), "
+                   "shared experts and multi-token prediction layers are not built yet",
+    "qwen2_moe": "its shared expert (shared_expert_intermediate_size) and that expert's sigmoid gate are not built yet",
+}
 
 # Megatron's llama3 RoPE scaling hard-codes these (rotary_pos_embedding.py); other values differ from HF.
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -30,6 +38,11 @@ class ModelShape:
     ``rope_scaling_factor`` is None without RoPE scaling. ``qkv_bias``: bias on q/k/v only.
     ``padding_idx``: the HF embedding's ``padding_idx`` (``pad_token_id``), whose lookups pass
     no gradient to its row (:func:`~.model.untrained_padding_lookups`), or None.
+
+    Mixture of experts (0 / empty for dense models): ``num_experts`` routed experts of
+    ``moe_ffn_hidden_size`` each, ``moe_topk`` per token, ``norm_topk_prob`` (the top-k
+    probabilities renormalised to sum to 1), ``moe_layers`` the indices of the layers with
+    experts (the others have a dense MLP of ``ffn_hidden_size``).
     """
 
     family: str
@@ -48,6 +61,15 @@ class ModelShape:
     qkv_bias: bool
     qk_layernorm: bool
     padding_idx: int | None = None
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_topk: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 def _rope(hf: Any, where: str) -> tuple[float, float | None]:
@@ -79,6 +101,9 @@ def model_shape(hf: Any, where: str = "--hf-checkpoint") -> ModelShape:
         a non-SiLU MLP).
     """
     family = getattr(hf, "model_type", None)
+    if family in _NOT_YET:
+        raise PluginError(f"{where}: model_type {family!r} is not supported yet by --train-backend megatron: "
+                          f"{_NOT_YET[family]} (supported: {', '.join(FAMILIES)}).")
     if family not in FAMILIES:
         raise PluginError(f"{where}: model_type {family!r} is not supported by --train-backend megatron "
                           f"(supported: {', '.join(FAMILIES)}).")
@@ -94,6 +119,7 @@ def model_shape(hf: Any, where: str = "--hf-checkpoint") -> ModelShape:
     if getattr(hf, "use_sliding_window", False):
         raise PluginError(f"{where}: use_sliding_window=true is not supported yet by --train-backend megatron.")
     theta, factor = _rope(hf, where)
+    moe = _experts(hf, where) if family == "qwen3_moe" else {}
     return ModelShape(
         family=family,
         num_layers=int(hf.num_hidden_layers),
@@ -109,9 +135,29 @@ def model_shape(hf: Any, where: str = "--hf-checkpoint") -> ModelShape:
         rope_scaling_factor=factor,
         tied=bool(getattr(hf, "tie_word_embeddings", False)),
         qkv_bias=family == "qwen2",
-        qk_layernorm=family == "qwen3",
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
         padding_idx=getattr(hf, "pad_token_id", None),
+        **moe,
     )
+
+
+def _experts(hf: Any, where: str) -> dict:
+    """The mixture-of-experts fields of :class:`ModelShape` from a Qwen3-MoE config: a layer ``i`` has
+    experts unless it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0`` (transformers'
+    ``Qwen3MoeDecoderLayer``)."""
+    experts = int(getattr(hf, "num_experts", 0) or 0)
+    if getattr(hf, "shared_expert_intermediate_size", 0):
+        raise PluginError(f"{where}: shared_expert_intermediate_size is set; shared experts are not supported yet "
+                          "by --train-backend megatron.")
+    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(hf, "mlp_only_layers", None) or [])
+    layers = tuple(i for i in range(int(hf.num_hidden_layers))
+                   if experts > 0 and i not in dense and (i + 1) % step == 0)
+    if not layers:
+        return {}
+    return dict(num_experts=experts, moe_ffn_hidden_size=int(hf.moe_intermediate_size),
+                moe_topk=int(hf.num_experts_per_tok), norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+                moe_layers=layers)
 
 
 def padded_vocab_size(vocab: int, tp: int, divisible_by: int | None) -> int:

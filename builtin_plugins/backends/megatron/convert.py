@@ -5,7 +5,11 @@ Name mapping and packing (docs/megatron.md, "Weight conversion"; checked bit-exa
 - ``linear_qkv`` = q/k/v packed per KV group: rows ``[q heads of group 0, k0, v0, q heads of
   group 1, k1, v1, ...]`` (weight and, for Qwen2, bias);
 - ``linear_fc1`` = ``cat(gate_proj, up_proj)``; ``linear_fc2`` = ``down_proj``;
-- embedding and untied output layer padded with zero rows to the Megatron vocabulary.
+- embedding and untied output layer padded with zero rows to the Megatron vocabulary;
+- mixture-of-experts layers (Qwen3-MoE): ``mlp.router.weight`` = ``mlp.gate.weight``; expert ``E``'s
+  ``mlp.experts.local_experts.E.linear_fc1`` = ``cat(experts.E.gate_proj, experts.E.up_proj)`` and
+  ``linear_fc2`` = ``experts.E.down_proj`` (the per-expert names of the checkpoint files; transformers 5
+  fuses them into ``experts.gate_up_proj`` / ``experts.down_proj`` in memory only).
 
 Tensor parallelism (checked against megatron-core's own initialisation in
 tests): column-parallel layers (embedding, qkv, fc1, output) split dim 0, row-parallel
@@ -17,6 +21,10 @@ Pipeline parallelism (:class:`Stage`): stage ``s`` of ``pp`` holds layers
 ``s * L/pp ... (s + 1) * L/pp - 1`` under local indices ``0 ... L/pp - 1`` (megatron-core's
 layer offset), the embedding on stage 0, the final norm and output layer on the last; a
 tied model's last stage holds a copy of the embedding as its output layer.
+
+Expert parallelism (:class:`ExpertShard`): EP rank ``r`` of ``ep`` holds experts
+``r * E/ep ... (r + 1) * E/ep - 1`` under local indices ``0 ... E/ep - 1`` (megatron-core's
+``local_expert_indices``); every other parameter is on every EP rank.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from furlong.hooks import PluginError
 
 from .config import ModelShape
 
-__all__ = ["Stage", "Unit", "export_hf", "gather_full", "load_hf", "local_shard", "pipeline_split", "placed_units",
+__all__ = ["ExpertShard", "Stage", "Unit", "export_hf", "gather_full", "load_hf", "local_shard", "pipeline_split", "placed_units",
            "stage_layer_counts", "units"]
 
 
@@ -40,13 +48,15 @@ class Unit:
 
     ``kind``: ``copy`` (one tensor as is), ``qkv`` (group packing), ``fc1`` (gate, up)
     or ``vocab`` (rows padded to the Megatron vocabulary). ``split``: ``(dim, stride)`` of
-    its tensor-parallel split, None when replicated.
+    its tensor-parallel split, None when replicated. ``expert``: the global index of the
+    expert it belongs to, None outside the experts.
     """
 
     mcore: str
     hf: tuple
     kind: str = "copy"
     split: tuple | None = None
+    expert: int | None = None
 
 
 COLUMN, ROW, FC1 = (0, 1), (1, 1), (0, 2)
@@ -122,6 +132,23 @@ class Stage:
         return sum(self.counts(num_layers)[: self.index])
 
 
+@attrs.frozen
+class ExpertShard:
+    """This rank's share of the experts: EP rank ``rank`` of ``size`` (megatron-core's expert-model-parallel
+    rank and size) holds ``num_experts / size`` consecutive experts."""
+
+    rank: int = 0
+    size: int = 1
+
+    def owner(self, expert: int, num_experts: int) -> int:
+        """The EP rank holding global expert ``expert``."""
+        return expert // (num_experts // self.size)
+
+    def local(self, expert: int, num_experts: int) -> int:
+        """``expert``'s index among its EP rank's experts."""
+        return expert % (num_experts // self.size)
+
+
 def owner(unit: Unit, shape: ModelShape, stage: Stage) -> int:
     """The pipeline stage (of ``stage``'s split) that holds ``unit``'s parameter (the first stage for the embedding)."""
     if unit.mcore.startswith("decoder.layers."):
@@ -133,21 +160,26 @@ def owner(unit: Unit, shape: ModelShape, stage: Stage) -> int:
     return 0 if unit.mcore.startswith("embedding.") else stage.count - 1
 
 
-def placed_units(shape: ModelShape, stage: Stage) -> list[tuple[Unit, str]]:
-    """``(unit, local parameter name)`` of every parameter ``stage`` holds, in state-dict order.
+def placed_units(shape: ModelShape, stage: Stage, experts: ExpertShard = ExpertShard()) -> list[tuple[Unit, str]]:
+    """``(unit, local parameter name)`` of every parameter ``stage`` (and this EP rank, ``experts``) holds, in
+    state-dict order.
 
-    Layers are renamed to the stage's local indices; a tied model's last stage (when it is
-    not also the first) adds the embedding unit under ``output_layer.weight``, its copy.
+    Layers are renamed to the stage's local indices, experts to the EP rank's; a tied model's last stage
+    (when it is not also the first) adds the embedding unit under ``output_layer.weight``, its copy.
     """
     offset = stage.offset(shape.num_layers)
     out = []
     for unit in units(shape):
         if owner(unit, shape, stage) != stage.index:
             continue
+        if unit.expert is not None and experts.owner(unit.expert, shape.num_experts) != experts.rank:
+            continue
         name = unit.mcore
         if name.startswith("decoder.layers."):
             parts = name.split(".")
             parts[2] = str(int(parts[2]) - offset)
+            if unit.expert is not None:
+                parts[6] = str(experts.local(unit.expert, shape.num_experts))
             name = ".".join(parts)
         out.append((unit, name))
     if shape.tied and stage.last and not stage.first:
@@ -172,11 +204,25 @@ def units(shape: ModelShape) -> list[Unit]:
             out.append(Unit(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",)))
         out.append(Unit(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), split=ROW))
         out.append(Unit(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",)))
+        if i in shape.moe_layers:
+            out.extend(_expert_units(m, h, shape.num_experts))
+            continue
         out.append(Unit(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1", FC1))
         out.append(Unit(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), split=ROW))
     out.append(Unit("decoder.final_layernorm.weight", ("model.norm.weight",)))
     if not shape.tied:
         out.append(Unit("output_layer.weight", ("lm_head.weight",), "vocab", COLUMN))
+    return out
+
+
+def _expert_units(m: str, h: str, num_experts: int) -> list[Unit]:
+    """The router and every expert's fc1/fc2 of MoE layer prefixes ``m`` (Megatron) and ``h`` (HF)."""
+    out = [Unit(m + "mlp.router.weight", (h + "mlp.gate.weight",))]
+    for e in range(num_experts):
+        mine, theirs = f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}."
+        out.append(Unit(mine + "linear_fc1.weight", (theirs + "gate_proj.weight", theirs + "up_proj.weight"), "fc1",
+                        FC1, expert=e))
+        out.append(Unit(mine + "linear_fc2.weight", (theirs + "down_proj.weight",), split=ROW, expert=e))
     return out
 
 
@@ -245,7 +291,7 @@ def gather_full(local, split: tuple | None, tp: int, group):
 
 
 def load_hf(model, named_tensors: Iterable[tuple[str, Any]], shape: ModelShape, vocab_rows: int, tp: int,
-            rank: int, where: str, stage: Stage = Stage()) -> None:
+            rank: int, where: str, stage: Stage = Stage(), experts: ExpertShard = ExpertShard()) -> None:
     """Copy HF-named tensors into ``model``'s parameters as they stream in.
 
     HF tensors are held only until every tensor of their Megatron parameter has arrived
@@ -256,6 +302,7 @@ def load_hf(model, named_tensors: Iterable[tuple[str, Any]], shape: ModelShape, 
     :param named_tensors: ``(hf_name, tensor)`` pairs in any order (a safetensors stream).
     :param where: the checkpoint named in errors.
     :param stage: this rank's pipeline stage (:func:`placed_units`).
+    :param experts: this rank's share of the experts (:func:`placed_units`); others' experts are passed over.
     :raises PluginError: a tensor of unknown name or wrong shape, a parameter left without its
         tensors, or a model parameter the conversion table does not cover.
     """
@@ -263,7 +310,7 @@ def load_hf(model, named_tensors: Iterable[tuple[str, Any]], shape: ModelShape, 
 
     params = dict(model.named_parameters())
     known = {name for unit in units(shape) for name in unit.hf}
-    placed = placed_units(shape, stage)
+    placed = placed_units(shape, stage, experts)
     table = {name: (unit, local) for unit, local in placed for name in unit.hf}
     unfilled = sorted(set(params) - {local for _, local in placed})
     if unfilled:  # a parameter the built model has and the conversion table lacks would keep its initial values
@@ -296,22 +343,24 @@ def load_hf(model, named_tensors: Iterable[tuple[str, Any]], shape: ModelShape, 
         raise PluginError(f"{where}: no tensor for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}.")
 
 
-def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), pp_group=None
-              ) -> Iterator[tuple[str, Any]]:
+def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), pp_group=None,
+              experts: ExpertShard = ExpertShard(), ep_group=None) -> Iterator[tuple[str, Any]]:
     """Yield ``(hf_name, full tensor)`` for every HF weight, one Megatron parameter at a time, on every rank.
 
     A collective over the TP ``group`` (each sharded parameter is all-gathered) and, with
     pipeline stages, over ``pp_group`` (the stage holding a parameter broadcasts it to the
     others; a tied model's output-layer copy is not sent): every rank iterates and gets
     every tensor once, in the same order at any TP or PP size. Tied models yield no
-    ``lm_head.weight``.
+    ``lm_head.weight``. With expert parallelism (``experts.size > 1``) each expert's tensors are
+    broadcast over ``ep_group`` from the EP rank holding it.
     """
     import torch
     import torch.distributed as dist
 
     params = dict(model.named_parameters())
-    mine = {unit.mcore: local for unit, local in placed_units(shape, stage)
-            if owner(unit, shape, stage) == stage.index}
+    placed = placed_units(shape, stage, experts)
+    mine = {unit.mcore: local for unit, local in placed if owner(unit, shape, stage) == stage.index}
+    like = {_expert_role(unit): params[local] for unit, local in placed if unit.expert is not None}
     specs: dict = {}
     if stage.count > 1:  # full shape and dtype of every parameter, from the stage that holds it
         held = {}
@@ -327,13 +376,25 @@ def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), 
     for unit in units(shape):
         if unit.mcore in mine:
             full = gather_full(params[mine[unit.mcore]], unit.split, tp, group)
+        elif unit.expert is not None:  # another EP rank's expert: shaped as this rank's of the same layer
+            full = torch.empty_like(like[_expert_role(unit)])
         else:
             size, dtype = specs[unit.mcore]
             full = torch.empty(size, dtype=dtype, device=next(model.parameters()).device)
-        if stage.count > 1:
+        if unit.expert is not None and experts.size > 1:
+            full = full.contiguous()
+            source = experts.owner(unit.expert, shape.num_experts)
+            dist.broadcast(full, src=dist.get_global_rank(ep_group, source), group=ep_group)
+        elif stage.count > 1:
             full = full.contiguous()
             dist.broadcast(full, src=dist.get_global_rank(pp_group, owner(unit, shape, stage)), group=pp_group)
         yield from zip(unit.hf, unpack(unit, full, shape))
+
+
+def _expert_role(unit: Unit) -> tuple:
+    """``(layer, parameter)`` of an expert unit, the same for every expert of the layer."""
+    parts = unit.mcore.split(".")
+    return parts[2], ".".join(parts[7:])
 
 
 def safetensors_stream(hf_dir: str) -> Iterator[tuple[str, Any]]:

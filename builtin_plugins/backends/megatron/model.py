@@ -183,25 +183,53 @@ def untrained_padding_lookups(model, padding_idx: int | None):
     return model.embedding.word_embeddings.register_forward_hook(detach_padding)
 
 
-def _fused_spec(spec, config, qk_layernorm: bool):
+def _fused_layer(spec, qk_layernorm: bool):
     """``spec`` (a local-spec layer) with :class:`~.layers.FusedRMSNorm` for every norm (the query/key
     norms only where the model has them: the spec holds an ``IdentityOp`` there otherwise) and
-    :class:`~.layers.FusedSwiGLU` as the MLP's activation, as the block's submodules (this pipeline
-    stage's layers, megatron-core's ``get_num_layers_to_build``) with that final norm too.
+    :class:`~.layers.FusedSwiGLU` as the activation of its MLP, or of each expert of its MoE layer.
     megatron-core's own torch norm (``WrappedTorchNorm``) refuses sequence parallelism;
     :class:`~.layers.FusedRMSNorm` normalises whatever rows it is given."""
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
     from .layers import FusedRMSNorm, FusedSwiGLU
 
     layer = spec.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = FusedRMSNorm
     mlp = layer.mlp  # a ModuleSpec, or in megatron-core 0.19 a partial of MLP.as_mlp_submodule
-    (mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules).activation_func = FusedSwiGLU
+    submodules = mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
+    experts = getattr(submodules, "experts", None)
+    (experts.submodules if experts is not None else submodules).activation_func = FusedSwiGLU
     if qk_layernorm:
         attention = layer.self_attention.submodules
         attention.q_layernorm = attention.k_layernorm = FusedRMSNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=FusedRMSNorm)
+    return spec
+
+
+def _layer_spec(shape: ModelShape, experts: bool):
+    """A local-spec decoder layer (:func:`_fused_layer`) with furlong's attention modules; ``experts``: with
+    megatron-core's MoE layer (router, token dispatcher, ``SequentialMLP`` experts) as its MLP."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from .attention import RopeSelfAttention, SDPACoreAttention
+
+    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts if experts else None, moe_grouped_gemm=False,
+                                    normalization="RMSNorm", qk_layernorm=shape.qk_layernorm)
+    spec.submodules.self_attention.module = RopeSelfAttention
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return _fused_layer(spec, shape.qk_layernorm)
+
+
+def _block_spec(shape: ModelShape, config):
+    """The decoder block of this pipeline stage (megatron-core's ``get_num_layers_to_build`` layers from its
+    ``get_transformer_layer_offset``), MoE layers where ``shape.moe_layers`` has them, with the final norm."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from .layers import FusedRMSNorm
+
+    dense = _layer_spec(shape, experts=False)
+    moe = _layer_spec(shape, experts=True) if shape.is_moe else dense
+    offset = get_transformer_layer_offset(config)
+    layers = [moe if offset + i in shape.moe_layers else dense for i in range(get_num_layers_to_build(config))]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=FusedRMSNorm)
 
 
 def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: int = 1, cp: int = 1,
@@ -223,7 +251,8 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
     tensor-parallel regions, and those the pipeline stages exchange, hold each TP rank's chunk of the
     sequence (of this CP rank's share under CP: megatron-core's sequence parallelism), so inputs must have
     a multiple of ``tp`` positions per CP rank. Norms and the MLP's activation are
-    :mod:`.layers`' (:func:`_fused_spec`).
+    :mod:`.layers`' (:func:`_fused_layer`). A mixture-of-experts ``shape`` gets megatron-core's MoE layers
+    on its expert layers; ``extra`` then carries their settings (:func:`~.moe.moe_transformer_fields`).
 
     :param vocab_rows: embedding/output rows (:func:`~.config.padded_vocab_size`).
     :param dtype: every parameter's dtype (norm scales included).
@@ -232,26 +261,24 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from .attention import RopeSelfAttention, SDPACoreAttention
 
     stages: dict = {}
     if pp > 1:
-        extra = dict(pipeline_model_parallel_size=pp, pipeline_dtype=dtype, variable_seq_lengths=True,
-                     batch_p2p_comm=False, calculate_per_token_loss=True,
-                     moe_token_dispatcher_type="alltoall",  # no experts; the default refuses variable_seq_lengths
-                     **extra)
+        extra = {**dict(pipeline_model_parallel_size=pp, pipeline_dtype=dtype, variable_seq_lengths=True,
+                        batch_p2p_comm=False, calculate_per_token_loss=True,
+                        moe_token_dispatcher_type="alltoall"),  # the default refuses variable_seq_lengths
+                 **extra}
         stages = dict(pre_process=parallel_state.is_pipeline_first_stage(),
                       post_process=parallel_state.is_pipeline_last_stage())
     if cp > 1:
         extra = dict(context_parallel_size=cp, **extra)
     sequence_parallel = sequence_parallel and tp > 1
     config = transformer_config(shape, tp, dtype, device, sequence_parallel=sequence_parallel, **extra)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_layernorm)
-    spec.submodules.self_attention.module = RopeSelfAttention
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    spec = _fused_spec(spec, config, shape.qk_layernorm)
+    spec = _block_spec(shape, config)
+    if shape.is_moe:
+        from .moe import router_gemm_without_te
+
+        router_gemm_without_te()
     scaling = {"rope_scaling": True, "rope_scaling_factor": shape.rope_scaling_factor} if (
         shape.rope_scaling_factor is not None) else {}
     with cpu_shims(device):
