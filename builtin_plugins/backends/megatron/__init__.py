@@ -9,6 +9,7 @@ import warnings
 from furlong.hooks import MegatronFlags, PluginError, hookimpl
 
 from .config import flag_dest
+from .moe import MOE_DESTS
 
 # megatron-core warns at import, once per module, that it falls back from TransformerEngine
 # and apex to torch (this backend builds the local spec on purpose), and that the cuda-graph
@@ -42,10 +43,6 @@ _USED = {
 # nothing): "not supported yet".
 _REFUSED = (
     ("--virtual-pipeline-model-parallel-size", "virtual_pipeline_model_parallel_size", None),
-    ("--expert-model-parallel-size", "expert_model_parallel_size", 1),
-    ("--expert-tensor-parallel-size", "expert_tensor_parallel_size", None),
-    ("--num-experts", "num_experts", None),
-    ("--mtp-num-layers", "mtp_num_layers", None),
     ("--spec", "spec", None),
     ("--padded-vocab-size", "padded_vocab_size", None),
     ("--optimizer-cpu-offload", "optimizer_cpu_offload", False),
@@ -54,12 +51,20 @@ _REFUSED = (
 )
 
 
+# multi-token prediction: what a user can do about it
+_MTP = ("--mtp-num-layers", "--enable-mtp-training", "--mtp-loss-scaling-factor")
+_MTP_REASON = ("multi-token prediction is not supported yet by --train-backend megatron: it needs MTP layers in the "
+               "--hf-checkpoint (DeepSeek-V3's num_nextn_predict_layers, a family this backend does not build yet); "
+               "Qwen3, Qwen3-MoE, Qwen2 and Llama checkpoints ship none. Remove {given}.")
+
 # What the core must not report for this backend: the flags it reads, and those its configure
 # refuses itself with a "not supported yet" naming the value. The model comes from the
-# --hf-checkpoint config; other architecture flags are checked against it by the core.
+# --hf-checkpoint config; other architecture flags are checked against it by the core, the MoE
+# ones by configure (:mod:`.moe`).
 MEGATRON_FLAGS = MegatronFlags(
     honours=frozenset(flag_dest(f) for f in _USED) | frozenset(dest for _, dest, _ in _REFUSED)
-    | frozenset({"attention_dropout", "hidden_dropout"}),
+    | frozenset({"attention_dropout", "hidden_dropout", "moe_token_dispatcher_type", "mtp_num_layers",
+                 "mtp_loss_scaling_factor"}) | MOE_DESTS,
     architecture_from_hf=True)
 
 
@@ -69,7 +74,9 @@ def configure(args, report):
     (``MODEL_ARGS``) against ``--hf-checkpoint``'s config.json (a disagreement names both values).
 
     Data parallelism: each model replica spans TP x PP x CP ranks, so the data-parallel size
-    is ``world / (TP x PP x CP)`` (reported with ``report.data_parallel_rule``).
+    is ``world / (TP x PP x CP)`` (reported with ``report.data_parallel_rule``); experts are shared
+    out over ``--expert-model-parallel-size`` of those data-parallel ranks (EP divides D x CP, the
+    experts are replicated over ``world / (PP x EP)`` ranks), which does not change D.
 
     The core reports the other Megatron flags given (``MEGATRON_FLAGS``): a warning for those
     that do not change results (overlap switches, fusions), an error for those that would.
@@ -80,6 +87,9 @@ def configure(args, report):
         if value is not None and value is not False and value != default and not no_op:
             report.error(f"{flag} {value if value is not True else ''}".rstrip()
                          + " is not supported yet by --train-backend megatron.")
+    mtp = [f for f in _MTP if _given(args, flag_dest(f))]
+    if mtp:
+        report.error(_MTP_REASON.format(given=", ".join(mtp)))
     report.data_parallel_rule(TP=args.tensor_model_parallel_size, PP=args.pipeline_model_parallel_size,
                               CP=args.context_parallel_size)
     _check_sequence_parallel(args, report)
@@ -100,6 +110,10 @@ def configure(args, report):
     _check_architecture(args, report)
 
 
+def _given(args, dest: str) -> bool:
+    return dest in (getattr(args, "megatron_args", None) or {}) or getattr(args, dest, None) not in (None, False)
+
+
 def _check_sequence_parallel(args, report) -> None:
     if not getattr(args, "sequence_parallel", False):
         return
@@ -111,8 +125,10 @@ def _check_sequence_parallel(args, report) -> None:
 def _check_architecture(args, report) -> None:
     from transformers import AutoConfig
 
+    from .backend import moe_layout_problems
     from .config import check_model_args, model_shape
     from .convert import pipeline_split, stage_layer_counts
+    from .moe import flag, moe_flag_problems
 
     where = f"--hf-checkpoint {args.hf_checkpoint}"
     if not os.path.isfile(os.path.join(str(args.hf_checkpoint or ""), "config.json")):
@@ -133,6 +149,15 @@ def _check_architecture(args, report) -> None:
         return
     for problem in check_model_args(args, shape, f"{where}/config.json"):
         report.error(problem)
+    errors, warnings = moe_flag_problems(args, shape, f"{where}/config.json")
+    errors += moe_layout_problems(shape, int(args.tensor_model_parallel_size or 1),
+                                  int(args.pipeline_model_parallel_size or 1), int(args.context_parallel_size or 1),
+                                  int(flag(args, "expert_model_parallel_size", 1)), args.hf_checkpoint,
+                                  bool(getattr(args, "use_distributed_optimizer", False)))
+    for problem in errors:
+        report.error(problem)
+    for warning in warnings:
+        report.warn(warning)
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     for what, value in (("num_attention_heads", shape.num_attention_heads),
                         ("intermediate_size", shape.ffn_hidden_size)):

@@ -14,10 +14,13 @@ from furlong.kit.trainer import StepLoop, local_optimizer
 
 from . import checkpoint
 from .config import check_model_args, model_shape, padded_vocab_size
-from .convert import Stage, export_hf, load_hf, pipeline_split, placed_units, safetensors_stream, stage_layer_counts
+from .convert import (ExpertShard, Stage, export_hf, load_hf, pipeline_split, placed_units, safetensors_stream,
+                      stage_layer_counts)
 from .logprobs import forward_log_probs
 from .master import MasterWeights
 from .model import build_gpt, cpu_shims, init_parallel, untrained_padding_lookups
+from .moe import flag, moe_flag_problems, moe_transformer_fields
+from .moe_train import ExpertLayers, is_expert_parameter
 from .optimizer import build_optimizer, build_scheduler
 from .pipeline import PipelineStages
 
@@ -40,7 +43,7 @@ def torch_dist_dir(path: str | None) -> str | None:
     return None
 
 
-class MegatronBackend(PipelineStages, StepLoop):
+class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
     """A :class:`furlong.hooks.TrainBackend` over megatron-core (see docs/megatron.md).
 
     Tensor and pipeline parallelism through megatron-core's ``parallel_state`` (every TP
@@ -53,7 +56,9 @@ class MegatronBackend(PipelineStages, StepLoop):
     the whole step's denominators). Without
     ``--bf16`` parameters, gradients and AdamW state are float32; with ``--bf16`` the
     parameters are bfloat16 and AdamW updates float32 master weights whose gradients
-    accumulate in float32 (:mod:`.master`).
+    accumulate in float32 (:mod:`.master`). Mixture-of-experts models (:mod:`.moe`, :mod:`.moe_train`):
+    megatron-core's MoE layers, their load-balancing loss in the objective, experts shared out over
+    ``--expert-model-parallel-size`` ranks (their gradients summed over the expert-data-parallel ranks).
     """
 
     name = "megatron"
@@ -68,8 +73,9 @@ class MegatronBackend(PipelineStages, StepLoop):
         self.vocab_rows = 0
         self.global_step = 0
         self.masters: MasterWeights | None = None
-        self.world, self.rank, self.tp, self.pp, self.cp = 1, 0, 1, 1, 1
+        self.world, self.rank, self.tp, self.pp, self.cp, self.ep = 1, 0, 1, 1, 1, 1
         self.stage = Stage()
+        self.experts = ExpertShard()
         self.device = None
         self._tp_sharded: set[int] = set()
 
@@ -106,7 +112,8 @@ class MegatronBackend(PipelineStages, StepLoop):
         self.tp = int(config.tensor_model_parallel_size or 1)
         self.pp = int(config.pipeline_model_parallel_size or 1)
         self.cp = int(config.context_parallel_size or 1)
-        self.world, self.rank = init_parallel(self.tp, self.device, self.pp, self.cp)
+        self.ep = int(flag(config, "expert_model_parallel_size", 1))
+        self.world, self.rank = init_parallel(self.tp, self.device, self.pp, self.cp, self.ep)
         if self.device.type == "cuda":
             from megatron.core import tensor_parallel
 
@@ -117,16 +124,20 @@ class MegatronBackend(PipelineStages, StepLoop):
             raise PluginError(f"--hf-checkpoint {config.hf_checkpoint}: cannot read config.json: {exc}") from exc
         self.shape = model_shape(hf_config, f"--hf-checkpoint {config.hf_checkpoint}")
         problems = check_model_args(config, self.shape, f"--hf-checkpoint {config.hf_checkpoint}/config.json")
+        problems += moe_flag_problems(config, self.shape, f"--hf-checkpoint {config.hf_checkpoint}/config.json")[0]
+        problems += moe_layout_problems(self.shape, self.tp, self.pp, self.cp, self.ep, config.hf_checkpoint,
+                                        bool(config.use_distributed_optimizer))
         try:
             counts = stage_layer_counts(self.shape.num_layers, self.pp, *pipeline_split(config.megatron_args))
         except ValueError as exc:
             problems.append(f"--hf-checkpoint {config.hf_checkpoint}: {exc}")
         if problems:
             raise PluginError(" ".join(problems))
-        if self.pp > 1:
-            from megatron.core import parallel_state
+        from megatron.core import parallel_state
 
+        if self.pp > 1:
             self.stage = Stage(parallel_state.get_pipeline_model_parallel_rank(), self.pp, counts)
+        self.experts = ExpertShard(parallel_state.get_expert_model_parallel_rank(), self.ep)
         self.vocab_rows = padded_vocab_size(self.shape.vocab_size, self.tp,
                                             config.make_vocab_size_divisible_by)
         self.model = self._load_model()
@@ -137,16 +148,16 @@ class MegatronBackend(PipelineStages, StepLoop):
             if saved:  # the checkpoint holds float32 weights: the masters start from them, not from their rounding
                 checkpoint.load_weights(saved, self.model, self.device, masters=self.masters)
         params = dict(self._trained_parameters())
-        self._tp_sharded = {id(params[local]) for u, local in placed_units(self.shape, self.stage)
+        self._tp_sharded = {id(params[local]) for u, local in placed_units(self.shape, self.stage, self.experts)
                             if u.split is not None}
         if config.use_kl_loss or config.kl_coef:
             self.ref_model = self._load_model().requires_grad_(False)
         self.optimizer = build_optimizer(self._trained_parameters(), config, self._optimizer_shards())
         self.scheduler = build_scheduler(self.optimizer, config)
         if self.rank == 0:
-            log.info("megatron: %s, TP %d%s, PP %d%s, CP %d, DP %d, vocab rows %d, %s%s", self.shape.family, self.tp,
+            log.info("megatron: %s, TP %d%s, PP %d%s, CP %d, DP %d%s, vocab rows %d, %s%s", self.shape.family, self.tp,
                      " (sequence parallel)" if self._sequence_parallel() else "", self.pp, f" (layers per stage {'+'.join(map(str, self.stage.layers))})" if self.pp > 1 else "",
-                     self.cp, self._dp_size(), self.vocab_rows,
+                     self.cp, self._dp_size(), self._experts_note(), self.vocab_rows,
                      "bf16 parameters, fp32 master weights" if self.masters else "fp32", self._optimizer_note())
         return 0
 
@@ -155,18 +166,25 @@ class MegatronBackend(PipelineStages, StepLoop):
         split = {k: v for k, v in (("num_layers_in_first_pipeline_stage", first),
                                    ("num_layers_in_last_pipeline_stage", last)) if v is not None}
         model = build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device, pp=self.pp, cp=self.cp,
-                          sequence_parallel=self._sequence_parallel(), **recompute_settings(self.config), **split)
+                          sequence_parallel=self._sequence_parallel(), **recompute_settings(self.config), **split,
+                          **moe_transformer_fields(self.shape, self.config, self.device))
         ref = self.config.ref_load
         if is_hf_dir(ref):
             load_hf(model, safetensors_stream(ref), self.shape, self.vocab_rows, self.tp, self._tp_rank(),
-                    f"--ref-load {ref}", self.stage)
+                    f"--ref-load {ref}", self.stage, self.experts)
         elif torch_dist_dir(ref):
             checkpoint.load_weights(torch_dist_dir(ref), model, self.device)
         else:
             source = self.config.hf_checkpoint
             load_hf(model, safetensors_stream(source), self.shape, self.vocab_rows, self.tp, self._tp_rank(),
-                    f"--hf-checkpoint {source}", self.stage)
+                    f"--hf-checkpoint {source}", self.stage, self.experts)
         return model.eval()
+
+    def _experts_note(self) -> str:
+        if not self.shape.is_moe:
+            return ""
+        return (f", {self.shape.num_experts} experts (top {self.shape.moe_topk}) on {len(self.shape.moe_layers)} layers, "
+                f"EP {self.ep} ({self.shape.num_experts // self.ep} per rank)")
 
     def _tp_rank(self) -> int:
         from megatron.core import parallel_state
@@ -202,10 +220,26 @@ class MegatronBackend(PipelineStages, StepLoop):
         """Response log-probs and entropy of samples ``ids`` (vocab-parallel softmax, :mod:`.logprobs`);
         packed (``thd``) or right-padded by :meth:`_packed`."""
         tokens = [batch.tokens[i] for i in ids]
+        total = self._gathered_tokens(tokens)
         return forward_log_probs(
             model, tokens, [int(batch.response_lengths[i]) for i in ids], batch.temperature,
             self.device, vocab_size=self.shape.vocab_size, grad=grad, entropy_grad=self._entropy_grad(grad),
-            packed=self._packed(tokens), chunk_rows=self._chunk_rows())
+            packed=total is not None or self._packed(tokens), chunk_rows=self._chunk_rows(), total=total)
+
+    def _gathered_tokens(self, tokens) -> int | None:
+        """Positions every expert-parallel rank's micro-batch is packed to where megatron-core's all-gather
+        token dispatcher runs (EP > 1 off CUDA, :func:`~.moe.moe_transformer_fields`): it gathers equal
+        token counts, so each rank packs its sequences and pads them to the largest total of the EP group
+        (the pad positions are kept out of the routers' load-balancing loss); None otherwise."""
+        if self.ep == 1 or getattr(self.model.config, "moe_token_dispatcher_type", None) != "allgather":
+            return None
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        total = torch.tensor([sum(len(t) for t in tokens)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group())
+        return int(total)
 
     def _packed(self, tokens) -> bool:
         """Pack this micro-batch? Always where packed attention is one ``varlen_attn`` flash call per layer
@@ -224,8 +258,10 @@ class MegatronBackend(PipelineStages, StepLoop):
     # --- training -----------------------------------------------------------------------
 
     def _before_train(self) -> None:
-        if recompute_settings(self.config):
-            self.model.train()  # megatron-core recomputes activations in training mode only (no dropout here)
+        if recompute_settings(self.config) or self.shape.is_moe:
+            # megatron-core recomputes activations, and its routers add the load-balancing loss, in training mode
+            # only (no dropout here)
+            self.model.train()
 
     def _after_train(self) -> None:
         self.model.eval()
@@ -283,8 +319,10 @@ class MegatronBackend(PipelineStages, StepLoop):
         params = [p for _, p in named]
         if self._dp_size() * self.cp > 1:
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-            for p in params:
-                dist.all_reduce(p.grad, group=group)
+            for name, p in named:
+                if not is_expert_parameter(name):
+                    dist.all_reduce(p.grad, group=group)
+            self._expert_grads([(n, p) for n, p in named if is_expert_parameter(n)])
         if self.tp > 1:
             group = parallel_state.get_tensor_model_parallel_group()
             for name, p in named:
@@ -296,10 +334,15 @@ class MegatronBackend(PipelineStages, StepLoop):
             torch.zeros(0, dtype=torch.float64, device=self.device)
         squares = norms.square()
         mask = torch.tensor(split, dtype=torch.bool, device=squares.device)
-        sharded, replicated = squares[mask].sum(), squares[~mask].sum()
+        experts = torch.tensor([is_expert_parameter(n) for n, _ in named if not self._is_embedding_copy(n)],
+                               dtype=torch.bool, device=squares.device)
+        sharded, replicated = squares[mask & ~experts].sum(), squares[~mask & ~experts].sum()
         if self.tp > 1:
             dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
-        total = sharded + replicated
+        held = squares[experts].sum()  # this EP rank's experts: each expert's gradient is on one EP rank
+        if self.ep > 1:
+            dist.all_reduce(held, group=parallel_state.get_expert_model_parallel_group())
+        total = sharded + replicated + held
         if self.pp > 1:
             dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
         norm = float(total.sqrt())
@@ -337,7 +380,8 @@ class MegatronBackend(PipelineStages, StepLoop):
         from megatron.core import parallel_state
 
         stream = export_hf(self.model, self.shape, self.tp, parallel_state.get_tensor_model_parallel_group(),
-                           self.stage, parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None)
+                           self.stage, parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None,
+                           self.experts, parallel_state.get_expert_model_parallel_group() if self.ep > 1 else None)
         sentinel = object()
         while True:
             item = await self._in_thread(next, stream, sentinel)
@@ -372,6 +416,32 @@ class MegatronBackend(PipelineStages, StepLoop):
             checkpoint.load_checkpoint, path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             masters=self.masters, rank=self.rank, world=self.world, load_optim=not self.config.no_load_optim,
             load_rng=not self.config.no_load_rng, device=self.device)
+
+
+def moe_layout_problems(shape, tp: int, pp: int, cp: int, ep: int, where: str,
+                        distributed_optimizer: bool = False) -> list[str]:
+    """What the parallel sizes cannot do with the model of ``shape`` (``where``: its checkpoint): experts
+    (``ep`` > 1) only on a model with them, dividing their count, and without ``--use-distributed-optimizer``
+    (whose shards assume every data-parallel rank holds the same parameters); a model with experts only at
+    TP, PP and CP 1 (their expert gradients and load-balancing loss over those ranks are not built yet)."""
+    if not shape.is_moe:
+        return [f"--expert-model-parallel-size {ep}: the model of --hf-checkpoint {where} has no experts."] if (
+            ep > 1) else []
+    problems = []
+    if ep > 1 and distributed_optimizer:
+        problems.append(f"--use-distributed-optimizer with --expert-model-parallel-size {ep} is not supported yet by "
+                        "--train-backend megatron (its AdamW shards assume every data-parallel rank holds the same "
+                        "parameters); leave one of them out.")
+    if shape.num_experts % ep:
+        problems.append(f"--expert-model-parallel-size {ep} does not divide the {shape.num_experts} experts of "
+                        f"--hf-checkpoint {where}.")
+    for flag_name, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                            ("--context-parallel-size", cp)):
+        if size > 1:
+            problems.append(f"{flag_name} {size} is not supported yet by --train-backend megatron on a "
+                            f"mixture-of-experts model (--hf-checkpoint {where}); share the experts out with "
+                            "--expert-model-parallel-size and use data parallelism for the rest.")
+    return problems
 
 
 def summed_over_tensor_parallel(name: str, sequence_parallel: bool = False) -> bool:

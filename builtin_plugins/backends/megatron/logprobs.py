@@ -127,6 +127,9 @@ class MicroBatchInputs:
     chunks ``[B, 2 L / (2 CP)]`` of the ``[B, L]`` grid (L padded to a multiple of ``2 CP``,
     :mod:`.context`; packed, each sequence is padded to a multiple of ``2 CP`` and ``segments``
     holds these lengths).
+
+    ``padding``: bool, ``ids``' shape, True at pad positions (megatron-core's ``padding_mask``, which keeps
+    pad tokens out of an MoE router's load-balancing loss); None under context or sequence parallelism.
     """
 
     ids: Any
@@ -135,16 +138,20 @@ class MicroBatchInputs:
     spans: list
     segments: list | None = None
     head_rows: Any = None
+    padding: Any = None
 
 
 def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], device, *,
-                       packed: bool = False, sequence_parallel: int = 1) -> MicroBatchInputs:
+                       packed: bool = False, sequence_parallel: int = 1, total: int | None = None) -> MicroBatchInputs:
     """The model inputs of a micro-batch (see :func:`forward_log_probs` for the two layouts).
 
     :param sequence_parallel: the TP size under sequence parallelism (else 1): the positions (each CP
         rank's share of them under CP) are padded to a multiple of it (packed: the last sequence's segment
         is lengthened; its pad tokens come after its real ones, which causal attention keeps them from
         reaching), and every position is projected.
+    :param total: packed, without context or sequence parallelism: lengthen the last segment to this many
+        positions in all (megatron-core's all-gather token dispatcher needs the same count on every
+        expert-parallel rank).
     :raises ValueError: a response that starts at position 0 (no previous token).
     """
     seqs, ids = right_padded(tokens, response_lengths)
@@ -159,6 +166,8 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
         lengths = [len(s) for s in seqs]
         segments = [padded_length(n, cp) if cp > 1 else n for n in lengths]
         segments[-1] += -sum(segments) % multiple
+        if total is not None:
+            segments[-1] += max(0, total - sum(segments))
         starts = [0]
         for n in segments:
             starts.append(starts[-1] + n)
@@ -171,7 +180,14 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
         ids = F.pad(ids, (0, -ids.shape[1] % multiple))
         spans = [(i, len(s) - int(t) - 1, len(s) - 1) for i, (s, t) in enumerate(zip(seqs, response_lengths))]
     if cp == 1 and sequence_parallel == 1:
-        return _response_rows(ids, spans, device, extra)
+        real = [len(s) for s in seqs]
+        if packed:
+            padding = torch.ones_like(ids, dtype=torch.bool)
+            for a, n in zip(starts, real):
+                padding[0, a:a + n] = False
+        else:
+            padding = torch.arange(ids.shape[1]).unsqueeze(0) >= torch.tensor(real).unsqueeze(1)
+        return attrs.evolve(_response_rows(ids, spans, device, extra), padding=to_device(padding, device))
     ids = to_device(ids, device)
     targets = torch.zeros_like(ids)
     targets[:, :-1] = ids[:, 1:]  # across a packed boundary the target is unused: no span ends there
@@ -247,7 +263,8 @@ def response_log_probs(logits, inputs: MicroBatchInputs, temperature: float, *, 
 
 
 def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[int], temperature: float, device, *,
-                      vocab_size: int, grad: bool, entropy_grad: bool, packed: bool = False, chunk_rows: int = -1) -> tuple[list, list]:
+                      vocab_size: int, grad: bool, entropy_grad: bool, packed: bool = False, chunk_rows: int = -1,
+                      total: int | None = None) -> tuple[list, list]:
     """One GPTModel forward over a micro-batch; response log-probs and entropy per sample.
 
     Padded (``packed=False``): the sequences are right-padded into ``[B, L]``; no attention
@@ -263,12 +280,16 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
 
     :param tokens: B sequences of prompt + response ids.
     :param response_lengths: B response lengths ``T_i`` (the last ``T_i`` tokens).
+    :param total: positions of the packed input (:func:`micro_batch_inputs`).
     :returns: ``(log_probs, entropy)``: B float32 tensors ``[T_i]`` each.
     :raises ValueError: a response that starts at position 0 (no previous token).
     """
     inputs = micro_batch_inputs(tokens, response_lengths, device, packed=packed,
-                                sequence_parallel=sequence_parallel_size(model))
+                                sequence_parallel=sequence_parallel_size(model), total=total)
+    extra = dict(inputs.extra)
+    if getattr(model.config, "num_moe_experts", None) and inputs.padding is not None:
+        extra["padding_mask"] = inputs.padding
     with torch.set_grad_enabled(grad), projecting_rows(model, inputs.head_rows):
-        logits = model(input_ids=inputs.ids, position_ids=None, attention_mask=None, **inputs.extra)
+        logits = model(input_ids=inputs.ids, position_ids=None, attention_mask=None, **extra)
         return response_log_probs(logits, inputs, temperature, vocab_size=vocab_size,
                                   entropy_grad=grad and entropy_grad, chunk_rows=chunk_rows)

@@ -15,17 +15,21 @@ from .config import ModelShape
 __all__ = ["build_gpt", "cpu_shims", "init_parallel"]
 
 
-def init_parallel(tp: int, device, pp: int = 1, cp: int = 1) -> tuple[int, int]:
-    """Initialise megatron-core's tensor/pipeline/context/data-parallel groups; return ``(world, rank)``.
+def init_parallel(tp: int, device, pp: int = 1, cp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """Initialise megatron-core's tensor/pipeline/context/expert/data-parallel groups; return ``(world, rank)``.
 
     Uses the default process group when one exists (``furlong train`` under ``torchrun``,
     a Ray worker); a single process without one gets a one-rank group on an in-memory
     store (gloo on CPU, NCCL on GPU), which megatron-core needs for its groups.
 
     Rank order is megatron-core's default ``tp-cp-ep-dp-pp`` (TP peers adjacent, then CP peers).
+    Experts (``ep`` > 1; expert tensor parallelism is TP): the ``world / PP`` ranks of a stage split into
+    groups of ``ep`` consecutive ranks that share the experts out; each expert is replicated over the
+    ``world / (PP x ep)`` expert-data-parallel ranks, the other weights over the ``world / (TP x PP x CP)``
+    data-parallel ones.
 
-    :raises PluginError: TP x PP x CP does not divide the world size, or ``WORLD_SIZE > 1`` without
-        an initialised process group.
+    :raises PluginError: TP x PP x CP (or PP x EP) does not divide the world size, or ``WORLD_SIZE > 1``
+        without an initialised process group.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -40,16 +44,21 @@ def init_parallel(tp: int, device, pp: int = 1, cp: int = 1) -> tuple[int, int]:
     if world % (tp * pp * cp):
         raise PluginError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x "
                           f"--context-parallel-size {cp} does not divide the trainer world size {world}.")
+    if world % (pp * ep):
+        raise PluginError(f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} does not divide "
+                          f"the trainer world size {world}.")
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size(),
-                parallel_state.get_context_parallel_world_size())
-        if have != (tp, pp, cp):
+                parallel_state.get_context_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size())
+        if have != (tp, pp, cp, ep):
             raise PluginError(f"megatron: model-parallel groups already exist with TP {have[0]}, PP {have[1]}, "
-                              f"CP {have[2]}, not TP {tp}, PP {pp}, CP {cp}.")
+                              f"CP {have[2]}, EP {have[3]}, not TP {tp}, PP {pp}, CP {cp}, EP {ep}.")
     else:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                 context_parallel_size=cp, create_gloo_process_groups=False)
+                                                 context_parallel_size=cp, expert_model_parallel_size=ep,
+                                                 create_gloo_process_groups=False)
     return world, rank
 
 

@@ -1,0 +1,88 @@
+"""The mixture-of-experts parts of the megatron backend's training step: megatron-core's load-balancing loss
+in the objective and its metric, and the reduction of expert gradients under expert parallelism."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ExpertLayers", "aux_loss_value", "is_expert_parameter"]
+
+# megatron-core's tracker name of each load-balancing type (router.py) and the flag its coefficient comes from
+_TRACKED = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+
+
+def is_expert_parameter(name: str) -> bool:
+    """Whether parameter ``name`` belongs to one expert (held by one EP rank; its gradient is averaged over the
+    expert-data-parallel ranks), not to the router or the dense layers."""
+    return ".mlp.experts." in name
+
+
+def aux_loss_value(config) -> float:
+    """The load-balancing loss megatron-core's routers recorded since the tracker was last cleared, with its
+    coefficients: ``sum_types coeff_type * sum_layers L_type(layer)``, summed over the micro-batches
+    recorded (``L`` as ``switch_load_balancing_loss_func``: ``E / (k T^2) * sum_i (sum_x p_xi) (sum_x m_xi)``
+    over a micro-batch's ``T`` tokens, ``p`` the softmax scores, ``m`` the top-k map; per sequence and averaged
+    over sequences for ``seq_aux_loss``).
+
+    :param config: the megatron-core ``TransformerConfig`` (its types and coefficients).
+    """
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    types = config.moe_router_load_balancing_type
+    coeffs = config.moe_aux_loss_coeff
+    types, coeffs = ([types], [coeffs]) if isinstance(types, str) else (list(types), list(coeffs))
+    total = 0.0
+    for kind, coeff in zip(types, coeffs):
+        entry = tracker.get(_TRACKED.get(kind, ""))
+        if entry is not None:
+            total += float(coeff) * float(entry["values"].sum())
+    return total
+
+
+class ExpertLayers:
+    """Mixed into :class:`~.backend.MegatronBackend`: on a model with experts, each training step adds
+    megatron-core's load-balancing loss to the objective and reports it.
+
+    The routers attach the loss to their outputs (``MoEAuxLossAutoScaler``), so its gradient joins the
+    objective's in the backward pass, scaled by ``1 / (micro-batches of the step x data-parallel ranks)``:
+    with gradients summed over the data-parallel ranks the step minimises the objective plus the mean
+    over the step's micro-batches of the coefficient-weighted loss of every MoE layer (Megatron-LM's
+    scaling: its mean over micro-batches, averaged over data-parallel ranks). ``moe_aux_loss`` in the step
+    metrics is that mean (``train/moe_aux_loss``). The routers compute it in training mode only, so the backend
+    puts the model in training mode during :meth:`train` (dropout is 0 here: the forward is unchanged).
+    """
+
+    def _moe(self) -> bool:
+        return bool(self.shape is not None and self.shape.is_moe)
+
+    def _aux_loss_on(self) -> bool:
+        config = self.model.config
+        coeffs = config.moe_aux_loss_coeff
+        return self._moe() and any(float(c) for c in (coeffs if isinstance(coeffs, list) else [coeffs]))
+
+    async def _train_step(self, batch, micro_batches) -> tuple[dict, bool]:
+        if not self._aux_loss_on():
+            return await super()._train_step(batch, micro_batches)
+        await self._in_thread(self._start_aux_loss, len(micro_batches))
+        sums, finite = await super()._train_step(batch, micro_batches)
+        share = await self._in_thread(aux_loss_value, self.model.config)
+        return {**sums, "moe_aux_loss": share / (len(micro_batches) * self._dp_size())}, finite
+
+    def _start_aux_loss(self, micro_batches: int) -> None:
+        import torch
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, clear_aux_losses_tracker
+
+        clear_aux_losses_tracker()
+        MoEAuxLossAutoScaler.set_loss_scale(
+            torch.tensor(1.0 / (micro_batches * self._dp_size()), dtype=torch.float32, device=self.device))
+
+    def _expert_grads(self, named: list[tuple[str, Any]]) -> None:
+        """Sum expert gradients over the expert-data-parallel ranks (those holding the same experts)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_expert_data_parallel_group()
+        if dist.get_world_size(group) > 1:
+            for _, p in named:
+                dist.all_reduce(p.grad, group=group)

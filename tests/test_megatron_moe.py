@@ -1,0 +1,182 @@
+"""Mixture-of-experts models in the megatron backend on CPU: a tiny Qwen3-MoE made by transformers, converted
+both ways, its forward against transformers', Megatron's MoE flags against config.json, the load-balancing
+loss against a hand computation, expert parallelism over two gloo ranks, routing replay."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core", reason="the megatron extra (megatron-core) is not installed")
+
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from furlong.builtin_plugins.backends.megatron import configure  # noqa: E402
+from furlong.builtin_plugins.backends.megatron import train_backend as megatron_backend  # noqa: E402
+from furlong.builtin_plugins.backends.megatron.config import model_shape  # noqa: E402
+from furlong.builtin_plugins.backends.megatron.convert import export_hf, load_hf, safetensors_stream  # noqa: E402
+from furlong.builtin_plugins.backends.megatron.model import build_gpt, cpu_shims, init_parallel  # noqa: E402
+from furlong.builtin_plugins.backends.megatron.moe import moe_transformer_fields  # noqa: E402
+from furlong.hooks import ConfigReport, PluginError  # noqa: E402
+
+from .tiny_model import build_tiny_moe_model, make_batch, train_args, train_config  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_groups():
+    init_parallel(1, CPU)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    return sharpened(build_tiny_moe_model(tmp_path_factory.mktemp("moe") / "hf"))
+
+
+def sharpened(path: Path, seed: int = 1) -> Path:
+    """Rewrite the router weights of the checkpoint at ``path`` with std 1 (transformers' init gives routers
+    near-uniform scores, where the top-k could hinge on float rounding), keeping per-expert names."""
+    from safetensors.torch import save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    generator = torch.Generator().manual_seed(seed)
+    for name in tensors:
+        if name.endswith("mlp.gate.weight"):
+            tensors[name] = torch.randn(tensors[name].shape, generator=generator)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
+def megatron_of(path: Path, args=None):
+    """``(shape, GPTModel)`` of the HF checkpoint at ``path``, float32, loaded by streaming conversion."""
+    shape = model_shape(AutoConfig.from_pretrained(path))
+    args = args or train_config(path)
+    model = build_gpt(shape, 1, shape.vocab_size, torch.float32, CPU, **moe_transformer_fields(shape, args, CPU))
+    load_hf(model, safetensors_stream(str(path)), shape, shape.vocab_size, 1, 0, str(path))
+    return shape, model.eval()
+
+
+def hf_of(path: Path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+# --- conversion and forward ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["normalised", "not-normalised-tied", "dense-layer"])
+def test_round_trip_is_bit_exact_and_the_forward_is_transformers(variant, tmp_path):
+    options = {"normalised": {}, "not-normalised-tied": dict(norm_topk_prob=False, tied=True),
+               "dense-layer": {}}[variant]
+    path = build_tiny_moe_model(tmp_path / "hf", seed=3, **options)
+    if variant == "dense-layer":  # layer 0 keeps a dense MLP (transformers' mlp_only_layers)
+        config = json.loads((path / "config.json").read_text())
+        config["mlp_only_layers"] = [0]
+        (path / "config.json").write_text(json.dumps(config))
+        torch.manual_seed(4)
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32).save_pretrained(path)
+    sharpened(path)
+    shape, model = megatron_of(path)
+    assert shape.moe_layers == ((1,) if variant == "dense-layer" else (0, 1))
+    disk = load_file(path / "model.safetensors")
+    back = dict(export_hf(model, shape, 1, None))
+    expected = {k: v for k, v in disk.items() if not (shape.tied and k == "lm_head.weight")}
+    assert sorted(back) == sorted(expected)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in back and "model.layers.1.mlp.gate.weight" in back
+    for name, tensor in expected.items():
+        assert torch.equal(back[name], tensor), name
+    ids = torch.randint(4, 100, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), cpu_shims(CPU):
+        logits = model(input_ids=ids, position_ids=None, attention_mask=None)
+        reference = hf_of(path)(ids).logits
+    torch.testing.assert_close(logits, reference, rtol=0, atol=2e-5)
+
+
+def test_backend_log_probs_are_transformers(moe_dir):
+    backend = megatron_backend(config=train_config(moe_dir))
+    asyncio.run(backend.init(backend.config))
+    tokenizer = AutoTokenizer.from_pretrained(moe_dir)
+    batch = make_batch(tokenizer, [[[0, 1], [2, 3]]])
+    got = asyncio.run(backend.log_probs(batch))["log_probs"]
+    hf = hf_of(moe_dir)
+    for tokens, n, lp in zip(batch.tokens, batch.response_lengths, got):
+        with torch.no_grad():
+            logits = hf(torch.tensor([tokens])).logits[0, :-1].log_softmax(-1)
+        want = logits.gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1)[-n:]
+        torch.testing.assert_close(lp, want, rtol=0, atol=2e-5)
+
+
+# --- flags against config.json ---------------------------------------------------------------------------
+
+
+def _report(path, **flags) -> ConfigReport:
+    report = ConfigReport(plugin="megatron")
+    configure(train_args(path, **flags), report)
+    return report
+
+
+def test_miles_moe_flags_that_match_config_json_are_accepted(moe_dir):
+    report = _report(moe_dir, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_grouped_gemm=True,
+                     megatron_args={"moe_router_score_function": "softmax", "moe_layer_freq": "'([1]*2)'",
+                                    "moe_router_dtype": "fp32", "moe_router_load_balancing_type": "seq_aux_loss",
+                                    "moe_aux_loss_coeff": [1e-3]})
+    assert report.errors == []
+
+
+def test_moe_flags_that_disagree_with_config_json_name_both_values(moe_dir):
+    report = _report(moe_dir, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,
+                     megatron_args={"moe_router_pre_softmax": True, "moe_router_score_function": "sigmoid",
+                                    "moe_router_load_balancing_type": "sinkhorn"})
+    where = f"--hf-checkpoint {moe_dir}/config.json"
+    assert report.errors == [
+        f"--num-experts 8 disagrees with {where} (num_experts = 4).",
+        f"--moe-ffn-hidden-size 32 disagrees with {where} (moe_intermediate_size = 16).",
+        f"--moe-router-score-function sigmoid disagrees with {where} (qwen3_moe routes by softmax).",
+        f"--moe-router-pre-softmax is given but {where} says norm_topk_prob = true (the top-k probabilities are "
+        "renormalised, which is Megatron's softmax after top-k).",
+        "--moe-router-load-balancing-type sinkhorn is not supported yet by --train-backend megatron (supported: "
+        "aux_loss, seq_aux_loss, none).",
+    ]
+
+
+def test_moe_flags_on_a_dense_model_are_one_error(tiny_model_dir):
+    report = _report(tiny_model_dir, num_experts=4, megatron_args={"moe_router_topk": 2})
+    assert report.errors == [
+        f"these Megatron flags describe features the model of --hf-checkpoint {tiny_model_dir}/config.json does not "
+        "have: --moe-router-topk (the model has no experts) --num-experts (the model has no experts); remove them."]
+
+
+def test_multi_token_prediction_is_refused_with_what_to_do(moe_dir):
+    report = _report(moe_dir, megatron_args={"mtp_num_layers": 1}, enable_mtp_training=True)
+    assert report.errors == [
+        "multi-token prediction is not supported yet by --train-backend megatron: it needs MTP layers in the "
+        "--hf-checkpoint (DeepSeek-V3's num_nextn_predict_layers, a family this backend does not build yet); "
+        "Qwen3, Qwen3-MoE, Qwen2 and Llama checkpoints ship none. Remove --mtp-num-layers, --enable-mtp-training."]
+
+
+def test_deepseek_v3_is_refused_naming_what_is_missing():
+    config = AutoConfig.for_model("deepseek_v3")
+    with pytest.raises(PluginError) as excinfo:
+        model_shape(config, "--hf-checkpoint ds")
+    assert str(excinfo.value) == (
+        "--hf-checkpoint ds: model_type 'deepseek_v3' is not supported yet by --train-backend megatron: multi-latent "
+        "attention, the sigmoid router with its expert bias (e_score_correction_bias), shared experts and multi-token "
+        "prediction layers are not built yet (supported: qwen2, qwen3, qwen3_moe, llama).")
+
+
+def test_expert_parallelism_is_checked_against_the_experts(moe_dir, tiny_model_dir):
+    assert _report(moe_dir, megatron_args={"expert_model_parallel_size": 3}).errors == [
+        f"--expert-model-parallel-size 3 does not divide the 4 experts of --hf-checkpoint {moe_dir}."]
+    assert _report(tiny_model_dir, megatron_args={"expert_model_parallel_size": 2}).errors == [
+        f"--expert-model-parallel-size 2: the model of --hf-checkpoint {tiny_model_dir} has no experts."]
+    report = _report(moe_dir, tensor_model_parallel_size=2)
+    assert report.errors == [
+        f"--tensor-model-parallel-size 2 is not supported yet by --train-backend megatron on a mixture-of-experts "
+        f"model (--hf-checkpoint {moe_dir}); share the experts out with --expert-model-parallel-size and use data "
+        "parallelism for the rest."]
