@@ -180,3 +180,50 @@ def test_expert_parallelism_is_checked_against_the_experts(moe_dir, tiny_model_d
         f"--tensor-model-parallel-size 2 is not supported yet by --train-backend megatron on a mixture-of-experts "
         f"model (--hf-checkpoint {moe_dir}); share the experts out with --expert-model-parallel-size and use data "
         "parallelism for the rest."]
+
+
+# --- the load-balancing loss -------------------------------------------------------------------------------
+
+
+def hand_aux_loss(router_logits: list, topk: int):
+    """Switch-Transformer load balancing of one micro-batch, summed over layers: per layer
+    ``E / (k T^2) * sum_i (sum_x p_xi) (sum_x m_xi)``, ``p`` the softmax of the router logits ``[T, E]`` of
+    the micro-batch's ``T`` tokens, ``m`` 1 on each token's top-k experts (Fedus et al. 2021, eq. 4, with
+    megatron-core's top-k count)."""
+    total = 0.0
+    for logits in router_logits:
+        tokens, experts = logits.shape
+        probs = logits.softmax(-1)
+        chosen = torch.zeros_like(probs).scatter(1, probs.topk(topk, dim=-1).indices, 1.0)
+        total = total + experts / (topk * tokens ** 2) * (probs.sum(0) * chosen.sum(0)).sum()
+    return total
+
+
+def _step_grads(path, coeff: float, steps) -> tuple[dict, dict]:
+    """One training step's metrics and the gradients it leaves (before the optimizer) of a backend with
+    ``--moe-aux-loss-coeff coeff``."""
+    backend = megatron_backend(config=train_config(path, megatron_args={"moe_aux_loss_coeff": [coeff]}))
+    asyncio.run(backend.init(backend.config))
+    batch = make_batch(AutoTokenizer.from_pretrained(path), steps)
+    backend._before_train()
+    sums, _ = asyncio.run(backend._train_step(batch, steps[0]))
+    return sums, {n: p.grad.clone() for n, p in backend.model.named_parameters()}
+
+
+def test_the_load_balancing_loss_is_in_the_objective_as_computed_by_hand(moe_dir):
+    coeff, steps = 0.05, [[[0, 1], [2, 3]]]
+    sums, grads = _step_grads(moe_dir, coeff, steps)
+    plain_sums, plain = _step_grads(moe_dir, 0.0, steps)
+    assert "moe_aux_loss" not in plain_sums
+    hf = hf_of(moe_dir)
+    tokens = make_batch(AutoTokenizer.from_pretrained(moe_dir), steps).tokens
+    loss = 0.0
+    for micro_batch in steps[0]:  # each micro-batch routes its real tokens together; pad positions are left out
+        per_sample = [hf(torch.tensor([tokens[i]]), output_router_logits=True).router_logits for i in micro_batch]
+        layers = [torch.cat([sample[layer] for sample in per_sample]) for layer in range(2)]
+        loss = loss + coeff * hand_aux_loss(layers, topk=2) / len(steps[0])  # mean over the step's micro-batches
+    assert sums["moe_aux_loss"] == pytest.approx(float(loss), rel=1e-5)
+    loss.backward()
+    for layer in range(2):  # the objective's gradient is the same in both runs: the difference is the loss's
+        got = grads[f"decoder.layers.{layer}.mlp.router.weight"] - plain[f"decoder.layers.{layer}.mlp.router.weight"]
+        torch.testing.assert_close(got, hf.model.layers[layer].mlp.gate.weight.grad, rtol=1e-4, atol=1e-7)
