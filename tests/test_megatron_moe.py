@@ -227,3 +227,42 @@ def test_the_load_balancing_loss_is_in_the_objective_as_computed_by_hand(moe_dir
     for layer in range(2):  # the objective's gradient is the same in both runs: the difference is the loss's
         got = grads[f"decoder.layers.{layer}.mlp.router.weight"] - plain[f"decoder.layers.{layer}.mlp.router.weight"]
         torch.testing.assert_close(got, hf.model.layers[layer].mlp.gate.weight.grad, rtol=1e-4, atol=1e-7)
+
+
+# --- expert parallelism ------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_expert_parallel_two_ranks_equal_one(moe_dir, tmp_path):
+    """EP=2 over two gloo ranks (two experts each, DP=2, the all-gather dispatcher on packed micro-batches padded
+    to one length): log-probs, the load-balancing loss, the step's loss and grad norm and the updated weights
+    (every expert exported from its rank) equal one process's on the same micro-batches; the EP=2 torch_dist
+    checkpoint loads at EP=1 with those weights."""
+    from .tiny_model import run_two_ranks
+
+    coeff = 0.05
+    out = tmp_path / "out"
+    out.mkdir()
+    run_two_ranks("megatron_moe_ranks.py", str(moe_dir), str(out), str(coeff))
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    steps = [[ranks[0]["steps"][0][0], ranks[1]["steps"][0][0]]]  # each rank's micro-batch, in one step
+    config = train_config(moe_dir, adam_eps=1e-3, megatron_args={"moe_aux_loss_coeff": [coeff]})
+    single = megatron_backend(config=config)
+    asyncio.run(single.init(single.config))
+    batch = make_batch(AutoTokenizer.from_pretrained(moe_dir), steps)
+    old = asyncio.run(single.log_probs(batch))["log_probs"]
+    metrics = asyncio.run(single.train(0, batch))[0]
+    weights = dict(asyncio.run(single.named_weights()))
+    for got in ranks:
+        for i in got["steps"][0][0]:
+            torch.testing.assert_close(got["log_probs"]["log_probs"][i], old[i], rtol=0, atol=1e-5)
+        for key in ("loss", "grad_norm", "moe_aux_loss"):
+            assert got["metrics"][key] == pytest.approx(metrics[key], rel=1e-5), key
+        assert sorted(got["weights"]) == sorted(weights)
+        for name, tensor in weights.items():
+            torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=1e-5)
+    reloaded = megatron_backend(config=config)
+    asyncio.run(reloaded.init(reloaded.config))
+    asyncio.run(reloaded.load(str(out / "ckpt")))
+    for name, tensor in asyncio.run(reloaded.named_weights()):
+        assert torch.equal(tensor, ranks[0]["weights"][name]), name

@@ -1,0 +1,55 @@
+"""Worker of test_megatron_moe.py::test_expert_parallel_two_ranks_equal_one (torchrun, 2 gloo ranks, EP=2).
+
+Usage: ``torchrun --standalone --nproc_per_node 2 megatron_moe_ranks.py HF_DIR OUT_DIR COEFF``.
+
+Runs the megatron backend on the tiny Qwen3-MoE of HF_DIR with ``--expert-model-parallel-size 2`` (DP=2,
+two experts per rank, ``--moe-aux-loss-coeff COEFF``) on the four fixed samples split over the two
+data-parallel ranks (one micro-batch of two each): log-probs, one AdamW step (metrics, the exported HF
+weights) and a ``torch_dist`` checkpoint in ``OUT_DIR/ckpt``. Rank r writes ``OUT_DIR/rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tiny_model import make_batch, train_config
+
+from furlong.builtin_plugins.backends.megatron import train_backend
+
+
+async def main(hf_dir: str, out: Path, coeff: float) -> None:
+    from transformers import AutoTokenizer
+
+    from furlong.core.train.batching import plan_steps
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    config = train_config(hf_dir, adam_eps=1e-3, micro_batch_size=2,
+                          megatron_args={"expert_model_parallel_size": 2, "moe_aux_loss_coeff": [coeff]})
+    backend = train_backend(config=config)
+    await backend.init(backend.config)
+    layout = backend.layout()
+    assert (layout.dp_size, layout.dp_rank) == (2, rank), layout
+    assert len(backend.model.decoder.layers[0].mlp.experts.local_experts) == 2
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    probe = make_batch(tokenizer, [])
+    steps = plan_steps([len(t) for t in probe.tokens], global_batch_size=4, num_steps=1, dp_size=2, rank=rank,
+                       micro_batch_size=2, max_tokens_per_gpu=None, dynamic=False, balance=False)
+    batch = make_batch(tokenizer, steps)
+    log_probs = await backend.log_probs(batch)
+    metrics = (await backend.train(0, batch))[0]
+    weights = dict(await backend.named_weights())
+    await backend.save(str(out / "ckpt"))
+    torch.save({"steps": steps, "log_probs": log_probs, "metrics": metrics, "weights": weights}, out / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])))
