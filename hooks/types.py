@@ -261,6 +261,9 @@ class TrainBatch:
     :class:`~furlong.hooks.StepObjective`) the backend calls once per micro-batch.
     Per-token lists (``loss_masks``, ``old_log_probs``, ...) are N float32 tensors [T_i].
     ``truncated[i]``: sample i ran out of token budget (for ``--mask-truncated-samples``).
+    ``routed_experts[i]``: under ``--use-rollout-routing-replay``, the experts the engine routed
+    sample i's tokens to (``Sample.rollout_routed_experts``: int64 ``[len(tokens[i]) - 1,
+    num_moe_layers, topk]``), which the backend replays; None otherwise.
     """
 
     tokens: list
@@ -276,6 +279,7 @@ class TrainBatch:
     rewards: list | None = None
     truncated: list | None = None
     sample_indices: list | None = None
+    routed_experts: list | None = None
     temperature: float = 1.0
 
 

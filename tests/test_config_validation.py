@@ -212,8 +212,6 @@ def test_the_command_sets_train_mode_for_the_plugins():
 # --- not supported yet ------------------------------------------------------------------
 
 UNSUPPORTED_ARGV = {
-    "--use-routing-replay": ["--use-routing-replay"],
-    "--use-rollout-routing-replay": ["--use-rollout-routing-replay"],
     "--true-on-policy-mode": ["--true-on-policy-mode"],
     "--qkv-format": ["--qkv-format", "bshd"],
     "--opd-type": ["--opd-type", "sglang"],

@@ -266,3 +266,80 @@ def test_expert_parallel_two_ranks_equal_one(moe_dir, tmp_path):
     asyncio.run(reloaded.load(str(out / "ckpt")))
     for name, tensor in asyncio.run(reloaded.named_weights()):
         assert torch.equal(tensor, ranks[0]["weights"][name]), name
+
+
+# --- routing replay ----------------------------------------------------------------------------------------
+
+
+def forced_routing(hf, rows_per_layer: list, captured: dict) -> None:
+    """Make each transformers router of ``hf`` take the experts ``rows_per_layer[l]`` (int64 ``[n, k]``, one row
+    per position of the one sequence fed) with its own softmax probabilities of them, renormalised (megatron-core's
+    replay with ``norm_topk_prob``); its logits go to ``captured[l]``."""
+    for layer, rows in enumerate(rows_per_layer):
+        gate = hf.model.layers[layer].mlp.gate
+
+        def forward(hidden, gate=gate, rows=rows, layer=layer):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            chosen = logits.softmax(-1, dtype=torch.float32).gather(1, rows)
+            captured[layer] = logits.detach()
+            return logits, (chosen / chosen.sum(-1, keepdim=True)).to(logits.dtype), rows
+
+        gate.forward = forward
+
+
+def test_replayed_routing_is_the_recorded_one_and_rollout_disagreement_is_counted(moe_dir):
+    tokenizer = AutoTokenizer.from_pretrained(moe_dir)
+    steps = [[[0, 1], [2, 3]]]
+    backend = megatron_backend(config=train_config(moe_dir, use_routing_replay=True, lr=0.0))
+    asyncio.run(backend.init(backend.config))
+    batch = make_batch(tokenizer, steps)
+    asyncio.run(backend.log_probs(batch))  # the old-log-prob pass: records
+    recorded = [backend._recorded_routing[tuple(t)] for t in batch.tokens]
+    hf = hf_of(moe_dir)
+    for tokens, routing in zip(batch.tokens, recorded):  # the routers' own choice, as transformers makes it
+        assert routing.shape == (len(tokens) - 1, 2, 2)
+        logits = hf(torch.tensor([tokens]), output_router_logits=True).router_logits
+        for layer in range(2):
+            own = logits[layer][:-1].topk(2, dim=-1).indices.sort(-1).values
+            assert torch.equal(routing[:, layer].sort(-1).values, own)
+
+    generator = torch.Generator().manual_seed(5)
+    maps = []
+    with torch.no_grad():
+        for layer in backend.model.decoder.layers:  # new routers: their own top-k differs from the recorded one
+            layer.mlp.router.weight.copy_(torch.randn(layer.mlp.router.weight.shape, generator=generator))
+            layer.mlp.router.register_forward_hook(lambda module, args, out: maps.append(out[1].clone()))
+    replayed = asyncio.run(backend.log_probs(batch))["log_probs"]
+    width = max(len(t) for t in batch.tokens[:2])
+    for layer, routing_map in enumerate(maps[:2]):  # micro-batch [0, 1], right-padded: token p * 2 + b
+        for b in (0, 1):
+            rows = routing_map.view(width, 2, -1)[: len(batch.tokens[b]) - 1, b]
+            assert torch.equal(rows.nonzero()[:, 1].view(-1, 2), recorded[b][:, layer].sort(-1).values)
+
+    perturbed = {f"model.layers.{i}.mlp.gate.weight": layer.mlp.router.weight.detach().clone()
+                 for i, layer in enumerate(backend.model.decoder.layers)}
+    hf.load_state_dict(perturbed, strict=False)
+    differing = compared = 0
+    for tokens, n, routing, lp in zip(batch.tokens, batch.response_lengths, recorded, replayed):
+        captured: dict = {}
+        rows = [torch.cat([routing[:, layer], torch.arange(2).unsqueeze(0)]) for layer in range(2)]
+        forced_routing(hf, rows, captured)
+        with torch.no_grad():
+            logits = hf(torch.tensor([tokens])).logits[0, :-1].log_softmax(-1)
+        want = logits.gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1)[-n:]
+        torch.testing.assert_close(lp, want, rtol=0, atol=2e-5)  # transformers with the recorded routing forced
+        for layer in range(2):
+            own = captured[layer][:-1].topk(2, dim=-1).indices.sort(-1).values
+            differing += int((own != routing[:, layer].sort(-1).values).any(-1).sum())
+            compared += len(tokens) - 1
+    assert 0 < differing < compared
+
+    rollout = megatron_backend(config=train_config(moe_dir, use_routing_replay=True, use_rollout_routing_replay=True,
+                                                   lr=0.0))
+    asyncio.run(rollout.init(rollout.config))
+    with torch.no_grad():
+        for mine, theirs in zip(rollout.model.decoder.layers, backend.model.decoder.layers):
+            mine.mlp.router.weight.copy_(theirs.mlp.router.weight)
+    batch.routed_experts = recorded  # as the engine recorded them
+    metrics = asyncio.run(rollout.train(0, batch))[0]
+    assert metrics["moe_routing_disagreement"] == pytest.approx(differing / compared, abs=1e-12)

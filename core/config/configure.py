@@ -15,7 +15,7 @@ from furlong.hooks import ConfigReport, DataParallelRule, PluginError
 from .data_parallel import apply_data_parallel
 from .errors import ConfigError
 from .parse import names_any
-from .megatron_support import report_megatron_flags
+from .megatron_support import report_megatron_flags, report_routing_replay
 from ..plugins.manager import OBSERVER_HOOKS, FurlongPluginManager
 from ..plugins.selection import CHOSEN_HOOKS, Selection, boxed_base, resolve_selection
 
@@ -115,6 +115,7 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
             report.error(f"plugin '{name}' ({pm.origin(name)}) failed in `configure`: {type(exc).__name__}: {exc}")
         if name == backend:
             report_megatron_flags(args, name, pm.get_plugin(name), report)
+            report_routing_replay(args, name, pm.get_plugin(name), report)
             done.data_parallel = report.data_parallel
         for dest, (old, new) in _changes(before, args).items():
             if dest in given:

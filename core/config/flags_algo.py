@@ -78,9 +78,12 @@ def add(g, dev) -> None:
                    help="OPD sglang teachers (not supported yet).")
     g.add_argument("--disable-compute-advantages-and-returns", action="store_true",
                    help="Skip reference/old log-probs and advantages (SFT, custom losses) (not supported yet).")
-    g.add_argument("--use-routing-replay", action="store_true", help="MoE routing replay (not supported yet).")
+    g.add_argument("--use-routing-replay", action="store_true",
+                   help="MoE routing replay: the training forward routes each token to the experts the old-log-prob "
+                        "pass chose (a train backend that replays routing, on a mixture-of-experts model).")
     g.add_argument("--use-rollout-routing-replay", action="store_true",
-                   help="Replay the engine's MoE routing in training (not supported yet).")
+                   help="Replay the rollout engine's MoE routing (Sample.rollout_routed_experts) in the trainer's "
+                        "forward passes; implies --use-routing-replay.")
     g.add_argument("--true-on-policy-mode", action="store_true",
                    help="Bit-identical rollout and training numerics (not supported yet).")
     g.add_argument("--reset-optimizer-states", action="store_true", help="Zero the Adam state at each rollout.")

@@ -30,7 +30,7 @@ from furlong.hooks.megatron_flags import architecture_disagreements, hf_architec
 
 from .tables import megatron_table, miles_table
 
-__all__ = ["ARCHITECTURE", "MATH", "effect", "report_megatron_flags"]
+__all__ = ["ARCHITECTURE", "MATH", "effect", "report_megatron_flags", "report_routing_replay"]
 
 # groups of Megatron's table whose every flag describes the model
 ARCHITECTURE_GROUPS = frozenset({"network size", "mla", "moe", "heterogeneous architecture",
@@ -140,6 +140,20 @@ def report_megatron_flags(args: Namespace, backend: str, plugin: Any, report: Co
     if wrong:
         report.error(f"{name} does not support these Megatron flags yet, which would change the model or the math: "
                      f"{' '.join(wrong)}; remove them.")
+
+
+def report_routing_replay(args: Namespace, backend: str, plugin: Any, report: ConfigReport) -> None:
+    """``--use-routing-replay`` / ``--use-rollout-routing-replay`` need a train backend that replays MoE
+    routing: one that honours Megatron's ``moe_enable_routing_replay`` (which Miles' flags set) in its
+    ``MEGATRON_FLAGS``; any other is one error naming the flag and the backend. (Whether the model has
+    experts is the backend's own check.)"""
+    given = [flag for flag, dest in (("--use-rollout-routing-replay", "use_rollout_routing_replay"),
+                                     ("--use-routing-replay", "use_routing_replay")) if getattr(args, dest, False)]
+    support = getattr(plugin, "MEGATRON_FLAGS", None)
+    if given and not (isinstance(support, MegatronFlags) and support.honoured("moe_enable_routing_replay", True)):
+        report.error(f"{given[0]} needs a train backend that replays mixture-of-experts routing in its forward "
+                     f"passes; --train-backend {backend} does not (use --train-backend megatron with an MoE "
+                     "model, or remove the flag).")
 
 
 def _value(args: Namespace, dest: str) -> Any:

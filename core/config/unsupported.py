@@ -23,8 +23,6 @@ class Unsupported:
 
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported("--use-routing-replay", "use_routing_replay"),
-    Unsupported("--use-rollout-routing-replay", "use_rollout_routing_replay"),
     Unsupported("--true-on-policy-mode", "true_on_policy_mode"),
     Unsupported("--qkv-format", "qkv_format", ("thd",)),
     Unsupported("--opd-type", "opd_type", (None, "megatron")),

@@ -90,6 +90,9 @@ def _normalize(args, f: ConfigReport, given: set[str]) -> None:
     if args.moe_token_dispatcher_type == "allgather":
         args.moe_token_dispatcher_type = "alltoall"
         f.info("--moe-token-dispatcher-type allgather is run as alltoall.")
+    if args.use_rollout_routing_replay and not args.use_routing_replay:
+        args.use_routing_replay = True
+        f.info("--use-rollout-routing-replay implies --use-routing-replay.")
     if args.load_debug_rollout_data and not args.debug_train_only:
         args.debug_train_only = True
         f.info("--load-debug-rollout-data implies --debug-train-only.")

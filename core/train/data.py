@@ -11,7 +11,8 @@ from ..plugins.manager import FurlongPluginManager
 from ..plugins.selection import Selection
 from ..rollout.rewards import scalar_reward
 
-__all__ = ["advantage_input", "flatten", "post_process_rewards", "to_train_batch", "zero_advantage"]
+__all__ = ["advantage_input", "flatten", "post_process_rewards", "routed_experts", "to_train_batch",
+           "zero_advantage"]
 
 
 def flatten(groups: list[list[Sample]]) -> list[Sample]:
@@ -43,7 +44,8 @@ def loss_masks(samples: list[Sample]) -> list[torch.Tensor]:
 
 
 def to_train_batch(config: RunConfig, samples: list[Sample]) -> TrainBatch:
-    """The trainer's view of the samples: tokens, response lengths, masks, rollout log-probs."""
+    """The trainer's view of the samples: tokens, response lengths, masks, rollout log-probs and, under
+    ``--use-rollout-routing-replay``, the engine's routing (:func:`routed_experts`)."""
     rollout_lp = None
     if all(s.rollout_log_probs is not None and len(s.rollout_log_probs) == s.response_length for s in samples):
         rollout_lp = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
@@ -53,8 +55,30 @@ def to_train_batch(config: RunConfig, samples: list[Sample]) -> TrainBatch:
         loss_masks=loss_masks(samples),
         rollout_log_probs=rollout_lp,
         sample_indices=[s.index for s in samples],
+        routed_experts=routed_experts(samples) if config.use_rollout_routing_replay else None,
         temperature=float(config.rollout_temperature),
     )
+
+
+def routed_experts(samples: list[Sample]) -> list[torch.Tensor]:
+    """Each sample's ``rollout_routed_experts`` as int64 ``[len(tokens) - 1, num_moe_layers, topk]``.
+
+    :raises PluginError: a sample without it, or of another shape (the message names the sample and the flag).
+    """
+    out = []
+    for s in samples:
+        if s.rollout_routed_experts is None:
+            raise PluginError(f"--use-rollout-routing-replay: sample {s.index} has no rollout_routed_experts; the "
+                              "rollout engine did not record its routing (an engine that records it: the embedded "
+                              "engine, or SGLang with return_routed_experts; a custom generate function must copy "
+                              "it into the sample).")
+        routed = torch.as_tensor(s.rollout_routed_experts, dtype=torch.int64)
+        if routed.dim() != 3 or routed.shape[0] != len(s.tokens) - 1:
+            raise PluginError(f"--use-rollout-routing-replay: sample {s.index}'s rollout_routed_experts has shape "
+                              f"{tuple(routed.shape)}; it must be [len(tokens) - 1 = {len(s.tokens) - 1}, "
+                              "num_moe_layers, topk].")
+        out.append(routed)
+    return out
 
 
 def trajectory_ids(samples: list[Sample]) -> list[int]:

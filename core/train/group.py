@@ -277,6 +277,7 @@ def _share(batch: TrainBatch, plan: list[list[list[int]]]) -> WorkerShare:
         truncated=[batch.truncated[i] for i in ids] if batch.truncated is not None else None,
         sample_indices=[batch.sample_indices[i] for i in ids] if batch.sample_indices is not None else None,
         rollout_log_probs=_pick(batch.rollout_log_probs, ids),
+        routed_experts=_pick(batch.routed_experts, ids),
         temperature=batch.temperature,
     )
     return WorkerShare(batch=sub, sample_ids=ids)

@@ -64,7 +64,7 @@ _MTP_REASON = ("multi-token prediction is not supported yet by --train-backend m
 MEGATRON_FLAGS = MegatronFlags(
     honours=frozenset(flag_dest(f) for f in _USED) | frozenset(dest for _, dest, _ in _REFUSED)
     | frozenset({"attention_dropout", "hidden_dropout", "moe_token_dispatcher_type", "mtp_num_layers",
-                 "mtp_loss_scaling_factor"}) | MOE_DESTS,
+                 "mtp_loss_scaling_factor", "moe_enable_routing_replay"}) | MOE_DESTS,
     architecture_from_hf=True)
 
 

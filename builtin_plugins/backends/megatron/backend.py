@@ -78,6 +78,9 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         self.experts = ExpertShard()
         self.device = None
         self._tp_sharded: set[int] = set()
+        self._replay = None
+        self._recorded_routing: dict = {}
+        self._disagreeing = [0, 0]
 
     # --- set-up -------------------------------------------------------------------------
 
@@ -152,6 +155,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
                             if u.split is not None}
         if config.use_kl_loss or config.kl_coef:
             self.ref_model = self._load_model().requires_grad_(False)
+        self._start_routing_replay()
         self.optimizer = build_optimizer(self._trained_parameters(), config, self._optimizer_shards())
         self.scheduler = build_scheduler(self.optimizer, config)
         if self.rank == 0:
@@ -221,10 +225,12 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         packed (``thd``) or right-padded by :meth:`_packed`."""
         tokens = [batch.tokens[i] for i in ids]
         total = self._gathered_tokens(tokens)
-        return forward_log_probs(
-            model, tokens, [int(batch.response_lengths[i]) for i in ids], batch.temperature,
-            self.device, vocab_size=self.shape.vocab_size, grad=grad, entropy_grad=self._entropy_grad(grad),
-            packed=total is not None or self._packed(tokens), chunk_rows=self._chunk_rows(), total=total)
+        packed = total is not None or self._packed(tokens)
+        with self._routing(model, batch, ids, grad, packed, total):
+            return forward_log_probs(
+                model, tokens, [int(batch.response_lengths[i]) for i in ids], batch.temperature,
+                self.device, vocab_size=self.shape.vocab_size, grad=grad, entropy_grad=self._entropy_grad(grad),
+                packed=packed, chunk_rows=self._chunk_rows(), total=total)
 
     def _gathered_tokens(self, tokens) -> int | None:
         """Positions every expert-parallel rank's micro-batch is packed to where megatron-core's all-gather
@@ -265,6 +271,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
 
     def _after_train(self) -> None:
         self.model.eval()
+        self._recorded_routing.clear()
 
     def _optimizer_shards(self):
         """The group the AdamW state is sharded over: the data-parallel x context-parallel ranks under

@@ -7,7 +7,7 @@ from typing import Any
 
 from .config import ModelShape
 
-__all__ = ["BALANCING_TYPES", "moe_flag_problems", "moe_layer_pattern", "moe_transformer_fields",
+__all__ = ["BALANCING_TYPES", "moe_flag_problems", "moe_layer_pattern", "moe_transformer_fields", "replays_routing",
            "router_gemm_without_te"]
 
 BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
@@ -87,6 +87,9 @@ def moe_flag_problems(args: Any, shape: ModelShape, where: str) -> tuple[list[st
     if etp is not None and int(etp) != 1 and shape.is_moe:
         errors.append(f"--expert-tensor-parallel-size {etp} is not supported yet by --train-backend megatron "
                       "(experts are whole on their expert-parallel rank); leave it out or give 1.")
+    if not shape.is_moe and replays_routing(args):
+        errors.append(f"{replays_routing(args)} replays mixture-of-experts routing, but the model of {where} has no "
+                      "experts; remove it.")
     if not shape.is_moe:
         moe_flags = sorted("--" + d.replace("_", "-") for d in given & MOE_DESTS - {"expert_model_parallel_size"})
         if moe_flags:
@@ -129,6 +132,9 @@ def moe_flag_problems(args: Any, shape: ModelShape, where: str) -> tuple[list[st
     if len(coeffs) != len(types):
         errors.append(f"--moe-aux-loss-coeff gives {len(coeffs)} values for {len(types)} "
                       "--moe-router-load-balancing-type values; give one, or one per type.")
+    if replays_routing(args) and flag(args, "recompute_granularity"):
+        errors.append("--use-routing-replay with --recompute-granularity is not supported yet by --train-backend "
+                      "megatron (the recomputed routers would route by their own scores); leave one of them out.")
     if "moe_router_bias_update_rate" in given:
         warnings.append("--moe-router-bias-update-rate changes nothing here: the model of "
                         f"{where} has no expert bias.")
@@ -165,9 +171,19 @@ def moe_transformer_fields(shape: ModelShape, args: Any, device) -> dict:
         moe_grouped_gemm=False,
         expert_model_parallel_size=int(flag(args, "expert_model_parallel_size", 1)),
         expert_tensor_parallel_size=int(etp) if etp is not None else 1,
-        moe_enable_routing_replay=bool(getattr(args, "use_routing_replay", False)
-                                       or getattr(args, "use_rollout_routing_replay", False)),
+        moe_enable_routing_replay=bool(replays_routing(args)),
     )
+
+
+def replays_routing(args: Any) -> str | None:
+    """The routing-replay flag given (``--use-rollout-routing-replay``, ``--use-routing-replay``, or Megatron's
+    ``--moe-enable-routing-replay``), or None."""
+    for name, dest in (("--use-rollout-routing-replay", "use_rollout_routing_replay"),
+                       ("--use-routing-replay", "use_routing_replay"),
+                       ("--moe-enable-routing-replay", "moe_enable_routing_replay")):
+        if flag(args, dest, False):
+            return name
+    return None
 
 
 def router_gemm_without_te() -> None:

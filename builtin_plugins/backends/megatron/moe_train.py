@@ -1,8 +1,9 @@
-"""The mixture-of-experts parts of the megatron backend's training step: megatron-core's load-balancing loss
-in the objective and its metric, and the reduction of expert gradients under expert parallelism."""
+"""The mixture-of-experts parts of the megatron backend's passes: megatron-core's load-balancing loss in the
+objective and its metric, the reduction of expert gradients under expert parallelism, and routing replay."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 __all__ = ["ExpertLayers", "aux_loss_value", "is_expert_parameter"]
@@ -42,7 +43,8 @@ def aux_loss_value(config) -> float:
 
 class ExpertLayers:
     """Mixed into :class:`~.backend.MegatronBackend`: on a model with experts, each training step adds
-    megatron-core's load-balancing loss to the objective and reports it.
+    megatron-core's load-balancing loss to the objective and reports it, and forwards replay routing
+    (:meth:`_routing`).
 
     The routers attach the loss to their outputs (``MoEAuxLossAutoScaler``), so its gradient joins the
     objective's in the backward pass, scaled by ``1 / (micro-batches of the step x data-parallel ranks)``:
@@ -53,6 +55,73 @@ class ExpertLayers:
     puts the model in training mode during :meth:`train` (dropout is 0 here: the forward is unchanged).
     """
 
+    # --- routing replay ---------------------------------------------------------------------------------------
+
+    def _start_routing_replay(self) -> None:
+        """Drive the actor's routers (:class:`~.routing.RoutingReplay`) under ``--use-routing-replay`` /
+        ``--use-rollout-routing-replay`` on a model with experts (the reference model routes by itself)."""
+        from .moe import replays_routing
+        from .routing import RoutingReplay
+
+        if self._moe() and replays_routing(self.config):
+            self._replay = RoutingReplay(self.model)
+
+    @contextlib.contextmanager
+    def _routing(self, model, batch, ids: list[int], grad: bool, packed: bool, total: int | None):
+        """Route one micro-batch forward of samples ``ids`` of ``batch``.
+
+        Replayed, when every sample has routing: the engine's (``batch.routed_experts``,
+        ``--use-rollout-routing-replay``; training forwards also count how often each router's own top-k differs
+        from it, ``train/moe_routing_disagreement``), else the one the old-log-prob pass recorded for the same
+        tokens (``--use-routing-replay``). Recorded, in a forward without grad (the old-log-prob pass) that has
+        nothing to replay. Otherwise, and always for the reference model, the routers route by themselves.
+        """
+        replay = self._replay if model is self.model else None
+        if replay is None:
+            yield
+            return
+        from .routing import token_positions
+
+        tokens = [batch.tokens[i] for i in ids]
+        samples, positions = token_positions([len(t) for t in tokens], packed, total)
+        given = [batch.routed_experts[i] for i in ids] if batch.routed_experts is not None else None
+        if given is None and all(tuple(t) in self._recorded_routing for t in tokens):
+            given = [self._recorded_routing[tuple(t)] for t in tokens]
+        recording = given is None and not grad
+        if given is not None:
+            replay.replay(given, samples, positions)
+            if grad and batch.routed_experts is not None:
+                replay.own_choice()
+        elif recording:
+            replay.record()
+        try:
+            yield
+            if recording:
+                for t, routing in zip(tokens, replay.recorded([len(t) for t in tokens], samples, positions)):
+                    self._recorded_routing[tuple(t)] = routing
+            elif given is not None and grad and batch.routed_experts is not None:
+                differing, compared = replay.disagreement(given, samples, positions)
+                self._disagreeing[0] += differing
+                self._disagreeing[1] += compared
+        finally:
+            replay.finish()
+
+    def _disagreement_share(self) -> float:
+        """This rank's share of the step's routing disagreement: its differing (token, layer) pairs over the
+        pairs compared on every data-parallel rank (the core sums the shares)."""
+        import torch
+        import torch.distributed as dist
+
+        counts = torch.tensor(self._disagreeing, dtype=torch.float64, device=self.device)
+        if self._dp_size() > 1:
+            compared = counts[1:].clone()
+            dist.all_reduce(compared, group=self._dp_group())
+            counts[1] = compared[0]
+        self._disagreeing = [0, 0]
+        return float(counts[0] / counts[1]) if counts[1] else 0.0
+
+    # --- load-balancing loss ----------------------------------------------------------------------------------
+
     def _moe(self) -> bool:
         return bool(self.shape is not None and self.shape.is_moe)
 
@@ -62,12 +131,16 @@ class ExpertLayers:
         return self._moe() and any(float(c) for c in (coeffs if isinstance(coeffs, list) else [coeffs]))
 
     async def _train_step(self, batch, micro_batches) -> tuple[dict, bool]:
-        if not self._aux_loss_on():
-            return await super()._train_step(batch, micro_batches)
-        await self._in_thread(self._start_aux_loss, len(micro_batches))
+        aux = self._aux_loss_on()
+        if aux:
+            await self._in_thread(self._start_aux_loss, len(micro_batches))
         sums, finite = await super()._train_step(batch, micro_batches)
-        share = await self._in_thread(aux_loss_value, self.model.config)
-        return {**sums, "moe_aux_loss": share / (len(micro_batches) * self._dp_size())}, finite
+        if aux:
+            share = await self._in_thread(aux_loss_value, self.model.config)
+            sums = {**sums, "moe_aux_loss": share / (len(micro_batches) * self._dp_size())}
+        if self._replay is not None and batch.routed_experts is not None:
+            sums = {**sums, "moe_routing_disagreement": await self._in_thread(self._disagreement_share)}
+        return sums, finite
 
     def _start_aux_loss(self, micro_batches: int) -> None:
         import torch

@@ -1,0 +1,128 @@
+"""Routing replay for mixture-of-experts models, through megatron-core's own ``RouterReplay``
+(``moe_enable_routing_replay``): each router records its top-k experts, or takes given ones instead of its own.
+
+Routing is kept per sample as int64 ``[len(tokens) - 1, moe_layers, topk]`` (``Sample.rollout_routed_experts``'
+layout: row ``t`` is the routing of input position ``t``). A micro-batch's routers see its tokens in the
+order of the decoder's ``[s, b, h]`` input flattened to ``[s * b]`` (position-major when right-padded,
+the packed order when packed): :func:`token_positions` maps that order to ``(sample, position)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["RoutingReplay", "token_positions"]
+
+
+def token_positions(lengths: Sequence[int], packed: bool, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sample, position)``, int64 ``[N]`` each, of the ``N`` tokens a micro-batch of sequences of ``lengths``
+    feeds its routers, in their order; ``-1`` for pad positions.
+
+    :param packed: the sequences concatenated (``[1, sum]``, lengthened to ``total`` positions when given),
+        else right-padded into ``[B, max(lengths)]``, which the decoder takes as ``[max, B]``.
+    """
+    if packed:
+        samples = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        pad = max(0, (total or 0) - len(samples))
+        return torch.cat([samples, torch.full((pad,), -1)]), torch.cat([positions, torch.full((pad,), -1)])
+    width = max(lengths)
+    position = torch.arange(width).repeat_interleave(len(lengths))  # [L * B]: row p * B + b
+    sample = torch.arange(len(lengths)).repeat(width)
+    real = position < torch.tensor(lengths)[sample]
+    return torch.where(real, sample, -1), torch.where(real, position, -1)
+
+
+class RoutingReplay:
+    """The ``RouterReplay`` of every MoE layer of one GPTModel, driven one micro-batch forward at a time.
+
+    :meth:`replay` makes the routers take given experts; :meth:`record` makes them keep their own choice
+    for :meth:`recorded`; :meth:`own_choice` additionally computes each router's own top-k while it replays
+    (the disagreement metric). :meth:`finish` returns the routers to their own routing.
+    """
+
+    def __init__(self, model) -> None:
+        self.routers = [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+        self._own: list = []
+        self._hooks: list = []
+
+    def replay(self, routing: Sequence[Any], samples: torch.Tensor, positions: torch.Tensor) -> None:
+        """Route the next forward's tokens to ``routing[i][t]`` (sample ``i``, position ``t``; int ``[T_i - 1, L, k]``
+        each); tokens with no row there (the last of a sample, pad positions) go to experts ``0 ... k - 1``, which
+        change no log-prob (the last position predicts nothing; pads are never read).
+
+        :param samples: ``[N]`` sample of each routed token (:func:`token_positions`); ``positions``: its position.
+        """
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        k = self.routers[0].topk
+        targets = torch.arange(k).repeat(len(samples), len(self.routers), 1)  # [N, L, k]
+        for i, rows in enumerate(routing):
+            rows = torch.as_tensor(rows, dtype=torch.int64)
+            mine = (samples == i) & (positions >= 0) & (positions < len(rows))
+            targets[mine] = rows[positions[mine]]
+        for layer, router in enumerate(self.routers):
+            router.router_replay.set_target_indices(targets[:, layer].contiguous().to(router.weight.device))
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def record(self) -> None:
+        """Let the next forward's routers route by their own scores and keep their choice."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for router in self.routers:
+            router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+
+    def own_choice(self) -> None:
+        """While the next forward replays, also compute each router's own top-k from its input (a pre-hook:
+        megatron-core's gating ``input @ weight.T`` in the router's dtype; the top-k of the logits is that of the
+        softmax scores) for :meth:`disagreement`."""
+        self._own = [None] * len(self.routers)
+
+        def hook(index):
+            def pre(router, args):
+                hidden = args[0].detach()
+                dtype = torch.float32 if router.config.moe_router_dtype == "fp32" else (
+                    torch.float64 if router.config.moe_router_dtype == "fp64" else hidden.dtype)
+                logits = hidden.reshape(-1, hidden.shape[-1]).to(dtype) @ router.weight.detach().to(dtype).t()
+                self._own[index] = logits.topk(router.topk, dim=-1).indices
+            return pre
+
+        self._hooks = [router.register_forward_pre_hook(hook(i)) for i, router in enumerate(self.routers)]
+
+    def recorded(self, lengths: Sequence[int], samples: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """Per sample, the experts the last recording forward chose: int64 ``[T_i - 1, L, k]`` on the host."""
+        chosen = torch.stack([r.router_replay.get_recorded_indices().cpu() for r in self.routers], dim=1)
+        return self._per_sample(chosen, lengths, samples, positions)
+
+    def disagreement(self, routing: Sequence[Any], samples: torch.Tensor, positions: torch.Tensor) -> tuple[int, int]:
+        """``(differing, compared)``: of the (token, layer) pairs with a row in ``routing``, how many had an own
+        top-k set (:meth:`own_choice`) other than the replayed one."""
+        own = torch.stack([o.cpu() for o in self._own], dim=1).sort(dim=-1).values  # [N, L, k]
+        differing = compared = 0
+        for i, rows in enumerate(routing):
+            rows = torch.as_tensor(rows, dtype=torch.int64)
+            mine = (samples == i) & (positions >= 0) & (positions < len(rows))
+            given = rows[positions[mine]].sort(dim=-1).values
+            differing += int((own[mine] != given).any(dim=-1).sum())
+            compared += given.shape[0] * given.shape[1]
+        return differing, compared
+
+    def finish(self) -> None:
+        """Back to the routers' own routing; drop targets, recordings and hooks."""
+        for router in self.routers:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._own = [], []
+
+    @staticmethod
+    def _per_sample(chosen, lengths, samples, positions) -> list[torch.Tensor]:
+        out = []
+        for i, n in enumerate(lengths):
+            mine = (samples == i) & (positions >= 0) & (positions < n - 1)
+            order = positions[mine].argsort()
+            out.append(chosen[mine][order])
+        return out
