@@ -343,3 +343,37 @@ def test_replayed_routing_is_the_recorded_one_and_rollout_disagreement_is_counte
     batch.routed_experts = recorded  # as the engine recorded them
     metrics = asyncio.run(rollout.train(0, batch))[0]
     assert metrics["moe_routing_disagreement"] == pytest.approx(differing / compared, abs=1e-12)
+
+
+def test_routing_replay_needs_a_backend_that_replays_and_a_model_with_experts(moe_dir, tiny_model_dir):
+    import furlong.builtin_plugins.backends.fsdp as fsdp
+    import furlong.builtin_plugins.backends.megatron as megatron
+    from furlong.core.config.megatron_support import report_routing_replay
+
+    args = train_args(moe_dir, use_routing_replay=True, use_rollout_routing_replay=True)
+    for name, plugin, errors in (("megatron", megatron, []), ("fsdp", fsdp, [
+            "--use-rollout-routing-replay needs a train backend that replays mixture-of-experts routing in its "
+            "forward passes; --train-backend fsdp does not (use --train-backend megatron with an MoE model, or "
+            "remove the flag)."])):
+        report = ConfigReport(plugin=name)
+        report_routing_replay(args, name, plugin, report)
+        assert report.errors == errors
+    assert _report(tiny_model_dir, use_routing_replay=True).errors == [
+        f"--use-routing-replay replays mixture-of-experts routing, but the model of --hf-checkpoint {tiny_model_dir}/"
+        "config.json has no experts; remove it."]
+
+
+def test_the_rollout_routing_goes_from_the_samples_into_the_train_batch(moe_dir):
+    from furlong.core.train.data import to_train_batch
+    from furlong.hooks import Sample
+
+    config = train_config(moe_dir, use_routing_replay=True, use_rollout_routing_replay=True)
+    routing = [[[1, 3], [0, 2]], [[2, 3], [1, 0]]]
+    sample = Sample(index=7, tokens=[5, 6, 7], response_length=1, rollout_routed_experts=routing)
+    batch = to_train_batch(config, [sample])
+    assert batch.routed_experts[0].dtype == torch.int64 and batch.routed_experts[0].tolist() == routing
+    assert to_train_batch(config.replace(use_rollout_routing_replay=False), [sample]).routed_experts is None
+    sample.rollout_routed_experts = None
+    with pytest.raises(PluginError) as excinfo:
+        to_train_batch(config, [sample])
+    assert str(excinfo.value).startswith("--use-rollout-routing-replay: sample 7 has no rollout_routed_experts; ")
