@@ -178,12 +178,11 @@ def moe_transformer_fields(shape: ModelShape, args: Any, device) -> dict:
 def replays_routing(args: Any) -> str | None:
     """The routing-replay flag given (``--use-rollout-routing-replay``, ``--use-routing-replay``, or Megatron's
     ``--moe-enable-routing-replay``), or None."""
-    for name, dest in (("--use-rollout-routing-replay", "use_rollout_routing_replay"),
-                       ("--use-routing-replay", "use_routing_replay"),
-                       ("--moe-enable-routing-replay", "moe_enable_routing_replay")):
-        if flag(args, dest, False):
-            return name
-    return None
+    if getattr(args, "use_rollout_routing_replay", False):
+        return "--use-rollout-routing-replay"
+    if getattr(args, "use_routing_replay", False):
+        return "--use-routing-replay"
+    return "--moe-enable-routing-replay" if flag(args, "moe_enable_routing_replay", False) else None
 
 
 def router_gemm_without_te() -> None:
