@@ -192,7 +192,10 @@ def train_backend(config):
     off CUDA), ``--log-probs-chunk-size``, ``--entropy-coef``, ``--recompute-granularity``,
     ``--recompute-method``, ``--recompute-num-layers``, ``--reset-optimizer-states``,
     ``--no-check-for-nan-in-loss-and-grad``, ``--no-save-optim``, ``--no-load-optim``,
-    ``--no-load-rng``, ``--bf16``, ``--seed``.
+    ``--no-load-rng``, ``--bf16``, ``--seed``; on a mixture-of-experts model ``--expert-model-parallel-size``,
+    ``--moe-router-load-balancing-type``, ``--moe-aux-loss-coeff``, ``--moe-z-loss-coeff``, ``--moe-router-dtype``,
+    ``--moe-token-dispatcher-type``, ``--use-routing-replay``, ``--use-rollout-routing-replay`` (the other MoE
+    flags are checked against the HF config).
 
     :returns: a :class:`MegatronBackend` (meets :class:`furlong.hooks.TrainBackend`).
     """

@@ -135,6 +135,9 @@ def moe_flag_problems(args: Any, shape: ModelShape, where: str) -> tuple[list[st
     if replays_routing(args) and flag(args, "recompute_granularity"):
         errors.append("--use-routing-replay with --recompute-granularity is not supported yet by --train-backend "
                       "megatron (the recomputed routers would route by their own scores); leave one of them out.")
+    if flag(args, "moe_token_dispatcher_type", "alltoall") == "flex":
+        warnings.append("--moe-token-dispatcher-type flex is run as alltoall (the flex dispatcher needs DeepEP, which "
+                        "this backend does not use; both send the same tokens to the same experts).")
     if "moe_router_bias_update_rate" in given:
         warnings.append("--moe-router-bias-update-rate changes nothing here: the model of "
                         f"{where} has no expert bias.")
