@@ -248,7 +248,6 @@ UNSUPPORTED_ARGV = {
     "--log-probs-max-tokens-per-gpu": ["--log-probs-max-tokens-per-gpu", "4096"],
     "--fsdp-cpu-backend": ["--fsdp-cpu-backend", "nccl"],
     "--no-keep-fp32-master": ["--no-keep-fp32-master"],
-    "--disable-compute-advantages-and-returns": ["--disable-compute-advantages-and-returns"],
     "--custom-tis-function-path": ["--custom-tis-function-path", "my.tis"],
     "--get-mismatch-metrics": ["--get-mismatch-metrics"],
     "--ref-update-interval": ["--ref-update-interval", "5"],

@@ -63,7 +63,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--log-probs-max-tokens-per-gpu", "log_probs_max_tokens_per_gpu", (None,)),
     Unsupported("--fsdp-cpu-backend", "fsdp_cpu_backend", ("gloo",)),
     Unsupported("--no-keep-fp32-master", "keep_fp32_master", (True,)),
-    Unsupported("--disable-compute-advantages-and-returns", "disable_compute_advantages_and_returns"),
     Unsupported("--custom-tis-function-path", "custom_tis_function_path", (None,)),
     Unsupported("--get-mismatch-metrics", "get_mismatch_metrics"),
     Unsupported("--ref-update-interval", "ref_update_interval", (None,)),

@@ -8,7 +8,7 @@ beside furlong, so each path resolves to the built-in plugin that does the same 
 with one info line naming it. The table is data: the path as Miles spells it
 (radixark/miles at 31f1ca961a94cb860cec3b2dea34ec332bfa8f76: ``miles/rollout/filter_hub/``,
 ``rm_hub/``, ``data_source.py``, ``sglang_rollout.py``, ``generate_hub/``,
-``fully_async_rollout.py``), the hook, the plugin's name. :data:`RM_TYPE` stands for the
+``fully_async_rollout.py``, ``sft_rollout.py``), the hook, the plugin's name. :data:`RM_TYPE` stands for the
 reward plugin ``--rm-type`` names (Miles' ``async_rm`` dispatches on it).
 """
 
@@ -42,6 +42,7 @@ MILES_BUILTINS: dict[str, tuple[str, str]] = {
     "miles.rollout.sglang_rollout.generate_rollout": ("rollout", "sync"),
     "miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn": ("rollout", "sync"),
     "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn": ("rollout", "fully_async"),
+    "miles.rollout.sft_rollout.generate_rollout": ("rollout", "sft"),
     # generate functions
     "miles.rollout.sglang_rollout.generate": ("generate", "single_turn"),
     "miles.rollout.generate_hub.single_turn.generate": ("generate", "single_turn"),
