@@ -27,7 +27,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--use-rollout-routing-replay", "use_rollout_routing_replay"),
     Unsupported("--true-on-policy-mode", "true_on_policy_mode"),
     Unsupported("--qkv-format", "qkv_format", ("thd",)),
-    Unsupported("--opd-type", "opd_type", (None, "megatron")),
     Unsupported("--balance-by-flops", "balance_by_flops"),
     Unsupported("--eval-num-gpus", "eval_num_gpus", (0,)),
     Unsupported("--async-save", "async_save"),
@@ -66,7 +65,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--custom-tis-function-path", "custom_tis_function_path", (None,)),
     Unsupported("--get-mismatch-metrics", "get_mismatch_metrics"),
     Unsupported("--ref-update-interval", "ref_update_interval", (None,)),
-    Unsupported("--opd-teacher-urls", "opd_teacher_urls", (None,)),
     # the ppo critic (needs a train backend with a critic; fsdp has none)
     Unsupported("--num-critic-only-steps", "num_critic_only_steps", (0,)),
     Unsupported("--critic-load", "critic_load", (None,)),
