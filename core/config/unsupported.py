@@ -25,7 +25,6 @@ class Unsupported:
 UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--true-on-policy-mode", "true_on_policy_mode"),
     Unsupported("--qkv-format", "qkv_format", ("thd",)),
-    Unsupported("--opd-type", "opd_type", (None, "megatron")),
     Unsupported("--balance-by-flops", "balance_by_flops"),
     Unsupported("--eval-num-gpus", "eval_num_gpus", (0,)),
     Unsupported("--async-save", "async_save"),
@@ -61,11 +60,9 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--log-probs-max-tokens-per-gpu", "log_probs_max_tokens_per_gpu", (None,)),
     Unsupported("--fsdp-cpu-backend", "fsdp_cpu_backend", ("gloo",)),
     Unsupported("--no-keep-fp32-master", "keep_fp32_master", (True,)),
-    Unsupported("--disable-compute-advantages-and-returns", "disable_compute_advantages_and_returns"),
     Unsupported("--custom-tis-function-path", "custom_tis_function_path", (None,)),
     Unsupported("--get-mismatch-metrics", "get_mismatch_metrics"),
     Unsupported("--ref-update-interval", "ref_update_interval", (None,)),
-    Unsupported("--opd-teacher-urls", "opd_teacher_urls", (None,)),
     # the ppo critic (needs a train backend with a critic; fsdp has none)
     Unsupported("--num-critic-only-steps", "num_critic_only_steps", (0,)),
     Unsupported("--critic-load", "critic_load", (None,)),
