@@ -56,6 +56,7 @@ class EmbeddedEngine:
         if max_batch_size < 1:
             raise PluginError(f"--embedded-max-batch-size {max_batch_size}: must be at least 1.")
         self.routing = routing_layout(model)  # None for a dense model
+        self.records_routing = bool(record_routing)
         if record_routing and self.routing is None:
             raise PluginError(f"--use-rollout-routing-replay: the model ({type(model).__name__}) has no "
                               "mixture-of-experts layer, so there is no routing to record; run without the flag.")
