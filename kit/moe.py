@@ -36,8 +36,12 @@ class RoutingLayout:
 
 
 def is_experts_module(module: Any) -> bool:
-    """True for an experts module of transformers' ``use_experts_implementation``."""
-    return hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts") and hasattr(module, "has_gate")
+    """True for an experts module of transformers' ``use_experts_implementation``: it holds the experts'
+    stacked weights (``down_proj`` ``[E, ., .]``) and its class's forward dispatches on the experts
+    implementation (the decorator wraps it)."""
+    down = getattr(module, "down_proj", None)
+    return (hasattr(module, "num_experts") and getattr(down, "ndim", 0) == 3
+            and hasattr(type(module).forward, "__wrapped__"))
 
 
 def experts_modules(model) -> list[tuple[int, Any]]:

@@ -15,7 +15,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_helpers import running_server  # noqa: E402
 
-from furlong.kit.moe import RoutingLayout, checkpoint_routing_layout, decode_routed_experts, encode_routed_experts  # noqa: E402,E501
+from furlong.kit.moe import (  # noqa: E402
+    RoutingLayout, checkpoint_routing_layout, decode_routed_experts, encode_routed_experts)
 
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 

@@ -38,11 +38,11 @@ def target_of(model, state: dict[str, Any], name: str) -> Any:
         module = model.get_submodule(experts)
     except AttributeError:
         return None
-    if not (is_experts_module(module) and module.has_gate and getattr(module, "is_concatenated", True)
-            and not getattr(module, "is_transposed", False)) or expert >= module.num_experts:
+    fused = state.get(f"{experts}.down_proj" if proj == "down_proj" else f"{experts}.gate_up_proj")
+    if (fused is None or not is_experts_module(module) or not getattr(module, "is_concatenated", True)
+            or getattr(module, "is_transposed", False) or expert >= module.num_experts):
         return None
     if proj == "down_proj":
-        return state.get(f"{experts}.down_proj")[expert]
-    fused = state.get(f"{experts}.gate_up_proj")[expert]
-    half = fused.shape[0] // 2
-    return fused[:half] if proj == "gate_proj" else fused[half:]
+        return fused[expert]
+    half = fused.shape[1] // 2
+    return fused[expert, :half] if proj == "gate_proj" else fused[expert, half:]
