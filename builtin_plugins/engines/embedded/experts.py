@@ -76,6 +76,7 @@ class SlotExperts:
         # the routing buffers' dtype: int16 when every expert id fits
         self.route_dtype = torch.int16 if max(m.num_experts for _, m in found) <= 2**15 else torch.int32
         self.kernels = (prefill, decode)
+        self._prefill, self._decode = _kernel(prefill), _kernel(decode)
         self.record = record
         self.step = None
         self.decoding = False
@@ -96,14 +97,6 @@ class SlotExperts:
         finally:
             self.step, self.decoding = None, False
 
-    def kernel(self, module) -> Callable:
-        name = self.kernels[1] if self.decoding else self.kernels[0]
-        if name == "eager":
-            return type(module).forward.__wrapped__
-        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-        return ALL_EXPERTS_FUNCTIONS[name]
-
     def write(self, index: int, top_k_index) -> None:
         """Write ``top_k_index`` ``[rows * columns, k]`` into MoE layer ``index``'s routing buffer at the
         step's slots and columns (the scratch column for prefill padding)."""
@@ -120,7 +113,17 @@ def slot_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     experts, index = module.furlong_slots
     if experts.record:
         _writer()(experts, index, top_k_index)
-    return experts.kernel(module)(module, hidden_states, top_k_index, top_k_weights)
+    kernel = experts._decode if experts.decoding else experts._prefill
+    return kernel(module, hidden_states, top_k_index, top_k_weights)
+
+
+def _kernel(name: str) -> Callable:
+    """The experts function of transformers' kernel ``name`` (``eager``: the experts class's own forward)."""
+    if name == "eager":
+        return lambda module, *args: type(module).forward.__wrapped__(module, *args)
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    return ALL_EXPERTS_FUNCTIONS[name]
 
 
 @functools.cache
