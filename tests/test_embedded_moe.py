@@ -248,3 +248,23 @@ def test_single_turn_generation_puts_the_routing_of_every_fed_token_into_the_sam
     assert resumed.response_length == 10
     _, expected = _reference_pass(reference, resumed.tokens)
     assert np.array_equal(resumed.rollout_routed_experts, expected.numpy())
+
+
+def test_a_record_that_no_longer_covers_the_tokens_is_dropped(tiny_moe_model_dir):
+    # an engine that records nothing: new tokens leave the sample no record; no new token keeps the one it has
+    from scripted_engine import ScriptedEngine
+
+    from furlong.builtin_plugins.generate import single_turn
+    from furlong.core.config.launch_args import launch_config
+    from furlong.hooks import Sample, Status
+
+    config = launch_config(hf_checkpoint=str(tiny_moe_model_dir), configure=False)
+    for text, kept in (("de", False), ("", True)):
+        engine = ScriptedEngine(lambda prompt, n, text=text: (text, "abort"))
+        routed = np.zeros((4, 2, 2), dtype=np.int32)
+        partial = Sample(prompt="abc", tokens=[97, 98, 99, 100, 101], response="de", response_length=2,
+                         rollout_log_probs=[-1.0, -1.0], status=Status.ABORTED, rollout_routed_experts=routed)
+        out = _run(single_turn.generate(config=config, sample=partial, sampling_params={"max_new_tokens": 6},
+                                        engine=engine, evaluation=False))
+        out.validate()
+        assert (out.rollout_routed_experts is routed) == kept and (out.rollout_routed_experts is None) != kept
