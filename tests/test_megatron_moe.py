@@ -319,8 +319,8 @@ def test_replayed_routing_is_the_recorded_one_and_rollout_disagreement_is_counte
     perturbed = {f"model.layers.{i}.mlp.gate.weight": layer.mlp.router.weight.detach().clone()
                  for i, layer in enumerate(backend.model.decoder.layers)}
     hf.load_state_dict(perturbed, strict=False)
-    differing = compared = 0
-    for tokens, n, routing, lp in zip(batch.tokens, batch.response_lengths, recorded, replayed):
+    differing, compared = [0] * 4, [0] * 4
+    for i, (tokens, n, routing, lp) in enumerate(zip(batch.tokens, batch.response_lengths, recorded, replayed)):
         captured: dict = {}
         rows = [torch.cat([routing[:, layer], torch.arange(2).unsqueeze(0)]) for layer in range(2)]
         forced_routing(hf, rows, captured)
@@ -330,9 +330,9 @@ def test_replayed_routing_is_the_recorded_one_and_rollout_disagreement_is_counte
         torch.testing.assert_close(lp, want, rtol=0, atol=2e-5)  # transformers with the recorded routing forced
         for layer in range(2):
             own = captured[layer][:-1].topk(2, dim=-1).indices.sort(-1).values
-            differing += int((own != routing[:, layer].sort(-1).values).any(-1).sum())
-            compared += len(tokens) - 1
-    assert 0 < differing < compared
+            differing[i] += int((own != routing[:, layer].sort(-1).values).any(-1).sum())
+            compared[i] += len(tokens) - 1
+    assert 0 < sum(differing) < sum(compared)
 
     rollout = megatron_backend(config=train_config(moe_dir, use_routing_replay=True, use_rollout_routing_replay=True,
                                                    lr=0.0))
@@ -342,7 +342,10 @@ def test_replayed_routing_is_the_recorded_one_and_rollout_disagreement_is_counte
             mine.mlp.router.weight.copy_(theirs.mlp.router.weight)
     batch.routed_experts = recorded  # as the engine recorded them
     metrics = asyncio.run(rollout.train(0, batch))[0]
-    assert metrics["moe_routing_disagreement"] == pytest.approx(differing / compared, abs=1e-12)
+    assert metrics["moe_routing_disagreement"] == pytest.approx(sum(differing) / sum(compared), abs=1e-12)
+    batch.routed_experts = [recorded[0], None, recorded[2], recorded[3]]  # sample 1: no record from the engine
+    metrics = asyncio.run(rollout.train(0, batch))[0]  # micro-batch [0, 1] routes by itself, [2, 3] replays
+    assert metrics["moe_routing_disagreement"] == pytest.approx(sum(differing[2:]) / sum(compared[2:]), abs=1e-12)
 
 
 def test_routing_replay_needs_a_backend_that_replays_and_a_model_with_experts(moe_dir, tiny_model_dir):
@@ -373,7 +376,10 @@ def test_the_rollout_routing_goes_from_the_samples_into_the_train_batch(moe_dir)
     batch = to_train_batch(config, [sample])
     assert batch.routed_experts[0].dtype == torch.int64 and batch.routed_experts[0].tolist() == routing
     assert to_train_batch(config.replace(use_rollout_routing_replay=False), [sample]).routed_experts is None
-    sample.rollout_routed_experts = None
+    sample.rollout_routed_experts = None  # tokens the engine did not route: the backend routes by itself
+    assert to_train_batch(config, [sample]).routed_experts == [None]
+    sample.rollout_routed_experts = routing[:1]
     with pytest.raises(PluginError) as excinfo:
         to_train_batch(config, [sample])
-    assert str(excinfo.value).startswith("--use-rollout-routing-replay: sample 7 has no rollout_routed_experts; ")
+    assert str(excinfo.value) == ("--use-rollout-routing-replay: sample 7's rollout_routed_experts has shape (1, 2, 2); "
+                                  "it must be [len(tokens) - 1 = 2, num_moe_layers, topk].")

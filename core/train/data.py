@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 
 import torch
 
@@ -10,6 +11,8 @@ from furlong.hooks import AdvantageInput, PluginError, RunConfig, Sample, Status
 from ..plugins.manager import FurlongPluginManager
 from ..plugins.selection import Selection
 from ..rollout.rewards import scalar_reward
+
+log = logging.getLogger("furlong.train")
 
 __all__ = ["advantage_input", "flatten", "post_process_rewards", "routed_experts", "to_train_batch",
            "zero_advantage"]
@@ -60,24 +63,29 @@ def to_train_batch(config: RunConfig, samples: list[Sample]) -> TrainBatch:
     )
 
 
-def routed_experts(samples: list[Sample]) -> list[torch.Tensor]:
-    """Each sample's ``rollout_routed_experts`` as int64 ``[len(tokens) - 1, num_moe_layers, topk]``.
+def routed_experts(samples: list[Sample]) -> list[torch.Tensor | None]:
+    """Each sample's ``rollout_routed_experts`` as int64 ``[len(tokens) - 1, num_moe_layers, topk]``, or None for
+    a sample without one (tokens the engine did not route, such as those inserted between turns: the train
+    backend routes the micro-batches holding such a sample by its own routers; logged once per rollout).
 
-    :raises PluginError: a sample without it, or of another shape (the message names the sample and the flag).
+    :raises PluginError: a record of another shape (the message names the sample and the flag).
     """
-    out = []
+    out: list[torch.Tensor | None] = []
     for s in samples:
         if s.rollout_routed_experts is None:
-            raise PluginError(f"--use-rollout-routing-replay: sample {s.index} has no rollout_routed_experts; the "
-                              "rollout engine did not record its routing (an engine that records it: the embedded "
-                              "engine, or SGLang with return_routed_experts; a custom generate function must copy "
-                              "it into the sample).")
+            out.append(None)
+            continue
         routed = torch.as_tensor(s.rollout_routed_experts, dtype=torch.int64)
         if routed.dim() != 3 or routed.shape[0] != len(s.tokens) - 1:
             raise PluginError(f"--use-rollout-routing-replay: sample {s.index}'s rollout_routed_experts has shape "
                               f"{tuple(routed.shape)}; it must be [len(tokens) - 1 = {len(s.tokens) - 1}, "
                               "num_moe_layers, topk].")
         out.append(routed)
+    missing = sum(r is None for r in out)
+    if missing:
+        log.warning("--use-rollout-routing-replay: %d of %d samples have no rollout_routed_experts (the engine did "
+                    "not route all their tokens, or cannot record routing); micro-batches holding them are routed by "
+                    "the trainer's own routers.", missing, len(out))
     return out
 
 

@@ -73,7 +73,7 @@ class ExpertLayers:
         Replayed, when every sample has routing: the engine's (``batch.routed_experts``,
         ``--use-rollout-routing-replay``; training forwards also count how often each router's own top-k differs
         from it, ``train/moe_routing_disagreement``), else the one the old-log-prob pass recorded for the same
-        tokens (``--use-routing-replay``). Recorded, in a forward without grad (the old-log-prob pass) that has
+        tokens (``--use-routing-replay``; also for a micro-batch with a sample the engine left without a record). Recorded, in a forward without grad (the old-log-prob pass) that has
         nothing to replay. Otherwise, and always for the reference model, the routers route by themselves.
         """
         replay = self._replay if model is self.model else None
@@ -85,12 +85,14 @@ class ExpertLayers:
         tokens = [batch.tokens[i] for i in ids]
         samples, positions = token_positions([len(t) for t in tokens], packed, total)
         given = [batch.routed_experts[i] for i in ids] if batch.routed_experts is not None else None
+        rollout = given is not None and all(r is not None for r in given)
+        given = given if rollout else None
         if given is None and all(tuple(t) in self._recorded_routing for t in tokens):
             given = [self._recorded_routing[tuple(t)] for t in tokens]
         recording = given is None and not grad
         if given is not None:
             replay.replay(given, samples, positions)
-            if grad and batch.routed_experts is not None:
+            if grad and rollout:
                 replay.own_choice()
         elif recording:
             replay.record()
@@ -99,7 +101,7 @@ class ExpertLayers:
             if recording:
                 for t, routing in zip(tokens, replay.recorded([len(t) for t in tokens], samples, positions)):
                     self._recorded_routing[tuple(t)] = routing
-            elif given is not None and grad and batch.routed_experts is not None:
+            elif rollout and grad:
                 differing, compared = replay.disagreement(given, samples, positions)
                 self._disagreeing[0] += differing
                 self._disagreeing[1] += compared
