@@ -261,6 +261,8 @@ class TrainBatch:
     :class:`~furlong.hooks.StepObjective`) the backend calls once per micro-batch.
     Per-token lists (``loss_masks``, ``old_log_probs``, ...) are N float32 tensors [T_i].
     ``truncated[i]``: sample i ran out of token budget (for ``--mask-truncated-samples``).
+    ``values``: a critic's batch only (:class:`~furlong.hooks.CriticBackend`): N float32 [T_i],
+    the critic's values when the rollout was scored (the clipped value loss's ``v_old``).
     """
 
     tokens: list
@@ -277,6 +279,7 @@ class TrainBatch:
     truncated: list | None = None
     sample_indices: list | None = None
     temperature: float = 1.0
+    values: list | None = None
 
 
 @attrs.frozen(kw_only=True)
