@@ -75,6 +75,10 @@ class TorchrunExecutor(LocalExecutor):
         return _RankWorkers(self, len(self.workers) - 1)
 
     @property
+    def size(self) -> int:
+        return self.world
+
+    @property
     def worker(self):
         """This process's first worker (the actor's)."""
         return self.workers[0] if self.workers else None
