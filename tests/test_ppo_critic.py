@@ -291,3 +291,15 @@ def test_a_killed_ppo_run_resumes_to_the_actor_and_critic_of_an_uninterrupted_ru
     lrs = {r["train/step"]: r["critic/lr"] for r in rows if "train/step" in r}
     # --critic-lr-warmup-iters 2 to --critic-lr, then the actor's linear decay over the run's 4 steps
     assert lrs == {0: 0.0, 1: 0.005, 2: 0.01, 3: 0.005}
+
+
+def test_a_critic_load_given_that_does_not_exist_stops_the_run_before_any_model_loads(tiny_model_dir, tmp_path):
+    from furlong.core.run.preflight import check_paths
+    from furlong.hooks import PluginError
+
+    argv = ["--hf-checkpoint", str(tiny_model_dir), "--advantage-estimator", "ppo", "--save", str(tmp_path / "run")]
+    check_paths(launch_config(*argv))  # the derived critic folders need not exist yet
+    with pytest.raises(PluginError) as err:
+        check_paths(launch_config(*argv, "--critic-load", str(tmp_path / "nowhere")))
+    assert str(err.value) == (f"--critic-load '{tmp_path / 'nowhere'}': no such directory (a critic checkpoint folder "
+                              "or a Hugging Face directory); leave it out to start the critic from --hf-checkpoint.")
