@@ -114,8 +114,8 @@ def _ppo_config(model, pm, *extra):
 
 
 @pytest.mark.parametrize("concurrent", [False, True])
-def test_gae_and_the_clipped_value_loss_through_the_whole_train_step(tiny_model_dir, plugin_manager, register_plugin,
-                                                                     concurrent):
+def test_hook_critic_backend_gae_and_the_clipped_value_loss_through_the_whole_train_step(
+        tiny_model_dir, plugin_manager, register_plugin, concurrent):
     plugin = register_plugin(ScriptedBackend(), "scripted")
     config = _ppo_config(tiny_model_dir, plugin_manager)
     assert config.use_critic
