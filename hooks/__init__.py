@@ -11,7 +11,7 @@ from .errors import PluginError
 from .markers import PROJECT, hookimpl, hookspec
 from .megatron_flags import MegatronFlags
 from .run_config import PluginConfig, RunConfig
-from .protocols import (DataSource, Executor, RolloutContext, RolloutEngine, StepObjective, TrainBackend,
+from .protocols import (CriticBackend, DataSource, Executor, RolloutContext, RolloutEngine, StepObjective, TrainBackend,
                         WorkerGroup)
 from .types import (
     AdvantageInput,
@@ -34,6 +34,7 @@ __all__ = [
     "AdvantageInput",
     "AdvantageOutput",
     "ConfigReport",
+    "CriticBackend",
     "DataParallelRule",
     "DatasetSpec",
     "DataSource",

@@ -80,6 +80,7 @@ class ConfigReport:
     data_parallel: DataParallelRule | None = None
     machine: Machine = attrs.field(factory=Machine)
     machine_defaults: dict[str, str] = attrs.field(factory=dict)
+    critic: str | None = None
 
     def error(self, message: str) -> None:
         """A flag combination the plugin cannot run with: the run stops (exit code 2)."""
@@ -111,6 +112,13 @@ class ConfigReport:
         rule of a backend that reports nothing (:class:`DataParallelRule`).
         """
         self.data_parallel = DataParallelRule(tuple((name, int(value)) for name, value in model_parallel.items()))
+
+    def use_critic(self, why: str) -> None:
+        """This run trains a critic (value model) beside the actor; ``why`` names what needs it
+        (``"--advantage-estimator ppo"``). The core then builds one through the ``critic_backend``
+        hook of the chosen ``--train-backend`` (``config.use_critic`` is True), or stops with one
+        error when that backend cannot build one."""
+        self.critic = why
 
     @staticmethod
     def given(args: Namespace, dest: str) -> bool:

@@ -13,8 +13,8 @@ import attrs
 from .run_config import RunConfig
 from .types import FilterResult, GenerateOutput, ParallelLayout, Sample, TrainBatch
 
-__all__ = ["DataSource", "Executor", "RolloutContext", "RolloutEngine", "StepObjective", "TrainBackend",
-           "WorkerGroup"]
+__all__ = ["CriticBackend", "DataSource", "Executor", "RolloutContext", "RolloutEngine", "StepObjective",
+           "TrainBackend", "WorkerGroup"]
 
 
 @runtime_checkable
@@ -198,6 +198,43 @@ class TrainBackend(Protocol):
 
 
 @runtime_checkable
+class CriticBackend(Protocol):
+    """Trains a value model (the ppo critic) beside the actor. Built-in: ``fsdp``.
+
+    Returned by the ``critic_backend`` hook of the plugin ``--train-backend`` names; a train
+    backend that implements that hook is one that can build a value model. The core drives it
+    through a train group of its own (the actor's group class, role ``critic``) and checks
+    every member below when the hook hands it over. Values are per response token and aligned
+    like log-probs: ``V_t`` is read at the position that predicts response token ``t`` (the
+    state before the token).
+    """
+
+    async def init(self, config: RunConfig) -> int:
+        """Load the value model (``--critic-load`` when it is a Hugging Face directory, else the
+        policy's ``--hf-checkpoint`` with a fresh value head) and its optimizer; return 0."""
+
+    async def values(self, batch: TrainBatch) -> dict:
+        """Forward-only pass; returns ``{"values": [...]}``, N float32 tensors [T_i] on the host
+        (samples of other data-parallel ranks None, as :meth:`TrainBackend.log_probs`)."""
+
+    async def train(self, rollout_id: int, batch: TrainBatch) -> list[dict]:
+        """One optimizer step per entry of ``batch.steps``, as :meth:`TrainBackend.train`, calling
+        ``batch.objective(ids, None, None, values=V)`` with V the current values [T_i] carrying
+        grad (``batch.values`` holds the values at scoring time, ``batch.returns`` the targets)."""
+
+    def layout(self) -> ParallelLayout:
+        """This rank's place in the critic's parallelism, as :meth:`TrainBackend.layout`."""
+
+    async def save(self, path: str) -> None: ...
+
+    async def load(self, path: str) -> None: ...
+
+    async def offload(self) -> None: ...
+
+    async def onload(self) -> None: ...
+
+
+@runtime_checkable
 class DataSource(Protocol):
     """Yields prompt rows. Built-in: ``jsonl``. Buffer and counters live in the core."""
 
@@ -279,6 +316,9 @@ class Executor(Protocol):
     ``weights_in_process``: True when train rank 0, the engines and the driver share one
     process, so weight buckets travel as tensors; otherwise they travel by broadcast over
     a weight-update process group.
+    ``concurrent_train_groups`` (optional, default False): the worker groups of two
+    :meth:`start_train_workers` calls (the actor's and a critic's) run in processes of their
+    own, so the core keeps both in flight at once; False, it calls them in turn.
     """
 
     is_driver: bool

@@ -478,6 +478,9 @@ class RunConfig:
     data_parallel_size: int
     """Data-parallel ranks of the trainer, as the train backend's layout rule gives them
     (:meth:`~furlong.hooks.ConfigReport.data_parallel_rule`)."""
+    use_critic: bool
+    """The run trains a critic (value model) beside the actor: a chosen plugin asked for one
+    (:meth:`~furlong.hooks.ConfigReport.use_critic`) and the train backend builds it."""
     engines_in_driver: bool
     """The chosen executor runs the rollout engines in the driver's process, on its host
     (:class:`~furlong.hooks.ExecutorFit`)."""

@@ -36,7 +36,7 @@ from argparse import ArgumentParser, Namespace
 from .config_report import ConfigReport
 from .markers import hookspec
 from .run_config import RunConfig
-from .protocols import DataSource, Executor, RolloutContext, RolloutEngine, TrainBackend
+from .protocols import CriticBackend, DataSource, Executor, RolloutContext, RolloutEngine, TrainBackend
 from .types import AdvantageInput, AdvantageOutput, DatasetSpec, ExecutorFit, FilterResult, LossInput, LossOutput, Sample
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "advantage",
     "buffer_pop",
     "configure",
+    "critic_backend",
     "data_source",
     "executor",
     "executor_fit",
@@ -203,6 +204,23 @@ def train_backend(config: RunConfig, args: Namespace) -> TrainBackend:
 
     :param config: the run's configuration.
     :returns: an object meeting :class:`~furlong.hooks.TrainBackend`.
+    """
+
+
+@hookspec
+def critic_backend(config: RunConfig, args: Namespace) -> CriticBackend:
+    """Create the critic (value model) of a run that trains one (``--advantage-estimator ppo``).
+
+    Call: chosen by name (``--train-backend NAME``): a train backend plugin that can build a
+    value model implements this hook beside ``train_backend``. A run whose plugins ask for a
+    critic (:meth:`~furlong.hooks.ConfigReport.use_critic`) with a ``--train-backend`` that
+    does not implement it stops before any model loads with one error. Called once per
+    training rank, in that rank's process, before ``init``; the core drives the critic through
+    a train group of its own, as it drives the actor.
+
+    :param config: the run's configuration (the critic's flags: ``--critic-load``,
+        ``--critic-lr``, ``--critic-lr-warmup-iters``, ``--value-clip``).
+    :returns: an object meeting :class:`~furlong.hooks.CriticBackend`.
     """
 
 

@@ -269,6 +269,8 @@ class TrainBatch:
     ``routed_experts[i]``: under ``--use-rollout-routing-replay``, the experts the engine routed
     sample i's tokens to (``Sample.rollout_routed_experts``: int64 ``[len(tokens[i]) - 1,
     num_moe_layers, topk]``), which the backend replays; None otherwise.
+    ``values``: a critic's batch only (:class:`~furlong.hooks.CriticBackend`): N float32 [T_i],
+    the critic's values when the rollout was scored (the clipped value loss's ``v_old``).
     """
 
     tokens: list
@@ -286,6 +288,7 @@ class TrainBatch:
     sample_indices: list | None = None
     routed_experts: list | None = None
     temperature: float = 1.0
+    values: list | None = None
 
 
 @attrs.frozen(kw_only=True)

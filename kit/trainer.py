@@ -162,6 +162,11 @@ class StepLoop:
         """
         return True
 
+    async def _objective(self, batch: TrainBatch, ids: list[int], outputs: tuple):
+        """``batch.objective`` on one micro-batch's :meth:`_forward` outputs: ``(log-probs, entropy)`` here; a
+        critic (a :class:`furlong.hooks.CriticBackend` built on this loop) passes its values instead."""
+        return await batch.objective(ids, *outputs)
+
     def _before_train(self) -> None:
         """Called at the start of :meth:`train` (e.g. switch to train mode)."""
 
@@ -304,8 +309,8 @@ class StepLoop:
         (gradients accumulate); this rank's metric sums and whether every loss was finite."""
         losses, metric_rows = [], []
         for mb in micro_batches:
-            lp, ent = await self._in_thread(self._forward, self.model, batch, list(mb), True)
-            loss, metrics = await batch.objective(list(mb), lp, ent)
+            outputs = await self._in_thread(self._forward, self.model, batch, list(mb), True)
+            loss, metrics = await self._objective(batch, list(mb), outputs)
             await self._in_thread(loss.backward)
             losses.append(loss.detach())
             metric_rows.append(metrics)

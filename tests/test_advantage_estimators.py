@@ -223,7 +223,7 @@ def test_ppo_needs_values(pm):
         run(pm, "ppo", outcome_batch([1.0], [0]))
     assert str(excinfo.value) == (
         "GAE needs AdvantageInput.values, but the batch has none. "
-        "Critic values exist only with the ppo critic (megatron train backend)."
+        "Critic values exist only when the run trains a critic (--advantage-estimator ppo)."
     )
 
 

@@ -217,6 +217,16 @@ def test_miles_style_demo_script_parses():
     assert (args.rollout_batch_size, args.n_samples_per_prompt, args.global_batch_size) == (8, 4, 32)
 
 
+def test_ppo_miles_style_script_configures_a_critic_run():
+    args, problems = configured(example_argv("ppo_miles_style.sh"))
+    assert problems == []
+    assert (args.advantage_estimator, args.train_backend, args.use_critic) == ("ppo", "fsdp", True)
+    assert (args.critic_lr, args.critic_lr_warmup_iters, args.value_clip, args.num_critic_only_steps) == \
+        (1e-3, 0, 0.2, 0)
+    save = args.save
+    assert (args.critic_save, args.critic_load) == (save + "_critic", save + "_critic")
+
+
 def test_gsm8k_megatron_script_parses():
     args, _lacking_here = configured(example_argv("gsm8k_qwen_megatron.sh"))
     assert (args.train_backend, args.rollout_backend, args.executor) == ("megatron", "sglang", "ray")

@@ -53,8 +53,19 @@ def derived_by(configured, plugin: str) -> dict:
 
 
 class CriticBackend:
-    """Stands in for a third-party train backend that has a critic (no built-in one has yet), so ppo's
-    other rules can be seen; never built here."""
+    """Stands in for a third-party train backend that can build a critic (never built here)."""
+
+    @hookimpl
+    def train_backend(self, args):
+        raise AssertionError("no model loads while configuring")
+
+    @hookimpl
+    def critic_backend(self, config):
+        raise AssertionError("no model loads while configuring")
+
+
+class ActorOnlyBackend:
+    """A third-party train backend without a critic."""
 
     @hookimpl
     def train_backend(self, args):
@@ -64,6 +75,7 @@ class CriticBackend:
 @pytest.fixture
 def critic_backend(register_plugin):
     register_plugin(CriticBackend(), "critic_backend")
+    register_plugin(ActorOnlyBackend(), "actor_only")
 
 
 # --- the hook contract ------------------------------------------------------------------
@@ -371,8 +383,6 @@ def test_print_config_shows_plugin_and_machine_defaults(capsys):
 
 # --- rules the built-in plugins own (moved from core/config) ------------------------------
 
-PPO_FSDP = ("--advantage-estimator ppo is not supported yet: it trains a critic (value model), which no built-in "
-            "train backend has yet (--train-backend fsdp; neither fsdp nor megatron).")
 PLUGIN_ERRORS = [
     (["--context-parallel-size", "2"], None,
      "--train-backend fsdp does not support --context-parallel-size 2; use 1 or --train-backend megatron."),
@@ -384,9 +394,6 @@ PLUGIN_ERRORS = [
     (["--advantage-estimator", "reinforce_plus_plus_baseline"], None,
      "--advantage-estimator reinforce_plus_plus_baseline requires --normalize-advantages (its advantages are "
      "whitened over the rollout)."),
-    (["--advantage-estimator", "ppo"], None, PPO_FSDP),
-    (["--advantage-estimator", "ppo", "--kl-coef", "0.1", "--ref-load", "/ref"], None,
-     PPO_FSDP + "\n--advantage-estimator ppo needs --kl-coef 0, got 0.1."),
     (["--fully-async", "--colocate"], None,
      "--fully-async cannot be combined with --colocate (the producer generates while the trainer trains)."),
     (["--fully-async", "--partial-rollout"], None,
@@ -410,38 +417,48 @@ def test_plugin_rule_error_message(error_of, extra, command, message):
     assert error_of(BASE + extra, command) == message
 
 
-@pytest.mark.parametrize("extra, command, message", [
-    (["--advantage-estimator", "ppo", "--train-backend", "critic_backend", "--ref-load", "/ref", "--kl-coef", "0.1"],
-     None,
-     "--advantage-estimator ppo needs --kl-coef 0, got 0.1."),
-    (["--advantage-estimator", "ppo", "--train-backend", "critic_backend", "--no-use-tis"], "train-async",
-     "furlong train-async with --advantage-estimator ppo needs --use-rollout-logprobs, --use-tis or "
-     "--keep-old-actor (the old policy is gone by the time the batch trains)."),
-])
-def test_ppo_rules_with_a_backend_that_has_a_critic(error_of, critic_backend, extra, command, message):
-    assert error_of(BASE + extra, command) == message
+def test_ppo_under_train_async_needs_a_correction_for_the_old_policy(error_of):
+    assert error_of(BASE + ["--advantage-estimator", "ppo", "--no-use-tis"], "train-async") == (
+        "furlong train-async with --advantage-estimator ppo needs --use-rollout-logprobs, --use-tis or "
+        "--keep-old-actor (the old policy is gone by the time the batch trains).")
 
 
-def test_ppo_runs_with_a_critic_backend_and_derives_its_critic_defaults(resolve, critic_backend):
-    argv = BASE + ["--advantage-estimator", "ppo", "--train-backend", "critic_backend", "--load", "/ck",
-                   "--save", "/ck", "--lr", "2e-6"]
+def test_ppo_asks_for_a_critic_and_derives_its_defaults(resolve):
+    argv = BASE + ["--advantage-estimator", "ppo", "--load", "/ck", "--save", "/ck", "--lr", "2e-6"]
     args, configured = resolve(argv, "train")
-    assert (args.critic_load, args.critic_save, args.critic_lr) == ("/ck", "/ck_critic", 2e-6)
-    assert derived_by(configured, "ppo") == {"critic_load": "/ck", "critic_save": "/ck_critic", "critic_lr": 2e-6}
-    args, _ = resolve(argv + ["--use-tis"], "train-async")
-    assert (args.critic_lr, args.critic_save) == (2e-6, "/ck_critic")
+    assert args.use_critic is True
+    assert (args.critic_load, args.critic_save, args.critic_lr) == ("/ck_critic", "/ck_critic", 2e-6)
+    assert derived_by(configured, "ppo") == {"critic_load": "/ck_critic", "critic_save": "/ck_critic",
+                                             "critic_lr": 2e-6}
+    args, _ = resolve(argv + ["--critic-save", "/mine", "--critic-lr", "1e-5"], "train")
+    assert (args.critic_load, args.critic_save, args.critic_lr) == ("/mine", "/mine", 1e-5)
+    args, _ = resolve(BASE + ["--advantage-estimator", "ppo", "--load", "/a", "--save", "/b"], "train")
+    assert (args.critic_load, args.critic_save) == ("/a_critic", "/b_critic")
+    args, _ = resolve(BASE + ["--advantage-estimator", "ppo", "--kl-coef", "0.1", "--ref-load", "/ref"], "train")
+    assert args.use_critic is True and args.kl_coef == 0.1  # KL folded into the per-token rewards
 
 
-def test_ppo_is_not_supported_yet_by_either_built_in_backend(tiny_model_dir):
+def test_ppo_with_a_third_party_backend_that_can_build_a_critic(resolve, critic_backend):
+    args, _ = resolve(BASE + ["--advantage-estimator", "ppo", "--train-backend", "critic_backend"], "train")
+    assert args.use_critic is True
+
+
+def test_ppo_with_a_backend_that_cannot_build_a_critic_is_one_error(error_of, critic_backend):
+    assert error_of(BASE + ["--advantage-estimator", "ppo", "--train-backend", "actor_only"], "train") == (
+        "--advantage-estimator ppo trains a critic (value model), but --train-backend actor_only cannot build one "
+        "(it implements no `critic_backend` hook); use --train-backend critic_backend or fsdp.")
+
+
+def test_ppo_with_megatron_is_refused_before_any_model_loads(tiny_model_dir):
     from furlong.core.cli.commands import _train
 
-    for backend in ("fsdp", "megatron"):
-        argv = [*BASE, "--advantage-estimator", "ppo", "--train-backend", backend, "--hf-checkpoint",
-                str(tiny_model_dir), "--print-config"]
-        with pytest.raises(PluginError) as err:
-            _train("train", argv)
-        lines = str(err.value).splitlines()
-        assert [line for line in lines if "ppo" in line] == [PPO_FSDP.replace("backend fsdp;", f"backend {backend};")]
+    argv = [*BASE, "--advantage-estimator", "ppo", "--train-backend", "megatron", "--hf-checkpoint",
+            str(tiny_model_dir), "--print-config"]
+    with pytest.raises(PluginError) as err:
+        _train("train", argv)
+    assert [line for line in str(err.value).splitlines() if "ppo" in line] == [
+        "--advantage-estimator ppo trains a critic (value model), but --train-backend megatron cannot build one (it "
+        "implements no `critic_backend` hook); use --train-backend fsdp."]
 
 
 def test_critic_defaults_are_ppo_s_only(resolve):

@@ -212,3 +212,25 @@ def test_a_flag_problem_on_a_secondary_rank_waits_for_rank_0_then_is_still_print
                      "--n-samples-per-prompt", "3", "--global-batch-size", "5"])
     assert code == 2 and slept == waits
     assert capsys.readouterr().err.startswith("error: ")
+
+
+@pytest.mark.timeout(300)
+def test_a_ppo_run_on_two_trainer_ranks_reproduces_one_process(tmp_path, tiny_model_dir, arithmetic_jsonl):
+    """Each torchrun process holds an actor rank and a critic rank (FSDP2 over both processes each); the two
+    groups take turns on the processes they share."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    flags = ["train", *_flags(tiny_model_dir, arithmetic_jsonl), "--advantage-estimator", "ppo", "--critic-lr", "1e-2"]
+    _run([sys.executable, "-m", "furlong.core", *flags, "--save", str(one)], tmp_path)
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "furlong.core",
+          *flags, "--save", str(two), "--actor-num-gpus-per-node", "2"], tmp_path)
+    train_one, train_two = _rows(one, "train/step"), _rows(two, "train/step")
+    assert sorted(train_one) == sorted(train_two) == [0, 1]
+    for step, row in train_one.items():
+        for name in ("train/loss", "critic/value_loss", "critic/vpred_mean", "critic/grad_norm"):
+            assert train_two[step][name] == pytest.approx(row[name], rel=1e-4, abs=1e-6), (step, name)
+    for folder in ("one_critic", "two_critic"):
+        assert (tmp_path / folder / "iter_0000001" / "model" / "model.safetensors").is_file()
+    w_one = load_file(tmp_path / "one_critic" / "iter_0000001" / "model" / "model.safetensors")
+    w_two = load_file(tmp_path / "two_critic" / "iter_0000001" / "model" / "model.safetensors")
+    for name, tensor in w_one.items():
+        torch.testing.assert_close(w_two[name], tensor, rtol=0, atol=2e-5)

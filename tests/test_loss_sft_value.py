@@ -37,7 +37,7 @@ def test_value_loss_by_hand(pm):
     # token 1: v_clip = 0.5; max((0.5-1)^2, (0.5-1)^2) = 0.25; |0.1| <= 0.2
     # token 2: v_clip = 0; max(0.09, 0.09) = 0.09
     assert out.token_loss[0].tolist() == pytest.approx([1.0, 0.25, 0.09])
-    assert out.token_metrics["value_clipfrac"][0].tolist() == [1.0, 0.0, 0.0]
+    assert out.token_metrics["vf_clipfrac"][0].tolist() == [1.0, 0.0, 0.0]
     out.token_loss[0].sum().backward()
     # d/dv (v - R)^2 = 2(v - R) on the unclipped branch: [2, -1, -0.6]
     assert v.grad.tolist() == pytest.approx([2.0, -1.0, -0.6])

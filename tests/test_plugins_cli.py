@@ -284,7 +284,7 @@ def test_plugins_with_an_unknown_hook(furlong_with):
     proc = furlong_with("plugins", "--hook", "advantge")
     assert _usage_error(proc) == (
         "error: --hook 'advantge': no such hook. Hooks: abort, add_arguments, advantage, buffer_pop, configure, "
-        "data_source, executor, executor_fit, filter, generate, loss, loss_reducer, on_checkpoint_saved, on_eval_end, on_hook_call, "
+        "critic_backend, data_source, executor, executor_fit, filter, generate, loss, loss_reducer, on_checkpoint_saved, on_eval_end, on_hook_call, "
         "on_rollout_end, on_train_step_end, reward, rollout, rollout_engine, train_backend.\n"
     )
 

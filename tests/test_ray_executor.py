@@ -122,6 +122,39 @@ def test_two_ray_train_actors_reproduce_the_local_executor(local_run, tmp_path, 
     assert max(float((trained[k] - start[k]).abs().max()) for k in start) > 1e-4  # the steps did train
 
 
+def _ppo_flags(model, data, save):
+    return ["train", *_flags(model, data, rollouts=2), "--advantage-estimator", "ppo", "--critic-lr", "1e-2",
+            "--save", str(save)]
+
+
+@pytest.mark.timeout(300)
+def test_a_ppo_run_on_ray_trains_actor_and_critic_at_once_and_equals_the_local_run(tmp_path, tiny_model_dir,
+                                                                                 arithmetic_jsonl):
+    local, ray_run = tmp_path / "local" / "run", tmp_path / "ray" / "run"
+    for save in (local, ray_run):
+        save.parent.mkdir()
+    proc = _furlong(_ppo_flags(tiny_model_dir, arithmetic_jsonl, local), local.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _furlong([*_ppo_flags(tiny_model_dir, arithmetic_jsonl, ray_run), "--executor", "ray"], ray_run.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("1 train actor(s) started (gloo)") == 2  # the actor's group and the critic's
+    rows_local, rows_ray = _rows(local, "train/step"), _rows(ray_run, "train/step")
+    assert sorted(rows_local) == sorted(rows_ray) == [0, 1]
+    for step, row in rows_local.items():
+        for name in ("train/loss", "train/pg_loss", "critic/value_loss", "critic/vpred_mean", "critic/grad_norm"):
+            assert rows_ray[step][name] == pytest.approx(row[name], rel=1e-5, abs=1e-7), (step, name)
+    for rid, row in _rows(local, "rollout/step").items():
+        other = _rows(ray_run, "rollout/step")[rid]
+        assert other["rollout/raw_reward"] == row["rollout/raw_reward"]
+        assert other["critic/explained_variance"] == pytest.approx(row["critic/explained_variance"], abs=1e-6)
+    for folder in ("run", "run_critic"):
+        w_local = load_file(local.parent / folder / "iter_0000001" / "model" / "model.safetensors")
+        w_ray = load_file(ray_run.parent / folder / "iter_0000001" / "model" / "model.safetensors")
+        assert w_local.keys() == w_ray.keys()
+        for name, tensor in w_local.items():
+            torch.testing.assert_close(w_ray[name], tensor, rtol=0, atol=1e-6)
+
+
 KILLER = '''
 import os, signal, subprocess
 

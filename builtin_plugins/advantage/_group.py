@@ -43,7 +43,7 @@ def require(batch, field: str, why: str) -> list:
 
 
 _FIELD_HINTS = {
-    "values": "Critic values exist only with the ppo critic (megatron train backend).",
+    "values": "Critic values exist only when the run trains a critic (--advantage-estimator ppo).",
     "log_probs": "Old-policy log-probs come from the training forward, after the advantages, under "
     "--reuse-train-log-probs (the default with one step per rollout): an estimator that reads them sets "
     "reuse_train_log_probs = False in its configure hook (report.default).",

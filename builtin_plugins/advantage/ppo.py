@@ -2,39 +2,35 @@
 
 from __future__ import annotations
 
+import os
+
 from furlong.hooks import AdvantageOutput, hookimpl
 
 from ._group import check_batch, masked_kl, require, trajectory_rewards
 from ._scan import reverse_discounted_sum
 
-# built-in train backends that train no critic (yet): ppo is not supported with them
-BACKENDS_WITHOUT_CRITIC = ("fsdp", "megatron")
-
 
 @hookimpl
 def configure(args, report):
-    """PPO's requirements, and its critic's defaults.
+    """PPO trains a critic; its requirements and the critic's defaults.
 
-    Errors: the built-in train backends (``fsdp``, ``megatron``), which have no critic yet
-    (ppo is not supported yet with them; a third-party backend with a critic may run it);
-    ``--kl-coef`` != 0; ``furlong train-async`` without ``--use-rollout-logprobs``,
-    ``--use-tis`` or ``--keep-old-actor`` (the old policy is gone when the batch trains).
-    Flags derived: ``critic_load`` = ``--load``, ``critic_save`` = ``--save`` + ``_critic``,
-    ``critic_lr`` = ``--lr``, each unless given.
+    Asks the core for a critic (``report.use_critic``): the chosen ``--train-backend`` must be
+    able to build one (``fsdp`` can; the core refuses one that cannot, e.g. ``megatron``).
+    Errors: ``furlong train-async`` without ``--use-rollout-logprobs``, ``--use-tis`` or
+    ``--keep-old-actor`` (the old policy is gone when the batch trains).
+    Flags derived, each unless given: ``critic_save`` = ``--save`` + ``_critic``;
+    ``critic_load`` = the folder the critic of ``--load`` was saved to (``critic_save``
+    when ``--load`` is ``--save``, else ``--load`` + ``_critic``); ``critic_lr`` = ``--lr``.
     """
     name = report.plugin
-    if args.train_backend in BACKENDS_WITHOUT_CRITIC:
-        report.error(f"--advantage-estimator {name} is not supported yet: it trains a critic (value model), which "
-                     f"no built-in train backend has yet (--train-backend {args.train_backend}; neither fsdp nor "
-                     "megatron).")
-    if args.kl_coef != 0:
-        report.error(f"--advantage-estimator {name} needs --kl-coef 0, got {args.kl_coef:g}.")
+    report.use_critic(f"--advantage-estimator {name}")
     if args.train_mode == "async" and not (
             args.use_rollout_logprobs or args.use_tis or args.keep_old_actor):
         report.error(f"furlong train-async with --advantage-estimator {name} needs --use-rollout-logprobs, --use-tis "
                      "or --keep-old-actor (the old policy is gone by the time the batch trains).")
-    report.default(args, "critic_load", args.load)
-    report.default(args, "critic_save", f"{args.save}_critic" if args.save else None)
+    save = report.default(args, "critic_save", f"{args.save.rstrip('/')}_critic" if args.save else None)
+    same = bool(args.load and args.save) and os.path.realpath(args.load) == os.path.realpath(args.save)
+    report.default(args, "critic_load", save if same else (f"{args.load.rstrip('/')}_critic" if args.load else None))
     report.default(args, "critic_lr", args.lr)
 
 
@@ -48,7 +44,7 @@ def advantage(config, batch):
     responses); ``A_k = delta_k + gamma * lambda * A_{k+1}``; ``R_k = A_k + V_k``. Masked
     positions get ``A = R = 0``; a sample with no trained token gets zeros. float64 inside.
 
-    Flags read: ``gamma``, ``lambd``, ``kl_coef`` (the config requires 0 with ppo).
+    Flags read: ``gamma``, ``lambd``, ``kl_coef`` (the KL folded into the per-token rewards).
 
     :param batch: needs ``values`` (critic values, N x [T_i]); ``kl`` when ``--kl-coef`` != 0.
     :returns: ``AdvantageOutput(advantages, returns)``: N float32 tensors [T_i].

@@ -141,6 +141,7 @@ class RayExecutor:
 
     is_driver = True
     weights_in_process = False
+    concurrent_train_groups = True  # each start_train_workers call starts actors of its own
 
     def __init__(self, config) -> None:
         self.config = config

@@ -5,7 +5,10 @@ Every process joins the trainer's process group (``--distributed-backend``: nccl
 with a day-long time-out that carries the driver's calls: rank 0 scatters
 ``(method, args)`` to every rank, each runs it on its own worker (rank 0 in-process, so
 collectives inside the method line up), and the results are gathered back to rank 0.
-Ranks 1..D-1 wait in that group while rank 0 generates and evaluates.
+Ranks 1..D-1 wait in that group while rank 0 generates and evaluates. A run with a critic
+starts two worker groups (the actor's, then the critic's) in every process: calls name their
+group, and the groups take turns (``concurrent_train_groups`` is False: their collectives share
+the processes and the default process group).
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ class TorchrunExecutor(LocalExecutor):
         self.is_driver = self.rank == 0
         self.config = config
         self.group = None
-        self.worker = None
+        self.workers: list = []  # one per start_train_workers call: the actor's, then a critic's
         self._clean = True
+        self._calls = asyncio.Lock()  # one call at a time on the call group, whichever worker group makes it
 
     async def start_train_workers(self, config, make_worker):
         import torch
@@ -63,25 +67,35 @@ class TorchrunExecutor(LocalExecutor):
             nccl = torch.cuda.is_available() and config.distributed_backend == "nccl"
             minutes = config.distributed_timeout_minutes or 10
             dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", timeout=timedelta(minutes=minutes))
-        self.group = dist.new_group(backend="gloo", timeout=OBJECT_TIMEOUT)
-        self.worker = make_worker(self.rank, self.world)
-        if self.is_driver:
+        if self.group is None:
+            self.group = dist.new_group(backend="gloo", timeout=OBJECT_TIMEOUT)
+        self.workers.append(make_worker(self.rank, self.world))
+        if self.is_driver and len(self.workers) == 1:
             log.info("torchrun: %d trainer ranks; rank 0 runs the rollout", self.world)
-        return self
+        return _RankWorkers(self, len(self.workers) - 1)
 
     @property
     def size(self) -> int:
         return self.world
 
-    async def call(self, method: str, args_per_rank) -> list:
-        """Run ``method`` on every rank's worker (WorkerGroup); rank 0's result never leaves this process."""
+    @property
+    def worker(self):
+        """This process's first worker (the actor's)."""
+        return self.workers[0] if self.workers else None
+
+    async def call(self, method: str, args_per_rank, index: int = 0) -> list:
+        """Run ``method`` on every rank's worker ``index`` (WorkerGroup); rank 0's result never leaves this process."""
+        async with self._calls:
+            return await self._call(method, args_per_rank, index)
+
+    async def _call(self, method: str, args_per_rank, index: int) -> list:
         import torch.distributed as dist
 
         self._clean = False
         box = [None]
-        await self._collective(dist.scatter_object_list, box, [(method, a) for a in args_per_rank], src=0,
+        await self._collective(dist.scatter_object_list, box, [(index, method, a) for a in args_per_rank], src=0,
                                group=self.group)
-        mine = await self._run(method, args_per_rank[0])
+        mine = await self._run(index, method, args_per_rank[0])
         gathered = [None] * self.world
         await self._collective(dist.gather_object, None, gathered, dst=0, group=self.group)
         gathered[0] = mine
@@ -91,11 +105,11 @@ class TorchrunExecutor(LocalExecutor):
             raise PluginError("; ".join(f"trainer rank {f.rank}: {f.error}" for f in failed))
         return gathered
 
-    async def _run(self, method: str, args):
+    async def _run(self, index: int, method: str, args):
         if args is None:
             return None
         try:
-            return await getattr(self.worker, method)(*args)
+            return await getattr(self.workers[index], method)(*args)
         except Exception as exc:  # noqa: BLE001 - sent to rank 0, which raises it with the rank named
             if self.rank == 0:
                 raise
@@ -111,8 +125,8 @@ class TorchrunExecutor(LocalExecutor):
             await self._collective(dist.scatter_object_list, box, None, src=0, group=self.group)
             if box[0] == STOP:
                 return
-            method, args = box[0]
-            result = await self._run(method, args)
+            index, method, args = box[0]
+            result = await self._run(index, method, args)
             await self._collective(dist.gather_object, result, None, dst=0, group=self.group)
 
     async def shutdown(self) -> None:
@@ -137,3 +151,18 @@ class TorchrunExecutor(LocalExecutor):
             who = "rank 0" if not self.is_driver else "another trainer rank"
             raise PluginError(f"trainer rank {self.rank}: lost contact with {who} ({type(exc).__name__}); "
                               f"its own error above says what went wrong. Stopping this rank.") from exc
+
+
+class _RankWorkers:
+    """One worker group of a :class:`TorchrunExecutor` (:class:`furlong.hooks.WorkerGroup`): worker
+    ``index`` of every rank."""
+
+    def __init__(self, executor: TorchrunExecutor, index: int) -> None:
+        self.executor, self.index = executor, index
+
+    @property
+    def size(self) -> int:
+        return self.executor.world
+
+    async def call(self, method: str, args_per_rank) -> list:
+        return await self.executor.call(method, args_per_rank, self.index)

@@ -10,15 +10,16 @@ def loss(config, batch):
     """Per-token clipped squared error of the critic's values against the returns.
 
     ``v_clip = v_old + clip(v - v_old, -value_clip, value_clip)``;
-    ``l = max((v_clip - R)**2, (v - R)**2)``; metric ``value_clipfrac = 1[|v - v_old| >
-    value_clip]``. Flags read: ``value_clip``.
+    ``l = max((v_clip - R)**2, (v - R)**2)``; metrics ``value_loss`` (= ``l``), ``vf_clipfrac =
+    1[|v - v_old| > value_clip]`` and ``vpred_mean`` (= ``v``, detached: its reduction is the mean
+    value). Flags read: ``value_clip``.
 
     Shapes: lists of ``N`` float32 tensors [T_i].
 
     :param batch: ``LossInput`` with ``values`` (current critic, carries grad),
         ``old_values`` (the critic's values when the rollout was scored), ``returns`` and
         ``loss_masks`` (masked positions give loss 0 and no gradient).
-    :returns: ``LossOutput(token_loss=[l_i], token_metrics={"value_loss", "value_clipfrac"})``.
+    :returns: ``LossOutput(token_loss=[l_i], token_metrics={"value_loss", "vf_clipfrac", "vpred_mean"})``.
     :raises PluginError: ``values``, ``old_values`` or ``returns`` is missing.
 
     Reference: Schulman et al. 2017, PPO; value clipping as in Miles ``value_loss_function``.
@@ -31,7 +32,7 @@ def loss(config, batch):
                 f"the clipped value loss needs LossInput.{field} but the batch has none; it trains the critic of "
                 "--advantage-estimator ppo, whose train backend must pass values, old values and returns."
             )
-    token_loss, losses, clipfracs = [], [], []
+    token_loss, losses, clipfracs, vpreds = [], [], [], []
     for v, v_old, ret, mask in zip(batch.values, batch.old_values, batch.returns, batch.loss_masks):
         v = v.float()
         active = mask.to(v.device) > 0
@@ -43,4 +44,6 @@ def loss(config, batch):
         token_loss.append(value)
         losses.append(value)
         clipfracs.append(((v - v_old).abs() > config.value_clip).float())
-    return LossOutput(token_loss=token_loss, token_metrics={"value_loss": losses, "value_clipfrac": clipfracs})
+        vpreds.append(v.detach())
+    return LossOutput(token_loss=token_loss,
+                      token_metrics={"value_loss": losses, "vf_clipfrac": clipfracs, "vpred_mean": vpreds})

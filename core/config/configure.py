@@ -135,6 +135,7 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
                     done.machine[dest] = {"value": new, "probe": report.machine_defaults[dest], "plugin": name}
         done.reports.append(report)
         errors.extend(report.errors)
+    errors.extend(_critic(args, pm, backend, done.reports))
     executor = selection.chosen.get("executor", (args.executor, None))[0]
     refused = any(report.errors for report in done.reports if report.plugin == executor)
     errors.extend(apply_data_parallel(args, done.data_parallel, check_batches=not refused))
@@ -154,6 +155,19 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
     if errors:
         raise ConfigError(errors)
     return done
+
+
+def _critic(args: Namespace, pm: FurlongPluginManager, backend: str | None, reports: list[ConfigReport]) -> list[str]:
+    """Set ``args.use_critic`` when a plugin asked for a critic; the problem when the chosen
+    ``--train-backend`` cannot build one (it implements no ``critic_backend`` hook), else none."""
+    wanted = [report.critic for report in reports if report.critic]
+    args.use_critic = bool(wanted)
+    if not wanted or backend is None or "critic_backend" in pm.hooks_of(backend):
+        return []
+    able = sorted(name for name in pm.names_for("critic_backend"))
+    choices = f"use --train-backend {' or '.join(able)}" if able else "install a train backend that can"
+    return [f"{wanted[0]} trains a critic (value model), but --train-backend {backend} cannot build one (it "
+            f"implements no `critic_backend` hook); {choices}."]
 
 
 def unused_plugin_flags(args: Namespace, pm: FurlongPluginManager, selection: Selection, *,

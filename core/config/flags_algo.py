@@ -57,16 +57,18 @@ def add(g, dev) -> None:
     g.add_argument("--disable-rewards-normalization", action="store_true", help="Do not subtract the group mean.")
     g.add_argument("--gamma", type=float, default=1.0, help="Discount factor.")
     g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda.")
-    g.add_argument("--value-clip", type=float, default=0.2, help="Critic value clip.")
+    g.add_argument("--value-clip", type=float, default=0.2,
+                   help="ppo: clip of the critic's values around their values at scoring time (value loss).")
     g.add_argument("--num-critic-only-steps", type=int, default=0,
-                   help="ppo: rollouts that train only the critic (not supported yet).")
-    g.add_argument("--critic-load", default=None, help="ppo: critic checkpoint (default: --load) (not supported yet).")
-    g.add_argument("--critic-save", default=None,
-                   help="ppo: critic save dir (default: --save + '_critic') (not supported yet).")
-    g.add_argument("--critic-lr", type=float, default=None,
-                   help="ppo: critic learning rate (default: --lr) (not supported yet).")
+                   help="ppo: the first N rollouts train only the critic (the actor waits).")
+    g.add_argument("--critic-load", default=None,
+                   help="ppo: critic to start from: a critic checkpoint folder (iter_* and its marker) or a Hugging "
+                        "Face directory (default: the critic of --load, else --hf-checkpoint with a fresh value "
+                        "head).")
+    g.add_argument("--critic-save", default=None, help="ppo: critic checkpoint folder (default: --save + '_critic').")
+    g.add_argument("--critic-lr", type=float, default=None, help="ppo: critic learning rate (default: --lr).")
     g.add_argument("--critic-lr-warmup-iters", type=int, default=0,
-                   help="ppo: critic warmup steps (not supported yet).")
+                   help="ppo: critic learning-rate warmup, in optimizer steps.")
     g.add_argument("--ref-update-interval", type=int, default=None,
                    help="Copy the actor into the reference every k rollouts (not supported yet).")
     g.add_argument("--use-opd", action="store_true", help="On-policy distillation on top of the estimator.")

@@ -63,12 +63,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--custom-tis-function-path", "custom_tis_function_path", (None,)),
     Unsupported("--get-mismatch-metrics", "get_mismatch_metrics"),
     Unsupported("--ref-update-interval", "ref_update_interval", (None,)),
-    # the ppo critic (needs a train backend with a critic; fsdp has none)
-    Unsupported("--num-critic-only-steps", "num_critic_only_steps", (0,)),
-    Unsupported("--critic-load", "critic_load", (None,)),
-    Unsupported("--critic-save", "critic_save", (None,)),
-    Unsupported("--critic-lr", "critic_lr", (None,)),
-    Unsupported("--critic-lr-warmup-iters", "critic_lr_warmup_iters", (0,)),
     # logging
     Unsupported("--log-interval", "log_interval", (1,)),
     Unsupported("--log-passrate", "log_passrate"),

@@ -53,6 +53,7 @@ def validate(args, command: str | None = None) -> ConfigReport:
     _basic_values(args, f)
     _four_knobs(args, f, given)
     args.data_parallel_size = world_size(args)  # until the train backend's configure reports its rule
+    args.use_critic = False  # until a chosen plugin's configure asks for one (report.use_critic)
     _cluster(args, f, given)
     _offload(args, f, given)
     rules.defaults(args, f, given)

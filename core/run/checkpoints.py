@@ -6,6 +6,8 @@ Layout under ``--save DIR``::
     DIR/iter_0000004/                       # weights etc. *after* training on rollout 4
     DIR/iter_0000004/writer.json            # {"train_backend": name} of the backend that wrote it
     DIR/rollout/state_4.json                # data source, cursor, buffer, counters (JSON)
+    DIR_critic/iter_0000004/                # the critic after rollout 4 (runs that train one; --critic-save)
+    DIR_critic/latest_checkpointed_iteration.txt
 
 A save writes ``iter_N.tmp/``, renames it to ``iter_N/``, writes the state JSON, and only
 then replaces the marker (write a temp file, ``os.replace``), so a crash at any point
@@ -32,6 +34,7 @@ __all__ = [
     "MARKER_NAME",
     "WRITER_NAME",
     "ResumePoint",
+    "critic_checkpoint",
     "iter_dir",
     "periodic",
     "post_save_hook",
@@ -132,6 +135,7 @@ async def save_checkpoint(
     state: dict,
     save_hf: Callable[[str], Awaitable[Any]] | None = None,
     post_save: Callable[[str, str | None], Awaitable[Any]] | None = None,
+    save_critic: Callable[[str], Awaitable[Any]] | None = None,
 ) -> str:
     """Save the checkpoint of ``rollout_id`` under ``config.save``; return its final directory.
 
@@ -161,6 +165,11 @@ async def save_checkpoint(
     :param post_save: coroutine function ``post_save(ckpt_dir, hf_dir)`` awaited last, once the
         marker names the checkpoint and the export is written (the run's
         ``--custom-megatron-post-save-hook-path``, through the plugin manager), or None.
+    :param save_critic: coroutine function writing the critic into the given path (the critic
+        group's ``save_model``), or None: after the actor's ``save_model`` it writes
+        ``<config.critic_save>/iter_N`` the same crash-safe way, with that folder's own marker,
+        before the run's marker names rollout N (so a checkpoint the marker names always has
+        its critic).
     :returns: ``<save>/iter_<rollout_id:07d>``.
     :raises PluginError: ``config.save`` is not set, or ``state`` is not JSON-serializable.
     """
@@ -179,6 +188,8 @@ async def save_checkpoint(
     with open(os.path.join(tmp, WRITER_NAME), "w", encoding="utf-8") as f:
         json.dump({"train_backend": config.train_backend}, f)
     _fsync_dir(tmp)
+    if save_critic is not None:
+        await _save_critic(config, rollout_id, save_critic)
     _publish(config, save, rollout_id, tmp, final, state_text)
     hf_dir = hf_export_dir(config, rollout_id)
     if hf_dir:
@@ -205,8 +216,29 @@ def _state_json(state: dict, rollout_id: int) -> str:
         ) from exc
 
 
-def _publish(config: RunConfig, save: str, rollout_id: int, tmp: str, final: str, state_text: str) -> None:
-    """Rename the complete ``iter_N.tmp`` into place, write the state JSON, then the marker."""
+async def _save_critic(config: RunConfig, rollout_id: int, save_model: Callable[[str], Awaitable[Any]]) -> None:
+    """``<critic_save>/iter_N`` written as ``iter_N.tmp`` and renamed, then that folder's marker."""
+    save = config.critic_save
+    if not save:
+        raise PluginError("a run that trains a critic saves it to --critic-save (default: --save + '_critic'); "
+                          "pass --critic-save DIR.")
+    final = iter_dir(save, rollout_id)
+    tmp = final + _TMP_SUFFIX
+    os.makedirs(save, exist_ok=True)
+    if os.path.lexists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    await save_model(tmp)
+    with open(os.path.join(tmp, WRITER_NAME), "w", encoding="utf-8") as f:
+        json.dump({"train_backend": config.train_backend, "role": "critic"}, f)
+    _fsync_dir(tmp)
+    _rename_into_place(save, tmp, final)
+    _atomic_write_text(os.path.join(save, MARKER_NAME), str(rollout_id))
+    log.info("saved critic checkpoint %s", final)
+
+
+def _rename_into_place(save: str, tmp: str, final: str) -> None:
+    """Rename the complete ``iter_N.tmp`` to ``iter_N`` (an existing one kept as ``iter_N.old`` until then)."""
     old = final + _OLD_SUFFIX
     if os.path.isdir(final):
         # iter_N already exists (a re-run of rollout N): keep it as iter_N.old until the
@@ -219,6 +251,10 @@ def _publish(config: RunConfig, save: str, rollout_id: int, tmp: str, final: str
     if os.path.lexists(old):
         shutil.rmtree(old)
 
+
+def _publish(config: RunConfig, save: str, rollout_id: int, tmp: str, final: str, state_text: str) -> None:
+    """Rename the complete ``iter_N.tmp`` into place, write the state JSON, then the marker."""
+    _rename_into_place(save, tmp, final)
     os.makedirs(os.path.dirname(state_path(save, rollout_id)), exist_ok=True)
     _atomic_write_text(state_path(save, rollout_id), state_text)
     _atomic_write_text(os.path.join(save, MARKER_NAME), str(rollout_id))
@@ -376,3 +412,33 @@ def resolve_start(config: RunConfig) -> ResumePoint:
             log.info("no data state %s: the data source starts fresh", path)
     log.info("resuming from %s at rollout %d", load_dir, start)
     return ResumePoint(start_rollout_id=start, load_dir=load_dir, state=state, loaded_rollout_id=loaded)
+
+
+def critic_checkpoint(config: RunConfig, resume: ResumePoint) -> str | None:
+    """The critic ``iter_*`` folder a run that trains a critic loads, or None (the critic backend
+    starts from ``--critic-load`` as a Hugging Face directory, or from ``--hf-checkpoint`` with a
+    fresh value head).
+
+    ``--critic-load`` holding a marker (a critic checkpoint folder): its ``iter_<L>`` where ``L`` is
+    the rollout the actor resumes from, or its marker's when the actor starts fresh. Without a
+    marker (a Hugging Face directory, an empty or missing folder): None; when the actor resumes,
+    the critic then starts afresh, with a warning.
+
+    :raises PluginError: the actor resumes from rollout ``L`` and the critic folder has a marker
+        but no ``iter_<L>`` (the critic and the actor would not match).
+    """
+    load = config.critic_load
+    marker = read_marker(load) if load and os.path.isdir(load) else None
+    if marker is None:
+        if resume.loaded_rollout_id is not None and not (load and os.path.isfile(os.path.join(load, "config.json"))):
+            log.warning("the actor resumes from %s but --critic-load %s holds no critic checkpoint: the critic starts "
+                        "afresh", resume.load_dir, load)
+        return None
+    loaded = resume.loaded_rollout_id if resume.loaded_rollout_id is not None else marker
+    path = iter_dir(load, loaded)
+    if not os.path.isdir(path):
+        raise PluginError(f"--critic-load {load}: no {os.path.basename(path)}, the critic of rollout {loaded} the actor "
+                          f"resumes from (its marker names {marker}); restore it, or point --critic-load at a Hugging "
+                          "Face directory to start the critic afresh.")
+    log.info("critic resumes from %s", path)
+    return path

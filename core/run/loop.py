@@ -19,7 +19,7 @@ from furlong.hooks import PluginError, RunConfig
 from furlong.kit.compute_thread import shared_compute_thread
 
 from ..config.train_rules import steps_per_rollout
-from .checkpoints import periodic, post_save_hook, resolve_start, save_checkpoint, should_save
+from .checkpoints import critic_checkpoint, periodic, post_save_hook, resolve_start, save_checkpoint, should_save
 from ..rollout.engine_health import EngineHealthMonitor, health_monitor_wanted
 from ..rollout.engines import EngineFactory
 from .epochs import derive_num_rollout
@@ -54,6 +54,7 @@ class Run:
         self.rollout = None  # the rollout side (RolloutSide, or the executor's handle on it)
         self.has_eval = False
         self.engines: list = []
+        self.critic: TrainGroup | None = None  # the critic's train group when config.use_critic
         self.weights: WeightSync | None = None
         self.health: EngineHealthMonitor | None = None
         self.locks: list = []  # the run's locks on its output folders (core/run/lock.py)
@@ -79,8 +80,10 @@ class Run:
             self.locks = lock_output_folders(config)
         check_paths(config)
         train_plugins = {h: sel.chosen[h] for h in ("train_backend", "loss")}
+        roles = ("actor", "critic") if config.use_critic else ("actor",)
         if not self.executor.is_driver:
-            await self.executor.start_train_workers(config, WorkerFactory(config, train_plugins, pm))
+            for role in roles:
+                await self.executor.start_train_workers(config, WorkerFactory(config, train_plugins, pm, role))
             await self.executor.serve()
             return config.num_rollout
         self.rollout = await self.executor.start_rollout_side(config, RolloutSideFactory(config, sel, pm))
@@ -106,11 +109,19 @@ class Run:
             await self.all_engines("release_memory")
         self.group = TrainGroup(config, pm, sel, await self.executor.start_train_workers(
             config, WorkerFactory(config, train_plugins, pm)))
-        await self.group.init()
+        if config.use_critic:
+            self.critic = TrainGroup(config, pm, sel, await self.executor.start_train_workers(
+                config, WorkerFactory(config, train_plugins, pm, "critic")), role="critic")
+        for group in self.train_groups:
+            await group.init()
         if resume.load_dir:
             await self.group.load_model(resume.load_dir)
+        critic_dir = critic_checkpoint(config, resume) if self.critic is not None else None
+        if critic_dir:
+            await self.critic.load_model(critic_dir)
         if config.offload_train:
-            await self.group.offload()
+            for group in self.train_groups:
+                await group.offload()
         await self.rollout.start(engines, resume.state)
         self.weights = WeightSync(config, self.group, engines, self.executor.weights_in_process)
         for engine in engines:
@@ -121,6 +132,11 @@ class Run:
             self.weights.monitor = self.health
             self.health.start()
         return resume.start_rollout_id
+
+    @property
+    def train_groups(self) -> list[TrainGroup]:
+        """The actor's train group, and the critic's when the run trains one."""
+        return [self.group] + ([self.critic] if self.critic is not None else [])
 
     def eval_due(self, rollout_id: int) -> bool:
         """Evaluate after ``rollout_id``: every ``--eval-interval``, after the last rollout and at each epoch's end."""
@@ -159,12 +175,17 @@ class Run:
                 self.health.pause()
             await self.all_engines("release_memory")
         if config.offload_train:
-            await self.group.onload()
-        [metrics] = await self.group.train(rollout_id, groups)
+            for group in self.train_groups:
+                await group.onload()
+        concurrent = bool(getattr(self.executor, "concurrent_train_groups", False))
+        [metrics] = await self.group.train(rollout_id, groups, self.critic, concurrent)
         steps = metrics.pop("train/steps")
-        for s, step in enumerate(steps):
+        critic_steps = metrics.pop("critic/steps", [])
+        for s in range(max(len(steps), len(critic_steps))):
             step_id = rollout_id * steps_per_rollout(config) + s
-            step_metrics = {f"train/{k}": float(v) for k, v in step.items()}
+            step_metrics = {f"train/{k}": float(v) for k, v in (steps[s] if s < len(steps) else {}).items()}
+            if s < len(critic_steps):
+                step_metrics.update({f"critic/{k}": float(v) for k, v in critic_steps[s].items()})
             self.metrics.log(step_metrics, "train/step", step_id)
             await self.pm.notify("on_train_step_end", config=config, rollout_id=rollout_id, step=step_id,
                                  metrics=step_metrics)
@@ -177,7 +198,8 @@ class Run:
         if data_state is None:
             data_state = await self.rollout.data_state()
         path = await save_checkpoint(self.config, rollout_id, self.group.save_model, data_state, self.group.save_hf,
-                                     post_save_hook(self.config, self.pm, self.selection, rollout_id))
+                                     post_save_hook(self.config, self.pm, self.selection, rollout_id),
+                                     save_critic=self.critic.save_model if self.critic is not None else None)
         await self.pm.notify("on_checkpoint_saved", config=self.config, rollout_id=rollout_id, path=path)
 
     async def finish_rollout(self, rollout_id: int, groups, metrics: dict) -> None:
@@ -278,7 +300,8 @@ async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
             start = time.perf_counter()
             await state.save(rollout_id)
             metrics["perf/save_model_time"] = time.perf_counter() - start
-        await (state.group.offload() if config.offload_train else state.group.clear_memory())
+        for group in state.train_groups:
+            await (group.offload() if config.offload_train else group.clear_memory())
         metrics["perf/update_weights_time"] = await state.update_weights()
         metrics["perf/step_time"] = time.perf_counter() - step_start - metrics.get("perf/save_model_time", 0.0)
         await state.finish_rollout(rollout_id, groups, metrics)

@@ -17,6 +17,7 @@ def check_paths(config: RunConfig) -> None:
 
     ``--hf-checkpoint`` must be a directory with a ``config.json`` (a Hugging Face model
     directory); a Hub id (``org/model``) is not downloaded (:func:`hf_checkpoint_problems`).
+    A ``--critic-load`` given (not the default ppo derives, which need not exist yet) must exist.
 
     :raises PluginError: one line per missing or unusable path.
     """
@@ -24,6 +25,9 @@ def check_paths(config: RunConfig) -> None:
     for flag, value in (("--ref-load", config.ref_load), ("--chat-template-path", config.chat_template_path)):
         if value and not os.path.exists(value):
             problems.append(f"{flag} '{value}': no such file or directory.")
+    if config.use_critic and "critic_load" in config.explicit_args and not os.path.exists(config.critic_load or ""):
+        problems.append(f"--critic-load '{config.critic_load}': no such directory (a critic checkpoint folder or a "
+                        "Hugging Face directory); leave it out to start the critic from --hf-checkpoint.")
     problems.extend(_save_problems(config))
     if problems:
         raise PluginError("\n".join(problems))

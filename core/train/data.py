@@ -119,6 +119,7 @@ def advantage_input(samples: list[Sample], rewards: list[float], batch: TrainBat
         loss_masks=batch.loss_masks,
         log_probs=batch.old_log_probs,
         ref_log_probs=batch.ref_log_probs,
+        values=batch.values,
     )
 
 

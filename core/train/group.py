@@ -36,17 +36,27 @@ __all__ = ["TrainGroup"]
 
 log = logging.getLogger("furlong.train")
 
-PER_TOKEN_FIELDS = ("loss_masks", "old_log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "returns")
+# the per-token fields each role's workers receive for training
+PER_TOKEN_FIELDS = {"actor": ("loss_masks", "old_log_probs", "ref_log_probs", "rollout_log_probs", "advantages",
+                              "returns"),
+                    "critic": ("loss_masks", "advantages", "returns", "values")}
 
 
 class TrainGroup:
-    """The train workers of one run behind Miles' async group API.
+    """The train workers of one model behind Miles' async group API.
+
+    The actor's group drives a rollout's training (:meth:`train`); a run that trains a critic
+    (``config.use_critic``) has a second group of the same class, role ``critic``, which the
+    actor's group asks for values (:meth:`values`) and has train on the same batch (:meth:`fit`).
 
     :param workers: the :class:`~furlong.hooks.WorkerGroup` the executor started.
+    :param role: ``"actor"`` or ``"critic"`` (the workers' role, :class:`~furlong.core.train.worker.TrainWorker`).
     """
 
-    def __init__(self, config: RunConfig, pm: FurlongPluginManager, selection: Selection, workers: WorkerGroup):
+    def __init__(self, config: RunConfig, pm: FurlongPluginManager, selection: Selection, workers: WorkerGroup,
+                 role: str = "actor"):
         self.config, self.pm, self.selection, self.workers = config, pm, selection, workers
+        self.role = role
         self.layouts: list[ParallelLayout] = []
         self.reuse_old_log_probs = False  # decided in init (see _keeps_log_prob_pass)
         self.skip_zero_advantage = False  # decided in init (--skip-zero-advantage-samples)
@@ -70,13 +80,15 @@ class TrainGroup:
         sizes = {layout.dp_size for layout in self.layouts}
         returning = {layout.dp_rank for layout in self.layouts if layout.returns_outputs}
         if len(sizes) != 1 or returning != set(range(sizes.pop())):
-            raise PluginError(f"--train-backend {self.config.train_backend}: inconsistent parallel layouts "
+            raise PluginError(f"--train-backend {self.config.train_backend} ({self.role}): inconsistent parallel layouts "
                               f"{self.layouts}; "
                               "every rank must report the same dp_size and each data-parallel rank needs one rank "
                               "with returns_outputs.")
         if self.dp_size != self.config.data_parallel_size:
-            raise PluginError(f"--train-backend {self.config.train_backend}: the backend runs {self.dp_size} "
-                              f"data-parallel ranks but the flags give {self.config.data_parallel_size}.")
+            raise PluginError(f"--train-backend {self.config.train_backend} ({self.role}): the backend runs "
+                              f"{self.dp_size} data-parallel ranks but the flags give {self.config.data_parallel_size}.")
+        if self.role == "critic":
+            return [start for start, _ in results]
         reason = self._keeps_log_prob_pass() or (
             None if all(await self._all("train_forward_gives_old_log_probs")) else
             f"--train-backend {self.config.train_backend}'s training forward differs from its log-prob pass "
@@ -119,12 +131,23 @@ class TrainGroup:
             reason = "--no-reuse-train-log-probs"
         return reason
 
-    async def train(self, rollout_id: int, groups: list[list[Sample]]) -> list[dict]:
-        """Train on one rollout; returns ``[metrics]`` with ``rollout/*``, ``perf/*`` and ``train/steps``."""
-        async with self.busy:
-            return await self._train(rollout_id, groups)
+    async def train(self, rollout_id: int, groups: list[list[Sample]], critic: "TrainGroup | None" = None,
+                    concurrent: bool = False) -> list[dict]:
+        """Train on one rollout; returns ``[metrics]`` with ``rollout/*``, ``perf/*`` and ``train/steps``.
 
-    async def _train(self, rollout_id: int, groups: list[list[Sample]]) -> list[dict]:
+        With ``critic`` (the critic's group): the critic's values come in the phase of the old
+        log-probs and go into the advantage stages (``AdvantageInput.values``); then the critic
+        trains on the returns while the actor trains (the actor waits for the first
+        ``--num-critic-only-steps`` rollouts). ``concurrent``: both groups' calls are in flight at
+        once (their workers run in processes of their own), else they take turns, critic first.
+        The metrics then add ``critic/steps`` (the critic's per-step metrics) and
+        ``critic/explained_variance``.
+        """
+        async with self.busy:
+            return await self._train(rollout_id, groups, critic, concurrent)
+
+    async def _train(self, rollout_id: int, groups: list[list[Sample]], critic: "TrainGroup | None",
+                     concurrent: bool) -> list[dict]:
         config = self.config
         gbs, num_steps = config.global_batch_size, steps_per_rollout(config)
         if config.use_dynamic_global_batch_size:
@@ -149,19 +172,28 @@ class TrainGroup:
         metrics["perf/ref_log_probs_time"] = time.perf_counter() - start
         start = time.perf_counter()
         reuse = self.reuse_old_log_probs and all(len(plan) == 1 for plan in plans)
-        if config.use_rollout_logprobs and batch.rollout_log_probs is not None:
-            batch.old_log_probs, entropy = batch.rollout_log_probs, None
-        elif reuse:  # the training forward gives pi_old; the advantage stages see none
-            batch.old_log_probs, entropy = None, None
+
+        async def old_log_probs():
+            if config.use_rollout_logprobs and batch.rollout_log_probs is not None:
+                return batch.rollout_log_probs, None
+            if reuse:  # the training forward gives pi_old; the advantage stages see none
+                return None, None
+            return await self._log_probs(shares, len(samples), "actor")
+
+        if critic is None:
+            batch.old_log_probs, entropy = await old_log_probs()
         else:
-            batch.old_log_probs, entropy = await self._log_probs(shares, len(samples), "actor")
-        metrics["perf/log_probs_time"] = 0.0 if reuse else time.perf_counter() - start
+            (batch.old_log_probs, entropy), batch.values = await _both(
+                old_log_probs(), critic.values(batch, gbs, num_steps, tids), concurrent)
+        metrics["perf/log_probs_time"] = 0.0 if reuse and critic is None else time.perf_counter() - start
         if config.disable_compute_advantages_and_returns:  # the loss reads neither (supervised fine-tuning)
             batch.advantages = batch.returns = None
         else:
             name, flag = self.selection.chosen["advantage"]
             adv = await compute_advantages(config, self.pm, advantage_input(samples, rewards, batch), name, flag)
             batch.advantages, batch.returns = adv.advantages, adv.returns
+        if critic is not None:
+            metrics["critic/explained_variance"] = explained_variance(batch.values, batch.returns, batch.loss_masks)
         trained = None
         if self.skip_zero_advantage:
             trained = self._plans(batch, gbs, num_steps, tids, zero_advantage(batch.advantages, batch.loss_masks))
@@ -169,18 +201,55 @@ class TrainGroup:
             metrics["perf/skipped_samples"] = float(len(samples) - sum(len(share.sample_ids) for share in shares))
         denominators = _global_denominators(config, batch, tids, gbs, num_steps, trained)
         for share in shares:
-            _fill(share, batch, tids, denominators)
+            _fill(share, batch, tids, denominators, PER_TOKEN_FIELDS["actor"])
             share.reuse_old_log_probs = reuse
-        start = time.perf_counter()
-        results = await self._call("train", self._per_rank(lambda s: (rollout_id, s), shares))
-        metrics["perf/actor_train_time"] = time.perf_counter() - start
-        if reuse:  # samples left out of training have none (None)
+
+        async def actor_fit():
+            begin = time.perf_counter()
+            results = await self._call("train", self._per_rank(lambda s: (rollout_id, s), shares))
+            metrics["perf/actor_train_time"] = time.perf_counter() - begin
+            return self._outputs(results)
+
+        async def critic_fit():
+            begin = time.perf_counter()
+            steps = await critic.fit(rollout_id, batch, gbs, num_steps, tids)
+            metrics["perf/critic_train_time"] = time.perf_counter() - begin
+            return steps
+
+        actor_trains = critic is None or rollout_id >= config.num_critic_only_steps
+        if critic is None:
+            metrics["train/steps"] = await actor_fit()
+        else:
+            metrics["critic/steps"], metrics["train/steps"] = await _both(
+                critic_fit(), actor_fit() if actor_trains else _nothing([]), concurrent)
+        if reuse and actor_trains:  # samples left out of training have none (None)
             batch.old_log_probs, entropy = await self._train_log_probs(shares, len(samples))
         metrics.update(_token_means(batch, entropy))
         metrics["rollout/rewards"] = float(torch.tensor(rewards).mean()) if rewards else 0.0
         metrics["rollout/raw_reward"] = float(torch.tensor(raw).mean()) if raw else 0.0
-        metrics["train/steps"] = next(r for r, lay in zip(results, self.layouts) if lay.returns_outputs)
         return [metrics]
+
+    def _outputs(self, results: list):
+        """The result of the first rank that returns outputs."""
+        return next(r for r, lay in zip(results, self.layouts) if lay.returns_outputs)
+
+    # --- the critic's side (role "critic"), driven by the actor's group ----------------------
+
+    async def values(self, batch: TrainBatch, gbs: int, num_steps: int, tids: list[int]) -> list:
+        """The critic's values of every sample of ``batch`` (float32 [T_i], batch order), forward only."""
+        async with self.busy:
+            shares = [_share(batch, plan) for plan in self._plans(batch, gbs, num_steps, tids)]
+            results = await self._call("values", self._per_rank(lambda s: (s,), shares))
+            return self._merge(results, shares, len(batch.tokens), "values()")[0]
+
+    async def fit(self, rollout_id: int, batch: TrainBatch, gbs: int, num_steps: int, tids: list[int]) -> list[dict]:
+        """Train the critic on ``batch`` (``values`` at scoring time, ``returns``): per-step metrics."""
+        async with self.busy:
+            shares = [_share(batch, plan) for plan in self._plans(batch, gbs, num_steps, tids)]
+            denominators = _global_denominators(self.config, batch, tids, gbs, num_steps)
+            for share in shares:
+                _fill(share, batch, tids, denominators, PER_TOKEN_FIELDS["critic"])
+            return self._outputs(await self._call("train", self._per_rank(lambda s: (rollout_id, s), shares)))
 
     def _plans(self, batch: TrainBatch, gbs: int, num_steps: int, tids: list[int], skip: list[bool] | None = None):
         """Every data-parallel rank's micro-batches (:func:`~furlong.core.train.batching.plan_steps`)."""
@@ -217,8 +286,8 @@ class TrainGroup:
         held = {i for share in shares for i in share.sample_ids}
         missing = [i for i, row in enumerate(log_probs) if row is None and (every or i in held)]
         if missing:
-            raise PluginError(f"--train-backend {self.config.train_backend}: {what} returned no "
-                              f"log-probs for samples {missing[:8]}.")
+            raise PluginError(f"--train-backend {self.config.train_backend} ({self.role}): {what} returned "
+                              f"nothing for samples {missing[:8]}.")
         complete = all(e is not None for e, lp in zip(entropy, log_probs) if lp is not None)
         return log_probs, (entropy if complete else None)
 
@@ -286,16 +355,45 @@ def _share(batch: TrainBatch, plan: list[list[list[int]]]) -> WorkerShare:
     return WorkerShare(batch=sub, sample_ids=ids)
 
 
-def _fill(share: WorkerShare, batch: TrainBatch, tids: list[int], denominators: dict) -> None:
-    """Add what training needs once the driver has it: per-token tensors and the denominators."""
+def _fill(share: WorkerShare, batch: TrainBatch, tids: list[int], denominators: dict, fields: tuple[str, ...]) -> None:
+    """Add what training needs once the driver has it: the per-token ``fields`` and the denominators."""
     ids = share.sample_ids
-    for field in PER_TOKEN_FIELDS:
+    for field in fields:
         setattr(share.batch, field, _pick(getattr(batch, field), ids))
     share.batch.rewards = [batch.rewards[i] for i in ids] if batch.rewards is not None else None
     share.step_denominators = denominators["step_denominators"]
     share.metric_step_denominators = denominators.get("metric_step_denominators") or []
     share.sample_denominators = [denominators["sample_denominators"][i] for i in ids]
     share.trajectory_ids = [tids[i] for i in ids]
+
+
+async def _both(first, second, concurrent: bool) -> tuple:
+    """The results of two awaitables: in flight at once (``concurrent``), else ``first`` then ``second``."""
+    if concurrent:
+        return tuple(await asyncio.gather(first, second))
+    return await first, await second
+
+
+async def _nothing(value):
+    return value
+
+
+def explained_variance(values: list, returns: list, loss_masks: list) -> float:
+    """``1 - Var(R - V) / Var(R)`` over the trained tokens (mask > 0) of the whole rollout, float64.
+
+    1: the values predict the returns exactly; 0: no better than their mean; below 0: worse.
+    0.0 when fewer than two tokens are trained or the returns do not vary.
+
+    :param values: N float tensors [T_i] (the critic's values the advantages used);
+        :param returns: N float tensors [T_i]; :param loss_masks: N tensors [T_i].
+    """
+    live = torch.cat([m.reshape(-1) for m in loss_masks]) > 0 if loss_masks else torch.zeros(0, dtype=torch.bool)
+    if int(live.sum()) < 2:
+        return 0.0
+    ret = torch.cat([r.reshape(-1).double() for r in returns])[live]
+    val = torch.cat([v.reshape(-1).double() for v in values])[live]
+    spread = float(ret.var(unbiased=False))
+    return 0.0 if spread == 0 else 1.0 - float((ret - val).var(unbiased=False)) / spread
 
 
 def _pick(rows: list | None, ids: list[int]) -> list | None:

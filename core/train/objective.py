@@ -81,6 +81,8 @@ class StepObjective:
         rank, when some are left out (``--skip-zero-advantage-samples``): metrics other than
         :data:`LOSS_METRICS` are then means over the trained samples; default: the step
         denominators.
+    :param reducer: False ignores ``--loss-reducer`` (a critic's value loss: the reducer is the policy
+        gradient's).
     :raises PluginError: a bad ``--loss-reducer`` or ``--custom-pg-loss-reducer-function-path``.
     :raises ValueError: ``dp_world_size > 1`` without global step denominators; reuse with
         more than one step.
@@ -102,6 +104,7 @@ class StepObjective:
         step_denominators: Sequence[reduction.StepDenominators] | None = None,
         reuse_old_log_probs: bool = False,
         metric_step_denominators: Sequence[reduction.StepDenominators] | None = None,
+        reducer: bool = True,
     ) -> None:
         self.config, self.pm, self.batch = config, pm, batch
         if reuse_old_log_probs and len(batch.steps) != 1:
@@ -145,7 +148,7 @@ class StepObjective:
             sample_denominators = reduction.sample_denominators(self.masks, trajectory_ids)
         reduction._check_len("sample_denominators", sample_denominators, n)
         self.sample_denominators = [float(d) for d in sample_denominators]
-        self.reducer = chosen_reducer(config, pm)
+        self.reducer = chosen_reducer(config, pm) if reducer else None
 
     async def __call__(
         self, sample_ids: list[int], log_probs: list, entropy: list | None, values: list | None = None
@@ -153,7 +156,7 @@ class StepObjective:
         """Loss and metrics of one micro-batch (see :class:`furlong.hooks.StepObjective`).
 
         :param sample_ids: indices into the ``TrainBatch``, all of one step.
-        :param log_probs: N float32 tensors [T_i] of the current policy, carrying grad.
+        :param log_probs: N float32 tensors [T_i] of the current policy, carrying grad (None for a critic).
         :param entropy: N float32 tensors [T_i], or None when not computed.
         :param values: N float32 tensors [T_i] of the current critic (``value_loss``), or None.
         :returns: ``(loss, metrics)``: a 0-dim float32 tensor to ``backward()`` and detached
@@ -168,7 +171,8 @@ class StepObjective:
         sample_ids = [int(i) for i in sample_ids]
         s = self._step(sample_ids)
         step = self.step_denominators[s] if s is not None else reduction.StepDenominators(0, 0.0)
-        device = log_probs[0].device if log_probs else torch.device("cpu")
+        rows = log_probs if log_probs is not None else values
+        device = rows[0].device if rows else torch.device("cpu")
         masks = rows_to_device([self.masks[i] for i in sample_ids], device)
         if self.config.use_rollout_logprobs and self.batch.rollout_log_probs is not None:
             old = self._pick(self.batch.rollout_log_probs, sample_ids, device)
@@ -178,7 +182,7 @@ class StepObjective:
         else:
             old = self._pick(self.batch.old_log_probs, sample_ids, device)
         loss_input = LossInput(
-            log_probs=_as_list(log_probs),
+            log_probs=_as_list(log_probs) if log_probs is not None else None,
             old_log_probs=old,
             advantages=self._pick(self.batch.advantages, sample_ids, device),
             loss_masks=masks,

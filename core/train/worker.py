@@ -29,9 +29,17 @@ __all__ = ["TrainWorker", "WorkerFactory", "WorkerShare"]
 log = logging.getLogger("furlong.train")
 
 
-# the TrainBackend members the core calls, checked when the train_backend hook hands a backend over
-BACKEND_METHODS = ("init", "log_probs", "train", "train_forward_gives_old_log_probs", "layout", "iter_weights", "save",
-                   "load", "offload", "onload")
+# the members the core calls, checked when the hook hands a backend over: a TrainBackend (role "actor",
+# hook train_backend) or a CriticBackend (role "critic", hook critic_backend)
+BACKEND_METHODS = {
+    "actor": ("init", "log_probs", "train", "train_forward_gives_old_log_probs", "layout", "iter_weights", "save",
+              "load", "offload", "onload"),
+    "critic": ("init", "values", "train", "layout", "save", "load", "offload", "onload"),
+}
+ROLE_HOOKS = {"actor": ("train_backend", "furlong.hooks.TrainBackend"),
+              "critic": ("critic_backend", "furlong.hooks.CriticBackend")}
+CRITIC_LOSS = "value_loss"
+"""The loss plugin a critic trains with (the clipped value loss, ``--value-clip``)."""
 
 
 @attrs.define
@@ -66,11 +74,15 @@ class TrainWorker:
     :param rank: this train rank; :param world: the number of train ranks.
     :param pm: the driver's plugin manager when the worker runs in the driver's process;
         None builds one from the installed entry points (with ``--disable-plugins``).
+    :param role: ``"actor"`` (the policy, from the ``train_backend`` hook, trained with the chosen
+        loss) or ``"critic"`` (the value model, from the ``critic_backend`` hook of the same plugin,
+        trained with :data:`CRITIC_LOSS`).
     """
 
     def __init__(self, config: RunConfig, chosen: dict[str, tuple[str, str]], rank: int, world: int,
-                 pm: Any = None) -> None:
+                 pm: Any = None, role: str = "actor") -> None:
         self.config, self.chosen, self.rank, self.world, self.pm = config, dict(chosen), rank, world, pm
+        self.role = role
         self.backend = None
         self._weights: AsyncIterator | None = None
         self._held: tuple | None = None
@@ -83,18 +95,20 @@ class TrainWorker:
         if self.pm is None:  # a process of its own (a Ray actor)
             self.pm = plugins_of_this_process(self.config, hooks=("train_backend", "loss"))
         name, flag = self.chosen["train_backend"]
-        self.backend = await self.pm.call_chosen("train_backend", name, flag, config=self.config)
-        missing = [m for m in BACKEND_METHODS if not callable(getattr(self.backend, m, None))]
+        hook, protocol = ROLE_HOOKS[self.role]
+        self.backend = await self.pm.call_chosen(hook, name, flag, config=self.config)
+        missing = [m for m in BACKEND_METHODS[self.role] if not callable(getattr(self.backend, m, None))]
         if missing:
-            raise PluginError(f"{flag} '{name}': the backend it returned ({type(self.backend).__name__}) lacks "
-                              f"{', '.join(missing)} (see furlong.hooks.TrainBackend; subclassing it gives the "
-                              "documented default of train_forward_gives_old_log_probs).")
+            raise PluginError(f"{flag} '{name}': the backend its `{hook}` returned ({type(self.backend).__name__}) "
+                              f"lacks {', '.join(missing)} (see {protocol}"
+                              + ("; subclassing it gives the documented default of "
+                                 "train_forward_gives_old_log_probs)." if self.role == "actor" else ")."))
         start = await self.backend.init(self.config)
         layout = self.backend.layout()
         if not isinstance(layout, ParallelLayout):
             raise PluginError(f"{flag} '{name}': layout() returned {type(layout).__name__}; "
                               "it must return furlong.hooks.ParallelLayout.")
-        if self.config.save_hf and not callable(getattr(self.backend, "save_hf", None)):
+        if self.role == "actor" and self.config.save_hf and not callable(getattr(self.backend, "save_hf", None)):
             raise PluginError(f"--save-hf: {flag} '{name}' has no save_hf(path) method, so it cannot export "
                               "Hugging Face weights; drop --save-hf or use a backend that has one (fsdp, megatron).")
         return int(start or 0), layout
@@ -104,18 +118,26 @@ class TrainWorker:
         out = await self.backend.log_probs(share.batch, model=model)
         return {"log_probs": out["log_probs"], "entropy": out.get("entropy")}
 
+    async def values(self, share: WorkerShare) -> dict:
+        """Forward-only critic values of the share's samples, local order (role ``critic``)."""
+        out = await self.backend.values(share.batch)
+        return {"log_probs": out["values"]}
+
     async def train_forward_gives_old_log_probs(self) -> bool:
         """Whether the backend's training forward equals its log-prob pass (its ``train_forward_gives_old_log_probs()``)."""
         return bool(self.backend.train_forward_gives_old_log_probs())
 
     async def train(self, rollout_id: int, share: WorkerShare) -> list[dict]:
         """The rollout's optimizer steps on this share; per-step metrics (summed over ranks by the backend)."""
-        loss_name, loss_flag = self.chosen["loss"]
+        if self.role == "critic":
+            loss_name, loss_flag = CRITIC_LOSS, "--advantage-estimator"
+        else:
+            loss_name, loss_flag = self.chosen["loss"]
         objective = StepObjective(
             self.config, self.pm, share.batch, loss_name, loss_flag, trajectory_ids=share.trajectory_ids,
             step_denominators=share.step_denominators, sample_denominators=share.sample_denominators,
-            reuse_old_log_probs=share.reuse_old_log_probs,
-            metric_step_denominators=share.metric_step_denominators or None)
+            reuse_old_log_probs=share.reuse_old_log_probs, old_values=share.batch.values,
+            metric_step_denominators=share.metric_step_denominators or None, reducer=self.role == "actor")
         share.batch.objective = objective
         self._train_log_probs = None
         try:
@@ -255,13 +277,14 @@ class WorkerFactory:
     process; a copy sent to another process builds workers with their own manager.
     """
 
-    def __init__(self, config: RunConfig, chosen: dict[str, tuple[str, str]], pm: Any = None) -> None:
-        self.config, self.chosen, self.pm = config, chosen, pm
+    def __init__(self, config: RunConfig, chosen: dict[str, tuple[str, str]], pm: Any = None,
+                 role: str = "actor") -> None:
+        self.config, self.chosen, self.pm, self.role = config, chosen, pm, role
 
     def __call__(self, rank: int, world: int) -> TrainWorker:
         """Build rank ``rank``'s worker in this (the worker's) process, after setting ``--train-env-vars`` there."""
         os.environ.update({str(k): str(v) for k, v in self.config.train_env_vars.items()})
-        return TrainWorker(self.config, self.chosen, rank, world, self.pm)
+        return TrainWorker(self.config, self.chosen, rank, world, self.pm, self.role)
 
     def __getstate__(self) -> dict:
-        return {"config": self.config, "chosen": self.chosen, "pm": None}
+        return {"config": self.config, "chosen": self.chosen, "pm": None, "role": self.role}

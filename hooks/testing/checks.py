@@ -26,6 +26,7 @@ NOT_EXERCISED = {
     "rollout": "needs an engine, a data cursor and the reward path of a run (test it with a short `furlong train`)",
     "rollout_engine": "builds a model server",
     "train_backend": "loads a model",
+    "critic_backend": "loads a model",
     "executor": "places processes",
 }
 

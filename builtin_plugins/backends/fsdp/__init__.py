@@ -6,8 +6,10 @@ from furlong.hooks import MegatronFlags, hookimpl
 from furlong.kit.machine_budget import default_token_budget, long_enough_to_compile
 
 from .backend import FSDPBackend
+from .critic import FSDPCritic
 
-__all__ = ["ATTENTION_IMPLEMENTATIONS", "MEGATRON_FLAGS", "FSDPBackend", "configure", "train_backend"]
+__all__ = ["ATTENTION_IMPLEMENTATIONS", "MEGATRON_FLAGS", "FSDPBackend", "FSDPCritic", "configure", "critic_backend",
+           "train_backend"]
 
 # Of the backend flags LoRA's (peft, lora.py), --sgd-momentum (--optimizer sgd) and
 # --no-check-for-nan-in-loss-and-grad (the step loop skips a non-finite step) are read;
@@ -95,3 +97,17 @@ def train_backend(config):
     :returns: an :class:`FSDPBackend` (meets :class:`furlong.hooks.TrainBackend`).
     """
     return FSDPBackend(config)
+
+
+@hookimpl
+def critic_backend(config):
+    """Create the fsdp critic (``--advantage-estimator ppo``); :meth:`FSDPCritic.init` loads the value model.
+
+    Flags read: ``--critic-load`` (a Hugging Face directory to start from; a critic checkpoint
+    folder is the core's to load), ``--hf-checkpoint``, ``--critic-lr``,
+    ``--critic-lr-warmup-iters``, and the actor's optimizer, schedule, precision and sharding
+    flags (:func:`~.critic.critic_config`).
+
+    :returns: an :class:`FSDPCritic` (meets :class:`furlong.hooks.CriticBackend`).
+    """
+    return FSDPCritic(config)

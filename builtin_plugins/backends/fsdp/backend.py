@@ -79,6 +79,21 @@ class FSDPBackend(StepLoop):
         if self.world > 1 and self.device.type == "cpu" and config.bf16:
             raise PluginError(f"--bf16 with {self.world} FSDP2 ranks on CPU is not supported yet (FSDP2's mixed "
                               "precision runs on GPUs); leave it out to train in float32, or use one process.")
+        self._load_models(config)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
+        except (OSError, ValueError):
+            log.warning("fsdp: no tokenizer in %s; checkpoints will hold weights and config only", config.hf_checkpoint)
+        self.optimizer = build_optimizer(self.model, config)
+        self.schedule = LRSchedule.from_config(config)
+        if self.rank == 0:
+            log.info("fsdp: %s", self._precision())
+            log.info("fsdp optimizer: %s, weight decay %s, clip %s, schedule %s", type(self.optimizer).__name__,
+                     config.weight_decay, config.clip_grad, self.schedule)
+        return 0
+
+    def _load_models(self, config: RunConfig) -> None:
+        """The actor (and its bfloat16 copy) and the reference, placed on this rank."""
         source, flag = (config.ref_load, "--ref-load") if is_hf_dir(config.ref_load) else (
             config.hf_checkpoint, "--hf-checkpoint")
         self.model = self._place(lora.apply_lora(load_causal_lm(source, config, self.device, flag), config),
@@ -91,17 +106,6 @@ class FSDPBackend(StepLoop):
             if self.masters is not None:  # a reference never trains: bfloat16 alone, like the model's passes
                 _bf16_parameters(self.ref_model)
             self._compile(self.ref_model, trainable=False)
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
-        except (OSError, ValueError):
-            log.warning("fsdp: no tokenizer in %s; checkpoints will hold weights and config only", config.hf_checkpoint)
-        self.optimizer = build_optimizer(self.model, config)
-        self.schedule = LRSchedule.from_config(config)
-        if self.rank == 0:
-            log.info("fsdp: %s", self._precision())
-            log.info("fsdp optimizer: %s, weight decay %s, clip %s, schedule %s", type(self.optimizer).__name__,
-                     config.weight_decay, config.clip_grad, self.schedule)
-        return 0
 
     def _place(self, model, *, trainable: bool):
         if not trainable or not self.config.gradient_checkpointing:
