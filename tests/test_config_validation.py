@@ -112,12 +112,10 @@ ERRORS = [
      "across weight updates)."),
     (["--debug-rollout-only", "--debug-train-only"],
      "--debug-rollout-only and --debug-train-only are exclusive: the first runs only the engines, the second "
-     "only the trainer.\n--debug-rollout-only is not supported yet; remove it.\n"
-     "--debug-train-only is not supported yet; remove it."),
+     "only the trainer."),
     (["--debug-rollout-only", "--load-debug-rollout-data", "/d/{rollout_id}.pt"],
      "--debug-rollout-only and --debug-train-only are exclusive: the first runs only the engines, the second "
-     "only the trainer.\n--debug-rollout-only is not supported yet; remove it.\n"
-     "--load-debug-rollout-data is not supported yet; remove it."),
+     "only the trainer."),
     (["--rollout-max-context-len", "100", "--rollout-max-prompt-len", "100"],
      "--rollout-max-prompt-len (100) must be at most --rollout-max-context-len - 1 (99): a prompt needs room for "
      "one response token."),
@@ -269,14 +267,6 @@ UNSUPPORTED_ARGV = {
     "--mlflow-experiment-name": ["--mlflow-experiment-name", "mine"],
     "--mlflow-run-name": ["--mlflow-run-name", "run1"],
     "--prometheus-port": ["--prometheus-port", "9090"],
-    "--debug-rollout-only": ["--debug-rollout-only"],
-    "--debug-train-only": ["--debug-train-only"],
-    "--save-debug-rollout-data": ["--save-debug-rollout-data", "/d/{rollout_id}.pt"],
-    "--load-debug-rollout-data": ["--load-debug-rollout-data", "/d/{rollout_id}.pt"],
-    "--dump-details": ["--dump-details", "/d"],
-    "--debug-exit-after-rollout": ["--debug-exit-after-rollout", "2"],
-    "--check-weight-update-equal": ["--check-weight-update-equal"],
-    "--deterministic-mode": ["--deterministic-mode"],
 }
 UNSUPPORTED_MESSAGES = {
     "--offload-rollout-level": "--offload-rollout-level ['kv_cache'] is not supported yet (supported: "
@@ -486,10 +476,18 @@ def test_rollout_fully_async_sets_the_fully_async_flag():
     assert (args.rollout, args.fully_async) == ("fully_async", True)
 
 
-def test_a_refused_flag_is_named_only_when_given():
-    """--load-debug-rollout-data implies --debug-train-only; both are refused, only the given one is named."""
-    assert error_of(BASE + ["--load-debug-rollout-data", "/d/{rollout_id}.pt"]) == (
-        "--load-debug-rollout-data is not supported yet; remove it.")
+def test_loading_debug_rollout_data_implies_train_only():
+    assert parse_args(BASE + ["--load-debug-rollout-data", "/d/{rollout_id}.pt"]).debug_train_only is True
+
+
+def test_dump_details_saves_the_rollouts_in_its_folder_unless_a_path_is_given():
+    assert parse_args(BASE + ["--dump-details", "/d"]).save_debug_rollout_data == "/d/rollout_data/{rollout_id}.pt"
+    assert parse_args(BASE + ["--dump-details", "/d", "--save-debug-rollout-data", "/e/{rollout_id}.pt"]
+                      ).save_debug_rollout_data == "/e/{rollout_id}.pt"
+
+
+def test_debug_exit_after_rollout_counts_from_one():
+    assert error_of(BASE + ["--debug-exit-after-rollout", "0"]) == "--debug-exit-after-rollout must be at least 1, got 0."
 
 
 def test_prompt_length_cap_defaults_to_context_minus_one():

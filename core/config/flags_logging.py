@@ -50,20 +50,27 @@ def add_debugging(g, dev) -> None:
                    help="YAML mapping (file, or base64:...) applied after validation; each key overwrites the "
                         "attribute of that name, then everything is validated again.")
     g.add_argument("--debug-rollout-only", action="store_true",
-                   help="Run the engines only (no trainer); turns colocate and offload off (not supported yet).")
+                   help="Run the engines only (no trainer, no weight sync, no checkpoint); turns colocate and "
+                        "offload off.")
     g.add_argument("--debug-train-only", action="store_true",
-                   help="Run the trainer only (no engines) (not supported yet).")
-    g.add_argument("--save-debug-rollout-data", default=None,
-                   help="Pickle each rollout to this path template ({rollout_id}) (not supported yet).")
-    g.add_argument("--load-debug-rollout-data", default=None,
-                   help="Train on pickled rollouts from this path template (implies --debug-train-only) "
-                        "(not supported yet).")
+                   help="Run the trainer only: no engine, no weight sync, no evaluation (rollouts come from "
+                        "--load-debug-rollout-data).")
+    g.add_argument("--save-debug-rollout-data", default=None, metavar="PATH",
+                   help="Write each rollout's samples to PATH with {rollout_id} filled in (eval rollouts: "
+                        "eval_<id>).")
+    g.add_argument("--load-debug-rollout-data", default=None, metavar="PATH",
+                   help="Train on the rollouts --save-debug-rollout-data wrote ({rollout_id} filled in); implies "
+                        "--debug-train-only.")
     g.add_argument("--dump-details", default=None, metavar="DIR",
-                   help="Dump full rollout and train details here (not supported yet).")
-    g.add_argument("--debug-exit-after-rollout", type=int, default=None, metavar="K",
-                   help="Stop after rollout K (not supported yet).")
+                   help="Write each rollout's samples to DIR/rollout_data/<id>.pt and what each data-parallel rank "
+                        "trained on to DIR/train_data/<id>_<rank>.pt.")
+    g.add_argument("--debug-exit-after-rollout", type=int, default=None, metavar="N",
+                   help="Stop after the N-th rollout of this run (counted from the rollout it starts or resumes at).")
     g.add_argument("--check-weight-update-equal", action="store_true",
-                   help="Verify engine weights after each sync (not supported yet).")
-    g.add_argument("--deterministic-mode", action="store_true", help="Deterministic kernels (not supported yet).")
+                   help="After every weight sync, check that each engine's weights equal the trainer's bit for bit "
+                        "(embedded engine in the driver's process).")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="Deterministic torch kernels (an operation without one is an error) in every process, "
+                        "cuBLAS workspace fixed, TF32 off; megatron-core's deterministic mode.")
     megatron(g, "--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false",
              help="Megatron: do not check loss and gradients for NaN.")

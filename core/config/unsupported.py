@@ -86,15 +86,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--mlflow-experiment-name", "mlflow_experiment_name", ("furlong",)),
     Unsupported("--mlflow-run-name", "mlflow_run_name", (None,)),
     Unsupported("--prometheus-port", "prometheus_port", (None,)),
-    # debugging
-    Unsupported("--debug-rollout-only", "debug_rollout_only"),
-    Unsupported("--debug-train-only", "debug_train_only"),
-    Unsupported("--save-debug-rollout-data", "save_debug_rollout_data", (None,)),
-    Unsupported("--load-debug-rollout-data", "load_debug_rollout_data", (None,)),
-    Unsupported("--dump-details", "dump_details", (None,)),
-    Unsupported("--debug-exit-after-rollout", "debug_exit_after_rollout", (None,)),
-    Unsupported("--check-weight-update-equal", "check_weight_update_equal"),
-    Unsupported("--deterministic-mode", "deterministic_mode"),
 )
 
 

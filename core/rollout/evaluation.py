@@ -10,6 +10,7 @@ from furlong.hooks import DatasetSpec, PluginError, RunConfig, Sample
 
 from ..plugins.data_choice import data_source_for
 from .datasets import eval_dataset
+from .debug_data import save_rollout
 from ..config.eval_config import EvalDataset, load_eval_datasets, sampling_params
 from ..run.metrics_log import eval_metrics
 from ..plugins.manager import FurlongPluginManager
@@ -67,11 +68,18 @@ class Evaluator:
     def __bool__(self) -> bool:
         return bool(self.datasets or self._to_load)
 
-    async def evaluate(self, manager: RolloutManager) -> dict:
-        """Generate and score every eval dataset concurrently; return ``eval/...`` metrics."""
+    async def evaluate(self, manager: RolloutManager, rollout_id: int = 0) -> dict:
+        """Generate and score every eval dataset concurrently; return ``eval/...`` metrics.
+
+        With ``--save-debug-rollout-data`` every set's samples are written as evaluation ``rollout_id``
+        (:func:`~.debug_data.save_rollout`).
+        """
         await self.load()
         start = time.perf_counter()
         per_set = await asyncio.gather(*(self._one(manager, ds, rows) for ds, rows in self.datasets))
+        if self.config.save_debug_rollout_data:
+            save_rollout(self.config.save_debug_rollout_data, rollout_id, (s for set_ in per_set for s in set_),
+                         evaluation=True, metadata={"sets": [ds.name for ds, _ in self.datasets]})
         metrics: dict = {}
         for (ds, _), samples in zip(self.datasets, per_set):
             metrics.update(eval_metrics(ds.name, samples, self.config.eval_reward_key or self.config.reward_key))

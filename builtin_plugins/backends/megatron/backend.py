@@ -155,7 +155,8 @@ class MegatronBackend(PipelineStages, StepLoop):
         split = {k: v for k, v in (("num_layers_in_first_pipeline_stage", first),
                                    ("num_layers_in_last_pipeline_stage", last)) if v is not None}
         model = build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device, pp=self.pp, cp=self.cp,
-                          sequence_parallel=self._sequence_parallel(), **recompute_settings(self.config), **split)
+                          sequence_parallel=self._sequence_parallel(), **recompute_settings(self.config),
+                          deterministic_mode=bool(self.config.deterministic_mode), **split)
         ref = self.config.ref_load
         if is_hf_dir(ref):
             load_hf(model, safetensors_stream(ref), self.shape, self.vocab_rows, self.tp, self._tp_rank(),

@@ -358,6 +358,17 @@ class EmbeddedEngine:
         return GenerateOutput(output_ids=list(req.output_ids), output_log_probs=list(req.log_probs),
                               finish_reason=reason, weight_version=str(self.weight_version), text=text)
 
+    async def weight_digests(self) -> dict[str, tuple[str, list[int], str]]:
+        """``{name: (dtype, shape, sha256)}`` of every tensor of the model's state dict
+        (:func:`furlong.kit.tensor_digest.named_digests`), for ``--check-weight-update-equal``."""
+        from furlong.kit.tensor_digest import named_digests
+
+        def digests():
+            with self._lock:
+                return named_digests(self.model.state_dict().items())
+
+        return await asyncio.to_thread(digests)
+
     # --- weights ------------------------------------------------------------------------
 
     def _copy_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
