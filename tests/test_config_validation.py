@@ -159,9 +159,9 @@ def test_num_rollout_is_required_and_mentions_the_old_default():
 
 
 def test_every_problem_is_reported_at_once_one_per_line():
-    message = error_of(["--rollout-batch-size", "4", "--rollout-temperature", "0", "--use-mlflow", "--use-kl-loss"])
+    message = error_of(["--rollout-batch-size", "4", "--rollout-temperature", "0", "--async-save", "--use-kl-loss"])
     assert message.splitlines() == [
-        "--use-mlflow is not supported yet; remove it.",
+        "--async-save is not supported yet; remove it.",
         "--num-rollout is required: give the number of rollout iterations to run (it used to default to 1000; "
         "--num-rollout 0 only evaluates).",
         "--rollout-temperature must be > 0, got 0 (greedy decoding is for evaluation only: --eval-temperature 0).",
@@ -174,7 +174,7 @@ def test_config_error_is_a_plugin_error_with_the_problem_list():
     from furlong.hooks import PluginError
 
     with pytest.raises(PluginError) as excinfo:
-        parse_args(["--rollout-batch-size", "4", "--use-mlflow"])
+        parse_args(["--rollout-batch-size", "4", "--async-save"])
     assert isinstance(excinfo.value, ConfigError)
     assert len(excinfo.value.problems) == 2
 
@@ -218,8 +218,6 @@ UNSUPPORTED_ARGV = {
     "--balance-by-flops": ["--balance-by-flops"],
     "--eval-num-gpus": ["--eval-num-gpus", "2"],
     "--async-save": ["--async-save"],
-    "--use-mlflow": ["--use-mlflow"],
-    "--use-prometheus": ["--use-prometheus"],
     "--multimodal-keys": ["--multimodal-keys", '{"image": "images"}'],
     "--update-weight-transfer-mode": ["--update-weight-transfer-mode", "disk-delta"],
     "--keep-old-actor": ["--keep-old-actor"],
@@ -256,17 +254,6 @@ UNSUPPORTED_ARGV = {
     "--critic-save": ["--critic-save", "/critic"],
     "--critic-lr": ["--critic-lr", "1e-5"],
     "--critic-lr-warmup-iters": ["--critic-lr-warmup-iters", "3"],
-    "--log-interval": ["--log-interval", "10"],
-    "--log-passrate": ["--log-passrate"],
-    "--log-multi-turn": ["--log-multi-turn"],
-    "--log-reward-category": ["--log-reward-category", "source"],
-    "--log-correct-samples": ["--log-correct-samples"],
-    "--custom-rollout-log-function-path": ["--custom-rollout-log-function-path", "my.log"],
-    "--custom-eval-rollout-log-function-path": ["--custom-eval-rollout-log-function-path", "my.log"],
-    "--mlflow-tracking-uri": ["--mlflow-tracking-uri", "http://mlflow:5000"],
-    "--mlflow-experiment-name": ["--mlflow-experiment-name", "mine"],
-    "--mlflow-run-name": ["--mlflow-run-name", "run1"],
-    "--prometheus-port": ["--prometheus-port", "9090"],
 }
 UNSUPPORTED_MESSAGES = {
     "--offload-rollout-level": "--offload-rollout-level ['kv_cache'] is not supported yet (supported: "
@@ -285,8 +272,6 @@ UNSUPPORTED_MESSAGES = {
     "--fsdp-cpu-backend": "--fsdp-cpu-backend nccl is not supported yet (supported: gloo).",
     "--num-critic-only-steps": "--num-critic-only-steps 2 is not supported yet (supported: 0).",
     "--critic-lr-warmup-iters": "--critic-lr-warmup-iters 3 is not supported yet (supported: 0).",
-    "--log-interval": "--log-interval 10 is not supported yet (supported: 1).",
-    "--mlflow-experiment-name": "--mlflow-experiment-name mine is not supported yet (supported: furlong).",
 }
 
 

@@ -31,8 +31,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--balance-by-flops", "balance_by_flops"),
     Unsupported("--eval-num-gpus", "eval_num_gpus", (0,)),
     Unsupported("--async-save", "async_save"),
-    Unsupported("--use-mlflow", "use_mlflow"),
-    Unsupported("--use-prometheus", "use_prometheus"),
     Unsupported("--multimodal-keys", "multimodal_keys", (None,)),
     Unsupported("--update-weight-transfer-mode", "update_weight_transfer_mode", ("broadcast",)),
     Unsupported("--keep-old-actor", "keep_old_actor"),
@@ -74,18 +72,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--critic-save", "critic_save", (None,)),
     Unsupported("--critic-lr", "critic_lr", (None,)),
     Unsupported("--critic-lr-warmup-iters", "critic_lr_warmup_iters", (0,)),
-    # logging
-    Unsupported("--log-interval", "log_interval", (1,)),
-    Unsupported("--log-passrate", "log_passrate"),
-    Unsupported("--log-multi-turn", "log_multi_turn"),
-    Unsupported("--log-reward-category", "log_reward_category", (None,)),
-    Unsupported("--log-correct-samples", "log_correct_samples"),
-    Unsupported("--custom-rollout-log-function-path", "custom_rollout_log_function_path", (None,)),
-    Unsupported("--custom-eval-rollout-log-function-path", "custom_eval_rollout_log_function_path", (None,)),
-    Unsupported("--mlflow-tracking-uri", "mlflow_tracking_uri", (None,)),
-    Unsupported("--mlflow-experiment-name", "mlflow_experiment_name", ("furlong",)),
-    Unsupported("--mlflow-run-name", "mlflow_run_name", (None,)),
-    Unsupported("--prometheus-port", "prometheus_port", (None,)),
 )
 
 

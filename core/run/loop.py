@@ -24,10 +24,10 @@ from .debug_modes import exits_after, starts_engines, starts_trainer, syncs_weig
 from ..rollout.engine_health import EngineHealthMonitor, health_monitor_wanted
 from ..rollout.engines import EngineFactory
 from .epochs import derive_num_rollout
-from .metrics_log import (SUPERSEDED_NAME, MetricsLog, rollout_metrics, set_aside_rows_from, summary_line,
-                          zero_spread_warning)
+from .metrics_log import SUPERSEDED_NAME, MetricsLog, set_aside_rows_from, summary_line, zero_spread_warning
 from ..plugins.manager import FurlongPluginManager
 from .preflight import check_paths
+from .rollout_log import RolloutLog
 from ..rollout.progress import RolloutProgress
 from ..rollout.side import RolloutSideFactory
 from .lock import lock_output_folders
@@ -53,6 +53,7 @@ class Run:
         self.executor = None
         self.metrics_dir = config.save or config.log_dir
         self.metrics = MetricsLog(None)
+        self.rollout_log: RolloutLog | None = None  # once --num-rollout is known
         self.rollout = None  # the rollout side (RolloutSide, or the executor's handle on it)
         self.has_eval = False
         self.engines: list = []
@@ -90,6 +91,7 @@ class Run:
         # train and eval data, before any model loads; no engine, no evaluation (--debug-train-only)
         self.has_eval = await self.rollout.load_data() and starts_engines(config)
         self.config = config = derive_num_rollout(config, await self.rollout.dataset_size(), sel.name("data_source"))
+        self.rollout_log = RolloutLog(config, pm, sel)
         if self.metrics_dir:
             self.metrics = MetricsLog(os.path.join(self.metrics_dir, "metrics.jsonl"))
         level, where = output_note(config)
@@ -210,10 +212,12 @@ class Run:
             await (self.group.offload() if self.config.offload_train else self.group.clear_memory())
 
     async def finish_rollout(self, rollout_id: int, groups, metrics: dict) -> None:
-        metrics.update(rollout_metrics(groups, self.config.reward_key))
-        metrics.update(await self.rollout.pop_metrics(rollout_id))
+        extra = await self.rollout.pop_metrics(rollout_id)
+        metrics.update(await self.rollout_log.metrics(rollout_id, groups, extra))
+        metrics.update(extra)
         self.metrics.log(metrics, "rollout/step", rollout_id)
-        print(summary_line(rollout_id, metrics), flush=True)
+        if self.rollout_log.prints(rollout_id):
+            print(summary_line(rollout_id, metrics), flush=True)
         warning = None if self.warned_zero_spread else zero_spread_warning(rollout_id, metrics, len(groups))
         if warning:
             log.warning("%s", warning)
