@@ -1,4 +1,4 @@
-"""Fingerprints of tensors, to tell bit for bit whether two copies of a weight agree (``--check-weight-update-equal``)."""
+"""Fingerprints of tensors: whether two copies of a weight agree bit for bit (``--check-weight-update-equal``)."""
 
 from __future__ import annotations
 

@@ -472,7 +472,8 @@ def test_dump_details_saves_the_rollouts_in_its_folder_unless_a_path_is_given():
 
 
 def test_debug_exit_after_rollout_counts_from_one():
-    assert error_of(BASE + ["--debug-exit-after-rollout", "0"]) == "--debug-exit-after-rollout must be at least 1, got 0."
+    assert error_of(BASE + ["--debug-exit-after-rollout", "0"]) == (
+        "--debug-exit-after-rollout must be at least 1, got 0.")
 
 
 def test_prompt_length_cap_defaults_to_context_minus_one():

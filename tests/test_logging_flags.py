@@ -119,7 +119,8 @@ def test_logged_passrate_and_categories_equal_counts_of_the_saved_samples(tmp_pa
         lengths = [s["response_length"] for s in samples]
         assert row["multi_turn/raw_response_length/response_length_max"] == max(lengths)
     assert 0 < rollouts[0]["passrate/pass@1"] < rollouts[0]["passrate/pass@4"] <= 1
-    printed = [line.split("|")[0].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("rollout ")]
+    out = capsys.readouterr().out
+    printed = [line.split("|")[0].strip() for line in out.splitlines() if line.startswith("rollout ")]
     assert printed == ["rollout    1", "rollout    2"]  # every 2nd rollout, and the last
 
 

@@ -138,5 +138,6 @@ def eval_set_metrics(config: RunConfig, name: str, samples: list[Sample], group_
         rates = passrate_metrics(groups.values(), group_size, key, "--eval-reward-key")
         out.update({f"eval/{name}-{k}": v for k, v in rates.items()})
     if config.log_reward_category:
-        out.update({f"eval/{name}/{k}": v for k, v in reward_category_metrics(samples, config.log_reward_category).items()})
+        shares = reward_category_metrics(samples, config.log_reward_category)
+        out.update({f"eval/{name}/{k}": v for k, v in shares.items()})
     return out

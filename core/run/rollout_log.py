@@ -66,5 +66,6 @@ def sample_metrics(config: RunConfig, groups: list[list[Sample]]) -> dict:
         found = correct_sample_metrics(samples, config.reward_key, config.rollout_max_response_len)
         out.update({f"rollout/{k}": v for k, v in found.items()})
     if config.log_multi_turn:
-        out.update({f"multi_turn/{k}": v for k, v in multi_turn_metrics(samples, config.rollout_max_response_len).items()})
+        lengths = multi_turn_metrics(samples, config.rollout_max_response_len)
+        out.update({f"multi_turn/{k}": v for k, v in lengths.items()})
     return out
