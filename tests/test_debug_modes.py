@@ -170,8 +170,11 @@ def _shape(model_dir, name: str) -> list[int]:
 
 @pytest.fixture
 def restores_determinism():
+    cudnn_tf32 = torch.backends.cudnn.allow_tf32
     yield
     torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.deterministic = False
+    torch.backends.cudnn.allow_tf32 = cudnn_tf32
 
 
 def test_deterministic_mode_repeats_a_run_exactly(tmp_path, tiny_model_dir, arithmetic_jsonl, restores_determinism):
