@@ -17,13 +17,17 @@ One command, from the repository root, on a machine with a CUDA GPU::
    checks then run at every step without ending a request). Each part
    runs in a process of its own, so that one part's GPU memory (the engine's key/value cache,
    CUDA graph pools) is not held while the next runs.
-2. **GRPO iteration**: ``furlong train`` (sync, embedded engine, fsdp backend, ``--bf16``:
-   bfloat16 parameters over float32 master weights, fused AdamW; ``--train-flags`` adds flags
-   such as ``--train-torch-compile`` or ``--max-tokens-per-gpu``) for ``--rollouts`` (3) rollouts of
-   ``requests / 8`` prompts x 8 samples, responses of ``--new-tokens`` tokens, one optimizer
-   step per rollout, default micro-batch packing. The split comes from ``metrics.jsonl``;
-   the train MFU is ``6 x params x tokens / actor-train seconds / 989e12`` (the H200's dense
-   bf16 peak; ``--peak-tflops`` to change), over the rollouts after the first.
+2. **GRPO steps, side by side** (``--runs``, :data:`RUNS`): ``furlong train`` (sync, embedded
+   engine, the run's train backend) for ``--rollouts`` (20) rollouts of ``requests / 8`` prompts x
+   8 samples, responses of ``--new-tokens`` tokens, one optimizer step per rollout. A ``*-default``
+   run gives no tuning flag (the machine chooses the micro-batch token budget, the engine's
+   batch and compilation: ``machine_defaults`` of ``--print-config``, listed in the result); a
+   ``*-best`` run gives the best flags measured by hand. From ``metrics.jsonl``, medians over the
+   rollouts after the first ``--warmup-rollouts`` (3): the step split (rollout, log-probs, train,
+   weight sync, the whole step ``perf/step_time``), tokens/s per GPU over the whole step (prompt
+   and response tokens of the step / step seconds), and the train MFU
+   (``6 x params x tokens / actor-train seconds / 989e12``, the H200's dense bf16 peak;
+   ``--peak-tflops`` to change). ``--train-flags`` adds flags to every run.
 
 The model (Llama architecture at Qwen2.5-0.5B's sizes: 24 layers, hidden 896, 14 heads, 2 KV heads, vocabulary
 151,936, tied embeddings) and a word-level tokenizer of the same vocabulary are written to
@@ -139,8 +143,12 @@ def bench_generate(folder: Path, opts) -> dict:
     return {"tokens": tokens, "warmup_s": times[0], "times_s": times[1:], "tok_per_s": tokens / min(times[1:])}
 
 
-def bench_grpo(folder: Path, opts, out: Path) -> dict:
-    """``furlong train`` in a subprocess; the split and MFU from its metrics.jsonl."""
+def bench_grpo(folder: Path, opts, out: Path, flags: list[str]) -> dict:
+    """``furlong train`` with ``flags`` in a subprocess; the step split, tokens/s/GPU and MFU from its metrics.jsonl.
+
+    Figures are medians over the rollouts after the first ``--warmup-rollouts`` (compilation,
+    CUDA graph capture and the allocator's growth happen there); ``warmup_step_s`` lists those.
+    """
     group = 8
     n_prompts = max(1, opts.requests // group)
     data = out / "prompts.jsonl"
@@ -150,35 +158,49 @@ def bench_grpo(folder: Path, opts, out: Path) -> dict:
            "--input-key", "prompt", "--label-key", "label", "--rm-type", "deterministic_random",
            "--num-rollout", str(opts.rollouts), "--rollout-batch-size", str(n_prompts),
            "--n-samples-per-prompt", str(group), "--global-batch-size", str(n_prompts * group),
-           "--rollout-max-response-len", str(opts.new_tokens),
-           "--embedded-max-batch-size", str(n_prompts * group), "--lr", "1e-6", "--bf16", "--train-backend", "fsdp",
-           "--log-dir", str(out / "logs"), *opts.train_flags]
+           "--rollout-max-response-len", str(opts.new_tokens), "--lr", "1e-6", "--log-dir", str(out / "logs"), *flags]
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if done.returncode != 0:
         return {"error": done.stderr[-3000:], "command": " ".join(cmd[1:])}
     rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    rollouts = [r for r in rows if "rollout/step" in r][1:] or [r for r in rows if "rollout/step" in r]
+    every = [r for r in rows if "rollout/step" in r]
+    rollouts = every[opts.warmup_rollouts:] or every
     steps = [r for r in rows if "train/step" in r]
     params = sum(v for v in _param_count(folder).values())
-    tokens = [n_prompts * group * (opts.prompt_len + r["rollout/response_lengths"]) for r in rollouts]
-    mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in rollouts)  # noqa: E731
-    train_s = mean("perf/actor_train_time")
-    # the median resists the occasional train call that runs ~0.5 s long (docs/benchmarks.md, "slow train calls")
-    median_s = statistics.median(r.get("perf/actor_train_time", 0.0) for r in rollouts)
+    tokens = statistics.median(n_prompts * group * (opts.prompt_len + r["rollout/response_lengths"]) for r in rollouts)
+    median = lambda key: statistics.median(r.get(key, 0.0) for r in rollouts)  # noqa: E731
+    step_s, train_s = median("perf/step_time"), median("perf/actor_train_time")
+    config = json.loads(subprocess.run([*cmd, "--print-config"], cwd=ROOT, capture_output=True, text=True).stdout)
     return {
         "command": " ".join(cmd[1:]), "wall_s": wall, "params": params,
-        "split_s": {k: mean(f"perf/{k}") for k in ("rollout_time", "log_probs_time", "actor_train_time",
-                                                     "train_time", "update_weights_time")},
-        "train_s_per_rollout": [r.get("perf/actor_train_time") for r in rows if "rollout/step" in r],
-        "tokens_per_step": statistics.fmean(tokens),
-        "train_mfu": 6 * params * statistics.fmean(tokens) / train_s / (opts.peak_tflops * 1e12),
-        "train_mfu_median": 6 * params * statistics.fmean(tokens) / median_s / (opts.peak_tflops * 1e12),
-        "train_tokens_per_s": statistics.fmean(tokens) / train_s,
+        "chosen": {k: config["args"].get(k) for k in ("train_backend", "rollout_backend", "max_tokens_per_gpu",
+                                                       "train_torch_compile", "embedded_max_batch_size",
+                                                       "embedded_torch_compile", "bf16")},
+        "machine_defaults": sorted(config["machine_defaults"]),
+        "split_s": {k: median(f"perf/{k}") for k in ("rollout_time", "log_probs_time", "actor_train_time",
+                                                       "train_time", "update_weights_time", "step_time")},
+        "warmup_step_s": [r.get("perf/step_time") for r in every[:opts.warmup_rollouts]],
+        "tokens_per_step": tokens,
+        "step_tokens_per_s_per_gpu": tokens / step_s if step_s else None,
+        "train_mfu": 6 * params * tokens / train_s / (opts.peak_tflops * 1e12) if train_s else None,
+        "train_tokens_per_s": tokens / train_s if train_s else None,
         "peak_memory_gib": max((s.get("train/peak_memory_gib", 0.0) for s in steps), default=None),
-        "response_length": mean("rollout/response_lengths"),
+        "response_length": median("rollout/response_lengths"),
     }
+
+
+RUNS = {
+    "fsdp-default": "--train-backend fsdp",
+    "fsdp-best": "--train-backend fsdp --train-torch-compile --max-tokens-per-gpu 32768 --embedded-max-batch-size 256 "
+                 "--embedded-torch-compile",
+    "megatron-default": "--train-backend megatron",
+    "megatron-best": "--train-backend megatron --max-tokens-per-gpu 65536 --embedded-max-batch-size 256 "
+                     "--embedded-torch-compile",
+}
+"""GRPO runs side by side (``--runs``): the flags a user gives without tuning (the machine picks the rest),
+and the best flags measured by hand (docs/benchmarks.md)."""
 
 
 def _param_count(folder: Path) -> dict:
@@ -224,13 +246,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs after the warm-up (best is reported)")
-    parser.add_argument("--rollouts", type=int, default=3)
+    parser.add_argument("--rollouts", type=int, default=20, help="GRPO runs: rollouts per run (20 or more turns the "
+                        "machine-default compilation on)")
+    parser.add_argument("--warmup-rollouts", type=int, default=3, help="GRPO runs: first rollouts left out of medians")
+    parser.add_argument("--runs", nargs="*", default=["fsdp-default", "fsdp-best"], choices=sorted(RUNS),
+                        help="GRPO runs, side by side")
     parser.add_argument("--stop", default=None, help="engine parts: a stop string on every request (one that never "
                                                      "occurs times the decoded-text checks without ending requests)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H200: 989)")
     parser.add_argument("--skip", nargs="*", default=[], choices=[*PARTS, "grpo"])
     parser.add_argument("--train-flags", nargs=argparse.REMAINDER, default=[],
-                        help="extra furlong train flags (last on the line; e.g. --train-backend megatron)")
+                        help="extra furlong train flags for every GRPO run (last on the line)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -254,9 +280,12 @@ def main(argv: list[str] | None = None) -> int:
                 result[name] = _part_in_subprocess(name, folder, opts)
                 print(name, json.dumps(result[name]), flush=True)
         if "grpo" not in opts.skip:
-            (Path(tmp) / "run").mkdir()
-            result["grpo"] = bench_grpo(folder, opts, Path(tmp) / "run")
-            print("grpo", json.dumps(result["grpo"]), flush=True)
+            result["grpo"] = {}
+            for name in opts.runs:
+                (Path(tmp) / name).mkdir()
+                flags = [*RUNS[name].split(), *opts.train_flags]
+                result["grpo"][name] = bench_grpo(folder, opts, Path(tmp) / name, flags)
+                print("grpo", name, json.dumps(result["grpo"][name]), flush=True)
     finally:
         if not os.environ.get("BENCH_KEEP"):
             shutil.rmtree(tmp, ignore_errors=True)

@@ -6,7 +6,7 @@ extraction, epoch order, ...) live in :mod:`furlong.kit`. Their old module paths
 """
 
 from . import _moved, rows, specs
-from .config_report import ConfigReport, DataParallelRule
+from .config_report import ConfigReport, DataParallelRule, Machine
 from .errors import PluginError
 from .markers import PROJECT, hookimpl, hookspec
 from .megatron_flags import MegatronFlags
@@ -43,6 +43,7 @@ __all__ = [
     "GenerateOutput",
     "LossInput",
     "LossOutput",
+    "Machine",
     "MegatronFlags",
     "ParallelLayout",
     "PluginConfig",

@@ -7,7 +7,30 @@ from typing import Any
 
 import attrs
 
-__all__ = ["ConfigReport", "DataParallelRule"]
+__all__ = ["ConfigReport", "DataParallelRule", "Machine"]
+
+
+@attrs.frozen
+class Machine:
+    """The machine a run starts on, as the core probed it before ``configure``
+    (``report.machine``): what machine-following defaults are computed from.
+
+    ``gpu_total_bytes`` and ``gpu_free_bytes`` are those of the first GPU (bytes, at the
+    probe: before any model loads); all zero without CUDA.
+    """
+
+    cuda: bool = False
+    gpu_name: str = ""
+    gpu_count: int = 0
+    gpu_total_bytes: int = 0
+    gpu_free_bytes: int = 0
+
+    def describe(self) -> str:
+        """One phrase for notes: ``"1 x NVIDIA H200, 139.3 of 139.8 GiB free"``, or ``"no CUDA device"``."""
+        if not self.cuda:
+            return "no CUDA device"
+        return (f"{self.gpu_count} x {self.gpu_name}, {self.gpu_free_bytes / 2**30:.1f} of "
+                f"{self.gpu_total_bytes / 2**30:.1f} GiB free")
 
 
 @attrs.frozen
@@ -44,7 +67,8 @@ class ConfigReport:
 
     ``plugin`` is the plugin's name (its entry-point name); ``flags`` the selection flags
     that chose it (``("--advantage-estimator",)``); ``uses`` the other plugins it runs
-    (:meth:`use_plugin`).
+    (:meth:`use_plugin`); ``machine`` the machine the run starts on; ``machine_defaults``
+    the flags :meth:`machine_default` set, and why.
     """
 
     plugin: str
@@ -54,6 +78,8 @@ class ConfigReport:
     infos: list[str] = attrs.field(factory=list)
     uses: list[str] = attrs.field(factory=list)
     data_parallel: DataParallelRule | None = None
+    machine: Machine = attrs.field(factory=Machine)
+    machine_defaults: dict[str, str] = attrs.field(factory=dict)
 
     def error(self, message: str) -> None:
         """A flag combination the plugin cannot run with: the run stops (exit code 2)."""
@@ -99,4 +125,13 @@ class ConfigReport:
         """
         if not self.given(args, dest):
             setattr(args, dest, value)
+        return getattr(args, dest)
+
+    def machine_default(self, args: Namespace, dest: str, value: Any, why: str) -> Any:
+        """:meth:`default`, for a value that follows the machine (``report.machine``): listed by
+        ``--print-config`` under ``machine_defaults`` with ``why`` (what was probed and the rule
+        applied), so a user sees which flag to give to pin it."""
+        if not self.given(args, dest):
+            setattr(args, dest, value)
+            self.machine_defaults[dest] = why
         return getattr(args, dest)

@@ -337,6 +337,7 @@ class RunConfig:
     opd_kl_coef: float
     opd_teacher_load: str | None
     opd_teacher_urls: tuple[str, ...] | None
+    opd_teacher_key: str
     disable_compute_advantages_and_returns: bool
     use_routing_replay: bool
     use_rollout_routing_replay: bool

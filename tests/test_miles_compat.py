@@ -305,17 +305,23 @@ def test_a_miles_style_moe_mla_lora_script_prints_its_config(tmp_path, capsys, c
 
 PATH_FLAGS = {"filter": "--dynamic-sampling-filter-path", "reward": "--custom-rm-path",
               "buffer_pop": "--buffer-filter-path", "data_source": "--data-source-path",
-              "generate": "--custom-generate-function-path", "rollout": "--rollout-function-path"}
+              "generate": "--custom-generate-function-path", "rollout": "--rollout-function-path",
+              "reward_post_process": "--custom-reward-post-process-path"}
 
 
 def test_every_miles_path_resolves_to_its_built_in_plugin(pm, caplog):
-    from furlong.core.plugins.miles_paths import MILES_BUILTINS, RM_TYPE
+    from furlong.core.plugins.miles_paths import CORE_DOES_IT, MILES_BUILTINS, RM_TYPE
     from furlong.core.plugins.selection import resolve_selection
 
     for path, (hook, plugin) in MILES_BUILTINS.items():
         with caplog.at_level("INFO", logger="furlong.config"):
             args = parse_args(BASE + [PATH_FLAGS[hook], path, "--rm-type", "math"])
             selection = resolve_selection(args, pm)
+        if plugin == CORE_DOES_IT:
+            assert hook not in selection.paths, path
+            assert any(path in m and "furlong's core does this by itself" in m for m in caplog.messages), path
+            caplog.clear()
+            continue
         want = "math" if plugin == RM_TYPE else plugin
         got = {"filter": lambda: [n for n, _ in selection.filters], "reward": lambda: selection.reward[0]}.get(
             hook, lambda: selection.chosen[hook][0])()

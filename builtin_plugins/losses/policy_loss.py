@@ -13,6 +13,14 @@ _RATIO_LEVELS = ("token", "sequence")
 
 
 @hookimpl
+def configure(args, report):
+    """The policy gradient needs advantages: ``--disable-compute-advantages-and-returns`` leaves none."""
+    if args.disable_compute_advantages_and_returns:
+        report.error("--disable-compute-advantages-and-returns leaves no advantages, which --loss-type policy_loss "
+                     "needs; use it with --loss-type sft_loss (supervised fine-tuning) or drop it.")
+
+
+@hookimpl
 def loss(config, batch):
     """Per-token clipped surrogate plus the entropy bonus and the KL penalty.
 

@@ -230,11 +230,12 @@ def _train(command: str, argv: list[str]) -> int:
         configured = configure_plugins(args, pm, selection)
     config = freeze_config(args, build_parser(pm).plugin_flags, configured.derived)
     if config.print_config:
-        machine = machine_defaults(args, pm, configured.data_parallel)
+        machine = {**machine_defaults(args, pm, configured.data_parallel), **configured.machine}
+        plugin_set = {dest: value for dest, value in configured.derived.items() if dest not in configured.machine}
         print(json.dumps({"args": config_to_dict(args), "plugins": selection.as_dict(),
                           "machine_defaults": config_to_dict(argparse.Namespace(**machine)),
                           "machine_note": machine_note(machine),
-                          "plugin_defaults": config_to_dict(argparse.Namespace(**configured.derived))},
+                          "plugin_defaults": config_to_dict(argparse.Namespace(**plugin_set))},
                          indent=2, sort_keys=True))
         return 0
     warn_broken(pm)

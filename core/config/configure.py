@@ -12,6 +12,7 @@ import attrs
 
 from furlong.hooks import ConfigReport, DataParallelRule, PluginError
 
+from . import env
 from .data_parallel import apply_data_parallel
 from .errors import ConfigError
 from .parse import names_any
@@ -32,11 +33,15 @@ class Configured:
     plugin's ``configure`` set (shown by ``--print-config`` as ``plugin_defaults``).
     ``reports``: one :class:`ConfigReport` per plugin called, in call order.
     ``data_parallel``: the rule the train backend reported (None: it reported none).
+    ``machine``: attribute -> ``{"value": v, "probe": why, "plugin": name}`` for the values a
+    plugin set from the machine (:meth:`~furlong.hooks.ConfigReport.machine_default`; they are
+    in ``derived`` too), shown by ``--print-config`` under ``machine_defaults``.
     """
 
     derived: dict[str, dict] = attrs.field(factory=dict)
     reports: list[ConfigReport] = attrs.field(factory=list)
     data_parallel: DataParallelRule | None = None
+    machine: dict[str, dict] = attrs.field(factory=dict)
 
 
 def configure_order(args: Namespace, pm: FurlongPluginManager,
@@ -94,6 +99,7 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
     """
     implementers = {impl.plugin_name for impl in pm.hook.configure.get_hookimpls()}
     given = set(args.explicit_args)
+    machine = env.describe_machine()
     done = Configured()
     errors: list[str] = []
     backend = selection.chosen.get("train_backend", (None, None))[0]
@@ -101,7 +107,7 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
         implements = name in implementers
         if not implements and name != backend:
             continue
-        report = ConfigReport(plugin=name, flags=flags)
+        report = ConfigReport(plugin=name, flags=flags, machine=machine)
         before = _snapshot(args)
         try:
             if implements:
@@ -124,6 +130,8 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
                              f"not given (args.explicit_args).")
             else:
                 done.derived[dest] = {"value": new, "plugin": name}
+                if dest in report.machine_defaults:
+                    done.machine[dest] = {"value": new, "probe": report.machine_defaults[dest], "plugin": name}
         done.reports.append(report)
         errors.extend(report.errors)
     executor = selection.chosen.get("executor", (args.executor, None))[0]

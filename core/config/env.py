@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 
-__all__ = ["cuda_available", "cuda_device_count", "furlong_plugin_installed", "megatron_available",
-           "sglang_available"]
+__all__ = ["cuda_available", "cuda_device_count", "describe_machine", "furlong_plugin_installed",
+           "gpu_memory", "megatron_available", "sglang_available"]
 
 
 def cuda_available() -> bool:
@@ -29,6 +29,31 @@ def cuda_device_count() -> int:
     import torch
 
     return int(torch.cuda.device_count())
+
+
+def gpu_memory() -> tuple[str, int, int]:
+    """``(name, total bytes, free bytes)`` of the first CUDA device; ``("", 0, 0)`` when torch cannot tell."""
+    if importlib.util.find_spec("torch") is None:
+        return "", 0, 0
+    import torch
+
+    try:
+        free, total = torch.cuda.mem_get_info(0)
+        return torch.cuda.get_device_name(0), int(total), int(free)
+    except (AssertionError, RuntimeError):  # no CUDA runtime, or a device that cannot be queried
+        return "", 0, 0
+
+
+def describe_machine():
+    """The :class:`furlong.hooks.Machine` plugins' ``configure`` hooks see (``report.machine``),
+    from the probes above (module globals, so a test that monkeypatches them fakes a GPU machine)."""
+    from furlong.hooks import Machine
+
+    if not cuda_available():
+        return Machine()
+    name, total, free = gpu_memory()
+    return Machine(cuda=True, gpu_name=name, gpu_count=cuda_device_count(), gpu_total_bytes=total,
+                   gpu_free_bytes=free)
 
 
 def furlong_plugin_installed(name: str) -> bool:

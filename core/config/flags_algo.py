@@ -71,13 +71,19 @@ def add(g, dev) -> None:
                    help="Copy the actor into the reference every k rollouts (not supported yet).")
     g.add_argument("--use-opd", action="store_true", help="On-policy distillation on top of the estimator.")
     g.add_argument("--opd-type", choices=["sglang", "megatron"], default=None,
-                   help="OPD teacher: a served model (not supported yet) or a Megatron checkpoint; required with --use-opd.")
+                   help="OPD teacher: sglang = a served model (SGLang's /generate, or furlong serve) at --rm-url or "
+                        "--opd-teacher-urls; megatron (a teacher checkpoint in the trainer) is not supported yet. "
+                        "Required with --use-opd.")
     g.add_argument("--opd-kl-coef", type=float, default=1.0, help="OPD KL weight.")
     megatron(g, "--opd-teacher-load", default=None, help="Megatron: the OPD teacher checkpoint (--opd-type megatron).")
     g.add_argument("--opd-teacher-urls", nargs="+", default=None, metavar="NAME=URL",
-                   help="OPD sglang teachers (not supported yet).")
+                   help="OPD sglang teachers by name: a sample's metadata[--opd-teacher-key] picks one; the name "
+                        "'default' (else --rm-url) serves the others.")
+    g.add_argument("--opd-teacher-key", default="opd_teacher",
+                   help="The sample metadata key naming its OPD teacher (--opd-teacher-urls).")
     g.add_argument("--disable-compute-advantages-and-returns", action="store_true",
-                   help="Skip reference/old log-probs and advantages (SFT, custom losses) (not supported yet).")
+                   help="Skip the advantage estimator: no advantages or returns (supervised fine-tuning with "
+                        "--loss-type sft_loss).")
     g.add_argument("--use-routing-replay", action="store_true", help="MoE routing replay (not supported yet).")
     g.add_argument("--use-rollout-routing-replay", action="store_true",
                    help="Replay the engine's MoE routing in training (not supported yet).")

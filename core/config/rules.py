@@ -86,12 +86,14 @@ def importance_sampling(args, f) -> None:
         f.error("--get-mismatch-metrics needs --custom-tis-function-path.")
     if args.use_opd:
         if args.opd_type is None:
-            f.error("--use-opd needs --opd-type (megatron).")
+            f.error("--use-opd needs --opd-type sglang (a served teacher at --rm-url or --opd-teacher-urls).")
         elif args.opd_type == "megatron":
-            if not args.opd_teacher_load:
-                f.error("--use-opd --opd-type megatron needs --opd-teacher-load (the teacher checkpoint).")
-            if args.opd_teacher_urls:
-                f.error("--opd-type megatron takes no --opd-teacher-urls (the teacher runs in the trainer).")
+            f.error("--opd-type megatron is not supported yet: the trainer loads no teacher model. Serve the teacher "
+                    "(furlong serve, or SGLang) and give --opd-type sglang --rm-url http://HOST:PORT/generate.")
+        elif not args.rm_url and not args.opd_teacher_urls:
+            f.error("--opd-type sglang needs the teacher's /generate URL: --rm-url, or --opd-teacher-urls NAME=URL.")
+    elif args.opd_type is not None:
+        f.warn(f"--opd-type {args.opd_type} does nothing without --use-opd.")
     for item in args.opd_teacher_urls or []:
         name, eq, url = item.partition("=")
         if not (name and eq and url):

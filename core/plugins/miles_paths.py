@@ -7,16 +7,18 @@ miles.rollout.fully_async_rollout.FullyAsyncRolloutFn``...); those modules are n
 beside furlong, so each path resolves to the built-in plugin that does the same thing,
 with one info line naming it. The table is data: the path as Miles spells it
 (radixark/miles at 31f1ca961a94cb860cec3b2dea34ec332bfa8f76: ``miles/rollout/filter_hub/``,
-``rm_hub/``, ``data_source.py``, ``sglang_rollout.py``, ``generate_hub/``,
-``fully_async_rollout.py``), the hook, the plugin's name. :data:`RM_TYPE` stands for the
+``rm_hub/``, ``on_policy_distillation.py``, ``data_source.py``, ``sglang_rollout.py``, ``generate_hub/``,
+``fully_async_rollout.py``, ``sft_rollout.py``), the hook, the plugin's name. :data:`RM_TYPE` stands for the
 reward plugin ``--rm-type`` names (Miles' ``async_rm`` dispatches on it).
 """
 
 from __future__ import annotations
 
-__all__ = ["MILES_BUILTINS", "MILES_FLAG_CHOICES", "RM_TYPE", "miles_builtin"]
+__all__ = ["CORE_DOES_IT", "MILES_BUILTINS", "MILES_FLAG_CHOICES", "RM_TYPE", "miles_builtin"]
 
 RM_TYPE = "<--rm-type>"
+CORE_DOES_IT = "<core>"
+"""Stands for a Miles function whose work furlong's core does by itself: the path is dropped with an info line."""
 
 # Miles' switch flag -> (hook, the built-in plugin it chooses): ``--fully-async`` is ``--rollout fully_async``
 MILES_FLAG_CHOICES: dict[str, tuple[str, str]] = {
@@ -34,6 +36,9 @@ MILES_BUILTINS: dict[str, tuple[str, str]] = {
     # reward hub
     "miles.rollout.rm_hub.remote_rm": ("reward", "remote_rm"),
     "miles.rollout.rm_hub.async_rm": ("reward", RM_TYPE),
+    # on-policy distillation with a served teacher: the core asks the teacher (--use-opd --opd-type sglang)
+    "miles.rollout.on_policy_distillation.reward_func": ("reward", "zero"),
+    "miles.rollout.on_policy_distillation.post_process_rewards": ("reward_post_process", CORE_DOES_IT),
     # buffer and data source
     "miles.rollout.data_source.pop_first": ("buffer_pop", "pop_first"),
     "miles.rollout.data_source.RolloutDataSourceWithBuffer": ("data_source", "jsonl"),
@@ -42,6 +47,7 @@ MILES_BUILTINS: dict[str, tuple[str, str]] = {
     "miles.rollout.sglang_rollout.generate_rollout": ("rollout", "sync"),
     "miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn": ("rollout", "sync"),
     "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn": ("rollout", "fully_async"),
+    "miles.rollout.sft_rollout.generate_rollout": ("rollout", "sft"),
     # generate functions
     "miles.rollout.sglang_rollout.generate": ("generate", "single_turn"),
     "miles.rollout.generate_hub.single_turn.generate": ("generate", "single_turn"),

@@ -12,7 +12,7 @@ from furlong.hooks import PluginError, RunConfig
 from .adapters import agent_abort_adapter, make_adapter
 from .path_specs import PATH_HOOKS
 from .data_choice import data_source_for
-from .miles_paths import miles_builtin
+from .miles_paths import CORE_DOES_IT, miles_builtin
 from .manager import FurlongPluginManager
 
 __all__ = ["CHOSEN_HOOKS", "Selection", "chosen_reducer", "plugins_of_this_process", "resolve_selection"]
@@ -116,6 +116,9 @@ def resolve_selection(args: Namespace, pm: FurlongPluginManager, hooks: tuple[st
         path = getattr(args, attr)
         if path and (hooks is None or hook in hooks):
             flag = "--" + attr.replace("_", "-")
+            if miles_builtin(path, hook) == CORE_DOES_IT:
+                log.info("%s %s: furlong's core does this by itself; nothing to call.", flag, path)
+                continue
             try:
                 selection.paths[hook] = (register_path(pm, hook, path, flag), flag)
             except PluginError as exc:

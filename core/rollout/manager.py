@@ -129,7 +129,9 @@ class RolloutManager:
         return data_state(self.cursor, self.ledger.held())
 
     async def dispose(self) -> None:
-        """End of the run: cancel and await every ``asyncio.Task`` kept in the rollout plugin's ``state``."""
+        """End of the run: cancel and await every ``asyncio.Task`` kept in the rollout plugin's ``state``;
+        close the sample runner's connections."""
+        await self.runner.close()
         loop = asyncio.get_running_loop()
         tasks = [t for t in self.rollout_state.values()
                  if isinstance(t, asyncio.Task) and not t.done() and t.get_loop() is loop]

@@ -13,6 +13,7 @@ from ..plugins.manager import FurlongPluginManager
 from ..plugins.selection import Selection
 from .generation_progress import GenerationProgress
 from .group_ledger import is_aborted
+from .opd_teacher import OpdTeacher
 from .rewards import RewardScorer
 
 __all__ = ["SampleRunner", "sample_seed", "train_sampling_params"]
@@ -49,7 +50,8 @@ def sample_seed(seed: int, index: int | None, evaluation: bool) -> int:
 
 class SampleRunner:
     """Runs the ``generate`` hook on each sample (seeded, at most ``--sglang-server-concurrency`` at once),
-    then the reward; :meth:`abort` stops new requests until :meth:`clear_abort`.
+    then the served OPD teacher (``--use-opd --opd-type sglang``, training samples), then the reward;
+    :meth:`abort` stops new requests until :meth:`clear_abort`.
 
     :param progress: counts the training samples generated (evaluation samples are not counted).
     """
@@ -62,6 +64,7 @@ class SampleRunner:
         self.engine = engine
         self.progress = progress
         self.scorer = RewardScorer(config, pm, selection)
+        self.teacher = OpdTeacher(config) if config.use_opd else None  # the served teacher: the only --opd-type
         self.semaphore = asyncio.Semaphore(max(1, int(config.sglang_server_concurrency)))
         self.aborted = False
 
@@ -81,6 +84,8 @@ class SampleRunner:
         flat = [s for r in results for s in (r if isinstance(r, list) else [r])]
         group[:] = flat
         to_score = [s for s in flat if s.status not in (Status.ABORTED, Status.PENDING) and s.reward is None]
+        if to_score and self.teacher is not None and not evaluation:
+            await self.teacher.score(to_score)
         if to_score and self.config.group_rm and not evaluation:
             if not is_aborted(flat):
                 await self.scorer.score(to_score)
@@ -120,3 +125,8 @@ class SampleRunner:
     def clear_abort(self) -> None:
         """Serve requests again (a new rollout starts, or the aborted one ended)."""
         self.aborted = False
+
+    async def close(self) -> None:
+        """Close the teacher's HTTP session (end of the run)."""
+        if self.teacher is not None:
+            await self.teacher.close()

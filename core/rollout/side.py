@@ -49,7 +49,8 @@ class RolloutSide:
         sel = self.selection
         source = await self.pm.call_chosen("data_source", *sel.chosen["data_source"],
                                            config=self.config, dataset=train_dataset(self.config))
-        if sel.reward is None:
+        rollout_plugin = self.pm.get_plugin(sel.chosen["rollout"][0])
+        if sel.reward is None and getattr(rollout_plugin, "NEEDS_REWARD", True):
             check_first_rows_name_a_reward(self.config, self.pm, source)
         self.cursor = DataCursor(self.config, self.pm, source, sel.chosen["buffer_pop"])
         self.evaluator = Evaluator(self.config, self.pm, sel)

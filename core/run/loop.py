@@ -297,10 +297,13 @@ def _eval_first(config: RunConfig, state: Run, rollout_id: int, start_id: int) -
 
 
 async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
+    """Generate, train, sync, one rollout after the other. ``perf/step_time``: seconds from a rollout's
+    start to its weight sync's end (the whole step, evaluation and checkpoints excluded)."""
     config = state.config
     for rollout_id in range(start_id, config.num_rollout):
         if _eval_first(config, state, rollout_id, start_id):
             await state.evaluate(rollout_id)
+        step_start = time.perf_counter()
         with RolloutProgress(state.rollout.progress, rollout_id):
             groups = await state.rollout.generate(rollout_id)
         metrics = await state.train_on(rollout_id, groups)
@@ -310,6 +313,7 @@ async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
             metrics["perf/save_model_time"] = time.perf_counter() - start
         await state.release_trainer()
         metrics["perf/update_weights_time"] = await state.update_weights()
+        metrics["perf/step_time"] = time.perf_counter() - step_start - metrics.get("perf/save_model_time", 0.0)
         await state.finish_rollout(rollout_id, groups, metrics)
         if state.eval_due(rollout_id):
             await state.evaluate(rollout_id)

@@ -157,9 +157,12 @@ class TrainGroup:
         else:
             batch.old_log_probs, entropy = await self._log_probs(shares, len(samples), "actor")
         metrics["perf/log_probs_time"] = 0.0 if reuse else time.perf_counter() - start
-        name, flag = self.selection.chosen["advantage"]
-        adv = await compute_advantages(config, self.pm, advantage_input(samples, rewards, batch), name, flag)
-        batch.advantages, batch.returns = adv.advantages, adv.returns
+        if config.disable_compute_advantages_and_returns:  # the loss reads neither (supervised fine-tuning)
+            batch.advantages = batch.returns = None
+        else:
+            name, flag = self.selection.chosen["advantage"]
+            adv = await compute_advantages(config, self.pm, advantage_input(samples, rewards, batch), name, flag)
+            batch.advantages, batch.returns = adv.advantages, adv.returns
         trained = None
         if self.skip_zero_advantage:
             trained = self._plans(batch, gbs, num_steps, tids, zero_advantage(batch.advantages, batch.loss_masks))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from furlong.hooks import MegatronFlags, hookimpl
+from furlong.kit.machine_budget import default_token_budget, long_enough_to_compile
 
 from .backend import FSDPBackend
 
@@ -62,6 +63,17 @@ def configure(args, report):
                      "layers are not compiled); use it with one trainer process.")
     if args.dp_replicate_size >= 1 and world % args.dp_replicate_size:
         report.error(f"--dp-replicate-size ({args.dp_replicate_size}) must divide the trainer world size {world}.")
+    _follow_machine(args, report, world)
+
+
+def _follow_machine(args, report, world: int) -> None:
+    """On CUDA: the micro-batch token budget from the GPU's memory, and ``--train-torch-compile`` on a single
+    trainer rank for runs long enough to repay it (docs/benchmarks.md, "Defaults that follow the machine")."""
+    shards = max(world // max(args.dp_replicate_size, 1), 1)
+    default_token_budget(args, report, state_shards=shards)
+    why = long_enough_to_compile(args, report)
+    if why and world == 1 and not args.fsdp_cpu_offload:
+        report.machine_default(args, "train_torch_compile", True, why)
 
 
 @hookimpl

@@ -7,6 +7,7 @@ import os
 import warnings
 
 from furlong.hooks import MegatronFlags, PluginError, hookimpl
+from furlong.kit.machine_budget import default_token_budget
 
 from .config import flag_dest
 
@@ -82,6 +83,8 @@ def configure(args, report):
                          + " is not supported yet by --train-backend megatron.")
     report.data_parallel_rule(TP=args.tensor_model_parallel_size, PP=args.pipeline_model_parallel_size,
                               CP=args.context_parallel_size)
+    default_token_budget(args, report, tensor_parallel=args.tensor_model_parallel_size,
+                         state_shards=args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     _check_sequence_parallel(args, report)
     for dest in ("attention_dropout", "hidden_dropout"):
         value = getattr(args, dest, None)

@@ -10,6 +10,7 @@ import logging
 
 from furlong.hooks import PluginError, hookimpl
 from furlong.kit.hf import load_causal_lm_weights, load_tokenizer
+from furlong.kit.machine_budget import long_enough_to_compile
 
 from .engine import EmbeddedEngine
 
@@ -38,10 +39,31 @@ def add_arguments(parser):
 
 @hookimpl
 def configure(args, report):
-    """The engine runs in this process: there are no external servers to attach to."""
+    """The engine runs in this process: there are no external servers to attach to.
+
+    On CUDA two defaults follow the machine (``--print-config``: ``machine_defaults``): the
+    batch holds a whole rollout (``--embedded-max-batch-size`` = the larger of the rollout's and
+    over-sampling's prompts x ``--n-samples-per-prompt``, at most :data:`MAX_SLOTS_BY_DEFAULT`;
+    slots are allocated as requests arrive, so an unused one costs nothing), and
+    ``--embedded-torch-compile`` is on for runs long enough to repay its warm-up.
+    """
     if args.rollout_external or args.rollout_external_engine_addrs:
         report.error("--rollout-external and --rollout-external-engine-addrs attach to SGLang servers: they need "
                      "--rollout-backend sglang.")
+    if not report.machine.cuda:
+        return
+    prompts = max(args.rollout_batch_size, args.over_sampling_batch_size or 0)
+    rollout = min(prompts * args.n_samples_per_prompt, MAX_SLOTS_BY_DEFAULT)
+    if rollout > args.embedded_max_batch_size:
+        report.machine_default(args, "embedded_max_batch_size", rollout,
+                               f"{report.machine.describe()}: one rollout ({prompts} prompts x "
+                               f"{args.n_samples_per_prompt} samples, at most {MAX_SLOTS_BY_DEFAULT}) decodes at once")
+    why = long_enough_to_compile(args, report)
+    if why:
+        report.machine_default(args, "embedded_torch_compile", True, why)
+
+
+MAX_SLOTS_BY_DEFAULT = 1024
 
 
 @hookimpl
