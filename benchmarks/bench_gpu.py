@@ -63,20 +63,27 @@ def build_model(folder: Path) -> Path:
     model directory its own byte-level tokenizer class, which cannot read a word-level vocabulary.
     """
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**QWEN25_05B, pad_token_id=0, attention_bias=False)
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(folder)
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    write_word_tokenizer(folder, config.vocab_size, config.eos_token_id)
+    return folder
+
+
+def write_word_tokenizer(folder: Path, vocab_size: int, eos_token_id: int) -> None:
+    """A word-level tokenizer ``t0 .. t{vocab_size - 1}`` (pad ``t0``, unknown ``t1``) saved to ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=f"t{config.eos_token_id}", pad_token="t0",
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=f"t{eos_token_id}", pad_token="t0",
                             unk_token="t1").save_pretrained(folder)
-    return folder
 
 
 def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:

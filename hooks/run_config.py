@@ -184,6 +184,7 @@ class RunConfig:
     label_key: str | None
     metadata_key: str
     tool_key: str
+    loss_mask_type: str
     multimodal_keys: Mapping[str, Any] | None
     apply_chat_template: bool
     apply_chat_template_kwargs: Mapping[str, Any]

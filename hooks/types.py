@@ -176,7 +176,11 @@ class GenerateOutput:
     tokens straddle a weight update, the version of its first tokens (the oldest).
     ``weight_version_spans``: for such a request, ``(version, start, end)`` per stretch of
     output tokens ``[start, end)`` generated under one version (SGLang's
-    ``meta_info.weight_versions``); empty otherwise.
+    ``meta_info.weight_versions``); empty otherwise. ``routed_experts``: for a
+    mixture-of-experts model whose engine records routing (``--use-rollout-routing-replay``),
+    the experts each fed token was routed to, int ``[len(input_ids) + len(output_ids) - 1,
+    num_moe_layers, topk]`` (numpy; row ``t`` = input position ``t``, the last output token is
+    never fed); None when the engine does not record it.
     """
 
     output_ids: list[int]
@@ -185,6 +189,7 @@ class GenerateOutput:
     weight_version: str = "0"
     text: str | None = None
     weight_version_spans: list[tuple[str, int, int]] = attrs.field(factory=list)
+    routed_experts: Any = None
 
 
 @attrs.define

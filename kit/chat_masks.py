@@ -31,8 +31,10 @@ __all__ = ["MASK_STYLES", "assistant_loss_mask", "response_span"]
 MASK_STYLES = ("qwen", "qwen3", "distill_qwen")
 
 
-def _render(tokenizer, messages: Sequence[dict], tools: list | None, generation_prompt: bool) -> list[int]:
-    kwargs: dict[str, Any] = {"tokenize": True, "add_generation_prompt": generation_prompt, "return_dict": False}
+def _render(tokenizer, messages: Sequence[dict], tools: list | None, generation_prompt: bool,
+            template_kwargs: dict | None = None) -> list[int]:
+    kwargs: dict[str, Any] = {**(template_kwargs or {}), "tokenize": True, "add_generation_prompt": generation_prompt,
+                              "return_dict": False}
     if tools:
         kwargs["tools"] = tools
     ids = tokenizer.apply_chat_template(list(messages), **kwargs)
@@ -45,8 +47,8 @@ def _trained(message: dict) -> bool:
     return message.get("role") == "assistant" and message.get("step_loss_mask", 1) == 1
 
 
-def assistant_loss_mask(tokenizer, messages: Sequence[dict], style: str = "qwen",
-                        tools: list | None = None, where: str = "sample") -> tuple[list[int], list[int]]:
+def assistant_loss_mask(tokenizer, messages: Sequence[dict], style: str = "qwen", tools: list | None = None,
+                        where: str = "sample", template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
     """``(token ids, loss mask)`` of a whole conversation: mask 1 on assistant-turn tokens, 0 elsewhere.
 
     :param tokenizer: a transformers tokenizer with a chat template.
@@ -54,6 +56,7 @@ def assistant_loss_mask(tokenizer, messages: Sequence[dict], style: str = "qwen"
     :param style: one of :data:`MASK_STYLES`.
     :param tools: tool schemas given to the template (with the whole conversation).
     :param where: names the sample in errors.
+    :param template_kwargs: extra arguments of the chat template (``{"enable_thinking": False}``).
     :raises PluginError: an unknown style, no chat template, or a template whose rendering of a
         prefix of the conversation is not a prefix of the next one's.
     """
@@ -63,16 +66,16 @@ def assistant_loss_mask(tokenizer, messages: Sequence[dict], style: str = "qwen"
         raise PluginError(f"{where}: the tokenizer has no chat template; the loss mask of a conversation needs one "
                           "(give --chat-template-path, or a checkpoint whose tokenizer_config.json has one).")
     if style == "distill_qwen":
-        prompt = _render(tokenizer, messages[:1], tools, generation_prompt=True)
+        prompt = _render(tokenizer, messages[:1], tools, True, template_kwargs)
         response = [int(t) for t in tokenizer(str(messages[-1]["content"]), add_special_tokens=False)["input_ids"]]
         trained = int(messages[-1].get("step_loss_mask", 1) == 1)
         return prompt + response, [0] * len(prompt) + [trained] * len(response)
     ids: list[int] = []
     mask: list[int] = []
     for i, message in enumerate(messages):
-        opened = _render(tokenizer, messages[:i], tools, generation_prompt=True) if message["role"] == "assistant" \
+        opened = _render(tokenizer, messages[:i], tools, True, template_kwargs) if message["role"] == "assistant" \
             else ids
-        closed = _render(tokenizer, messages[: i + 1], tools, generation_prompt=False)
+        closed = _render(tokenizer, messages[: i + 1], tools, False, template_kwargs)
         if closed[: len(ids)] != ids or closed[: len(opened)] != opened:
             raise PluginError(f"{where}: message {i} ({message['role']}): the chat template does not render the "
                               f"conversation before it as a prefix of the conversation up to it, so its tokens "

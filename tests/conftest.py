@@ -251,6 +251,14 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory):
+    """A tiny random Qwen3-MoE (4 experts, top 2) with the character tokenizer, built once per session."""
+    from .tiny_model import build_tiny_moe_model
+
+    return build_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe_model") / "model")
+
+
+@pytest.fixture(scope="session")
 def arithmetic_jsonl(tmp_path_factory):
     """60 prompts ``a+b=`` with integer labels, as JSONL (``prompt``/``label``)."""
     import json

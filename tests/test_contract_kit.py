@@ -19,7 +19,7 @@ from .test_rewards_remote_rm import server  # noqa: F401 - the reward server fix
 EXERCISED = {
     "check_reward_nonzero_std": ["filter"], "no_aborted": ["filter"], "pop_first": ["buffer_pop"],
     "single_turn": ["generate"], "jsonl": ["data_source"], "parquet": ["data_source"], "hf_datasets": ["data_source"],
-    "policy_loss": ["loss"], "sft_loss": ["loss"], "value_loss": ["loss"],
+    "policy_loss": ["configure", "loss"], "sft_loss": ["loss"], "sft": ["configure"], "value_loss": ["loss"],
     "dr_grpo": ["configure", "loss_reducer"], "embedded": ["add_arguments", "configure"], "fsdp": ["configure"],
     "local": ["configure", "executor_fit"], "fully_async": ["configure"],
     "megatron": ["configure"], "sglang": ["add_arguments", "configure"],
@@ -31,7 +31,7 @@ EXERCISED = {
     **{name: ["configure", "advantage"] for name in ("grpo", "gspo", "ppo", "reinforce_plus_plus",
                                                       "reinforce_plus_plus_baseline", "on_policy_distillation")},
     "remote_rm": ["add_arguments", "configure", "reward"],
-    **{name: ["reward"] for name in ("math", "dapo", "deepscaler", "f1", "gpqa", "random", "deterministic_random")},
+    **{name: ["reward"] for name in ("math", "dapo", "deepscaler", "f1", "gpqa", "random", "deterministic_random", "zero")},
 }
 
 

@@ -20,7 +20,9 @@ async def generate(config, sample, sampling_params, engine, evaluation):
     ``rollout_log_probs``, the text to ``response``, the engine's weight version to
     ``weight_versions`` (and, for a request that straddled a weight update, its spans in
     response-token positions to ``extra["weight_version_spans"]``); status from the finish reason (stop → completed, length →
-    truncated, abort → aborted).
+    truncated, abort → aborted). An engine that records routing (``--use-rollout-routing-replay``) gives the
+    experts of every fed token, prompt and response: they become ``rollout_routed_experts`` (a resumed sample's
+    earlier tokens were fed again, so the new record covers them; new tokens without a record leave none).
 
     :raises PluginError: the prompt is a chat message list and ``--apply-chat-template``
         is off.
@@ -75,4 +77,6 @@ def _append(config, sample, out, tokenizer, params) -> None:
     if out.weight_version_spans:  # the request straddled a weight update: which tokens came from which version
         spans = [(version, previous + start, previous + end) for version, start, end in out.weight_version_spans]
         sample.extra.setdefault("weight_version_spans", []).extend(spans)
+    if out.routed_experts is not None or new:  # a record that no longer covers the tokens is dropped
+        sample.rollout_routed_experts = out.routed_experts
     sample.status = _FINISH_STATUS.get(out.finish_reason, Status.COMPLETED)

@@ -3,7 +3,8 @@
 ``--rollout sft`` (Miles: ``--rollout-function-path miles.rollout.sft_rollout.generate_rollout``)
 takes ``--rollout-batch-size`` rows per rollout, whose ``--input-key`` holds a chat
 conversation, and turns each into one finished sample: the conversation's tokens, a loss
-mask over the assistant turns (:mod:`furlong.kit.chat_masks`, ``--loss-mask-type``), the
+mask over the assistant turns (:mod:`furlong.kit.chat_masks`, ``--loss-mask-type``, with
+``--apply-chat-template-kwargs`` passed to the template), the
 response starting at the first trained token, reward 0. Train them with ``--loss-type
 sft_loss`` (the negative log-likelihood of the masked tokens); ``--calculate-per-token-loss``
 averages over the step's trained tokens, as an SFT trainer does. No engine is asked for anything.
@@ -14,23 +15,16 @@ from __future__ import annotations
 import logging
 
 from furlong.hooks import PluginError, Status, hookimpl
-from furlong.kit.chat_masks import MASK_STYLES, assistant_loss_mask, response_span
+from furlong.kit.chat_masks import assistant_loss_mask, response_span
 from furlong.kit.hf import load_tokenizer
 
-__all__ = ["add_arguments", "configure", "rollout"]
+__all__ = ["configure", "rollout"]
 
 log = logging.getLogger("furlong.rollout")
 
 PLUGIN = "sft"
 NEEDS_REWARD = False
 """The samples are scored 0 here; the run needs no --rm-type (read by the core before the first rollout)."""
-
-
-@hookimpl
-def add_arguments(parser):
-    group = parser.add_argument_group("sft rollout (--rollout sft)")
-    group.add_argument("--loss-mask-type", choices=MASK_STYLES, default="qwen",
-                       help="How assistant turns are found in a rendered conversation (furlong.kit.chat_masks).")
 
 
 @hookimpl
@@ -63,7 +57,7 @@ async def rollout(config, rollout_id, context):
         if config.chat_template_path:
             with open(config.chat_template_path, encoding="utf-8") as handle:
                 tokenizer.chat_template = handle.read()
-    style = config.plugin_config(PLUGIN).loss_mask_type
+    style, template_kwargs = config.loss_mask_type, dict(config.apply_chat_template_kwargs or {})
     groups = await context.data.get_samples(config.rollout_batch_size)
     for group in groups:
         for sample in group:
@@ -71,7 +65,8 @@ async def rollout(config, rollout_id, context):
             if not isinstance(sample.prompt, list):
                 raise PluginError(f"--rollout sft: {where}: --input-key must hold a list of chat messages, got "
                                   f"{type(sample.prompt).__name__}.")
-            tokens, mask = assistant_loss_mask(tokenizer, sample.prompt, style, sample.metadata.get("tools"), where)
+            tokens, mask = assistant_loss_mask(tokenizer, sample.prompt, style, sample.metadata.get("tools"), where,
+                                               template_kwargs)
             length = response_span(mask)
             if not length:
                 raise PluginError(f"--rollout sft: {where} has no assistant turn to train on.")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from furlong.kit.chat_masks import MASK_STYLES
+
 from ._util import json_object
 
 __all__ = ["add"]
@@ -25,6 +27,8 @@ def add(g, dev) -> None:
                    help="Render prompts with the tokenizer's chat template at load; never implied.")
     g.add_argument("--apply-chat-template-kwargs", type=json_object, default={},
                    help="JSON object of extra chat-template arguments, e.g. '{\"enable_thinking\": false}'.")
+    g.add_argument("--loss-mask-type", choices=MASK_STYLES, default="qwen",
+                   help="How the assistant turns of a conversation are found (the sft rollout, furlong.kit.chat_masks).")
     g.add_argument("--chat-template-path", default=None,
                    help="Chat template file used instead of the tokenizer's (also sent as --sglang-chat-template).")
     g.add_argument("--rollout-shuffle", action="store_true", help="Shuffle prompts each epoch (seed: rollout seed + epoch).")

@@ -2,9 +2,9 @@
 
 The train workers stream their weights in Hugging Face names, the way a sync does; each
 tensor, cast to the dtype the engine holds it in (the cast the engine's own copy makes), must
-have the SHA-256 the engine reports for it (``engine.weight_digests()``,
-:func:`furlong.kit.tensor_digest.named_digests`). Tensors the engine holds that the trainer
-does not send (a tied output projection) are not compared.
+have the SHA-256 the engine reports for it (``engine.weight_digests(names)``, bucket by bucket:
+``{name: (dtype, shape, sha256)}``, :func:`furlong.kit.tensor_digest.named_digests`). Tensors the
+engine holds that the trainer does not send (a tied output projection) are not compared.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ async def check_engine_weights(config: RunConfig, group: TrainGroup, engines: li
     reporters = [getattr(engine, "weight_digests", None) for engine in engines]
     if not all(callable(r) for r in reporters):
         raise PluginError(f"{FLAG}: the engines of --rollout-backend {config.rollout_backend} cannot report their "
-                          "weights (no weight_digests()); the check works with the embedded engine in the driver's "
+                          "weights (no weight_digests(names)); the check works with the embedded engine in the driver's "
                           "process (--executor local). Drop the flag for this engine.")
-    held = await asyncio.gather(*(r() for r in reporters))
     compared = 0
     async with group.busy:
         await group.begin_weights()
         while (bucket := await group.next_weight_bucket(config.update_weight_buffer_size, True)) is not None:
+            held = await asyncio.gather(*(report(list(bucket.names)) for report in reporters))
             for name, tensor in zip(bucket.names, bucket.tensors):
                 for index, digests in enumerate(held):
                     _compare(name, tensor, digests, index, version)

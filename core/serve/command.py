@@ -55,6 +55,9 @@ def build_serve_parser(pm=None, backend: str | None = None) -> argparse.Argument
                    help="Weights' dtype on CUDA (auto = bfloat16); CPU always runs float32.")
     g.add_argument("--seed", type=int, default=1234, help="Seeds the engine's per-request sampling seeds "
                    "(a request's sampling_seed overrides it).")
+    g.add_argument("--enable-return-routed-experts", action="store_true", help="Record the experts every token "
+                   "is routed to (a mixture-of-experts model), so /generate answers them in "
+                   "meta_info.routed_experts when a request sets return_routed_experts (SGLang's flag).")
     g.add_argument("--incremental-streaming-output", action="store_true", help="Streamed chunks carry only the "
                    "new text, ids and logprobs (SGLang's flag); default: each chunk carries everything so far.")
     g.add_argument("--disable-plugins", action="append", default=[], help="NAME or DIST:NAME to skip.")
@@ -174,7 +177,8 @@ async def _serve(args: argparse.Namespace, pm) -> int:
 def engine_config(args: argparse.Namespace, pm) -> RunConfig:
     """The run configuration the engine plugin gets: a ``furlong train`` run's defaults with the
     server's engine flags (``--hf-checkpoint``, ``--rollout-backend``, ``--seed``, ``--dtype`` as
-    ``bf16``/``fp16``, and the backend plugin's own flags) in place.
+    ``bf16``/``fp16``, ``--enable-return-routed-experts`` as ``use_rollout_routing_replay``, and the
+    backend plugin's own flags) in place.
 
     :raises TypeError: a value does not fit its field (a defect of the serve parser).
     """
@@ -185,7 +189,8 @@ def engine_config(args: argparse.Namespace, pm) -> RunConfig:
     plugin_flags = build_parser(pm).plugin_flags
     own = {dest: value for dest, value in vars(args).items() if dest in plugin_flags}
     train = launch_args(pm=pm, hf_checkpoint=args.hf_checkpoint, rollout_backend=args.rollout_backend,
-                        seed=args.seed, bf16=args.bf16, fp16=args.fp16, **own)
+                        seed=args.seed, bf16=args.bf16, fp16=args.fp16,
+                        use_rollout_routing_replay=args.enable_return_routed_experts, **own)
     return freeze_config(train, plugin_flags)
 
 

@@ -40,7 +40,7 @@ async def generate_route(request: web.Request) -> web.StreamResponse:
     def body(item: GenerateItem, progress, start: int = 0) -> dict:
         return generate_body(state.tokenizer, item, progress, weight_version=state.weight_version,
                              latency_s=time.monotonic() - started, text_in_logprobs=top["return_text_in_logprobs"],
-                             start=start)
+                             start=start, routing=state.routing)
 
     if top["stream"]:
         return await _stream(request, state, items, body, batch)

@@ -89,6 +89,7 @@ async def server_info(request: web.Request) -> web.Response:
         "startup_time": state.started_at,
         "internal_states": [{"paused": state.pause_mode, "running_requests": len(state.running)}],
         "enable_deterministic_inference": True,
+        "enable_return_routed_experts": state.routing is not None,
         "version": SGLANG_API_VERSION,
         "furlong_version": md.version("furlong"),
         "frontend": "furlong",

@@ -8,7 +8,9 @@ One response (or one streamed chunk) is ``{"text", "output_ids", "meta_info"}``;
 weight update) and, when ``return_logprob``, ``input_token_logprobs`` (the prompt's
 tokens from ``logprob_start_len`` on; none by default) and ``output_token_logprobs`` as
 ``[logprob, token_id, text or null]`` triples (the first prompt token's logprob is
-null), with ``output_token_logprobs_length``
+null), with ``output_token_logprobs_length``; when ``return_routed_experts``, a finished
+request's ``routed_experts``: base64 of int32 ``[prompt + output - 1 - routed_experts_start_len,
+num_hidden_layers, topk]`` (:func:`furlong.kit.moe.encode_routed_experts`)
 (``sglang/srt/managers/tokenizer_manager.py``, ``api/v1/api_types.py``
 ``GenerateMetaInfo``/``LogprobEntry``). Finish reasons are SGLang's tagged objects
 (``schedule_batch.py`` ``FINISH_*.to_json``): ``{"type": "stop", "matched": id or
@@ -21,6 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+
+from furlong.kit.moe import encode_routed_experts
 
 __all__ = ["Progress", "generate_body"]
 
@@ -40,6 +44,7 @@ class Progress:
     abort_message: str = "Aborted"
     versions: list[tuple[str, int]] = attrs.field(factory=list)
     input_log_probs: list = attrs.field(factory=list)  # of the prompt tokens from logprob_start_len on
+    routed_experts: Any = None  # the engine's record, int [fed tokens, MoE layers, topk], once finished
 
     def version_spans(self) -> list[dict]:
         """SGLang's ``weight_versions``: ``[{"version", "start", "end"}]`` over the output tokens."""
@@ -48,7 +53,7 @@ class Progress:
 
 
 def generate_body(tokenizer: Any, item: Any, progress: Progress, *, weight_version: str, latency_s: float,
-                  text_in_logprobs: bool, start: int = 0) -> dict:
+                  text_in_logprobs: bool, start: int = 0, routing: Any = None) -> dict:
     """The response (or stream chunk) for one request.
 
     :param item: the request's :class:`~furlong.core.serve.schema.GenerateItem`.
@@ -58,6 +63,7 @@ def generate_body(tokenizer: Any, item: Any, progress: Progress, *, weight_versi
     :param text_in_logprobs: put each token's text in ``output_token_logprobs`` (else null).
     :param start: first output token to include in ``text``/``output_ids``/logprobs
         (incremental streaming sends only what is new; 0 = everything).
+    :param routing: the engine's :class:`~furlong.kit.moe.RoutingLayout` when it records routing.
     """
     ids = progress.output_ids
     stop_strings = _stop_strings(item.sampling_params)
@@ -86,6 +92,9 @@ def generate_body(tokenizer: Any, item: Any, progress: Progress, *, weight_versi
         meta["input_token_logprobs"] = [entry(lp, tok) for lp, tok in zip(progress.input_log_probs, prompt)]
         meta["output_token_logprobs"] = [entry(lp, tok) for lp, tok in zip(progress.log_probs[start:], ids[start:])]
         meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
+    if item.return_routed_experts and progress.routed_experts is not None:
+        meta["routed_experts"] = encode_routed_experts(progress.routed_experts[item.routed_experts_start_len:],
+                                                       routing)
     return {"text": text, "output_ids": list(ids[start:]), "meta_info": meta}
 
 

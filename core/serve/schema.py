@@ -210,7 +210,7 @@ _NOT_IMPLEMENTED = (
     "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes", "use_audio_in_video",
     "video_config", "token_ids_logprob", "return_sampling_mask", "sampling_logprobs_mode",
     "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs", "return_hidden_states",
-    "return_routed_experts", "routed_experts_start_len", "return_indexer_topk", "modalities", "session_params",
+    "return_indexer_topk", "modalities", "session_params",
     "lora_path", "lora_id", "custom_logit_processor", "positional_embed_overrides", "bootstrap_host",
     "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size", "background", "require_reasoning",
     "max_thinking_tokens", "return_bytes", "return_entropy", "return_prompt_token_ids", "need_wait_for_mm_inputs",
@@ -224,6 +224,7 @@ GENERATE_FIELDS: dict[str, Field] = {
     "return_logprob": Field(_ANY), "stream": Field(check_bool, False), "return_text_in_logprobs":
     Field(check_bool, False), "logprob_start_len": Field(_ANY),
     "top_logprobs_num": Field(_ANY, honoured=False, off=0),
+    "return_routed_experts": Field(check_bool, False), "routed_experts_start_len": Field(check_int, 0),
     **{name: Field(_ANY) for name in _INERT},
     **{name: Field(_ANY, honoured=False) for name in _NOT_IMPLEMENTED},
 }
@@ -236,7 +237,8 @@ class GenerateItem:
     ``input_ids`` or ``text`` (exactly one); ``sampling_params`` with only SGLang keys,
     type-checked (ranges are the engine's to check); ``output_params`` the keys that
     shape the response rather than the sampling (``no_stop_trim``,
-    ``spaces_between_special_tokens``, ``stream_interval``).
+    ``spaces_between_special_tokens``, ``stream_interval``). ``return_routed_experts``: answer
+    the experts each fed token was routed to, from input position ``routed_experts_start_len`` on.
     """
 
     rid: str
@@ -246,6 +248,8 @@ class GenerateItem:
     input_ids: list[int] | None = None
     text: str | None = None
     logprob_start_len: int = -1
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 _OUTPUT_KEYS = ("no_stop_trim", "spaces_between_special_tokens", "stream_interval")
@@ -288,8 +292,10 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, dict]:
         given = {k: v for k, v in params[i].items() if v is not None and SAMPLING_FIELDS[k].honoured}
         output = {k: given.pop(k) for k in _OUTPUT_KEYS if k in given}
         items.append(GenerateItem(rid=rids[i], sampling_params=given, output_params=output,
-                                  return_logprob=logprob[i], logprob_start_len=starts[i], **{"text" if text is not None else "input_ids":
-                                                                prompts[i]}))
+                                  return_logprob=logprob[i], logprob_start_len=starts[i],
+                                  return_routed_experts=top["return_routed_experts"],
+                                  routed_experts_start_len=top["routed_experts_start_len"],
+                                  **{"text" if text is not None else "input_ids": prompts[i]}))
     return items, batch, top
 
 

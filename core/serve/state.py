@@ -25,7 +25,9 @@ class ServeState:
     and ``/flush_cache``. ``pause_mode``: the mode of the pause in force, or None.
     ``last_token_at``: monotonic time of the last decoded token (``/health_generate``
     counts a busy engine as healthy, as SGLang does). ``weight_session``: the selector of
-    the open weight-update session (``/begin_weight_update``), or None.
+    the open weight-update session (``/begin_weight_update``), or None. ``routing``: the
+    engine's :class:`~furlong.kit.moe.RoutingLayout` when it records routing
+    (``--enable-return-routed-experts``), else None.
     """
 
     def __init__(self, engine: Any, args: Namespace) -> None:
@@ -45,12 +47,15 @@ class ServeState:
         names = inspect.signature(engine.generate).parameters
         self.engine_streams = "on_token" in names  # incremental output
         self.engine_takes_rid = "rid" in names and callable(getattr(engine, "abort_request", None))
+        self.routing = getattr(engine, "routing", None) if getattr(engine, "records_routing", False) else None
 
     async def generate(self, item: GenerateItem, on_progress: Callable[[], None] | None = None) -> Progress:
         """Run one request on the engine; ``on_progress`` after each new token (when the engine streams).
 
         :raises BadRequest: the engine refused the request (a sampling value out of range,
-            a prompt longer than the context, a request id in use); the message is the engine's.
+            a prompt longer than the context, a request id in use); the message is the engine's;
+            routed experts asked of a server that does not record them, or from a start
+            beyond the prompt.
         """
         if item.input_ids is None:
             item.input_ids = list(self.tokenizer.encode(item.text))
@@ -59,6 +64,7 @@ class ServeState:
             raise BadRequest(f"/generate: token id {bad[0]} of request {item.rid!r} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
         self._check_context(item)
+        self._check_routing(item)
         if item.rid in self.running:
             raise BadRequest(f"/generate: request id {item.rid!r} is already running")
         progress = Progress()
@@ -87,7 +93,21 @@ class ServeState:
         progress.output_ids = list(out.output_ids)  # the engine's own record (same tokens when it streams)
         progress.log_probs = list(out.output_log_probs)
         progress.reason = out.finish_reason
+        progress.routed_experts = out.routed_experts
         return progress
+
+    def _check_routing(self, item: GenerateItem) -> None:
+        """Refuse ``return_routed_experts`` the server cannot answer; the start's range is SGLang's
+        (``Scheduler``: ``0 <= routed_experts_start_len <= prompt tokens``)."""
+        if not item.return_routed_experts:
+            return
+        if self.routing is None:
+            raise BadRequest(f"/generate: return_routed_experts needs a mixture-of-experts model served with "
+                             f"--enable-return-routed-experts (request {item.rid!r}).")
+        start = item.routed_experts_start_len
+        if not 0 <= start <= len(item.input_ids):
+            raise BadRequest(f"/generate: routed_experts_start_len={start} is outside [0, {len(item.input_ids)}] "
+                             f"(the prompt's tokens) for request {item.rid!r}.")
 
     async def _input_log_probs(self, item: GenerateItem) -> list:
         """SGLang's ``input_token_logprobs`` values: prompt positions from ``logprob_start_len`` on

@@ -2,6 +2,8 @@
 
 Meant for CPU runs, tests and small models; SGLang serves production. The sampling
 semantics follow the ``sampling_params`` of SGLang's native API; see :mod:`.sampling`.
+Mixture-of-experts models (Qwen3-MoE and the other transformers families with fused
+experts) run with the same batching and CUDA graphs; see :mod:`.experts`.
 """
 
 from __future__ import annotations
@@ -72,10 +74,12 @@ def rollout_engine(config, engine_index):
 
     Flags read: ``--hf-checkpoint``, ``--bf16``/``--fp16`` (CUDA only; CPU runs float32),
     ``--embedded-max-batch-size``, ``--embedded-torch-compile``, ``--seed`` (engine ``engine_index``
-    seeds its sampling with ``seed + engine_index``).
+    seeds its sampling with ``seed + engine_index``), ``--use-rollout-routing-replay`` (record
+    each fed token's experts: ``GenerateOutput.routed_experts``).
 
     :returns: an :class:`EmbeddedEngine` (meets :class:`furlong.hooks.RolloutEngine`).
-    :raises PluginError: ``--hf-checkpoint`` is missing or cannot be loaded.
+    :raises PluginError: ``--hf-checkpoint`` is missing or cannot be loaded, or
+        ``--use-rollout-routing-replay`` with a model that has no mixture-of-experts layer.
     """
     own = config.plugin_config(PLUGIN)
     return load_engine(
@@ -85,19 +89,22 @@ def rollout_engine(config, engine_index):
         fp16=config.fp16,
         seed=config.seed + int(engine_index),
         compile="inductor" if own.embedded_torch_compile else None,
+        record_routing=bool(config.use_rollout_routing_replay),
     )
 
 
 def load_engine(path: str | None, max_batch_size: int = 64, half: bool = True, fp16: bool = False,
-                seed: int = 0, compile: str | None = None) -> EmbeddedEngine:
+                seed: int = 0, compile: str | None = None, record_routing: bool = False,
+                experts: tuple[str, str] | None = None) -> EmbeddedEngine:
     """Load model and tokenizer from the Hugging Face directory ``path`` into an engine.
 
     On CUDA the model runs in bfloat16 when ``half`` (float16 when ``fp16``), else float32;
     on CPU always float32. Attention is ``sdpa`` when the model supports it, else eager.
     ``compile``: None, or the ``torch.compile`` backend of the decode step (see
-    :class:`~.decode.SlotDecoder`).
+    :class:`~.decode.SlotDecoder`). ``record_routing`` and ``experts``: see :class:`EmbeddedEngine`.
 
-    :raises PluginError: ``path`` is None or not a loadable model directory.
+    :raises PluginError: ``path`` is None or not a loadable model directory, or
+        ``record_routing`` with a dense model.
     """
     import torch
 
@@ -113,4 +120,5 @@ def load_engine(path: str | None, max_batch_size: int = 64, half: bool = True, f
                           f"embedding only {vocab} rows; the tokenizer files and the model do not belong together.")
     if cuda:
         model = model.to("cuda")
-    return EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size, seed=seed, compile=compile)
+    return EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size, seed=seed, compile=compile,
+                          record_routing=record_routing, experts=experts)

@@ -38,10 +38,16 @@ graphs stay valid; they are dropped when the cache grows or the weights move.
 
 With ``compile`` (``--embedded-torch-compile``) the model's decoder layers and the
 sampler run through ``torch.compile`` (:mod:`.fusion`), inside the same graphs.
+
+A mixture-of-experts model runs its experts through kernels that keep a decode step's
+shapes fixed and free of host syncs (:mod:`.experts`). With ``record_routing`` every pass
+writes the experts each fed token was routed to into the cache beside its keys and values,
+and a finishing request reads its rows back with its tokens (``Request.routed_experts``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any, Callable
@@ -49,6 +55,9 @@ from typing import Any, Callable
 import attrs
 import numpy as np
 
+from furlong.kit.moe import experts_modules
+
+from .experts import SlotExperts, experts_kernels
 from .fusion import compile_model, compiled_sampler, uncompile_model
 from .sampling import SamplingParams, sample_batch
 from .slots import SlotCache, SlotPass, use_slot_attention
@@ -88,6 +97,9 @@ class Request:
     the engine's epoch is larger. ``cancelled``: the caller stopped waiting. ``rid``: the
     caller's request id (``abort_request(rid)`` sets ``aborted``). ``on_token``: called
     in the decode thread with ``(token_id, log_prob)`` after each new token (streaming).
+    ``routed_experts``: with ``record_routing``, set when it finishes: int32 numpy
+    ``[len(input_ids) + len(output_ids) - 1, MoE layers, topk]``, the experts each fed
+    token (prompt and generated, the last generated one excepted) was routed to.
     """
 
     input_ids: list[int]
@@ -103,6 +115,7 @@ class Request:
     output_ids: list[int] = attrs.field(factory=list)
     log_probs: list[float] = attrs.field(factory=list)
     finish_reason: str | None = None
+    routed_experts: Any = None
 
     @property
     def watched(self) -> bool:
@@ -119,7 +132,11 @@ class SlotDecoder:
     :param graphs: capture the decode step in CUDA graphs (CUDA only).
     :param compile: None, or the ``torch.compile`` backend of the decoder layers and the
         sampler (``"inductor"`` for ``--embedded-torch-compile``; tests use ``"aot_eager"``).
+    :param record_routing: record each fed token's experts (a mixture-of-experts model).
+    :param experts: ``(prefill, decode)`` experts kernels of an MoE model (default:
+        :func:`~.experts.experts_kernels` of the model's device and dtype).
     :raises PluginError: ``compile`` with a model whose decoder layers cannot be found.
+    :raises ValueError: ``record_routing`` with a model that has no MoE layer.
 
     ``bucket_widths``: decode steps without a graph attend over :func:`width_bucket` columns
     instead of exactly the columns in use (on with graphs; tests turn it on to check that
@@ -144,13 +161,23 @@ class SlotDecoder:
     share_prompts = True
 
     def __init__(self, model, tokenizer, *, max_slots: int, lock: threading.Lock, graphs: bool = True,
-                 compile: str | None = None) -> None:
+                 compile: str | None = None, record_routing: bool = False,
+                 experts: tuple[str, str] | None = None) -> None:
         import torch
 
         use_slot_attention(model)
         self.model, self.tokenizer, self.max_slots, self.lock = model, tokenizer, max_slots, lock
         self.device = next(model.parameters()).device
-        self.cache = SlotCache.for_model(model)
+        self.experts = None  # the MoE layers' SlotExperts
+        if experts_modules(model) or record_routing:
+            param = next(model.parameters())
+            capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+            kernels = experts or experts_kernels(self.device.type, param.dtype, capability)
+            self.experts = SlotExperts(model, *kernels, record=record_routing)
+        routes = None
+        if record_routing:
+            routes = (len(self.experts.layout.moe_layers), self.experts.layout.topk, self.experts.route_dtype)
+        self.cache = SlotCache.for_model(model, routes)
         self.graphs_on = graphs and self.device.type == "cuda"
         self.bucket_widths = self.graphs_on
         self.overlap = self.graphs_on
@@ -370,8 +397,9 @@ class SlotDecoder:
             if r is not None:
                 owner[r] = slots[i]
         step = SlotPass(cache=self.cache, rows=torch.tensor(owner, device=dev), columns=columns, causal=mask)
-        logits = self.model(input_ids=ids, position_ids=positions, slot_pass=step, use_cache=False,
-                            logits_to_keep=1).logits[:, -1].float()
+        with self._passing(step):
+            logits = self.model(input_ids=ids, position_ids=positions, slot_pass=step, use_cache=False,
+                                logits_to_keep=1).logits[:, -1].float()
         copies = [(owner[r], s) for r, s in zip(row_of, slots) if r is not None and owner[r] != s]
         if copies:
             sources, targets = zip(*copies)
@@ -459,9 +487,14 @@ class SlotDecoder:
         visible = torch.arange(width, device=self.device)[None, :] <= pos[:, None]
         step = SlotPass(cache=self.cache, rows=self.d_slots[:n], columns=pos[:, None],
                         visible=visible[:, None, None, :], width=width)
-        out = self.model(input_ids=self.d_tok[:n, None], position_ids=pos[:, None], slot_pass=step, use_cache=False,
-                         logits_to_keep=1)
+        with self._passing(step):
+            out = self.model(input_ids=self.d_tok[:n, None], position_ids=pos[:, None], slot_pass=step,
+                             use_cache=False, logits_to_keep=1)
         return out.logits[:, -1].float()
+
+    def _passing(self, step):
+        """The context of a forward pass of ``step`` (the MoE layers read it)."""
+        return self.experts.passing(step) if self.experts is not None else contextlib.nullcontext()
 
     def _capture(self, n: int, width: int):
         """A CUDA graph of :meth:`_device_step` for ``n`` slots over ``width`` columns, or False.
@@ -575,6 +608,7 @@ class SlotDecoder:
         index = torch.tensor(slots, device=self.device)
         ids = self.out_ids[index, :longest].tolist()
         lps = self.out_lp[index, :longest].tolist()
+        routed = self._routed(slots, index)
         self.d_max_new[index] = 0
         self.d_busy[index] = 0
         self.d_pos[index] = 0
@@ -583,6 +617,8 @@ class SlotDecoder:
             req, n = self.requests[s], int(self.count[s])
             req.output_ids, req.log_probs = row_ids[:n], row_lps[:n]
             req.finish_reason = reason
+            if routed is not None:
+                req.routed_experts = routed.pop(0)
             self.requests[s] = None
             self.busy[s], self.pos[s] = False, 0
             self._release_prompt(s)
@@ -591,6 +627,18 @@ class SlotDecoder:
             self.watched.discard(s)
             finished.append(req)
         on_finish(finished)
+
+    def _routed(self, slots: list[int], index) -> list | None:
+        """The routing record of the requests in ``slots`` (``index`` on the device): per request, int32
+        ``[prompt + generated - 1, MoE layers, topk]``; None when routing is not recorded."""
+        import torch
+
+        if not self.cache.routes:
+            return None
+        fed = [len(self.requests[s].input_ids) + int(self.count[s]) - 1 for s in slots]
+        table = torch.stack([r[index, 0, : max(fed)] for r in self.cache.routes], dim=2)
+        table = table.to(torch.int32).cpu().numpy()
+        return [table[k, :rows] for k, rows in enumerate(fed)]
 
     def _release_prompt(self, slot: int) -> None:
         """``slot`` no longer holds its prompt; the prompt is forgotten with its last holder."""

@@ -21,6 +21,7 @@ from furlong.kit.compute_thread import run_compute
 
 from .decode import Request, SlotDecoder
 from .sampling import SamplingParams
+from .weight_names import target_of
 
 __all__ = ["EmbeddedEngine"]
 
@@ -38,13 +39,27 @@ class EmbeddedEngine:
         order sample the same tokens in whatever process the engine runs.
     :param compile: None, or the ``torch.compile`` backend of the decode step
         (``--embedded-torch-compile``: ``"inductor"``; see :class:`~.decode.SlotDecoder`).
+    :param record_routing: a mixture-of-experts model records the experts each fed token was
+        routed to, returned as ``GenerateOutput.routed_experts`` (``--use-rollout-routing-replay``).
+    :param experts: ``(prefill, decode)`` experts kernels of an MoE model (default: chosen
+        from the device and dtype, see :func:`~.experts.experts_kernels`).
+    :raises PluginError: ``max_batch_size`` below 1, or ``record_routing`` with a model that has
+        no mixture-of-experts layer.
     """
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 64, seed: int = 0, compile: str | None = None) -> None:
+    def __init__(self, model, tokenizer, max_batch_size: int = 64, seed: int = 0, compile: str | None = None,
+                 record_routing: bool = False, experts: tuple[str, str] | None = None) -> None:
         import torch
+
+        from furlong.kit.moe import routing_layout
 
         if max_batch_size < 1:
             raise PluginError(f"--embedded-max-batch-size {max_batch_size}: must be at least 1.")
+        self.routing = routing_layout(model)  # None for a dense model
+        self.records_routing = bool(record_routing)
+        if record_routing and self.routing is None:
+            raise PluginError(f"--use-rollout-routing-replay: the model ({type(model).__name__}) has no "
+                              "mixture-of-experts layer, so there is no routing to record; run without the flag.")
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -63,7 +78,8 @@ class EmbeddedEngine:
         self._pending: list[Request] = []
         self._inflight: set[Request] = set()  # taken by the decoder, not resolved yet
         self._queue_lock = threading.Lock()  # guards _pending and _inflight (event loop and decode thread)
-        self._decoder = SlotDecoder(model, tokenizer, max_slots=max_batch_size, lock=self._lock, compile=compile)
+        self._decoder = SlotDecoder(model, tokenizer, max_slots=max_batch_size, lock=self._lock, compile=compile,
+                                    record_routing=record_routing, experts=experts)
         self._by_rid: dict[str, Request] = {}  # requests given a rid, until they are resolved
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
@@ -202,6 +218,10 @@ class EmbeddedEngine:
 
     async def load_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
         """Copy one bucket of Hugging Face-named tensors into the model in place.
+
+        Names are the model's ``state_dict`` names, or, for a mixture-of-experts model, the
+        checkpoint's per-expert names too (``...mlp.experts.{e}.{gate,up,down}_proj.weight``,
+        copied into their slices of the fused experts tensors; see :mod:`.weight_names`).
 
         :raises PluginError: an unknown name or a shape mismatch (names the tensor).
         """
@@ -356,16 +376,20 @@ class EmbeddedEngine:
     def _output(self, req: Request, reason: str) -> GenerateOutput:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
         return GenerateOutput(output_ids=list(req.output_ids), output_log_probs=list(req.log_probs),
-                              finish_reason=reason, weight_version=str(self.weight_version), text=text)
+                              finish_reason=reason, weight_version=str(self.weight_version), text=text,
+                              routed_experts=req.routed_experts)
 
-    async def weight_digests(self) -> dict[str, tuple[str, list[int], str]]:
-        """``{name: (dtype, shape, sha256)}`` of every tensor of the model's state dict
-        (:func:`furlong.kit.tensor_digest.named_digests`), for ``--check-weight-update-equal``."""
+    async def weight_digests(self, names: list[str]) -> dict[str, tuple[str, list[int], str]]:
+        """``{name: (dtype, shape, sha256)}`` of the tensor each Hugging Face name of a weight update is copied
+        into (a per-expert name: its slice of the fused experts), for ``--check-weight-update-equal``
+        (:func:`furlong.kit.tensor_digest.tensor_digest`); names the model lacks are left out."""
         from furlong.kit.tensor_digest import named_digests
 
         def digests():
             with self._lock:
-                return named_digests(self.model.state_dict().items())
+                state = self.model.state_dict()
+                targets = ((name, target_of(self.model, state, name)) for name in names)
+                return named_digests((name, t) for name, t in targets if t is not None)
 
         return await asyncio.to_thread(digests)
 
@@ -377,17 +401,19 @@ class EmbeddedEngine:
         state = self.model.state_dict()
         with contextlib.nullcontext() if self._paused else self._lock, self._torch.no_grad():
             for name, tensor in named_tensors:
-                if name not in state:
+                target = target_of(self.model, state, name)
+                if target is None:
                     raise PluginError(
                         f"embedded engine: update_weights got unknown tensor '{name}'; "
-                        "names must match the model's Hugging Face state_dict."
+                        "names must match the model's Hugging Face state_dict"
+                        + (" or its checkpoint's per-expert names." if self.routing is not None else ".")
                     )
-                if tuple(state[name].shape) != tuple(tensor.shape):
+                if tuple(target.shape) != tuple(tensor.shape):
                     raise PluginError(
                         f"embedded engine: update_weights tensor '{name}' has shape {tuple(tensor.shape)}, "
-                        f"the model expects {tuple(state[name].shape)}."
+                        f"the model expects {tuple(target.shape)}."
                     )
-                state[name].copy_(tensor)
+                target.copy_(tensor)
             self._decoder.forget_prompts()  # prompts prefilled with the old weights are not shared any more
 
     def _use_device(self) -> None:

@@ -11,6 +11,10 @@ The model runs with transformers' attention interface set to ``furlong_slots``
 (:func:`slot_attention`); the decoder hands each forward pass a :class:`SlotPass` in the
 ``slot_pass`` keyword, which transformers passes down to every attention layer. Without
 it the function is transformers' ``sdpa`` attention, so the model still works as usual.
+
+For a mixture-of-experts model whose routing is recorded (:mod:`.experts`), the cache also
+holds, per MoE layer, the experts each position was routed to: ``[S, 1, L + 1, k]`` integers,
+grown, copied and moved with the keys and values, so a slot's record follows its request.
 """
 
 from __future__ import annotations
@@ -45,24 +49,30 @@ class SlotPass:
 
 
 class SlotCache:
-    """Key and value buffers of every layer: ``[slots, H_kv, capacity + 1, D]`` each, in the model's dtype."""
+    """Key and value buffers of every layer: ``[slots, H_kv, capacity + 1, D]`` each, in the model's dtype;
+    with ``route_layers``, routing buffers of every recorded MoE layer: ``[slots, 1, capacity + 1, topk]``
+    of ``route_dtype`` (expert ids)."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device) -> None:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, route_layers: int = 0,
+                 topk: int = 0, route_dtype=None) -> None:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
+        self.route_layers, self.topk, self.route_dtype = route_layers, topk, route_dtype
         self.slots = 0
         self.capacity = 0
         self.keys: list = []
         self.values: list = []
+        self.routes: list = []
 
     @classmethod
-    def for_model(cls, model) -> "SlotCache":
+    def for_model(cls, model, routes: tuple[int, int, Any] | None = None) -> "SlotCache":
+        """The cache of ``model``'s layers; ``routes``: ``(MoE layers, topk, dtype)`` to record routing."""
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         param = next(model.parameters())
-        return cls(config.num_hidden_layers, kv_heads, head_dim, param.dtype, param.device)
+        return cls(config.num_hidden_layers, kv_heads, head_dim, param.dtype, param.device, *(routes or ()))
 
     def ensure(self, slots: int, capacity: int) -> bool:
         """Make room for ``slots`` slots of ``capacity`` positions (doubling); True when the buffers moved."""
@@ -74,17 +84,19 @@ class SlotCache:
         new_capacity = self.capacity
         while new_capacity < capacity:
             new_capacity = max(2 * new_capacity, capacity if not new_capacity else 0, 16)
-        shape = (new_slots, self.kv_heads, new_capacity + 1, self.head_dim)
-        keys, values = [], []
-        for layer in range(self.layers):
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            if self.slots:
-                k[: self.slots, :, : self.capacity] = self.keys[layer][:, :, : self.capacity]
-                v[: self.slots, :, : self.capacity] = self.values[layer][:, :, : self.capacity]
-            keys.append(k)
-            values.append(v)
-        self.keys, self.values = keys, values
+
+        def grown(old: list, count: int, heads: int, width: int, dtype) -> list:
+            out = []
+            for layer in range(count):
+                buffer = torch.zeros((new_slots, heads, new_capacity + 1, width), dtype=dtype, device=self.device)
+                if self.slots:
+                    buffer[: self.slots, :, : self.capacity] = old[layer][:, :, : self.capacity]
+                out.append(buffer)
+            return out
+
+        self.keys = grown(self.keys, self.layers, self.kv_heads, self.head_dim, self.dtype)
+        self.values = grown(self.values, self.layers, self.kv_heads, self.head_dim, self.dtype)
+        self.routes = grown(self.routes, self.route_layers, 1, self.topk, self.route_dtype)
         self.slots, self.capacity = new_slots, new_capacity
         return True
 
@@ -95,12 +107,13 @@ class SlotCache:
 
     def copy_prefix(self, sources, targets, length: int) -> None:
         """Slots ``targets`` get the first ``length`` columns of slots ``sources`` (a shared prompt)."""
-        for buffer in (*self.keys, *self.values):  # (index_select + index_copy_: half the time of [] indexing)
+        # (index_select + index_copy_: half the time of [] indexing)
+        for buffer in (*self.keys, *self.values, *self.routes):
             columns = buffer.narrow(2, 0, length)
             columns.index_copy_(0, targets, columns.index_select(0, sources))
 
     def release(self) -> None:
-        self.keys, self.values = [], []
+        self.keys, self.values, self.routes = [], [], []
         self.slots = self.capacity = 0
 
 

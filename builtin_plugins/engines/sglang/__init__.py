@@ -131,11 +131,13 @@ async def rollout_engine(config, engine_index):
     ``--sglang-router-ip``/``--sglang-router-port``, ``--sglang-router-policy``,
     ``--sglang-server-concurrency``, ``--sglang-router-request-timeout-secs``,
     ``--rollout-num-gpus-per-engine``, ``--seed``, ``--offload-rollout``, ``--fp16``,
-    the ``--sglang-*`` pass-through flags.
+    ``--use-rollout-routing-replay`` (every request asks for its routed experts; the model's MoE
+    layers are read from ``--hf-checkpoint``'s config), the ``--sglang-*`` pass-through flags.
 
     :returns: a started :class:`SGLangEngine`.
     :raises PluginError: the server did not start or is not reachable, or the router did
-        not take it (the message names the server and the cause).
+        not take it (the message names the server and the cause); ``--use-rollout-routing-replay``
+        with a model that has no mixture-of-experts layer.
     """
     from furlong.kit.hf import load_tokenizer
 
@@ -146,6 +148,7 @@ async def rollout_engine(config, engine_index):
         raise PluginError("sglang engine: no router address (--sglang-router-ip/--sglang-router-port); the run's "
                           "configure step starts one.")
     tokenizer = load_tokenizer(config.hf_checkpoint)
+    routing = _routing(config)
     router_url = f"http://{config.sglang_router_ip}:{config.sglang_router_port}"
     if config.rollout_external:
         host, port = _host_port(config.rollout_external_engine_addrs[index])
@@ -156,13 +159,26 @@ async def rollout_engine(config, engine_index):
         place = ServerPlace(index, host, port, nccl_port=_free_port(), dist_init_addr=f"{host}:{_free_port()}",
                             base_gpu_id=_base_gpu_id(config, index))
     register = not (config.rollout_external and config.plugin_config(PLUGIN).sglang_router_given)
-    engine = SGLangEngine(config, index, f"http://{host}:{port}", router_url, place, register, tokenizer)
+    engine = SGLangEngine(config, index, f"http://{host}:{port}", router_url, place, register, tokenizer, routing)
     try:
         await engine.start()
     except BaseException:
         await engine.shutdown()
         raise
     return engine
+
+
+def _routing(config: RunConfig):
+    """The routing layout of ``--hf-checkpoint`` under ``--use-rollout-routing-replay``, else None."""
+    from furlong.kit.moe import checkpoint_routing_layout
+
+    if not config.use_rollout_routing_replay:
+        return None
+    layout = checkpoint_routing_layout(config.hf_checkpoint)
+    if layout is None:
+        raise PluginError(f"--use-rollout-routing-replay: the model of --hf-checkpoint {config.hf_checkpoint} has no "
+                          "mixture-of-experts layer, so there is no routing to record; run without the flag.")
+    return layout
 
 
 def _engine_gpus(args, report) -> None:

@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 from furlong.hooks import GenerateOutput, PluginError, RunConfig
+from furlong.kit.moe import RoutingLayout, decode_routed_experts
 
 from .buckets import save_bucket, serialize_cuda_bucket
 from .http import HttpError, release_http, shared_http
@@ -43,15 +44,18 @@ class SGLangEngine:
     :param url: ``http://host:port`` of this engine's server.
     :param router_url: ``http://host:port`` of the router every request goes through.
     :param register_with_router: add the server to the router (and remove it at the end).
+    :param routing: the model's :class:`~furlong.kit.moe.RoutingLayout` when each request asks for its
+        routed experts (``--use-rollout-routing-replay``), else None.
     """
 
     context_len = None  # the server enforces its own context length
 
     def __init__(self, config: RunConfig, index: int, url: str, router_url: str, place: ServerPlace | None,
-                 register_with_router: bool, tokenizer: Any) -> None:
+                 register_with_router: bool, tokenizer: Any, routing: RoutingLayout | None = None) -> None:
         self.config, self.index, self.url, self.router_url, self.place = config, index, url, router_url, place
         self.register_with_router = register_with_router
         self.tokenizer = tokenizer
+        self.routing = routing
         self.weight_update_ranks = int(config.rollout_num_gpus_per_engine or 1)
         self.protocol: ServerProtocol | None = None  # read from the server once it serves
         self.paused = False  # between pause_generation and continue_generation
@@ -230,11 +234,16 @@ class SGLangEngine:
             reason's type and the weight version: ``meta_info.weight_version``, or, for a
             response that straddles a weight update (``meta_info.weight_versions``, SGLang
             0.5.20+), the version of its first span, the oldest; the spans themselves in
-            ``weight_version_spans``.
-        :raises PluginError: the router failed after retries, or the answer lacks those fields.
+            ``weight_version_spans``. With ``routing``, the request sets ``return_routed_experts`` and
+            ``meta_info.routed_experts`` becomes ``routed_experts`` (int32 ``[prompt + output - 1,
+            MoE layers, topk]``).
+        :raises PluginError: the router failed after retries, or the answer lacks those fields (a
+            finished request's ``routed_experts`` too, when asked).
         """
         body = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
                 "return_logprob": True}
+        if self.routing is not None:
+            body["return_routed_experts"] = True
         headers = dict(self._headers or {})
         if self._policy_key:
             headers["X-SMG-Routing-Key"] = uuid.uuid4().hex
@@ -245,9 +254,9 @@ class SGLangEngine:
             answer = await request  # a cancelled caller cancels the request too
         finally:
             self._in_flight.discard(request)
-        return self._output(answer)
+        return self._output(answer, len(input_ids))
 
-    def _output(self, answer: Any) -> GenerateOutput:
+    def _output(self, answer: Any, prompt_len: int = 0) -> GenerateOutput:
         try:
             meta = answer["meta_info"]
             pairs = meta.get("output_token_logprobs") or []
@@ -262,11 +271,29 @@ class SGLangEngine:
                 raise ValueError(f"finish_reason {reason!r} is none of {FINISH_TYPES}")
             spans = [(str(s["version"]), int(s["start"]), int(s["end"])) for s in meta.get("weight_versions") or []]
             version = spans[0][0] if spans else str(meta.get("weight_version", "0"))
+            routed = self._routed(meta, prompt_len + len(ids) - 1, kind)
             return GenerateOutput(output_ids=ids, output_log_probs=log_probs, finish_reason=kind,
-                                  weight_version=version, text=answer.get("text"), weight_version_spans=spans)
+                                  weight_version=version, text=answer.get("text"), weight_version_spans=spans,
+                                  routed_experts=routed)
         except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
             raise PluginError(f"sglang engine: the router at {self.router_url} answered /generate with "
                               f"something that is not SGLang's response ({exc}): {str(answer)[:300]}") from exc
+
+    def _routed(self, meta: dict, rows: int, kind: str):
+        """``meta_info.routed_experts`` decoded, when asked; an aborted request that never ran has none.
+
+        :raises ValueError: a finished request without it, or with another shape.
+        """
+        if self.routing is None:
+            return None
+        text = meta.get("routed_experts")
+        if text is None:
+            if kind == "abort":
+                return None
+            raise ValueError("no meta_info.routed_experts although the request set return_routed_experts: the "
+                             "server must run with --enable-return-routed-experts (furlong passes it to the servers "
+                             "it starts under --use-rollout-routing-replay)")
+        return decode_routed_experts(text, rows, self.routing)
 
     async def abort(self) -> None:
         """``POST /abort_request {"abort_all": true}`` to this engine's server, then wait (at most a minute)

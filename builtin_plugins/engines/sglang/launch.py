@@ -51,7 +51,8 @@ def sglang_server_args(config: RunConfig, place: ServerPlace) -> list[str]:
     ``--enable-memory-saver`` (``--offload-rollout``), ``--host``, ``--port``, ``--nccl-port``,
     ``--nnodes``/``--node-rank``/``--dist-init-addr``, ``--base-gpu-id``, ``--gpu-id-step 1``,
     ``--skip-server-warmup``. Set unless given: ``--enable-metrics``, ``--dtype float16`` under
-    ``--fp16``. Then every other ``--sglang-<X>`` as given (a bare flag stays bare).
+    ``--fp16``, ``--enable-return-routed-experts`` under ``--use-rollout-routing-replay``. Then
+    every other ``--sglang-<X>`` as given (a bare flag stays bare).
     """
     per_engine = int(config.rollout_num_gpus_per_engine or 1)
     forced: dict[str, Any] = {
@@ -73,6 +74,8 @@ def sglang_server_args(config: RunConfig, place: ServerPlace) -> list[str]:
         defaults["dtype"] = "float16"
     if config.deterministic_mode:  # batch-invariant kernels; each request's sampling_seed honoured
         defaults["enable_deterministic_inference"] = True
+    if config.use_rollout_routing_replay:
+        defaults["enable_return_routed_experts"] = True
     values = {**forced, **{k: v for k, v in defaults.items() if k not in given},
               **{k: v for k, v in given.items() if k not in FORCED}}
     return _as_argv(values)
@@ -86,6 +89,8 @@ def server_command(config: RunConfig, place: ServerPlace) -> list[str]:
             embedded_flags.embedded_max_batch_size) else []
         if embedded_flags.embedded_torch_compile:
             embedded.append("--embedded-torch-compile")
+        if config.use_rollout_routing_replay:
+            embedded.append("--enable-return-routed-experts")
         return [sys.executable, "-m", "furlong.core", "serve", "--hf-checkpoint", config.hf_checkpoint,
                 "--host", place.host, "--port", str(place.port), "--seed", str(int(config.seed or 0) + place.index),
                 *embedded]
