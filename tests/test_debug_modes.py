@@ -146,6 +146,12 @@ def test_weight_check_passes_after_a_real_sync(tmp_path, tiny_model_dir, arithme
     assert "after weight sync 2 the 1 engine(s) hold the trainer's" in checked[1]
 
 
+def test_weight_check_reads_the_fused_experts_of_a_moe_engine(tmp_path, tiny_moe_model_dir, arithmetic_jsonl, caplog):
+    with caplog.at_level("INFO", logger="furlong"):
+        _run(_argv(tiny_moe_model_dir, arithmetic_jsonl, tmp_path, "--num-rollout", "1", "--check-weight-update-equal"))
+    assert sum("hold the trainer's" in r.getMessage() for r in caplog.records) == 2
+
+
 def test_weight_check_names_a_tensor_the_sync_did_not_deliver(tmp_path, tiny_model_dir, arithmetic_jsonl,
                                                               monkeypatch):
     from furlong.builtin_plugins.engines.embedded.engine import EmbeddedEngine
@@ -207,3 +213,18 @@ def test_miles_debug_pair_runs_unchanged_from_the_command_line(tmp_path, tiny_mo
     steps = _rows(tmp_path / "train", "train/step")
     assert [r["train/step"] for r in steps] == [0, 1, 2, 3]
     assert all(isinstance(r["train/loss"], float) for r in steps)
+
+
+def test_engine_digests_of_per_expert_names_match_the_checkpoint(tiny_moe_model_dir):
+    """A checkpoint (and a Megatron trainer) names one matrix per expert; the engine holds them fused and reports
+    the digest of each one's slice."""
+    from furlong.builtin_plugins.engines.embedded import load_engine
+    from furlong.kit.tensor_digest import tensor_digest
+
+    saved = {k: v for f in tiny_moe_model_dir.glob("*.safetensors") for k, v in load_file(f).items()}
+    per_expert = sorted(k for k in saved if ".experts.1." in k)
+    assert per_expert  # e.g. model.layers.0.mlp.experts.1.gate_proj.weight
+    engine = load_engine(str(tiny_moe_model_dir))
+    digests = asyncio.run(engine.weight_digests(per_expert + ["no.such.weight"]))
+    assert sorted(digests) == per_expert
+    assert all(digests[k] == ("float32", list(saved[k].shape), tensor_digest(saved[k])) for k in per_expert)
