@@ -401,8 +401,10 @@ class RunConfig:
     mlflow_tracking_uri: str | None
     mlflow_experiment_name: str
     mlflow_run_name: str | None
+    mlflow_run_id: str | None
     use_prometheus: bool
     prometheus_port: int | None
+    prometheus_run_name: str | None
     # --- debugging ---
     debug: bool
     print_config: bool

@@ -111,12 +111,10 @@ ERRORS = [
      "across weight updates)."),
     (["--debug-rollout-only", "--debug-train-only"],
      "--debug-rollout-only and --debug-train-only are exclusive: the first runs only the engines, the second "
-     "only the trainer.\n--debug-rollout-only is not supported yet; remove it.\n"
-     "--debug-train-only is not supported yet; remove it."),
+     "only the trainer."),
     (["--debug-rollout-only", "--load-debug-rollout-data", "/d/{rollout_id}.pt"],
      "--debug-rollout-only and --debug-train-only are exclusive: the first runs only the engines, the second "
-     "only the trainer.\n--debug-rollout-only is not supported yet; remove it.\n"
-     "--load-debug-rollout-data is not supported yet; remove it."),
+     "only the trainer."),
     (["--rollout-max-context-len", "100", "--rollout-max-prompt-len", "100"],
      "--rollout-max-prompt-len (100) must be at most --rollout-max-context-len - 1 (99): a prompt needs room for "
      "one response token."),
@@ -160,9 +158,9 @@ def test_num_rollout_is_required_and_mentions_the_old_default():
 
 
 def test_every_problem_is_reported_at_once_one_per_line():
-    message = error_of(["--rollout-batch-size", "4", "--rollout-temperature", "0", "--use-mlflow", "--use-kl-loss"])
+    message = error_of(["--rollout-batch-size", "4", "--rollout-temperature", "0", "--async-save", "--use-kl-loss"])
     assert message.splitlines() == [
-        "--use-mlflow is not supported yet; remove it.",
+        "--async-save is not supported yet; remove it.",
         "--num-rollout is required: give the number of rollout iterations to run (it used to default to 1000; "
         "--num-rollout 0 only evaluates).",
         "--rollout-temperature must be > 0, got 0 (greedy decoding is for evaluation only: --eval-temperature 0).",
@@ -175,7 +173,7 @@ def test_config_error_is_a_plugin_error_with_the_problem_list():
     from furlong.hooks import PluginError
 
     with pytest.raises(PluginError) as excinfo:
-        parse_args(["--rollout-batch-size", "4", "--use-mlflow"])
+        parse_args(["--rollout-batch-size", "4", "--async-save"])
     assert isinstance(excinfo.value, ConfigError)
     assert len(excinfo.value.problems) == 2
 
@@ -216,8 +214,6 @@ UNSUPPORTED_ARGV = {
     "--balance-by-flops": ["--balance-by-flops"],
     "--eval-num-gpus": ["--eval-num-gpus", "2"],
     "--async-save": ["--async-save"],
-    "--use-mlflow": ["--use-mlflow"],
-    "--use-prometheus": ["--use-prometheus"],
     "--multimodal-keys": ["--multimodal-keys", '{"image": "images"}'],
     "--update-weight-transfer-mode": ["--update-weight-transfer-mode", "disk-delta"],
     "--keep-old-actor": ["--keep-old-actor"],
@@ -247,25 +243,6 @@ UNSUPPORTED_ARGV = {
     "--custom-tis-function-path": ["--custom-tis-function-path", "my.tis"],
     "--get-mismatch-metrics": ["--get-mismatch-metrics"],
     "--ref-update-interval": ["--ref-update-interval", "5"],
-    "--log-interval": ["--log-interval", "10"],
-    "--log-passrate": ["--log-passrate"],
-    "--log-multi-turn": ["--log-multi-turn"],
-    "--log-reward-category": ["--log-reward-category", "source"],
-    "--log-correct-samples": ["--log-correct-samples"],
-    "--custom-rollout-log-function-path": ["--custom-rollout-log-function-path", "my.log"],
-    "--custom-eval-rollout-log-function-path": ["--custom-eval-rollout-log-function-path", "my.log"],
-    "--mlflow-tracking-uri": ["--mlflow-tracking-uri", "http://mlflow:5000"],
-    "--mlflow-experiment-name": ["--mlflow-experiment-name", "mine"],
-    "--mlflow-run-name": ["--mlflow-run-name", "run1"],
-    "--prometheus-port": ["--prometheus-port", "9090"],
-    "--debug-rollout-only": ["--debug-rollout-only"],
-    "--debug-train-only": ["--debug-train-only"],
-    "--save-debug-rollout-data": ["--save-debug-rollout-data", "/d/{rollout_id}.pt"],
-    "--load-debug-rollout-data": ["--load-debug-rollout-data", "/d/{rollout_id}.pt"],
-    "--dump-details": ["--dump-details", "/d"],
-    "--debug-exit-after-rollout": ["--debug-exit-after-rollout", "2"],
-    "--check-weight-update-equal": ["--check-weight-update-equal"],
-    "--deterministic-mode": ["--deterministic-mode"],
 }
 UNSUPPORTED_MESSAGES = {
     "--offload-rollout-level": "--offload-rollout-level ['kv_cache'] is not supported yet (supported: "
@@ -282,8 +259,6 @@ UNSUPPORTED_MESSAGES = {
     "--eval-overflow-policy": "--eval-overflow-policy skip is not supported yet (supported: backpressure).",
     "--eval-keep-snapshots": "--eval-keep-snapshots 3 is not supported yet (supported: 2).",
     "--fsdp-cpu-backend": "--fsdp-cpu-backend nccl is not supported yet (supported: gloo).",
-    "--log-interval": "--log-interval 10 is not supported yet (supported: 1).",
-    "--mlflow-experiment-name": "--mlflow-experiment-name mine is not supported yet (supported: furlong).",
 }
 
 
@@ -473,10 +448,19 @@ def test_rollout_fully_async_sets_the_fully_async_flag():
     assert (args.rollout, args.fully_async) == ("fully_async", True)
 
 
-def test_a_refused_flag_is_named_only_when_given():
-    """--load-debug-rollout-data implies --debug-train-only; both are refused, only the given one is named."""
-    assert error_of(BASE + ["--load-debug-rollout-data", "/d/{rollout_id}.pt"]) == (
-        "--load-debug-rollout-data is not supported yet; remove it.")
+def test_loading_debug_rollout_data_implies_train_only():
+    assert parse_args(BASE + ["--load-debug-rollout-data", "/d/{rollout_id}.pt"]).debug_train_only is True
+
+
+def test_dump_details_saves_the_rollouts_in_its_folder_unless_a_path_is_given():
+    assert parse_args(BASE + ["--dump-details", "/d"]).save_debug_rollout_data == "/d/rollout_data/{rollout_id}.pt"
+    assert parse_args(BASE + ["--dump-details", "/d", "--save-debug-rollout-data", "/e/{rollout_id}.pt"]
+                      ).save_debug_rollout_data == "/e/{rollout_id}.pt"
+
+
+def test_debug_exit_after_rollout_counts_from_one():
+    assert error_of(BASE + ["--debug-exit-after-rollout", "0"]) == (
+        "--debug-exit-after-rollout must be at least 1, got 0.")
 
 
 def test_prompt_length_cap_defaults_to_context_minus_one():

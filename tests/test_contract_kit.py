@@ -26,6 +26,8 @@ EXERCISED = {
     "ray": ["add_arguments", "configure", "executor_fit"], "sync": ["configure"],
     "tensorboard": ["add_arguments", "on_eval_end", "on_rollout_end", "on_train_step_end"],
     "wandb": ["on_eval_end", "on_rollout_end", "on_train_step_end"],
+    "mlflow": ["on_eval_end", "on_rollout_end", "on_train_step_end"],
+    "prometheus": ["on_eval_end", "on_rollout_end", "on_train_step_end"],
     **{name: ["configure", "advantage"] for name in ("grpo", "gspo", "ppo", "reinforce_plus_plus",
                                                       "reinforce_plus_plus_baseline", "on_policy_distillation")},
     "remote_rm": ["add_arguments", "configure", "reward"],

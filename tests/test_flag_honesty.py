@@ -43,6 +43,8 @@ ALLOWED = {
     "observe_training_entropy": "entropy is always logged",
     # any value but 'default' is a validation error: it needs --use-session-server, which is refused
     "tito_model": "refused through --use-session-server",
+    # --use-opd asks a served teacher, which is what 'sglang' names; rules.py refuses 'megatron'
+    "opd_type": "its one accepted value is the served teacher the core always asks",
 }
 
 

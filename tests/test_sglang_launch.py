@@ -67,6 +67,11 @@ def test_memory_saver_follows_offload_rollout():
     assert "--enable-memory-saver" not in sglang_server_args(run_config(), PLACE)
 
 
+def test_deterministic_mode_turns_on_sglang_deterministic_inference():
+    assert "--enable-deterministic-inference" in sglang_server_args(run_config("--deterministic-mode"), PLACE)
+    assert "--enable-deterministic-inference" not in sglang_server_args(run_config(), PLACE)
+
+
 def test_every_forced_argument_is_set():
     argv = sglang_server_args(run_config("--offload-rollout"), PLACE)
     assert {"--" + k.replace("_", "-") for k in FORCED} <= set(argv)

@@ -420,8 +420,8 @@ class RemoteRolloutSide:
     async def generate(self, rollout_id: int):
         return await self._call("generate", rollout_id)
 
-    async def evaluate(self) -> dict:
-        return await self._call("evaluate")
+    async def evaluate(self, rollout_id: int = 0) -> dict:
+        return await self._call("evaluate", rollout_id)
 
     async def data_state(self, rollout_id: int | None = None):
         return await self._call("data_state", rollout_id)

@@ -28,8 +28,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--balance-by-flops", "balance_by_flops"),
     Unsupported("--eval-num-gpus", "eval_num_gpus", (0,)),
     Unsupported("--async-save", "async_save"),
-    Unsupported("--use-mlflow", "use_mlflow"),
-    Unsupported("--use-prometheus", "use_prometheus"),
     Unsupported("--multimodal-keys", "multimodal_keys", (None,)),
     Unsupported("--update-weight-transfer-mode", "update_weight_transfer_mode", ("broadcast",)),
     Unsupported("--keep-old-actor", "keep_old_actor"),
@@ -63,27 +61,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--custom-tis-function-path", "custom_tis_function_path", (None,)),
     Unsupported("--get-mismatch-metrics", "get_mismatch_metrics"),
     Unsupported("--ref-update-interval", "ref_update_interval", (None,)),
-    # logging
-    Unsupported("--log-interval", "log_interval", (1,)),
-    Unsupported("--log-passrate", "log_passrate"),
-    Unsupported("--log-multi-turn", "log_multi_turn"),
-    Unsupported("--log-reward-category", "log_reward_category", (None,)),
-    Unsupported("--log-correct-samples", "log_correct_samples"),
-    Unsupported("--custom-rollout-log-function-path", "custom_rollout_log_function_path", (None,)),
-    Unsupported("--custom-eval-rollout-log-function-path", "custom_eval_rollout_log_function_path", (None,)),
-    Unsupported("--mlflow-tracking-uri", "mlflow_tracking_uri", (None,)),
-    Unsupported("--mlflow-experiment-name", "mlflow_experiment_name", ("furlong",)),
-    Unsupported("--mlflow-run-name", "mlflow_run_name", (None,)),
-    Unsupported("--prometheus-port", "prometheus_port", (None,)),
-    # debugging
-    Unsupported("--debug-rollout-only", "debug_rollout_only"),
-    Unsupported("--debug-train-only", "debug_train_only"),
-    Unsupported("--save-debug-rollout-data", "save_debug_rollout_data", (None,)),
-    Unsupported("--load-debug-rollout-data", "load_debug_rollout_data", (None,)),
-    Unsupported("--dump-details", "dump_details", (None,)),
-    Unsupported("--debug-exit-after-rollout", "debug_exit_after_rollout", (None,)),
-    Unsupported("--check-weight-update-equal", "check_weight_update_equal"),
-    Unsupported("--deterministic-mode", "deterministic_mode"),
 )
 
 

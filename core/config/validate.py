@@ -9,6 +9,8 @@ again on overlaid values gives the same result as running it once.
 
 from __future__ import annotations
 
+import os
+
 from furlong.hooks.config_report import ConfigReport
 
 from ..plugins.miles_paths import MILES_FLAG_CHOICES, miles_builtin
@@ -27,6 +29,7 @@ MINIMUMS: tuple[tuple[str, int], ...] = (
     ("micro_batch_size", 1), ("max_sampling_waves", 1), ("over_sampling_batch_size", 1),
     ("n_samples_per_eval_prompt", 1), ("eval_interval", 1), ("save_interval", 1),
     ("update_weights_interval", 1), ("log_interval", 1), ("sglang_server_concurrency", 1),
+    ("debug_exit_after_rollout", 1),
     ("max_tokens_per_gpu", 1), ("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1),
     ("context_parallel_size", 1), ("expert_model_parallel_size", 1), ("dp_replicate_size", 1),
     ("rollout_max_response_len", 1), ("eval_max_response_len", 1), ("rollout_max_prompt_len", 1),
@@ -94,6 +97,8 @@ def _normalize(args, f: ConfigReport, given: set[str]) -> None:
     if args.use_rollout_routing_replay and not args.use_routing_replay:
         args.use_routing_replay = True
         f.info("--use-rollout-routing-replay implies --use-routing-replay.")
+    if args.dump_details and not args.save_debug_rollout_data:
+        args.save_debug_rollout_data = os.path.join(args.dump_details, "rollout_data", "{rollout_id}.pt")
     if args.load_debug_rollout_data and not args.debug_train_only:
         args.debug_train_only = True
         f.info("--load-debug-rollout-data implies --debug-train-only.")

@@ -228,11 +228,25 @@ class _PostSaveAdapter(_PathFunction):
                               f"after each save; make it a plain function.")
 
 
+class _RolloutLogAdapter(_PathFunction):
+    @hookimpl
+    async def rollout_log(self, args, rollout_id, samples, extra, rollout_time):
+        return bool(await self._run(rollout_id, args, samples, extra, rollout_time))
+
+
+class _EvalRolloutLogAdapter(_PathFunction):
+    @hookimpl
+    async def eval_rollout_log(self, args, rollout_id, data, extra):
+        return bool(await self._run(rollout_id, args, data, extra))
+
+
 PATH_ADAPTERS: dict[str, type] = {
     "rollout_sample_filter": _SampleFilterAdapter,
     "rollout_all_samples_process": _AllSamplesProcessAdapter,
     "reward_post_process": _RewardPostProcessAdapter,
     "post_save": _PostSaveAdapter,
+    "rollout_log": _RolloutLogAdapter,
+    "eval_rollout_log": _EvalRolloutLogAdapter,
 }
 
 

@@ -1,7 +1,8 @@
 """Hooks behind Miles' dotted-path flags that no public hook covers.
 
 ``--rollout-sample-filter-path``, ``--rollout-all-samples-process-path``,
-``--custom-reward-post-process-path`` and ``--custom-megatron-post-save-hook-path`` name a
+``--custom-reward-post-process-path``, ``--custom-megatron-post-save-hook-path``,
+``--custom-rollout-log-function-path`` and ``--custom-eval-rollout-log-function-path`` name a
 user function that runs at one point of the loop. Each is wrapped in an adapter plugin
 (:mod:`furlong.core.plugins.adapters`) registered under the path, and the core calls it
 through the plugin manager like any chosen hook (timed, reported to ``on_hook_call``).
@@ -17,7 +18,8 @@ from argparse import Namespace
 from furlong.hooks import RunConfig, Sample
 from furlong.hooks.markers import hookspec
 
-__all__ = ["PATH_HOOKS", "post_save", "reward_post_process", "rollout_all_samples_process", "rollout_sample_filter"]
+__all__ = ["PATH_HOOKS", "eval_rollout_log", "post_save", "reward_post_process", "rollout_all_samples_process",
+           "rollout_log", "rollout_sample_filter"]
 
 # hook -> attribute of the dotted-path flag that chooses it (the flag: "--" + the attribute with dashes)
 PATH_HOOKS: dict[str, str] = {
@@ -25,6 +27,8 @@ PATH_HOOKS: dict[str, str] = {
     "rollout_all_samples_process": "rollout_all_samples_process_path",
     "reward_post_process": "custom_reward_post_process_path",
     "post_save": "custom_megatron_post_save_hook_path",
+    "rollout_log": "custom_rollout_log_function_path",
+    "eval_rollout_log": "custom_eval_rollout_log_function_path",
 }
 
 
@@ -60,4 +64,27 @@ def post_save(config: RunConfig, args: Namespace, rollout_id: int, ckpt_dir: str
 
     Call: chosen by ``--custom-megatron-post-save-hook-path``, once per save, in the process that
     wrote the marker; a plain function.
+    """
+
+
+@hookspec
+def rollout_log(config: RunConfig, args: Namespace, rollout_id: int, samples: list[Sample], extra: dict,
+                rollout_time: float | None) -> bool:
+    """Log one rollout your own way; True: the default sample metrics of the rollout are not logged.
+
+    Call: chosen by ``--custom-rollout-log-function-path`` (Miles' ``fn(rollout_id, args, samples,
+    rollout_extra_metrics, rollout_time)``), once per rollout in the driver, with the samples trained on
+    (groups flattened, in order), the rollout's own metrics (``rollout/...`` from the rollout plugin, dynamic
+    sampling, ``perf/rollout_time``) and the rollout's seconds. May be ``async def``.
+    """
+
+
+@hookspec
+def eval_rollout_log(config: RunConfig, args: Namespace, rollout_id: int, data: dict, extra: dict) -> bool:
+    """Log one evaluation your own way; True: the default ``eval/`` metrics are not logged.
+
+    Call: chosen by ``--custom-eval-rollout-log-function-path`` (Miles' ``fn(rollout_id, args, data,
+    extra_metrics)``), once per evaluation on the rollout side. ``data[name]`` per eval set:
+    ``{"rewards": [float or None], "truncated": [bool], "samples": [Sample]}``; ``extra``: ``perf/eval_time``.
+    May be ``async def``.
     """

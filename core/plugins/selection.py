@@ -143,7 +143,7 @@ def plugins_of_this_process(config: RunConfig, hooks: tuple[str, ...] | None = N
     from .manager import get_plugin_manager
     from ..run.seeding import seed_everything
 
-    seed_everything(config.seed)
+    seed_everything(config.seed, config.deterministic_mode)
     pm = get_plugin_manager(config.disable_plugins)
     resolve_selection(config, pm, hooks)
     return pm

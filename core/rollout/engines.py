@@ -14,7 +14,7 @@ from typing import Any
 
 from furlong.hooks import GenerateOutput, PluginError, RolloutEngine, RunConfig
 
-__all__ = ["EngineFactory", "EngineSet", "checked_engine"]
+__all__ = ["EngineFactory", "EngineSet", "NoEngine", "checked_engine"]
 
 
 # the RolloutEngine members the core calls and reads, checked when the rollout_engine hook hands an engine over
@@ -101,3 +101,38 @@ class EngineSet:
 
     async def health(self) -> bool:
         return all(await asyncio.gather(*(e.health() for e in self.engines)))
+
+
+class NoEngine:
+    """The engine of a run that starts none (``--debug-train-only``): asking it to generate is an error
+    naming the flag; control calls do nothing."""
+
+    tokenizer = None
+    weight_update_ranks = 0
+    context_len = 0
+
+    async def generate(self, input_ids: list[int], sampling_params: dict) -> GenerateOutput:
+        raise PluginError("--debug-train-only starts no rollout engine, so nothing can be generated: pass "
+                          "--load-debug-rollout-data PATH to train on rollouts saved by --save-debug-rollout-data, "
+                          "or drop --debug-train-only.")
+
+    async def abort(self) -> None:
+        """Nothing runs."""
+
+    async def pause_generation(self, mode: str) -> None:
+        """Nothing runs."""
+
+    async def continue_generation(self) -> None:
+        """Nothing runs."""
+
+    async def flush_cache(self) -> None:
+        """Nothing is cached."""
+
+    async def release_memory(self) -> None:
+        """Nothing is held."""
+
+    async def resume_memory(self) -> None:
+        """Nothing is held."""
+
+    async def health(self) -> bool:
+        return True

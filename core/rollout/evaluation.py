@@ -6,12 +6,14 @@ import asyncio
 import copy
 import time
 
-from furlong.hooks import DatasetSpec, PluginError, RunConfig, Sample
+from furlong.hooks import DatasetSpec, PluginError, RunConfig, Sample, Status
 
 from ..plugins.data_choice import data_source_for
 from .datasets import eval_dataset
+from .debug_data import save_rollout
 from ..config.eval_config import EvalDataset, load_eval_datasets, sampling_params
-from ..run.metrics_log import eval_metrics
+from ..run.extra_metrics import eval_set_metrics
+from ..run.metrics_log import scalar_reward
 from ..plugins.manager import FurlongPluginManager
 from .manager import RolloutManager
 from ..plugins.selection import Selection
@@ -31,6 +33,7 @@ class Evaluator:
         self.config = config
         self.pm = pm
         self.source = selection.chosen["data_source"]
+        self.custom_log = selection.paths.get("eval_rollout_log")
         self.datasets: list[tuple[EvalDataset, list[dict]]] = []
         self._to_load = []
         for ds in load_eval_datasets(config):
@@ -67,16 +70,34 @@ class Evaluator:
     def __bool__(self) -> bool:
         return bool(self.datasets or self._to_load)
 
-    async def evaluate(self, manager: RolloutManager) -> dict:
-        """Generate and score every eval dataset concurrently; return ``eval/...`` metrics."""
+    async def evaluate(self, manager: RolloutManager, rollout_id: int = 0) -> dict:
+        """Generate and score every eval dataset concurrently; return ``eval/...`` metrics.
+
+        With ``--save-debug-rollout-data`` every set's samples are written as evaluation ``rollout_id``
+        (:func:`~.debug_data.save_rollout`). ``--custom-eval-rollout-log-function-path`` sees every set's
+        samples first; when it returns True only ``perf/eval_time`` is returned.
+        """
         await self.load()
         start = time.perf_counter()
         per_set = await asyncio.gather(*(self._one(manager, ds, rows) for ds, rows in self.datasets))
+        if self.config.save_debug_rollout_data:
+            save_rollout(self.config.save_debug_rollout_data, rollout_id, (s for set_ in per_set for s in set_),
+                         evaluation=True, metadata={"sets": [ds.name for ds, _ in self.datasets]})
+        extra = {"perf/eval_time": time.perf_counter() - start}
+        if self.custom_log is not None and await self._custom_log(rollout_id, per_set, extra):
+            return extra
         metrics: dict = {}
         for (ds, _), samples in zip(self.datasets, per_set):
-            metrics.update(eval_metrics(ds.name, samples, self.config.eval_reward_key or self.config.reward_key))
-        metrics["perf/eval_time"] = time.perf_counter() - start
-        return metrics
+            metrics.update(eval_set_metrics(self.config, ds.name, samples, ds.n_samples_per_eval_prompt))
+        return {**metrics, **extra}
+
+    async def _custom_log(self, rollout_id: int, per_set: list[list[Sample]], extra: dict) -> bool:
+        key = self.config.eval_reward_key or self.config.reward_key
+        data = {ds.name: {"rewards": [scalar_reward(s, key, "--eval-reward-key") for s in samples],
+                          "truncated": [s.status == Status.TRUNCATED for s in samples], "samples": samples}
+                for (ds, _), samples in zip(self.datasets, per_set)}
+        return await self.pm.call_chosen("eval_rollout_log", *self.custom_log, config=self.config,
+                                         rollout_id=rollout_id, data=data, extra=dict(extra))
 
     async def _one(self, manager: RolloutManager, ds: EvalDataset, rows: list[dict]) -> list[Sample]:
         params = sampling_params(ds, self.config)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from furlong.hooks import RunConfig, Sample
+from furlong.hooks import PluginError, RunConfig, Sample
 
 from .data_cursor import DataCursor
 from .datasets import train_dataset
-from .engines import EngineSet
+from .debug_data import load_rollout, save_rollout
+from .engines import EngineSet, NoEngine
 from .evaluation import Evaluator
 from .rewards import check_first_rows_name_a_reward
 from .manager import RolloutManager
@@ -65,16 +66,29 @@ class RolloutSide:
         """Resume the data position from a checkpoint's ``state`` (or start fresh) and build the manager."""
         if state:
             self.cursor.load_state(state)
-        engine = engines[0] if len(engines) == 1 else EngineSet(engines)
+        engine = NoEngine() if not engines else engines[0] if len(engines) == 1 else EngineSet(engines)
         self.manager = RolloutManager(self.config, self.pm, self.selection, engine, self.cursor)
 
     async def generate(self, rollout_id: int) -> list[list[Sample]]:
-        """The groups to train on for ``rollout_id`` (the ``rollout`` hook and everything it calls)."""
-        return await self.manager.generate(rollout_id)
+        """The groups to train on for ``rollout_id``: the ``rollout`` hook and everything it calls, or the
+        file of ``--load-debug-rollout-data``; written to ``--save-debug-rollout-data``'s file when given.
 
-    async def evaluate(self) -> dict:
-        """Generate and score every eval set; ``eval/...`` metrics."""
-        return await self.evaluator.evaluate(self.manager)
+        :raises PluginError: a loaded rollout does not have ``--rollout-batch-size`` groups (or see
+            :func:`~.debug_data.load_rollout`).
+        """
+        config = self.config
+        if config.load_debug_rollout_data:
+            groups = load_rollout(config.load_debug_rollout_data, rollout_id)
+            _check_loaded(config, rollout_id, groups)
+        else:
+            groups = await self.manager.generate(rollout_id)
+        if config.save_debug_rollout_data:
+            save_rollout(config.save_debug_rollout_data, rollout_id, (s for g in groups for s in g))
+        return groups
+
+    async def evaluate(self, rollout_id: int = 0) -> dict:
+        """Generate and score every eval set (the evaluation of ``rollout_id``); ``eval/...`` metrics."""
+        return await self.evaluator.evaluate(self.manager, rollout_id)
 
     async def data_state(self, rollout_id: int | None = None) -> dict | None:
         """The data side's checkpoint state now, or as it was when ``rollout_id``'s batch was drawn."""
@@ -97,6 +111,13 @@ class RolloutSide:
         """Stop work a rollout plugin keeps across rollouts."""
         if self.manager is not None:
             await self.manager.dispose()
+
+
+def _check_loaded(config: RunConfig, rollout_id: int, groups: list[list[Sample]]) -> None:
+    if len(groups) != config.rollout_batch_size:
+        raise PluginError(f"--load-debug-rollout-data {config.load_debug_rollout_data}: rollout {rollout_id}'s file "
+                          f"holds {len(groups)} groups (by group_index) but --rollout-batch-size is "
+                          f"{config.rollout_batch_size}; launch with the batch flags of the run that saved it.")
 
 
 class RolloutSideFactory:

@@ -20,13 +20,14 @@ from furlong.kit.compute_thread import shared_compute_thread
 
 from ..config.train_rules import steps_per_rollout
 from .checkpoints import critic_checkpoint, periodic, post_save_hook, resolve_start, save_checkpoint, should_save
+from .debug_modes import exits_after, starts_engines, starts_trainer, syncs_weights
 from ..rollout.engine_health import EngineHealthMonitor, health_monitor_wanted
 from ..rollout.engines import EngineFactory
 from .epochs import derive_num_rollout
-from .metrics_log import (SUPERSEDED_NAME, MetricsLog, rollout_metrics, set_aside_rows_from, summary_line,
-                          zero_spread_warning)
+from .metrics_log import SUPERSEDED_NAME, MetricsLog, set_aside_rows_from, summary_line, zero_spread_warning
 from ..plugins.manager import FurlongPluginManager
 from .preflight import check_paths
+from .rollout_log import RolloutLog
 from ..rollout.progress import RolloutProgress
 from ..rollout.side import RolloutSideFactory
 from .lock import lock_output_folders
@@ -34,6 +35,7 @@ from .seeding import seed_everything
 from ..plugins.selection import Selection
 from ..train.group import TrainGroup
 from ..train.worker import WorkerFactory
+from .weight_check import check_engine_weights
 from .weight_sync import WeightSync
 
 __all__ = ["run"]
@@ -51,9 +53,11 @@ class Run:
         self.executor = None
         self.metrics_dir = config.save or config.log_dir
         self.metrics = MetricsLog(None)
+        self.rollout_log: RolloutLog | None = None  # once --num-rollout is known
         self.rollout = None  # the rollout side (RolloutSide, or the executor's handle on it)
         self.has_eval = False
         self.engines: list = []
+        self.group: TrainGroup | None = None  # None under --debug-rollout-only
         self.critic: TrainGroup | None = None  # the critic's train group when config.use_critic
         self.weights: WeightSync | None = None
         self.health: EngineHealthMonitor | None = None
@@ -73,7 +77,7 @@ class Run:
         (``torchrun`` ranks above 0) this serves until the driver ends the run.
         """
         config, pm, sel = self.config, self.pm, self.selection
-        seed_everything(config.seed)
+        seed_everything(config.seed, config.deterministic_mode)
         self.executor = _checked_executor(await pm.call_chosen("executor", *sel.chosen["executor"], config=config),
                                           *sel.chosen["executor"])
         if self.executor.is_driver:  # one run per output folder; told before its other problems
@@ -87,8 +91,10 @@ class Run:
             await self.executor.serve()
             return config.num_rollout
         self.rollout = await self.executor.start_rollout_side(config, RolloutSideFactory(config, sel, pm))
-        self.has_eval = await self.rollout.load_data()  # train and eval data, before any model loads
+        # train and eval data, before any model loads; no engine, no evaluation (--debug-train-only)
+        self.has_eval = await self.rollout.load_data() and starts_engines(config)
         self.config = config = derive_num_rollout(config, await self.rollout.dataset_size(), sel.name("data_source"))
+        self.rollout_log = RolloutLog(config, pm, sel)
         if self.metrics_dir:
             self.metrics = MetricsLog(os.path.join(self.metrics_dir, "metrics.jsonl"))
         level, where = output_note(config)
@@ -103,10 +109,32 @@ class Run:
             if moved:
                 log.info("%s: %d rows of rollout %d and later (logged after the checkpoint this run starts from) moved "
                          "to %s", self.metrics.path, moved, resume.start_rollout_id, SUPERSEDED_NAME)
-        engines = await self.executor.start_engines(config, EngineFactory(config, sel.chosen["rollout_engine"], pm))
+        engines = await self.executor.start_engines(config, EngineFactory(
+            config, sel.chosen["rollout_engine"], pm)) if starts_engines(config) else []
         self.engines = engines
         if config.offload_rollout:  # the trainer loads first; the engines take their memory back at the first sync
             await self.all_engines("release_memory")
+        if starts_trainer(config):
+            await self.start_trainer(train_plugins, resume)
+        await self.rollout.start(engines, resume.state)
+        self.weights = WeightSync(config, self.group, engines, self.executor.weights_in_process)
+        for engine in engines:
+            if hasattr(engine, "on_restart"):  # a remote engine that was replaced gets the current weights
+                engine.on_restart = self.weights.resync
+        if engines and health_monitor_wanted(config):
+            self.health = EngineHealthMonitor.from_config(config, engines)
+            self.weights.monitor = self.health
+            self.health.start()
+        return resume.start_rollout_id
+
+    @property
+    def train_groups(self) -> list[TrainGroup]:
+        """The actor's train group and the critic's when the run trains one; none under --debug-rollout-only."""
+        return [group for group in (self.group, self.critic) if group is not None]
+
+    async def start_trainer(self, train_plugins: dict, resume) -> None:
+        """Start the actor's (and the critic's) train workers, load the checkpoint being resumed."""
+        config, pm, sel = self.config, self.pm, self.selection
         self.group = TrainGroup(config, pm, sel, await self.executor.start_train_workers(
             config, WorkerFactory(config, train_plugins, pm)))
         if config.use_critic:
@@ -122,21 +150,6 @@ class Run:
         if config.offload_train:
             for group in self.train_groups:
                 await group.offload()
-        await self.rollout.start(engines, resume.state)
-        self.weights = WeightSync(config, self.group, engines, self.executor.weights_in_process)
-        for engine in engines:
-            if hasattr(engine, "on_restart"):  # a remote engine that was replaced gets the current weights
-                engine.on_restart = self.weights.resync
-        if engines and health_monitor_wanted(config):
-            self.health = EngineHealthMonitor.from_config(config, engines)
-            self.weights.monitor = self.health
-            self.health.start()
-        return resume.start_rollout_id
-
-    @property
-    def train_groups(self) -> list[TrainGroup]:
-        """The actor's train group, and the critic's when the run trains one."""
-        return [self.group] + ([self.critic] if self.critic is not None else [])
 
     def eval_due(self, rollout_id: int) -> bool:
         """Evaluate after ``rollout_id``: every ``--eval-interval``, after the last rollout and at each epoch's end."""
@@ -148,7 +161,10 @@ class Run:
         await asyncio.gather(*(getattr(engine, method)() for engine in self.engines))
 
     async def update_weights(self) -> float:
-        """Sync weights to the engines (``--offload-rollout``: they take their memory back first)."""
+        """Sync weights to the engines (``--offload-rollout``: they take their memory back first); with
+        ``--check-weight-update-equal`` compare them with the trainer's after. Nothing under the debug modes."""
+        if not syncs_weights(self.config):
+            return 0.0
         start = time.perf_counter()
         if self.config.offload_rollout:
             await self.all_engines("resume_memory")
@@ -157,18 +173,25 @@ class Run:
         version = await self.weights.push()
         await self.rollout.set_weight_version(version)
         log.debug("weights synced, version %d", version)
+        if self.config.check_weight_update_equal:
+            compared = await check_engine_weights(self.config, self.group, self.engines, version)
+            log.info("--check-weight-update-equal: after weight sync %d the %d engine(s) hold the trainer's %d "
+                     "tensors exactly.", version, len(self.engines), compared)
         return time.perf_counter() - start
 
     async def evaluate(self, rollout_id: int) -> None:
-        metrics = await self.rollout.evaluate()
+        metrics = await self.rollout.evaluate(rollout_id)
         self.metrics.log(metrics, "eval/step", rollout_id)
         log.info("eval at rollout %d: %s", rollout_id,
                  ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.count("/") == 1 and "-" not in k))
         await self.pm.notify("on_eval_end", config=self.config, rollout_id=rollout_id, metrics=metrics)
 
     async def train_on(self, rollout_id: int, groups) -> dict:
-        """Train on one rollout's groups; log per-step metrics; return the rollout's metrics."""
+        """Train on one rollout's groups; log per-step metrics; return the rollout's metrics (none under
+        ``--debug-rollout-only``)."""
         config = self.config
+        if self.group is None:
+            return {}
         start = time.perf_counter()
         if config.offload_rollout:  # the engines give the device to the trainer
             if self.health is not None:
@@ -202,11 +225,22 @@ class Run:
                                      save_critic=self.critic.save_model if self.critic is not None else None)
         await self.pm.notify("on_checkpoint_saved", config=self.config, rollout_id=rollout_id, path=path)
 
+    def save_due(self, rollout_id: int) -> bool:
+        """Whether a checkpoint follows ``rollout_id`` (never without a trainer)."""
+        return self.group is not None and should_save(self.config, rollout_id)
+
+    async def release_trainer(self) -> None:
+        """The trainer's memory goes to the host (``--offload-train``) or its caches are cleared."""
+        for group in self.train_groups:
+            await (group.offload() if self.config.offload_train else group.clear_memory())
+
     async def finish_rollout(self, rollout_id: int, groups, metrics: dict) -> None:
-        metrics.update(rollout_metrics(groups, self.config.reward_key))
-        metrics.update(await self.rollout.pop_metrics(rollout_id))
+        extra = await self.rollout.pop_metrics(rollout_id)
+        metrics.update(await self.rollout_log.metrics(rollout_id, groups, extra))
+        metrics.update(extra)
         self.metrics.log(metrics, "rollout/step", rollout_id)
-        print(summary_line(rollout_id, metrics), flush=True)
+        if self.rollout_log.prints(rollout_id):
+            print(summary_line(rollout_id, metrics), flush=True)
         warning = None if self.warned_zero_spread else zero_spread_warning(rollout_id, metrics, len(groups))
         if warning:
             log.warning("%s", warning)
@@ -296,17 +330,19 @@ async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
         with RolloutProgress(state.rollout.progress, rollout_id):
             groups = await state.rollout.generate(rollout_id)
         metrics = await state.train_on(rollout_id, groups)
-        if should_save(config, rollout_id):
+        if state.save_due(rollout_id):
             start = time.perf_counter()
             await state.save(rollout_id)
             metrics["perf/save_model_time"] = time.perf_counter() - start
-        for group in state.train_groups:
-            await (group.offload() if config.offload_train else group.clear_memory())
+        await state.release_trainer()
         metrics["perf/update_weights_time"] = await state.update_weights()
         metrics["perf/step_time"] = time.perf_counter() - step_start - metrics.get("perf/save_model_time", 0.0)
         await state.finish_rollout(rollout_id, groups, metrics)
         if state.eval_due(rollout_id):
             await state.evaluate(rollout_id)
+        if exits_after(config, rollout_id, start_id):
+            _log_exit(config, rollout_id)
+            break
 
 
 async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
@@ -349,7 +385,7 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
             times["train_start"] = clock() - origin
             metrics = await state.train_on(rollout_id, groups)
             times["train_end"] = clock() - origin
-            if should_save(config, rollout_id):
+            if state.save_due(rollout_id):
                 start = time.perf_counter()
                 await state.save(rollout_id, await state.rollout.data_state(rollout_id))
                 metrics["perf/save_model_time"] = time.perf_counter() - start
@@ -369,10 +405,17 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
                 if future is not None:  # evaluation shares the rollout manager: the rollout in flight ends first
                     data, future = await future, None
                 await state.evaluate(rollout_id)
+            if exits_after(config, rollout_id, start_id):
+                _log_exit(config, rollout_id)
+                break
     finally:
         if future is not None and not future.done():
             future.cancel()
             await asyncio.gather(future, return_exceptions=True)
+
+
+def _log_exit(config: RunConfig, rollout_id: int) -> None:
+    log.info("--debug-exit-after-rollout %d: stopping after rollout %d.", config.debug_exit_after_rollout, rollout_id)
 
 
 def _syncs_weights_after(config: RunConfig, rollout_id: int) -> bool:

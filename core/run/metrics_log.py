@@ -16,8 +16,8 @@ from typing import Any, Iterable
 
 from furlong.hooks import PluginError, Sample, Status
 
-__all__ = ["SUPERSEDED_NAME", "MetricsLog", "eval_metrics", "one_row_per_step", "rollout_metrics", "set_aside_rows_from",
-           "summary_line", "to_json_value", "zero_spread_warning"]
+__all__ = ["SUPERSEDED_NAME", "MetricsLog", "eval_metrics", "one_row_per_step", "rollout_metrics", "scalar_reward",
+           "set_aside_rows_from", "summary_line", "to_json_value", "zero_spread_warning"]
 
 STEP_KEYS = ("rollout/step", "train/step", "eval/step")
 
@@ -222,7 +222,7 @@ def zero_spread_warning(rollout_id: int, metrics: dict, groups: int) -> str | No
 # --- sample-side metrics ---------------------------------------------------------------
 
 
-def _scalar_reward(sample: Sample, reward_key: str | None, flag: str) -> float | None:
+def scalar_reward(sample: Sample, reward_key: str | None, flag: str) -> float | None:
     """The sample's reward as a float (dicts reduced with ``reward_key``), None if unscored."""
     reward = sample.reward
     if reward is None:
@@ -276,7 +276,7 @@ def rollout_metrics(groups: list[list[Sample]], reward_key: str | None, zero_std
     if not samples:
         return {}
     n = len(samples)
-    rewards = [_scalar_reward(s, reward_key, "--reward-key") or 0.0 for s in samples]
+    rewards = [scalar_reward(s, reward_key, "--reward-key") or 0.0 for s in samples]
     truncated = _fraction((s.status == Status.TRUNCATED for s in samples), n)
     out = {
         "rollout/raw_reward": statistics.fmean(rewards),
@@ -288,7 +288,7 @@ def rollout_metrics(groups: list[list[Sample]], reward_key: str | None, zero_std
     if zero_std:
         counts: dict[str, int] = {}
         for group in groups:
-            values = [_scalar_reward(s, reward_key, "--reward-key") or 0.0 for s in group]
+            values = [scalar_reward(s, reward_key, "--reward-key") or 0.0 for s in group]
             if values and all(v == values[0] for v in values):
                 label = str(round(values[0], 1))
                 counts[label] = counts.get(label, 0) + 1
@@ -313,7 +313,7 @@ def eval_metrics(name: str, samples: list[Sample], reward_key: str | None) -> di
     if not samples:
         return {}
     n = len(samples)
-    rewards = [_scalar_reward(s, reward_key, "--eval-reward-key") for s in samples]
+    rewards = [scalar_reward(s, reward_key, "--eval-reward-key") for s in samples]
     return {
         f"eval/{name}": sum(r for r in rewards if r is not None) / n,
         f"eval/{name}-truncated_ratio": _fraction((s.status == Status.TRUNCATED for s in samples), n),

@@ -30,6 +30,7 @@ from .reduction import effective_loss_masks, excluded_samples, sample_denominato
 from ..plugins.selection import Selection
 from .data import (advantage_input, flatten, post_process_rewards, to_train_batch, trajectory_ids,
                          truncated_flags, zero_advantage)
+from .train_dump import dump_train_data
 from .worker import WorkerShare
 
 __all__ = ["TrainGroup"]
@@ -203,6 +204,8 @@ class TrainGroup:
         for share in shares:
             _fill(share, batch, tids, denominators, PER_TOKEN_FIELDS["actor"])
             share.reuse_old_log_probs = reuse
+        if config.dump_details:
+            dump_train_data(config.dump_details, rollout_id, shares)
 
         async def actor_fit():
             begin = time.perf_counter()

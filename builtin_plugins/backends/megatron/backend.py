@@ -171,6 +171,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
                                    ("num_layers_in_last_pipeline_stage", last)) if v is not None}
         model = build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device, pp=self.pp, cp=self.cp,
                           sequence_parallel=self._sequence_parallel(), **recompute_settings(self.config), **split,
+                          deterministic_mode=bool(self.config.deterministic_mode),
                           **moe_transformer_fields(self.shape, self.config, self.device))
         ref = self.config.ref_load
         if is_hf_dir(ref):

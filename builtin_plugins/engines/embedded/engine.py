@@ -379,6 +379,20 @@ class EmbeddedEngine:
                               finish_reason=reason, weight_version=str(self.weight_version), text=text,
                               routed_experts=req.routed_experts)
 
+    async def weight_digests(self, names: list[str]) -> dict[str, tuple[str, list[int], str]]:
+        """``{name: (dtype, shape, sha256)}`` of the tensor each Hugging Face name of a weight update is copied
+        into (a per-expert name: its slice of the fused experts), for ``--check-weight-update-equal``
+        (:func:`furlong.kit.tensor_digest.tensor_digest`); names the model lacks are left out."""
+        from furlong.kit.tensor_digest import named_digests
+
+        def digests():
+            with self._lock:
+                state = self.model.state_dict()
+                targets = ((name, target_of(self.model, state, name)) for name in names)
+                return named_digests((name, t) for name, t in targets if t is not None)
+
+        return await asyncio.to_thread(digests)
+
     # --- weights ------------------------------------------------------------------------
 
     def _copy_weights(self, named_tensors: list[tuple[str, Any]]) -> None:

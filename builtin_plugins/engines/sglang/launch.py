@@ -72,6 +72,8 @@ def sglang_server_args(config: RunConfig, place: ServerPlace) -> list[str]:
     defaults: dict[str, Any] = {"enable_metrics": True}
     if config.fp16:
         defaults["dtype"] = "float16"
+    if config.deterministic_mode:  # batch-invariant kernels; each request's sampling_seed honoured
+        defaults["enable_deterministic_inference"] = True
     if config.use_rollout_routing_replay:
         defaults["enable_return_routed_experts"] = True
     values = {**forced, **{k: v for k, v in defaults.items() if k not in given},
