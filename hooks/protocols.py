@@ -195,6 +195,11 @@ class TrainBackend(Protocol):
     # Optional: ``async def save_hf(self, path: str) -> None`` writes the weights as a Hugging
     # Face model directory (``--save-hf``; every rank calls it). Backends built on
     # :class:`furlong.kit.trainer.StepLoop` inherit one; without it ``--save-hf`` is an error.
+    # Optional: ``async def update_ref_model(self) -> None`` makes the reference model (the one
+    # ``log_probs(model="ref")`` runs) a copy of the actor's current weights, LoRA merged
+    # (``--ref-update-interval N``: the core calls it on every rank after training rollout r when
+    # (r + 1) % N == 0). The built-in fsdp and megatron backends have it; without it
+    # ``--ref-update-interval`` is an error naming the backend.
 
 
 @runtime_checkable

@@ -72,6 +72,13 @@ def kl_and_reference(args, f) -> None:
         verb = "needs" if len(users) == 1 else "need"
         f.error(f"{' and '.join(users)} {verb} a reference model: give --ref-load "
                 f"(or --hf-checkpoint, used as the reference when --ref-load is absent).")
+    if args.ref_update_interval is not None:
+        if args.ref_update_interval < 1:
+            f.error(f"--ref-update-interval must be >= 1 (rollouts between reference updates), got "
+                    f"{args.ref_update_interval}.")
+        elif not users:
+            f.error("--ref-update-interval updates the reference model, which loads only with --use-kl-loss or "
+                    "--kl-coef != 0; add one of them or drop --ref-update-interval.")
     if args.kl_coef != 0 and args.kl_loss_coef != 0:
         f.error(f"--kl-coef ({args.kl_coef:g}) and --kl-loss-coef ({args.kl_loss_coef:g}) are exclusive: the KL goes "
                 f"into the rewards or into the loss, not both; set one of them to 0.")

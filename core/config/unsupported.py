@@ -1,8 +1,9 @@
-"""Flags accepted for Miles compatibility whose feature furlong does not have yet.
+"""Flags accepted for Miles compatibility whose feature furlong does not have.
 
 One table, so it shrinks in one place as features land: each row names the flag, its
-attribute and the values that work today; any other value is a validation error
-"<flag> is not supported yet".
+attribute and the values that work today; any other value is a validation error,
+"<flag> is not supported yet", or, for a row with a ``reason``, "<flag>: <reason>" (what
+furlong does instead, so the user knows what to change).
 """
 
 from __future__ import annotations
@@ -15,38 +16,66 @@ __all__ = ["UNSUPPORTED", "Unsupported", "unsupported_problems"]
 
 @dataclass(frozen=True)
 class Unsupported:
-    """``flag`` (attribute ``dest``) works only with one of ``supported`` values."""
+    """``flag`` (attribute ``dest``) works only with one of ``supported`` values; ``reason``: why
+    not, and what to do instead (None: the feature is still to come)."""
 
     flag: str
     dest: str
     supported: tuple[Any, ...] = (False,)
+    reason: str | None = None
 
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported("--true-on-policy-mode", "true_on_policy_mode"),
-    Unsupported("--qkv-format", "qkv_format", ("thd",)),
-    Unsupported("--balance-by-flops", "balance_by_flops"),
+    Unsupported("--true-on-policy-mode", "true_on_policy_mode", reason=(
+        "bit-identical rollout and training numerics need batch-invariant kernels in both the engine and the "
+        "trainer, which furlong does not have; remove it and keep training on-policy with --use-tis (or "
+        "--use-rollout-logprobs), watching train/train_rollout_kl (--get-mismatch-metrics).")),
+    Unsupported("--qkv-format", "qkv_format", ("thd",), reason=(
+        "the train backends choose the attention layout per micro-batch themselves (packed thd where the "
+        "attention kernel takes it, right-padded otherwise); remove it.")),
+    Unsupported("--balance-by-flops", "balance_by_flops", reason=(
+        "micro-batches are balanced by tokens, not FLOPs; remove it and use --balance-data (Karmarkar-Karp on "
+        "token counts).")),
     Unsupported("--eval-num-gpus", "eval_num_gpus", (0,)),
-    Unsupported("--async-save", "async_save"),
-    Unsupported("--multimodal-keys", "multimodal_keys", (None,)),
-    Unsupported("--update-weight-transfer-mode", "update_weight_transfer_mode", ("broadcast",)),
-    Unsupported("--keep-old-actor", "keep_old_actor"),
-    Unsupported("--use-session-server", "use_session_server", (None,)),
-    Unsupported("--custom-async-data-buffer-path", "custom_async_data_buffer_path", (None,)),
+    Unsupported("--multimodal-keys", "multimodal_keys", (None,), reason=(
+        "furlong's data sources, engines and train backends carry text only (no image or video inputs, no "
+        "vision tower); remove it and put the text in --input-key.")),
+    Unsupported("--update-weight-transfer-mode", "update_weight_transfer_mode", ("broadcast",), reason=(
+        "weights reach the engines by broadcast over a process group (or in place when they share the "
+        "trainer's process); p2p and disk-delta transfers are not implemented. Remove it (broadcast is the "
+        "default).")),
+    Unsupported("--keep-old-actor", "keep_old_actor", reason=(
+        "pi_old is recomputed with the trainer's current weights; where they are newer than the engines' "
+        "(train-async, --update-weights-interval > 1), correct for it with --use-tis or take the engine's "
+        "log-probs with --use-rollout-logprobs; remove it.")),
+    Unsupported("--use-session-server", "use_session_server", (None,), reason=(
+        "furlong has no session server; a multi-turn agent keeps its tokens on the sample through "
+        "--custom-generate-function-path (or a generate plugin). Remove it.")),
+    Unsupported("--custom-async-data-buffer-path", "custom_async_data_buffer_path", (None,), reason=(
+        "the fully_async rollout keeps its finished groups in a queue of its own, with no DataBuffer class to "
+        "replace; remove it, and for another dataflow write a rollout plugin (--rollout NAME, or "
+        "--rollout-function-path).")),
     # engines release all their memory (weights and KV cache) under --offload-rollout
-    Unsupported("--offload-rollout-level", "offload_rollout_level", (["kv_cache", "weight"], ["weight", "kv_cache"])),
-    Unsupported("--train-memory-margin-bytes", "train_memory_margin_bytes", (1 << 30,)),
+    Unsupported("--offload-rollout-level", "offload_rollout_level", (["kv_cache", "weight"], ["weight", "kv_cache"]),
+                reason=("engines release their weights and KV cache together (the engine contract's "
+                        "release_memory); remove it.")),
+    Unsupported("--train-memory-margin-bytes", "train_memory_margin_bytes", (1 << 30,), reason=(
+        "--offload-train moves the trainer's tensors to host memory and back (no torch_memory_saver), so there "
+        "is no allocator margin to set; remove it.")),
     # rollout data and agents
-    Unsupported("--disable-rollout-global-dataset", "disable_rollout_global_dataset"),
-    Unsupported("--custom-convert-samples-to-train-data-path", "custom_convert_samples_to_train_data_path", (None,)),
-    Unsupported("--rollout-data-postprocess-path", "rollout_data_postprocess_path", (None,)),
+    Unsupported("--disable-rollout-global-dataset", "disable_rollout_global_dataset", reason=(
+        "the core reads prompts through the data source; to load data your own way give --data-source-path "
+        "module.Class (or a data_source plugin) instead, and remove it.")),
     Unsupported("--generate-max-turns", "generate_max_turns", (16,)),
     Unsupported("--generate-tool-specs-path", "generate_tool_specs_path", (None,)),
     Unsupported("--generate-tool-call-parser", "generate_tool_call_parser", (None,)),
     Unsupported("--generate-execute-tool-function-path", "generate_execute_tool_function_path", (None,)),
-    Unsupported("--max-seq-len", "max_seq_len", (None,)),
-    Unsupported("--session-server-ip", "session_server_ip", (None,)),
-    Unsupported("--session-server-port", "session_server_port", (None,)),
+    Unsupported("--max-seq-len", "max_seq_len", (None,), reason=(
+        "it caps the trajectories a Miles session server assembles, and furlong has no session server; remove it "
+        "and cap prompt plus response tokens with --rollout-max-context-len.")),
+    Unsupported("--session-server-ip", "session_server_ip", (None,), reason="it addresses --use-session-server; remove it."),
+    Unsupported("--session-server-port", "session_server_port", (None,),
+                reason="it addresses --use-session-server; remove it."),
     # evaluation: a custom eval rollout and the dedicated eval fleet (--eval-num-gpus)
     Unsupported("--eval-function-path", "eval_function_path", (None,)),
     Unsupported("--eval-num-gpus-per-engine", "eval_num_gpus_per_engine", (1,)),
@@ -55,12 +84,9 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--eval-overflow-policy", "eval_overflow_policy", ("backpressure",)),
     Unsupported("--eval-keep-snapshots", "eval_keep_snapshots", (2,)),
     # training
-    Unsupported("--log-probs-max-tokens-per-gpu", "log_probs_max_tokens_per_gpu", (None,)),
-    Unsupported("--fsdp-cpu-backend", "fsdp_cpu_backend", ("gloo",)),
-    Unsupported("--no-keep-fp32-master", "keep_fp32_master", (True,)),
-    Unsupported("--custom-tis-function-path", "custom_tis_function_path", (None,)),
-    Unsupported("--get-mismatch-metrics", "get_mismatch_metrics"),
-    Unsupported("--ref-update-interval", "ref_update_interval", (None,)),
+    Unsupported("--fsdp-cpu-backend", "fsdp_cpu_backend", ("gloo",), reason=(
+        "the executors always give CPU tensors the gloo backend (cpu:gloo,cuda:nccl), the one CPU backend torch "
+        "builds everywhere; remove it.")),
 )
 
 
@@ -77,7 +103,10 @@ def unsupported_problems(args) -> list[str]:
         value = getattr(args, row.dest, row.supported[0])
         if value in row.supported or row.dest not in given:
             continue
-        if isinstance(value, bool) or all(v is False or v is None for v in row.supported):
+        if row.reason is not None:
+            shown = "" if isinstance(value, bool) or value is None else f" {value}"
+            problems.append(f"{row.flag}{shown}: {row.reason}")
+        elif isinstance(value, bool) or all(v is False or v is None for v in row.supported):
             problems.append(f"{row.flag} is not supported yet; remove it.")
         else:
             shown = ", ".join(str(v) for v in row.supported if v is not None)

@@ -227,6 +227,12 @@ class TrainGroup:
                 critic_fit(), actor_fit() if actor_trains else _nothing([]), concurrent)
         if reuse and actor_trains:  # samples left out of training have none (None)
             batch.old_log_probs, entropy = await self._train_log_probs(shares, len(samples))
+        if actor_trains and ref_update_due(config, rollout_id):
+            begin = time.perf_counter()
+            await self._all("update_ref_model")
+            metrics["perf/ref_update_time"] = time.perf_counter() - begin
+            log.info("rollout %d: the reference model takes the actor's weights (--ref-update-interval %d).",
+                     rollout_id, config.ref_update_interval)
         metrics.update(_token_means(batch, entropy))
         metrics["rollout/rewards"] = float(torch.tensor(rewards).mean()) if rewards else 0.0
         metrics["rollout/raw_reward"] = float(torch.tensor(raw).mean()) if raw else 0.0
@@ -338,6 +344,13 @@ class TrainGroup:
     async def call_rank0(self, method: str, *args):
         """``method`` on train rank 0 alone (the weight-update group's rank 0)."""
         return (await self._call(method, [args] + [None] * (self.workers.size - 1)))[0]
+
+
+def ref_update_due(config: RunConfig, rollout_id: int) -> bool:
+    """Whether the reference model takes the actor's weights after training rollout ``rollout_id``:
+    ``(rollout_id + 1) % --ref-update-interval == 0`` (never without the flag), as Miles' actors decide."""
+    interval = config.ref_update_interval
+    return bool(interval) and (rollout_id + 1) % interval == 0
 
 
 def _share(batch: TrainBatch, plan: list[list[list[int]]]) -> WorkerShare:

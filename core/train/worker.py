@@ -38,6 +38,9 @@ BACKEND_METHODS = {
 }
 ROLE_HOOKS = {"actor": ("train_backend", "furlong.hooks.TrainBackend"),
               "critic": ("critic_backend", "furlong.hooks.CriticBackend")}
+# optional TrainBackend methods (furlong.hooks.TrainBackend), each needed by one flag: what it does
+OPTIONAL_METHODS = {"save_hf": "it cannot export Hugging Face weights",
+                    "update_ref_model": "it cannot copy the actor's weights into its reference model"}
 CRITIC_LOSS = "value_loss"
 """The loss plugin a critic trains with (the clipped value loss, ``--value-clip``)."""
 
@@ -108,9 +111,14 @@ class TrainWorker:
         if not isinstance(layout, ParallelLayout):
             raise PluginError(f"{flag} '{name}': layout() returned {type(layout).__name__}; "
                               "it must return furlong.hooks.ParallelLayout.")
-        if self.role == "actor" and self.config.save_hf and not callable(getattr(self.backend, "save_hf", None)):
-            raise PluginError(f"--save-hf: {flag} '{name}' has no save_hf(path) method, so it cannot export "
-                              "Hugging Face weights; drop --save-hf or use a backend that has one (fsdp, megatron).")
+        optional = {"save_hf": self.config.save_hf and "--save-hf",
+                    "update_ref_model": self.config.ref_update_interval and "--ref-update-interval"}
+        if self.role == "actor":
+            for method, flag_given in optional.items():
+                if flag_given and not callable(getattr(self.backend, method, None)):
+                    raise PluginError(f"{flag_given}: {flag} '{name}' has no {method}() method "
+                                      f"({OPTIONAL_METHODS[method]}); drop {flag_given} or use a backend that has "
+                                      "one (fsdp, megatron).")
         return int(start or 0), layout
 
     async def log_probs(self, share: WorkerShare, model: str) -> dict | None:
@@ -164,6 +172,10 @@ class TrainWorker:
 
     async def save(self, path: str) -> None:
         await self.backend.save(path)
+
+    async def update_ref_model(self) -> None:
+        """The reference model takes the actor's current weights (``--ref-update-interval``)."""
+        await self.backend.update_ref_model()
 
     async def save_hf(self, path: str) -> None:
         await self.backend.save_hf(path)

@@ -242,6 +242,24 @@ class FSDPBackend(StepLoop):
         """Every tensor of :meth:`iter_weights` in one list (tests and tools; weight sync streams)."""
         return [(name, tensor) async for name, tensor in self.iter_weights()]
 
+    async def update_ref_model(self) -> None:
+        """The reference model takes the actor's current weights (``--ref-update-interval``); every rank calls it.
+
+        The weights of :meth:`iter_weights` (full tensors, LoRA merged) are loaded into the
+        reference, which keeps its own dtype (bfloat16 under ``--bf16``, as the actor's passes)
+        and its sharding under FSDP2.
+
+        :raises PluginError: no reference model is loaded.
+        """
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        if self.ref_model is None:
+            raise PluginError("fsdp: update_ref_model() but no reference model is loaded (it loads only with "
+                              "--use-kl-loss or --kl-coef != 0).")
+        state = {name: tensor async for name, tensor in self.iter_weights()}
+        await self._in_thread(set_model_state_dict, self.ref_model, state,
+                              options=checkpoint._options(strict=False))
+
     async def save(self, path: str) -> None:
         """Write the checkpoint into ``path`` (layout in :mod:`.checkpoint`); every rank calls it.
 

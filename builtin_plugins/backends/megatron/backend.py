@@ -401,6 +401,19 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         """Every tensor of :meth:`iter_weights` in one list (tests and tools; weight sync streams)."""
         return [(name, tensor) async for name, tensor in self.iter_weights()]
 
+    async def update_ref_model(self) -> None:
+        """The reference model takes the actor's current weights (``--ref-update-interval``); every rank calls it.
+
+        Both models are built alike (same shards on this rank, same dtype), so each rank copies its own
+        parameters: the weights the actor's passes run (bfloat16 under ``--bf16``), no communication.
+
+        :raises PluginError: no reference model is loaded.
+        """
+        if self.ref_model is None:
+            raise PluginError("megatron: update_ref_model() but no reference model is loaded (it loads only with "
+                              "--use-kl-loss or --kl-coef != 0).")
+        await self._in_thread(_copy_parameters, self.model, self.ref_model)
+
     async def save(self, path: str) -> None:
         """Write a ``torch_dist`` checkpoint into ``path`` (:mod:`.checkpoint`); every rank calls it.
 
@@ -424,6 +437,17 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
             checkpoint.load_checkpoint, path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             masters=self.masters, rank=self.rank, world=self.world, load_optim=not self.config.no_load_optim,
             load_rng=not self.config.no_load_rng, device=self.device)
+
+
+def _copy_parameters(source, target) -> None:
+    """Copy every parameter and buffer of ``source`` into the same-named one of ``target`` (built alike)."""
+    import torch
+
+    with torch.no_grad():
+        tensors = dict(target.named_parameters())
+        tensors.update(target.named_buffers())
+        for name, value in [*source.named_parameters(), *source.named_buffers()]:
+            tensors[name].copy_(value)
 
 
 def moe_layout_problems(shape, tp: int, pp: int, cp: int, ep: int, where: str,

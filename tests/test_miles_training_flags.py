@@ -1,0 +1,48 @@
+"""Miles' training flags furlong implements (issue 41): each run end to end on the demo task, values checked."""
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo"
+
+
+def demo_run(save: Path, *extra: str) -> list[dict]:
+    """The demo task (``extra`` gives the rollouts); the metrics of each rollout, in order."""
+    from furlong.core.config.launch_args import launch_config
+    from furlong.core.plugins.manager import get_plugin_manager
+    from furlong.core.plugins.selection import resolve_selection
+    from furlong.core.run.loop import run
+
+    argv = ["--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
+            "--input-key", "prompt", "--label-key", "label", "--rm-type", "math",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
+            "--rollout-max-response-len", "8", "--lr", "1e-3", "--micro-batch-size", "4",
+            "--save", str(save), "--save-interval", "1000", "--seed", "1", *extra]
+    pm = get_plugin_manager()
+    config = launch_config(*argv, pm=pm)
+    asyncio.run(run(config, pm, resolve_selection(config, pm)))
+    return [r for r in (json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines())
+            if "rollout/step" in r]
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_ref_update_interval_gives_the_reference_the_actors_weights(tmp_path, caplog, backend):
+    if backend == "megatron":
+        pytest.importorskip("megatron.core", reason="the megatron extra (megatron-core) is not installed")
+    caplog.set_level("INFO", logger="furlong.train")
+    rows = demo_run(tmp_path, "--train-backend", backend, "--num-rollout", "3", "--use-kl-loss",
+                    "--kl-loss-coef", "0", "--ref-update-interval", "2")
+    ref = [r["rollout/ref_log_probs"] for r in rows]
+    actor = [r["rollout/log_probs"] for r in rows]
+    # rollout 0: both are the initial weights; rollout 1: the actor trained once, the reference did not;
+    # after rollout 1 ((1 + 1) % 2 == 0) the reference takes the actor's weights, which rollout 2 starts from
+    assert ref[0] == pytest.approx(actor[0], rel=1e-6)
+    assert abs(ref[1] - actor[1]) > 1e-4
+    assert ref[2] == pytest.approx(actor[2], rel=1e-6)
+    assert rows[2]["train/kl_loss"] == pytest.approx(0.0, abs=1e-6)
+    assert abs(rows[1]["train/kl_loss"]) > 1e-6
+    assert "rollout 1: the reference model takes the actor's weights (--ref-update-interval 2)." in caplog.text
+    assert "rollout 0: the reference model" not in caplog.text
