@@ -19,7 +19,7 @@ def demo_run(save: Path, *extra: str) -> list[dict]:
     argv = ["--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
             "--input-key", "prompt", "--label-key", "label", "--rm-type", "math",
             "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
-            "--rollout-max-response-len", "8", "--lr", "1e-3", "--micro-batch-size", "4",
+            "--rollout-max-response-len", "8", "--lr", "1e-3", "--entropy-coef", "0.01", "--micro-batch-size", "4",
             "--save", str(save), "--save-interval", "1000", "--seed", "1", *extra]
     pm = get_plugin_manager()
     config = launch_config(*argv, pm=pm)
@@ -46,3 +46,30 @@ def test_ref_update_interval_gives_the_reference_the_actors_weights(tmp_path, ca
     assert abs(rows[1]["train/kl_loss"]) > 1e-6
     assert "rollout 1: the reference model takes the actor's weights (--ref-update-interval 2)." in caplog.text
     assert "rollout 0: the reference model" not in caplog.text
+
+
+def test_log_probs_max_tokens_per_gpu_packs_the_passes_and_changes_no_value(tmp_path):
+    from furlong.core.config import parse_args
+    from furlong.core.train.group import TrainGroup, _share
+    from furlong.hooks import TrainBatch
+
+    packed = ["--num-rollout", "2", "--use-kl-loss", "--kl-loss-coef", "0.01", "--no-reuse-train-log-probs",
+              "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"]
+    base = ["--hf-checkpoint", str(DEMO / "model"), "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+            "--global-batch-size", "8"]
+    group = TrainGroup(parse_args(base + packed[:-4] + ["--log-probs-max-tokens-per-gpu", "1"] + packed[-4:]),
+                       None, None, workers=None)
+    batch = TrainBatch(tokens=[[1] * 20] * 8, response_lengths=[8] * 8, loss_masks=[None] * 8)
+    train_shares = [_share(batch, plan) for plan in group._plans(batch, 8, 1, list(range(8)))]
+    passes = group._log_prob_shares(batch, 8, 1, list(range(8)), train_shares)
+    assert [len(step) for step in train_shares[0].batch.steps] == [1]  # one micro-batch of 160 tokens
+    assert [len(step) for step in passes[0].batch.steps] == [8]  # one sample per pass micro-batch
+
+    small = demo_run(tmp_path / "small", *packed, "--log-probs-max-tokens-per-gpu", "1")
+    large = demo_run(tmp_path / "large", *packed)
+    assert len(small) == len(large) == 2
+    for a, b in zip(small, large):
+        for key in ("rollout/log_probs", "rollout/ref_log_probs", "train/kl_loss", "train/loss", "train/grad_norm",
+                    "train/ppo_kl", "train/pg_clipfrac"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key  # float32 rounding of another packing
+    assert abs(small[1]["rollout/ref_log_probs"] - small[1]["rollout/log_probs"]) > 1e-5  # rollout 1 trained

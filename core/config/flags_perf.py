@@ -18,8 +18,9 @@ def add(g, dev) -> None:
                    help="Token cap per micro-batch per device (x context-parallel size); required with "
                         "--use-dynamic-batch-size.")
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None,
-                   help="Token cap for forward-only log-prob passes (default: --max-tokens-per-gpu) "
-                        "(not supported yet).")
+                   help="Token cap per micro-batch of the forward-only log-prob passes (reference and pi_old) when "
+                        "micro-batches are packed by tokens (default: --max-tokens-per-gpu); the log-probs are the "
+                        "same whatever the cap.")
     g.add_argument("--balance-by-flops", action="store_true",
                    help="FLOPs-weighted micro-batch partitioning (not supported yet).")
     g.add_argument("--qkv-format", choices=["thd", "bshd"], default="thd",

@@ -166,10 +166,11 @@ class TrainGroup:
         tids = trajectory_ids(samples)
         plans = self._plans(batch, gbs, num_steps, tids)
         shares = [_share(batch, plan) for plan in plans]
+        pass_shares = self._log_prob_shares(batch, gbs, num_steps, tids, shares)
         metrics: dict = {}
         start = time.perf_counter()
         if self.needs_ref():
-            batch.ref_log_probs = (await self._log_probs(shares, len(samples), "ref"))[0]
+            batch.ref_log_probs = (await self._log_probs(pass_shares, len(samples), "ref"))[0]
         metrics["perf/ref_log_probs_time"] = time.perf_counter() - start
         start = time.perf_counter()
         reuse = self.reuse_old_log_probs and all(len(plan) == 1 for plan in plans)
@@ -179,7 +180,7 @@ class TrainGroup:
                 return batch.rollout_log_probs, None
             if reuse:  # the training forward gives pi_old; the advantage stages see none
                 return None, None
-            return await self._log_probs(shares, len(samples), "actor")
+            return await self._log_probs(pass_shares, len(samples), "actor")
 
         if critic is None:
             batch.old_log_probs, entropy = await old_log_probs()
@@ -260,13 +261,28 @@ class TrainGroup:
                 _fill(share, batch, tids, denominators, PER_TOKEN_FIELDS["critic"])
             return self._outputs(await self._call("train", self._per_rank(lambda s: (rollout_id, s), shares)))
 
-    def _plans(self, batch: TrainBatch, gbs: int, num_steps: int, tids: list[int], skip: list[bool] | None = None):
-        """Every data-parallel rank's micro-batches (:func:`~furlong.core.train.batching.plan_steps`)."""
+    def _log_prob_shares(self, batch: TrainBatch, gbs: int, num_steps: int, tids: list[int],
+                         shares: list[WorkerShare]) -> list[WorkerShare]:
+        """The shares the forward-only passes (reference and pi_old) run: micro-batches packed under
+        ``--log-probs-max-tokens-per-gpu`` when the run packs by tokens and that budget differs from
+        ``--max-tokens-per-gpu`` (a pass keeps no activations for backward, so it may take more), else the
+        training ``shares``. Each sample's log-probs are the same under any packing; only speed and memory
+        change."""
+        config = self.config
+        cap = config.log_probs_max_tokens_per_gpu
+        if not config.use_dynamic_batch_size or not cap or cap == config.max_tokens_per_gpu:
+            return shares
+        return [_share(batch, plan) for plan in self._plans(batch, gbs, num_steps, tids, max_tokens=cap)]
+
+    def _plans(self, batch: TrainBatch, gbs: int, num_steps: int, tids: list[int], skip: list[bool] | None = None,
+               max_tokens: int | None = None):
+        """Every data-parallel rank's micro-batches (:func:`~furlong.core.train.batching.plan_steps`), packed
+        under ``max_tokens`` (default ``--max-tokens-per-gpu``) when the run packs by tokens."""
         config = self.config
         return [plan_steps(
             lengths=[len(t) for t in batch.tokens], global_batch_size=gbs,
             num_steps=num_steps, dp_size=self.dp_size, rank=r,
-            micro_batch_size=config.micro_batch_size, max_tokens_per_gpu=config.max_tokens_per_gpu,
+            micro_batch_size=config.micro_batch_size, max_tokens_per_gpu=max_tokens or config.max_tokens_per_gpu,
             dynamic=config.use_dynamic_batch_size, balance=config.balance_data, trajectory_ids=tids, skip=skip,
         ) for r in range(self.dp_size)]
 
