@@ -7,7 +7,7 @@ Part of the contract because two sides share them: the core's reward-shaping KL
 
 from __future__ import annotations
 
-__all__ = ["KL_TYPES", "kl_estimate"]
+__all__ = ["KL_TYPES", "kl_estimate", "rollout_mismatch"]
 
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
@@ -48,3 +48,25 @@ def kl_estimate(log_probs, base_log_probs, kl_type: str):
         neg = neg.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
         return (torch.exp(neg) - 1.0 - neg).clamp(-_LOW_VAR_KL_LIMIT, _LOW_VAR_KL_LIMIT)
     raise ValueError(f"--kl-loss-type {kl_type!r}: unknown KL estimator; choose one of {', '.join(KL_TYPES)}")
+
+
+def rollout_mismatch(trainer_log_probs, rollout_log_probs, active) -> dict:
+    """Per-token train/rollout mismatch metrics: how far the trainer's log-probs of the sampled tokens are
+    from the rollout engine's.
+
+    ``train_rollout_logprob_abs_diff = |lp_train - lp_rollout|`` and ``train_rollout_kl =
+    low_var_kl(lp_rollout, lp_train)`` (k3 of ``KL(rollout || train)``, clamped as :func:`kl_estimate`),
+    both 0 where ``active`` is False and where a value is not finite. Float32, detached inputs expected.
+
+    Shapes: ``trainer_log_probs``, ``rollout_log_probs`` float ``[T]``; ``active`` bool ``[T]`` (the trained
+    tokens); returns ``{name: float32 [T]}`` for the core to reduce like any loss metric.
+
+    Reference: the metrics Miles logs as ``train_rollout_logprob_abs_diff`` and ``train_rollout_kl``
+    (radixark/miles, ``miles/backends/training_utils/loss_hub/losses.py``).
+    """
+    import torch
+
+    rollout = torch.where(active, rollout_log_probs.float(), trainer_log_probs.float())
+    out = {"train_rollout_logprob_abs_diff": (trainer_log_probs.float() - rollout).abs(),
+           "train_rollout_kl": kl_estimate(rollout, trainer_log_probs, "low_var_kl")}
+    return {k: torch.where(active, torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0), 0.0) for k, v in out.items()}

@@ -17,7 +17,7 @@ def demo_run(save: Path, *extra: str) -> list[dict]:
     from furlong.core.run.loop import run
 
     argv = ["--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(DEMO / "data" / "train.jsonl"),
-            "--input-key", "prompt", "--label-key", "label", "--rm-type", "math",
+            "--input-key", "prompt", "--label-key", "label", "--rm-type", "deterministic_random",
             "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
             "--rollout-max-response-len", "8", "--lr", "1e-3", "--entropy-coef", "0.01", "--micro-batch-size", "4",
             "--save", str(save), "--save-interval", "1000", "--seed", "1", *extra]
@@ -73,3 +73,45 @@ def test_log_probs_max_tokens_per_gpu_packs_the_passes_and_changes_no_value(tmp_
                     "train/ppo_kl", "train/pg_clipfrac"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key  # float32 rounding of another packing
     assert abs(small[1]["rollout/ref_log_probs"] - small[1]["rollout/log_probs"]) > 1e-5  # rollout 1 trained
+
+
+@pytest.fixture
+def user_functions(monkeypatch):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    module = importlib.import_module("miles_user_functions")
+    module.CALLS.clear()
+    return module
+
+
+TIS_COMPARED = ("train/pg_loss", "train/loss", "train/grad_norm", "train/tis", "train/tis_clipfrac", "train/tis_abs",
+                "train/ois", "train/train_rollout_kl", "train/train_rollout_logprob_abs_diff")
+
+
+def test_custom_tis_function_written_like_the_builtin_trains_as_use_tis_does(tmp_path, user_functions):
+    common = ("--num-rollout", "2", "--use-tis", "--tis-clip", "1.0001", "--tis-clip-low", "0.9999")
+    builtin = demo_run(tmp_path / "builtin", *common)
+    custom = demo_run(tmp_path / "custom", *common, "--custom-tis-function-path", "miles_user_functions.vanilla_tis")
+    for a, b in zip(custom, builtin):
+        for key in TIS_COMPARED:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    assert all(r["train/tis_abs"] > 0 and r["train/pg_loss"] != 0 for r in builtin)  # weights not all 1
+    name, lengths, total, response, extra = user_functions.CALLS[0]
+    assert name == "vanilla_tis" and lengths == response and all(t > r for t, r in zip(total, response))
+    assert extra == ["max_seq_lens", "parallel_state"]
+
+
+def test_get_mismatch_metrics_computes_the_trainers_log_probs_under_use_rollout_logprobs(tmp_path, user_functions):
+    # pi_old from the engine; the trainer's pass runs anyway and is compared with the engine's log-probs
+    engine_old = demo_run(tmp_path / "engine", "--num-rollout", "1", "--use-rollout-logprobs", "--get-mismatch-metrics",
+                          "--custom-tis-function-path", "miles_user_functions.reject_first_token")[0]
+    # the same rollout with the trainer's pi_old: the loss plugin compares the same two log-probs itself
+    trainer_old = demo_run(tmp_path / "trainer", "--num-rollout", "1", "--no-reuse-train-log-probs",
+                           "--get-mismatch-metrics", "--custom-tis-function-path",
+                           "miles_user_functions.reject_first_token")[0]
+    for key in ("train/train_rollout_kl", "train/train_rollout_logprob_abs_diff", "train/seen_ratio"):
+        assert engine_old[key] == pytest.approx(trainer_old[key], rel=1e-5, abs=1e-9), key
+    assert engine_old["train/train_rollout_logprob_abs_diff"] > 0
+    assert engine_old["train/seen_ratio"] == pytest.approx(1.0, abs=1e-3)
+    assert engine_old["perf/log_probs_time"] > 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from furlong.hooks import LossOutput, PluginError, hookimpl
 
-from furlong.kit.kl import KL_TYPES, kl_estimate
+from furlong.kit.kl import KL_TYPES, kl_estimate, rollout_mismatch
 from furlong.hooks.rows import SplitRows, concat_rows, row_lengths
 from furlong.kit.trainer import to_device
 
@@ -35,7 +35,8 @@ def loss(config, batch):
     ``A < 0`` with ``--eps-clip-c c``: ``l = min(l, -c*A)``. OPSM zeroes ``l`` on tokens with
     ``A < 0`` of samples whose masked mean of ``logp_old - logp`` exceeds ``--opsm-delta``.
     TIS multiplies ``l`` by ``w = clamp(exp(logp_old - logp_rollout), tis_clip_low,
-    tis_clip)`` (no gradient). The returned ``token_loss`` is the combined objective
+    tis_clip)`` (no gradient); with ``--custom-tis-function-path`` the core applies that function
+    to ``pg_loss`` instead. The returned ``token_loss`` is the combined objective
     ``l - entropy_coef*H + kl_loss_coef*kl`` (each term only when its coefficient is non-zero
     and, for kl, ``--use-kl-loss`` is on), where ``kl = KL_est(logp, logp_ref)`` with
     ``--kl-loss-type``, times ``exp(logp - logp_old)`` under ``--use-unbiased-kl``.
@@ -95,13 +96,10 @@ def loss(config, batch):
         dropped = active & (adv < 0) & (seq_kl[seg] > config.opsm_delta)
         pg = torch.where(dropped, 0.0, pg)
         metrics["opsm_clipfrac"] = dropped.float()
-    if config.use_tis:
+    if config.use_tis and not config.custom_tis_function_path:  # a custom function: the core applies it
         pg = pg * _tis_terms(config, old, _cat(batch.rollout_log_probs, device), active, seg, n, counts, ratio, metrics)
     if batch.rollout_log_probs is not None:
-        rollout = _cat(batch.rollout_log_probs, device)
-        rollout_safe = torch.where(active, rollout, old)
-        metrics["train_rollout_logprob_abs_diff"] = _masked_finite((old - rollout_safe).abs(), active)
-        metrics["train_rollout_kl"] = _masked_finite(kl_estimate(rollout_safe, old, "low_var_kl"), active)
+        metrics.update(rollout_mismatch(old, _cat(batch.rollout_log_probs, device), active))
     metrics["pg_loss"] = pg
     total = pg
 

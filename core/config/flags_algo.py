@@ -38,11 +38,17 @@ def add(g, dev) -> None:
     g.add_argument("--tis-clip", type=float, default=2.0, help="TIS upper clip.")
     g.add_argument("--tis-clip-low", type=float, default=0.0, help="TIS lower clip.")
     g.add_argument("--custom-tis-function-path", default=None,
-                   help="module.function replacing the TIS weights (not supported yet).")
+                   help="module.function(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, "
+                        "total_lengths, response_lengths, **kw) -> (pg_loss, loss_masks, metrics): Miles' custom "
+                        "TIS/rejection sampling, replacing the built-in TIS (needs --use-tis or "
+                        "--get-mismatch-metrics).")
     g.add_argument("--use-rollout-logprobs", action="store_true",
                    help="Use the engine's log-probs as pi_old (exclusive with --use-tis).")
     g.add_argument("--get-mismatch-metrics", action="store_true",
-                   help="Log train/rollout mismatch metrics; needs --custom-tis-function-path (not supported yet).")
+                   help="Log train/rollout mismatch metrics (train_rollout_logprob_abs_diff, train_rollout_kl, the "
+                        "custom TIS function's and ois), computing the trainer's log-probs even under "
+                        "--use-rollout-logprobs; the --custom-tis-function-path function weights the loss as under "
+                        "--use-tis. Needs --custom-tis-function-path.")
     g.add_argument("--custom-pg-loss-reducer-function-path", default=None,
                    help="module.function reducing the policy-gradient term.")
     g.add_argument("--loss-reducer", default=None, metavar="NAME",

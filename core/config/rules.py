@@ -91,6 +91,9 @@ def importance_sampling(args, f) -> None:
                 "policy the importance ratio is always 1.")
     if args.get_mismatch_metrics and not args.custom_tis_function_path:
         f.error("--get-mismatch-metrics needs --custom-tis-function-path.")
+    if args.custom_tis_function_path and not (args.use_tis or args.get_mismatch_metrics):
+        f.error(f"--custom-tis-function-path {args.custom_tis_function_path} is called only under --use-tis or "
+                "--get-mismatch-metrics; add one of them or drop it.")
     if args.use_opd:
         if args.opd_type is None:
             f.error("--use-opd needs --opd-type sglang (a served teacher at --rm-url or --opd-teacher-urls).")

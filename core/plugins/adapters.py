@@ -184,8 +184,11 @@ class _PathFunction(MilesStyle):
         self.path, self.flag = path, flag
 
     async def _run(self, *fn_args) -> Any:
+        return await self._run_keywords(*fn_args)
+
+    async def _run_keywords(self, *fn_args, **fn_kwargs) -> Any:
         try:
-            return await _resolve(self.fn(*fn_args))
+            return await _resolve(self.fn(*fn_args, **fn_kwargs))
         except PluginError:
             raise
         except Exception as exc:  # noqa: BLE001 - name the function at fault
@@ -240,6 +243,51 @@ class _EvalRolloutLogAdapter(_PathFunction):
         return bool(await self._run(rollout_id, args, data, extra))
 
 
+class _TisAdapter(_PathFunction):
+    @hookimpl
+    async def tis_function(self, args, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
+                           response_lengths):
+        out = await self._run_keywords(args=args, pg_loss=pg_loss, train_log_probs=train_log_probs,
+                                       rollout_log_probs=rollout_log_probs, loss_masks=loss_masks,
+                                       total_lengths=total_lengths, response_lengths=response_lengths,
+                                       parallel_state=None, max_seq_lens=None)
+        if not (isinstance(out, (tuple, list)) and len(out) == 3 and isinstance(out[2], dict)
+                and len(out[1]) == len(loss_masks)):
+            raise PluginError(f"{self.flag} '{self.path}' must return (pg_loss, loss_masks, metrics): a tensor, "
+                              f"{len(loss_masks)} masks and a dict; it returned {type(out).__name__}.")
+        return tuple(out)
+
+
+class _ConvertAdapter(_PathFunction):
+    @hookimpl
+    async def convert_samples_to_train_data(self, args, samples):
+        data = await self._run(args, samples)
+        if not isinstance(data, dict):
+            raise PluginError(f"{self.flag} '{self.path}' must return a dict of train data (Miles' form), not "
+                              f"{type(data).__name__}.")
+        return data
+
+
+class _DataPostprocessAdapter(_PathFunction):
+    @hookimpl
+    async def rollout_data_postprocess(self, args, rollout_data):
+        if _positional_count(self.fn) >= 2:
+            await self._run(args, rollout_data)
+        else:  # Miles' form: fn(args)
+            await self._run(args)
+
+
+def _positional_count(fn: Callable) -> int:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return 2
+    return sum(p.kind in kinds for p in params)
+
+
 PATH_ADAPTERS: dict[str, type] = {
     "rollout_sample_filter": _SampleFilterAdapter,
     "rollout_all_samples_process": _AllSamplesProcessAdapter,
@@ -247,6 +295,9 @@ PATH_ADAPTERS: dict[str, type] = {
     "post_save": _PostSaveAdapter,
     "rollout_log": _RolloutLogAdapter,
     "eval_rollout_log": _EvalRolloutLogAdapter,
+    "tis_function": _TisAdapter,
+    "convert_samples_to_train_data": _ConvertAdapter,
+    "rollout_data_postprocess": _DataPostprocessAdapter,
 }
 
 

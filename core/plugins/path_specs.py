@@ -2,8 +2,9 @@
 
 ``--rollout-sample-filter-path``, ``--rollout-all-samples-process-path``,
 ``--custom-reward-post-process-path``, ``--custom-megatron-post-save-hook-path``,
-``--custom-rollout-log-function-path`` and ``--custom-eval-rollout-log-function-path`` name a
-user function that runs at one point of the loop. Each is wrapped in an adapter plugin
+``--custom-rollout-log-function-path``, ``--custom-eval-rollout-log-function-path``,
+``--custom-tis-function-path``, ``--custom-convert-samples-to-train-data-path`` and
+``--rollout-data-postprocess-path`` name a user function that runs at one point of the loop. Each is wrapped in an adapter plugin
 (:mod:`furlong.core.plugins.adapters`) registered under the path, and the core calls it
 through the plugin manager like any chosen hook (timed, reported to ``on_hook_call``).
 These hooks are reached only through their flag; they are not part of the plugin
@@ -18,8 +19,9 @@ from argparse import Namespace
 from furlong.hooks import RunConfig, Sample
 from furlong.hooks.markers import hookspec
 
-__all__ = ["PATH_HOOKS", "eval_rollout_log", "post_save", "reward_post_process", "rollout_all_samples_process",
-           "rollout_log", "rollout_sample_filter"]
+__all__ = ["PATH_HOOKS", "convert_samples_to_train_data", "eval_rollout_log", "post_save", "reward_post_process",
+           "rollout_all_samples_process", "rollout_data_postprocess", "rollout_log", "rollout_sample_filter",
+           "tis_function"]
 
 # hook -> attribute of the dotted-path flag that chooses it (the flag: "--" + the attribute with dashes)
 PATH_HOOKS: dict[str, str] = {
@@ -29,6 +31,9 @@ PATH_HOOKS: dict[str, str] = {
     "post_save": "custom_megatron_post_save_hook_path",
     "rollout_log": "custom_rollout_log_function_path",
     "eval_rollout_log": "custom_eval_rollout_log_function_path",
+    "tis_function": "custom_tis_function_path",
+    "convert_samples_to_train_data": "custom_convert_samples_to_train_data_path",
+    "rollout_data_postprocess": "rollout_data_postprocess_path",
 }
 
 
@@ -87,4 +92,42 @@ def eval_rollout_log(config: RunConfig, args: Namespace, rollout_id: int, data: 
     extra_metrics)``), once per evaluation on the rollout side. ``data[name]`` per eval set:
     ``{"rewards": [float or None], "truncated": [bool], "samples": [Sample]}``; ``extra``: ``perf/eval_time``.
     May be ``async def``.
+    """
+
+
+@hookspec
+def tis_function(config: RunConfig, args: Namespace, pg_loss, train_log_probs: list, rollout_log_probs: list,
+                 loss_masks: list, total_lengths: list[int], response_lengths: list[int]) -> tuple:
+    """Importance weights of one micro-batch's policy-gradient term: ``(pg_loss, loss_masks, metrics)``.
+
+    Call: chosen by ``--custom-tis-function-path`` under ``--use-tis`` or ``--get-mismatch-metrics``, once per
+    micro-batch in the train worker, as Miles calls it: ``fn(args=..., pg_loss=..., train_log_probs=...,
+    rollout_log_probs=..., loss_masks=..., total_lengths=..., response_lengths=..., parallel_state=None,
+    max_seq_lens=None)``. ``pg_loss``: float32 ``[sum T_i]`` (the loss plugin's ``pg_loss``, carrying grad);
+    the lists hold N tensors ``[T_i]`` (``train_log_probs``: pi_old as the trainer computed it). Returns the
+    weighted ``pg_loss`` ``[sum T_i]``, N masks ``[T_i]`` (tokens it rejects get 0: they leave the loss's
+    numerator, not its denominators) and ``{name: float32 [sum T_i]}`` metrics reduced over the given masks.
+    """
+
+
+@hookspec
+def convert_samples_to_train_data(config: RunConfig, args: Namespace, samples: list[Sample]) -> dict:
+    """The rollout's train data in Miles' dict form, replacing the core's conversion.
+
+    Call: chosen by ``--custom-convert-samples-to-train-data-path`` (Miles' ``fn(args, samples) -> dict``),
+    once per rollout in the driver, with the samples trained on (sorted by index). Keys read:
+    ``tokens``, ``response_lengths``, ``rewards``, ``loss_masks`` (one per sample) and the optional
+    ``raw_reward``, ``truncated``, ``sample_indices``, ``rollout_log_probs``.
+    """
+
+
+@hookspec
+def rollout_data_postprocess(config: RunConfig, args: Namespace, rollout_data: dict) -> None:
+    """Look at (and change in place) the rollout's train data once log-probs and advantages are known.
+
+    Call: chosen by ``--rollout-data-postprocess-path``, once per rollout in the driver, before the
+    loss denominators are computed. Miles calls ``fn(args)``; a function with a second parameter also
+    gets ``rollout_data``: ``{"tokens", "response_lengths", "loss_masks", "log_probs", "ref_log_probs",
+    "rollout_log_probs", "advantages", "returns", "rewards"}`` (per-token values as lists of float32
+    ``[T_i]``; None where the run has none). Changing ``loss_masks[i]`` in place changes what trains.
     """

@@ -187,6 +187,10 @@ class TrainGroup:
         else:
             (batch.old_log_probs, entropy), batch.values = await _both(
                 old_log_probs(), critic.values(batch, gbs, num_steps, tids), concurrent)
+        trainer_log_probs = None
+        if config.get_mismatch_metrics and config.use_rollout_logprobs and batch.rollout_log_probs is not None:
+            # pi_old is the engine's; one more pass gives the trainer's, for the mismatch metrics (as Miles does)
+            trainer_log_probs = (await self._log_probs(pass_shares, len(samples), "actor"))[0]
         metrics["perf/log_probs_time"] = 0.0 if reuse and critic is None else time.perf_counter() - start
         if config.disable_compute_advantages_and_returns:  # the loss reads neither (supervised fine-tuning)
             batch.advantages = batch.returns = None
@@ -205,6 +209,7 @@ class TrainGroup:
         for share in shares:
             _fill(share, batch, tids, denominators, PER_TOKEN_FIELDS["actor"])
             share.reuse_old_log_probs = reuse
+            share.trainer_log_probs = _pick(trainer_log_probs, share.sample_ids)
         if config.dump_details:
             dump_train_data(config.dump_details, rollout_id, shares)
 

@@ -31,12 +31,14 @@ from typing import Any, Sequence
 
 from furlong.hooks import LossInput, LossOutput, PluginError, RunConfig, TrainBatch
 from furlong.hooks.contract import check_loss_output, check_loss_reducer_output
+from furlong.kit.kl import rollout_mismatch
 from furlong.kit.masked import MaskedSum
 from furlong.hooks.rows import SplitRows, concat_rows, detached_rows, row_lengths
 from furlong.kit.trainer import rows_to_device
 
 from . import reduction
-from ..plugins.selection import chosen_reducer
+
+from ..plugins.selection import chosen_reducer, register_path
 
 __all__ = ["LOSS_METRICS", "StepObjective"]
 
@@ -44,6 +46,7 @@ __all__ = ["LOSS_METRICS", "StepObjective"]
 # policy-gradient term, which then equals the loss whichever samples were trained (the other metrics
 # describe the trained samples)
 LOSS_METRICS = frozenset({"pg_loss"})
+TIS_FLAG = "--custom-tis-function-path"
 
 
 class StepObjective:
@@ -54,7 +57,8 @@ class StepObjective:
 
     Flags read: ``calculate_per_token_loss``, ``mask_truncated_samples``,
     ``loss_reducer``, ``custom_pg_loss_reducer_function_path``, ``use_rollout_logprobs`` (pi_old is then the
-    engine's log-probs, ``batch.rollout_log_probs``); the loss plugin reads its own.
+    engine's log-probs, ``batch.rollout_log_probs``), ``custom_tis_function_path`` with ``use_tis`` or
+    ``get_mismatch_metrics`` (:meth:`_mismatch`); the loss plugin reads its own.
 
     :param config: the run configuration.
     :param pm: the plugin manager (``furlong.core.plugins.manager.FurlongPluginManager``).
@@ -81,8 +85,10 @@ class StepObjective:
         rank, when some are left out (``--skip-zero-advantage-samples``): metrics other than
         :data:`LOSS_METRICS` are then means over the trained samples; default: the step
         denominators.
-    :param reducer: False ignores ``--loss-reducer`` (a critic's value loss: the reducer is the policy
-        gradient's).
+    :param reducer: False ignores ``--loss-reducer`` and ``--custom-tis-function-path`` (a critic's value loss:
+        both are the policy gradient's).
+    :param trainer_log_probs: N float32 [T_i], pi_old as the trainer computed it when pi_old is the engine's
+        (``--use-rollout-logprobs --get-mismatch-metrics``): the mismatch metrics compare it with the engine's.
     :raises PluginError: a bad ``--loss-reducer`` or ``--custom-pg-loss-reducer-function-path``.
     :raises ValueError: ``dp_world_size > 1`` without global step denominators; reuse with
         more than one step.
@@ -105,6 +111,7 @@ class StepObjective:
         reuse_old_log_probs: bool = False,
         metric_step_denominators: Sequence[reduction.StepDenominators] | None = None,
         reducer: bool = True,
+        trainer_log_probs: list | None = None,
     ) -> None:
         self.config, self.pm, self.batch = config, pm, batch
         if reuse_old_log_probs and len(batch.steps) != 1:
@@ -149,6 +156,10 @@ class StepObjective:
         reduction._check_len("sample_denominators", sample_denominators, n)
         self.sample_denominators = [float(d) for d in sample_denominators]
         self.reducer = chosen_reducer(config, pm) if reducer else None
+        self.trainer_log_probs = trainer_log_probs
+        self.tis = None
+        if reducer and config.custom_tis_function_path and (config.use_tis or config.get_mismatch_metrics):
+            self.tis = register_path(pm, "tis_function", config.custom_tis_function_path, TIS_FLAG)
 
     async def __call__(
         self, sample_ids: list[int], log_probs: list, entropy: list | None, values: list | None = None
@@ -195,6 +206,9 @@ class StepObjective:
         )
         out = await self.pm.call_chosen("loss", self.loss_name, self.loss_flag, config=self.config, batch=loss_input)
         self._check_output(out, masks)
+        if self.tis is not None or self.trainer_log_probs is not None:
+            trainer = self._pick(self.trainer_log_probs, sample_ids, device) if self.trainer_log_probs else old
+            out = await self._mismatch(out, sample_ids, masks, trainer, loss_input.rollout_log_probs)
         weights = reduction.sample_weights(sample_ids, self.sample_denominators, step, self.per_token)
         reduce = MaskedSum(masks, weights)  # kit.masked.masked_sum, the masks and weights built once
         trained = self.metric_step_denominators[s] if s is not None else step
@@ -211,6 +225,48 @@ class StepObjective:
             metrics["pg_loss"] = pg.detach()
         metrics["loss"] = total.detach()
         return total, metrics
+
+    async def _mismatch(self, out: LossOutput, sample_ids: list[int], masks: list, trainer: list,
+                        rollout: list | None) -> LossOutput:
+        """The train/rollout mismatch of one micro-batch: :func:`~furlong.kit.kl.rollout_mismatch` of the
+        trainer's pi_old against the engine's log-probs (the loss plugin compared pi_old, which is the
+        engine's own under ``--use-rollout-logprobs``), then ``--custom-tis-function-path`` on the policy-gradient
+        term (Miles' order: the function's weights multiply ``pg_loss``, the masks it returns zero rejected
+        tokens in the numerator; its metrics and ``ois = exp(-ppo_kl)`` join the loss's metrics)."""
+        import torch
+
+        if rollout is None:
+            raise PluginError(f"{TIS_FLAG} / --get-mismatch-metrics: the batch has no rollout log-probs; the rollout "
+                              "engine must return per-token log-probs (Sample.rollout_log_probs).")
+        lengths = row_lengths(masks)
+        active = concat_rows(masks) > 0
+        train_flat = concat_rows(trainer).detach().float()
+        metrics = dict(out.token_metrics)
+        for name, value in rollout_mismatch(train_flat, concat_rows(rollout).float(), active).items():
+            metrics[name] = SplitRows.of(value, lengths)
+        if self.tis is None:
+            return LossOutput(token_loss=out.token_loss, token_metrics=metrics)
+        pg_rows = metrics.get("pg_loss")
+        if pg_rows is None:
+            raise PluginError(f"{TIS_FLAG}: {self.loss_flag} '{self.loss_name}' reports no per-token pg_loss for the "
+                              "function to weight.")
+        pg = concat_rows(pg_rows)
+        detached = [t.detach() for t in trainer]
+        new_pg, new_masks, extra = await self.pm.call_chosen(
+            "tis_function", self.tis, TIS_FLAG, config=self.config, pg_loss=pg, train_log_probs=detached,
+            rollout_log_probs=list(rollout), loss_masks=list(masks),
+            total_lengths=[len(self.batch.tokens[i]) for i in sample_ids], response_lengths=lengths)
+        if not torch.is_tensor(new_pg) or new_pg.shape != pg.shape:
+            raise PluginError(f"{TIS_FLAG}: the function returned pg_loss of shape "
+                              f"{tuple(getattr(new_pg, 'shape', ()))}; it must keep the shape {tuple(pg.shape)}.")
+        new_pg = new_pg * torch.cat([torch.as_tensor(m).reshape(-1).to(new_pg) for m in new_masks])
+        total = concat_rows(out.token_loss) - pg + new_pg
+        metrics["pg_loss"] = SplitRows.of(new_pg, lengths)
+        if "ppo_kl" in metrics and "ois" not in metrics:
+            metrics["ois"] = SplitRows.of(torch.exp(-concat_rows(metrics["ppo_kl"]).detach().float()), lengths)
+        for name, value in extra.items():
+            metrics[name] = SplitRows.of(torch.as_tensor(value).reshape(-1).detach().float(), lengths)
+        return LossOutput(token_loss=SplitRows.of(total, lengths), token_metrics=metrics)
 
     def _step(self, sample_ids: list[int]) -> int | None:
         """The step of the micro-batch's samples (None for no sample)."""

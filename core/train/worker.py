@@ -57,7 +57,9 @@ class WorkerShare:
     training forward's (``batch.old_log_probs`` is None; :meth:`TrainWorker.train_log_probs`
     returns them after training). ``metric_step_denominators``: one per step over the samples the
     ranks train (``--skip-zero-advantage-samples`` leaves some out), for every metric but the loss
-    terms; empty: the step denominators.
+    terms; empty: the step denominators. ``trainer_log_probs``: per local sample, pi_old as the trainer's
+    forward-only pass computed it when pi_old is the engine's (``--use-rollout-logprobs`` with
+    ``--get-mismatch-metrics``), else None.
     """
 
     batch: TrainBatch
@@ -67,6 +69,7 @@ class WorkerShare:
     trajectory_ids: list[int] = attrs.field(factory=list)
     reuse_old_log_probs: bool = False
     metric_step_denominators: list[StepDenominators] = attrs.field(factory=list)
+    trainer_log_probs: list | None = None
 
 
 class TrainWorker:
@@ -96,7 +99,7 @@ class TrainWorker:
     async def init(self) -> tuple[int, ParallelLayout]:
         """Create and initialize the backend; return ``(start rollout id, layout)``."""
         if self.pm is None:  # a process of its own (a Ray actor)
-            self.pm = plugins_of_this_process(self.config, hooks=("train_backend", "loss"))
+            self.pm = plugins_of_this_process(self.config, hooks=("train_backend", "loss", "tis_function"))
         name, flag = self.chosen["train_backend"]
         hook, protocol = ROLE_HOOKS[self.role]
         self.backend = await self.pm.call_chosen(hook, name, flag, config=self.config)
@@ -145,7 +148,8 @@ class TrainWorker:
             self.config, self.pm, share.batch, loss_name, loss_flag, trajectory_ids=share.trajectory_ids,
             step_denominators=share.step_denominators, sample_denominators=share.sample_denominators,
             reuse_old_log_probs=share.reuse_old_log_probs, old_values=share.batch.values,
-            metric_step_denominators=share.metric_step_denominators or None, reducer=self.role == "actor")
+            metric_step_denominators=share.metric_step_denominators or None, reducer=self.role == "actor",
+            trainer_log_probs=share.trainer_log_probs)
         share.batch.objective = objective
         self._train_log_probs = None
         try:
