@@ -25,3 +25,34 @@ def reject_first_token(args, *, pg_loss, train_log_probs, rollout_log_probs, los
     for m in masks:
         m[:1] = 0
     return pg_loss, masks, {"seen_ratio": torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs))}
+
+
+def convert_by_hand(args, samples):
+    """Miles' default conversion written by hand (rewards: the raw scalars, as furlong's estimator normalizes)."""
+    CALLS.append(("convert_by_hand", [s.index for s in samples]))
+    return {
+        "tokens": [s.tokens for s in samples],
+        "response_lengths": [s.response_length for s in samples],
+        "rewards": [float(s.reward) for s in samples],
+        "raw_reward": [float(s.reward) for s in samples],
+        "truncated": [1 if s.status.value == "truncated" else 0 for s in samples],
+        "sample_indices": [s.index for s in samples],
+        "loss_masks": [s.loss_mask or [1] * s.response_length for s in samples],
+    }
+
+
+def convert_with_unit_rewards(args, samples):
+    data = convert_by_hand(args, samples)
+    data["rewards"] = [1.0] * len(samples)
+    return data
+
+
+def postprocess_miles_form(args):
+    CALLS.append(("postprocess_miles_form", args.rollout_batch_size))
+
+
+def mask_everything(args, rollout_data):
+    """Sees the log-probs and advantages; turns every token's loss off."""
+    CALLS.append(("mask_everything", len(rollout_data["log_probs"]), len(rollout_data["advantages"])))
+    for mask in rollout_data["loss_masks"]:
+        mask.zero_()

@@ -115,3 +115,34 @@ def test_get_mismatch_metrics_computes_the_trainers_log_probs_under_use_rollout_
     assert engine_old["train/train_rollout_logprob_abs_diff"] > 0
     assert engine_old["train/seen_ratio"] == pytest.approx(1.0, abs=1e-3)
     assert engine_old["perf/log_probs_time"] > 0
+
+
+CONVERT_COMPARED = ("train/pg_loss", "train/loss", "train/grad_norm", "rollout/rewards", "rollout/raw_reward",
+                    "rollout/advantages", "rollout/log_probs")
+
+
+def test_custom_convert_samples_to_train_data_replaces_the_conversion(tmp_path, user_functions):
+    default = demo_run(tmp_path / "default", "--num-rollout", "2")
+    by_hand = demo_run(tmp_path / "hand", "--num-rollout", "2", "--custom-convert-samples-to-train-data-path",
+                       "miles_user_functions.convert_by_hand")
+    for a, b in zip(by_hand, default):
+        for key in CONVERT_COMPARED:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
+    assert [c[0] for c in user_functions.CALLS] == ["convert_by_hand"] * 2
+    assert user_functions.CALLS[0][1] == list(range(8))  # the rollout's samples, in index order
+    unit = demo_run(tmp_path / "unit", "--num-rollout", "1", "--custom-convert-samples-to-train-data-path",
+                    "miles_user_functions.convert_with_unit_rewards")[0]
+    assert unit["rollout/rewards"] == 1.0 and unit["rollout/raw_reward"] == default[0]["rollout/raw_reward"]
+    assert unit["rollout/advantages"] == 0.0 and unit["train/pg_loss"] == 0.0  # every group has one reward
+
+
+def test_rollout_data_postprocess_runs_after_log_probs_and_may_change_the_loss_masks(tmp_path, user_functions):
+    miles_form = demo_run(tmp_path / "miles", "--num-rollout", "2", "--rollout-data-postprocess-path",
+                          "miles_user_functions.postprocess_miles_form")
+    assert user_functions.CALLS == [("postprocess_miles_form", 2)] * 2
+    assert miles_form[0]["train/grad_norm"] > 0
+    masked = demo_run(tmp_path / "masked", "--num-rollout", "1", "--rollout-data-postprocess-path",
+                      "miles_user_functions.mask_everything")[0]
+    assert user_functions.CALLS[2:] == [("mask_everything", 8, 8)]
+    assert masked["train/loss"] == 0.0 and masked["train/pg_loss"] == 0.0 and masked["train/grad_norm"] == 0.0
+    assert "rollout/log_probs" not in masked  # a mean over the trained tokens: there are none

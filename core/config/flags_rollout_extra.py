@@ -14,13 +14,17 @@ def add(g, dev) -> None:
     g.add_argument("--custom-reward-post-process-path", default=None,
                    help="module.function(args, samples) -> (raw_rewards, rewards), replacing group normalization.")
     g.add_argument("--custom-convert-samples-to-train-data-path", default=None,
-                   help="module.function replacing the Sample -> train batch conversion (not supported yet).")
+                   help="module.function(args, samples) -> dict of train data (Miles' form: tokens, "
+                        "response_lengths, rewards, loss_masks, optional raw_reward, truncated, sample_indices, "
+                        "rollout_log_probs), replacing the conversion of samples and --custom-reward-post-process-path.")
     g.add_argument("--rollout-sample-filter-path", default=None,
                    help="module.function(args, groups) that may mark samples remove_sample.")
     g.add_argument("--rollout-all-samples-process-path", default=None,
                    help="module.function(args, all_groups, data_source), also sees dropped groups.")
     g.add_argument("--rollout-data-postprocess-path", default=None,
-                   help="module.function(args) run on the trainer after log-probs (not supported yet).")
+                   help="module.function(args) (Miles' form) or module.function(args, rollout_data) run once per "
+                        "rollout after log-probs and advantages, before training; rollout_data's loss_masks may be "
+                        "changed in place.")
     g.add_argument("--rollout-submission-granularity", choices=["group", "sample"], default=None,
                    help="When an in-flight slot frees in the fully async rollout: per group, or per sample "
                         "(its default).")

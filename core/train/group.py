@@ -25,6 +25,7 @@ from furlong.hooks import ParallelLayout, PluginError, RunConfig, Sample, TrainB
 from .advantage_stages import compute_advantages
 from ..config.train_rules import pi_old_needs_own_pass, steps_per_rollout, zero_advantage_skip_blocked
 from .batching import dynamic_global_batch, plan_steps, split_steps
+from .custom_data import converted_batch, postprocess_rollout_data
 from ..plugins.manager import FurlongPluginManager
 from .reduction import effective_loss_masks, excluded_samples, sample_denominators, step_denominators
 from ..plugins.selection import Selection
@@ -159,10 +160,16 @@ class TrainGroup:
             groups = groups[:kept]
             gbs = len(set(trajectory_ids(flatten(groups))))
         samples = flatten(groups)
-        raw, rewards = await post_process_rewards(config, samples, self.pm, self.selection)
-        batch = to_train_batch(config, samples)
+        paths = self.selection.paths
+        if "convert_samples_to_train_data" in paths:
+            batch, raw, rewards = await converted_batch(config, self.pm, paths["convert_samples_to_train_data"],
+                                                        samples)
+        else:
+            raw, rewards = await post_process_rewards(config, samples, self.pm, self.selection)
+            batch = to_train_batch(config, samples)
         batch.rewards = rewards
-        batch.truncated = truncated_flags(samples)
+        if batch.truncated is None:
+            batch.truncated = truncated_flags(samples)
         tids = trajectory_ids(samples)
         plans = self._plans(batch, gbs, num_steps, tids)
         shares = [_share(batch, plan) for plan in plans]
@@ -200,6 +207,9 @@ class TrainGroup:
             batch.advantages, batch.returns = adv.advantages, adv.returns
         if critic is not None:
             metrics["critic/explained_variance"] = explained_variance(batch.values, batch.returns, batch.loss_masks)
+        if "rollout_data_postprocess" in paths:  # it may change the loss masks: the shares take them again
+            await postprocess_rollout_data(config, self.pm, paths["rollout_data_postprocess"], batch)
+            shares = [_share(batch, plan) for plan in plans]
         trained = None
         if self.skip_zero_advantage:
             trained = self._plans(batch, gbs, num_steps, tids, zero_advantage(batch.advantages, batch.loss_masks))
