@@ -146,3 +146,21 @@ def test_rollout_data_postprocess_runs_after_log_probs_and_may_change_the_loss_m
     assert user_functions.CALLS[2:] == [("mask_everything", 8, 8)]
     assert masked["train/loss"] == 0.0 and masked["train/pg_loss"] == 0.0 and masked["train/grad_norm"] == 0.0
     assert "rollout/log_probs" not in masked  # a mean over the trained tokens: there are none
+
+
+def test_async_save_writes_checkpoints_a_resumed_run_continues_from(tmp_path, caplog):
+    whole = demo_run(tmp_path / "whole", "--num-rollout", "4", "--async-save", "--save-interval", "2")
+    assert (tmp_path / "whole" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    save = tmp_path / "stopped"
+    first = demo_run(save, "--num-rollout", "4", "--async-save", "--save-interval", "2",
+                     "--debug-exit-after-rollout", "2")
+    assert [r["rollout/step"] for r in first] == [0, 1]
+    # the run waited at its end for the checkpoint written in the background
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert (save / "iter_0000001" / "model").is_dir()
+    resumed = demo_run(save, "--num-rollout", "4", "--async-save", "--save-interval", "2", "--load", str(save))
+    by_step = {r["rollout/step"]: r for r in resumed}
+    assert sorted(by_step) == [0, 1, 2, 3]
+    for r in whole[2:]:
+        for key in ("rollout/raw_reward", "rollout/log_probs", "train/loss", "train/grad_norm", "train/lr"):
+            assert by_step[r["rollout/step"]][key] == pytest.approx(r[key], rel=1e-5, abs=1e-7), key

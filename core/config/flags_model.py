@@ -33,7 +33,9 @@ def add(g, dev) -> None:
     g.add_argument("--no-save-optim", action="store_true", help="Do not save optimizer and scheduler state.")
     g.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer state.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG state.")
-    g.add_argument("--async-save", action="store_true", help="Write checkpoints in the background (not supported yet).")
+    g.add_argument("--async-save", action="store_true",
+                   help="Write each checkpoint in the background while the run goes on (weight sync, the next "
+                        "rollout's generation); the trainer's next step, the next save and the run's end wait for it.")
     g.add_argument("--start-rollout-id", type=int, default=None, help="Override the rollout id to start from.")
     g.add_argument("--custom-megatron-post-save-hook-path", default=None,
                    help="module.function called as hook(args, rollout_id, ckpt_dir, hf_dir) after each save; "

@@ -65,6 +65,7 @@ class Run:
         self.warned_zero_spread = False
         # train-async: rollout id -> {generate,train}_{start,end}, seconds since the loop started
         self.timeline: dict[int, dict[str, float]] = {}
+        self.pending_save: asyncio.Task | None = None  # --async-save: the checkpoint being written
 
     @property
     def is_driver(self) -> bool:
@@ -217,13 +218,33 @@ class Run:
         return metrics
 
     async def save(self, rollout_id: int, data_state: dict | None = None) -> None:
-        """Checkpoint ``rollout_id`` with ``data_state`` (default: the data side's state now)."""
+        """Checkpoint ``rollout_id`` with ``data_state`` (default: the data side's state now).
+
+        ``--async-save``: the checkpoint is written by a task of its own while the loop goes on (weight
+        sync, the next rollout's generation); the trainer's next operation waits for the train ranks'
+        part (every operation on them holds the group's lock), and the run waits for the whole
+        checkpoint before the next save and at its end (:meth:`wait_for_save`).
+        """
+        await self.wait_for_save()
         if data_state is None:
             data_state = await self.rollout.data_state()
+        if self.config.async_save:
+            self.pending_save = asyncio.ensure_future(self._save(rollout_id, data_state))
+            await asyncio.sleep(0)  # the task takes the trainer's lock before the loop's next operation
+        else:
+            await self._save(rollout_id, data_state)
+
+    async def _save(self, rollout_id: int, data_state: dict) -> None:
         path = await save_checkpoint(self.config, rollout_id, self.group.save_model, data_state, self.group.save_hf,
                                      post_save_hook(self.config, self.pm, self.selection, rollout_id),
                                      save_critic=self.critic.save_model if self.critic is not None else None)
         await self.pm.notify("on_checkpoint_saved", config=self.config, rollout_id=rollout_id, path=path)
+
+    async def wait_for_save(self) -> None:
+        """Wait for the checkpoint ``--async-save`` is writing, if any (its error, if it failed, is raised here)."""
+        task, self.pending_save = self.pending_save, None
+        if task is not None:
+            await task
 
     def save_due(self, rollout_id: int) -> bool:
         """Whether a checkpoint follows ``rollout_id`` (never without a trainer)."""
@@ -280,7 +301,10 @@ async def _run(config: RunConfig, pm: FurlongPluginManager, selection: Selection
             await _async_loop(state, start_id, sync_time)
         else:
             await _sync_loop(state, start_id, sync_time)
+        await state.wait_for_save()
     except BaseException as exc:
+        if state.pending_save is not None:  # a checkpoint still being written: it finishes or fails first
+            await asyncio.gather(state.pending_save, return_exceptions=True)
         try:
             # interrupted (Ctrl-C, SIGTERM): engine processes go with their parents; no more calls to them
             await _close(state, stop_engines=isinstance(exc, Exception))
@@ -330,12 +354,21 @@ async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
         with RolloutProgress(state.rollout.progress, rollout_id):
             groups = await state.rollout.generate(rollout_id)
         metrics = await state.train_on(rollout_id, groups)
-        if state.save_due(rollout_id):
+        # --async-save without --offload-train: the checkpoint is written after the weight sync, while the next
+        # rollout generates (the weights stay those of this rollout until the next training step)
+        save_due = state.save_due(rollout_id)
+        save_later = save_due and config.async_save and not config.offload_train
+        data_state = await state.rollout.data_state() if save_later else None
+        if save_due and not save_later:
             start = time.perf_counter()
             await state.save(rollout_id)
             metrics["perf/save_model_time"] = time.perf_counter() - start
         await state.release_trainer()
         metrics["perf/update_weights_time"] = await state.update_weights()
+        if save_later:
+            start = time.perf_counter()
+            await state.save(rollout_id, data_state)
+            metrics["perf/save_model_time"] = time.perf_counter() - start
         metrics["perf/step_time"] = time.perf_counter() - step_start - metrics.get("perf/save_model_time", 0.0)
         await state.finish_rollout(rollout_id, groups, metrics)
         if state.eval_due(rollout_id):
