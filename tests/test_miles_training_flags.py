@@ -164,3 +164,49 @@ def test_async_save_writes_checkpoints_a_resumed_run_continues_from(tmp_path, ca
     for r in whole[2:]:
         for key in ("rollout/raw_reward", "rollout/log_probs", "train/loss", "train/grad_norm", "train/lr"):
             assert by_step[r["rollout/step"]][key] == pytest.approx(r[key], rel=1e-5, abs=1e-7), key
+
+
+def test_no_keep_fp32_master_trains_the_bfloat16_parameters_in_place(tiny_model_dir, tmp_path):
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_model import make_batch, train_config
+
+    from furlong.builtin_plugins.backends.fsdp import train_backend
+
+    def backend(**overrides):
+        made = train_backend(config=train_config(tiny_model_dir, bf16=True, **overrides))
+        asyncio.run(made.init(made.config))
+        return made
+
+    masters, plain = backend(), backend(keep_fp32_master=False)
+    assert plain.masters is None and plain.compute_model is plain.model
+    assert {p.dtype for p in plain.model.parameters()} == {torch.bfloat16}
+    assert plain._precision() == "bf16 parameters, no fp32 master weights (--no-keep-fp32-master)"
+    before = {n: p.clone() for n, p in plain.model.named_parameters()}
+    ragged = [[[0, 1, 2], [3]]]
+    a = asyncio.run(masters.train(0, make_batch(masters.tokenizer, ragged)))[0]
+    b = asyncio.run(plain.train(0, make_batch(plain.tokenizer, ragged)))[0]
+    # the same bfloat16 forward (the masters' copy is their rounding, which is what --no-keep-fp32-master loads)
+    assert a["loss"] == b["loss"]
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-2)  # bfloat16 gradients, not float32 ones
+    after = dict(plain.model.named_parameters())
+    assert all(p.dtype == torch.bfloat16 for p in after.values())
+    assert any(not torch.equal(before[n], after[n]) for n in before)  # the optimizer stepped the bf16 weights
+    asyncio.run(plain.save(str(tmp_path / "ckpt")))
+    resumed = backend(keep_fp32_master=False)
+    asyncio.run(resumed.load(str(tmp_path / "ckpt")))
+    for name, param in resumed.model.named_parameters():
+        assert torch.equal(param, after[name]), name
+
+
+def test_no_keep_fp32_master_needs_bf16():
+    from furlong.core.config import ConfigError, parse_args
+
+    with pytest.raises(ConfigError, match="--no-keep-fp32-master changes only --bf16 runs"):
+        parse_args(["--hf-checkpoint", str(DEMO / "model"), "--num-rollout", "1", "--rollout-batch-size", "4",
+                    "--no-keep-fp32-master"])
+    assert parse_args(["--hf-checkpoint", str(DEMO / "model"), "--num-rollout", "1", "--rollout-batch-size", "4",
+                       "--bf16", "--no-keep-fp32-master"]).keep_fp32_master is False

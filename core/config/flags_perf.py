@@ -41,7 +41,8 @@ def add(g, dev) -> None:
     g.add_argument("--attn-implementation", default=dev.attn_implementation,
                    help="FSDP: transformers attention implementation (sdpa without CUDA).")
     g.add_argument("--keep-fp32-master", action=argparse.BooleanOptionalAction, default=True,
-                   help="FSDP: keep fp32 master weights (--no-keep-fp32-master is not supported yet).")
+                   help="Under --bf16, keep float32 master weights for the optimizer; --no-keep-fp32-master "
+                        "trains the bfloat16 parameters in place (fsdp and megatron).")
     g.add_argument("--train-memory-margin-bytes", type=int, default=1 << 30,
                    help="Memory kept free when offloading, in bytes.")
     g.add_argument("--reuse-train-log-probs", action=argparse.BooleanOptionalAction, default=True,

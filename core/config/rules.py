@@ -230,6 +230,9 @@ def performance(args, f, given: set[str]) -> None:
                       "pi_old cannot come from the training forward here")
     _off_unless_exact(args, f, given, "skip_zero_advantage_samples", zero_advantage_skip_blocked(args),
                       "a sample's loss might not vanish at zero advantage")
+    if not args.keep_fp32_master and not args.bf16:
+        f.error("--no-keep-fp32-master changes only --bf16 runs (without --bf16 the parameters are float32); add "
+                "--bf16 or drop it.")
     cap = args.max_tokens_per_gpu
     if args.use_dynamic_batch_size:
         if cap is None:

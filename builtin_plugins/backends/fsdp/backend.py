@@ -28,7 +28,8 @@ class FSDPBackend(StepLoop):
     Single process: plain torch, float32, or with ``--bf16`` bfloat16 parameters over float32
     master weights (:class:`furlong.kit.master_weights.MasterWeights`: a bfloat16 copy of
     the model runs every pass, the float32 model is what the optimizer updates, checkpoints
-    hold and the engines receive). With ``torch.distributed`` initialized over several ranks: FSDP2
+    hold and the engines receive); ``--bf16 --no-keep-fp32-master``: bfloat16 parameters alone,
+    updated by the optimizer in place (half the weight memory, rounding at every step). With ``torch.distributed`` initialized over several ranks: FSDP2
     ``fully_shard`` per decoder layer and on the whole model, gradients SUMMED over ranks.
     The model stays in eval mode (no dropout) so training log-probs equal the old
     log-probs bit for bit at the first step; with ``--gradient-checkpointing`` it runs in
@@ -96,8 +97,10 @@ class FSDPBackend(StepLoop):
         """The actor (and its bfloat16 copy) and the reference, placed on this rank."""
         source, flag = (config.ref_load, "--ref-load") if is_hf_dir(config.ref_load) else (
             config.hf_checkpoint, "--hf-checkpoint")
-        self.model = self._place(lora.apply_lora(load_causal_lm(source, config, self.device, flag), config),
-                                 trainable=True)
+        model = lora.apply_lora(load_causal_lm(source, config, self.device, flag), config)
+        if config.bf16 and not config.keep_fp32_master:  # bfloat16 parameters are what the optimizer updates
+            _bf16_parameters(model)
+        self.model = self._place(model, trainable=True)
         self.compute_model, self.masters = self._bf16_copy()
         self._compile(self.compute_model, trainable=True)
         if config.use_kl_loss or config.kl_coef:
@@ -118,6 +121,8 @@ class FSDPBackend(StepLoop):
         return model.to(self.device)
 
     def _precision(self) -> str:
+        if self.config.bf16 and not self.config.keep_fp32_master:
+            return "bf16 parameters, no fp32 master weights (--no-keep-fp32-master)"
         if self.masters is not None:
             return "bf16 parameters, fp32 master weights"
         if self.world > 1 and self.config.bf16:
@@ -130,7 +135,7 @@ class FSDPBackend(StepLoop):
         Otherwise ``(the model, None)``: float32, or FSDP2's bfloat16 compute over float32 shards."""
         import copy
 
-        if self.world > 1 or not self.config.bf16:
+        if self.world > 1 or not self.config.bf16 or not self.config.keep_fp32_master:
             return self.model, None
         compute = _bf16_parameters(copy.deepcopy(self.model))
         return compute, MasterWeights(compute, masters=dict(self.model.named_parameters()))

@@ -145,7 +145,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
                                             config.make_vocab_size_divisible_by)
         self.model = self._load_model()
         untrained_padding_lookups(self.model, self.shape.padding_idx)
-        if self._dtype() != torch.float32:
+        if self._dtype() != torch.float32 and config.keep_fp32_master:
             self.masters = MasterWeights(self.model)
             saved = torch_dist_dir(config.ref_load)
             if saved:  # the checkpoint holds float32 weights: the masters start from them, not from their rounding
@@ -162,7 +162,9 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
             log.info("megatron: %s, TP %d%s, PP %d%s, CP %d, DP %d%s, vocab rows %d, %s%s", self.shape.family, self.tp,
                      " (sequence parallel)" if self._sequence_parallel() else "", self.pp, f" (layers per stage {'+'.join(map(str, self.stage.layers))})" if self.pp > 1 else "",
                      self.cp, self._dp_size(), self._experts_note(), self.vocab_rows,
-                     "bf16 parameters, fp32 master weights" if self.masters else "fp32", self._optimizer_note())
+                     "bf16 parameters, fp32 master weights" if self.masters else
+                     "bf16 parameters, no fp32 master weights" if self._dtype() != torch.float32 else "fp32",
+                     self._optimizer_note())
         return 0
 
     def _load_model(self):
