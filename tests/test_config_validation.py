@@ -72,7 +72,15 @@ ERRORS = [
      "--use-rollout-logprobs and --use-tis are exclusive: with the engine's log-probs as the old policy the "
      "importance ratio is always 1."),
     (["--get-mismatch-metrics"],
-     "--get-mismatch-metrics is not supported yet; remove it.\n--get-mismatch-metrics needs --custom-tis-function-path."),
+     "--get-mismatch-metrics needs --custom-tis-function-path."),
+    (["--custom-tis-function-path", "my.tis"],
+     "--custom-tis-function-path my.tis is called only under --use-tis or --get-mismatch-metrics; add one of them or "
+     "drop it."),
+    (["--ref-update-interval", "2"],
+     "--ref-update-interval updates the reference model, which loads only with --use-kl-loss or --kl-coef != 0; add "
+     "one of them or drop --ref-update-interval."),
+    (["--hf-checkpoint", "/m", "--use-kl-loss", "--ref-update-interval", "0"],
+     "--ref-update-interval must be >= 1 (rollouts between reference updates), got 0."),
     (["--use-opd"], "--use-opd needs --opd-type sglang (a served teacher at --rm-url or --opd-teacher-urls)."),
     (["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/t"],
      "--opd-type megatron is not supported yet: the trainer loads no teacher model. Serve the teacher (furlong "
@@ -124,7 +132,9 @@ ERRORS = [
     (["--sglang-dp-size", "2"], "--sglang-dp-size 2 requires --sglang-enable-dp-attention."),
     (["--sglang-dp-size", "two"], "--sglang-dp-size must be a whole number, got 'two'."),
     (["--colocate", "--update-weight-transfer-mode", "p2p"],
-     "--update-weight-transfer-mode p2p is not supported yet (supported: broadcast).\n"
+     "--update-weight-transfer-mode p2p: weights reach the engines by broadcast over a process group (or in place "
+     "when they share the trainer's process); p2p and disk-delta transfers are not implemented. Remove it (broadcast "
+     "is the default).\n"
      "--colocate cannot use --update-weight-transfer-mode p2p; colocated engines receive weights in place."),
 ]
 
@@ -158,9 +168,11 @@ def test_num_rollout_is_required_and_mentions_the_old_default():
 
 
 def test_every_problem_is_reported_at_once_one_per_line():
-    message = error_of(["--rollout-batch-size", "4", "--rollout-temperature", "0", "--async-save", "--use-kl-loss"])
+    message = error_of(["--rollout-batch-size", "4", "--rollout-temperature", "0", "--balance-by-flops",
+                        "--use-kl-loss"])
     assert message.splitlines() == [
-        "--async-save is not supported yet; remove it.",
+        "--balance-by-flops: micro-batches are balanced by tokens, not FLOPs; remove it and use --balance-data "
+        "(Karmarkar-Karp on token counts).",
         "--num-rollout is required: give the number of rollout iterations to run (it used to default to 1000; "
         "--num-rollout 0 only evaluates).",
         "--rollout-temperature must be > 0, got 0 (greedy decoding is for evaluation only: --eval-temperature 0).",
@@ -173,7 +185,7 @@ def test_config_error_is_a_plugin_error_with_the_problem_list():
     from furlong.hooks import PluginError
 
     with pytest.raises(PluginError) as excinfo:
-        parse_args(["--rollout-batch-size", "4", "--async-save"])
+        parse_args(["--rollout-batch-size", "4", "--balance-by-flops"])
     assert isinstance(excinfo.value, ConfigError)
     assert len(excinfo.value.problems) == 2
 
@@ -213,7 +225,6 @@ UNSUPPORTED_ARGV = {
     "--qkv-format": ["--qkv-format", "bshd"],
     "--balance-by-flops": ["--balance-by-flops"],
     "--eval-num-gpus": ["--eval-num-gpus", "2"],
-    "--async-save": ["--async-save"],
     "--multimodal-keys": ["--multimodal-keys", '{"image": "images"}'],
     "--update-weight-transfer-mode": ["--update-weight-transfer-mode", "disk-delta"],
     "--keep-old-actor": ["--keep-old-actor"],
@@ -222,8 +233,6 @@ UNSUPPORTED_ARGV = {
     "--offload-rollout-level": ["--offload-rollout-level", "kv_cache"],
     "--train-memory-margin-bytes": ["--train-memory-margin-bytes", "1024"],
     "--disable-rollout-global-dataset": ["--disable-rollout-global-dataset"],
-    "--custom-convert-samples-to-train-data-path": ["--custom-convert-samples-to-train-data-path", "my.convert"],
-    "--rollout-data-postprocess-path": ["--rollout-data-postprocess-path", "my.post"],
     "--generate-max-turns": ["--generate-max-turns", "4"],
     "--generate-tool-specs-path": ["--generate-tool-specs-path", "tools.json"],
     "--generate-tool-call-parser": ["--generate-tool-call-parser", "qwen25"],
@@ -237,12 +246,7 @@ UNSUPPORTED_ARGV = {
     "--eval-max-in-flight": ["--eval-max-in-flight", "4"],
     "--eval-overflow-policy": ["--eval-overflow-policy", "skip"],
     "--eval-keep-snapshots": ["--eval-keep-snapshots", "3"],
-    "--log-probs-max-tokens-per-gpu": ["--log-probs-max-tokens-per-gpu", "4096"],
     "--fsdp-cpu-backend": ["--fsdp-cpu-backend", "nccl"],
-    "--no-keep-fp32-master": ["--no-keep-fp32-master"],
-    "--custom-tis-function-path": ["--custom-tis-function-path", "my.tis"],
-    "--get-mismatch-metrics": ["--get-mismatch-metrics"],
-    "--ref-update-interval": ["--ref-update-interval", "5"],
 }
 UNSUPPORTED_MESSAGES = {
     "--offload-rollout-level": "--offload-rollout-level ['kv_cache'] is not supported yet (supported: "
@@ -262,10 +266,30 @@ UNSUPPORTED_MESSAGES = {
 }
 
 
+# refused with a reason: the flag as the message shows it (with its value), then ": " and the row's reason
+REASON_SHOWN = {"--qkv-format": "--qkv-format bshd", "--multimodal-keys": "--multimodal-keys {'image': 'images'}",
+                "--update-weight-transfer-mode": "--update-weight-transfer-mode disk-delta",
+                "--use-session-server": "--use-session-server v1",
+                "--custom-async-data-buffer-path": "--custom-async-data-buffer-path my.Buffer",
+                "--offload-rollout-level": "--offload-rollout-level ['kv_cache']",
+                "--train-memory-margin-bytes": "--train-memory-margin-bytes 1024", "--max-seq-len": "--max-seq-len 4096",
+                "--session-server-ip": "--session-server-ip 10.0.0.1", "--session-server-port": "--session-server-port [8000]",
+                "--fsdp-cpu-backend": "--fsdp-cpu-backend nccl"}
+
+
 @pytest.mark.parametrize("row", UNSUPPORTED, ids=lambda r: r.flag)
 def test_unsupported_flag_with_a_non_default_value_is_an_error(row):
-    message = UNSUPPORTED_MESSAGES.get(row.flag, f"{row.flag} is not supported yet; remove it.")
+    if row.reason is None:
+        message = UNSUPPORTED_MESSAGES.get(row.flag, f"{row.flag} is not supported yet; remove it.")
+    else:
+        message = f"{REASON_SHOWN.get(row.flag, row.flag)}: {row.reason}"
     assert error_of(BASE + UNSUPPORTED_ARGV[row.flag]).splitlines()[0] == message
+
+
+@pytest.mark.parametrize("row", [r for r in UNSUPPORTED if r.reason is not None], ids=lambda r: r.flag)
+def test_a_refusal_with_a_reason_tells_what_to_do(row):
+    assert "not supported yet" not in row.reason
+    assert "remove it" in row.reason.lower()
 
 
 def test_unsupported_flags_at_their_default_value_are_accepted():
