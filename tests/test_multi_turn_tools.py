@@ -1,0 +1,217 @@
+"""Miles' multi-turn tool flags (generate ``multi_turn``): a real tool episode through the embedded
+engine, through ``furlong serve`` over HTTP with the sglang engine plugin as the client, and the
+flag errors.
+
+The model is a real one-layer Llama whose weights make it write a fixed script word by word
+(:func:`tiny_model.build_script_model`); its chat template renders tool results as Qwen's do
+(``<tool_response>`` inside a turn) and opens the assistant turn after them with ``answer:``, so
+the scripted model calls ``get_year`` once and then answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from furlong.core.config import ConfigError
+from furlong.core.config.launch_args import launch_config
+from furlong.core.plugins.manager import get_plugin_manager
+from furlong.hooks import PluginError, Sample, Status
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_helpers import running_server  # noqa: E402
+from tiny_model import build_script_model  # noqa: E402
+
+TEMPLATE = (
+    "{%- if tools %}<|im_start|> system tools: {% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|> "
+    "{% endif -%}"
+    "{%- for m in messages %}<|im_start|> {{ m.role }} "
+    "{% if m.role == 'tool' %}<tool_response> {{ m.content }} </tool_response>{% else %}{{ m.content }}{% endif %}"
+    " <|im_end|> {% endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|> assistant"
+    "{% if messages[-1].role == 'tool' %} answer:{% endif %}{% endif %}"
+)
+CALL = ["<tool_call>", '{"name":', '"get_year",', '"arguments":', "{}}", "</tool_call>"]
+SCRIPT = {"assistant": CALL[0], **dict(zip(CALL, CALL[1:])), "answer:": "2026"}
+TOOLS_MODULE = textwrap.dedent('''
+    import json
+
+    TOOLS = [{"type": "function", "function": {"name": "get_year", "description": "the year",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    CALLS = []
+
+    async def execute(name, params):
+        CALLS.append((name, params))
+        return json.dumps({"year": 2026})
+
+    NOT_A_LIST = 3
+''')
+PROMPT = [{"role": "user", "content": "year?"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tools")
+    (folder / "mt_tools.py").write_text(TOOLS_MODULE)
+    sys.path.insert(0, str(folder))
+    path = build_script_model(folder / "model", SCRIPT, eos="<|im_end|>", chat_template=TEMPLATE,
+                              extra_words=["<|im_start|>", "system", "tools:", "get_year", "user", "year?", "tool",
+                                           "<tool_response>", "</tool_response>", '{"year":', "2026}"])
+    yield path
+    sys.path.remove(str(folder))
+
+
+def tool_flags(*extra: str) -> list[str]:
+    return ["--generate", "multi_turn", "--generate-tool-specs-path", "mt_tools.TOOLS", "--generate-tool-call-parser",
+            "qwen25", "--generate-execute-tool-function-path", "mt_tools.execute", *extra]
+
+
+async def episode(engine, config, max_new_tokens=64):
+    sample = Sample(prompt=PROMPT, index=0, metadata={"source": "test"})
+    return await get_plugin_manager().call_chosen(
+        "generate", "multi_turn", "--generate", config=config, sample=sample,
+        sampling_params={"temperature": 0.0, "max_new_tokens": max_new_tokens}, engine=engine, evaluation=False)
+
+
+def expected(tokenizer):
+    """The episode by hand: prompt, the call, the tool turn and the next opening, the answer."""
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompt = ids("<|im_start|> system tools: get_year <|im_end|> <|im_start|> user year? <|im_end|> "
+                 "<|im_start|> assistant")
+    call = ids(" ".join(CALL) + " <|im_end|>")
+    tool = ids('<|im_start|> tool <tool_response> {"year": 2026} </tool_response> <|im_end|> '
+               "<|im_start|> assistant answer:")
+    answer = ids("2026 <|im_end|>")
+    return prompt, call, tool, answer
+
+
+def embedded_engine(model_dir):
+    config = launch_config("--hf-checkpoint", str(model_dir), "--seed", "0", configure=False)
+    return asyncio.run(get_plugin_manager().call_chosen("rollout_engine", "embedded", "--rollout-backend",
+                                                        config=config, engine_index=0))
+
+
+def test_a_two_turn_tool_episode_through_the_embedded_engine(model_dir):
+    import mt_tools
+
+    engine = embedded_engine(model_dir)
+    config = launch_config("--hf-checkpoint", str(model_dir), *tool_flags())
+    mt_tools.CALLS.clear()
+    sample = asyncio.run(episode(engine, config))
+    sample.validate()
+    prompt, call, tool, answer = expected(engine.tokenizer)
+    assert sample.tokens == prompt + call + tool + answer
+    assert sample.response_length == len(call + tool + answer)
+    assert sample.loss_mask == [1] * len(call) + [0] * len(tool) + [1] * len(answer)
+    model_lps = [lp for lp, m in zip(sample.rollout_log_probs, sample.loss_mask) if m]
+    assert [lp for lp, m in zip(sample.rollout_log_probs, sample.loss_mask) if not m] == [0.0] * len(tool)
+    assert all(-0.05 < lp < 0 for lp in model_lps)
+    assert mt_tools.CALLS == [("get_year", {})]
+    assert sample.status == Status.COMPLETED
+    assert sample.weight_versions == ["0", "0"]  # one per engine request
+    assert sample.metadata == {"source": "test", "round_number": 2, "tool_call_count": 1, "tool_calls_dropped": 0}
+    assert '<tool_response> {"year": 2026} </tool_response>' in sample.response
+
+
+def test_max_turns_and_the_budget_end_the_episode(model_dir):
+    engine = embedded_engine(model_dir)
+    prompt, call, tool, answer = expected(engine.tokenizer)
+    one = asyncio.run(episode(engine, launch_config("--hf-checkpoint", str(model_dir),
+                                                    *tool_flags("--generate-max-turns", "1"))))
+    # as in Miles, the last allowed turn's tools still run; the model does not get another turn
+    assert one.tokens == prompt + call + tool and one.loss_mask == [1] * len(call) + [0] * len(tool)
+    assert one.status == Status.COMPLETED and one.metadata["round_number"] == 1
+    budget = len(call) + 3  # the tool turn is cut to fit the budget
+    cut = asyncio.run(episode(engine, launch_config("--hf-checkpoint", str(model_dir), *tool_flags()),
+                              max_new_tokens=budget))
+    assert cut.tokens == prompt + call + tool[:3] and cut.status == Status.TRUNCATED
+    assert cut.response_length == budget
+
+
+def test_the_same_episode_through_furlong_serve_and_the_sglang_engine_plugin(model_dir, tmp_path):
+    """The sglang engine plugin talks to ``furlong serve`` over SGLang's HTTP API, as it would to SGLang."""
+    from furlong.builtin_plugins.engines import sglang
+
+    local = asyncio.run(episode(embedded_engine(model_dir), launch_config("--hf-checkpoint", str(model_dir),
+                                                                          *tool_flags())))
+    with running_server(model_dir, log_dir=tmp_path) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        config = launch_config("--hf-checkpoint", str(model_dir), "--rollout-backend", "sglang", "--executor", "local",
+                               "--rollout-external", "--rollout-external-engine-addrs", f"{host}:{port}",
+                               "--sglang-router-ip", host, "--sglang-router-port", port, *tool_flags())
+
+        async def served():
+            engine = await sglang.rollout_engine(config=config, engine_index=0)
+            try:
+                return await episode(engine, config)
+            finally:
+                await engine.shutdown()
+
+        remote = asyncio.run(served())
+    remote.validate()
+    assert remote.tokens == local.tokens and remote.loss_mask == local.loss_mask
+    assert remote.response == local.response and remote.status == local.status == Status.COMPLETED
+    assert remote.rollout_log_probs == pytest.approx(local.rollout_log_probs, abs=1e-5)
+    assert len(remote.weight_versions) == 2
+
+
+def test_miles_generate_path_chooses_multi_turn(model_dir):
+    config = launch_config("--hf-checkpoint", str(model_dir), "--custom-generate-function-path",
+                           "miles.rollout.generate_hub.multi_turn.generate", *tool_flags()[2:])
+    assert config.generate_tool_call_parser == "qwen25"
+
+
+def _errors(*argv):
+    with pytest.raises(ConfigError) as info:
+        launch_config(*argv)
+    return info.value.problems
+
+
+def test_flag_errors_are_one_clear_line_each(model_dir):
+    base = ["--hf-checkpoint", str(model_dir)]
+    assert _errors(*base, *tool_flags()[:-1], "mt_nowhere.execute") == [
+        "--generate-execute-tool-function-path 'mt_nowhere.execute': cannot import module 'mt_nowhere': "
+        "ModuleNotFoundError: No module named 'mt_nowhere' (not installed, not on PYTHONPATH and not in the working "
+        f"directory {Path.cwd()}: run furlong from the folder holding it, or set PYTHONPATH to that folder)"]
+    flags = tool_flags()
+    flags[flags.index("qwen25")] = "qwen9"
+    assert _errors(*base, *flags) == [
+        "--generate-tool-call-parser qwen9: unknown tool-call parser; the parsers furlong has: qwen25, qwen, hermes, "
+        "llama3, mistral, qwen3_coder."]
+    flags = tool_flags()
+    flags[flags.index("mt_tools.TOOLS")] = "mt_tools.NOT_A_LIST"
+    assert _errors(*base, *flags) == [
+        '--generate-tool-specs-path mt_tools.NOT_A_LIST: expected a list of tool specs, each {"type": "function", '
+        '"function": {"name": ..., "parameters": {...}}}; got int.']
+    assert _errors(*base, "--generate", "multi_turn") == [
+        "--generate-tool-call-parser is needed: name the tool-call format of the model (qwen25, qwen, hermes, llama3, "
+        "mistral, qwen3_coder).",
+        "--generate-tool-specs-path is needed: a dotted path to the list of tool specs (OpenAI form), or a .json file "
+        "holding it.",
+        "--generate-execute-tool-function-path is needed: module.function, called as function(name, arguments) for "
+        "each tool call, returning the result as a string."]
+
+
+def test_tool_flags_with_another_generate_are_an_error(model_dir):
+    assert _errors("--hf-checkpoint", str(model_dir), "--generate-tool-call-parser", "qwen25") == [
+        "--generate-tool-call-parser is read by generate 'multi_turn' (Miles: --custom-generate-function-path "
+        "miles.rollout.generate_hub.multi_turn.generate), and this run's generate is 'single_turn' (--generate): "
+        "choose --generate multi_turn or leave --generate-tool-call-parser out."]
+
+
+def test_a_tool_function_that_returns_no_string_is_named(model_dir, tmp_path):
+    (tmp_path / "mt_bad_tools.py").write_text("def execute(name, params):\n    return 7\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        flags = tool_flags()
+        flags[-1] = "mt_bad_tools.execute"
+        config = launch_config("--hf-checkpoint", str(model_dir), *flags)
+        with pytest.raises(PluginError, match="^--generate-execute-tool-function-path mt_bad_tools.execute returned "
+                                              "int for tool 'get_year'; it must return the result as a string.$"):
+            asyncio.run(episode(embedded_engine(model_dir), config))
+    finally:
+        sys.path.remove(str(tmp_path))
