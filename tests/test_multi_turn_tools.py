@@ -215,3 +215,16 @@ def test_a_tool_function_that_returns_no_string_is_named(model_dir, tmp_path):
             asyncio.run(episode(embedded_engine(model_dir), config))
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_tool_specs_from_a_json_file_equal_the_module_s(model_dir, tmp_path):
+    import json
+
+    import mt_tools
+    from furlong.builtin_plugins.generate.multi_turn import load_tool_specs
+
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(mt_tools.TOOLS))
+    assert load_tool_specs(str(path)) == load_tool_specs("mt_tools.TOOLS") == tuple(mt_tools.TOOLS)
+    with pytest.raises(PluginError, match=r"^--generate-tool-specs-path .*missing\.json: cannot read the tool specs: "):
+        load_tool_specs(str(tmp_path / "missing.json"))
