@@ -53,14 +53,18 @@ TOOLS_MODULE = textwrap.dedent('''
 PROMPT = [{"role": "user", "content": "year?"}]
 
 
+def build_tool_model(path, strength=2.0):
+    return build_script_model(path, SCRIPT, eos="<|im_end|>", chat_template=TEMPLATE, strength=strength,
+                              extra_words=["<|im_start|>", "system", "tools:", "get_year", "user", "year?", "tool",
+                                           "<tool_response>", "</tool_response>", '{"year":', "2026}"])
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tools")
     (folder / "mt_tools.py").write_text(TOOLS_MODULE)
     sys.path.insert(0, str(folder))
-    path = build_script_model(folder / "model", SCRIPT, eos="<|im_end|>", chat_template=TEMPLATE,
-                              extra_words=["<|im_start|>", "system", "tools:", "get_year", "user", "year?", "tool",
-                                           "<tool_response>", "</tool_response>", '{"year":', "2026}"])
+    path = build_tool_model(folder / "model")
     yield path
     sys.path.remove(str(folder))
 
@@ -228,3 +232,41 @@ def test_tool_specs_from_a_json_file_equal_the_module_s(model_dir, tmp_path):
     assert load_tool_specs(str(path)) == load_tool_specs("mt_tools.TOOLS") == tuple(mt_tools.TOOLS)
     with pytest.raises(PluginError, match=r"^--generate-tool-specs-path .*missing\.json: cannot read the tool specs: "):
         load_tool_specs(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.usefixtures("cpu_machine")
+def test_a_miles_launch_with_the_tool_flags_trains_on_masked_episodes(tmp_path, run_furlong):
+    """``furlong train`` as a user runs it: Miles' generate path and the four flags, the tools in the working folder."""
+    import json
+
+    import torch
+
+    model_dir = build_tool_model(tmp_path / "sampled", strength=8.0)  # the script wins at temperature 1 too
+    (tmp_path / "my_tools.py").write_text(TOOLS_MODULE)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": PROMPT, "label": "2026"}) + "\n" for _ in range(2)))
+    done = run_furlong(
+        "train", "--hf-checkpoint", str(model_dir), "--prompt-data", str(data), "--input-key", "prompt",
+        "--label-key", "label", "--rm-type", "deterministic_random", "--num-rollout", "1", "--rollout-batch-size", "2",
+        "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--rollout-max-response-len", "32",
+        "--lr", "1e-3", "--log-dir", str(tmp_path / "log"),
+        "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt"),
+        "--custom-generate-function-path", "miles.rollout.generate_hub.multi_turn.generate",
+        "--generate-tool-specs-path", "my_tools.TOOLS", "--generate-execute-tool-function-path", "my_tools.execute",
+        "--generate-tool-call-parser", "qwen25", "--generate-max-turns", "4", "--log-multi-turn",
+        env={"OMP_NUM_THREADS": "1"}, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from transformers import AutoTokenizer
+
+    prompt, call, tool, answer = expected(AutoTokenizer.from_pretrained(model_dir))
+    samples = torch.load(tmp_path / "rollout_0.pt", weights_only=True)["samples"]
+    assert len(samples) == 4
+    for sample in samples:
+        assert sample["tokens"] == prompt + call + tool + answer
+        assert sample["loss_mask"] == [1] * len(call) + [0] * len(tool) + [1] * len(answer)
+        assert sample["metadata"]["round_number"] == 2 and sample["metadata"]["tool_call_count"] == 1
+    rows = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    turns = [r["multi_turn/multi_turn_metric/round_number_mean"] for r in rows
+             if "multi_turn/multi_turn_metric/round_number_mean" in r]
+    assert turns == [2.0]
+    assert any("train/loss" in r for r in rows)
