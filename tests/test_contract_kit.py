@@ -18,7 +18,7 @@ from .test_rewards_remote_rm import server  # noqa: F401 - the reward server fix
 # what the kit exercises of each built-in, and what it leaves to integration tests
 EXERCISED = {
     "check_reward_nonzero_std": ["filter"], "no_aborted": ["filter"], "pop_first": ["buffer_pop"],
-    "single_turn": ["generate"], "multi_turn": ["configure", "generate"], "jsonl": ["data_source"], "parquet": ["data_source"], "hf_datasets": ["data_source"],
+    "single_turn": ["generate"], "multi_turn": ["configure", "generate", "abort"], "jsonl": ["data_source"], "parquet": ["data_source"], "hf_datasets": ["data_source"],
     "policy_loss": ["configure", "loss"], "sft_loss": ["loss"], "sft": ["configure"], "value_loss": ["loss"],
     "dr_grpo": ["configure", "loss_reducer"], "embedded": ["add_arguments", "configure"], "fsdp": ["configure"],
     "local": ["configure", "executor_fit"], "fully_async": ["configure"],

@@ -49,6 +49,13 @@ TOOLS_MODULE = textwrap.dedent('''
         return json.dumps({"year": 2026})
 
     NOT_A_LIST = 3
+
+    def abort_while_running(name, params):
+        """The rollout aborts its leftovers while this call runs."""
+        from furlong.builtin_plugins.generate import multi_turn
+
+        multi_turn.abort(config=None, rollout_id=0)
+        return json.dumps({"year": 2026})
 ''')
 PROMPT = [{"role": "user", "content": "year?"}]
 
@@ -270,3 +277,13 @@ def test_a_miles_launch_with_the_tool_flags_trains_on_masked_episodes(tmp_path, 
              if "multi_turn/multi_turn_metric/round_number_mean" in r]
     assert turns == [2.0]
     assert any("train/loss" in r for r in rows)
+
+
+def test_an_abort_during_a_tool_call_ends_the_episode_before_the_next_turn(model_dir):
+    engine = embedded_engine(model_dir)
+    flags = tool_flags()
+    flags[-1] = "mt_tools.abort_while_running"
+    sample = asyncio.run(episode(engine, launch_config("--hf-checkpoint", str(model_dir), *flags)))
+    prompt, call, tool, _ = expected(engine.tokenizer)
+    assert sample.tokens == prompt + call + tool and sample.status == Status.ABORTED
+    assert sample.metadata["round_number"] == 1

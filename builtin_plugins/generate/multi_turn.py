@@ -24,10 +24,27 @@ from furlong.kit.dotted import import_dotted
 from furlong.kit.tool_parsers import ToolCall, tool_call_parser
 from furlong.kit.turns import append_generated, append_inserted, appended_messages_ids, tokens_left
 
-__all__ = ["configure", "generate", "load_tool_specs"]
+__all__ = ["abort", "configure", "execute_function", "generate", "load_tool_specs"]
 
 SPECS_FLAG = "--generate-tool-specs-path"
 EXECUTE_FLAG = "--generate-execute-tool-function-path"
+
+
+class _Episode:
+    """One sample in flight; the ``abort`` hook flags it so that no further turn starts."""
+
+    aborted = False
+
+
+_live: set[_Episode] = set()
+
+
+@hookimpl
+def abort(config, rollout_id):
+    """Stop every episode in flight: no further turn starts and the sample ends ``aborted`` (the
+    engine's own abort ends the turn being generated; a tool call running now finishes)."""
+    for episode in list(_live):
+        episode.aborted = True
 
 
 @hookimpl
@@ -138,7 +155,8 @@ async def generate(config, sample, sampling_params, engine, evaluation):
     ``max_new_tokens`` covers every response token, the tools' too (Miles gives each turn the
     whole budget; furlong's multi-turn contract caps the sample); ``--rollout-max-context-len``
     (``--eval-max-context-len``) caps prompt plus response. Status: from the last turn's
-    finish reason; ``truncated`` when the budget runs out (a tool result is cut to fit).
+    finish reason; ``truncated`` when the budget runs out (a tool result is cut to fit);
+    ``aborted`` when the engine aborts a turn or the ``abort`` hook stops the episode.
     ``metadata["round_number"]`` counts the model's turns, ``metadata["tool_call_count"]`` the
     calls run, ``metadata["tool_calls_dropped"]`` the calls the parser dropped (unknown tool,
     bad JSON).
@@ -160,34 +178,54 @@ async def generate(config, sample, sampling_params, engine, evaluation):
     sample.loss_mask, sample.rollout_log_probs = [], []
     sample.response, sample.response_length = "", 0
     rounds = calls_run = dropped = 0
-    for turn in range(config.generate_max_turns):
-        left = tokens_left(sample, budget, cap)
-        if left is not None and left <= 0:
-            sample.status = Status.TRUNCATED
-            break
-        out = await engine.generate(list(sample.tokens), {**params, "max_new_tokens": left})
-        start = len(sample.response)
-        append_generated(sample, out, tokenizer, params)
-        rounds += 1
-        if out.finish_reason in ("length", "abort"):
-            break
-        parsed = parse(sample.response[start:], tools)
-        dropped += parsed.dropped
-        if not parsed.calls:
-            break
-        ids = [f"call_{turn}_{k}" for k in range(len(parsed.calls))]
-        messages = [await _run_call(config.generate_execute_tool_function_path, call, call_id)
-                    for call, call_id in zip(parsed.calls, ids)]
-        calls_run += len(messages)
-        asked = [{"id": call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-                 for call, call_id in zip(parsed.calls, ids)]
-        inserted = appended_messages_ids(tokenizer, messages, calls=asked, tools=tools)
-        room = tokens_left(sample, budget, cap)
-        if room is not None and len(inserted) > room:
-            append_inserted(sample, inserted[:max(room, 0)], tokenizer)
-            sample.status = Status.TRUNCATED
-            break
-        append_inserted(sample, inserted, tokenizer)
+    episode = _Episode()
+    _live.add(episode)
+    try:
+        for turn in range(config.generate_max_turns):
+            if episode.aborted:
+                sample.status = Status.ABORTED
+                break
+            stats = await _turn(config, sample, engine, parse, tools, params, budget, cap, turn)
+            if stats is None:
+                break
+            rounds += 1
+            calls_run += stats[0]
+            dropped += stats[1]
+            if not stats[2]:
+                break
+    finally:
+        _live.discard(episode)
     sample.metadata = {**(sample.metadata or {}), "round_number": rounds, "tool_call_count": calls_run,
                        "tool_calls_dropped": dropped}
     return sample
+
+
+async def _turn(config, sample, engine, parse, tools, params, budget, cap, turn) -> tuple[int, int, bool] | None:
+    """One model turn and its tool calls: ``(calls run, calls dropped, go on)``, or None when no
+    request was made (the budget is spent: ``truncated``)."""
+    tokenizer = engine.tokenizer
+    left = tokens_left(sample, budget, cap)
+    if left is not None and left <= 0:
+        sample.status = Status.TRUNCATED
+        return None
+    out = await engine.generate(list(sample.tokens), {**params, "max_new_tokens": left})
+    start = len(sample.response)
+    append_generated(sample, out, tokenizer, params)
+    if out.finish_reason in ("length", "abort"):
+        return 0, 0, False
+    parsed = parse(sample.response[start:], tools)
+    if not parsed.calls:
+        return 0, parsed.dropped, False
+    ids = [f"call_{turn}_{k}" for k in range(len(parsed.calls))]
+    messages = [await _run_call(config.generate_execute_tool_function_path, call, call_id)
+                for call, call_id in zip(parsed.calls, ids)]
+    asked = [{"id": call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+             for call, call_id in zip(parsed.calls, ids)]
+    inserted = appended_messages_ids(tokenizer, messages, calls=asked, tools=tools)
+    room = tokens_left(sample, budget, cap)
+    if room is not None and len(inserted) > room:
+        append_inserted(sample, inserted[:max(room, 0)], tokenizer)
+        sample.status = Status.TRUNCATED
+        return len(messages), parsed.dropped, False
+    append_inserted(sample, inserted, tokenizer)
+    return len(messages), parsed.dropped, True
