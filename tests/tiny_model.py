@@ -217,14 +217,16 @@ def build_tiny_moe_model(path: Path, seed: int = 0, *, num_experts: int = 4, top
 
 
 def build_script_model(path: Path, transitions: dict[str, str], *, extra_words=(), eos: str = "</s>",
-                       chat_template: str | None = None, strength: float = 2.0) -> Path:
+                       chat_template: str | None = None, strength: float = 2.0, hidden: int | None = None) -> Path:
     """A real one-layer Llama with a word-level tokenizer that writes a fixed script under greedy decoding.
 
     Attention and MLP outputs are zero, so the logits at a position depend on its token alone:
     ``lm_head`` sends word ``a`` to ``transitions[a]`` and every other word to ``eos``
     (log-probs a few thousandths below 0 at ``strength`` 2). One token per whitespace-separated
     word; ``extra_words`` join the vocabulary (a tool's output), any other word is ``<unk>``.
-    ``chat_template`` (jinja) is saved with the tokenizer.
+    ``chat_template`` (jinja) is saved with the tokenizer. ``hidden`` (at least the vocabulary
+    size, even; default the smallest such) is also the one head's dimension: servers whose
+    attention kernels take only some head sizes need 64 or 128.
     """
     import torch
     from tokenizers import Tokenizer
@@ -242,7 +244,8 @@ def build_script_model(path: Path, transitions: dict[str, str], *, extra_words=(
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     size = len(words)
-    hidden = size + size % 2  # RoPE needs an even head dimension
+    hidden = hidden or size + size % 2  # RoPE needs an even head dimension
+    assert hidden >= size and hidden % 2 == 0, (hidden, size)
     config = LlamaConfig(vocab_size=size, hidden_size=hidden, intermediate_size=4, num_hidden_layers=1,
                          num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=512, bos_token_id=1,
                          eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
