@@ -66,10 +66,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--disable-rollout-global-dataset", "disable_rollout_global_dataset", reason=(
         "the core reads prompts through the data source; to load data your own way give --data-source-path "
         "module.Class (or a data_source plugin) instead, and remove it.")),
-    Unsupported("--generate-max-turns", "generate_max_turns", (16,)),
-    Unsupported("--generate-tool-specs-path", "generate_tool_specs_path", (None,)),
-    Unsupported("--generate-tool-call-parser", "generate_tool_call_parser", (None,)),
-    Unsupported("--generate-execute-tool-function-path", "generate_execute_tool_function_path", (None,)),
     Unsupported("--max-seq-len", "max_seq_len", (None,), reason=(
         "it caps the trajectories a Miles session server assembles, and furlong has no session server; remove it "
         "and cap prompt plus response tokens with --rollout-max-context-len.")),
