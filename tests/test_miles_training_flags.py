@@ -210,3 +210,29 @@ def test_no_keep_fp32_master_needs_bf16():
                     "--no-keep-fp32-master"])
     assert parse_args(["--hf-checkpoint", str(DEMO / "model"), "--num-rollout", "1", "--rollout-batch-size", "4",
                        "--bf16", "--no-keep-fp32-master"]).keep_fp32_master is False
+
+
+def test_custom_tis_rejected_tokens_leave_the_numerator_not_the_denominator(user_functions):
+    import torch
+
+    from furlong.core.config.launch_args import launch_config
+    from furlong.core.plugins.manager import get_plugin_manager
+    from furlong.core.train.objective import StepObjective
+    from furlong.hooks import TrainBatch
+
+    config = launch_config(use_tis=True, custom_tis_function_path="miles_user_functions.reject_first_token",
+                           entropy_coef=0.0, use_kl_loss=False, calculate_per_token_loss=False)
+    masks = [torch.ones(3), torch.tensor([1.0, 0.0, 1.0, 1.0])]
+    old = [torch.full((3,), -1.0), torch.full((4,), -2.0)]
+    batch = TrainBatch(tokens=[[0] * 5, [0] * 6], response_lengths=[3, 4], loss_masks=masks, steps=[[[0, 1]]],
+                       old_log_probs=old, rollout_log_probs=[torch.full((3,), -1.5), torch.full((4,), -2.0)],
+                       advantages=[torch.full((3,), 1.0), torch.full((4,), -2.0)])
+    objective = StepObjective(config, get_plugin_manager(), batch, "policy_loss", "--loss-type")
+    logp = [o.clone().requires_grad_(True) for o in old]  # ratio 1: pg = -A on every token
+    _, metrics = asyncio.run(objective([0, 1], logp, None))
+    # per-sample means over the original masks (3 and 3 tokens), the first token of each rejected:
+    # sample 0: (-1 - 1) / 3; sample 1: (2 + 2) / 3 (its second token is masked anyway); mean over 2 samples
+    assert float(metrics["pg_loss"]) == pytest.approx(((-2 / 3) + (4 / 3)) / 2, rel=1e-6)
+    # the function's metric, reduced over the original masks: exp(old - rollout) = e^0.5 and 1
+    assert float(metrics["seen_ratio"]) == pytest.approx((torch.e ** 0.5 + 1.0) / 2, rel=1e-6)
+    assert float(metrics["ois"]) == pytest.approx(1.0)
