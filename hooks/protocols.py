@@ -200,6 +200,9 @@ class TrainBackend(Protocol):
     # (``--ref-update-interval N``: the core calls it on every rank after training rollout r when
     # (r + 1) % N == 0). The built-in fsdp and megatron backends have it; without it
     # ``--ref-update-interval`` is an error naming the backend.
+    # Optional: ``async def keep_synced_weights(self) -> None`` (``--keep-old-actor``): after each
+    # weight sync (every rank) keep a copy of the weights just sent; ``log_probs(model="old_actor")``
+    # then runs the copy kept at the sync before (StepLoop has it over two model copies).
 
 
 @runtime_checkable

@@ -247,8 +247,26 @@ class StepLoop:
         return local_optimizer(self.optimizer).state
 
     def _modules(self) -> list:
-        """The modules :meth:`offload` and :meth:`onload` move: the model and the reference model."""
-        return [m for m in (self.model, self.ref_model) if m is not None]
+        """The modules :meth:`offload` and :meth:`onload` move: the model, the reference model and the copies
+        ``--keep-old-actor`` keeps."""
+        kept = (getattr(self, "old_actor", None), getattr(self, "rollout_actor", None))
+        return [m for m in (self.model, self.ref_model, *kept) if m is not None]
+
+    async def keep_synced_weights(self) -> None:
+        """``--keep-old-actor``, after each weight sync (every rank): the old actor becomes the copy of the weights
+        the engines had until now, and that copy takes the weights just sent (Miles' queue: rollout_actor ->
+        old_actor, actor -> rollout_actor); at the first sync both take them. A subclass sets ``old_actor`` and
+        ``rollout_actor`` to two copies of its model (built alike) and implements :meth:`_copy_actor_into`."""
+        first = getattr(self, "_synced_once", False) is False
+        self.old_actor, self.rollout_actor = self.rollout_actor, self.old_actor
+        await self._copy_actor_into(self.rollout_actor)
+        if first:
+            await self._copy_actor_into(self.old_actor)
+        self._synced_once = True
+
+    async def _copy_actor_into(self, target) -> None:
+        """Load the actor's current weights into ``target``, a copy of the model built alike."""
+        raise NotImplementedError
 
     def _move(self, device) -> None:
         import torch
@@ -275,17 +293,19 @@ class StepLoop:
         the same number of passes); with no steps, all samples in chunks of
         ``--micro-batch-size``. Logits are divided by ``batch.temperature``.
 
-        :param model: ``"actor"`` or ``"ref"``.
+        :param model: ``"actor"``, ``"ref"`` or ``"old_actor"`` (``--keep-old-actor``: the weights the engines
+            had before the last weight sync, :meth:`keep_synced_weights`).
         :returns: ``{"log_probs": [...], "entropy": [...]}``, N entries each (float32
             ``[T_i]`` on the host); samples of other ranks are None.
         :raises PluginError: ``model="ref"`` without a reference model.
         """
         import torch
 
-        net = {"actor": self.model, "ref": self.ref_model}.get(model)
+        net = {"actor": self.model, "ref": self.ref_model, "old_actor": getattr(self, "old_actor", None)}.get(model)
         if net is None:
             raise PluginError(f"{self.name}: log_probs(model={model!r}) but no such model is loaded "
-                              "(the reference loads only with --use-kl-loss or --kl-coef != 0).")
+                              "(the reference loads only with --use-kl-loss or --kl-coef != 0, the old actor only "
+                              "with --keep-old-actor).")
         n = len(batch.tokens)
         if batch.steps:
             chunks = [list(mb) for step in batch.steps for mb in step]

@@ -227,7 +227,6 @@ UNSUPPORTED_ARGV = {
     "--eval-num-gpus": ["--eval-num-gpus", "2"],
     "--multimodal-keys": ["--multimodal-keys", '{"image": "images"}'],
     "--update-weight-transfer-mode": ["--update-weight-transfer-mode", "disk-delta"],
-    "--keep-old-actor": ["--keep-old-actor"],
     "--use-session-server": ["--use-session-server"],
     "--custom-async-data-buffer-path": ["--custom-async-data-buffer-path", "my.Buffer"],
     "--offload-rollout-level": ["--offload-rollout-level", "kv_cache"],

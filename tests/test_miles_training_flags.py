@@ -9,7 +9,7 @@ import pytest
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo"
 
 
-def demo_run(save: Path, *extra: str) -> list[dict]:
+def demo_run(save: Path, *extra: str, command: str = "train") -> list[dict]:
     """The demo task (``extra`` gives the rollouts); the metrics of each rollout, in order."""
     from furlong.core.config.launch_args import launch_config
     from furlong.core.plugins.manager import get_plugin_manager
@@ -22,7 +22,7 @@ def demo_run(save: Path, *extra: str) -> list[dict]:
             "--rollout-max-response-len", "8", "--lr", "1e-3", "--entropy-coef", "0.01", "--micro-batch-size", "4",
             "--save", str(save), "--save-interval", "1000", "--seed", "1", *extra]
     pm = get_plugin_manager()
-    config = launch_config(*argv, pm=pm)
+    config = launch_config(*argv, pm=pm, command=command)
     asyncio.run(run(config, pm, resolve_selection(config, pm)))
     return [r for r in (json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines())
             if "rollout/step" in r]
@@ -236,3 +236,15 @@ def test_custom_tis_rejected_tokens_leave_the_numerator_not_the_denominator(user
     # the function's metric, reduced over the original masks: exp(old - rollout) = e^0.5 and 1
     assert float(metrics["seen_ratio"]) == pytest.approx((torch.e ** 0.5 + 1.0) / 2, rel=1e-6)
     assert float(metrics["ois"]) == pytest.approx(1.0)
+
+
+def test_keep_old_actor_gives_train_async_the_weights_the_engines_generated_with(tmp_path, caplog):
+    caplog.set_level("INFO", logger="furlong.train")
+    kept = demo_run(tmp_path / "kept", "--num-rollout", "4", "--keep-old-actor", "--no-use-tis", command="train-async")
+    plain = demo_run(tmp_path / "plain", "--num-rollout", "4", "--no-use-tis", command="train-async")
+    diff = "train/train_rollout_logprob_abs_diff"
+    # train-async generates rollout r + 1 while r trains: from rollout 1 on, the engines ran weights one sync
+    # older than the trainer's. The old actor is that copy: pi_old equals the engine's log-probs to rounding
+    assert all(r[diff] < 1e-5 for r in kept), [r[diff] for r in kept]
+    assert max(r[diff] for r in plain[1:]) > 1e-3  # without it pi_old is the trainer's newer weights'
+    assert kept[0]["rollout/log_probs"] == pytest.approx(plain[0]["rollout/log_probs"], rel=1e-6)  # both initial

@@ -48,7 +48,8 @@ def add(g, dev) -> None:
     g.add_argument("--custom-async-data-buffer-path", default=None,
                    help="Fully async: custom buffer class (not supported yet).")
     g.add_argument("--keep-old-actor", action="store_true",
-                   help="Keep rollout-time weights to recompute old log-probs (not supported yet).")
+                   help="Keep a copy of the weights at each weight sync: pi_old of a rollout the engines generated "
+                        "one sync behind (train-async) comes from the copy they ran, not the trainer's newer weights.")
     g.add_argument("--generate-max-turns", type=int, default=16,
                    help="generate multi_turn: most model turns per sample (default 16).")
     g.add_argument("--generate-tool-specs-path", default=None,

@@ -35,6 +35,8 @@ def pi_old_needs_own_pass(flags: Any) -> str | None:
         return "--use-opd reads pi_old before training"
     if flags.custom_advantage_function_path:
         return "--custom-advantage-function-path may read pi_old before training"
+    if flags.keep_old_actor:
+        return "--keep-old-actor (pi_old comes from the weights the engines generated with)"
     if flags.rollout_data_postprocess_path:
         return "--rollout-data-postprocess-path may read pi_old before training"
     return None

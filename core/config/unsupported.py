@@ -44,10 +44,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         "weights reach the engines by broadcast over a process group (or in place when they share the "
         "trainer's process); p2p and disk-delta transfers are not implemented. Remove it (broadcast is the "
         "default).")),
-    Unsupported("--keep-old-actor", "keep_old_actor", reason=(
-        "pi_old is recomputed with the trainer's current weights; where they are newer than the engines' "
-        "(train-async, --update-weights-interval > 1), correct for it with --use-tis or take the engine's "
-        "log-probs with --use-rollout-logprobs; remove it.")),
     Unsupported("--use-session-server", "use_session_server", (None,), reason=(
         "furlong has no session server; a multi-turn agent keeps its tokens on the sample through "
         "--custom-generate-function-path (or a generate plugin). Remove it.")),

@@ -172,6 +172,8 @@ class Run:
             if self.health is not None:
                 self.health.resume()
         version = await self.weights.push()
+        if self.config.keep_old_actor:
+            await self.group.keep_synced_weights(version)
         await self.rollout.set_weight_version(version)
         log.debug("weights synced, version %d", version)
         if self.config.check_weight_update_equal:

@@ -62,6 +62,7 @@ class TrainGroup:
         self.layouts: list[ParallelLayout] = []
         self.reuse_old_log_probs = False  # decided in init (see _keeps_log_prob_pass)
         self.skip_zero_advantage = False  # decided in init (--skip-zero-advantage-samples)
+        self.synced_versions: list[int] = []  # --keep-old-actor: the last two weight versions synced
         # held by every operation on the workers (train, save, load, offload, onload, a whole
         # weight sync): a sync started by an engine's recovery (train-async) waits for the
         # training or save in flight, so the ranks' collectives never interleave
@@ -187,7 +188,7 @@ class TrainGroup:
                 return batch.rollout_log_probs, None
             if reuse:  # the training forward gives pi_old; the advantage stages see none
                 return None, None
-            return await self._log_probs(pass_shares, len(samples), "actor")
+            return await self._log_probs(pass_shares, len(samples), self._pi_old_model(rollout_id, samples))
 
         if critic is None:
             batch.old_log_probs, entropy = await old_log_probs()
@@ -362,6 +363,27 @@ class TrainGroup:
 
     async def clear_memory(self) -> list:
         return await self._all_exclusive("clear_memory")
+
+    async def keep_synced_weights(self, version: int) -> list:
+        """After weight sync ``version`` (``--keep-old-actor``): every rank keeps a copy of the weights just sent,
+        the copy of the sync before becoming the old actor (:meth:`_pi_old_model`)."""
+        self.synced_versions = [*self.synced_versions[-1:], int(version)]
+        return await self._all_exclusive("keep_synced_weights")
+
+    def _pi_old_model(self, rollout_id: int, samples: list[Sample]) -> str:
+        """The model pi_old comes from: ``"actor"``, or under ``--keep-old-actor`` the weights the engines generated
+        the rollout with. Weights sync right after training, so the last sync's are the actor's own; a rollout
+        generated one sync behind (train-async) gets ``"old_actor"``, the copy kept at the sync before."""
+        if not self.config.keep_old_actor or len(self.synced_versions) < 2:
+            return "actor"
+        versions = [v for v in (s.oldest_weight_version for s in samples) if v is not None]
+        oldest = min(versions) if versions else self.synced_versions[-1]
+        if oldest >= self.synced_versions[-1]:
+            return "actor"
+        if oldest < self.synced_versions[0]:
+            log.warning("--keep-old-actor: rollout %d has samples of weight version %d, older than the two kept "
+                        "(%s); pi_old comes from the older of them.", rollout_id, oldest, self.synced_versions)
+        return "old_actor"
 
     # --- weight stream, driven by :mod:`furlong.core.run.weight_sync`, which holds ``busy`` -------
 

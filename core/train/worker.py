@@ -40,7 +40,8 @@ ROLE_HOOKS = {"actor": ("train_backend", "furlong.hooks.TrainBackend"),
               "critic": ("critic_backend", "furlong.hooks.CriticBackend")}
 # optional TrainBackend methods (furlong.hooks.TrainBackend), each needed by one flag: what it does
 OPTIONAL_METHODS = {"save_hf": "it cannot export Hugging Face weights",
-                    "update_ref_model": "it cannot copy the actor's weights into its reference model"}
+                    "update_ref_model": "it cannot copy the actor's weights into its reference model",
+                    "keep_synced_weights": "it keeps no copy of the weights the engines generate with"}
 CRITIC_LOSS = "value_loss"
 """The loss plugin a critic trains with (the clipped value loss, ``--value-clip``)."""
 
@@ -115,7 +116,8 @@ class TrainWorker:
             raise PluginError(f"{flag} '{name}': layout() returned {type(layout).__name__}; "
                               "it must return furlong.hooks.ParallelLayout.")
         optional = {"save_hf": self.config.save_hf and "--save-hf",
-                    "update_ref_model": self.config.ref_update_interval and "--ref-update-interval"}
+                    "update_ref_model": self.config.ref_update_interval and "--ref-update-interval",
+                    "keep_synced_weights": self.config.keep_old_actor and "--keep-old-actor"}
         if self.role == "actor":
             for method, flag_given in optional.items():
                 if flag_given and not callable(getattr(self.backend, method, None)):
@@ -180,6 +182,10 @@ class TrainWorker:
     async def update_ref_model(self) -> None:
         """The reference model takes the actor's current weights (``--ref-update-interval``)."""
         await self.backend.update_ref_model()
+
+    async def keep_synced_weights(self) -> None:
+        """After a weight sync (``--keep-old-actor``): the backend keeps a copy of the weights just sent."""
+        await self.backend.keep_synced_weights()
 
     async def save_hf(self, path: str) -> None:
         await self.backend.save_hf(path)

@@ -44,6 +44,7 @@ class FSDPBackend(StepLoop):
         self.compute_model = None  # the model the passes run: self.model, or its bfloat16 copy under --bf16
         self.masters: MasterWeights | None = None
         self.ref_model = None
+        self.old_actor = self.rollout_actor = None  # --keep-old-actor: copies of the synced weights
         self.optimizer = None
         self.schedule: LRSchedule | None = None
         self.tokenizer = None
@@ -104,11 +105,20 @@ class FSDPBackend(StepLoop):
         self.compute_model, self.masters = self._bf16_copy()
         self._compile(self.compute_model, trainable=True)
         if config.use_kl_loss or config.kl_coef:
-            ref = load_causal_lm(source, config, self.device, flag).requires_grad_(False)
-            self.ref_model = self._place(ref, trainable=False)
-            if self.masters is not None:  # a reference never trains: bfloat16 alone, like the model's passes
-                _bf16_parameters(self.ref_model)
-            self._compile(self.ref_model, trainable=False)
+            self.ref_model = self._frozen_copy(source, config, flag)
+        if config.keep_old_actor:
+            self.old_actor = self._frozen_copy(source, config, flag)
+            self.rollout_actor = self._frozen_copy(source, config, flag)
+
+    def _frozen_copy(self, source: str, config: RunConfig, flag: str):
+        """A model that never trains (the reference, the old actor), bfloat16 alone under ``--bf16`` like the
+        model's passes, placed and compiled as the actor."""
+        model = load_causal_lm(source, config, self.device, flag).requires_grad_(False)
+        model = self._place(model, trainable=False)
+        if config.bf16 and self.world == 1:  # (across ranks FSDP2 computes in bfloat16 over float32 shards)
+            _bf16_parameters(model)
+        self._compile(model, trainable=False)
+        return model
 
     def _place(self, model, *, trainable: bool):
         if not trainable or not self.config.gradient_checkpointing:
@@ -150,7 +160,8 @@ class FSDPBackend(StepLoop):
                      "first pass", layers)
 
     def _modules(self) -> list:
-        return [m for m in (self.model, self.compute_model, self.ref_model) if m is not None]
+        return [m for m in (self.model, self.compute_model, self.ref_model, self.old_actor, self.rollout_actor)
+                if m is not None]
 
     # --- forward passes -----------------------------------------------------------------
 
@@ -256,14 +267,18 @@ class FSDPBackend(StepLoop):
 
         :raises PluginError: no reference model is loaded.
         """
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
         if self.ref_model is None:
             raise PluginError("fsdp: update_ref_model() but no reference model is loaded (it loads only with "
                               "--use-kl-loss or --kl-coef != 0).")
+        await self._copy_actor_into(self.ref_model)
+
+    async def _copy_actor_into(self, target) -> None:
+        """Load the weights of :meth:`iter_weights` (full tensors, LoRA merged) into ``target``, which keeps its
+        dtype and sharding."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
         state = {name: tensor async for name, tensor in self.iter_weights()}
-        await self._in_thread(set_model_state_dict, self.ref_model, state,
-                              options=checkpoint._options(strict=False))
+        await self._in_thread(set_model_state_dict, target, state, options=checkpoint._options(strict=False))
 
     async def save(self, path: str) -> None:
         """Write the checkpoint into ``path`` (layout in :mod:`.checkpoint`); every rank calls it.

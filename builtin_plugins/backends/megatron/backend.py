@@ -67,6 +67,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         self.config = config
         self.model = None
         self.ref_model = None
+        self.old_actor = self.rollout_actor = None  # --keep-old-actor: copies of the synced weights
         self.optimizer = None
         self.scheduler = None
         self.shape = None
@@ -155,6 +156,9 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
                             if u.split is not None}
         if config.use_kl_loss or config.kl_coef:
             self.ref_model = self._load_model().requires_grad_(False)
+        if config.keep_old_actor:
+            self.old_actor = self._load_model().requires_grad_(False)
+            self.rollout_actor = self._load_model().requires_grad_(False)
         self._start_routing_replay()
         self.optimizer = build_optimizer(self._trained_parameters(), config, self._optimizer_shards())
         self.scheduler = build_scheduler(self.optimizer, config)
@@ -414,7 +418,10 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         if self.ref_model is None:
             raise PluginError("megatron: update_ref_model() but no reference model is loaded (it loads only with "
                               "--use-kl-loss or --kl-coef != 0).")
-        await self._in_thread(_copy_parameters, self.model, self.ref_model)
+        await self._copy_actor_into(self.ref_model)
+
+    async def _copy_actor_into(self, target) -> None:
+        await self._in_thread(_copy_parameters, self.model, target)
 
     async def save(self, path: str) -> None:
         """Write a ``torch_dist`` checkpoint into ``path`` (:mod:`.checkpoint`); every rank calls it.
