@@ -147,7 +147,8 @@ class TrainBackend(Protocol):
     async def log_probs(self, batch: TrainBatch, model: str = "actor") -> dict:
         """Forward-only pass; returns ``{"log_probs": [...], "entropy": [...]}`` (N x [T_i]).
 
-        ``model`` is ``"actor"`` or ``"ref"``. Logits are divided by ``batch.temperature``.
+        ``model`` is ``"actor"``, ``"ref"``, or ``"old_actor"`` under ``--keep-old-actor`` (the optional
+        ``keep_synced_weights`` below). Logits are divided by ``batch.temperature``.
         With several trainer ranks ``batch.steps`` holds this rank's micro-batches; entries
         of the other ranks' samples are None (the core merges the ranks' lists).
         """
