@@ -303,9 +303,9 @@ class StepLoop:
 
         net = {"actor": self.model, "ref": self.ref_model, "old_actor": getattr(self, "old_actor", None)}.get(model)
         if net is None:
-            raise PluginError(f"{self.name}: log_probs(model={model!r}) but no such model is loaded "
-                              "(the reference loads only with --use-kl-loss or --kl-coef != 0, the old actor only "
-                              "with --keep-old-actor).")
+            needs = ("the old actor loads only with --keep-old-actor" if model == "old_actor" else
+                     "the reference loads only with --use-kl-loss or --kl-coef != 0")
+            raise PluginError(f"{self.name}: log_probs(model={model!r}) but no such model is loaded ({needs}).")
         n = len(batch.tokens)
         if batch.steps:
             chunks = [list(mb) for step in batch.steps for mb in step]
