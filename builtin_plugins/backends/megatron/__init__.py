@@ -24,7 +24,7 @@ for _message in ("Transformer Engine and Apex are not installed", "Apex is not i
 for _name in ("megatron.core.distributed.fsdp", "megatron_fsdp"):
     logging.getLogger(_name).setLevel(logging.WARNING)
 
-__all__ = ["MEGATRON_FLAGS", "configure", "train_backend"]
+__all__ = ["MEGATRON_FLAGS", "configure", "critic_backend", "train_backend"]
 
 # Megatron flags whose values this backend reads (architecture checks, parallel sizes, recompute, schedule).
 _USED = {
@@ -205,3 +205,22 @@ def train_backend(config):
     from .backend import MegatronBackend
 
     return MegatronBackend(config)
+
+
+@hookimpl
+def critic_backend(config):
+    """Create the megatron critic (``--advantage-estimator ppo``); :meth:`MegatronCritic.init` builds the value
+    model (the policy's GPTModel with a value head, :mod:`.value_model`) and loads it.
+
+    Flags read: ``--critic-load`` (a Hugging Face directory to start from; a critic checkpoint folder is the
+    core's to load), ``--ref-load`` and ``--hf-checkpoint`` (the actor's starting weights, else),
+    ``--critic-lr``, ``--critic-lr-warmup-iters``, and the actor's optimizer, schedule, precision and
+    parallelism flags (:func:`furlong.kit.critic.critic_config`).
+
+    :returns: a :class:`MegatronCritic` (meets :class:`furlong.hooks.CriticBackend`).
+    :raises PluginError: ``--pipeline-model-parallel-size`` or ``--context-parallel-size`` above 1 (not
+        supported yet for the critic).
+    """
+    from .critic import MegatronCritic
+
+    return MegatronCritic(config)

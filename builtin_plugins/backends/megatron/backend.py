@@ -136,6 +136,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
             problems.append(f"--hf-checkpoint {config.hf_checkpoint}: {exc}")
         if problems:
             raise PluginError(" ".join(problems))
+        self.shape = self._built_shape(self.shape)
         from megatron.core import parallel_state
 
         if self.pp > 1:
@@ -147,9 +148,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         untrained_padding_lookups(self.model, self.shape.padding_idx)
         if self._dtype() != torch.float32:
             self.masters = MasterWeights(self.model)
-            saved = torch_dist_dir(config.ref_load)
-            if saved:  # the checkpoint holds float32 weights: the masters start from them, not from their rounding
-                checkpoint.load_weights(saved, self.model, self.device, masters=self.masters)
+            self._masters_from_checkpoint()
         params = dict(self._trained_parameters())
         self._tp_sharded = {id(params[local]) for u, local in placed_units(self.shape, self.stage, self.experts)
                             if u.split is not None}
@@ -165,14 +164,32 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
                      "bf16 parameters, fp32 master weights" if self.masters else "fp32", self._optimizer_note())
         return 0
 
-    def _load_model(self):
+    def _built_shape(self, shape):
+        """The shape the model is built with: the checkpoint's (a critic builds another, :mod:`.critic`)."""
+        return shape
+
+    def _masters_from_checkpoint(self, skip: tuple[str, ...] = ()) -> None:
+        """Under ``--bf16`` with a ``torch_dist`` ``--ref-load``: the float32 master weights start from the
+        checkpoint's float32 weights, not from their bfloat16 rounding (``skip``: state-dict key prefixes of
+        parameters it does not hold, :func:`~.checkpoint.load_weights`)."""
+        saved = torch_dist_dir(self.config.ref_load)
+        if saved:
+            checkpoint.load_weights(saved, self.model, self.device, masters=self.masters, skip=skip)
+
+    def _build_model(self):
+        """This rank's GPTModel of :attr:`shape`, its weights not loaded yet."""
         first, last = pipeline_split(self.config.megatron_args) if self.pp > 1 else (None, None)
         split = {k: v for k, v in (("num_layers_in_first_pipeline_stage", first),
                                    ("num_layers_in_last_pipeline_stage", last)) if v is not None}
-        model = build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device, pp=self.pp, cp=self.cp,
-                          sequence_parallel=self._sequence_parallel(), **recompute_settings(self.config), **split,
-                          deterministic_mode=bool(self.config.deterministic_mode),
-                          **moe_transformer_fields(self.shape, self.config, self.device))
+        return build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device, pp=self.pp, cp=self.cp,
+                         sequence_parallel=self._sequence_parallel(), **recompute_settings(self.config), **split,
+                         deterministic_mode=bool(self.config.deterministic_mode),
+                         **moe_transformer_fields(self.shape, self.config, self.device))
+
+    def _load_model(self):
+        """:meth:`_build_model` with the actor's starting weights: ``--ref-load`` (Hugging Face or
+        ``torch_dist``), else ``--hf-checkpoint``."""
+        model = self._build_model()
         ref = self.config.ref_load
         if is_hf_dir(ref):
             load_hf(model, safetensors_stream(ref), self.shape, self.vocab_rows, self.tp, self._tp_rank(),

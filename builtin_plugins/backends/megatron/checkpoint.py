@@ -115,13 +115,14 @@ def _model_sharded(model, masters) -> dict:
 def _load(template: dict, path: str, device, what: str) -> dict:
     """``dist_checkpointing.load`` of ``template`` from ``path``; a reader failure names the checkpoint."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     from .model import cpu_shims
 
     try:
         with cpu_shims(device):
             return dist_checkpointing.load(template, path)
-    except Exception as exc:  # noqa: BLE001 - any reader failure is a bad checkpoint
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any reader failure is a bad checkpoint
         raise PluginError(f"checkpoint {path}: cannot load {what} into this model: {type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
 
@@ -252,16 +253,21 @@ def load_checkpoint(path: str, *, model, optimizer, scheduler, rank: int, world:
     return int(loaded["global_step"])
 
 
-def load_weights(path: str, model, device, masters=None) -> None:
+def load_weights(path: str, model, device, masters=None, skip: tuple[str, ...] = ()) -> None:
     """Load only the model weights of checkpoint ``path`` (``--ref-load`` of a ``torch_dist`` checkpoint).
 
     :param masters: the :class:`~.master.MasterWeights` of a bfloat16 model: the saved float32
         weights load into them, then round into the model.
+    :param skip: state-dict key prefixes not read from ``path`` (a critic's value head, which an actor's
+        checkpoint does not hold): those parameters keep their values.
     :raises PluginError: not a checkpoint of this backend, or one of another model.
     """
     from .model import cpu_shims
 
     read_meta(path)
     with cpu_shims(device):
-        template = {"model": _model_sharded(model, masters)}
-    _restore_model(model, masters, _load(template, path, device, "its weights")["model"])
+        whole = _model_sharded(model, masters)
+    wanted = {k: v for k, v in whole.items() if not (skip and k.startswith(skip))}
+    loaded = _load({"model": wanted}, path, device, "its weights")["model"]
+    loaded.update({k: v.data for k, v in whole.items() if k not in wanted})  # their own values
+    _restore_model(model, masters, loaded)
