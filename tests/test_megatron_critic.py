@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,13 +24,13 @@ from furlong.builtin_plugins.backends.fsdp import FSDPCritic  # noqa: E402
 from furlong.builtin_plugins.backends.megatron import critic_backend, train_backend  # noqa: E402
 from furlong.builtin_plugins.backends.megatron.model import init_parallel  # noqa: E402
 from furlong.core.config.launch_args import launch_config  # noqa: E402
-from furlong.core.train.objective import StepObjective  # noqa: E402
-from furlong.hooks import PluginError, TrainBatch  # noqa: E402
+from furlong.hooks import PluginError  # noqa: E402
+
+from .megatron_critic_ranks import LENGTHS, TP_STEPS, tp_config  # noqa: E402
+from .megatron_critic_ranks import critic_batch as _batch  # noqa: E402
+from .megatron_critic_ranks import values_then_train as _values_then_train  # noqa: E402
 
 CPU = torch.device("cpu")
-TOKENS = [[3, 4, 5, 6, 7, 8], [9, 10, 11, 12], [5, 6, 7, 8, 9, 10, 11]]
-LENGTHS = [3, 2, 4]
-RETURNS = [[1.0, -0.5, 2.0], [0.25, 1.5], [0.0, 0.5, 1.0, -1.0]]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,23 +50,6 @@ def _critic(make, model_dir, *extra):
     critic = make(config)
     asyncio.run(critic.init(config))
     return config, critic
-
-
-def _batch(steps):
-    return TrainBatch(tokens=[list(t) for t in TOKENS], response_lengths=list(LENGTHS),
-                      loss_masks=[torch.ones(n) for n in LENGTHS], steps=steps,
-                      returns=[torch.tensor(r) for r in RETURNS], advantages=[torch.zeros(n) for n in LENGTHS])
-
-
-def _values_then_train(critic, config, plugin_manager, steps):
-    """Values, then ``train`` with the clipped value loss against them; ``(values, metrics, values after)``."""
-    batch = _batch(steps)
-    start = asyncio.run(critic.values(batch))["values"]
-    batch.values = start
-    batch.objective = StepObjective(config, plugin_manager, batch, "value_loss", "--advantage-estimator",
-                                    old_values=start, reducer=False)
-    metrics = asyncio.run(critic.train(0, batch))
-    return start, metrics, asyncio.run(critic.values(_batch(steps)))["values"]
 
 
 def _head(critic):
@@ -154,19 +139,44 @@ def test_pipeline_and_context_parallelism_are_refused_for_the_critic(tiny_model_
 
 
 @pytest.mark.timeout(300)
+def test_tensor_parallel_two_ranks(tiny_model_dir, plugin_manager, tmp_path):
+    """Two gloo ranks at TP=2 (every rank holds the whole head and computes every value), also with
+    --sequence-parallel (the head gathers the sequence first) padded and packed: values, two AdamW steps of
+    the clipped value loss and the values after them equal one rank's."""
+    worker = Path(__file__).with_name("megatron_critic_ranks.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(worker.parent))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
+           str(tiny_model_dir), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    config = tp_config(tiny_model_dir)
+    critic = critic_backend(config=config)
+    asyncio.run(critic.init(critic.config))
+    values, metrics, after = _values_then_train(critic, config, plugin_manager, TP_STEPS)
+    assert metrics[1]["vf_clipfrac"] > 0
+    for layout, got in torch.load(tmp_path / "tp.pt", weights_only=True).items():
+        for a, b in zip(values + after, got["values"] + got["after"]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=lambda m: f"{layout}: {m}")
+        for a, b in zip(metrics, got["metrics"]):
+            for key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (layout, key)
+
+
+@pytest.mark.timeout(300)
 def test_a_ppo_run_with_megatron_trains_actor_and_critic_on_the_demo_model(tmp_path):
     save = tmp_path / "run"
     cmd = [sys.executable, "-m", "furlong.core", "train", "--train-backend", "megatron",
            "--hf-checkpoint", "examples/demo/model", "--prompt-data", "examples/demo/data/train.jsonl",
            "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--num-rollout", "2",
            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
-           "--rollout-max-response-len", "8", "--advantage-estimator", "ppo", "--lr", "1e-4", "--critic-lr", "1e-3",
+           "--rollout-max-response-len", "12", "--advantage-estimator", "ppo", "--lr", "1e-4", "--critic-lr", "1e-3",
            "--save", str(save), "--save-interval", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/step" in r]
     assert len(trained) == 2 and all(r["critic/value_loss"] > 0 for r in trained)
+    assert trained[0]["critic/vpred_mean"] == 0.0 and trained[1]["critic/vpred_mean"] != 0.0  # a fresh head, trained
     assert [r["critic/lr"] for r in trained] == [1e-3, 1e-3]
     critic = save.parent / "run_critic"
     assert (critic / "latest_checkpointed_iteration.txt").read_text() == "1"
