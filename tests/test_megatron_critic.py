@@ -130,12 +130,17 @@ def test_critic_load_takes_a_saved_fsdp_critic_and_ref_load_an_actor_checkpoint(
         assert torch.equal(source, actor.model.decoder.final_layernorm.weight)
 
 
-def test_pipeline_and_context_parallelism_are_refused_for_the_critic(tiny_model_dir):
+def test_pipeline_and_context_parallelism_and_moe_models_are_refused_for_the_critic(tiny_model_dir,
+                                                                                    tiny_moe_model_dir):
     for dest in ("pipeline_model_parallel_size", "context_parallel_size"):
         config = launch_config(configure=False, hf_checkpoint=str(tiny_model_dir), **{dest: 2})
         with pytest.raises(PluginError, match=f"--{dest.replace('_', '-')} 2 with --advantage-estimator ppo is not "
                                               "supported yet by --train-backend megatron"):
             critic_backend(config=config)
+    critic = critic_backend(config=tp_config(tiny_moe_model_dir))
+    with pytest.raises(PluginError, match="a critic for a mixture-of-experts model is not supported yet"):
+        asyncio.run(critic.init(critic.config))
+    assert critic.model is None  # refused before the model is built
 
 
 @pytest.mark.timeout(300)

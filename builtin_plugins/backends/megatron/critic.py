@@ -65,7 +65,8 @@ class MegatronCritic(CriticLoop, MegatronBackend):
             where = f"--critic-load {source}" + (" (with its value head)" if head else " with a fresh value head")
         else:
             model = super()._load_model()
-            where = f"the actor's starting weights ({self.config.ref_load or self.config.hf_checkpoint}) with a fresh value head"
+            start = self.config.ref_load or self.config.hf_checkpoint
+            where = f"the actor's starting weights ({start}) with a fresh value head"
         try:
             attach_value_head(model, head)
         except ValueError as exc:
