@@ -167,8 +167,8 @@ def test_tensor_parallel_two_ranks(tiny_model_dir, plugin_manager, tmp_path):
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (layout, key)
 
 
-@pytest.mark.timeout(300)
-def test_a_ppo_run_with_megatron_trains_actor_and_critic_on_the_demo_model(tmp_path):
+@pytest.mark.timeout(540)
+def test_a_ppo_run_with_megatron_trains_actor_and_critic_on_the_demo_model_and_resumes(tmp_path):
     save = tmp_path / "run"
     cmd = [sys.executable, "-m", "furlong.core", "train", "--train-backend", "megatron",
            "--hf-checkpoint", "examples/demo/model", "--prompt-data", "examples/demo/data/train.jsonl",
@@ -186,3 +186,9 @@ def test_a_ppo_run_with_megatron_trains_actor_and_critic_on_the_demo_model(tmp_p
     critic = save.parent / "run_critic"
     assert (critic / "latest_checkpointed_iteration.txt").read_text() == "1"
     assert (critic / "iter_0000001" / "metadata.json").exists() and (save / "iter_0000001" / "metadata.json").exists()
+    # one more rollout: actor and critic resume from their torch_dist checkpoints of rollout 1
+    more = [*cmd[:cmd.index("--num-rollout") + 1], "3", *cmd[cmd.index("--num-rollout") + 2:], "--load", str(save)]
+    done = subprocess.run(more, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"critic resumes from {critic / 'iter_0000001'}" in done.stderr
+    assert (critic / "latest_checkpointed_iteration.txt").read_text() == "2"
