@@ -82,6 +82,21 @@ def test_values_value_loss_and_steps_equal_the_fsdp_critic(tiny_model_dir, plugi
     assert all(float(v.abs().max()) > 0.01 for v in m_after)  # it did train
 
 
+def test_packed_micro_batches_give_the_padded_values_and_steps(tiny_model_dir, plugin_manager):
+    """Packed (``thd``, as on a GPU in bfloat16) and right-padded micro-batches: the same values and steps."""
+    results = []
+    for packed in (False, True):
+        config, critic = _critic(critic_backend, tiny_model_dir)
+        critic._packed = lambda tokens, packed=packed: packed
+        results.append(_values_then_train(critic, config, plugin_manager, TP_STEPS))
+    (values, metrics, after), (p_values, p_metrics, p_after) = results
+    for a, b in zip(values + after, p_values + p_after):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    for a, b in zip(metrics, p_metrics):
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+
+
 def test_checkpoint_round_trip_resumes_exactly(tiny_model_dir, plugin_manager, tmp_path):
     steps = [[[0, 1, 2]]]
     config, first = _critic(critic_backend, tiny_model_dir, "--critic-lr-warmup-iters", "3", "--num-rollout", "5")
