@@ -182,3 +182,45 @@ def test_configure_accepts_glm4(glm4_dir):
     report = ConfigReport(plugin="megatron")
     configure(args=train_args(glm4_dir), report=report)
     assert report.errors == []
+
+
+# --- Miles' --spec values ----------------------------------------------------------------------------
+
+
+def test_miles_glm4_spec_maps_to_the_glm4_builder_with_one_info_line(glm4_dir):
+    report = ConfigReport(plugin="megatron")
+    configure(args=train_args(glm4_dir, spec=["miles_plugins.models.glm4", "get_glm_spec"]), report=report)
+    assert report.errors == []
+    assert [m for m in report.infos if "--spec" in m] == [
+        "--spec miles_plugins.models.glm4 get_glm_spec: GLM-4, built by --train-backend megatron from "
+        "--hf-checkpoint's config.json (model_type glm4)."]
+
+
+def test_miles_glm4_spec_on_another_family_names_both(tiny_model_dir):
+    report = ConfigReport(plugin="megatron")
+    configure(args=train_args(tiny_model_dir, spec=["miles_plugins.models.glm4", "get_glm_spec"]), report=report)
+    assert ("--spec miles_plugins.models.glm4 get_glm_spec selects GLM-4, but --hf-checkpoint's config.json has "
+            "model_type 'llama' (expected glm4).") in report.errors
+
+
+@pytest.mark.parametrize("spec, family, missing", [
+    (["miles_plugins.models.qwen3_5", "get_qwen3_5_spec"], "Qwen3.5", "Gated DeltaNet linear-attention layers"),
+    (["miles_plugins.models.qwen3_next", "get_qwen3_next_spec"], "Qwen3-Next", "Gated DeltaNet linear-attention"),
+    (["miles_plugins.models.glm5.glm5", "get_glm5_spec"], "GLM-5", "sparse-attention indexer"),
+    (["miles_plugins.models.deepseek_v4.deepseek_v4", "get_dsv4_spec"], "DeepSeek-V4", "hyper-connections"),
+])
+def test_miles_specs_of_families_not_built_are_refused_naming_what_is_missing(tiny_model_dir, spec, family, missing):
+    report = ConfigReport(plugin="megatron")
+    configure(args=train_args(tiny_model_dir, spec=spec), report=report)
+    refusals = [m for m in report.errors if m.startswith(f"--spec {spec[0]} {spec[1]}")]
+    assert len(refusals) == 1
+    assert f"selects {family}, which --train-backend megatron does not build yet: " in refusals[0]
+    assert missing in refusals[0]
+
+
+def test_an_unknown_spec_lists_the_known_ones(tiny_model_dir):
+    report = ConfigReport(plugin="megatron")
+    configure(args=train_args(tiny_model_dir, spec=["my.models", "get_spec"]), report=report)
+    (error,) = [m for m in report.errors if m.startswith("--spec my.models get_spec")]
+    assert "known: miles_plugins.models.glm4 get_glm_spec; miles_plugins.models.qwen3_5 get_qwen3_5_spec" in error
+    assert error.endswith("for Qwen2/2.5, Qwen3, Qwen3-MoE and Llama 3 remove --spec.")
