@@ -64,7 +64,8 @@ _MTP_REASON = ("multi-token prediction is not supported yet by --train-backend m
 # ones by configure (:mod:`.moe`).
 MEGATRON_FLAGS = MegatronFlags(
     honours=frozenset(flag_dest(f) for f in _USED) | frozenset(dest for _, dest, _ in _REFUSED)
-    | frozenset({"spec", "attention_dropout", "hidden_dropout", "moe_token_dispatcher_type", "mtp_num_layers",
+    | frozenset({"spec", "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules",
+                 "attention_dropout", "hidden_dropout", "moe_token_dispatcher_type", "mtp_num_layers",
                  "mtp_loss_scaling_factor", "moe_enable_routing_replay"}) | MOE_DESTS,
     architecture_from_hf=True)
 
@@ -97,6 +98,11 @@ def configure(args, report):
                          state_shards=args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     _check_sequence_parallel(args, report)
     _check_spec(args, report)
+    from .lora import lora_problems
+
+    for problem in lora_problems(args, int(args.tensor_model_parallel_size or 1),
+                                 int(args.pipeline_model_parallel_size or 1)):
+        report.error(problem)
     for dest in ("attention_dropout", "hidden_dropout"):
         value = getattr(args, dest, None)
         if value:
@@ -175,6 +181,8 @@ def _check_architecture(args, report) -> None:
         return
     for problem in check_model_args(args, shape, f"{where}/config.json"):
         report.error(problem)
+    if int(args.lora_rank or 0) > 0 and shape.is_moe:
+        report.error("--lora-rank on a mixture-of-experts model is not supported yet by --train-backend megatron.")
     errors, warnings = moe_flag_problems(args, shape, f"{where}/config.json")
     errors += moe_layout_problems(shape, int(args.tensor_model_parallel_size or 1),
                                   int(args.pipeline_model_parallel_size or 1), int(args.context_parallel_size or 1),
@@ -215,7 +223,8 @@ def train_backend(config):
     it names, :mod:`.specs`), ``--make-vocab-size-divisible-by``,
     ``--use-kl-loss``, ``--kl-coef``, ``--optimizer`` (adam), ``--lr`` and the Megatron LR schedule
     flags, ``--weight-decay``, ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``, ``--clip-grad``,
-    ``--use-distributed-optimizer``, ``--micro-batch-size``, ``--use-dynamic-batch-size`` (packing
+    ``--use-distributed-optimizer``, ``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--target-modules``,
+    ``--exclude-modules`` (:mod:`.lora`), ``--micro-batch-size``, ``--use-dynamic-batch-size`` (packing
     off CUDA), ``--log-probs-chunk-size``, ``--entropy-coef``, ``--recompute-granularity``,
     ``--recompute-method``, ``--recompute-num-layers``, ``--reset-optimizer-states``,
     ``--no-check-for-nan-in-loss-and-grad``, ``--no-save-optim``, ``--no-load-optim``,

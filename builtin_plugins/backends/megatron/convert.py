@@ -354,7 +354,7 @@ def load_hf(model, named_tensors: Iterable[tuple[str, Any]], shape: ModelShape, 
 
 
 def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), pp_group=None,
-              experts: ExpertShard = ExpertShard(), ep_group=None) -> Iterator[tuple[str, Any]]:
+              experts: ExpertShard = ExpertShard(), ep_group=None, weight_of=None) -> Iterator[tuple[str, Any]]:
     """Yield ``(hf_name, full tensor)`` for every HF weight, one Megatron parameter at a time, on every rank.
 
     A collective over the TP ``group`` (each sharded parameter is all-gathered) and, with
@@ -362,7 +362,8 @@ def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), 
     others; a tied model's output-layer copy is not sent): every rank iterates and gets
     every tensor once, in the same order at any TP or PP size. Tied models yield no
     ``lm_head.weight``. With expert parallelism (``experts.size > 1``) each expert's tensors are
-    broadcast over ``ep_group`` from the EP rank holding it.
+    broadcast over ``ep_group`` from the EP rank holding it. ``weight_of(local name, parameter)``, when
+    given, is the tensor exported for a parameter (LoRA: the merged weight, :func:`~.lora.merged_weight`).
     """
     import torch
     import torch.distributed as dist
@@ -385,7 +386,9 @@ def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), 
         specs = {k: v for part in every for k, v in part.items()}
     for unit in units(shape):
         if unit.mcore in mine:
-            full = gather_full(params[mine[unit.mcore]], unit.split, tp, group)
+            local = mine[unit.mcore]
+            held = params[local] if weight_of is None else weight_of(local, params[local])
+            full = gather_full(held, unit.split, tp, group)
         elif unit.expert is not None:  # another EP rank's expert: shaped as this rank's of the same layer
             full = torch.empty_like(like[_expert_role(unit)])
         else:
