@@ -143,3 +143,22 @@ def test_checkpoints_hold_the_adapters_and_peft_loads_them(trained, tmp_path):
     moments = {id(p): s for p, s in resumed.optimizer.state.items()}
     assert all(moments[id(p)]["exp_avg"].abs().max() > 0 for n, p in resumed.model.named_parameters()
                if n.endswith("lora_B.weight"))
+
+
+def test_bf16_keeps_float32_masters_of_the_adapters_only_and_resumes_them(tmp_path):
+    hf_dir = build_tiny_glm4_model(tmp_path / "glm4")
+    config = train_config(hf_dir, **LORA, bf16=True)
+    backend = megatron_backend(config=config)
+    asyncio.run(backend.init(config))
+    trained = [n for n, _ in backend._trained_parameters()]
+    assert len(trained) == 16 and all(".lora_" in n for n in trained)
+    assert all(p.dtype == torch.float32 for _, p in backend._trained_parameters())
+    asyncio.run(backend.train(0, make_batch(AutoTokenizer.from_pretrained(hf_dir), [[[0, 1], [2, 3]]])))
+    asyncio.run(backend.save(str(tmp_path / "ckpt")))
+    resumed = megatron_backend(config=config)
+    asyncio.run(resumed.init(config))
+    asyncio.run(resumed.load(str(tmp_path / "ckpt")))
+    ours, theirs = dict(asyncio.run(backend.named_weights())), dict(asyncio.run(resumed.named_weights()))
+    assert all(torch.equal(theirs[k], v) for k, v in ours.items())
+    for (name, a), (_, b) in zip(backend._trained_parameters(), resumed._trained_parameters()):
+        assert torch.equal(a, b), name  # the float32 masters, not their bfloat16 rounding

@@ -149,7 +149,11 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
             problems = lora.lora_problems(config, self.tp, self.pp, self.shape.is_moe)
             if problems:
                 raise PluginError(" ".join(problems))
-            lora.apply_lora(self.model, config, int(config.seed))
+            adapted = lora.apply_lora(self.model, config, int(config.seed))
+            if self.rank == 0:
+                log.info("megatron: LoRA rank %d, alpha %d on %s (%d layers); the base weights are frozen",
+                         int(config.lora_rank), int(config.lora_alpha),
+                         ", ".join(sorted(lora.target_linears(config))), len(adapted))
         if self._dtype() != torch.float32:
             self.masters = MasterWeights(self.model)
             saved = torch_dist_dir(config.ref_load)
@@ -157,7 +161,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
                 checkpoint.load_weights(saved, self.model, self.device, masters=self.masters)
         params = dict(self._trained_parameters())
         self._tp_sharded = {id(params[local]) for u, local in placed_units(self.shape, self.stage, self.experts)
-                            if u.split is not None}
+                            if u.split is not None and local in params}  # (LoRA: frozen weights are not trained)
         if config.use_kl_loss or config.kl_coef:
             self.ref_model = self._load_model().requires_grad_(False)
         self._start_routing_replay()
