@@ -224,3 +224,41 @@ def test_an_unknown_spec_lists_the_known_ones(tiny_model_dir):
     (error,) = [m for m in report.errors if m.startswith("--spec my.models get_spec")]
     assert "known: miles_plugins.models.glm4 get_glm_spec; miles_plugins.models.qwen3_5 get_qwen3_5_spec" in error
     assert error.endswith("for Qwen2/2.5, Qwen3, Qwen3-MoE and Llama 3 remove --spec.")
+
+
+# --- two ranks -------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_glm4_and_lora_on_two_ranks(tmp_path):
+    """Two gloo ranks: GLM-4 at TP=2 (q/k/v bias split with its heads, post-sublayer norms and partial RoPE on
+    every rank, fc1 from gate_up_proj at stride 2), plain and with --sequence-parallel (packed), gives the
+    one-process log-probs, step and weights; LoRA at DP=2 (adapter gradients summed over the data-parallel
+    ranks) gives the one-process step and merged weights."""
+    from transformers import AutoTokenizer
+
+    from furlong.builtin_plugins.backends.megatron import train_backend as megatron_backend
+
+    from .tiny_model import make_batch, run_two_ranks, train_config
+
+    hf_dir = build_tiny_glm4_model(tmp_path / "glm4", seed=5, std=0.3)
+    out = tmp_path / "out"
+    out.mkdir()
+    run_two_ranks("megatron_families_ranks.py", str(hf_dir), str(out))
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    for name, flags in (("tp", dict(adam_eps=1e-3)), ("sp", dict(adam_eps=1e-3)),
+                        ("lora_dp", dict(lora_rank=4, lora_alpha=8, lr=5e-2, adam_eps=1e-3))):
+        single = megatron_backend(config=train_config(hf_dir, **flags))
+        asyncio.run(single.init(single.config))
+        batch = make_batch(tokenizer, [[[0, 1], [2, 3]]])
+        old = asyncio.run(single.log_probs(batch))
+        metrics = asyncio.run(single.train(0, batch))[0]
+        got = torch.load(out / f"{name}.pt", weights_only=True)
+        if got["log_probs"] is not None:
+            for key in ("log_probs", "entropy"):
+                for a, b in zip(old[key], got["log_probs"][key]):
+                    torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        assert got["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5), name
+        assert got["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-5), name
+        for key, tensor in asyncio.run(single.named_weights()):
+            torch.testing.assert_close(got["weights"][key], tensor, rtol=0, atol=1e-5, msg=f"{name} {key}")
