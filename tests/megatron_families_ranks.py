@@ -4,7 +4,9 @@ Usage: ``torchrun --standalone --nproc_per_node 2 megatron_families_ranks.py HF_
 
 1. GLM-4 at TP=2, then at TP=2 with ``--sequence-parallel`` (packed): log-probs and one AdamW step on the four
    fixed samples (``tp.pt``, ``sp.pt``: log-probs, metrics and the exported HF weights, from rank 0).
-2. LoRA at TP=1 x DP=2 (each rank one half of the samples): one step (``lora_dp.pt``: metrics and the merged
+2. LoRA at TP=2, plain and with ``--sequence-parallel`` (packed): log-probs and one step (``lora_tp.pt``,
+   ``lora_sp.pt``), the first also saved as a checkpoint (``lora_ckpt``, with its peft ``adapter/``).
+3. LoRA at TP=1 x DP=2 (each rank one half of the samples): one step (``lora_dp.pt``: metrics and the merged
    HF weights, from rank 0).
 """
 
@@ -26,7 +28,7 @@ STEPS = [[[0, 1], [2, 3]]]
 LORA = dict(lora_rank=4, lora_alpha=8, lr=5e-2)
 
 
-async def step(hf_dir: str, steps, **flags) -> dict:
+async def step(hf_dir: str, steps, save: Path | None = None, **flags) -> dict:
     from transformers import AutoTokenizer
 
     backend = train_backend(config=train_config(hf_dir, adam_eps=1e-3, **flags))
@@ -36,6 +38,8 @@ async def step(hf_dir: str, steps, **flags) -> dict:
         backend._packed = lambda tokens: True
     log_probs = await backend.log_probs(batch) if flags.get("tensor_model_parallel_size") else None
     metrics = (await backend.train(0, batch))[0]
+    if save is not None:
+        await backend.save(str(save))
     return {"log_probs": log_probs, "metrics": metrics, "weights": dict(await backend.named_weights())}
 
 
@@ -48,8 +52,10 @@ async def main(hf_dir: str, out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     init_parallel(2, torch.device("cpu"))
-    for name, flags in (("tp", {}), ("sp", {"sequence_parallel": True})):
-        result = await step(hf_dir, STEPS, tensor_model_parallel_size=2, **flags)
+    for name, flags in (("tp", {}), ("sp", {"sequence_parallel": True}), ("lora_tp", LORA),
+                        ("lora_sp", {**LORA, "sequence_parallel": True})):
+        save = out / "lora_ckpt" if name == "lora_tp" else None
+        result = await step(hf_dir, STEPS, save, tensor_model_parallel_size=2, **flags)
         if rank == 0:
             torch.save(result, out / f"{name}.pt")
         dist.barrier()
@@ -59,7 +65,7 @@ async def main(hf_dir: str, out: Path) -> None:
     probe = make_batch(AutoTokenizer.from_pretrained(hf_dir), [])
     steps = plan_steps([len(t) for t in probe.tokens], global_batch_size=4, num_steps=1, dp_size=2, rank=rank,
                        micro_batch_size=1, max_tokens_per_gpu=None, dynamic=False, balance=False)
-    result = await step(hf_dir, steps, **LORA)
+    result = await step(hf_dir, steps, None, **LORA)
     if rank == 0:
         torch.save(result, out / "lora_dp.pt")
     dist.barrier()

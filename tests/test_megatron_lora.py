@@ -48,13 +48,15 @@ def test_targets_megatron_cannot_adapt_are_refused(target, exclude, message):
         target_linears(_flags(target, exclude))
 
 
-def test_configure_accepts_lora_and_refuses_it_with_tensor_parallelism(tiny_model_dir):
+def test_configure_accepts_lora_and_refuses_dropout_with_tensor_parallelism(tiny_model_dir):
     report = ConfigReport(plugin="megatron")
-    configure(args=train_args(tiny_model_dir, lora_rank=4, target_modules="q_proj,k_proj,v_proj"), report=report)
+    configure(args=train_args(tiny_model_dir, lora_rank=4, target_modules="q_proj,k_proj,v_proj",
+                              tensor_model_parallel_size=2), report=report)
     assert report.errors == []
     report = ConfigReport(plugin="megatron")
-    configure(args=train_args(tiny_model_dir, lora_rank=4, tensor_model_parallel_size=2), report=report)
-    assert any(m.startswith("--lora-rank with --tensor-model-parallel-size 2 is not supported yet") for m in
+    configure(args=train_args(tiny_model_dir, lora_rank=4, lora_dropout=0.1, tensor_model_parallel_size=2),
+              report=report)
+    assert any(m.startswith("--lora-dropout 0.1 with --tensor-model-parallel-size 2 is not supported yet") for m in
                report.errors)
 
 
@@ -113,7 +115,9 @@ def test_the_adapted_forward_equals_transformers_on_the_merged_weights(trained):
     with torch.no_grad(), cpu_shims(backend.device):
         logits = backend.model(input_ids=ids, position_ids=None, attention_mask=None)
         reference = hf(ids).logits
-    torch.testing.assert_close(logits, reference, rtol=0, atol=2e-5)
+    assert reference.abs().max() > 2.0
+    # W x + s B (A x) against (W + s B A) x: float32 rounding of the two orders
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=2e-5)
 
 
 def test_checkpoints_hold_the_adapters_and_peft_loads_them(trained, tmp_path):

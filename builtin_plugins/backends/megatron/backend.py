@@ -162,6 +162,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         params = dict(self._trained_parameters())
         self._tp_sharded = {id(params[local]) for u, local in placed_units(self.shape, self.stage, self.experts)
                             if u.split is not None and local in params}  # (LoRA: frozen weights are not trained)
+        self._tp_sharded |= {id(p) for n, p in params.items() if lora.sharded_adapter(n)}
         if config.use_kl_loss or config.kl_coef:
             self.ref_model = self._load_model().requires_grad_(False)
         self._start_routing_replay()
@@ -347,7 +348,8 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         if self.tp > 1:
             group = parallel_state.get_tensor_model_parallel_group()
             for name, p in named:
-                if summed_over_tensor_parallel(name, self._sequence_parallel()):
+                if summed_over_tensor_parallel(name, self._sequence_parallel()) or lora.summed_adapter(
+                        name, self._sequence_parallel()):
                     dist.all_reduce(p.grad, group=group)
         counted = [p for n, p in named if not self._is_embedding_copy(n)]  # a tied copy is counted once
         split = [id(p) in self._tp_sharded for p in counted]
@@ -434,9 +436,12 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
             masters=self.masters, global_step=self.global_step, rank=self.rank, world=self.world, tp=self.tp,
             pp=self.pp, cp=self.cp,
             save_optim=not self.config.no_save_optim, device=self.device)
-        if lora.enabled(self.config) and self.rank == 0:
+        if lora.enabled(self.config):
+            from megatron.core import parallel_state
+
             await self._in_thread(lora.save_adapter, self.model, self.shape, self.config,
-                                  os.path.join(path, "adapter"))
+                                  os.path.join(path, "adapter"), self.tp,
+                                  parallel_state.get_tensor_model_parallel_group(), self.rank == 0)
 
     async def load(self, path: str) -> None:
         """Restore weights, optimizer and schedule (unless ``--no-load-optim``), RNG (unless ``--no-load-rng``).

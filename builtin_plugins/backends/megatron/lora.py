@@ -34,7 +34,7 @@ from furlong.hooks import PluginError
 from .config import ModelShape
 
 __all__ = ["LINEARS", "adapter_sharded", "apply_lora", "enabled", "is_adapter_key", "lora_problems", "merged_weight",
-           "save_adapter", "target_linears"]
+           "save_adapter", "sharded_adapter", "summed_adapter", "target_linears"]
 
 LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 _HF = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
@@ -92,7 +92,7 @@ def target_linears(config: Any) -> set[str]:
 
 def lora_problems(config: Any, tp: int, pp: int, is_moe: bool = False) -> list[str]:
     """What LoRA on megatron cannot do with this run (empty without ``--lora-rank``): unknown or split targets,
-    TP or PP above 1, a mixture-of-experts model, a dropout outside ``[0, 1)``."""
+    PP above 1, dropout with TP above 1, a mixture-of-experts model, a dropout outside ``[0, 1)``."""
     if not enabled(config):
         return []
     problems = []
@@ -100,10 +100,10 @@ def lora_problems(config: Any, tp: int, pp: int, is_moe: bool = False) -> list[s
         target_linears(config)
     except PluginError as exc:
         problems.append(str(exc))
-    if tp > 1:
-        problems.append(f"--lora-rank with --tensor-model-parallel-size {tp} is not supported yet by --train-backend "
-                        "megatron (adapters on sharded linear layers); use TP 1 with data, pipeline or context "
-                        "parallelism, or --train-backend fsdp.")
+    if tp > 1 and float(config.lora_dropout or 0.0) > 0:
+        problems.append(f"--lora-dropout {config.lora_dropout} with --tensor-model-parallel-size {tp} is not supported "
+                        "yet by --train-backend megatron (each TP rank would drop different inputs of the same "
+                        "adapter); use --lora-dropout 0 or TP 1.")
     if pp > 1:
         problems.append(f"--lora-rank with --pipeline-model-parallel-size {pp} is not supported yet by "
                         "--train-backend megatron; use data or context parallelism.")
@@ -118,12 +118,40 @@ def _scaling(config: Any) -> float:
     return float(config.lora_alpha) / float(config.lora_rank)
 
 
+COLUMN_LINEARS = ("linear_qkv", "linear_fc1")  # column-parallel: their output features are split over TP
+
+
+def _is_column(name: str) -> bool:
+    return any(f".{linear}." in name or name.endswith(f".{linear}") for linear in COLUMN_LINEARS)
+
+
+def sharded_adapter(name: str) -> bool:
+    """Whether adapter parameter ``name`` is split over the TP ranks: ``B`` of a column-parallel linear (its
+    rows, as the linear's weight), ``A`` of a row-parallel one (its columns)."""
+    return (".lora_B." in name and _is_column(name)) or (".lora_A." in name and not _is_column(name))
+
+
+def summed_adapter(name: str, sequence_parallel: bool) -> bool:
+    """Whether adapter parameter ``name``'s gradient is a partial sum on each TP rank: the replicated factor
+    (``A`` of a column-parallel linear, ``B`` of a row-parallel one) under sequence parallelism, where each
+    rank's gradient covers its own chunk of the sequence."""
+    return sequence_parallel and (".lora_A." in name or ".lora_B." in name) and not sharded_adapter(name)
+
+
 def apply_lora(model, config: Any, seed: int) -> list[str]:
     """Freeze ``model`` and add adapters to its targeted linears (:func:`target_linears`); return their names.
+
+    On a column-parallel linear (``linear_qkv``, ``linear_fc1``) ``A`` is a replicated ``nn.Linear`` and ``B`` a
+    megatron-core ``ColumnParallelLinear`` split like the linear's weight; on a row-parallel one
+    (``linear_proj``, ``linear_fc2``) ``A`` is a ``RowParallelLinear`` split like the weight (its output reduced,
+    or reduce-scattered under sequence parallelism, as the linear's) and ``B`` a replicated ``nn.Linear``. So the
+    delta has the linear's own layout and megatron-core's layers carry the tensor-parallel communication.
+    Every rank draws the whole ``A`` from ``seed`` and keeps its piece: the adapters are those of one process.
 
     :param seed: seeds ``A``'s initialisation (the same adapters on every data-parallel rank).
     """
     import torch
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     targets = target_linears(config)
     rank, scaling, dropout = int(config.lora_rank), _scaling(config), float(config.lora_dropout or 0.0)
@@ -132,21 +160,52 @@ def apply_lora(model, config: Any, seed: int) -> list[str]:
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        for name, module in model.named_modules():
+        for name, module in list(model.named_modules()):
             if name.rpartition(".")[2] not in targets or ".experts." in name or not hasattr(module, "weight"):
                 continue
-            out_features, in_features = module.weight.shape
-            weight = module.weight
-            module.lora_A = torch.nn.Linear(in_features, rank, bias=False, device=weight.device, dtype=weight.dtype)
-            module.lora_B = torch.nn.Linear(rank, out_features, bias=False, device=weight.device, dtype=weight.dtype)
-            torch.nn.init.kaiming_uniform_(module.lora_A.weight, a=math.sqrt(5))
-            torch.nn.init.zeros_(module.lora_B.weight)
+            weight, linear_config = module.weight, module.config
+            tp = linear_config.tensor_model_parallel_size
+            column = _is_column(name)
+            out_features = weight.shape[0] * (tp if column else 1)
+            in_features = weight.shape[1] * (1 if column else tp)
+            whole_a = torch.empty(rank, in_features, dtype=torch.float32)
+            torch.nn.init.kaiming_uniform_(whole_a, a=math.sqrt(5))
+            options = dict(config=linear_config, init_method=torch.nn.init.zeros_, bias=False, skip_bias_add=True)
+            if column:
+                module.lora_A = torch.nn.Linear(in_features, rank, bias=False, device=weight.device,
+                                                dtype=weight.dtype)
+                module.lora_B = ColumnParallelLinear(rank, out_features, gather_output=False,
+                                                     stride=2 if name.endswith("linear_fc1") else 1, **options)
+                piece = whole_a
+            else:
+                module.lora_A = RowParallelLinear(in_features, rank, input_is_parallel=True, **options)
+                module.lora_B = torch.nn.Linear(rank, out_features, bias=False, device=weight.device,
+                                                dtype=weight.dtype)
+                piece = whole_a.chunk(tp, dim=1)[_tp_rank(module.lora_A)]
+            module.lora_A.to(weight.device)
+            module.lora_B.to(weight.device)
+            with torch.no_grad():
+                module.lora_A.weight.copy_(piece)
+                module.lora_B.weight.zero_()
+            module.lora_A.weight.requires_grad_(True)
+            module.lora_B.weight.requires_grad_(True)
             module.lora_scaling = scaling
             module.register_forward_hook(_adapter_hook(dropout))
+            _own_sharded_state(module, name.endswith("linear_fc1"))
             adapted.append(name)
     finally:
         torch.random.set_rng_state(state)
     return adapted
+
+
+def _tp_rank(layer) -> int:
+    """This rank's index in ``layer``'s tensor-parallel group (a megatron-core parallel linear)."""
+    group = getattr(layer, "tp_group", None)
+    return group.rank() if group is not None else 0
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
 
 
 def _adapter_hook(dropout: float):
@@ -159,7 +218,7 @@ def _adapter_hook(dropout: float):
         x = args[0]
         if dropout and torch.is_grad_enabled():
             x = F.dropout(x, p=dropout, training=True)
-        delta = module.lora_B(module.lora_A(x)) * module.lora_scaling
+        delta = _first(module.lora_B(_first(module.lora_A(x)))) * module.lora_scaling
         if isinstance(output, tuple):
             return (output[0] + delta, *output[1:])
         return output + delta
@@ -167,12 +226,36 @@ def _adapter_hook(dropout: float):
     return hook
 
 
+def _own_sharded_state(module, stride_two: bool) -> None:
+    """Make ``module``'s megatron-core sharded state dict describe its adapters' own TP split (the linear's
+    ``sharded_state_dict`` treats every child tensor as replicated): each megatron-core adapter layer gives its
+    entries, ``B`` of ``linear_fc1`` as the global ``[gate; up]`` like the linear's weight (so adapter checkpoints
+    load at another TP size)."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    original = module.sharded_state_dict
+
+    def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
+        out = original(prefix, sharded_offsets, metadata)
+        for child in ("lora_A", "lora_B"):
+            layer = getattr(module, child)
+            if hasattr(layer, "sharded_state_dict"):
+                own = layer.sharded_state_dict(f"{prefix}{child}.", sharded_offsets, metadata)
+                key = f"{prefix}{child}.weight"
+                if stride_two and key in own:
+                    own[key] = apply_swiglu_sharded_factory(own[key], sharded_offsets)
+                out.update(own)
+        return out
+
+    module.sharded_state_dict = sharded_state_dict
+
+
 def merged_weight(module):
     """``W + scaling B A`` of an adapted linear, computed in float32, in ``W``'s dtype (``[out, in]``); ``W``
     itself (detached) for a linear without adapters."""
     weight = module.weight.detach()
     if not hasattr(module, "lora_A"):
-        return weight
+        return weight  # (a column-parallel linear's B and a row-parallel one's A are this rank's pieces, as W)
     delta = (module.lora_B.weight.detach().float() @ module.lora_A.weight.detach().float()) * module.lora_scaling
     return (weight.float() + delta).to(weight.dtype)
 
@@ -186,17 +269,19 @@ def adapter_sharded(sharded: dict) -> dict:
     return {k: v for k, v in sharded.items() if is_adapter_key(k)}
 
 
-def save_adapter(model, shape: ModelShape, config: Any, path: str) -> None:
+def save_adapter(model, shape: ModelShape, config: Any, path: str, tp: int = 1, group=None,
+                 write: bool = True) -> None:
     """Write ``model``'s adapters in peft's format into ``path`` (``adapter_model.safetensors``,
     ``adapter_config.json``; base model ``--hf-checkpoint``) under the Hugging Face module names.
 
     A fused layer's adapter becomes one adapter per projection with the same ``A`` and that projection's rows of
     ``B`` (``B``'s rows are unpacked like the fused weight's: :func:`~.convert.unpack`), which gives each
-    projection the same delta.
+    projection the same delta. With TP > 1 every rank of the TP ``group`` calls it (the split factors are
+    all-gathered); only ``write`` ranks write.
     """
     from safetensors.torch import save_file
 
-    from .convert import Unit, unpack
+    from .convert import COLUMN, FC1, ROW, Unit, gather_full, unpack
 
     tensors, modules = {}, set()
     hf_of = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
@@ -209,13 +294,20 @@ def save_adapter(model, shape: ModelShape, config: Any, path: str) -> None:
         parts = name.split(".")  # decoder.layers.<i>.<self_attention|mlp>.<linear>
         layer, block, linear = int(parts[2]), parts[3], parts[4]
         hf_block = "self_attn" if block == "self_attention" else "mlp"
-        a = module.lora_A.weight.detach().cpu().contiguous()
-        bs = unpack(Unit(name, hf_of[linear], kind.get(linear, "copy")), module.lora_B.weight.detach().cpu(), shape)
-        for hf_name, b in zip(hf_of[linear], bs):
+        column = linear in COLUMN_LINEARS
+        a = gather_full(module.lora_A.weight, None if column else ROW, tp, group)
+        b = gather_full(module.lora_B.weight, (FC1 if linear == "linear_fc1" else COLUMN) if column else None, tp,
+                        group)
+        if not write:
+            continue
+        bs = unpack(Unit(name, hf_of[linear], kind.get(linear, "copy")), b.cpu(), shape)
+        for hf_name, piece in zip(hf_of[linear], bs):
             prefix = f"base_model.model.model.layers.{layer}.{hf_block}.{hf_name}"
-            tensors[f"{prefix}.lora_A.weight"] = a.clone()
-            tensors[f"{prefix}.lora_B.weight"] = b.contiguous().clone()
+            tensors[f"{prefix}.lora_A.weight"] = a.cpu().contiguous().clone()
+            tensors[f"{prefix}.lora_B.weight"] = piece.contiguous().clone()
             modules.add(hf_name)
+    if not write:
+        return
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(config.lora_rank),
