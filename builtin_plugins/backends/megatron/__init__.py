@@ -56,7 +56,7 @@ _REFUSED = (
 _MTP = ("--mtp-num-layers", "--enable-mtp-training", "--mtp-loss-scaling-factor")
 _MTP_REASON = ("multi-token prediction is not supported yet by --train-backend megatron: it needs MTP layers in the "
                "--hf-checkpoint (DeepSeek-V3's num_nextn_predict_layers, a family this backend does not build yet); "
-               "Qwen3, Qwen3-MoE, Qwen2 and Llama checkpoints ship none. Remove {given}.")
+               "Qwen3, Qwen3-MoE, Qwen2, Llama and GLM-4 checkpoints ship none. Remove {given}.")
 
 # What the core must not report for this backend: the flags it reads, and those its configure
 # refuses itself with a "not supported yet" naming the value. The model comes from the
