@@ -234,9 +234,9 @@ def test_glm4_and_lora_on_two_ranks(tmp_path):
     """Two gloo ranks: GLM-4 at TP=2 (q/k/v bias split with its heads, post-sublayer norms and partial RoPE on
     every rank, fc1 from gate_up_proj at stride 2), plain and with --sequence-parallel (packed), gives the
     one-process log-probs, step and weights; so does LoRA at TP=2 (adapters split like their linears), plain
-    and with sequence parallelism (the replicated factors' gradients summed over the TP ranks), and at DP=2
-    (adapter gradients summed over the data-parallel ranks); the TP=2 adapter checkpoint loads at TP=1 with
-    the same merged weights and its peft adapter merges to them."""
+    and with sequence parallelism (the replicated factors' gradients summed over the TP ranks), at DP=2
+    (adapter gradients summed over the data-parallel ranks) and at PP=2; the TP=2 and PP=2 adapter checkpoints
+    load in one process with the same merged weights and their peft adapters merge to them."""
     from transformers import AutoTokenizer
 
     from furlong.builtin_plugins.backends.megatron import train_backend as megatron_backend
@@ -251,7 +251,7 @@ def test_glm4_and_lora_on_two_ranks(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     lora = dict(lora_rank=4, lora_alpha=8, lr=5e-2, adam_eps=1e-3)
     for name, flags in (("tp", dict(adam_eps=1e-3)), ("sp", dict(adam_eps=1e-3)), ("lora_tp", lora),
-                        ("lora_sp", lora), ("lora_dp", lora)):
+                        ("lora_sp", lora), ("lora_dp", lora), ("lora_pp", lora)):
         single = megatron_backend(config=train_config(hf_dir, **flags))
         asyncio.run(single.init(single.config))
         batch = make_batch(tokenizer, [[[0, 1], [2, 3]]])
@@ -267,16 +267,17 @@ def test_glm4_and_lora_on_two_ranks(tmp_path):
         weights = dict(asyncio.run(single.named_weights()))
         for key, tensor in weights.items():
             torch.testing.assert_close(got["weights"][key], tensor, rtol=0, atol=1e-5, msg=f"{name} {key}")
-        if name == "lora_tp":
+        if name in ("lora_tp", "lora_pp"):
             from peft import PeftModel
 
             assert max(float((got["weights"][k] - v).abs().max()) for k, v in base.items()) > 1e-3
+            ckpt = out / ("lora_ckpt" if name == "lora_tp" else "lora_pp_ckpt")
             resumed = megatron_backend(config=train_config(hf_dir, **lora, seed=9))
             asyncio.run(resumed.init(resumed.config))
-            asyncio.run(resumed.load(str(out / "lora_ckpt")))
+            asyncio.run(resumed.load(str(ckpt)))
             for key, tensor in asyncio.run(resumed.named_weights()):
                 torch.testing.assert_close(tensor, got["weights"][key], rtol=0, atol=1e-6, msg=f"resumed {key}")
             merged = PeftModel.from_pretrained(Glm4ForCausalLM.from_pretrained(hf_dir),
-                                               str(out / "lora_ckpt" / "adapter")).merge_and_unload().state_dict()
+                                               str(ckpt / "adapter")).merge_and_unload().state_dict()
             for key, tensor in got["weights"].items():
                 torch.testing.assert_close(merged[key], tensor, rtol=0, atol=1e-6, msg=f"peft {key}")

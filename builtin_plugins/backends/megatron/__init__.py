@@ -100,8 +100,7 @@ def configure(args, report):
     _check_spec(args, report)
     from .lora import lora_problems
 
-    for problem in lora_problems(args, int(args.tensor_model_parallel_size or 1),
-                                 int(args.pipeline_model_parallel_size or 1)):
+    for problem in lora_problems(args, int(args.tensor_model_parallel_size or 1)):
         report.error(problem)
     for dest in ("attention_dropout", "hidden_dropout"):
         value = getattr(args, dest, None)

@@ -146,10 +146,10 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         self.model = self._load_model()
         untrained_padding_lookups(self.model, self.shape.padding_idx)
         if lora.enabled(config):
-            problems = lora.lora_problems(config, self.tp, self.pp, self.shape.is_moe)
+            problems = lora.lora_problems(config, self.tp, self.shape.is_moe)
             if problems:
                 raise PluginError(" ".join(problems))
-            adapted = lora.apply_lora(self.model, config, int(config.seed))
+            adapted = lora.apply_lora(self.model, config, int(config.seed), self.stage.offset(self.shape.num_layers))
             if self.rank == 0:
                 log.info("megatron: LoRA rank %d, alpha %d on %s (%d layers); the base weights are frozen",
                          int(config.lora_rank), int(config.lora_alpha),
@@ -441,7 +441,9 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
 
             await self._in_thread(lora.save_adapter, self.model, self.shape, self.config,
                                   os.path.join(path, "adapter"), self.tp,
-                                  parallel_state.get_tensor_model_parallel_group(), self.rank == 0)
+                                  parallel_state.get_tensor_model_parallel_group(), self.rank == 0,
+                                  self.stage.offset(self.shape.num_layers),
+                                  parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None)
 
     async def load(self, path: str) -> None:
         """Restore weights, optimizer and schedule (unless ``--no-load-optim``), RNG (unless ``--no-load-rng``).

@@ -91,9 +91,9 @@ def target_linears(config: Any) -> set[str]:
     return left
 
 
-def lora_problems(config: Any, tp: int, pp: int, is_moe: bool = False) -> list[str]:
+def lora_problems(config: Any, tp: int, is_moe: bool = False) -> list[str]:
     """What LoRA on megatron cannot do with this run (empty without ``--lora-rank``): unknown or split targets,
-    PP above 1, dropout with TP above 1, a mixture-of-experts model, a dropout outside ``[0, 1)``."""
+    dropout with TP above 1, a mixture-of-experts model, a dropout outside ``[0, 1)``."""
     if not enabled(config):
         return []
     problems = []
@@ -105,9 +105,6 @@ def lora_problems(config: Any, tp: int, pp: int, is_moe: bool = False) -> list[s
         problems.append(f"--lora-dropout {config.lora_dropout} with --tensor-model-parallel-size {tp} is not supported "
                         "yet by --train-backend megatron (each TP rank would drop different inputs of the same "
                         "adapter); use --lora-dropout 0 or TP 1.")
-    if pp > 1:
-        problems.append(f"--lora-rank with --pipeline-model-parallel-size {pp} is not supported yet by "
-                        "--train-backend megatron; use data or context parallelism.")
     if is_moe:
         problems.append("--lora-rank on a mixture-of-experts model is not supported yet by --train-backend megatron.")
     if float(config.lora_dropout or 0.0) < 0 or float(config.lora_dropout or 0.0) >= 1:
@@ -139,7 +136,7 @@ def summed_adapter(name: str, sequence_parallel: bool) -> bool:
     return sequence_parallel and (".lora_A." in name or ".lora_B." in name) and not sharded_adapter(name)
 
 
-def apply_lora(model, config: Any, seed: int) -> list[str]:
+def apply_lora(model, config: Any, seed: int, layer_offset: int = 0) -> list[str]:
     """Freeze ``model`` and add adapters to its targeted linears (:func:`target_linears`); return their names.
 
     On a column-parallel linear (``linear_qkv``, ``linear_fc1``) ``A`` is a replicated ``nn.Linear`` and ``B`` a
@@ -147,9 +144,11 @@ def apply_lora(model, config: Any, seed: int) -> list[str]:
     (``linear_proj``, ``linear_fc2``) ``A`` is a ``RowParallelLinear`` split like the weight (its output reduced,
     or reduce-scattered under sequence parallelism, as the linear's) and ``B`` a replicated ``nn.Linear``. So the
     delta has the linear's own layout and megatron-core's layers carry the tensor-parallel communication.
-    Every rank draws the whole ``A`` from ``seed`` and keeps its piece: the adapters are those of one process.
+    Every rank draws the whole ``A`` of each adapter from a generator seeded by ``seed``, the layer's global
+    index and the linear, and keeps its piece: the adapters are those of one process at any TP or PP size.
 
     :param seed: seeds ``A``'s initialisation (the same adapters on every data-parallel rank).
+    :param layer_offset: the global index of ``model``'s first decoder layer (its pipeline stage's).
     """
     import torch
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -158,44 +157,42 @@ def apply_lora(model, config: Any, seed: int) -> list[str]:
     rank, scaling, dropout = int(config.lora_rank), _scaling(config), float(config.lora_dropout or 0.0)
     model.requires_grad_(False)
     adapted = []
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        for name, module in list(model.named_modules()):
-            if name.rpartition(".")[2] not in targets or ".experts." in name or not hasattr(module, "weight"):
-                continue
-            weight, linear_config = module.weight, module.config
-            tp = linear_config.tensor_model_parallel_size
-            column = _is_column(name)
-            out_features = weight.shape[0] * (tp if column else 1)
-            in_features = weight.shape[1] * (1 if column else tp)
-            whole_a = torch.empty(rank, in_features, dtype=torch.float32)
-            torch.nn.init.kaiming_uniform_(whole_a, a=math.sqrt(5))
-            options = dict(config=linear_config, init_method=torch.nn.init.zeros_, bias=False, skip_bias_add=True)
-            if column:
-                module.lora_A = torch.nn.Linear(in_features, rank, bias=False, device=weight.device,
-                                                dtype=weight.dtype)
-                module.lora_B = ColumnParallelLinear(rank, out_features, gather_output=False,
-                                                     stride=2 if name.endswith("linear_fc1") else 1, **options)
-                piece = whole_a
-            else:
-                module.lora_A = RowParallelLinear(in_features, rank, input_is_parallel=True, **options)
-                module.lora_B = torch.nn.Linear(rank, out_features, bias=False, device=weight.device,
-                                                dtype=weight.dtype)
-                piece = whole_a.chunk(tp, dim=1)[_tp_rank(module.lora_A)]
-            module.lora_A.to(weight.device)
-            module.lora_B.to(weight.device)
-            with torch.no_grad():
-                module.lora_A.weight.copy_(piece)
-                module.lora_B.weight.zero_()
-            module.lora_A.weight.requires_grad_(True)
-            module.lora_B.weight.requires_grad_(True)
-            module.lora_scaling = scaling
-            module.register_forward_hook(_adapter_hook(dropout))
-            _own_sharded_state(module, name.endswith("linear_fc1"))
-            adapted.append(name)
-    finally:
-        torch.random.set_rng_state(state)
+    for name, module in list(model.named_modules()):
+        if name.rpartition(".")[2] not in targets or ".experts." in name or not hasattr(module, "weight"):
+            continue
+        weight, linear_config = module.weight, module.config
+        tp = linear_config.tensor_model_parallel_size
+        column = _is_column(name)
+        out_features = weight.shape[0] * (tp if column else 1)
+        in_features = weight.shape[1] * (1 if column else tp)
+        layer = int(name.split(".")[2]) + layer_offset  # decoder.layers.<i>.<block>.<linear>
+        draw = torch.Generator().manual_seed(seed * 1_000_003 + layer * len(LINEARS) +
+                                             LINEARS.index(name.rpartition(".")[2]))
+        whole_a = torch.empty(rank, in_features, dtype=torch.float32)
+        torch.nn.init.kaiming_uniform_(whole_a, a=math.sqrt(5), generator=draw)
+        options = dict(config=linear_config, init_method=torch.nn.init.zeros_, bias=False, skip_bias_add=True)
+        if column:
+            module.lora_A = torch.nn.Linear(in_features, rank, bias=False, device=weight.device,
+                                            dtype=weight.dtype)
+            module.lora_B = ColumnParallelLinear(rank, out_features, gather_output=False,
+                                                 stride=2 if name.endswith("linear_fc1") else 1, **options)
+            piece = whole_a
+        else:
+            module.lora_A = RowParallelLinear(in_features, rank, input_is_parallel=True, **options)
+            module.lora_B = torch.nn.Linear(rank, out_features, bias=False, device=weight.device,
+                                            dtype=weight.dtype)
+            piece = whole_a.chunk(tp, dim=1)[_tp_rank(module.lora_A)]
+        module.lora_A.to(weight.device)
+        module.lora_B.to(weight.device)
+        with torch.no_grad():
+            module.lora_A.weight.copy_(piece)
+            module.lora_B.weight.zero_()
+        module.lora_A.weight.requires_grad_(True)
+        module.lora_B.weight.requires_grad_(True)
+        module.lora_scaling = scaling
+        module.register_forward_hook(_adapter_hook(dropout))
+        _own_sharded_state(module, name.endswith("linear_fc1"))
+        adapted.append(name)
     return adapted
 
 
@@ -271,15 +268,18 @@ def adapter_sharded(sharded: dict) -> dict:
 
 
 def save_adapter(model, shape: ModelShape, config: Any, path: str, tp: int = 1, group=None,
-                 write: bool = True) -> None:
+                 write: bool = True, layer_offset: int = 0, pp_group=None) -> None:
     """Write ``model``'s adapters in peft's format into ``path`` (``adapter_model.safetensors``,
     ``adapter_config.json``; base model ``--hf-checkpoint``) under the Hugging Face module names.
 
     A fused layer's adapter becomes one adapter per projection with the same ``A`` and that projection's rows of
     ``B`` (``B``'s rows are unpacked like the fused weight's: :func:`~.convert.unpack`), which gives each
     projection the same delta. With TP > 1 every rank of the TP ``group`` calls it (the split factors are
-    all-gathered); only ``write`` ranks write.
+    all-gathered); with pipeline stages every stage does (``layer_offset``: its first layer's global index), and
+    the stages' adapters are gathered over ``pp_group``; only ``write`` ranks write.
     """
+    import torch.distributed as dist
+
     from safetensors.torch import save_file
 
     from .convert import COLUMN, FC1, ROW, Unit, gather_full, unpack
@@ -293,20 +293,23 @@ def save_adapter(model, shape: ModelShape, config: Any, path: str, tp: int = 1, 
         if not hasattr(module, "lora_A"):
             continue
         parts = name.split(".")  # decoder.layers.<i>.<self_attention|mlp>.<linear>
-        layer, block, linear = int(parts[2]), parts[3], parts[4]
+        layer, block, linear = int(parts[2]) + layer_offset, parts[3], parts[4]
         hf_block = "self_attn" if block == "self_attention" else "mlp"
         column = linear in COLUMN_LINEARS
         a = gather_full(module.lora_A.weight, None if column else ROW, tp, group)
         b = gather_full(module.lora_B.weight, (FC1 if linear == "linear_fc1" else COLUMN) if column else None, tp,
                         group)
-        if not write:
-            continue
         bs = unpack(Unit(name, hf_of[linear], kind.get(linear, "copy")), b.cpu(), shape)
         for hf_name, piece in zip(hf_of[linear], bs):
             prefix = f"base_model.model.model.layers.{layer}.{hf_block}.{hf_name}"
             tensors[f"{prefix}.lora_A.weight"] = a.cpu().contiguous().clone()
             tensors[f"{prefix}.lora_B.weight"] = piece.contiguous().clone()
             modules.add(hf_name)
+    if pp_group is not None:
+        stages: list = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(stages, (tensors, modules), group=pp_group)
+        tensors = {k: v for part, _ in stages for k, v in part.items()}
+        modules = set().union(*(names for _, names in stages))
     if not write:
         return
     os.makedirs(path, exist_ok=True)
