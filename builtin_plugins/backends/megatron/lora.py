@@ -12,7 +12,7 @@ projections they fuse (``q_proj``, ``k_proj``, ``v_proj`` -> ``linear_qkv``; ``o
 ``gate_proj``, ``up_proj`` (GLM-4: ``gate_up_proj``) -> ``linear_fc1``; ``down_proj`` -> ``linear_fc2``), or
 ``all-linear`` (the default: all four). One adapter covers a fused layer, so the projections it fuses are
 targeted or excluded together. Under tensor parallelism each adapter is split like its linear
-(:func:`apply_lora`).
+(:func:`apply_lora`); pipeline stages hold their layers' adapters.
 
 The engines get merged weights ``W + (alpha / r) B A`` under the Hugging Face names (the fused merged
 weight goes through the usual conversion, :func:`~.convert.export_hf`). Adapter checkpoints: the
