@@ -10,6 +10,7 @@ Usage: ``torchrun --standalone --nproc_per_node 2 megatron_families_ranks.py HF_
    HF weights, from rank 0).
 4. LoRA at PP=2 (a layer per stage): log-probs and one step (``lora_pp.pt``, from the last stage) and a
    checkpoint (``lora_pp_ckpt``, its peft ``adapter/`` gathered over the stages).
+5. LoRA at CP=2: log-probs and one step (``lora_cp.pt``).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ async def step(hf_dir: str, steps, save: Path | None = None, **flags) -> dict:
     batch = make_batch(AutoTokenizer.from_pretrained(hf_dir), steps)
     if flags.get("sequence_parallel"):
         backend._packed = lambda tokens: True
-    log_probs = await backend.log_probs(batch) if (flags.get("tensor_model_parallel_size")
-                                                  or flags.get("pipeline_model_parallel_size")) else None
+    log_probs = await backend.log_probs(batch) if any(
+        flags.get(f"{kind}_model_parallel_size") for kind in ("tensor", "pipeline")) or flags.get(
+        "context_parallel_size") else None
     metrics = (await backend.train(0, batch))[0]
     if save is not None:
         await backend.save(str(save))
@@ -76,6 +78,11 @@ async def main(hf_dir: str, out: Path) -> None:
     result = await step(hf_dir, STEPS, out / "lora_pp_ckpt", pipeline_model_parallel_size=2, **LORA)
     if rank == 1:  # the last stage: its log-probs
         torch.save(result, out / "lora_pp.pt")
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    result = await step(hf_dir, STEPS, None, context_parallel_size=2, **LORA)
+    if rank == 0:
+        torch.save(result, out / "lora_cp.pt")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -235,7 +235,7 @@ def test_glm4_and_lora_on_two_ranks(tmp_path):
     every rank, fc1 from gate_up_proj at stride 2), plain and with --sequence-parallel (packed), gives the
     one-process log-probs, step and weights; so does LoRA at TP=2 (adapters split like their linears), plain
     and with sequence parallelism (the replicated factors' gradients summed over the TP ranks), at DP=2
-    (adapter gradients summed over the data-parallel ranks) and at PP=2; the TP=2 and PP=2 adapter checkpoints
+    (adapter gradients summed over the data-parallel ranks), at PP=2 and at CP=2; the TP=2 and PP=2 adapter checkpoints
     load in one process with the same merged weights and their peft adapters merge to them."""
     from transformers import AutoTokenizer
 
@@ -251,7 +251,7 @@ def test_glm4_and_lora_on_two_ranks(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     lora = dict(lora_rank=4, lora_alpha=8, lr=5e-2, adam_eps=1e-3)
     for name, flags in (("tp", dict(adam_eps=1e-3)), ("sp", dict(adam_eps=1e-3)), ("lora_tp", lora),
-                        ("lora_sp", lora), ("lora_dp", lora), ("lora_pp", lora)):
+                        ("lora_sp", lora), ("lora_dp", lora), ("lora_pp", lora), ("lora_cp", lora)):
         single = megatron_backend(config=train_config(hf_dir, **flags))
         asyncio.run(single.init(single.config))
         batch = make_batch(tokenizer, [[[0, 1], [2, 3]]])
