@@ -166,3 +166,22 @@ def test_bf16_keeps_float32_masters_of_the_adapters_only_and_resumes_them(tmp_pa
     assert all(torch.equal(theirs[k], v) for k, v in ours.items())
     for (name, a), (_, b) in zip(backend._trained_parameters(), resumed._trained_parameters()):
         assert torch.equal(a, b), name  # the float32 masters, not their bfloat16 rounding
+
+
+def test_lora_dropout_drops_adapter_inputs_in_training_passes_only(tmp_path):
+    """With --lora-dropout the log-prob pass is deterministic and the training forward is not, so pi_old does not
+    come from the training forward."""
+    hf_dir = build_tiny_glm4_model(tmp_path / "glm4")
+    backend = megatron_backend(config=train_config(hf_dir, **LORA, lora_dropout=0.5))
+    asyncio.run(backend.init(backend.config))
+    assert backend.train_forward_gives_old_log_probs() is False
+    with torch.no_grad():
+        for name, param in backend.model.named_parameters():
+            if name.endswith("lora_B.weight"):
+                param.normal_(0.0, 0.5)  # a non-zero delta, so dropping its input shows
+    layer = backend.model.decoder.layers[0].self_attention.linear_qkv
+    x = torch.randn(5, 1, 32)
+    with torch.no_grad():
+        assert torch.equal(layer(x)[0], layer(x)[0])
+    with torch.enable_grad():
+        assert not torch.equal(layer(x)[0], layer(x)[0])
