@@ -14,8 +14,8 @@ reward plugin ``--rm-type`` names (Miles' ``async_rm`` dispatches on it).
 
 from __future__ import annotations
 
-__all__ = ["CORE_DOES_IT", "MILES_BUILTINS", "MILES_FLAG_CHOICES", "MILES_PACKAGES", "RM_TYPE", "miles_builtin",
-           "unmapped_miles_path"]
+__all__ = ["CORE_DOES_IT", "MILES_BUILTINS", "MILES_FLAG_CHOICES", "MILES_FUNCTION_FLAGS", "MILES_PACKAGES", "RM_TYPE",
+           "miles_builtin", "unmapped_miles_path"]
 
 RM_TYPE = "<--rm-type>"
 CORE_DOES_IT = "<core>"
@@ -52,6 +52,16 @@ MILES_BUILTINS: dict[str, tuple[str, str]] = {
     # generate functions
     "miles.rollout.sglang_rollout.generate": ("generate", "single_turn"),
     "miles.rollout.generate_hub.single_turn.generate": ("generate", "single_turn"),
+    "miles.rollout.generate_hub.multi_turn.generate": ("generate", "multi_turn"),
+}
+
+# flags Miles' own functions add to its parser (``generate.add_arguments``) -> (hook, the built-in that reads them):
+# in Miles they exist only when that function is chosen, so given with another plugin they would do nothing
+MILES_FUNCTION_FLAGS: dict[str, tuple[str, str]] = {
+    "--generate-max-turns": ("generate", "multi_turn"),
+    "--generate-tool-specs-path": ("generate", "multi_turn"),
+    "--generate-tool-call-parser": ("generate", "multi_turn"),
+    "--generate-execute-tool-function-path": ("generate", "multi_turn"),
 }
 
 
