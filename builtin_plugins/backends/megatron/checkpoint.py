@@ -15,7 +15,8 @@ and the moments are those of the masters), ``scheduler`` (``OptimizerParamSchedu
 ``global_step`` and ``rng`` (one object per rank). A checkpoint saved at one TP or PP size
 loads at another: weights and moments are resharded (megatron-core keys layers by their
 global index; a tied model's last-stage output layer is saved as a replica of the
-embedding); RNG states are restored only when the world size is unchanged.
+embedding); RNG states are restored only when the world size is unchanged. With LoRA (:mod:`.lora`)
+``model`` holds the adapters only and the moments are theirs, and ``adapter/`` holds them in peft's format.
 """
 
 from __future__ import annotations
@@ -107,8 +108,14 @@ def _optimizer_sharded(optimizer, model_sharded: dict) -> dict:
 
 
 def _model_sharded(model, masters) -> dict:
-    """The model's sharded state dict; with :class:`~.master.MasterWeights`, holding the float32 masters."""
+    """The model's sharded state dict; with :class:`~.master.MasterWeights`, holding the float32 masters. A model
+    with LoRA adapters (:mod:`.lora`) gives its adapters only (the frozen base is ``--hf-checkpoint``)."""
+    from .lora import adapter_sharded
+
     sharded = model.sharded_state_dict()
+    adapters = adapter_sharded(sharded)
+    if adapters:
+        sharded = adapters
     return masters.sharded_state_dict(sharded) if masters is not None else sharded
 
 
