@@ -248,3 +248,11 @@ def test_keep_old_actor_gives_train_async_the_weights_the_engines_generated_with
     assert all(r[diff] < 1e-5 for r in kept), [r[diff] for r in kept]
     assert max(r[diff] for r in plain[1:]) > 1e-3  # without it pi_old is the trainer's newer weights'
     assert kept[0]["rollout/log_probs"] == pytest.approx(plain[0]["rollout/log_probs"], rel=1e-6)  # both initial
+
+
+def test_custom_tis_function_runs_under_train_async_where_tis_is_on_by_default():
+    from furlong.core.config import parse_args
+
+    args = parse_args(["--hf-checkpoint", str(DEMO / "model"), "--num-rollout", "1", "--rollout-batch-size", "4",
+                       "--custom-tis-function-path", "miles_user_functions.vanilla_tis"], command="train-async")
+    assert args.use_tis is True and args.custom_tis_function_path == "miles_user_functions.vanilla_tis"

@@ -91,9 +91,6 @@ def importance_sampling(args, f) -> None:
                 "policy the importance ratio is always 1.")
     if args.get_mismatch_metrics and not args.custom_tis_function_path:
         f.error("--get-mismatch-metrics needs --custom-tis-function-path.")
-    if args.custom_tis_function_path and not (args.use_tis or args.get_mismatch_metrics):
-        f.error(f"--custom-tis-function-path {args.custom_tis_function_path} is called only under --use-tis or "
-                "--get-mismatch-metrics; add one of them or drop it.")
     if args.use_opd:
         if args.opd_type is None:
             f.error("--use-opd needs --opd-type sglang (a served teacher at --rm-url or --opd-teacher-urls).")
@@ -108,6 +105,13 @@ def importance_sampling(args, f) -> None:
         name, eq, url = item.partition("=")
         if not (name and eq and url):
             f.error(f"--opd-teacher-urls takes NAME=URL items, got {item!r}.")
+
+
+def custom_tis(args, f) -> None:
+    """``--custom-tis-function-path`` runs where TIS does (after train-async turned --use-tis on by default)."""
+    if args.custom_tis_function_path and not (args.use_tis or args.get_mismatch_metrics):
+        f.error(f"--custom-tis-function-path {args.custom_tis_function_path} is called only under --use-tis or "
+                "--get-mismatch-metrics; add one of them or drop it.")
 
 
 def saving(args, f, given: set[str]) -> None:

@@ -66,6 +66,7 @@ def validate(args, command: str | None = None) -> ConfigReport:
     rules.saving(args, f, given)
     rules.evaluation(args, f)
     rules.async_and_agents(args, f, given, command)
+    rules.custom_tis(args, f)
     rules.lengths(args, f, given)
     rules.performance(args, f, given)
     rules.sglang(args, f)
