@@ -183,9 +183,9 @@ class _PathFunction(MilesStyle):
         super().__init__(fn)
         self.path, self.flag = path, flag
 
-    async def _run(self, *fn_args) -> Any:
+    async def _run(self, *fn_args, **fn_kwargs) -> Any:
         try:
-            return await _resolve(self.fn(*fn_args))
+            return await _resolve(self.fn(*fn_args, **fn_kwargs))
         except PluginError:
             raise
         except Exception as exc:  # noqa: BLE001 - name the function at fault
@@ -240,6 +240,14 @@ class _EvalRolloutLogAdapter(_PathFunction):
         return bool(await self._run(rollout_id, args, data, extra))
 
 
+class _EvalFunctionAdapter(_PathFunction):
+    @hookimpl
+    async def eval_function(self, args, rollout_id, context):
+        if _accepts(self.fn, "evaluation"):
+            return await self._run(args, rollout_id, context, evaluation=True)
+        return await self._run(args, rollout_id, context)
+
+
 PATH_ADAPTERS: dict[str, type] = {
     "rollout_sample_filter": _SampleFilterAdapter,
     "rollout_all_samples_process": _AllSamplesProcessAdapter,
@@ -247,6 +255,7 @@ PATH_ADAPTERS: dict[str, type] = {
     "post_save": _PostSaveAdapter,
     "rollout_log": _RolloutLogAdapter,
     "eval_rollout_log": _EvalRolloutLogAdapter,
+    "eval_function": _EvalFunctionAdapter,
 }
 
 

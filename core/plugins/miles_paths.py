@@ -14,7 +14,7 @@ reward plugin ``--rm-type`` names (Miles' ``async_rm`` dispatches on it).
 
 from __future__ import annotations
 
-__all__ = ["CORE_DOES_IT", "MILES_BUILTINS", "MILES_FLAG_CHOICES", "RM_TYPE", "miles_builtin"]
+__all__ = ["CORE_DOES_IT", "MILES_BUILTINS", "MILES_EVAL_FUNCTIONS", "MILES_FLAG_CHOICES", "RM_TYPE", "miles_builtin"]
 
 RM_TYPE = "<--rm-type>"
 CORE_DOES_IT = "<core>"
@@ -54,11 +54,22 @@ MILES_BUILTINS: dict[str, tuple[str, str]] = {
 }
 
 
+# Miles' rollout functions given as --eval-function-path: each evaluates the eval sets the way furlong's
+# built-in evaluation does (FullyAsyncRolloutFn serves eval on the rollout engines), so the core does it
+MILES_EVAL_FUNCTIONS: frozenset[str] = frozenset({
+    "miles.rollout.sglang_rollout.generate_rollout",
+    "miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn",
+    "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn",
+})
+
+
 def miles_builtin(path: str, hook: str, rm_type: str | None = None) -> str | None:
     """The built-in plugin standing for Miles' ``path`` on ``hook``, or None (a path of the user's own).
 
     :param rm_type: ``--rm-type``, for the paths that dispatch on it (None: no plugin).
     """
+    if hook == "eval_function":
+        return CORE_DOES_IT if path in MILES_EVAL_FUNCTIONS else None
     entry = MILES_BUILTINS.get(path)
     if entry is None or entry[0] != hook:
         return None
