@@ -143,9 +143,6 @@ FLEET_FLAGS = (("eval_hf_dir", "--eval-hf-dir"), ("eval_max_in_flight", "--eval-
                ("eval_num_gpus_per_engine", "--eval-num-gpus-per-engine"))
 
 
-OVERFLOW_POLICIES = ("backpressure", "skip")  # Miles' choices
-
-
 def eval_fleet(args, f) -> None:
     """The dedicated eval fleet (``--eval-num-gpus``, core/run/eval_fleet.py): sizes, a snapshot source, an eval
     interval; its other flags given without it do nothing (a warning)."""
@@ -158,9 +155,6 @@ def eval_fleet(args, f) -> None:
         f.error(f"--eval-max-in-flight must be at least 1 (evaluations pending at once), got {args.eval_max_in_flight}.")
     if args.eval_keep_snapshots < 0:
         f.error(f"--eval-keep-snapshots must be 0 or more, got {args.eval_keep_snapshots}.")
-    if args.eval_overflow_policy not in OVERFLOW_POLICIES:
-        f.error(f"--eval-overflow-policy {args.eval_overflow_policy!r}: choose backpressure (wait for the oldest "
-                "pending evaluation) or skip (drop the new eval point, logged as eval/skipped_busy).")
     if args.eval_num_gpus <= 0:
         shown = [flag for dest, flag in FLEET_FLAGS if dest in given]
         if shown:
