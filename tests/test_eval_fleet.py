@@ -95,20 +95,58 @@ def eval_functions(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("cpu_machine", "one_torch_thread", "eval_functions")
-def test_a_custom_eval_function_is_called_miles_style_and_its_result_logged(tmp_path, demo_eval_set):
+@pytest.mark.parametrize("where", ["inline", "fleet"])
+def test_a_custom_eval_function_is_called_miles_style_and_its_result_logged(tmp_path, demo_eval_set, where):
+    snap = tmp_path / "snap"
+    fleet = ["--eval-num-gpus", "1", "--eval-hf-dir", str(snap)] if where == "fleet" else []
     rows = _run(tmp_path / "out", demo_eval_set, "--eval-function-path", "my_eval.evaluate",
-                "--skip-eval-before-train", "--eval-num-gpus", "1", "--eval-hf-dir", str(tmp_path / "snap"))
+                "--skip-eval-before-train", *fleet)
     import my_eval
 
-    snap = str(tmp_path / "snap")
-    assert my_eval.CALLS == [(0, True, ["t"], 2, os.path.join(snap, "step_0")),
-                             (1, True, ["t"], 2, os.path.join(snap, "step_1"))]
+    hf_dirs = [os.path.join(snap, f"step_{r}") if fleet else None for r in (0, 1)]
+    assert my_eval.CALLS == [(0, True, ["t"], 2, hf_dirs[0]), (1, True, ["t"], 2, hf_dirs[1])]
     evals = _evals(rows)
     assert [r["eval/step"] for r in evals] == [0, 1]
     for r in evals:  # 8 samples, rewards 0 1 0 1 ...: the mean is 0.5
         assert r["eval/t"] == 0.5 and r["eval/t-none_reward_ratio"] == 0.0
         assert r["eval/my_metric"] == 10.0 + r["eval/step"]
         assert "eval/t/response_len/mean" in r and "eval/t-truncated_ratio" in r
+
+
+def test_eval_function_results_are_read_in_miles_forms_and_checked():
+    from furlong.core.rollout.eval_function import read_result
+
+    data = {"t": {"rewards": [1.0, None]}}
+
+    class Output:  # Miles' RolloutFnEvalOutput
+        def __init__(self):
+            self.data, self.metrics = data, {"eval/x": 1.0}
+
+    assert read_result(data, "f") == (data, {})
+    assert read_result((data, {"eval/x": 1.0}), "f") == (data, {"eval/x": 1.0})
+    assert read_result(Output(), "f") == (data, {"eval/x": 1.0})
+    with pytest.raises(PluginError, match='eval set \'t\' has no "rewards" list'):
+        read_result({"t": {"scores": [1.0]}}, "f")
+    with pytest.raises(PluginError, match='has 1 "samples" for 2 rewards'):
+        read_result({"t": {"rewards": [1.0, 0.0], "samples": [None]}}, "f")
+    with pytest.raises(PluginError, match="returned list"):
+        read_result([1.0], "f")
+
+
+@pytest.mark.usefixtures("cpu_machine")
+def test_a_class_as_eval_function_is_refused_with_the_form_to_use(tmp_path, monkeypatch, demo_eval_set):
+    from furlong.core.plugins.manager import get_plugin_manager
+    from furlong.core.plugins.selection import resolve_selection
+
+    (tmp_path / "my_class_eval.py").write_text("class Eval:\n    def __init__(self, input):\n        pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pm = get_plugin_manager()
+    with pytest.raises(PluginError, match="is a class; Miles' class-based eval functions"):
+        config = launch_config("--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(demo_eval_set),
+                               "--rm-type", "math", "--eval-prompt-data", "t", str(demo_eval_set),
+                               "--eval-interval", "1", "--eval-function-path", "my_class_eval.Eval", pm=pm)
+        resolve_selection(config, pm)
+    sys.modules.pop("my_class_eval", None)
 
 
 @pytest.mark.usefixtures("cpu_machine")

@@ -282,6 +282,11 @@ def make_adapter(hook: str, path: str, flag: str) -> object:
         kind = "a class" if hook == "data_source" else "a function"
         raise PluginError(f"{flag} '{path}': '{path.rpartition('.')[2]}' is a {type(fn).__name__}, not callable; "
                           f"point the flag at {kind}.")
+    if hook == "eval_function" and inspect.isclass(fn):
+        raise PluginError(f"{flag} '{path}': '{path.rpartition('.')[2]}' is a class; Miles' class-based eval "
+                          "functions (a RolloutFn class, a CheckpointEvalFn subclass) are built on Miles' runtime, "
+                          "which furlong does not run. Point the flag at a function fn(args, rollout_id, context, "
+                          "evaluation=True) returning Miles' eval data (docs/miles.md, \"Evaluation\").")
     if hook == "reward":  # a TRL or verl reward function keeps its own form (core/plugins/reward_forms.py)
         return reward_adapter(fn, path, _RewardAdapter)
     if hook in PATH_ADAPTERS:

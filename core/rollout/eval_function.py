@@ -61,7 +61,8 @@ class EvalContext:
 
     ``engine``: the :class:`~furlong.hooks.RolloutEngine` of this evaluation (``engine.tokenizer``
     tokenizes). ``generate_group(group, sampling_params=None)``: coroutine generating and scoring every
-    sample of ``group`` in place (the ``generate`` and ``reward`` hooks, ``evaluation=True``), returning it.
+    sample of ``group`` in place (the ``generate`` and ``reward`` hooks, ``evaluation=True``), returning it;
+    pass the set's ``sampling_params`` (None: the rollout's, ``--rollout-temperature``...).
     ``eval_sets``: the :class:`EvalSet` of every eval set. ``rollout_id``: the rollout whose weights are
     evaluated. ``hf_dir``: the weight snapshot the eval fleet loaded for it, or None (inline evaluation).
     """
