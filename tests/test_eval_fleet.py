@@ -327,3 +327,11 @@ def test_snapshot_flags_without_the_fleet_say_they_do_nothing(demo_eval_set, cap
                   "--eval-hf-dir", "/tmp/s", "--eval-max-in-flight", "3")
     assert "--eval-hf-dir, --eval-max-in-flight configure the dedicated eval fleet and does nothing without " \
            "--eval-num-gpus N" in caplog.text
+
+
+@pytest.mark.usefixtures("cpu_machine")
+def test_an_sglang_fleet_cannot_attach_to_external_servers(demo_eval_set):
+    problems = _problems("--eval-prompt-data", "t", str(demo_eval_set), "--eval-interval", "1", "--eval-num-gpus",
+                         "1", "--eval-hf-dir", "/tmp/s", "--rollout-backend", "sglang", "--rollout-external",
+                         "--rollout-external-engine-addrs", "127.0.0.1:30000")
+    assert "--eval-num-gpus starts SGLang servers of its own for the eval fleet" in problems
