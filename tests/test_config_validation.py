@@ -223,10 +223,6 @@ UNSUPPORTED_ARGV = {
     "--disable-rollout-global-dataset": ["--disable-rollout-global-dataset"],
     "--custom-convert-samples-to-train-data-path": ["--custom-convert-samples-to-train-data-path", "my.convert"],
     "--rollout-data-postprocess-path": ["--rollout-data-postprocess-path", "my.post"],
-    "--generate-max-turns": ["--generate-max-turns", "4"],
-    "--generate-tool-specs-path": ["--generate-tool-specs-path", "tools.json"],
-    "--generate-tool-call-parser": ["--generate-tool-call-parser", "qwen25"],
-    "--generate-execute-tool-function-path": ["--generate-execute-tool-function-path", "my.execute"],
     "--max-seq-len": ["--max-seq-len", "4096"],
     "--session-server-ip": ["--session-server-ip", "10.0.0.1"],
     "--session-server-port": ["--session-server-port", "8000"],
@@ -245,7 +241,6 @@ UNSUPPORTED_MESSAGES = {
     "--opd-type": "--opd-type sglang is not supported yet (supported: megatron).",
     "--update-weight-transfer-mode": "--update-weight-transfer-mode disk-delta is not supported yet "
                                      "(supported: broadcast).",
-    "--generate-max-turns": "--generate-max-turns 4 is not supported yet (supported: 16).",
     "--fsdp-cpu-backend": "--fsdp-cpu-backend nccl is not supported yet (supported: gloo).",
 }
 

@@ -159,6 +159,10 @@ def test_miles_own_eval_function_is_the_built_in_evaluation(demo_eval_set):
                            "--rm-type", "math", "--eval-prompt-data", "t", str(demo_eval_set), "--eval-interval", "1",
                            "--eval-function-path", "miles.rollout.sglang_rollout.generate_rollout", pm=pm)
     assert "eval_function" not in resolve_selection(config, pm).paths
+    with pytest.raises(PluginError, match="leave --eval-function-path out for furlong's built-in evaluation"):
+        launch_config("--hf-checkpoint", str(DEMO / "model"), "--prompt-data", str(demo_eval_set), "--rm-type",
+                      "math", "--eval-prompt-data", "t", str(demo_eval_set), "--eval-interval", "1",
+                      "--eval-function-path", "miles.rollout.sglang_rollout.eval_rollout", pm=pm)
 
 
 # --- the dispatch: in-flight bound, overflow policy, snapshots ------------------------------------------------
