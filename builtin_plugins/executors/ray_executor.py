@@ -86,8 +86,8 @@ def configure(args, report):
     if not os.environ.get("RAY_ADDRESS") and needed > have:
         report.error(f"--executor ray on this machine needs {needed} GPUs (trainer "
                      f"{args.actor_num_nodes * args.actor_num_gpus_per_node}, engines {_rollout_slots(args)}"
-                     f"{' shared with the trainer (--colocate)' if args.colocate else ''}, eval fleet "
-                     f"{args.eval_num_gpus}) but torch sees {have}; "
+                     f"{' shared with the trainer (--colocate)' if args.colocate else ''}"
+                     f"{f', eval fleet {args.eval_num_gpus}' if args.eval_num_gpus else ''}) but torch sees {have}; "
                      "lower --actor-num-gpus-per-node or --rollout-num-gpus, or run on a Ray cluster "
                      "(ray job submit, docs/ray.md).")
 
