@@ -106,14 +106,15 @@ def read_result(value: Any, flag: str) -> tuple[dict, dict]:
 def data_metrics(config: RunConfig, name: str, entry: dict, group_size: int, flag: str) -> dict:
     """The ``eval/...`` metrics of eval set ``name`` from Miles' eval data ``entry``, with the built-in names.
 
-    With ``samples``: :func:`~furlong.core.run.extra_metrics.eval_set_metrics` of them (lengths, pass@k,
-    reward categories). Then from ``rewards`` (None counts 0, as Miles counts it): ``eval/<name>`` (mean) and
+    With ``samples`` (:class:`~furlong.hooks.Sample` objects): :func:`~furlong.core.run.extra_metrics.eval_set_metrics`
+    of them (lengths, pass@k, reward categories). Then from ``rewards`` (None counts 0, as Miles counts it): ``eval/<name>`` (mean) and
     ``eval/<name>-none_reward_ratio``; from ``truncated``: ``eval/<name>-truncated_ratio``.
 
     :raises PluginError: a reward that is not a number or None.
     """
-    samples = entry.get("samples")
-    out = eval_set_metrics(config, name, list(samples), group_size) if samples else {}
+    samples = list(entry.get("samples") or ())
+    ours = bool(samples) and all(isinstance(s, Sample) for s in samples)  # others carry no lengths to count
+    out = eval_set_metrics(config, name, samples, group_size) if ours else {}
     rewards = list(entry["rewards"])
     for r in rewards:
         if r is not None and (not isinstance(r, (int, float)) or math.isnan(r)):

@@ -92,7 +92,7 @@ class Evaluator:
             data = self._data(per_set)
             extra = {}
         if self.config.save_debug_rollout_data:
-            samples = [s for entry in data.values() for s in entry.get("samples") or ()]
+            samples = [s for entry in data.values() for s in entry.get("samples") or () if isinstance(s, Sample)]
             save_rollout(self.config.save_debug_rollout_data, rollout_id, samples,
                          evaluation=True, metadata={"sets": list(data)})
         extra["perf/eval_time"] = time.perf_counter() - start
