@@ -132,10 +132,6 @@ class EvalFleet:
     async def _settle(self, rollout_id: int, task: asyncio.Task, written: str | None) -> None:
         try:
             await task
-        except Exception as exc:  # noqa: BLE001 - a failed evaluation is a skipped point, as in Miles
-            reason = str(exc) if isinstance(exc, PluginError) else f"{type(exc).__name__}: {exc}"
-            log.error("eval of rollout %d failed, logged as eval/skipped_crashed: %s", rollout_id, reason)
-            await self.log_point(rollout_id, {"eval/skipped_crashed": 1})
         finally:
             self._retire(written)
 
@@ -147,6 +143,16 @@ class EvalFleet:
             shutil.rmtree(self.retired.pop(0), ignore_errors=True)
 
     async def _evaluate(self, rollout_id: int, hf_dir: str, export_time: float | None) -> None:
+        """Evaluate the snapshot ``hf_dir`` on the fleet and log it; a failure is logged, in its turn, as
+        ``eval/skipped_crashed`` (so the rows of a run's evaluations end with its last rollout's)."""
+        try:
+            await self._evaluate_now(rollout_id, hf_dir, export_time)
+        except Exception as exc:  # noqa: BLE001 - a failed evaluation is a skipped point, as in Miles
+            reason = str(exc) if isinstance(exc, PluginError) else f"{type(exc).__name__}: {exc}"
+            log.error("eval of rollout %d failed, logged as eval/skipped_crashed: %s", rollout_id, reason)
+            await self.log_point(rollout_id, {"eval/skipped_crashed": 1})
+
+    async def _evaluate_now(self, rollout_id: int, hf_dir: str, export_time: float | None) -> None:
         async with self._one_at_a_time:
             if not is_hf_dir(hf_dir):
                 log.warning("eval of rollout %d skipped: no snapshot at %s", rollout_id, hf_dir)
