@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from furlong.hooks.errors import PluginError
 
-__all__ = ["compile_decoder_layers", "decoder_layers", "is_hf_dir", "load_causal_lm_weights", "load_tokenizer",
+__all__ = ["compile_decoder_layers", "decoder_layers", "is_hf_dir", "load_causal_lm_weights", "load_tokenizer", "read_hf_weights",
            "save_safetensors", "write_hf_checkpoint"]
 
 log = logging.getLogger("furlong")
@@ -108,6 +108,29 @@ def compile_decoder_layers(model, flag: str, backend: str = "inductor", dynamic:
 def is_hf_dir(path: str | None) -> bool:
     """True when ``path`` is a Hugging Face model directory (has ``config.json``)."""
     return bool(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def read_hf_weights(path: str, flag: str) -> list[tuple[str, Any]]:
+    """Every tensor of the Hugging Face model directory ``path``: ``(name, tensor)`` on the CPU, read from its
+    ``*.safetensors`` files in name order (one file or the shards of an index).
+
+    :raises PluginError: ``path`` has no ``config.json`` or no safetensors file, or a file cannot be read (the
+        message names ``flag``, ``path`` and the cause).
+    """
+    from safetensors.torch import load_file
+
+    if not is_hf_dir(path):
+        raise PluginError(f"{flag} {path}: not a Hugging Face model directory (no config.json).")
+    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise PluginError(f"{flag} {path}: no *.safetensors weights in the directory.")
+    named: list[tuple[str, Any]] = []
+    for name in files:
+        try:
+            named.extend(load_file(os.path.join(path, name), device="cpu").items())
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise PluginError(f"{flag} {path}: cannot read {name} ({_first_line(exc)}).") from exc
+    return named
 
 
 def save_safetensors(named_tensors: dict[str, Any], path: str) -> None:

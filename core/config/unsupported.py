@@ -26,7 +26,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--true-on-policy-mode", "true_on_policy_mode"),
     Unsupported("--qkv-format", "qkv_format", ("thd",)),
     Unsupported("--balance-by-flops", "balance_by_flops"),
-    Unsupported("--eval-num-gpus", "eval_num_gpus", (0,)),
     Unsupported("--async-save", "async_save"),
     Unsupported("--multimodal-keys", "multimodal_keys", (None,)),
     Unsupported("--update-weight-transfer-mode", "update_weight_transfer_mode", ("broadcast",)),
@@ -43,13 +42,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--max-seq-len", "max_seq_len", (None,)),
     Unsupported("--session-server-ip", "session_server_ip", (None,)),
     Unsupported("--session-server-port", "session_server_port", (None,)),
-    # evaluation: a custom eval rollout and the dedicated eval fleet (--eval-num-gpus)
-    Unsupported("--eval-function-path", "eval_function_path", (None,)),
-    Unsupported("--eval-num-gpus-per-engine", "eval_num_gpus_per_engine", (1,)),
-    Unsupported("--eval-hf-dir", "eval_hf_dir", (None,)),
-    Unsupported("--eval-max-in-flight", "eval_max_in_flight", (2,)),
-    Unsupported("--eval-overflow-policy", "eval_overflow_policy", ("backpressure",)),
-    Unsupported("--eval-keep-snapshots", "eval_keep_snapshots", (2,)),
     # training
     Unsupported("--log-probs-max-tokens-per-gpu", "log_probs_max_tokens_per_gpu", (None,)),
     Unsupported("--fsdp-cpu-backend", "fsdp_cpu_backend", ("gloo",)),

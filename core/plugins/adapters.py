@@ -128,9 +128,9 @@ class _PathFunction(MilesStyle):
         super().__init__(fn)
         self.path, self.flag = path, flag
 
-    async def _run(self, *fn_args) -> Any:
+    async def _run(self, *fn_args, **fn_kwargs) -> Any:
         try:
-            return await _resolve(self.fn(*fn_args))
+            return await _resolve(self.fn(*fn_args, **fn_kwargs))
         except PluginError:
             raise
         except Exception as exc:  # noqa: BLE001 - name the function at fault
@@ -185,6 +185,14 @@ class _EvalRolloutLogAdapter(_PathFunction):
         return bool(await self._run(rollout_id, args, data, extra))
 
 
+class _EvalFunctionAdapter(_PathFunction):
+    @hookimpl
+    async def eval_function(self, args, rollout_id, context):
+        if _accepts(self.fn, "evaluation"):
+            return await self._run(args, rollout_id, context, evaluation=True)
+        return await self._run(args, rollout_id, context)
+
+
 PATH_ADAPTERS: dict[str, type] = {
     "rollout_sample_filter": _SampleFilterAdapter,
     "rollout_all_samples_process": _AllSamplesProcessAdapter,
@@ -192,6 +200,7 @@ PATH_ADAPTERS: dict[str, type] = {
     "post_save": _PostSaveAdapter,
     "rollout_log": _RolloutLogAdapter,
     "eval_rollout_log": _EvalRolloutLogAdapter,
+    "eval_function": _EvalFunctionAdapter,
 }
 
 
@@ -218,6 +227,11 @@ def make_adapter(hook: str, path: str, flag: str) -> object:
         kind = "a class" if hook == "data_source" else "a function"
         raise PluginError(f"{flag} '{path}': '{path.rpartition('.')[2]}' is a {type(fn).__name__}, not callable; "
                           f"point the flag at {kind}.")
+    if hook == "eval_function" and inspect.isclass(fn):
+        raise PluginError(f"{flag} '{path}': '{path.rpartition('.')[2]}' is a class; Miles' class-based eval "
+                          "functions (a RolloutFn class, a CheckpointEvalFn subclass) are built on Miles' runtime, "
+                          "which furlong does not run. Point the flag at a function fn(args, rollout_id, context, "
+                          "evaluation=True) returning Miles' eval data (docs/miles.md, \"Evaluation\").")
     if hook == "reward":  # a TRL or verl reward function keeps its own form (core/plugins/reward_forms.py)
         return reward_adapter(fn, path, _RewardAdapter)
     if hook in PATH_ADAPTERS:

@@ -231,6 +231,17 @@ class EmbeddedEngine:
         copy = asyncio.to_thread if decoding else run_compute
         await copy(self._copy_weights, list(named_tensors))
 
+    async def update_weights_from_disk(self, path: str) -> None:
+        """Load every tensor of the Hugging Face model directory ``path`` (a snapshot written by ``save_hf``) in
+        place, as one :meth:`load_weights` bucket (SGLang's ``/update_weights_from_disk``).
+
+        :raises PluginError: ``path`` holds no readable weights, or a tensor the model does not have (named).
+        """
+        from furlong.kit.hf import read_hf_weights
+
+        named = await asyncio.to_thread(read_hf_weights, path, "eval snapshot")
+        await self.load_weights(named)
+
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str = "gloo") -> None:
         """Join the weight-update group as rank ``rank_offset`` (trainer rank 0 broadcasts)."""

@@ -353,6 +353,11 @@ class SGLangEngine:
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._checked("/destroy_weights_update_group", {"group_name": group_name})
 
+    async def update_weights_from_disk(self, path: str) -> None:
+        """Load the Hugging Face model directory ``path`` (an eval snapshot, on a file system the server reads)
+        through SGLang's ``/update_weights_from_disk``, dropping the prefix cache of the old weights."""
+        await self._checked("/update_weights_from_disk", {"model_path": path, "flush_cache": True}, idempotent=False)
+
     async def load_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
         """One bucket from the trainer in this process (the ``local`` executor).
 
