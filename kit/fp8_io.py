@@ -19,8 +19,8 @@ from furlong.hooks.errors import PluginError
 from .fp8 import BLOCK, SCALE_SUFFIX, dequantize_blocks, fp8_quantization_config, quantization_config_for, \
     quantize_blocks
 
-__all__ = ["dequantized_tensors", "linear_weight_names", "quantize_checkpoint", "quantized_names",
-           "read_fp8_blocks"]
+__all__ = ["dequantized_tensors", "fp8_module_names", "linear_weight_names", "quantize_bucket", "quantize_checkpoint",
+           "quantized_names", "read_fp8_blocks"]
 
 log = logging.getLogger("furlong.fp8")
 
@@ -31,6 +31,36 @@ all or none (SGLang refuses a fused layer with some shards quantised and some no
 
 def _weight_files(path: str) -> list[str]:
     return sorted(glob.glob(os.path.join(path, "*.safetensors")))
+
+
+def fp8_module_names(path: str | None) -> set[str]:
+    """Names of the modules the FP8 checkpoint ``path`` quantised (those with a ``weight_scale_inv`` in
+    its files); empty for a directory that is not an FP8 checkpoint. Reads the files' headers only."""
+    from safetensors import safe_open
+
+    if fp8_quantization_config(path) is None:
+        return set()
+    names = set()
+    for file in _weight_files(path):
+        with safe_open(file, framework="pt") as handle:
+            names.update(n[: -len(SCALE_SUFFIX) - 1] for n in handle.keys() if n.endswith("." + SCALE_SUFFIX))
+    return names
+
+
+def quantize_bucket(named_tensors: list[tuple[str, Any]], modules: set[str]) -> list[tuple[str, Any]]:
+    """A weight-sync bucket as an FP8 server loads it: each ``<module>.weight`` of ``modules`` becomes
+    its e4m3 blocks and ``<module>.weight_scale_inv`` (:func:`~furlong.kit.fp8.quantize_blocks`, on the
+    tensor's device); other tensors pass unchanged. The trainer-side quantisation SGLang's FP8 layers
+    need (they copy a loaded weight as it comes)."""
+    out = []
+    for name, tensor in named_tensors:
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if module in modules:
+            q, scale_inv = quantize_blocks(tensor)
+            out += [(name, q), (f"{module}.{SCALE_SUFFIX}", scale_inv)]
+        else:
+            out.append((name, tensor))
+    return out
 
 
 def read_fp8_blocks(path: str) -> dict[str, tuple[Any, Any]]:
