@@ -27,7 +27,8 @@ One command, from the repository root, on a machine with a CUDA GPU::
    weight sync, the whole step ``perf/step_time``), tokens/s per GPU over the whole step (prompt
    and response tokens of the step / step seconds), and the train MFU
    (``6 x params x tokens / actor-train seconds / 989e12``, the H200's dense bf16 peak;
-   ``--peak-tflops`` to change). ``--train-flags`` adds flags to every run.
+   ``--peak-tflops`` to change). ``--train-flags`` adds flags to every run. Each run has a
+   ``*-async`` twin under ``furlong train-async`` (generation of the next rollout overlaps training).
 
 The model (Llama architecture at Qwen2.5-0.5B's sizes: 24 layers, hidden 896, 14 heads, 2 KV heads, vocabulary
 151,936, tied embeddings) and a word-level tokenizer of the same vocabulary are written to
@@ -150,8 +151,9 @@ def bench_generate(folder: Path, opts) -> dict:
     return {"tokens": tokens, "warmup_s": times[0], "times_s": times[1:], "tok_per_s": tokens / min(times[1:])}
 
 
-def bench_grpo(folder: Path, opts, out: Path, flags: list[str]) -> dict:
-    """``furlong train`` with ``flags`` in a subprocess; the step split, tokens/s/GPU and MFU from its metrics.jsonl.
+def bench_grpo(folder: Path, opts, out: Path, flags: list[str], command: str = "train") -> dict:
+    """``furlong COMMAND`` (``train`` or ``train-async``) with ``flags`` in a subprocess; the step split,
+    tokens/s/GPU and MFU from its metrics.jsonl.
 
     Figures are medians over the rollouts after the first ``--warmup-rollouts`` (compilation,
     CUDA graph capture and the allocator's growth happen there); ``warmup_step_s`` lists those.
@@ -161,7 +163,7 @@ def bench_grpo(folder: Path, opts, out: Path, flags: list[str]) -> dict:
     data = out / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": " ".join(f"t{t}" for t in p), "label": "0"}) + "\n"
                             for p in prompts(n_prompts * opts.rollouts, opts.prompt_len, seed=1)))
-    cmd = [sys.executable, "-m", "furlong.core", "train", "--hf-checkpoint", str(folder), "--prompt-data", str(data),
+    cmd = [sys.executable, "-m", "furlong.core", command, "--hf-checkpoint", str(folder), "--prompt-data", str(data),
            "--input-key", "prompt", "--label-key", "label", "--rm-type", "deterministic_random",
            "--num-rollout", str(opts.rollouts), "--rollout-batch-size", str(n_prompts),
            "--n-samples-per-prompt", str(group), "--global-batch-size", str(n_prompts * group),
@@ -206,8 +208,10 @@ RUNS = {
     "megatron-best": "--train-backend megatron --max-tokens-per-gpu 65536 --embedded-max-batch-size 256 "
                      "--embedded-torch-compile",
 }
+RUNS.update({f"{name}-async": flags for name, flags in list(RUNS.items())})
 """GRPO runs side by side (``--runs``): the flags a user gives without tuning (the machine picks the rest),
-and the best flags measured by hand (docs/benchmarks.md)."""
+and the best flags measured by hand (docs/benchmarks.md). A ``*-async`` run is the same under
+``furlong train-async`` (rollout r + 1 generated while rollout r trains, on the same GPU)."""
 
 
 def _param_count(folder: Path) -> dict:
@@ -291,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in opts.runs:
                 (Path(tmp) / name).mkdir()
                 flags = [*RUNS[name].split(), *opts.train_flags]
-                result["grpo"][name] = bench_grpo(folder, opts, Path(tmp) / name, flags)
+                command = "train-async" if name.endswith("-async") else "train"
+                result["grpo"][name] = bench_grpo(folder, opts, Path(tmp) / name, flags, command)
                 print("grpo", name, json.dumps(result["grpo"][name]), flush=True)
     finally:
         if not os.environ.get("BENCH_KEEP"):

@@ -125,3 +125,16 @@ def test_boxed_answer():
     assert make_demo.boxed_answer("\\boxed{1}\\boxed{14}") == "14"
     assert make_demo.boxed_answer("14") is None
     assert make_demo.boxed_answer("\\boxed{1b}") is None
+
+
+def test_the_moe_architecture_builds_a_qwen3_moe_of_the_demo_size():
+    make_demo = _load()
+    args = make_demo.parse_args(["--architecture", "qwen3_moe", "--experts", "4", "--topk", "2"])
+    model = make_demo.build_model(make_demo.build_tokenizer(), args)
+    config = model.config
+    assert config.architectures == ["Qwen3MoeForCausalLM"]
+    assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (4, 2, True)
+    assert (config.hidden_size, config.num_hidden_layers, config.moe_intermediate_size, config.head_dim) == (128, 3, 256, 32)
+    # per layer: attention 4 x 128^2, q/k norms 2 x 32, router 4 x 128, experts 4 x 3 x 128 x 256, two norms 2 x 128;
+    # embeddings and output 2 x 26 x 128, final norm 128
+    assert sum(p.numel() for p in model.parameters()) == 3 * (65536 + 64 + 512 + 393216 + 256) + 6656 + 128 == 1_385_536

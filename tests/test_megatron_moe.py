@@ -383,3 +383,31 @@ def test_the_rollout_routing_goes_from_the_samples_into_the_train_batch(moe_dir)
         to_train_batch(config, [sample])
     assert str(excinfo.value) == ("--use-rollout-routing-replay: sample 7's rollout_routed_experts has shape (1, 2, 2); "
                                   "it must be [len(tokens) - 1 = 2, num_moe_layers, topk].")
+
+
+# --------------------------------------------------------------------------- the whole loop
+
+
+def test_a_grpo_run_replays_the_engines_routing_and_the_trainer_agrees_with_it(moe_dir, arithmetic_jsonl, tmp_path):
+    """The embedded engine records each generated token's experts, the megatron trainer replays them, and its
+    own routers (float32, like the engine) pick the same experts for every token of every rollout: one optimizer
+    step per rollout, so the trainer routes with the weights the engine generated with (synced after rollout 0)."""
+    from furlong.core.config.launch_args import launch_config
+    from furlong.core.plugins.manager import get_plugin_manager
+    from furlong.core.plugins.selection import resolve_selection
+    from furlong.core.run.loop import run
+
+    pm = get_plugin_manager()
+    config = launch_config(
+        "--hf-checkpoint", str(moe_dir), "--prompt-data", str(arithmetic_jsonl), "--input-key", "prompt",
+        "--label-key", "label", "--rm-type", "deterministic_random", "--rollout-batch-size", "2",
+        "--n-samples-per-prompt", "4", "--rollout-max-response-len", "5",
+        "--num-rollout", "2", "--lr", "1e-2", "--seed", "3", "--train-backend", "megatron",
+        "--use-rollout-routing-replay", "--log-dir", str(tmp_path), pm=pm, command="train")
+    assert config.use_routing_replay  # implied
+    asyncio.run(run(config, pm, resolve_selection(config, pm)))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [r for r in rows if "rollout/step" in r]
+    assert [r["rollout/step"] for r in rollouts] == [0, 1]
+    assert [r["train/moe_routing_disagreement"] for r in rollouts] == [0.0, 0.0]
+    assert rollouts[0]["train/grad_norm"] > 0  # rollout 1 was generated with weights that moved

@@ -152,13 +152,12 @@ def check_round_trip(tokenizer, texts: list[str]) -> None:
 
 
 def build_model(tokenizer, args: argparse.Namespace):
-    """A freshly initialised ``LlamaForCausalLM`` sized by ``args`` (seed torch first)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
+    """A freshly initialised model sized by ``args`` (seed torch first): ``LlamaForCausalLM``, or with
+    ``--architecture qwen3_moe`` a ``Qwen3MoeForCausalLM`` whose every layer has ``--experts`` experts
+    of MLP size ``--intermediate-size``, ``--topk`` of them per token (normalised top-k weights)."""
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
         num_key_value_heads=args.heads,
@@ -168,6 +167,18 @@ def build_model(tokenizer, args: argparse.Namespace):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if args.architecture == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(**common, head_dim=args.hidden_size // args.heads,
+                                intermediate_size=args.intermediate_size,
+                                moe_intermediate_size=args.intermediate_size, num_experts=args.experts,
+                                num_experts_per_tok=args.topk, norm_topk_prob=True, decoder_sparse_step=1)
+        config.architectures = ["Qwen3MoeForCausalLM"]
+        return Qwen3MoeForCausalLM(config)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**common, intermediate_size=args.intermediate_size)
     config.architectures = ["LlamaForCausalLM"]
     return LlamaForCausalLM(config)
 
@@ -313,6 +324,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--intermediate-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--architecture", choices=["llama", "qwen3_moe"], default="llama",
+                        help="llama (the committed demo) or qwen3_moe (a mixture-of-experts model).")
+    parser.add_argument("--experts", type=int, default=4, help="qwen3_moe: experts per layer.")
+    parser.add_argument("--topk", type=int, default=2, help="qwen3_moe: experts per token.")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (the model files depend on it).")
     parser.add_argument("--eval-samples", type=int, default=4,
