@@ -392,7 +392,8 @@ def pytest_collection_modifyitems(config, items):
 # Modules whose tests start Ray, servers or routers, or look for leftover ones: one after the other on one worker
 # (another worker's processes would look like leftovers, and a test that kills an actor by name could find them).
 PROCESS_MODULES = ("test_ray_executor.py", "test_sglang_engine.py", "test_sglang_conformance.py", "test_sglang_cleanup.py", "test_sglang_launch.py",
-                   "test_serve.py", "test_serve_fixtures.py", "contrib/tool-use/tests/")
+                   "test_serve.py", "test_serve_fixtures.py", "test_opd_teacher.py", "test_serve_routed_experts.py",
+                   "contrib/tool-use/tests/")
 
 
 def pytest_xdist_make_scheduler(config, log):

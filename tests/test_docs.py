@@ -48,11 +48,16 @@ def test_no_tracked_file_points_outside_the_repository():
     assert not found, "lines that point outside the repository:\n" + "\n".join(found)
 
 
-def test_the_debugging_group_does_not_list_refused_modes_as_working():
+def test_the_debugging_group_lists_the_modes_that_work_and_the_refused_table_does_not():
+    from furlong.core.config.unsupported import UNSUPPORTED
+
     text = (REPO_ROOT / "docs" / "flags.md").read_text(encoding="utf-8")
     row = next(line for line in text.splitlines() if line.startswith("| debugging |"))
-    assert "refused" in row
-    assert "| `--debug-rollout-only`, `--debug-train-only`" in text  # the refused table names them
+    assert "refused" not in row
+    for flag in ("--debug-rollout-only", "--debug-train-only", "--dump-details", "--check-weight-update-equal"):
+        assert f"`{flag}`" in row
+        assert flag not in {r.flag for r in UNSUPPORTED}
+        assert f"| `{flag}`" not in text  # no row of the refused table starts with it
 
 
 def test_the_math_section_describes_a_response_without_a_box_as_the_code_grades_it():

@@ -39,6 +39,8 @@ BODIES = {
         raise PluginError("plugin '{name}': `rollout_engine` is not written yet.")""",
     "train_backend": """\
         raise PluginError("plugin '{name}': `train_backend` is not written yet.")""",
+    "critic_backend": """\
+        raise PluginError("plugin '{name}': `critic_backend` is not written yet.")""",
     "data_source": """\
         return JsonlRows(dataset.path)""",
     "rollout": """\
@@ -94,6 +96,7 @@ IMPORTS = {  # hook -> (module-level imports, names from furlong.hooks)
     "executor_fit": ((), ("ExecutorFit",)),
     "rollout_engine": ((), ("PluginError",)),
     "train_backend": ((), ("PluginError",)),
+    "critic_backend": ((), ("PluginError",)),
     "rollout": ((), ("PluginError",)),
     "data_source": (("import json",), ()),
     "generate": ((), ("Status",)),
