@@ -8,8 +8,9 @@ One FP8 linear layer is two steps:
 2. the block-scaled matrix product ``sum_g (xq_g @ wq_g.T) * x_scale[:, g] * w_scale_inv[n // 128, g]``
    (:func:`furlong.kit.fp8.fp8_linear_reference`) with float32 accumulation, by one of two kernels:
 
-   * ``scaled_mm``: ``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` activation scales
-     and ``BlockWise128x128`` weight scales (torch's CUTLASS kernel for SM90); its scale layouts
+   * ``scaled_mm``: ``torch.nn.functional.scaled_mm`` (``torch._scaled_mm`` before it existed) with
+     ``BlockWise1x128`` activation scales and ``BlockWise128x128`` weight scales (torch's CUTLASS kernel
+     for SM90); its scale layouts
      (activation scales column-major, weight scales ``[round_up(K/128, 4), N/128]`` column-major)
      are torch's meta checks of ``_scaled_mm_v2``;
    * ``triton``: :func:`_block_fp8_matmul` below, one program per ``BLOCK_M x BLOCK_N`` output tile,
@@ -42,12 +43,13 @@ if triton is not None:
     @triton.jit
     def _act_quant(x_ptr, q_ptr, s_ptr, n_groups, GROUP_SIZE: tl.constexpr, FMAX: tl.constexpr,
                    EPS: tl.constexpr):
-        # one program per (row, group): amax, scale = amax / 448, q = x / scale
+        # one program per (row, group): amax, scale = amax / 448, q = x / scale; divisions rounded to
+        # nearest (div_rn, as torch divides), not the approximate division "/" compiles to
         pid = tl.program_id(0)
         offs = tl.arange(0, GROUP_SIZE)
         x = tl.load(x_ptr + pid * GROUP_SIZE + offs).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), EPS) / FMAX
-        q = tl.clamp(x / scale, -FMAX, FMAX)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), EPS), FMAX)
+        q = tl.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX)
         tl.store(q_ptr + pid * GROUP_SIZE + offs, q.to(q_ptr.dtype.element_ty))
         tl.store(s_ptr + pid, scale)
 
@@ -113,9 +115,14 @@ def weight_scales_for_scaled_mm(scale_inv: Any) -> Any:
 
 def _scaled_mm(xq, x_scale, wq, store, out_dtype):
     import torch
-    from torch.nn.functional import ScalingType, scaled_mm
 
     x_scale = x_scale.t().contiguous().t()  # [M, K/128], strides (1, M)
+    try:
+        from torch.nn.functional import ScalingType, scaled_mm
+    except ImportError:  # older torch: the same CUTLASS kernel behind _scaled_mm, chosen by the scales' shapes
+        groups = -(-xq.shape[1] // BLOCK[1])
+        return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=store[:, :groups].t(),
+                                out_dtype=out_dtype or torch.bfloat16)
     return scaled_mm(xq, wq.t(), x_scale, ScalingType.BlockWise1x128, store.t(), ScalingType.BlockWise128x128,
                      output_dtype=out_dtype or torch.bfloat16)
 
@@ -172,11 +179,10 @@ def choose_gemm(wanted: str, device: Any) -> str:
 def _scaled_mm_problem(device: Any) -> str | None:
     import torch
 
-    try:
-        from torch.nn.functional import ScalingType, scaled_mm  # noqa: F401
-    except ImportError:
-        return f"not in torch {torch.__version__}"
     from furlong.kit.fp8 import quantize_blocks
+
+    if not hasattr(torch, "_scaled_mm"):
+        return f"not in torch {torch.__version__}"
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     try:
