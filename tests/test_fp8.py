@@ -334,3 +334,23 @@ def test_triton_block_matmul_in_the_interpreter_equals_the_reference():
     assert done.returncode == 0, done.stderr[-2000:]
     error, scale, scales_equal = done.stdout.split()
     assert float(error) <= 1e-5 * float(scale) and scales_equal == "True"
+
+
+def test_fp8_layer_kernel_path_plumbing_on_the_cpu():
+    """The CUDA forward's steps (activation groups, block-scaled product, bias, leading dims) with the float32
+    reference product standing in for the GPU kernel; a sync refreshes the scales scaled_mm reads."""
+    from furlong.builtin_plugins.engines.embedded.fp8 import Fp8Linear
+
+    gen = torch.Generator().manual_seed(4)
+    w, bias, x = torch.randn(256, 384, generator=gen), torch.randn(256, generator=gen), torch.randn(2, 3, 384,
+                                                                                                   generator=gen)
+    q, scale_inv = quantize_blocks(w)
+    layer = Fp8Linear(q, scale_inv, bias, torch.float32, dense=False, gemm="reference")
+    xq, xs = quantize_activation_groups(x.reshape(6, 384))
+    want = (fp8_linear_reference(xq, xs, q, scale_inv) + bias).reshape(2, 3, 256)
+    assert torch.equal(layer(x), want)
+    mm = Fp8Linear(q, scale_inv, None, torch.float32, dense=False, gemm="scaled_mm")
+    assert mm.scaled_mm_scales.shape == (2, 4) and torch.equal(mm.scaled_mm_scales[:, :3], scale_inv)
+    mm.load_dense(w * 2)
+    assert torch.equal(mm.scaled_mm_scales[:, :3], quantize_blocks(w * 2)[1])
+    assert mm.scaled_mm_scales[:, 3].abs().sum().item() == 0.0
