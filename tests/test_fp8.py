@@ -219,6 +219,18 @@ def test_sglang_bucket_into_an_fp8_server_is_quantised(fp8_dir, bf16_dir):
     assert sorted(sent) == sorted(stored)
     assert all(torch.equal(_bits(sent[n]) if sent[n].dtype == E4M3 else sent[n],
                            _bits(stored[n]) if stored[n].dtype == E4M3 else stored[n]) for n in sent)
+    # what `furlong serve` (the embedded engine) does with such a bucket: copies blocks and scales as they are
+    from furlong.builtin_plugins.engines.embedded import load_engine
+
+    engine = load_engine(str(fp8_dir), max_batch_size=2)
+    layers = {n: m for n, m in engine.model.named_modules() if type(m).__name__ == "Fp8Linear"}
+    for layer in layers.values():
+        layer.load_dense(torch.randn(layer.out_features, layer.in_features))
+    asyncio.run(engine.update_weights(sorted(sent.items()), 1))
+    for name, layer in layers.items():
+        assert torch.equal(_bits(layer.weight), _bits(stored[name + ".weight"]))
+        assert torch.equal(layer.dense, dequantize_blocks(stored[name + ".weight"],
+                                                          stored[name + ".weight_scale_inv"]))
 
 
 # --- the CLI -----------------------------------------------------------------------------

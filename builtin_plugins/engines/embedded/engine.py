@@ -224,7 +224,9 @@ class EmbeddedEngine:
         checkpoint's per-expert names too (``...mlp.experts.{e}.{gate,up,down}_proj.weight``,
         copied into their slices of the fused experts tensors; see :mod:`.weight_names`).
         An FP8 engine quantises the weight of each of its FP8 layers into e4m3 blocks and
-        ``weight_scale_inv`` (:meth:`.fp8.Fp8Linear.load_dense`: the rounding of ``furlong quantize-fp8``).
+        ``weight_scale_inv`` (:meth:`.fp8.Fp8Linear.load_dense`: the rounding of ``furlong quantize-fp8``);
+        blocks already in e4m3 and their ``weight_scale_inv`` (what SGLang's clients send an FP8
+        server) are copied as they are.
 
         :raises PluginError: an unknown name or a shape mismatch (names the tensor).
         """
@@ -404,9 +406,10 @@ class EmbeddedEngine:
         self._use_device()
         state = self.model.state_dict()
         with contextlib.nullcontext() if self._paused else self._lock, self._torch.no_grad():
+            written = set()  # FP8 layers given already quantised blocks or scales: refreshed after the bucket
             for name, tensor in named_tensors:
                 layer = self._fp8.get(name)
-                target = layer.weight if layer is not None else target_of(self.model, state, name)
+                target = target_of(self.model, state, name)
                 if target is None:
                     raise PluginError(
                         f"embedded engine: update_weights got unknown tensor '{name}'; "
@@ -418,10 +421,14 @@ class EmbeddedEngine:
                         f"embedded engine: update_weights tensor '{name}' has shape {tuple(tensor.shape)}, "
                         f"the model expects {tuple(target.shape)}."
                     )
-                if layer is not None:
+                if layer is not None and name.endswith(".weight") and tensor.dtype != target.dtype:
                     layer.load_dense(tensor)  # the quantiser's blocks and rounding, on the engine's device
                 else:
                     target.copy_(tensor)
+                    if layer is not None:
+                        written.add(layer)
+            for layer in written:
+                layer.refresh()
             self._decoder.forget_prompts()  # prompts prefilled with the old weights are not shared any more
 
     def _use_device(self) -> None:

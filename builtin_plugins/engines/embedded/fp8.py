@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from furlong.kit.fp8 import dequantize_blocks, quantize_blocks
+from furlong.kit.fp8 import SCALE_SUFFIX, dequantize_blocks, quantize_blocks
 
 from .fp8_kernels import choose_gemm, fp8_matmul, quantize_activations, weight_scales_for_scaled_mm
 
@@ -62,10 +62,16 @@ class Fp8Linear(torch.nn.Module):
         q, scale_inv = quantize_blocks(weight.to(self.weight.device))
         self.weight.copy_(q)
         self.weight_scale_inv.copy_(scale_inv)
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Recompute what the forward reads from ``weight`` and ``weight_scale_inv`` (after either was
+        written: a sync that sends them already quantised, as SGLang's clients do)."""
         if self.dense is not None:
-            self.dense.copy_(dequantize_blocks(q, scale_inv, self.dense.dtype))
+            self.dense.copy_(dequantize_blocks(self.weight, self.weight_scale_inv, self.dense.dtype))
         if self.scaled_mm_scales is not None:
-            self.scaled_mm_scales[:, : scale_inv.shape[1]].copy_(scale_inv)
+            self.scaled_mm_scales[:, : self.weight_scale_inv.shape[1]].copy_(self.weight_scale_inv)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, e4m3 128x128 blocks, "
@@ -105,5 +111,10 @@ def install_fp8_layers(model, path: str, device: Any, gemm: str = "auto") -> int
 
 
 def fp8_layers(model) -> dict[str, Any]:
-    """``{"<module>.weight": layer}`` of every FP8 layer of ``model`` (the names a weight sync sends)."""
-    return {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    """``{"<module>.weight": layer, "<module>.weight_scale_inv": layer}`` of every FP8 layer of ``model``
+    (the names a weight sync sends)."""
+    layers = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            layers[f"{name}.weight"] = layers[f"{name}.{SCALE_SUFFIX}"] = module
+    return layers
