@@ -366,3 +366,44 @@ def test_fp8_layer_kernel_path_plumbing_on_the_cpu():
     mm.load_dense(w * 2)
     assert torch.equal(mm.scaled_mm_scales[:, :3], quantize_blocks(w * 2)[1])
     assert mm.scaled_mm_scales[:, 3].abs().sum().item() == 0.0
+
+
+def _train_in_process(argv: list[str]) -> None:
+    from furlong.builtin_plugins.engines.sglang import stop_routers
+    from furlong.core.config.launch_args import launch_config
+    from furlong.core.plugins.manager import get_plugin_manager
+    from furlong.core.plugins.selection import resolve_selection
+    from furlong.core.run.loop import run
+
+    pm = get_plugin_manager()
+    try:
+        config = launch_config(*argv, pm=pm)
+        asyncio.run(run(config, pm, resolve_selection(config, pm)))
+    finally:
+        stop_routers()
+
+
+def test_sglang_engine_on_the_fp8_dir_samples_what_the_embedded_fp8_engine_samples(fp8_dir, bf16_dir,
+                                                                                     arithmetic_jsonl, tmp_path):
+    """The sglang engine gives SGLang (here `furlong serve`, its stand-in) the FP8 directory as its model and
+    each sync's weights quantised; two rollouts (the second after a sync) sample the same tokens with the same
+    log-probs as the embedded FP8 engine."""
+    pytest.importorskip("sglang_router", reason='the router extra: pip install "furlong[router]"')
+    base = ["--hf-checkpoint", str(fp8_dir), "--ref-load", str(bf16_dir), "--prompt-data", str(arithmetic_jsonl),
+            "--input-key", "prompt", "--label-key", "label", "--rm-type", "deterministic_random",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+            "--num-rollout", "2", "--lr", "1e-2", "--seed", "3", "--executor", "local"]
+    saved = {}
+    for name, extra in (("embedded", ["--rollout-backend", "embedded"]),
+                        ("sglang", ["--rollout-backend", "sglang", "--sglang-server-impl", "furlong",
+                                    "--rollout-num-gpus", "1"])):
+        out = tmp_path / name
+        _train_in_process([*base, *extra, "--log-dir", str(out), "--save-debug-rollout-data",
+                           str(out / "rollout_{rollout_id}.pt")])
+        saved[name] = [torch.load(out / f"rollout_{i}.pt", weights_only=True)["samples"] for i in range(2)]
+    for ours, theirs in zip(saved["embedded"], saved["sglang"]):
+        key = lambda s: s["index"]  # noqa: E731
+        ours, theirs = sorted(ours, key=key), sorted(theirs, key=key)
+        assert [s["tokens"] for s in ours] == [s["tokens"] for s in theirs]
+        for a, b in zip(ours, theirs):
+            assert b["rollout_log_probs"] == pytest.approx(a["rollout_log_probs"], abs=1e-5)
