@@ -280,6 +280,7 @@ def test_fp8_hf_checkpoint_without_a_bf16_source_is_an_error(fp8_dir, tmp_path):
         "checkpoint for megatron), or --load a saved checkpoint to resume."]
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
     assert _problems("--hf-checkpoint", str(fp8_dir), "--load", str(tmp_path)) == []
+    assert _problems("--hf-checkpoint", str(fp8_dir), "--debug-rollout-only") == []  # no trainer starts
 
 
 def test_print_config_shows_each_sides_precision(fp8_dir, bf16_dir, capsys):

@@ -45,7 +45,7 @@ def fp8_sources(args, f) -> None:
     problem = supported_config_problem(quant, f"--hf-checkpoint {args.hf_checkpoint}")
     if problem:
         f.error(problem)
-    if args.ref_load:
+    if args.ref_load or args.debug_rollout_only:  # (a rollout-only run starts no trainer)
         return
     users = _kl_users(args)
     resumes = bool(args.load) and os.path.isfile(os.path.join(args.load, MARKER_NAME))
