@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from furlong.kit.fp8 import SCALE_SUFFIX, dequantize_blocks, quantize_blocks
+from furlong.kit.fp8 import BLOCK, SCALE_SUFFIX, dequantize_blocks, quantize_blocks
 
 from .fp8_kernels import choose_gemm, fp8_matmul, quantize_activations, weight_scales_for_scaled_mm
 
@@ -86,7 +86,8 @@ def install_fp8_layers(model, path: str, device: Any, gemm: str = "auto") -> int
     :param gemm: the CUDA kernel ("auto", "scaled_mm", "triton"; :func:`.fp8_kernels.choose_gemm`);
         on a CPU the layers run their dequantised weight.
     :returns: the number of layers replaced.
-    :raises PluginError: a quantised module of the files is not a linear layer of the model.
+    :raises PluginError: a quantised module of the files is not a linear layer of the model, or its
+        shape is not a multiple of the 128 x 128 block.
     """
     from furlong.hooks import PluginError
     from furlong.kit.fp8_io import read_fp8_blocks
@@ -102,6 +103,10 @@ def install_fp8_layers(model, path: str, device: Any, gemm: str = "auto") -> int
         if not isinstance(old, torch.nn.Linear) or tuple(old.weight.shape) != tuple(q.shape):
             raise PluginError(f"--hf-checkpoint {path}: {name}.weight_scale_inv is for a module the model does not "
                               f"have as a {tuple(q.shape)} linear layer.")
+        if q.shape[0] % BLOCK[0] or q.shape[1] % BLOCK[1]:
+            raise PluginError(f"--hf-checkpoint {path}: {name} is a {tuple(q.shape)} FP8 weight, not a multiple of "
+                              "the 128 x 128 block; partial blocks are not supported yet (furlong quantize-fp8 "
+                              "leaves such layers in BF16).")
         bias = old.bias.detach() if old.bias is not None else None
         layer = Fp8Linear(q.to(device), scale_inv.to(device), None if bias is None else bias.to(device),
                           old.weight.dtype, dense=not cuda, gemm=kernel)
