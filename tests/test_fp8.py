@@ -298,7 +298,7 @@ def test_print_config_shows_each_sides_precision(fp8_dir, bf16_dir, capsys):
 def test_grpo_run_with_an_fp8_engine_and_a_bf16_trainer(fp8_dir, bf16_dir, arithmetic_jsonl, tmp_path, caplog):
     """The recipe end to end on the CPU (fsdp, embedded engine): FP8 --hf-checkpoint, BF16 --ref-load, KL loss and
     TIS; the engine's FP8 layers hold the trainer's synced weights (--check-weight-update-equal); --save-hf writes
-    a BF16 model (no quantization_config)."""
+    a BF16 model (no quantization_config); a second run resumes from --load without --ref-load."""
     from furlong.core.config.launch_args import launch_config
     from furlong.core.plugins.manager import get_plugin_manager
     from furlong.core.plugins.selection import resolve_selection
@@ -317,6 +317,15 @@ def test_grpo_run_with_an_fp8_engine_and_a_bf16_trainer(fp8_dir, bf16_dir, arith
     assert sum("hold the trainer's" in r.getMessage() for r in caplog.records) == 2
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert "quantization_config" not in exported
+    # resuming with --load alone (no KL term): the trainer's weights come from the checkpoint
+    resume = [a for a in argv if a not in ("--use-kl-loss",)]
+    resume = resume[:resume.index("--ref-load")] + resume[resume.index("--ref-load") + 2:]
+    resume = [*resume[:resume.index("--kl-loss-coef")], *resume[resume.index("--kl-loss-coef") + 2:]]
+    resume[resume.index("--num-rollout") + 1] = "2"
+    config = launch_config(*resume, "--load", str(tmp_path / "save"), pm=pm)
+    asyncio.run(run(config, pm, resolve_selection(config, pm)))
+    rows = [json.loads(line) for line in (tmp_path / "save" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/step"] for r in rows if "rollout/step" in r] == [0, 1]
 
 
 # --- the Triton kernels, in Triton's interpreter -----------------------------------------------
