@@ -121,12 +121,20 @@ def dequantized_tensors(path: str) -> Iterator[tuple[str, Any]]:
 def linear_weight_names(config: Any) -> tuple[dict[str, tuple[int, int]], str | None]:
     """``({module name: (out_features, in_features)}, head name)``: every plain ``nn.Linear`` of the
     causal LM that ``config`` (a transformers config) builds but its output head, and the head's module
-    name, found on the meta device (no memory, no weights)."""
+    name, found on the meta device (no memory, no weights).
+
+    :raises PluginError: a mixture-of-experts model (not supported yet).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
+    from .moe import is_experts_module
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    if any(is_experts_module(m) for m in model.modules()):
+        raise PluginError(f"{type(model).__name__}: FP8 mixture-of-experts models are not supported yet (their "
+                          "experts and routers need their own FP8 layout); quantise a dense model.")
     out = model.get_output_embeddings()
     linears = {name: (m.out_features, m.in_features) for name, m in model.named_modules()
                if type(m) is torch.nn.Linear and m is not out}
@@ -151,14 +159,14 @@ def quantize_checkpoint(src: str, dst: str) -> dict:
 
     Every plain linear layer except the output head (``lm_head``) is quantised into e4m3 blocks
     with ``weight_scale_inv`` (:func:`~furlong.kit.fp8.quantize_blocks`); embeddings, norms, biases,
-    the head, fused mixture-of-experts tensors and linear layers whose shape is not a multiple of
-    128 keep their dtype (the last two are listed in ``modules_to_not_convert``). Shards keep their
+    the head and linear layers whose shape is not a multiple of 128 keep their dtype (the last two
+    are listed in ``modules_to_not_convert``). Shards keep their
     names; the index (if any) gains the scales; ``config.json`` gains ``quantization_config``; every
     other file (tokenizer, generation config, chat template) is copied.
 
     :returns: ``{"quantized": [...module names], "not_converted": [...]}``.
     :raises PluginError: ``src`` is not a model directory with safetensors weights, is already
-        quantised, or ``dst`` exists and is not empty, or cannot be written.
+        quantised or a mixture-of-experts model, or ``dst`` exists and is not empty, or cannot be written.
     """
     from safetensors import safe_open
     from transformers import AutoConfig
@@ -183,7 +191,10 @@ def quantize_checkpoint(src: str, dst: str) -> dict:
         config = AutoConfig.from_pretrained(src, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a bad config
         raise PluginError(f"{where}: cannot read config.json ({exc}).") from exc
-    linears, head = linear_weight_names(config)
+    try:
+        linears, head = linear_weight_names(config)
+    except PluginError as exc:
+        raise PluginError(f"{where}: {exc}") from None
     quantized, kept = quantized_names(linears)
     kept = ([head] if head else []) + kept
     todo = {f"{name}.weight" for name in quantized}

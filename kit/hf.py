@@ -74,9 +74,6 @@ def load_causal_lm_weights(path: str, flag: str, attn_implementations: Sequence[
             with _quiet_transformers() if fp8 is not None else contextlib.nullcontext():
                 # (the scales are "unexpected" to the plain layers; _dequantize_into reads them)
                 model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, **kwargs)
-            if fp8 is not None:
-                _dequantize_into(model, path)
-            return model
         except (ImportError, ValueError) as exc:
             problem = _first_line(exc)
             if i + 1 < len(attn_implementations):
@@ -86,6 +83,10 @@ def load_causal_lm_weights(path: str, flag: str, attn_implementations: Sequence[
             raise PluginError(f"{flag} {path}: cannot load the model ({_first_line(exc)}).") from exc
         except Exception as exc:  # noqa: BLE001 - e.g. safetensors' SafetensorError on a corrupt file
             raise PluginError(f"{flag} {path}: {_weights_problem(path, exc)}") from exc
+        else:
+            if fp8 is not None:
+                _dequantize_into(model, path, flag)
+            return model
     raise PluginError(f"{flag} {path}: cannot load the model ({problem}).")
 
 
@@ -120,9 +121,11 @@ def _quiet_transformers():
         hf_logging.set_verbosity(level)
 
 
-def _dequantize_into(model, path: str) -> None:
-    """Overwrite each quantised linear weight of ``model`` (loaded from the FP8 checkpoint ``path``
-    with the raw e4m3 values) with its dequantised value, in the weight's dtype."""
+def _dequantize_into(model, path: str, flag: str) -> None:
+    """Overwrite each quantised linear weight of ``model`` (loaded from the FP8 checkpoint ``path``, given
+    as ``flag``, with the raw e4m3 values) with its dequantised value, in the weight's dtype.
+
+    :raises PluginError: a scale for a module that is not such a linear layer of the model."""
     import torch
 
     from .fp8 import dequantize_blocks
@@ -130,8 +133,15 @@ def _dequantize_into(model, path: str) -> None:
 
     with torch.no_grad():
         for module, (q, scale_inv) in read_fp8_blocks(path).items():
-            weight = model.get_submodule(module).weight
-            weight.copy_(dequantize_blocks(q, scale_inv, weight.dtype))
+            try:
+                layer = model.get_submodule(module)
+            except AttributeError:
+                layer = None
+            if not isinstance(layer, torch.nn.Linear) or tuple(layer.weight.shape) != tuple(q.shape):
+                raise PluginError(f"{flag} {path}: {module}.weight_scale_inv is for a module the model does not have as a "
+                                  f"{tuple(q.shape)} linear layer (FP8 mixture-of-experts checkpoints, whose experts "
+                                  "are fused in the model, are not supported yet).")
+            layer.weight.copy_(dequantize_blocks(q, scale_inv, layer.weight.dtype))
 
 
 def decoder_layers(model) -> list:

@@ -417,3 +417,30 @@ def test_sglang_engine_on_the_fp8_dir_samples_what_the_embedded_fp8_engine_sampl
         assert [s["tokens"] for s in ours] == [s["tokens"] for s in theirs]
         for a, b in zip(ours, theirs):
             assert b["rollout_log_probs"] == pytest.approx(a["rollout_log_probs"], abs=1e-5)
+
+
+def test_mixture_of_experts_models_are_refused_in_both_directions(tiny_moe_model_dir, fp8_dir, tmp_path, capsys):
+    """The quantiser refuses an MoE model; the engine refuses an FP8 checkpoint with per-expert scales (its
+    experts are fused in the model), each with one error naming the cause."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from furlong.builtin_plugins.engines.embedded import load_engine
+    from furlong.core.cli import main
+    from furlong.hooks import PluginError
+
+    assert main(["quantize-fp8", str(tiny_moe_model_dir), str(tmp_path / "moe-fp8")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: quantize-fp8 {tiny_moe_model_dir}: Qwen3MoeForCausalLM: FP8 mixture-of-experts models are not "
+        "supported yet (their experts and routers need their own FP8 layout); quantise a dense model.\n")
+    foreign = tmp_path / "foreign"
+    shutil.copytree(fp8_dir, foreign)
+    tensors = load_file(foreign / "model.safetensors")
+    tensors["model.layers.0.mlp.experts.0.gate_proj.weight"] = tensors["model.layers.0.self_attn.q_proj.weight"].clone()
+    tensors["model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(tensors, foreign / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PluginError, match=r"^--hf-checkpoint .*foreign: model.layers.0.mlp.experts.0.gate_proj."
+                                          r"weight_scale_inv is for a module the model does not have as a "
+                                          r"\(128, 128\) linear layer \(FP8 mixture-of-experts checkpoints"):
+        load_engine(str(foreign))
