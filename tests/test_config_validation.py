@@ -224,10 +224,6 @@ UNSUPPORTED_ARGV = {
     "--disable-rollout-global-dataset": ["--disable-rollout-global-dataset"],
     "--custom-convert-samples-to-train-data-path": ["--custom-convert-samples-to-train-data-path", "my.convert"],
     "--rollout-data-postprocess-path": ["--rollout-data-postprocess-path", "my.post"],
-    "--generate-max-turns": ["--generate-max-turns", "4"],
-    "--generate-tool-specs-path": ["--generate-tool-specs-path", "tools.json"],
-    "--generate-tool-call-parser": ["--generate-tool-call-parser", "qwen25"],
-    "--generate-execute-tool-function-path": ["--generate-execute-tool-function-path", "my.execute"],
     "--max-seq-len": ["--max-seq-len", "4096"],
     "--session-server-ip": ["--session-server-ip", "10.0.0.1"],
     "--session-server-port": ["--session-server-port", "8000"],
@@ -253,7 +249,6 @@ UNSUPPORTED_MESSAGES = {
     "--eval-num-gpus": "--eval-num-gpus 2 is not supported yet (supported: 0).",
     "--update-weight-transfer-mode": "--update-weight-transfer-mode disk-delta is not supported yet "
                                      "(supported: broadcast).",
-    "--generate-max-turns": "--generate-max-turns 4 is not supported yet (supported: 16).",
     "--eval-num-gpus-per-engine": "--eval-num-gpus-per-engine 2 is not supported yet (supported: 1).",
     "--eval-max-in-flight": "--eval-max-in-flight 4 is not supported yet (supported: 2).",
     "--eval-overflow-policy": "--eval-overflow-policy skip is not supported yet (supported: backpressure).",

@@ -18,7 +18,7 @@ from .test_rewards_remote_rm import server  # noqa: F401 - the reward server fix
 # what the kit exercises of each built-in, and what it leaves to integration tests
 EXERCISED = {
     "check_reward_nonzero_std": ["filter"], "no_aborted": ["filter"], "pop_first": ["buffer_pop"],
-    "single_turn": ["generate"], "jsonl": ["data_source"], "parquet": ["data_source"], "hf_datasets": ["data_source"],
+    "single_turn": ["generate"], "multi_turn": ["configure", "generate", "abort"], "jsonl": ["data_source"], "parquet": ["data_source"], "hf_datasets": ["data_source"],
     "policy_loss": ["configure", "loss"], "sft_loss": ["loss"], "sft": ["configure"], "value_loss": ["loss"],
     "dr_grpo": ["configure", "loss_reducer"], "embedded": ["add_arguments", "configure"], "fsdp": ["configure"],
     "local": ["configure", "executor_fit"], "fully_async": ["configure"],
@@ -97,9 +97,27 @@ def own_data(builtins, tmp_path_factory):
     return {"parquet": str(folder / "train.parquet"), "hf_datasets": str(folder / "saved")}
 
 
-@pytest.mark.parametrize("name", sorted(EXERCISED))
-def test_every_built_in_plugin_passes_the_kit(builtins, own_data, name):
+@pytest.fixture(scope="module")
+def tool_run(builtins, tmp_path_factory):
+    """The run configuration with generate multi_turn and its tools (a real module on sys.path)."""
+    import sys
+
     pm, config = builtins
+    folder = tmp_path_factory.mktemp("kit_tools")
+    (folder / "kit_tools.py").write_text(
+        'TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]\n\n'
+        "def execute(name, arguments):\n    return str(sum(arguments.values()))\n")
+    sys.path.insert(0, str(folder))
+    yield launch_config("--prompt-data", config.prompt_data, "--rollout-max-response-len", "16", "--generate",
+                        "multi_turn", "--generate-tool-specs-path", "kit_tools.TOOLS", "--generate-tool-call-parser",
+                        "qwen25", "--generate-execute-tool-function-path", "kit_tools.execute", pm=pm)
+    sys.path.remove(str(folder))
+
+
+@pytest.mark.parametrize("name", sorted(EXERCISED))
+def test_every_built_in_plugin_passes_the_kit(builtins, own_data, tool_run, name):
+    pm, config = builtins
+    config = tool_run if name == "multi_turn" else config
     report = check_plugin(pm.get_plugin(name), name, config=config, dataset=training_dataset(config, own_data.get(name)))
     assert report.checked == EXERCISED[name]
     assert sorted(report.checked + list(report.not_exercised)) == pm.hooks_of(name)

@@ -330,6 +330,28 @@ def test_every_miles_path_resolves_to_its_built_in_plugin(pm, caplog):
         caplog.clear()
 
 
+@pytest.mark.parametrize("flag, path, message", [
+    ("--rollout-function-path", "miles.rollout.agentic_rollout.generate_rollout",
+     "--rollout-function-path 'miles.rollout.agentic_rollout.generate_rollout' names a function of Miles itself, "
+     "which furlong does not import: choose one of furlong's built-in rollout plugins instead "
+     "(fully_async, sft, sync)."),
+    ("--custom-rm-path", "miles_plugins.rewards.judge.reward",
+     "--custom-rm-path 'miles_plugins.rewards.judge.reward' names a function of Miles itself, which furlong does "
+     "not import: choose one of furlong's built-in reward plugins instead (remote_rm, zero, the --rm-type reward)."),
+    ("--data-source-path", "miles.rollout.data_source.StreamingDataSource",
+     "--data-source-path 'miles.rollout.data_source.StreamingDataSource' names a function of Miles itself, which "
+     "furlong does not import: choose one of furlong's built-in data_source plugins instead (jsonl)."),
+])
+def test_a_miles_path_furlong_does_not_map_names_the_built_ins_to_use(pm, flag, path, message):
+    from furlong.core.plugins.selection import resolve_selection
+
+    args = parse_args(BASE + [flag, path, "--rm-type", "math"])
+    with pytest.raises(PluginError) as err:
+        resolve_selection(args, pm)
+    assert str(err.value) == message + (" docs/miles.md (\"Miles' own dotted paths\") lists the Miles paths furlong "
+                                        "maps to its built-ins.")
+
+
 # --- the cheap Miles flags ------------------------------------------------------------------------
 
 def test_num_epoch_derives_num_rollout_from_the_loaded_data(tmp_path, arithmetic_jsonl, pm):

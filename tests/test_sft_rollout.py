@@ -74,7 +74,7 @@ def test_mask_errors_name_the_problem(chat_tokenizer):
 
 MILES_SFT = ["--rollout-function-path", "miles.rollout.sft_rollout.generate_rollout", "--input-key", "messages",
              "--loss-type", "sft_loss", "--calculate-per-token-loss", "--disable-compute-advantages-and-returns",
-             "--loss-mask-type", "qwen"]
+             "--loss-mask-type", "qwen", "--debug-train-only"]
 
 
 def _conversations(path, n: int):

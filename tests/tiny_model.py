@@ -216,6 +216,57 @@ def build_tiny_moe_model(path: Path, seed: int = 0, *, num_experts: int = 4, top
     return path
 
 
+def build_script_model(path: Path, transitions: dict[str, str], *, extra_words=(), eos: str = "</s>",
+                       chat_template: str | None = None, strength: float = 2.0, hidden: int | None = None) -> Path:
+    """A real one-layer Llama with a word-level tokenizer that writes a fixed script under greedy decoding.
+
+    Attention and MLP outputs are zero, so the logits at a position depend on its token alone:
+    ``lm_head`` sends word ``a`` to ``transitions[a]`` and every other word to ``eos``
+    (log-probs a few thousandths below 0 at ``strength`` 2). One token per whitespace-separated
+    word; ``extra_words`` join the vocabulary (a tool's output), any other word is ``<unk>``.
+    ``chat_template`` (jinja) is saved with the tokenizer. ``hidden`` (at least the vocabulary
+    size, even; default the smallest such) is also the one head's dimension: servers whose
+    attention kernels take only some head sizes need 64 or 128.
+    """
+    import torch
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", eos, "<unk>"]
+    words = specials + sorted({w for pair in transitions.items() for w in pair} - set(specials) | set(extra_words))
+    vocab = {w: i for i, w in enumerate(words)}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token=eos, unk_token="<unk>",
+                                        pad_token="<pad>")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    size = len(words)
+    hidden = hidden or size + size % 2  # RoPE needs an even head dimension
+    assert hidden >= size and hidden % 2 == 0, (hidden, size)
+    config = LlamaConfig(vocab_size=size, hidden_size=hidden, intermediate_size=4, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=512, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+        layer = model.model.layers[0]
+        for norm in (model.model.norm, layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.fill_(1.0)
+        model.model.embed_tokens.weight[:, :size] = torch.eye(size)
+        model.lm_head.weight[vocab[eos], :] = strength
+        for a, b in transitions.items():
+            model.lm_head.weight[:, vocab[a]] = 0.0
+            model.lm_head.weight[vocab[b], vocab[a]] = strength
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def build_tiny_bf16_model_for_fp8(path: Path, seed: int = 0) -> Path:
     """The tiny model's tokenizer with a 2-layer Llama whose linear layers are multiples of the FP8
     block (hidden 128, MLP 256, 2 heads of 64, 2 KV heads), saved in bfloat16: the BF16 source of

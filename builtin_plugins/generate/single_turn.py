@@ -5,8 +5,7 @@ from __future__ import annotations
 import functools
 
 from furlong.hooks import PluginError, Status, hookimpl
-
-_FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+from furlong.kit.turns import append_generated
 
 
 @hookimpl
@@ -61,22 +60,7 @@ def _prompt_ids(tokenizer, prompt: str) -> tuple[int, ...]:
 
 
 def _append(config, sample, out, tokenizer, params) -> None:
-    new = len(out.output_ids)
     previous = sample.response_length
-    sample.tokens.extend(out.output_ids)
-    sample.rollout_log_probs = (sample.rollout_log_probs or []) + list(out.output_log_probs)
-    text = out.text if out.text is not None else tokenizer.decode(
-        out.output_ids, skip_special_tokens=bool(params.get("skip_special_tokens", False)))
-    sample.response += text
-    sample.response_length = previous + new
+    append_generated(sample, out, tokenizer, params)
     if config.mask_offpolicy_in_partial_rollout and previous:
-        sample.loss_mask = [0] * previous + [1] * new
-    elif sample.loss_mask is not None:
-        sample.loss_mask = sample.loss_mask + [1] * new
-    sample.weight_versions.append(str(out.weight_version))
-    if out.weight_version_spans:  # the request straddled a weight update: which tokens came from which version
-        spans = [(version, previous + start, previous + end) for version, start, end in out.weight_version_spans]
-        sample.extra.setdefault("weight_version_spans", []).extend(spans)
-    if out.routed_experts is not None or new:  # a record that no longer covers the tokens is dropped
-        sample.rollout_routed_experts = out.routed_experts
-    sample.status = _FINISH_STATUS.get(out.finish_reason, Status.COMPLETED)
+        sample.loss_mask = [0] * previous + [1] * len(out.output_ids)

@@ -18,6 +18,7 @@ from .errors import ConfigError
 from .parse import names_any
 from .megatron_support import report_megatron_flags, report_routing_replay
 from ..plugins.manager import OBSERVER_HOOKS, FurlongPluginManager
+from ..plugins.miles_paths import MILES_BUILTINS, MILES_FUNCTION_FLAGS
 from ..plugins.selection import CHOSEN_HOOKS, Selection, boxed_base, resolve_selection
 
 __all__ = ["Configured", "configure_order", "configure_plugins", "unused_plugin_flags", "with_plugin_problems"]
@@ -142,6 +143,7 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
     also_used = {name for report in done.reports for name in report.uses}
     flag_errors, flag_warnings = unused_plugin_flags(args, pm, selection, also_used=also_used, told=errors)
     errors.extend(flag_errors)
+    errors.extend(miles_function_flags(args, pm, selection))
     stopped = bool(errors) or after_errors  # a stopped run's errors stand alone: no notes, only warnings
     for report in done.reports:
         for line in report.infos if not stopped else ():
@@ -205,6 +207,27 @@ def unused_plugin_flags(args: Namespace, pm: FurlongPluginManager, selection: Se
         errors.append(f"{flag} is a flag of plugin '{plugin}' ({pm.origin(plugin)}), which this run does not use: "
                       f"choose the plugin ({choose}) or leave {flag} out.")
     return errors, warnings
+
+
+def miles_function_flags(args: Namespace, pm: FurlongPluginManager, selection: Selection) -> list[str]:
+    """Errors for the given flags that only one of Miles' own functions reads
+    (:data:`~furlong.core.plugins.miles_paths.MILES_FUNCTION_FLAGS`: Miles adds them to its parser
+    only when that function is chosen), when this run's plugin for that hook is another named
+    plugin: they would do nothing. A function of the user's own (a dotted path) may read them."""
+    given = set(args.explicit_args or ())
+    errors = []
+    for flag, (hook, reader) in MILES_FUNCTION_FLAGS.items():
+        if flag[2:].replace("-", "_") not in given or hook not in selection.chosen:
+            continue
+        name, chose = selection.chosen[hook]
+        if name == reader or name in pm.path_flags:
+            continue
+        spec = next(s for s in CHOSEN_HOOKS if s.hook == hook)
+        paths = [path for path, entry in MILES_BUILTINS.items() if entry == (hook, reader)]
+        miles = f" (Miles: {spec.path_flag} {paths[0]})" if paths and spec.path_flag else ""
+        errors.append(f"{flag} is read by {hook} '{reader}'{miles}, and this run's {hook} is '{name}' ({chose}): "
+                      f"choose {spec.name_flag} {reader} or leave {flag} out.")
+    return errors
 
 
 def _choosing_flags(hooks: set[str]) -> list[str]:

@@ -46,13 +46,13 @@ def add(g, dev) -> None:
     g.add_argument("--keep-old-actor", action="store_true",
                    help="Keep rollout-time weights to recompute old log-probs (not supported yet).")
     g.add_argument("--generate-max-turns", type=int, default=16,
-                   help="multi_turn: most assistant turns (not supported yet).")
+                   help="generate multi_turn: most model turns per sample (default 16).")
     g.add_argument("--generate-tool-specs-path", default=None,
-                   help="multi_turn: JSON file of tool specs (not supported yet).")
+                   help="generate multi_turn: module.attr naming the list of tool specs (OpenAI form), or a .json file.")
     g.add_argument("--generate-tool-call-parser", default=None,
-                   help="multi_turn: tool-call parser name (not supported yet).")
+                   help="generate multi_turn: the model's tool-call format (qwen25, qwen, hermes, llama3, mistral, qwen3_coder).")
     g.add_argument("--generate-execute-tool-function-path", default=None,
-                   help="multi_turn: module.function executing one tool call (not supported yet).")
+                   help="generate multi_turn: module.function(name, arguments) -> str running one tool call.")
     g.add_argument("--max-seq-len", type=int, default=None,
                    help="Agents: most tokens in a trajectory (not supported yet).")
     g.add_argument("--use-session-server", nargs="?", const="v1", choices=["v1", "v2"], default=None,

@@ -14,7 +14,8 @@ reward plugin ``--rm-type`` names (Miles' ``async_rm`` dispatches on it).
 
 from __future__ import annotations
 
-__all__ = ["CORE_DOES_IT", "MILES_BUILTINS", "MILES_FLAG_CHOICES", "RM_TYPE", "miles_builtin"]
+__all__ = ["CORE_DOES_IT", "MILES_BUILTINS", "MILES_FLAG_CHOICES", "MILES_FUNCTION_FLAGS", "MILES_PACKAGES", "RM_TYPE",
+           "miles_builtin", "unmapped_miles_path"]
 
 RM_TYPE = "<--rm-type>"
 CORE_DOES_IT = "<core>"
@@ -51,6 +52,16 @@ MILES_BUILTINS: dict[str, tuple[str, str]] = {
     # generate functions
     "miles.rollout.sglang_rollout.generate": ("generate", "single_turn"),
     "miles.rollout.generate_hub.single_turn.generate": ("generate", "single_turn"),
+    "miles.rollout.generate_hub.multi_turn.generate": ("generate", "multi_turn"),
+}
+
+# flags Miles' own functions add to its parser (``generate.add_arguments``) -> (hook, the built-in that reads them):
+# in Miles they exist only when that function is chosen, so given with another plugin they would do nothing
+MILES_FUNCTION_FLAGS: dict[str, tuple[str, str]] = {
+    "--generate-max-turns": ("generate", "multi_turn"),
+    "--generate-tool-specs-path": ("generate", "multi_turn"),
+    "--generate-tool-call-parser": ("generate", "multi_turn"),
+    "--generate-execute-tool-function-path": ("generate", "multi_turn"),
 }
 
 
@@ -63,3 +74,24 @@ def miles_builtin(path: str, hook: str, rm_type: str | None = None) -> str | Non
     if entry is None or entry[0] != hook:
         return None
     return rm_type if entry[1] == RM_TYPE else entry[1]
+
+
+MILES_PACKAGES = ("miles", "miles_plugins")
+"""Top-level packages of Miles itself; furlong never imports them."""
+
+
+def unmapped_miles_path(path: str, hook: str, flag: str) -> str | None:
+    """The error for a dotted path into Miles itself that no built-in stands for, or None.
+
+    Miles' functions take Miles' own arguments and reach Miles' SGLang client, so furlong
+    never imports them (installed or not): the message names the built-ins of the same hook
+    that Miles' mapped paths resolve to, which is what to use instead.
+    """
+    if path.split(".", 1)[0] not in MILES_PACKAGES:
+        return None
+    names = {name for mapped, name in MILES_BUILTINS.values() if mapped == hook}
+    same_hook = sorted(names - {CORE_DOES_IT, RM_TYPE}) + (["the --rm-type reward"] if RM_TYPE in names else [])
+    instead = (f"choose one of furlong's built-in {hook} plugins instead ({', '.join(same_hook)})"
+               if same_hook else "furlong has no built-in that does the same: write it as a furlong plugin (PLUGINS.md)")
+    return (f"{flag} '{path}' names a function of Miles itself, which furlong does not import: {instead}. "
+            f"docs/miles.md (\"Miles' own dotted paths\") lists the Miles paths furlong maps to its built-ins.")

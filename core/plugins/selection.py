@@ -12,7 +12,7 @@ from furlong.hooks import PluginError, RunConfig
 from .adapters import agent_abort_adapter, make_adapter
 from .path_specs import PATH_HOOKS
 from .data_choice import data_source_for
-from .miles_paths import CORE_DOES_IT, miles_builtin
+from .miles_paths import CORE_DOES_IT, miles_builtin, unmapped_miles_path
 from .manager import FurlongPluginManager
 
 __all__ = ["CHOSEN_HOOKS", "Selection", "chosen_reducer", "plugins_of_this_process", "resolve_selection"]
@@ -161,6 +161,9 @@ def register_path(pm: FurlongPluginManager, hook: str, path: str, flag: str, rm_
     if builtin is not None and pm.get_plugin(builtin) is not None:
         log.info("%s %s: furlong's built-in plugin '%s' does this; using it.", flag, path, builtin)
         return builtin
+    unmapped = unmapped_miles_path(path, hook, flag) if builtin is None else None
+    if unmapped:
+        raise PluginError(unmapped)
     if pm.get_plugin(path) is None:
         pm.register_checked(make_adapter(hook, path, flag), path)
         pm.path_flags[path] = flag

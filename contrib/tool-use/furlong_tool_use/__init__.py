@@ -14,6 +14,7 @@ from __future__ import annotations
 import textwrap
 
 from furlong.hooks import PluginConfig, PluginError, Status, hookimpl
+from furlong.kit.turns import append_generated, append_inserted, tokens_left
 
 from .calculator import calculate
 from .sandbox import kill, run_python
@@ -30,8 +31,6 @@ TOOL_INSTRUCTIONS = (
 
 PLUGIN = "tool_use"
 """The plugin's name: its section of the run configuration."""
-
-_FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
 
 class _Episode:
@@ -138,12 +137,9 @@ async def generate(config, sample, sampling_params, engine, evaluation):
                 sample.status = Status.ABORTED if episode.aborted else Status.TRUNCATED
                 break
             out = await engine.generate(list(sample.tokens), {**params, "max_new_tokens": left})
-            text = out.text if out.text is not None else tokenizer.decode(
-                out.output_ids, skip_special_tokens=bool(params.get("skip_special_tokens", False)))
-            _append(sample, out.output_ids, list(out.output_log_probs), text, trained=True)
-            sample.weight_versions.append(str(out.weight_version))
-            sample.status = _FINISH_STATUS.get(out.finish_reason, Status.COMPLETED)
-            call = _call_at_end(text, tools) if sample.status == Status.COMPLETED else None
+            start = len(sample.response)
+            append_generated(sample, out, tokenizer, params)
+            call = _call_at_end(sample.response[start:], tools) if sample.status == Status.COMPLETED else None
             if call is None:
                 break
             if calls >= own.tool_use_max_turns:
@@ -157,7 +153,7 @@ async def generate(config, sample, sampling_params, engine, evaluation):
             errors += output.startswith("error:") or "Traceback (most recent call last)" in output
             ids = list(tokenizer(tool_output_text(output), add_special_tokens=False)["input_ids"])
             room = _tokens_left(sample, budget, cap)
-            _append(sample, ids[:room], [0.0] * len(ids[:room]), tokenizer.decode(ids[:room]), trained=False)
+            append_inserted(sample, ids[:room], tokenizer)
             if len(ids) > room:
                 sample.status = Status.TRUNCATED
                 break
@@ -173,18 +169,8 @@ def tool_output_text(output: str) -> str:
 
 
 def _tokens_left(sample, budget, cap) -> int:
-    left = float("inf") if budget is None else int(budget) - sample.response_length
-    if cap:
-        left = min(left, int(cap) - len(sample.tokens))
-    return int(min(left, 1 << 30))
-
-
-def _append(sample, ids, log_probs, text, trained: bool) -> None:
-    sample.tokens.extend(ids)
-    sample.rollout_log_probs.extend(log_probs)
-    sample.loss_mask.extend([1 if trained else 0] * len(ids))
-    sample.response += text
-    sample.response_length += len(ids)
+    left = tokens_left(sample, budget, cap)
+    return 1 << 30 if left is None else left
 
 
 def _call_at_end(text: str, tools: tuple[str, ...]) -> tuple[str, str] | None:
