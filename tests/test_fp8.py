@@ -162,7 +162,8 @@ def test_engine_log_probs_equal_transformers_fp8_model(fp8_dir):
     engine = load_engine(str(fp8_dir), max_batch_size=2)
     ids = [5, 40, 41, 12, 60, 33]
     with torch.no_grad():
-        want = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], -1).gather(1, torch.tensor(ids[1:])[:, None])
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])
     got = asyncio.run(engine.prompt_log_probs(ids, 1))
     assert got == pytest.approx(want[:, 0].tolist(), abs=1e-5)
 

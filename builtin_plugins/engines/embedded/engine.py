@@ -86,7 +86,7 @@ class EmbeddedEngine:
         self._running: asyncio.Future | None = None
         self._torch = torch
         self._seeds = torch.Generator().manual_seed(int(seed))
-        self._fp8 = _fp8_layers(model)  # "<module>.weight" -> FP8 layer: a sync of that name is quantised
+        self._fp8 = _fp8_layers(model)  # "<module>.weight" and ".weight_scale_inv" -> FP8 layer (syncs quantise)
 
     # --- RolloutEngine ------------------------------------------------------------------
 
