@@ -36,14 +36,14 @@ def write_model(path: str) -> None:
 
 def backend_for(path: str, micro_batch: int, steps_of: int, *extra: str, bf16: bool = True):
     from furlong.builtin_plugins.backends.megatron import train_backend
-    from furlong.core.config import parse_args
+    from furlong.core.config.launch_args import launch_config
 
-    args = parse_args(["--hf-checkpoint", path, "--train-backend", "megatron", "--num-rollout", "100",
-                       "--rollout-batch-size", str(steps_of), "--n-samples-per-prompt", "1", "--global-batch-size",
-                       str(steps_of), "--micro-batch-size", str(micro_batch), "--lr", "1e-6", *(["--bf16"] if bf16 else []), *extra])
-    args.bf16 = bf16  # --bf16 defaults to on with CUDA
-    backend = train_backend(args=args)
-    asyncio.run(backend.init(args))
+    config = launch_config("--hf-checkpoint", path, "--train-backend", "megatron", "--num-rollout", "100",
+                           "--rollout-batch-size", str(steps_of), "--n-samples-per-prompt", "1", "--global-batch-size",
+                           str(steps_of), "--micro-batch-size", str(micro_batch), "--lr", "1e-6", *extra,
+                           configure=False, bf16=bf16)  # --bf16 defaults to on with CUDA
+    backend = train_backend(config=config)
+    asyncio.run(backend.init(config))
     return backend
 
 

@@ -199,7 +199,7 @@ class TrainBackend(Protocol):
 
 @runtime_checkable
 class CriticBackend(Protocol):
-    """Trains a value model (the ppo critic) beside the actor. Built-in: ``fsdp``.
+    """Trains a value model (the ppo critic) beside the actor. Built-in: ``fsdp``, ``megatron``.
 
     Returned by the ``critic_backend`` hook of the plugin ``--train-backend`` names; a train
     backend that implements that hook is one that can build a value model. The core drives it

@@ -446,19 +446,13 @@ def test_ppo_with_a_third_party_backend_that_can_build_a_critic(resolve, critic_
 def test_ppo_with_a_backend_that_cannot_build_a_critic_is_one_error(error_of, critic_backend):
     assert error_of(BASE + ["--advantage-estimator", "ppo", "--train-backend", "actor_only"], "train") == (
         "--advantage-estimator ppo trains a critic (value model), but --train-backend actor_only cannot build one "
-        "(it implements no `critic_backend` hook); use --train-backend critic_backend or fsdp.")
+        "(it implements no `critic_backend` hook); use --train-backend critic_backend or fsdp or megatron.")
 
 
-def test_ppo_with_megatron_is_refused_before_any_model_loads(tiny_model_dir):
-    from furlong.core.cli.commands import _train
-
-    argv = [*BASE, "--advantage-estimator", "ppo", "--train-backend", "megatron", "--hf-checkpoint",
-            str(tiny_model_dir), "--print-config"]
-    with pytest.raises(PluginError) as err:
-        _train("train", argv)
-    assert [line for line in str(err.value).splitlines() if "ppo" in line] == [
-        "--advantage-estimator ppo trains a critic (value model), but --train-backend megatron cannot build one (it "
-        "implements no `critic_backend` hook); use --train-backend fsdp."]
+def test_ppo_with_megatron_trains_its_critic(resolve, tiny_model_dir):
+    args, _ = resolve(BASE + ["--advantage-estimator", "ppo", "--train-backend", "megatron", "--hf-checkpoint",
+                              str(tiny_model_dir)], "train")
+    assert args.use_critic is True
 
 
 def test_critic_defaults_are_ppo_s_only(resolve):

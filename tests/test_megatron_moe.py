@@ -157,7 +157,8 @@ def test_multi_token_prediction_is_refused_with_what_to_do(moe_dir):
     assert report.errors == [
         "multi-token prediction is not supported yet by --train-backend megatron: it needs MTP layers in the "
         "--hf-checkpoint (DeepSeek-V3's num_nextn_predict_layers, a family this backend does not build yet); "
-        "Qwen3, Qwen3-MoE, Qwen2 and Llama checkpoints ship none. Remove --mtp-num-layers, --enable-mtp-training."]
+        "Qwen3, Qwen3-MoE, Qwen2, Llama and GLM-4 checkpoints ship none. Remove --mtp-num-layers, "
+        "--enable-mtp-training."]
 
 
 def test_deepseek_v3_is_refused_naming_what_is_missing():
@@ -167,7 +168,7 @@ def test_deepseek_v3_is_refused_naming_what_is_missing():
     assert str(excinfo.value) == (
         "--hf-checkpoint ds: model_type 'deepseek_v3' is not supported yet by --train-backend megatron: multi-latent "
         "attention, the sigmoid router with its expert bias (e_score_correction_bias), shared experts and multi-token "
-        "prediction layers are not built yet (supported: qwen2, qwen3, qwen3_moe, llama).")
+        "prediction layers are not built yet (supported: qwen2, qwen3, qwen3_moe, llama, glm4).")
 
 
 def test_expert_parallelism_is_checked_against_the_experts(moe_dir, tiny_model_dir):

@@ -216,6 +216,45 @@ def build_tiny_moe_model(path: Path, seed: int = 0, *, num_experts: int = 4, top
     return path
 
 
+def build_tiny_glm4_model(path: Path, seed: int = 0, *, attention_bias: bool = True, tied: bool = False,
+                          std: float | None = None) -> Path:
+    """Write a tiny random GLM-4 (``Glm4ForCausalLM``) with the character tokenizer to ``path``.
+
+    2 layers, hidden 32, 4 query / 2 key-value heads of 16, intermediate 64, RoPE on half of each
+    head (``partial_rotary_factor`` 0.5, interleaved as transformers' GLM-4 applies it), q/k/v bias when
+    ``attention_bias``, float32. Every weight is random, the four norms of each layer and the biases
+    included (transformers initialises norms to 1 and biases to 0, which would hide a misplaced one);
+    ``std``: every matrix drawn with this standard deviation instead of transformers' 0.02 (large
+    weights make attention and RoPE matter in logit comparisons).
+    """
+    import torch
+    from transformers import Glm4Config, Glm4ForCausalLM
+
+    build_tiny_model(path, seed)  # the tokenizer (the Llama weights are replaced below)
+    for stale in path.glob("model*.safetensors*"):
+        stale.unlink()
+    config = Glm4Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=len(SPECIALS) + 96, max_position_embeddings=1024, bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=tied, attention_bias=attention_bias,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = Glm4ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+            elif std is not None:
+                param.normal_(0.0, std)
+    torch.random.set_rng_state(state)
+    model.save_pretrained(path)
+    return path
+
+
 def build_script_model(path: Path, transitions: dict[str, str], *, extra_words=(), eos: str = "</s>",
                        chat_template: str | None = None, strength: float = 2.0, hidden: int | None = None) -> Path:
     """A real one-layer Llama with a word-level tokenizer that writes a fixed script under greedy decoding.

@@ -59,7 +59,8 @@ def add_miles(g, dev) -> None:
                    help="Seconds an engine may take to answer a health check before it is restarted.")
     g.add_argument("--rollout-health-check-first-wait", type=float, default=0.0,
                    help="Seconds before the first health check (model compilation, warm-up).")
-    megatron(g, "--lora-rank", type=int, default=0, help="LoRA rank; 0 trains every weight (fsdp backend: peft).")
+    megatron(g, "--lora-rank", type=int, default=0,
+             help="LoRA rank; 0 trains every weight (fsdp: peft; megatron: adapters on its linear layers).")
     megatron(g, "--lora-alpha", type=int, default=16, help="LoRA scaling numerator (scale = alpha / rank).")
     megatron(g, "--lora-dropout", type=float, default=0.0, help="Dropout on the LoRA input.")
     megatron(g, "--target-modules", default=None,

@@ -2,7 +2,8 @@
 # PPO with a critic on the CPU demo, written the way a Miles PPO launch script is: *_ARGS arrays
 # handed to one command. The fsdp backend trains the actor and, beside it, the critic (the
 # policy's decoder with a value head); GAE turns the critic's values and the rewards into
-# advantages. Runs on a laptop: one CPU process, embedded engine.
+# advantages. Runs on a laptop: one CPU process, embedded engine. With --train-backend megatron
+# (appended) megatron-core trains both, the critic being the policy's GPTModel with a value head.
 #
 #   bash examples/launch/ppo_miles_style.sh [EXTRA FLAGS...]
 #

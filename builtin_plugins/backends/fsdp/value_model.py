@@ -16,6 +16,7 @@ import os
 from typing import Any, Sequence
 
 from furlong.hooks import PluginError, RunConfig
+from furlong.kit.critic import HEAD_PREFIX
 from furlong.kit.hf import is_hf_dir, save_safetensors
 from furlong.kit.trainer import right_padded, to_device
 
@@ -23,8 +24,6 @@ from . import packing
 from .model import load_causal_lm
 
 __all__ = ["HEAD_PREFIX", "forward_values", "load_value_model", "value_model_class"]
-
-HEAD_PREFIX = "value_head."
 
 
 @functools.cache

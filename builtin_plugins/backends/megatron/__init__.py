@@ -24,10 +24,11 @@ for _message in ("Transformer Engine and Apex are not installed", "Apex is not i
 for _name in ("megatron.core.distributed.fsdp", "megatron_fsdp"):
     logging.getLogger(_name).setLevel(logging.WARNING)
 
-__all__ = ["MEGATRON_FLAGS", "configure", "train_backend"]
+__all__ = ["MEGATRON_FLAGS", "configure", "critic_backend", "train_backend"]
 
 # Megatron flags whose values this backend reads (architecture checks, parallel sizes, recompute, schedule).
 _USED = {
+    "--rotary-interleaved", "--post-self-attn-layernorm", "--post-mlp-layernorm",
     "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
     "--kv-channels", "--rotary-base", "--rotary-percent", "--norm-epsilon", "--vocab-size", "--normalization",
     "--position-embedding-type", "--group-query-attention", "--swiglu", "--disable-bias-linear", "--add-qkv-bias",
@@ -44,7 +45,6 @@ _USED = {
 # nothing): "not supported yet".
 _REFUSED = (
     ("--virtual-pipeline-model-parallel-size", "virtual_pipeline_model_parallel_size", None),
-    ("--spec", "spec", None),
     ("--padded-vocab-size", "padded_vocab_size", None),
     ("--optimizer-cpu-offload", "optimizer_cpu_offload", False),
     ("--use-precision-aware-optimizer", "use_precision_aware_optimizer", False),
@@ -56,7 +56,7 @@ _REFUSED = (
 _MTP = ("--mtp-num-layers", "--enable-mtp-training", "--mtp-loss-scaling-factor")
 _MTP_REASON = ("multi-token prediction is not supported yet by --train-backend megatron: it needs MTP layers in the "
                "--hf-checkpoint (DeepSeek-V3's num_nextn_predict_layers, a family this backend does not build yet); "
-               "Qwen3, Qwen3-MoE, Qwen2 and Llama checkpoints ship none. Remove {given}.")
+               "Qwen3, Qwen3-MoE, Qwen2, Llama and GLM-4 checkpoints ship none. Remove {given}.")
 
 # What the core must not report for this backend: the flags it reads, and those its configure
 # refuses itself with a "not supported yet" naming the value. The model comes from the
@@ -64,7 +64,8 @@ _MTP_REASON = ("multi-token prediction is not supported yet by --train-backend m
 # ones by configure (:mod:`.moe`).
 MEGATRON_FLAGS = MegatronFlags(
     honours=frozenset(flag_dest(f) for f in _USED) | frozenset(dest for _, dest, _ in _REFUSED)
-    | frozenset({"attention_dropout", "hidden_dropout", "moe_token_dispatcher_type", "mtp_num_layers",
+    | frozenset({"spec", "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules",
+                 "attention_dropout", "hidden_dropout", "moe_token_dispatcher_type", "mtp_num_layers",
                  "mtp_loss_scaling_factor", "moe_enable_routing_replay"}) | MOE_DESTS,
     architecture_from_hf=True)
 
@@ -96,6 +97,11 @@ def configure(args, report):
     default_token_budget(args, report, tensor_parallel=args.tensor_model_parallel_size,
                          state_shards=args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     _check_sequence_parallel(args, report)
+    _check_spec(args, report)
+    from .lora import lora_problems
+
+    for problem in lora_problems(args, int(args.tensor_model_parallel_size or 1)):
+        report.error(problem)
     for dest in ("attention_dropout", "hidden_dropout"):
         value = getattr(args, dest, None)
         if value:
@@ -125,6 +131,28 @@ def _check_sequence_parallel(args, report) -> None:
                     "it is off there).")
 
 
+def _check_spec(args, report) -> None:
+    """Miles' ``--spec``: the family it names against the one this backend builds (:mod:`.specs`)."""
+    import json
+
+    from .specs import spec_problems
+
+    spec = getattr(args, "spec", None)
+    if not spec:
+        return
+    model_type = None
+    try:
+        with open(os.path.join(str(args.hf_checkpoint or ""), "config.json"), encoding="utf-8") as handle:
+            model_type = json.load(handle).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        pass  # unreadable here: _check_architecture reports it
+    errors, infos = spec_problems(spec, model_type)
+    for message in errors:
+        report.error(message)
+    for message in infos:
+        report.info(message)
+
+
 def _check_architecture(args, report) -> None:
     from transformers import AutoConfig
 
@@ -152,6 +180,8 @@ def _check_architecture(args, report) -> None:
         return
     for problem in check_model_args(args, shape, f"{where}/config.json"):
         report.error(problem)
+    if int(args.lora_rank or 0) > 0 and shape.is_moe:
+        report.error("--lora-rank on a mixture-of-experts model is not supported yet by --train-backend megatron.")
     errors, warnings = moe_flag_problems(args, shape, f"{where}/config.json")
     errors += moe_layout_problems(shape, int(args.tensor_model_parallel_size or 1),
                                   int(args.pipeline_model_parallel_size or 1), int(args.context_parallel_size or 1),
@@ -188,10 +218,12 @@ def train_backend(config):
     Flags read: ``--hf-checkpoint``, ``--ref-load``, ``--tensor-model-parallel-size``,
     ``--pipeline-model-parallel-size``, ``--decoder-first-pipeline-num-layers``,
     ``--decoder-last-pipeline-num-layers``, ``--context-parallel-size``, ``--sequence-parallel``,
-    Miles' architecture flags (checked against the HF config), ``--make-vocab-size-divisible-by``,
+    Miles' architecture flags (checked against the HF config), ``--spec`` (Miles' model spec: the family
+    it names, :mod:`.specs`), ``--make-vocab-size-divisible-by``,
     ``--use-kl-loss``, ``--kl-coef``, ``--optimizer`` (adam), ``--lr`` and the Megatron LR schedule
     flags, ``--weight-decay``, ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``, ``--clip-grad``,
-    ``--use-distributed-optimizer``, ``--micro-batch-size``, ``--use-dynamic-batch-size`` (packing
+    ``--use-distributed-optimizer``, ``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--target-modules``,
+    ``--exclude-modules`` (:mod:`.lora`), ``--micro-batch-size``, ``--use-dynamic-batch-size`` (packing
     off CUDA), ``--log-probs-chunk-size``, ``--entropy-coef``, ``--recompute-granularity``,
     ``--recompute-method``, ``--recompute-num-layers``, ``--reset-optimizer-states``,
     ``--no-check-for-nan-in-loss-and-grad``, ``--no-save-optim``, ``--no-load-optim``,
@@ -205,3 +237,22 @@ def train_backend(config):
     from .backend import MegatronBackend
 
     return MegatronBackend(config)
+
+
+@hookimpl
+def critic_backend(config):
+    """Create the megatron critic (``--advantage-estimator ppo``); :meth:`MegatronCritic.init` builds the value
+    model (the policy's GPTModel with a value head, :mod:`.value_model`) and loads it.
+
+    Flags read: ``--critic-load`` (a Hugging Face directory to start from; a critic checkpoint folder is the
+    core's to load), ``--ref-load`` and ``--hf-checkpoint`` (the actor's starting weights, else),
+    ``--critic-lr``, ``--critic-lr-warmup-iters``, and the actor's optimizer, schedule, precision and
+    parallelism flags (:func:`furlong.kit.critic.critic_config`).
+
+    :returns: a :class:`MegatronCritic` (meets :class:`furlong.hooks.CriticBackend`).
+    :raises PluginError: ``--pipeline-model-parallel-size`` or ``--context-parallel-size`` above 1 (not
+        supported yet for the critic).
+    """
+    from .critic import MegatronCritic
+
+    return MegatronCritic(config)

@@ -71,7 +71,8 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError("SDPACoreAttention is causal only; call the model with attention_mask=None.")
         rotary = getattr(packed_seq_params, "rotary", None)
         if rotary is not None:
-            query, key = rotate(query, *rotary[0]), rotate(key, *rotary[1])
+            interleaved = self.config.rotary_interleaved
+            query, key = rotate(query, *rotary[0], interleaved), rotate(key, *rotary[1], interleaved)
         cp = self.config.context_parallel_size
         if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
             if cp > 1:
@@ -161,17 +162,29 @@ def _rotate(x, cos, sin):
     return x * cos + torch.cat((-second, first), dim=-1) * sin
 
 
-def rotate(x, cos, sin):
-    """RoPE (the non-interleaved half-split form, megatron-core's ``_apply_rotary_pos_emb_bshd`` with
-    ``rotary_percent`` 1 and no scaling of the amplitude): ``x cos f + rotate_half(x) sin f``. One
-    fused kernel on CUDA (``torch.compile``), the same arithmetic elsewhere.
+def _rotate_interleaved(x, cos, sin):
+    turned = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return x * cos + turned * sin
+
+
+def rotate(x, cos, sin, interleaved: bool = False):
+    """RoPE, megatron-core's ``_apply_rotary_pos_emb_bshd`` without scaling of the amplitude:
+    ``x cos f + rotate_half(x) sin f`` on the first ``cos.shape[-1]`` channels of each head (all of them
+    unless RoPE is partial, ``rotary_percent`` < 1), the other channels unchanged. ``rotate_half`` pairs
+    channel ``i`` with ``i + r/2`` (``r`` the rotated channels), or with ``interleaved`` channel ``2i`` with
+    ``2i + 1`` (GPT-J style; the table then repeats each angle twice in a row, as megatron-core builds it
+    with ``rotary_interleaved``). One fused kernel on CUDA (``torch.compile``), the same arithmetic elsewhere.
 
     :param x: ``[s, b, heads, d]`` queries or keys.
-    :param cos: and :param sin: ``[s, 1, 1, d]``, the cosine and sine of each position's angles
+    :param cos: and :param sin: ``[s, 1, 1, r]`` (``r`` <= ``d``), the cosine and sine of each position's angles
         (``RotaryEmbedding``'s table rows), in ``x``'s dtype (:func:`angles_cos_sin`).
     :returns: ``x`` rotated, its shape and dtype.
     """
-    return fused(_rotate, x.device)(x, cos, sin)
+    turn = fused(_rotate_interleaved if interleaved else _rotate, x.device)
+    rotated = cos.shape[-1]
+    if rotated == x.shape[-1]:
+        return turn(x, cos, sin)
+    return torch.cat((turn(x[..., :rotated], cos, sin), x[..., rotated:]), dim=-1)
 
 
 def angles_cos_sin(angles, dtype) -> tuple:
@@ -196,16 +209,16 @@ class RopeSelfAttention(SelfAttention):
     table's rows for each token in :class:`RotaryParams`: the first ``s`` rows for padded input (this rank's, under
     CP), the rows of :func:`packed_positions` for packed (``thd``) input, whose micro-batch
     megatron-core then sees as one ``[t, 1]`` sequence (``qkv_format="sbhd"``) while the sequence
-    bounds still reach the core attention. The same values as megatron-core's own RoPE (tested).
-    Interleaved RoPE and layers without RoPE (``no_rope_freq``) stay megatron-core's.
+    bounds still reach the core attention. The same values as megatron-core's own RoPE (tested), partial
+    (``rotary_percent``) and interleaved (``rotary_interleaved``) RoPE included. Layers without RoPE
+    (``no_rope_freq``) stay megatron-core's.
     """
 
     def forward(self, hidden_states, *args, rotary_pos_emb=None, packed_seq_params=None, **kwargs):
         """megatron-core's ``SelfAttention.forward`` (same arguments and result: ``(output, bias)``,
         output ``[s, b, h]``) with ``rotary_pos_emb`` (float32 ``[max_s, 1, 1, d]`` or a ``(query, key)``
         pair) and ``packed_seq_params`` turned into :class:`RotaryParams`."""
-        if rotary_pos_emb is not None and not self.config.rotary_interleaved and not getattr(
-                self.config, "no_rope_freq", None):
+        if rotary_pos_emb is not None and not getattr(self.config, "no_rope_freq", None):
             query_angles, key_angles = (rotary_pos_emb if isinstance(rotary_pos_emb, tuple)
                                         else (rotary_pos_emb, rotary_pos_emb))
             rows = hidden_states.shape[0]  # queries and keys: the whole sequence (gathered under sequence parallelism)

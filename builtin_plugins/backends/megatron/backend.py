@@ -12,7 +12,7 @@ from furlong.hooks import ParallelLayout, PluginError, RunConfig, TrainBatch
 from furlong.kit.hf import is_hf_dir
 from furlong.kit.trainer import StepLoop, local_optimizer
 
-from . import checkpoint
+from . import checkpoint, lora
 from .config import check_model_args, model_shape, padded_vocab_size
 from .convert import (ExpertShard, Stage, export_hf, load_hf, pipeline_split, placed_units, safetensors_stream,
                       stage_layer_counts)
@@ -136,6 +136,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
             problems.append(f"--hf-checkpoint {config.hf_checkpoint}: {exc}")
         if problems:
             raise PluginError(" ".join(problems))
+        self.shape = self._built_shape(self.shape)
         from megatron.core import parallel_state
 
         if self.pp > 1:
@@ -145,14 +146,22 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
                                             config.make_vocab_size_divisible_by)
         self.model = self._load_model()
         untrained_padding_lookups(self.model, self.shape.padding_idx)
+        if lora.enabled(config):
+            problems = lora.lora_problems(config, self.tp, self.shape.is_moe)
+            if problems:
+                raise PluginError(" ".join(problems))
+            adapted = lora.apply_lora(self.model, config, int(config.seed), self.stage.offset(self.shape.num_layers))
+            if self.rank == 0:
+                log.info("megatron: LoRA rank %d, alpha %d on %s (%d layers); the base weights are frozen",
+                         int(config.lora_rank), int(config.lora_alpha),
+                         ", ".join(sorted(lora.target_linears(config))), len(adapted))
         if self._dtype() != torch.float32:
             self.masters = MasterWeights(self.model)
-            saved = torch_dist_dir(config.ref_load)
-            if saved:  # the checkpoint holds float32 weights: the masters start from them, not from their rounding
-                checkpoint.load_weights(saved, self.model, self.device, masters=self.masters)
+            self._masters_from_checkpoint()
         params = dict(self._trained_parameters())
         self._tp_sharded = {id(params[local]) for u, local in placed_units(self.shape, self.stage, self.experts)
-                            if u.split is not None}
+                            if u.split is not None and local in params}  # (LoRA: frozen weights are not trained)
+        self._tp_sharded |= {id(p) for n, p in params.items() if lora.sharded_adapter(n)}
         if config.use_kl_loss or config.kl_coef:
             self.ref_model = self._load_model().requires_grad_(False)
         self._start_routing_replay()
@@ -165,14 +174,32 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
                      "bf16 parameters, fp32 master weights" if self.masters else "fp32", self._optimizer_note())
         return 0
 
-    def _load_model(self):
+    def _built_shape(self, shape):
+        """The shape the model is built with: the checkpoint's (a critic builds another, :mod:`.critic`)."""
+        return shape
+
+    def _masters_from_checkpoint(self, skip: tuple[str, ...] = ()) -> None:
+        """Under ``--bf16`` with a ``torch_dist`` ``--ref-load``: the float32 master weights start from the
+        checkpoint's float32 weights, not from their bfloat16 rounding (``skip``: state-dict key prefixes of
+        parameters it does not hold, :func:`~.checkpoint.load_weights`)."""
+        saved = torch_dist_dir(self.config.ref_load)
+        if saved:
+            checkpoint.load_weights(saved, self.model, self.device, masters=self.masters, skip=skip)
+
+    def _build_model(self):
+        """This rank's GPTModel of :attr:`shape`, its weights not loaded yet."""
         first, last = pipeline_split(self.config.megatron_args) if self.pp > 1 else (None, None)
         split = {k: v for k, v in (("num_layers_in_first_pipeline_stage", first),
                                    ("num_layers_in_last_pipeline_stage", last)) if v is not None}
-        model = build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device, pp=self.pp, cp=self.cp,
-                          sequence_parallel=self._sequence_parallel(), **recompute_settings(self.config), **split,
-                          deterministic_mode=bool(self.config.deterministic_mode),
-                          **moe_transformer_fields(self.shape, self.config, self.device))
+        return build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device, pp=self.pp, cp=self.cp,
+                         sequence_parallel=self._sequence_parallel(), **recompute_settings(self.config), **split,
+                         deterministic_mode=bool(self.config.deterministic_mode),
+                         **moe_transformer_fields(self.shape, self.config, self.device))
+
+    def _load_model(self):
+        """:meth:`_build_model` with the actor's starting weights: ``--ref-load`` (Hugging Face or
+        ``torch_dist``), else ``--hf-checkpoint``."""
+        model = self._build_model()
         ref = self.config.ref_load
         if is_hf_dir(ref):
             load_hf(model, safetensors_stream(ref), self.shape, self.vocab_rows, self.tp, self._tp_rank(),
@@ -295,6 +322,10 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
                 f"the moments of {mine:,} of {total:,} parameter elements ({8 * mine / 2**20:.1f} of "
                 f"{8 * total / 2**20:.1f} MiB in float32)")
 
+    def train_forward_gives_old_log_probs(self) -> bool:
+        """False with ``--lora-dropout`` > 0 (the training forward drops adapter inputs, the log-prob pass does not)."""
+        return not (lora.enabled(self.config) and float(self.config.lora_dropout or 0.0) > 0)
+
     def _learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])  # set by the scheduler
 
@@ -334,7 +365,8 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         if self.tp > 1:
             group = parallel_state.get_tensor_model_parallel_group()
             for name, p in named:
-                if summed_over_tensor_parallel(name, self._sequence_parallel()):
+                if summed_over_tensor_parallel(name, self._sequence_parallel()) or lora.summed_adapter(
+                        name, self._sequence_parallel()):
                     dist.all_reduce(p.grad, group=group)
         counted = [p for n, p in named if not self._is_embedding_copy(n)]  # a tied copy is counted once
         split = [id(p) in self._tp_sharded for p in counted]
@@ -382,14 +414,22 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         A collective over the TP group (sharded parameters are all-gathered) and the
         pipeline stages (each parameter is broadcast from its stage): every rank iterates
         and gets every tensor. Tensors are in the parameters' dtype (bfloat16 under ``--bf16``), full
-        shape, vocabulary trimmed to the HF size; tied models yield no ``lm_head.weight``.
+        shape, vocabulary trimmed to the HF size; tied models yield no ``lm_head.weight``. With LoRA the
+        adapted layers' weights are merged, ``W + (alpha / r) B A`` (:func:`~.lora.merged_weight`).
         Copy them before the next :meth:`train`.
         """
         from megatron.core import parallel_state
 
+        weight_of = None
+        if lora.enabled(self.config):
+            def weight_of(name, param):
+                return lora.merged_weight(self.model.get_submodule(name.rpartition(".")[0])) if (
+                    name.endswith(".weight")) else param
+
         stream = export_hf(self.model, self.shape, self.tp, parallel_state.get_tensor_model_parallel_group(),
                            self.stage, parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None,
-                           self.experts, parallel_state.get_expert_model_parallel_group() if self.ep > 1 else None)
+                           self.experts, parallel_state.get_expert_model_parallel_group() if self.ep > 1 else None,
+                           weight_of)
         sentinel = object()
         while True:
             item = await self._in_thread(next, stream, sentinel)
@@ -404,13 +444,23 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
     async def save(self, path: str) -> None:
         """Write a ``torch_dist`` checkpoint into ``path`` (:mod:`.checkpoint`); every rank calls it.
 
-        ``--no-save-optim`` leaves out the optimizer moments.
+        ``--no-save-optim`` leaves out the optimizer moments. With LoRA the checkpoint holds the adapters (and
+        their moments) only, and rank 0 also writes them in peft's format into ``path/adapter``
+        (:func:`~.lora.save_adapter`).
         """
         await self._in_thread(
             checkpoint.save_checkpoint, path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             masters=self.masters, global_step=self.global_step, rank=self.rank, world=self.world, tp=self.tp,
             pp=self.pp, cp=self.cp,
             save_optim=not self.config.no_save_optim, device=self.device)
+        if lora.enabled(self.config):
+            from megatron.core import parallel_state
+
+            await self._in_thread(lora.save_adapter, self.model, self.shape, self.config,
+                                  os.path.join(path, "adapter"), self.tp,
+                                  parallel_state.get_tensor_model_parallel_group(), self.rank == 0,
+                                  self.stage.offset(self.shape.num_layers),
+                                  parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None)
 
     async def load(self, path: str) -> None:
         """Restore weights, optimizer and schedule (unless ``--no-load-optim``), RNG (unless ``--no-load-rng``).

@@ -15,7 +15,8 @@ and the moments are those of the masters), ``scheduler`` (``OptimizerParamSchedu
 ``global_step`` and ``rng`` (one object per rank). A checkpoint saved at one TP or PP size
 loads at another: weights and moments are resharded (megatron-core keys layers by their
 global index; a tied model's last-stage output layer is saved as a replica of the
-embedding); RNG states are restored only when the world size is unchanged.
+embedding); RNG states are restored only when the world size is unchanged. With LoRA (:mod:`.lora`)
+``model`` holds the adapters only and the moments are theirs, and ``adapter/`` holds them in peft's format.
 """
 
 from __future__ import annotations
@@ -107,21 +108,28 @@ def _optimizer_sharded(optimizer, model_sharded: dict) -> dict:
 
 
 def _model_sharded(model, masters) -> dict:
-    """The model's sharded state dict; with :class:`~.master.MasterWeights`, holding the float32 masters."""
+    """The model's sharded state dict; with :class:`~.master.MasterWeights`, holding the float32 masters. A model
+    with LoRA adapters (:mod:`.lora`) gives its adapters only (the frozen base is ``--hf-checkpoint``)."""
+    from .lora import adapter_sharded
+
     sharded = model.sharded_state_dict()
+    adapters = adapter_sharded(sharded)
+    if adapters:
+        sharded = adapters
     return masters.sharded_state_dict(sharded) if masters is not None else sharded
 
 
 def _load(template: dict, path: str, device, what: str) -> dict:
     """``dist_checkpointing.load`` of ``template`` from ``path``; a reader failure names the checkpoint."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     from .model import cpu_shims
 
     try:
         with cpu_shims(device):
             return dist_checkpointing.load(template, path)
-    except Exception as exc:  # noqa: BLE001 - any reader failure is a bad checkpoint
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any reader failure is a bad checkpoint
         raise PluginError(f"checkpoint {path}: cannot load {what} into this model: {type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
 
@@ -252,16 +260,21 @@ def load_checkpoint(path: str, *, model, optimizer, scheduler, rank: int, world:
     return int(loaded["global_step"])
 
 
-def load_weights(path: str, model, device, masters=None) -> None:
+def load_weights(path: str, model, device, masters=None, skip: tuple[str, ...] = ()) -> None:
     """Load only the model weights of checkpoint ``path`` (``--ref-load`` of a ``torch_dist`` checkpoint).
 
     :param masters: the :class:`~.master.MasterWeights` of a bfloat16 model: the saved float32
         weights load into them, then round into the model.
+    :param skip: state-dict key prefixes not read from ``path`` (a critic's value head, which an actor's
+        checkpoint does not hold): those parameters keep their values.
     :raises PluginError: not a checkpoint of this backend, or one of another model.
     """
     from .model import cpu_shims
 
     read_meta(path)
     with cpu_shims(device):
-        template = {"model": _model_sharded(model, masters)}
-    _restore_model(model, masters, _load(template, path, device, "its weights")["model"])
+        whole = _model_sharded(model, masters)
+    wanted = {k: v for k, v in whole.items() if not (skip and k.startswith(skip))}
+    loaded = _load({"model": wanted}, path, device, "its weights")["model"]
+    loaded.update({k: v.data for k, v in whole.items() if k not in wanted})  # their own values
+    _restore_model(model, masters, loaded)

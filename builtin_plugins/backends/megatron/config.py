@@ -2,8 +2,10 @@
 
 Families: Qwen2 / Qwen2.5 (``qwen2``: bias on q/k/v), Qwen3 (``qwen3``: per-head q/k
 RMSNorm, explicit ``head_dim``), Qwen3-MoE (``qwen3_moe``: Qwen3 attention, top-k softmax-routed
-SwiGLU experts without shared experts) and Llama 3 (``llama``, with the ``llama3`` RoPE scaling
-of Llama 3.1/3.2). All are pre-norm RMSNorm decoders with SwiGLU MLPs and rotate-half RoPE.
+SwiGLU experts without shared experts), Llama 3 (``llama``, with the ``llama3`` RoPE scaling
+of Llama 3.1/3.2) and GLM-4 (``glm4``: q/k/v bias when ``attention_bias``, an RMSNorm after the
+attention and after the MLP before each residual add, interleaved RoPE on the first
+``partial_rotary_factor`` of each head). All are pre-norm RMSNorm decoders with SwiGLU MLPs.
 """
 
 from __future__ import annotations
@@ -18,14 +20,25 @@ from furlong.hooks.megatron_flags import architecture_disagreements
 
 __all__ = ["ModelShape", "check_model_args", "flag_dest", "model_shape", "padded_vocab_size"]
 
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4")
 
 # families a user may expect, and what this backend lacks to build them
 _NOT_YET = {
     "deepseek_v3": "multi-latent attention, the sigmoid router with its expert bias (e_score_correction_bias), "
                    "shared experts and multi-token prediction layers are not built yet",
     "qwen2_moe": "its shared expert (shared_expert_intermediate_size) and that expert's sigmoid gate are not built yet",
+    "qwen3_next": "its Gated DeltaNet linear-attention layers, the gated attention output, the 1 + weight norm "
+                  "scales and the shared expert are not built yet",
+    "qwen3_5": "its Gated DeltaNet linear-attention layers (layer_types 'linear_attention'), the gated attention "
+               "output (q_proj's second half) and the 1 + weight norm scales are not built yet",
+    "glm4_moe": "its shared expert and the sigmoid router with its expert bias (e_score_correction_bias) are not "
+                "built yet",
+    "glm_moe_dsa": "multi-latent attention with the DeepSeek sparse-attention indexer, the sigmoid router and "
+                   "shared experts are not built yet",
+    "deepseek_v4": "its compressed sparse attention, hyper-connections and mixture of experts are not built yet",
 }
+for _name in ("qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):
+    _NOT_YET[_name] = _NOT_YET["qwen3_5"]
 
 # Megatron's llama3 RoPE scaling hard-codes these (rotary_pos_embedding.py); other values differ from HF.
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -36,6 +49,10 @@ class ModelShape:
     """What GPTModel needs from the HF config, in Megatron's terms.
 
     ``rope_scaling_factor`` is None without RoPE scaling. ``qkv_bias``: bias on q/k/v only.
+    ``rotary_percent``: the share of each head's channels RoPE rotates (HF ``partial_rotary_factor``),
+    ``rotary_interleaved``: RoPE rotates channel pairs ``(2i, 2i + 1)`` (GPT-J style) rather than
+    ``(i, i + d/2)``. ``post_norms``: an RMSNorm on the attention output and on the MLP output
+    before their residual adds (GLM-4's ``post_self_attn_layernorm`` and ``post_mlp_layernorm``).
     ``padding_idx``: the HF embedding's ``padding_idx`` (``pad_token_id``), whose lookups pass
     no gradient to its row (:func:`~.model.untrained_padding_lookups`), or None.
 
@@ -61,6 +78,9 @@ class ModelShape:
     qkv_bias: bool
     qk_layernorm: bool
     padding_idx: int | None = None
+    rotary_percent: float = 1.0
+    rotary_interleaved: bool = False
+    post_norms: bool = False
     num_experts: int = 0
     moe_ffn_hidden_size: int = 0
     moe_topk: int = 0
@@ -70,6 +90,21 @@ class ModelShape:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+
+def _rotary_percent(hf: Any, where: str) -> float:
+    """HF ``partial_rotary_factor`` (in ``rope_parameters`` under transformers 5, else top-level; 1 when absent).
+
+    :raises PluginError: a factor whose rotated channels are not a whole even number of a head's.
+    """
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    factor = float(params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None) or 1.0))
+    head_dim = int(getattr(hf, "head_dim", None) or int(hf.hidden_size) // int(hf.num_attention_heads))
+    rotated = head_dim * factor
+    if not 0 < factor <= 1 or rotated != int(rotated) or int(rotated) % 2:
+        raise PluginError(f"{where}: partial_rotary_factor {factor:g} of head_dim {head_dim} does not rotate a whole "
+                          "even number of channels; --train-backend megatron cannot build it.")
+    return factor
 
 
 def _rope(hf: Any, where: str) -> tuple[float, float | None]:
@@ -92,13 +127,13 @@ def _rope(hf: Any, where: str) -> tuple[float, float | None]:
 
 
 def model_shape(hf: Any, where: str = "--hf-checkpoint") -> ModelShape:
-    """Read a transformers ``PretrainedConfig`` of the Qwen2, Qwen3 or Llama family.
+    """Read a transformers ``PretrainedConfig`` of the Qwen2, Qwen3, Qwen3-MoE, Llama or GLM-4 family.
 
     :param hf: the config (``AutoConfig.from_pretrained``).
     :param where: the flag or file named in errors.
     :raises PluginError: another family, or a feature these GPTModel settings cannot
         express (biases outside q/k/v, sliding window, RoPE scaling other than llama3,
-        a non-SiLU MLP).
+        a non-SiLU MLP, partial RoPE outside GLM-4).
     """
     family = getattr(hf, "model_type", None)
     if family in _NOT_YET:
@@ -113,12 +148,17 @@ def model_shape(hf: Any, where: str = "--hf-checkpoint") -> ModelShape:
         raise PluginError(f"{where}: hidden_act {hf.hidden_act!r}; the megatron backend builds SwiGLU (silu) MLPs.")
     if getattr(hf, "mlp_bias", False):
         raise PluginError(f"{where}: mlp_bias=true is not supported yet by --train-backend megatron.")
-    if family != "qwen2" and getattr(hf, "attention_bias", False):
+    if family not in ("qwen2", "glm4") and getattr(hf, "attention_bias", False):
         raise PluginError(f"{where}: attention_bias=true (bias on o_proj too) is not supported yet by "
                           "--train-backend megatron.")
     if getattr(hf, "use_sliding_window", False):
         raise PluginError(f"{where}: use_sliding_window=true is not supported yet by --train-backend megatron.")
     theta, factor = _rope(hf, where)
+    glm = family == "glm4"
+    rotary_percent = _rotary_percent(hf, where)
+    if rotary_percent != 1.0 and not glm:
+        raise PluginError(f"{where}: partial_rotary_factor {rotary_percent:g} is not supported yet by --train-backend "
+                          f"megatron for model_type {family!r} (GLM-4 only).")
     moe = _experts(hf, where) if family == "qwen3_moe" else {}
     return ModelShape(
         family=family,
@@ -134,9 +174,12 @@ def model_shape(hf: Any, where: str = "--hf-checkpoint") -> ModelShape:
         rotary_base=theta,
         rope_scaling_factor=factor,
         tied=bool(getattr(hf, "tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2",
+        qkv_bias=family == "qwen2" or (glm and bool(getattr(hf, "attention_bias", False))),
         qk_layernorm=family in ("qwen3", "qwen3_moe"),
         padding_idx=getattr(hf, "pad_token_id", None),
+        rotary_percent=rotary_percent,
+        rotary_interleaved=glm,
+        post_norms=glm,
         **moe,
     )
 
@@ -186,6 +229,9 @@ _SWITCHES = (
     ("--add-qkv-bias", lambda s: s.qkv_bias, "model_type"),
     ("--qk-layernorm", lambda s: s.qk_layernorm, "model_type"),
     ("--untie-embeddings-and-output-weights", lambda s: not s.tied, "tie_word_embeddings"),
+    ("--rotary-interleaved", lambda s: s.rotary_interleaved, "model_type"),
+    ("--post-self-attn-layernorm", lambda s: s.post_norms, "model_type"),
+    ("--post-mlp-layernorm", lambda s: s.post_norms, "model_type"),
 )
 
 
@@ -201,13 +247,15 @@ def check_model_args(args: Any, shape: ModelShape, where: str) -> list[str]:
     (``--swiglu``, ``--untie-embeddings-and-output-weights``, ``--qk-layernorm``, ...) must name a
     feature the HF model has. When ``--num-layers`` is given the flags describe the whole model,
     as in a Miles script, so each switch must also be present when the model has the feature.
-    ``--normalization`` must be RMSNorm, ``--position-embedding-type`` rope and ``--rotary-percent`` 1.
+    ``--normalization`` must be RMSNorm, ``--position-embedding-type`` rope and ``--rotary-percent`` the
+    config's ``partial_rotary_factor`` (1 when absent).
 
     :returns: one message per disagreement, naming the flag, both values and ``where``.
     """
     values = {key: getattr(shape, field) for key, field in _SHAPE_FIELDS.items()}
     problems = [message for _, message in architecture_disagreements(args, values, where)]
-    fixed = (("--normalization", "RMSNorm"), ("--position-embedding-type", "rope"), ("--rotary-percent", 1.0))
+    fixed = (("--normalization", "RMSNorm"), ("--position-embedding-type", "rope"),
+             ("--rotary-percent", shape.rotary_percent))
     for flag, value in fixed:
         given = getattr(args, flag_dest(flag), None)
         if given is not None and given != value:

@@ -4,7 +4,9 @@ Name mapping and packing (docs/megatron.md, "Weight conversion"; checked bit-exa
 
 - ``linear_qkv`` = q/k/v packed per KV group: rows ``[q heads of group 0, k0, v0, q heads of
   group 1, k1, v1, ...]`` (weight and, for Qwen2, bias);
-- ``linear_fc1`` = ``cat(gate_proj, up_proj)``; ``linear_fc2`` = ``down_proj``;
+- ``linear_fc1`` = ``cat(gate_proj, up_proj)``, or GLM-4's ``gate_up_proj`` as it is (already the gate rows
+  first); ``linear_fc2`` = ``down_proj``;
+- GLM-4's post-sublayer norms keep their HF names (``post_self_attn_layernorm``, ``post_mlp_layernorm``);
 - embedding and untied output layer padded with zero rows to the Megatron vocabulary;
 - mixture-of-experts layers (Qwen3-MoE): ``mlp.router.weight`` = ``mlp.gate.weight``; expert ``E``'s
   ``mlp.experts.local_experts.E.linear_fc1`` = ``cat(experts.E.gate_proj, experts.E.up_proj)`` and
@@ -203,12 +205,20 @@ def units(shape: ModelShape) -> list[Unit]:
             out.append(Unit(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",)))
             out.append(Unit(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",)))
         out.append(Unit(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), split=ROW))
+        if shape.post_norms:
+            out.append(Unit(m + "post_self_attn_layernorm.weight", (h + "post_self_attn_layernorm.weight",)))
         out.append(Unit(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",)))
         if i in shape.moe_layers:
             out.extend(_expert_units(m, h, shape.num_experts))
             continue
-        out.append(Unit(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1", FC1))
+        if shape.family == "glm4":
+            out.append(Unit(m + "mlp.linear_fc1.weight", (h + "mlp.gate_up_proj.weight",), split=FC1))
+        else:
+            out.append(Unit(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                            "fc1", FC1))
         out.append(Unit(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), split=ROW))
+        if shape.post_norms:
+            out.append(Unit(m + "post_mlp_layernorm.weight", (h + "post_mlp_layernorm.weight",)))
     out.append(Unit("decoder.final_layernorm.weight", ("model.norm.weight",)))
     if not shape.tied:
         out.append(Unit("output_layer.weight", ("lm_head.weight",), "vocab", COLUMN))
@@ -344,7 +354,7 @@ def load_hf(model, named_tensors: Iterable[tuple[str, Any]], shape: ModelShape, 
 
 
 def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), pp_group=None,
-              experts: ExpertShard = ExpertShard(), ep_group=None) -> Iterator[tuple[str, Any]]:
+              experts: ExpertShard = ExpertShard(), ep_group=None, weight_of=None) -> Iterator[tuple[str, Any]]:
     """Yield ``(hf_name, full tensor)`` for every HF weight, one Megatron parameter at a time, on every rank.
 
     A collective over the TP ``group`` (each sharded parameter is all-gathered) and, with
@@ -352,7 +362,8 @@ def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), 
     others; a tied model's output-layer copy is not sent): every rank iterates and gets
     every tensor once, in the same order at any TP or PP size. Tied models yield no
     ``lm_head.weight``. With expert parallelism (``experts.size > 1``) each expert's tensors are
-    broadcast over ``ep_group`` from the EP rank holding it.
+    broadcast over ``ep_group`` from the EP rank holding it. ``weight_of(local name, parameter)``, when
+    given, is the tensor exported for a parameter (LoRA: the merged weight, :func:`~.lora.merged_weight`).
     """
     import torch
     import torch.distributed as dist
@@ -375,7 +386,9 @@ def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), 
         specs = {k: v for part in every for k, v in part.items()}
     for unit in units(shape):
         if unit.mcore in mine:
-            full = gather_full(params[mine[unit.mcore]], unit.split, tp, group)
+            local = mine[unit.mcore]
+            held = params[local] if weight_of is None else weight_of(local, params[local])
+            full = gather_full(held, unit.split, tp, group)
         elif unit.expert is not None:  # another EP rank's expert: shaped as this rank's of the same layer
             full = torch.empty_like(like[_expert_role(unit)])
         else:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FusedRMSNorm", "FusedSwiGLU", "triton_ready"]
+__all__ = ["FusedRMSNorm", "FusedSwiGLU", "post_norm_layer", "triton_ready"]
 
 
 @functools.cache
@@ -117,3 +117,50 @@ class FusedRMSNorm(torch.nn.RMSNorm):
         if triton_ready(x):
             return _RMSNormFunction.apply(x, self.weight, self.eps)
         return super().forward(x)
+
+
+@functools.cache
+def post_norm_layer():
+    """The ``PostNormTransformerLayer`` class below (defined on first use, when megatron-core is imported)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    class PostNormTransformerLayer(TransformerLayer):
+        """megatron-core's ``TransformerLayer`` with an RMSNorm on each sublayer's output before its
+        residual add (GLM-4's ``post_self_attn_layernorm`` and ``post_mlp_layernorm``):
+        ``h = x + N_a(attn(N_1(x)))``, ``out = h + N_m(mlp(N_2(h)))``, transformers' ``Glm4DecoderLayer``.
+
+        The two norms are this layer's children ``post_self_attn_layernorm`` and ``post_mlp_layernorm``
+        (:class:`FusedRMSNorm` of ``hidden_size``); they act through the layer's bias-dropout-add steps
+        (``self_attn_bda`` / ``mlp_bda``, whose input is the sublayer's ``(output, bias)``), so megatron-core's
+        forward, recompute and pipeline paths stay its own. The sublayers must have no output bias
+        (``add_bias_linear`` False, as every family here).
+        """
+
+        def __init__(self, config, submodules, *args, **kwargs):
+            super().__init__(config, submodules, *args, **kwargs)
+            if config.add_bias_linear:
+                raise ValueError("PostNormTransformerLayer: the sublayers must have no output bias "
+                                 "(add_bias_linear=False).")
+            eps = config.layernorm_epsilon
+            self.post_self_attn_layernorm = FusedRMSNorm(config, config.hidden_size, eps=eps)
+            self.post_mlp_layernorm = FusedRMSNorm(config, config.hidden_size, eps=eps)
+            self.self_attn_bda = _normed_add(self, self.self_attn_bda, "post_self_attn_layernorm")
+            self.mlp_bda = _normed_add(self, self.mlp_bda, "post_mlp_layernorm")
+
+    return PostNormTransformerLayer
+
+
+def _normed_add(layer, bda, norm: str):
+    """A bias-dropout-add builder like ``bda`` whose sublayer output first goes through ``layer``'s child
+    ``norm`` (looked up at each call, so moves and dtype casts of the layer apply)."""
+    def build(training, fused):
+        add = bda(training, fused)
+
+        def apply(output_with_bias, residual, prob):
+            output, bias = output_with_bias
+            return add((getattr(layer, norm)(output), bias), residual, prob)
+
+        return apply
+
+    return build
+

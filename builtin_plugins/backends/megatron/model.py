@@ -151,7 +151,7 @@ def transformer_config(shape: ModelShape, tp: int, dtype, device, **extra: Any):
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
         kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
-        qk_layernorm=shape.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0,
+        qk_layernorm=shape.qk_layernorm, rotary_interleaved=shape.rotary_interleaved, hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, use_te_activation_func=True, bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
@@ -214,7 +214,9 @@ def _fused_layer(spec, qk_layernorm: bool):
 
 def _layer_spec(shape: ModelShape, experts: bool):
     """A local-spec decoder layer (:func:`_fused_layer`) with furlong's attention modules; ``experts``: with
-    megatron-core's MoE layer (router, token dispatcher, ``SequentialMLP`` experts) as its MLP."""
+    megatron-core's MoE layer (router, token dispatcher, ``SequentialMLP`` experts) as its MLP. A model with
+    ``post_norms`` (GLM-4) gets :func:`~.layers.post_norm_layer`'s layer class, which norms each sublayer's
+    output before the residual add."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from .attention import RopeSelfAttention, SDPACoreAttention
@@ -223,6 +225,12 @@ def _layer_spec(shape: ModelShape, experts: bool):
                                     normalization="RMSNorm", qk_layernorm=shape.qk_layernorm)
     spec.submodules.self_attention.module = RopeSelfAttention
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if shape.post_norms:
+        if experts:
+            raise PluginError("megatron: post-sublayer norms (GLM-4) on mixture-of-experts layers are not built yet.")
+        from .layers import post_norm_layer
+
+        spec.module = post_norm_layer()
     return _fused_layer(spec, shape.qk_layernorm)
 
 
@@ -293,7 +301,8 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
     with cpu_shims(device):
         model = GPTModel(config, spec, vocab_size=vocab_rows, max_sequence_length=shape.max_position_embeddings,
                          parallel_output=True, share_embeddings_and_output_weights=shape.tied,
-                         position_embedding_type="rope", rotary_percent=1.0, rotary_base=shape.rotary_base,
+                         position_embedding_type="rope", rotary_percent=shape.rotary_percent,
+                         rotary_base=shape.rotary_base,
                          **scaling, **stages)
     model = model.to(device)
     for param in model.parameters():  # norm scales too (megatron-core makes them float32), as Float16Module does

@@ -128,7 +128,8 @@ class PipelineStages:
             weights.append(self.model.embedding.word_embeddings.weight)
         if self.shape.tied and self.stage.last and not self.stage.first:
             weights.append(self.model.output_layer.weight)
-        grads = [(self.masters.master_of(w) if self.masters else w).grad for w in weights]
+        grads = [(self.masters.master_of(w) if self.masters else w).grad for w in weights
+                 if w.requires_grad]  # (frozen under LoRA)
         return [g for g in grads if g is not None]
 
     def _sum_embedding_copies(self) -> None:
