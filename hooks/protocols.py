@@ -39,6 +39,11 @@ class RolloutEngine(Protocol):
     an engine whose server needs a session around the buckets (SGLang 0.5.21 and later)
     defines them; the core calls ``end_weight_update`` after every ``begin_weight_update``
     that ran, also when a bucket failed. An engine without them has no session.
+
+    ``update_weights_from_disk(path)`` (async) is optional: it loads every tensor of the
+    Hugging Face model directory ``path`` (SGLang's ``/update_weights_from_disk``). The
+    dedicated eval fleet (``--eval-num-gpus``) needs it: its engines are fed a weight
+    snapshot written to disk at each eval point; an engine without it is refused there.
     """
 
     tokenizer: Any
@@ -345,6 +350,12 @@ class Executor(Protocol):
 
         Returns objects meeting :class:`RolloutEngine` in the driver (proxies for remote ones).
         """
+
+    # Optional: ``async def start_eval_engines(config, make_engine) -> list[RolloutEngine]`` starts the
+    # dedicated eval fleet (``--eval-num-gpus``): ``config.eval_num_gpus // config.eval_num_gpus_per_engine``
+    # engines on devices of their own, beside the rollout engines, as :meth:`start_engines` starts those
+    # (``make_engine`` builds them from the fleet's configuration, ``config.eval_engine`` True). An executor
+    # without it cannot run the fleet (the run stops naming it).
 
     async def start_rollout_side(self, config: RunConfig, make_rollout_side: Callable[[], Any]) -> Any:
         """Place the rollout side (data, rollout manager, rewards, eval): ``make_rollout_side()`` builds it.

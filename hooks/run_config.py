@@ -492,6 +492,13 @@ class RunConfig:
     """Tensor-parallel size of one SGLang server."""
     num_rollout_per_epoch: int | None
     """Rollouts per epoch under ``--num-epoch`` (known once the data is loaded), else None."""
+    eval_engine: bool
+    """True in the configuration a ``rollout_engine`` hook gets for an engine of the dedicated eval fleet
+    (``--eval-num-gpus``): ``rollout_num_gpus_per_engine`` and ``sglang_tp_size`` are then
+    ``--eval-num-gpus-per-engine``, ``sglang_passthrough`` has the ``--eval-sglang-*`` values over the rollout
+    engines' ones; the fleet's GPUs follow the rollout engines' ``rollout_num_gpus``. Such an engine serves
+    its own requests (not through the rollout engines' router) and is fed weight snapshots from disk
+    (``update_weights_from_disk``), never the trainer's weight sync."""
     plugins: Mapping[str, PluginConfig]
     """Each plugin's section (see :meth:`plugin_config`)."""
 

@@ -7,6 +7,7 @@ corrupt ``*.safetensors``, an unreadable ``config.json``) into one :class:`Plugi
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
@@ -14,7 +15,7 @@ from typing import Any, Sequence
 
 from furlong.hooks.errors import PluginError
 
-__all__ = ["compile_decoder_layers", "decoder_layers", "is_hf_dir", "load_causal_lm_weights", "load_tokenizer",
+__all__ = ["compile_decoder_layers", "decoder_layers", "is_hf_dir", "load_causal_lm_weights", "load_tokenizer", "read_hf_weights",
            "save_safetensors", "write_hf_checkpoint"]
 
 log = logging.getLogger("furlong")
@@ -53,6 +54,10 @@ def load_causal_lm_weights(path: str, flag: str, attn_implementations: Sequence[
     supported by the architecture raises ``ImportError``/``ValueError``; the next is tried
     with a warning).
 
+    A fine-grained FP8 checkpoint (:mod:`furlong.kit.fp8`) loads dequantised: its linear layers
+    hold ``weight * weight_scale_inv`` in the model's dtype (transformers' own dequantising load,
+    without its GPU kernels: the embedded engine swaps in FP8 layers itself).
+
     :raises PluginError: no implementation loads (e.g. an unknown ``model_type``), no
         weights, weights that do not match ``config.json``, a corrupt or truncated weight
         file, or an unreadable config; the message names ``flag``, ``path`` and the cause.
@@ -60,10 +65,15 @@ def load_causal_lm_weights(path: str, flag: str, attn_implementations: Sequence[
     from transformers import AutoModelForCausalLM
 
     kwargs.setdefault("local_files_only", True)
+    fp8 = _fp8_config_without_quantization(path, flag)
+    if fp8 is not None:
+        kwargs["config"] = fp8
     problem = ""
     for i, attn in enumerate(attn_implementations):
         try:
-            return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, **kwargs)
+            with _quiet_transformers() if fp8 is not None else contextlib.nullcontext():
+                # (the scales are "unexpected" to the plain layers; _dequantize_into reads them)
+                model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, **kwargs)
         except (ImportError, ValueError) as exc:
             problem = _first_line(exc)
             if i + 1 < len(attn_implementations):
@@ -73,7 +83,65 @@ def load_causal_lm_weights(path: str, flag: str, attn_implementations: Sequence[
             raise PluginError(f"{flag} {path}: cannot load the model ({_first_line(exc)}).") from exc
         except Exception as exc:  # noqa: BLE001 - e.g. safetensors' SafetensorError on a corrupt file
             raise PluginError(f"{flag} {path}: {_weights_problem(path, exc)}") from exc
+        else:
+            if fp8 is not None:
+                _dequantize_into(model, path, flag)
+            return model
     raise PluginError(f"{flag} {path}: cannot load the model ({problem}).")
+
+
+def _fp8_config_without_quantization(path: str, flag: str) -> Any:
+    """For an FP8 checkpoint: its transformers config with ``quantization_config`` removed (so
+    transformers builds plain linear layers, which :func:`_dequantize_into` fills); else None.
+
+    :raises PluginError: an FP8 format furlong does not run (:func:`furlong.kit.fp8.require_supported`).
+    """
+    from transformers import AutoConfig
+
+    from .fp8 import fp8_quantization_config, require_supported
+
+    if fp8_quantization_config(path) is None:
+        return None
+    require_supported(path, flag)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    del config.quantization_config
+    return config
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' loading report at error level only, for the duration."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _dequantize_into(model, path: str, flag: str) -> None:
+    """Overwrite each quantised linear weight of ``model`` (loaded from the FP8 checkpoint ``path``, given
+    as ``flag``, with the raw e4m3 values) with its dequantised value, in the weight's dtype.
+
+    :raises PluginError: a scale for a module that is not such a linear layer of the model."""
+    import torch
+
+    from .fp8 import dequantize_blocks
+    from .fp8_io import read_fp8_blocks
+
+    with torch.no_grad():
+        for module, (q, scale_inv) in read_fp8_blocks(path).items():
+            try:
+                layer = model.get_submodule(module)
+            except AttributeError:
+                layer = None
+            if not isinstance(layer, torch.nn.Linear) or tuple(layer.weight.shape) != tuple(q.shape):
+                raise PluginError(f"{flag} {path}: {module}.weight_scale_inv is for a module the model does not have as a "
+                                  f"{tuple(q.shape)} linear layer (FP8 mixture-of-experts checkpoints, whose experts "
+                                  "are fused in the model, are not supported yet).")
+            layer.weight.copy_(dequantize_blocks(q, scale_inv, layer.weight.dtype))
 
 
 def decoder_layers(model) -> list:
@@ -110,6 +178,29 @@ def is_hf_dir(path: str | None) -> bool:
     return bool(path) and os.path.isfile(os.path.join(path, "config.json"))
 
 
+def read_hf_weights(path: str, flag: str) -> list[tuple[str, Any]]:
+    """Every tensor of the Hugging Face model directory ``path``: ``(name, tensor)`` on the CPU, read from its
+    ``*.safetensors`` files in name order (one file or the shards of an index).
+
+    :raises PluginError: ``path`` has no ``config.json`` or no safetensors file, or a file cannot be read (the
+        message names ``flag``, ``path`` and the cause).
+    """
+    from safetensors.torch import load_file
+
+    if not is_hf_dir(path):
+        raise PluginError(f"{flag} {path}: not a Hugging Face model directory (no config.json).")
+    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise PluginError(f"{flag} {path}: no *.safetensors weights in the directory.")
+    named: list[tuple[str, Any]] = []
+    for name in files:
+        try:
+            named.extend(load_file(os.path.join(path, name), device="cpu").items())
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise PluginError(f"{flag} {path}: cannot read {name} ({_first_line(exc)}).") from exc
+    return named
+
+
 def save_safetensors(named_tensors: dict[str, Any], path: str) -> None:
     """Write ``named_tensors`` (moved to the CPU, contiguous) to ``path`` as safetensors, replacing any
     file there atomically (written aside, then renamed), so a reader never sees half a file."""
@@ -136,12 +227,29 @@ def write_hf_checkpoint(path: str, weights: dict[str, Any], source: str) -> None
     try:
         os.makedirs(path, exist_ok=True)
         save_safetensors(weights, os.path.join(path, "model.safetensors"))
-        for name in ("config.json", "generation_config.json", *_TOKENIZER_FILES, "special_tokens_map.json",
+        _write_unquantized_config(config, os.path.join(path, "config.json"))
+        for name in ("generation_config.json", *_TOKENIZER_FILES, "special_tokens_map.json",
                      "added_tokens.json", "chat_template.jinja"):
             if os.path.isfile(os.path.join(source, name)):
                 shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
     except OSError as exc:
         raise PluginError(f"--save-hf {path}: cannot write the Hugging Face export ({_first_line(exc)}).") from exc
+
+
+def _write_unquantized_config(source: str, target: str) -> None:
+    """Copy config.json, less a ``quantization_config``: the exported weights are the trainer's
+    (BF16 or float32) even when ``--hf-checkpoint`` is an FP8 checkpoint."""
+    import json
+    import shutil
+
+    with open(source) as f:
+        config = json.load(f)
+    if not isinstance(config, dict) or "quantization_config" not in config:
+        shutil.copyfile(source, target)
+        return
+    del config["quantization_config"]
+    with open(target, "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def _weights_problem(path: str, exc: Exception) -> str:

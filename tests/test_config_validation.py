@@ -224,7 +224,6 @@ UNSUPPORTED_ARGV = {
     "--true-on-policy-mode": ["--true-on-policy-mode"],
     "--qkv-format": ["--qkv-format", "bshd"],
     "--balance-by-flops": ["--balance-by-flops"],
-    "--eval-num-gpus": ["--eval-num-gpus", "2"],
     "--multimodal-keys": ["--multimodal-keys", '{"image": "images"}'],
     "--update-weight-transfer-mode": ["--update-weight-transfer-mode", "disk-delta"],
     "--use-session-server": ["--use-session-server"],
@@ -235,28 +234,10 @@ UNSUPPORTED_ARGV = {
     "--max-seq-len": ["--max-seq-len", "4096"],
     "--session-server-ip": ["--session-server-ip", "10.0.0.1"],
     "--session-server-port": ["--session-server-port", "8000"],
-    "--eval-function-path": ["--eval-function-path", "my.eval"],
-    "--eval-num-gpus-per-engine": ["--eval-num-gpus-per-engine", "2"],
-    "--eval-hf-dir": ["--eval-hf-dir", "/hf"],
-    "--eval-max-in-flight": ["--eval-max-in-flight", "4"],
-    "--eval-overflow-policy": ["--eval-overflow-policy", "skip"],
-    "--eval-keep-snapshots": ["--eval-keep-snapshots", "3"],
     "--fsdp-cpu-backend": ["--fsdp-cpu-backend", "nccl"],
 }
 UNSUPPORTED_MESSAGES = {
-    "--offload-rollout-level": "--offload-rollout-level ['kv_cache'] is not supported yet (supported: "
-                               "['kv_cache', 'weight'], ['weight', 'kv_cache']).",
-    "--train-memory-margin-bytes": "--train-memory-margin-bytes 1024 is not supported yet (supported: 1073741824).",
-    "--qkv-format": "--qkv-format bshd is not supported yet (supported: thd).",
     "--opd-type": "--opd-type sglang is not supported yet (supported: megatron).",
-    "--eval-num-gpus": "--eval-num-gpus 2 is not supported yet (supported: 0).",
-    "--update-weight-transfer-mode": "--update-weight-transfer-mode disk-delta is not supported yet "
-                                     "(supported: broadcast).",
-    "--eval-num-gpus-per-engine": "--eval-num-gpus-per-engine 2 is not supported yet (supported: 1).",
-    "--eval-max-in-flight": "--eval-max-in-flight 4 is not supported yet (supported: 2).",
-    "--eval-overflow-policy": "--eval-overflow-policy skip is not supported yet (supported: backpressure).",
-    "--eval-keep-snapshots": "--eval-keep-snapshots 3 is not supported yet (supported: 2).",
-    "--fsdp-cpu-backend": "--fsdp-cpu-backend nccl is not supported yet (supported: gloo).",
 }
 
 

@@ -83,6 +83,7 @@ def test_scalars_keeps_finite_numbers_and_drops_skipped_prefixes():
     ("on_rollout_end", 0, False, False, False),
     ("on_eval_end", 0, False, True, False),       # the eval before training
     ("on_eval_end", 1, True, True, True),         # the eval after the final rollout
+    ("on_eval_end", 0, True, True, False),        # the eval fleet's evaluation of rollout 0, ending after rollout 1
     ("on_train_step_end", 3, True, True, False),  # never the last event
 ])
 def test_is_last_event(plugin_manager, hook, rollout_id, seen, with_eval, last):

@@ -1031,3 +1031,21 @@ def test_compiled_layers_are_refused_with_the_measured_reason(tiny_model_dir):
     configure(args=train_args(tiny_model_dir, train_torch_compile=True), report=report)
     assert any(m.startswith("--train-torch-compile is not supported yet by --train-backend megatron: its decoder "
                             "layers compiled measured slower") for m in report.errors)
+
+
+def test_an_fp8_hf_checkpoint_trains_from_the_bf16_ref_load_on_both_backends(tmp_path):
+    """BF16 training, FP8 rollouts: with --hf-checkpoint an FP8 checkpoint and --ref-load the BF16 model, fsdp and
+    megatron start from the BF16 weights exactly (not the FP8-rounded ones)."""
+    from furlong.kit.fp8_io import quantize_checkpoint
+
+    from .tiny_model import build_tiny_bf16_model_for_fp8
+
+    bf16 = build_tiny_bf16_model_for_fp8(tmp_path / "bf16")
+    quantize_checkpoint(str(bf16), str(tmp_path / "fp8"))
+    start = load_file(bf16 / "model.safetensors")
+    for make in (fsdp_backend, megatron_backend):
+        backend = make(config=train_config(tmp_path / "fp8", ref_load=str(bf16)))
+        asyncio.run(backend.init(backend.config))
+        weights = _weights(backend)
+        assert sorted(weights) == sorted(start)
+        assert all(torch.equal(weights[k], start[k].to(weights[k].dtype)) for k in start), make

@@ -360,3 +360,60 @@ def test_megatron_train_actors_at_tp2_with_sequence_parallelism_reproduce_one_pr
             assert train_ray[step][name] == pytest.approx(row[name], rel=1e-4, abs=1e-6), (step, name)
     assert sorted(p.name for p in (ray_run / "iter_0000001").glob("__*.distcp")) == \
         ["__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"]
+
+
+def _eval_flags(tmp_path):
+    demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "demo")
+    test4 = tmp_path / "test4.jsonl"
+    with open(os.path.join(demo, "data", "test.jsonl")) as f:
+        test4.write_text("".join(f.readlines()[:4]))
+    return ["train", "--hf-checkpoint", os.path.join(demo, "model"), "--prompt-data",
+            os.path.join(demo, "data", "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
+            "--rm-type", "deterministic_random", "--num-rollout", "2", "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--lr", "3e-3", "--seed", "5",
+            "--eval-prompt-data", "t", str(test4), "--eval-interval", "1", "--n-samples-per-eval-prompt", "2",
+            "--eval-max-response-len", "6"]
+
+
+EVAL_TIMING = ("perf/eval_time", "eval/lag_steps", "eval/duration_seconds", "eval/export_time_seconds", "time")
+
+
+def _evals(folder):
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return sorted(({k: v for k, v in r.items() if k not in EVAL_TIMING} for r in rows if "eval/step" in r),
+                  key=lambda r: r["eval/step"])
+
+
+@pytest.fixture(scope="module")
+def local_inline_eval(tmp_path_factory):
+    """The reference: evaluation on the rollout engine, local executor, demo model."""
+    folder = tmp_path_factory.mktemp("inline_eval")
+    proc = _furlong([*_eval_flags(folder), "--log-dir", str(folder / "log")], folder)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _evals(folder / "log")
+
+
+@pytest.mark.timeout(300)
+def test_the_eval_fleet_on_ray_logs_the_local_inline_evaluation(tmp_path, local_inline_eval):
+    """--eval-num-gpus 1 under Ray: an eval engine actor on a bundle of its own, fed snapshots, gives the
+    evaluation the local executor's inline one gives (the demo model)."""
+    proc = _furlong([*_eval_flags(tmp_path), "--log-dir", str(tmp_path / "ray"), "--executor", "ray",
+                     "--eval-num-gpus", "1", "--eval-hf-dir", str(tmp_path / "snap")], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "placement group of 3 bundle(s) {'CPU': 1} ready" in proc.stderr  # trainer + engine + eval engine
+    assert "1 eval engine actor(s) started" in proc.stderr
+    assert _evals(tmp_path / "ray") == local_inline_eval
+    assert [r["eval/step"] for r in local_inline_eval] == [0, 0, 1]
+    assert sorted(os.listdir(tmp_path / "snap")) == ["step_0", "step_1"]  # --eval-keep-snapshots 2
+
+
+@pytest.mark.timeout(300)
+def test_an_sglang_eval_server_loads_the_snapshots_off_the_rollout_router(tmp_path, local_inline_eval):
+    """The sglang engine with furlong serve as its server (SGLang's HTTP API on CPU): the eval server loads each
+    snapshot through /update_weights_from_disk and is asked directly; the evaluation is the inline one."""
+    proc = _furlong([*_eval_flags(tmp_path), "--log-dir", str(tmp_path / "sg"), "--rollout-backend", "sglang",
+                     "--sglang-server-impl", "furlong", "--eval-num-gpus", "1", "--eval-hf-dir",
+                     str(tmp_path / "snap")], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count(" registered") == 1  # the rollout server only: the eval server is off the router
+    assert _evals(tmp_path / "sg") == local_inline_eval

@@ -304,3 +304,22 @@ def build_script_model(path: Path, transitions: dict[str, str], *, extra_words=(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def build_tiny_bf16_model_for_fp8(path: Path, seed: int = 0) -> Path:
+    """The tiny model's tokenizer with a 2-layer Llama whose linear layers are multiples of the FP8
+    block (hidden 128, MLP 256, 2 heads of 64, 2 KV heads), saved in bfloat16: the BF16 source of
+    ``furlong quantize-fp8`` in the FP8 tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    build_tiny_model(path, seed)
+    config = LlamaConfig.from_pretrained(path)
+    config.hidden_size, config.intermediate_size = 128, 256
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 2, 2, 64
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    torch.random.set_rng_state(state)
+    model.save_pretrained(path)
+    return path

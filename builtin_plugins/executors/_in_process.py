@@ -35,17 +35,14 @@ class LocalExecutor:
         If one fails, the others are stopped (``shutdown``, for engines that own processes)
         and the first error is raised.
         """
-        import asyncio
-
         per_engine = int(config.rollout_num_gpus_per_engine or 1)
-        count = max(1, int(config.rollout_num_gpus or per_engine) // per_engine)
-        made = await asyncio.gather(*(make_engine(i) for i in range(count)), return_exceptions=True)
-        errors = [e for e in made if isinstance(e, BaseException)]
-        if errors:
-            await asyncio.gather(*(e.shutdown() for e in made if not isinstance(e, BaseException)
-                                   and hasattr(e, "shutdown")), return_exceptions=True)
-            raise errors[0]
-        return list(made)
+        return await _start_all(max(1, int(config.rollout_num_gpus or per_engine) // per_engine), make_engine)
+
+    async def start_eval_engines(self, config, make_engine):
+        """The dedicated eval fleet: ``--eval-num-gpus / --eval-num-gpus-per-engine`` engines (at least one),
+        started as :meth:`start_engines` starts the rollout engines."""
+        return await _start_all(max(1, int(config.eval_num_gpus) // int(config.eval_num_gpus_per_engine)),
+                                make_engine)
 
     async def start_rollout_side(self, config, make_rollout_side):
         return make_rollout_side()
@@ -55,3 +52,16 @@ class LocalExecutor:
 
     async def shutdown(self) -> None:
         return None
+
+
+async def _start_all(count: int, make_engine) -> list:
+    """``await make_engine(i)`` for ``i < count`` at once; if one fails the others are shut down and its error raised."""
+    import asyncio
+
+    made = await asyncio.gather(*(make_engine(i) for i in range(count)), return_exceptions=True)
+    errors = [e for e in made if isinstance(e, BaseException)]
+    if errors:
+        await asyncio.gather(*(e.shutdown() for e in made if not isinstance(e, BaseException)
+                               and hasattr(e, "shutdown")), return_exceptions=True)
+        raise errors[0]
+    return list(made)

@@ -177,6 +177,11 @@ class RolloutActor:
         self.clients = [EngineClient(self, index, handle, tokenizer, timeout) for index, handle, tokenizer in engines]
         await self.side.start(self.clients, state)
 
+    async def start_eval_fleet(self, engines: list, timeout: float) -> None:
+        """``engines``: ``(index, actor handle, tokenizer)`` of each dedicated eval engine actor (``--eval-num-gpus``)."""
+        clients = [EvalEngineClient(self, index, handle, tokenizer, timeout) for index, handle, tokenizer in engines]
+        await self.side.start_eval_fleet(clients)
+
     async def call(self, method: str, args: tuple):
         return await getattr(self.side, method)(*args)
 
@@ -258,6 +263,16 @@ class EngineClient:
         if self._waiting is not None and not self._waiting.done():
             self._waiting.set_result(None)
         self._waiting = None
+
+
+class EvalEngineClient(EngineClient):
+    """An :class:`EngineClient` of a dedicated eval engine: it is not replaced when it dies (the evaluation on it
+    fails, and the driver logs the point as skipped)."""
+
+    async def _replacement(self, dead) -> None:
+        from furlong.hooks import PluginError
+
+        raise PluginError(f"eval engine actor {self.index} died; this evaluation is skipped.")
 
 
 def _quiet_transformers() -> None:

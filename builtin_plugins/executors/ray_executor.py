@@ -86,7 +86,8 @@ def configure(args, report):
     if not os.environ.get("RAY_ADDRESS") and needed > have:
         report.error(f"--executor ray on this machine needs {needed} GPUs (trainer "
                      f"{args.actor_num_nodes * args.actor_num_gpus_per_node}, engines {_rollout_slots(args)}"
-                     f"{' shared with the trainer (--colocate)' if args.colocate else ''}) but torch sees {have}; "
+                     f"{' shared with the trainer (--colocate)' if args.colocate else ''}"
+                     f"{f', eval fleet {args.eval_num_gpus}' if args.eval_num_gpus else ''}) but torch sees {have}; "
                      "lower --actor-num-gpus-per-node or --rollout-num-gpus, or run on a Ray cluster "
                      "(ray job submit, docs/ray.md).")
 
@@ -109,9 +110,11 @@ def _quiet_sigterm() -> None:
 
 
 def bundles_needed(args) -> int:
-    """Bundles of the placement group: trainer + engines, or the larger of the two under ``--colocate``."""
+    """Bundles of the placement group: trainer + engines, or the larger of the two under ``--colocate``, plus the
+    dedicated eval fleet's ``--eval-num-gpus`` (never colocated)."""
     train, rollout = int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node), _rollout_slots(args)
-    return max(train, rollout) if getattr(args, "colocate", False) else train + rollout
+    shared = max(train, rollout) if getattr(args, "colocate", False) else train + rollout
+    return shared + int(args.eval_num_gpus or 0)
 
 
 def _rollout_slots(args) -> int:
@@ -124,7 +127,7 @@ def executor(config):
     """Place train ranks and engines as Ray actors (needs ``pip install "furlong[ray]"``).
 
     Flags read: ``--actor-num-nodes``, ``--actor-num-gpus-per-node``, ``--rollout-num-gpus``,
-    ``--rollout-num-gpus-per-engine``, ``--colocate``, ``--distributed-backend``,
+    ``--rollout-num-gpus-per-engine``, ``--eval-num-gpus``, ``--eval-num-gpus-per-engine``, ``--colocate``, ``--distributed-backend``,
     ``--distributed-timeout-minutes``, ``--ray-call-timeout``, ``--ray-engine-restarts``.
 
     :raises PluginError: Ray is not installed.
@@ -262,6 +265,20 @@ class RayExecutor:
         log.info("ray: %d engine actor(s) started", len(self.engines))
         return list(self.engines)
 
+    async def start_eval_engines(self, config, make_engine):
+        """The dedicated eval fleet: ``--eval-num-gpus // --eval-num-gpus-per-engine`` engine actors on bundles of
+        their own, after the trainer's and the rollout engines'; a dead one is not replaced (its evaluation
+        is logged as skipped)."""
+        await self._ready()
+        per = int(config.eval_num_gpus_per_engine)
+        count = max(1, int(config.eval_num_gpus) // per)
+        base = max(self.train_world, self.rollout_slots) if self.colocate else self.train_world + self.rollout_slots
+        engines = [RemoteEngine(self, self.num_engines + i, make_engine, _RestartBudget(0), bundle=base + i * per)
+                   for i in range(count)]
+        await asyncio.gather(*(e.start() for e in engines))
+        log.info("ray: %d eval engine actor(s) started", count)
+        return engines
+
     # --- the rollout-manager actor --------------------------------------------------------
 
     async def start_rollout_side(self, config, make_rollout_side):
@@ -282,11 +299,12 @@ class RayExecutor:
         base = 0 if self.colocate else self.train_world
         return base + index * self.per_engine
 
-    def new_engine_actor(self, index: int):
+    def new_engine_actor(self, index: int, bundle: int | None = None):
         import ray
 
         cls = ray.remote(EngineActor)
-        handle = cls.options(**self._options(self.engine_bundle(index), ENGINE_SHARE, ENGINE_CONCURRENCY)).remote(
+        bundle = self.engine_bundle(index) if bundle is None else bundle
+        handle = cls.options(**self._options(bundle, ENGINE_SHARE, ENGINE_CONCURRENCY)).remote(
             index, _forwarded_env())
         self.actors.append(handle)
         return handle
@@ -420,8 +438,13 @@ class RemoteRolloutSide:
     async def generate(self, rollout_id: int):
         return await self._call("generate", rollout_id)
 
-    async def evaluate(self, rollout_id: int = 0) -> dict:
-        return await self._call("evaluate", rollout_id)
+    async def start_eval_fleet(self, engines: list) -> None:
+        specs = [(e.index, e.handle, e.tokenizer) for e in engines]
+        await _await(self.handle.start_eval_fleet.remote(specs, self.timeout), self.timeout, self.who,
+                     "start_eval_fleet")
+
+    async def evaluate(self, rollout_id: int = 0, hf_dir: str | None = None) -> dict:
+        return await self._call("evaluate", rollout_id, hf_dir)
 
     async def data_state(self, rollout_id: int | None = None):
         return await self._call("data_state", rollout_id)
@@ -455,8 +478,10 @@ class RemoteEngine:
     request is sent again; calls that failed meanwhile are retried once on it.
     """
 
-    def __init__(self, executor: RayExecutor, index: int, make_engine, budget: _RestartBudget) -> None:
+    def __init__(self, executor: RayExecutor, index: int, make_engine, budget: _RestartBudget,
+                 bundle: int | None = None) -> None:
         self.executor, self.index, self.make_engine, self.budget = executor, index, make_engine, budget
+        self.bundle = bundle  # None: the rollout engine's bundle of its index
         self.handle = None
         self.tokenizer = None
         self.weight_update_ranks = 1
@@ -474,7 +499,7 @@ class RemoteEngine:
         return f"engine actor {self.index}{where}"
 
     async def start(self) -> None:
-        self.handle = self.executor.new_engine_actor(self.index)
+        self.handle = self.executor.new_engine_actor(self.index, self.bundle)
         timeout = self.executor.timeout
         self._place = await _await(self.handle.where.remote(), timeout, f"engine actor {self.index}", "where")
         self.tokenizer, self.weight_update_ranks, self._owns_processes = await _await(
@@ -579,6 +604,9 @@ class RemoteEngine:
 
     async def set_weight_version(self, version: int) -> None:
         await self._call("set_weight_version", int(version), retry=False)
+
+    async def update_weights_from_disk(self, path: str) -> None:
+        await self._call("update_weights_from_disk", str(path), retry=False)
 
     async def release_memory(self) -> None:
         await self._call("release_memory")

@@ -2,8 +2,10 @@
 
 There is no end-of-run hook, so a logger tells the run's last event from the observer calls
 themselves (:func:`is_last_event`): the ``on_rollout_end`` of rollout ``--num-rollout - 1``
-when no evaluation follows it, else the ``on_eval_end`` after that rollout (the loop always
-evaluates after the final rollout when ``--eval-interval`` and eval data are set),
+when no evaluation follows it, else the ``on_eval_end`` of that rollout's evaluation (the loop
+always evaluates after the final rollout when ``--eval-interval`` and eval data are set; with
+the eval fleet, ``--eval-num-gpus``, evaluations of earlier rollouts may end after the final
+rollout, and that of the final rollout ends last),
 or the single evaluation of a ``--num-rollout 0`` run. Loggers flush on every call, so
 a killed run loses nothing, and close at that last event; anything still open is closed at
 interpreter exit.
@@ -78,7 +80,7 @@ def is_last_event(hook: str, config: RunConfig, rollout_id: int, last_rollout_se
     if hook == "on_rollout_end":
         return rollout_id >= num_rollout - 1 and not eval_follows_last_rollout(config)
     if hook == "on_eval_end":
-        return num_rollout == 0 or last_rollout_seen
+        return num_rollout == 0 or (last_rollout_seen and rollout_id >= num_rollout - 1)
     return False
 
 

@@ -1,4 +1,5 @@
-"""The ``furlong`` command: ``plugins``, ``train``, ``train-async``, ``serve``, ``plot``, ``--version``."""
+"""The ``furlong`` command: ``plugins``, ``train``, ``train-async``, ``serve``, ``plot``, ``new-plugin``,
+``quantize-fp8``, ``--version``."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ commands:
   plugins      list installed plugins: name, hooks, distribution, version
   plot         draw runs' metrics.jsonl into one PNG (several runs overlaid)
   new-plugin   write a plugin package: furlong new-plugin NAME --hook HOOK [--hook ...]
+  quantize-fp8 write the fine-grained FP8 version of a BF16 model: furlong quantize-fp8 SRC_DIR DST_DIR
 
 'furlong COMMAND --help' describes a command's flags."""
 
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     handlers = {"plugins": _plugins, "train": _train, "train-async": _train, "plot": _plot,
-                "new-plugin": _new_plugin, "serve": _serve}
+                "new-plugin": _new_plugin, "serve": _serve, "quantize-fp8": _quantize_fp8}
     if command not in handlers:
         close = difflib.get_close_matches(command, handlers, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
@@ -214,6 +216,7 @@ def _train(command: str, argv: list[str]) -> int:
     from ..config.notes import held_notes
     from ..config.parser import machine_defaults, machine_note
     from ..config.configure import configure_plugins, with_plugin_problems
+    from ..config.fp8_sources import precision_summary
     from ..config.freeze import freeze_config
     from ..config.parser import build_parser
     from ..plugins.selection import resolve_selection
@@ -233,6 +236,7 @@ def _train(command: str, argv: list[str]) -> int:
         machine = {**machine_defaults(args, pm, configured.data_parallel), **configured.machine}
         plugin_set = {dest: value for dest, value in configured.derived.items() if dest not in configured.machine}
         print(json.dumps({"args": config_to_dict(args), "plugins": selection.as_dict(),
+                          "precision": precision_summary(args),
                           "machine_defaults": config_to_dict(argparse.Namespace(**machine)),
                           "machine_note": machine_note(machine),
                           "plugin_defaults": config_to_dict(argparse.Namespace(**plugin_set))},
@@ -255,6 +259,23 @@ def _new_plugin(command: str, argv: list[str]) -> int:
     from .scaffold import main as scaffold_main
 
     return scaffold_main(argv)
+
+
+def _quantize_fp8(command: str, argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="furlong quantize-fp8", allow_abbrev=False,
+        description="Write the fine-grained FP8 version (e4m3 weights, 128 x 128 weight_scale_inv blocks, dynamic "
+                    "activation scales: transformers' FineGrainedFP8Config, SGLang's fp8) of a BF16 Hugging Face "
+                    "model directory, for --hf-checkpoint of an FP8 rollout engine (docs/fp8.md).")
+    parser.add_argument("src", help="the BF16 (or float16, float32) Hugging Face model directory")
+    parser.add_argument("dst", help="the new FP8 model directory (must not exist, or be empty)")
+    opts = parser.parse_args(argv)
+    from furlong.kit.fp8_io import quantize_checkpoint
+
+    done = quantize_checkpoint(opts.src, opts.dst)
+    print(f"{opts.dst}: {len(done['quantized'])} linear layers in FP8, kept in their dtype: "
+          f"{', '.join(done['not_converted']) or 'none'}")
+    return 0
 
 
 def _serve(command: str, argv: list[str]) -> int:

@@ -16,11 +16,14 @@ def add(g, dev) -> None:
     g.add_argument("--hf-checkpoint", default=None,
                    help="HF model directory: tokenizer, config, engine boot weights, fsdp weights; "
                         "also the reference model when --ref-load is absent. A local folder: Hugging Face Hub ids "
-                        "are not downloaded (hf download ID --local-dir DIR first).")
+                        "are not downloaded (hf download ID --local-dir DIR first). A fine-grained FP8 checkpoint "
+                        "(furlong quantize-fp8) is served FP8 by the engine; the trainer then starts from --ref-load "
+                        "(BF16) (docs/fp8.md).")
     megatron(g, "--model-name", default=None,
              help="Megatron: model family for Megatron->HF weight conversion (default: from the HF config).")
     g.add_argument("--ref-load", default=None,
-                   help="Frozen reference model (Megatron torch_dist dir or HF dir) and warm-start source.")
+                   help="Frozen reference model (Megatron torch_dist dir or HF dir) and warm-start source; never an "
+                        "FP8 checkpoint (docs/fp8.md).")
     megatron(g, "--ref-ckpt-step", type=int, default=None, help="Megatron: iteration of a torch_dist --ref-load to read.")
     g.add_argument("--load", default=None, help="Resume directory (the parent of iter_* directories).")
     g.add_argument("--save", default=None, help="Checkpoint directory (the parent of iter_* directories).")

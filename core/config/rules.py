@@ -148,6 +148,54 @@ def evaluation(args, f) -> None:
     if args.eval_sglang_passthrough and not args.eval_num_gpus:
         shown = " ".join(f"--eval-sglang-{k.replace('_', '-')}" for k in args.eval_sglang_passthrough)
         f.error(f"{shown}: --eval-sglang-* flags configure the dedicated eval fleet, which needs --eval-num-gpus > 0.")
+    eval_fleet(args, f)
+
+
+# the flags of the eval fleet's snapshots and dispatch, which mean nothing without --eval-num-gpus
+FLEET_FLAGS = (("eval_hf_dir", "--eval-hf-dir"), ("eval_max_in_flight", "--eval-max-in-flight"),
+               ("eval_overflow_policy", "--eval-overflow-policy"), ("eval_keep_snapshots", "--eval-keep-snapshots"),
+               ("eval_num_gpus_per_engine", "--eval-num-gpus-per-engine"))
+
+
+def eval_fleet(args, f) -> None:
+    """The dedicated eval fleet (``--eval-num-gpus``, core/run/eval_fleet.py): sizes, a snapshot source, an eval
+    interval; its other flags given without it do nothing (a warning)."""
+    given = set(args.explicit_args)
+    if args.eval_num_gpus < 0:
+        f.error(f"--eval-num-gpus must be 0 (evaluate on the rollout engines) or more, got {args.eval_num_gpus}.")
+    if args.eval_num_gpus_per_engine < 1:
+        f.error(f"--eval-num-gpus-per-engine must be at least 1, got {args.eval_num_gpus_per_engine}.")
+    if args.eval_max_in_flight < 1:
+        f.error(f"--eval-max-in-flight must be at least 1 (evaluations pending at once), got {args.eval_max_in_flight}.")
+    if args.eval_keep_snapshots < 0:
+        f.error(f"--eval-keep-snapshots must be 0 or more, got {args.eval_keep_snapshots}.")
+    if args.eval_num_gpus <= 0:
+        shown = [flag for dest, flag in FLEET_FLAGS if dest in given]
+        if shown:
+            f.warn(f"{', '.join(shown)} {'configure' if len(shown) > 1 else 'configures'} the dedicated eval fleet and "
+                   "does nothing without --eval-num-gpus N (evaluation runs on the rollout engines).")
+        return
+    per = args.eval_num_gpus_per_engine
+    if per >= 1 and args.eval_num_gpus % per:
+        f.error(f"--eval-num-gpus ({args.eval_num_gpus}) must be a multiple of --eval-num-gpus-per-engine ({per}): "
+                "every eval engine gets the same number of GPUs.")
+    if args.eval_interval is None:
+        f.error(f"--eval-num-gpus {args.eval_num_gpus} evaluates at eval points: give --eval-interval N and "
+                "--eval-prompt-data NAME PATH.")
+    for dest, flag in (("debug_train_only", "--debug-train-only"), ("debug_rollout_only", "--debug-rollout-only")):
+        if getattr(args, dest):
+            f.error(f"--eval-num-gpus evaluates snapshots of the trainer's weights while the engines generate; "
+                    f"{flag} runs only one of the two: drop --eval-num-gpus (or {flag}).")
+    if args.eval_hf_dir:
+        return
+    if not args.save_hf:
+        f.error(f"--eval-num-gpus {args.eval_num_gpus} feeds its engines a weight snapshot at each eval point: give "
+                "--eval-hf-dir DIR (snapshots written there, tmpfs such as /dev/shm/... keeps them off disk), or "
+                "--save-hf PATH to evaluate the Hugging Face exports of the checkpoints.")
+    elif args.eval_interval and (not args.save_interval or args.eval_interval % args.save_interval):
+        f.error(f"--eval-num-gpus without --eval-hf-dir evaluates the --save-hf exports, so --eval-interval "
+                f"({args.eval_interval}) must be a multiple of --save-interval ({args.save_interval}); give "
+                "--eval-hf-dir DIR for snapshots of their own.")
 
 
 def async_and_agents(args, f, given: set[str], command: str | None) -> None:

@@ -36,7 +36,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--balance-by-flops", "balance_by_flops", reason=(
         "micro-batches are balanced by tokens, not FLOPs; remove it and use --balance-data (Karmarkar-Karp on "
         "token counts).")),
-    Unsupported("--eval-num-gpus", "eval_num_gpus", (0,)),
     Unsupported("--multimodal-keys", "multimodal_keys", (None,), reason=(
         "furlong's data sources, engines and train backends carry text only (no image or video inputs, no "
         "vision tower); remove it and put the text in --input-key.")),
@@ -68,13 +67,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--session-server-ip", "session_server_ip", (None,), reason="it addresses --use-session-server; remove it."),
     Unsupported("--session-server-port", "session_server_port", (None,),
                 reason="it addresses --use-session-server; remove it."),
-    # evaluation: a custom eval rollout and the dedicated eval fleet (--eval-num-gpus)
-    Unsupported("--eval-function-path", "eval_function_path", (None,)),
-    Unsupported("--eval-num-gpus-per-engine", "eval_num_gpus_per_engine", (1,)),
-    Unsupported("--eval-hf-dir", "eval_hf_dir", (None,)),
-    Unsupported("--eval-max-in-flight", "eval_max_in_flight", (2,)),
-    Unsupported("--eval-overflow-policy", "eval_overflow_policy", ("backpressure",)),
-    Unsupported("--eval-keep-snapshots", "eval_keep_snapshots", (2,)),
     # training
     Unsupported("--fsdp-cpu-backend", "fsdp_cpu_backend", ("gloo",), reason=(
         "the executors always give CPU tensors the gloo backend (cpu:gloo,cuda:nccl), the one CPU backend torch "

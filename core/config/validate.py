@@ -15,6 +15,7 @@ from furlong.hooks.config_report import ConfigReport
 
 from ..plugins.miles_paths import MILES_FLAG_CHOICES, miles_builtin
 from . import rules
+from .fp8_sources import fp8_sources
 from .knobs import KNOBS, resolve_knobs
 from .unsupported import unsupported_problems
 
@@ -62,6 +63,7 @@ def validate(args, command: str | None = None) -> ConfigReport:
     rules.defaults(args, f, given)
     _over_sampling(args, f, given)
     rules.kl_and_reference(args, f)
+    fp8_sources(args, f)
     rules.importance_sampling(args, f)
     rules.saving(args, f, given)
     rules.evaluation(args, f)

@@ -128,10 +128,7 @@ class _PathFunction(MilesStyle):
         super().__init__(fn)
         self.path, self.flag = path, flag
 
-    async def _run(self, *fn_args) -> Any:
-        return await self._run_keywords(*fn_args)
-
-    async def _run_keywords(self, *fn_args, **fn_kwargs) -> Any:
+    async def _run(self, *fn_args, **fn_kwargs) -> Any:
         try:
             return await _resolve(self.fn(*fn_args, **fn_kwargs))
         except PluginError:
@@ -192,10 +189,9 @@ class _TisAdapter(_PathFunction):
     @hookimpl
     async def tis_function(self, args, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
                            response_lengths):
-        out = await self._run_keywords(args=args, pg_loss=pg_loss, train_log_probs=train_log_probs,
-                                       rollout_log_probs=rollout_log_probs, loss_masks=loss_masks,
-                                       total_lengths=total_lengths, response_lengths=response_lengths,
-                                       parallel_state=None, max_seq_lens=None)
+        out = await self._run(args=args, pg_loss=pg_loss, train_log_probs=train_log_probs,
+                              rollout_log_probs=rollout_log_probs, loss_masks=loss_masks, total_lengths=total_lengths,
+                              response_lengths=response_lengths, parallel_state=None, max_seq_lens=None)
         if not (isinstance(out, (tuple, list)) and len(out) == 3 and isinstance(out[2], dict)
                 and len(out[1]) == len(loss_masks)):
             raise PluginError(f"{self.flag} '{self.path}' must return (pg_loss, loss_masks, metrics): a tensor, "
@@ -233,6 +229,14 @@ def _positional_count(fn: Callable) -> int:
     return sum(p.kind in kinds for p in params)
 
 
+class _EvalFunctionAdapter(_PathFunction):
+    @hookimpl
+    async def eval_function(self, args, rollout_id, context):
+        if _accepts(self.fn, "evaluation"):
+            return await self._run(args, rollout_id, context, evaluation=True)
+        return await self._run(args, rollout_id, context)
+
+
 PATH_ADAPTERS: dict[str, type] = {
     "rollout_sample_filter": _SampleFilterAdapter,
     "rollout_all_samples_process": _AllSamplesProcessAdapter,
@@ -243,6 +247,7 @@ PATH_ADAPTERS: dict[str, type] = {
     "tis_function": _TisAdapter,
     "convert_samples_to_train_data": _ConvertAdapter,
     "rollout_data_postprocess": _DataPostprocessAdapter,
+    "eval_function": _EvalFunctionAdapter,
 }
 
 
@@ -269,6 +274,11 @@ def make_adapter(hook: str, path: str, flag: str) -> object:
         kind = "a class" if hook == "data_source" else "a function"
         raise PluginError(f"{flag} '{path}': '{path.rpartition('.')[2]}' is a {type(fn).__name__}, not callable; "
                           f"point the flag at {kind}.")
+    if hook == "eval_function" and inspect.isclass(fn):
+        raise PluginError(f"{flag} '{path}': '{path.rpartition('.')[2]}' is a class; Miles' class-based eval "
+                          "functions (a RolloutFn class, a CheckpointEvalFn subclass) are built on Miles' runtime, "
+                          "which furlong does not run. Point the flag at a function fn(args, rollout_id, context, "
+                          "evaluation=True) returning Miles' eval data (docs/miles.md, \"Evaluation\").")
     if hook == "reward":  # a TRL or verl reward function keeps its own form (core/plugins/reward_forms.py)
         return reward_adapter(fn, path, _RewardAdapter)
     if hook in PATH_ADAPTERS:

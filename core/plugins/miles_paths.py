@@ -14,8 +14,8 @@ reward plugin ``--rm-type`` names (Miles' ``async_rm`` dispatches on it).
 
 from __future__ import annotations
 
-__all__ = ["CORE_DOES_IT", "MILES_BUILTINS", "MILES_FLAG_CHOICES", "MILES_FUNCTION_FLAGS", "MILES_PACKAGES", "RM_TYPE",
-           "miles_builtin", "unmapped_miles_path"]
+__all__ = ["CORE_DOES_IT", "MILES_BUILTINS", "MILES_EVAL_FUNCTIONS", "MILES_FLAG_CHOICES", "MILES_FUNCTION_FLAGS",
+           "MILES_PACKAGES", "RM_TYPE", "miles_builtin", "unmapped_miles_path"]
 
 RM_TYPE = "<--rm-type>"
 CORE_DOES_IT = "<core>"
@@ -65,11 +65,22 @@ MILES_FUNCTION_FLAGS: dict[str, tuple[str, str]] = {
 }
 
 
+# Miles' rollout functions given as --eval-function-path: each evaluates the eval sets the way furlong's
+# built-in evaluation does (FullyAsyncRolloutFn serves eval on the rollout engines), so the core does it
+MILES_EVAL_FUNCTIONS: frozenset[str] = frozenset({
+    "miles.rollout.sglang_rollout.generate_rollout",
+    "miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn",
+    "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn",
+})
+
+
 def miles_builtin(path: str, hook: str, rm_type: str | None = None) -> str | None:
     """The built-in plugin standing for Miles' ``path`` on ``hook``, or None (a path of the user's own).
 
     :param rm_type: ``--rm-type``, for the paths that dispatch on it (None: no plugin).
     """
+    if hook == "eval_function":
+        return CORE_DOES_IT if path in MILES_EVAL_FUNCTIONS else None
     entry = MILES_BUILTINS.get(path)
     if entry is None or entry[0] != hook:
         return None
@@ -91,7 +102,12 @@ def unmapped_miles_path(path: str, hook: str, flag: str) -> str | None:
         return None
     names = {name for mapped, name in MILES_BUILTINS.values() if mapped == hook}
     same_hook = sorted(names - {CORE_DOES_IT, RM_TYPE}) + (["the --rm-type reward"] if RM_TYPE in names else [])
-    instead = (f"choose one of furlong's built-in {hook} plugins instead ({', '.join(same_hook)})"
-               if same_hook else "furlong has no built-in that does the same: write it as a furlong plugin (PLUGINS.md)")
+    if hook == "eval_function":
+        instead = ("leave --eval-function-path out for furlong's built-in evaluation of the eval sets, or write the "
+                   "function yourself (docs/miles.md, \"Evaluation\")")
+    elif same_hook:
+        instead = f"choose one of furlong's built-in {hook} plugins instead ({', '.join(same_hook)})"
+    else:
+        instead = "furlong has no built-in that does the same: write it as a furlong plugin (PLUGINS.md)"
     return (f"{flag} '{path}' names a function of Miles itself, which furlong does not import: {instead}. "
             f"docs/miles.md (\"Miles' own dotted paths\") lists the Miles paths furlong maps to its built-ins.")

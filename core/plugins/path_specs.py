@@ -3,7 +3,7 @@
 ``--rollout-sample-filter-path``, ``--rollout-all-samples-process-path``,
 ``--custom-reward-post-process-path``, ``--custom-megatron-post-save-hook-path``,
 ``--custom-rollout-log-function-path``, ``--custom-eval-rollout-log-function-path``,
-``--custom-tis-function-path``, ``--custom-convert-samples-to-train-data-path`` and
+``--eval-function-path``, ``--custom-tis-function-path``, ``--custom-convert-samples-to-train-data-path`` and
 ``--rollout-data-postprocess-path`` name a user function that runs at one point of the loop. Each is wrapped in an adapter plugin
 (:mod:`furlong.core.plugins.adapters`) registered under the path, and the core calls it
 through the plugin manager like any chosen hook (timed, reported to ``on_hook_call``).
@@ -19,9 +19,9 @@ from argparse import Namespace
 from furlong.hooks import RunConfig, Sample
 from furlong.hooks.markers import hookspec
 
-__all__ = ["PATH_HOOKS", "convert_samples_to_train_data", "eval_rollout_log", "post_save", "reward_post_process",
-           "rollout_all_samples_process", "rollout_data_postprocess", "rollout_log", "rollout_sample_filter",
-           "tis_function"]
+__all__ = ["PATH_HOOKS", "convert_samples_to_train_data", "eval_function", "eval_rollout_log", "post_save",
+           "reward_post_process", "rollout_all_samples_process", "rollout_data_postprocess", "rollout_log",
+           "rollout_sample_filter", "tis_function"]
 
 # hook -> attribute of the dotted-path flag that chooses it (the flag: "--" + the attribute with dashes)
 PATH_HOOKS: dict[str, str] = {
@@ -31,6 +31,7 @@ PATH_HOOKS: dict[str, str] = {
     "post_save": "custom_megatron_post_save_hook_path",
     "rollout_log": "custom_rollout_log_function_path",
     "eval_rollout_log": "custom_eval_rollout_log_function_path",
+    "eval_function": "eval_function_path",
     "tis_function": "custom_tis_function_path",
     "convert_samples_to_train_data": "custom_convert_samples_to_train_data_path",
     "rollout_data_postprocess": "rollout_data_postprocess_path",
@@ -130,4 +131,19 @@ def rollout_data_postprocess(config: RunConfig, args: Namespace, rollout_data: d
     gets ``rollout_data``: ``{"tokens", "response_lengths", "loss_masks", "log_probs", "ref_log_probs",
     "rollout_log_probs", "advantages", "returns", "rewards"}`` (per-token values as lists of float32
     ``[T_i]``; None where the run has none). Changing ``loss_masks[i]`` in place changes what trains.
+    """
+
+
+@hookspec
+def eval_function(config: RunConfig, args: Namespace, rollout_id: int, context) -> object:
+    """Run one whole evaluation your own way, instead of the built-in one over the eval sets.
+
+    Call: chosen by ``--eval-function-path`` (Miles' ``fn(args, rollout_id, data_source, evaluation=True)``: here
+    the third argument is an :class:`~furlong.core.rollout.eval_function.EvalContext`, with the engine to generate
+    on, ``generate_group`` and the eval sets), once per evaluation on the rollout side; ``evaluation=True`` is
+    passed when the function takes it. May be ``async def``.
+
+    :returns: Miles' eval data ``{set name: {"rewards": [float or None], "truncated": [bool] (optional),
+        "samples": [Sample] (optional)}}``, or ``(data, metrics)``, or an object with ``data`` and ``metrics``
+        attributes (Miles' ``RolloutFnEvalOutput``); ``metrics`` (a dict of numbers) is logged beside.
     """

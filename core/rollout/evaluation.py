@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 
 from furlong.hooks import DatasetSpec, PluginError, RunConfig, Sample, Status
@@ -11,6 +10,7 @@ from furlong.hooks import DatasetSpec, PluginError, RunConfig, Sample, Status
 from ..plugins.data_choice import data_source_for
 from .datasets import eval_dataset
 from .debug_data import save_rollout
+from .eval_function import EvalContext, EvalSet, data_metrics, read_result
 from ..config.eval_config import EvalDataset, load_eval_datasets, sampling_params
 from ..run.extra_metrics import eval_set_metrics
 from ..run.metrics_log import scalar_reward
@@ -34,6 +34,7 @@ class Evaluator:
         self.pm = pm
         self.source = selection.chosen["data_source"]
         self.custom_log = selection.paths.get("eval_rollout_log")
+        self.function = selection.paths.get("eval_function")
         self.datasets: list[tuple[EvalDataset, list[dict]]] = []
         self._to_load = []
         for ds in load_eval_datasets(config):
@@ -70,47 +71,72 @@ class Evaluator:
     def __bool__(self) -> bool:
         return bool(self.datasets or self._to_load)
 
-    async def evaluate(self, manager: RolloutManager, rollout_id: int = 0) -> dict:
-        """Generate and score every eval dataset concurrently; return ``eval/...`` metrics.
+    async def evaluate(self, manager: RolloutManager, rollout_id: int = 0, hf_dir: str | None = None) -> dict:
+        """Generate and score every eval dataset concurrently on ``manager``'s engine; return ``eval/...`` metrics.
 
-        With ``--save-debug-rollout-data`` every set's samples are written as evaluation ``rollout_id``
-        (:func:`~.debug_data.save_rollout`). ``--custom-eval-rollout-log-function-path`` sees every set's
-        samples first; when it returns True only ``perf/eval_time`` is returned.
+        With ``--eval-function-path`` that function runs the evaluation instead
+        (:mod:`~.eval_function`; ``hf_dir``: the snapshot the eval fleet loaded, handed to it) and its
+        metrics are logged beside. With ``--save-debug-rollout-data`` every set's samples are written as
+        evaluation ``rollout_id`` (:func:`~.debug_data.save_rollout`). ``--custom-eval-rollout-log-function-path``
+        sees every set's data first; when it returns True only ``perf/eval_time`` (and the eval function's
+        metrics) are returned.
+
+        :raises PluginError: the eval function failed or returned something else than eval data (named).
         """
         await self.load()
         start = time.perf_counter()
-        per_set = await asyncio.gather(*(self._one(manager, ds, rows) for ds, rows in self.datasets))
+        if self.function is not None:
+            data, extra = await self._call_function(manager, rollout_id, hf_dir)
+        else:
+            per_set = await asyncio.gather(*(self._one(manager, ds, rows) for ds, rows in self.datasets))
+            data = self._data(per_set)
+            extra = {}
         if self.config.save_debug_rollout_data:
-            save_rollout(self.config.save_debug_rollout_data, rollout_id, (s for set_ in per_set for s in set_),
-                         evaluation=True, metadata={"sets": [ds.name for ds, _ in self.datasets]})
-        extra = {"perf/eval_time": time.perf_counter() - start}
-        if self.custom_log is not None and await self._custom_log(rollout_id, per_set, extra):
+            samples = [s for entry in data.values() for s in entry.get("samples") or () if isinstance(s, Sample)]
+            save_rollout(self.config.save_debug_rollout_data, rollout_id, samples,
+                         evaluation=True, metadata={"sets": list(data)})
+        extra["perf/eval_time"] = time.perf_counter() - start
+        if self.custom_log is not None and await self.pm.call_chosen(
+                "eval_rollout_log", *self.custom_log, config=self.config, rollout_id=rollout_id, data=data,
+                extra=dict(extra)):
             return extra
+        sizes = {ds.name: ds.n_samples_per_eval_prompt for ds, _ in self.datasets}
+        flag = self.function[1] if self.function is not None else "evaluation"
         metrics: dict = {}
-        for (ds, _), samples in zip(self.datasets, per_set):
-            metrics.update(eval_set_metrics(self.config, ds.name, samples, ds.n_samples_per_eval_prompt))
+        for name, entry in data.items():
+            if self.function is None:
+                metrics.update(eval_set_metrics(self.config, name, entry["samples"], sizes[name]))
+            else:
+                size = sizes.get(name, self.config.n_samples_per_eval_prompt)
+                metrics.update(data_metrics(self.config, name, entry, size, flag))
         return {**metrics, **extra}
 
-    async def _custom_log(self, rollout_id: int, per_set: list[list[Sample]], extra: dict) -> bool:
+    def eval_sets(self) -> list[EvalSet]:
+        """The loaded eval sets as :class:`~.eval_function.EvalSet` (what an eval function gets)."""
+        return [EvalSet(ds.name, rows, sampling_params(ds, self.config), ds.n_samples_per_eval_prompt,
+                        ds.metadata_overrides, ds.rm_type) for ds, rows in self.datasets]
+
+    async def _call_function(self, manager: RolloutManager, rollout_id: int, hf_dir: str | None) -> tuple[dict, dict]:
+        async def generate_group(group: list[Sample], sampling_params: dict | None = None) -> list[Sample]:
+            return await manager.generate_group(group, evaluation=True, sampling_params=sampling_params)
+
+        context = EvalContext(engine=manager.engine, generate_group=generate_group, eval_sets=self.eval_sets(),
+                              rollout_id=rollout_id, hf_dir=hf_dir)
+        path, flag = self.function
+        result = await self.pm.call_chosen("eval_function", path, flag, config=self.config, rollout_id=rollout_id,
+                                           context=context)
+        return read_result(result, f"{flag} {path}")
+
+    def _data(self, per_set: list[list[Sample]]) -> dict:
+        """Miles' eval data of the built-in evaluation: per set ``{"rewards", "truncated", "samples"}``."""
         key = self.config.eval_reward_key or self.config.reward_key
-        data = {ds.name: {"rewards": [scalar_reward(s, key, "--eval-reward-key") for s in samples],
+        return {ds.name: {"rewards": [scalar_reward(s, key, "--eval-reward-key") for s in samples],
                           "truncated": [s.status == Status.TRUNCATED for s in samples], "samples": samples}
                 for (ds, _), samples in zip(self.datasets, per_set)}
-        return await self.pm.call_chosen("eval_rollout_log", *self.custom_log, config=self.config,
-                                         rollout_id=rollout_id, data=data, extra=dict(extra))
 
     async def _one(self, manager: RolloutManager, ds: EvalDataset, rows: list[dict]) -> list[Sample]:
         params = sampling_params(ds, self.config)
-        groups = [[_eval_sample(row, ds, p * ds.n_samples_per_eval_prompt + j, p)
-                   for j in range(ds.n_samples_per_eval_prompt)] for p, row in enumerate(rows)]
+        groups = EvalSet(ds.name, rows, params, ds.n_samples_per_eval_prompt, ds.metadata_overrides,
+                         ds.rm_type).groups()
         await asyncio.gather(*(manager.generate_group(g, evaluation=True, sampling_params=params) for g in groups))
         return sorted((s for g in groups for s in g), key=lambda s: s.index)
-
-
-def _eval_sample(row: dict, ds: EvalDataset, index: int, group_index: int) -> Sample:
-    metadata = copy.deepcopy(row.get("metadata") or {})
-    metadata.update(ds.metadata_overrides or {})
-    if ds.rm_type:
-        metadata["rm_type"] = ds.rm_type
-    return Sample(prompt=copy.deepcopy(row["prompt"]), label=copy.deepcopy(row.get("label")), metadata=metadata,
-                  group_index=group_index, index=index)

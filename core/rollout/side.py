@@ -38,6 +38,7 @@ class RolloutSide:
         self.cursor: DataCursor | None = None
         self.evaluator: Evaluator | None = None
         self.manager: RolloutManager | None = None
+        self.fleet: RolloutManager | None = None  # generates on the dedicated eval engines (--eval-num-gpus)
 
     async def load_data(self) -> bool:
         """Create the train and eval data sources; return whether there are eval sets.
@@ -69,6 +70,11 @@ class RolloutSide:
         engine = NoEngine() if not engines else engines[0] if len(engines) == 1 else EngineSet(engines)
         self.manager = RolloutManager(self.config, self.pm, self.selection, engine, self.cursor)
 
+    async def start_eval_fleet(self, engines: list) -> None:
+        """Build the manager that evaluates on the dedicated eval engines (``--eval-num-gpus``); after :meth:`start`."""
+        engine = engines[0] if len(engines) == 1 else EngineSet(engines)
+        self.fleet = RolloutManager(self.config, self.pm, self.selection, engine, self.cursor)
+
     async def generate(self, rollout_id: int) -> list[list[Sample]]:
         """The groups to train on for ``rollout_id``: the ``rollout`` hook and everything it calls, or the
         file of ``--load-debug-rollout-data``; written to ``--save-debug-rollout-data``'s file when given.
@@ -86,9 +92,14 @@ class RolloutSide:
             save_rollout(config.save_debug_rollout_data, rollout_id, (s for g in groups for s in g))
         return groups
 
-    async def evaluate(self, rollout_id: int = 0) -> dict:
-        """Generate and score every eval set (the evaluation of ``rollout_id``); ``eval/...`` metrics."""
-        return await self.evaluator.evaluate(self.manager, rollout_id)
+    async def evaluate(self, rollout_id: int = 0, hf_dir: str | None = None) -> dict:
+        """Generate and score every eval set (the evaluation of ``rollout_id``); ``eval/...`` metrics.
+
+        :param hf_dir: None: on the rollout engines; else the snapshot the dedicated eval engines hold now (they
+            generate, :meth:`start_eval_fleet`).
+        """
+        manager = self.manager if hf_dir is None else self.fleet
+        return await self.evaluator.evaluate(manager, rollout_id, hf_dir)
 
     async def data_state(self, rollout_id: int | None = None) -> dict | None:
         """The data side's checkpoint state now, or as it was when ``rollout_id``'s batch was drawn."""
@@ -111,6 +122,8 @@ class RolloutSide:
         """Stop work a rollout plugin keeps across rollouts."""
         if self.manager is not None:
             await self.manager.dispose()
+        if self.fleet is not None:
+            await self.fleet.dispose()
 
 
 def _check_loaded(config: RunConfig, rollout_id: int, groups: list[list[Sample]]) -> None:

@@ -24,6 +24,7 @@ from .debug_modes import exits_after, starts_engines, starts_trainer, syncs_weig
 from ..rollout.engine_health import EngineHealthMonitor, health_monitor_wanted
 from ..rollout.engines import EngineFactory
 from .epochs import derive_num_rollout
+from .eval_fleet import EvalFleet, fleet_config
 from .metrics_log import SUPERSEDED_NAME, MetricsLog, set_aside_rows_from, summary_line, zero_spread_warning
 from ..plugins.manager import FurlongPluginManager
 from .preflight import check_paths
@@ -60,6 +61,10 @@ class Run:
         self.group: TrainGroup | None = None  # None under --debug-rollout-only
         self.critic: TrainGroup | None = None  # the critic's train group when config.use_critic
         self.weights: WeightSync | None = None
+        self.fleet: EvalFleet | None = None  # the dedicated eval fleet (--eval-num-gpus)
+        self.eval_engines: list = []
+        self.latest_rollout = 0  # the rollout the loop is at (eval/lag_steps of the fleet's evaluations)
+        self.resumed = False  # the trainer started from a checkpoint (not --hf-checkpoint's weights)
         self.health: EngineHealthMonitor | None = None
         self.locks: list = []  # the run's locks on its output folders (core/run/lock.py)
         self.warned_zero_spread = False
@@ -101,6 +106,7 @@ class Run:
         level, where = output_note(config)
         log.log(level, "%s", where)
         resume = resolve_start(config)
+        self.resumed = bool(resume.load_dir)
         if resume.start_rollout_id >= config.num_rollout:
             log.warning("the run starts at rollout %d and --num-rollout is %d: there is nothing left to train (a "
                         "finished run resumed, or --num-rollout lowered); raise --num-rollout to train further.",
@@ -118,6 +124,8 @@ class Run:
         if starts_trainer(config):
             await self.start_trainer(train_plugins, resume)
         await self.rollout.start(engines, resume.state)
+        if self.has_eval and config.eval_num_gpus:
+            await self.start_eval_fleet()
         self.weights = WeightSync(config, self.group, engines, self.executor.weights_in_process)
         for engine in engines:
             if hasattr(engine, "on_restart"):  # a remote engine that was replaced gets the current weights
@@ -127,6 +135,28 @@ class Run:
             self.weights.monitor = self.health
             self.health.start()
         return resume.start_rollout_id
+
+    async def start_eval_fleet(self) -> None:
+        """Start the dedicated eval engines beside the rollout engines (``--eval-num-gpus``) and the fleet
+        that feeds them snapshots (:mod:`.eval_fleet`).
+
+        :raises PluginError: the executor cannot start them (named), or see :class:`.eval_fleet.EvalFleet`.
+        """
+        config, sel = self.config, self.selection
+        name, flag = sel.chosen["executor"]
+        start = getattr(self.executor, "start_eval_engines", None)
+        if start is None:
+            raise PluginError(f"--eval-num-gpus {config.eval_num_gpus}: {flag} '{name}' cannot start eval engines "
+                              "(it has no start_eval_engines); use --executor local or ray, or evaluate on the "
+                              "rollout engines (--eval-num-gpus 0).")
+        eval_config = fleet_config(config)
+        self.eval_engines = await start(eval_config, EngineFactory(eval_config, sel.chosen["rollout_engine"], self.pm))
+        await self.rollout.start_eval_fleet(self.eval_engines)
+        export = self.group.save_hf if self.group is not None else None
+        self.fleet = EvalFleet(config, self.eval_engines, self.rollout.evaluate, export, self.log_eval,
+                               lambda: self.latest_rollout)
+        log.info("eval fleet: %d engine(s) evaluate beside training (--eval-num-gpus %d)", len(self.eval_engines),
+                 config.eval_num_gpus)
 
     @property
     def train_groups(self) -> list[TrainGroup]:
@@ -182,8 +212,19 @@ class Run:
                      "tensors exactly.", version, len(self.engines), compared)
         return time.perf_counter() - start
 
-    async def evaluate(self, rollout_id: int) -> None:
-        metrics = await self.rollout.evaluate(rollout_id)
+    async def evaluate(self, rollout_id: int, start: bool = False) -> None:
+        """Evaluate the weights after ``rollout_id`` (``start``: the weights the run starts with) and log the
+        ``eval/...`` metrics at it; with the eval fleet, start that evaluation and return (it is logged when it
+        ends; the run's last one is never dropped, ``--eval-overflow-policy``)."""
+        if self.fleet is None:
+            await self.log_eval(rollout_id, await self.rollout.evaluate(rollout_id))
+            return
+        fresh = start and rollout_id == 0 and not self.resumed
+        await self.fleet.dispatch(rollout_id, force=rollout_id == self.config.num_rollout - 1,
+                                  hf_dir=self.config.hf_checkpoint if fresh else None)
+
+    async def log_eval(self, rollout_id: int, metrics: dict) -> None:
+        """Log one evaluation's metrics at ``eval/step`` ``rollout_id``; tell the plugins (``on_eval_end``)."""
         self.metrics.log(metrics, "eval/step", rollout_id)
         log.info("eval at rollout %d: %s", rollout_id,
                  ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.count("/") == 1 and "-" not in k))
@@ -297,12 +338,13 @@ async def _run(config: RunConfig, pm: FurlongPluginManager, selection: Selection
         sync_time = await state.update_weights()
         _freeze_startup_objects()
         if config.num_rollout == 0 and config.eval_interval and state.has_eval:
-            await state.evaluate(0)
-            return
-        if config.train_mode == "async":
+            await state.evaluate(0, start=True)
+        elif config.train_mode == "async":
             await _async_loop(state, start_id, sync_time)
         else:
             await _sync_loop(state, start_id, sync_time)
+        if state.fleet is not None:  # the evaluations still running end before the run does
+            await state.fleet.drain()
         await state.wait_for_save()
     except BaseException as exc:
         if state.pending_save is not None:  # a checkpoint still being written: it finishes or fails first
@@ -324,6 +366,8 @@ async def _run(config: RunConfig, pm: FurlongPluginManager, selection: Selection
 async def _close(state: Run, stop_engines: bool = True) -> None:
     """Stop what the run started, in reverse order (engines that own processes, e.g. servers, stop them)."""
     try:
+        if state.fleet is not None:
+            await state.fleet.cancel()
         if state.health is not None:
             await state.health.stop()
         if state.rollout is not None:
@@ -333,7 +377,8 @@ async def _close(state: Run, stop_engines: bool = True) -> None:
     finally:
         try:
             if stop_engines:
-                await asyncio.gather(*(e.shutdown() for e in state.engines if hasattr(e, "shutdown")))
+                await asyncio.gather(*(e.shutdown() for e in [*state.engines, *state.eval_engines]
+                                       if hasattr(e, "shutdown")))
         except Exception:  # noqa: BLE001 - the executor still stops its processes
             log.warning("an engine did not stop cleanly", exc_info=True)
         if state.executor is not None:
@@ -350,8 +395,9 @@ async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
     start to its weight sync's end (the whole step, evaluation and checkpoints excluded)."""
     config = state.config
     for rollout_id in range(start_id, config.num_rollout):
+        state.latest_rollout = rollout_id
         if _eval_first(config, state, rollout_id, start_id):
-            await state.evaluate(rollout_id)
+            await state.evaluate(rollout_id, start=True)
         step_start = time.perf_counter()
         with RolloutProgress(state.rollout.progress, rollout_id):
             groups = await state.rollout.generate(rollout_id)
@@ -394,7 +440,7 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
     """
     config = state.config
     if config.eval_interval and state.has_eval and start_id == 0 and not config.skip_eval_before_train:
-        await state.evaluate(0)
+        await state.evaluate(0, start=True)
     clock = time.perf_counter
     origin = clock()
 
@@ -409,6 +455,7 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
     step_start = clock()
     try:
         for rollout_id in range(start_id, config.num_rollout):
+            state.latest_rollout = rollout_id
             wait = clock()
             if future is not None:
                 data, future = await future, None
@@ -437,7 +484,7 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
             metrics.update({f"timeline/{k}": v for k, v in times.items()})
             await state.finish_rollout(rollout_id, groups, metrics)
             if state.eval_due(rollout_id):
-                if future is not None:  # evaluation shares the rollout manager: the rollout in flight ends first
+                if future is not None and state.fleet is None:  # evaluation on the rollout engines: the rollout in flight ends first
                     data, future = await future, None
                 await state.evaluate(rollout_id)
             if exits_after(config, rollout_id, start_id):

@@ -4,7 +4,9 @@ The train workers stream their weights in Hugging Face names, the way a sync doe
 tensor, cast to the dtype the engine holds it in (the cast the engine's own copy makes), must
 have the SHA-256 the engine reports for it (``engine.weight_digests(names)``, bucket by bucket:
 ``{name: (dtype, shape, sha256)}``, :func:`furlong.kit.tensor_digest.named_digests`). Tensors the
-engine holds that the trainer does not send (a tied output projection) are not compared.
+engine holds that the trainer does not send (a tied output projection) are not compared. An FP8
+engine's layer holds e4m3 blocks: the trainer's tensor is quantised the engine's way
+(:func:`furlong.kit.fp8.quantize_blocks`) before its digest is taken.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import torch
 
 from furlong.hooks import PluginError, RunConfig
+from furlong.kit.fp8 import quantize_blocks
 from furlong.kit.tensor_digest import tensor_digest
 
 from ..train.group import TrainGroup
@@ -55,6 +58,8 @@ def _compare(name: str, tensor: torch.Tensor, digests: dict, index: int, version
     if list(tensor.shape) != list(shape):
         raise PluginError(f"{where}'s tensor '{name}' has shape {tuple(shape)}; the trainer's has "
                           f"{tuple(tensor.shape)}.")
-    if tensor_digest(tensor.to(getattr(torch, dtype))) != digest:
+    # an FP8 engine holds the e4m3 blocks the sent tensor quantises to (furlong.kit.fp8's rounding)
+    held = quantize_blocks(tensor)[0] if dtype == "float8_e4m3fn" else tensor.to(getattr(torch, dtype))
+    if tensor_digest(held) != digest:
         raise PluginError(f"{where}'s tensor '{name}' ({dtype}, shape {tuple(shape)}) differs from the trainer's: "
                           "the sync did not deliver it.")

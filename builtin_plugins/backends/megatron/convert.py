@@ -411,7 +411,9 @@ def _expert_role(unit: Unit) -> tuple:
 
 
 def safetensors_stream(hf_dir: str) -> Iterator[tuple[str, Any]]:
-    """Every tensor of the ``*.safetensors`` files of a HF directory, one at a time.
+    """Every tensor of the ``*.safetensors`` files of a HF directory, one at a time; an FP8 checkpoint's
+    linear weights dequantised to float32 (:func:`furlong.kit.fp8_io.dequantized_tensors`), its scales
+    left out.
 
     :raises PluginError: the directory has no safetensors file.
     """
@@ -420,9 +422,15 @@ def safetensors_stream(hf_dir: str) -> Iterator[tuple[str, Any]]:
 
     from safetensors import safe_open
 
+    from furlong.kit.fp8 import fp8_quantization_config
+    from furlong.kit.fp8_io import dequantized_tensors
+
     files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
     if not files:
         raise PluginError(f"{hf_dir}: no *.safetensors weights; the megatron backend reads safetensors.")
+    if fp8_quantization_config(hf_dir) is not None:
+        yield from dequantized_tensors(hf_dir)
+        return
     for file in files:
         with safe_open(file, framework="pt") as handle:
             for name in handle.keys():

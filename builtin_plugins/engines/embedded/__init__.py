@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from furlong.hooks import PluginError, hookimpl
+from furlong.kit.fp8 import fp8_quantization_config
 from furlong.kit.hf import load_causal_lm_weights, load_tokenizer
 from furlong.kit.machine_budget import long_enough_to_compile
 
@@ -95,7 +96,7 @@ def rollout_engine(config, engine_index):
 
 def load_engine(path: str | None, max_batch_size: int = 64, half: bool = True, fp16: bool = False,
                 seed: int = 0, compile: str | None = None, record_routing: bool = False,
-                experts: tuple[str, str] | None = None) -> EmbeddedEngine:
+                experts: tuple[str, str] | None = None, fp8_gemm: str = "auto") -> EmbeddedEngine:
     """Load model and tokenizer from the Hugging Face directory ``path`` into an engine.
 
     On CUDA the model runs in bfloat16 when ``half`` (float16 when ``fp16``), else float32;
@@ -103,8 +104,13 @@ def load_engine(path: str | None, max_batch_size: int = 64, half: bool = True, f
     ``compile``: None, or the ``torch.compile`` backend of the decode step (see
     :class:`~.decode.SlotDecoder`). ``record_routing`` and ``experts``: see :class:`EmbeddedEngine`.
 
-    :raises PluginError: ``path`` is None or not a loadable model directory, or
-        ``record_routing`` with a dense model.
+    A fine-grained FP8 checkpoint (``quantization_config`` with ``quant_method`` "fp8",
+    :mod:`furlong.kit.fp8`) runs its quantised linear layers as FP8 layers (:mod:`.fp8`): FP8
+    products with block scales on CUDA (``fp8_gemm``: "auto", "scaled_mm" or "triton",
+    :func:`.fp8_kernels.choose_gemm`), the dequantised weights on a CPU; the rest in the dtype above.
+
+    :raises PluginError: ``path`` is None or not a loadable model directory, an FP8 format
+        furlong does not run, or ``record_routing`` with a dense model.
     """
     import torch
 
@@ -118,6 +124,12 @@ def load_engine(path: str | None, max_batch_size: int = 64, half: bool = True, f
     if len(tokenizer) > vocab:
         raise PluginError(f"--hf-checkpoint {path}: the tokenizer has {len(tokenizer)} tokens but the model's "
                           f"embedding only {vocab} rows; the tokenizer files and the model do not belong together.")
+    if fp8_quantization_config(path) is not None:
+        from .fp8 import install_fp8_layers
+
+        layers = install_fp8_layers(model, path, "cuda" if cuda else "cpu", fp8_gemm)
+        log.info("embedded engine: %s: %d FP8 linear layers (e4m3, 128 x 128 blocks, %s)", path, layers,
+                 "dynamic 1 x 128 activation scales" if cuda else "dequantised on the CPU")
     if cuda:
         model = model.to("cuda")
     return EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size, seed=seed, compile=compile,

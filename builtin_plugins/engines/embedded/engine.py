@@ -86,6 +86,7 @@ class EmbeddedEngine:
         self._running: asyncio.Future | None = None
         self._torch = torch
         self._seeds = torch.Generator().manual_seed(int(seed))
+        self._fp8 = _fp8_layers(model)  # "<module>.weight" and ".weight_scale_inv" -> FP8 layer (syncs quantise)
 
     # --- RolloutEngine ------------------------------------------------------------------
 
@@ -222,6 +223,10 @@ class EmbeddedEngine:
         Names are the model's ``state_dict`` names, or, for a mixture-of-experts model, the
         checkpoint's per-expert names too (``...mlp.experts.{e}.{gate,up,down}_proj.weight``,
         copied into their slices of the fused experts tensors; see :mod:`.weight_names`).
+        An FP8 engine quantises the weight of each of its FP8 layers into e4m3 blocks and
+        ``weight_scale_inv`` (:meth:`.fp8.Fp8Linear.load_dense`: the rounding of ``furlong quantize-fp8``);
+        blocks already in e4m3 and their ``weight_scale_inv`` (what SGLang's clients send an FP8
+        server) are copied as they are.
 
         :raises PluginError: an unknown name or a shape mismatch (names the tensor).
         """
@@ -230,6 +235,17 @@ class EmbeddedEngine:
         decoding = self._running is not None and not self._running.done()
         copy = asyncio.to_thread if decoding else run_compute
         await copy(self._copy_weights, list(named_tensors))
+
+    async def update_weights_from_disk(self, path: str) -> None:
+        """Load every tensor of the Hugging Face model directory ``path`` (a snapshot written by ``save_hf``) in
+        place, as one :meth:`load_weights` bucket (SGLang's ``/update_weights_from_disk``).
+
+        :raises PluginError: ``path`` holds no readable weights, or a tensor the model does not have (named).
+        """
+        from furlong.kit.hf import read_hf_weights
+
+        named = await asyncio.to_thread(read_hf_weights, path, "eval snapshot")
+        await self.load_weights(named)
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str = "gloo") -> None:
@@ -381,8 +397,9 @@ class EmbeddedEngine:
 
     async def weight_digests(self, names: list[str]) -> dict[str, tuple[str, list[int], str]]:
         """``{name: (dtype, shape, sha256)}`` of the tensor each Hugging Face name of a weight update is copied
-        into (a per-expert name: its slice of the fused experts), for ``--check-weight-update-equal``
-        (:func:`furlong.kit.tensor_digest.tensor_digest`); names the model lacks are left out."""
+        into (a per-expert name: its slice of the fused experts; an FP8 layer's name: its e4m3 blocks), for
+        ``--check-weight-update-equal`` (:func:`furlong.kit.tensor_digest.tensor_digest`); names the model
+        lacks are left out."""
         from furlong.kit.tensor_digest import named_digests
 
         def digests():
@@ -400,7 +417,9 @@ class EmbeddedEngine:
         self._use_device()
         state = self.model.state_dict()
         with contextlib.nullcontext() if self._paused else self._lock, self._torch.no_grad():
+            written = set()  # FP8 layers given already quantised blocks or scales: refreshed after the bucket
             for name, tensor in named_tensors:
+                layer = self._fp8.get(name)
                 target = target_of(self.model, state, name)
                 if target is None:
                     raise PluginError(
@@ -413,7 +432,14 @@ class EmbeddedEngine:
                         f"embedded engine: update_weights tensor '{name}' has shape {tuple(tensor.shape)}, "
                         f"the model expects {tuple(target.shape)}."
                     )
-                target.copy_(tensor)
+                if layer is not None and name.endswith(".weight") and tensor.dtype != target.dtype:
+                    layer.load_dense(tensor)  # the quantiser's blocks and rounding, on the engine's device
+                else:
+                    target.copy_(tensor)
+                    if layer is not None:
+                        written.add(layer)
+            for layer in written:
+                layer.refresh()
             self._decoder.forget_prompts()  # prompts prefilled with the old weights are not shared any more
 
     def _use_device(self) -> None:
@@ -428,6 +454,15 @@ class EmbeddedEngine:
             self.model.to(device)
             if self._torch.cuda.is_available():
                 self._torch.cuda.empty_cache()
+
+
+def _fp8_layers(model) -> dict[str, Any]:
+    """The FP8 layers of ``model`` by weight name (empty for a model without any: no FP8 import)."""
+    if not any(type(m).__name__ == "Fp8Linear" for m in model.modules()):
+        return {}
+    from .fp8 import fp8_layers
+
+    return fp8_layers(model)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

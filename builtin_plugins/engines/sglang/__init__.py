@@ -102,6 +102,15 @@ def configure(args, report):
                      "sees only "
                      "its first GPU, so a tensor-parallel SGLang server is not supported yet there; use "
                      "--executor local on one machine, or --rollout-external with servers you start.")
+    eval_per = int(args.eval_num_gpus_per_engine or 1)
+    if args.eval_num_gpus and args.rollout_external:
+        report.error("--eval-num-gpus starts SGLang servers of its own for the eval fleet, but --rollout-external "
+                     "attaches to servers you started; drop --rollout-external, or evaluate on the rollout servers "
+                     "(--eval-num-gpus 0).")
+    elif args.eval_num_gpus and eval_per > 1 and not args.engines_in_driver:
+        report.error(f"--eval-num-gpus-per-engine {eval_per} under --executor {args.executor}: an engine actor sees "
+                     "only its first GPU, so a tensor-parallel eval server is not supported yet there; use "
+                     "--executor local on one machine, or --eval-num-gpus-per-engine 1.")
     if args.sglang_server_impl == "furlong" and not args.rollout_external and args.sglang_passthrough:
         shown = " ".join("--sglang-" + k.replace("_", "-") for k in args.sglang_passthrough)
         report.warn(f"{shown}: furlong serve takes no SGLang server arguments; they are not passed on.")
@@ -159,6 +168,8 @@ async def rollout_engine(config, engine_index):
         place = ServerPlace(index, host, port, nccl_port=_free_port(), dist_init_addr=f"{host}:{_free_port()}",
                             base_gpu_id=_base_gpu_id(config, index))
     register = not (config.rollout_external and config.plugin_config(PLUGIN).sglang_router_given)
+    if config.eval_engine:  # an eval fleet engine is asked directly, off the rollout engines' router
+        router_url, register = f"http://{host}:{port}", False
     engine = SGLangEngine(config, index, f"http://{host}:{port}", router_url, place, register, tokenizer, routing)
     try:
         await engine.start()
@@ -218,13 +229,16 @@ def _base_gpu_id(config: RunConfig, index: int) -> int:
     Engines in the driver's process (``config.engines_in_driver``, ``--executor local``): the
     trainer (this process) uses the first ``--actor-num-nodes x --actor-num-gpus-per-node``
     GPUs unless ``--colocate``; engine ``i`` takes the ``--rollout-num-gpus-per-engine`` GPUs
-    after those of the engines before it. An engine in a process of its own (a Ray actor)
+    after those of the engines before it (an eval fleet engine, ``config.eval_engine``, after every rollout
+    engine's, ``--rollout-num-gpus``). An engine in a process of its own (a Ray actor)
     is shown its own GPU alone: 0.
     """
     if not config.engines_in_driver:
         return 0
     per_engine = int(config.rollout_num_gpus_per_engine or 1)
     trainer = 0 if config.colocate else int(config.actor_num_nodes) * int(config.actor_num_gpus_per_node)
+    if config.eval_engine:  # the eval fleet's GPUs follow the rollout engines'
+        trainer += int(config.rollout_num_gpus or 0)
     return trainer + index * per_engine
 
 

@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 from furlong.hooks import GenerateOutput, PluginError, RunConfig
+from furlong.kit.fp8_io import fp8_module_names, quantize_bucket
 from furlong.kit.moe import RoutingLayout, decode_routed_experts
 
 from .buckets import save_bucket, serialize_cuda_bucket
@@ -75,6 +76,8 @@ class SGLangEngine:
         self._generation_limit = concurrency * engines_here
         self._generate_timeout = float(config.sglang_router_request_timeout_secs or 14400)
         self._control_timeout = 60.0 * float(config.distributed_timeout_minutes or 10)
+        # an FP8 --hf-checkpoint: the modules whose synced weights are sent as e4m3 blocks and scales
+        self._fp8_modules = fp8_module_names(config.hf_checkpoint)
 
     @property
     def who(self) -> str:
@@ -346,6 +349,11 @@ class SGLangEngine:
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str) -> None:
+        if self._fp8_modules:
+            raise PluginError(f"{self.who}: a broadcast weight sync into an FP8 --hf-checkpoint "
+                              f"({self.config.hf_checkpoint}) is not supported yet: the trainer broadcasts BF16 "
+                              "tensors, which SGLang's FP8 layers would copy unscaled. Run the trainer in the "
+                              "driver's process (--executor local), whose syncs are quantised before they are sent.")
         await self._checked("/update_weights_from_distributed", {
             "names": list(names), "dtypes": list(dtypes), "shapes": [list(map(int, s)) for s in shapes],
             "group_name": group_name, "flush_cache": False}, idempotent=False)
@@ -353,14 +361,23 @@ class SGLangEngine:
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._checked("/destroy_weights_update_group", {"group_name": group_name})
 
+    async def update_weights_from_disk(self, path: str) -> None:
+        """Load the Hugging Face model directory ``path`` (an eval snapshot, on a file system the server reads)
+        through SGLang's ``/update_weights_from_disk``, dropping the prefix cache of the old weights."""
+        await self._checked("/update_weights_from_disk", {"model_path": path, "flush_cache": True}, idempotent=False)
+
     async def load_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
         """One bucket from the trainer in this process (the ``local`` executor).
 
         CUDA tensors go by ``/update_weights_from_tensor`` (CUDA IPC handles serialized once
         per TP rank, as SGLang's own client does: each rank opens its own copy, and a copy
         shared by several ranks would upset the sender's IPC reference counts); CPU tensors
-        are written to a safetensors file loaded by ``/update_weights_from_disk``.
+        are written to a safetensors file loaded by ``/update_weights_from_disk``. With an FP8
+        ``--hf-checkpoint`` each quantised layer's weight is sent as e4m3 blocks and
+        ``weight_scale_inv`` (:func:`furlong.kit.fp8_io.quantize_bucket`: the quantiser's rounding).
         """
+        if self._fp8_modules:
+            named_tensors = quantize_bucket(named_tensors, self._fp8_modules)
         if named_tensors and getattr(named_tensors[0][1], "is_cuda", False):
             payloads = [await asyncio.to_thread(serialize_cuda_bucket, named_tensors)
                         for _ in range(self.weight_update_ranks)]
