@@ -303,3 +303,24 @@ def test_a_critic_load_given_that_does_not_exist_stops_the_run_before_any_model_
         check_paths(launch_config(*argv, "--critic-load", str(tmp_path / "nowhere")))
     assert str(err.value) == (f"--critic-load '{tmp_path / 'nowhere'}': no such directory (a critic checkpoint folder "
                               "or a Hugging Face directory); leave it out to start the critic from --hf-checkpoint.")
+
+
+def test_a_critic_folder_of_another_run_stops_a_fresh_run_before_any_model_loads(tiny_model_dir, tmp_path):
+    from furlong.core.run.preflight import check_paths
+    from furlong.hooks import PluginError
+
+    stale = tmp_path / "run_critic"
+    (stale / "iter_0000002").mkdir(parents=True)
+    (stale / "latest_checkpointed_iteration.txt").write_text("2")
+    argv = ["--hf-checkpoint", str(tiny_model_dir), "--advantage-estimator", "ppo", "--save", str(tmp_path / "run")]
+    with pytest.raises(PluginError) as err:
+        check_paths(launch_config(*argv))
+    assert str(err.value) == (
+        f"--critic-save '{stale}': already holds another run's critic (latest checkpoint 2), which this run would "
+        "start from and overwrite; move it away, choose another --save (the critic goes to --save + '_critic') or "
+        f"--critic-save, or resume that run with --load {tmp_path / 'run'}.")
+    check_paths(launch_config(*argv[:-1], str(tmp_path / "other")))  # another --save: its critic folder is new
+    actor = tmp_path / "run"
+    (actor / "iter_0000002").mkdir(parents=True)
+    (actor / "latest_checkpointed_iteration.txt").write_text("2")
+    check_paths(launch_config(*argv, "--load", str(actor)))  # resuming the run that wrote both

@@ -180,3 +180,28 @@ def test_the_demo_script_leaves_a_folder_a_live_run_writes_in_place(tmp_path, sl
                                    f"host {socket.gethostname()} since {_since(1_700_000_000.0)}); wait for it to "
                                    "end or choose another --save.")
     assert (out / "metrics.jsonl").exists() and not (tmp_path / "demo.previous").exists()
+
+
+def test_the_demo_script_moves_a_critic_aside_and_reports_a_run_without_evaluation(tmp_path):
+    """run_demo.sh moves $OUT and its critic ($OUT_critic) aside together, and a run that evaluated nothing
+    (--debug-train-only) ends with a line saying so. ``furlong`` is a stand-in that writes rollout rows only."""
+    from pathlib import Path
+
+    out = tmp_path / "demo"
+    for folder in (out, tmp_path / "demo_critic"):
+        folder.mkdir()
+        (folder / "old").write_text("an earlier run")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_in = bin_dir / "furlong"
+    stand_in.write_text('#!/usr/bin/env bash\n[ "$1" = plot ] && exit 0\n'
+                        f'mkdir -p "{out}" && echo \'{{"rollout/step": 0}}\' > "{out}/metrics.jsonl"\n')
+    stand_in.chmod(0o755)
+    script = Path(__file__).resolve().parents[1] / "examples" / "demo" / "run_demo.sh"
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OUT": str(out), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ("no test-split evaluation in this run (it evaluates with a rollout engine and "
+                                   "--eval-interval)")
+    assert (tmp_path / "demo.previous" / "old").exists() and (tmp_path / "demo_critic.previous" / "old").exists()
+    assert not (tmp_path / "demo_critic").exists()

@@ -34,10 +34,12 @@ def check_paths(config: RunConfig) -> None:
 
 
 def _save_problems(config: RunConfig) -> list[str]:
-    """``--save`` must be a directory (or not exist yet) and must not hold another run.
+    """``--save`` must be a directory (or not exist yet) and must not hold another run, nor
+    ``--critic-save`` another run's critic.
 
     A ``--save`` directory with a checkpoint marker is resumed only through ``--load`` of
-    the same directory; otherwise its checkpoints would be overwritten from rollout 0.
+    the same directory; otherwise its checkpoints would be overwritten from rollout 0. A
+    ``--critic-save`` with a marker is only written by the run that resumes it.
     """
     save = config.save
     if not save:
@@ -46,7 +48,14 @@ def _save_problems(config: RunConfig) -> list[str]:
         return [f"--save '{save}': is an existing file; --save needs a directory (it is created if missing)."]
     marker = read_marker(save) if os.path.isdir(save) else None
     load = config.load
-    if marker is not None and not same_dir(load, save):
+    resumes = marker is not None and same_dir(load, save)
+    if marker is not None and not resumes:
         return [f"--save '{save}': already holds a run (latest checkpoint {marker}); pass --load {save} to resume "
                 "it, or choose an empty --save directory."]
+    critic = config.critic_save if config.use_critic else None
+    critic_marker = read_marker(critic) if critic and os.path.isdir(critic) else None
+    if critic_marker is not None and not resumes:
+        return [f"--critic-save '{critic}': already holds another run's critic (latest checkpoint {critic_marker}), "
+                f"which this run would start from and overwrite; move it away, choose another --save (the critic "
+                f"goes to --save + '_critic') or --critic-save, or resume that run with --load {save}."]
     return []

@@ -30,6 +30,8 @@ problem = RunLock(sys.argv[1]).busy()
 sys.exit(f"error: {problem}" if problem else 0)
 PY
   rm -rf "$OUT.previous" && mv "$OUT" "$OUT.previous"
+  # a ppo run's critic lives beside it (--save + _critic) and goes with it
+  if [ -e "${OUT}_critic" ]; then rm -rf "${OUT}_critic.previous" && mv "${OUT}_critic" "${OUT}_critic.previous"; fi
 fi
 
 ARGS=(
@@ -54,8 +56,14 @@ python - "$OUT/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 evals = [r for r in rows if "eval/step" in r]
-print(f"\ntest-split reward (4 samples per prompt, temperature 1.0): "
-      f"before {evals[0]['eval/test']:.4f} (rollout {evals[0]['eval/step']}), "
-      f"after {evals[-1]['eval/test']:.4f} (rollout {evals[-1]['eval/step']})")
+if not evals:
+    print("\nno test-split evaluation in this run (it evaluates with a rollout engine and --eval-interval)")
+elif len(evals) == 1:
+    print(f"\ntest-split reward (4 samples per prompt, temperature 1.0): "
+          f"{evals[0]['eval/test']:.4f} (rollout {evals[0]['eval/step']})")
+else:
+    print(f"\ntest-split reward (4 samples per prompt, temperature 1.0): "
+          f"before {evals[0]['eval/test']:.4f} (rollout {evals[0]['eval/step']}), "
+          f"after {evals[-1]['eval/test']:.4f} (rollout {evals[-1]['eval/step']})")
 PY
 furlong plot "$OUT"
