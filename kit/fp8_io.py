@@ -166,7 +166,8 @@ def quantize_checkpoint(src: str, dst: str) -> dict:
 
     :returns: ``{"quantized": [...module names], "not_converted": [...]}``.
     :raises PluginError: ``src`` is not a model directory with safetensors weights, is already
-        quantised or a mixture-of-experts model, or ``dst`` exists and is not empty, or cannot be written.
+        quantised or a mixture-of-experts model, has no linear layer of a multiple of 128 in both
+        dimensions, or ``dst`` exists and is not empty, or cannot be written.
     """
     from safetensors import safe_open
     from transformers import AutoConfig
@@ -196,6 +197,9 @@ def quantize_checkpoint(src: str, dst: str) -> dict:
     except PluginError as exc:
         raise PluginError(f"{where}: {exc}") from None
     quantized, kept = quantized_names(linears)
+    if not quantized:
+        raise PluginError(f"{where}: no linear layer has both dimensions a multiple of 128 (the block size), so no "
+                          f"layer would be in FP8 ({len(kept)} would keep their dtype); this model has no FP8 form.")
     kept = ([head] if head else []) + kept
     todo = {f"{name}.weight" for name in quantized}
     try:

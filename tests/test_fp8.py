@@ -249,6 +249,16 @@ def test_quantize_fp8_cli_refuses_an_fp8_source_and_a_used_destination(fp8_dir, 
                    "directory."]
 
 
+def test_quantize_fp8_refuses_a_model_with_no_layer_on_the_block(tiny_model_dir, tmp_path, capsys):
+    from furlong.core.cli import main
+
+    assert main(["quantize-fp8", str(tiny_model_dir), str(tmp_path / "x")]) == 2  # hidden 32, MLP 64
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: quantize-fp8 {tiny_model_dir}: no linear layer has both dimensions a multiple of 128 (the block "
+        "size), so no layer would be in FP8 (14 would keep their dtype); this model has no FP8 form."]
+    assert not (tmp_path / "x").exists()
+
+
 # --- the pointers --------------------------------------------------------------------------
 
 
