@@ -324,3 +324,15 @@ def test_a_critic_folder_of_another_run_stops_a_fresh_run_before_any_model_loads
     (actor / "iter_0000002").mkdir(parents=True)
     (actor / "latest_checkpointed_iteration.txt").write_text("2")
     check_paths(launch_config(*argv, "--load", str(actor)))  # resuming the run that wrote both
+
+
+def test_critic_flags_without_a_critic_say_they_do_nothing(tiny_model_dir, caplog):
+    argv = ["--hf-checkpoint", str(tiny_model_dir), "--critic-lr", "1e-3", "--num-critic-only-steps", "2"]
+    with caplog.at_level("WARNING", logger="furlong.config"):
+        launch_config(*argv)
+    assert ("--critic-lr, --num-critic-only-steps do nothing: this run trains no critic (--advantage-estimator grpo; "
+            "--advantage-estimator ppo trains one).") in caplog.messages
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="furlong.config"):
+        launch_config(*argv, "--advantage-estimator", "ppo")
+    assert not [m for m in caplog.messages if "trains no critic" in m]

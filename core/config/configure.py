@@ -152,7 +152,7 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
         for line in report.warnings:
             if not names_any(line, rejected):
                 log.warning("%s", line)
-    for line in flag_warnings:
+    for line in [*flag_warnings, *_critic_flags_unused(args)]:
         log.warning("%s", line)
     if errors:
         raise ConfigError(errors)
@@ -170,6 +170,20 @@ def _critic(args: Namespace, pm: FurlongPluginManager, backend: str | None, repo
     choices = f"use --train-backend {' or '.join(able)}" if able else "install a train backend that can"
     return [f"{wanted[0]} trains a critic (value model), but --train-backend {backend} cannot build one (it "
             f"implements no `critic_backend` hook); {choices}."]
+
+
+CRITIC_FLAGS = {"critic_load": "--critic-load", "critic_save": "--critic-save", "critic_lr": "--critic-lr",
+                "critic_lr_warmup_iters": "--critic-lr-warmup-iters", "num_critic_only_steps": "--num-critic-only-steps",
+                "value_clip": "--value-clip"}
+
+
+def _critic_flags_unused(args: Namespace) -> list[str]:
+    """A warning naming the critic's flags given to a run that trains no critic (they would do nothing)."""
+    given = [flag for dest, flag in CRITIC_FLAGS.items() if dest in args.explicit_args]
+    if args.use_critic or not given:
+        return []
+    return [f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} nothing: this run trains no critic "
+            f"(--advantage-estimator {args.advantage_estimator}; --advantage-estimator ppo trains one)."]
 
 
 def unused_plugin_flags(args: Namespace, pm: FurlongPluginManager, selection: Selection, *,

@@ -385,9 +385,10 @@ async def _close(state: Run, stop_engines: bool = True) -> None:
             await state.executor.shutdown()
 
 
-def _eval_first(config: RunConfig, state: Run, rollout_id: int, start_id: int) -> bool:
-    return bool(config.eval_interval and state.has_eval and rollout_id == start_id
-                and not config.skip_eval_before_train)
+def _eval_first(config: RunConfig, state: Run, rollout_id: int) -> bool:
+    """Evaluate before rollout 0 trains; a resumed run does not evaluate before training (the checkpoint it
+    resumes from was evaluated, if due, when it was written)."""
+    return bool(config.eval_interval and state.has_eval and rollout_id == 0 and not config.skip_eval_before_train)
 
 
 async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
@@ -396,7 +397,7 @@ async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
     config = state.config
     for rollout_id in range(start_id, config.num_rollout):
         state.latest_rollout = rollout_id
-        if _eval_first(config, state, rollout_id, start_id):
+        if _eval_first(config, state, rollout_id):
             await state.evaluate(rollout_id, start=True)
         step_start = time.perf_counter()
         with RolloutProgress(state.rollout.progress, rollout_id):
