@@ -60,6 +60,9 @@ def test_output_note_with_save(tmp_path, log_dir):
                                                    "metrics go there.")
     else:
         assert (level, text) == (logging.INFO, where)
+    args.debug_rollout_only = True
+    assert output_note(args)[1].startswith(f"outputs go to {tmp_path / 's'}: metrics.jsonl, and no checkpoint "
+                                           "(--debug-rollout-only trains nothing).")
 
 
 def test_a_resumed_run_logs_each_rollout_once(tmp_path, tiny_model_dir, arithmetic_jsonl, caplog, one_torch_thread):

@@ -512,7 +512,9 @@ def output_note(config: RunConfig) -> tuple[int, str]:
     (``--save`` takes the metrics), else a note naming the folder."""
     if config.save:
         every = f"every {config.save_interval} rollouts and " if config.save_interval else ""
-        where = f"outputs go to {config.save}: metrics.jsonl, and checkpoints after {every}the last rollout."
+        saved = (f"checkpoints after {every}the last rollout" if starts_trainer(config)
+                 else "no checkpoint (--debug-rollout-only trains nothing)")
+        where = f"outputs go to {config.save}: metrics.jsonl, and {saved}."
         if config.log_dir and os.path.realpath(config.log_dir) != os.path.realpath(config.save):
             return logging.WARNING, f"{where} --log-dir {config.log_dir} is not used: with --save the metrics go there."
         return logging.INFO, where
