@@ -35,7 +35,7 @@ import attrs
 from furlong.hooks.config_report import Machine
 
 __all__ = ["COMPILE_PAYS_AFTER_ROLLOUTS", "MAX_BUDGET", "MIN_BUDGET", "ModelSize", "bytes_per_token",
-           "default_token_budget", "long_enough_to_compile", "model_size", "token_budget"]
+           "default_token_budget", "fixed_bytes", "long_enough_to_compile", "model_size", "token_budget"]
 
 MIN_BUDGET = 8192
 """The budget of the core's default packing: a machine-following budget is never below it."""
@@ -91,6 +91,11 @@ def bytes_per_token(size: ModelSize, tensor_parallel: int = 1) -> int:
     return 4 * size.vocab // tensor_parallel + 16 * size.layers * size.hidden
 
 
+def fixed_bytes(size: ModelSize, state_shards: int = 1) -> int:
+    """Bytes of one rank's training state and engine weights (the module's fixed part), sharded over ``state_shards``."""
+    return (TRAIN_BYTES_PER_PARAM + ENGINE_BYTES_PER_PARAM) * size.parameters // state_shards
+
+
 def token_budget(machine: Machine, size: ModelSize, tensor_parallel: int = 1,
                  state_shards: int = 1) -> tuple[int, str] | None:
     """The token budget of one micro-batch on ``machine``'s first GPU, and why, or None without CUDA.
@@ -103,7 +108,7 @@ def token_budget(machine: Machine, size: ModelSize, tensor_parallel: int = 1,
     """
     if not machine.cuda or machine.gpu_free_bytes <= 0:
         return None
-    fixed = (TRAIN_BYTES_PER_PARAM + ENGINE_BYTES_PER_PARAM) * size.parameters // state_shards
+    fixed = fixed_bytes(size, state_shards)
     per_token = bytes_per_token(size, tensor_parallel)
     room = max(machine.gpu_free_bytes - fixed, 0) * SHARE_FOR_ONE_MICRO_BATCH
     fits = int(room // per_token)
@@ -118,10 +123,21 @@ def token_budget(machine: Machine, size: ModelSize, tensor_parallel: int = 1,
 def default_token_budget(args, report, tensor_parallel: int = 1, state_shards: int = 1) -> None:
     """In a backend's ``configure``: on CUDA, when the run packs micro-batches by the core's default
     budget (neither ``--max-tokens-per-gpu`` nor a micro-batch rule given), set
-    ``--max-tokens-per-gpu`` from the machine (:func:`token_budget`) as a machine default."""
-    if not report.machine.cuda or args.packed_by_default != "the default budget":
+    ``--max-tokens-per-gpu`` from the machine (:func:`token_budget`) as a machine default; and,
+    whatever the packing, warn when the training state alone (:func:`fixed_bytes`) exceeds the
+    GPU's free memory."""
+    if not report.machine.cuda:
         return
     size = model_size(args.hf_checkpoint or "")
+    fixed = fixed_bytes(size, state_shards) if size else 0
+    if fixed > report.machine.gpu_free_bytes > 0:
+        report.warn(f"the training state of {size.parameters / 1e9:.2f}B parameters needs about {fixed / 2**30:.1f} GiB "
+                    f"per GPU ({TRAIN_BYTES_PER_PARAM} bytes per parameter for training and {ENGINE_BYTES_PER_PARAM} "
+                    f"for the engine's weights, over {state_shards} rank(s)), more than the "
+                    f"{report.machine.gpu_free_bytes / 2**30:.1f} GiB free: expect running out of memory; train "
+                    "on more GPUs (or, with --train-backend fsdp, offload to the host with --fsdp-cpu-offload).")
+    if args.packed_by_default != "the default budget":
+        return
     budget = token_budget(report.machine, size, tensor_parallel, state_shards) if size else None
     if budget is not None:
         report.machine_default(args, "max_tokens_per_gpu", *budget)

@@ -114,3 +114,23 @@ def test_cpu_machine_changes_nothing(cpu_machine, capsys, tiny_model_dir):
     args = data["args"]
     assert (args["max_tokens_per_gpu"], args["train_torch_compile"]) == (8192, False)
     assert (args["embedded_max_batch_size"], args["embedded_torch_compile"]) == (64, False)
+
+
+def test_a_training_state_larger_than_the_free_memory_is_warned_about(monkeypatch, capsys, caplog, tiny_model_dir):
+    from furlong.kit.machine_budget import fixed_bytes, model_size
+
+    size = model_size(str(tiny_model_dir))
+    free = fixed_bytes(size) // 2  # half of what the weights, gradients and optimizer state need
+    monkeypatch.setattr(env, "cuda_available", lambda: True)
+    monkeypatch.setattr(env, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(env, "gpu_memory", lambda: ("Small GPU", 2 * free, free))
+    monkeypatch.setattr(env, "sglang_available", lambda: False)
+    monkeypatch.setattr(env, "megatron_available", lambda: False)
+    with caplog.at_level("WARNING"):
+        _print_config(capsys, tiny_model_dir, "--num-rollout", "5", "--micro-batch-size", "2")
+    warned = [m for m in caplog.messages if "training state" in m]
+    assert warned == [f"the training state of {size.parameters / 1e9:.2f}B parameters needs about "
+                      f"{fixed_bytes(size) / 2**30:.1f} GiB per GPU (18 bytes per parameter for training and 2 for "
+                      f"the engine's weights, over 1 rank(s)), more than the {free / 2**30:.1f} GiB free: expect "
+                      "running out of memory; train on more GPUs (or, with --train-backend fsdp, offload to the host "
+                      "with --fsdp-cpu-offload)."]
