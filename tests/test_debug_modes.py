@@ -91,12 +91,18 @@ def test_train_async_trains_on_saved_rollouts_and_rollout_only_saves_them(tmp_pa
     assert "train/tis" in train_async[2] and "train/tis" not in sync[2]
 
 
-def test_a_missing_rollout_file_names_the_flag_and_the_file(tmp_path, tiny_model_dir, arithmetic_jsonl):
-    template = str(tmp_path / "none_{rollout_id}.pt")
-    with pytest.raises(PluginError, match=r"--load-debug-rollout-data .*none_\{rollout_id\}\.pt: rollout 0's file "
-                                          r".*none_0\.pt does not exist"):
-        _run(_argv(tiny_model_dir, arithmetic_jsonl, tmp_path / "out", "--num-rollout", "1",
-                   "--load-debug-rollout-data", template))
+def test_a_missing_rollout_file_names_the_flag_and_the_files_before_anything_trains(tmp_path, tiny_model_dir,
+                                                                                     arithmetic_jsonl):
+    template = str(tmp_path / "data_{rollout_id}.pt")
+    _run(_argv(tiny_model_dir, arithmetic_jsonl, tmp_path / "saved", "--num-rollout", "1", "--debug-rollout-only",
+               "--save-debug-rollout-data", template))  # rollout 0's file only
+    out = tmp_path / "out"
+    with pytest.raises(PluginError) as err:
+        _run(_argv(tiny_model_dir, arithmetic_jsonl, out, "--num-rollout", "3", "--load-debug-rollout-data", template))
+    assert str(err.value) == (f"--load-debug-rollout-data {template}: no file for 2 of rollouts 0..2: "
+                              f"1 ({tmp_path / 'data_1.pt'}), 2 ({tmp_path / 'data_2.pt'}). Write them in an earlier "
+                              f"run with --save-debug-rollout-data {template}, or lower --num-rollout.")
+    assert not (out / "metrics.jsonl").exists() or not _rows(out, "train/step")  # nothing trained
 
 
 def test_rollout_only_generates_and_saves_but_trains_nothing(tmp_path, tiny_model_dir, arithmetic_jsonl, monkeypatch):

@@ -10,13 +10,14 @@ source and cursor, the evaluation sets, the :class:`~furlong.core.rollout.manage
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from furlong.hooks import PluginError, RunConfig, Sample
 
 from .data_cursor import DataCursor
 from .datasets import train_dataset
-from .debug_data import load_rollout, save_rollout
+from .debug_data import load_rollout, rollout_path, save_rollout
 from .engines import EngineSet, NoEngine
 from .evaluation import Evaluator
 from .rewards import check_first_rows_name_a_reward
@@ -39,6 +40,7 @@ class RolloutSide:
         self.evaluator: Evaluator | None = None
         self.manager: RolloutManager | None = None
         self.fleet: RolloutManager | None = None  # generates on the dedicated eval engines (--eval-num-gpus)
+        self.debug_files_checked = False
 
     async def load_data(self) -> bool:
         """Create the train and eval data sources; return whether there are eval sets.
@@ -84,6 +86,9 @@ class RolloutSide:
         """
         config = self.config
         if config.load_debug_rollout_data:
+            if not self.debug_files_checked:  # every file the run will read, before it trains on the first
+                _check_debug_files(config, rollout_id)
+                self.debug_files_checked = True
             groups = load_rollout(config.load_debug_rollout_data, rollout_id)
             _check_loaded(config, rollout_id, groups)
         else:
@@ -124,6 +129,20 @@ class RolloutSide:
             await self.manager.dispose()
         if self.fleet is not None:
             await self.fleet.dispose()
+
+
+def _check_debug_files(config: RunConfig, first: int) -> None:
+    """Each rollout from ``first`` to the run's last has its ``--load-debug-rollout-data`` file, or one error
+    naming the missing ones (before anything trains)."""
+    template = config.load_debug_rollout_data
+    last = config.num_rollout - 1 if config.num_rollout else first  # unknown here (--num-epoch): the first only
+    missing = [(i, rollout_path(template, i)) for i in range(first, last + 1)
+               if not os.path.isfile(rollout_path(template, i))]
+    if missing:
+        shown = ", ".join(f"{i} ({path})" for i, path in missing[:3]) + (" ..." if len(missing) > 3 else "")
+        raise PluginError(f"--load-debug-rollout-data {template}: no file for {len(missing)} of rollouts {first}.."
+                          f"{last}: {shown}. Write them in an earlier run with "
+                          f"--save-debug-rollout-data {template}, or lower --num-rollout.")
 
 
 def _check_loaded(config: RunConfig, rollout_id: int, groups: list[list[Sample]]) -> None:
