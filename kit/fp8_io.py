@@ -240,5 +240,5 @@ def quantize_checkpoint(src: str, dst: str) -> dict:
     except OSError as exc:
         raise PluginError(f"quantize-fp8 {dst}: cannot write the FP8 checkpoint ({exc}).") from exc
     log.debug("quantize-fp8: %d linear layers in FP8 (e4m3, 128 x 128 blocks), %d kept in %s: %s", len(quantized),
-             len(kept), raw.get("torch_dtype") or raw.get("dtype") or "their dtype", dst)
+              len(kept), raw.get("torch_dtype") or raw.get("dtype") or "their dtype", dst)
     return {"quantized": quantized, "not_converted": kept}
