@@ -44,6 +44,9 @@ class RolloutEngine(Protocol):
     Hugging Face model directory ``path`` (SGLang's ``/update_weights_from_disk``). The
     dedicated eval fleet (``--eval-num-gpus``) needs it: its engines are fed a weight
     snapshot written to disk at each eval point; an engine without it is refused there.
+
+    ``max_batch_size`` (int, optional): the most requests the engine decodes at once;
+    ``furlong serve`` reports it as ``/server_info``'s ``max_running_requests`` (None without it).
     """
 
     tokenizer: Any

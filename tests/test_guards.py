@@ -391,15 +391,33 @@ def test_the_defaulted_read_detector_sees_args_and_config():
                                              (5, "getattr(model_config, 'vocab_size', 0)")]
 
 
-# furlong serve's own flags hold the --rollout-backend plugin's flags only when that plugin defines them
-_SERVE_BACKEND_FLAG = ("core/serve/info.py", "getattr(args, 'embedded_max_batch_size', None)")
-
-
 def test_core_reads_flags_without_defaults_of_its_own():
     bad = [f"{path.relative_to(REPO)}:{line}: {call}" for path in _py_files("core")
-           for line, call in _defaulted_flag_reads(path.read_text())
-           if not call.startswith("getattr(model_config") and (str(path.relative_to(REPO)), call) != _SERVE_BACKEND_FLAG]
+           for line, call in _defaulted_flag_reads(path.read_text()) if not call.startswith("getattr(model_config")]
     assert bad == [], "read the flag as an attribute: the parse sets every flag, the RunConfig has every field"
+
+
+_FLAG_ACCESS = Path("core/config/flag_access.py")
+
+
+def _flag_getattrs(source: str) -> list[tuple[int, str]]:
+    """Every ``getattr(<args|config>, ...)``, named or computed, with or without a default."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and node.args:
+            target = node.args[0]
+            name = target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) else ""
+            if name in ("args", "config"):
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_core_reads_a_flag_by_a_computed_name_only_through_flag_value():
+    assert _flag_getattrs("a = getattr(args, dest)\nb = getattr(self.config, 'x', 1)\nc = getattr(engine, 'y')\n") \
+        == [(1, "getattr(args, dest)"), (2, "getattr(self.config, 'x', 1)")]
+    bad = [f"{path.relative_to(REPO)}:{line}: {call}" for path in _py_files("core")
+           if path.relative_to(REPO) != _FLAG_ACCESS for line, call in _flag_getattrs(path.read_text())]
+    assert bad == [], "read args.<name> / config.<name>; a name from a table goes through flag_access.flag_value"
 
 
 def test_the_configuration_imports_no_part_that_runs():

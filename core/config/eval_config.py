@@ -22,6 +22,7 @@ from typing import Any, Callable
 import attrs
 
 from furlong.hooks import PluginError, RunConfig
+from .flag_access import flag_value
 
 __all__ = ["DATASET_KEYS", "EvalDataset", "load_eval_datasets", "sampling_params"]
 
@@ -181,7 +182,7 @@ def _resolve(name: str, path: str, entry: dict, defaults: dict, config: RunConfi
     values: dict[str, Any] = {"name": name, "path": path}
     for field, (eval_flag, rollout_flag) in _FALLBACKS.items():
         chain = [entry.get(field), defaults.get(field)]
-        chain += [getattr(config, flag) for flag in (eval_flag, rollout_flag) if flag]
+        chain += [flag_value(config, flag) for flag in (eval_flag, rollout_flag) if flag]
         value = next((v for v in chain if v is not None), None)
         if value is None:
             continue  # keep the attrs default

@@ -29,6 +29,7 @@ from furlong.hooks import ConfigReport, MegatronFlags
 from furlong.hooks.megatron_flags import architecture_disagreements, hf_architecture_values, hf_missing_switch
 
 from .tables import megatron_table, miles_table
+from .flag_access import flag_value, has_flag
 
 __all__ = ["ARCHITECTURE", "MATH", "effect", "report_megatron_flags", "report_routing_replay"]
 
@@ -147,8 +148,8 @@ def report_routing_replay(args: Namespace, backend: str, plugin: Any, report: Co
     routing: one that honours Megatron's ``moe_enable_routing_replay`` (which Miles' flags set) in its
     ``MEGATRON_FLAGS``; any other is one error naming the flag and the backend. (Whether the model has
     experts is the backend's own check.)"""
-    given = [flag for flag, dest in (("--use-rollout-routing-replay", "use_rollout_routing_replay"),
-                                     ("--use-routing-replay", "use_routing_replay")) if getattr(args, dest, False)]
+    given = [flag for flag, on in (("--use-rollout-routing-replay", args.use_rollout_routing_replay),
+                                   ("--use-routing-replay", args.use_routing_replay)) if on]
     support = getattr(plugin, "MEGATRON_FLAGS", None)
     if given and not (isinstance(support, MegatronFlags) and support.honoured("moe_enable_routing_replay", True)):
         report.error(f"{given[0]} needs a train backend that replays mixture-of-experts routing in its forward "
@@ -159,7 +160,9 @@ def report_routing_replay(args: Namespace, backend: str, plugin: Any, report: Co
 def _value(args: Namespace, dest: str) -> Any:
     """The value of flag ``dest``: as given, else its parsed default; None for a Megatron-LM-only flag not given
     (the parse sets no attribute for those)."""
-    return args.megatron_args.get(dest, getattr(args, dest, None))
+    if dest in args.megatron_args:
+        return args.megatron_args[dest]
+    return flag_value(args, dest) if has_flag(args, dest) else None
 
 
 def _at_default(args: Namespace, dest: str, default: Any) -> bool:

@@ -21,6 +21,7 @@ from .overlay import load_overlay
 from .parser import build_parser
 from .passthrough import split_passthrough, unknown_sglang_problems
 from .validate import validate
+from .flag_access import flag_value
 
 __all__ = ["config_to_dict", "expand_argsfiles", "names_any", "parse_args"]
 
@@ -75,7 +76,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     args.explicit_args = sorted(explicit)
     args.plugin_flags_given = _plugin_flags_given(parser, explicit)
     args.megatron_flags_given = megatron_given
-    args.megatron_args = {actions[f].dest: getattr(args, actions[f].dest) for f in megatron_given}
+    args.megatron_args = {actions[f].dest: flag_value(args, actions[f].dest) for f in megatron_given}
     args.megatron_argv = _argv_of(tokens, set(megatron_given))
     args.num_rollout_per_epoch = None  # known once the data is loaded (--num-epoch)
     args.eval_engine = False  # True only in the configuration of an eval fleet engine (core/run/eval_fleet.py)
@@ -101,7 +102,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     final = copy.deepcopy(raw)
     for key, value in overlay.items():
         if hasattr(raw, key):
-            log.info("--custom-config-path sets %s = %r (was %r).", key, value, getattr(args, key))
+            log.info("--custom-config-path sets %s = %r (was %r).", key, value, flag_value(args, key))
         else:
             close = difflib.get_close_matches(key, vars(raw), n=1)
             hint = f" Did you mean {close[0]}?" if close else ""

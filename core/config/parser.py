@@ -12,6 +12,7 @@ from furlong.hooks import ConfigReport, DataParallelRule, PluginError
 from . import env
 from .data_parallel import rule_in_words, world_of
 from .errors import ConfigError
+from .flag_access import flag_value, has_flag
 
 __all__ = ["GROUP_TITLES", "MACHINE_FLAGS", "DeviceDefaults", "FurlongArgumentParser", "build_parser",
            "device_defaults", "machine_defaults", "machine_note"]
@@ -198,7 +199,7 @@ def machine_defaults(args: argparse.Namespace, pm=None, data_parallel: DataParal
     out = {}
     for dest, name in MACHINE_FLAGS:
         value = getattr(dev, name)
-        if dest not in given and hasattr(args, dest) and getattr(args, dest) == value:
+        if dest not in given and has_flag(args, dest) and flag_value(args, dest) == value:
             out[dest] = {"value": value, "probe": dev.probes[name]}
             if not dev.cuda and str(ON_CUDA[name]).split(" ")[0] != str(value):
                 out[dest]["on_cuda"] = ON_CUDA[name]

@@ -5,6 +5,7 @@ core's own findings)."""
 from __future__ import annotations
 
 from .train_rules import pi_old_needs_own_pass, zero_advantage_skip_blocked
+from .flag_access import flag_value
 
 __all__ = ["async_and_agents", "defaults", "evaluation", "importance_sampling", "kl_and_reference", "lengths",
            "performance", "saving", "sglang"]
@@ -24,7 +25,7 @@ EVAL_INHERITS: tuple[tuple[str, str], ...] = (
 
 
 def _unset(dest: str, args, given: set[str]) -> bool:
-    return dest not in given or getattr(args, dest) is None
+    return dest not in given or flag_value(args, dest) is None
 
 
 def defaults(args, f, given: set[str]) -> None:
@@ -37,7 +38,7 @@ def defaults(args, f, given: set[str]) -> None:
         args.eps_clip_high = args.eps_clip
     for dest, source in EVAL_INHERITS:
         if _unset(dest, args, given):
-            setattr(args, dest, getattr(args, source))
+            setattr(args, dest, flag_value(args, source))
     if "eval_temperature" in given and args.eval_temperature is not None and args.eval_temperature < 0:
         f.error(f"--eval-temperature must be >= 0 (0 = greedy), got {args.eval_temperature:g}.")
     if _unset("log_probs_max_tokens_per_gpu", args, given):
@@ -129,8 +130,8 @@ def saving(args, f, given: set[str]) -> None:
     for dest, flag in (("save_interval", "--save-interval"), ("save_trigger_sentinel", "--save-trigger-sentinel"),
                        ("custom_megatron_post_save_hook_path", "--custom-megatron-post-save-hook-path"),
                        ("save_hf", "--save-hf")):
-        if dest in given and getattr(args, dest) is not None:
-            f.error(f"{flag} {getattr(args, dest)} has no effect without --save: give --save DIR or drop {flag}.")
+        if dest in given and flag_value(args, dest) is not None:
+            f.error(f"{flag} {flag_value(args, dest)} has no effect without --save: give --save DIR or drop {flag}.")
 
 
 def evaluation(args, f) -> None:
@@ -183,7 +184,7 @@ def eval_fleet(args, f) -> None:
         f.error(f"--eval-num-gpus {args.eval_num_gpus} evaluates at eval points: give --eval-interval N and "
                 "--eval-prompt-data NAME PATH.")
     for dest, flag in (("debug_train_only", "--debug-train-only"), ("debug_rollout_only", "--debug-rollout-only")):
-        if getattr(args, dest):
+        if flag_value(args, dest):
             f.error(f"--eval-num-gpus evaluates snapshots of the trainer's weights while the engines generate; "
                     f"{flag} runs only one of the two: drop --eval-num-gpus (or {flag}).")
     if args.eval_hf_dir:
@@ -297,7 +298,7 @@ def performance(args, f, given: set[str]) -> None:
 def _off_unless_exact(args, f, given: set[str], dest: str, reason: str | None, what: str) -> None:
     """Turn the on-by-default speed-up ``dest`` off when ``reason`` says the flags make it inexact
     (``--print-config`` shows it off); the same flag given explicitly is an error naming the reason."""
-    if reason and getattr(args, dest):
+    if reason and flag_value(args, dest):
         if dest in given:
             f.error(f"--{dest.replace('_', '-')}: {what} ({reason}); drop it.")
         setattr(args, dest, False)

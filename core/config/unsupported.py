@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .flag_access import flag_value
+
 __all__ = ["UNSUPPORTED", "Unsupported", "unsupported_problems"]
 
 
@@ -84,7 +86,7 @@ def unsupported_problems(args) -> list[str]:
     given = args.explicit_args
     problems = []
     for row in UNSUPPORTED:
-        value = getattr(args, row.dest, row.supported[0])
+        value = flag_value(args, row.dest)
         if value in row.supported or row.dest not in given:
             continue
         if row.reason is not None:

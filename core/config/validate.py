@@ -18,6 +18,7 @@ from . import rules
 from .fp8_sources import fp8_sources
 from .knobs import KNOBS, resolve_knobs
 from .unsupported import unsupported_problems
+from .flag_access import flag_value
 
 __all__ = ["validate"]
 
@@ -124,7 +125,7 @@ def _basic_values(args, f: ConfigReport) -> None:
         f.error(f"--num-epoch must be at least 1, got {args.num_epoch}.")
     _fault_tolerance(args, f)
     for dest, low in MINIMUMS:
-        value = getattr(args, dest)
+        value = flag_value(args, dest)
         if value is not None and value < low:
             f.error(f"--{dest.replace('_', '-')} must be at least {low}, got {value:g}.")
     if args.rollout_temperature <= 0:
@@ -133,7 +134,7 @@ def _basic_values(args, f: ConfigReport) -> None:
     if not 0 < args.rollout_top_p <= 1:
         f.error(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p:g}.")
     for dest in ("rollout_top_k", "eval_top_k"):
-        value = getattr(args, dest)
+        value = flag_value(args, dest)
         if value is not None and value != -1 and value < 1:
             f.error(f"--{dest.replace('_', '-')} must be -1 (off) or at least 1, got {value}.")
     start, total = args.start_rollout_id, args.num_rollout
@@ -155,8 +156,8 @@ def _fault_tolerance(args, f: ConfigReport) -> None:
     if args.use_fault_tolerance and "train" in components:
         f.error("--ft-components train is not supported yet (train-worker fault tolerance); use rollout.")
     for dest in ("rollout_health_check_interval", "rollout_health_check_timeout"):
-        if getattr(args, dest) <= 0:
-            f.error(f"--{dest.replace('_', '-')} must be > 0 seconds, got {getattr(args, dest):g}.")
+        if flag_value(args, dest) <= 0:
+            f.error(f"--{dest.replace('_', '-')} must be > 0 seconds, got {flag_value(args, dest):g}.")
     if args.rollout_health_check_first_wait < 0:
         f.error(f"--rollout-health-check-first-wait must be >= 0 seconds, got {args.rollout_health_check_first_wait:g}.")
 
@@ -166,7 +167,7 @@ def world_size(args) -> int:
 
 
 def _four_knobs(args, f: ConfigReport, given: set[str]) -> None:
-    values = {k: getattr(args, k) for k in KNOBS}
+    values = {k: flag_value(args, k) for k in KNOBS}
     knobs, problem = resolve_knobs(values, given & set(KNOBS))
     if problem:
         f.error(problem)
@@ -189,7 +190,7 @@ def _cluster(args, f: ConfigReport, given: set[str]) -> None:
 
 def _offload(args, f: ConfigReport, given: set[str]) -> None:
     for dest in ("offload_train", "offload_rollout"):
-        if dest not in given or getattr(args, dest) is None:
+        if dest not in given or flag_value(args, dest) is None:
             setattr(args, dest, bool(args.offload or args.colocate))
     if args.debug_rollout_only:
         args.offload_train = args.offload_rollout = False

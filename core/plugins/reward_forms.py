@@ -28,6 +28,7 @@ import inspect
 from typing import Any, Callable
 
 from furlong.hooks import PluginError, hookimpl
+from ..config.flag_access import flag_value
 
 __all__ = ["VERL_ARGS", "reward_adapter", "reward_form"]
 
@@ -75,7 +76,7 @@ def _accepted(fn: Callable, path: str, offered: dict) -> dict:
 
 def _derive(report, args, dest: str, value: Any, note: str) -> None:
     """``args.<dest> = value`` with a note, unless the flag was given."""
-    if not report.given(args, dest) and getattr(args, dest) != value:
+    if not report.given(args, dest) and flag_value(args, dest) != value:
         report.default(args, dest, value)
         report.info(note)
 

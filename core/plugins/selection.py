@@ -14,6 +14,7 @@ from .path_specs import PATH_HOOKS
 from .data_choice import data_source_for
 from .miles_paths import CORE_DOES_IT, miles_builtin, unmapped_miles_path
 from .manager import FurlongPluginManager
+from ..config.flag_access import flag_value
 
 __all__ = ["CHOSEN_HOOKS", "Selection", "chosen_reducer", "plugins_of_this_process", "resolve_selection"]
 
@@ -113,7 +114,7 @@ def resolve_selection(args: Namespace, pm: FurlongPluginManager, hooks: tuple[st
         except PluginError as exc:
             errors.append(str(exc))
     for hook, attr in PATH_HOOKS.items():
-        path = getattr(args, attr)
+        path = flag_value(args, attr)
         if path and (hooks is None or hook in hooks):
             flag = "--" + attr.replace("_", "-")
             if miles_builtin(path, hook) == CORE_DOES_IT:
@@ -172,11 +173,11 @@ def register_path(pm: FurlongPluginManager, hook: str, path: str, flag: str, rm_
 
 def _resolve_one(args: Namespace, pm: FurlongPluginManager, spec: ChosenHook) -> tuple[str, str] | None:
     """``(name, flag)`` of the plugin serving ``spec.hook``; None for an optional hook no flag chose."""
-    path = getattr(args, spec.path_attr) if spec.path_attr else None
+    path = flag_value(args, spec.path_attr) if spec.path_attr else None
     if path:
         name, flag = register_path(pm, spec.hook, path, spec.path_flag), spec.path_flag
     else:
-        name, flag = getattr(args, spec.name_attr), spec.name_flag
+        name, flag = flag_value(args, spec.name_attr), spec.name_flag
         if spec.optional and not name:
             return None
         if spec.path_value is not None and name == spec.path_value:

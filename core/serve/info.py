@@ -81,7 +81,7 @@ async def server_info(request: web.Request) -> web.Response:
         "ep_size": 1,
         "random_seed": args.seed,
         "context_length": context,
-        "max_running_requests": getattr(args, "embedded_max_batch_size", None),
+        "max_running_requests": getattr(state.engine, "max_batch_size", None),
         "skip_tokenizer_init": False,
         "incremental_streaming_output": args.incremental_streaming_output,
         "weight_version": state.weight_version,
