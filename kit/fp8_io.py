@@ -19,8 +19,8 @@ from furlong.hooks.errors import PluginError
 from .fp8 import BLOCK, SCALE_SUFFIX, dequantize_blocks, fp8_quantization_config, quantization_config_for, \
     quantize_blocks
 
-__all__ = ["dequantized_tensors", "fp8_module_names", "linear_weight_names", "quantize_bucket", "quantize_checkpoint",
-           "quantized_names", "read_fp8_blocks"]
+__all__ = ["dequantized_tensors", "fp8_linear_blocks", "fp8_module_names", "linear_weight_names", "quantize_bucket",
+           "quantize_checkpoint", "quantized_names", "read_fp8_blocks"]
 
 log = logging.getLogger("furlong.fp8")
 
@@ -152,6 +152,29 @@ def quantized_names(linears: dict[str, tuple[int, int]], block: tuple[int, int] 
             if leaf in group:
                 keep.update(f"{parent}.{s}" for s in group if f"{parent}.{s}" in linears)
     return sorted(n for n in linears if n not in keep), sorted(keep)
+
+
+def fp8_linear_blocks(model, path: str, flag: str) -> list[tuple[str, Any, Any, Any]]:
+    """``(module name, linear layer of model, weight e4m3, weight_scale_inv)`` for every quantised module of the
+    FP8 checkpoint ``path`` (given as ``flag``), each matched to the ``torch.nn.Linear`` of ``model`` it belongs to.
+
+    :raises PluginError: a scale for a module that is not a linear layer of the model with the weight's shape
+        (FP8 mixture-of-experts checkpoints, whose experts are fused in the model, are not supported yet).
+    """
+    import torch
+
+    found = []
+    for name, (q, scale_inv) in read_fp8_blocks(path).items():
+        try:
+            layer = model.get_submodule(name)
+        except AttributeError:
+            layer = None
+        if not isinstance(layer, torch.nn.Linear) or tuple(layer.weight.shape) != tuple(q.shape):
+            raise PluginError(f"{flag} {path}: {name}.weight_scale_inv is for a module the model does not have as a "
+                              f"{tuple(q.shape)} linear layer (FP8 mixture-of-experts checkpoints, whose experts are "
+                              "fused in the model, are not supported yet).")
+        found.append((name, layer, q, scale_inv))
+    return found
 
 
 def quantize_checkpoint(src: str, dst: str) -> dict:

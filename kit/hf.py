@@ -129,18 +129,10 @@ def _dequantize_into(model, path: str, flag: str) -> None:
     import torch
 
     from .fp8 import dequantize_blocks
-    from .fp8_io import read_fp8_blocks
+    from .fp8_io import fp8_linear_blocks
 
     with torch.no_grad():
-        for module, (q, scale_inv) in read_fp8_blocks(path).items():
-            try:
-                layer = model.get_submodule(module)
-            except AttributeError:
-                layer = None
-            if not isinstance(layer, torch.nn.Linear) or tuple(layer.weight.shape) != tuple(q.shape):
-                raise PluginError(f"{flag} {path}: {module}.weight_scale_inv is for a module the model does not have as a "
-                                  f"{tuple(q.shape)} linear layer (FP8 mixture-of-experts checkpoints, whose experts "
-                                  "are fused in the model, are not supported yet).")
+        for _, layer, q, scale_inv in fp8_linear_blocks(model, path, flag):
             layer.weight.copy_(dequantize_blocks(q, scale_inv, layer.weight.dtype))
 
 

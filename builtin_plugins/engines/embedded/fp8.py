@@ -90,19 +90,12 @@ def install_fp8_layers(model, path: str, device: Any, gemm: str = "auto") -> int
         shape is not a multiple of the 128 x 128 block.
     """
     from furlong.hooks import PluginError
-    from furlong.kit.fp8_io import read_fp8_blocks
+    from furlong.kit.fp8_io import fp8_linear_blocks
 
     cuda = torch.device(device).type == "cuda"
     kernel = choose_gemm(gemm, device) if cuda else "dense"
     count = 0
-    for name, (q, scale_inv) in read_fp8_blocks(path).items():
-        try:
-            old = model.get_submodule(name)
-        except AttributeError:
-            old = None
-        if not isinstance(old, torch.nn.Linear) or tuple(old.weight.shape) != tuple(q.shape):
-            raise PluginError(f"--hf-checkpoint {path}: {name}.weight_scale_inv is for a module the model does not "
-                              f"have as a {tuple(q.shape)} linear layer.")
+    for name, old, q, scale_inv in fp8_linear_blocks(model, path, "--hf-checkpoint"):
         if q.shape[0] % BLOCK[0] or q.shape[1] % BLOCK[1]:
             raise PluginError(f"--hf-checkpoint {path}: {name} is a {tuple(q.shape)} FP8 weight, not a multiple of "
                               "the 128 x 128 block; partial blocks are not supported yet (furlong quantize-fp8 "
