@@ -39,7 +39,6 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,14 +47,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import QWEN25_05B, prompts, write_word_tokenizer  # noqa: E402
+from bench_gpu import QWEN25_05B, print_part, prompts, run_part, write_word_tokenizer  # noqa: E402
 
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                 rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=151643,
                 eos_token_id=151645)
 SHAPES = {"qwen2.5-0.5b": QWEN25_05B, "qwen3-4b": QWEN3_4B}
-PART_PREFIX = "PART "
 
 
 def build_models(folder: Path, shape: str) -> tuple[Path, Path]:
@@ -235,15 +233,10 @@ PARTS = {"kernels": part_kernels, "engine": part_engine, "logprobs": part_logpro
 
 
 def _part(name: str, bf16: Path, fp8: Path, opts, variant: str = "") -> dict:
-    cmd = [sys.executable, __file__, "--part", name, "--bf16-dir", str(bf16), "--fp8-dir", str(fp8),
-           "--requests", str(opts.requests), "--prompt-len", str(opts.prompt_len), "--new-tokens",
-           str(opts.new_tokens), "--repeats", str(opts.repeats), "--kl-requests", str(opts.kl_requests),
-           "--variant", variant]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(PART_PREFIX)]
-    if done.returncode != 0 or not lines:
-        return {"error": (done.stderr or done.stdout)[-3000:]}
-    return json.loads(lines[-1][len(PART_PREFIX):])
+    return run_part(__file__, ["--part", name, "--bf16-dir", str(bf16), "--fp8-dir", str(fp8), "--requests",
+                               str(opts.requests), "--prompt-len", str(opts.prompt_len), "--new-tokens",
+                               str(opts.new_tokens), "--repeats", str(opts.repeats), "--kl-requests",
+                               str(opts.kl_requests), "--variant", variant])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp8-dir", type=Path, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.part:  # a child process of the run below
-        print(PART_PREFIX + json.dumps(PARTS[opts.part](opts.bf16_dir, opts.fp8_dir, opts)), flush=True)
+        print_part(PARTS[opts.part](opts.bf16_dir, opts.fp8_dir, opts))
         return 0
     import torch
     import transformers

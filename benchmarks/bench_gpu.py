@@ -227,20 +227,30 @@ def _param_count(folder: Path) -> dict:
     return {k: math.prod(v) for k, v in counts.items()}
 
 
-def _part_in_subprocess(name: str, folder: Path, opts) -> dict:
-    """Run one part (``engine`` or ``generate``) in a fresh process: nothing it allocates outlives it."""
-    cmd = [sys.executable, __file__, "--part", name, "--model-dir", str(folder), "--requests", str(opts.requests),
-           "--prompt-len", str(opts.prompt_len), "--new-tokens", str(opts.new_tokens), "--repeats", str(opts.repeats)]
-    if opts.stop:
-        cmd += ["--stop", opts.stop]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+PART_PREFIX = "PART "
+
+
+def run_part(script: str, argv: list[str]) -> dict:
+    """Run ``python script argv`` (one benchmark part) in a fresh process, so nothing it allocates on the GPU
+    outlives it; its result is the JSON of its last stdout line that starts with :data:`PART_PREFIX`
+    (:func:`print_part`), or ``{"error": ...}`` with the end of its output."""
+    done = subprocess.run([sys.executable, script, *argv], cwd=ROOT, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith(PART_PREFIX)]
     if done.returncode != 0 or not lines:
         return {"error": (done.stderr or done.stdout)[-3000:]}
     return json.loads(lines[-1][len(PART_PREFIX):])
 
 
-PART_PREFIX = "PART "
+def print_part(result: dict) -> None:
+    """In a part's process: hand ``result`` back to :func:`run_part`."""
+    print(PART_PREFIX + json.dumps(result), flush=True)
+
+
+def _part_in_subprocess(name: str, folder: Path, opts) -> dict:
+    """Run one part (``engine`` or ``generate``) in a fresh process: nothing it allocates outlives it."""
+    argv = ["--part", name, "--model-dir", str(folder), "--requests", str(opts.requests), "--prompt-len",
+            str(opts.prompt_len), "--new-tokens", str(opts.new_tokens), "--repeats", str(opts.repeats)]
+    return run_part(__file__, argv + (["--stop", opts.stop] if opts.stop else []))
 
 
 def bench_engine_compiled(folder: Path, opts) -> dict:
@@ -273,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.part:  # a child process of the run below
-        print(PART_PREFIX + json.dumps(PARTS[opts.part](opts.model_dir, opts)), flush=True)
+        print_part(PARTS[opts.part](opts.model_dir, opts))
         return 0
     import torch
 

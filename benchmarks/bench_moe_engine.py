@@ -37,7 +37,6 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,9 +44,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import prompts, write_word_tokenizer  # noqa: E402
+from bench_gpu import print_part, prompts, run_part, write_word_tokenizer  # noqa: E402
 
-PART_PREFIX = "PART "
 SHARED = ("requests", "prompt_len", "new_tokens", "repeats", "parity_requests", "hidden", "layers", "experts", "topk",
           "moe_intermediate")  # the options a part's process gets
 
@@ -174,12 +172,7 @@ PARTS = {
 
 
 def _part_in_subprocess(name: str, folder: Path, argv: list[str]) -> dict:
-    cmd = [sys.executable, __file__, *argv, "--part", name, "--model-dir", str(folder)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(PART_PREFIX)]
-    if done.returncode != 0 or not lines:
-        return {"error": (done.stderr or done.stdout)[-3000:]}
-    return json.loads(lines[-1][len(PART_PREFIX):])
+    return run_part(__file__, [*argv, "--part", name, "--model-dir", str(folder)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.part:  # a child process of the run below
-        print(PART_PREFIX + json.dumps(PARTS[opts.part](opts.model_dir, opts)), flush=True)
+        print_part(PARTS[opts.part](opts.model_dir, opts))
         return 0
     import torch
     import transformers
