@@ -21,10 +21,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import megatron_gpu  # noqa: E402  (the sibling benchmark's backend and objective)
 
 GLM4 = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
             num_key_value_heads=2, head_dim=128, vocab_size=151552, max_position_embeddings=32768,
@@ -42,25 +47,8 @@ def write_model(path: str, shape: dict) -> None:
 
 
 def backend_for(path: str, n: int, bf16: bool, *extra: str):
-    from furlong.builtin_plugins.backends.megatron import train_backend
-    from furlong.core.config.launch_args import launch_config
-
-    config = launch_config("--hf-checkpoint", path, "--train-backend", "megatron", "--num-rollout", "100",
-                           "--rollout-batch-size", str(n), "--n-samples-per-prompt", "1", "--global-batch-size",
-                           str(n), "--micro-batch-size", str(min(n, 4)), "--lr", "1e-4", *extra, configure=False,
-                           bf16=bf16)
-    backend = train_backend(config=config)
-    asyncio.run(backend.init(config))
-    return backend
-
-
-class MeanLogProb:
-    def __init__(self, n: int):
-        self.n = n
-
-    async def __call__(self, sample_ids, log_probs, entropy, values=None):
-        loss = sum(-lp.mean() for lp in log_probs) / self.n
-        return loss, {"loss": float(loss.detach())}
+    """megatron_gpu's backend for ``n`` samples a step in micro-batches of 4, at lr 1e-4."""
+    return megatron_gpu.backend_for(path, min(n, 4), n, "--lr", "1e-4", *extra, bf16=bf16)
 
 
 def batch_of(n: int, length: int, vocab: int, seed: int):
@@ -72,7 +60,7 @@ def batch_of(n: int, length: int, vocab: int, seed: int):
     batch = TrainBatch(tokens=tokens, response_lengths=[length - prompt] * n,
                        loss_masks=[torch.ones(length - prompt) for _ in range(n)],
                        steps=[[list(range(i, min(i + 4, n))) for i in range(0, n, 4)]], temperature=1.0)
-    batch.objective = MeanLogProb(n)
+    batch.objective = megatron_gpu.MeanLogProb(n)
     return batch
 
 
