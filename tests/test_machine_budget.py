@@ -126,7 +126,7 @@ def test_a_training_state_larger_than_the_free_memory_is_warned_about(monkeypatc
     monkeypatch.setattr(env, "gpu_memory", lambda: ("Small GPU", 2 * free, free))
     monkeypatch.setattr(env, "sglang_available", lambda: False)
     monkeypatch.setattr(env, "megatron_available", lambda: False)
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("WARNING", logger="furlong.config"):
         _print_config(capsys, tiny_model_dir, "--num-rollout", "5", "--micro-batch-size", "2")
     warned = [m for m in caplog.messages if "training state" in m]
     assert warned == [f"the training state of {size.parameters / 1e9:.2f}B parameters needs about "
