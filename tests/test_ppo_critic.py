@@ -318,7 +318,7 @@ def test_a_critic_folder_of_another_run_stops_a_fresh_run_before_any_model_loads
     assert str(err.value) == (
         f"--critic-save '{stale}': already holds another run's critic (latest checkpoint 2), which this run would "
         "start from and overwrite; move it away, choose another --save (the critic goes to --save + '_critic') or "
-        f"--critic-save, or resume that run with --load {tmp_path / 'run'}.")
+        "--critic-save.")  # --save holds no actor checkpoint: nothing to resume
     check_paths(launch_config(*argv[:-1], str(tmp_path / "other")))  # another --save: its critic folder is new
     actor = tmp_path / "run"
     (actor / "iter_0000002").mkdir(parents=True)

@@ -292,7 +292,7 @@ def _changes(before: dict, args: Namespace) -> dict[str, tuple]:
     for key, new in vars(args).items():
         old = before.get(key, missing)
         try:
-            same = old is not missing and bool(old == new)
+            same = old is not missing and (old is new or bool(old == new))  # `is`: a nan left as it was
         except Exception:  # noqa: BLE001 - e.g. tensors: compare by identity
             same = old is new
         if not same:

@@ -57,5 +57,6 @@ def _save_problems(config: RunConfig) -> list[str]:
     if critic_marker is not None and not resumes:
         return [f"--critic-save '{critic}': already holds another run's critic (latest checkpoint {critic_marker}), "
                 f"which this run would start from and overwrite; move it away, choose another --save (the critic "
-                f"goes to --save + '_critic') or --critic-save, or resume that run with --load {save}."]
+                f"goes to --save + '_critic') or --critic-save"
+                + (f", or resume that run with --load {save}." if marker is not None else ".")]
     return []
