@@ -135,7 +135,8 @@ def default_token_budget(args, report, tensor_parallel: int = 1, state_shards: i
                     f"per GPU ({TRAIN_BYTES_PER_PARAM} bytes per parameter for training and {ENGINE_BYTES_PER_PARAM} "
                     f"for the engine's weights, over {state_shards} rank(s)), more than the "
                     f"{report.machine.gpu_free_bytes / 2**30:.1f} GiB free: expect running out of memory; train "
-                    "on more GPUs (or, with --train-backend fsdp, offload to the host with --fsdp-cpu-offload).")
+                    "on more GPUs, or offload the optimizer state to the host (--fsdp-cpu-offload with --train-backend fsdp, "
+                    "--use-distributed-optimizer --optimizer-cpu-offload with megatron).")
     if args.packed_by_default != "the default budget":
         return
     budget = token_budget(report.machine, size, tensor_parallel, state_shards) if size else None

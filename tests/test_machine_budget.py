@@ -132,5 +132,6 @@ def test_a_training_state_larger_than_the_free_memory_is_warned_about(monkeypatc
     assert warned == [f"the training state of {size.parameters / 1e9:.2f}B parameters needs about "
                       f"{fixed_bytes(size) / 2**30:.1f} GiB per GPU (18 bytes per parameter for training and 2 for "
                       f"the engine's weights, over 1 rank(s)), more than the {free / 2**30:.1f} GiB free: expect "
-                      "running out of memory; train on more GPUs (or, with --train-backend fsdp, offload to the host "
-                      "with --fsdp-cpu-offload)."]
+                      "running out of memory; train on more GPUs, or offload the optimizer state to the host "
+                      "(--fsdp-cpu-offload with --train-backend fsdp, --use-distributed-optimizer "
+                      "--optimizer-cpu-offload with megatron)."]

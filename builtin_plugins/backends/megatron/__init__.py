@@ -10,6 +10,8 @@ from furlong.hooks import MegatronFlags, PluginError, hookimpl
 from furlong.kit.machine_budget import default_token_budget
 
 from .config import flag_dest
+from .mcore_optimizer import (OPTIMIZER_DESTS, PRECISION_AWARE_WITHOUT_TE, idle_offload_flags, mcore_optimizer_problems,
+                              precision_aware)
 from .moe import MOE_DESTS
 
 # megatron-core warns at import, once per module, that it falls back from TransformerEngine
@@ -46,8 +48,6 @@ _USED = {
 _REFUSED = (
     ("--virtual-pipeline-model-parallel-size", "virtual_pipeline_model_parallel_size", None),
     ("--padded-vocab-size", "padded_vocab_size", None),
-    ("--optimizer-cpu-offload", "optimizer_cpu_offload", False),
-    ("--use-precision-aware-optimizer", "use_precision_aware_optimizer", False),
     ("--fp16", "fp16", False),
 )
 
@@ -66,7 +66,7 @@ MEGATRON_FLAGS = MegatronFlags(
     honours=frozenset(flag_dest(f) for f in _USED) | frozenset(dest for _, dest, _ in _REFUSED)
     | frozenset({"spec", "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules",
                  "attention_dropout", "hidden_dropout", "moe_token_dispatcher_type", "mtp_num_layers",
-                 "mtp_loss_scaling_factor", "moe_enable_routing_replay"}) | MOE_DESTS,
+                 "mtp_loss_scaling_factor", "moe_enable_routing_replay"}) | MOE_DESTS | OPTIMIZER_DESTS,
     architecture_from_hf=True)
 
 
@@ -89,6 +89,14 @@ def configure(args, report):
         if value is not None and value is not False and value != default and not no_op:
             report.error(f"{flag} {value if value is not True else ''}".rstrip()
                          + " is not supported yet by --train-backend megatron.")
+    # a Ray run's training ranks may have GPUs where the driver has none; they check when the backend starts
+    for problem in mcore_optimizer_problems(args, cuda=report.machine.cuda or args.executor == "ray"):
+        report.error(problem)
+    if args.use_precision_aware_optimizer and args.use_distributed_optimizer and not precision_aware(args):
+        report.warn(PRECISION_AWARE_WITHOUT_TE)
+    idle = idle_offload_flags(args)
+    if idle:
+        report.warn(f"{' '.join(idle)} change nothing without --optimizer-cpu-offload.")
     mtp = [f for f in _MTP if _given(args, flag_dest(f))]
     if mtp:
         report.error(_MTP_REASON.format(given=", ".join(mtp)))

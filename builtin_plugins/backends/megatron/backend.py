@@ -18,6 +18,7 @@ from .convert import (ExpertShard, Stage, export_hf, load_hf, pipeline_split, pl
                       stage_layer_counts)
 from .logprobs import forward_log_probs
 from .master import MasterWeights
+from .mcore_optimizer import MegatronCoreOptimizer, mcore_optimizer_problems, uses_mcore_optimizer
 from .model import build_gpt, cpu_shims, init_parallel, untrained_padding_lookups
 from .moe import flag, moe_flag_problems, moe_transformer_fields
 from .moe_train import ExpertLayers, is_expert_parameter
@@ -131,6 +132,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         problems += moe_flag_problems(config, self.shape, f"--hf-checkpoint {config.hf_checkpoint}/config.json")[0]
         problems += moe_layout_problems(self.shape, self.tp, self.pp, self.cp, self.ep, config.hf_checkpoint,
                                         bool(config.use_distributed_optimizer))
+        problems += mcore_optimizer_problems(config)
         try:
             counts = stage_layer_counts(self.shape.num_layers, self.pp, *pipeline_split(config.megatron_args))
         except ValueError as exc:
@@ -156,7 +158,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
                 log.info("megatron: LoRA rank %d, alpha %d on %s (%d layers); the base weights are frozen",
                          int(config.lora_rank), int(config.lora_alpha),
                          ", ".join(sorted(lora.target_linears(config))), len(adapted))
-        if self._dtype() != torch.float32 and config.keep_fp32_master:
+        if self._dtype() != torch.float32 and config.keep_fp32_master and not uses_mcore_optimizer(config):
             self.masters = MasterWeights(self.model)
             self._masters_from_checkpoint()
         params = dict(self._trained_parameters())
@@ -169,13 +171,16 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
             self.old_actor = self._load_model().requires_grad_(False)
             self.rollout_actor = self._load_model().requires_grad_(False)
         self._start_routing_replay()
-        self.optimizer = build_optimizer(self._trained_parameters(), config, self._optimizer_shards())
+        if uses_mcore_optimizer(config):  # megatron-core keeps the float32 masters itself
+            self.optimizer = MegatronCoreOptimizer(self.model, config, self._dtype() == torch.bfloat16)
+        else:
+            self.optimizer = build_optimizer(self._trained_parameters(), config, self._optimizer_shards())
         self.scheduler = build_scheduler(self.optimizer, config)
         if self.rank == 0:
             log.info("megatron: %s, TP %d%s, PP %d%s, CP %d, DP %d%s, vocab rows %d, %s%s", self.shape.family, self.tp,
                      " (sequence parallel)" if self._sequence_parallel() else "", self.pp, f" (layers per stage {'+'.join(map(str, self.stage.layers))})" if self.pp > 1 else "",
                      self.cp, self._dp_size(), self._experts_note(), self.vocab_rows,
-                     "bf16 parameters, fp32 master weights" if self.masters else
+                     "bf16 parameters, fp32 master weights" if self.masters or self._mcore() else
                      "bf16 parameters, no fp32 master weights" if self._dtype() != torch.float32 else "fp32",
                      self._optimizer_note())
         return 0
@@ -316,7 +321,16 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
 
         return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
+    def _mcore(self) -> bool:
+        """Whether megatron-core's distributed optimizer runs the steps (:mod:`.mcore_optimizer`)."""
+        return isinstance(self.optimizer, MegatronCoreOptimizer)
+
     def _optimizer_note(self) -> str:
+        if self._mcore():
+            offload = (f", AdamW state of {float(self.optimizer.inner.config.optimizer_offload_fraction):.0%} of the "
+                       "parameters on the host (--optimizer-cpu-offload)" if self.config.optimizer_cpu_offload else "")
+            return (f"; megatron-core's distributed optimizer over {self._dp_size() * self.cp} rank(s) (DP x CP)"
+                    f"{offload}")
         if not self.config.use_distributed_optimizer:
             return ""
         shards = self._dp_size() * self.cp
@@ -359,6 +373,8 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         import torch.distributed as dist
         from megatron.core import parallel_state
 
+        if self._mcore():
+            return self._clip_mcore(finite_loss)
         self._sum_embedding_copies()
         named = [(n, p) for n, p in self._trained_parameters() if p.grad is not None]
         params = [p for _, p in named]
@@ -392,14 +408,55 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         if self.pp > 1:
             dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
         norm = float(total.sqrt())
-        flag = torch.tensor([0.0 if finite_loss else 1.0], device=self.device)
-        if self.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        finite = math.isfinite(norm) and float(flag) == 0.0
+        finite = math.isfinite(norm) and self._finite_everywhere(finite_loss)
         clip = float(self.config.clip_grad or 0.0)
         if finite and clip > 0 and norm > clip:
             torch._foreach_mul_([p.grad for p in params], clip / (norm + 1e-6))
         return norm, finite
+
+    def _finite_everywhere(self, finite_loss: bool) -> bool:
+        """Whether every rank's loss was finite."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([0.0 if finite_loss else 1.0], device=self.device)
+        if self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return float(flag) == 0.0
+
+    def _clip_mcore(self, finite_loss: bool) -> tuple[float, bool]:
+        """:meth:`_clip` under megatron-core's distributed optimizer: its reduce-scatter over DP x CP, the same
+        sums as :meth:`_clip` over the pipeline stages (a tied embedding) and over TP
+        (:func:`summed_over_tensor_parallel`) on its float32 gradient buffers, then its own norm and clipping."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        self.optimizer.reduce()
+        self._sum_embedding_copies()
+        if self.tp > 1:
+            group = parallel_state.get_tensor_model_parallel_group()
+            for name, grad in self.optimizer.main_grads():
+                if summed_over_tensor_parallel(name, self._sequence_parallel()):
+                    dist.all_reduce(grad, group=group)
+        norm = self.optimizer.clip()
+        return norm, math.isfinite(norm) and self._finite_everywhere(finite_loss)
+
+    def _move(self, device) -> None:
+        """:meth:`StepLoop._move`; under megatron-core's distributed optimizer the model's weights and gradients
+        live in its buffers, which it moves itself (the parameters stay views of them)."""
+        if not self._mcore():
+            return super()._move(device)
+        import torch
+
+        for model in self._modules():
+            if model is not self.model:
+                model.to(device)
+        if torch.device(device).type == "cpu":
+            self.optimizer.offload()
+        else:
+            self.optimizer.onload()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
     # --- weights and checkpoints ---------------------------------------------------------
 

@@ -5,14 +5,18 @@ docs/checkpoints.md)::
 
     metadata.json, .metadata, common.pt, __<rank>_<n>.distcp    megatron-core torch_dist files
     meta.json     {"global_step", "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                   "context_parallel_size", "timestamp"}
+                   "context_parallel_size", "optimizer", "optimizer_format", "timestamp"}
 
 The sharded state holds ``model`` (megatron-core's own sharded state dict: layers stacked,
 fc1 saved as the global ``[gate; up]``, so the files do not depend on TP), ``optimizer``
 (AdamW moments as tensors shaped like their parameters, one shared ``step``; absent with
 ``--no-save-optim``; under ``--bf16`` the weights saved are the float32 master weights
 and the moments are those of the masters), ``scheduler`` (``OptimizerParamScheduler.state_dict()``),
-``global_step`` and ``rng`` (one object per rank). A checkpoint saved at one TP or PP size
+``global_step`` and ``rng`` (one object per rank). Under megatron-core's distributed optimizer
+(:mod:`.mcore_optimizer`) ``model`` holds the bfloat16 weights and ``optimizer`` megatron-core's own
+state (float32 masters and moments per parameter, ``fully_sharded_model_space``); ``meta.json`` says which
+(``"optimizer_format"``), and a resume with the other optimizer loads the weights only with
+``--no-load-optim``. A checkpoint saved at one TP or PP size
 loads at another: weights and moments are resharded (megatron-core keys layers by their
 global index; a tied model's last-stage output layer is saved as a replica of the
 embedding); RNG states are restored only when the world size is unchanged. With LoRA (:mod:`.lora`)
@@ -157,12 +161,22 @@ def _restore_model(model, masters, loaded_model: dict) -> None:
         model.load_state_dict(loaded_model, strict=False)
 
 
+def optimizer_format(optimizer) -> str:
+    """How ``optimizer``'s state is saved: ``"megatron-core"`` (:class:`~.mcore_optimizer.MegatronCoreOptimizer`)
+    or ``"adamw"`` (torch's AdamW, sharded or not)."""
+    from .mcore_optimizer import MegatronCoreOptimizer
+
+    return "megatron-core" if isinstance(optimizer, MegatronCoreOptimizer) else "adamw"
+
+
 def _sharded(model, masters, optimizer, scheduler, global_step: int, rank: int, world: int, with_optim: bool,
-             rng_world: int | None) -> dict:
+             rng_world: int | None, loading: bool = False) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     state = {"model": _model_sharded(model, masters), "scheduler": scheduler.state_dict(), "global_step": global_step}
-    if with_optim:
+    if with_optim and optimizer_format(optimizer) == "megatron-core":
+        state["optimizer"] = optimizer.sharded_state_dict(_model_sharded(model, masters), loading)
+    elif with_optim:
         state["optimizer"] = _optimizer_sharded(optimizer, _model_sharded(model, masters))
     if rng_world:
         state["rng"] = ShardedObject("rng", _rng_state(), (rng_world,), (rank,), replica_id=0)
@@ -188,7 +202,7 @@ def save_checkpoint(path: str, *, model, optimizer, scheduler, global_step: int,
     if rank == 0:
         meta = {"global_step": global_step, "world_size": world, "tensor_model_parallel_size": tp,
                 "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
-                "optimizer": save_optim, "timestamp": time.time()}
+                "optimizer": save_optim, "optimizer_format": optimizer_format(optimizer), "timestamp": time.time()}
         with open(os.path.join(path, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2)
     dist.barrier()
@@ -210,6 +224,29 @@ def read_meta(path: str) -> dict:
         return json.load(f)
 
 
+_FORMAT_NAMES = {"adamw": "the backend's AdamW (--use-distributed-optimizer alone, or none)",
+                 "megatron-core": "megatron-core's distributed optimizer (--optimizer-cpu-offload / "
+                                  "--use-precision-aware-optimizer)"}
+
+
+def _load_adamw(optimizer, state: dict) -> None:
+    """Loaded AdamW state (:func:`_optimizer_sharded`'s layout) into ``optimizer`` (sharded or not)."""
+    import torch
+
+    step = state["state"].pop("common_step", None)
+    if step is not None:
+        for param_state in state["state"].values():
+            param_state["step"] = torch.tensor(float(step))
+    local = local_optimizer(optimizer)
+    # the hyperparameters saved (by the first rank), the parameter indices of this rank's optimizer
+    state["param_groups"] = [{**saved, "params": group["params"]} for saved, group in
+                             zip(state["param_groups"], local.state_dict()["param_groups"])]
+    local.load_state_dict(state)
+    if local is not optimizer:  # a ZeroRedundancyOptimizer: its own groups take the loaded hyperparameters
+        for outer, group in zip(optimizer.param_groups, local.param_groups):
+            outer.update({k: v for k, v in group.items() if k != "params"})
+
+
 def load_checkpoint(path: str, *, model, optimizer, scheduler, rank: int, world: int, load_optim: bool,
                     load_rng: bool, device, masters=None) -> int:
     """Restore ``path`` into ``model`` (and optimizer, scheduler, RNG); return the saved global step.
@@ -222,31 +259,27 @@ def load_checkpoint(path: str, *, model, optimizer, scheduler, rank: int, world:
     """
     meta = read_meta(path)
     with_optim = load_optim and meta.get("optimizer", True)
-    if with_optim:
+    saved_format, mine = meta.get("optimizer_format", "adamw"), optimizer_format(optimizer)
+    if with_optim and saved_format != mine:
+        raise PluginError(f"checkpoint {path} holds the optimizer state of {_FORMAT_NAMES[saved_format]}, this run "
+                          f"uses {_FORMAT_NAMES[mine]}; resume with the same optimizer flags, or pass --no-load-optim "
+                          "to load its weights only.")
+    if with_optim and mine == "adamw":
         init_adam_state(optimizer)
     rng_world = meta["world_size"] if load_rng and meta["world_size"] == world else None
     if load_rng and not rng_world and rank == 0:
         log.warning("checkpoint %s was saved by %d rank(s), this run has %d: RNG states are not restored.", path,
                     meta["world_size"], world)
-    template = _sharded(model, masters, optimizer, scheduler, 0, rank, world, with_optim, rng_world)
+    template = _sharded(model, masters, optimizer, scheduler, 0, rank, world, with_optim, rng_world, loading=True)
     loaded = _load(template, path, device, "it")
     _restore_model(model, masters, loaded["model"])
+    if mine == "megatron-core" and not with_optim:
+        optimizer.masters_from_model()
     if with_optim:
-        state = loaded["optimizer"]
-        step = state["state"].pop("common_step", None)
-        if step is not None:
-            import torch
-
-            for param_state in state["state"].values():
-                param_state["step"] = torch.tensor(float(step))
-        local = local_optimizer(optimizer)
-        # the hyperparameters saved (by the first rank), the parameter indices of this rank's optimizer
-        state["param_groups"] = [{**saved, "params": group["params"]} for saved, group in
-                                 zip(state["param_groups"], local.state_dict()["param_groups"])]
-        local.load_state_dict(state)
-        if local is not optimizer:  # a ZeroRedundancyOptimizer: its own groups take the loaded hyperparameters
-            for outer, group in zip(optimizer.param_groups, local.param_groups):
-                outer.update({k: v for k, v in group.items() if k != "params"})
+        if mine == "megatron-core":
+            optimizer.load_sharded(loaded["optimizer"])
+        else:
+            _load_adamw(optimizer, loaded["optimizer"])
         try:
             scheduler.load_state_dict(_schedule_state(loaded["scheduler"], scheduler))
         except AssertionError as exc:  # megatron-core's check that the schedule flags did not change

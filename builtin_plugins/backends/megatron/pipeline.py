@@ -71,7 +71,7 @@ class PipelineStages:
     :func:`run_schedule` (PP = 1 keeps :class:`furlong.kit.trainer.StepLoop`'s) and a tied model's two
     embedding copies (the first stage's table, the last stage's output layer).
 
-    Uses the backend's ``pp``, ``stage``, ``shape``, ``model``, ``masters``, ``config`` and ``device``.
+    Uses the backend's ``pp``, ``stage``, ``shape``, ``model``, ``masters``, ``config``, ``device`` and ``_mcore()``.
     """
 
     def _pipeline(self, net, batch: TrainBatch, chunks: list[list[int]], grad: bool, loop) -> list[tuple]:
@@ -122,14 +122,15 @@ class PipelineStages:
         return name == "output_layer.weight" and self.shape.tied and self.stage.last and not self.stage.first
 
     def _embedding_grads(self) -> list:
-        """Gradients of this stage's embedding table and of its tied copy (the masters' under ``--bf16``)."""
+        """Gradients of this stage's embedding table and of its tied copy (the masters' under ``--bf16``, the float32
+        buffers of megatron-core's distributed optimizer)."""
         weights = []
         if self.stage.first:
             weights.append(self.model.embedding.word_embeddings.weight)
         if self.shape.tied and self.stage.last and not self.stage.first:
             weights.append(self.model.output_layer.weight)
-        grads = [(self.masters.master_of(w) if self.masters else w).grad for w in weights
-                 if w.requires_grad]  # (frozen under LoRA)
+        grads = [w.main_grad if self._mcore() else (self.masters.master_of(w) if self.masters else w).grad
+                 for w in weights if w.requires_grad]  # (frozen under LoRA; megatron-core's buffers: .main_grad)
         return [g for g in grads if g is not None]
 
     def _sum_embedding_copies(self) -> None:

@@ -1,0 +1,239 @@
+"""megatron-core's own data-parallel wrapper and distributed optimizer for the megatron backend.
+
+``--use-distributed-optimizer`` with ``--optimizer-cpu-offload`` or ``--use-precision-aware-optimizer``
+(the features Miles' launch scripts pass together) runs the model under megatron-core's
+``DistributedDataParallel`` (gradients accumulate in float32 buffers, ``main_grad``, and are
+reduce-scattered over the data-parallel x context-parallel ranks) and megatron-core's
+``DistributedOptimizer`` (float32 master weights and AdamW moments sharded over those ranks;
+bfloat16 weights all-gathered after each step), built by ``get_megatron_optimizer`` from an
+``OptimizerConfig``: with ``--optimizer-cpu-offload`` its ``HybridDeviceOptimizer`` keeps the
+masters and moments of ``--optimizer-offload-fraction`` of the parameters in host memory and
+steps them with torch's CPU AdamW (``--overlap-cpu-optimizer-d2h-h2d``: copies on side streams).
+
+The step is the backend's usual one: gradients SUMMED over data-parallel ranks (each rank's
+objective already carries the whole step's denominators, so the wrapper's 1 / DP scaling is
+turned off), the query/key-norm and sequence-parallel norm gradients summed over TP as the
+backend does without this wrapper, megatron-core's global L2 norm (TP shards and pipeline stages
+counted once), clipping to ``--clip-grad``, AdamW with megatron-core's decay rule (no decay on
+biases and 1-D parameters, the same as :func:`~.optimizer.build_optimizer`).
+
+megatron-core allocates these buffers on the current CUDA device and checks for CUDA tensors, so
+this path needs a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from furlong.hooks import PluginError
+
+from .moe import flag
+
+__all__ = ["MegatronCoreOptimizer", "OPTIMIZER_DESTS", "PRECISION_AWARE_WITHOUT_TE", "idle_offload_flags",
+           "mcore_optimizer_problems", "precision_aware", "uses_mcore_optimizer"]
+
+_FEATURES = ("--optimizer-cpu-offload", "--use-precision-aware-optimizer")
+_OFFLOAD_REFINEMENTS = {"--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d",
+                        "--optimizer-offload-fraction": "optimizer_offload_fraction",
+                        "--use-torch-optimizer-for-cpu-offload": "use_torch_optimizer_for_cpu_offload",
+                        "--no-pin-cpu-grads": "pin_cpu_grads", "--no-pin-cpu-params": "pin_cpu_params"}
+OPTIMIZER_DESTS = frozenset({"optimizer_cpu_offload", "use_precision_aware_optimizer", *_OFFLOAD_REFINEMENTS.values()})
+"""The Megatron flags :func:`optimizer_config` reads."""
+
+
+def uses_mcore_optimizer(config: Any) -> bool:
+    """Whether ``config`` asks for megatron-core's distributed optimizer: ``--optimizer-cpu-offload`` or
+    ``--use-precision-aware-optimizer`` (``--use-distributed-optimizer`` alone keeps the backend's own
+    sharded AdamW, :mod:`.optimizer`)."""
+    return bool(config.optimizer_cpu_offload or config.use_precision_aware_optimizer)
+
+
+def _given(config: Any) -> str:
+    return " / ".join(f for f, on in zip(_FEATURES, (config.optimizer_cpu_offload,
+                                                      config.use_precision_aware_optimizer)) if on)
+
+
+def mcore_optimizer_problems(config: Any, cuda: bool = True) -> list[str]:
+    """What stops megatron-core's distributed optimizer for ``config`` (launch flags or a run
+    configuration), one message per problem naming the flags; empty when it can run or is not asked for.
+
+    :param cuda: whether the training ranks have a CUDA GPU (False: a problem, megatron-core's buffers live there).
+    """
+    if not uses_mcore_optimizer(config):
+        return []
+    given = _given(config)
+    problems = []
+    if not cuda:
+        problems.append(f"{given} needs a CUDA GPU: megatron-core's distributed optimizer keeps its buffers on the "
+                        "GPU, and this machine has none. Use --use-distributed-optimizer alone here (the backend's "
+                        "own sharded AdamW).")
+    if not config.use_distributed_optimizer:
+        problems.append(f"{given} needs --use-distributed-optimizer (they are features of megatron-core's "
+                        "distributed optimizer).")
+    if int(config.lora_rank or 0) > 0:
+        problems.append(f"{given} with --lora-rank is not supported yet by --train-backend megatron.")
+    if config.reset_optimizer_states:
+        problems.append(f"{given} with --reset-optimizer-states is not supported yet by --train-backend megatron.")
+    if (config.optimizer or "adam") != "adam":
+        problems.append(f"--optimizer {config.optimizer}: {given} supports adam (AdamW) only here.")
+    return problems
+
+
+PRECISION_AWARE_WITHOUT_TE = (
+    "--use-precision-aware-optimizer: megatron-core reads Transformer Engine's version for it, and "
+    "transformer_engine is not installed here, so the distributed optimizer runs without it: the same AdamW "
+    "updates (float32 masters and moments, as the flag keeps them at its default dtypes), with the float32 masters "
+    "held on the GPU as well (4 bytes per parameter over the DP x CP ranks).")
+
+
+def precision_aware(config: Any) -> bool:
+    """``--use-precision-aware-optimizer`` where megatron-core can honour it: with Transformer Engine installed
+    (megatron-core 0.16 reads its version whenever the option is on, with or without CPU offload)."""
+    return bool(config.use_precision_aware_optimizer) and _has_transformer_engine()
+
+
+def idle_offload_flags(args: Any) -> list[str]:
+    """The CPU-offload refinements given without ``--optimizer-cpu-offload``, where they change nothing."""
+    if args.optimizer_cpu_offload:
+        return []
+    given = args.megatron_args or {}
+    return [f for f, dest in _OFFLOAD_REFINEMENTS.items() if dest in given or getattr(args, dest, None) is True]
+
+
+def _has_transformer_engine() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def optimizer_config(config: Any, bf16: bool):
+    """megatron-core's ``OptimizerConfig`` for the run: AdamW from ``--lr``, ``--min-lr``, ``--weight-decay``,
+    ``--adam-beta1/2``, ``--adam-eps``, ``--clip-grad`` (applied by :meth:`MegatronCoreOptimizer.clip`),
+    bfloat16 parameters under ``--bf16``, the distributed optimizer, and the offload flags:
+    ``--optimizer-cpu-offload``, ``--optimizer-offload-fraction`` (Megatron's default 1.0: every
+    parameter's state on the host), ``--overlap-cpu-optimizer-d2h-h2d``, ``--use-torch-optimizer-for-cpu-offload``,
+    ``--no-pin-cpu-grads``, ``--no-pin-cpu-params``, ``--use-precision-aware-optimizer`` (:func:`precision_aware`)."""
+    import torch
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam", lr=float(config.lr), min_lr=float(config.min_lr or 0.0),
+        weight_decay=float(config.weight_decay), adam_beta1=float(config.adam_beta1),
+        adam_beta2=float(config.adam_beta2), adam_eps=float(config.adam_eps), clip_grad=float(config.clip_grad or 0.0),
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=True,
+        optimizer_cpu_offload=bool(config.optimizer_cpu_offload),
+        optimizer_offload_fraction=float(flag(config, "optimizer_offload_fraction", 1.0)),
+        overlap_cpu_optimizer_d2h_h2d=bool(config.overlap_cpu_optimizer_d2h_h2d),
+        use_torch_optimizer_for_cpu_offload=bool(flag(config, "use_torch_optimizer_for_cpu_offload", False)),
+        pin_cpu_grads=bool(flag(config, "pin_cpu_grads", True)),
+        pin_cpu_params=bool(flag(config, "pin_cpu_params", True)),
+        use_precision_aware_optimizer=precision_aware(config))
+
+
+def ddp_config():
+    """megatron-core's ``DistributedDataParallelConfig``: float32 gradient buffers reduce-scattered at the end
+    of the step (no overlap: the backend's step loop runs the micro-batches), for the distributed optimizer."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                         overlap_param_gather=False, use_distributed_optimizer=True)
+
+
+class MegatronCoreOptimizer:
+    """megatron-core's ``DistributedDataParallel`` around one model chunk and the optimizer
+    ``get_megatron_optimizer`` builds for it, with the surface the backend's step loop uses:
+    ``param_groups`` (for the LR schedule), :meth:`zero_grad`, :meth:`clip`, :meth:`step`,
+    checkpoint state (:meth:`sharded_state_dict`, :meth:`load_sharded`) and :meth:`offload` / :meth:`onload`.
+
+    :param model: the backend's GPTModel (its parameters move into the wrapper's contiguous buffer; the
+        model is still called directly, the wrapper's gradient hooks sit on its parameters).
+    The float32 masters start from the model's weights (bfloat16 under ``--bf16``, as megatron-core's own
+    start without optimizer state); a resumed run restores them exactly (:meth:`load_sharded`).
+    :raises PluginError: no CUDA device (megatron-core's buffers and optimizer are CUDA-only).
+    """
+
+    def __init__(self, model, config: Any, bf16: bool) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise PluginError(" ".join(mcore_optimizer_problems(config, cuda=False)[:1]))
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        wrapper_config = copy.copy(model.config)
+        # gradients are summed over data-parallel ranks, not averaged: the objective carries the step's denominators
+        wrapper_config.calculate_per_token_loss = True
+        self.ddp = DistributedDataParallel(wrapper_config, ddp_config(), model)
+        self.inner = get_megatron_optimizer(optimizer_config(config, bf16), [self.ddp], use_gloo_process_groups=False)
+        self.clip_grad = float(config.clip_grad or 0.0)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def _parts(self) -> list:
+        return list(getattr(self.inner, "chained_optimizers", [self.inner]))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the wrapper's gradient buffers and the optimizer's gradients (start of a step)."""
+        self.ddp.zero_grad_buffer()
+        self.inner.zero_grad(set_to_none)
+
+    def reduce(self) -> None:
+        """Reduce-scatter the accumulated gradients over the data-parallel x context-parallel ranks."""
+        self.ddp.finish_grad_sync()
+
+    def main_grads(self):
+        """``(name, float32 gradient buffer view)`` of every trained parameter (for the backend's TP sums)."""
+        return [(name, p.main_grad) for name, p in self.ddp.module.named_parameters() if p.requires_grad]
+
+    def clip(self) -> float:
+        """Copy the reduced gradients to the masters, return megatron-core's global L2 norm (before clipping;
+        over TP shards, pipeline stages and data-parallel shards, each parameter once), and clip to
+        ``--clip-grad`` when the norm is finite and larger."""
+        import math
+
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        self.inner.prepare_grads()
+        norm = float(self.inner.get_grad_norm())
+        if math.isfinite(norm) and self.clip_grad > 0:
+            for part in self._parts():
+                params = part.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, self.clip_grad, norm,
+                                                 part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        return norm
+
+    def step(self) -> None:
+        """AdamW on the masters, then the bfloat16 weights from them (all-gathered over the shards)."""
+        self.inner.step_with_ready_grads()
+
+    def sharded_state_dict(self, model_sharded: dict, is_loading: bool = False) -> dict:
+        """megatron-core's optimizer state for ``dist_checkpointing`` (moments and float32 masters per parameter,
+        ``fully_sharded_model_space``: reshardable across data-parallel sizes)."""
+        return self.inner.sharded_state_dict(model_sharded, is_loading)
+
+    def load_sharded(self, state: dict) -> None:
+        """Restore what :meth:`sharded_state_dict` saved (after ``dist_checkpointing.load``)."""
+        self.inner.load_state_dict(state)
+
+    def masters_from_model(self) -> None:
+        """Start the float32 masters again from the model's weights (a load without optimizer state)."""
+        self.inner.reload_model_params()
+
+    def _buffers(self) -> list:
+        return list(self.ddp.buffers) + list(self.ddp.expert_parallel_buffers)
+
+    def offload(self) -> None:
+        """Weights, gradient buffers and optimizer state to host memory (colocated rollouts)."""
+        for buffer in self._buffers():
+            buffer.offload_to_cpu(move_params=True, move_grads=True)
+        self.inner.offload_to_cpu()
+
+    def onload(self) -> None:
+        """Back to the GPU what :meth:`offload` moved."""
+        for buffer in self._buffers():
+            buffer.reload_from_cpu(move_params=True, move_grads=True)
+        self.inner.restore_from_cpu()

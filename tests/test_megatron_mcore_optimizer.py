@@ -1,0 +1,146 @@
+"""megatron-core's distributed optimizer behind the megatron backend (``--optimizer-cpu-offload``,
+``--use-precision-aware-optimizer``): what can be checked without a GPU. megatron-core allocates its
+buffers on CUDA, so the training steps themselves are checked by ``benchmarks/megatron_distopt_gpu.py``
+on a GPU (docs/megatron.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core", reason="the megatron extra (megatron-core) is not installed")
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from furlong.builtin_plugins.backends.megatron import configure  # noqa: E402
+from furlong.builtin_plugins.backends.megatron import train_backend as megatron_backend  # noqa: E402
+from furlong.builtin_plugins.backends.megatron.mcore_optimizer import (PRECISION_AWARE_WITHOUT_TE, ddp_config,  # noqa: E402
+                                                                       optimizer_config)
+from furlong.builtin_plugins.backends.megatron.model import init_parallel  # noqa: E402
+from furlong.hooks import ConfigReport, PluginError  # noqa: E402
+from furlong.hooks.config_report import Machine  # noqa: E402
+
+from .tiny_model import make_batch, train_args, train_config  # noqa: E402
+
+MILES_TRIO = dict(use_distributed_optimizer=True, optimizer_cpu_offload=True, overlap_cpu_optimizer_d2h_h2d=True,
+                  use_precision_aware_optimizer=True)
+H200 = Machine(cuda=True, gpu_name="NVIDIA H200", gpu_count=1, gpu_total_bytes=140 * 2**30,
+               gpu_free_bytes=139 * 2**30)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_groups():
+    init_parallel(1, torch.device("cpu"))
+
+
+def test_the_launch_flags_become_megatron_core_s_optimizer_config(tiny_model_dir):
+    config = train_config(tiny_model_dir, lr=3e-4, min_lr=1e-5, weight_decay=0.05, adam_beta1=0.8, adam_beta2=0.95,
+                          adam_eps=1e-6, clip_grad=0.5, optimizer_offload_fraction=0.25, pin_cpu_grads=False,
+                          **MILES_TRIO)
+    built = optimizer_config(config, bf16=True)
+    assert (built.optimizer, built.lr, built.min_lr, built.weight_decay) == ("adam", 3e-4, 1e-5, 0.05)
+    assert (built.adam_beta1, built.adam_beta2, built.adam_eps, built.clip_grad) == (0.8, 0.95, 1e-6, 0.5)
+    assert built.bf16 and built.params_dtype == torch.bfloat16 and built.use_distributed_optimizer
+    assert built.optimizer_cpu_offload and built.overlap_cpu_optimizer_d2h_h2d
+    assert built.optimizer_offload_fraction == 0.25 and built.pin_cpu_grads is False and built.pin_cpu_params is True
+    # megatron-core 0.16 reads Transformer Engine's version whenever the option is on (it is not installed here)
+    assert not built.use_precision_aware_optimizer
+    plain = optimizer_config(train_config(tiny_model_dir, use_distributed_optimizer=True, optimizer_cpu_offload=True),
+                             bf16=False)
+    assert plain.optimizer_offload_fraction == 1.0 and plain.params_dtype == torch.float32 and not plain.bf16
+    wrapper = ddp_config()
+    assert wrapper.grad_reduce_in_fp32 and wrapper.use_distributed_optimizer
+    assert not wrapper.overlap_grad_reduce and not wrapper.overlap_param_gather
+
+
+def _configured(tiny_model_dir, machine=H200, **flags) -> ConfigReport:
+    report = ConfigReport(plugin="megatron", machine=machine)
+    configure(args=train_args(tiny_model_dir, **flags), report=report)
+    return report
+
+
+def test_miles_offload_flags_are_accepted_where_a_gpu_trains(tiny_model_dir):
+    report = _configured(tiny_model_dir, optimizer_offload_fraction=0.5, **MILES_TRIO)
+    assert report.errors == [] and report.warnings == [PRECISION_AWARE_WITHOUT_TE]
+    assert "transformer_engine is not installed here" in PRECISION_AWARE_WITHOUT_TE
+    import furlong.builtin_plugins.backends.megatron as plugin
+    from furlong.core.config.megatron_support import report_megatron_flags
+
+    given = ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
+             "--use-precision-aware-optimizer", "--optimizer-offload-fraction", "--no-pin-cpu-params"]
+    args = train_args(tiny_model_dir, megatron_flags_given=given,
+                      megatron_args={"optimizer_offload_fraction": 0.5, "pin_cpu_params": False}, **MILES_TRIO)
+    core = ConfigReport(plugin="megatron")
+    report_megatron_flags(args, "megatron", plugin, core)
+    assert core.warnings == [] and core.errors == []  # the backend reads every one of them
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(MILES_TRIO, machine=Machine()),
+     "--optimizer-cpu-offload / --use-precision-aware-optimizer needs a CUDA GPU: megatron-core's distributed "
+     "optimizer keeps its buffers on the GPU, and this machine has none. Use --use-distributed-optimizer alone here "
+     "(the backend's own sharded AdamW)."),
+    (dict(optimizer_cpu_offload=True),
+     "--optimizer-cpu-offload needs --use-distributed-optimizer (they are features of megatron-core's distributed "
+     "optimizer)."),
+    (dict(MILES_TRIO, lora_rank=4, lora_alpha=8, target_modules="all-linear"),
+     "--optimizer-cpu-offload / --use-precision-aware-optimizer with --lora-rank is not supported yet by "
+     "--train-backend megatron."),
+    (dict(MILES_TRIO, reset_optimizer_states=True),
+     "--optimizer-cpu-offload / --use-precision-aware-optimizer with --reset-optimizer-states is not supported yet "
+     "by --train-backend megatron."),
+])
+def test_what_stops_megatron_core_s_optimizer_is_one_error_naming_the_flags(tiny_model_dir, flags, message):
+    pytest.importorskip("peft") if "lora_rank" in flags else None
+    machine = flags.pop("machine", H200)
+    assert message in _configured(tiny_model_dir, machine=machine, **flags).errors
+
+
+def test_a_ray_run_leaves_the_gpu_check_to_its_training_ranks(tiny_model_dir):
+    assert _configured(tiny_model_dir, machine=Machine(), executor="ray", **MILES_TRIO).errors == []
+
+
+def test_offload_refinements_without_the_offload_are_a_warning(tiny_model_dir):
+    report = _configured(tiny_model_dir, use_distributed_optimizer=True, overlap_cpu_optimizer_d2h_h2d=True,
+                         megatron_args={"optimizer_offload_fraction": 0.5})
+    assert report.warnings == ["--overlap-cpu-optimizer-d2h-h2d --optimizer-offload-fraction change nothing without "
+                               "--optimizer-cpu-offload."] and report.errors == []
+
+
+def test_the_backend_without_cuda_refuses_before_building_anything(tiny_model_dir):
+    backend = megatron_backend(config=train_config(tiny_model_dir, **MILES_TRIO))
+    with pytest.raises(PluginError, match="needs a CUDA GPU: megatron-core's distributed optimizer"):
+        asyncio.run(backend.init(backend.config))
+
+
+def test_a_checkpoint_of_the_other_optimizer_loads_its_weights_only_with_no_load_optim(tiny_model_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    first = megatron_backend(config=train_config(tiny_model_dir))
+    asyncio.run(first.init(first.config))
+    asyncio.run(first.train(0, make_batch(tokenizer, [[[0, 1]], [[2, 3]]])))
+    saved = tmp_path / "iter_0000000"
+    asyncio.run(first.save(str(saved)))
+    meta = json.loads((saved / "meta.json").read_text())
+    assert meta["optimizer_format"] == "adamw"
+    meta["optimizer_format"] = "megatron-core"  # as a run with --optimizer-cpu-offload writes it
+    (saved / "meta.json").write_text(json.dumps(meta))
+    second = megatron_backend(config=train_config(tiny_model_dir))
+    asyncio.run(second.init(second.config))
+    with pytest.raises(PluginError, match=r"holds the optimizer state of megatron-core's distributed optimizer "
+                                          r"\(--optimizer-cpu-offload / --use-precision-aware-optimizer\), this run "
+                                          r"uses the backend's AdamW .* pass --no-load-optim to load its weights only"):
+        asyncio.run(second.load(str(saved)))
+    weights_only = megatron_backend(config=train_config(tiny_model_dir, no_load_optim=True))
+    asyncio.run(weights_only.init(weights_only.config))
+    asyncio.run(weights_only.load(str(saved)))
+    for (name, a), (_, b) in zip(first.model.named_parameters(), weights_only.model.named_parameters()):
+        assert torch.equal(a, b), name
+    del meta["optimizer_format"]  # a checkpoint written before the key existed is the backend's AdamW
+    (saved / "meta.json").write_text(json.dumps(meta))
+    third = megatron_backend(config=train_config(tiny_model_dir))
+    asyncio.run(third.init(third.config))
+    asyncio.run(third.load(str(saved)))
+    assert third.global_step == 2
