@@ -9,7 +9,7 @@ import logging
 import pytest
 
 import furlong.core.config.env as env
-from furlong.core.config import UNSUPPORTED, ConfigError, config_to_dict, parse_args
+from furlong.core.config import UNSUPPORTED, ConfigError, build_parser, config_to_dict, parse_args
 
 BASE = ["--num-rollout", "3", "--rollout-batch-size", "4"]
 
@@ -129,6 +129,27 @@ ERRORS = [
     (["--lr-warmup-iters", "10", "--lr-warmup-fraction", "0.1"],
      "--lr-warmup-iters and --lr-warmup-fraction are exclusive; pass one."),
     (["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive; pass one."),
+    (["--value-clip=-0.1"], "--value-clip must be at least 0, got -0.1."),
+    (["--value-clip=-inf"], "argument --value-clip: expected a finite number or inf (no bound), got '-inf'."),
+    (["--gamma", "1.5"], "--gamma must be in [0, 1], got 1.5."),
+    (["--gamma=-0.01"], "--gamma must be in [0, 1], got -0.01."),
+    (["--lambd", "1.01"], "--lambd must be in [0, 1], got 1.01."),
+    (["--lambd=-1"], "--lambd must be in [0, 1], got -1."),
+    (["--eval-top-p", "0"], "--eval-top-p must be in (0, 1], got 0."),
+    (["--adam-beta2", "1"], "--adam-beta2 must be in [0, 1), got 1."),
+    (["--adam-beta1=-0.1"], "--adam-beta1 must be in [0, 1), got -0.1."),
+    (["--adam-eps=-1e-8"], "--adam-eps must be at least 0, got -1e-08."),
+    (["--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction must be in [0, 1], got 1.5."),
+    (["--lora-dropout", "1"], "--lora-dropout must be in [0, 1), got 1."),
+    (["--hidden-dropout", "1.2"], "--hidden-dropout must be in [0, 1), got 1.2."),
+    (["--rotary-percent", "0"], "--rotary-percent must be in (0, 1], got 0."),
+    (["--critic-lr=-1e-3"], "--critic-lr must be at least 0, got -0.001."),
+    (["--num-critic-only-steps=-1"], "--num-critic-only-steps must be at least 0, got -1."),
+    (["--opd-kl-coef=-1"], "--opd-kl-coef must be at least 0, got -1."),
+    (["--tis-clip-low=-0.5"], "--tis-clip-low must be at least 0, got -0.5."),
+    (["--tis-clip", "0.5", "--tis-clip-low", "0.8"],
+     "--tis-clip (0.5) must be at least --tis-clip-low (0.8): the importance weights are clamped to "
+     "[--tis-clip-low, --tis-clip]."),
     (["--sglang-dp-size", "2"], "--sglang-dp-size 2 requires --sglang-enable-dp-attention."),
     (["--sglang-dp-size", "two"], "--sglang-dp-size must be a whole number, got 'two'."),
     (["--colocate", "--update-weight-transfer-mode", "p2p"],
@@ -142,6 +163,71 @@ ERRORS = [
 @pytest.mark.parametrize("extra, message", ERRORS, ids=lambda v: " ".join(v)[:50] if isinstance(v, list) else "")
 def test_validation_error_message(extra, message):
     assert error_of(BASE + extra) == message
+
+
+# float flags where inf means "no bound" (their help says so); every other float flag is finite
+TAKES_INF = {"--value-clip", "--tis-clip"}
+
+
+def _float_flags() -> list[str]:
+    """Every float flag of ``furlong train``, plugins' and Megatron's table included (their longest spelling)."""
+    from furlong.core.config._util import FLOAT_TYPES
+    from furlong.core.plugins.manager import get_plugin_manager
+
+    parser = build_parser(get_plugin_manager())
+    floats = [a for a in parser._actions if parser._registry_get("type", a.type, a.type) in FLOAT_TYPES]
+    return sorted(max(a.option_strings, key=len) for a in floats)
+
+
+@pytest.mark.parametrize("word", ["nan", "inf", "-inf", "NaN", "Infinity"])
+def test_every_float_flag_refuses_nan_and_infinity_naming_itself(word):
+    """One run with every float flag set to ``word``: one error per flag (a flag where inf means no bound takes
+    inf). Plugin flags (--ray-call-timeout, --remote-rm-timeout) and Megatron's go through the same type."""
+    from furlong.core.plugins.manager import get_plugin_manager
+
+    flags = _float_flags()
+    assert {"--lr", "--gamma", "--value-clip", "--ray-call-timeout", "--remote-rm-timeout", "--rollout-top-p",
+            "--adam-beta1", "--moe-aux-loss-coeff"} <= set(flags) and len(flags) > 60
+    argv = [f"{flag}={word}" for flag in flags]  # with '=': a list flag's '-inf' is a value, not a flag
+    infinite = word.lower() in ("inf", "infinity")
+    expected = [f"argument {flag}: expected a finite number or inf (no bound), got {word!r}." if flag in TAKES_INF
+                else f"argument {flag}: expected a finite number, got {word!r}." for flag in flags
+                if not (infinite and flag in TAKES_INF)]
+    problems = error_of(BASE + argv, pm=get_plugin_manager()).splitlines()
+    assert sorted(p for p in problems if p.startswith("argument ")) == sorted(expected)
+    assert [p for p in problems if not p.startswith("argument ")] == []
+
+
+def test_inf_is_no_bound_where_the_flag_says_so():
+    args = parse_args(BASE + ["--value-clip", "inf", "--tis-clip", "inf", "--use-tis"])
+    assert (args.value_clip, args.tis_clip) == (float("inf"), float("inf"))
+
+
+def test_cli_refuses_a_non_finite_float_in_one_line(capsys):
+    from furlong.core.cli.commands import main
+
+    assert main(["train", "--print-config", *BASE, "--hf-checkpoint", "examples/demo/model", "--lr", "nan"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["error: argument --lr: expected a finite number, got 'nan'."]
+
+
+@pytest.mark.parametrize("yaml, message", [
+    ("lr: .nan\n", "--custom-config-path: lr: cannot read nan (expected a finite number, got nan)."),
+    ("lr: nan\n", "--custom-config-path: lr: cannot read 'nan' (expected a finite number, got 'nan')."),
+    ("gamma: .inf\n", "--custom-config-path: gamma: cannot read inf (expected a finite number, got inf)."),
+    ("value_clip: -.inf\n",
+     "--custom-config-path: value_clip: cannot read -inf (expected a finite number or inf (no bound), got -inf)."),
+])
+def test_overlay_refuses_non_finite_floats(tmp_path, yaml, message):
+    path = tmp_path / "over.yaml"
+    path.write_text(yaml)
+    assert error_of(BASE + ["--custom-config-path", str(path)]) == message
+
+
+def test_overlay_takes_inf_where_the_flag_says_so(tmp_path):
+    path = tmp_path / "over.yaml"
+    path.write_text("value_clip: .inf\nlr: 2.0e-5\n")
+    args = parse_args(BASE + ["--custom-config-path", str(path)])
+    assert (args.value_clip, args.lr) == (float("inf"), 2e-5)
 
 
 # the engine plugins' rules, told by their ``configure`` (the flags parse): (extra flags after BASE, one problem)

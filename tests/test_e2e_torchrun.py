@@ -214,6 +214,30 @@ def test_a_flag_problem_on_a_secondary_rank_waits_for_rank_0_then_is_still_print
     assert capsys.readouterr().err.startswith("error: ")
 
 
+def test_a_secondary_rank_quiets_the_config_warnings_only_while_main_runs(monkeypatch, capsys, caplog):
+    """Rank 1 leaves the launch flags' warnings to rank 0, during its main() only: the logger's level is
+    restored when main() returns, so what runs next in the process (a test, an embedding program) logs as before."""
+    import logging
+
+    from furlong.core.cli import commands as cli
+    from furlong.core.config import parse_args
+
+    monkeypatch.setattr(cli.time, "sleep", lambda s: None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    config_log = logging.getLogger("furlong.config")
+    before = config_log.level
+    flags = ["--num-rollout", "3", "--rollout-batch-size", "4", "--ft-components", "rollout"]
+    ignored = "--ft-components rollout is ignored without --use-fault-tolerance."
+    with caplog.at_level(logging.WARNING):  # the root's level: furlong.config's own level decides
+        cli.main(["train", *flags, "--print-config"])
+        assert ignored not in caplog.messages
+        assert config_log.level == before
+        parse_args(flags)
+    assert caplog.messages.count(ignored) == 1
+    capsys.readouterr()
+
+
 @pytest.mark.timeout(300)
 def test_a_ppo_run_on_two_trainer_ranks_reproduces_one_process(tmp_path, tiny_model_dir, arithmetic_jsonl):
     """Each torchrun process holds an actor rank and a critic rank (FSDP2 over both processes each); the two

@@ -260,6 +260,16 @@ def test_bad_value_is_named(tmp_path):
     )
 
 
+@pytest.mark.parametrize("value, shown", [(".nan", "nan"), (".inf", "inf")])
+def test_a_non_finite_value_is_named(tmp_path, value, shown):
+    path = _config(tmp_path, f"eval:\n  datasets:\n    - {{name: a, path: a.jsonl, temperature: {value}}}\n")
+    with pytest.raises(PluginError) as excinfo:
+        load_eval_datasets(_args(eval_config=path))
+    assert str(excinfo.value) == (
+        f"--eval-config {path!r}: dataset 'a' (eval.datasets[0]): 'temperature' must be a finite number, got {shown}."
+    )
+
+
 def test_duplicate_names_are_an_error():
     with pytest.raises(PluginError) as excinfo:
         load_eval_datasets(_args(eval_prompt_data=["a", "1.jsonl", "a", "2.jsonl"]))

@@ -52,6 +52,16 @@ def test_value_loss_clipped_branch_has_no_gradient(pm):
     assert v.grad.tolist() == [0.0]
 
 
+def test_value_clip_inf_is_the_unclipped_squared_error(pm):
+    """--value-clip inf (accepted: no clipping): the loss is (v - R)^2 with its gradient, no token clipped."""
+    v, batch = value_batch([1.0, 0.5], [0.5, 0.4], [2.0, 0.0], [1.0, 1.0])
+    out = pm.get_plugin("value_loss").loss(config=flag_defaults().replace(value_clip=float("inf")), batch=batch)
+    assert out.token_loss[0].tolist() == pytest.approx([1.0, 0.25])
+    assert out.token_metrics["vf_clipfrac"][0].tolist() == [0.0, 0.0]
+    out.token_loss[0].sum().backward()
+    assert v.grad.tolist() == pytest.approx([-2.0, 1.0])
+
+
 def test_value_loss_masked_tokens_give_zero_and_no_gradient(pm):
     v, batch = value_batch([1.0, 2.0], [0.5, float("nan")], [0.0, float("inf")], [1.0, 0.0])
     out = pm.get_plugin("value_loss").loss(config=flag_defaults().replace(value_clip=0.2), batch=batch)

@@ -7,7 +7,7 @@ import json
 import pytest
 from PIL import Image
 
-from furlong.core.cli.plot import curves, ema
+from furlong.core.cli.plot import _metrics_before_dashes, curves, ema, line_style, metric_patterns
 
 C0 = (31, 119, 180)  # matplotlib's first line colour, #1f77b4: every panel with data has a C0 line
 C1 = (255, 127, 14)  # the second, #ff7f0e: the second run's colour
@@ -118,11 +118,49 @@ def test_ema_is_tensorboards_debiased_smoothing():
 
 def test_plot_picks_metrics_and_smooths(tmp_path, run_furlong):
     _write(tmp_path / "run", _rows())
-    done = run_furlong("plot", "run", "--metrics", "train/grad_norm", "perf/*_time", "--smooth", "0.6",
-                       "--out", "picked.png")
-    assert (done.returncode, done.stdout) == (0, "picked.png\n"), done.stderr
-    assert Image.open(tmp_path / "picked.png").size == (900, 324)  # two panels side by side
-    assert _panels_with(tmp_path / "picked.png", C0, rows=1, cols=2) == [True, True]
+    for picks in (["--metrics", "train/grad_norm,perf/*_time"], ["--metrics", "train/grad_norm", "--metrics", "perf/*_time"],
+                  ["--metrics", "train/grad_norm", "perf/*_time", "--"]):  # the last: the older form, ended by --
+        (tmp_path / "picked.png").unlink(missing_ok=True)
+        done = run_furlong("plot", "--smooth", "0.6", "--out", "picked.png", *picks, "run")
+        assert (done.returncode, done.stdout) == (0, "picked.png\n"), done.stderr
+        assert Image.open(tmp_path / "picked.png").size == (900, 324)  # two panels side by side
+        assert _panels_with(tmp_path / "picked.png", C0, rows=1, cols=2) == [True, True]
+
+
+def test_metrics_before_the_run_folders_takes_one_value(tmp_path, run_furlong):
+    """``furlong plot --metrics KEY RUN1 RUN2``: the folders are runs, not more metrics."""
+    _write(tmp_path / "runs" / "a", _rows())
+    _write(tmp_path / "runs" / "b", _second_run())
+    done = run_furlong("plot", "--metrics", "rollout/raw_reward", "runs/a", "runs/b")
+    assert (done.returncode, done.stdout) == (0, "runs/compare.png\n"), done.stderr
+    png = tmp_path / "runs" / "compare.png"
+    assert Image.open(png).size == (450, 324)  # one panel
+    assert _panels_with(png, C0, rows=1, cols=1, top=40) == [True]
+    assert _panels_with(png, C1, rows=1, cols=1, top=40) == [True]
+
+
+def test_metrics_values_are_split_on_commas_and_the_older_form_is_read_up_to_dashes():
+    assert metric_patterns(None) is None and metric_patterns([" , "]) is None
+    assert metric_patterns(["a,b", "c", " a "]) == ["a", "b", "c"]
+    assert _metrics_before_dashes(["--metrics", "a", "b", "--", "r1", "r2"]) == \
+        ["--metrics", "a", "--metrics", "b", "--", "r1", "r2"]
+    assert _metrics_before_dashes(["r0", "--metrics", "a", "b", "--smooth", "0.5", "--", "r1"]) == \
+        ["r0", "--metrics", "a", "--metrics", "b", "--smooth", "0.5", "--", "r1"]
+    assert _metrics_before_dashes(["--metrics", "a", "r1", "r2"]) == ["--metrics", "a", "r1", "r2"]  # no --: runs
+
+
+def test_no_two_curves_of_a_panel_share_colour_and_line_style():
+    """Up to ten runs: a colour per run, a line style per key (solid first); beyond, the runs that share a
+    colour differ by line style too. One run: a colour per key, then the next line style."""
+    assert [line_style(r, 0, 4) for r in range(4)] == [("C0", "-"), ("C1", "-"), ("C2", "-"), ("C3", "-")]
+    assert [line_style(0, k, 4) for k in range(5)] == [
+        ("C0", "-"), ("C0", "--"), ("C0", ":"), ("C0", "-."), ("C0", (0, (6, 2, 1, 2, 1, 2)))]
+    assert [line_style(r, 0, 12) for r in (0, 10, 11)] == [("C0", "-"), ("C0", "--"), ("C1", "--")]
+    assert line_style(0, 1, 12) == ("C0", ":")  # key 1 of the first ten runs: style 1 x 2 cycles + 0
+    assert [line_style(0, k, 1) for k in (0, 9, 10)] == [("C0", "-"), ("C9", "-"), ("C0", "--")]
+    for runs, keys in ((1, 25), (5, 6), (12, 3), (25, 4)):
+        styles = [line_style(r, k, runs) for r in range(runs) for k in range(keys)]
+        assert len(set(map(str, styles))) == runs * keys
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -336,3 +336,19 @@ def test_critic_flags_without_a_critic_say_they_do_nothing(tiny_model_dir, caplo
     with caplog.at_level("WARNING", logger="furlong.config"):
         launch_config(*argv, "--advantage-estimator", "ppo")
     assert not [m for m in caplog.messages if "trains no critic" in m]
+
+
+def test_a_ppo_run_whose_critic_only_steps_cover_every_rollout_is_warned(tiny_model_dir, caplog):
+    """The actor trains from rollout --num-critic-only-steps on: at --num-rollout or more it never trains (a
+    warning naming both flags, not an error: a critic may be warmed up on purpose, then resumed)."""
+    argv = ["--hf-checkpoint", str(tiny_model_dir), "--advantage-estimator", "ppo", "--num-rollout", "3"]
+    warned = ("--num-critic-only-steps 3 is not below --num-rollout 3: this run trains only the critic, never the "
+              "actor (the actor trains from rollout 3 on; resume with --load and a larger --num-rollout to train it).")
+    with caplog.at_level("WARNING", logger="furlong.config"):
+        launch_config(*argv, "--num-critic-only-steps", "3")
+    assert warned in caplog.messages
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="furlong.config"):
+        launch_config(*argv, "--num-critic-only-steps", "2")
+        launch_config(*argv[:-2], "--num-rollout", "0", "--num-critic-only-steps", "2")  # evaluation only
+    assert not [m for m in caplog.messages if "--num-critic-only-steps" in m]

@@ -182,26 +182,52 @@ def test_the_demo_script_leaves_a_folder_a_live_run_writes_in_place(tmp_path, sl
     assert (out / "metrics.jsonl").exists() and not (tmp_path / "demo.previous").exists()
 
 
-def test_the_demo_script_moves_a_critic_aside_and_reports_a_run_without_evaluation(tmp_path):
-    """run_demo.sh moves $OUT and its critic ($OUT_critic) aside together, and a run that evaluated nothing
-    (--debug-train-only) ends with a line saying so. ``furlong`` is a stand-in that writes rollout rows only."""
+def _run_demo(tmp_path, out, *flags):
+    """examples/demo/run_demo.sh with OUT=``out`` and ``flags``; ``furlong`` is a stand-in that writes one rollout row
+    to the run's folder (``--save`` when given, else ``out``) and draws nothing."""
     from pathlib import Path
 
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    stand_in = bin_dir / "furlong"
+    save = flags[flags.index("--save") + 1] if "--save" in flags else out
+    stand_in.write_text('#!/usr/bin/env bash\n[ "$1" = plot ] && exit 0\n'
+                        f'mkdir -p "{save}" && echo \'{{"rollout/step": 0}}\' > "{save}/metrics.jsonl"\n')
+    stand_in.chmod(0o755)
+    script = Path(__file__).resolve().parents[1] / "examples" / "demo" / "run_demo.sh"
+    return subprocess.run(["bash", str(script), *flags], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OUT": str(out), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+
+
+def test_the_demo_script_moves_a_critic_aside_and_reports_a_run_without_evaluation(tmp_path):
+    """run_demo.sh moves $OUT and its critic ($OUT_critic) aside together, and a run that evaluated nothing
+    (--debug-train-only) ends with a line saying so."""
     out = tmp_path / "demo"
     for folder in (out, tmp_path / "demo_critic"):
         folder.mkdir()
         (folder / "old").write_text("an earlier run")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    stand_in = bin_dir / "furlong"
-    stand_in.write_text('#!/usr/bin/env bash\n[ "$1" = plot ] && exit 0\n'
-                        f'mkdir -p "{out}" && echo \'{{"rollout/step": 0}}\' > "{out}/metrics.jsonl"\n')
-    stand_in.chmod(0o755)
-    script = Path(__file__).resolve().parents[1] / "examples" / "demo" / "run_demo.sh"
-    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OUT": str(out), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    done = _run_demo(tmp_path, out)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ("no test-split evaluation in this run (it evaluates with a rollout engine and "
                                    "--eval-interval)")
     assert (tmp_path / "demo.previous" / "old").exists() and (tmp_path / "demo_critic.previous" / "old").exists()
     assert not (tmp_path / "demo_critic").exists()
+
+
+def test_the_demo_script_moves_a_critic_left_without_its_run_aside_unless_save_is_given(tmp_path):
+    """A critic folder whose $OUT was deleted would make the next ppo run refuse to start: it is moved aside too.
+    Under an explicit --save nothing is moved, the critic beside it included (it may be resumed)."""
+    out = tmp_path / "demo"
+    (tmp_path / "demo_critic").mkdir()
+    (tmp_path / "demo_critic" / "old").write_text("an earlier ppo run")
+    done = _run_demo(tmp_path, out)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "demo_critic.previous" / "old").read_text() == "an earlier ppo run"
+    assert not (tmp_path / "demo_critic").exists() and not (tmp_path / "demo.previous").exists()
+    mine = tmp_path / "mine"
+    (tmp_path / "mine_critic").mkdir()
+    (tmp_path / "mine_critic" / "old").write_text("kept")
+    done = _run_demo(tmp_path, out, "--save", str(mine))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "mine_critic" / "old").read_text() == "kept" and not (tmp_path / "mine_critic.previous").exists()
+    assert (mine / "metrics.jsonl").exists() and (out / "metrics.jsonl").exists()  # out: the first run's, untouched

@@ -47,8 +47,18 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``furlong`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config_log = logging.getLogger("furlong.config")
+    level = config_log.level
     if _secondary_rank():  # rank 0 reports the same launch flags and their problems
-        logging.getLogger("furlong.config").setLevel(logging.ERROR)
+        config_log.setLevel(logging.ERROR)
+    try:
+        return _command(argv)
+    finally:  # a caller that goes on (a test, an embedding program) keeps its logging as it was
+        config_log.setLevel(level)
+
+
+def _command(argv: list[str]) -> int:
+    """Run ``furlong ARGV``: the command's handler, its errors as ``error:`` lines; the exit code."""
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2

@@ -1,7 +1,7 @@
 """``furlong plot RUN_DIR [RUN_DIR ...]``: runs' ``metrics.jsonl`` drawn into one PNG with matplotlib.
 
 By default the panels are the GRPO diagnostics (:data:`PANELS`); ``--metrics`` picks others,
-``--smooth`` smooths. Several runs are overlaid, one colour per run; curves that are point
+``--smooth`` smooths. Several runs are overlaid, one colour per run (:func:`line_style`); curves that are point
 for point identical (two runs that did not diverge, or two keys holding the same numbers)
 are drawn once, their legend entry naming all of them.
 """
@@ -19,7 +19,7 @@ from furlong.hooks import PluginError
 
 from ..run.metrics_log import one_row_per_step
 
-__all__ = ["PANELS", "curves", "ema", "load_metrics", "main", "plot_runs"]
+__all__ = ["PANELS", "curves", "ema", "line_style", "load_metrics", "main", "metric_patterns", "plot_runs"]
 
 EVAL_KEYS = "eval/*"
 """The pattern standing for every evaluation data set's mean reward (``eval/<name>``)."""
@@ -39,6 +39,31 @@ PANELS = (
                         "perf/train_wait_time")),
 )
 _STYLES = ("-", "--", ":", "-.")
+COLOURS = 10
+"""matplotlib's default colour cycle, C0 to C9."""
+
+
+def dash(index: int):
+    """The ``index``-th line style: matplotlib's four named ones (solid, dashed, dotted, dash-dot), then a
+    dash followed by ``index - 2`` dots, so every index has its own style."""
+    if index < len(_STYLES):
+        return _STYLES[index]
+    return (0, (6, 2) + (1, 2) * (index - 2))
+
+
+def line_style(run: int, key: int, runs: int) -> tuple[str, object]:
+    """``(colour, line style)`` of the curve of key number ``key`` of run number ``run`` in a panel of a
+    figure of ``runs`` runs; no two (run, key) pairs share both.
+
+    One run: a colour per key (C0..C9), then the next line style for the next ten keys. Several: the run's
+    colour (run modulo 10) and a line style per key; the runs that share a colour (run 0 and run 10 of
+    eleven or more) differ by line style too: style ``key * cycles + run // 10``, with ``cycles`` =
+    ceil(runs / 10). Up to ten runs that is the key's style (solid for the first).
+    """
+    if runs <= 1:
+        return f"C{key % COLOURS}", dash(key // COLOURS)
+    cycles = math.ceil(runs / COLOURS)
+    return f"C{run % COLOURS}", dash(key * cycles + run // COLOURS)
 
 
 def load_metrics(run_dir: str) -> list[dict]:
@@ -108,7 +133,7 @@ def plot_runs(run_dirs: list[str], out: str | None = None, metrics: list[str] | 
 
     A grid of panels, three per row, 5 x 3.6 inches each at 90 dpi (the default nine panels:
     1350 x 972 pixels). Each run gets one colour; within a panel the keys differ by line
-    style. A panel without data says "no data". With ``smooth`` > 0 each curve is drawn
+    style, and so do runs that share a colour (more than ten: :func:`line_style`). A panel without data says "no data". With ``smooth`` > 0 each curve is drawn
     faint as measured and solid smoothed (:func:`ema`), except the evaluation curves (few
     points, each already the mean over a data set).
 
@@ -138,10 +163,9 @@ def plot_runs(run_dirs: list[str], out: str | None = None, metrics: list[str] | 
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False)
-    colours = {run: f"C{i % 10}" for i, run in enumerate(runs)}
     for ax, (title, patterns) in zip(axes.flat, panels):
         # evaluations come every few rollouts and each already averages a whole data set
-        _draw_panel(ax, curves(runs, patterns), colours, 0.0 if patterns == (EVAL_KEYS,) else smooth)
+        _draw_panel(ax, curves(runs, patterns), list(runs), 0.0 if patterns == (EVAL_KEYS,) else smooth)
         ax.set_title(title, fontsize=11)
         ax.set_xlabel("rollout")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rollout ids are whole numbers
@@ -152,7 +176,8 @@ def plot_runs(run_dirs: list[str], out: str | None = None, metrics: list[str] | 
         ax.set_visible(False)
     top = 1.0
     if len(runs) > 1:  # one colour per run, named once for the whole figure
-        handles = [plt.Line2D([], [], color=colours[run], linewidth=2.5) for run in runs]
+        handles = [plt.Line2D([], [], color=colour, linestyle=style, linewidth=2.5)  # as the run's first key
+                   for colour, style in (line_style(i, 0, len(runs)) for i in range(len(runs)))]
         fig.legend(handles, list(runs), loc="upper center", ncol=min(len(runs), 6), fontsize=9, frameon=False,
                    title=f"smoothed: EMA {smooth}" if smooth else None, title_fontsize=9)
         top = 1 - (0.75 if smooth else 0.45) / fig.get_figheight()
@@ -174,22 +199,55 @@ def main(argv: list[str]) -> int:
                         help="a run's --save or --log-dir folder, or a metrics.jsonl file; several are overlaid")
     parser.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png; several runs: compare.png in "
                                       "their common parent folder)")
-    parser.add_argument("--metrics", nargs="+", metavar="KEY",
-                        help="one panel per metric key or pattern (e.g. train/grad_norm 'eval/*' 'perf/*_time') "
-                             "instead of the default panels")
+    parser.add_argument("--metrics", action="append", metavar="KEY[,KEY...]",
+                        help="one panel per metric key or pattern instead of the default panels; comma-separated, "
+                             "and the flag may be repeated (e.g. --metrics train/grad_norm,'eval/*' --metrics "
+                             "'perf/*_time'); the older form, several keys up to '--', works too "
+                             "(--metrics KEY KEY -- RUN_DIR)")
     parser.add_argument("--smooth", type=float, default=0.0, metavar="W",
                         help="exponential moving average weight in [0, 1) (TensorBoard's smoothing); the raw "
                              "curve stays, faint (default 0: no smoothing)")
-    opts = parser.parse_args(argv)
-    print(plot_runs(opts.run_dirs, opts.out, opts.metrics, opts.smooth))
+    opts = parser.parse_args(_metrics_before_dashes(argv))
+    print(plot_runs(opts.run_dirs, opts.out, metric_patterns(opts.metrics), opts.smooth))
     return 0
 
 
-def _draw_panel(ax, panel_curves: list, colours: dict[str, str], smooth: float) -> None:
-    """One panel's curves. One run: a colour per key. Several: the run's colour, a line style
-    per key (named in the panel's legend when there are several keys), and a curve shared by
-    several runs is drawn once, its legend entry naming them."""
-    several_runs = len(colours) > 1
+def metric_patterns(values: list[str] | None) -> list[str] | None:
+    """The keys or patterns of the ``--metrics`` values (each comma-separated), in order, each once; None when none."""
+    patterns = [p.strip() for value in values or [] for p in value.split(",") if p.strip()]
+    return list(dict.fromkeys(patterns)) or None
+
+
+def _metrics_before_dashes(argv: list[str]) -> list[str]:
+    """``--metrics A B -- RUN_DIR`` (``--metrics`` took several values before it took one): with a ``--``,
+    every value between a ``--metrics`` and the next flag or the ``--`` is a metric (``--metrics A
+    --metrics B``). Without ``--`` the values after the first are run folders."""
+    if "--" not in argv:
+        return argv
+    end = argv.index("--")
+    out: list[str] = []
+    taking = False
+    for token in argv[:end]:
+        if token == "--metrics":
+            taking = True
+            out.append(token)
+        elif token.startswith("-"):
+            taking = False
+            out.append(token)
+        elif taking and out[-1] != "--metrics":
+            out += ["--metrics", token]
+        else:
+            out.append(token)
+    return out + argv[end:]
+
+
+def _draw_panel(ax, panel_curves: list, runs: list[str], smooth: float) -> None:
+    """One panel's curves, styled by :func:`line_style`. One run: a colour per key. Several: the run's
+    colour, a line style per key (named in the panel's legend when there are several keys; when more
+    than ten runs make colours repeat, each curve is named), and a curve shared by several runs is drawn
+    once, its legend entry naming them."""
+    several_runs = len(runs) > 1
+    colours_repeat = len(runs) > COLOURS
     keys: list[str] = []
     for members, _, _ in panel_curves:
         if members[0][1] not in keys:
@@ -198,11 +256,8 @@ def _draw_panel(ax, panel_curves: list, colours: dict[str, str], smooth: float) 
     legend: dict[str, object] = {}
     for members, xs, ys in panel_curves:
         run, key = members[0]
-        index = keys.index(key)
-        if several_runs:
-            style = dict(color=colours[run], linestyle=_STYLES[index % len(_STYLES)])
-        else:
-            style = dict(color=f"C{index % 10}", linestyle="-")
+        colour, linestyle = line_style(runs.index(run), keys.index(key), len(runs))
+        style = dict(color=colour, linestyle=linestyle)
         if smooth:
             ax.plot(xs, ys, alpha=0.25, linewidth=1, **style)
             line, = ax.plot(xs, ema(ys, smooth), linewidth=1.6, **style)
@@ -213,6 +268,8 @@ def _draw_panel(ax, panel_curves: list, colours: dict[str, str], smooth: float) 
         shared_by = list(dict.fromkeys(r for r, _ in members))
         if several_runs and len(shared_by) > 1:
             legend[f"{' = '.join(shared_by)}" + (f" ({name})" if len(keys) > 1 else "")] = line
+        elif colours_repeat and len(keys) > 1:  # a key's line style differs between runs of one colour
+            legend[f"{run} ({name})"] = line
         elif not several_runs or len(keys) > 1:
             legend.setdefault(name, line if not several_runs else
                               ax.plot([], [], color="0.35", linestyle=style["linestyle"])[0])

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
-__all__ = ["MEGATRON_ONLY", "json_object", "megatron"]
+__all__ = ["FLOAT_TYPES", "MEGATRON_ONLY", "finite_float", "float_or_inf", "json_object", "megatron"]
 
 MEGATRON_ONLY = "megatron_only"
 
@@ -30,3 +31,33 @@ def json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"k\": 1}}', got {text!r}")
     return value
+
+
+def finite_float(text) -> float:
+    """argparse ``type`` of every ``type=float`` flag (:class:`~.parser.FurlongArgumentParser` registers it in
+    place of ``float``, for core and plugin flags alike): a number, never ``nan``, ``inf`` or ``-inf``.
+
+    :raises ValueError: not a number (argparse says ``invalid float value``).
+    :raises argparse.ArgumentTypeError: a number that is not finite.
+    """
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def float_or_inf(text) -> float:
+    """argparse ``type`` of a bound where ``inf`` means "no bound" (``--value-clip inf``): a finite number or
+    ``inf``, never ``nan`` or ``-inf``.
+
+    :raises ValueError: not a number (argparse says ``invalid float_or_inf value``).
+    :raises argparse.ArgumentTypeError: ``nan`` or ``-inf``.
+    """
+    value = float(text)
+    if math.isnan(value) or value == -math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number or inf (no bound), got {text!r}")
+    return value
+
+
+FLOAT_TYPES = (finite_float, float_or_inf)
+"""The converters of float flags: they also judge a float given as a number (a ``--custom-config-path`` value)."""

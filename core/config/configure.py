@@ -152,7 +152,7 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
         for line in report.warnings:
             if not names_any(line, rejected):
                 log.warning("%s", line)
-    for line in [*flag_warnings, *_critic_flags_unused(args)]:
+    for line in [*flag_warnings, *_critic_flags_unused(args), *_critic_only_run(args)]:
         log.warning("%s", line)
     if errors:
         raise ConfigError(errors)
@@ -184,6 +184,18 @@ def _critic_flags_unused(args: Namespace) -> list[str]:
         return []
     return [f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} nothing: this run trains no critic "
             f"(--advantage-estimator {args.advantage_estimator}; --advantage-estimator ppo trains one)."]
+
+
+def _critic_only_run(args: Namespace) -> list[str]:
+    """A warning when a run that trains a critic never trains its actor: ``--num-critic-only-steps`` is
+    not below ``--num-rollout`` (the actor trains from rollout ``--num-critic-only-steps`` on). A warning,
+    not an error: a run may warm a critic up on purpose, to be resumed with ``--load``."""
+    steps, total = args.num_critic_only_steps, args.num_rollout
+    if not args.use_critic or not isinstance(total, int) or total <= 0 or steps < total:
+        return []
+    return [f"--num-critic-only-steps {steps} is not below --num-rollout {total}: this run trains only the critic, "
+            f"never the actor (the actor trains from rollout {steps} on; resume with --load and a larger "
+            f"--num-rollout to train it)."]
 
 
 def unused_plugin_flags(args: Namespace, pm: FurlongPluginManager, selection: Selection, *,

@@ -16,6 +16,7 @@ import base64
 import binascii
 import difflib
 import logging
+import math
 import os
 from typing import Any, Callable
 
@@ -87,6 +88,8 @@ def _float(low: float, high: float | None, low_open: bool) -> Callable[[Any], fl
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError("must be a number")
         v = float(v)
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number")
         if (v <= low if low_open else v < low) or (high is not None and v > high):
             raise ValueError(f"must be in {'(' if low_open else '['}{low}, {high if high is not None else 'inf'}]")
         return v

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._util import megatron
+from ._util import float_or_inf, megatron
 
 __all__ = ["add"]
 
@@ -35,8 +35,9 @@ def add(g, dev) -> None:
     g.add_argument("--use-tis", action=argparse.BooleanOptionalAction, default=False,
                    help="Truncated importance sampling against rollout log-probs (on by default under furlong "
                         "train-async unless --use-rollout-logprobs is given; --no-use-tis turns it off).")
-    g.add_argument("--tis-clip", type=float, default=2.0, help="TIS upper clip.")
-    g.add_argument("--tis-clip-low", type=float, default=0.0, help="TIS lower clip.")
+    g.add_argument("--tis-clip", type=float_or_inf, default=2.0,
+                   help="TIS upper clip, at least --tis-clip-low (inf: no upper truncation).")
+    g.add_argument("--tis-clip-low", type=float, default=0.0, help="TIS lower clip (>= 0).")
     g.add_argument("--custom-tis-function-path", default=None,
                    help="module.function(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, "
                         "total_lengths, response_lengths, **kw) -> (pg_loss, loss_masks, metrics): Miles' custom "
@@ -61,12 +62,14 @@ def add(g, dev) -> None:
     g.add_argument("--disable-grpo-std-normalization", action="store_true",
                    help="Do not divide by the group std (forced when --n-samples-per-prompt is 1).")
     g.add_argument("--disable-rewards-normalization", action="store_true", help="Do not subtract the group mean.")
-    g.add_argument("--gamma", type=float, default=1.0, help="Discount factor.")
-    g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda.")
-    g.add_argument("--value-clip", type=float, default=0.2,
-                   help="ppo: clip of the critic's values around their values at scoring time (value loss).")
+    g.add_argument("--gamma", type=float, default=1.0, help="Discount factor, in [0, 1].")
+    g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda, in [0, 1].")
+    g.add_argument("--value-clip", type=float_or_inf, default=0.2,
+                   help="ppo: clip of the critic's values around their values at scoring time (value loss); >= 0, "
+                        "inf: no clipping.")
     g.add_argument("--num-critic-only-steps", type=int, default=0,
-                   help="ppo: the first N rollouts train only the critic (the actor waits).")
+                   help="ppo: the first N rollouts train only the critic (the actor waits); N at least --num-rollout "
+                        "trains no actor (warned).")
     g.add_argument("--critic-load", default=None,
                    help="ppo: critic to start from: a critic checkpoint folder (iter_* and its marker) or a Hugging "
                         "Face directory (default: the critic of --load, else --hf-checkpoint with a fresh value "
@@ -82,7 +85,7 @@ def add(g, dev) -> None:
                    help="OPD teacher: sglang = a served model (SGLang's /generate, or furlong serve) at --rm-url or "
                         "--opd-teacher-urls; megatron (a teacher checkpoint in the trainer) is not supported yet. "
                         "Required with --use-opd.")
-    g.add_argument("--opd-kl-coef", type=float, default=1.0, help="OPD KL weight.")
+    g.add_argument("--opd-kl-coef", type=float, default=1.0, help="OPD KL weight (>= 0).")
     megatron(g, "--opd-teacher-load", default=None, help="Megatron: the OPD teacher checkpoint (--opd-type megatron).")
     g.add_argument("--opd-teacher-urls", nargs="+", default=None, metavar="NAME=URL",
                    help="OPD sglang teachers by name: a sample's metadata[--opd-teacher-key] picks one; the name "

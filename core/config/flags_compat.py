@@ -62,7 +62,7 @@ def add_miles(g, dev) -> None:
     megatron(g, "--lora-rank", type=int, default=0,
              help="LoRA rank; 0 trains every weight (fsdp: peft; megatron: adapters on its linear layers).")
     megatron(g, "--lora-alpha", type=int, default=16, help="LoRA scaling numerator (scale = alpha / rank).")
-    megatron(g, "--lora-dropout", type=float, default=0.0, help="Dropout on the LoRA input.")
+    megatron(g, "--lora-dropout", type=float, default=0.0, help="Dropout on the LoRA input, in [0, 1).")
     megatron(g, "--target-modules", default=None,
              help="LoRA targets: 'all-linear' (the default) or comma-separated module names (q_proj,v_proj).")
     megatron(g, "--exclude-modules", default=None, help="Modules kept out of LoRA, comma-separated.")

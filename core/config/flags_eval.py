@@ -18,7 +18,7 @@ def add(g, dev) -> None:
     g.add_argument("--n-samples-per-eval-prompt", type=int, default=1, help="Samples per eval prompt.")
     g.add_argument("--eval-temperature", type=float, default=None,
                    help="Eval temperature, 0 = greedy (default: --rollout-temperature).")
-    g.add_argument("--eval-top-p", type=float, default=None, help="Eval nucleus mass (default: --rollout-top-p).")
+    g.add_argument("--eval-top-p", type=float, default=None, help="Eval nucleus mass, in (0, 1] (default: --rollout-top-p).")
     g.add_argument("--eval-top-k", type=int, default=None, help="Eval top-k (default: --rollout-top-k).")
     g.add_argument("--eval-max-response-len", type=int, default=None,
                    help="Eval max new tokens (default: --rollout-max-response-len).")

@@ -65,7 +65,7 @@ def _architecture(g) -> None:
         ("--num-query-groups", int, "key/value heads under --group-query-attention"),
         ("--kv-channels", int, "projection size per head"),
         ("--rotary-base", int, "RoPE theta"),
-        ("--rotary-percent", float, "fraction of the head dimension rotated"),
+        ("--rotary-percent", float, "fraction of the head dimension rotated, in (0, 1]"),
         ("--norm-epsilon", float, "normalization epsilon"),
         ("--vocab-size", int, "vocabulary size"),
         ("--padded-vocab-size", int, "vocabulary size after padding"),

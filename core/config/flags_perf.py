@@ -83,8 +83,8 @@ def add(g, dev) -> None:
              help="Megatron: activation recompute granularity.")
     megatron(g, "--recompute-method", choices=["uniform", "block"], default=None,
              help="Megatron: activation recompute method.")
-    megatron(g, "--attention-dropout", type=float, default=None, help="Megatron: attention dropout.")
-    megatron(g, "--hidden-dropout", type=float, default=None, help="Megatron: hidden dropout.")
+    megatron(g, "--attention-dropout", type=float, default=None, help="Megatron: attention dropout, in [0, 1).")
+    megatron(g, "--hidden-dropout", type=float, default=None, help="Megatron: hidden dropout, in [0, 1).")
     megatron(g, "--attention-backend", default=None, choices=["flash", "fused", "unfused", "local", "auto"],
              help="Megatron: attention kernel.")
     for flag, text in (

@@ -59,7 +59,7 @@ def add(g, dev) -> None:
                    help="No prompt dataset: the rollout function makes its own samples.")
     g.add_argument("--rollout-temperature", type=float, default=1.0,
                    help="Sampling temperature (> 0); the trainer divides logits by it too.")
-    g.add_argument("--rollout-top-p", type=float, default=1.0, help="Nucleus sampling probability mass.")
+    g.add_argument("--rollout-top-p", type=float, default=1.0, help="Nucleus sampling probability mass, in (0, 1].")
     g.add_argument("--rollout-top-k", type=int, default=-1, help="Top-k sampling (-1 = off).")
     g.add_argument("--rollout-max-response-len", type=int, default=None, help="Most new tokens per response (unset: the engine's own default, 128 for SGLang and the embedded engine).")
     g.add_argument("--rollout-stop", nargs="+", default=None, help="Stop strings (default: the model's).")

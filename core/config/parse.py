@@ -14,7 +14,7 @@ from furlong.hooks import PluginError
 
 from ..plugins.executor_fit import resolve_executor
 from .hf_checkpoint import hf_checkpoint_problems
-from ._util import MEGATRON_ONLY
+from ._util import FLOAT_TYPES, MEGATRON_ONLY
 from .deprecations import map_deprecated
 from .errors import ConfigError
 from .overlay import load_overlay
@@ -153,11 +153,14 @@ def _attach_negative_numbers(tokens: list[str], actions: dict) -> list[str]:
 
 
 def _typed(overlay: dict, parser: argparse.ArgumentParser) -> dict:
-    """Convert text values of typed flags (YAML reads ``1e-6`` as text) with the flag's type."""
-    types = {a.dest: a.type for a in parser._actions if callable(a.type)}
+    """Convert text values of typed flags (YAML reads ``1e-6`` as text) with the flag's type, the one the
+    parser converts with (``finite_float`` for ``type=float``), which also judges a number given to a float
+    flag (YAML's ``.nan`` and ``.inf`` are numbers)."""
+    types = {a.dest: parser._registry_get("type", a.type, a.type) for a in parser._actions if callable(a.type)}
     out = dict(overlay)
     for key, value in overlay.items():
-        if key in types and isinstance(value, str):
+        number = isinstance(value, float) and types.get(key) in FLOAT_TYPES
+        if key in types and (isinstance(value, str) or number):
             try:
                 out[key] = types[key](value)
             except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:

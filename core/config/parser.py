@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from furlong.hooks import ConfigReport, DataParallelRule, PluginError
 
 from . import env
+from ._util import finite_float
 from .data_parallel import rule_in_words, world_of
 from .errors import ConfigError
 from .flag_access import flag_value, has_flag
@@ -48,10 +49,15 @@ class FurlongArgumentParser(argparse.ArgumentParser):
 
     ``plugin_flags``: ``dest -> (flag, plugin name)`` of every flag a plugin's
     ``add_arguments`` added (:func:`add_plugin_arguments`).
+
+    Every ``type=float`` flag (core, plugin and table flags) is read by :func:`~._util.finite_float`:
+    ``nan``, ``inf`` and ``-inf`` are an error naming the flag. A bound where ``inf`` means "no
+    bound" takes ``type=float_or_inf`` (:func:`~._util.float_or_inf`) and says so in its help.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.register("type", float, finite_float)  # argparse converts with the type registered for float
         self.plugin_flags: dict[str, tuple[str, str]] = {}
 
     def error(self, message: str):  # noqa: D401 - argparse API

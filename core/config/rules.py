@@ -87,6 +87,9 @@ def kl_and_reference(args, f) -> None:
 
 def importance_sampling(args, f) -> None:
     """TIS, rollout log-probs, mismatch metrics, on-policy distillation."""
+    if args.tis_clip < args.tis_clip_low:
+        f.error(f"--tis-clip ({args.tis_clip:g}) must be at least --tis-clip-low ({args.tis_clip_low:g}): the "
+                f"importance weights are clamped to [--tis-clip-low, --tis-clip].")
     if args.use_rollout_logprobs and args.use_tis:
         f.error("--use-rollout-logprobs and --use-tis are exclusive: with the engine's log-probs as the old "
                 "policy the importance ratio is always 1.")

@@ -37,6 +37,17 @@ MINIMUMS: tuple[tuple[str, int], ...] = (
     ("rollout_max_response_len", 1), ("eval_max_response_len", 1), ("rollout_max_prompt_len", 1),
     ("eval_max_prompt_len", 1), ("lr", 0), ("min_lr", 0), ("weight_decay", 0), ("clip_grad", 0),
     ("lr_warmup_iters", 0), ("eps_clip", 0), ("eps_clip_high", 0), ("kl_loss_coef", 0), ("kl_coef", 0),
+    ("value_clip", 0), ("critic_lr", 0), ("critic_lr_warmup_iters", 0), ("num_critic_only_steps", 0),
+    ("lr_warmup_init", 0), ("adam_eps", 0), ("tis_clip_low", 0), ("opd_kl_coef", 0),
+)
+
+# (attribute, interval between 0 and 1 written with its brackets): probabilities, fractions and factors
+# that mean nothing outside it; checked only when the value is not None.
+FRACTIONS: tuple[tuple[str, str], ...] = (
+    ("rollout_top_p", "(0, 1]"), ("eval_top_p", "(0, 1]"), ("gamma", "[0, 1]"), ("lambd", "[0, 1]"),
+    ("lr_warmup_fraction", "[0, 1]"), ("adam_beta1", "[0, 1)"), ("adam_beta2", "[0, 1)"),
+    ("lora_dropout", "[0, 1)"), ("attention_dropout", "[0, 1)"), ("hidden_dropout", "[0, 1)"),
+    ("rotary_percent", "(0, 1]"),
 )
 
 
@@ -131,8 +142,10 @@ def _basic_values(args, f: ConfigReport) -> None:
     if args.rollout_temperature <= 0:
         f.error(f"--rollout-temperature must be > 0, got {args.rollout_temperature:g} "
                 f"(greedy decoding is for evaluation only: --eval-temperature 0).")
-    if not 0 < args.rollout_top_p <= 1:
-        f.error(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p:g}.")
+    for dest, interval in FRACTIONS:
+        value = flag_value(args, dest)
+        if value is not None and not _within(value, interval):
+            f.error(f"--{dest.replace('_', '-')} must be in {interval}, got {value:g}.")
     for dest in ("rollout_top_k", "eval_top_k"):
         value = flag_value(args, dest)
         if value is not None and value != -1 and value < 1:
@@ -146,6 +159,13 @@ def _basic_values(args, f: ConfigReport) -> None:
         if args.bf16 and "bf16" in args.explicit_args:
             f.error("--bf16 and --fp16 are exclusive; pass one.")
         args.bf16 = False
+
+
+def _within(value: float, interval: str) -> bool:
+    """Is ``value`` in ``interval``, written ``(0, 1]``, ``[0, 1)``...: bounds 0 and 1, brackets open or closed?"""
+    above = value > 0 if interval[0] == "(" else value >= 0
+    below = value < 1 if interval[-1] == ")" else value <= 1
+    return above and below
 
 
 def _fault_tolerance(args, f: ConfigReport) -> None:

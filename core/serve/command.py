@@ -17,6 +17,7 @@ import socket
 from furlong.hooks import PluginError, RunConfig
 
 from ..plugins.discovery import split_names
+from ..config._util import finite_float
 from ..config.hf_checkpoint import hf_checkpoint_problems
 from ..plugins.manager import get_plugin_manager
 
@@ -40,6 +41,7 @@ def build_serve_parser(pm=None, backend: str | None = None) -> argparse.Argument
     """
     parser = argparse.ArgumentParser(prog="furlong serve", description=DESCRIPTION, allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.register("type", float, finite_float)  # as furlong train: a plugin's float flag refuses nan and inf
     g = parser.add_argument_group("serve")
     g.add_argument("--hf-checkpoint", required=True, help="Hugging Face model directory to serve (weights, "
                    "config, tokenizer).")

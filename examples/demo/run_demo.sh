@@ -21,16 +21,19 @@ for arg in "$@"; do
 done
 if [ -n "$SAVE" ]; then
   OUT="$SAVE"
-elif [ -e "$OUT" ]; then
-  # a run still writing $OUT keeps it (the lock furlong takes on its --save folder)
-  python - "$OUT" <<'PY' || exit 2
+else
+  if [ -e "$OUT" ]; then
+    # a run still writing $OUT keeps it (the lock furlong takes on its --save folder)
+    python - "$OUT" <<'PY' || exit 2
 import sys
 from furlong.core.run.lock import RunLock
 problem = RunLock(sys.argv[1]).busy()
 sys.exit(f"error: {problem}" if problem else 0)
 PY
-  rm -rf "$OUT.previous" && mv "$OUT" "$OUT.previous"
-  # a ppo run's critic lives beside it (--save + _critic) and goes with it
+    rm -rf "$OUT.previous" && mv "$OUT" "$OUT.previous"
+  fi
+  # a ppo run's critic lives beside it (--save + _critic) and goes with it, also one whose $OUT was deleted
+  # (a leftover critic would make the next ppo run refuse to start)
   if [ -e "${OUT}_critic" ]; then rm -rf "${OUT}_critic.previous" && mv "${OUT}_critic" "${OUT}_critic.previous"; fi
 fi
 
