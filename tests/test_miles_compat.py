@@ -220,6 +220,11 @@ ABSENT = "these Megatron flags describe features the model of --hf-checkpoint {h
     (["--apply-layernorm-1p"], FSDP_LIKE, DENSE, [],
      [ABSENT + "--apply-layernorm-1p (its norms scale by weight, not 1 + weight)" + TAIL]),
     (["--apply-layernorm-1p"], FSDP_LIKE, {"model_type": "gemma2"}, [WARN + "--apply-layernorm-1p."], []),
+    # Miles' Qwen3.5 MODEL_ARGS: Qwen3_5RMSNorm scales by 1 + weight (the text config's model_type counts)
+    (["--apply-layernorm-1p"], FSDP_LIKE, {"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_5_moe_text"}},
+     [WARN + "--apply-layernorm-1p."], []),
+    (["--apply-layernorm-1p"], FSDP_LIKE, {"model_type": "gemma4", "text_config": {"model_type": "gemma4_text"}}, [],
+     [ABSENT + "--apply-layernorm-1p (its norms scale by weight, not 1 + weight)" + TAIL]),  # Gemma4RMSNorm: weight
     (SWITCHES, FSDP_LIKE, {"model_type": "llama", "attention_bias": False, "tie_word_embeddings": True,
                            "num_attention_heads": 4, "num_key_value_heads": 4}, [],
      [ABSENT + "--qk-layernorm (model_type llama has no query/key norms) --add-qkv-bias (attention_bias is false) "
@@ -241,6 +246,25 @@ def test_megatron_flags_a_backend_cannot_honour_are_one_line_each(tmp_path, argv
     got = _megatron_report(tmp_path, argv, support, config)
     hf = tmp_path / "hf"
     assert got == ([w.format(hf=hf) for w in warnings], [e.format(hf=hf) for e in errors])
+
+
+@pytest.mark.parametrize("rate, errors", [("0", []),
+                                         ("0.01", [ERR.replace("b ", "fsdp ") + "--moe-router-bias-update-rate" + TAIL])])
+def test_fsdp_takes_miles_frozen_expert_bias_as_what_it_does(tmp_path, rate, errors):
+    """Miles' DeepSeek-V3, Kimi and GLM scripts give ``--moe-router-bias-update-rate 0``: transformers keeps
+    the router's ``e_score_correction_bias`` as a buffer that no optimizer step updates, which is that rate."""
+    from furlong.builtin_plugins.backends import fsdp
+    from furlong.core.config.megatron_support import report_megatron_flags
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(MOE_MLA))
+    args = parse_args(BASE + ["--hf-checkpoint", str(hf), "--moe-router-enable-expert-bias",
+                              "--moe-router-bias-update-rate", rate])
+    report = ConfigReport(plugin="fsdp")
+    report_megatron_flags(args, "fsdp", fsdp, report)
+    assert report.errors == errors
+    assert report.warnings == [WARN.replace("b ", "fsdp ") + "--moe-router-enable-expert-bias."]
 
 
 def test_fsdp_checks_architecture_flags_against_the_config_and_megatron_does_not_call_them_ignored(capsys, caplog):

@@ -72,9 +72,11 @@ MATH = frozenset({
 MATH_PREFIXES = ("fp8_", "fp4", "muon_")
 MLA_CONFIG_KEYS = ("kv_lora_rank",)
 MOE_CONFIG_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
-ZERO_CENTERED_NORM_MODEL_TYPES = ("gemma", "qwen3_next")
-"""``model_type`` prefixes of the transformers families whose RMSNorm scales by ``1 + weight``
-(Megatron's ``--apply-layernorm-1p``)."""
+ZERO_CENTERED_NORM_MODEL_TYPES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_next", "qwen3_5",
+                                            "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
+"""``model_type`` of the transformers families whose RMSNorm scales by ``1 + weight`` (Megatron's
+``--apply-layernorm-1p``; ``Qwen3_5RMSNorm``, ``Gemma3RMSNorm``...). Gemma 3n's and Gemma 4's scale by
+``weight``."""
 
 
 def effect(dest: str) -> str:
@@ -194,7 +196,6 @@ def _missing_feature(dest: str, config: dict | None) -> str | None:
         return "the model has no multi-latent attention"
     if (dest == "num_experts" or dest.startswith("moe_")) and not any(config.get(k) for k in MOE_CONFIG_KEYS):
         return "the model has no experts"
-    if dest == "layernorm_zero_centered_gamma" and not str(config.get("model_type", "")).startswith(
-            ZERO_CENTERED_NORM_MODEL_TYPES):
+    if dest == "layernorm_zero_centered_gamma" and config.get("model_type") not in ZERO_CENTERED_NORM_MODEL_TYPES:
         return "its norms scale by weight, not 1 + weight"
     return hf_missing_switch(dest, config)

@@ -14,12 +14,14 @@ __all__ = ["ATTENTION_IMPLEMENTATIONS", "MEGATRON_FLAGS", "FSDPBackend", "FSDPCr
 # Of the backend flags LoRA's (peft, lora.py), --sgd-momentum (--optimizer sgd) and
 # --no-check-for-nan-in-loss-and-grad (the step loop skips a non-finite step) are read;
 # --context-parallel-size and --fp16 are refused by configure below; the model trains without dropout (eval mode), which is what
-# dropout 0 asks; the model comes from the --hf-checkpoint config, against which the core
-# checks the architecture flags given.
+# dropout 0 asks; transformers keeps an MoE router's expert bias (e_score_correction_bias) as a
+# buffer the optimizer never updates, which is what --moe-router-bias-update-rate 0 asks; the model
+# comes from the --hf-checkpoint config, against which the core checks the architecture flags given.
 MEGATRON_FLAGS = MegatronFlags(
     honours=frozenset({"lora_rank", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules",
                        "context_parallel_size", "fp16", "sgd_momentum", "check_for_nan_in_loss_and_grad"}),
-    at_values={"attention_dropout": (0.0,), "hidden_dropout": (0.0,)}, architecture_from_hf=True)
+    at_values={"attention_dropout": (0.0,), "hidden_dropout": (0.0,), "moe_router_bias_update_rate": (0.0,)},
+    architecture_from_hf=True)
 
 
 # the names transformers' from_pretrained takes (a "namespace/repo" names a kernels hub repository)

@@ -11,7 +11,7 @@ from furlong.kit.machine_budget import default_token_budget
 
 from .config import flag_dest
 from .mcore_optimizer import (OPTIMIZER_DESTS, PRECISION_AWARE_WITHOUT_TE, idle_offload_flags, mcore_optimizer_problems,
-                              precision_aware)
+                              precision_aware, uses_mcore_optimizer)
 from .moe import MOE_DESTS
 
 # megatron-core warns at import, once per module, that it falls back from TransformerEngine
@@ -89,6 +89,10 @@ def configure(args, report):
         if value is not None and value is not False and value != default and not no_op:
             report.error(f"{flag} {value if value is not True else ''}".rstrip()
                          + " is not supported yet by --train-backend megatron.")
+    # Miles' megatron backend turns the distributed optimizer on for Adam (its set_default_megatron_args), so its
+    # scripts give --optimizer-cpu-offload / --use-precision-aware-optimizer without --use-distributed-optimizer
+    if uses_mcore_optimizer(args) and (args.optimizer or "adam") == "adam":
+        report.default(args, "use_distributed_optimizer", True)
     # a Ray run's training ranks may have GPUs where the driver has none; they check when the backend starts
     for problem in mcore_optimizer_problems(args, cuda=report.machine.cuda or args.executor == "ray"):
         report.error(problem)

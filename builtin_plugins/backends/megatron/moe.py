@@ -83,6 +83,8 @@ def moe_flag_problems(args: Any, shape: ModelShape, where: str) -> tuple[list[st
         given.add("expert_model_parallel_size")
     if etp is not None and int(etp) > 1:
         given.add("expert_tensor_parallel_size")
+    elif etp is not None:  # one rank changes nothing: Miles' dense scripts give --expert-tensor-parallel-size 1
+        given.discard("expert_tensor_parallel_size")
     errors: list[str] = []
     if etp is not None and int(etp) != 1 and shape.is_moe:
         errors.append(f"--expert-tensor-parallel-size {etp} is not supported yet by --train-backend megatron "
