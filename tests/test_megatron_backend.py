@@ -4,6 +4,7 @@ log-probs against Hugging Face, training against the fsdp backend, torch_dist ch
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -176,6 +177,21 @@ def test_configure_accepts_parallel_sizes_of_one_which_change_nothing(tiny_model
     assert report.errors == [f"these Megatron flags describe features the model of --hf-checkpoint {tiny_model_dir}/"
                              "config.json does not have: --expert-tensor-parallel-size (the model has no experts); "
                              "remove them."]
+
+
+def test_miles_dense_scripts_expert_parallel_sizes_of_one_pass_the_command_line(capsys):
+    """Miles' Qwen3 dense scripts give ``--expert-model-parallel-size 1 --expert-tensor-parallel-size 1``:
+    given on the command line they are in ``megatron_args``, and one rank changes nothing on a dense model."""
+    from furlong.core.cli.commands import main
+
+    argv = ["train", "--hf-checkpoint", "examples/demo/model", "--prompt-data", "p.jsonl", "--num-rollout", "1",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
+            "--train-backend", "megatron", "--expert-model-parallel-size", "1"]
+    assert main([*argv, "--expert-tensor-parallel-size", "1", "--print-config"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["args"]["megatron_args"]["expert_tensor_parallel_size"] == 1
+    assert main([*argv, "--expert-tensor-parallel-size", "2", "--print-config"]) == 2
+    assert ("config.json does not have: --expert-tensor-parallel-size (the model has no experts); remove them."
+            in capsys.readouterr().err)
 
 
 def test_configure_accepts_context_parallelism(tiny_model_dir):

@@ -83,7 +83,7 @@ def test_miles_offload_flags_are_accepted_where_a_gpu_trains(tiny_model_dir):
      "--optimizer-cpu-offload / --use-precision-aware-optimizer needs a CUDA GPU: megatron-core's distributed "
      "optimizer keeps its buffers on the GPU, and this machine has none. Use --use-distributed-optimizer alone here "
      "(the backend's own sharded AdamW)."),
-    (dict(optimizer_cpu_offload=True),
+    (dict(optimizer_cpu_offload=True, optimizer="sgd"),
      "--optimizer-cpu-offload needs --use-distributed-optimizer (they are features of megatron-core's distributed "
      "optimizer)."),
     (dict(MILES_TRIO, lora_rank=4, lora_alpha=8, target_modules="all-linear"),
@@ -97,6 +97,26 @@ def test_what_stops_megatron_core_s_optimizer_is_one_error_naming_the_flags(tiny
     pytest.importorskip("peft") if "lora_rank" in flags else None
     machine = flags.pop("machine", H200)
     assert message in _configured(tiny_model_dir, machine=machine, **flags).errors
+
+
+@pytest.mark.parametrize("given", [["--optimizer-cpu-offload"], ["--use-precision-aware-optimizer"],
+                                   ["--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+                                    "--overlap-cpu-optimizer-d2h-h2d"]])
+def test_miles_offload_flags_alone_turn_on_the_distributed_optimizer_as_in_miles(given, capsys):
+    """Miles' megatron backend runs the distributed optimizer for Adam whatever the flags
+    (``set_default_megatron_args``), so its scripts (run_kimi_k2.py, run_glm5_744b_a40b.py...) give the offload
+    options without ``--use-distributed-optimizer``: the backend turns it on, listed under ``plugin_defaults``."""
+    from furlong.core.cli.commands import main
+
+    argv = ["train", "--hf-checkpoint", "examples/demo/model", "--prompt-data", "p.jsonl", "--num-rollout", "1",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8",
+            "--train-backend", "megatron", "--executor", "ray", *given, "--print-config"]
+    assert main(argv) == 0, capsys.readouterr().err
+    data = json.loads(capsys.readouterr().out)
+    assert data["args"]["use_distributed_optimizer"] is True
+    assert data["plugin_defaults"]["use_distributed_optimizer"] == {"plugin": "megatron", "value": True}
+    assert main([*argv[:-1], "--optimizer", "sgd", "--print-config"]) == 2  # Miles: only Adam gets it
+    assert "needs --use-distributed-optimizer" in capsys.readouterr().err
 
 
 def test_a_ray_run_leaves_the_gpu_check_to_its_training_ranks(tiny_model_dir):
