@@ -267,6 +267,22 @@ def test_fsdp_takes_miles_frozen_expert_bias_as_what_it_does(tmp_path, rate, err
     assert report.warnings == [WARN.replace("b ", "fsdp ") + "--moe-router-enable-expert-bias."]
 
 
+def test_an_error_about_the_backend_the_machine_chose_says_so(capsys, caplog):
+    """A Miles script (Miles' default backend is megatron) read where furlong's default is fsdp."""
+    argv = ["train", *BASE, "--hf-checkpoint", "examples/demo/model", "--context-parallel-size", "2", "--print-config"]
+    for given, noted in (([], True), (["--train-backend", "fsdp"], False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="furlong.config"):
+            assert main([*argv, *given]) == 2
+        err = capsys.readouterr().err
+        assert "--train-backend fsdp does not support --context-parallel-size 2; use 1 or --train-backend megatron." in err
+        notes = [m for m in caplog.messages if m.startswith("--train-backend was not given")]
+        assert notes == ([
+            "--train-backend was not given, so it is fsdp, this machine's default (furlong plugin 'megatron' installed: "
+            "True, CUDA: False, megatron.core importable: False); a GPU machine with megatron-core chooses megatron, as "
+            "Miles does. Give --train-backend megatron to check the flags as that run will read them."] if noted else [])
+
+
 def test_fsdp_checks_architecture_flags_against_the_config_and_megatron_does_not_call_them_ignored(capsys, caplog):
     """The demo model: 3 layers, vocabulary 26, hidden 128, rope_theta 10000, rms_norm_eps 1e-6."""
     wrong = ["--num-layers", "40", "--vocab-size", "999", "--hidden-size", "4096", "--rotary-base", "5",

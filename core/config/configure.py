@@ -154,9 +154,30 @@ def configure_plugins(args: Namespace, pm: FurlongPluginManager, selection: Sele
                 log.warning("%s", line)
     for line in [*flag_warnings, *_critic_flags_unused(args), *_critic_only_run(args)]:
         log.warning("%s", line)
+    note = machine_backend_note(args, pm, backend, errors)
+    if note:
+        log.warning("%s", note)
     if errors:
         raise ConfigError(errors)
     return done
+
+
+def machine_backend_note(args: Namespace, pm: FurlongPluginManager, backend: str | None,
+                         errors: list[str]) -> str | None:
+    """One line when an error names ``--train-backend <backend>`` that the user did not give and this
+    machine chose instead of the GPU machine's backend (Miles' default, megatron): a Miles script read on a
+    laptop is otherwise told what "--train-backend fsdp" cannot do without having asked for it; else None."""
+    from .parser import BACKEND_DEFAULTS, device_defaults
+
+    on_gpu = BACKEND_DEFAULTS["train_backend"][0]
+    if backend in (None, on_gpu) or "train_backend" in args.explicit_args:
+        return None
+    if not any(f"--train-backend {backend}" in line for line in errors):
+        return None
+    probe = device_defaults(pm).probes["train_backend"]
+    return (f"--train-backend was not given, so it is {backend}, this machine's default ({probe}); a GPU machine "
+            f"with megatron-core chooses {on_gpu}, as Miles does. Give --train-backend {on_gpu} to check the flags "
+            "as that run will read them.")
 
 
 def _critic(args: Namespace, pm: FurlongPluginManager, backend: str | None, reports: list[ConfigReport]) -> list[str]:
