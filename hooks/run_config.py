@@ -473,6 +473,9 @@ class RunConfig:
     """Those flags with their values, as typed: what a backend hands Megatron-LM's own parser."""
     sglang_passthrough: Mapping[str, Any]
     """``--sglang-*`` flags furlong does not define, for the SGLang server."""
+    custom_config_extras: Mapping[str, Any]
+    """``{key: value}`` of the ``--custom-config-path`` keys that are no flag, for the custom functions that
+    read them (Miles' TIS/RS settings ``tis_mode``, ``rs_lower_bound``...); also attributes of :meth:`namespace`."""
     router_passthrough: Mapping[str, Any]
     """``--router-*`` flags furlong does not define, for the router."""
     eval_sglang_passthrough: Mapping[str, Any]
@@ -531,8 +534,8 @@ class RunConfig:
         return attrs.evolve(self, **{name: freeze_value(value) for name, value in changes.items()})
 
     def namespace(self) -> argparse.Namespace:
-        """A fresh ``argparse.Namespace`` with every field, every plugin's section and every
-        Megatron-LM flag given, as attributes (tuples as lists, maps as dicts): what a
+        """A fresh ``argparse.Namespace`` with every field, every plugin's section, every
+        Megatron-LM flag given and every ``custom_config_extras`` key, as attributes (tuples as lists, maps as dicts): what a
         Miles-style ``module.function(args, ...)`` receives. Changing it changes nothing here.
         """
         values = {field.name: thaw_value(getattr(self, field.name)) for field in attrs.fields(type(self))
@@ -540,6 +543,7 @@ class RunConfig:
         for section in self.plugins.values():
             values.update({dest: thaw_value(value) for dest, value in section.items()})
         values.update({dest: thaw_value(value) for dest, value in self.megatron_args.items() if dest not in values})
+        values.update({key: thaw_value(value) for key, value in self.custom_config_extras.items() if key not in values})
         return argparse.Namespace(**values)
 
 

@@ -203,6 +203,36 @@ def test_overlay_file_is_applied_and_validated_again(tmp_path, caplog):
             "functions that read it.") in caplog.messages
 
 
+MILES_MIS_OVERLAY = """use_tis: true
+use_rs: true
+tis_level: "token"
+tis_mode: "truncate"
+tis_lower_bound: 0.5
+tis_upper_bound: 2.0
+rs_lower_bound: null
+rs_veto_threshold: 1.0e-4
+tis_batch_normalize: true
+"""
+
+
+def test_overlay_keys_that_are_no_flag_reach_the_run_configuration(tmp_path):
+    """Miles' run-qwen3-4b-mis.sh overlay (examples/infra_features/train_infer_mismatch_helper): its TIS/RS keys
+    are for the custom TIS function, which reads them from the run configuration (a traceback before)."""
+    from furlong.core.config.launch_args import launch_config
+
+    path = tmp_path / "mis.yaml"
+    path.write_text(MILES_MIS_OVERLAY)
+    config = launch_config(*BASE, "--hf-checkpoint", "examples/demo/model", "--custom-config-path", str(path))
+    assert dict(config.custom_config_extras) == {"use_rs": True, "tis_level": "token", "tis_mode": "truncate",
+                                                 "tis_lower_bound": 0.5, "tis_upper_bound": 2.0,
+                                                 "rs_lower_bound": None, "rs_veto_threshold": 1e-4,
+                                                 "tis_batch_normalize": True}
+    assert config.use_tis is True  # a flag: set as the flag, not kept aside
+    namespace = config.namespace()
+    assert (namespace.tis_mode, namespace.tis_upper_bound, namespace.rs_veto_threshold) == ("truncate", 2.0, 1e-4)
+    assert launch_config(*BASE, "--hf-checkpoint", "examples/demo/model").custom_config_extras == {}
+
+
 def test_overlay_key_that_looks_like_a_typo_gets_a_warning(tmp_path, caplog):
     path = tmp_path / "over.yaml"
     path.write_text("rollout_bach_size: 4\n")

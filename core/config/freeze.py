@@ -49,7 +49,7 @@ def freeze_config(args: argparse.Namespace, plugin_flags: Mapping[str, tuple[str
     missing = sorted(name for name in fields if name not in values)
     stray = sorted(name for name in values
                    if name not in fields and name not in plugin_flags and name not in derived
-                   and name not in args_megatron_dests(args))
+                   and name not in args_megatron_dests(args) and name not in _overlay_extras(args))
     kwargs = {name: _typed(values[name], fields[name]) for name in fields if name in values}
     problems = field_problems(kwargs)
     if missing:
@@ -60,6 +60,11 @@ def freeze_config(args: argparse.Namespace, plugin_flags: Mapping[str, tuple[str
         raise TypeError("cannot freeze the run configuration: " + "; ".join(problems))
     kwargs[PLUGINS_FIELD] = FrozenMap({name: PluginConfig(name, data) for name, data in sorted(sections.items())})
     return RunConfig(**kwargs)
+
+
+def _overlay_extras(args: argparse.Namespace) -> set[str]:
+    """The ``--custom-config-path`` keys that are no flag (held in ``custom_config_extras`` too)."""
+    return set(vars(args).get("custom_config_extras") or ())
 
 
 def args_megatron_dests(args: argparse.Namespace) -> set[str]:

@@ -80,6 +80,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     args.megatron_argv = _argv_of(tokens, set(megatron_given))
     args.num_rollout_per_epoch = None  # known once the data is loaded (--num-epoch)
     args.eval_engine = False  # True only in the configuration of an eval fleet engine (core/run/eval_fleet.py)
+    args.custom_config_extras = {}  # the --custom-config-path keys that are no flag (below)
     problems += [f"{flag} is not supported yet; remove it." for flag in refused]
     args.train_mode = None if command is None else "async" if command == "train-async" else "sync"
     raw = copy.deepcopy(args)
@@ -109,6 +110,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
             log.warning("--custom-config-path sets %s = %r, which is not a furlong flag; kept for custom functions "
                         "that read it.%s", key, value, hint)
         setattr(final, key, value)
+    final.custom_config_extras = {key: value for key, value in overlay.items() if not hasattr(raw, key)}
     final.explicit_args = sorted(set(final.explicit_args) | set(overlay))
     final.plugin_flags_given = _plugin_flags_given(parser, final.explicit_args)
     try:
