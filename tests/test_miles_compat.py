@@ -217,6 +217,10 @@ ABSENT = "these Megatron flags describe features the model of --hf-checkpoint {h
       "--norm-epsilon 1e-05 disagrees with --hf-checkpoint {hf}/config.json (rms_norm_eps = 1e-06)."]),
     (["--num-experts", "8", "--multi-latent-attention", "--q-lora-rank", "4", "--moe-router-topk", "2"], FSDP_LIKE,
      MOE_MLA, [WARN + "--num-experts --multi-latent-attention --q-lora-rank --moe-router-topk."], []),
+    # Miles' deepseek-v4-flash MODEL_ARGS: its attention is multi-latent with a low-rank query (no kv_lora_rank)
+    (["--multi-latent-attention", "--q-lora-rank", "1024"], FSDP_LIKE,
+     {"model_type": "deepseek_v4", "q_lora_rank": 1024, "n_routed_experts": 8},
+     [WARN + "--multi-latent-attention --q-lora-rank."], []),
     (["--apply-layernorm-1p"], FSDP_LIKE, DENSE, [],
      [ABSENT + "--apply-layernorm-1p (its norms scale by weight, not 1 + weight)" + TAIL]),
     (["--apply-layernorm-1p"], FSDP_LIKE, {"model_type": "gemma2"}, [WARN + "--apply-layernorm-1p."], []),

@@ -70,7 +70,7 @@ MATH = frozenset({
     "custom_model_provider_path", "extra_high_precision_layers_megatron", "freeze_indexer",
 })
 MATH_PREFIXES = ("fp8_", "fp4", "muon_")
-MLA_CONFIG_KEYS = ("kv_lora_rank",)
+MLA_CONFIG_KEYS = ("kv_lora_rank", "q_lora_rank")  # DeepSeek-V4 has a low-rank query and no kv_lora_rank
 MOE_CONFIG_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 ZERO_CENTERED_NORM_MODEL_TYPES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_next", "qwen3_5",
                                             "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
