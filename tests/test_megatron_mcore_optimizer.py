@@ -119,6 +119,22 @@ def test_miles_offload_flags_alone_turn_on_the_distributed_optimizer_as_in_miles
     assert "needs --use-distributed-optimizer" in capsys.readouterr().err
 
 
+def test_an_error_about_the_distributed_optimizer_names_the_flags_that_turned_it_on(tmp_path):
+    """Miles' Qwen3-30B-A3B scripts: --optimizer-cpu-offload --use-precision-aware-optimizer with EP 8."""
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                   vocab_size=64).save_pretrained(tmp_path)
+    flags = dict(optimizer_cpu_offload=True, use_precision_aware_optimizer=True, executor="ray",
+                 expert_model_parallel_size=8, actor_num_gpus_per_node=8)
+    report = _configured(tmp_path, **flags)
+    assert ("--optimizer-cpu-offload / --use-precision-aware-optimizer (megatron-core's distributed optimizer, which "
+            "Miles turns on with Adam) with --expert-model-parallel-size 8 is not supported yet by --train-backend "
+            "megatron (its AdamW shards assume every data-parallel rank holds the same parameters); leave one of them "
+            "out.") in report.errors
+
+
 def test_a_ray_run_leaves_the_gpu_check_to_its_training_ranks(tiny_model_dir):
     assert _configured(tiny_model_dir, machine=Machine(), executor="ray", **MILES_TRIO).errors == []
 

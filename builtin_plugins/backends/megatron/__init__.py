@@ -6,7 +6,7 @@ import logging
 import os
 import warnings
 
-from furlong.hooks import MegatronFlags, PluginError, hookimpl
+from furlong.hooks import ConfigReport, MegatronFlags, PluginError, hookimpl
 from furlong.kit.machine_budget import default_token_budget
 
 from .config import flag_dest
@@ -131,6 +131,17 @@ def configure(args, report):
     _check_architecture(args, report)
 
 
+def _distributed_optimizer(args) -> bool | str:
+    """Off, or the flags that turned the distributed optimizer on (configure turns it on for Miles' offload flags)."""
+    if not args.use_distributed_optimizer:
+        return False
+    if "use_distributed_optimizer" in (args.megatron_args or {}) or ConfigReport.given(args, "use_distributed_optimizer"):
+        return "--use-distributed-optimizer"
+    asked = " / ".join(f for f, on in (("--optimizer-cpu-offload", args.optimizer_cpu_offload),
+                                       ("--use-precision-aware-optimizer", args.use_precision_aware_optimizer)) if on)
+    return f"{asked} (megatron-core's distributed optimizer, which Miles turns on with Adam)"
+
+
 def _given(args, dest: str) -> bool:
     return dest in (getattr(args, "megatron_args", None) or {}) or getattr(args, dest, None) not in (None, False)
 
@@ -198,7 +209,7 @@ def _check_architecture(args, report) -> None:
     errors += moe_layout_problems(shape, int(args.tensor_model_parallel_size or 1),
                                   int(args.pipeline_model_parallel_size or 1), int(args.context_parallel_size or 1),
                                   int(flag(args, "expert_model_parallel_size", 1)), args.hf_checkpoint,
-                                  bool(getattr(args, "use_distributed_optimizer", False)))
+                                  _distributed_optimizer(args))
     for problem in errors:
         report.error(problem)
     for warning in warnings:

@@ -572,17 +572,19 @@ def _copy_parameters(source, target) -> None:
 
 
 def moe_layout_problems(shape, tp: int, pp: int, cp: int, ep: int, where: str,
-                        distributed_optimizer: bool = False) -> list[str]:
+                        distributed_optimizer: bool | str = False) -> list[str]:
     """What the parallel sizes cannot do with the model of ``shape`` (``where``: its checkpoint): experts
     (``ep`` > 1) only on a model with them, dividing their count, and without ``--use-distributed-optimizer``
     (whose shards assume every data-parallel rank holds the same parameters); a model with experts only at
-    TP, PP and CP 1 (their expert gradients and load-balancing loss over those ranks are not built yet)."""
+    TP, PP and CP 1 (their expert gradients and load-balancing loss over those ranks are not built yet).
+    ``distributed_optimizer``: on, or the flags that turned it on (named in the message)."""
     if not shape.is_moe:
         return [f"--expert-model-parallel-size {ep}: the model of --hf-checkpoint {where} has no experts."] if (
             ep > 1) else []
     problems = []
     if ep > 1 and distributed_optimizer:
-        problems.append(f"--use-distributed-optimizer with --expert-model-parallel-size {ep} is not supported yet by "
+        asked = distributed_optimizer if isinstance(distributed_optimizer, str) else "--use-distributed-optimizer"
+        problems.append(f"{asked} with --expert-model-parallel-size {ep} is not supported yet by "
                         "--train-backend megatron (its AdamW shards assume every data-parallel rank holds the same "
                         "parameters); leave one of them out.")
     if shape.num_experts % ep:
