@@ -214,12 +214,12 @@ def part_logprobs(bf16: Path, fp8: Path, opts) -> dict:
     result["vs_bf16_model"] = gap(score(model))
     del model
     torch.cuda.empty_cache()
-    for label, kwargs in (("vs_transformers_fp8", {}),
-                          ("vs_transformers_fp8_dequantized", {"quantization_config": FineGrainedFP8Config(
-                              dequantize=True)})):
-        try:
+    for label, kwargs in (("vs_transformers_fp8", dict),
+                          ("vs_transformers_fp8_dequantized",
+                           lambda: {"quantization_config": FineGrainedFP8Config(dequantize=True)})):
+        try:  # the config too: an older transformers without its dequantize option is recorded, not fatal
             model = AutoModelForCausalLM.from_pretrained(fp8, dtype=torch.bfloat16, attn_implementation="sdpa",
-                                                         device_map="cuda", **kwargs).eval()
+                                                         device_map="cuda", **kwargs()).eval()
             kinds = sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__})
             result[label] = {**gap(score(model)), "linear_classes": kinds}
             del model
