@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import QWEN25_05B, print_part, prompts, run_part, write_word_tokenizer  # noqa: E402
+from bench_gpu import QWEN25_05B, print_part, prompts, run_part, save_json, write_word_tokenizer  # noqa: E402
 
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -214,12 +214,12 @@ def part_logprobs(bf16: Path, fp8: Path, opts) -> dict:
     result["vs_bf16_model"] = gap(score(model))
     del model
     torch.cuda.empty_cache()
-    for label, kwargs in (("vs_transformers_fp8", {}),
-                          ("vs_transformers_fp8_dequantized", {"quantization_config": FineGrainedFP8Config(
-                              dequantize=True)})):
-        try:
+    for label, kwargs in (("vs_transformers_fp8", dict),
+                          ("vs_transformers_fp8_dequantized",
+                           lambda: {"quantization_config": FineGrainedFP8Config(dequantize=True)})):
+        try:  # the config too: an older transformers without its dequantize option is recorded, not fatal
             model = AutoModelForCausalLM.from_pretrained(fp8, dtype=torch.bfloat16, attn_implementation="sdpa",
-                                                         device_map="cuda", **kwargs).eval()
+                                                         device_map="cuda", **kwargs()).eval()
             kinds = sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__})
             result[label] = {**gap(score(model)), "linear_classes": kinds}
             del model
@@ -274,11 +274,13 @@ def main(argv: list[str] | None = None) -> int:
             mine = result[shape] = {}
             if "kernels" not in opts.skip:
                 mine["kernels"] = _part("kernels", bf16, fp8, opts)
+                save_json(opts.json, result)
             if "engine" not in opts.skip:
                 mine["engine"] = {}
                 for variant in variants:
                     mine["engine"][variant] = _part("engine", bf16, fp8, opts, variant)
                     print(shape, "engine", variant, json.dumps(mine["engine"][variant]), flush=True)
+                    save_json(opts.json, result)
                 base = mine["engine"]["bf16"].get("tok_per_s")
                 for variant, row in mine["engine"].items():
                     if base and "tok_per_s" in row:
@@ -286,13 +288,13 @@ def main(argv: list[str] | None = None) -> int:
             if "logprobs" not in opts.skip:
                 mine["logprobs"] = _part("logprobs", bf16, fp8, opts)
                 print(shape, "logprobs", json.dumps(mine["logprobs"]), flush=True)
+                save_json(opts.json, result)
             shutil.rmtree(Path(tmp) / shape, ignore_errors=True)
     finally:
         if not os.environ.get("BENCH_KEEP"):
             shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps({k: v for k, v in result.items() if k != "options"}, indent=1, default=str))
-    if opts.json:
-        opts.json.write_text(json.dumps(result, indent=2, default=str))
+    save_json(opts.json, result)
     return 0
 
 

@@ -181,13 +181,18 @@ def bench_grpo(folder: Path, opts, out: Path, flags: list[str], command: str = "
     tokens = statistics.median(n_prompts * group * (opts.prompt_len + r["rollout/response_lengths"]) for r in rollouts)
     median = lambda key: statistics.median(r.get(key, 0.0) for r in rollouts)  # noqa: E731
     step_s, train_s = median("perf/step_time"), median("perf/actor_train_time")
-    config = json.loads(subprocess.run([*cmd, "--print-config"], cwd=ROOT, capture_output=True, text=True).stdout)
+    shown = subprocess.run([*cmd, "--print-config"], cwd=ROOT, capture_output=True, text=True)
+    try:
+        config = json.loads(shown.stdout)
+    except ValueError:  # the run's figures still count; say why the chosen values are missing
+        config = {"args": {}, "machine_defaults": [], "print_config_error": (shown.stderr or shown.stdout)[-2000:]}
     return {
         "command": " ".join(cmd[1:]), "wall_s": wall, "params": params,
         "chosen": {k: config["args"].get(k) for k in ("train_backend", "rollout_backend", "max_tokens_per_gpu",
                                                        "train_torch_compile", "embedded_max_batch_size",
                                                        "embedded_torch_compile", "bf16")},
         "machine_defaults": sorted(config["machine_defaults"]),
+        **({"print_config_error": config["print_config_error"]} if "print_config_error" in config else {}),
         "split_s": {k: median(f"perf/{k}") for k in ("rollout_time", "log_probs_time", "actor_train_time",
                                                        "train_time", "update_weights_time", "step_time")},
         "warmup_step_s": [r.get("perf/step_time") for r in every[:opts.warmup_rollouts]],
@@ -246,6 +251,13 @@ def print_part(result: dict) -> None:
     print(PART_PREFIX + json.dumps(result), flush=True)
 
 
+def save_json(path: Path | None, result: dict) -> None:
+    """Write ``result`` to ``path`` (``--json``; nothing when None): called after every part, so that a run cut
+    short (a time limit, a crash) keeps the figures of the parts that finished."""
+    if path is not None:
+        path.write_text(json.dumps(result, indent=2, default=str))
+
+
 def _part_in_subprocess(name: str, folder: Path, opts) -> dict:
     """Run one part (``engine`` or ``generate``) in a fresh process: nothing it allocates outlives it."""
     argv = ["--part", name, "--model-dir", str(folder), "--requests", str(opts.requests), "--prompt-len",
@@ -300,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             if name not in opts.skip:
                 result[name] = _part_in_subprocess(name, folder, opts)
                 print(name, json.dumps(result[name]), flush=True)
+                save_json(opts.json, result)
         if "grpo" not in opts.skip:
             result["grpo"] = {}
             for name in opts.runs:
@@ -308,14 +321,14 @@ def main(argv: list[str] | None = None) -> int:
                 command = "train-async" if name.endswith("-async") else "train"
                 result["grpo"][name] = bench_grpo(folder, opts, Path(tmp) / name, flags, command)
                 print("grpo", name, json.dumps(result["grpo"][name]), flush=True)
+                save_json(opts.json, result)
     finally:
         if not os.environ.get("BENCH_KEEP"):
             shutil.rmtree(tmp, ignore_errors=True)
     if "tok_per_s" in result.get("engine", {}) and "tok_per_s" in result.get("generate", {}):
         result["engine_over_generate"] = result["engine"]["tok_per_s"] / result["generate"]["tok_per_s"]
     print(json.dumps({k: v for k, v in result.items() if k != "options"}, indent=1))
-    if opts.json:
-        opts.json.write_text(json.dumps(result, indent=2, default=str))
+    save_json(opts.json, result)
     return 0
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import print_part, prompts, run_part, write_word_tokenizer  # noqa: E402
+from bench_gpu import print_part, prompts, run_part, save_json, write_word_tokenizer  # noqa: E402
 
 SHARED = ("requests", "prompt_len", "new_tokens", "repeats", "parity_requests", "hidden", "layers", "experts", "topk",
           "moe_intermediate")  # the options a part's process gets
@@ -211,14 +211,14 @@ def main(argv: list[str] | None = None) -> int:
             if name not in opts.skip:
                 result[name] = _part_in_subprocess(name, folder, child_argv)
                 print(name, json.dumps(result[name]), flush=True)
+                save_json(opts.json, result)
     finally:
         if not os.environ.get("BENCH_KEEP"):
             shutil.rmtree(tmp, ignore_errors=True)
     if "tok_per_s" in result.get("graphs", {}) and "tok_per_s" in result.get("no_graphs", {}):
         result["graphs_over_no_graphs"] = result["graphs"]["tok_per_s"] / result["no_graphs"]["tok_per_s"]
     print(json.dumps({k: v for k, v in result.items() if k != "options"}, indent=1))
-    if opts.json:
-        opts.json.write_text(json.dumps(result, indent=2, default=str))
+    save_json(opts.json, result)
     return 0
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import tempfile
@@ -30,7 +31,7 @@ import time
 
 import torch
 
-from megatron_gpu import backend_for, batch_of, write_model
+from megatron_gpu import backend_for, batch_of, guarded, save_out, write_model
 
 RUNS = {
     "adamw": ("--use-distributed-optimizer",),
@@ -64,8 +65,16 @@ def train_steps(backend, batch, steps: int) -> tuple[list[dict], list[float]]:
     return rows, times
 
 
+def free_memory() -> None:
+    """Release the backends already deleted: megatron-core's data-parallel wrapper holds reference cycles (its
+    gradient hooks), so without a collection their GPU memory would still count in the next run's figures."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def run(path: str, name: str, flags: tuple, opts) -> tuple[dict, dict]:
     torch.manual_seed(0)
+    free_memory()
     torch.cuda.reset_peak_memory_stats()
     backend = backend_for(path, opts.micro_batch, opts.samples, "--lr", "1e-5", "--clip-grad", "1.0", *flags)
     built = torch.cuda.max_memory_allocated() / 2**30
@@ -77,7 +86,7 @@ def run(path: str, name: str, flags: tuple, opts) -> tuple[dict, dict]:
               "peak_gib_after_init": built, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
     final = weights(backend)
     del backend
-    torch.cuda.empty_cache()
+    free_memory()
     return result, final
 
 
@@ -86,26 +95,29 @@ def resume_and_offload(path: str, flags: tuple, opts) -> dict:
     offload + onload between two steps changes nothing."""
     batch = batch_of(opts.samples, opts.seq, 1, opts.micro_batch, seed=2)
     extra = ("--lr", "1e-5", "--clip-grad", "1.0", *flags)
+    free_memory()
     with tempfile.TemporaryDirectory() as save:
         first = backend_for(path, opts.micro_batch, opts.samples, *extra)
         train_steps(first, batch, opts.steps - 1)
         asyncio.run(first.save(os.path.join(save, "iter_0000001")))
         with open(os.path.join(save, "iter_0000001", "meta.json")) as f:
             meta = json.load(f)
+        before_gib = torch.cuda.memory_allocated() / 2**30
         asyncio.run(first.offload())
         offloaded_gib = torch.cuda.memory_allocated() / 2**30
         asyncio.run(first.onload())
         train_steps(first, batch, 1)
         went_on = weights(first)
         del first
-        torch.cuda.empty_cache()
+        free_memory()
         second = backend_for(path, opts.micro_batch, opts.samples, *extra)
         asyncio.run(second.load(os.path.join(save, "iter_0000001")))
         train_steps(second, batch, 1)
         resumed = weights(second)
         del second
-        torch.cuda.empty_cache()
-    return {"optimizer_format": meta.get("optimizer_format"), "gib_allocated_while_offloaded": offloaded_gib,
+        free_memory()
+    return {"optimizer_format": meta.get("optimizer_format"), "gib_allocated_before_offload": before_gib,
+            "gib_allocated_while_offloaded": offloaded_gib,
             "resumed_vs_went_on_after_offload_onload": difference(resumed, went_on)}
 
 
@@ -128,20 +140,22 @@ def main() -> None:
         write_model(path)
         first = None
         for name in opts.runs:
-            result["runs"][name], final = run(path, name, RUNS[name], opts)
-            if first is None:
-                first = final
+            done = guarded(run, path, name, RUNS[name], opts)
+            if isinstance(done, dict):  # guarded's {"error": ...}: recorded, the other runs still go
+                result["runs"][name] = done
             else:
-                result["runs"][name]["weights_vs_" + opts.runs[0]] = difference(final, first)
+                result["runs"][name], final = done
+                if first is None:
+                    first, first_name = final, name
+                else:
+                    result["runs"][name]["weights_vs_" + first_name] = difference(final, first)
             print(name, json.dumps(result["runs"][name]), flush=True)
+            save_out(opts.out, result)
         if not opts.skip_resume:
-            result["resume_and_offload"] = resume_and_offload(path, RUNS["offload"], opts)
+            result["resume_and_offload"] = guarded(resume_and_offload, path, RUNS["offload"], opts)
             print("resume_and_offload", json.dumps(result["resume_and_offload"]), flush=True)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if opts.out:
-        with open(opts.out, "w") as f:
-            f.write(text)
+    print(json.dumps(result, indent=2))
+    save_out(opts.out, result)
 
 
 if __name__ == "__main__":

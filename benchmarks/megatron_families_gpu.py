@@ -147,11 +147,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as path:
         write_model(path, shape)
         if opts.part in ("logprobs", "all"):
-            results["logprobs"] = part_logprobs(path, shape["vocab_size"], device, length)
+            results["logprobs"] = megatron_gpu.guarded(part_logprobs, path, shape["vocab_size"], device, length)
+            megatron_gpu.save_out(opts.out, results)
         if opts.part in ("lora", "all"):
-            results["lora"] = part_lora(path, shape["vocab_size"], device, length, bf16=device.type == "cuda")
-    with open(opts.out, "w") as f:
-        json.dump(results, f, indent=2)
+            results["lora"] = megatron_gpu.guarded(part_lora, path, shape["vocab_size"], device, length,
+                                                   bf16=device.type == "cuda")
+    megatron_gpu.save_out(opts.out, results)
     print(json.dumps(results, indent=2))
 
 

@@ -47,6 +47,32 @@ def backend_for(path: str, micro_batch: int, steps_of: int, *extra: str, bf16: b
     return backend
 
 
+def save_out(path: str | None, result: dict) -> None:
+    """Write ``result`` to ``path`` (``--out``; nothing when None): called after every part, so that a run cut
+    short (a time limit, a crash) keeps the figures of the parts that finished."""
+    if path:
+        with open(path, "w") as f:
+            f.write(json.dumps(result, indent=2, default=str))
+
+
+def guarded(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, or ``{"error": the end of its traceback}`` when it raises (out of memory, a kernel
+    that does not run here): the failure is recorded and the next part still runs. Frees what the failed part held
+    (megatron-core's wrappers hold reference cycles, so a collection is needed before the cache is emptied)."""
+    import gc
+    import traceback
+
+    try:
+        return fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - recorded in the result
+        error = {"error": traceback.format_exc()[-3000:]}
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    print(json.dumps(error), flush=True)
+    return error
+
+
 class MeanLogProb:
     """Objective of the throughput run: minus the mean response log-prob over the step's samples."""
 

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from megatron_gpu import H200_BF16_DENSE_TFLOPS, backend_for, batch_of, part_logprobs
+from megatron_gpu import H200_BF16_DENSE_TFLOPS, backend_for, batch_of, guarded, part_logprobs, save_out
 
 QWEN3_MOE_SMALL = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
                        num_key_value_heads=4, head_dim=128, num_experts_per_tok=8, norm_topk_prob=True,
@@ -94,21 +94,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as path:
         write_model(path, ns.layers, ns.experts)
         if ns.part in ("all", "logprobs"):
-            result["logprobs"] = part_logprobs(path)
+            result["logprobs"] = guarded(part_logprobs, path)
             print(json.dumps(result["logprobs"]), flush=True)
+            save_out(ns.out, result)
         if ns.part in ("all", "mfu"):
             torch.backends.cuda.matmul.allow_tf32 = True
             result["mfu"] = []
             for mb in ns.micro_batch:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-                result["mfu"].append(part_mfu(path, mb, ns.samples, ns.seq, ns.steps, tuple(ns.train_flags)))
+                result["mfu"].append(guarded(part_mfu, path, mb, ns.samples, ns.seq, ns.steps, tuple(ns.train_flags)))
                 print(json.dumps(result["mfu"][-1]), flush=True)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if ns.out:
-        with open(ns.out, "w") as f:
-            f.write(text)
+                save_out(ns.out, result)
+    print(json.dumps(result, indent=2))
+    save_out(ns.out, result)
 
 
 if __name__ == "__main__":

@@ -180,3 +180,28 @@ def test_a_checkpoint_of_the_other_optimizer_loads_its_weights_only_with_no_load
     asyncio.run(third.init(third.config))
     asyncio.run(third.load(str(saved)))
     assert third.global_step == 2
+
+
+def test_offload_moves_only_what_is_not_on_the_host_yet():
+    """--optimizer-cpu-offload keeps part of the AdamW state on the host for its CPU optimizer: offloading moves the
+    rest (here to the ``meta`` device, standing for the host) and records where each tensor came from, and leaves
+    that part where it is, so that onloading cannot carry the CPU optimizer's state to the GPU (megatron-core's own
+    restore does). (Parameters move by ``.data``, which torch allows between CUDA and CPU only: GPU runs check it.)"""
+    from furlong.builtin_plugins.backends.megatron.mcore_optimizer import (offload_optimizer_state,
+                                                                           onload_optimizer_state)
+
+    first, second = (torch.nn.Parameter(torch.ones(n, device="meta")) for n in (3, 2))
+    optimizer = torch.optim.AdamW([first, second])
+    device_state = {"exp_avg": torch.full((3,), 0.5), "step": torch.tensor(4.0)}
+    host_state = {"exp_avg": torch.zeros(2, device="meta"), "step": torch.tensor(4.0, device="meta")}
+    optimizer.state[first], optimizer.state[second] = device_state, host_state
+    before = dict(host_state)
+
+    moved = offload_optimizer_state(optimizer, host="meta")
+
+    assert sorted((key, str(device)) for holder, key, device in moved if holder is device_state) == [
+        ("exp_avg", "cpu"), ("step", "cpu")]
+    assert len(moved) == 2  # nothing of the host-resident part, no parameter (both already there)
+    assert all(v.device.type == "meta" for v in device_state.values())
+    assert all(host_state[k] is before[k] for k in before)
+    assert offload_optimizer_state(None) == [] and onload_optimizer_state([]) is None

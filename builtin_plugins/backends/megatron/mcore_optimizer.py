@@ -31,7 +31,8 @@ from furlong.hooks import PluginError
 from .moe import flag
 
 __all__ = ["MegatronCoreOptimizer", "OPTIMIZER_DESTS", "PRECISION_AWARE_WITHOUT_TE", "idle_offload_flags",
-           "mcore_optimizer_problems", "precision_aware", "uses_mcore_optimizer"]
+           "mcore_optimizer_problems", "offload_optimizer_state", "onload_optimizer_state", "precision_aware",
+           "uses_mcore_optimizer"]
 
 _FEATURES = ("--optimizer-cpu-offload", "--use-precision-aware-optimizer")
 _OFFLOAD_REFINEMENTS = {"--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d",
@@ -167,6 +168,7 @@ class MegatronCoreOptimizer:
         self.ddp = DistributedDataParallel(wrapper_config, ddp_config(), model)
         self.inner = get_megatron_optimizer(optimizer_config(config, bf16), [self.ddp], use_gloo_process_groups=False)
         self.clip_grad = float(config.clip_grad or 0.0)
+        self._moved: list[tuple] = []  # what offload() moved to the host, for onload()
 
     @property
     def param_groups(self) -> list[dict]:
@@ -227,13 +229,63 @@ class MegatronCoreOptimizer:
         return list(self.ddp.buffers) + list(self.ddp.expert_parallel_buffers)
 
     def offload(self) -> None:
-        """Weights, gradient buffers and optimizer state to host memory (colocated rollouts)."""
+        """Weights, gradient buffers and optimizer state to host memory (colocated rollouts).
+
+        The optimizer's masters and moments move by :func:`offload_optimizer_state`, not by megatron-core's
+        ``offload_to_cpu`` / ``restore_from_cpu``: the latter moves every host tensor of the state to the GPU,
+        including the state ``--optimizer-cpu-offload`` keeps on the host for its CPU AdamW, whose next step
+        would then mix devices."""
         for buffer in self._buffers():
             buffer.offload_to_cpu(move_params=True, move_grads=True)
-        self.inner.offload_to_cpu()
+        self._moved = [entry for part in self._parts() for entry in offload_optimizer_state(_torch_optimizer(part))]
 
     def onload(self) -> None:
-        """Back to the GPU what :meth:`offload` moved."""
+        """Back to the GPU what :meth:`offload` moved (and only that)."""
         for buffer in self._buffers():
             buffer.reload_from_cpu(move_params=True, move_grads=True)
-        self.inner.restore_from_cpu()
+        onload_optimizer_state(self._moved)
+        self._moved = []
+
+
+def _torch_optimizer(part):
+    """The torch optimizer inside one megatron-core optimizer (``HybridDeviceOptimizer`` under
+    ``--optimizer-cpu-offload``), or None for a part without one (a rank with no trained parameters)."""
+    if getattr(part, "is_stub_optimizer", False):
+        return None
+    return getattr(part, "optimizer", None)
+
+
+def offload_optimizer_state(optimizer, host: str = "cpu") -> list[tuple]:
+    """Move to ``host`` the parameters of ``optimizer.param_groups`` (their ``.data``: the parameter objects stay,
+    as the optimizer and megatron-core's maps key on them) and the tensors of ``optimizer.state`` that are not
+    there already; the state a CPU optimizer keeps on the host stays put.
+
+    :returns: ``(holder, key, device)`` per tensor moved (``key`` None: a parameter), for
+        :func:`onload_optimizer_state`; empty for ``optimizer`` None.
+    """
+    import torch
+
+    if optimizer is None:
+        return []
+    target = torch.device(host)
+    moved = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if torch.is_tensor(param) and param.device != target:
+                moved.append((param, None, param.device))
+                param.data = param.data.to(target)
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.device != target:
+                moved.append((state, key, value.device))
+                state[key] = value.to(target)
+    return moved
+
+
+def onload_optimizer_state(moved: list[tuple]) -> None:
+    """Bring back each tensor :func:`offload_optimizer_state` moved to the device it came from."""
+    for holder, key, device in moved:
+        if key is None:
+            holder.data = holder.data.to(device, non_blocking=True)
+        else:
+            holder[key] = holder[key].to(device, non_blocking=True)
