@@ -103,6 +103,15 @@ def test_gpu_machine_leaves_short_runs_uncompiled_and_given_flags_alone(h200, ca
                 "embedded_torch_compile"} & set(machine)
 
 
+def test_compilation_chosen_by_the_machine_is_turned_off_by_its_no_flag(h200, capsys, tiny_model_dir):
+    data = _print_config(capsys, tiny_model_dir, "--num-rollout", "100", "--no-train-torch-compile",
+                         "--no-embedded-torch-compile")
+    args, machine = data["args"], data["machine_defaults"]
+    assert (args["train_torch_compile"], args["embedded_torch_compile"]) == (False, False)
+    assert not {"train_torch_compile", "embedded_torch_compile"} & set(machine)
+    assert args["max_tokens_per_gpu"] == 65536  # the other machine defaults still apply
+
+
 def test_a_micro_batch_rule_keeps_the_budget_off(h200, capsys, tiny_model_dir):
     data = _print_config(capsys, tiny_model_dir, "--num-rollout", "5", "--micro-batch-size", "2")
     assert data["args"]["max_tokens_per_gpu"] is None

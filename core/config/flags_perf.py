@@ -27,13 +27,14 @@ def add(g, dev) -> None:
                    help="Attention input layout: packed thd, or padded bshd (not supported yet).")
     g.add_argument("--gradient-checkpointing", action="store_true", help="FSDP: recompute activations.")
     g.add_argument("--fsdp-cpu-offload", action="store_true", help="FSDP: keep parameters and optimizer on CPU.")
-    g.add_argument("--train-torch-compile", action="store_true",
+    g.add_argument("--train-torch-compile", action=argparse.BooleanOptionalAction, default=False,
                    help="Compile each decoder layer of the train backend's model with torch.compile (inductor) for "
                         "the training and log-prob passes: fused norms, rotary embedding, activations and residual "
                         "adds, and far fewer kernel launches, for a compilation at the start (about 18 s for a 0.5B "
                         "model on an H200, 25-30 s for the demo model on a CPU). fsdp, one trainer process (not "
                         "supported yet under FSDP2 across ranks, nor with megatron, where it measured slower); turns the "
-                        "CPU's prompt sharing off.")
+                        "CPU's prompt sharing off. On by default on a GPU for runs of 20 rollouts or more "
+                        "(--print-config: machine_defaults); --no-train-torch-compile keeps it off.")
     g.add_argument("--fsdp-cpu-backend", default="gloo",
                    help="FSDP: collective backend for CPU-offloaded state (not supported yet).")
     g.add_argument("--dp-replicate-size", type=int, default=1,

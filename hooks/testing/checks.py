@@ -109,8 +109,9 @@ def _check_add_arguments(call: Caller, run: KitRun) -> None:
     parser = argparse.ArgumentParser(add_help=False)
     call(parser=parser)
     prefix = "--" + call.name.replace("_", "-") + "-"
-    for option in [o for o in parser._option_string_actions if o.startswith("--")]:
-        if not option.startswith(prefix):
+    for option, action in [(o, a) for o, a in parser._option_string_actions.items() if o.startswith("--")]:
+        negated = isinstance(action, argparse.BooleanOptionalAction) and option.startswith("--no-" + prefix[2:])
+        if not option.startswith(prefix) and not negated:
             call.fail(f"it adds the flag {option}; a plugin's flags start with its name ({prefix}...)")
 
 

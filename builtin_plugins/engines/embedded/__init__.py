@@ -8,6 +8,8 @@ experts) run with the same batching and CUDA graphs; see :mod:`.experts`.
 
 from __future__ import annotations
 
+import argparse
+
 import logging
 
 from furlong.hooks import PluginError, hookimpl
@@ -33,10 +35,11 @@ def add_arguments(parser):
         help="Most generate requests the embedded engine decodes together in one batch.",
     )
     group.add_argument(
-        "--embedded-torch-compile", action="store_true",
+        "--embedded-torch-compile", action=argparse.BooleanOptionalAction, default=False,
         help="Run the embedded engine's decode step through torch.compile (inductor), then capture it in CUDA "
              "graphs: fused kernels, a faster step on a GPU, for a compilation at the start (14 s for a 0.5B model "
-             "on an H200, about a minute for the demo model on a CPU).",
+             "on an H200, about a minute for the demo model on a CPU). On by default on a GPU for runs of 20 "
+             "rollouts or more (--print-config: machine_defaults); --no-embedded-torch-compile keeps it off.",
     )
 
 
