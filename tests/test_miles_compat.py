@@ -271,6 +271,25 @@ def test_fsdp_takes_miles_frozen_expert_bias_as_what_it_does(tmp_path, rate, err
     assert report.warnings == [WARN.replace("b ", "fsdp ") + "--moe-router-enable-expert-bias."]
 
 
+def test_fsdp_refuses_the_expert_bias_updates_megatron_would_make_by_default(tmp_path):
+    """``--moe-router-enable-expert-bias`` alone means Megatron's default update rate, 1e-3: the bias would move
+    after every step, which fsdp does not do."""
+    from furlong.builtin_plugins.backends import fsdp
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(MOE_MLA))
+    for extra, errors in (([], ["--moe-router-enable-expert-bias with Megatron's default --moe-router-bias-update-rate "
+                                "0.001: updating the experts' routing bias after each step is not supported yet by "
+                                "--train-backend fsdp (the checkpoint's bias stays fixed); pass "
+                                "--moe-router-bias-update-rate 0 to train with it fixed."]),
+                          (["--moe-router-bias-update-rate", "0"], [])):
+        args = parse_args(BASE + ["--hf-checkpoint", str(hf), "--moe-router-enable-expert-bias", *extra])
+        report = ConfigReport(plugin="fsdp")
+        fsdp.configure(args=args, report=report)
+        assert [e for e in report.errors if "expert" in e] == errors
+
+
 def test_an_error_about_the_backend_the_machine_chose_says_so(capsys, caplog):
     """A Miles script (Miles' default backend is megatron) read where furlong's default is fsdp."""
     argv = ["train", *BASE, "--hf-checkpoint", "examples/demo/model", "--context-parallel-size", "2", "--print-config"]

@@ -55,6 +55,7 @@ def configure(args, report):
                     "concatenated into one row for torch's variable-length flash-attention kernel (give "
                     "--attn-implementation flash_attention_2 to train right-padded micro-batches through the "
                     "flash-attn package).")
+    _check_expert_bias_updates(args, report)
     if args.context_parallel_size > 1:
         report.error(f"--train-backend fsdp does not support --context-parallel-size {args.context_parallel_size}; "
                      f"use 1 or --train-backend megatron.")
@@ -78,6 +79,23 @@ def _follow_machine(args, report, world: int) -> None:
     why = long_enough_to_compile(args, report)
     if why and world == 1 and not args.fsdp_cpu_offload:
         report.machine_default(args, "train_torch_compile", True, why)
+
+
+MEGATRON_BIAS_UPDATE_RATE = 1e-3
+"""Megatron-LM's default ``--moe-router-bias-update-rate``."""
+
+
+def _check_expert_bias_updates(args, report) -> None:
+    """``--moe-router-enable-expert-bias`` makes Megatron move each expert's routing bias after every step by
+    ``--moe-router-bias-update-rate`` (aux-loss-free load balancing, DeepSeek-V3); transformers keeps that bias as a
+    buffer no step updates, so here only a rate of 0 trains what Megatron would."""
+    given = args.megatron_args or {}
+    if given.get("moe_router_enable_expert_bias") and "moe_router_bias_update_rate" not in given:
+        # a rate given other than 0 is the core's error (MEGATRON_FLAGS.at_values)
+        report.error(f"--moe-router-enable-expert-bias with Megatron's default --moe-router-bias-update-rate "
+                     f"{MEGATRON_BIAS_UPDATE_RATE:g}: updating the experts' routing bias after each step is not "
+                     "supported yet by --train-backend fsdp (the checkpoint's bias stays fixed); pass "
+                     "--moe-router-bias-update-rate 0 to train with it fixed.")
 
 
 @hookimpl
