@@ -112,6 +112,22 @@ def test_compilation_chosen_by_the_machine_is_turned_off_by_its_no_flag(h200, ca
     assert args["max_tokens_per_gpu"] == 65536  # the other machine defaults still apply
 
 
+def test_an_fp8_engine_is_not_compiled_by_default_until_measured(h200, capsys, caplog, tmp_path):
+    from .tiny_model import build_tiny_bf16_model_for_fp8
+
+    bf16 = build_tiny_bf16_model_for_fp8(tmp_path / "bf16")
+    assert main(["quantize-fp8", str(bf16), str(tmp_path / "fp8")]) == 0
+    capsys.readouterr()
+    with caplog.at_level("INFO", logger="furlong.config"):
+        data = _print_config(capsys, tmp_path / "fp8", "--ref-load", str(bf16), "--num-rollout", "100")
+    assert data["args"]["embedded_torch_compile"] is False and "embedded_torch_compile" not in data["machine_defaults"]
+    assert any(m.startswith("--embedded-torch-compile stays off by default for an FP8 --hf-checkpoint")
+               for m in caplog.messages)
+    given = _print_config(capsys, tmp_path / "fp8", "--ref-load", str(bf16), "--num-rollout", "100",
+                          "--embedded-torch-compile")
+    assert given["args"]["embedded_torch_compile"] is True
+
+
 def test_a_micro_batch_rule_keeps_the_budget_off(h200, capsys, tiny_model_dir):
     data = _print_config(capsys, tiny_model_dir, "--num-rollout", "5", "--micro-batch-size", "2")
     assert data["args"]["max_tokens_per_gpu"] is None

@@ -13,8 +13,8 @@ import argparse
 import logging
 
 from furlong.hooks import PluginError, hookimpl
-from furlong.kit.fp8 import fp8_quantization_config
 from furlong.kit.hf import load_causal_lm_weights, load_tokenizer
+from furlong.kit.fp8 import fp8_quantization_config
 from furlong.kit.machine_budget import long_enough_to_compile
 
 from .engine import EmbeddedEngine
@@ -65,7 +65,10 @@ def configure(args, report):
                                f"{report.machine.describe()}: one rollout ({prompts} prompts x "
                                f"{args.n_samples_per_prompt} samples, at most {MAX_SLOTS_BY_DEFAULT}) decodes at once")
     why = long_enough_to_compile(args, report)
-    if why:
+    if why and fp8_quantization_config(args.hf_checkpoint) is not None and not report.given(args, "embedded_torch_compile"):
+        report.info("--embedded-torch-compile stays off by default for an FP8 --hf-checkpoint: its FP8 layers have "
+                    "not been measured under torch.compile yet; give --embedded-torch-compile to try it.")
+    elif why:
         report.machine_default(args, "embedded_torch_compile", True, why)
 
 
