@@ -172,6 +172,15 @@ def test_data_parallel_divisibility(extra, message):
     assert message in str(excinfo.value).splitlines()  # the backend may add problems of its own
 
 
+def test_a_world_size_taken_from_this_machine_says_so():
+    with pytest.raises(ConfigError) as excinfo:
+        launch_config("--num-rollout", "1", "--train-backend", "megatron", "--tensor-model-parallel-size", "2",
+                      "--sequence-parallel", R, "8")
+    assert ("trainer world size 1 (actor_num_nodes 1 x actor_num_gpus_per_node 1) is not divisible by TP 2 x PP 1 x "
+            "CP 1 = 2 (--actor-num-gpus-per-node was not given: 1 is this machine's GPU count, 1 without CUDA; give "
+            "the GPUs per node the trainer will run on).") in str(excinfo.value).splitlines()
+
+
 def test_data_parallel_size_megatron_and_micro_batch_skip_under_dynamic_batching():
     # D = 8 / (TP 2 x PP 1 x CP 2) = 2; gbs 8 / 2 = 4, 4 % 3 ignored with dynamic batching
     args = launch_config("--num-rollout", "1", "--train-backend", "megatron", "--hf-checkpoint", "examples/demo/model",

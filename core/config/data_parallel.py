@@ -36,7 +36,10 @@ def apply_data_parallel(args: Namespace, rule: DataParallelRule | None, check_ba
     base = f"actor_num_nodes {args.actor_num_nodes} x actor_num_gpus_per_node {args.actor_num_gpus_per_node}"
     sizes = " x ".join(f"{name} {value}" for name, value in rule.model_parallel)
     if world % model:
-        return [f"trainer world size {world} ({base}) is not divisible by {sizes} = {model}."]
+        machine = ("" if "actor_num_gpus_per_node" in args.explicit_args else
+                   f" (--actor-num-gpus-per-node was not given: {args.actor_num_gpus_per_node} is this machine's GPU "
+                   "count, 1 without CUDA; give the GPUs per node the trainer will run on)")
+        return [f"trainer world size {world} ({base}) is not divisible by {sizes} = {model}{machine}."]
     args.data_parallel_size = world // model
     if not check_batches or args.global_batch_size is None:  # no batch size: the knobs' problem is reported
         return []
