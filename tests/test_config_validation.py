@@ -10,6 +10,8 @@ import pytest
 
 import furlong.core.config.env as env
 from furlong.core.config import UNSUPPORTED, ConfigError, build_parser, config_to_dict, parse_args
+from furlong.core.config.unsupported import NO_EFFECT
+from furlong.core.config.validate import validate
 
 BASE = ["--num-rollout", "3", "--rollout-batch-size", "4"]
 
@@ -308,14 +310,12 @@ def test_the_command_sets_train_mode_for_the_plugins():
 
 UNSUPPORTED_ARGV = {
     "--true-on-policy-mode": ["--true-on-policy-mode"],
-    "--qkv-format": ["--qkv-format", "bshd"],
     "--balance-by-flops": ["--balance-by-flops"],
     "--multimodal-keys": ["--multimodal-keys", '{"image": "images"}'],
     "--update-weight-transfer-mode": ["--update-weight-transfer-mode", "disk-delta"],
     "--use-session-server": ["--use-session-server"],
     "--custom-async-data-buffer-path": ["--custom-async-data-buffer-path", "my.Buffer"],
     "--offload-rollout-level": ["--offload-rollout-level", "kv_cache"],
-    "--train-memory-margin-bytes": ["--train-memory-margin-bytes", "1024"],
     "--disable-rollout-global-dataset": ["--disable-rollout-global-dataset"],
     "--max-seq-len": ["--max-seq-len", "4096"],
     "--session-server-ip": ["--session-server-ip", "10.0.0.1"],
@@ -328,14 +328,26 @@ UNSUPPORTED_MESSAGES = {
 
 
 # refused with a reason: the flag as the message shows it (with its value), then ": " and the row's reason
-REASON_SHOWN = {"--qkv-format": "--qkv-format bshd", "--multimodal-keys": "--multimodal-keys {'image': 'images'}",
+REASON_SHOWN = {"--multimodal-keys": "--multimodal-keys {'image': 'images'}",
                 "--update-weight-transfer-mode": "--update-weight-transfer-mode disk-delta",
                 "--use-session-server": "--use-session-server v1",
                 "--custom-async-data-buffer-path": "--custom-async-data-buffer-path my.Buffer",
                 "--offload-rollout-level": "--offload-rollout-level ['kv_cache']",
-                "--train-memory-margin-bytes": "--train-memory-margin-bytes 1024", "--max-seq-len": "--max-seq-len 4096",
+                "--max-seq-len": "--max-seq-len 4096",
                 "--session-server-ip": "--session-server-ip 10.0.0.1", "--session-server-port": "--session-server-port [8000]",
                 "--fsdp-cpu-backend": "--fsdp-cpu-backend nccl"}
+
+
+def test_miles_flags_that_choose_only_layout_or_memory_are_one_warning_each():
+    args = parse_args(BASE + ["--qkv-format", "bshd", "--train-memory-margin-bytes", "1024"])
+    report = validate(args)
+    assert report.errors == []
+    assert [w for w in report.warnings if "changes nothing here" in w] == [
+        f"--qkv-format bshd changes nothing here: {NO_EFFECT[0].reason}",
+        f"--train-memory-margin-bytes 1024 changes nothing here: {NO_EFFECT[1].reason}"]
+    at_miles_default = validate(parse_args(BASE + ["--qkv-format", "thd", "--train-memory-margin-bytes",
+                                                   str(1 << 30)]))
+    assert not [w for w in at_miles_default.warnings if "changes nothing here" in w]
 
 
 @pytest.mark.parametrize("row", UNSUPPORTED, ids=lambda r: r.flag)

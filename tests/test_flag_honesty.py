@@ -1,7 +1,9 @@
 """Every flag is honest: each flag of ``furlong train`` is read by the code, refused, or allow-listed.
 
 A flag that parses but changes nothing must either work or be refused at validation
-("not supported yet", :data:`furlong.core.config.UNSUPPORTED`). This test lists every flag
+("not supported yet", :data:`furlong.core.config.UNSUPPORTED`), or, for a Miles flag that chooses only
+a memory or layout detail furlong decides itself, be warned about as changing nothing
+(:data:`furlong.core.config.unsupported.NO_EFFECT`). This test lists every flag
 the parser defines (core's and the installed plugins' ``add_arguments``) and looks for a
 use of its attribute in the package source (``hooks/``, ``kit/``, ``core/``, ``builtin_plugins/``,
 and the module of every plugin that adds flags):
@@ -30,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from furlong.core.config import UNSUPPORTED, build_parser
+from furlong.core.config.unsupported import NO_EFFECT
 from furlong.core.config._util import MEGATRON_ONLY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,7 +163,7 @@ def used(plugin_manager_with_flags) -> set[str]:
 
 def unread(parser, used: set[str]) -> list[str]:
     """Flags neither read, nor refused, nor allow-listed (nor Megatron-only), as typed."""
-    refused = {row.dest for row in UNSUPPORTED}
+    refused = {row.dest for row in (*UNSUPPORTED, *NO_EFFECT)}
     offending = []
     for dest, action in _flags(parser).items():
         if dest in used or any(opt in used for opt in action.option_strings):
@@ -213,7 +216,7 @@ def test_a_plugin_flag_nobody_reads_is_named(plugin_dist):
 def test_allow_list_holds_only_flags_that_need_it(parser, used):
     """A flag of ALLOWED that is now read or refused leaves the list; every entry is a flag."""
     flags = _flags(parser)
-    refused = {row.dest for row in UNSUPPORTED}
+    refused = {row.dest for row in (*UNSUPPORTED, *NO_EFFECT)}
     stale = sorted(d for d in ALLOWED if d in flags and (d in used or d in refused))
     assert not stale, f"allow-listed but read or refused, remove them from the allow-list: {' '.join(stale)}"
     unknown = sorted(d for d in ALLOWED if d not in flags)
@@ -221,9 +224,9 @@ def test_allow_list_holds_only_flags_that_need_it(parser, used):
 
 
 def test_refused_rows_name_real_flags_and_their_defaults(parser):
-    """Each row of UNSUPPORTED names a defined flag, and its default is a supported value."""
+    """Each row of UNSUPPORTED and NO_EFFECT names a defined flag, and its default is a supported value."""
     flags = _flags(parser)
-    for row in UNSUPPORTED:
+    for row in (*UNSUPPORTED, *NO_EFFECT):
         assert row.dest in flags, row
         assert row.flag in flags[row.dest].option_strings, row
         assert flags[row.dest].default in row.supported, row

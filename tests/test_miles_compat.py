@@ -328,8 +328,8 @@ def test_fsdp_checks_architecture_flags_against_the_config_and_megatron_does_not
 HF_MOE_MLA_SCRIPT = """
    --num-layers 2 --hidden-size 64 --num-attention-heads 4 --swiglu --normalization RMSNorm
    --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 32
-   --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-dtype fp32
-   --moe-layer-freq [0]+[1]*1 --moe-permute-fusion --moe-token-dispatcher-type alltoall
+   --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 0
+   --moe-router-dtype fp32 --moe-layer-freq [0]+[1]*1 --moe-permute-fusion --moe-token-dispatcher-type alltoall
    --multi-latent-attention --q-lora-rank 16 --kv-lora-rank 16 --qk-head-dim 8 --qk-pos-emb-head-dim 8
    --v-head-dim 8 --rotary-scaling-factor 40 --mscale 1.0 --beta-fast 32 --beta-slow 1 --rope-type yarn
    --transformer-impl transformer_engine --no-rope-fusion --decoder-last-pipeline-num-layers 1

@@ -4,6 +4,10 @@ One table, so it shrinks in one place as features land: each row names the flag,
 attribute and the values that work today; any other value is a validation error,
 "<flag> is not supported yet", or, for a row with a ``reason``, "<flag>: <reason>" (what
 furlong does instead, so the user knows what to change).
+
+A second table, :data:`NO_EFFECT`, holds the Miles flags whose other values choose only a
+memory or layout detail that furlong decides itself: the run's results are the same, so a
+Miles script keeps them and gets one warning each saying why they change nothing here.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any
 
 from .flag_access import flag_value
 
-__all__ = ["UNSUPPORTED", "Unsupported", "unsupported_problems"]
+__all__ = ["NO_EFFECT", "UNSUPPORTED", "Unsupported", "no_effect_warnings", "unsupported_problems"]
 
 
 @dataclass(frozen=True)
@@ -32,9 +36,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         "bit-identical rollout and training numerics need batch-invariant kernels in both the engine and the "
         "trainer, which furlong does not have; remove it and keep training on-policy with --use-tis (or "
         "--use-rollout-logprobs), watching train/train_rollout_kl (--get-mismatch-metrics).")),
-    Unsupported("--qkv-format", "qkv_format", ("thd",), reason=(
-        "the train backends choose the attention layout per micro-batch themselves (packed thd where the "
-        "attention kernel takes it, right-padded otherwise); remove it.")),
     Unsupported("--balance-by-flops", "balance_by_flops", reason=(
         "micro-batches are balanced by tokens, not FLOPs; remove it and use --balance-data (Karmarkar-Karp on "
         "token counts).")),
@@ -56,9 +57,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--offload-rollout-level", "offload_rollout_level", (["kv_cache", "weight"], ["weight", "kv_cache"]),
                 reason=("engines release their weights and KV cache together (the engine contract's "
                         "release_memory); remove it.")),
-    Unsupported("--train-memory-margin-bytes", "train_memory_margin_bytes", (1 << 30,), reason=(
-        "--offload-train moves the trainer's tensors to host memory and back (no torch_memory_saver), so there "
-        "is no allocator margin to set; remove it.")),
     # rollout data and agents
     Unsupported("--disable-rollout-global-dataset", "disable_rollout_global_dataset", reason=(
         "the core reads prompts through the data source; to load data your own way give --data-source-path "
@@ -75,6 +73,27 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         "builds everywhere; remove it.")),
 )
 
+NO_EFFECT: tuple[Unsupported, ...] = (
+    Unsupported("--qkv-format", "qkv_format", ("thd",), reason=(
+        "the train backends choose the attention layout per micro-batch themselves (packed thd where the "
+        "attention kernel takes it, right-padded otherwise), with the same log-probs and losses either way.")),
+    Unsupported("--train-memory-margin-bytes", "train_memory_margin_bytes", (1 << 30,), reason=(
+        "--offload-train moves the trainer's tensors to host memory and back (no torch_memory_saver), so there "
+        "is no allocator margin to keep; it is a memory setting only.")),
+)
+
+
+def _shown(value) -> str:
+    return "" if isinstance(value, bool) or value is None else f" {value}"
+
+
+def no_effect_warnings(args) -> list[str]:
+    """One warning per row of :data:`NO_EFFECT` given with another value: "<flag> <value> changes nothing
+    here: <reason>"."""
+    given = args.explicit_args
+    return [f"{row.flag}{_shown(value)} changes nothing here: {row.reason}" for row in NO_EFFECT
+            if row.dest in given and (value := flag_value(args, row.dest)) not in row.supported]
+
 
 def unsupported_problems(args) -> list[str]:
     """One message per row of :data:`UNSUPPORTED` whose attribute holds another value.
@@ -90,8 +109,7 @@ def unsupported_problems(args) -> list[str]:
         if value in row.supported or row.dest not in given:
             continue
         if row.reason is not None:
-            shown = "" if isinstance(value, bool) or value is None else f" {value}"
-            problems.append(f"{row.flag}{shown}: {row.reason}")
+            problems.append(f"{row.flag}{_shown(value)}: {row.reason}")
         elif isinstance(value, bool) or all(v is False or v is None for v in row.supported):
             problems.append(f"{row.flag} is not supported yet; remove it.")
         else:

@@ -17,7 +17,7 @@ from ..plugins.miles_paths import MILES_FLAG_CHOICES, miles_builtin
 from . import rules
 from .fp8_sources import fp8_sources
 from .knobs import KNOBS, resolve_knobs
-from .unsupported import unsupported_problems
+from .unsupported import no_effect_warnings, unsupported_problems
 from .flag_access import flag_value
 
 __all__ = ["validate"]
@@ -66,6 +66,8 @@ def validate(args, command: str | None = None) -> ConfigReport:
     _normalize(args, f, given)
     for message in unsupported_problems(args):
         f.error(message)
+    for message in no_effect_warnings(args):
+        f.warn(message)
     _basic_values(args, f)
     _four_knobs(args, f, given)
     args.data_parallel_size = world_size(args)  # until the train backend's configure reports its rule
