@@ -795,3 +795,12 @@ def test_print_config_dict_is_json_serializable():
     assert json.loads(json.dumps(data)) == data
     assert data["explicit_args"] == ["dynamic_sampling_filter", "num_rollout", "rollout_batch_size"]
     assert data["sglang_passthrough"] == {"enable_metrics": True}
+
+
+def test_disable_plugins_names_an_installed_plugin_or_is_an_error():
+    assert ("--disable-plugins megatorn: no installed plugin has that name (furlong plugins lists them). Did you mean "
+            "'megatron'?") in error_of(BASE + ["--disable-plugins", "megatorn"]).splitlines()
+    assert ("--disable-plugins furlong:no_such_plugin: no installed plugin has that name (furlong plugins lists "
+            "them).") in error_of(BASE + ["--disable-plugins", "furlong:no_such_plugin"]).splitlines()
+    assert parse_args(BASE + ["--disable-plugins", "megatron,furlong:tensorboard"]).disable_plugins == [
+        "megatron", "furlong:tensorboard"]

@@ -91,6 +91,16 @@ def test_installed_plugin_is_called_through_the_chosen_reward_hook(installed_plu
             config = launch_config("--rm-type", "exact_match", *(["--exact-match-ignore-case"] if fold else []), pm=pm)
             out[str(fold)] = asyncio.run(pm.call_chosen("reward", "exact_match", "--rm-type",
                                                         config=config, samples=samples))
+        # --rm-type boxed_exact_match: the core grades the last box's content in the form the plugin's
+        # boxed_response gives (PLUGINS.md's example returns the content itself)
+        from furlong.core.plugins.selection import resolve_selection
+        from furlong.core.rollout.rewards import RewardScorer
+
+        config = launch_config("--rm-type", "boxed_exact_match", pm=pm)
+        boxed = [Sample(response="so \\\\boxed{12} and then \\\\boxed{6}", label="6"),
+                 Sample(response="\\\\boxed{7}", label="6"), Sample(response="6", label="6")]
+        asyncio.run(RewardScorer(config, pm, resolve_selection(config.namespace(), pm)).score(boxed))
+        out["boxed"] = [s.reward for s in boxed]
         print(json.dumps([pm.origin("exact_match"), out]))
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -99,7 +109,8 @@ def test_installed_plugin_is_called_through_the_chosen_reward_hook(installed_plu
     assert origin == f"{DIST} 0.1.0"
     # last non-empty line vs label: "ABC" vs "abc" matches only case-folded; "abd" never; "" == "" always;
     # the end-of-sequence text a response keeps is not part of the answer
-    assert rewards == {"False": [0.0, 0.0, 1.0, 1.0, 1.0], "True": [1.0, 0.0, 1.0, 1.0, 1.0]}
+    assert rewards == {"False": [0.0, 0.0, 1.0, 1.0, 1.0], "True": [1.0, 0.0, 1.0, 1.0, 1.0],
+                       "boxed": [1.0, 0.0, 0.0]}  # the last box's content; a response without a box grades as ""
 
 
 @pytest.mark.timeout(180)

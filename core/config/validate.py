@@ -13,6 +13,7 @@ import os
 
 from furlong.hooks.config_report import ConfigReport
 
+from ..plugins.discovery import unmatched_names
 from ..plugins.miles_paths import MILES_FLAG_CHOICES, miles_builtin
 from . import rules
 from .fp8_sources import fp8_sources
@@ -92,6 +93,9 @@ def validate(args, command: str | None = None) -> ConfigReport:
 def _normalize(args, f: ConfigReport, given: set[str]) -> None:
     """Spellings that mean the same thing become one."""
     args.disable_plugins = [p.strip() for item in args.disable_plugins or [] for p in item.split(",") if p.strip()]
+    for item, close in unmatched_names(args.disable_plugins):
+        hint = f" Did you mean '{close}'?" if close else ""
+        f.error(f"--disable-plugins {item}: no installed plugin has that name (furlong plugins lists them).{hint}")
     path = args.rollout_function_path
     fully_async = MILES_FLAG_CHOICES["fully_async"][1]  # the rollout plugin --fully-async chooses
     builtin = fully_async if path and path.endswith(FULLY_ASYNC_SUFFIX) else miles_builtin(path, "rollout")

@@ -63,6 +63,21 @@ def split_names(text: str | list[str] | None) -> list[str]:
     return [p.strip() for part in parts for p in part.split(",") if p.strip()]
 
 
+def unmatched_names(disabled: list[str], records: list[EntryRecord] | None = None) -> list[tuple[str, str | None]]:
+    """The items of ``disabled`` (``NAME`` or ``DIST:NAME``) that no installed entry point matches, each
+    with the closest installed plugin name (None when none is close)."""
+    import difflib
+
+    records = read_entry_points() if records is None else records
+    names = sorted({r.name for r in records})
+    unmatched = []
+    for item in disabled:
+        if not any(is_disabled(record, [item]) for record in records):
+            close = difflib.get_close_matches(item.rpartition(":")[2], names, n=1)
+            unmatched.append((item, close[0] if close else None))
+    return unmatched
+
+
 def is_disabled(record: EntryRecord, disabled: list[str]) -> bool:
     """True when ``NAME`` or ``DIST:NAME`` of ``record`` is in ``disabled``."""
     for item in disabled:
