@@ -94,9 +94,11 @@ def configure(args, report):
     if uses_mcore_optimizer(args) and (args.optimizer or "adam") == "adam":
         report.default(args, "use_distributed_optimizer", True)
     # a Ray run's training ranks may have GPUs where the driver has none; they check when the backend starts
-    for problem in mcore_optimizer_problems(args, cuda=report.machine.cuda or args.executor == "ray"):
+    refused = mcore_optimizer_problems(args, cuda=report.machine.cuda or args.executor == "ray")
+    for problem in refused:
         report.error(problem)
-    if args.use_precision_aware_optimizer and args.use_distributed_optimizer and not precision_aware(args):
+    if not refused and args.use_precision_aware_optimizer and args.use_distributed_optimizer \
+            and not precision_aware(args):
         report.warn(PRECISION_AWARE_WITHOUT_TE)
     idle = idle_offload_flags(args)
     if idle:
