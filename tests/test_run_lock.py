@@ -184,15 +184,15 @@ def test_the_demo_script_leaves_a_folder_a_live_run_writes_in_place(tmp_path, sl
 
 def _run_demo(tmp_path, out, *flags):
     """examples/demo/run_demo.sh with OUT=``out`` and ``flags``; ``furlong`` is a stand-in that writes one rollout row
-    to the run's folder (``--save`` when given, else ``out``) and draws nothing."""
+    to the run's folder (the last ``--save`` it is given, as furlong reads it) and draws nothing."""
     from pathlib import Path
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     stand_in = bin_dir / "furlong"
-    save = flags[flags.index("--save") + 1] if "--save" in flags else out
     stand_in.write_text('#!/usr/bin/env bash\n[ "$1" = plot ] && exit 0\n'
-                        f'mkdir -p "{save}" && echo \'{{"rollout/step": 0}}\' > "{save}/metrics.jsonl"\n')
+                        'prev=""; for a in "$@"; do [ "$prev" = --save ] && save="$a"; prev="$a"; done\n'
+                        'mkdir -p "$save" && echo \'{"rollout/step": 0}\' >> "$save/metrics.jsonl"\n')
     stand_in.chmod(0o755)
     script = Path(__file__).resolve().parents[1] / "examples" / "demo" / "run_demo.sh"
     return subprocess.run(["bash", str(script), *flags], capture_output=True, text=True, timeout=120,
@@ -231,3 +231,14 @@ def test_the_demo_script_moves_a_critic_left_without_its_run_aside_unless_save_i
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "mine_critic" / "old").read_text() == "kept" and not (tmp_path / "mine_critic.previous").exists()
     assert (mine / "metrics.jsonl").exists() and (out / "metrics.jsonl").exists()  # out: the first run's, untouched
+
+
+def test_the_demo_script_resumes_in_the_folder_load_names(tmp_path):
+    """``--load DIR`` alone: the run goes on in DIR (its checkpoints and metrics stay), nothing is moved aside."""
+    out = tmp_path / "trap"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"rollout/step": 0}\n')
+    done = _run_demo(tmp_path, out, "--load", str(out))
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "trap.previous").exists()
+    assert (out / "metrics.jsonl").read_text().count("rollout/step") == 2  # the earlier row kept, the new one added

@@ -323,6 +323,6 @@ def _check_patterns(runs: dict[str, list[dict]], patterns: list[str]) -> None:
         if not any(_matching_keys(rows, (pattern,)) for rows in runs.values()):
             close = difflib.get_close_matches(pattern, keys, n=5, cutoff=0.5)
             hint = f"close keys: {', '.join(close)}" if close else f"the runs have {len(keys)} keys, e.g. " + \
-                ", ".join(k for k in keys if "/" in k)[:200]
+                ", ".join([k for k in keys if "/" in k][:8])
             raise PluginError(f"furlong plot: --metrics {pattern!r} matches no key of {', '.join(runs)} ({hint}).")
 

@@ -8,19 +8,25 @@
 # $OUT (default runs/demo) starts empty; the run before it is moved to $OUT.previous, so one mistyped flag
 # loses no results (only one earlier run is kept: the next run replaces $OUT.previous). Each rollout prints one summary line; the run's metrics land in $OUT/metrics.jsonl and
 # `furlong plot $OUT` draws them. A `--save DIR` among the extra flags takes the place of $OUT and is
-# kept as it is, so a later run with `--save DIR --load DIR` resumes from it.
+# kept as it is, so a later run with `--save DIR --load DIR` resumes from it; a `--load DIR` alone
+# resumes in DIR and keeps saving there (the demo saves every 1000 rollouts: add --save-interval 1 to a
+# run you may want to resume).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-runs/demo}"
 SAVE=""
+LOAD=""
 prev=""
 for arg in "$@"; do
-  case "$arg" in --save=*) SAVE="${arg#--save=}" ;; esac
+  case "$arg" in --save=*) SAVE="${arg#--save=}" ;; --load=*) LOAD="${arg#--load=}" ;; esac
   if [ "$prev" = "--save" ]; then SAVE="$arg"; fi
+  if [ "$prev" = "--load" ]; then LOAD="$arg"; fi
   prev="$arg"
 done
 if [ -n "$SAVE" ]; then
   OUT="$SAVE"
+elif [ -n "$LOAD" ]; then
+  OUT="$LOAD"  # resuming: the run goes on in the folder it resumes from (kept as it is)
 else
   if [ -e "$OUT" ]; then
     # a run still writing $OUT keeps it (the lock furlong takes on its --save folder)
