@@ -88,8 +88,8 @@ def test_dynamic_sampling_filter_takes_several_names_and_repeats():
 
 
 def test_disable_plugins_is_repeatable_and_comma_separated():
-    args = parse_args(BASE + ["--disable-plugins", "grpo,other-dist:gspo", "--disable-plugins", "math"])
-    assert args.disable_plugins == ["grpo", "other-dist:gspo", "math"]
+    args = parse_args(BASE + ["--disable-plugins", "grpo,furlong:gspo", "--disable-plugins", "math"])
+    assert args.disable_plugins == ["grpo", "furlong:gspo", "math"]
 
 
 def test_megatron_flags_given_lists_them_in_order():
