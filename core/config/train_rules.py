@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .flag_access import flag_value
+
 __all__ = ["pi_old_needs_own_pass", "steps_per_rollout", "zero_advantage_skip_blocked"]
 
 
@@ -63,6 +65,6 @@ def zero_advantage_skip_blocked(flags: Any) -> str | None:
     if flags.use_kl_loss:
         return "--use-kl-loss: the KL term does not vanish at zero advantage"
     for flag in ("loss_reducer", "custom_pg_loss_reducer_function_path"):
-        if getattr(flags, flag):
+        if flag_value(flags, flag):
             return f"--{flag.replace('_', '-')}: a loss reducer sees each micro-batch's samples"
     return None
