@@ -90,12 +90,18 @@ def validate(args, command: str | None = None) -> ConfigReport:
     return f
 
 
-def _normalize(args, f: ConfigReport, given: set[str]) -> None:
-    """Spellings that mean the same thing become one."""
-    args.disable_plugins = [p.strip() for item in args.disable_plugins or [] for p in item.split(",") if p.strip()]
+def _check_disabled_plugins(args, f: ConfigReport) -> None:
+    """A ``--disable-plugins`` name (or ``DIST:NAME``) that no installed entry point has is a typo that would
+    otherwise leave the plugin meant loaded."""
     for item, close in unmatched_names(args.disable_plugins):
         hint = f" Did you mean '{close}'?" if close else ""
         f.error(f"--disable-plugins {item}: no installed plugin has that name (furlong plugins lists them).{hint}")
+
+
+def _normalize(args, f: ConfigReport, given: set[str]) -> None:
+    """Spellings that mean the same thing become one."""
+    args.disable_plugins = [p.strip() for item in args.disable_plugins or [] for p in item.split(",") if p.strip()]
+    _check_disabled_plugins(args, f)
     path = args.rollout_function_path
     fully_async = MILES_FLAG_CHOICES["fully_async"][1]  # the rollout plugin --fully-async chooses
     builtin = fully_async if path and path.endswith(FULLY_ASYNC_SUFFIX) else miles_builtin(path, "rollout")

@@ -10,8 +10,8 @@ from furlong.hooks import ConfigReport, MegatronFlags, PluginError, hookimpl
 from furlong.kit.machine_budget import default_token_budget
 
 from .config import flag_dest
-from .mcore_optimizer import (OPTIMIZER_DESTS, PRECISION_AWARE_WITHOUT_TE, idle_offload_flags, mcore_optimizer_problems,
-                              precision_aware, uses_mcore_optimizer)
+from .mcore_optimizer import (OPTIMIZER_DESTS, PRECISION_AWARE_WITHOUT_TE, asked_features, idle_offload_flags,
+                              mcore_optimizer_problems, precision_aware, uses_mcore_optimizer)
 from .moe import MOE_DESTS
 
 # megatron-core warns at import, once per module, that it falls back from TransformerEngine
@@ -139,9 +139,7 @@ def _distributed_optimizer(args) -> bool | str:
         return False
     if "use_distributed_optimizer" in (args.megatron_args or {}) or ConfigReport.given(args, "use_distributed_optimizer"):
         return "--use-distributed-optimizer"
-    asked = " / ".join(f for f, on in (("--optimizer-cpu-offload", args.optimizer_cpu_offload),
-                                       ("--use-precision-aware-optimizer", args.use_precision_aware_optimizer)) if on)
-    return f"{asked} (megatron-core's distributed optimizer, which Miles turns on with Adam)"
+    return f"{asked_features(args)} (megatron-core's distributed optimizer, which Miles turns on with Adam)"
 
 
 def _given(args, dest: str) -> bool:

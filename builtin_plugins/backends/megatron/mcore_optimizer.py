@@ -30,9 +30,9 @@ from furlong.hooks import PluginError
 
 from .moe import flag
 
-__all__ = ["MegatronCoreOptimizer", "OPTIMIZER_DESTS", "PRECISION_AWARE_WITHOUT_TE", "idle_offload_flags",
-           "mcore_optimizer_problems", "offload_optimizer_state", "onload_optimizer_state", "precision_aware",
-           "uses_mcore_optimizer"]
+__all__ = ["MegatronCoreOptimizer", "OPTIMIZER_DESTS", "PRECISION_AWARE_WITHOUT_TE", "asked_features",
+           "idle_offload_flags", "mcore_optimizer_problems", "offload_optimizer_state", "onload_optimizer_state",
+           "precision_aware", "uses_mcore_optimizer"]
 
 _FEATURES = ("--optimizer-cpu-offload", "--use-precision-aware-optimizer")
 _OFFLOAD_REFINEMENTS = {"--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d",
@@ -50,7 +50,9 @@ def uses_mcore_optimizer(config: Any) -> bool:
     return bool(config.optimizer_cpu_offload or config.use_precision_aware_optimizer)
 
 
-def _given(config: Any) -> str:
+def asked_features(config: Any) -> str:
+    """The features of megatron-core's optimizer ``config`` asks for, as typed: ``"--optimizer-cpu-offload /
+    --use-precision-aware-optimizer"``, one of them, or ``""``."""
     return " / ".join(f for f, on in zip(_FEATURES, (config.optimizer_cpu_offload,
                                                       config.use_precision_aware_optimizer)) if on)
 
@@ -63,7 +65,7 @@ def mcore_optimizer_problems(config: Any, cuda: bool = True) -> list[str]:
     """
     if not uses_mcore_optimizer(config):
         return []
-    given = _given(config)
+    given = asked_features(config)
     problems = []
     if not cuda:
         problems.append(f"{given} needs a CUDA GPU: megatron-core's distributed optimizer keeps its buffers on the "
@@ -147,10 +149,11 @@ class MegatronCoreOptimizer:
     ``param_groups`` (for the LR schedule), :meth:`zero_grad`, :meth:`clip`, :meth:`step`,
     checkpoint state (:meth:`sharded_state_dict`, :meth:`load_sharded`) and :meth:`offload` / :meth:`onload`.
 
-    :param model: the backend's GPTModel (its parameters move into the wrapper's contiguous buffer; the
-        model is still called directly, the wrapper's gradient hooks sit on its parameters).
     The float32 masters start from the model's weights (bfloat16 under ``--bf16``, as megatron-core's own
     start without optimizer state); a resumed run restores them exactly (:meth:`load_sharded`).
+
+    :param model: the backend's GPTModel (its parameters move into the wrapper's contiguous buffer; the
+        model is still called directly, the wrapper's gradient hooks sit on its parameters).
     :raises PluginError: no CUDA device (megatron-core's buffers and optimizer are CUDA-only).
     """
 

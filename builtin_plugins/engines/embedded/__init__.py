@@ -65,7 +65,8 @@ def configure(args, report):
                                f"{report.machine.describe()}: one rollout ({prompts} prompts x "
                                f"{args.n_samples_per_prompt} samples, at most {MAX_SLOTS_BY_DEFAULT}) decodes at once")
     why = long_enough_to_compile(args, report)
-    if why and fp8_quantization_config(args.hf_checkpoint) is not None and not report.given(args, "embedded_torch_compile"):
+    fp8 = fp8_quantization_config(args.hf_checkpoint) is not None
+    if why and fp8 and not report.given(args, "embedded_torch_compile"):
         report.info("--embedded-torch-compile stays off by default for an FP8 --hf-checkpoint: its FP8 layers have "
                     "not been measured under torch.compile yet; give --embedded-torch-compile to try it.")
     elif why:
