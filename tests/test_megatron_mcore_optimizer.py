@@ -80,12 +80,13 @@ def test_miles_offload_flags_are_accepted_where_a_gpu_trains(tiny_model_dir):
 
 @pytest.mark.parametrize("flags, message", [
     (dict(MILES_TRIO, machine=Machine()),
-     "--optimizer-cpu-offload / --use-precision-aware-optimizer needs a CUDA GPU: megatron-core's distributed "
+     "--optimizer-cpu-offload / --use-precision-aware-optimizer need a CUDA GPU: megatron-core's distributed "
      "optimizer keeps its buffers on the GPU, and this machine has none. Use --use-distributed-optimizer alone here "
      "(the backend's own sharded AdamW)."),
     (dict(optimizer_cpu_offload=True, optimizer="sgd"),
-     "--optimizer-cpu-offload needs --use-distributed-optimizer (they are features of megatron-core's distributed "
-     "optimizer)."),
+     "--optimizer sgd: --optimizer-cpu-offload supports adam (AdamW) only here."),
+    (dict(MILES_TRIO, megatron_args={"optimizer_offload_fraction": 1.5}),
+     "--optimizer-offload-fraction must be in [0, 1] (the share of the AdamW state kept on the host), got 1.5."),
     (dict(MILES_TRIO, lora_rank=4, lora_alpha=8, target_modules="all-linear"),
      "--optimizer-cpu-offload / --use-precision-aware-optimizer with --lora-rank is not supported yet by "
      "--train-backend megatron."),
@@ -98,6 +99,8 @@ def test_what_stops_megatron_core_s_optimizer_is_one_error_naming_the_flags(tiny
     machine = flags.pop("machine", H200)
     report = _configured(tiny_model_dir, machine=machine, **flags)
     assert message in report.errors
+    if "optimizer sgd" in message:  # the one problem: the rest follows from Adam
+        assert [e for e in report.errors if "--optimizer-cpu-offload" in e] == [message]
     assert PRECISION_AWARE_WITHOUT_TE not in report.warnings  # beside a refusal it would only distract
 
 
@@ -118,7 +121,7 @@ def test_miles_offload_flags_alone_turn_on_the_distributed_optimizer_as_in_miles
     assert data["args"]["use_distributed_optimizer"] is True
     assert data["plugin_defaults"]["use_distributed_optimizer"] == {"plugin": "megatron", "value": True}
     assert main([*argv[:-1], "--optimizer", "sgd", "--print-config"]) == 2  # Miles: only Adam gets it
-    assert "needs --use-distributed-optimizer" in capsys.readouterr().err
+    assert "--optimizer sgd: " in capsys.readouterr().err
 
 
 def test_an_error_about_the_distributed_optimizer_names_the_flags_that_turned_it_on(tmp_path):
@@ -144,13 +147,13 @@ def test_a_ray_run_leaves_the_gpu_check_to_its_training_ranks(tiny_model_dir):
 def test_offload_refinements_without_the_offload_are_a_warning(tiny_model_dir):
     report = _configured(tiny_model_dir, use_distributed_optimizer=True, overlap_cpu_optimizer_d2h_h2d=True,
                          megatron_args={"optimizer_offload_fraction": 0.5})
-    assert report.warnings == ["--overlap-cpu-optimizer-d2h-h2d --optimizer-offload-fraction change nothing without "
+    assert report.warnings == ["--overlap-cpu-optimizer-d2h-h2d, --optimizer-offload-fraction change nothing without "
                                "--optimizer-cpu-offload."] and report.errors == []
 
 
 def test_the_backend_without_cuda_refuses_before_building_anything(tiny_model_dir):
     backend = megatron_backend(config=train_config(tiny_model_dir, **MILES_TRIO))
-    with pytest.raises(PluginError, match="needs a CUDA GPU: megatron-core's distributed optimizer"):
+    with pytest.raises(PluginError, match="need a CUDA GPU: megatron-core.s distributed optimizer"):
         asyncio.run(backend.init(backend.config))
 
 

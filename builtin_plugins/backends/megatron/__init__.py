@@ -102,7 +102,8 @@ def configure(args, report):
         report.warn(PRECISION_AWARE_WITHOUT_TE)
     idle = idle_offload_flags(args)
     if idle:
-        report.warn(f"{' '.join(idle)} change nothing without --optimizer-cpu-offload.")
+        report.warn(f"{', '.join(idle)} {'change' if len(idle) > 1 else 'changes'} nothing without "
+                    "--optimizer-cpu-offload.")
     mtp = [f for f in _MTP if _given(args, flag_dest(f))]
     if mtp:
         report.error(_MTP_REASON.format(given=", ".join(mtp)))

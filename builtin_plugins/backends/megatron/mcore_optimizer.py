@@ -66,20 +66,24 @@ def mcore_optimizer_problems(config: Any, cuda: bool = True) -> list[str]:
     if not uses_mcore_optimizer(config):
         return []
     given = asked_features(config)
+    if (config.optimizer or "adam") != "adam":
+        return [f"--optimizer {config.optimizer}: {given} supports adam (AdamW) only here."]
     problems = []
+    fraction = flag(config, "optimizer_offload_fraction", 1.0)
+    if not 0.0 <= float(fraction) <= 1.0:
+        problems.append(f"--optimizer-offload-fraction must be in [0, 1] (the share of the AdamW state kept on the "
+                        f"host), got {fraction:g}.")
     if not cuda:
-        problems.append(f"{given} needs a CUDA GPU: megatron-core's distributed optimizer keeps its buffers on the "
+        problems.append(f"{given} {'need' if ' / ' in given else 'needs'} a CUDA GPU: megatron-core's distributed optimizer keeps its buffers on the "
                         "GPU, and this machine has none. Use --use-distributed-optimizer alone here (the backend's "
                         "own sharded AdamW).")
     if not config.use_distributed_optimizer:
-        problems.append(f"{given} needs --use-distributed-optimizer (they are features of megatron-core's "
+        problems.append(f"{given} {'need' if ' / ' in given else 'needs'} --use-distributed-optimizer (they are features of megatron-core's "
                         "distributed optimizer).")
     if int(config.lora_rank or 0) > 0:
         problems.append(f"{given} with --lora-rank is not supported yet by --train-backend megatron.")
     if config.reset_optimizer_states:
         problems.append(f"{given} with --reset-optimizer-states is not supported yet by --train-backend megatron.")
-    if (config.optimizer or "adam") != "adam":
-        problems.append(f"--optimizer {config.optimizer}: {given} supports adam (AdamW) only here.")
     return problems
 
 
