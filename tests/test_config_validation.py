@@ -59,6 +59,7 @@ ERRORS = [
     (["--rollout-top-k", "0"], "--rollout-top-k must be -1 (off) or at least 1, got 0."),
     (["--start-rollout-id", "5"], "--start-rollout-id 5 is not below --num-rollout 3: there is nothing to run."),
     (["--weight-decay=-0.1"], "--weight-decay must be at least 0, got -0.1."),
+    (["--train-memory-margin-bytes=-5"], "--train-memory-margin-bytes must be at least 0, got -5."),
     (["--use-dynamic-batch-size"],
      "--use-dynamic-batch-size requires --max-tokens-per-gpu (the token cap per micro-batch per GPU)."),
     (["--use-kl-loss"],
@@ -797,10 +798,16 @@ def test_print_config_dict_is_json_serializable():
     assert data["sglang_passthrough"] == {"enable_metrics": True}
 
 
-def test_disable_plugins_names_an_installed_plugin_or_is_an_error():
+def test_disable_plugins_names_an_installed_plugin_or_is_an_error(monkeypatch):
     assert ("--disable-plugins megatorn: no installed plugin has that name (furlong plugins lists them). Did you mean "
             "'megatron'?") in error_of(BASE + ["--disable-plugins", "megatorn"]).splitlines()
-    assert ("--disable-plugins furlong:no_such_plugin: no installed plugin has that name (furlong plugins lists "
-            "them).") in error_of(BASE + ["--disable-plugins", "furlong:no_such_plugin"]).splitlines()
+    assert ("--disable-plugins furlong:no_such_plugin: distribution 'furlong' has no plugin 'no_such_plugin' "
+            "(furlong plugins lists them).") in error_of(BASE + ["--disable-plugins", "furlong:no_such_plugin"]).splitlines()
+    unknown_dist = error_of(BASE + ["--disable-plugins", "furlongg:megatron"]).splitlines()
+    assert [line for line in unknown_dist if line.startswith("--disable-plugins furlongg:megatron: no installed "
+            "distribution 'furlongg' offers furlong plugins (those that do: ") and line.endswith("Did you mean 'furlong'?")]
     assert parse_args(BASE + ["--disable-plugins", "megatron,furlong:tensorboard"]).disable_plugins == [
         "megatron", "furlong:tensorboard"]
+    monkeypatch.setenv("FURLONG_DISABLE_PLUGINS", "tensorbaord")
+    assert ("FURLONG_DISABLE_PLUGINS tensorbaord: no installed plugin has that name (furlong plugins lists them). "
+            "Did you mean 'tensorboard'?") in error_of(BASE).splitlines()

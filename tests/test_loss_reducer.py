@@ -74,7 +74,7 @@ def test_a_dotted_path_factory_matches_the_named_plugin(plugin_manager, tmp_path
 
 def _choice_error(pm, **flags) -> str:
     with pytest.raises(PluginError) as excinfo:
-        chosen_reducer(launch_args(**{**FLAGS, **flags}), pm)
+        chosen_reducer(launch_args(**{**FLAGS, **flags}, explicit_args=sorted(flags)), pm)
     return str(excinfo.value)
 
 

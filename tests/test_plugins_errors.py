@@ -332,7 +332,8 @@ def _launch_args(**overrides) -> Namespace:
 def test_selection_reports_every_bad_choice_in_one_message(estimators, load_plugins):
     pm = load_plugins()
     args = _launch_args(advantage_estimator="rloo", loss_type="rloo", rm_type="exakt",
-                        dynamic_sampling_filter=["zero_std"], custom_advantage_function_path=None)
+                        dynamic_sampling_filter=["zero_std"], custom_advantage_function_path=None,
+                        explicit_args=["advantage_estimator", "dynamic_sampling_filter", "loss_type", "rm_type"])
     message = _raises(resolve_selection, args, pm, ("advantage", "loss", "filter", "reward"))
     assert message == (
         "--loss-type 'rloo': plugin 'rloo' (furlong-rloo 0.3.0) does not implement `loss`; it implements: advantage.\n"
@@ -343,6 +344,14 @@ def test_selection_reports_every_bad_choice_in_one_message(estimators, load_plug
         "  Available: exact (furlong-extra 1.2.0).\n"
         "  Did you mean 'exact'? List them with: furlong plugins --hook reward"
     )
+
+
+def test_a_plugin_chosen_by_default_says_its_flag_was_not_given(estimators, load_plugins):
+    pm = load_plugins()
+    args = _launch_args(advantage_estimator="rloo", loss_type="rloo", explicit_args=["advantage_estimator"])
+    assert _raises(resolve_selection, args, pm, ("loss",)) == (
+        "--loss-type 'rloo': plugin 'rloo' (furlong-rloo 0.3.0) does not implement `loss`; it implements: advantage.\n"
+        "  (--loss-type was not given; 'rloo' is its default here.)")
 
 
 def test_selection_with_good_choices_names_each_plugin_and_flag(estimators, load_plugins):

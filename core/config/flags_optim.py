@@ -30,7 +30,11 @@ def add(g, dev) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.98, help="Adam beta2, in [0, 1).")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon (>= 0).")
     g.add_argument("--clip-grad", type=float, default=1.0, help="Global gradient L2-norm clip.")
-    megatron(g, "--optimizer-cpu-offload", action="store_true", help="Megatron: optimizer state on CPU.")
+    megatron(g, "--optimizer-cpu-offload", action="store_true",
+             help="Megatron: megatron-core's distributed optimizer with its state on the host "
+                  "(--optimizer-offload-fraction of it); needs CUDA (implies --use-distributed-optimizer).")
     megatron(g, "--overlap-cpu-optimizer-d2h-h2d", action="store_true",
-             help="Megatron: overlap CPU optimizer transfers.")
-    megatron(g, "--use-precision-aware-optimizer", action="store_true", help="Megatron: precision-aware optimizer.")
+             help="Megatron: overlap the host optimizer's copies with the step (with --optimizer-cpu-offload).")
+    megatron(g, "--use-precision-aware-optimizer", action="store_true",
+             help="Megatron: megatron-core's precision-aware distributed optimizer; needs CUDA (implies "
+                  "--use-distributed-optimizer).")

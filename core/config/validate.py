@@ -13,7 +13,7 @@ import os
 
 from furlong.hooks.config_report import ConfigReport
 
-from ..plugins.discovery import unmatched_names
+from ..plugins.discovery import DISABLE_ENV, disabled_from_env, unmatched_names
 from ..plugins.miles_paths import MILES_FLAG_CHOICES, miles_builtin
 from . import rules
 from .fp8_sources import fp8_sources
@@ -39,7 +39,7 @@ MINIMUMS: tuple[tuple[str, int], ...] = (
     ("eval_max_prompt_len", 1), ("lr", 0), ("min_lr", 0), ("weight_decay", 0), ("clip_grad", 0),
     ("lr_warmup_iters", 0), ("eps_clip", 0), ("eps_clip_high", 0), ("kl_loss_coef", 0), ("kl_coef", 0),
     ("value_clip", 0), ("critic_lr", 0), ("critic_lr_warmup_iters", 0), ("num_critic_only_steps", 0),
-    ("lr_warmup_init", 0), ("adam_eps", 0), ("tis_clip_low", 0), ("opd_kl_coef", 0),
+    ("lr_warmup_init", 0), ("adam_eps", 0), ("tis_clip_low", 0), ("opd_kl_coef", 0), ("train_memory_margin_bytes", 0),
 )
 
 # (attribute, interval between 0 and 1 written with its brackets): probabilities, fractions and factors
@@ -91,11 +91,11 @@ def validate(args, command: str | None = None) -> ConfigReport:
 
 
 def _check_disabled_plugins(args, f: ConfigReport) -> None:
-    """A ``--disable-plugins`` name (or ``DIST:NAME``) that no installed entry point has is a typo that would
-    otherwise leave the plugin meant loaded."""
-    for item, close in unmatched_names(args.disable_plugins):
-        hint = f" Did you mean '{close}'?" if close else ""
-        f.error(f"--disable-plugins {item}: no installed plugin has that name (furlong plugins lists them).{hint}")
+    """A ``--disable-plugins`` or ``FURLONG_DISABLE_PLUGINS`` name (or ``DIST:NAME``) that no installed entry
+    point has is a typo that would otherwise leave the plugin meant loaded."""
+    for source, items in (("--disable-plugins", args.disable_plugins), (DISABLE_ENV, disabled_from_env())):
+        for item, why in unmatched_names(items):
+            f.error(f"{source} {item}: {why}")
 
 
 def _normalize(args, f: ConfigReport, given: set[str]) -> None:

@@ -63,19 +63,32 @@ def split_names(text: str | list[str] | None) -> list[str]:
     return [p.strip() for part in parts for p in part.split(",") if p.strip()]
 
 
-def unmatched_names(disabled: list[str], records: list[EntryRecord] | None = None) -> list[tuple[str, str | None]]:
-    """The items of ``disabled`` (``NAME`` or ``DIST:NAME``) that no installed entry point matches, each
-    with the closest installed plugin name (None when none is close)."""
-    import difflib
-
+def unmatched_names(disabled: list[str], records: list[EntryRecord] | None = None) -> list[tuple[str, str]]:
+    """The items of ``disabled`` (``NAME`` or ``DIST:NAME``) that no installed entry point matches, each with
+    why: no plugin of that name, no distribution of that name, or a distribution without that plugin; with
+    the closest installed name when one is close."""
     records = read_entry_points() if records is None else records
-    names = sorted({r.name for r in records})
     unmatched = []
     for item in disabled:
-        if not any(is_disabled(record, [item]) for record in records):
-            close = difflib.get_close_matches(item.rpartition(":")[2], names, n=1)
-            unmatched.append((item, close[0] if close else None))
+        if any(is_disabled(record, [item]) for record in records):
+            continue
+        dist, _, name = item.rpartition(":")
+        if dist and not any(r.dist.lower() == dist.lower() for r in records):
+            dists = sorted({r.dist for r in records})
+            why = f"no installed distribution '{dist}' offers furlong plugins (those that do: {', '.join(dists)})"
+            unmatched.append((item, why + _did_you_mean(dist, dists)))
+            continue
+        names = sorted({r.name for r in records if not dist or r.dist.lower() == dist.lower()})
+        why = f"distribution '{dist}' has no plugin '{name}'" if dist else "no installed plugin has that name"
+        unmatched.append((item, f"{why} (furlong plugins lists them){_did_you_mean(name, names)}"))
     return unmatched
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f". Did you mean '{close[0]}'?" if close else "."
 
 
 def is_disabled(record: EntryRecord, disabled: list[str]) -> bool:

@@ -182,7 +182,12 @@ def _resolve_one(args: Namespace, pm: FurlongPluginManager, spec: ChosenHook) ->
             return None
         if spec.path_value is not None and name == spec.path_value:
             raise PluginError(f"{flag} {name} needs {spec.path_flag} module.function.")
-    pm.chosen_impl(spec.hook, name, flag)
+    try:
+        pm.chosen_impl(spec.hook, name, flag)
+    except PluginError as exc:
+        if path or spec.name_attr in args.explicit_args:
+            raise
+        raise PluginError(f"{exc}\n  ({flag} was not given; '{name}' is its default here.)") from None
     return name, flag
 
 

@@ -38,7 +38,7 @@ def add_arguments(parser):
         "--embedded-torch-compile", action=argparse.BooleanOptionalAction, default=False,
         help="Run the embedded engine's decode step through torch.compile (inductor), then capture it in CUDA "
              "graphs: fused kernels, a faster step on a GPU, for a compilation at the start (14 s for a 0.5B model "
-             "on an H200, about a minute for the demo model on a CPU). On by default on a GPU for runs of 20 "
+             "on an H200, 27-36 s for the demo model on a CPU). On by default on a GPU for runs of 20 "
              "rollouts or more (--print-config: machine_defaults); --no-embedded-torch-compile keeps it off.",
     )
 
