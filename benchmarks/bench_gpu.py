@@ -14,7 +14,8 @@ One command, from the repository root, on a machine with a CUDA GPU::
    tokens / wall seconds. The engine's timed runs alternate with runs that read each decode
    step's finish flags before launching the next (``tok_per_s_without_overlap``). ``--stop S``
    gives every request the stop string ``S`` (choose one that never occurs: the decoded-text
-   checks then run at every step without ending a request). Each part
+   checks then run at every step without ending a request). ``--profile`` adds part ``engine_profile``:
+   one compiled run under ``torch.profiler``, with the GPU-busy share and the top kernels. Each part
    runs in a process of its own, so that one part's GPU memory (the engine's key/value cache,
    CUDA graph pools) is not held while the next runs.
 2. **GRPO steps, side by side** (``--runs``, :data:`RUNS`): ``furlong train`` (sync, embedded
@@ -261,7 +262,8 @@ def save_json(path: Path | None, result: dict) -> None:
 def _part_in_subprocess(name: str, folder: Path, opts) -> dict:
     """Run one part (``engine`` or ``generate``) in a fresh process: nothing it allocates outlives it."""
     argv = ["--part", name, "--model-dir", str(folder), "--requests", str(opts.requests), "--prompt-len",
-            str(opts.prompt_len), "--new-tokens", str(opts.new_tokens), "--repeats", str(opts.repeats)]
+            str(opts.prompt_len), "--new-tokens", str(opts.new_tokens), "--repeats", str(opts.repeats),
+            "--profile-top", str(opts.profile_top)]
     return run_part(__file__, argv + (["--stop", opts.stop] if opts.stop else []))
 
 
@@ -270,7 +272,47 @@ def bench_engine_compiled(folder: Path, opts) -> dict:
     return bench_engine(folder, opts, compile="inductor")
 
 
-PARTS = {"engine": bench_engine, "engine_compiled": bench_engine_compiled, "generate": bench_generate}
+def bench_engine_profile(folder: Path, opts) -> dict:
+    """Where a decode run's time goes: the engine with ``--embedded-torch-compile``, one warm-up run, then one run
+    under ``torch.profiler`` (CPU and CUDA activity). Reports the run's wall seconds, the summed time of its CUDA
+    kernels (the GPU-busy share = kernel seconds / wall seconds; what is left is host time between kernels), and
+    the ``--profile-top`` kernels by total time. (CUDA activity is recorded process-wide; CPU operators only in
+    the profiling thread, not the engine's decode thread, so none are reported.)"""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from furlong.builtin_plugins.engines import embedded
+
+    engine = embedded.load_engine(str(folder), max_batch_size=opts.requests, seed=0, compile="inductor")
+    batch = prompts(opts.requests, opts.prompt_len)
+    params = {"temperature": 1.0, "max_new_tokens": opts.new_tokens, "ignore_eos": True}
+
+    async def run():
+        return await asyncio.gather(*[engine.generate(p, dict(params)) for p in batch])
+
+    asyncio.run(run())
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        outs = asyncio.run(run())
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.self_device_time_total, reverse=True)
+    kernel_s = sum(e.self_device_time_total for e in kernels) / 1e6
+    tokens = sum(len(o.output_ids) for o in outs)
+    return {
+        "tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall, "kernel_s": kernel_s, "gpu_busy": kernel_s / wall,
+        "kernels": [{"name": e.key[:120], "s": e.self_device_time_total / 1e6, "calls": e.count}
+                    for e in kernels[:opts.profile_top]],
+    }
+
+
+PARTS = {"engine": bench_engine, "engine_compiled": bench_engine_compiled, "generate": bench_generate,
+         "engine_profile": bench_engine_profile}
+OPT_IN = {"engine_profile"}
+"""Parts that run only when asked for (``--profile``)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      "occurs times the decoded-text checks without ending requests)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H200: 989)")
     parser.add_argument("--skip", nargs="*", default=[], choices=[*PARTS, "grpo"])
+    parser.add_argument("--profile", action="store_true", help="also profile one compiled engine run "
+                        "(part engine_profile: GPU-busy share and top kernels)")
+    parser.add_argument("--profile-top", type=int, default=15, help="engine_profile: kernels listed")
     parser.add_argument("--train-flags", nargs=argparse.REMAINDER, default=[],
                         help="extra furlong train flags for every GRPO run (last on the line)")
     parser.add_argument("--json", type=Path, default=None)
@@ -309,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         folder = build_model(Path(tmp) / "model")
         for name in PARTS:
-            if name not in opts.skip:
+            if name not in opts.skip and (name not in OPT_IN or opts.profile):
                 result[name] = _part_in_subprocess(name, folder, opts)
                 print(name, json.dumps(result[name]), flush=True)
                 save_json(opts.json, result)
