@@ -178,9 +178,25 @@ def test_expert_parallelism_is_checked_against_the_experts(moe_dir, tiny_model_d
         f"--expert-model-parallel-size 2: the model of --hf-checkpoint {tiny_model_dir} has no experts."]
     report = _report(moe_dir, tensor_model_parallel_size=2)
     assert report.errors == [
-        f"--tensor-model-parallel-size 2 is not supported yet by --train-backend megatron on a mixture-of-experts "
-        f"model (--hf-checkpoint {moe_dir}); share the experts out with --expert-model-parallel-size and use data "
-        "parallelism for the rest."]
+        f"--tensor-model-parallel-size 2 on a mixture-of-experts model (--hf-checkpoint {moe_dir}) needs "
+        "--sequence-parallel: megatron-core routes each TP rank's share of the sequence."]
+    report = _report(moe_dir, tensor_model_parallel_size=2, sequence_parallel=True)
+    assert report.errors == []
+    assert report.warnings == [
+        "--expert-tensor-parallel-size is not given: Megatron-LM would split every expert over the 2 TP ranks; here "
+        "each TP rank holds whole experts (expert TP 1: the same updates, more memory per rank). Give "
+        "--expert-tensor-parallel-size 1 to say so."]
+    report = _report(moe_dir, tensor_model_parallel_size=2, sequence_parallel=True,
+                     megatron_args={"expert_tensor_parallel_size": 1})
+    assert (report.errors, report.warnings) == ([], [])
+    assert _report(moe_dir, tensor_model_parallel_size=2, sequence_parallel=True,
+                   megatron_args={"expert_tensor_parallel_size": 2}).errors == [
+        "--expert-tensor-parallel-size 2 is not supported yet by --train-backend megatron (experts are whole on "
+        "their expert-parallel rank); give 1."]
+    assert _report(moe_dir, pipeline_model_parallel_size=2).errors == [
+        f"--pipeline-model-parallel-size 2 is not supported yet by --train-backend megatron on a mixture-of-experts "
+        f"model (--hf-checkpoint {moe_dir}); share the experts out with --expert-model-parallel-size and use tensor "
+        "or data parallelism for the rest."]
 
 
 # --- the load-balancing loss -------------------------------------------------------------------------------
@@ -233,40 +249,63 @@ def test_the_load_balancing_loss_is_in_the_objective_as_computed_by_hand(moe_dir
 # --- expert parallelism ------------------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(240)
-def test_expert_parallel_two_ranks_equal_one(moe_dir, tmp_path):
-    """EP=2 over two gloo ranks (two experts each, DP=2, the all-gather dispatcher on packed micro-batches padded
-    to one length): log-probs, the load-balancing loss, the step's loss and grad norm and the updated weights
-    (every expert exported from its rank) equal one process's on the same micro-batches; the EP=2 torch_dist
-    checkpoint loads at EP=1 with those weights."""
+def _two_ranks_against_one(moe_dir, tmp_path, layout: str, **single_flags) -> list[dict]:
+    """Run tests/megatron_moe_ranks.py with ``layout`` on two gloo ranks and one process (``single_flags``) on the
+    same micro-batches: log-probs, the load-balancing loss, the step's loss and grad norm and the updated weights
+    equal; the two-rank torch_dist checkpoint loads in one process with those weights. Returns both ranks'
+    results."""
     from .tiny_model import run_two_ranks
 
     coeff = 0.05
     out = tmp_path / "out"
     out.mkdir()
-    run_two_ranks("megatron_moe_ranks.py", str(moe_dir), str(out), str(coeff))
+    run_two_ranks("megatron_moe_ranks.py", str(moe_dir), str(out), str(coeff), layout)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    steps = [[ranks[0]["steps"][0][0], ranks[1]["steps"][0][0]]]  # each rank's micro-batch, in one step
-    config = train_config(moe_dir, adam_eps=1e-3, megatron_args={"moe_aux_loss_coeff": [coeff]})
+    steps = [[mb for got in ranks for mb in got["steps"][0]]] if layout == "ep" else ranks[0]["steps"]
+    config = train_config(moe_dir, adam_eps=1e-3, megatron_args={"moe_aux_loss_coeff": [coeff]}, **single_flags)
     single = megatron_backend(config=config)
     asyncio.run(single.init(single.config))
     batch = make_batch(AutoTokenizer.from_pretrained(moe_dir), steps)
     old = asyncio.run(single.log_probs(batch))["log_probs"]
+    single_routing = dict(single._recorded_routing)
     metrics = asyncio.run(single.train(0, batch))[0]
     weights = dict(asyncio.run(single.named_weights()))
     for got in ranks:
-        for i in got["steps"][0][0]:
+        for i in [i for mb in got["steps"][0] for i in mb]:
             torch.testing.assert_close(got["log_probs"]["log_probs"][i], old[i], rtol=0, atol=1e-5)
         for key in ("loss", "grad_norm", "moe_aux_loss"):
             assert got["metrics"][key] == pytest.approx(metrics[key], rel=1e-5), key
         assert sorted(got["weights"]) == sorted(weights)
         for name, tensor in weights.items():
             torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=1e-5)
+        assert sorted(got["routing"]) == sorted(single_routing)
+        for tokens, routing in single_routing.items():
+            assert torch.equal(got["routing"][tokens], routing), tokens
     reloaded = megatron_backend(config=config)
     asyncio.run(reloaded.init(reloaded.config))
     asyncio.run(reloaded.load(str(out / "ckpt")))
     for name, tensor in asyncio.run(reloaded.named_weights()):
         assert torch.equal(tensor, ranks[0]["weights"][name]), name
+    return ranks
+
+
+@pytest.mark.timeout(240)
+def test_expert_parallel_two_ranks_equal_one(moe_dir, tmp_path):
+    """EP=2 over two gloo ranks (two experts each, DP=2, the all-gather dispatcher on packed micro-batches padded
+    to one length) equals one process; every expert is exported from its rank; the EP=2 checkpoint loads at
+    EP=1."""
+    _two_ranks_against_one(moe_dir, tmp_path, "ep")
+
+
+@pytest.mark.timeout(240)
+def test_tensor_parallel_two_ranks_with_sequence_parallel_equal_one(moe_dir, tmp_path):
+    """TP=2 with sequence parallelism over two gloo ranks (every expert whole on both, each rank routing its half
+    of the positions; the routers' and experts' gradients summed over the two) equals one process, with
+    --use-routing-replay: the routing recorded in the old-log-prob pass (each rank's half, gathered) is one
+    process's, and replaying it trains alike; the TP=2 checkpoint loads at TP=1."""
+    ranks = _two_ranks_against_one(moe_dir, tmp_path, "tp", use_routing_replay=True)
+    assert ranks[0]["routing"], "the old-log-prob pass recorded no routing"
+    assert ranks[0]["metrics"]["moe_aux_loss"] > 0
 
 
 # --- routing replay ----------------------------------------------------------------------------------------

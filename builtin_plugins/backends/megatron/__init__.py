@@ -210,7 +210,7 @@ def _check_architecture(args, report) -> None:
     errors += moe_layout_problems(shape, int(args.tensor_model_parallel_size or 1),
                                   int(args.pipeline_model_parallel_size or 1), int(args.context_parallel_size or 1),
                                   int(flag(args, "expert_model_parallel_size", 1)), args.hf_checkpoint,
-                                  _distributed_optimizer(args))
+                                  _distributed_optimizer(args), bool(args.sequence_parallel))
     for problem in errors:
         report.error(problem)
     for warning in warnings:

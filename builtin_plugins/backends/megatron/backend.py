@@ -131,7 +131,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         problems = check_model_args(config, self.shape, f"--hf-checkpoint {config.hf_checkpoint}/config.json")
         problems += moe_flag_problems(config, self.shape, f"--hf-checkpoint {config.hf_checkpoint}/config.json")[0]
         problems += moe_layout_problems(self.shape, self.tp, self.pp, self.cp, self.ep, config.hf_checkpoint,
-                                        bool(config.use_distributed_optimizer))
+                                        bool(config.use_distributed_optimizer), bool(config.sequence_parallel))
         problems += mcore_optimizer_problems(config)
         try:
             counts = stage_layer_counts(self.shape.num_layers, self.pp, *pipeline_split(config.megatron_args))
@@ -383,7 +383,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
             for name, p in named:
                 if not is_expert_parameter(name):
                     dist.all_reduce(p.grad, group=group)
-            self._expert_grads([(n, p) for n, p in named if is_expert_parameter(n)])
+        self._expert_grads([(n, p) for n, p in named if is_expert_parameter(n)])
         if self.tp > 1:
             group = parallel_state.get_tensor_model_parallel_group()
             for name, p in named:
@@ -572,11 +572,12 @@ def _copy_parameters(source, target) -> None:
 
 
 def moe_layout_problems(shape, tp: int, pp: int, cp: int, ep: int, where: str,
-                        distributed_optimizer: bool | str = False) -> list[str]:
+                        distributed_optimizer: bool | str = False, sequence_parallel: bool = False) -> list[str]:
     """What the parallel sizes cannot do with the model of ``shape`` (``where``: its checkpoint): experts
     (``ep`` > 1) only on a model with them, dividing their count, and without ``--use-distributed-optimizer``
-    (whose shards assume every data-parallel rank holds the same parameters); a model with experts only at
-    TP, PP and CP 1 (their expert gradients and load-balancing loss over those ranks are not built yet).
+    (whose shards assume every data-parallel rank holds the same parameters); on a model with experts, TP > 1
+    only with ``--sequence-parallel`` (megatron-core's rule: each TP rank routes its share of the sequence), PP
+    and CP 1 (their expert gradients and load-balancing loss over those ranks are not built yet).
     ``distributed_optimizer``: on, or the flags that turned it on (named in the message)."""
     if not shape.is_moe:
         return [f"--expert-model-parallel-size {ep}: the model of --hf-checkpoint {where} has no experts."] if (
@@ -590,21 +591,26 @@ def moe_layout_problems(shape, tp: int, pp: int, cp: int, ep: int, where: str,
     if shape.num_experts % ep:
         problems.append(f"--expert-model-parallel-size {ep} does not divide the {shape.num_experts} experts of "
                         f"--hf-checkpoint {where}.")
-    for flag_name, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                            ("--context-parallel-size", cp)):
+    if tp > 1 and not sequence_parallel:
+        problems.append(f"--tensor-model-parallel-size {tp} on a mixture-of-experts model (--hf-checkpoint {where}) "
+                        "needs --sequence-parallel: megatron-core routes each TP rank's share of the sequence.")
+    for flag_name, size in (("--pipeline-model-parallel-size", pp), ("--context-parallel-size", cp)):
         if size > 1:
             problems.append(f"{flag_name} {size} is not supported yet by --train-backend megatron on a "
                             f"mixture-of-experts model (--hf-checkpoint {where}); share the experts out with "
-                            "--expert-model-parallel-size and use data parallelism for the rest.")
+                            "--expert-model-parallel-size and use tensor or data parallelism for the rest.")
     return problems
 
 
 def summed_over_tensor_parallel(name: str, sequence_parallel: bool = False) -> bool:
     """Whether parameter ``name``'s gradient is a partial sum on each TP rank: the query/key norm scales
     (Qwen3), which every rank applies to its own attention heads, so each rank's gradient covers its
-    heads only; under sequence parallelism every norm scale too, each rank normalising its own chunk of
-    the sequence (megatron-core's ``finalize_model_grads`` sums both over the TP group likewise)."""
-    return ".q_layernorm." in name or ".k_layernorm." in name or (sequence_parallel and "layernorm." in name)
+    heads only; under sequence parallelism every norm scale and every MoE router too, each rank normalising
+    and routing its own chunk of the sequence (megatron-core's ``finalize_model_grads`` sums both over the TP
+    group likewise). Experts are whole on every TP rank (expert TP 1): their gradients are summed over the
+    expert-data-parallel ranks, which include the TP ranks (:meth:`ExpertLayers._expert_grads`)."""
+    return ".q_layernorm." in name or ".k_layernorm." in name or (
+        sequence_parallel and ("layernorm." in name or ".mlp.router." in name))
 
 
 # padded tokens over real tokens above which a token-planned micro-batch is packed (thd) rather than padded

@@ -15,9 +15,9 @@ Name mapping and packing (docs/megatron.md, "Weight conversion"; checked bit-exa
 
 Tensor parallelism (checked against megatron-core's own initialisation in
 tests): column-parallel layers (embedding, qkv, fc1, output) split dim 0, row-parallel
-layers (proj, fc2) split dim 1, norms are replicated. Rank ``r`` holds chunk ``r`` of every
-one of the ``stride`` parts of the full tensor along that dim (fc1 has stride 2: rank ``r``
-holds ``[gate_r; up_r]``).
+layers (proj, fc2) split dim 1, norms, routers and experts (expert TP 1) are replicated. Rank
+``r`` holds chunk ``r`` of every one of the ``stride`` parts of the full tensor along that dim
+(fc1 has stride 2: rank ``r`` holds ``[gate_r; up_r]``).
 
 Pipeline parallelism (:class:`Stage`): stage ``s`` of ``pp`` holds layers
 ``s * L/pp ... (s + 1) * L/pp - 1`` under local indices ``0 ... L/pp - 1`` (megatron-core's
@@ -231,8 +231,8 @@ def _expert_units(m: str, h: str, num_experts: int) -> list[Unit]:
     for e in range(num_experts):
         mine, theirs = f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}."
         out.append(Unit(mine + "linear_fc1.weight", (theirs + "gate_proj.weight", theirs + "up_proj.weight"), "fc1",
-                        FC1, expert=e))
-        out.append(Unit(mine + "linear_fc2.weight", (theirs + "down_proj.weight",), split=ROW, expert=e))
+                        expert=e))
+        out.append(Unit(mine + "linear_fc2.weight", (theirs + "down_proj.weight",), expert=e))
     return out
 
 

@@ -129,7 +129,8 @@ class MicroBatchInputs:
     holds these lengths).
 
     ``padding``: bool, ``ids``' shape, True at pad positions (megatron-core's ``padding_mask``, which keeps
-    pad tokens out of an MoE router's load-balancing loss); None under context or sequence parallelism.
+    pad tokens out of an MoE router's load-balancing loss; under sequence parallelism megatron-core gives each TP
+    rank its share); None under context parallelism.
     """
 
     ids: Any
@@ -149,9 +150,9 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
         rank's share of them under CP) are padded to a multiple of it (packed: the last sequence's segment
         is lengthened; its pad tokens come after its real ones, which causal attention keeps them from
         reaching), and every position is projected.
-    :param total: packed, without context or sequence parallelism: lengthen the last segment to this many
-        positions in all (megatron-core's all-gather token dispatcher needs the same count on every
-        expert-parallel rank).
+    :param total: packed, without context parallelism: lengthen the last segment to at least this many
+        positions in all, before the sequence-parallel rounding (megatron-core's all-gather token dispatcher
+        needs the same count on every expert-parallel rank).
     :raises ValueError: a response that starts at position 0 (no previous token).
     """
     seqs, ids = right_padded(tokens, response_lengths)
@@ -165,9 +166,9 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
 
         lengths = [len(s) for s in seqs]
         segments = [padded_length(n, cp) if cp > 1 else n for n in lengths]
-        segments[-1] += -sum(segments) % multiple
         if total is not None:
             segments[-1] += max(0, total - sum(segments))
+        segments[-1] += -sum(segments) % multiple
         starts = [0]
         for n in segments:
             starts.append(starts[-1] + n)
@@ -179,7 +180,8 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
     else:
         ids = F.pad(ids, (0, -ids.shape[1] % multiple))
         spans = [(i, len(s) - int(t) - 1, len(s) - 1) for i, (s, t) in enumerate(zip(seqs, response_lengths))]
-    if cp == 1 and sequence_parallel == 1:
+    padding = None
+    if cp == 1:
         real = [len(s) for s in seqs]
         if packed:
             padding = torch.ones_like(ids, dtype=torch.bool)
@@ -187,13 +189,16 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
                 padding[0, a:a + n] = False
         else:
             padding = torch.arange(ids.shape[1]).unsqueeze(0) >= torch.tensor(real).unsqueeze(1)
-        return attrs.evolve(_response_rows(ids, spans, device, extra), padding=to_device(padding, device))
+        padding = to_device(padding, device)
+    if cp == 1 and sequence_parallel == 1:
+        return attrs.evolve(_response_rows(ids, spans, device, extra), padding=padding)
     ids = to_device(ids, device)
     targets = torch.zeros_like(ids)
     targets[:, :-1] = ids[:, 1:]  # across a packed boundary the target is unused: no span ends there
     if cp > 1:
         ids, targets = (local_chunks(x, cp, cp_rank, 1, segments) for x in (ids, targets))
-    return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans, segments=segments if cp > 1 else None)
+    return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans, segments=segments if cp > 1 else None,
+                            padding=padding)
 
 
 def _response_rows(ids, spans: list, device, extra: dict) -> MicroBatchInputs:

@@ -23,10 +23,10 @@ def init_parallel(tp: int, device, pp: int = 1, cp: int = 1, ep: int = 1) -> tup
     store (gloo on CPU, NCCL on GPU), which megatron-core needs for its groups.
 
     Rank order is megatron-core's default ``tp-cp-ep-dp-pp`` (TP peers adjacent, then CP peers).
-    Experts (``ep`` > 1; expert tensor parallelism is TP): the ``world / PP`` ranks of a stage split into
-    groups of ``ep`` consecutive ranks that share the experts out; each expert is replicated over the
-    ``world / (PP x ep)`` expert-data-parallel ranks, the other weights over the ``world / (TP x PP x CP)``
-    data-parallel ones.
+    Experts (``ep`` > 1; expert tensor parallelism 1: every expert whole on its rank): the ``world / PP`` ranks
+    of a stage split into groups of ``ep`` consecutive ranks that share the experts out; each expert is
+    replicated over the ``world / (PP x ep)`` expert-data-parallel ranks (TP ranks included), the other weights
+    over the ``world / (TP x PP x CP)`` data-parallel ones.
 
     :raises PluginError: TP x PP x CP (or PP x EP) does not divide the world size, or ``WORLD_SIZE > 1``
         without an initialised process group.
@@ -58,7 +58,7 @@ def init_parallel(tp: int, device, pp: int = 1, cp: int = 1, ep: int = 1) -> tup
     else:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                                  context_parallel_size=cp, expert_model_parallel_size=ep,
-                                                 create_gloo_process_groups=False)
+                                                 expert_tensor_parallel_size=1, create_gloo_process_groups=False)
     return world, rank
 
 

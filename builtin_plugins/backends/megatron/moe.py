@@ -88,7 +88,7 @@ def moe_flag_problems(args: Any, shape: ModelShape, where: str) -> tuple[list[st
     errors: list[str] = []
     if etp is not None and int(etp) != 1 and shape.is_moe:
         errors.append(f"--expert-tensor-parallel-size {etp} is not supported yet by --train-backend megatron "
-                      "(experts are whole on their expert-parallel rank); leave it out or give 1.")
+                      "(experts are whole on their expert-parallel rank); give 1.")
     if not shape.is_moe and replays_routing(args):
         errors.append(f"{replays_routing(args)} replays mixture-of-experts routing, but the model of {where} has no "
                       "experts; remove it.")
@@ -137,6 +137,11 @@ def moe_flag_problems(args: Any, shape: ModelShape, where: str) -> tuple[list[st
     if replays_routing(args) and flag(args, "recompute_granularity"):
         errors.append("--use-routing-replay with --recompute-granularity is not supported yet by --train-backend "
                       "megatron (the recomputed routers would route by their own scores); leave one of them out.")
+    tp = int(getattr(args, "tensor_model_parallel_size", None) or 1)
+    if tp > 1 and etp is None:
+        warnings.append(f"--expert-tensor-parallel-size is not given: Megatron-LM would split every expert over the "
+                        f"{tp} TP ranks; here each TP rank holds whole experts (expert TP 1: the same updates, more "
+                        "memory per rank). Give --expert-tensor-parallel-size 1 to say so.")
     if flag(args, "moe_token_dispatcher_type", "alltoall") == "flex":
         warnings.append("--moe-token-dispatcher-type flex is run as alltoall (the flex dispatcher needs DeepEP, which "
                         "this backend does not use; both send the same tokens to the same experts).")

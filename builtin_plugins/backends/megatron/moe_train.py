@@ -23,11 +23,14 @@ def aux_loss_value(config) -> float:
     coefficients: ``sum_types coeff_type * sum_layers L_type(layer)``, summed over the micro-batches
     recorded (``L`` as ``switch_load_balancing_loss_func``: ``E / (k T^2) * sum_i (sum_x p_xi) (sum_x m_xi)``
     over a micro-batch's ``T`` tokens, ``p`` the softmax scores, ``m`` the top-k map; per sequence and averaged
-    over sequences for ``seq_aux_loss``).
+    over sequences for ``seq_aux_loss``). Under sequence parallelism each TP rank's routers hold the terms of
+    their share of the ``T`` tokens (the counts ``m`` are gathered); the values are summed over the TP ranks.
 
     :param config: the megatron-core ``TransformerConfig`` (its types and coefficients).
     """
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    import torch.distributed as dist
 
     tracker = get_moe_layer_wise_logging_tracker()
     types = config.moe_router_load_balancing_type
@@ -36,8 +39,13 @@ def aux_loss_value(config) -> float:
     total = 0.0
     for kind, coeff in zip(types, coeffs):
         entry = tracker.get(_TRACKED.get(kind, ""))
-        if entry is not None:
-            total += float(coeff) * float(entry["values"].sum())
+        if entry is None:
+            continue
+        values, group = entry["values"], entry.get("reduce_group")
+        if group is not None and dist.get_world_size(group) > 1:  # each TP rank's loss covers its share of the tokens
+            values = values.clone()
+            dist.all_reduce(values, group=group)
+        total += float(coeff) * float(values.sum())
     return total
 
 
@@ -64,7 +72,14 @@ class ExpertLayers:
         from .routing import RoutingReplay
 
         if self._moe() and replays_routing(self.config):
-            self._replay = RoutingReplay(self.model)
+            self._replay = RoutingReplay(self.model, self._sp_group())
+
+    def _sp_group(self):
+        """The tensor-parallel group under sequence parallelism (each TP rank routes its share of the tokens),
+        else None."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_group() if self._sequence_parallel() else None
 
     @contextlib.contextmanager
     def _routing(self, model, batch, ids: list[int], grad: bool, packed: bool, total: int | None):
@@ -83,7 +98,8 @@ class ExpertLayers:
         from .routing import token_positions
 
         tokens = [batch.tokens[i] for i in ids]
-        samples, positions = token_positions([len(t) for t in tokens], packed, total)
+        samples, positions = token_positions([len(t) for t in tokens], packed, total,
+                                             self.tp if self._sequence_parallel() else 1)
         given = [batch.routed_experts[i] for i in ids] if batch.routed_experts is not None else None
         rollout = given is not None and all(r is not None for r in given)
         given = given if rollout else None
@@ -110,11 +126,14 @@ class ExpertLayers:
 
     def _disagreement_share(self) -> float:
         """This rank's share of the step's routing disagreement: its differing (token, layer) pairs over the
-        pairs compared on every data-parallel rank (the core sums the shares)."""
+        pairs compared on every data-parallel rank (the core sums the shares); under sequence parallelism this
+        rank's counts are its TP group's (each TP rank compares its share of the tokens)."""
         import torch
         import torch.distributed as dist
 
         counts = torch.tensor(self._disagreeing, dtype=torch.float64, device=self.device)
+        if self._sp_group() is not None:
+            dist.all_reduce(counts, group=self._sp_group())
         if self._dp_size() > 1:
             compared = counts[1:].clone()
             dist.all_reduce(compared, group=self._dp_group())
@@ -153,7 +172,10 @@ class ExpertLayers:
             torch.tensor(1.0 / (micro_batches * self._dp_size()), dtype=torch.float32, device=self.device))
 
     def _expert_grads(self, named: list[tuple[str, Any]]) -> None:
-        """Sum expert gradients over the expert-data-parallel ranks (those holding the same experts)."""
+        """Sum expert gradients over the expert-data-parallel ranks (those holding the same experts: the data-parallel
+        and, experts being whole on every TP rank, the tensor-parallel ranks of this EP rank)."""
+        if not named:
+            return
         import torch.distributed as dist
         from megatron.core import parallel_state
 

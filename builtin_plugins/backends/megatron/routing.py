@@ -16,19 +16,23 @@ import torch
 __all__ = ["RoutingReplay", "token_positions"]
 
 
-def token_positions(lengths: Sequence[int], packed: bool, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def token_positions(lengths: Sequence[int], packed: bool, total: int | None = None,
+                    multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sample, position)``, int64 ``[N]`` each, of the ``N`` tokens a micro-batch of sequences of ``lengths``
     feeds its routers, in their order; ``-1`` for pad positions.
 
     :param packed: the sequences concatenated (``[1, sum]``, lengthened to ``total`` positions when given),
         else right-padded into ``[B, max(lengths)]``, which the decoder takes as ``[max, B]``.
+    :param multiple: the positions are padded to a multiple of it (the TP size under sequence parallelism,
+        :func:`~.logprobs.micro_batch_inputs`).
     """
     if packed:
         samples = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         positions = torch.cat([torch.arange(n) for n in lengths])
-        pad = max(0, (total or 0) - len(samples))
+        count = max(len(samples), total or 0)
+        pad = count + -count % multiple - len(samples)
         return torch.cat([samples, torch.full((pad,), -1)]), torch.cat([positions, torch.full((pad,), -1)])
-    width = max(lengths)
+    width = max(lengths) + -max(lengths) % multiple
     position = torch.arange(width).repeat_interleave(len(lengths))  # [L * B]: row p * B + b
     sample = torch.arange(len(lengths)).repeat(width)
     real = position < torch.tensor(lengths)[sample]
@@ -41,12 +45,27 @@ class RoutingReplay:
     :meth:`replay` makes the routers take given experts; :meth:`record` makes them keep their own choice
     for :meth:`recorded`; :meth:`own_choice` additionally computes each router's own top-k while it replays
     (the disagreement metric). :meth:`finish` returns the routers to their own routing.
+
+    Under sequence parallelism (``sp_group``: the tensor-parallel group) each TP rank's routers see their
+    share of the ``N`` tokens, the contiguous ``N / TP`` of rank ``r`` (the decoder's ``[s, b]`` order split
+    along ``s``): the methods take every token's ``(sample, position)`` and keep this rank's; :meth:`recorded`
+    gathers the shares, so every TP rank holds the whole routing.
     """
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, sp_group=None) -> None:
         self.routers = [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
         self._own: list = []
         self._hooks: list = []
+        self._sp_group = sp_group
+
+    def _share(self, *tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This TP rank's share of each ``[N]`` tensor (all of it without sequence parallelism)."""
+        import torch.distributed as dist
+
+        if self._sp_group is None:
+            return tokens
+        size, rank = dist.get_world_size(self._sp_group), dist.get_rank(self._sp_group)
+        return tuple(t.chunk(size)[rank] for t in tokens)
 
     def replay(self, routing: Sequence[Any], samples: torch.Tensor, positions: torch.Tensor) -> None:
         """Route the next forward's tokens to ``routing[i][t]`` (sample ``i``, position ``t``; int ``[T_i - 1, L, k]``
@@ -57,6 +76,7 @@ class RoutingReplay:
         """
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+        samples, positions = self._share(samples, positions)
         k = self.routers[0].topk
         targets = torch.arange(k).repeat(len(samples), len(self.routers), 1)  # [N, L, k]
         for i, rows in enumerate(routing):
@@ -93,12 +113,20 @@ class RoutingReplay:
 
     def recorded(self, lengths: Sequence[int], samples: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
         """Per sample, the experts the last recording forward chose: int64 ``[T_i - 1, L, k]`` on the host."""
-        chosen = torch.stack([r.router_replay.get_recorded_indices().cpu() for r in self.routers], dim=1)
-        return self._per_sample(chosen, lengths, samples, positions)
+        chosen = torch.stack([r.router_replay.get_recorded_indices() for r in self.routers], dim=1)
+        if self._sp_group is not None:
+            import torch.distributed as dist
+
+            shares = [torch.empty_like(chosen) for _ in range(dist.get_world_size(self._sp_group))]
+            dist.all_gather(shares, chosen.contiguous(), group=self._sp_group)
+            chosen = torch.cat(shares)
+        return self._per_sample(chosen.cpu(), lengths, samples, positions)
 
     def disagreement(self, routing: Sequence[Any], samples: torch.Tensor, positions: torch.Tensor) -> tuple[int, int]:
         """``(differing, compared)``: of the (token, layer) pairs with a row in ``routing``, how many had an own
-        top-k set (:meth:`own_choice`) other than the replayed one."""
+        top-k set (:meth:`own_choice`) other than the replayed one; this TP rank's tokens only under sequence
+        parallelism."""
+        samples, positions = self._share(samples, positions)
         own = torch.stack([o.cpu() for o in self._own], dim=1).sort(dim=-1).values  # [N, L, k]
         differing = compared = 0
         for i, rows in enumerate(routing):
