@@ -136,6 +136,9 @@ class RunConfig:
     save_interval: int
     save_hf: str | None
     save_trigger_sentinel: str | None
+    save_retain_interval: int | None
+    exit_interval: int | None
+    exit_duration_in_mins: float | None
     no_save_optim: bool
     no_load_optim: bool
     no_load_rng: bool

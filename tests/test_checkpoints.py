@@ -322,3 +322,77 @@ def test_a_checkpoint_names_its_train_backend_and_another_backend_is_told_which_
                               "another run without --load).")
     os.remove(os.path.join(ck.iter_dir(save, 3), ck.WRITER_NAME))  # written before backends were recorded
     assert ck.resolve_start(_args(load=save, train_backend="fsdp")).loaded_rollout_id == 3
+
+
+# --- --finetune: the checkpoint's weights only, rollout 0, the data from its start ----------------------
+
+
+def test_finetune_loads_the_marked_checkpoint_from_rollout_0_without_data_state(tmp_path):
+    save = str(tmp_path)
+    for r in range(3):
+        _save(_args(save=save), r)
+    point = ck.resolve_start(_args(load=save, finetune=True))
+    assert (point.start_rollout_id, point.load_dir, point.state, point.loaded_rollout_id) == (
+        0, ck.iter_dir(save, 2), None, 2)
+    stepped = ck.resolve_start(_args(load=save, finetune=True, ckpt_step=1, start_rollout_id=4))
+    assert (stepped.start_rollout_id, stepped.load_dir, stepped.state) == (4, ck.iter_dir(save, 1), None)
+
+
+# --- --save-retain-interval: Megatron-LM's rule, on real folders -------------------------------------------
+
+
+@pytest.mark.parametrize(("previous", "rollout_id", "retain", "expected"), [
+    (None, 0, 2, False),  # no checkpoint before
+    (0, 1, 2, False),  # rollout 0 always stays (Megatron: iteration > 0 only)
+    (1, 2, 2, True),
+    (2, 3, 2, False),  # a multiple of the interval
+    (3, 3, 2, False),  # the checkpoint just written (a re-save of the same rollout)
+    (19, 39, 20, True),  # Miles' cadence (saves at 19, 39, ...): only multiples of 20 stay
+    (5, 6, None, False),  # no --save-retain-interval: everything stays
+])
+def test_retired_follows_megatron(previous, rollout_id, retain, expected):
+    assert ck.retired(previous, rollout_id, retain) is expected
+
+
+def _listing(save):
+    return sorted(os.listdir(save)), sorted(os.listdir(os.path.join(save, "rollout")))
+
+
+def test_retain_interval_keeps_multiples_the_newest_and_rollout_0(tmp_path):
+    args = _args(save=str(tmp_path), save_interval=1, save_retain_interval=2)
+    for r in range(6):
+        _save(args, r)
+    assert _listing(tmp_path) == (["iter_0000000", "iter_0000002", "iter_0000004", "iter_0000005", ck.MARKER_NAME,
+                                   "rollout"], ["state_0.json", "state_2.json", "state_4.json", "state_5.json"])
+    assert _marker(tmp_path) == "5"
+
+
+def test_retain_interval_never_deletes_a_link_a_foreign_folder_or_the_resumed_checkpoint(tmp_path):
+    save, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    args = _args(save=str(save), save_interval=1, save_retain_interval=10)
+    _save(args, 0)
+    _save(args, 1)
+    elsewhere.mkdir()
+    (elsewhere / "precious.txt").write_text("x")
+    os.rename(save / "iter_0000001", save / "moved")
+    os.symlink(elsewhere, save / "iter_0000001")  # the marker names 1: a link now
+    _save(args, 2)
+    assert (elsewhere / "precious.txt").read_text() == "x" and os.path.islink(save / "iter_0000001")
+    (save / "iter_0000002" / ck.WRITER_NAME).unlink()  # a folder furlong did not write
+    _save(args, 3)
+    assert (save / "iter_0000002" / "model.txt").exists()
+    asyncio.run(ck.save_checkpoint(args, 4, _writer("w"), {}, keep=str(save / "iter_0000003")))
+    assert (save / "iter_0000003").is_dir()  # the run resumed from it
+    _save(args, 5)
+    assert not (save / "iter_0000004").exists() and not (save / "rollout" / "state_4.json").exists()
+    assert not any(name.endswith(".tmp") for name in os.listdir(save))
+
+
+def test_retain_interval_deletes_the_critic_of_a_retired_checkpoint(tmp_path):
+    save, critic = tmp_path / "run", tmp_path / "run_critic"
+    args = _args(save=str(save), save_interval=1, save_retain_interval=3, critic_save=str(critic))
+    args.use_critic = True  # as a ppo run's configuration says
+    for r in range(3):
+        asyncio.run(ck.save_checkpoint(args, r, _writer("a"), {}, save_critic=_writer("c")))
+    assert sorted(os.listdir(critic)) == ["iter_0000000", "iter_0000002", ck.MARKER_NAME]
+    assert sorted(os.listdir(save))[:2] == ["iter_0000000", "iter_0000002"]

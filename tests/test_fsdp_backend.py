@@ -279,6 +279,19 @@ def test_no_load_optim_keeps_the_step_but_not_adam(tiny_dir, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(_weights(second).values(), _weights(first).values()))
 
 
+def test_finetune_loads_the_weights_only_and_starts_the_step_at_zero(tiny_dir, tmp_path):
+    first = _backend(tiny_dir)
+    for rollout in range(2):
+        asyncio.run(first.train(rollout, make_batch(first.tokenizer, ALL_IN_ONE)))
+    asyncio.run(first.save(str(tmp_path / "ckpt")))
+    second = _backend(tiny_dir, finetune=True)  # --no-load-optim / --no-load-rng off: --finetune alone suffices
+    rng_before = torch.get_rng_state()
+    asyncio.run(second.load(str(tmp_path / "ckpt")))
+    assert first.global_step == 2 and second.global_step == 0 and len(second.optimizer.state) == 0
+    assert torch.equal(torch.get_rng_state(), rng_before)  # the checkpoint's rng.pt was not read
+    assert all(torch.equal(a, b) for a, b in zip(_weights(second).values(), _weights(first).values()))
+
+
 def test_load_rejects_a_foreign_directory(tiny_dir, tmp_path):
     backend = _backend(tiny_dir)
     with pytest.raises(PluginError) as err:

@@ -187,6 +187,26 @@ def test_a_checkpoint_of_the_other_optimizer_loads_its_weights_only_with_no_load
     assert third.global_step == 2
 
 
+def test_finetune_loads_the_weights_only_and_starts_the_step_at_zero(tiny_model_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    first = megatron_backend(config=train_config(tiny_model_dir))
+    asyncio.run(first.init(first.config))
+    for rollout in range(2):
+        asyncio.run(first.train(rollout, make_batch(tokenizer, [[[0, 1]], [[2, 3]]])))
+    saved = tmp_path / "iter_0000001"
+    asyncio.run(first.save(str(saved)))
+    second = megatron_backend(config=train_config(tiny_model_dir, finetune=True))
+    asyncio.run(second.init(second.config))
+    fresh_schedule = second.scheduler.state_dict()
+    rng_before = torch.get_rng_state()
+    asyncio.run(second.load(str(saved)))
+    assert first.global_step == 4 and second.global_step == 0
+    assert not any(second.optimizer.state.values()) and second.scheduler.state_dict() == fresh_schedule
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    for (name, a), (_, b) in zip(first.model.named_parameters(), second.model.named_parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_offload_moves_only_what_is_not_on_the_host_yet():
     """--optimizer-cpu-offload keeps part of the AdamW state on the host for its CPU optimizer: offloading moves the
     rest (here to the ``meta`` device, standing for the host) and records where each tensor came from, and leaves

@@ -33,6 +33,16 @@ def add(g, dev) -> None:
                                                    "save (a path template with {rollout_id}); needs --save.")
     g.add_argument("--save-trigger-sentinel", default=None,
                    help="At a save point, if this file exists: save now, then delete it. Needs --save.")
+    g.add_argument("--save-retain-interval", type=int, default=None, metavar="N",
+                   help="After each save, delete the checkpoint saved before it (iter_*, its data state, its critic) "
+                        "unless its rollout id is a multiple of N, as Megatron-LM does; the newest checkpoint and "
+                        "the one this run resumed from are always kept. A multiple of --save-interval; needs --save.")
+    g.add_argument("--exit-interval", type=int, default=None, metavar="N",
+                   help="Stop after a rollout whose count (rollout id + 1) is a multiple of N, saving a checkpoint "
+                        "first under --save (Megatron-LM's --exit-interval, counted in rollouts).")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None, metavar="MINUTES",
+                   help="Stop after the first rollout that ends more than MINUTES after the run started, saving a "
+                        "checkpoint first under --save (Megatron-LM's; checked between rollouts).")
     g.add_argument("--no-save-optim", action="store_true", help="Do not save optimizer and scheduler state.")
     g.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer state.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG state.")
@@ -46,7 +56,9 @@ def add(g, dev) -> None:
     megatron(g, "--tokenizer-model", default=None,
              help="Megatron: tokenizer directory (default: --hf-checkpoint, which the fsdp trainer, the embedded "
                   "engine and the data always use).")
-    megatron(g, "--finetune", action="store_true", help="Megatron: load weights only, reset iteration counters.")
+    g.add_argument("--finetune", action="store_true",
+                   help="Load only the weights of the --load checkpoint: fresh optimizer, learning-rate schedule and "
+                        "RNG, the run starts at rollout 0 with the data from its start (Megatron-LM's --finetune).")
     megatron(g, "--ckpt-step", type=int, default=None, help="Megatron: iteration of --load to read.")
     megatron(g, "--use-checkpoint-opt_param-scheduler", action="store_true",
              help="Megatron: take the LR schedule from the checkpoint.")

@@ -126,13 +126,23 @@ def saving(args, f, given: set[str]) -> None:
         except (KeyError, IndexError, ValueError) as exc:
             f.error(f"--save-hf {args.save_hf}: a path template may use only {{rollout_id}} ({type(exc).__name__}: "
                     f"{exc}).")
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
+        f.error(f"--exit-duration-in-mins must be more than 0 minutes, got {args.exit_duration_in_mins:g}.")
+    if args.finetune and not args.load:
+        f.warn("--finetune loads the weights of a --load checkpoint only, and there is no --load: the run starts "
+               "from --ref-load / --hf-checkpoint at rollout 0 as it would without --finetune.")
     if args.save:
         if "save_interval" not in given:
             f.info(f"--save-interval defaults to {args.save_interval} rollouts (it was 10 before 0.0.8).")
+        retain, every = args.save_retain_interval, args.save_interval
+        if retain is not None and every and retain >= 1 and retain % every:
+            f.error(f"--save-retain-interval ({retain}) must be a multiple of --save-interval ({every}), as "
+                    "Megatron-LM requires: give --save-retain-interval "
+                    f"{every * max(retain // every, 1)} (or drop it to keep every checkpoint).")
         return
     for dest, flag in (("save_interval", "--save-interval"), ("save_trigger_sentinel", "--save-trigger-sentinel"),
                        ("custom_megatron_post_save_hook_path", "--custom-megatron-post-save-hook-path"),
-                       ("save_hf", "--save-hf")):
+                       ("save_hf", "--save-hf"), ("save_retain_interval", "--save-retain-interval")):
         if dest in given and flag_value(args, dest) is not None:
             f.error(f"{flag} {flag_value(args, dest)} has no effect without --save: give --save DIR or drop {flag}.")
 

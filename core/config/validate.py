@@ -32,7 +32,7 @@ MINIMUMS: tuple[tuple[str, int], ...] = (
     ("micro_batch_size", 1), ("max_sampling_waves", 1), ("over_sampling_batch_size", 1),
     ("n_samples_per_eval_prompt", 1), ("eval_interval", 1), ("save_interval", 1),
     ("update_weights_interval", 1), ("log_interval", 1), ("sglang_server_concurrency", 1),
-    ("debug_exit_after_rollout", 1),
+    ("debug_exit_after_rollout", 1), ("save_retain_interval", 1), ("exit_interval", 1),
     ("max_tokens_per_gpu", 1), ("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1),
     ("context_parallel_size", 1), ("expert_model_parallel_size", 1), ("dp_replicate_size", 1),
     ("rollout_max_response_len", 1), ("eval_max_response_len", 1), ("rollout_max_prompt_len", 1),

@@ -18,6 +18,7 @@ only writes into the directory it is given.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -40,6 +41,8 @@ __all__ = [
     "post_save_hook",
     "read_marker",
     "resolve_start",
+    "retire_previous",
+    "retired",
     "save_checkpoint",
     "should_save",
     "state_path",
@@ -136,6 +139,7 @@ async def save_checkpoint(
     save_hf: Callable[[str], Awaitable[Any]] | None = None,
     post_save: Callable[[str, str | None], Awaitable[Any]] | None = None,
     save_critic: Callable[[str], Awaitable[Any]] | None = None,
+    keep: str | None = None,
 ) -> str:
     """Save the checkpoint of ``rollout_id`` under ``config.save``; return its final directory.
 
@@ -170,6 +174,8 @@ async def save_checkpoint(
         ``<config.critic_save>/iter_N`` the same crash-safe way, with that folder's own marker,
         before the run's marker names rollout N (so a checkpoint the marker names always has
         its critic).
+    :param keep: the ``iter_*`` folder this run resumed from, which ``--save-retain-interval`` never
+        deletes (:func:`retire_previous`), or None.
     :returns: ``<save>/iter_<rollout_id:07d>``.
     :raises PluginError: ``config.save`` is not set, or ``state`` is not JSON-serializable.
     """
@@ -190,7 +196,9 @@ async def save_checkpoint(
     _fsync_dir(tmp)
     if save_critic is not None:
         await _save_critic(config, rollout_id, save_critic)
+    previous = read_marker(save)
     _publish(config, save, rollout_id, tmp, final, state_text)
+    await retire_previous(config, previous, rollout_id, keep)
     hf_dir = hf_export_dir(config, rollout_id)
     if hf_dir:
         await save_hf(hf_dir)
@@ -198,6 +206,64 @@ async def save_checkpoint(
     if post_save is not None:
         await post_save(final, hf_dir)
     return final
+
+
+def retired(previous: int | None, rollout_id: int, retain: int | None) -> bool:
+    """Whether the checkpoint of rollout ``previous`` (the one the marker named before ``rollout_id``
+    was saved) is deleted under ``--save-retain-interval retain``.
+
+    Megatron-LM's rule (``megatron/training/checkpointing.py``, ``save_checkpoint``: after the
+    tracker names the new iteration, the one it named before is deleted when it is above 0, is not
+    the new one and is not a multiple of the interval): every save looks only at the checkpoint
+    saved before it, so those at rollout 0 and at multiples of ``retain`` stay, and the newest.
+    Example, ``--save-interval 1 --save-retain-interval 2`` over rollouts 0..4: 1 and 3 go, 0, 2 and 4 stay.
+    """
+    return retain is not None and previous is not None and 0 < previous != rollout_id and previous % retain != 0
+
+
+async def retire_previous(config: RunConfig, previous: int | None, rollout_id: int, keep: str | None = None) -> None:
+    """Delete the checkpoint of rollout ``previous`` when :func:`retired` says so: ``iter_<previous>``
+    under ``--save``, its data state ``rollout/state_<previous>.json`` and the critic's
+    ``iter_<previous>`` under ``--critic-save``.
+
+    Only a folder this core wrote is deleted: a directory (not a link) holding ``writer.json``; the
+    folder ``keep`` (the checkpoint the run resumed from) stays. The folder is first renamed to
+    ``iter_<previous>.tmp`` (what a partial save is called), so a crash mid-delete leaves no
+    half-deleted ``iter_*``. Runs off the event loop's thread (a large checkpoint takes a while).
+    """
+    retain = config.save_retain_interval
+    if not retired(previous, rollout_id, retain):
+        return
+    folders = [config.save] + ([config.critic_save] if config.use_critic and config.critic_save else [])
+    for save in folders:
+        path = iter_dir(save, previous)
+        if same_dir(path, keep):
+            log.info("--save-retain-interval %d: keeping %s, the checkpoint this run resumed from", retain, path)
+            return
+    for save in folders:
+        path = iter_dir(save, previous)
+        if not os.path.lexists(path):
+            continue
+        if os.path.islink(path) or not os.path.isfile(os.path.join(path, WRITER_NAME)):
+            log.warning("--save-retain-interval %d: not deleting %s: it is a link or has no %s (not a checkpoint "
+                        "furlong wrote)", retain, path, WRITER_NAME)
+            continue
+        await asyncio.to_thread(_delete_checkpoint, path)
+        log.info("--save-retain-interval %d: deleted %s (rollout %d is not a multiple of %d)", retain, path,
+                 previous, retain)
+    state = state_path(config.save, previous)
+    if os.path.isfile(state) and not os.path.lexists(iter_dir(config.save, previous)):
+        os.remove(state)
+
+
+def _delete_checkpoint(path: str) -> None:
+    """Rename ``iter_N`` to ``iter_N.tmp`` (a stale one removed first), then delete it."""
+    tmp = path + _TMP_SUFFIX
+    if os.path.lexists(tmp):
+        shutil.rmtree(tmp)
+    os.rename(path, tmp)
+    _fsync_dir(os.path.dirname(path))
+    shutil.rmtree(tmp)
 
 
 def hf_export_dir(config: RunConfig, rollout_id: int) -> str | None:
@@ -355,6 +421,11 @@ def resolve_start(config: RunConfig) -> ResumePoint:
     An ``iter_<L>`` lost in the middle of replacing it with a re-save (only
     ``iter_<L>.old`` left) is loaded from ``iter_<L>.old`` with a warning.
 
+    ``--finetune`` (Megatron-LM's: weights only, iteration 0): the same checkpoint is found, the
+    backend loads its weights only (:func:`furlong.kit.resume.load_parts`), and the run starts at
+    ``config.start_rollout_id`` if given, else 0, with no data state (the data from its start) and
+    an info line saying so.
+
     :raises PluginError: the marker is not an integer, the checkpoint it (or
         ``--ckpt-step``) names does not exist (the message names the path), or its
         ``writer.json`` names another ``--train-backend`` than this run's (each backend
@@ -393,6 +464,11 @@ def resolve_start(config: RunConfig) -> ResumePoint:
             )
 
     _check_writer(config, load_dir, loaded)
+    if config.finetune:
+        start = start_override if start_override is not None else 0
+        log.info("--finetune: loading the weights of %s only (fresh optimizer, learning-rate schedule and RNG); the "
+                 "run starts at rollout %d with the data from its start", load_dir, start)
+        return ResumePoint(start_rollout_id=start, load_dir=load_dir, loaded_rollout_id=loaded)
     start = start_override if start_override is not None else loaded + 1
     state = None
     if start > 0:

@@ -65,6 +65,9 @@ class Run:
         self.eval_engines: list = []
         self.latest_rollout = 0  # the rollout the loop is at (eval/lag_steps of the fleet's evaluations)
         self.resumed = False  # the trainer started from a checkpoint (not --hf-checkpoint's weights)
+        self.resumed_from: str | None = None  # that checkpoint's iter_* folder (--save-retain-interval keeps it)
+        self.started = time.monotonic()  # --exit-duration-in-mins counts from here
+        self.saved_rollout: int | None = None  # the rollout of the last checkpoint started
         self.health: EngineHealthMonitor | None = None
         self.locks: list = []  # the run's locks on its output folders (core/run/lock.py)
         self.warned_zero_spread = False
@@ -107,6 +110,7 @@ class Run:
         log.log(level, "%s", where)
         resume = resolve_start(config)
         self.resumed = bool(resume.load_dir)
+        self.resumed_from = resume.load_dir
         if resume.start_rollout_id >= config.num_rollout:
             log.warning("the run starts at rollout %d and --num-rollout is %d: there is nothing left to train (a "
                         "finished run resumed, or --num-rollout lowered); raise --num-rollout to train further.",
@@ -269,6 +273,7 @@ class Run:
         checkpoint before the next save and at its end (:meth:`wait_for_save`).
         """
         await self.wait_for_save()
+        self.saved_rollout = rollout_id
         if data_state is None:
             data_state = await self.rollout.data_state()
         if self.config.async_save:
@@ -280,7 +285,8 @@ class Run:
     async def _save(self, rollout_id: int, data_state: dict) -> None:
         path = await save_checkpoint(self.config, rollout_id, self.group.save_model, data_state, self.group.save_hf,
                                      post_save_hook(self.config, self.pm, self.selection, rollout_id),
-                                     save_critic=self.critic.save_model if self.critic is not None else None)
+                                     save_critic=self.critic.save_model if self.critic is not None else None,
+                                     keep=self.resumed_from)
         await self.pm.notify("on_checkpoint_saved", config=self.config, rollout_id=rollout_id, path=path)
 
     async def wait_for_save(self) -> None:
@@ -425,6 +431,8 @@ async def _sync_loop(state: Run, start_id: int, sync_time: float) -> None:
         if exits_after(config, rollout_id, start_id):
             _log_exit(config, rollout_id)
             break
+        if await _exit_early(state, rollout_id):
+            break
 
 
 async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
@@ -491,10 +499,49 @@ async def _async_loop(state: Run, start_id: int, sync_time: float) -> None:
             if exits_after(config, rollout_id, start_id):
                 _log_exit(config, rollout_id)
                 break
+            if await _exit_early(state, rollout_id, lambda r=rollout_id: state.rollout.data_state(r)):
+                break
     finally:
         if future is not None and not future.done():
             future.cancel()
             await asyncio.gather(future, return_exceptions=True)
+
+
+async def _exit_early(state: Run, rollout_id: int, data_state=None) -> bool:
+    """Megatron-LM's ``--exit-interval`` and ``--exit-duration-in-mins`` after ``rollout_id`` (its save and
+    evaluation done): whether the loop stops here; before it does, a checkpoint of ``rollout_id`` is written
+    under ``--save`` unless one was (Megatron-LM ``megatron/training/training.py``,
+    ``checkpoint_and_decide_exit``).
+
+    :param data_state: coroutine function giving the data state to save (train-async: the state taken when
+        this rollout's generation finished); None: the data side's state now.
+    """
+    reason = exit_reason(state.config, rollout_id, time.monotonic() - state.started)
+    if reason is None:
+        return False
+    if state.group is not None and state.config.save and state.saved_rollout != rollout_id:
+        await state.save(rollout_id, await data_state() if data_state is not None else None)
+    log.info("%s: stopping after rollout %d%s.", reason, rollout_id,
+             f", checkpoint {rollout_id} saved" if state.saved_rollout == rollout_id else "")
+    return True
+
+
+def exit_reason(config: RunConfig, rollout_id: int, elapsed_s: float) -> str | None:
+    """Why the run stops early after ``rollout_id``, ``elapsed_s`` seconds after it started, or None.
+
+    ``--exit-interval N``: when ``rollout_id + 1`` (rollouts done, counted as ``--save-interval`` counts
+    them) is a multiple of N. ``--exit-duration-in-mins M``: when more than M minutes have passed. Never
+    after the run's last rollout (it ends there anyway).
+    """
+    if config.num_rollout is None or rollout_id + 1 >= config.num_rollout:
+        return None
+    every = config.exit_interval
+    if every and (rollout_id + 1) % every == 0:
+        return f"--exit-interval {every}"
+    limit = config.exit_duration_in_mins
+    if limit and elapsed_s > limit * 60:
+        return f"--exit-duration-in-mins {limit:g} ({elapsed_s / 60:.2f} minutes since the run started)"
+    return None
 
 
 def _log_exit(config: RunConfig, rollout_id: int) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from furlong.hooks import ParallelLayout, PluginError, RunConfig, TrainBatch
 from furlong.kit.hf import compile_decoder_layers, is_hf_dir
 from furlong.kit.master_weights import MasterWeights
+from furlong.kit.resume import load_parts
 from furlong.kit.trainer import StepLoop
 
 from . import checkpoint, lora
@@ -292,24 +293,26 @@ class FSDPBackend(StepLoop):
         )
 
     async def load(self, path: str) -> None:
-        """Restore weights, optimizer (unless ``--no-load-optim``), global step, RNG (unless ``--no-load-rng``).
+        """Restore weights, optimizer (unless ``--no-load-optim``), global step, RNG (unless ``--no-load-rng``);
+        under ``--finetune`` the weights only (:func:`furlong.kit.resume.load_parts`).
 
-        The global step (which sets the LR schedule position) always comes from
-        ``meta.json``; with ``--no-load-optim`` Adam's moments start fresh.
+        The global step (which sets the LR schedule position) comes from ``meta.json`` (0 under
+        ``--finetune``); with ``--no-load-optim`` Adam's moments start fresh.
 
         :raises PluginError: ``path`` is not an fsdp checkpoint.
         """
+        parts = load_parts(self.config)
         meta = checkpoint.read_meta(path)
         await self._in_thread(checkpoint.load_weights, path, self.model, self.world, self.rank, self._tied)
         if self.masters is not None:
             self.masters.copy_to_model()
-        if not self.config.no_load_optim:
+        if parts.optimizer:
             found = await self._in_thread(checkpoint.load_optimizer, path, self.model, self.optimizer, self.world,
                                             self.rank)
             if not found and self.rank == 0:
                 log.warning("fsdp: %s has no optimizer.pt (saved with --no-save-optim); Adam starts fresh", path)
-        self.global_step = int(meta["global_step"])
-        if not self.config.no_load_rng:
+        self.global_step = int(meta["global_step"]) if parts.step else 0
+        if parts.rng:
             checkpoint.load_rng(path, self.rank)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from furlong.hooks import ParallelLayout, PluginError, RunConfig, TrainBatch
 from furlong.kit.hf import is_hf_dir
+from furlong.kit.resume import load_parts
 from furlong.kit.trainer import StepLoop, local_optimizer
 
 from . import checkpoint, lora
@@ -542,17 +543,20 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
                                   parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None)
 
     async def load(self, path: str) -> None:
-        """Restore weights, optimizer and schedule (unless ``--no-load-optim``), RNG (unless ``--no-load-rng``).
+        """Restore weights, optimizer and schedule (unless ``--no-load-optim``), RNG (unless ``--no-load-rng``);
+        under ``--finetune`` the weights only, the global step at 0 (:func:`furlong.kit.resume.load_parts`).
 
         Works at any TP, PP or CP size (megatron-core reshards; CP peers hold the same weights). The global
-        step always comes from the checkpoint.
+        step comes from the checkpoint (0 under ``--finetune``).
 
         :raises PluginError: ``path`` is not a checkpoint of this backend or of this model.
         """
-        self.global_step = await self._in_thread(
+        parts = load_parts(self.config)
+        step = await self._in_thread(
             checkpoint.load_checkpoint, path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            masters=self.masters, rank=self.rank, world=self.world, load_optim=not self.config.no_load_optim,
-            load_rng=not self.config.no_load_rng, device=self.device)
+            masters=self.masters, rank=self.rank, world=self.world, load_optim=parts.optimizer,
+            load_rng=parts.rng, device=self.device)
+        self.global_step = step if parts.step else 0
 
 
 def _copy_parameters(source, target) -> None:
