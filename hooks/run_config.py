@@ -148,6 +148,8 @@ class RunConfig:
     tokenizer_model: str | None
     finetune: bool
     ckpt_step: int | None
+    exit_on_missing_checkpoint: bool
+    pretrained_checkpoint: str | None
     use_checkpoint_opt_param_scheduler: bool
     override_opt_param_scheduler: bool
     num_layers: int | None

@@ -396,3 +396,13 @@ def test_retain_interval_deletes_the_critic_of_a_retired_checkpoint(tmp_path):
         asyncio.run(ck.save_checkpoint(args, r, _writer("a"), {}, save_critic=_writer("c")))
     assert sorted(os.listdir(critic)) == ["iter_0000000", "iter_0000002", ck.MARKER_NAME]
     assert sorted(os.listdir(save))[:2] == ["iter_0000000", "iter_0000002"]
+
+
+def test_exit_on_missing_checkpoint_refuses_a_load_folder_without_one(tmp_path):
+    with pytest.raises(PluginError) as err:
+        ck.resolve_start(_args(load=str(tmp_path), exit_on_missing_checkpoint=True))
+    assert str(err.value) == (f"--load {tmp_path}: no checkpoint there (no {ck.MARKER_NAME}) and "
+                              "--exit-on-missing-checkpoint is given; point --load at a folder a run saved to, or "
+                              "drop --exit-on-missing-checkpoint to start from the initial weights.")
+    _save(_args(save=str(tmp_path)), 0)
+    assert ck.resolve_start(_args(load=str(tmp_path), exit_on_missing_checkpoint=True)).start_rollout_id == 1

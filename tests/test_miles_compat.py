@@ -252,6 +252,39 @@ def test_megatron_flags_a_backend_cannot_honour_are_one_line_each(tmp_path, argv
     assert got == ([w.format(hf=hf) for w in warnings], [e.format(hf=hf) for e in errors])
 
 
+def test_checkpoint_and_exit_flags_the_core_implements_are_not_reported_as_doing_nothing(tmp_path):
+    """--finetune, --save-retain-interval, --exit-interval, --exit-duration-in-mins change what a run loads, keeps
+    and when it stops: the core honours them on every backend (tests/test_e2e_checkpoint_flags.py)."""
+    argv = ["--load", str(tmp_path), "--finetune", "--save", str(tmp_path), "--save-interval", "2",
+            "--save-retain-interval", "4", "--exit-interval", "3", "--exit-duration-in-mins", "230", "--ckpt-step", "3",
+            "--exit-on-missing-checkpoint", "--no-rope-fusion"]
+    assert _megatron_report(tmp_path, argv, MegatronFlags(), DENSE) == ([WARN + "--no-rope-fusion."], [])
+    args = parse_args(BASE + argv)
+    assert (args.finetune, args.save_retain_interval, args.exit_interval, args.exit_duration_in_mins) == (
+        True, 4, 3, 230.0)
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--save", "S", "--save-interval", "4", "--save-retain-interval", "6"],
+     "--save-retain-interval (6) must be a multiple of --save-interval (4), as Megatron-LM requires: give "
+     "--save-retain-interval 4 (or drop it to keep every checkpoint)."),
+    (["--save-retain-interval", "2"], "--save-retain-interval 2 has no effect without --save: give --save DIR or "
+                                      "drop --save-retain-interval."),
+    (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be more than 0 minutes, got 0."),
+    (["--exit-interval", "0"], "--exit-interval must be at least 1, got 0."),
+    (["--exit-on-missing-checkpoint"], "--exit-on-missing-checkpoint has no effect without --load: give --load DIR "
+                                       "or drop it."),
+    (["--pretrained-checkpoint", "/ckpt/base"],
+     "--pretrained-checkpoint /ckpt/base: Megatron-LM's weights to fine-tune from when --load holds no checkpoint; "
+     "furlong starts such a run from --ref-load (a torch_dist or Hugging Face directory), else --hf-checkpoint: pass "
+     "the directory as --ref-load (it is the KL reference too) and remove it."),
+])
+def test_checkpoint_and_exit_flag_errors(argv, error):
+    with pytest.raises(ConfigError) as excinfo:
+        parse_args(BASE + argv)
+    assert error in str(excinfo.value).splitlines()
+
+
 @pytest.mark.parametrize("rate, errors", [("0", []),
                                          ("0.01", [ERR.replace("b ", "fsdp ") + "--moe-router-bias-update-rate" + TAIL])])
 def test_fsdp_takes_miles_frozen_expert_bias_as_what_it_does(tmp_path, rate, errors):

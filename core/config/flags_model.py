@@ -59,7 +59,14 @@ def add(g, dev) -> None:
     g.add_argument("--finetune", action="store_true",
                    help="Load only the weights of the --load checkpoint: fresh optimizer, learning-rate schedule and "
                         "RNG, the run starts at rollout 0 with the data from its start (Megatron-LM's --finetune).")
-    megatron(g, "--ckpt-step", type=int, default=None, help="Megatron: iteration of --load to read.")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="Resume from iter_<N> of --load instead of the one its latest_checkpointed_iteration.txt names.")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="Stop with an error when --load holds no checkpoint, instead of starting from the initial "
+                        "weights (Megatron-LM's).")
+    g.add_argument("--pretrained-checkpoint", default=None,
+                   help="Megatron-LM: weights to fine-tune from when --load holds no checkpoint; not supported: "
+                        "pass that directory as --ref-load.")
     megatron(g, "--use-checkpoint-opt_param-scheduler", action="store_true",
              help="Megatron: take the LR schedule from the checkpoint.")
     megatron(g, "--override-opt_param-scheduler", action="store_true",

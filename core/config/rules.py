@@ -128,6 +128,8 @@ def saving(args, f, given: set[str]) -> None:
                     f"{exc}).")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
         f.error(f"--exit-duration-in-mins must be more than 0 minutes, got {args.exit_duration_in_mins:g}.")
+    if args.exit_on_missing_checkpoint and not args.load:
+        f.error("--exit-on-missing-checkpoint has no effect without --load: give --load DIR or drop it.")
     if args.finetune and not args.load:
         f.warn("--finetune loads the weights of a --load checkpoint only, and there is no --load: the run starts "
                "from --ref-load / --hf-checkpoint at rollout 0 as it would without --finetune.")

@@ -67,6 +67,11 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--session-server-ip", "session_server_ip", (None,), reason="it addresses --use-session-server; remove it."),
     Unsupported("--session-server-port", "session_server_port", (None,),
                 reason="it addresses --use-session-server; remove it."),
+    # checkpoints
+    Unsupported("--pretrained-checkpoint", "pretrained_checkpoint", (None,), reason=(
+        "Megatron-LM's weights to fine-tune from when --load holds no checkpoint; furlong starts such a run from "
+        "--ref-load (a torch_dist or Hugging Face directory), else --hf-checkpoint: pass the directory as "
+        "--ref-load (it is the KL reference too) and remove it.")),
     # training
     Unsupported("--fsdp-cpu-backend", "fsdp_cpu_backend", ("gloo",), reason=(
         "the executors always give CPU tensors the gloo backend (cpu:gloo,cuda:nccl), the one CPU backend torch "

@@ -426,7 +426,8 @@ def resolve_start(config: RunConfig) -> ResumePoint:
     ``config.start_rollout_id`` if given, else 0, with no data state (the data from its start) and
     an info line saying so.
 
-    :raises PluginError: the marker is not an integer, the checkpoint it (or
+    :raises PluginError: ``--load`` holds no marker under ``--exit-on-missing-checkpoint``, the marker is not an
+        integer, the checkpoint it (or
         ``--ckpt-step``) names does not exist (the message names the path), or its
         ``writer.json`` names another ``--train-backend`` than this run's (each backend
         reads only its own layout).
@@ -440,6 +441,10 @@ def resolve_start(config: RunConfig) -> ResumePoint:
         parent = os.path.dirname(os.path.normpath(load)) or "."
         raise PluginError(f"--load '{load}' is one checkpoint iteration; pass the directory that holds it: "
                           f"--load {parent} (add --ckpt-step {int(iteration[1])} to resume from this iteration).")
+    if marker is None and load and config.exit_on_missing_checkpoint:
+        raise PluginError(f"--load {load}: no checkpoint there (no {MARKER_NAME}) and --exit-on-missing-checkpoint "
+                          "is given; point --load at a folder a run saved to, or drop --exit-on-missing-checkpoint "
+                          "to start from the initial weights.")
     if marker is None:
         start = start_override if start_override is not None else 0
         if load and not os.path.isdir(load) and not same_dir(load, config.save):
