@@ -322,6 +322,7 @@ UNSUPPORTED_ARGV = {
     "--session-server-ip": ["--session-server-ip", "10.0.0.1"],
     "--session-server-port": ["--session-server-port", "8000"],
     "--fsdp-cpu-backend": ["--fsdp-cpu-backend", "nccl"],
+    "--pretrained-checkpoint": ["--pretrained-checkpoint", "/ckpt/base"],
 }
 UNSUPPORTED_MESSAGES = {
     "--opd-type": "--opd-type sglang is not supported yet (supported: megatron).",
@@ -335,6 +336,7 @@ REASON_SHOWN = {"--multimodal-keys": "--multimodal-keys {'image': 'images'}",
                 "--custom-async-data-buffer-path": "--custom-async-data-buffer-path my.Buffer",
                 "--offload-rollout-level": "--offload-rollout-level ['kv_cache']",
                 "--max-seq-len": "--max-seq-len 4096",
+                "--pretrained-checkpoint": "--pretrained-checkpoint /ckpt/base",
                 "--session-server-ip": "--session-server-ip 10.0.0.1", "--session-server-port": "--session-server-port [8000]",
                 "--fsdp-cpu-backend": "--fsdp-cpu-backend nccl"}
 
