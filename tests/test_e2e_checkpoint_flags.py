@@ -91,3 +91,17 @@ def test_exit_duration_stops_train_async_after_its_first_rollout_with_a_checkpoi
     assert _rollouts(save) == [0] and _checkpoints(save) == ["iter_0000000"]
     assert (save / "rollout" / "state_0.json").is_file()
     assert "--exit-duration-in-mins 0.0001 (" in done.stderr and "stopping after rollout 0, checkpoint 0 saved." in done.stderr
+
+
+def test_the_three_on_the_megatron_backend(tmp_path):
+    """The core carries them out whatever the backend: megatron's torch_dist checkpoints are retained, loaded
+    weights-only and written on exit the same way."""
+    pytest.importorskip("megatron.core", reason="the megatron extra (megatron-core) is not installed")
+    first, tuned = tmp_path / "first", tmp_path / "tuned"
+    _demo(first, 3, "--train-backend", "megatron", "--save-interval", "1", "--save-retain-interval", "2")
+    assert _checkpoints(first) == ["iter_0000000", "iter_0000002"] and _meta(first / "iter_0000002")["global_step"] == 3
+    done = _demo(tuned, 4, "--train-backend", "megatron", "--load", str(first), "--finetune", "--exit-interval", "1")
+    assert f"--finetune: loading the weights of {first / 'iter_0000002'} only" in done.stderr
+    assert "--exit-interval 1: stopping after rollout 0, checkpoint 0 saved." in done.stderr
+    assert _rollouts(tuned) == [0] and _checkpoints(tuned) == ["iter_0000000"]
+    assert _meta(tuned / "iter_0000000")["global_step"] == 1  # a fresh step count: one step since the load
