@@ -193,10 +193,11 @@ def test_expert_parallelism_is_checked_against_the_experts(moe_dir, tiny_model_d
                    megatron_args={"expert_tensor_parallel_size": 2}).errors == [
         "--expert-tensor-parallel-size 2 is not supported yet by --train-backend megatron (experts are whole on "
         "their expert-parallel rank); give 1."]
-    assert _report(moe_dir, pipeline_model_parallel_size=2).errors == [
-        f"--pipeline-model-parallel-size 2 is not supported yet by --train-backend megatron on a mixture-of-experts "
-        f"model (--hf-checkpoint {moe_dir}); share the experts out with --expert-model-parallel-size and use tensor "
-        "or data parallelism for the rest."]
+    assert _report(moe_dir, pipeline_model_parallel_size=2).errors == []
+    assert _report(moe_dir, context_parallel_size=2).errors == [
+        f"--context-parallel-size 2 is not supported yet by --train-backend megatron on a mixture-of-experts "
+        f"model (--hf-checkpoint {moe_dir}); share the experts out with --expert-model-parallel-size and use tensor, "
+        "pipeline or data parallelism for the rest."]
 
 
 # --- the load-balancing loss -------------------------------------------------------------------------------
@@ -271,7 +272,7 @@ def _two_ranks_against_one(moe_dir, tmp_path, layout: str, **single_flags) -> li
     metrics = asyncio.run(single.train(0, batch))[0]
     weights = dict(asyncio.run(single.named_weights()))
     for got in ranks:
-        for i in [i for mb in got["steps"][0] for i in mb]:
+        for i in [i for mb in got["steps"][0] for i in mb] if got["returns_outputs"] else []:
             torch.testing.assert_close(got["log_probs"]["log_probs"][i], old[i], rtol=0, atol=1e-5)
         for key in ("loss", "grad_norm", "moe_aux_loss"):
             assert got["metrics"][key] == pytest.approx(metrics[key], rel=1e-5), key
@@ -306,6 +307,17 @@ def test_tensor_parallel_two_ranks_with_sequence_parallel_equal_one(moe_dir, tmp
     ranks = _two_ranks_against_one(moe_dir, tmp_path, "tp", use_routing_replay=True)
     assert ranks[0]["routing"], "the old-log-prob pass recorded no routing"
     assert ranks[0]["metrics"]["moe_aux_loss"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_two_stages_equal_one(moe_dir, tmp_path):
+    """PP=2 over two gloo ranks (one MoE layer per stage, megatron-core's pipeline schedule) equals one process, with
+    --use-routing-replay: the load-balancing loss of both stages' layers in the objective at the backend's scale and
+    in the metric, each stage recording and replaying its layers' routing (the record gathered over the stages);
+    the PP=2 checkpoint loads at PP=1."""
+    ranks = _two_ranks_against_one(moe_dir, tmp_path, "pp", use_routing_replay=True)
+    assert [got["returns_outputs"] for got in ranks] == [False, True]
+    assert all(routing.shape[1] == 2 for routing in ranks[0]["routing"].values())  # both layers, from both stages
 
 
 # --- routing replay ----------------------------------------------------------------------------------------

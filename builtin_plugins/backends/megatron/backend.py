@@ -82,6 +82,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         self._tp_sharded: set[int] = set()
         self._replay = None
         self._recorded_routing: dict = {}
+        self._unmerged: list = []  # recorded routing a pipeline stage has not completed with the others' yet
         self._disagreeing = [0, 0]
 
     # --- set-up -------------------------------------------------------------------------
@@ -130,7 +131,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         self.shape = model_shape(hf_config, f"--hf-checkpoint {config.hf_checkpoint}")
         problems = check_model_args(config, self.shape, f"--hf-checkpoint {config.hf_checkpoint}/config.json")
         problems += moe_flag_problems(config, self.shape, f"--hf-checkpoint {config.hf_checkpoint}/config.json")[0]
-        problems += moe_layout_problems(self.shape, self.tp, self.pp, self.cp, self.ep, config.hf_checkpoint,
+        problems += moe_layout_problems(self.shape, self.tp, self.cp, self.ep, config.hf_checkpoint,
                                         bool(config.use_distributed_optimizer), bool(config.sequence_parallel))
         problems += mcore_optimizer_problems(config)
         try:
@@ -311,6 +312,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
     def _after_train(self) -> None:
         self.model.eval()
         self._recorded_routing.clear()
+        self._unmerged.clear()
 
     def _optimizer_shards(self):
         """The group the AdamW state is sharded over: the data-parallel x context-parallel ranks under
@@ -571,13 +573,13 @@ def _copy_parameters(source, target) -> None:
                 tensors[f"{name}.weight"].copy_(lora.merged_weight(module))
 
 
-def moe_layout_problems(shape, tp: int, pp: int, cp: int, ep: int, where: str,
+def moe_layout_problems(shape, tp: int, cp: int, ep: int, where: str,
                         distributed_optimizer: bool | str = False, sequence_parallel: bool = False) -> list[str]:
     """What the parallel sizes cannot do with the model of ``shape`` (``where``: its checkpoint): experts
     (``ep`` > 1) only on a model with them, dividing their count, and without ``--use-distributed-optimizer``
     (whose shards assume every data-parallel rank holds the same parameters); on a model with experts, TP > 1
-    only with ``--sequence-parallel`` (megatron-core's rule: each TP rank routes its share of the sequence), PP
-    and CP 1 (their expert gradients and load-balancing loss over those ranks are not built yet).
+    only with ``--sequence-parallel`` (megatron-core's rule: each TP rank routes its share of the sequence), and
+    CP 1 (its routing of each rank's sequence chunks is not built yet).
     ``distributed_optimizer``: on, or the flags that turned it on (named in the message)."""
     if not shape.is_moe:
         return [f"--expert-model-parallel-size {ep}: the model of --hf-checkpoint {where} has no experts."] if (
@@ -594,11 +596,10 @@ def moe_layout_problems(shape, tp: int, pp: int, cp: int, ep: int, where: str,
     if tp > 1 and not sequence_parallel:
         problems.append(f"--tensor-model-parallel-size {tp} on a mixture-of-experts model (--hf-checkpoint {where}) "
                         "needs --sequence-parallel: megatron-core routes each TP rank's share of the sequence.")
-    for flag_name, size in (("--pipeline-model-parallel-size", pp), ("--context-parallel-size", cp)):
-        if size > 1:
-            problems.append(f"{flag_name} {size} is not supported yet by --train-backend megatron on a "
-                            f"mixture-of-experts model (--hf-checkpoint {where}); share the experts out with "
-                            "--expert-model-parallel-size and use tensor or data parallelism for the rest.")
+    if cp > 1:
+        problems.append(f"--context-parallel-size {cp} is not supported yet by --train-backend megatron on a "
+                        f"mixture-of-experts model (--hf-checkpoint {where}); share the experts out with "
+                        "--expert-model-parallel-size and use tensor, pipeline or data parallelism for the rest.")
     return problems
 
 

@@ -29,8 +29,8 @@ from furlong.kit.trainer import concatenated_ranges, right_padded, to_device
 
 from .context import context_parallel, gather_sequence, local_chunks, padded_length
 
-__all__ = ["MicroBatchInputs", "forward_log_probs", "micro_batch_inputs", "projecting_rows", "response_log_probs",
-           "sequence_parallel_size", "vocab_parallel_log_probs"]
+__all__ = ["MicroBatchInputs", "forward_log_probs", "micro_batch_inputs", "model_extra", "projecting_rows",
+           "response_log_probs", "sequence_parallel_size", "vocab_parallel_log_probs"]
 
 
 def _tp():
@@ -215,6 +215,21 @@ def _response_rows(ids, spans: list, device, extra: dict) -> MicroBatchInputs:
     return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans, head_rows=head_rows)
 
 
+def model_extra(model, inputs: MicroBatchInputs) -> dict:
+    """The keyword arguments of ``model``'s forward (a GPTModel, or a pipeline stage of one) beside the ids:
+    ``inputs.extra`` and, on a model with experts, the padding mask that keeps pad positions out of the routers'
+    load-balancing loss. megatron-core gives each TP rank its share of the mask under sequence parallelism on the
+    first pipeline stage only; a later stage gets its share here."""
+    extra = dict(inputs.extra)
+    if getattr(model.config, "num_moe_experts", None) and inputs.padding is not None:
+        padding = inputs.padding
+        if model.config.sequence_parallel and not model.pre_process:
+            tp, tp_rank, _ = _tp()
+            padding = padding.chunk(tp, dim=1)[tp_rank]
+        extra["padding_mask"] = padding
+    return extra
+
+
 def sequence_parallel_size(model) -> int:
     """The TP size when ``model`` (a GPTModel) runs with sequence parallelism, else 1."""
     config = getattr(model, "config", None)
@@ -291,10 +306,7 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
     """
     inputs = micro_batch_inputs(tokens, response_lengths, device, packed=packed,
                                 sequence_parallel=sequence_parallel_size(model), total=total)
-    extra = dict(inputs.extra)
-    if getattr(model.config, "num_moe_experts", None) and inputs.padding is not None:
-        extra["padding_mask"] = inputs.padding
     with torch.set_grad_enabled(grad), projecting_rows(model, inputs.head_rows):
-        logits = model(input_ids=inputs.ids, position_ids=None, attention_mask=None, **extra)
+        logits = model(input_ids=inputs.ids, position_ids=None, attention_mask=None, **model_extra(model, inputs))
         return response_log_probs(logits, inputs, temperature, vocab_size=vocab_size,
                                   entropy_grad=grad and entropy_grad, chunk_rows=chunk_rows)

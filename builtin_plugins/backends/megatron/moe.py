@@ -165,7 +165,7 @@ def moe_transformer_fields(shape: ModelShape, args: Any, device) -> dict:
         return {}
     types, coeffs = balancing(args)
     active = [(t, c) for t, c in zip(types, coeffs) if t != "none" and c]
-    dispatcher = flag(args, "moe_token_dispatcher_type", "alltoall") if device.type == "cuda" else "allgather"
+    dispatcher = flag(args, "moe_token_dispatcher_type", "alltoall")
     etp = flag(args, "expert_tensor_parallel_size")
     return dict(
         num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
