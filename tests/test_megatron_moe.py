@@ -58,7 +58,7 @@ def megatron_of(path: Path, args=None):
     """``(shape, GPTModel)`` of the HF checkpoint at ``path``, float32, loaded by streaming conversion."""
     shape = model_shape(AutoConfig.from_pretrained(path))
     args = args or train_config(path)
-    model = build_gpt(shape, 1, shape.vocab_size, torch.float32, CPU, **moe_transformer_fields(shape, args, CPU))
+    model = build_gpt(shape, 1, shape.vocab_size, torch.float32, CPU, **moe_transformer_fields(shape, args))
     load_hf(model, safetensors_stream(str(path)), shape, shape.vocab_size, 1, 0, str(path))
     return shape, model.eval()
 
@@ -292,9 +292,8 @@ def _two_ranks_against_one(moe_dir, tmp_path, layout: str, **single_flags) -> li
 
 @pytest.mark.timeout(240)
 def test_expert_parallel_two_ranks_equal_one(moe_dir, tmp_path):
-    """EP=2 over two gloo ranks (two experts each, DP=2, the all-gather dispatcher on packed micro-batches padded
-    to one length) equals one process; every expert is exported from its rank; the EP=2 checkpoint loads at
-    EP=1."""
+    """EP=2 over two gloo ranks (two experts each, DP=2, megatron-core's all-to-all dispatcher) equals one process;
+    every expert is exported from its rank; the EP=2 checkpoint loads at EP=1."""
     _two_ranks_against_one(moe_dir, tmp_path, "ep")
 
 

@@ -206,7 +206,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         return build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device, pp=self.pp, cp=self.cp,
                          sequence_parallel=self._sequence_parallel(), **recompute_settings(self.config), **split,
                          deterministic_mode=bool(self.config.deterministic_mode),
-                         **moe_transformer_fields(self.shape, self.config, self.device))
+                         **moe_transformer_fields(self.shape, self.config))
 
     def _load_model(self):
         """:meth:`_build_model` with the actor's starting weights: ``--ref-load`` (Hugging Face or
@@ -264,28 +264,12 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         """Response log-probs and entropy of samples ``ids`` (vocab-parallel softmax, :mod:`.logprobs`);
         packed (``thd``) or right-padded by :meth:`_packed`."""
         tokens = [batch.tokens[i] for i in ids]
-        total = self._gathered_tokens(tokens)
-        packed = total is not None or self._packed(tokens)
-        with self._routing(model, batch, ids, grad, packed, total):
+        packed = self._packed(tokens)
+        with self._routing(model, batch, ids, grad, packed):
             return forward_log_probs(
                 model, tokens, [int(batch.response_lengths[i]) for i in ids], batch.temperature,
                 self.device, vocab_size=self.shape.vocab_size, grad=grad, entropy_grad=self._entropy_grad(grad),
-                packed=packed, chunk_rows=self._chunk_rows(), total=total)
-
-    def _gathered_tokens(self, tokens) -> int | None:
-        """Positions every expert-parallel rank's micro-batch is packed to where megatron-core's all-gather
-        token dispatcher runs (EP > 1 off CUDA, :func:`~.moe.moe_transformer_fields`): it gathers equal
-        token counts, so each rank packs its sequences and pads them to the largest total of the EP group
-        (the pad positions are kept out of the routers' load-balancing loss); None otherwise."""
-        if self.ep == 1 or getattr(self.model.config, "moe_token_dispatcher_type", None) != "allgather":
-            return None
-        import torch
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-
-        total = torch.tensor([sum(len(t) for t in tokens)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group())
-        return int(total)
+                packed=packed, chunk_rows=self._chunk_rows())
 
     def _packed(self, tokens) -> bool:
         """Pack this micro-batch? Always where packed attention is one ``varlen_attn`` flash call per layer

@@ -143,16 +143,13 @@ class MicroBatchInputs:
 
 
 def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], device, *,
-                       packed: bool = False, sequence_parallel: int = 1, total: int | None = None) -> MicroBatchInputs:
+                       packed: bool = False, sequence_parallel: int = 1) -> MicroBatchInputs:
     """The model inputs of a micro-batch (see :func:`forward_log_probs` for the two layouts).
 
     :param sequence_parallel: the TP size under sequence parallelism (else 1): the positions (each CP
         rank's share of them under CP) are padded to a multiple of it (packed: the last sequence's segment
         is lengthened; its pad tokens come after its real ones, which causal attention keeps them from
         reaching), and every position is projected.
-    :param total: packed, without context parallelism: lengthen the last segment to at least this many
-        positions in all, before the sequence-parallel rounding (megatron-core's all-gather token dispatcher
-        needs the same count on every expert-parallel rank).
     :raises ValueError: a response that starts at position 0 (no previous token).
     """
     seqs, ids = right_padded(tokens, response_lengths)
@@ -166,8 +163,6 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
 
         lengths = [len(s) for s in seqs]
         segments = [padded_length(n, cp) if cp > 1 else n for n in lengths]
-        if total is not None:
-            segments[-1] += max(0, total - sum(segments))
         segments[-1] += -sum(segments) % multiple
         starts = [0]
         for n in segments:
@@ -283,8 +278,8 @@ def response_log_probs(logits, inputs: MicroBatchInputs, temperature: float, *, 
 
 
 def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[int], temperature: float, device, *,
-                      vocab_size: int, grad: bool, entropy_grad: bool, packed: bool = False, chunk_rows: int = -1,
-                      total: int | None = None) -> tuple[list, list]:
+                      vocab_size: int, grad: bool, entropy_grad: bool, packed: bool = False,
+                      chunk_rows: int = -1) -> tuple[list, list]:
     """One GPTModel forward over a micro-batch; response log-probs and entropy per sample.
 
     Padded (``packed=False``): the sequences are right-padded into ``[B, L]``; no attention
@@ -300,12 +295,11 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
 
     :param tokens: B sequences of prompt + response ids.
     :param response_lengths: B response lengths ``T_i`` (the last ``T_i`` tokens).
-    :param total: positions of the packed input (:func:`micro_batch_inputs`).
     :returns: ``(log_probs, entropy)``: B float32 tensors ``[T_i]`` each.
     :raises ValueError: a response that starts at position 0 (no previous token).
     """
     inputs = micro_batch_inputs(tokens, response_lengths, device, packed=packed,
-                                sequence_parallel=sequence_parallel_size(model), total=total)
+                                sequence_parallel=sequence_parallel_size(model))
     with torch.set_grad_enabled(grad), projecting_rows(model, inputs.head_rows):
         logits = model(input_ids=inputs.ids, position_ids=None, attention_mask=None, **model_extra(model, inputs))
         return response_log_probs(logits, inputs, temperature, vocab_size=vocab_size,

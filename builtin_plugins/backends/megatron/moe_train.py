@@ -88,7 +88,7 @@ class ExpertLayers:
         return parallel_state.get_tensor_model_parallel_group() if self._sequence_parallel() else None
 
     @contextlib.contextmanager
-    def _routing(self, model, batch, ids: list[int], grad: bool, packed: bool, total: int | None):
+    def _routing(self, model, batch, ids: list[int], grad: bool, packed: bool):
         """Route one micro-batch forward of samples ``ids`` of ``batch``.
 
         Replayed, when every sample has routing: the engine's (``batch.routed_experts``,
@@ -104,8 +104,7 @@ class ExpertLayers:
         from .routing import token_positions
 
         tokens = [batch.tokens[i] for i in ids]
-        samples, positions = token_positions([len(t) for t in tokens], packed, total,
-                                             self.tp if self._sequence_parallel() else 1)
+        samples, positions = token_positions([len(t) for t in tokens], packed, self.tp if self._sequence_parallel() else 1)
         given = [batch.routed_experts[i] for i in ids] if batch.routed_experts is not None else None
         rollout = given is not None and all(r is not None for r in given)
         given = given if rollout else None

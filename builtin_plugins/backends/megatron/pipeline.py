@@ -94,7 +94,7 @@ class PipelineStages:
     embedding copies (the first stage's table, the last stage's output layer).
 
     Uses the backend's ``pp``, ``stage``, ``shape``, ``model``, ``masters``, ``config``, ``device``, ``_mcore()``,
-    ``_packed()``, ``_gathered_tokens()`` and ``_routing()`` (:class:`~.moe_train.ExpertLayers`).
+    ``_packed()`` and ``_routing()`` (:class:`~.moe_train.ExpertLayers`).
     """
 
     def _pipeline(self, net, batch: TrainBatch, chunks: list[list[int]], grad: bool, loop) -> list[tuple]:
@@ -106,24 +106,15 @@ class PipelineStages:
         """
         outputs: list[tuple] = []
 
-        layouts: dict = {}
-
-        def layout(ids) -> tuple[bool, int | None]:
-            """``(packed, total)`` of a micro-batch, as :meth:`~.backend.MegatronBackend._forward` chooses them."""
-            if tuple(ids) not in layouts:
-                tokens = [batch.tokens[i] for i in ids]
-                total = self._gathered_tokens(tokens)  # a collective over the EP ranks: once per micro-batch
-                layouts[tuple(ids)] = (total is not None or self._packed(tokens), total)
-            return layouts[tuple(ids)]
+        def packed(ids) -> bool:
+            return self._packed([batch.tokens[i] for i in ids])
 
         def inputs(ids):
-            packed, total = layout(ids)
             return micro_batch_inputs([batch.tokens[i] for i in ids], [int(batch.response_lengths[i]) for i in ids],
-                                      self.device, packed=packed, sequence_parallel=sequence_parallel_size(net),
-                                      total=total)
+                                      self.device, packed=packed(ids), sequence_parallel=sequence_parallel_size(net))
 
         def around(ids):
-            return self._routing(net, batch, ids, grad, *layout(ids))
+            return self._routing(net, batch, ids, grad, packed(ids))
 
         def finish(ids, micro, logits):
             lp, ent = response_log_probs(logits, micro, batch.temperature, vocab_size=self.shape.vocab_size,

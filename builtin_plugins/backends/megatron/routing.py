@@ -16,21 +16,19 @@ import torch
 __all__ = ["RoutingReplay", "token_positions"]
 
 
-def token_positions(lengths: Sequence[int], packed: bool, total: int | None = None,
-                    multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def token_positions(lengths: Sequence[int], packed: bool, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sample, position)``, int64 ``[N]`` each, of the ``N`` tokens a micro-batch of sequences of ``lengths``
     feeds its routers, in their order; ``-1`` for pad positions.
 
-    :param packed: the sequences concatenated (``[1, sum]``, lengthened to ``total`` positions when given),
-        else right-padded into ``[B, max(lengths)]``, which the decoder takes as ``[max, B]``.
+    :param packed: the sequences concatenated (``[1, sum]``), else right-padded into ``[B, max(lengths)]``, which
+        the decoder takes as ``[max, B]``.
     :param multiple: the positions are padded to a multiple of it (the TP size under sequence parallelism,
         :func:`~.logprobs.micro_batch_inputs`).
     """
     if packed:
         samples = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         positions = torch.cat([torch.arange(n) for n in lengths])
-        count = max(len(samples), total or 0)
-        pad = count + -count % multiple - len(samples)
+        pad = -len(samples) % multiple
         return torch.cat([samples, torch.full((pad,), -1)]), torch.cat([positions, torch.full((pad,), -1)])
     width = max(lengths) + -max(lengths) % multiple
     position = torch.arange(width).repeat_interleave(len(lengths))  # [L * B]: row p * B + b
