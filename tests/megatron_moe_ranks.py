@@ -10,7 +10,9 @@ Runs the megatron backend on the tiny Qwen3-MoE of HF_DIR with ``--moe-aux-loss-
   expert on both ranks, each routing its half of the positions) with ``--use-routing-replay``, on all four
   samples in two micro-batches;
 - ``pp``: ``--pipeline-model-parallel-size 2`` (DP=1, one MoE layer per stage) with ``--use-routing-replay``,
-  the same micro-batches through megatron-core's pipeline schedule.
+  the same micro-batches through megatron-core's pipeline schedule;
+- ``cp``: ``--context-parallel-size 2`` (DP=1, each rank two chunks of every sequence) with
+  ``--use-routing-replay``.
 
 Then: log-probs, one AdamW step (metrics, the exported HF weights) and a ``torch_dist`` checkpoint in
 ``OUT_DIR/ckpt``. Rank r writes ``OUT_DIR/rank<r>.pt``.
@@ -45,9 +47,12 @@ async def main(hf_dir: str, out: Path, coeff: float, layout_name: str) -> None:
         flags = dict(tensor_model_parallel_size=2, sequence_parallel=True, use_routing_replay=True,
                      megatron_args={"expert_tensor_parallel_size": 1, "moe_aux_loss_coeff": [coeff]})
         dp, experts = 1, 4
-    else:
+    elif layout_name == "pp":
         flags = dict(pipeline_model_parallel_size=2, use_routing_replay=True,
                      megatron_args={"moe_aux_loss_coeff": [coeff]})
+        dp, experts = 1, 4
+    else:
+        flags = dict(context_parallel_size=2, use_routing_replay=True, megatron_args={"moe_aux_loss_coeff": [coeff]})
         dp, experts = 1, 4
     config = train_config(hf_dir, adam_eps=1e-3, micro_batch_size=2, **flags)
     backend = train_backend(config=config)

@@ -194,10 +194,7 @@ def test_expert_parallelism_is_checked_against_the_experts(moe_dir, tiny_model_d
         "--expert-tensor-parallel-size 2 is not supported yet by --train-backend megatron (experts are whole on "
         "their expert-parallel rank); give 1."]
     assert _report(moe_dir, pipeline_model_parallel_size=2).errors == []
-    assert _report(moe_dir, context_parallel_size=2).errors == [
-        f"--context-parallel-size 2 is not supported yet by --train-backend megatron on a mixture-of-experts "
-        f"model (--hf-checkpoint {moe_dir}); share the experts out with --expert-model-parallel-size and use tensor, "
-        "pipeline or data parallelism for the rest."]
+    assert _report(moe_dir, context_parallel_size=2).errors == []
 
 
 # --- the load-balancing loss -------------------------------------------------------------------------------
@@ -317,6 +314,16 @@ def test_pipeline_two_stages_equal_one(moe_dir, tmp_path):
     ranks = _two_ranks_against_one(moe_dir, tmp_path, "pp", use_routing_replay=True)
     assert [got["returns_outputs"] for got in ranks] == [False, True]
     assert all(routing.shape[1] == 2 for routing in ranks[0]["routing"].values())  # both layers, from both stages
+
+
+@pytest.mark.timeout(240)
+def test_context_parallel_two_ranks_equal_one(moe_dir, tmp_path):
+    """CP=2 over two gloo ranks (each routing its two chunks of every sequence; pad positions out of the
+    load-balancing loss through each rank's chunks of the padding mask) equals one process, with
+    --use-routing-replay: the routing recorded on both ranks' chunks, gathered, is one process's; the CP=2
+    checkpoint loads at CP=1."""
+    ranks = _two_ranks_against_one(moe_dir, tmp_path, "cp", use_routing_replay=True)
+    assert ranks[0]["routing"] and ranks[0]["routing"].keys() == ranks[1]["routing"].keys()
 
 
 # --- routing replay ----------------------------------------------------------------------------------------

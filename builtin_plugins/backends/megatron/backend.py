@@ -131,7 +131,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         self.shape = model_shape(hf_config, f"--hf-checkpoint {config.hf_checkpoint}")
         problems = check_model_args(config, self.shape, f"--hf-checkpoint {config.hf_checkpoint}/config.json")
         problems += moe_flag_problems(config, self.shape, f"--hf-checkpoint {config.hf_checkpoint}/config.json")[0]
-        problems += moe_layout_problems(self.shape, self.tp, self.cp, self.ep, config.hf_checkpoint,
+        problems += moe_layout_problems(self.shape, self.tp, self.ep, config.hf_checkpoint,
                                         bool(config.use_distributed_optimizer), bool(config.sequence_parallel))
         problems += mcore_optimizer_problems(config)
         try:
@@ -557,13 +557,12 @@ def _copy_parameters(source, target) -> None:
                 tensors[f"{name}.weight"].copy_(lora.merged_weight(module))
 
 
-def moe_layout_problems(shape, tp: int, cp: int, ep: int, where: str,
+def moe_layout_problems(shape, tp: int, ep: int, where: str,
                         distributed_optimizer: bool | str = False, sequence_parallel: bool = False) -> list[str]:
     """What the parallel sizes cannot do with the model of ``shape`` (``where``: its checkpoint): experts
     (``ep`` > 1) only on a model with them, dividing their count, and without ``--use-distributed-optimizer``
     (whose shards assume every data-parallel rank holds the same parameters); on a model with experts, TP > 1
-    only with ``--sequence-parallel`` (megatron-core's rule: each TP rank routes its share of the sequence), and
-    CP 1 (its routing of each rank's sequence chunks is not built yet).
+    only with ``--sequence-parallel`` (megatron-core's rule: each TP rank routes its share of the sequence).
     ``distributed_optimizer``: on, or the flags that turned it on (named in the message)."""
     if not shape.is_moe:
         return [f"--expert-model-parallel-size {ep}: the model of --hf-checkpoint {where} has no experts."] if (
@@ -580,10 +579,6 @@ def moe_layout_problems(shape, tp: int, cp: int, ep: int, where: str,
     if tp > 1 and not sequence_parallel:
         problems.append(f"--tensor-model-parallel-size {tp} on a mixture-of-experts model (--hf-checkpoint {where}) "
                         "needs --sequence-parallel: megatron-core routes each TP rank's share of the sequence.")
-    if cp > 1:
-        problems.append(f"--context-parallel-size {cp} is not supported yet by --train-backend megatron on a "
-                        f"mixture-of-experts model (--hf-checkpoint {where}); share the experts out with "
-                        "--expert-model-parallel-size and use tensor, pipeline or data parallelism for the rest.")
     return problems
 
 

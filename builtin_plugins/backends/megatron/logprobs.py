@@ -130,7 +130,7 @@ class MicroBatchInputs:
 
     ``padding``: bool, ``ids``' shape, True at pad positions (megatron-core's ``padding_mask``, which keeps
     pad tokens out of an MoE router's load-balancing loss; under sequence parallelism megatron-core gives each TP
-    rank its share); None under context parallelism.
+    rank its share; this rank's chunks under context parallelism).
     """
 
     ids: Any
@@ -175,16 +175,16 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
     else:
         ids = F.pad(ids, (0, -ids.shape[1] % multiple))
         spans = [(i, len(s) - int(t) - 1, len(s) - 1) for i, (s, t) in enumerate(zip(seqs, response_lengths))]
-    padding = None
-    if cp == 1:
-        real = [len(s) for s in seqs]
-        if packed:
-            padding = torch.ones_like(ids, dtype=torch.bool)
-            for a, n in zip(starts, real):
-                padding[0, a:a + n] = False
-        else:
-            padding = torch.arange(ids.shape[1]).unsqueeze(0) >= torch.tensor(real).unsqueeze(1)
-        padding = to_device(padding, device)
+    real = [len(s) for s in seqs]
+    if packed:
+        padding = torch.ones_like(ids, dtype=torch.bool)
+        for a, n in zip(starts, real):
+            padding[0, a:a + n] = False
+    else:
+        padding = torch.arange(ids.shape[1]).unsqueeze(0) >= torch.tensor(real).unsqueeze(1)
+    if cp > 1:
+        padding = local_chunks(padding, cp, cp_rank, 1, segments)
+    padding = to_device(padding, device)
     if cp == 1 and sequence_parallel == 1:
         return attrs.evolve(_response_rows(ids, spans, device, extra), padding=padding)
     ids = to_device(ids, device)

@@ -78,7 +78,8 @@ class ExpertLayers:
             from megatron.core import parallel_state
 
             self._replay = RoutingReplay(self.model, self.shape.moe_layers, self._sp_group(),
-                                         parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None)
+                                         parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None,
+                                         parallel_state.get_context_parallel_group() if self.cp > 1 else None)
 
     def _sp_group(self):
         """The tensor-parallel group under sequence parallelism (each TP rank routes its share of the tokens),
@@ -104,7 +105,8 @@ class ExpertLayers:
         from .routing import token_positions
 
         tokens = [batch.tokens[i] for i in ids]
-        samples, positions = token_positions([len(t) for t in tokens], packed, self.tp if self._sequence_parallel() else 1)
+        samples, positions = token_positions(tokens, [int(batch.response_lengths[i]) for i in ids], packed,
+                                             self.tp if self._sequence_parallel() else 1)
         given = [batch.routed_experts[i] for i in ids] if batch.routed_experts is not None else None
         rollout = given is not None and all(r is not None for r in given)
         given = given if rollout else None
@@ -142,18 +144,20 @@ class ExpertLayers:
     def _disagreement_share(self) -> float:
         """This rank's share of the step's routing disagreement: its differing (token, layer) pairs over the
         pairs compared on every data-parallel rank (the core sums the shares); this rank's counts are its TP
-        group's under sequence parallelism (each TP rank compares its share of the tokens) and its pipeline's
-        (each stage compares its layers)."""
+        group's under sequence parallelism (each TP rank compares its share of the tokens), its pipeline's
+        (each stage compares its layers) and its context-parallel group's (each rank its chunks)."""
         import torch
         import torch.distributed as dist
 
         counts = torch.tensor(self._disagreeing, dtype=torch.float64, device=self.device)
         if self._sp_group() is not None:
             dist.all_reduce(counts, group=self._sp_group())
-        if self.pp > 1:  # each stage compares its layers
-            from megatron.core import parallel_state
+        from megatron.core import parallel_state
 
+        if self.pp > 1:  # each stage compares its layers
             dist.all_reduce(counts, group=parallel_state.get_pipeline_model_parallel_group())
+        if self.cp > 1:  # each context-parallel rank its chunks of the tokens
+            dist.all_reduce(counts, group=parallel_state.get_context_parallel_group())
         if self._dp_size() > 1:
             compared = counts[1:].clone()
             dist.all_reduce(compared, group=self._dp_group())
