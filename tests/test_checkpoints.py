@@ -381,6 +381,7 @@ def test_retain_interval_never_deletes_a_link_a_foreign_folder_or_the_resumed_ch
     (save / "iter_0000002" / ck.WRITER_NAME).unlink()  # a folder furlong did not write
     _save(args, 3)
     assert (save / "iter_0000002" / "model.txt").exists()
+    assert (save / "rollout" / "state_1.json").exists() and (save / "rollout" / "state_2.json").exists()
     asyncio.run(ck.save_checkpoint(args, 4, _writer("w"), {}, keep=str(save / "iter_0000003")))
     assert (save / "iter_0000003").is_dir()  # the run resumed from it
     _save(args, 5)

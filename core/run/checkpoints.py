@@ -240,6 +240,7 @@ async def retire_previous(config: RunConfig, previous: int | None, rollout_id: i
         if same_dir(path, keep):
             log.info("--save-retain-interval %d: keeping %s, the checkpoint this run resumed from", retain, path)
             return
+    deleted = []
     for save in folders:
         path = iter_dir(save, previous)
         if not os.path.lexists(path):
@@ -249,10 +250,11 @@ async def retire_previous(config: RunConfig, previous: int | None, rollout_id: i
                         "furlong wrote)", retain, path, WRITER_NAME)
             continue
         await asyncio.to_thread(_delete_checkpoint, path)
+        deleted.append(save)
         log.info("--save-retain-interval %d: deleted %s (rollout %d is not a multiple of %d)", retain, path,
                  previous, retain)
     state = state_path(config.save, previous)
-    if os.path.isfile(state) and not os.path.lexists(iter_dir(config.save, previous)):
+    if config.save in deleted and os.path.isfile(state):  # the data state goes with its checkpoint only
         os.remove(state)
 
 
