@@ -187,6 +187,12 @@ def test_an_argument_file_error_exits_2_without_a_traceback(tmp_path, run_furlon
         "with a backslash."]
 
 
+@pytest.mark.parametrize("flag", ["--prometheus-port", "--sglang-router-port"])
+def test_port_flags_take_a_tcp_port(flag):
+    assert error_of(BASE + [flag, "70000"]) == f"argument {flag}: a TCP port is 1 to 65535, got 70000."
+    assert getattr(parse_args(BASE + [flag, "65535"]), flag[2:].replace("-", "_")) == 65535
+
+
 # --- --custom-config-path -------------------------------------------------------------------
 
 def test_overlay_file_is_applied_and_validated_again(tmp_path, caplog):
