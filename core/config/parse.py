@@ -80,6 +80,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     args.megatron_argv = _argv_of(tokens, set(megatron_given))
     args.num_rollout_per_epoch = None  # known once the data is loaded (--num-epoch)
     args.eval_engine = False  # True only in the configuration of an eval fleet engine (core/run/eval_fleet.py)
+    args.eval_prompt_data_lone = False  # set by validation when it names a lone --eval-prompt-data PATH 'aime'
     args.custom_config_extras = {}  # the --custom-config-path keys that are no flag (below)
     problems += [f"{flag} is not supported yet; remove it." for flag in refused]
     args.train_mode = None if command is None else "async" if command == "train-async" else "sync"

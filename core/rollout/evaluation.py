@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from furlong.hooks import DatasetSpec, PluginError, RunConfig, Sample, Status
@@ -13,7 +14,7 @@ from .datasets import eval_dataset
 from .debug_data import save_rollout
 from .failed_rollout import dump_failed_rollout
 from .eval_function import EvalContext, EvalSet, data_metrics, read_result
-from ..config.eval_config import EvalDataset, load_eval_datasets, sampling_params
+from ..config.eval_config import LONE_PATH_NAME, EvalDataset, load_eval_datasets, sampling_params
 from ..run.extra_metrics import eval_set_metrics
 from ..run.metrics_log import scalar_reward
 from ..plugins.manager import FurlongPluginManager
@@ -21,6 +22,8 @@ from .manager import RolloutManager
 from ..plugins.selection import Selection
 
 __all__ = ["Evaluator"]
+
+log = logging.getLogger("furlong.eval")
 
 
 class Evaluator:
@@ -56,13 +59,25 @@ class Evaluator:
     async def load(self) -> None:
         """Create the eval data sources not created yet, awaiting the ``data_source`` hook.
 
+        A lone ``--eval-prompt-data PATH`` (Miles' rule names its set ``aime``) is logged once loaded, and
+        an error loading it says that rule.
+
         :raises PluginError: a data source without ``__len__``, or the plugin's own error.
         """
+        lone = self.config.eval_prompt_data_lone and not self.config.eval_config
+        rule = f"read as the path of an eval set named '{LONE_PATH_NAME}' (Miles' rule)"
         while self._to_load:
             ds, spec, reader = self._to_load[0]
-            source = await self.pm.call_chosen("data_source", *reader, config=self.config, dataset=spec)
+            try:
+                source = await self.pm.call_chosen("data_source", *reader, config=self.config, dataset=spec)
+            except PluginError as exc:
+                if not lone:
+                    raise
+                raise PluginError(f"{exc} One --eval-prompt-data value is {rule}; give NAME PATH pairs.") from exc
             self._add(ds, reader, source)
             self._to_load.pop(0)
+            if lone:
+                log.info("--eval-prompt-data %s: one value, %s; give NAME PATH to name it.", spec.path, rule)
 
     def _add(self, ds: EvalDataset, reader: tuple[str, str], source) -> None:
         name, flag = reader
