@@ -8,7 +8,11 @@ Runs the megatron backend on the tiny Qwen3-MoE of HF_DIR with ``--moe-aux-loss-
   the two data-parallel ranks (one micro-batch of two each);
 - ``tp``: ``--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1`` (DP=1, every
   expert on both ranks, each routing its half of the positions) with ``--use-routing-replay``, on all four
-  samples in two micro-batches.
+  samples in two micro-batches;
+- ``pp``: ``--pipeline-model-parallel-size 2`` (DP=1, one MoE layer per stage) with ``--use-routing-replay``,
+  the same micro-batches through megatron-core's pipeline schedule;
+- ``cp``: ``--context-parallel-size 2`` (DP=1, each rank two chunks of every sequence) with
+  ``--use-routing-replay``.
 
 Then: log-probs, one AdamW step (metrics, the exported HF weights) and a ``torch_dist`` checkpoint in
 ``OUT_DIR/ckpt``. Rank r writes ``OUT_DIR/rank<r>.pt``.
@@ -39,9 +43,16 @@ async def main(hf_dir: str, out: Path, coeff: float, layout_name: str) -> None:
     if layout_name == "ep":
         flags = dict(megatron_args={"expert_model_parallel_size": 2, "moe_aux_loss_coeff": [coeff]})
         dp, experts = 2, 2
-    else:
+    elif layout_name == "tp":
         flags = dict(tensor_model_parallel_size=2, sequence_parallel=True, use_routing_replay=True,
                      megatron_args={"expert_tensor_parallel_size": 1, "moe_aux_loss_coeff": [coeff]})
+        dp, experts = 1, 4
+    elif layout_name == "pp":
+        flags = dict(pipeline_model_parallel_size=2, use_routing_replay=True,
+                     megatron_args={"moe_aux_loss_coeff": [coeff]})
+        dp, experts = 1, 4
+    else:
+        flags = dict(context_parallel_size=2, use_routing_replay=True, megatron_args={"moe_aux_loss_coeff": [coeff]})
         dp, experts = 1, 4
     config = train_config(hf_dir, adam_eps=1e-3, micro_batch_size=2, **flags)
     backend = train_backend(config=config)
@@ -59,8 +70,8 @@ async def main(hf_dir: str, out: Path, coeff: float, layout_name: str) -> None:
     metrics = (await backend.train(0, batch))[0]
     weights = dict(await backend.named_weights())
     await backend.save(str(out / "ckpt"))
-    torch.save({"steps": steps, "log_probs": log_probs, "metrics": metrics, "weights": weights, "routing": routing},
-               out / f"rank{rank}.pt")
+    torch.save({"steps": steps, "log_probs": log_probs, "metrics": metrics, "weights": weights, "routing": routing,
+                "returns_outputs": layout.returns_outputs}, out / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -58,7 +58,7 @@ def megatron_of(path: Path, args=None):
     """``(shape, GPTModel)`` of the HF checkpoint at ``path``, float32, loaded by streaming conversion."""
     shape = model_shape(AutoConfig.from_pretrained(path))
     args = args or train_config(path)
-    model = build_gpt(shape, 1, shape.vocab_size, torch.float32, CPU, **moe_transformer_fields(shape, args, CPU))
+    model = build_gpt(shape, 1, shape.vocab_size, torch.float32, CPU, **moe_transformer_fields(shape, args))
     load_hf(model, safetensors_stream(str(path)), shape, shape.vocab_size, 1, 0, str(path))
     return shape, model.eval()
 
@@ -193,10 +193,8 @@ def test_expert_parallelism_is_checked_against_the_experts(moe_dir, tiny_model_d
                    megatron_args={"expert_tensor_parallel_size": 2}).errors == [
         "--expert-tensor-parallel-size 2 is not supported yet by --train-backend megatron (experts are whole on "
         "their expert-parallel rank); give 1."]
-    assert _report(moe_dir, pipeline_model_parallel_size=2).errors == [
-        f"--pipeline-model-parallel-size 2 is not supported yet by --train-backend megatron on a mixture-of-experts "
-        f"model (--hf-checkpoint {moe_dir}); share the experts out with --expert-model-parallel-size and use tensor "
-        "or data parallelism for the rest."]
+    assert _report(moe_dir, pipeline_model_parallel_size=2).errors == []
+    assert _report(moe_dir, context_parallel_size=2).errors == []
 
 
 # --- the load-balancing loss -------------------------------------------------------------------------------
@@ -271,7 +269,7 @@ def _two_ranks_against_one(moe_dir, tmp_path, layout: str, **single_flags) -> li
     metrics = asyncio.run(single.train(0, batch))[0]
     weights = dict(asyncio.run(single.named_weights()))
     for got in ranks:
-        for i in [i for mb in got["steps"][0] for i in mb]:
+        for i in [i for mb in got["steps"][0] for i in mb] if got["returns_outputs"] else []:
             torch.testing.assert_close(got["log_probs"]["log_probs"][i], old[i], rtol=0, atol=1e-5)
         for key in ("loss", "grad_norm", "moe_aux_loss"):
             assert got["metrics"][key] == pytest.approx(metrics[key], rel=1e-5), key
@@ -291,9 +289,8 @@ def _two_ranks_against_one(moe_dir, tmp_path, layout: str, **single_flags) -> li
 
 @pytest.mark.timeout(240)
 def test_expert_parallel_two_ranks_equal_one(moe_dir, tmp_path):
-    """EP=2 over two gloo ranks (two experts each, DP=2, the all-gather dispatcher on packed micro-batches padded
-    to one length) equals one process; every expert is exported from its rank; the EP=2 checkpoint loads at
-    EP=1."""
+    """EP=2 over two gloo ranks (two experts each, DP=2, megatron-core's all-to-all dispatcher) equals one process;
+    every expert is exported from its rank; the EP=2 checkpoint loads at EP=1."""
     _two_ranks_against_one(moe_dir, tmp_path, "ep")
 
 
@@ -306,6 +303,27 @@ def test_tensor_parallel_two_ranks_with_sequence_parallel_equal_one(moe_dir, tmp
     ranks = _two_ranks_against_one(moe_dir, tmp_path, "tp", use_routing_replay=True)
     assert ranks[0]["routing"], "the old-log-prob pass recorded no routing"
     assert ranks[0]["metrics"]["moe_aux_loss"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_two_stages_equal_one(moe_dir, tmp_path):
+    """PP=2 over two gloo ranks (one MoE layer per stage, megatron-core's pipeline schedule) equals one process, with
+    --use-routing-replay: the load-balancing loss of both stages' layers in the objective at the backend's scale and
+    in the metric, each stage recording and replaying its layers' routing (the record gathered over the stages);
+    the PP=2 checkpoint loads at PP=1."""
+    ranks = _two_ranks_against_one(moe_dir, tmp_path, "pp", use_routing_replay=True)
+    assert [got["returns_outputs"] for got in ranks] == [False, True]
+    assert all(routing.shape[1] == 2 for routing in ranks[0]["routing"].values())  # both layers, from both stages
+
+
+@pytest.mark.timeout(240)
+def test_context_parallel_two_ranks_equal_one(moe_dir, tmp_path):
+    """CP=2 over two gloo ranks (each routing its two chunks of every sequence; pad positions out of the
+    load-balancing loss through each rank's chunks of the padding mask) equals one process, with
+    --use-routing-replay: the routing recorded on both ranks' chunks, gathered, is one process's; the CP=2
+    checkpoint loads at CP=1."""
+    ranks = _two_ranks_against_one(moe_dir, tmp_path, "cp", use_routing_replay=True)
+    assert ranks[0]["routing"] and ranks[0]["routing"].keys() == ranks[1]["routing"].keys()
 
 
 # --- routing replay ----------------------------------------------------------------------------------------

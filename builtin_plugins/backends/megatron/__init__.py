@@ -208,7 +208,6 @@ def _check_architecture(args, report) -> None:
         report.error("--lora-rank on a mixture-of-experts model is not supported yet by --train-backend megatron.")
     errors, warnings = moe_flag_problems(args, shape, f"{where}/config.json")
     errors += moe_layout_problems(shape, int(args.tensor_model_parallel_size or 1),
-                                  int(args.pipeline_model_parallel_size or 1), int(args.context_parallel_size or 1),
                                   int(flag(args, "expert_model_parallel_size", 1)), args.hf_checkpoint,
                                   _distributed_optimizer(args), bool(args.sequence_parallel))
     for problem in errors:

@@ -82,6 +82,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         self._tp_sharded: set[int] = set()
         self._replay = None
         self._recorded_routing: dict = {}
+        self._unmerged: list = []  # recorded routing a pipeline stage has not completed with the others' yet
         self._disagreeing = [0, 0]
 
     # --- set-up -------------------------------------------------------------------------
@@ -130,7 +131,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         self.shape = model_shape(hf_config, f"--hf-checkpoint {config.hf_checkpoint}")
         problems = check_model_args(config, self.shape, f"--hf-checkpoint {config.hf_checkpoint}/config.json")
         problems += moe_flag_problems(config, self.shape, f"--hf-checkpoint {config.hf_checkpoint}/config.json")[0]
-        problems += moe_layout_problems(self.shape, self.tp, self.pp, self.cp, self.ep, config.hf_checkpoint,
+        problems += moe_layout_problems(self.shape, self.tp, self.ep, config.hf_checkpoint,
                                         bool(config.use_distributed_optimizer), bool(config.sequence_parallel))
         problems += mcore_optimizer_problems(config)
         try:
@@ -205,7 +206,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         return build_gpt(self.shape, self.tp, self.vocab_rows, self._dtype(), self.device, pp=self.pp, cp=self.cp,
                          sequence_parallel=self._sequence_parallel(), **recompute_settings(self.config), **split,
                          deterministic_mode=bool(self.config.deterministic_mode),
-                         **moe_transformer_fields(self.shape, self.config, self.device))
+                         **moe_transformer_fields(self.shape, self.config))
 
     def _load_model(self):
         """:meth:`_build_model` with the actor's starting weights: ``--ref-load`` (Hugging Face or
@@ -263,28 +264,12 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         """Response log-probs and entropy of samples ``ids`` (vocab-parallel softmax, :mod:`.logprobs`);
         packed (``thd``) or right-padded by :meth:`_packed`."""
         tokens = [batch.tokens[i] for i in ids]
-        total = self._gathered_tokens(tokens)
-        packed = total is not None or self._packed(tokens)
-        with self._routing(model, batch, ids, grad, packed, total):
+        packed = self._packed(tokens)
+        with self._routing(model, batch, ids, grad, packed):
             return forward_log_probs(
                 model, tokens, [int(batch.response_lengths[i]) for i in ids], batch.temperature,
                 self.device, vocab_size=self.shape.vocab_size, grad=grad, entropy_grad=self._entropy_grad(grad),
-                packed=packed, chunk_rows=self._chunk_rows(), total=total)
-
-    def _gathered_tokens(self, tokens) -> int | None:
-        """Positions every expert-parallel rank's micro-batch is packed to where megatron-core's all-gather
-        token dispatcher runs (EP > 1 off CUDA, :func:`~.moe.moe_transformer_fields`): it gathers equal
-        token counts, so each rank packs its sequences and pads them to the largest total of the EP group
-        (the pad positions are kept out of the routers' load-balancing loss); None otherwise."""
-        if self.ep == 1 or getattr(self.model.config, "moe_token_dispatcher_type", None) != "allgather":
-            return None
-        import torch
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-
-        total = torch.tensor([sum(len(t) for t in tokens)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group())
-        return int(total)
+                packed=packed, chunk_rows=self._chunk_rows())
 
     def _packed(self, tokens) -> bool:
         """Pack this micro-batch? Always where packed attention is one ``varlen_attn`` flash call per layer
@@ -311,6 +296,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
     def _after_train(self) -> None:
         self.model.eval()
         self._recorded_routing.clear()
+        self._unmerged.clear()
 
     def _optimizer_shards(self):
         """The group the AdamW state is sharded over: the data-parallel x context-parallel ranks under
@@ -571,13 +557,12 @@ def _copy_parameters(source, target) -> None:
                 tensors[f"{name}.weight"].copy_(lora.merged_weight(module))
 
 
-def moe_layout_problems(shape, tp: int, pp: int, cp: int, ep: int, where: str,
+def moe_layout_problems(shape, tp: int, ep: int, where: str,
                         distributed_optimizer: bool | str = False, sequence_parallel: bool = False) -> list[str]:
     """What the parallel sizes cannot do with the model of ``shape`` (``where``: its checkpoint): experts
     (``ep`` > 1) only on a model with them, dividing their count, and without ``--use-distributed-optimizer``
     (whose shards assume every data-parallel rank holds the same parameters); on a model with experts, TP > 1
-    only with ``--sequence-parallel`` (megatron-core's rule: each TP rank routes its share of the sequence), PP
-    and CP 1 (their expert gradients and load-balancing loss over those ranks are not built yet).
+    only with ``--sequence-parallel`` (megatron-core's rule: each TP rank routes its share of the sequence).
     ``distributed_optimizer``: on, or the flags that turned it on (named in the message)."""
     if not shape.is_moe:
         return [f"--expert-model-parallel-size {ep}: the model of --hf-checkpoint {where} has no experts."] if (
@@ -594,11 +579,6 @@ def moe_layout_problems(shape, tp: int, pp: int, cp: int, ep: int, where: str,
     if tp > 1 and not sequence_parallel:
         problems.append(f"--tensor-model-parallel-size {tp} on a mixture-of-experts model (--hf-checkpoint {where}) "
                         "needs --sequence-parallel: megatron-core routes each TP rank's share of the sequence.")
-    for flag_name, size in (("--pipeline-model-parallel-size", pp), ("--context-parallel-size", cp)):
-        if size > 1:
-            problems.append(f"{flag_name} {size} is not supported yet by --train-backend megatron on a "
-                            f"mixture-of-experts model (--hf-checkpoint {where}); share the experts out with "
-                            "--expert-model-parallel-size and use tensor or data parallelism for the rest.")
     return problems
 
 

@@ -362,7 +362,7 @@ def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), 
     others; a tied model's output-layer copy is not sent): every rank iterates and gets
     every tensor once, in the same order at any TP or PP size. Tied models yield no
     ``lm_head.weight``. With expert parallelism (``experts.size > 1``) each expert's tensors are
-    broadcast over ``ep_group`` from the EP rank holding it. ``weight_of(local name, parameter)``, when
+    broadcast over ``ep_group`` from the EP rank holding it, on its stage, before the stages' broadcast. ``weight_of(local name, parameter)``, when
     given, is the tensor exported for a parameter (LoRA: the merged weight, :func:`~.lora.merged_weight`).
     """
     import torch
@@ -372,6 +372,7 @@ def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), 
     placed = placed_units(shape, stage, experts)
     mine = {unit.mcore: local for unit, local in placed if owner(unit, shape, stage) == stage.index}
     like = {_expert_role(unit): params[local] for unit, local in placed if unit.expert is not None}
+    key = lambda unit: _expert_role(unit) if unit.expert is not None else unit.mcore  # noqa: E731 (one expert's stands for its layer's)
     specs: dict = {}
     if stage.count > 1:  # full shape and dtype of every parameter, from the stage that holds it
         held = {}
@@ -380,25 +381,26 @@ def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), 
                 size = list(params[mine[unit.mcore]].shape)
                 if unit.split is not None:
                     size[unit.split[0]] *= tp
-                held[unit.mcore] = (size, params[mine[unit.mcore]].dtype)
+                held[key(unit)] = (size, params[mine[unit.mcore]].dtype)
         every: list = [None] * stage.count
         dist.all_gather_object(every, held, group=pp_group)
         specs = {k: v for part in every for k, v in part.items()}
     for unit in units(shape):
+        on_stage = owner(unit, shape, stage) == stage.index
         if unit.mcore in mine:
             local = mine[unit.mcore]
             held = params[local] if weight_of is None else weight_of(local, params[local])
             full = gather_full(held, unit.split, tp, group)
-        elif unit.expert is not None:  # another EP rank's expert: shaped as this rank's of the same layer
+        elif unit.expert is not None and on_stage:  # another EP rank's expert: shaped as this rank's of the same layer
             full = torch.empty_like(like[_expert_role(unit)])
         else:
-            size, dtype = specs[unit.mcore]
+            size, dtype = specs[key(unit)]
             full = torch.empty(size, dtype=dtype, device=next(model.parameters()).device)
-        if unit.expert is not None and experts.size > 1:
+        if unit.expert is not None and experts.size > 1 and on_stage:
             full = full.contiguous()
             source = experts.owner(unit.expert, shape.num_experts)
             dist.broadcast(full, src=dist.get_global_rank(ep_group, source), group=ep_group)
-        elif stage.count > 1:
+        if stage.count > 1:  # (an expert: every EP rank of its stage holds it now)
             full = full.contiguous()
             dist.broadcast(full, src=dist.get_global_rank(pp_group, owner(unit, shape, stage)), group=pp_group)
         yield from zip(unit.hf, unpack(unit, full, shape))

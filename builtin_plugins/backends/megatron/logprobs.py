@@ -29,8 +29,8 @@ from furlong.kit.trainer import concatenated_ranges, right_padded, to_device
 
 from .context import context_parallel, gather_sequence, local_chunks, padded_length
 
-__all__ = ["MicroBatchInputs", "forward_log_probs", "micro_batch_inputs", "projecting_rows", "response_log_probs",
-           "sequence_parallel_size", "vocab_parallel_log_probs"]
+__all__ = ["MicroBatchInputs", "forward_log_probs", "micro_batch_inputs", "model_extra", "projecting_rows",
+           "response_log_probs", "sequence_parallel_size", "vocab_parallel_log_probs"]
 
 
 def _tp():
@@ -130,7 +130,7 @@ class MicroBatchInputs:
 
     ``padding``: bool, ``ids``' shape, True at pad positions (megatron-core's ``padding_mask``, which keeps
     pad tokens out of an MoE router's load-balancing loss; under sequence parallelism megatron-core gives each TP
-    rank its share); None under context parallelism.
+    rank its share; this rank's chunks under context parallelism).
     """
 
     ids: Any
@@ -143,16 +143,13 @@ class MicroBatchInputs:
 
 
 def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], device, *,
-                       packed: bool = False, sequence_parallel: int = 1, total: int | None = None) -> MicroBatchInputs:
+                       packed: bool = False, sequence_parallel: int = 1) -> MicroBatchInputs:
     """The model inputs of a micro-batch (see :func:`forward_log_probs` for the two layouts).
 
     :param sequence_parallel: the TP size under sequence parallelism (else 1): the positions (each CP
         rank's share of them under CP) are padded to a multiple of it (packed: the last sequence's segment
         is lengthened; its pad tokens come after its real ones, which causal attention keeps them from
         reaching), and every position is projected.
-    :param total: packed, without context parallelism: lengthen the last segment to at least this many
-        positions in all, before the sequence-parallel rounding (megatron-core's all-gather token dispatcher
-        needs the same count on every expert-parallel rank).
     :raises ValueError: a response that starts at position 0 (no previous token).
     """
     seqs, ids = right_padded(tokens, response_lengths)
@@ -166,8 +163,6 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
 
         lengths = [len(s) for s in seqs]
         segments = [padded_length(n, cp) if cp > 1 else n for n in lengths]
-        if total is not None:
-            segments[-1] += max(0, total - sum(segments))
         segments[-1] += -sum(segments) % multiple
         starts = [0]
         for n in segments:
@@ -180,16 +175,16 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
     else:
         ids = F.pad(ids, (0, -ids.shape[1] % multiple))
         spans = [(i, len(s) - int(t) - 1, len(s) - 1) for i, (s, t) in enumerate(zip(seqs, response_lengths))]
-    padding = None
-    if cp == 1:
-        real = [len(s) for s in seqs]
-        if packed:
-            padding = torch.ones_like(ids, dtype=torch.bool)
-            for a, n in zip(starts, real):
-                padding[0, a:a + n] = False
-        else:
-            padding = torch.arange(ids.shape[1]).unsqueeze(0) >= torch.tensor(real).unsqueeze(1)
-        padding = to_device(padding, device)
+    real = [len(s) for s in seqs]
+    if packed:
+        padding = torch.ones_like(ids, dtype=torch.bool)
+        for a, n in zip(starts, real):
+            padding[0, a:a + n] = False
+    else:
+        padding = torch.arange(ids.shape[1]).unsqueeze(0) >= torch.tensor(real).unsqueeze(1)
+    if cp > 1:
+        padding = local_chunks(padding, cp, cp_rank, 1, segments)
+    padding = to_device(padding, device)
     if cp == 1 and sequence_parallel == 1:
         return attrs.evolve(_response_rows(ids, spans, device, extra), padding=padding)
     ids = to_device(ids, device)
@@ -213,6 +208,21 @@ def _response_rows(ids, spans: list, device, extra: dict) -> MicroBatchInputs:
     spans = [(0, int(a), int(a + n)) for a, n in zip(sizes.cumsum(0) - sizes, sizes)]
     ids, targets, head_rows = (to_device(x, device) for x in (ids, targets, head_rows))
     return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans, head_rows=head_rows)
+
+
+def model_extra(model, inputs: MicroBatchInputs) -> dict:
+    """The keyword arguments of ``model``'s forward (a GPTModel, or a pipeline stage of one) beside the ids:
+    ``inputs.extra`` and, on a model with experts, the padding mask that keeps pad positions out of the routers'
+    load-balancing loss. megatron-core gives each TP rank its share of the mask under sequence parallelism on the
+    first pipeline stage only; a later stage gets its share here."""
+    extra = dict(inputs.extra)
+    if getattr(model.config, "num_moe_experts", None) and inputs.padding is not None:
+        padding = inputs.padding
+        if model.config.sequence_parallel and not model.pre_process:
+            tp, tp_rank, _ = _tp()
+            padding = padding.chunk(tp, dim=1)[tp_rank]
+        extra["padding_mask"] = padding
+    return extra
 
 
 def sequence_parallel_size(model) -> int:
@@ -268,8 +278,8 @@ def response_log_probs(logits, inputs: MicroBatchInputs, temperature: float, *, 
 
 
 def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[int], temperature: float, device, *,
-                      vocab_size: int, grad: bool, entropy_grad: bool, packed: bool = False, chunk_rows: int = -1,
-                      total: int | None = None) -> tuple[list, list]:
+                      vocab_size: int, grad: bool, entropy_grad: bool, packed: bool = False,
+                      chunk_rows: int = -1) -> tuple[list, list]:
     """One GPTModel forward over a micro-batch; response log-probs and entropy per sample.
 
     Padded (``packed=False``): the sequences are right-padded into ``[B, L]``; no attention
@@ -285,16 +295,12 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
 
     :param tokens: B sequences of prompt + response ids.
     :param response_lengths: B response lengths ``T_i`` (the last ``T_i`` tokens).
-    :param total: positions of the packed input (:func:`micro_batch_inputs`).
     :returns: ``(log_probs, entropy)``: B float32 tensors ``[T_i]`` each.
     :raises ValueError: a response that starts at position 0 (no previous token).
     """
     inputs = micro_batch_inputs(tokens, response_lengths, device, packed=packed,
-                                sequence_parallel=sequence_parallel_size(model), total=total)
-    extra = dict(inputs.extra)
-    if getattr(model.config, "num_moe_experts", None) and inputs.padding is not None:
-        extra["padding_mask"] = inputs.padding
+                                sequence_parallel=sequence_parallel_size(model))
     with torch.set_grad_enabled(grad), projecting_rows(model, inputs.head_rows):
-        logits = model(input_ids=inputs.ids, position_ids=None, attention_mask=None, **extra)
+        logits = model(input_ids=inputs.ids, position_ids=None, attention_mask=None, **model_extra(model, inputs))
         return response_log_probs(logits, inputs, temperature, vocab_size=vocab_size,
                                   entropy_grad=grad and entropy_grad, chunk_rows=chunk_rows)

@@ -76,9 +76,11 @@ def cpu_shims(device):
     (docs/megatron.md, "CPU"); its pipeline schedule and p2p exchange allocate on
     ``torch.cuda.current_device()`` and ``device="cuda"``, a tied model's last
     pipeline stage calls ``Tensor.cuda()`` on its copy of the embedding, and under sequence
-    parallelism the embedding forks the CUDA RNG tracker around its dropout. All are undefined
-    without CUDA, so inside this block they stay on (or return) the CPU, synchronising does
-    nothing and the RNG fork is a no-op (dropout is 0 here); with CUDA nothing is changed.
+    parallelism the embedding forks the CUDA RNG tracker around its dropout; the all-to-all token dispatcher
+    copies its split sizes to the host (as numpy arrays) on a CUDA stream of its own. All are undefined without
+    CUDA, so inside this block they stay on (or return) the CPU, synchronising does nothing, the RNG fork is a
+    no-op (dropout is 0 here), there is one stream (:class:`_HostStream`) and host split sizes become numpy
+    arrays; with CUDA nothing is changed.
     Blocks may nest and overlap across threads: the originals come back when the last one exits.
     """
     import torch
@@ -89,12 +91,20 @@ def cpu_shims(device):
         return
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
+    from megatron.core.transformer.moe import token_dispatcher
+
     with _shims_lock:
         if _shims_depth == 0:
-            _cuda_originals = (torch.cuda.current_device, torch.cuda.synchronize, CudaRNGStatesTracker.fork)
+            _cuda_originals = (torch.cuda.current_device, torch.cuda.synchronize, CudaRNGStatesTracker.fork,
+                               torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream,
+                               token_dispatcher.maybe_move_tensor_to_cpu)
             torch.cuda.current_device = lambda: torch.device("cpu")
             torch.cuda.synchronize = lambda *a, **k: None
             CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
+            torch.cuda.Stream = lambda *a, **k: _HOST_STREAM
+            torch.cuda.current_stream = lambda *a, **k: _HOST_STREAM
+            torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+            token_dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes
         _shims_depth += 1
     try:
         with _cuda_on_cpu():
@@ -103,7 +113,35 @@ def cpu_shims(device):
         with _shims_lock:
             _shims_depth -= 1
             if _shims_depth == 0:
-                torch.cuda.current_device, torch.cuda.synchronize, CudaRNGStatesTracker.fork = _cuda_originals
+                (torch.cuda.current_device, torch.cuda.synchronize, CudaRNGStatesTracker.fork, torch.cuda.Stream,
+                 torch.cuda.current_stream, torch.cuda.stream,
+                 token_dispatcher.maybe_move_tensor_to_cpu) = _cuda_originals
+
+
+def _host_split_sizes(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron-core's ``maybe_move_tensor_to_cpu`` for host tensors: the all-to-all dispatcher asks for its split
+    sizes as numpy arrays, which its own version makes only when copying from a GPU."""
+    import torch
+
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
+class _HostStream:
+    """The one stream there is without CUDA: megatron-core's all-to-all token dispatcher copies its split sizes to
+    the host on a side stream it makes once, after waiting for the current one; here both are this object, so the
+    copy happens in order, on the host."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self) -> "_HostStream":
+        return self  # an event already reached
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
 
 
 _mode_class: list = []
@@ -305,6 +343,10 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
                          rotary_base=shape.rotary_base,
                          **scaling, **stages)
     model = model.to(device)
+    if shape.is_moe and pp > 1:  # under the schedule's per-token loss the backend scales the load-balancing loss
+        for layer in model.decoder.layers:  # itself (pipeline._backend_aux_loss_scale)
+            if hasattr(layer.mlp, "router"):
+                layer.mlp.router.calculate_per_token_loss = False
     for param in model.parameters():  # norm scales too (megatron-core makes them float32), as Float16Module does
         if param.dtype != dtype:
             param.data = param.data.to(dtype)

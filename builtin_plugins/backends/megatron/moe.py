@@ -151,21 +151,21 @@ def moe_flag_problems(args: Any, shape: ModelShape, where: str) -> tuple[list[st
     return errors, warnings
 
 
-def moe_transformer_fields(shape: ModelShape, args: Any, device) -> dict:
+def moe_transformer_fields(shape: ModelShape, args: Any) -> dict:
     """megatron-core ``TransformerConfig`` fields of the experts of ``shape`` (none for a dense model).
 
     Routing equals transformers' ``Qwen3MoeTopKRouter``: softmax scores, top-k; with ``norm_topk_prob``
     the top-k probabilities sum to 1, which is Megatron's softmax over the top-k logits
     (``moe_router_pre_softmax=False``), without it the probabilities of the softmax over all experts
     (``moe_router_pre_softmax=True``). Experts are megatron-core's ``SequentialMLP`` (per-expert GEMMs);
-    the token dispatcher is ``--moe-token-dispatcher-type`` on CUDA and ``allgather`` elsewhere
-    (megatron-core's all-to-all dispatcher opens CUDA streams); both give the same tokens to the same experts.
+    the token dispatcher is megatron-core's all-to-all (``--moe-token-dispatcher-type allgather`` is run as it by
+    the core, ``flex`` with a warning; on a CPU through :func:`~.model.cpu_shims`): every dispatcher gives the same
+    tokens to the same experts.
     """
     if not shape.is_moe:
         return {}
     types, coeffs = balancing(args)
     active = [(t, c) for t, c in zip(types, coeffs) if t != "none" and c]
-    dispatcher = flag(args, "moe_token_dispatcher_type", "alltoall") if device.type == "cuda" else "allgather"
     etp = flag(args, "expert_tensor_parallel_size")
     return dict(
         num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
@@ -177,7 +177,7 @@ def moe_transformer_fields(shape: ModelShape, args: Any, device) -> dict:
         moe_aux_loss_coeff=(active[0][1] if len(active) == 1 else [c for _, c in active]) if active else 0.0,
         moe_z_loss_coeff=flag(args, "moe_z_loss_coeff"),
         moe_router_dtype=flag(args, "moe_router_dtype"),
-        moe_token_dispatcher_type=dispatcher if dispatcher in ("allgather", "alltoall") else "alltoall",
+        moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,
         expert_model_parallel_size=int(flag(args, "expert_model_parallel_size", 1)),
         expert_tensor_parallel_size=int(etp) if etp is not None else 1,

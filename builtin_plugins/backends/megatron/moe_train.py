@@ -24,13 +24,15 @@ def aux_loss_value(config) -> float:
     recorded (``L`` as ``switch_load_balancing_loss_func``: ``E / (k T^2) * sum_i (sum_x p_xi) (sum_x m_xi)``
     over a micro-batch's ``T`` tokens, ``p`` the softmax scores, ``m`` the top-k map; per sequence and averaged
     over sequences for ``seq_aux_loss``). Under sequence parallelism each TP rank's routers hold the terms of
-    their share of the ``T`` tokens (the counts ``m`` are gathered); the values are summed over the TP ranks.
+    their share of the ``T`` tokens (the counts ``m`` are gathered) and each pipeline stage its layers' terms; the
+    values are summed over the TP ranks and the stages.
 
     :param config: the megatron-core ``TransformerConfig`` (its types and coefficients).
     """
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     import torch.distributed as dist
+    from megatron.core import parallel_state
 
     tracker = get_moe_layer_wise_logging_tracker()
     types = config.moe_router_load_balancing_type
@@ -41,10 +43,11 @@ def aux_loss_value(config) -> float:
         entry = tracker.get(_TRACKED.get(kind, ""))
         if entry is None:
             continue
-        values, group = entry["values"], entry.get("reduce_group")
+        values, group = entry["values"].clone(), entry.get("reduce_group")
         if group is not None and dist.get_world_size(group) > 1:  # each TP rank's loss covers its share of the tokens
-            values = values.clone()
             dist.all_reduce(values, group=group)
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # each stage holds its layers' values
+            dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
         total += float(coeff) * float(values.sum())
     return total
 
@@ -72,7 +75,11 @@ class ExpertLayers:
         from .routing import RoutingReplay
 
         if self._moe() and replays_routing(self.config):
-            self._replay = RoutingReplay(self.model, self._sp_group())
+            from megatron.core import parallel_state
+
+            self._replay = RoutingReplay(self.model, self.shape.moe_layers, self._sp_group(),
+                                         parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None,
+                                         parallel_state.get_context_parallel_group() if self.cp > 1 else None)
 
     def _sp_group(self):
         """The tensor-parallel group under sequence parallelism (each TP rank routes its share of the tokens),
@@ -82,7 +89,7 @@ class ExpertLayers:
         return parallel_state.get_tensor_model_parallel_group() if self._sequence_parallel() else None
 
     @contextlib.contextmanager
-    def _routing(self, model, batch, ids: list[int], grad: bool, packed: bool, total: int | None):
+    def _routing(self, model, batch, ids: list[int], grad: bool, packed: bool):
         """Route one micro-batch forward of samples ``ids`` of ``batch``.
 
         Replayed, when every sample has routing: the engine's (``batch.routed_experts``,
@@ -98,7 +105,7 @@ class ExpertLayers:
         from .routing import token_positions
 
         tokens = [batch.tokens[i] for i in ids]
-        samples, positions = token_positions([len(t) for t in tokens], packed, total,
+        samples, positions = token_positions(tokens, [int(batch.response_lengths[i]) for i in ids], packed,
                                              self.tp if self._sequence_parallel() else 1)
         given = [batch.routed_experts[i] for i in ids] if batch.routed_experts is not None else None
         rollout = given is not None and all(r is not None for r in given)
@@ -117,6 +124,7 @@ class ExpertLayers:
             if recording:
                 for t, routing in zip(tokens, replay.recorded([len(t) for t in tokens], samples, positions)):
                     self._recorded_routing[tuple(t)] = routing
+                    self._unmerged.append(tuple(t))
             elif rollout and grad:
                 differing, compared = replay.disagreement(given, samples, positions)
                 self._disagreeing[0] += differing
@@ -124,16 +132,32 @@ class ExpertLayers:
         finally:
             replay.finish()
 
+    def _merge_stage_routing(self) -> None:
+        """After a forward-only pass through the pipeline schedule: complete the routing each stage recorded for its
+        layers with the other stages' (:meth:`~.routing.RoutingReplay.merge_stages`, a collective)."""
+        if self._replay is None or not self._unmerged:
+            return
+        keys, self._unmerged = self._unmerged, []
+        for key, routing in zip(keys, self._replay.merge_stages([self._recorded_routing[k] for k in keys])):
+            self._recorded_routing[key] = routing
+
     def _disagreement_share(self) -> float:
         """This rank's share of the step's routing disagreement: its differing (token, layer) pairs over the
-        pairs compared on every data-parallel rank (the core sums the shares); under sequence parallelism this
-        rank's counts are its TP group's (each TP rank compares its share of the tokens)."""
+        pairs compared on every data-parallel rank (the core sums the shares); this rank's counts are its TP
+        group's under sequence parallelism (each TP rank compares its share of the tokens), its pipeline's
+        (each stage compares its layers) and its context-parallel group's (each rank its chunks)."""
         import torch
         import torch.distributed as dist
 
         counts = torch.tensor(self._disagreeing, dtype=torch.float64, device=self.device)
         if self._sp_group() is not None:
             dist.all_reduce(counts, group=self._sp_group())
+        from megatron.core import parallel_state
+
+        if self.pp > 1:  # each stage compares its layers
+            dist.all_reduce(counts, group=parallel_state.get_pipeline_model_parallel_group())
+        if self.cp > 1:  # each context-parallel rank its chunks of the tokens
+            dist.all_reduce(counts, group=parallel_state.get_context_parallel_group())
         if self._dp_size() > 1:
             compared = counts[1:].clone()
             dist.all_reduce(compared, group=self._dp_group())

@@ -13,17 +13,19 @@ methods for it and for a tied model's two embedding copies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any, Callable
 
 from furlong.hooks import TrainBatch
 from furlong.kit.trainer import sum_step_metrics
 
-from .logprobs import micro_batch_inputs, projecting_rows, response_log_probs, sequence_parallel_size
+from .logprobs import micro_batch_inputs, model_extra, projecting_rows, response_log_probs, sequence_parallel_size
 
 __all__ = ["PipelineStages", "broadcast_from_last_stage", "run_schedule"]
 
 
-def run_schedule(model, chunks: list[list[int]], inputs: Callable, finish: Callable, *, grad: bool) -> None:
+def run_schedule(model, chunks: list[list[int]], inputs: Callable, finish: Callable, *, grad: bool,
+                 around: Callable | None = None) -> None:
     """Run every micro-batch of ``chunks`` through the pipeline (a collective over the stages).
 
     :param chunks: sample ids per micro-batch, the same on every stage.
@@ -31,6 +33,8 @@ def run_schedule(model, chunks: list[list[int]], inputs: Callable, finish: Calla
     :param finish: ``(ids, inputs, logits) -> loss`` on the last stage: a scalar tensor that
         the schedule back-propagates when ``grad`` (its value is not used otherwise).
     :param grad: train (forward and backward, gradients accumulate) or forward only.
+    :param around: ``ids -> context manager`` entered around each micro-batch's forward on every stage
+        (routing replay), or None.
     """
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -38,8 +42,9 @@ def run_schedule(model, chunks: list[list[int]], inputs: Callable, finish: Calla
     def forward_step(data_iterator, stage_model):
         ids = next(data_iterator)
         batch = inputs(ids)
-        with projecting_rows(stage_model, batch.head_rows):
-            output = stage_model(input_ids=batch.ids, position_ids=None, attention_mask=None, **batch.extra)
+        with projecting_rows(stage_model, batch.head_rows), (around(ids) if around else contextlib.nullcontext()):
+            output = stage_model(input_ids=batch.ids, position_ids=None, attention_mask=None,
+                                 **model_extra(stage_model, batch))
         # the schedule sends a stage's output to the next stage as it is, and send needs a contiguous tensor: under
         # sequence parallelism a padded micro-batch's output ([s / TP, b, h], b > 1) is a view of a [b, s / TP, h] one
         output = output.contiguous()
@@ -49,10 +54,27 @@ def run_schedule(model, chunks: list[list[int]], inputs: Callable, finish: Calla
 
         return output, loss_func
 
-    with torch.set_grad_enabled(grad):
+    with torch.set_grad_enabled(grad), _backend_aux_loss_scale():
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(chunks), model=[model],
                                     num_microbatches=len(chunks), seq_length=1, micro_batch_size=1,
                                     forward_only=not grad)
+
+
+@contextlib.contextmanager
+def _backend_aux_loss_scale():
+    """While megatron-core's schedule runs, skip the scale it gives the MoE load-balancing loss's gradient after
+    every forward (1 under ``calculate_per_token_loss``, where it expects ``finalize_model_grads`` to divide every
+    gradient by the step's tokens): the backend's objective carries the step's denominators, and the backend sets
+    the scale once per step (:class:`~.moe_train.ExpertLayers`), with the routers' per-token multiplication off
+    (:func:`~.model.build_gpt`)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    own = MoEAuxLossAutoScaler.__dict__["set_loss_scale"]
+    MoEAuxLossAutoScaler.set_loss_scale = staticmethod(lambda scale: None)
+    try:
+        yield
+    finally:
+        MoEAuxLossAutoScaler.set_loss_scale = own
 
 
 def broadcast_from_last_stage(value: Any) -> Any:
@@ -71,7 +93,8 @@ class PipelineStages:
     :func:`run_schedule` (PP = 1 keeps :class:`furlong.kit.trainer.StepLoop`'s) and a tied model's two
     embedding copies (the first stage's table, the last stage's output layer).
 
-    Uses the backend's ``pp``, ``stage``, ``shape``, ``model``, ``masters``, ``config``, ``device`` and ``_mcore()``.
+    Uses the backend's ``pp``, ``stage``, ``shape``, ``model``, ``masters``, ``config``, ``device``, ``_mcore()``,
+    ``_packed()`` and ``_routing()`` (:class:`~.moe_train.ExpertLayers`).
     """
 
     def _pipeline(self, net, batch: TrainBatch, chunks: list[list[int]], grad: bool, loop) -> list[tuple]:
@@ -83,10 +106,15 @@ class PipelineStages:
         """
         outputs: list[tuple] = []
 
+        def packed(ids) -> bool:
+            return self._packed([batch.tokens[i] for i in ids])
+
         def inputs(ids):
-            tokens = [batch.tokens[i] for i in ids]
-            return micro_batch_inputs(tokens, [int(batch.response_lengths[i]) for i in ids], self.device,
-                                      packed=self._packed(tokens), sequence_parallel=sequence_parallel_size(net))
+            return micro_batch_inputs([batch.tokens[i] for i in ids], [int(batch.response_lengths[i]) for i in ids],
+                                      self.device, packed=packed(ids), sequence_parallel=sequence_parallel_size(net))
+
+        def around(ids):
+            return self._routing(net, batch, ids, grad, packed(ids))
 
         def finish(ids, micro, logits):
             lp, ent = response_log_probs(logits, micro, batch.temperature, vocab_size=self.shape.vocab_size,
@@ -98,13 +126,15 @@ class PipelineStages:
             outputs.append((loss.detach(), metrics))
             return loss
 
-        run_schedule(net, chunks, inputs, finish, grad=grad)
+        run_schedule(net, chunks, inputs, finish, grad=grad, around=around)
         return outputs
 
     async def _forward_chunks(self, net, batch: TrainBatch, chunks: list[list[int]]) -> list[tuple]:
         if self.pp == 1:
             return await super()._forward_chunks(net, batch, chunks)
-        return await self._in_thread(self._pipeline, net, batch, chunks, False, asyncio.get_running_loop())
+        outputs = await self._in_thread(self._pipeline, net, batch, chunks, False, asyncio.get_running_loop())
+        await self._in_thread(self._merge_stage_routing)
+        return outputs
 
     async def _train_step(self, batch: TrainBatch, micro_batches) -> tuple[dict, bool]:
         """With PP > 1: one pass of the pipeline schedule; the last stage's metric sums reach every stage

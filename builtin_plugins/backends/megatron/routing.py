@@ -4,7 +4,8 @@
 Routing is kept per sample as int64 ``[len(tokens) - 1, moe_layers, topk]`` (``Sample.rollout_routed_experts``'
 layout: row ``t`` is the routing of input position ``t``). A micro-batch's routers see its tokens in the
 order of the decoder's ``[s, b, h]`` input flattened to ``[s * b]`` (position-major when right-padded,
-the packed order when packed): :func:`token_positions` maps that order to ``(sample, position)``.
+the packed order when packed; this rank's chunks under context parallelism): :func:`token_positions` maps
+that order to ``(sample, position)``.
 """
 
 from __future__ import annotations
@@ -16,27 +17,27 @@ import torch
 __all__ = ["RoutingReplay", "token_positions"]
 
 
-def token_positions(lengths: Sequence[int], packed: bool, total: int | None = None,
-                    multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sample, position)``, int64 ``[N]`` each, of the ``N`` tokens a micro-batch of sequences of ``lengths``
-    feeds its routers, in their order; ``-1`` for pad positions.
+def token_positions(tokens: Sequence[Any], response_lengths: Sequence[int], packed: bool,
+                    sequence_parallel: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sample, position)``, int64 ``[N]`` each, of the ``N`` tokens a micro-batch's routers see on this rank
+    (this context-parallel rank's chunks; the whole sequence-parallel share before :meth:`RoutingReplay._share`),
+    in their order; ``-1`` for pad positions.
 
-    :param packed: the sequences concatenated (``[1, sum]``, lengthened to ``total`` positions when given),
-        else right-padded into ``[B, max(lengths)]``, which the decoder takes as ``[max, B]``.
-    :param multiple: the positions are padded to a multiple of it (the TP size under sequence parallelism,
-        :func:`~.logprobs.micro_batch_inputs`).
+    Each token's ``(sample, position)`` is written as one code in place of its id and laid out by
+    :func:`~.logprobs.micro_batch_inputs` itself (padding, packing, context-parallel chunks), then read in the
+    decoder's ``[s, b]`` order, so the routing and the model's input cannot disagree.
+
+    :param tokens: the micro-batch's sequences; ``response_lengths``, ``packed``, ``sequence_parallel``: as
+        :func:`~.logprobs.micro_batch_inputs` gets them.
     """
-    if packed:
-        samples = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        positions = torch.cat([torch.arange(n) for n in lengths])
-        count = max(len(samples), total or 0)
-        pad = count + -count % multiple - len(samples)
-        return torch.cat([samples, torch.full((pad,), -1)]), torch.cat([positions, torch.full((pad,), -1)])
-    width = max(lengths) + -max(lengths) % multiple
-    position = torch.arange(width).repeat_interleave(len(lengths))  # [L * B]: row p * B + b
-    sample = torch.arange(len(lengths)).repeat(width)
-    real = position < torch.tensor(lengths)[sample]
-    return torch.where(real, sample, -1), torch.where(real, position, -1)
+    from .logprobs import micro_batch_inputs
+
+    width = max(len(t) for t in tokens) + 1  # code = 1 + sample * width + position; 0 is padding
+    codes = [1 + i * width + torch.arange(len(t)) for i, t in enumerate(tokens)]
+    grid = micro_batch_inputs(codes, response_lengths, "cpu", packed=packed, sequence_parallel=sequence_parallel).ids
+    order = grid.cpu().t().reshape(-1)  # [B, L] -> the decoder's [L, B], position-major
+    real = order > 0
+    return torch.where(real, (order - 1) // width, -1), torch.where(real, (order - 1) % width, -1)
 
 
 class RoutingReplay:
@@ -49,14 +50,26 @@ class RoutingReplay:
     Under sequence parallelism (``sp_group``: the tensor-parallel group) each TP rank's routers see their
     share of the ``N`` tokens, the contiguous ``N / TP`` of rank ``r`` (the decoder's ``[s, b]`` order split
     along ``s``): the methods take every token's ``(sample, position)`` and keep this rank's; :meth:`recorded`
-    gathers the shares, so every TP rank holds the whole routing.
+    gathers the shares. On a pipeline stage (``pp_group``) the routers are the stage's MoE layers, columns
+    :attr:`columns` of the routing's ``L`` (the model's MoE layers in order, ``moe_layers``): the methods take
+    every layer's routing and use those columns; :meth:`recorded` fills the other columns with -1 and
+    :meth:`merge_stages`, once the pipeline schedule is done, fills them from the other stages. Under context
+    parallelism (``cp_group``) each rank routes its chunks of every sequence (:func:`token_positions` gives
+    their ``(sample, position)``); :meth:`recorded` gathers the ranks' chunks.
     """
 
-    def __init__(self, model, sp_group=None) -> None:
-        self.routers = [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+    def __init__(self, model, moe_layers: Sequence[int] = (), sp_group=None, pp_group=None, cp_group=None) -> None:
+        layers = [layer for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+        self.routers = [layer.mlp.router for layer in layers]
+        order = sorted(moe_layers) or list(range(len(layers)))
+        # megatron-core numbers layers from 1 across the stages (its layer offset)
+        self.columns = [order.index(layer.layer_number - 1) for layer in layers] if moe_layers else order
+        self.width = len(order)
         self._own: list = []
         self._hooks: list = []
         self._sp_group = sp_group
+        self._pp_group = pp_group
+        self._cp_group = cp_group
 
     def _share(self, *tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This TP rank's share of each ``[N]`` tensor (all of it without sequence parallelism)."""
@@ -80,7 +93,7 @@ class RoutingReplay:
         k = self.routers[0].topk
         targets = torch.arange(k).repeat(len(samples), len(self.routers), 1)  # [N, L, k]
         for i, rows in enumerate(routing):
-            rows = torch.as_tensor(rows, dtype=torch.int64)
+            rows = torch.as_tensor(rows, dtype=torch.int64)[:, self.columns]
             mine = (samples == i) & (positions >= 0) & (positions < len(rows))
             targets[mine] = rows[positions[mine]]
         for layer, router in enumerate(self.routers):
@@ -120,17 +133,44 @@ class RoutingReplay:
             shares = [torch.empty_like(chosen) for _ in range(dist.get_world_size(self._sp_group))]
             dist.all_gather(shares, chosen.contiguous(), group=self._sp_group)
             chosen = torch.cat(shares)
-        return self._per_sample(chosen.cpu(), lengths, samples, positions)
+        chosen = chosen.cpu()
+        if self._cp_group is not None:  # every rank's chunks, with their (sample, position)
+            import torch.distributed as dist
+
+            size = dist.get_world_size(self._cp_group)
+            parts = []
+            for local in (chosen, samples, positions):
+                every = [torch.empty_like(local) for _ in range(size)]
+                dist.all_gather(every, local.contiguous(), group=self._cp_group)
+                parts.append(torch.cat(every))
+            chosen, samples, positions = parts
+        if self.width != len(self.columns):  # a pipeline stage: the other stages' layers come in merge_stages
+            whole = torch.full((chosen.shape[0], self.width, chosen.shape[2]), -1, dtype=chosen.dtype)
+            whole[:, self.columns] = chosen
+            chosen = whole
+        return self._per_sample(chosen, lengths, samples, positions)
+
+    def merge_stages(self, routing: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``routing`` (per sample, from :meth:`recorded`, in the same order on every stage) with every stage's
+        columns filled in: a collective over the pipeline stages (each column is -1 on all stages but its own;
+        one maximum over the stages). Not inside the schedule, where the stages wait on one another's sends."""
+        import torch.distributed as dist
+
+        if self._pp_group is None or not routing:
+            return list(routing)
+        flat = torch.cat([r.reshape(-1) for r in routing])
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self._pp_group)
+        return [part.reshape(r.shape) for part, r in zip(flat.split([r.numel() for r in routing]), routing)]
 
     def disagreement(self, routing: Sequence[Any], samples: torch.Tensor, positions: torch.Tensor) -> tuple[int, int]:
         """``(differing, compared)``: of the (token, layer) pairs with a row in ``routing``, how many had an own
         top-k set (:meth:`own_choice`) other than the replayed one; this TP rank's tokens only under sequence
-        parallelism."""
+        parallelism, this stage's layers only on a pipeline stage."""
         samples, positions = self._share(samples, positions)
         own = torch.stack([o.cpu() for o in self._own], dim=1).sort(dim=-1).values  # [N, L, k]
         differing = compared = 0
         for i, rows in enumerate(routing):
-            rows = torch.as_tensor(rows, dtype=torch.int64)
+            rows = torch.as_tensor(rows, dtype=torch.int64)[:, self.columns]
             mine = (samples == i) & (positions >= 0) & (positions < len(rows))
             given = rows[positions[mine]].sort(dim=-1).values
             differing += int((own[mine] != given).any(dim=-1).sum())
