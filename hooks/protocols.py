@@ -366,7 +366,8 @@ class Executor(Protocol):
         Returns it, or a handle with the same coroutine methods (``load_data``, ``start(engines,
         state)``, ``generate``, ``evaluate``, ``data_state``, ``pop_metrics``,
         ``set_weight_version``, ``progress``, ``dispose``) that runs them where it was placed.
-        ``start`` receives the engines :meth:`start_engines` returned.
+        ``start`` receives the engines :meth:`start_engines` returned; ``evaluate(rollout_id, hf_dir=None,
+        start=False)`` takes the same arguments as the side's.
         """
 
     async def serve(self) -> None:

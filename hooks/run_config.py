@@ -507,6 +507,9 @@ class RunConfig:
     engines' ones; the fleet's GPUs follow the rollout engines' ``rollout_num_gpus``. Such an engine serves
     its own requests (not through the rollout engines' router) and is fed weight snapshots from disk
     (``update_weights_from_disk``), never the trainer's weight sync."""
+    eval_prompt_data_lone: bool
+    """``--eval-prompt-data`` was given one value, which Miles' rule reads as the path of an eval set named
+    ``aime`` (``eval_prompt_data`` then holds the pair ``("aime", path)``, as Miles' arguments do)."""
     plugins: Mapping[str, PluginConfig]
     """Each plugin's section (see :meth:`plugin_config`)."""
 

@@ -271,3 +271,31 @@ def _run_recording_the_loop(argv: list[str]) -> list[int]:
 
     asyncio.run(main())
     return loops
+
+
+def test_a_lone_eval_path_says_miles_rule_names_it_aime(plugin_manager, tmp_path, caplog):
+    """``--eval-prompt-data test`` (the path forgotten) said "--eval-prompt-data aime 'test': no such file", naming a
+    set the user never typed; the lone value's rule is now told, and a real lone path is logged once as 'aime'."""
+    from furlong.core.config.launch_args import launch_config
+    from furlong.core.rollout.evaluation import Evaluator
+
+    def evaluator(value):
+        config = launch_config("--eval-prompt-data", value, "--input-key", "prompt", "--label-key", "label",
+                               configure=False)
+        assert config.eval_prompt_data_lone and config.eval_prompt_data == ("aime", value)
+        return Evaluator(config, plugin_manager, _selection("jsonl"))
+
+    with pytest.raises(PluginError) as excinfo:
+        asyncio.run(evaluator("test").load())
+    assert str(excinfo.value) == ("--eval-prompt-data 'test': no such file. One --eval-prompt-data value is read as the "
+                                  "path of an eval set named 'aime' (Miles' rule); give NAME PATH pairs.")
+    path = tmp_path / "eval.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    loaded = evaluator(str(path))
+    with caplog.at_level("INFO", logger="furlong.eval"):
+        asyncio.run(loaded.load())
+    assert [ds.name for ds, _ in loaded.datasets] == ["aime"]
+    assert caplog.messages == [f"--eval-prompt-data {path}: one value, read as the path of an eval set named 'aime' "
+                               "(Miles' rule); give NAME PATH to name it."]
+    pair = launch_config("--eval-prompt-data", "test", str(path), configure=False)
+    assert not pair.eval_prompt_data_lone

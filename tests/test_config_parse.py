@@ -187,6 +187,12 @@ def test_an_argument_file_error_exits_2_without_a_traceback(tmp_path, run_furlon
         "with a backslash."]
 
 
+@pytest.mark.parametrize("flag", ["--prometheus-port", "--sglang-router-port"])
+def test_port_flags_take_a_tcp_port(flag):
+    assert error_of(BASE + [flag, "70000"]) == f"argument {flag}: a TCP port is 1 to 65535, got 70000."
+    assert getattr(parse_args(BASE + [flag, "65535"]), flag[2:].replace("-", "_")) == 65535
+
+
 # --- --custom-config-path -------------------------------------------------------------------
 
 def test_overlay_file_is_applied_and_validated_again(tmp_path, caplog):
@@ -199,8 +205,8 @@ def test_overlay_file_is_applied_and_validated_again(tmp_path, caplog):
     assert (args.rollout_temperature, args.eval_temperature, args.my_extra_knob) == (0.5, 0.5, [1, 2])
     assert {"global_batch_size", "rollout_temperature", "my_extra_knob"} <= set(args.explicit_args)
     assert "--custom-config-path sets global_batch_size = 2 (was 4)." in caplog.messages
-    assert ("--custom-config-path sets my_extra_knob = [1, 2], which is not a furlong flag; kept for custom "
-            "functions that read it.") in caplog.messages
+    assert ("--custom-config-path sets a key that is not a furlong flag, kept for the custom functions that read it: "
+            "my_extra_knob = [1, 2].") in caplog.messages
 
 
 MILES_MIS_OVERLAY = """use_tis: true
@@ -238,8 +244,22 @@ def test_overlay_key_that_looks_like_a_typo_gets_a_warning(tmp_path, caplog):
     path.write_text("rollout_bach_size: 4\n")
     with caplog.at_level(logging.WARNING, logger="furlong.config"):
         parse_args(BASE + ["--custom-config-path", str(path)])
-    assert ("--custom-config-path sets rollout_bach_size = 4, which is not a furlong flag; kept for custom functions "
-            "that read it. Did you mean rollout_batch_size?") in caplog.messages
+    assert caplog.messages == ["--custom-config-path sets a key that is not a furlong flag, kept for the custom "
+                               "functions that read it: rollout_bach_size = 4 (did you mean rollout_batch_size?)."]
+
+
+def test_overlay_keys_that_are_no_flag_are_one_warning_suggesting_only_near_identical_flags(tmp_path, caplog):
+    """Miles' TIS/RS keys got a warning each, with suggestions the command line would never make (tis_mode: did you
+    mean train_mode?); the overlay uses the command line's suggestion, so only the typo gets one."""
+    path = tmp_path / "mis.yaml"
+    path.write_text(MILES_MIS_OVERLAY + "rollout_bach_size: 4\n")
+    with caplog.at_level(logging.WARNING, logger="furlong.config"):
+        parse_args(BASE + ["--custom-config-path", str(path)])
+    assert caplog.messages == [
+        "--custom-config-path sets 9 keys that are not furlong flags, kept for the custom functions that read them: "
+        "use_rs = True, tis_level = 'token', tis_mode = 'truncate', tis_lower_bound = 0.5, tis_upper_bound = 2.0, "
+        "rs_lower_bound = None, rs_veto_threshold = 0.0001, tis_batch_normalize = True, rollout_bach_size = 4 "
+        "(did you mean rollout_batch_size?)."]
 
 
 def test_overlay_base64(tmp_path):

@@ -792,6 +792,22 @@ def test_machine_defaults_name_the_flags_that_came_from_the_machine(monkeypatch)
     }  # actor_num_gpus_per_node was given; --fp16 turned bf16 off
 
 
+def test_print_config_shows_no_credential(capsys):
+    """Miles' argv with --wandb-key printed the key; secrets (furlong.kit.redact, the loggers' list too) print as ***,
+    also the SGLang server's and router's API keys passed through."""
+    from furlong.core.cli.commands import main
+
+    assert main(["train", "--print-config", *BASE, "--hf-checkpoint", "examples/demo/model", "--wandb-key", "X1",
+                 "--sglang-api-key", "X2", "--router-api-key", "X3", "--sglang-enable-metrics"]) == 0
+    out = capsys.readouterr().out
+    args = json.loads(out)["args"]
+    assert (args["wandb_key"], args["sglang_passthrough"], args["router_passthrough"]) == (
+        "***", {"api_key": "***", "enable_metrics": True}, {"api_key": "***"})
+    assert not any(secret in out for secret in ("X1", "X2", "X3"))
+    assert main(["train", "--print-config", *BASE, "--hf-checkpoint", "examples/demo/model"]) == 0
+    assert json.loads(capsys.readouterr().out)["args"]["wandb_key"] is None  # not given: nothing to hide
+
+
 def test_print_config_dict_is_json_serializable():
     args = parse_args(BASE + ["--sglang-enable-metrics", "--dynamic-sampling-filter", "check_reward_nonzero_std"])
     data = config_to_dict(args)

@@ -381,6 +381,15 @@ def test_print_config_shows_plugin_and_machine_defaults(capsys):
         data["machine_note"]
 
 
+def test_print_config_s_attention_note_names_no_backend(capsys):
+    """Under --train-backend megatron the note said what the fsdp backend's configure does; it is neutral now."""
+    for backend in ("megatron", "fsdp"):
+        assert main(["train", *BASE, "--train-backend", backend, "--print-config"]) == 0
+        note = json.loads(capsys.readouterr().out)["machine_defaults"]["attn_implementation"]["on_cuda"]
+        assert note == ("flash_attention_2 (the flag's default; a train backend that reads the flag may set another "
+                        "in its configure, shown under plugin_defaults)")
+
+
 # --- rules the built-in plugins own (moved from core/config) ------------------------------
 
 PLUGIN_ERRORS = [

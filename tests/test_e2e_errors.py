@@ -182,6 +182,47 @@ def test_a_reward_that_is_not_a_number_names_the_plugin_and_keeps_the_samples(tm
     sys.modules.pop("word_reward", None)
 
 
+@pytest.mark.parametrize("body, flags, expected", [
+    ("raise ValueError('no answer')", [],
+     "error: evaluation of eval set 'test' before rollout 0 failed: reward plugin 'eval_reward.reward' (from "
+     "--custom-rm-path) failed on sample 0: ValueError: no answer"),
+    ("return {'acc': 1.0}", [],
+     "error: evaluation of eval set 'test' before rollout 0 failed: reward plugin 'eval_reward.reward' (from "
+     "--custom-rm-path), sample 0: the reward is a dict with keys ['acc']; pass --reward-key naming the scalar to "
+     "train on (the evaluation reads it too, unless --eval-reward-key names another)."),
+    ("return {'acc': 1.0}", ["--eval-reward-key", "acc"],  # the evaluation passes; training needs --reward-key
+     "error: rollout 0 failed: reward plugin 'eval_reward.reward' (from --custom-rm-path), sample 0: the reward is a "
+     "dict with keys ['acc']; pass --reward-key naming the scalar to train on (the evaluation reads it too, unless "
+     "--eval-reward-key names another)."),
+    ("return {'acc': 1.0}", ["--eval-reward-key", "score", "--reward-key", "acc"],
+     "error: evaluation of eval set 'test' before rollout 0 failed: reward plugin 'eval_reward.reward' (from "
+     "--custom-rm-path), sample 0: --eval-reward-key 'score' is not in the reward dict (keys: ['acc'])."),
+])
+def test_a_reward_failing_in_the_evaluation_before_rollout_0_says_so_and_keeps_the_samples(
+        tmp_path, tiny_model_dir, good_data, capsys, monkeypatch, body, flags, expected):
+    from furlong.core.cli.commands import main
+
+    (tmp_path / "eval_reward.py").write_text(f"def reward(args, sample):\n    {body}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    sys.modules.pop("eval_reward", None)
+    run = tmp_path / "runs" / "evalfail"
+    code = main(["train", *[f for f in BASE if f not in ("--rm-type", "math")], "--hf-checkpoint", str(tiny_model_dir),
+                 "--prompt-data", str(good_data), "--custom-rm-path", "eval_reward.reward", "--eval-prompt-data",
+                 "test", str(good_data), "--n-samples-per-eval-prompt", "2", "--eval-interval", "1", "--save", str(run),
+                 *flags])
+    err = capsys.readouterr().err
+    sys.modules.pop("eval_reward", None)
+    assert code == 2 and "Traceback" not in err, err
+    lines = err.splitlines()
+    assert lines[0] == expected, err
+    what = "rollout" if expected.startswith("error: rollout") else "evaluation"
+    dumped_to = run / f"failed_{'eval' if what == 'evaluation' else 'rollout'}_0.jsonl"
+    assert lines[1:] == [f"error:   The {what}'s samples are in {dumped_to}."]  # the --save folder: outputs go there
+    dumped = [json.loads(line) for line in dumped_to.read_text().splitlines()]
+    assert len(dumped) == (2 if what == "evaluation" else 4) and dumped[0]["prompt"] == "1+1="
+
+
 def test_a_run_rejected_after_its_flags_parse_prints_its_error_without_the_core_s_notes(tmp_path, tiny_model_dir,
                                                                                          good_data, capsys, caplog):
     """The --save-interval note is written once the whole configuration is accepted, not before the error of a

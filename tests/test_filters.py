@@ -58,8 +58,9 @@ def test_nonzero_std_dict_without_reward_key(pm):
     with pytest.raises(PluginError) as excinfo:
         run(pm, ["check_reward_nonzero_std"], group({"score": 1.0, "acc": True}, {"score": 0.0, "acc": False}))
     assert str(excinfo.value) == (
-        "filter 'check_reward_nonzero_std': sample 0 has a dict reward with keys ['acc', 'score']; "
-        "pass --reward-key to name the scalar to check."
+        "filter 'check_reward_nonzero_std': sample 0: the reward is a dict with keys ['acc', 'score']; pass "
+        "--reward-key naming the scalar to train on (the evaluation reads it too, unless --eval-reward-key names "
+        "another)."
     )
 
 

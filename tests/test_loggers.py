@@ -295,7 +295,8 @@ def test_hook_on_train_step_end_wandb_does_nothing_unless_enabled(tmp_path, plug
 def test_wandb_group_gets_a_random_suffix_unless_disabled(plugin_manager):
     kwargs = init_kwargs(_config(plugin_manager, "--wandb-group", "exp"))
     assert re.fullmatch(r"exp-[0-9a-f]{6}", kwargs["name"]) and kwargs["group"] == kwargs["name"]
-    assert "wandb_key" not in init_kwargs(_config(plugin_manager, "--wandb-key", "secret"))["config"]
+    logged = init_kwargs(_config(plugin_manager, "--wandb-key", "secret", "--sglang-api-key", "X2"))["config"]
+    assert "wandb_key" not in logged and logged["sglang_passthrough"] == {"api_key": "***"}
 
 
 def test_wandb_bad_mode_names_the_flag(plugin_manager):

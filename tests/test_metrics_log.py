@@ -169,7 +169,8 @@ def test_dict_reward_without_key_is_an_error():
     with pytest.raises(PluginError) as excinfo:
         rollout_metrics([[_sample({"score": 1.0, "acc": True}, 3, index=12)]], reward_key=None)
     assert str(excinfo.value) == (
-        "sample 12: the reward is a dict with keys ['acc', 'score']; pass --reward-key naming the scalar to use."
+        "sample 12: the reward is a dict with keys ['acc', 'score']; pass --reward-key naming the scalar to train on "
+        "(the evaluation reads it too, unless --eval-reward-key names another)."
     )
     with pytest.raises(PluginError) as excinfo:
         eval_metrics("gsm", [_sample({"acc": True}, 3, index=4)], reward_key="score")

@@ -19,7 +19,7 @@ import torch
 
 from furlong.core.cli.commands import main
 from furlong.core.config import ConfigError, build_parser, parse_args
-from furlong.core.config._util import float_or_inf
+from furlong.core.config._util import float_or_inf, port_number
 from furlong.core.config.passthrough import split_passthrough
 from furlong.core.config.tables import FlagRow, megatron_table, miles_table, sglang_table
 from furlong.hooks import ConfigReport, MegatronFlags, PluginError
@@ -56,7 +56,8 @@ def _values(row: FlagRow, action) -> list[str]:
     """Values for ``row``'s arity, valid for the action furlong defines."""
     if not row.takes_value:
         return []
-    one = str(next(iter(action.choices))) if action.choices else {int: "2", float: "0.5", float_or_inf: "0.5"}.get(action.type, "x")
+    typed = {int: "2", float: "0.5", float_or_inf: "0.5", port_number: "8000"}
+    one = str(next(iter(action.choices))) if action.choices else typed.get(action.type, "x")
     one = "{}" if getattr(action.type, "__name__", "") == "json_object" else one
     count = {"+": 2, "*": 2, "?": 1, None: 1}.get(row.nargs, row.nargs)
     return [one] * count

@@ -124,6 +124,34 @@ def test_a_reward_of_the_wrong_shape_is_blamed_on_the_plugin(tmp_path, plugin_ma
     assert _rollout_error(args, plugin_manager) == expected
 
 
+@pytest.mark.parametrize(("flags", "returns", "expected"), [
+    ([], {"acc": 1.0},
+     "reward plugin 'dicts' (registered in-process), sample 0: the reward is a dict with keys ['acc']; pass "
+     "--reward-key naming the scalar to train on (the evaluation reads it too, unless --eval-reward-key names "
+     "another)."),
+    (["--reward-key", "score"], {"acc": 1.0},
+     "reward plugin 'dicts' (registered in-process), sample 0: --reward-key 'score' is not in the reward dict "
+     "(keys: ['acc'])."),
+    (["--reward-key", "acc"], {"acc": "yes"},
+     "reward plugin 'dicts' (registered in-process), sample 0: --reward-key 'acc': the reward dict holds 'yes' "
+     "there, not a number."),
+])
+def test_a_dict_reward_the_flags_cannot_read_is_blamed_on_the_plugin_when_it_returns(tmp_path, plugin_manager,
+                                                                                    register_plugin, flags, returns,
+                                                                                    expected):
+    """Told where the plugin's return enters (naming it), not later by the metrics as "sample 0: ..." alone."""
+    register_plugin(_Reward(lambda samples: [dict(returns) for _ in samples]), "dicts")
+    args = _args(tmp_path, "--rm-type", "dicts", *flags)
+    assert _rollout_error(args, plugin_manager) == expected
+
+
+def test_a_dict_reward_with_its_key_trains(tmp_path, plugin_manager, register_plugin):
+    register_plugin(_Reward(lambda samples: [{"acc": 1.0, "len": 3} for _ in samples]), "dicts")
+    args = _args(tmp_path, "--rm-type", "dicts", "--reward-key", "acc")
+    groups = asyncio.run(rollout_manager(args, plugin_manager, ScriptedEngine(boxed_first_operand)).generate(0))
+    assert [s.reward for s in groups[0]] == [{"acc": 1.0, "len": 3}] * 2
+
+
 def test_through_the_cli_it_is_one_message_and_exit_2(tmp_path, tiny_model_dir, capsys, monkeypatch):
     """A Miles-style generate function whose loss_mask is one token short, run by ``furlong train``."""
     import sys

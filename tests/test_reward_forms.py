@@ -225,3 +225,15 @@ def test_what_a_trl_function_returns_is_checked_like_every_reward(tmp_path, monk
         asyncio.run(scorer.score(_samples()))
     assert str(excinfo.value) == f"reward plugin 'bad_trl.rm' (from --custom-rm-path) {complaint}"
     sys.modules.pop("bad_trl", None)
+
+
+def test_the_help_of_custom_rm_path_names_the_three_forms():
+    """--help named only Miles' form, while TRL's and verl's functions work there too (README, docs/from-trl.md)."""
+    from furlong.core.config import build_parser
+
+    [action] = [a for a in build_parser()._actions if "--custom-rm-path" in a.option_strings]
+    assert action.help == (
+        "module.function, sync or async, in one of three forms read from its parameter names: Miles' f(args, sample) "
+        "-> float | dict (with --group-rm: f(args, samples) -> list); TRL's f(prompts, completions, **kwargs) -> list; "
+        "verl's compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict "
+        "(docs/from-trl.md, docs/from-verl.md).")

@@ -22,7 +22,8 @@ from furlong.hooks.run_config import FrozenMap
 DERIVED_FIELDS = {"train_mode", "explicit_args", "plugin_flags_given", "megatron_flags_given", "megatron_args",
                   "megatron_argv", "sglang_passthrough", "router_passthrough", "eval_sglang_passthrough",
                   "data_parallel_size", "use_critic", "engines_in_driver", "packed_by_default", "sglang_tp_size",
-                  "num_rollout_per_epoch", "eval_engine", "custom_config_extras", "plugins"}
+                  "num_rollout_per_epoch", "eval_engine", "eval_prompt_data_lone", "custom_config_extras",
+                  "plugins"}
 
 
 @pytest.fixture(scope="module")

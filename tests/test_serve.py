@@ -600,6 +600,17 @@ def test_serve_flags_become_what_the_engine_plugin_reads(dtype, bf16, fp16):
                                                                                  "default")
 
 
+@pytest.mark.parametrize("port, why", [("99999", "a TCP port is 1 to 65535, got 99999"),
+                                       ("-1", "a TCP port is 1 to 65535, got -1"),
+                                       ("0", "a TCP port is 1 to 65535, got 0"),
+                                       ("http", "expected a TCP port (1 to 65535), got 'http'")])
+def test_serve_port_out_of_range_is_one_error_line_at_parsing(port, why, capsys, tiny_model_dir):
+    """An out-of-range --port was a traceback (OverflowError from bind, exit 1); now argparse refuses it,
+    before any plugin or model loads."""
+    assert main(["serve", "--hf-checkpoint", str(tiny_model_dir), "--port", port]) == 2
+    assert capsys.readouterr().err == f"error: argument --port: {why}.\n"
+
+
 def test_serve_errors_are_one_line_and_exit_2(tmp_path, capsys, server, tiny_model_dir):
     assert main(["serve", "--hf-checkpoint", str(tmp_path), "--rollout-backend", "embeded"]) == 2
     err = capsys.readouterr().err

@@ -443,8 +443,8 @@ class RemoteRolloutSide:
         await _await(self.handle.start_eval_fleet.remote(specs, self.timeout), self.timeout, self.who,
                      "start_eval_fleet")
 
-    async def evaluate(self, rollout_id: int = 0, hf_dir: str | None = None) -> dict:
-        return await self._call("evaluate", rollout_id, hf_dir)
+    async def evaluate(self, rollout_id: int = 0, hf_dir: str | None = None, start: bool = False) -> dict:
+        return await self._call("evaluate", rollout_id, hf_dir, start)
 
     async def data_state(self, rollout_id: int | None = None):
         return await self._call("data_state", rollout_id)

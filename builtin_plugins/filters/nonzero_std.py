@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from furlong.hooks import FilterResult, PluginError, hookimpl
+from furlong.kit.rewards import reward_scalar
 
 __all__ = ["filter", "reward_std"]
 
@@ -51,16 +52,8 @@ def reward_std(rewards: list[float]) -> float:
 
 
 def _scalar(sample, key: str | None) -> float:
-    value = sample.reward
-    if isinstance(value, dict):
-        if not key:
-            raise PluginError(f"filter 'check_reward_nonzero_std': sample {sample.index} has a dict reward "
-                              f"with keys {sorted(value)}; pass --reward-key to name the scalar to check.")
-        if key not in value:
-            raise PluginError(f"filter 'check_reward_nonzero_std': --reward-key '{key}' is not in the reward "
-                              f"of sample {sample.index} (keys: {sorted(value)}).")
-        value = value[key]
+    value = reward_scalar(sample.reward, key, f"filter 'check_reward_nonzero_std': sample {sample.index}")
     if value is None:
         raise PluginError(f"filter 'check_reward_nonzero_std': sample {sample.index} (status "
                           f"{sample.status.value}) has no reward; the filter needs scored groups.")
-    return float(value)
+    return value

@@ -28,6 +28,7 @@ import re
 import time
 
 from furlong.hooks import PluginError, RunConfig, hookimpl
+from furlong.kit.redact import redact
 
 from ._common import is_last_event, rollout_axis_step, run_dir, scalars
 
@@ -127,13 +128,13 @@ def _new_run(client, config: RunConfig) -> str:
 
 
 def _params(config: RunConfig) -> dict[str, str]:
-    """The run configuration as MLflow parameters: ``str`` values cut to MLflow's limit, without ``wandb_key``."""
+    """The run configuration as MLflow parameters: ``str`` values cut to MLflow's limit, never a credential
+    (:func:`furlong.kit.redact.redact`: ``wandb_key`` left out, pass-through API keys ``***``)."""
     try:
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH as limit
     except ImportError:
         limit = 500
-    return {name: str(value)[:limit] for name, value in sorted(vars(config.namespace()).items())
-            if name != "wandb_key"}
+    return {name: str(value)[:limit] for name, value in sorted(redact(vars(config.namespace()), drop=True).items())}
 
 
 def _finish(key: int) -> None:

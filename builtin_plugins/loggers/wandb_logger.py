@@ -23,6 +23,7 @@ import os
 import secrets
 
 from furlong.hooks import PluginError, RunConfig, hookimpl
+from furlong.kit.redact import redact
 
 from ._common import is_last_event, rollout_axis_step, run_dir, scalars
 
@@ -130,11 +131,10 @@ def _finish(key: int) -> None:
 
 
 def _config(config: RunConfig) -> dict:
-    """The run configuration as W&B config: JSON-like values kept, anything else as its ``str``."""
+    """The run configuration as W&B config: JSON-like values kept, anything else as its ``str``; never a
+    credential (:func:`furlong.kit.redact.redact`: ``wandb_key`` left out, pass-through API keys ``***``)."""
     out = {}
-    for name, value in sorted(vars(config.namespace()).items()):
-        if name == "wandb_key":
-            continue  # never store the API key in the run's config
+    for name, value in sorted(redact(vars(config.namespace()), drop=True).items()):
         out[name] = value if isinstance(value, (bool, int, float, str, list, tuple, dict, type(None))) else str(value)
     return out
 

@@ -16,6 +16,7 @@ import traceback
 
 from furlong.hooks import PluginError, specs
 from furlong.kit.dist import launched_processes
+from furlong.kit.redact import redact
 
 from ..config.errors import ConfigError
 from ..plugins.discovery import split_names
@@ -245,7 +246,7 @@ def _train(command: str, argv: list[str]) -> int:
     if config.print_config:
         machine = {**machine_defaults(args, pm, configured.data_parallel), **configured.machine}
         plugin_set = {dest: value for dest, value in configured.derived.items() if dest not in configured.machine}
-        print(json.dumps({"args": config_to_dict(args), "plugins": selection.as_dict(),
+        print(json.dumps({"args": redact(config_to_dict(args)), "plugins": selection.as_dict(),
                           "precision": precision_summary(args),
                           "machine_defaults": config_to_dict(argparse.Namespace(**machine)),
                           "machine_note": machine_note(machine),

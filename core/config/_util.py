@@ -6,7 +6,7 @@ import argparse
 import json
 import math
 
-__all__ = ["FLOAT_TYPES", "MEGATRON_ONLY", "finite_float", "float_or_inf", "json_object", "megatron"]
+__all__ = ["FLOAT_TYPES", "MEGATRON_ONLY", "finite_float", "float_or_inf", "json_object", "megatron", "port_number"]
 
 MEGATRON_ONLY = "megatron_only"
 
@@ -56,6 +56,22 @@ def float_or_inf(text) -> float:
     value = float(text)
     if math.isnan(value) or value == -math.inf:
         raise argparse.ArgumentTypeError(f"expected a finite number or inf (no bound), got {text!r}")
+    return value
+
+
+def port_number(text) -> int:
+    """argparse ``type`` of a TCP port flag (``furlong serve --port``, ``--prometheus-port``,
+    ``--sglang-router-port``): an integer in 1..65535, so a bad port is a usage error before
+    anything starts (0, "any free port" to ``bind``, would leave clients no port to reach).
+
+    :raises argparse.ArgumentTypeError: not an integer, or outside 1..65535.
+    """
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a TCP port (1 to 65535), got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1 to 65535, got {value}")
     return value
 
 

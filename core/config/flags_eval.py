@@ -11,7 +11,7 @@ def add(g, dev) -> None:
     g.add_argument("--eval-interval", type=int, default=None,
                    help="Rollouts between evaluations; needs --eval-prompt-data or --eval-config.")
     g.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="NAME PATH",
-                   help="Eval sets as NAME PATH pairs; a single PATH means 'aime PATH'.")
+                   help="Eval sets as NAME PATH pairs; a single PATH means 'aime PATH' (Miles' rule).")
     g.add_argument("--eval-config", default=None,
                    help="YAML file (or base64:...) with eval: {defaults, datasets}; replaces --eval-prompt-data.")
     g.add_argument("--skip-eval-before-train", action="store_true", help="No evaluation before the first rollout.")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._util import megatron
+from ._util import megatron, port_number
 
 __all__ = ["add_debugging", "add_logging"]
 
@@ -50,7 +50,7 @@ def add_logging(g, dev) -> None:
     g.add_argument("--mlflow-run-id", default=None, help="Log into this existing MLflow run.")
     g.add_argument("--use-prometheus", action="store_true",
                    help="Serve the metrics as Prometheus gauges on /metrics (pip install 'furlong[prometheus]').")
-    g.add_argument("--prometheus-port", type=int, default=None,
+    g.add_argument("--prometheus-port", type=port_number, default=None,
                    help="Port of the /metrics server (default: $PROMETHEUS_PORT, else 9090).")
     g.add_argument("--prometheus-run-name", default=None,
                    help="The run_name label of every gauge (default: --wandb-group, else furlong).")

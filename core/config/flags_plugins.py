@@ -23,7 +23,11 @@ def add(g, dev) -> None:
                    help="reward plugin (math, deepscaler, dapo, f1, gpqa, remote_rm, ...); boxed_NAME grades "
                         "the last \\boxed{} with NAME; a sample's metadata rm_type wins.")
     g.add_argument("--custom-rm-path", default=None,
-                   help="async module.function(args, sample) -> float | dict (with --group-rm: samples -> list).")
+                   help="module.function, sync or async, in one of three forms read from its parameter names: "
+                        "Miles' f(args, sample) -> float | dict (with --group-rm: f(args, samples) -> list); "
+                        "TRL's f(prompts, completions, **kwargs) -> list; verl's compute_score(data_source, "
+                        "solution_str, ground_truth, extra_info) -> float | dict (docs/from-trl.md, "
+                        "docs/from-verl.md).")
     g.add_argument("--dynamic-sampling-filter", action="extend", nargs="+", default=None, metavar="NAME",
                    help="filter plugins, applied in order (repeatable), e.g. check_reward_nonzero_std.")
     g.add_argument("--dynamic-sampling-filter-path", default=None,

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from ._util import port_number
+
 __all__ = ["add"]
 
 MIB = 1 << 20
@@ -12,7 +14,7 @@ def add(g, dev) -> None:
     """Add the flags to argument group ``g``; ``dev`` holds the machine-dependent defaults."""
     g.add_argument("--sglang-router-ip", default=None,
                    help="Use this running router (no router is launched; engines register with it).")
-    g.add_argument("--sglang-router-port", type=int, default=None, help="Port of the router.")
+    g.add_argument("--sglang-router-port", type=port_number, default=None, help="Port of the router.")
     g.add_argument("--sglang-router-policy", default=None,
                    help="Router policy; consistent_hashing and manual add a per-sample routing key header.")
     g.add_argument("--sglang-router-request-timeout-secs", type=int, default=14400, help="Router request timeout.")

@@ -23,7 +23,7 @@ from .passthrough import split_passthrough, unknown_sglang_problems
 from .validate import validate
 from .flag_access import flag_value
 
-__all__ = ["config_to_dict", "expand_argsfiles", "names_any", "parse_args"]
+__all__ = ["config_to_dict", "expand_argsfiles", "names_any", "parse_args", "suggest_flag"]
 
 log = logging.getLogger("furlong.config")
 
@@ -80,6 +80,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     args.megatron_argv = _argv_of(tokens, set(megatron_given))
     args.num_rollout_per_epoch = None  # known once the data is loaded (--num-epoch)
     args.eval_engine = False  # True only in the configuration of an eval fleet engine (core/run/eval_fleet.py)
+    args.eval_prompt_data_lone = False  # set by validation when it names a lone --eval-prompt-data PATH 'aime'
     args.custom_config_extras = {}  # the --custom-config-path keys that are no flag (below)
     problems += [f"{flag} is not supported yet; remove it." for flag in refused]
     args.train_mode = None if command is None else "async" if command == "train-async" else "sync"
@@ -104,13 +105,10 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     for key, value in overlay.items():
         if hasattr(raw, key):
             log.info("--custom-config-path sets %s = %r (was %r).", key, value, flag_value(args, key))
-        else:
-            close = difflib.get_close_matches(key, vars(raw), n=1)
-            hint = f" Did you mean {close[0]}?" if close else ""
-            log.warning("--custom-config-path sets %s = %r, which is not a furlong flag; kept for custom functions "
-                        "that read it.%s", key, value, hint)
         setattr(final, key, value)
     final.custom_config_extras = {key: value for key, value in overlay.items() if not hasattr(raw, key)}
+    if final.custom_config_extras:
+        log.warning("%s", _extras_warning(final.custom_config_extras, actions))
     final.explicit_args = sorted(set(final.explicit_args) | set(overlay))
     final.plugin_flags_given = _plugin_flags_given(parser, final.explicit_args)
     try:
@@ -124,6 +122,18 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     if errors:
         raise ConfigError([f"after --custom-config-path: {e}" for e in errors])
     return final
+
+
+def _extras_warning(extras: dict, actions: dict) -> str:
+    """One warning for the ``--custom-config-path`` keys that are no flag, each with its value and, for a
+    near-identical flag (:func:`suggest_flag`, as on the command line), that flag's attribute name."""
+    parts = []
+    for key, value in extras.items():
+        close = suggest_flag("--" + key.replace("_", "-"), actions)
+        parts.append(f"{key} = {value!r}" + (f" (did you mean {actions[close].dest}?)" if close else ""))
+    what = "a key that is not a furlong flag" if len(parts) == 1 else f"{len(parts)} keys that are not furlong flags"
+    them = "it" if len(parts) == 1 else "them"
+    return f"--custom-config-path sets {what}, kept for the custom functions that read {them}: {', '.join(parts)}."
 
 
 def _choose_executor(args: argparse.Namespace, pm) -> list[str]:
@@ -308,10 +318,15 @@ def _argv_of(tokens: list[str], flags: set[str]) -> list[str]:
     return out
 
 
+def suggest_flag(flag: str, actions) -> str | None:
+    """The flag among ``actions`` (option strings) near-identical to ``flag`` (a typo, a letter dropped:
+    :data:`SUGGEST_CUTOFF`), else None; never a sibling with another last word."""
+    close = difflib.get_close_matches(flag, [o for o in actions if o.startswith("--")], n=1, cutoff=SUGGEST_CUTOFF)
+    return close[0] if close else None
+
+
 def _unrecognized(extras: list[str], actions: dict) -> tuple[list[str], set[str]]:
     """One line per unknown flag (with a near-identical flag when there is one), and the flags suggested."""
-    import difflib
-
     problems, suggested = [], set()
     previous_flag = False
     for token in extras:
@@ -319,11 +334,10 @@ def _unrecognized(extras: list[str], actions: dict) -> tuple[list[str], set[str]
             flag = token.split("=", 1)[0]
             longer = [o for o in actions if o.startswith(flag + "-")]
             abbreviated = len(longer) == 1  # the start of one flag's name
-            close = longer if abbreviated else difflib.get_close_matches(
-                flag, [o for o in actions if o.startswith("--")], n=1, cutoff=SUGGEST_CUTOFF)
+            close = longer[0] if abbreviated else suggest_flag(flag, actions)
             remark = " flags are never abbreviated" if abbreviated else ""  # not for a misspelling
-            hint = f" (did you mean {close[0]}?{remark})" if close else ""
-            suggested.update(close[:1])
+            hint = f" (did you mean {close}?{remark})" if close else ""
+            suggested.update([close] if close else [])
             problems.append(f"unrecognized argument {flag}{hint}.")
             previous_flag = True
         elif not previous_flag:

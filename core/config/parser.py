@@ -176,7 +176,10 @@ def _backend_plugin(pm, name: str, hook: str) -> bool:
 # DeviceDefaults field -> its value on a CUDA machine with the megatron and sglang plugins installed
 ON_CUDA: dict[str, object] = {
     "gpus_per_node": "torch.cuda.device_count()",
-    "attn_implementation": "flash_attention_2 (the fsdp backend's configure sets sdpa unless the flag is given)",
+    # neutral: the train backend chosen decides what it does with it (its configure may set another, shown
+    # under plugin_defaults), and the core names no plugin
+    "attn_implementation": "flash_attention_2 (the flag's default; a train backend that reads the flag may set "
+                           "another in its configure, shown under plugin_defaults)",
     "bf16": True,
     "distributed_backend": "nccl",
     "rollout_backend": "sglang (with the furlong sglang plugin and the sglang package)",

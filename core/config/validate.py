@@ -19,6 +19,7 @@ from . import rules
 from .fp8_sources import fp8_sources
 from .knobs import KNOBS, resolve_knobs
 from .unsupported import no_effect_warnings, unsupported_problems
+from .eval_config import LONE_PATH_NAME
 from .flag_access import flag_value
 
 __all__ = ["validate"]
@@ -133,7 +134,8 @@ def _normalize(args, f: ConfigReport, given: set[str]) -> None:
         f.error("--debug-rollout-only and --debug-train-only are exclusive: the first runs only the engines, "
                 "the second only the trainer.")
     if args.eval_prompt_data and len(args.eval_prompt_data) == 1:
-        args.eval_prompt_data = ["aime", args.eval_prompt_data[0]]
+        args.eval_prompt_data = [LONE_PATH_NAME, args.eval_prompt_data[0]]
+        args.eval_prompt_data_lone = True
 
 
 def _basic_values(args, f: ConfigReport) -> None:

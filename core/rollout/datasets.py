@@ -22,7 +22,9 @@ def train_dataset(config: RunConfig) -> DatasetSpec:
 def eval_dataset(config: RunConfig, ds: EvalDataset) -> DatasetSpec:
     """Evaluation set ``ds``: its own path and row keys, never shuffled, prompts longer than
     ``--eval-max-prompt-len`` dropped."""
-    flag = f"--eval-config dataset '{ds.name}'" if config.eval_config else f"--eval-prompt-data {ds.name}"
+    lone = config.eval_prompt_data_lone and not config.eval_config  # the user typed no name: none to show
+    flag = (f"--eval-config dataset '{ds.name}'" if config.eval_config
+            else "--eval-prompt-data" if lone else f"--eval-prompt-data {ds.name}")
     return DatasetSpec(path=ds.path, flag=flag, name=ds.name, input_key=ds.input_key, label_key=ds.label_key,
                        metadata_key=ds.metadata_key, tool_key=ds.tool_key, shuffle=False, seed=config.rollout_seed,
                        max_prompt_len=config.eval_max_prompt_len)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from furlong.hooks import DatasetSpec, PluginError, RunConfig, Sample, Status
+from furlong.kit.rewards import reward_key_of
 
 from ..plugins.data_choice import data_source_for
 from .datasets import eval_dataset
 from .debug_data import save_rollout
+from .failed_rollout import dump_failed_rollout
 from .eval_function import EvalContext, EvalSet, data_metrics, read_result
-from ..config.eval_config import EvalDataset, load_eval_datasets, sampling_params
+from ..config.eval_config import LONE_PATH_NAME, EvalDataset, load_eval_datasets, sampling_params
 from ..run.extra_metrics import eval_set_metrics
 from ..run.metrics_log import scalar_reward
 from ..plugins.manager import FurlongPluginManager
@@ -19,6 +22,8 @@ from .manager import RolloutManager
 from ..plugins.selection import Selection
 
 __all__ = ["Evaluator"]
+
+log = logging.getLogger("furlong.eval")
 
 
 class Evaluator:
@@ -54,13 +59,25 @@ class Evaluator:
     async def load(self) -> None:
         """Create the eval data sources not created yet, awaiting the ``data_source`` hook.
 
+        A lone ``--eval-prompt-data PATH`` (Miles' rule names its set ``aime``) is logged once loaded, and
+        an error loading it says that rule.
+
         :raises PluginError: a data source without ``__len__``, or the plugin's own error.
         """
+        lone = self.config.eval_prompt_data_lone and not self.config.eval_config
+        rule = f"read as the path of an eval set named '{LONE_PATH_NAME}' (Miles' rule)"
         while self._to_load:
             ds, spec, reader = self._to_load[0]
-            source = await self.pm.call_chosen("data_source", *reader, config=self.config, dataset=spec)
+            try:
+                source = await self.pm.call_chosen("data_source", *reader, config=self.config, dataset=spec)
+            except PluginError as exc:
+                if not lone:
+                    raise
+                raise PluginError(f"{exc} One --eval-prompt-data value is {rule}; give NAME PATH pairs.") from exc
             self._add(ds, reader, source)
             self._to_load.pop(0)
+            if lone:
+                log.info("--eval-prompt-data %s: one value, %s; give NAME PATH to name it.", spec.path, rule)
 
     def _add(self, ds: EvalDataset, reader: tuple[str, str], source) -> None:
         name, flag = reader
@@ -71,7 +88,8 @@ class Evaluator:
     def __bool__(self) -> bool:
         return bool(self.datasets or self._to_load)
 
-    async def evaluate(self, manager: RolloutManager, rollout_id: int = 0, hf_dir: str | None = None) -> dict:
+    async def evaluate(self, manager: RolloutManager, rollout_id: int = 0, hf_dir: str | None = None,
+                       start: bool = False) -> dict:
         """Generate and score every eval dataset concurrently on ``manager``'s engine; return ``eval/...`` metrics.
 
         With ``--eval-function-path`` that function runs the evaluation instead
@@ -81,21 +99,33 @@ class Evaluator:
         sees every set's data first; when it returns True only ``perf/eval_time`` (and the eval function's
         metrics) are returned.
 
-        :raises PluginError: the eval function failed or returned something else than eval data (named).
+        :param start: the evaluation of the weights rollout ``rollout_id`` starts from (before it), not of
+            those it trained (after it); only errors say which.
+        :raises PluginError: the eval function failed or returned something else than eval data (named); a
+            generate or reward plugin failed on an eval set: the message names the set and the evaluation,
+            and every set's samples were first written to ``failed_eval_<rollout_id>.jsonl``
+            (:func:`~.failed_rollout.dump_failed_rollout`).
         """
         await self.load()
-        start = time.perf_counter()
+        began = time.perf_counter()
         if self.function is not None:
             data, extra = await self._call_function(manager, rollout_id, hf_dir)
         else:
-            per_set = await asyncio.gather(*(self._one(manager, ds, rows) for ds, rows in self.datasets))
-            data = self._data(per_set)
+            per_set = [self._groups(ds, rows) for ds, rows in self.datasets]
+            try:
+                await asyncio.gather(*(self._one(manager, ds, groups) for (ds, _), groups in zip(self.datasets, per_set)))
+            except _SetFailed as failed:
+                path = dump_failed_rollout(self.config, rollout_id, [g for groups in per_set for g in groups], "eval")
+                when = f"{'before' if start else 'after'} rollout {rollout_id}"
+                raise PluginError(f"evaluation of eval set '{failed.name}' {when} failed: {failed.message}\n"
+                                  f"  The evaluation's samples are in {path}.") from failed.__cause__
+            data = self._data([sorted((s for g in groups for s in g), key=lambda s: s.index) for groups in per_set])
             extra = {}
         if self.config.save_debug_rollout_data:
             samples = [s for entry in data.values() for s in entry.get("samples") or () if isinstance(s, Sample)]
             save_rollout(self.config.save_debug_rollout_data, rollout_id, samples,
                          evaluation=True, metadata={"sets": list(data)})
-        extra["perf/eval_time"] = time.perf_counter() - start
+        extra["perf/eval_time"] = time.perf_counter() - began
         if self.custom_log is not None and await self.pm.call_chosen(
                 "eval_rollout_log", *self.custom_log, config=self.config, rollout_id=rollout_id, data=data,
                 extra=dict(extra)):
@@ -129,14 +159,33 @@ class Evaluator:
 
     def _data(self, per_set: list[list[Sample]]) -> dict:
         """Miles' eval data of the built-in evaluation: per set ``{"rewards", "truncated", "samples"}``."""
-        key = self.config.eval_reward_key or self.config.reward_key
-        return {ds.name: {"rewards": [scalar_reward(s, key, "--eval-reward-key") for s in samples],
+        key, flag = reward_key_of(self.config, evaluation=True)
+        return {ds.name: {"rewards": [scalar_reward(s, key, flag) for s in samples],
                           "truncated": [s.status == Status.TRUNCATED for s in samples], "samples": samples}
                 for (ds, _), samples in zip(self.datasets, per_set)}
 
-    async def _one(self, manager: RolloutManager, ds: EvalDataset, rows: list[dict]) -> list[Sample]:
+    def _groups(self, ds: EvalDataset, rows: list[dict]) -> list[list[Sample]]:
+        return EvalSet(ds.name, rows, sampling_params(ds, self.config), ds.n_samples_per_eval_prompt,
+                       ds.metadata_overrides, ds.rm_type).groups()
+
+    async def _one(self, manager: RolloutManager, ds: EvalDataset, groups: list[list[Sample]]) -> None:
+        """Generate and score eval set ``ds``'s groups in place.
+
+        :raises _SetFailed: a plugin failed (the set's name and the error's message).
+        """
         params = sampling_params(ds, self.config)
-        groups = EvalSet(ds.name, rows, params, ds.n_samples_per_eval_prompt, ds.metadata_overrides,
-                         ds.rm_type).groups()
-        await asyncio.gather(*(manager.generate_group(g, evaluation=True, sampling_params=params) for g in groups))
-        return sorted((s for g in groups for s in g), key=lambda s: s.index)
+        try:
+            await asyncio.gather(*(manager.generate_group(g, evaluation=True, sampling_params=params)
+                                   for g in groups))
+        except Exception as exc:
+            message = str(exc) if isinstance(exc, PluginError) else f"{type(exc).__name__}: {exc}"
+            raise _SetFailed(ds.name, message) from exc
+
+
+class _SetFailed(Exception):
+    """An eval set's generation or scoring failed; :meth:`Evaluator.evaluate` says which evaluation."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+        self.message = message

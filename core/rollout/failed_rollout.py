@@ -1,4 +1,4 @@
-"""The samples of a rollout that failed, written where the user looks first."""
+"""The samples of a rollout or an evaluation that failed, written where the user looks first."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from furlong.hooks import RunConfig, Sample
 __all__ = ["dump_failed_rollout"]
 
 
-def dump_failed_rollout(config: RunConfig, rollout_id: int, groups: list[list[Sample]]) -> str:
-    """Write every sample of ``groups`` as one JSON line to ``failed_rollout_<rollout_id>.jsonl``.
+def dump_failed_rollout(config: RunConfig, rollout_id: int, groups: list[list[Sample]], what: str = "rollout") -> str:
+    """Write every sample of ``groups`` as one JSON line to ``failed_<what>_<rollout_id>.jsonl`` (``what``:
+    ``rollout``, or ``eval`` for the evaluation at ``rollout_id``).
 
     The folder is ``--save``, else ``--log-dir``, else the working directory (created if missing).
 
@@ -19,7 +20,7 @@ def dump_failed_rollout(config: RunConfig, rollout_id: int, groups: list[list[Sa
     """
     folder = config.save or config.log_dir or os.getcwd()
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"failed_rollout_{rollout_id}.jsonl")
+    path = os.path.join(folder, f"failed_{what}_{rollout_id}.jsonl")
     with open(path, "w", encoding="utf-8") as f:
         for group in groups:
             for sample in group:

@@ -9,34 +9,15 @@ import attrs
 
 from furlong.hooks import PluginError, RunConfig, Sample
 from furlong.kit.answers import last_boxed_content
+from furlong.kit.rewards import reward_key_of, reward_scalar
 from furlong.hooks.contract import check_reward_list, check_reward_value
 
 from ..plugins.manager import FurlongPluginManager
 from ..plugins.selection import Selection, boxed_base, check_reward_name
 
-__all__ = ["RewardScorer", "check_first_rows_name_a_reward", "scalar_reward"]
+__all__ = ["RewardScorer", "check_first_rows_name_a_reward"]
 
 log = logging.getLogger("furlong.rewards")
-
-
-def scalar_reward(reward, reward_key: str | None) -> float:
-    """The training scalar of a reward: a number, or ``reward[reward_key]`` for a dict.
-
-    :raises PluginError: a dict reward without ``--reward-key`` or without that key.
-    """
-    if isinstance(reward, dict):
-        if not reward_key:
-            raise PluginError(f"reward {reward!r} is a dict; pass --reward-key to name the training scalar (e.g. 'score').")
-        if reward_key not in reward:
-            raise PluginError(f"--reward-key '{reward_key}' is not in reward {reward!r}.")
-        try:
-            return float(reward[reward_key])
-        except (TypeError, ValueError):
-            raise PluginError(f"--reward-key '{reward_key}': reward {reward!r} holds {reward[reward_key]!r} there, "
-                              "not a number.") from None
-    if reward is None:
-        return 0.0
-    return float(reward)
 
 
 class RewardScorer:
@@ -73,21 +54,24 @@ class RewardScorer:
             "module.function, or give the sample metadata['rm_type']."
         )
 
-    async def score(self, samples: list[Sample]) -> None:
+    async def score(self, samples: list[Sample], evaluation: bool = False) -> None:
         """Set ``sample.reward`` for each sample (one call per resolved plugin, order kept).
 
-        :raises PluginError: a reward plugin raised or returned the wrong number of rewards;
+        :param evaluation: the samples are evaluation samples: a dict reward is read with
+            ``--eval-reward-key`` (default ``--reward-key``), else with ``--reward-key``.
+        :raises PluginError: a reward plugin raised, returned the wrong number of rewards, or a
+            reward the run cannot read (a dict without the key's entry: :func:`~furlong.kit.rewards.reward_scalar`);
             the message names the plugin and the sample index.
         """
         by_name: dict[tuple[str, str], list[Sample]] = {}
         for sample in samples:
             by_name.setdefault(self.resolve(sample), []).append(sample)
         for (name, flag), batch in by_name.items():
-            rewards = await self._call(name, flag, batch)
+            rewards = await self._call(name, flag, batch, evaluation)
             for sample, value in zip(batch, rewards):
                 sample.reward = value
 
-    async def _call(self, name: str, flag: str, samples: list[Sample]) -> list:
+    async def _call(self, name: str, flag: str, samples: list[Sample], evaluation: bool) -> list:
         base = boxed_base(self.pm, name)
         graded = [self._boxed(base, s) for s in samples] if base else samples
         plugin = base or name
@@ -104,12 +88,15 @@ class RewardScorer:
         where = f"reward plugin '{plugin}' ({self.pm.origin(plugin)})"
         rewards = check_reward_list(rewards, len(samples), where, samples[0].index)
         for sample, value in zip(samples, rewards):
-            self._check_value(plugin, sample, value)
+            self._check_value(plugin, sample, value, evaluation)
         return rewards
 
-    def _check_value(self, plugin: str, sample: Sample, value) -> None:
+    def _check_value(self, plugin: str, sample: Sample, value, evaluation: bool) -> None:
         where = f"reward plugin '{plugin}' ({self.pm.origin(plugin)})"
         check_reward_value(value, where, sample.index)
+        if isinstance(value, dict):  # told now, naming the plugin, not when a metric first reads it
+            key, key_flag = reward_key_of(self.config, evaluation)
+            reward_scalar(value, key, f"{where}, sample {sample.index}", key_flag)
         if value is None and plugin not in self._warned_none:
             self._warned_none.add(plugin)
             log.warning("%s returned None for sample %s; scored 0.0 (return a number to silence this)",

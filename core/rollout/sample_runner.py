@@ -90,7 +90,7 @@ class SampleRunner:
             if not is_aborted(flat):
                 await self.scorer.score(to_score)
         elif to_score:
-            await asyncio.gather(*(self.scorer.score([s]) for s in to_score))
+            await asyncio.gather(*(self.scorer.score([s], evaluation) for s in to_score))
         return group
 
     async def _generate_one(self, sample: Sample, params: dict, evaluation: bool) -> Sample | list[Sample]:

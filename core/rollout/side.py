@@ -97,14 +97,15 @@ class RolloutSide:
             save_rollout(config.save_debug_rollout_data, rollout_id, (s for g in groups for s in g))
         return groups
 
-    async def evaluate(self, rollout_id: int = 0, hf_dir: str | None = None) -> dict:
+    async def evaluate(self, rollout_id: int = 0, hf_dir: str | None = None, start: bool = False) -> dict:
         """Generate and score every eval set (the evaluation of ``rollout_id``); ``eval/...`` metrics.
 
         :param hf_dir: None: on the rollout engines; else the snapshot the dedicated eval engines hold now (they
             generate, :meth:`start_eval_fleet`).
+        :param start: the weights rollout ``rollout_id`` starts from (errors say "before rollout N").
         """
         manager = self.manager if hf_dir is None else self.fleet
-        return await self.evaluator.evaluate(manager, rollout_id, hf_dir)
+        return await self.evaluator.evaluate(manager, rollout_id, hf_dir, start)
 
     async def data_state(self, rollout_id: int | None = None) -> dict | None:
         """The data side's checkpoint state now, or as it was when ``rollout_id``'s batch was drawn."""

@@ -12,6 +12,7 @@ import statistics
 from typing import Iterable
 
 from furlong.hooks import PluginError, RunConfig, Sample
+from furlong.kit.rewards import reward_key_of
 
 from .metrics_log import eval_metrics, scalar_reward
 
@@ -129,13 +130,13 @@ def eval_set_metrics(config: RunConfig, name: str, samples: list[Sample], group_
 
     :raises PluginError: a reward the flags cannot read.
     """
-    key = config.eval_reward_key or config.reward_key
+    key, flag = reward_key_of(config, evaluation=True)
     out = eval_metrics(name, samples, key)
     if config.log_passrate:
         groups: dict = {}
         for sample in samples:
             groups.setdefault(sample.group_index, []).append(sample)
-        rates = passrate_metrics(groups.values(), group_size, key, "--eval-reward-key")
+        rates = passrate_metrics(groups.values(), group_size, key, flag)
         out.update({f"eval/{name}-{k}": v for k, v in rates.items()})
     if config.log_reward_category:
         shares = reward_category_metrics(samples, config.log_reward_category)

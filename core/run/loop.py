@@ -221,7 +221,7 @@ class Run:
         ``eval/...`` metrics at it; with the eval fleet, start that evaluation and return (it is logged when it
         ends; the run's last one is never dropped, ``--eval-overflow-policy``)."""
         if self.fleet is None:
-            await self.log_eval(rollout_id, await self.rollout.evaluate(rollout_id))
+            await self.log_eval(rollout_id, await self.rollout.evaluate(rollout_id, start=start))
             return
         fresh = start and rollout_id == 0 and not self.resumed
         await self.fleet.dispatch(rollout_id, force=rollout_id == self.config.num_rollout - 1,

@@ -14,7 +14,8 @@ import statistics
 import time
 from typing import Any, Iterable
 
-from furlong.hooks import PluginError, Sample, Status
+from furlong.hooks import Sample, Status
+from furlong.kit.rewards import reward_scalar
 
 __all__ = ["SUPERSEDED_NAME", "MetricsLog", "eval_metrics", "one_row_per_step", "rollout_metrics", "scalar_reward",
            "set_aside_rows_from", "summary_line", "to_json_value", "zero_spread_warning"]
@@ -223,23 +224,12 @@ def zero_spread_warning(rollout_id: int, metrics: dict, groups: int) -> str | No
 
 
 def scalar_reward(sample: Sample, reward_key: str | None, flag: str) -> float | None:
-    """The sample's reward as a float (dicts reduced with ``reward_key``), None if unscored."""
-    reward = sample.reward
-    if reward is None:
-        return None
-    if isinstance(reward, dict):
-        if reward_key is None:
-            raise PluginError(
-                f"sample {sample.index}: the reward is a dict with keys {sorted(reward)}; "
-                f"pass {flag} naming the scalar to use."
-            )
-        if reward_key not in reward:
-            raise PluginError(
-                f"sample {sample.index}: {flag} {reward_key!r} is not in the reward dict "
-                f"(keys: {sorted(reward)})."
-            )
-        reward = reward[reward_key]
-    return float(reward)
+    """The sample's reward as a float (dicts reduced with ``reward_key``), None if unscored.
+
+    :raises PluginError: a dict reward without ``reward_key``, without that key, or not a number there
+        (:func:`furlong.kit.rewards.reward_scalar`; the message names the sample and ``flag``).
+    """
+    return reward_scalar(sample.reward, reward_key, f"sample {sample.index}", flag)
 
 
 def _length_stats(prefix: str, lengths: list[int]) -> dict:

@@ -17,7 +17,8 @@ import socket
 from furlong.hooks import PluginError, RunConfig
 
 from ..plugins.discovery import split_names
-from ..config._util import finite_float
+from ..config._util import port_number
+from ..config.parser import FurlongArgumentParser
 from ..config.hf_checkpoint import hf_checkpoint_problems
 from ..plugins.manager import get_plugin_manager
 
@@ -39,14 +40,15 @@ def build_serve_parser(pm=None, backend: str | None = None) -> argparse.Argument
     :param pm: plugin manager; with ``backend``, that plugin's ``add_arguments`` runs.
     :raises PluginError: the plugin's ``add_arguments`` fails or adds a flag serve defines.
     """
-    parser = argparse.ArgumentParser(prog="furlong serve", description=DESCRIPTION, allow_abbrev=False,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.register("type", float, finite_float)  # as furlong train: a plugin's float flag refuses nan and inf
+    # as furlong train's: a usage error is one "error:" line (exit 2), a float flag refuses nan and inf
+    parser = FurlongArgumentParser(prog="furlong serve", description=DESCRIPTION, allow_abbrev=False,
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = parser.add_argument_group("serve")
     g.add_argument("--hf-checkpoint", required=True, help="Hugging Face model directory to serve (weights, "
                    "config, tokenizer).")
     g.add_argument("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0: every interface).")
-    g.add_argument("--port", type=int, default=30000, help="TCP port to listen on (SGLang's default).")
+    g.add_argument("--port", type=port_number, default=30000, help="TCP port to listen on, 1 to 65535 "
+                   "(SGLang's default).")
     g.add_argument("--rollout-backend", default="embedded", help="Plugin whose `rollout_engine` hook builds the "
                    "engine (furlong plugins --hook rollout_engine lists them).")
     g.add_argument("--served-model-name", default=None, help="Model name in /v1/models and /model_info "
@@ -126,7 +128,7 @@ def parse_serve_args(argv: list[str], pm) -> argparse.Namespace:
     :raises PluginError: ``--rollout-backend`` names no plugin implementing ``rollout_engine``
         or one whose module sets ``SERVABLE = False`` (an HTTP client of other servers);
         ``--hf-checkpoint`` is not a model directory.
-    :raises SystemExit: argparse's usage error (exit code 2).
+    :raises ConfigError: a usage error (an unknown flag, a bad value such as a ``--port`` outside 1..65535).
     """
     backend = _backend_of(argv)
     impl = pm.chosen_impl("rollout_engine", backend, "--rollout-backend")

@@ -7,10 +7,10 @@ import logging
 import torch
 
 from furlong.hooks import AdvantageInput, PluginError, RunConfig, Sample, Status, TrainBatch
+from furlong.kit.rewards import reward_scalar
 
 from ..plugins.manager import FurlongPluginManager
 from ..plugins.selection import Selection
-from ..rollout.rewards import scalar_reward
 
 log = logging.getLogger("furlong.train")
 
@@ -33,7 +33,7 @@ async def post_process_rewards(config: RunConfig, samples: list[Sample], pm: Fur
     if "reward_post_process" in selection.paths:
         return await pm.call_chosen("reward_post_process", *selection.paths["reward_post_process"], config=config,
                                     samples=samples)
-    raw = [scalar_reward(s.reward, config.reward_key) for s in samples]
+    raw = [reward_scalar(s.reward, config.reward_key, f"sample {s.index}") or 0.0 for s in samples]
     return raw, list(raw)
 
 
