@@ -175,10 +175,12 @@ class _Gates:
         self.model_dir = model_dir
         self.gates: dict[int, asyncio.Event] = {}
         self.started: list[int] = []
+        self.starts: list[bool] = []  # each evaluation's start flag (the weights a rollout starts from)
         self.logged: list[tuple[int, dict]] = []
 
-    async def evaluate(self, rollout_id: int, hf_dir: str) -> dict:
+    async def evaluate(self, rollout_id: int, hf_dir: str, start: bool = False) -> dict:
         self.started.append(rollout_id)
+        self.starts.append(start)
         await self.gates.setdefault(rollout_id, asyncio.Event()).wait()
         if rollout_id == 99:
             raise PluginError("the eval set could not be scored")
@@ -226,7 +228,7 @@ async def _until(condition) -> None:
 def test_skip_drops_a_point_beyond_the_bound_and_logs_it(tmp_path, tiny_model_dir, arithmetic_jsonl):
     async def go():
         fleet, gates = _fleet(tmp_path, tiny_model_dir, arithmetic_jsonl, "--eval-max-in-flight", "1", "--eval-overflow-policy", "skip")
-        await fleet.dispatch(0)
+        await fleet.dispatch(0, start=True)
         await _settled()
         await fleet.dispatch(1)  # 0 still runs: dropped, logged at once
         assert gates.logged == [(1, {"eval/skipped_busy": 1})]
@@ -241,6 +243,7 @@ def test_skip_drops_a_point_beyond_the_bound_and_logs_it(tmp_path, tiny_model_di
 
     gates = asyncio.run(go())
     assert gates.started == [0, 2]
+    assert gates.starts == [True, False]  # the start's evaluation says so in its errors ("before rollout 0")
     assert gates.logged == [(1, {"eval/skipped_busy": 1}), (0, {"eval/t": 0.0, "eval/lag_steps": 5}),
                             (2, {"eval/t": 2.0, "eval/lag_steps": 3})]  # lag: training is at rollout 5
 

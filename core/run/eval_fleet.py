@@ -58,7 +58,8 @@ class EvalFleet:
     """Dispatches evaluations to the fleet's engines without holding up the training loop.
 
     :param engines: the fleet's engines (``update_weights_from_disk`` and ``set_weight_version`` are called).
-    :param evaluate: ``await evaluate(rollout_id, hf_dir)`` -> metrics: the rollout side's evaluation on the fleet.
+    :param evaluate: ``await evaluate(rollout_id, hf_dir, start=...)`` -> metrics: the rollout side's evaluation on
+        the fleet (``start``: of the weights the rollout starts from, for its error messages).
     :param export: ``await export(path)`` writes the trainer's weights as a Hugging Face directory, or None
         (no trainer: only ``--save-hf`` exports and the start's ``--hf-checkpoint`` can be evaluated).
     :param log_point: ``await log_point(rollout_id, metrics)`` logs one eval row.
@@ -66,7 +67,7 @@ class EvalFleet:
     :raises PluginError: an engine without ``update_weights_from_disk`` (names ``--rollout-backend``).
     """
 
-    def __init__(self, config: RunConfig, engines: list, evaluate: Callable[[int, str], Awaitable[dict]],
+    def __init__(self, config: RunConfig, engines: list, evaluate: Callable[..., Awaitable[dict]],
                  export: Callable[[str], Awaitable[Any]] | None,
                  log_point: Callable[[int, dict], Awaitable[None]], latest: Callable[[], int]) -> None:
         missing = [e for e in engines if not callable(getattr(e, "update_weights_from_disk", None))]
@@ -81,12 +82,14 @@ class EvalFleet:
         self.retired: list[str] = []  # snapshots this fleet wrote whose evaluation settled, oldest first
         self._one_at_a_time = asyncio.Lock()
 
-    async def dispatch(self, rollout_id: int, force: bool = False, hf_dir: str | None = None) -> None:
+    async def dispatch(self, rollout_id: int, force: bool = False, hf_dir: str | None = None,
+                       start: bool = False) -> None:
         """Start the evaluation of rollout ``rollout_id``'s weights; return once it is queued (or dropped).
 
         :param force: never drop it under ``--eval-overflow-policy skip`` (the run's last point).
         :param hf_dir: a Hugging Face directory holding those weights already (the start's
             ``--hf-checkpoint``): nothing is exported and it is never deleted.
+        :param start: the weights rollout ``rollout_id`` starts from (a failure says "before rollout N").
         :raises PluginError: the export failed (the trainer's error).
         """
         await self._reap()
@@ -101,14 +104,14 @@ class EvalFleet:
         written, export_time = None, None
         if hf_dir is None and self.config.eval_hf_dir and self.export is not None:
             hf_dir = written = snapshot_dir(self.config, rollout_id)
-            start = time.perf_counter()
+            began = time.perf_counter()
             if os.path.isdir(hf_dir):  # left by an earlier run
                 shutil.rmtree(hf_dir)
             await self.export(hf_dir)
-            export_time = time.perf_counter() - start
+            export_time = time.perf_counter() - began
         elif hf_dir is None:
             hf_dir = snapshot_dir(self.config, rollout_id)
-        task = asyncio.ensure_future(self._evaluate(rollout_id, hf_dir, export_time))
+        task = asyncio.ensure_future(self._evaluate(rollout_id, hf_dir, export_time, start))
         self.pending.append((rollout_id, task, written))
 
     async def drain(self) -> None:
@@ -142,28 +145,28 @@ class EvalFleet:
         while len(self.retired) > self.config.eval_keep_snapshots:
             shutil.rmtree(self.retired.pop(0), ignore_errors=True)
 
-    async def _evaluate(self, rollout_id: int, hf_dir: str, export_time: float | None) -> None:
+    async def _evaluate(self, rollout_id: int, hf_dir: str, export_time: float | None, start: bool) -> None:
         """Evaluate the snapshot ``hf_dir`` on the fleet and log it; a failure is logged, in its turn, as
         ``eval/skipped_crashed`` (so the rows of a run's evaluations end with its last rollout's)."""
         try:
-            await self._evaluate_now(rollout_id, hf_dir, export_time)
+            await self._evaluate_now(rollout_id, hf_dir, export_time, start)
         except Exception as exc:  # noqa: BLE001 - a failed evaluation is a skipped point, as in Miles
             reason = str(exc) if isinstance(exc, PluginError) else f"{type(exc).__name__}: {exc}"
             log.error("eval of rollout %d failed, logged as eval/skipped_crashed: %s", rollout_id, reason)
             await self.log_point(rollout_id, {"eval/skipped_crashed": 1})
 
-    async def _evaluate_now(self, rollout_id: int, hf_dir: str, export_time: float | None) -> None:
+    async def _evaluate_now(self, rollout_id: int, hf_dir: str, export_time: float | None, start: bool) -> None:
         async with self._one_at_a_time:
             if not is_hf_dir(hf_dir):
                 log.warning("eval of rollout %d skipped: no snapshot at %s", rollout_id, hf_dir)
                 await self.log_point(rollout_id, {"eval/skipped_ckpt_missing": 1})
                 return
-            start = time.perf_counter()
+            began = time.perf_counter()
             await asyncio.gather(*(e.update_weights_from_disk(hf_dir) for e in self.engines))
             await asyncio.gather(*(e.set_weight_version(rollout_id) for e in self.engines))
-            metrics = await self.evaluate(rollout_id, hf_dir)
+            metrics = await self.evaluate(rollout_id, hf_dir, start=start)
         metrics["eval/lag_steps"] = max(self.latest() - rollout_id, 0)
-        metrics["eval/duration_seconds"] = time.perf_counter() - start
+        metrics["eval/duration_seconds"] = time.perf_counter() - began
         if export_time is not None:
             metrics["eval/export_time_seconds"] = export_time
         await self.log_point(rollout_id, metrics)

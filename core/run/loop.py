@@ -225,7 +225,7 @@ class Run:
             return
         fresh = start and rollout_id == 0 and not self.resumed
         await self.fleet.dispatch(rollout_id, force=rollout_id == self.config.num_rollout - 1,
-                                  hf_dir=self.config.hf_checkpoint if fresh else None)
+                                  hf_dir=self.config.hf_checkpoint if fresh else None, start=start)
 
     async def log_eval(self, rollout_id: int, metrics: dict) -> None:
         """Log one evaluation's metrics at ``eval/step`` ``rollout_id``; tell the plugins (``on_eval_end``)."""
