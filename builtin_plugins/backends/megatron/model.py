@@ -6,6 +6,7 @@ import contextlib
 import functools
 import os
 import threading
+import warnings
 from typing import Any
 
 from furlong.hooks import PluginError
@@ -334,6 +335,10 @@ def build_gpt(shape: ModelShape, tp: int, vocab_rows: int, dtype, device, pp: in
         from .moe import router_gemm_without_te
 
         router_gemm_without_te()
+        # the experts' linear layers see expert TP 1 under sequence parallelism: megatron-core says it runs them
+        # without it, which is what expert TP 1 means (every expert whole on each rank)
+        warnings.filterwarnings("ignore", message=r".*`sequence_parallel` is set to `True`, but tensor model "
+                                r"parallel size is 1", category=UserWarning)
     scaling = {"rope_scaling": True, "rope_scaling_factor": shape.rope_scaling_factor} if (
         shape.rope_scaling_factor is not None) else {}
     with cpu_shims(device):
