@@ -469,7 +469,8 @@ class RunConfig:
     explicit_args: tuple[str, ...]
     """Attribute names of the flags given (command line or ``--custom-config-path``), sorted."""
     plugin_flags_given: Mapping[str, str]
-    """``{flag: plugin}`` of the given flags a plugin added."""
+    """``{flag: plugin}`` of the given flags a plugin added, each flag as typed (``--no-X`` of a ``--X/--no-X``
+    flag; the ``--X`` spelling for a value set by ``--custom-config-path``)."""
     megatron_flags_given: tuple[str, ...]
     """Megatron-LM-only flags given, as typed."""
     megatron_args: Mapping[str, Any]

@@ -19,7 +19,7 @@ from furlong.kit.dist import launched_processes
 from furlong.kit.redact import redact
 
 from ..config.errors import ConfigError
-from ..plugins.discovery import split_names
+from ..plugins.discovery import check_disabled, split_names
 from ..plugins.manager import FurlongPluginManager, get_plugin_manager
 
 __all__ = ["error_lines", "main"]
@@ -171,7 +171,9 @@ def _plugins(command: str, argv: list[str]) -> int:
     parser.add_argument("--hook", help="only plugins implementing this hook")
     parser.add_argument("--disable-plugins", action="append", default=[], help="NAME or DIST:NAME to skip")
     opts = parser.parse_args(argv)
-    pm = get_plugin_manager(split_names(opts.disable_plugins))
+    disable = split_names(opts.disable_plugins)
+    check_disabled(disable)
+    pm = get_plugin_manager(disable)
     from ..config.parser import set_aside_bad_plugin_flags
 
     set_aside_bad_plugin_flags(pm)

@@ -70,11 +70,11 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     args, extras, tokens, bad_values, bad_flags = _parse_collecting(parser, tokens)
     unrecognized, meant = _unrecognized(extras, actions)
     problems += bad_values + unrecognized
-    explicit, megatron_given, refused = _given(tokens, actions)
+    explicit, megatron_given, refused, typed = _given(tokens, actions)
     for attr, values in collected.items():
         setattr(args, attr, values)
     args.explicit_args = sorted(explicit)
-    args.plugin_flags_given = _plugin_flags_given(parser, explicit)
+    args.plugin_flags_given = _plugin_flags_given(parser, explicit, typed)
     args.megatron_flags_given = megatron_given
     args.megatron_args = {actions[f].dest: flag_value(args, actions[f].dest) for f in megatron_given}
     args.megatron_argv = _argv_of(tokens, set(megatron_given))
@@ -110,7 +110,7 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     if final.custom_config_extras:
         log.warning("%s", _extras_warning(final.custom_config_extras, actions))
     final.explicit_args = sorted(set(final.explicit_args) | set(overlay))
-    final.plugin_flags_given = _plugin_flags_given(parser, final.explicit_args)
+    final.plugin_flags_given = _plugin_flags_given(parser, final.explicit_args, typed)
     try:
         findings = validate(final, command)
     except (TypeError, ValueError) as exc:
@@ -229,9 +229,12 @@ def _split_line(parser, path: str, number: int, line: str) -> list[str]:
         raise ConfigError(f"{path}, line {number}: " + what.format(line.strip())) from None
 
 
-def _plugin_flags_given(parser, given) -> dict[str, str]:
-    """``{flag: plugin name}`` of the flags among ``given`` (attribute names) that a plugin added."""
-    return dict(sorted(parser.plugin_flags[dest] for dest in given if dest in parser.plugin_flags))
+def _plugin_flags_given(parser, given, typed: dict[str, str]) -> dict[str, str]:
+    """``{flag: plugin name}`` of the flags among ``given`` (attribute names) that a plugin added, each flag
+    spelled as typed (``typed``: attribute -> spelling; ``--no-X`` of a ``--X/--no-X`` flag), else as the
+    parser lists it (a value an overlay set)."""
+    return dict(sorted((typed.get(dest, parser.plugin_flags[dest][0]), parser.plugin_flags[dest][1])
+                       for dest in given if dest in parser.plugin_flags))
 
 
 def config_to_dict(args: argparse.Namespace) -> dict:
@@ -353,10 +356,11 @@ def _is_number(token: str) -> bool:
     return True
 
 
-def _given(tokens: list[str], actions: dict) -> tuple[set[str], list[str], list[str]]:
+def _given(tokens: list[str], actions: dict) -> tuple[set[str], list[str], list[str], dict[str, str]]:
     """Attributes of the flags present in ``tokens``, the Megatron-only flags among them
-    and the Miles flags furlong refuses (both as typed, in order)."""
+    and the Miles flags furlong refuses (both as typed, in order), and ``{attribute: flag as last typed}``."""
     explicit: set[str] = set()
+    typed: dict[str, str] = {}
     megatron: list[str] = []
     refused: list[str] = []
     for token in tokens:
@@ -367,12 +371,13 @@ def _given(tokens: list[str], actions: dict) -> tuple[set[str], list[str], list[
             continue
         explicit.add(action.dest)
         flag = token.split("=", 1)[0]
+        typed[action.dest] = flag
         if getattr(action, MEGATRON_ONLY, False) and flag not in megatron:
             megatron.append(flag)
         if getattr(action, "miles_refused", False) and flag not in refused:
             refused.append(flag)
     explicit.discard("help")
-    return explicit, megatron, refused
+    return explicit, megatron, refused, typed
 
 
 def _emit(findings, bad_flags: set[str] = frozenset(), notes: bool = True) -> None:

@@ -329,7 +329,9 @@ def add_plugin_arguments(parser: argparse.ArgumentParser, pm) -> None:
         _call_add_arguments(pm, name, parser)
         for opt in sorted(set(parser._option_string_actions) - before, key=len, reverse=True):
             owner[opt] = name
-            added.setdefault(parser._option_string_actions[opt].dest, (opt, name))  # the longest spelling
+            action = parser._option_string_actions[opt]
+            if not (isinstance(action, argparse.BooleanOptionalAction) and opt.startswith("--no-")):
+                added.setdefault(action.dest, (opt, name))  # the longest spelling, --X of a --X/--no-X flag
 
 
 def _add_arguments_problem(pm, name: str, owner: dict[str, str]) -> str:

@@ -13,7 +13,7 @@ import os
 
 from furlong.hooks.config_report import ConfigReport
 
-from ..plugins.discovery import DISABLE_ENV, disabled_from_env, unmatched_names
+from ..plugins.discovery import disabled_problems
 from ..plugins.miles_paths import MILES_FLAG_CHOICES, miles_builtin
 from . import rules
 from .fp8_sources import fp8_sources
@@ -94,9 +94,8 @@ def validate(args, command: str | None = None) -> ConfigReport:
 def _check_disabled_plugins(args, f: ConfigReport) -> None:
     """A ``--disable-plugins`` or ``FURLONG_DISABLE_PLUGINS`` name (or ``DIST:NAME``) that no installed entry
     point has is a typo that would otherwise leave the plugin meant loaded."""
-    for source, items in (("--disable-plugins", args.disable_plugins), (DISABLE_ENV, disabled_from_env())):
-        for item, why in unmatched_names(items):
-            f.error(f"{source} {item}: {why}")
+    for problem in disabled_problems(args.disable_plugins):
+        f.error(problem)
 
 
 def _normalize(args, f: ConfigReport, given: set[str]) -> None:

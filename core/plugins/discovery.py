@@ -7,11 +7,13 @@ import os
 
 import attrs
 
-from furlong.hooks import PROJECT
+from furlong.hooks import PROJECT, PluginError
 
-__all__ = ["EntryRecord", "disabled_from_env", "is_disabled", "read_entry_points"]
+__all__ = ["DISABLE_ENV", "DISABLE_FLAG", "EntryRecord", "check_disabled", "disabled_from_env", "disabled_problems",
+           "is_disabled", "read_entry_points"]
 
 DISABLE_ENV = "FURLONG_DISABLE_PLUGINS"
+DISABLE_FLAG = "--disable-plugins"
 
 
 @attrs.define(frozen=True)
@@ -65,14 +67,21 @@ def split_names(text: str | list[str] | None) -> list[str]:
 
 def unmatched_names(disabled: list[str], records: list[EntryRecord] | None = None) -> list[tuple[str, str]]:
     """The items of ``disabled`` (``NAME`` or ``DIST:NAME``) that no installed entry point matches, each with
-    why: no plugin of that name, no distribution of that name, or a distribution without that plugin; with
-    the closest installed name when one is close."""
+    why: an empty ``DIST`` or ``NAME`` around the ``:``, no plugin of that name, no distribution of that name, or
+    a distribution without that plugin; with the closest installed name when one is close."""
     records = read_entry_points() if records is None else records
     unmatched = []
     for item in disabled:
+        dist, colon, name = item.rpartition(":")
+        if colon and not dist:
+            unmatched.append((item, f"no distribution before ':'; write {name} (the plugin of that name in every "
+                                    f"distribution) or DIST:{name}."))
+            continue
+        if colon and not name:
+            unmatched.append((item, f"no plugin name after ':'; write {dist}:NAME."))
+            continue
         if any(is_disabled(record, [item]) for record in records):
             continue
-        dist, _, name = item.rpartition(":")
         if dist and not any(r.dist.lower() == dist.lower() for r in records):
             dists = sorted({r.dist for r in records})
             why = f"no installed distribution '{dist}' offers furlong plugins (those that do: {', '.join(dists)})"
@@ -82,6 +91,25 @@ def unmatched_names(disabled: list[str], records: list[EntryRecord] | None = Non
         why = f"distribution '{dist}' has no plugin '{name}'" if dist else "no installed plugin has that name"
         unmatched.append((item, f"{why} (furlong plugins lists them){_did_you_mean(name, names)}"))
     return unmatched
+
+
+def disabled_problems(flag_items: list[str], records: list[EntryRecord] | None = None) -> list[str]:
+    """One line per item of ``flag_items`` (``--disable-plugins``) and of ``FURLONG_DISABLE_PLUGINS`` that no
+    installed entry point matches (:func:`unmatched_names`), naming where it came from: a typo there would
+    leave the plugin meant loaded."""
+    records = read_entry_points() if records is None else records
+    return [f"{source} {item}: {why}" for source, items in ((DISABLE_FLAG, flag_items), (DISABLE_ENV, disabled_from_env()))
+            for item, why in unmatched_names(items, records)]
+
+
+def check_disabled(flag_items: list[str]) -> None:
+    """Refuse a ``--disable-plugins`` or ``FURLONG_DISABLE_PLUGINS`` item that matches no installed plugin.
+
+    :raises PluginError: one line per such item (:func:`disabled_problems`).
+    """
+    problems = disabled_problems(flag_items)
+    if problems:
+        raise PluginError("\n".join(problems))
 
 
 def _did_you_mean(word: str, choices: list[str]) -> str:
@@ -94,7 +122,7 @@ def _did_you_mean(word: str, choices: list[str]) -> str:
 def is_disabled(record: EntryRecord, disabled: list[str]) -> bool:
     """True when ``NAME`` or ``DIST:NAME`` of ``record`` is in ``disabled``."""
     for item in disabled:
-        dist, _, name = item.rpartition(":")
-        if name == record.name and (not dist or dist.lower() == record.dist.lower()):
+        dist, colon, name = item.rpartition(":")
+        if name == record.name and (dist.lower() == record.dist.lower() if colon else True):
             return True
     return False

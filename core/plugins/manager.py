@@ -26,7 +26,8 @@ from furlong.hooks.contract import (argument_name_problems, check_filter_result,
                                     unknown_hook_problems)
 
 from . import path_specs
-from .discovery import EntryRecord, disabled_from_env, is_disabled, read_entry_points, split_names
+from .discovery import (DISABLE_ENV, DISABLE_FLAG, EntryRecord, disabled_from_env, is_disabled, read_entry_points,
+                        split_names)
 
 __all__ = ["FurlongPluginManager", "get_plugin_manager", "OBSERVER_HOOKS", "WARN_ONLY_HOOKS"]
 
@@ -44,7 +45,9 @@ class FurlongPluginManager(pluggy.PluginManager):
 
     ``records`` maps a registered plugin name to its entry point; ``broken`` maps a name
     to the error that kept it from loading; ``conflicts`` maps a name registered by two or
-    more distributions to their records (none of them is loaded).
+    more distributions to their records (none of them is loaded); ``disabled`` maps a name
+    whose entry point ``--disable-plugins`` or ``FURLONG_DISABLE_PLUGINS`` skipped to that
+    record, the source (the flag or the variable) and the item that matched it.
     """
 
     def __init__(self) -> None:
@@ -54,6 +57,7 @@ class FurlongPluginManager(pluggy.PluginManager):
         self.records: dict[str, EntryRecord] = {}
         self.broken: dict[str, tuple[EntryRecord | None, str]] = {}
         self.conflicts: dict[str, list[EntryRecord]] = {}
+        self.disabled: dict[str, tuple[EntryRecord, str, str]] = {}
         self.path_flags: dict[str, str] = {}
         self.set_aside_names: set[str] = set()
         self.trace_calls = os.environ.get(TRACE_ENV, "") not in ("", "0")
@@ -107,7 +111,8 @@ class FurlongPluginManager(pluggy.PluginManager):
     def chosen_impl(self, hook: str, name: str, flag: str) -> pluggy.HookImpl:
         """The implementation of ``hook`` in plugin ``name``, chosen by ``flag``.
 
-        :raises PluginError: unknown name (lists the available ones and a "did you mean"),
+        :raises PluginError: unknown name (lists the available ones and a "did you mean"; for a
+            plugin that ``--disable-plugins`` or ``FURLONG_DISABLE_PLUGINS`` turned off, says which),
             a name two distributions register, a plugin that failed to import, or a plugin
             that does not implement ``hook`` (lists the hooks it does implement).
         """
@@ -131,6 +136,10 @@ class FurlongPluginManager(pluggy.PluginManager):
         )
 
     def _unknown_message(self, hook: str, name: str, flag: str) -> str:
+        if name in self.disabled:
+            record, source, item = self.disabled[name]
+            return (f"{flag} '{name}': plugin '{name}' ({record.label}) is installed but turned off by {source} "
+                    f"{item}; remove '{item}' from {source} to use it.")
         available = self.names_for(hook)
         listing = ", ".join(f"{n} ({self.origin(n)})" for n in available) or "none"
         lines = [f"{flag} '{name}': no installed plugin of that name implements `{hook}`.", f"  Available: {listing}."]
@@ -308,10 +317,13 @@ def get_plugin_manager(disable: str | list[str] | None = None) -> FurlongPluginM
         load, added to those of ``FURLONG_DISABLE_PLUGINS``.
     """
     pm = FurlongPluginManager()
-    disabled = split_names(disable) + disabled_from_env()
+    sources = ((DISABLE_FLAG, split_names(disable)), (DISABLE_ENV, disabled_from_env()))
     by_name: dict[str, list[EntryRecord]] = {}
     for record in read_entry_points():
-        if not is_disabled(record, disabled):
+        skipped = [(source, item) for source, items in sources for item in items if is_disabled(record, [item])]
+        if skipped:
+            pm.disabled.setdefault(record.name, (record, *skipped[0]))
+        else:
             by_name.setdefault(record.name, []).append(record)
     for name, records in by_name.items():
         if len(records) > 1:

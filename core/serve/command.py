@@ -16,7 +16,7 @@ import socket
 
 from furlong.hooks import PluginError, RunConfig
 
-from ..plugins.discovery import split_names
+from ..plugins.discovery import check_disabled, split_names
 from ..config._util import port_number
 from ..config.parser import FurlongArgumentParser
 from ..config.hf_checkpoint import hf_checkpoint_problems
@@ -90,13 +90,16 @@ def _backend_of(argv: list[str]) -> str:
 def serve(argv: list[str]) -> int:
     """Run ``furlong serve`` until SIGTERM or SIGINT; returns the exit code.
 
-    :raises PluginError: the backend cannot be chosen, ``--hf-checkpoint`` is not a model
+    :raises PluginError: a ``--disable-plugins`` or ``FURLONG_DISABLE_PLUGINS`` item matches no installed
+        plugin, the backend cannot be chosen, ``--hf-checkpoint`` is not a model
         directory, ``--host``/``--port`` cannot be listened on, or the engine cannot be built
         (the message names the flag).
     """
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--disable-plugins", action="append", default=[])
-    pm = get_plugin_manager(split_names(pre.parse_known_args(argv)[0].disable_plugins))
+    disable = split_names(pre.parse_known_args(argv)[0].disable_plugins)
+    check_disabled(disable)  # before anything else: a typo there leaves the plugin meant loaded
+    pm = get_plugin_manager(disable)
     args = parse_serve_args(argv, pm)
     problems = hf_checkpoint_problems(args.hf_checkpoint)
     if problems:

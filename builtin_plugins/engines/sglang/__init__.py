@@ -69,8 +69,7 @@ def configure(args, report):
             report.error(f"--rollout-num-gpus {args.rollout_num_gpus} does not match the {len(addrs)} external "
                          f"server(s) of --rollout-external-engine-addrs x --rollout-num-gpus-per-engine {per_engine}.")
         args.rollout_num_gpus = len(addrs) * per_engine
-    given = set(args.explicit_args)
-    embedded = [f"--{k.replace('_', '-')}" for k in ("embedded_max_batch_size", "embedded_torch_compile") if k in given]
+    embedded = [flag for flag, owner in args.plugin_flags_given.items() if owner == "embedded"]  # as typed
     if embedded and (args.rollout_external or args.sglang_server_impl != "furlong"):
         report.error(f"{' and '.join(embedded)} {'set' if len(embedded) > 1 else 'sets'} the embedded engine, which "
                      "SGLang servers do not run (they reach "
