@@ -808,6 +808,25 @@ def test_print_config_shows_no_credential(capsys):
     assert json.loads(capsys.readouterr().out)["args"]["wandb_key"] is None  # not given: nothing to hide
 
 
+def test_credentials_from_a_custom_config_file_or_in_a_url_are_not_shown(tmp_path, capsys, caplog):
+    """A --custom-config-path YAML's wandb_key, and keys that are no flag but name an API key (sglang_api_key), print
+    and log as ***; so does the password of a URL (--wandb-host https://user:password@host)."""
+    from furlong.core.cli.commands import main
+
+    overlay = tmp_path / "cfg.yaml"
+    overlay.write_text("wandb_key: Y1\nsglang_api_key: Y2\napi_key: Y3\n")
+    with caplog.at_level("INFO"):
+        assert main(["train", "--print-config", *BASE, "--hf-checkpoint", "examples/demo/model",
+                     "--custom-config-path", str(overlay), "--wandb-host", "https://me:Y4@wandb.example"]) == 0
+    out = capsys.readouterr().out
+    shown = out + caplog.text
+    assert not any(secret in shown for secret in ("Y1", "Y2", "Y3", "Y4")), shown
+    args = json.loads(out)["args"]
+    assert (args["wandb_key"], args["wandb_host"]) == ("***", "https://me:***@wandb.example")
+    assert args["custom_config_extras"] == {"sglang_api_key": "***", "api_key": "***"}
+    assert "--custom-config-path sets wandb_key = '***' (was None)." in caplog.text
+
+
 def test_print_config_dict_is_json_serializable():
     args = parse_args(BASE + ["--sglang-enable-metrics", "--dynamic-sampling-filter", "check_reward_nonzero_std"])
     data = config_to_dict(args)

@@ -149,6 +149,10 @@ def test_offload_refinements_without_the_offload_are_a_warning(tiny_model_dir):
                          megatron_args={"optimizer_offload_fraction": 0.5})
     assert report.warnings == ["--overlap-cpu-optimizer-d2h-h2d, --optimizer-offload-fraction change nothing without "
                                "--optimizer-cpu-offload."] and report.errors == []
+    out_of_range = _configured(tiny_model_dir, use_distributed_optimizer=True,
+                               megatron_args={"optimizer_offload_fraction": -1.0})
+    assert (out_of_range.warnings, out_of_range.errors) == ([], [  # one message, the error
+        "--optimizer-offload-fraction must be in [0, 1] (the share of the AdamW state kept on the host), got -1."])
 
 
 def test_the_backend_without_cuda_refuses_before_building_anything(tiny_model_dir):

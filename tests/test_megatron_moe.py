@@ -172,14 +172,17 @@ def test_deepseek_v3_is_refused_naming_what_is_missing():
 
 
 def test_expert_parallelism_is_checked_against_the_experts(moe_dir, tiny_model_dir):
-    assert _report(moe_dir, megatron_args={"expert_model_parallel_size": 3}).errors == [
+    assert _report(moe_dir, actor_num_gpus_per_node=3, megatron_args={"expert_model_parallel_size": 3}).errors == [
         f"--expert-model-parallel-size 3 does not divide the 4 experts of --hf-checkpoint {moe_dir}."]
     assert _report(tiny_model_dir, megatron_args={"expert_model_parallel_size": 2}).errors == [
         f"--expert-model-parallel-size 2: the model of --hf-checkpoint {tiny_model_dir} has no experts."]
     report = _report(moe_dir, tensor_model_parallel_size=2)
-    assert report.errors == [
+    assert (report.errors, report.warnings) == ([
         f"--tensor-model-parallel-size 2 on a mixture-of-experts model (--hf-checkpoint {moe_dir}) needs "
-        "--sequence-parallel: megatron-core routes each TP rank's share of the sequence."]
+        "--sequence-parallel: megatron-core routes each TP rank's share of the sequence."], [])
+    assert _report(moe_dir, actor_num_gpus_per_node=2, megatron_args={"expert_model_parallel_size": 4}).errors == [
+        "--expert-model-parallel-size 4 x --pipeline-model-parallel-size 1 does not divide the trainer world size 2 "
+        "(--actor-num-nodes x --actor-num-gpus-per-node)."]
     report = _report(moe_dir, tensor_model_parallel_size=2, sequence_parallel=True)
     assert report.errors == []
     assert report.warnings == [

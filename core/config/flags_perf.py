@@ -31,10 +31,11 @@ def add(g, dev) -> None:
                    help="Compile each decoder layer of the train backend's model with torch.compile (inductor) for "
                         "the training and log-prob passes: fused norms, rotary embedding, activations and residual "
                         "adds, and far fewer kernel launches, for a compilation at the start (15-18 s for a 0.5B "
-                        "model on an H200, 4-6 s from inductor's cache; 25-30 s for the demo model on a CPU). fsdp, one trainer process (not "
-                        "supported yet under FSDP2 across ranks, nor with megatron, where it measured slower); turns the "
-                        "CPU's prompt sharing off. On by default on a GPU for runs of 20 rollouts or more "
-                        "(--print-config: machine_defaults); --no-train-torch-compile keeps it off.")
+                        "model on an H200, 4-6 s from inductor's cache; 10-30 s for the demo model on a CPU, by "
+                        "machine). fsdp, one trainer process (not supported yet under FSDP2 across ranks, nor with "
+                        "megatron, where it measured slower); turns the CPU's prompt sharing off. On by default on a "
+                        "GPU for runs of 20 rollouts or more (--print-config: machine_defaults); "
+                        "--no-train-torch-compile keeps it off.")
     g.add_argument("--fsdp-cpu-backend", default="gloo",
                    help="FSDP: collective backend for CPU-offloaded state (not supported yet).")
     g.add_argument("--dp-replicate-size", type=int, default=1,

@@ -11,6 +11,7 @@ import re
 from pathlib import PurePath
 
 from furlong.hooks import PluginError
+from furlong.kit.redact import shown
 
 from ..plugins.executor_fit import resolve_executor
 from .hf_checkpoint import hf_checkpoint_problems
@@ -104,7 +105,8 @@ def parse_args(argv: list[str], pm=None, *, command: str | None = None) -> argpa
     final = copy.deepcopy(raw)
     for key, value in overlay.items():
         if hasattr(raw, key):
-            log.info("--custom-config-path sets %s = %r (was %r).", key, value, flag_value(args, key))
+            log.info("--custom-config-path sets %s = %r (was %r).", key, shown(key, value),
+                     shown(key, flag_value(args, key)))
         setattr(final, key, value)
     final.custom_config_extras = {key: value for key, value in overlay.items() if not hasattr(raw, key)}
     if final.custom_config_extras:
@@ -130,7 +132,7 @@ def _extras_warning(extras: dict, actions: dict) -> str:
     parts = []
     for key, value in extras.items():
         close = suggest_flag("--" + key.replace("_", "-"), actions)
-        parts.append(f"{key} = {value!r}" + (f" (did you mean {actions[close].dest}?)" if close else ""))
+        parts.append(f"{key} = {shown(key, value)!r}" + (f" (did you mean {actions[close].dest}?)" if close else ""))
     what = "a key that is not a furlong flag" if len(parts) == 1 else f"{len(parts)} keys that are not furlong flags"
     them = "it" if len(parts) == 1 else "them"
     return f"--custom-config-path sets {what}, kept for the custom functions that read {them}: {', '.join(parts)}."

@@ -10,8 +10,8 @@ from furlong.hooks import ConfigReport, MegatronFlags, PluginError, hookimpl
 from furlong.kit.machine_budget import default_token_budget
 
 from .config import flag_dest
-from .mcore_optimizer import (OPTIMIZER_DESTS, PRECISION_AWARE_WITHOUT_TE, asked_features, idle_offload_flags,
-                              mcore_optimizer_problems, precision_aware, uses_mcore_optimizer)
+from .mcore_optimizer import (OPTIMIZER_DESTS, PRECISION_AWARE_WITHOUT_TE, asked_features, fraction_problem,
+                              idle_offload_flags, mcore_optimizer_problems, precision_aware, uses_mcore_optimizer)
 from .moe import MOE_DESTS
 
 # megatron-core warns at import, once per module, that it falls back from TransformerEngine
@@ -95,6 +95,8 @@ def configure(args, report):
         report.default(args, "use_distributed_optimizer", True)
     # a Ray run's training ranks may have GPUs where the driver has none; they check when the backend starts
     refused = mcore_optimizer_problems(args, cuda=report.machine.cuda or args.executor == "ray")
+    if not uses_mcore_optimizer(args) and fraction_problem(args):
+        refused.append(fraction_problem(args))
     for problem in refused:
         report.error(problem)
     if not refused and args.use_precision_aware_optimizer and args.use_distributed_optimizer \
@@ -207,9 +209,13 @@ def _check_architecture(args, report) -> None:
     if int(args.lora_rank or 0) > 0 and shape.is_moe:
         report.error("--lora-rank on a mixture-of-experts model is not supported yet by --train-backend megatron.")
     errors, warnings = moe_flag_problems(args, shape, f"{where}/config.json")
-    errors += moe_layout_problems(shape, int(args.tensor_model_parallel_size or 1),
-                                  int(flag(args, "expert_model_parallel_size", 1)), args.hf_checkpoint,
+    ep, pp = int(flag(args, "expert_model_parallel_size", 1)), int(args.pipeline_model_parallel_size or 1)
+    errors += moe_layout_problems(shape, int(args.tensor_model_parallel_size or 1), ep, args.hf_checkpoint,
                                   _distributed_optimizer(args), bool(args.sequence_parallel))
+    world = int(args.actor_num_nodes) * int(args.actor_num_gpus_per_node)
+    if shape.is_moe and ep > 1 and world % (ep * pp):  # (init_parallel's check, before any rank starts)
+        errors.append(f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} does not divide the "
+                      f"trainer world size {world} (--actor-num-nodes x --actor-num-gpus-per-node).")
     for problem in errors:
         report.error(problem)
     for warning in warnings:

@@ -362,8 +362,9 @@ def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), 
     others; a tied model's output-layer copy is not sent): every rank iterates and gets
     every tensor once, in the same order at any TP or PP size. Tied models yield no
     ``lm_head.weight``. With expert parallelism (``experts.size > 1``) each expert's tensors are
-    broadcast over ``ep_group`` from the EP rank holding it, on its stage, before the stages' broadcast. ``weight_of(local name, parameter)``, when
-    given, is the tensor exported for a parameter (LoRA: the merged weight, :func:`~.lora.merged_weight`).
+    broadcast over ``ep_group`` from the EP rank holding it, on its stage, before the stages' broadcast.
+    ``weight_of(local name, parameter)``, when given, is the tensor exported for a parameter (LoRA: the merged
+    weight, :func:`~.lora.merged_weight`).
     """
     import torch
     import torch.distributed as dist
@@ -372,7 +373,9 @@ def export_hf(model, shape: ModelShape, tp: int, group, stage: Stage = Stage(), 
     placed = placed_units(shape, stage, experts)
     mine = {unit.mcore: local for unit, local in placed if owner(unit, shape, stage) == stage.index}
     like = {_expert_role(unit): params[local] for unit, local in placed if unit.expert is not None}
-    key = lambda unit: _expert_role(unit) if unit.expert is not None else unit.mcore  # noqa: E731 (one expert's stands for its layer's)
+    def key(unit: Unit):  # one expert's shape stands for every expert of its layer
+        return _expert_role(unit) if unit.expert is not None else unit.mcore
+
     specs: dict = {}
     if stage.count > 1:  # full shape and dtype of every parameter, from the stage that holds it
         held = {}

@@ -68,11 +68,7 @@ def mcore_optimizer_problems(config: Any, cuda: bool = True) -> list[str]:
     given = asked_features(config)
     if (config.optimizer or "adam") != "adam":
         return [f"--optimizer {config.optimizer}: {given} supports adam (AdamW) only here."]
-    problems = []
-    fraction = flag(config, "optimizer_offload_fraction", 1.0)
-    if not 0.0 <= float(fraction) <= 1.0:
-        problems.append(f"--optimizer-offload-fraction must be in [0, 1] (the share of the AdamW state kept on the "
-                        f"host), got {fraction:g}.")
+    problems = [fraction_problem(config)] if fraction_problem(config) else []
     if not cuda:
         problems.append(f"{given} {'need' if ' / ' in given else 'needs'} a CUDA GPU: megatron-core's distributed optimizer keeps its buffers on the "
                         "GPU, and this machine has none. Use --use-distributed-optimizer alone here (the backend's "
@@ -100,12 +96,23 @@ def precision_aware(config: Any) -> bool:
     return bool(config.use_precision_aware_optimizer) and _has_transformer_engine()
 
 
+def fraction_problem(config: Any) -> str | None:
+    """An ``--optimizer-offload-fraction`` outside [0, 1], in words; None for a fraction in range."""
+    fraction = flag(config, "optimizer_offload_fraction", 1.0)
+    if 0.0 <= float(fraction) <= 1.0:
+        return None
+    return (f"--optimizer-offload-fraction must be in [0, 1] (the share of the AdamW state kept on the host), got "
+            f"{fraction:g}.")
+
+
 def idle_offload_flags(args: Any) -> list[str]:
-    """The CPU-offload refinements given without ``--optimizer-cpu-offload``, where they change nothing."""
+    """The CPU-offload refinements given without ``--optimizer-cpu-offload``, where they change nothing (an
+    ``--optimizer-offload-fraction`` out of range is an error instead, :func:`fraction_problem`)."""
     if args.optimizer_cpu_offload:
         return []
     given = args.megatron_args or {}
-    return [f for f, dest in _OFFLOAD_REFINEMENTS.items() if dest in given or getattr(args, dest, None) is True]
+    idle = [f for f, dest in _OFFLOAD_REFINEMENTS.items() if dest in given or getattr(args, dest, None) is True]
+    return [f for f in idle if f != "--optimizer-offload-fraction" or not fraction_problem(args)]
 
 
 def _has_transformer_engine() -> bool:

@@ -35,6 +35,9 @@ def init_parallel(tp: int, device, pp: int = 1, cp: int = 1, ep: int = 1) -> tup
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    # megatron-core 0.16 still calls torch's older collective names; torch's notice of it says nothing to users
+    warnings.filterwarnings("ignore", message=r".*`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is "
+                            r"deprecated", category=FutureWarning)
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise PluginError("megatron: WORLD_SIZE > 1 but torch.distributed is not initialized; call "

@@ -138,7 +138,7 @@ def moe_flag_problems(args: Any, shape: ModelShape, where: str) -> tuple[list[st
         errors.append("--use-routing-replay with --recompute-granularity is not supported yet by --train-backend "
                       "megatron (the recomputed routers would route by their own scores); leave one of them out.")
     tp = int(getattr(args, "tensor_model_parallel_size", None) or 1)
-    if tp > 1 and etp is None:
+    if tp > 1 and etp is None and getattr(args, "sequence_parallel", False):  # (without it TP is refused)
         warnings.append(f"--expert-tensor-parallel-size is not given: Megatron-LM would split every expert over the "
                         f"{tp} TP ranks; here each TP rank holds whole experts (expert TP 1: the same updates, more "
                         "memory per rank). Give --expert-tensor-parallel-size 1 to say so.")
