@@ -14,7 +14,7 @@ fc1 saved as the global ``[gate; up]``, so the files do not depend on TP), ``opt
 and the moments are those of the masters), ``scheduler`` (``OptimizerParamScheduler.state_dict()``),
 ``global_step`` and ``rng`` (one object per rank). Under megatron-core's distributed optimizer
 (:mod:`.mcore_optimizer`) ``model`` holds the bfloat16 weights and ``optimizer`` megatron-core's own
-state (float32 masters and moments per parameter, ``fully_sharded_model_space``); ``meta.json`` says which
+state (float32 masters and moments, its ``dp_reshardable`` layout: a resume may change DP only); ``meta.json`` says which
 (``"optimizer_format"``), and a resume with the other optimizer loads the weights only with
 ``--no-load-optim``. A checkpoint saved at one TP or PP size
 loads at another: weights and moments are resharded (megatron-core keys layers by their

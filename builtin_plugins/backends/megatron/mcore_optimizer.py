@@ -57,6 +57,10 @@ def asked_features(config: Any) -> str:
                                                       config.use_precision_aware_optimizer)) if on)
 
 
+SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+"""How megatron-core's distributed optimizer lays its state out in a checkpoint (:meth:`MegatronCoreOptimizer.sharded_state_dict`)."""
+
+
 def mcore_optimizer_problems(config: Any, cuda: bool = True) -> list[str]:
     """What stops megatron-core's distributed optimizer for ``config`` (launch flags or a run
     configuration), one message per problem naming the flags; empty when it can run or is not asked for.
@@ -227,9 +231,12 @@ class MegatronCoreOptimizer:
         self.inner.step_with_ready_grads()
 
     def sharded_state_dict(self, model_sharded: dict, is_loading: bool = False) -> dict:
-        """megatron-core's optimizer state for ``dist_checkpointing`` (moments and float32 masters per parameter,
-        ``fully_sharded_model_space``: reshardable across data-parallel sizes)."""
-        return self.inner.sharded_state_dict(model_sharded, is_loading)
+        """megatron-core's optimizer state for ``dist_checkpointing``: its ``dp_reshardable`` layout (each rank's
+        buffers as they are, saved and loaded without communication; a resume may change the data-parallel size
+        but not TP, PP or EP), Megatron-LM's default and Miles'. megatron-core 0.16.1's own default,
+        ``fully_sharded_model_space``, is deprecated and its flattened tensors no longer save (measured on an
+        H100: ``ShardedTensor.flattened_range is not supported``)."""
+        return self.inner.sharded_state_dict(model_sharded, is_loading, metadata=SHARDING)
 
     def load_sharded(self, state: dict) -> None:
         """Restore what :meth:`sharded_state_dict` saved (after ``dist_checkpointing.load``)."""
