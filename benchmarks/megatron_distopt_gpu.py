@@ -129,6 +129,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--skip-resume", action="store_true")
+    parser.add_argument("--resume-runs", nargs="*", default=["distopt", "offload"], choices=list(RUNS),
+                        help="runs whose checkpoint resume and offload/onload are checked")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     import megatron.core
@@ -152,8 +154,11 @@ def main() -> None:
             print(name, json.dumps(result["runs"][name]), flush=True)
             save_out(opts.out, result)
         if not opts.skip_resume:
-            result["resume_and_offload"] = guarded(resume_and_offload, path, RUNS["offload"], opts)
-            print("resume_and_offload", json.dumps(result["resume_and_offload"]), flush=True)
+            result["resume_and_offload"] = {}
+            for name in opts.resume_runs:
+                result["resume_and_offload"][name] = guarded(resume_and_offload, path, RUNS[name], opts)
+                print("resume_and_offload", name, json.dumps(result["resume_and_offload"][name]), flush=True)
+                save_out(opts.out, result)
     print(json.dumps(result, indent=2))
     save_out(opts.out, result)
 

@@ -6,6 +6,7 @@ on a GPU (docs/megatron.md)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 
 import pytest
@@ -234,3 +235,40 @@ def test_offload_moves_only_what_is_not_on_the_host_yet():
     assert all(v.device.type == "meta" for v in device_state.values())
     assert all(host_state[k] is before[k] for k in before)
     assert offload_optimizer_state(None) == [] and onload_optimizer_state([]) is None
+
+
+def test_a_fresh_torch_adamw_gets_the_state_a_checkpoint_load_overwrites():
+    """Without Transformer Engine, megatron-core's DistributedOptimizer builds its loading template from the torch
+    AdamW's per-parameter ``step``, which a fresh optimizer lacks: :func:`state_for_loading` gives it megatron-core's
+    moments and step 0, the template loads the saved state, and the next step is the one the saved run takes."""
+    from furlong.builtin_plugins.backends.megatron.mcore_optimizer import state_for_loading
+
+    torch.manual_seed(0)
+    start = torch.randn(4, 3)
+    saved_param = torch.nn.Parameter(start.clone())
+    saved = torch.optim.AdamW([saved_param], lr=0.1)
+    for _ in range(3):
+        saved_param.grad = torch.randn(4, 3)
+        saved.step()
+    fresh_param = torch.nn.Parameter(saved_param.detach().clone())
+    fresh = torch.optim.AdamW([fresh_param], lr=0.1)
+    moments = []
+
+    def init_state_fn(optimizer, config):  # megatron-core's for torch Adam: zero moments, no step
+        moments.append(config)
+        for p in optimizer.param_groups[0]["params"]:
+            optimizer.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+
+    state_for_loading(fresh, init_state_fn, "config")
+
+    assert moments == ["config"]
+    assert {s["step"].item() for s in fresh.state_dict()["state"].values()} == {0.0}
+    fresh.load_state_dict(copy.deepcopy(saved.state_dict()))  # a checkpoint: no tensor shared with `saved`
+    grad = torch.randn(4, 3)
+    for param, optimizer in ((saved_param, saved), (fresh_param, fresh)):
+        param.grad = grad.clone()
+        optimizer.step()
+    assert torch.equal(saved_param, fresh_param)
+    state_for_loading(fresh, init_state_fn, "config")  # has state: left alone
+    assert moments == ["config"] and fresh.state[fresh_param]["step"].item() == 4.0
+    assert state_for_loading(None, init_state_fn, "config") is None

@@ -32,7 +32,7 @@ from .moe import flag
 
 __all__ = ["MegatronCoreOptimizer", "OPTIMIZER_DESTS", "PRECISION_AWARE_WITHOUT_TE", "asked_features",
            "idle_offload_flags", "mcore_optimizer_problems", "offload_optimizer_state", "onload_optimizer_state",
-           "precision_aware", "uses_mcore_optimizer"]
+           "precision_aware", "state_for_loading", "uses_mcore_optimizer"]
 
 _FEATURES = ("--optimizer-cpu-offload", "--use-precision-aware-optimizer")
 _OFFLOAD_REFINEMENTS = {"--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d",
@@ -236,6 +236,9 @@ class MegatronCoreOptimizer:
         but not TP, PP or EP), Megatron-LM's default and Miles'. megatron-core 0.16.1's own default,
         ``fully_sharded_model_space``, is deprecated and its flattened tensors no longer save (measured on an
         H100: ``ShardedTensor.flattened_range is not supported``)."""
+        if is_loading:
+            for part in self._parts():
+                state_for_loading(_torch_optimizer(part), getattr(part, "init_state_fn", None), part.config)
         return self.inner.sharded_state_dict(model_sharded, is_loading, metadata=SHARDING)
 
     def load_sharded(self, state: dict) -> None:
@@ -274,6 +277,31 @@ def _torch_optimizer(part):
     if getattr(part, "is_stub_optimizer", False):
         return None
     return getattr(part, "optimizer", None)
+
+
+def state_for_loading(optimizer, init_state_fn, config) -> None:
+    """Give a fresh torch optimizer (no step taken yet) the state a checkpoint load overwrites.
+
+    megatron-core's ``DistributedOptimizer.state_dict`` (which its loading template calls) reads the AdamW step
+    from every parameter's state when neither Transformer Engine nor Apex is installed, and a fresh optimizer has
+    none (``assert len(steps) == 1``, seen on an H100). The ``HybridDeviceOptimizer`` of ``--optimizer-cpu-offload``
+    takes megatron-core's own ``dummy_step``; torch's Adam/AdamW get megatron-core's ``init_state_fn`` moments and
+    step 0. The masters a dummy step moves are replaced by the checkpoint's. No-op for ``optimizer`` None or
+    an optimizer that has state.
+    """
+    import torch
+
+    if optimizer is None or len(optimizer.state) > 0:
+        return
+    if hasattr(optimizer, "dummy_step"):
+        optimizer.dummy_step()
+        return
+    if init_state_fn is not None:
+        init_state_fn(optimizer, config)
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                optimizer.state[param].setdefault("step", torch.tensor(0.0))
 
 
 def offload_optimizer_state(optimizer, host: str = "cpu") -> list[tuple]:

@@ -116,7 +116,10 @@ def weight_scales_for_scaled_mm(scale_inv: Any) -> Any:
 def _scaled_mm(xq, x_scale, wq, store, out_dtype):
     import torch
 
-    x_scale = x_scale.t().contiguous().t()  # [M, K/128], strides (1, M)
+    # [M, K/128] column-major, strides exactly (1, M): torch checks the strides even where M = 1
+    column_major = torch.empty_strided(x_scale.shape, (1, max(x_scale.shape[0], 1)), dtype=x_scale.dtype,
+                                       device=x_scale.device)
+    x_scale = column_major.copy_(x_scale)
     try:
         from torch.nn.functional import ScalingType, scaled_mm
     except ImportError:  # older torch: the same CUTLASS kernel behind _scaled_mm, chosen by the scales' shapes
