@@ -272,3 +272,30 @@ def test_a_fresh_torch_adamw_gets_the_state_a_checkpoint_load_overwrites():
     state_for_loading(fresh, init_state_fn, "config")  # has state: left alone
     assert moments == ["config"] and fresh.state[fresh_param]["step"].item() == 4.0
     assert state_for_loading(None, init_state_fn, "config") is None
+
+
+def test_an_offloading_optimizer_s_host_copies_take_the_loaded_masters():
+    """megatron-core's hybrid (CPU offload) optimizer refreshes its inner parameters from the loaded ``master_param``
+    through a map of non-float32 parameters only; with float32 masters that raised KeyError. The replacement
+    refreshes the host copy of an offloaded parameter and the float32 copy of a bfloat16 one, and leaves a parameter
+    that is its own master alone."""
+    from types import SimpleNamespace
+
+    from furlong.builtin_plugins.backends.megatron.mcore_optimizer import masters_follow_loaded_state
+
+    offloaded, low, own = torch.zeros(3), torch.zeros(2, dtype=torch.bfloat16), torch.zeros(4)
+    host_copy, fp32_copy = torch.zeros(3), torch.zeros(2)
+    hybrid = SimpleNamespace(param_update_in_fp32=True, param_to_fp32_param={low: fp32_copy},
+                             gpu_params_map_cpu_copy={offloaded: host_copy},
+                             state={offloaded: {"master_param": torch.full((3,), 1.5)},
+                                    low: {"master_param": torch.full((2,), -2.0)},
+                                    own: {"master_param": own, "exp_avg": torch.ones(4)}})
+
+    masters_follow_loaded_state(hybrid)
+    hybrid._update_fp32_params_by_new_state()
+
+    assert torch.equal(host_copy, torch.full((3,), 1.5)) and torch.equal(fp32_copy, torch.full((2,), -2.0))
+    assert torch.equal(own, torch.zeros(4)) and torch.equal(offloaded, torch.zeros(3))
+    hybrid.param_update_in_fp32, host_copy[:] = False, 0.0
+    hybrid._update_fp32_params_by_new_state()
+    assert torch.equal(host_copy, torch.zeros(3))

@@ -31,7 +31,7 @@ from furlong.hooks import PluginError
 from .moe import flag
 
 __all__ = ["MegatronCoreOptimizer", "OPTIMIZER_DESTS", "PRECISION_AWARE_WITHOUT_TE", "asked_features",
-           "idle_offload_flags", "mcore_optimizer_problems", "offload_optimizer_state", "onload_optimizer_state",
+           "idle_offload_flags", "masters_follow_loaded_state", "mcore_optimizer_problems", "offload_optimizer_state", "onload_optimizer_state",
            "precision_aware", "state_for_loading", "uses_mcore_optimizer"]
 
 _FEATURES = ("--optimizer-cpu-offload", "--use-precision-aware-optimizer")
@@ -187,6 +187,9 @@ class MegatronCoreOptimizer:
         self.inner = get_megatron_optimizer(optimizer_config(config, bf16), [self.ddp], use_gloo_process_groups=False)
         self.clip_grad = float(config.clip_grad or 0.0)
         self._moved: list[tuple] = []  # what offload() moved to the host, for onload()
+        for part in self._parts():
+            if hasattr(_torch_optimizer(part), "dummy_step"):  # HybridDeviceOptimizer (--optimizer-cpu-offload)
+                masters_follow_loaded_state(_torch_optimizer(part))
 
     @property
     def param_groups(self) -> list[dict]:
@@ -302,6 +305,28 @@ def state_for_loading(optimizer, init_state_fn, config) -> None:
         for group in optimizer.param_groups:
             for param in group["params"]:
                 optimizer.state[param].setdefault("step", torch.tensor(0.0))
+
+
+def masters_follow_loaded_state(hybrid) -> None:
+    """Make a ``HybridDeviceOptimizer`` whose masters are float32 already load a checkpoint.
+
+    After a load, megatron-core 0.16.1 refreshes the hybrid optimizer's inner parameters from each state's
+    ``master_param`` through ``param_to_fp32_param``, which holds only parameters that were not float32; the
+    distributed optimizer hands it float32 masters (precision-aware optimizer off), so every load raised
+    ``KeyError`` (seen on an H100). Replaced on this instance: a parameter with a float32 copy is refreshed as
+    megatron-core does, one with a host copy (the offloaded part) gets the loaded ``master_param`` in that copy,
+    which is what its CPU AdamW steps; a parameter that is its own master needs nothing.
+    """
+    def refresh() -> None:
+        if not hybrid.param_update_in_fp32:
+            return
+        for param, state in hybrid.state.items():
+            loaded = state.get("master_param")
+            inner = hybrid.param_to_fp32_param.get(param, hybrid.gpu_params_map_cpu_copy.get(param))
+            if loaded is not None and inner is not None and inner is not loaded:
+                inner.data.copy_(loaded)
+
+    hybrid._update_fp32_params_by_new_state = refresh
 
 
 def offload_optimizer_state(optimizer, host: str = "cpu") -> list[tuple]:

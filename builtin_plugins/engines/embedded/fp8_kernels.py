@@ -10,7 +10,7 @@ One FP8 linear layer is two steps:
 
    * ``scaled_mm``: ``torch.nn.functional.scaled_mm`` (``torch._scaled_mm`` before it existed) with
      ``BlockWise1x128`` activation scales and ``BlockWise128x128`` weight scales (torch's CUTLASS kernel
-     for SM90); its scale layouts
+     for SM90; rows padded with zeros to a multiple of 16); its scale layouts
      (activation scales column-major, weight scales ``[round_up(K/128, 4), N/128]`` column-major)
      are torch's meta checks of ``_scaled_mm_v2``;
    * ``triton``: :func:`_block_fp8_matmul` below, one program per ``BLOCK_M x BLOCK_N`` output tile,
@@ -32,6 +32,7 @@ __all__ = ["GEMMS", "choose_gemm", "fp8_matmul", "quantize_activations", "weight
 log = logging.getLogger("furlong.engines.embedded")
 
 GEMMS = ("auto", "scaled_mm", "triton")
+_SCALED_MM_ROWS = 16  # scaled_mm's rows are padded to a multiple of this
 
 try:  # Triton ships with CUDA builds of torch; the kernels are only defined where it imports
     import triton
@@ -116,6 +117,12 @@ def weight_scales_for_scaled_mm(scale_inv: Any) -> Any:
 def _scaled_mm(xq, x_scale, wq, store, out_dtype):
     import torch
 
+    rows = xq.shape[0]
+    if rows % _SCALED_MM_ROWS:  # cuBLASLt has no blockwise algorithm for such M (M = 1 on an H100)
+        pad = _SCALED_MM_ROWS - rows % _SCALED_MM_ROWS
+        xq = torch.cat([xq, xq.new_zeros(pad, xq.shape[1])])
+        x_scale = torch.cat([x_scale, x_scale.new_ones(pad, x_scale.shape[1])])
+        return _scaled_mm(xq, x_scale, wq, store, out_dtype)[:rows]
     # [M, K/128] column-major, strides exactly (1, M): torch checks the strides even where M = 1
     column_major = torch.empty_strided(x_scale.shape, (1, max(x_scale.shape[0], 1)), dtype=x_scale.dtype,
                                        device=x_scale.device)
