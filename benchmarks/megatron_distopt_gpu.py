@@ -47,6 +47,21 @@ def weights(backend) -> dict:
     return {n: p.detach().float().cpu().clone() for n, p in backend.model.named_parameters()}
 
 
+def optimizer_state(backend) -> dict:
+    """The float32 masters and AdamW moments megatron-core's optimizer holds (host copies of the offloaded part
+    included), keyed by group and position."""
+    out = {}
+    for part in backend.optimizer._parts():
+        inner = part.optimizer
+        for g, group in enumerate(inner.param_groups):
+            for i, param in enumerate(group["params"]):
+                out[f"{g}.{i}.master"] = param.detach().float().cpu().clone()
+                for key, value in inner.state.get(param, {}).items():
+                    if torch.is_tensor(value) and value.numel() > 1:
+                        out[f"{g}.{i}.{key}"] = value.detach().float().cpu().clone()
+    return out
+
+
 def difference(a: dict, b: dict) -> dict:
     diffs = [(a[n] - b[n]).abs() for n in a]
     changed = sum(int((d > 0).sum()) for d in diffs)
@@ -100,6 +115,7 @@ def resume_and_offload(path: str, flags: tuple, opts) -> dict:
         first = backend_for(path, opts.micro_batch, opts.samples, *extra)
         train_steps(first, batch, opts.steps - 1)
         asyncio.run(first.save(os.path.join(save, "iter_0000001")))
+        saved_state = optimizer_state(first)
         with open(os.path.join(save, "iter_0000001", "meta.json")) as f:
             meta = json.load(f)
         before_gib = torch.cuda.memory_allocated() / 2**30
@@ -112,12 +128,15 @@ def resume_and_offload(path: str, flags: tuple, opts) -> dict:
         free_memory()
         second = backend_for(path, opts.micro_batch, opts.samples, *extra)
         asyncio.run(second.load(os.path.join(save, "iter_0000001")))
+        loaded_vs_saved = difference(optimizer_state(second), saved_state)
+        del saved_state
         train_steps(second, batch, 1)
         resumed = weights(second)
         del second
         free_memory()
     return {"optimizer_format": meta.get("optimizer_format"), "gib_allocated_before_offload": before_gib,
             "gib_allocated_while_offloaded": offloaded_gib,
+            "optimizer_state_loaded_vs_saved": loaded_vs_saved,
             "resumed_vs_went_on_after_offload_onload": difference(resumed, went_on)}
 
 
