@@ -128,7 +128,12 @@ def resume_and_offload(path: str, flags: tuple, opts) -> dict:
         free_memory()
         second = backend_for(path, opts.micro_batch, opts.samples, *extra)
         asyncio.run(second.load(os.path.join(save, "iter_0000001")))
-        loaded_vs_saved = difference(optimizer_state(second), saved_state)
+        loaded = optimizer_state(second)
+        common = sorted(set(loaded) & set(saved_state))
+        loaded_vs_saved = {**difference({k: loaded[k] for k in common}, {k: saved_state[k] for k in common}),
+                           "keys_compared": len(common), "keys_only_saved": len(set(saved_state) - set(loaded)),
+                           "keys_only_loaded": len(set(loaded) - set(saved_state))}
+        del loaded
         del saved_state
         train_steps(second, batch, 1)
         resumed = weights(second)
