@@ -299,3 +299,26 @@ def test_an_offloading_optimizer_s_host_copies_take_the_loaded_masters():
     hybrid.param_update_in_fp32, host_copy[:] = False, 0.0
     hybrid._update_fp32_params_by_new_state()
     assert torch.equal(host_copy, torch.zeros(3))
+
+
+@pytest.mark.parametrize("given, cuda, moe, mcore, reason", [
+    ({"use_distributed_optimizer": True}, True, False, True, None),
+    ({"use_distributed_optimizer": True}, False, False, False, "needs a CUDA GPU"),
+    ({"use_distributed_optimizer": True, "lora_rank": 4}, True, False, False, "with LoRA"),
+    ({"use_distributed_optimizer": True, "reset_optimizer_states": True}, True, False, False,
+     "--reset-optimizer-states"),
+    ({"use_distributed_optimizer": True}, True, True, False, "with experts"),
+    ({}, True, False, False, None),
+    ({"use_distributed_optimizer": True, "optimizer_cpu_offload": True}, True, False, True, None),
+])
+def test_use_distributed_optimizer_is_megatron_core_s_where_it_can_run(tiny_model_dir, given, cuda, moe, mcore, reason):
+    """As in Megatron-LM, --use-distributed-optimizer is megatron-core's DistributedOptimizer on a CUDA rank; without a
+    GPU, with LoRA, --reset-optimizer-states or experts it stays the backend's own sharded AdamW, and says why."""
+    from furlong.builtin_plugins.backends.megatron.mcore_optimizer import chooses_mcore_optimizer, own_adamw_reason
+
+    config = train_config(tiny_model_dir, train_backend="megatron", **given)
+    assert chooses_mcore_optimizer(config, cuda, moe) is mcore
+    if reason is None:
+        assert own_adamw_reason(config, cuda, moe) is None
+    else:
+        assert reason in own_adamw_reason(config, cuda, moe)

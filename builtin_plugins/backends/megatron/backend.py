@@ -19,7 +19,7 @@ from .convert import (ExpertShard, Stage, export_hf, load_hf, pipeline_split, pl
                       stage_layer_counts)
 from .logprobs import forward_log_probs
 from .master import MasterWeights
-from .mcore_optimizer import MegatronCoreOptimizer, mcore_optimizer_problems, uses_mcore_optimizer
+from .mcore_optimizer import MegatronCoreOptimizer, chooses_mcore_optimizer, mcore_optimizer_problems, own_adamw_reason
 from .model import build_gpt, cpu_shims, init_parallel, untrained_padding_lookups
 from .moe import flag, moe_flag_problems, moe_transformer_fields
 from .moe_train import ExpertLayers, is_expert_parameter
@@ -160,7 +160,11 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
                 log.info("megatron: LoRA rank %d, alpha %d on %s (%d layers); the base weights are frozen",
                          int(config.lora_rank), int(config.lora_alpha),
                          ", ".join(sorted(lora.target_linears(config))), len(adapted))
-        if self._dtype() != torch.float32 and config.keep_fp32_master and not uses_mcore_optimizer(config):
+        mcore = chooses_mcore_optimizer(config, self.device.type == "cuda", self.shape.is_moe)
+        if config.use_distributed_optimizer and not mcore and self.rank == 0:
+            log.info("megatron: --use-distributed-optimizer: the backend's own sharded AdamW (%s)",
+                     own_adamw_reason(config, self.device.type == "cuda", self.shape.is_moe))
+        if self._dtype() != torch.float32 and config.keep_fp32_master and not mcore:
             self.masters = MasterWeights(self.model)
             self._masters_from_checkpoint()
         params = dict(self._trained_parameters())
@@ -173,7 +177,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
             self.old_actor = self._load_model().requires_grad_(False)
             self.rollout_actor = self._load_model().requires_grad_(False)
         self._start_routing_replay()
-        if uses_mcore_optimizer(config):  # megatron-core keeps the float32 masters itself
+        if mcore:  # megatron-core keeps the float32 masters itself
             self.optimizer = MegatronCoreOptimizer(self.model, config, self._dtype() == torch.bfloat16)
         else:
             self.optimizer = build_optimizer(self._trained_parameters(), config, self._optimizer_shards())

@@ -30,9 +30,9 @@ from furlong.hooks import PluginError
 
 from .moe import flag
 
-__all__ = ["MegatronCoreOptimizer", "OPTIMIZER_DESTS", "PRECISION_AWARE_WITHOUT_TE", "asked_features",
+__all__ = ["MegatronCoreOptimizer", "OPTIMIZER_DESTS", "PRECISION_AWARE_WITHOUT_TE", "asked_features", "chooses_mcore_optimizer",
            "idle_offload_flags", "masters_follow_loaded_state", "mcore_optimizer_problems", "offload_optimizer_state", "onload_optimizer_state",
-           "precision_aware", "state_for_loading", "uses_mcore_optimizer"]
+           "own_adamw_reason", "precision_aware", "state_for_loading", "uses_mcore_optimizer"]
 
 _FEATURES = ("--optimizer-cpu-offload", "--use-precision-aware-optimizer")
 _OFFLOAD_REFINEMENTS = {"--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d",
@@ -44,10 +44,36 @@ OPTIMIZER_DESTS = frozenset({"optimizer_cpu_offload", "use_precision_aware_optim
 
 
 def uses_mcore_optimizer(config: Any) -> bool:
-    """Whether ``config`` asks for megatron-core's distributed optimizer: ``--optimizer-cpu-offload`` or
-    ``--use-precision-aware-optimizer`` (``--use-distributed-optimizer`` alone keeps the backend's own
-    sharded AdamW, :mod:`.optimizer`)."""
+    """Whether ``config`` asks for a feature of megatron-core's distributed optimizer: ``--optimizer-cpu-offload`` or
+    ``--use-precision-aware-optimizer`` (``--use-distributed-optimizer`` alone: :func:`chooses_mcore_optimizer`)."""
     return bool(config.optimizer_cpu_offload or config.use_precision_aware_optimizer)
+
+
+def own_adamw_reason(config: Any, cuda: bool, moe: bool) -> str | None:
+    """Why ``--use-distributed-optimizer`` without megatron-core's features keeps the backend's own sharded AdamW
+    (:mod:`.optimizer`) instead of megatron-core's distributed optimizer, in words; None where megatron-core's runs.
+
+    :param cuda: whether this training rank has a CUDA GPU.
+    :param moe: whether the model has experts (megatron-core's expert buffers are not checked on a GPU yet).
+    """
+    if not cuda:
+        return "megatron-core's distributed optimizer needs a CUDA GPU"
+    if int(config.lora_rank or 0) > 0:
+        return "megatron-core's distributed optimizer with LoRA is not supported yet"
+    if config.reset_optimizer_states:
+        return "megatron-core's distributed optimizer with --reset-optimizer-states is not supported yet"
+    if moe:
+        return "megatron-core's distributed optimizer with experts is not supported yet"
+    return None
+
+
+def chooses_mcore_optimizer(config: Any, cuda: bool, moe: bool) -> bool:
+    """Whether megatron-core's distributed optimizer runs the steps: its features are asked for
+    (:func:`uses_mcore_optimizer`), or ``--use-distributed-optimizer`` is given and nothing in
+    :func:`own_adamw_reason` stands in the way."""
+    if uses_mcore_optimizer(config):
+        return True
+    return bool(config.use_distributed_optimizer) and own_adamw_reason(config, cuda, moe) is None
 
 
 def asked_features(config: Any) -> str:
