@@ -201,10 +201,12 @@ def _scaled_mm_problem(device: Any) -> str | None:
             w = torch.randn(384, 256, generator=gen).to(device, torch.bfloat16)
             wq, ws = quantize_blocks(w)
             xq, xs = quantize_activations(x)
-            got = _scaled_mm(xq, xs, wq, weight_scales_for_scaled_mm(ws), torch.float32)
+            # bfloat16 output, as the engine asks (blockwise scaling need not offer float32 output)
+            got = _scaled_mm(xq, xs, wq, weight_scales_for_scaled_mm(ws), torch.bfloat16).float()
             want = fp8_linear_reference(xq, xs, wq, ws)
-            if not torch.allclose(got, want, rtol=1e-3, atol=1e-3):
-                return f"disagrees with the reference at M={m} (max error {(got - want).abs().max().item():.3g})"
+            error = ((got - want).norm() / want.norm()).item()
+            if not error < 1e-2:  # bfloat16 rounding is about 4e-3; a wrong scale layout is off by O(1)
+                return f"disagrees with the reference at M={m} (relative error {error:.3g})"
     except (RuntimeError, TypeError, ValueError) as exc:
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return None
