@@ -190,21 +190,25 @@ def quantize_checkpoint(src: str, dst: str) -> dict:
     :returns: ``{"quantized": [...module names], "not_converted": [...]}``.
     :raises PluginError: ``src`` is not a model directory with safetensors weights, is already
         quantised or a mixture-of-experts model, has no linear layer of a multiple of 128 in both
-        dimensions, or ``dst`` exists and is not empty, or cannot be written.
+        dimensions, has a weight file that cannot be read, or ``dst`` exists and is not empty, or cannot
+        be written (what it wrote is then removed).
     """
-    from safetensors import safe_open
     from transformers import AutoConfig
 
-    from .hf import save_safetensors
-
     where = f"quantize-fp8 {src}"
+    if os.path.isfile(src):
+        raise PluginError(f"{where}: a file, not a directory; give the model directory (the folder holding "
+                          "config.json and the *.safetensors weights).")
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise PluginError(f"{where}: not a Hugging Face model directory (no config.json).")
     files = _weight_files(src)
     if not files:
         raise PluginError(f"{where}: no *.safetensors weights (save the model with safe_serialization).")
-    with open(os.path.join(src, "config.json")) as f:
-        raw = json.load(f)
+    try:
+        with open(os.path.join(src, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise PluginError(f"{where}: cannot read config.json ({exc}).") from None
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method")
         raise PluginError(f"{where}: already quantised (quantization_config quant_method {method!r}); "
@@ -225,20 +229,52 @@ def quantize_checkpoint(src: str, dst: str) -> dict:
                           f"layer would be in FP8 ({len(kept)} would keep their dtype); this model has no FP8 form.")
     kept = ([head] if head else []) + kept
     todo = {f"{name}.weight" for name in quantized}
+    created = not os.path.exists(dst)
+    try:
+        _write_quantized(src, dst, files, todo, raw, kept, where)
+    except BaseException:
+        _clear(dst, created)  # no half-written checkpoint is left to be mistaken for a whole one
+        raise
+    log.debug("quantize-fp8: %d linear layers in FP8 (e4m3, 128 x 128 blocks), %d kept in %s: %s", len(quantized),
+              len(kept), raw.get("torch_dtype") or raw.get("dtype") or "their dtype", dst)
+    return {"quantized": quantized, "not_converted": kept}
+
+
+def _clear(dst: str, created: bool) -> None:
+    """Remove what a failed :func:`quantize_checkpoint` wrote: ``dst`` itself where it created it, else its contents."""
+    if created:
+        shutil.rmtree(dst, ignore_errors=True)
+    elif os.path.isdir(dst):
+        for name in os.listdir(dst):
+            path = os.path.join(dst, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+
+
+def _write_quantized(src: str, dst: str, files: list[str], todo: set[str], raw: dict, kept: list[str],
+                     where: str) -> None:
+    """Write :func:`quantize_checkpoint`'s output: each weight file with the ``todo`` weights quantised, the config
+    with its ``quantization_config``, the index and the other files of ``src``."""
+    from safetensors import SafetensorError, safe_open
+
+    from .hf import save_safetensors
+
     try:
         os.makedirs(dst, exist_ok=True)
         weight_map = {}
         for file in files:
             out = {}
-            with safe_open(file, framework="pt") as handle:
-                for name in handle.keys():
-                    tensor = handle.get_tensor(name)
-                    if name in todo:
-                        q, scale_inv = quantize_blocks(tensor)
-                        out[name], out[name[: -len("weight")] + SCALE_SUFFIX] = q, scale_inv
-                        todo.discard(name)
-                    else:
-                        out[name] = tensor
+            try:
+                with safe_open(file, framework="pt") as handle:
+                    for name in handle.keys():
+                        tensor = handle.get_tensor(name)
+                        if name in todo:
+                            q, scale_inv = quantize_blocks(tensor)
+                            out[name], out[name[: -len("weight")] + SCALE_SUFFIX] = q, scale_inv
+                            todo.discard(name)
+                        else:
+                            out[name] = tensor
+            except SafetensorError as exc:
+                raise PluginError(f"{where}: cannot read {os.path.basename(file)} ({exc}).") from None
             save_safetensors(out, os.path.join(dst, os.path.basename(file)))
             weight_map.update({name: os.path.basename(file) for name in out})
         if todo:
@@ -262,6 +298,3 @@ def quantize_checkpoint(src: str, dst: str) -> dict:
                 shutil.copyfile(source, os.path.join(dst, name))
     except OSError as exc:
         raise PluginError(f"quantize-fp8 {dst}: cannot write the FP8 checkpoint ({exc}).") from exc
-    log.debug("quantize-fp8: %d linear layers in FP8 (e4m3, 128 x 128 blocks), %d kept in %s: %s", len(quantized),
-              len(kept), raw.get("torch_dtype") or raw.get("dtype") or "their dtype", dst)
-    return {"quantized": quantized, "not_converted": kept}

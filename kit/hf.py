@@ -200,6 +200,9 @@ def save_safetensors(named_tensors: dict[str, Any], path: str) -> None:
 
     save_file({name: t.detach().to("cpu").contiguous() for name, t in named_tensors.items()}, path + ".tmp",
               metadata={"format": "pt"})
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(path + ".tmp", 0o666 & ~umask)  # safetensors creates the file readable by its owner only
     os.replace(path + ".tmp", path)
 
 

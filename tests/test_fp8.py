@@ -249,6 +249,41 @@ def test_quantize_fp8_cli_refuses_an_fp8_source_and_a_used_destination(fp8_dir, 
                    "directory."]
 
 
+def test_quantize_fp8_reports_unreadable_input_and_leaves_no_half_checkpoint(bf16_dir, tmp_path, capsys):
+    """A corrupt weight file or config.json is one error naming it (was a traceback); the output folder the command
+    created is removed, one that existed empty is emptied; a written checkpoint's files follow the umask."""
+    import shutil
+
+    from furlong.core.cli import main
+
+    broken = tmp_path / "broken"
+    shutil.copytree(bf16_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert main(["quantize-fp8", str(broken), str(tmp_path / "new")]) == 2
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "empty").mkdir()
+    assert main(["quantize-fp8", str(broken), str(tmp_path / "empty")]) == 2
+    assert list((tmp_path / "empty").iterdir()) == []
+    bad_config = tmp_path / "bad_config"
+    shutil.copytree(bf16_dir, bad_config)
+    (bad_config / "config.json").write_text("{bad")
+    assert main(["quantize-fp8", str(bad_config), str(tmp_path / "new")]) == 2
+    assert main(["quantize-fp8", str(bf16_dir / "config.json"), str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    header = "cannot read model.safetensors (Error while deserializing header"
+    assert [line.split(": ", 2)[2][: len(header)] for line in err[:2]] == [header, header], err
+    assert err[2] == (f"error: quantize-fp8 {bad_config}: cannot read config.json (Expecting property name enclosed in "
+                      "double quotes: line 1 column 2 (char 1)).")
+    assert err[3] == (f"error: quantize-fp8 {bf16_dir / 'config.json'}: a file, not a directory; give the model "
+                      "directory (the folder holding config.json and the *.safetensors weights).")
+    umask = os.umask(0o022)
+    try:
+        assert main(["quantize-fp8", str(bf16_dir), str(tmp_path / "made")]) == 0
+    finally:
+        os.umask(umask)
+    assert {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "made").iterdir()}["model.safetensors"] == 0o644
+
+
 def test_quantize_fp8_refuses_a_model_with_no_layer_on_the_block(tiny_model_dir, tmp_path, capsys):
     from furlong.core.cli import main
 
@@ -292,6 +327,42 @@ def test_fp8_hf_checkpoint_without_a_bf16_source_is_an_error(fp8_dir, tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
     assert _problems("--hf-checkpoint", str(fp8_dir), "--load", str(tmp_path)) == []
     assert _problems("--hf-checkpoint", str(fp8_dir), "--debug-rollout-only") == []  # no trainer starts
+
+
+def _train_error(capsys, *argv, data="x.jsonl") -> str:
+    from furlong.core.cli import main
+
+    code = main(["train", *argv, "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
+                 "--rm-type", "deterministic_random", "--rollout-max-response-len", "4",
+                 "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    return err.splitlines()[-1]
+
+
+def test_a_ref_load_holding_no_weights_is_an_error_not_the_fp8_weights(fp8_dir, tmp_path, capsys):
+    """An existing --ref-load folder with neither a Hugging Face model nor a torch_dist checkpoint was skipped, and
+    the trainer started from --hf-checkpoint: here the FP8-rounded weights. It stops the run before any model loads."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("{}\n")
+    for folder in (tmp_path / "empty", tmp_path / "data"):
+        folder.mkdir(exist_ok=True)
+        assert _train_error(capsys, "--hf-checkpoint", str(fp8_dir), "--ref-load", str(folder)) == (
+            f"error: --ref-load '{folder}' is a directory with neither a Hugging Face model (config.json) nor a "
+            "torch_dist checkpoint (metadata.json, or a save folder's latest_checkpointed_iteration.txt) in it: point "
+            "it at the weights the trainer should start from, or leave it out to start from --hf-checkpoint.")
+
+
+def test_fsdp_does_not_fall_back_to_fp8_weights_for_a_torch_dist_ref_load(fp8_dir, arithmetic_jsonl, tmp_path,
+                                                                             capsys):
+    """fsdp reads no torch_dist checkpoint (Miles' scripts give one as --ref-load): it starts from --hf-checkpoint,
+    except where that is FP8."""
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    assert _train_error(capsys, "--hf-checkpoint", str(fp8_dir), "--ref-load", str(tmp_path),
+                        "--train-backend", "fsdp", data=arithmetic_jsonl) == (
+        f"error: --ref-load {tmp_path} is a torch_dist checkpoint, which --train-backend fsdp does not read, and "
+        f"--hf-checkpoint {fp8_dir} is an FP8 checkpoint: the trainer would train the FP8-rounded weights. Give the "
+        "BF16 model's Hugging Face directory as --ref-load, or use --train-backend megatron.")
 
 
 def test_print_config_shows_each_sides_precision(fp8_dir, bf16_dir, capsys):

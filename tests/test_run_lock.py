@@ -191,6 +191,7 @@ def _run_demo(tmp_path, out, *flags):
     bin_dir.mkdir(exist_ok=True)
     stand_in = bin_dir / "furlong"
     stand_in.write_text('#!/usr/bin/env bash\n[ "$1" = plot ] && exit 0\n'
+                        'for a in "$@"; do [ "$a" = --print-config ] && echo "{}" && exit 0; done\n'
                         'prev=""; for a in "$@"; do [ "$prev" = --save ] && save="$a"; prev="$a"; done\n'
                         'mkdir -p "$save" && echo \'{"rollout/step": 0}\' >> "$save/metrics.jsonl"\n')
     stand_in.chmod(0o755)
@@ -231,6 +232,18 @@ def test_the_demo_script_moves_a_critic_left_without_its_run_aside_unless_save_i
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "mine_critic" / "old").read_text() == "kept" and not (tmp_path / "mine_critic.previous").exists()
     assert (mine / "metrics.jsonl").exists() and (out / "metrics.jsonl").exists()  # out: the first run's, untouched
+
+
+def test_the_demo_script_with_print_config_prints_it_and_moves_nothing(tmp_path):
+    """--print-config (or --help) trains nothing: the script prints furlong's output only, with no summary of a run
+    that did not happen, and leaves the previous run where it is."""
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"rollout/step": 0}\n')
+    done = _run_demo(tmp_path, out, "--print-config")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "{}"
+    assert (out / "metrics.jsonl").exists() and not (tmp_path / "demo.previous").exists()
 
 
 def test_the_demo_script_resumes_in_the_folder_load_names(tmp_path):

@@ -14,6 +14,7 @@ import json
 import os
 
 from furlong.kit.fp8 import fp8_quantization_config, supported_config_problem
+from furlong.kit.start_weights import torch_dist_dir
 
 __all__ = ["fp8_sources", "precision_summary"]
 
@@ -62,8 +63,8 @@ def fp8_sources(args, f) -> None:
 
 def _dtype_of(path: str | None) -> str:
     """The dtype config.json of ``path`` records (``torch_dtype`` or ``dtype``); "torch_dist" for a
-    directory without config.json (a megatron checkpoint); "unknown" for an unreadable one."""
-    if path and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+    megatron checkpoint without config.json; "unknown" for an unreadable one or one that holds neither."""
+    if not os.path.isfile(os.path.join(str(path), "config.json")) and torch_dist_dir(path):
         return "torch_dist"
     try:
         with open(os.path.join(str(path), "config.json")) as f:

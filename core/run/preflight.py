@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from furlong.hooks import PluginError, RunConfig
+from furlong.kit.start_weights import start_weights_problem
 
 from ..config.hf_checkpoint import hf_checkpoint_problems
 from .checkpoints import read_marker, same_dir
@@ -17,6 +18,7 @@ def check_paths(config: RunConfig) -> None:
 
     ``--hf-checkpoint`` must be a directory with a ``config.json`` (a Hugging Face model
     directory); a Hub id (``org/model``) is not downloaded (:func:`hf_checkpoint_problems`).
+    ``--ref-load`` must hold a Hugging Face model or a ``torch_dist`` checkpoint.
     A ``--critic-load`` given (not the default ppo derives, which need not exist yet) must exist.
 
     :raises PluginError: one line per missing or unusable path.
@@ -25,6 +27,8 @@ def check_paths(config: RunConfig) -> None:
     for flag, value in (("--ref-load", config.ref_load), ("--chat-template-path", config.chat_template_path)):
         if value and not os.path.exists(value):
             problems.append(f"{flag} '{value}': no such file or directory.")
+    if start_weights_problem("--ref-load", config.ref_load):
+        problems.append(start_weights_problem("--ref-load", config.ref_load))
     if config.use_critic and "critic_load" in config.explicit_args and not os.path.exists(config.critic_load or ""):
         problems.append(f"--critic-load '{config.critic_load}': no such directory (a critic checkpoint folder or a "
                         "Hugging Face directory); leave it out to start the critic from --hf-checkpoint.")

@@ -16,14 +16,18 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-runs/demo}"
 SAVE=""
 LOAD=""
+CHECK_ONLY=""
 prev=""
 for arg in "$@"; do
-  case "$arg" in --save=*) SAVE="${arg#--save=}" ;; --load=*) LOAD="${arg#--load=}" ;; esac
+  case "$arg" in --save=*) SAVE="${arg#--save=}" ;; --load=*) LOAD="${arg#--load=}" ;;
+    --print-config|--help|-h) CHECK_ONLY=1 ;; esac
   if [ "$prev" = "--save" ]; then SAVE="$arg"; fi
   if [ "$prev" = "--load" ]; then LOAD="$arg"; fi
   prev="$arg"
 done
-if [ -n "$SAVE" ]; then
+if [ -n "$CHECK_ONLY" ]; then
+  :  # --print-config / --help train nothing: $OUT stays as it is
+elif [ -n "$SAVE" ]; then
   OUT="$SAVE"
 elif [ -n "$LOAD" ]; then
   OUT="$LOAD"  # resuming: the run goes on in the folder it resumes from (kept as it is)
@@ -60,6 +64,7 @@ ARGS=(
   --save "$OUT" --save-interval 1000
 )
 furlong "${COMMAND:-train}" "${ARGS[@]}" "$@"
+if [ -n "$CHECK_ONLY" ]; then exit 0; fi
 
 python - "$OUT/metrics.jsonl" <<'PY'
 import json, sys

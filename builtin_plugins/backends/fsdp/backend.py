@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from furlong.hooks import ParallelLayout, PluginError, RunConfig, TrainBatch
+from furlong.kit.fp8 import fp8_quantization_config
 from furlong.kit.hf import compile_decoder_layers, is_hf_dir
 from furlong.kit.master_weights import MasterWeights
 from furlong.kit.resume import load_parts
@@ -99,6 +100,8 @@ class FSDPBackend(StepLoop):
         """The actor (and its bfloat16 copy) and the reference, placed on this rank."""
         source, flag = (config.ref_load, "--ref-load") if is_hf_dir(config.ref_load) else (
             config.hf_checkpoint, "--hf-checkpoint")
+        if config.ref_load and source != config.ref_load:
+            self._skip_torch_dist_ref_load(config)
         model = lora.apply_lora(load_causal_lm(source, config, self.device, flag), config)
         if config.bf16 and not config.keep_fp32_master:  # bfloat16 parameters are what the optimizer updates
             _bf16_parameters(model)
@@ -110,6 +113,22 @@ class FSDPBackend(StepLoop):
         if config.keep_old_actor:
             self.old_actor = self._frozen_copy(source, config, flag)
             self.rollout_actor = self._frozen_copy(source, config, flag)
+
+    def _skip_torch_dist_ref_load(self, config: RunConfig) -> None:
+        """A ``torch_dist`` ``--ref-load`` (a megatron checkpoint, as Miles' scripts give) is not read here: the
+        trainer starts from ``--hf-checkpoint``, said once, unless that is an FP8 checkpoint, whose rounded weights
+        the trainer must not train (docs/fp8.md).
+
+        :raises PluginError: ``--hf-checkpoint`` is an FP8 checkpoint.
+        """
+        if fp8_quantization_config(config.hf_checkpoint) is not None:
+            raise PluginError(f"--ref-load {config.ref_load} is a torch_dist checkpoint, which --train-backend fsdp "
+                              f"does not read, and --hf-checkpoint {config.hf_checkpoint} is an FP8 checkpoint: the "
+                              "trainer would train the FP8-rounded weights. Give the BF16 model's Hugging Face "
+                              "directory as --ref-load, or use --train-backend megatron.")
+        if self.rank == 0:
+            log.info("fsdp: --ref-load %s is a torch_dist checkpoint, which this backend does not read: the trainer "
+                     "starts from --hf-checkpoint %s", config.ref_load, config.hf_checkpoint)
 
     def _frozen_copy(self, source: str, config: RunConfig, flag: str):
         """A model that never trains (the reference, the old actor), bfloat16 alone under ``--bf16`` like the

@@ -11,6 +11,7 @@ from typing import Any
 from furlong.hooks import ParallelLayout, PluginError, RunConfig, TrainBatch
 from furlong.kit.hf import is_hf_dir
 from furlong.kit.resume import load_parts
+from furlong.kit.start_weights import torch_dist_dir
 from furlong.kit.trainer import StepLoop, local_optimizer
 
 from . import checkpoint, lora
@@ -29,20 +30,6 @@ from .pipeline import PipelineStages
 __all__ = ["MegatronBackend"]
 
 log = logging.getLogger("furlong.backends.megatron")
-
-
-def torch_dist_dir(path: str | None) -> str | None:
-    """The checkpoint directory ``path`` names: itself (an ``iter_N`` dir) or, for a save root,
-    its ``iter_<latest_checkpointed_iteration>``; None when it is neither."""
-    if not path or not os.path.isdir(path):
-        return None
-    if os.path.isfile(os.path.join(path, "metadata.json")):
-        return path
-    marker = os.path.join(path, "latest_checkpointed_iteration.txt")
-    if os.path.isfile(marker):
-        with open(marker) as f:
-            return os.path.join(path, f"iter_{int(f.read().strip()):07d}")
-    return None
 
 
 class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
