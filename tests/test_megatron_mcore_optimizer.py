@@ -317,8 +317,27 @@ def test_use_distributed_optimizer_is_megatron_core_s_where_it_can_run(tiny_mode
     from furlong.builtin_plugins.backends.megatron.mcore_optimizer import chooses_mcore_optimizer, own_adamw_reason
 
     config = train_config(tiny_model_dir, train_backend="megatron", **given)
-    assert chooses_mcore_optimizer(config, cuda, moe) is mcore
+    assert chooses_mcore_optimizer(config, own_adamw_reason(config, cuda, moe)) is mcore
     if reason is None:
         assert own_adamw_reason(config, cuda, moe) is None
     else:
         assert reason in own_adamw_reason(config, cuda, moe)
+
+
+def test_the_ppo_critic_keeps_the_backend_s_own_adamw_with_use_distributed_optimizer(tiny_model_dir):
+    """The megatron critic (a value head on the policy's GPTModel) is not run through megatron-core's optimizer for
+    --use-distributed-optimizer even on a CUDA rank; the actor is."""
+    from types import SimpleNamespace
+
+    from furlong.builtin_plugins.backends.megatron.backend import MegatronBackend
+    from furlong.builtin_plugins.backends.megatron.critic import MegatronCritic
+    from furlong.builtin_plugins.backends.megatron.mcore_optimizer import chooses_mcore_optimizer
+
+    config = train_config(tiny_model_dir, train_backend="megatron", use_distributed_optimizer=True)
+    on_a_gpu = {"device": torch.device("cuda"), "shape": SimpleNamespace(is_moe=False)}
+    actor, critic = MegatronBackend.__new__(MegatronBackend), MegatronCritic.__new__(MegatronCritic)
+    for backend in (actor, critic):
+        vars(backend).update(on_a_gpu)
+    assert chooses_mcore_optimizer(config, actor._own_adamw_reason(config))
+    assert critic._own_adamw_reason(config) == "megatron-core's distributed optimizer for the PPO critic is not supported yet"
+    assert not chooses_mcore_optimizer(config, critic._own_adamw_reason(config))

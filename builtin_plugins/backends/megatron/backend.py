@@ -147,10 +147,10 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
                 log.info("megatron: LoRA rank %d, alpha %d on %s (%d layers); the base weights are frozen",
                          int(config.lora_rank), int(config.lora_alpha),
                          ", ".join(sorted(lora.target_linears(config))), len(adapted))
-        mcore = chooses_mcore_optimizer(config, self.device.type == "cuda", self.shape.is_moe)
+        own_adamw = self._own_adamw_reason(config)
+        mcore = chooses_mcore_optimizer(config, own_adamw)
         if config.use_distributed_optimizer and not mcore and self.rank == 0:
-            log.info("megatron: --use-distributed-optimizer: the backend's own sharded AdamW (%s)",
-                     own_adamw_reason(config, self.device.type == "cuda", self.shape.is_moe))
+            log.info("megatron: --use-distributed-optimizer: the backend's own sharded AdamW (%s)", own_adamw)
         if self._dtype() != torch.float32 and config.keep_fp32_master and not mcore:
             self.masters = MasterWeights(self.model)
             self._masters_from_checkpoint()
@@ -298,6 +298,10 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         from megatron.core import parallel_state
 
         return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+    def _own_adamw_reason(self, config: RunConfig) -> str | None:
+        """Why ``--use-distributed-optimizer`` keeps the backend's own sharded AdamW here (:func:`.own_adamw_reason`)."""
+        return own_adamw_reason(config, self.device.type == "cuda", self.shape.is_moe)
 
     def _mcore(self) -> bool:
         """Whether megatron-core's distributed optimizer runs the steps (:mod:`.mcore_optimizer`)."""

@@ -75,6 +75,10 @@ class MegatronCritic(CriticLoop, MegatronBackend):
             log.info("megatron critic: the policy's GPTModel with a value head, from %s", where)
         return model.eval()
 
+    def _own_adamw_reason(self, config) -> str | None:
+        return super()._own_adamw_reason(config) or (
+            "megatron-core's distributed optimizer for the PPO critic is not supported yet")
+
     def _masters_from_checkpoint(self, skip: tuple[str, ...] = ()) -> None:
         if not is_hf_dir(self.config.critic_load):
             super()._masters_from_checkpoint(skip=("output_layer.",))  # an actor's checkpoint has no value head

@@ -67,13 +67,13 @@ def own_adamw_reason(config: Any, cuda: bool, moe: bool) -> str | None:
     return None
 
 
-def chooses_mcore_optimizer(config: Any, cuda: bool, moe: bool) -> bool:
+def chooses_mcore_optimizer(config: Any, own_adamw: str | None) -> bool:
     """Whether megatron-core's distributed optimizer runs the steps: its features are asked for
-    (:func:`uses_mcore_optimizer`), or ``--use-distributed-optimizer`` is given and nothing in
-    :func:`own_adamw_reason` stands in the way."""
+    (:func:`uses_mcore_optimizer`), or ``--use-distributed-optimizer`` is given and ``own_adamw`` (a reason to keep
+    the backend's own sharded AdamW, :func:`own_adamw_reason`) is None."""
     if uses_mcore_optimizer(config):
         return True
-    return bool(config.use_distributed_optimizer) and own_adamw_reason(config, cuda, moe) is None
+    return bool(config.use_distributed_optimizer) and own_adamw is None
 
 
 def asked_features(config: Any) -> str:
