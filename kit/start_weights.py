@@ -18,10 +18,11 @@ def torch_dist_dir(path: str | None) -> str | None:
     if os.path.isfile(os.path.join(path, "metadata.json")):
         return path
     marker = os.path.join(path, "latest_checkpointed_iteration.txt")
-    if os.path.isfile(marker):
+    try:
         with open(marker) as f:
             return os.path.join(path, f"iter_{int(f.read().strip()):07d}")
-    return None
+    except (OSError, ValueError):  # no marker, or not a number
+        return None
 
 
 def start_weights_problem(flag: str, path: str | None) -> str | None:

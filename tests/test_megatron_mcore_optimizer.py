@@ -339,5 +339,6 @@ def test_the_ppo_critic_keeps_the_backend_s_own_adamw_with_use_distributed_optim
     for backend in (actor, critic):
         vars(backend).update(on_a_gpu)
     assert chooses_mcore_optimizer(config, actor._own_adamw_reason(config))
-    assert critic._own_adamw_reason(config) == "megatron-core's distributed optimizer for the PPO critic is not supported yet"
+    assert critic._own_adamw_reason(config) == (
+        "megatron-core's distributed optimizer for the PPO critic is not supported yet")
     assert not chooses_mcore_optimizer(config, critic._own_adamw_reason(config))

@@ -300,7 +300,8 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
     def _own_adamw_reason(self, config: RunConfig) -> str | None:
-        """Why ``--use-distributed-optimizer`` keeps the backend's own sharded AdamW here (:func:`.own_adamw_reason`)."""
+        """Why ``--use-distributed-optimizer`` keeps the backend's own sharded AdamW here, or None
+        (:func:`.own_adamw_reason`)."""
         return own_adamw_reason(config, self.device.type == "cuda", self.shape.is_moe)
 
     def _mcore(self) -> bool:

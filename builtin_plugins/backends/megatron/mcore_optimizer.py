@@ -30,9 +30,10 @@ from furlong.hooks import PluginError
 
 from .moe import flag
 
-__all__ = ["MegatronCoreOptimizer", "OPTIMIZER_DESTS", "PRECISION_AWARE_WITHOUT_TE", "asked_features", "chooses_mcore_optimizer",
-           "idle_offload_flags", "masters_follow_loaded_state", "mcore_optimizer_problems", "offload_optimizer_state", "onload_optimizer_state",
-           "own_adamw_reason", "precision_aware", "state_for_loading", "uses_mcore_optimizer"]
+__all__ = ["MegatronCoreOptimizer", "OPTIMIZER_DESTS", "PRECISION_AWARE_WITHOUT_TE", "asked_features",
+           "chooses_mcore_optimizer", "idle_offload_flags", "masters_follow_loaded_state", "mcore_optimizer_problems",
+           "offload_optimizer_state", "onload_optimizer_state", "own_adamw_reason", "precision_aware",
+           "state_for_loading", "uses_mcore_optimizer"]
 
 _FEATURES = ("--optimizer-cpu-offload", "--use-precision-aware-optimizer")
 _OFFLOAD_REFINEMENTS = {"--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d",
