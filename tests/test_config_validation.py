@@ -394,9 +394,24 @@ def test_settings_that_cannot_do_what_they_seem_to_warn(caplog, extra, warning):
 
 def test_colocate_ignores_rollout_num_gpus_with_a_warning(caplog):
     warned = warnings_of(caplog, BASE + ["--colocate", "--rollout-num-gpus", "4"])
-    assert warned == ["--rollout-num-gpus 4 is ignored under --colocate: the engines share the trainer's 1 GPUs "
-                      "(actor_num_nodes x actor_num_gpus_per_node)."]
+    assert warned[0] == ("--rollout-num-gpus 4 is ignored under --colocate: the engines share the trainer's 1 GPUs "
+                         "(actor_num_nodes x actor_num_gpus_per_node).")
     assert parse_args(BASE + ["--colocate", "--rollout-num-gpus", "4"]).rollout_num_gpus == 1
+
+
+@pytest.mark.parametrize("flags, named", [(["--colocate"], "--colocate"), (["--offload"], "--offload"),
+                                          (["--offload-train", "--offload-rollout"], "--offload-train, --offload-rollout")])
+def test_offloading_on_a_machine_without_a_gpu_is_said_to_change_nothing(caplog, monkeypatch, flags, named):
+    monkeypatch.setattr(env, "cuda_available", lambda: False)
+    assert warnings_of(caplog, BASE + flags)[-1] == (
+        f"{named}: offloading to host memory changes nothing on this machine, which has no GPU (the weights and "
+        "optimizer state are in host memory already).")
+    assert not any("offloading" in w for w in warnings_of(caplog, BASE + flags + ["--actor-num-nodes", "2"]))
+    monkeypatch.setattr(env, "cuda_available", lambda: True)
+    monkeypatch.setattr(env, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(env, "gpu_memory", lambda: ("NVIDIA H200", 140 * 2**30, 139 * 2**30))
+    assert not any("offloading" in w for w in warnings_of(caplog, BASE + flags))
+    assert not any("offloading" in w for w in warnings_of(caplog, BASE))
 
 
 def test_dynamic_batching_warns_when_responses_exceed_the_token_cap(caplog):
@@ -452,7 +467,7 @@ def test_sglang_tp_size_is_replaced_by_gpus_per_engine(caplog):
 def test_colocate_disables_cuda_graph_prefill_unless_given(caplog):
     assert parse_args(BASE + ["--colocate"]).sglang_passthrough == {"cuda_graph_backend_prefill": "disabled"}
     argv = BASE + ["--colocate", "--sglang-cuda-graph-backend-prefill", "full"]
-    assert warnings_of(caplog, argv) == [
+    assert [w for w in warnings_of(caplog, argv) if "offloading" not in w] == [
         "--sglang-cuda-graph-backend-prefill full under --colocate may run out of memory (NVLS buffers); furlong's "
         "default there is 'disabled'."]
     assert parse_args(argv).sglang_passthrough == {"cuda_graph_backend_prefill": "full"}

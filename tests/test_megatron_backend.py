@@ -200,6 +200,23 @@ def test_configure_accepts_context_parallelism(tiny_model_dir):
     assert report.errors == []
 
 
+def test_recompute_without_cuda_is_refused_at_launch_as_at_the_start_of_the_backend(tiny_model_dir):
+    """--print-config reports what the backend would refuse when it starts: megatron-core's recompute on a machine
+    with no GPU (a Ray run's training ranks check for themselves)."""
+    from furlong.builtin_plugins.backends.megatron.config import RECOMPUTE_NEEDS_CUDA
+    from furlong.hooks.config_report import Machine
+
+    flags = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    for machine, executor, errors in ((Machine(), "local", [RECOMPUTE_NEEDS_CUDA]), (Machine(), "ray", []),
+                                      (Machine(cuda=True, gpu_count=1), "local", [])):
+        report = ConfigReport(plugin="megatron", machine=machine)
+        configure(args=train_args(tiny_model_dir, executor=executor, **flags), report=report)
+        assert report.errors == errors, (machine, executor)
+    with pytest.raises(PluginError, match="^--recompute-granularity needs CUDA"):
+        backend = megatron_backend(config=train_config(tiny_model_dir, **flags))
+        asyncio.run(backend.init(backend.config))
+
+
 @pytest.mark.parametrize("print_config", [True, False])
 def test_a_model_path_absent_here_is_one_warning_under_print_config_else_one_error(tmp_path, tiny_model_dir,
                                                                                   print_config):

@@ -61,6 +61,13 @@ def test_the_skip_is_on_by_default_off_where_inexact_and_refused_there_when_give
     for extra in (["--entropy-coef", "0.01"], ["--use-kl-loss"], ["--loss-type", "sft_loss"],
                   ["--custom-loss-function-path", "my_losses.clipped"], ["--loss-reducer", "dr_grpo"]):
         assert parse_args(argv + extra).skip_zero_advantage_samples is False, extra
+    from furlong.core.config.train_rules import zero_advantage_skip_blocked
+
+    kl = parse_args(argv + ["--use-kl-loss", "--kl-loss-coef", "0.01"])
+    assert zero_advantage_skip_blocked(kl) == "--use-kl-loss: the KL term does not vanish at zero advantage"
+    logged_only = parse_args(argv + ["--use-kl-loss", "--kl-loss-coef", "0.00"])
+    assert zero_advantage_skip_blocked(logged_only) == (
+        "--use-kl-loss with --kl-loss-coef 0: the KL it logs is over every sample")
     with pytest.raises(ConfigError, match=r"--skip-zero-advantage-samples: a sample's loss might not vanish at zero "
                                           r"advantage \(--entropy-coef 0.01: the entropy bonus does not vanish"):
         parse_args(argv + ["--entropy-coef", "0.01", "--skip-zero-advantage-samples"])

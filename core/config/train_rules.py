@@ -63,7 +63,8 @@ def zero_advantage_skip_blocked(flags: Any) -> str | None:
     if flags.entropy_coef:
         return f"--entropy-coef {flags.entropy_coef}: the entropy bonus does not vanish at zero advantage"
     if flags.use_kl_loss:
-        return "--use-kl-loss: the KL term does not vanish at zero advantage"
+        return ("--use-kl-loss: the KL term does not vanish at zero advantage" if flags.kl_loss_coef else
+                "--use-kl-loss with --kl-loss-coef 0: the KL it logs is over every sample")
     for flag in ("loss_reducer", "custom_pg_loss_reducer_function_path"):
         if flag_value(flags, flag):
             return f"--{flag.replace('_', '-')}: a loss reducer sees each micro-batch's samples"

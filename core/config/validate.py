@@ -15,7 +15,7 @@ from furlong.hooks.config_report import ConfigReport
 
 from ..plugins.discovery import disabled_problems
 from ..plugins.miles_paths import MILES_FLAG_CHOICES, miles_builtin
-from . import rules
+from . import env, rules
 from .fp8_sources import fp8_sources
 from .knobs import KNOBS, resolve_knobs
 from .unsupported import no_effect_warnings, unsupported_problems
@@ -221,12 +221,21 @@ def _cluster(args, f: ConfigReport, given: set[str]) -> None:
         args.rollout_num_gpus = world
 
 
+_OFFLOAD_FLAGS = (("--colocate", "colocate"), ("--offload", "offload"), ("--offload-train", "offload_train"),
+                  ("--offload-rollout", "offload_rollout"))
+
+
 def _offload(args, f: ConfigReport, given: set[str]) -> None:
     for dest in ("offload_train", "offload_rollout"):
         if dest not in given or flag_value(args, dest) is None:
             setattr(args, dest, bool(args.offload or args.colocate))
     if args.debug_rollout_only:
         args.offload_train = args.offload_rollout = False
+    asked = [flag for flag, dest in _OFFLOAD_FLAGS if dest in given and flag_value(args, dest)]
+    on_this_machine = int(args.actor_num_nodes or 1) == 1  # (several nodes: the trainer's GPUs are elsewhere)
+    if asked and (args.offload_train or args.offload_rollout) and on_this_machine and not env.cuda_available():
+        f.warn(f"{', '.join(asked)}: offloading to host memory changes nothing on this machine, which has no GPU "
+               "(the weights and optimizer state are in host memory already).")
 
 
 def _over_sampling(args, f: ConfigReport, given: set[str]) -> None:

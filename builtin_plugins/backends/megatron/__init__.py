@@ -9,7 +9,7 @@ import warnings
 from furlong.hooks import ConfigReport, MegatronFlags, PluginError, hookimpl
 from furlong.kit.machine_budget import default_token_budget
 
-from .config import flag_dest
+from .config import RECOMPUTE_NEEDS_CUDA, flag_dest
 from .mcore_optimizer import (OPTIMIZER_DESTS, PRECISION_AWARE_WITHOUT_TE, asked_features, fraction_problem,
                               idle_offload_flags, mcore_optimizer_problems, precision_aware, uses_mcore_optimizer)
 from .moe import MOE_DESTS
@@ -133,6 +133,8 @@ def configure(args, report):
     if getattr(args, "recompute_granularity", None) == "selective":
         report.error("--recompute-granularity selective is not supported yet by --train-backend megatron "
                      "(its local spec has no selective recompute modules); use full.")
+    elif args.recompute_granularity and not (report.machine.cuda or args.executor == "ray"):
+        report.error(RECOMPUTE_NEEDS_CUDA)  # (a Ray run's training ranks check when they start)
     _check_architecture(args, report)
 
 

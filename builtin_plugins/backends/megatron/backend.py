@@ -15,7 +15,7 @@ from furlong.kit.start_weights import torch_dist_dir
 from furlong.kit.trainer import StepLoop, local_optimizer
 
 from . import checkpoint, lora
-from .config import check_model_args, model_shape, padded_vocab_size
+from .config import RECOMPUTE_NEEDS_CUDA, check_model_args, model_shape, padded_vocab_size
 from .convert import (ExpertShard, Stage, export_hf, load_hf, pipeline_split, placed_units, safetensors_stream,
                       stage_layer_counts)
 from .logprobs import forward_log_probs
@@ -101,8 +101,7 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
             warnings.filterwarnings("ignore", message=".*recommended to set the environment variable "
                                     "CUDA_DEVICE_MAX_CONNECTIONS", category=UserWarning)
         if recompute_settings(config) and self.device.type != "cuda":
-            raise PluginError("--recompute-granularity needs CUDA with --train-backend megatron (megatron-core's "
-                              "recompute restores CUDA RNG states).")
+            raise PluginError(RECOMPUTE_NEEDS_CUDA)
         self.tp = int(config.tensor_model_parallel_size or 1)
         self.pp = int(config.pipeline_model_parallel_size or 1)
         self.cp = int(config.context_parallel_size or 1)

@@ -18,7 +18,7 @@ import attrs
 from furlong.hooks import PluginError
 from furlong.hooks.megatron_flags import architecture_disagreements
 
-__all__ = ["ModelShape", "check_model_args", "flag_dest", "model_shape", "padded_vocab_size"]
+__all__ = ["RECOMPUTE_NEEDS_CUDA", "ModelShape", "check_model_args", "flag_dest", "model_shape", "padded_vocab_size"]
 
 FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama", "glm4")
 
@@ -91,6 +91,9 @@ class ModelShape:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+
+RECOMPUTE_NEEDS_CUDA = ("--recompute-granularity needs CUDA with --train-backend megatron (megatron-core's recompute "
+                        "restores CUDA RNG states); leave the --recompute-* flags out on this machine.")
 
 def _rotary_percent(hf: Any, where: str) -> float:
     """HF ``partial_rotary_factor`` (in ``rope_parameters`` under transformers 5, else top-level; 1 when absent).
