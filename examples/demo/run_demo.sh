@@ -76,8 +76,10 @@ elif len(evals) == 1:
     print(f"\ntest-split reward (4 samples per prompt, temperature 1.0): "
           f"{evals[0]['eval/test']:.4f} (rollout {evals[0]['eval/step']})")
 else:
+    first, last = evals[0]["eval/step"], evals[-1]["eval/step"]
+    where = ("before rollout", "after rollout") if first == last else ("rollout", "rollout")  # a one-rollout run
     print(f"\ntest-split reward (4 samples per prompt, temperature 1.0): "
-          f"before {evals[0]['eval/test']:.4f} (rollout {evals[0]['eval/step']}), "
-          f"after {evals[-1]['eval/test']:.4f} (rollout {evals[-1]['eval/step']})")
+          f"before {evals[0]['eval/test']:.4f} ({where[0]} {first}), "
+          f"after {evals[-1]['eval/test']:.4f} ({where[1]} {last})")
 PY
 furlong plot "$OUT"
