@@ -27,8 +27,9 @@ def check_paths(config: RunConfig) -> None:
     for flag, value in (("--ref-load", config.ref_load), ("--chat-template-path", config.chat_template_path)):
         if value and not os.path.exists(value):
             problems.append(f"{flag} '{value}': no such file or directory.")
-    if start_weights_problem("--ref-load", config.ref_load):
-        problems.append(start_weights_problem("--ref-load", config.ref_load))
+    no_weights = start_weights_problem("--ref-load", config.ref_load)
+    if no_weights:
+        problems.append(no_weights)
     if config.use_critic and "critic_load" in config.explicit_args and not os.path.exists(config.critic_load or ""):
         problems.append(f"--critic-load '{config.critic_load}': no such directory (a critic checkpoint folder or a "
                         "Hugging Face directory); leave it out to start the critic from --hf-checkpoint.")
