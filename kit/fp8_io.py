@@ -268,6 +268,9 @@ def _write_quantized(src: str, dst: str, files: list[str], todo: set[str], raw: 
                     for name in handle.keys():
                         tensor = handle.get_tensor(name)
                         if name in todo:
+                            if not tensor.float().isfinite().all():  # a block scale cannot hold NaN or infinity
+                                raise PluginError(f"{where}: {name} in {os.path.basename(file)} holds NaN or infinite "
+                                                  "values; its FP8 blocks would not represent it.")
                             q, scale_inv = quantize_blocks(tensor)
                             out[name], out[name[: -len("weight")] + SCALE_SUFFIX] = q, scale_inv
                             todo.discard(name)

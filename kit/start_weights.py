@@ -32,7 +32,8 @@ def start_weights_problem(flag: str, path: str | None) -> str | None:
     (reported as missing elsewhere)."""
     if not path or not os.path.exists(path) or is_hf_dir(path) or torch_dist_dir(path):
         return None
-    what = "a directory" if os.path.isdir(path) else "a file"
-    return (f"{flag} '{path}' is {what} with neither a Hugging Face model (config.json) nor a torch_dist checkpoint "
-            "(metadata.json, or a save folder's latest_checkpointed_iteration.txt) in it: point it at the weights "
-            "the trainer should start from, or leave it out to start from --hf-checkpoint.")
+    what = ("is a directory with neither a Hugging Face model (config.json) nor a torch_dist checkpoint "
+            "(metadata.json, or a save folder's latest_checkpointed_iteration.txt) in it" if os.path.isdir(path) else
+            "is a file, not a Hugging Face model directory or a torch_dist checkpoint directory")
+    return (f"{flag} '{path}' {what}: point it at the weights the trainer should start from, or leave it out to "
+            "start from --hf-checkpoint.")

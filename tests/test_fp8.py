@@ -276,6 +276,19 @@ def test_quantize_fp8_reports_unreadable_input_and_leaves_no_half_checkpoint(bf1
                       "double quotes: line 1 column 2 (char 1)).")
     assert err[3] == (f"error: quantize-fp8 {bf16_dir / 'config.json'}: a file, not a directory; give the model "
                       "directory (the folder holding config.json and the *.safetensors weights).")
+    from safetensors.torch import load_file, save_file
+
+    nonfinite = tmp_path / "nonfinite"
+    shutil.copytree(bf16_dir, nonfinite)
+    weights = load_file(nonfinite / "model.safetensors")
+    name = next(n for n in sorted(weights) if n.endswith("q_proj.weight"))
+    weights[name][0, 0] = float("nan")
+    save_file(weights, nonfinite / "model.safetensors", metadata={"format": "pt"})
+    assert main(["quantize-fp8", str(nonfinite), str(tmp_path / "new")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: quantize-fp8 {nonfinite}: {name} in model.safetensors holds NaN or infinite values; its FP8 blocks "
+        "would not represent it."]
+    assert not (tmp_path / "new").exists()
     umask = os.umask(0o022)
     try:
         assert main(["quantize-fp8", str(bf16_dir), str(tmp_path / "made")]) == 0
@@ -351,6 +364,11 @@ def test_a_ref_load_holding_no_weights_is_an_error_not_the_fp8_weights(fp8_dir, 
             f"error: --ref-load '{folder}' is a directory with neither a Hugging Face model (config.json) nor a "
             "torch_dist checkpoint (metadata.json, or a save folder's latest_checkpointed_iteration.txt) in it: point "
             "it at the weights the trainer should start from, or leave it out to start from --hf-checkpoint.")
+    config = fp8_dir / "config.json"
+    assert _train_error(capsys, "--hf-checkpoint", str(fp8_dir), "--ref-load", str(config)) == (
+        f"error: --ref-load '{config}' is a file, not a Hugging Face model directory or a torch_dist checkpoint "
+        "directory: point it at the weights the trainer should start from, or leave it out to start from "
+        "--hf-checkpoint.")
 
 
 def test_fsdp_does_not_fall_back_to_fp8_weights_for_a_torch_dist_ref_load(fp8_dir, arithmetic_jsonl, tmp_path,

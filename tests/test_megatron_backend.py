@@ -212,6 +212,10 @@ def test_recompute_without_cuda_is_refused_at_launch_as_at_the_start_of_the_back
         report = ConfigReport(plugin="megatron", machine=machine)
         configure(args=train_args(tiny_model_dir, executor=executor, **flags), report=report)
         assert report.errors == errors, (machine, executor)
+    report = ConfigReport(plugin="megatron", machine=Machine())
+    configure(args=train_args(tiny_model_dir, recompute_method="uniform", recompute_num_layers=1), report=report)
+    assert (report.errors, report.warnings) == ([], [
+        "--recompute-method, --recompute-num-layers change nothing without --recompute-granularity full."])
     with pytest.raises(PluginError, match="^--recompute-granularity needs CUDA"):
         backend = megatron_backend(config=train_config(tiny_model_dir, **flags))
         asyncio.run(backend.init(backend.config))

@@ -132,9 +132,14 @@ def configure(args, report):
         report.error(f"--optimizer {args.optimizer} is not supported yet by --train-backend megatron (adam only).")
     if getattr(args, "recompute_granularity", None) == "selective":
         report.error("--recompute-granularity selective is not supported yet by --train-backend megatron "
-                     "(its local spec has no selective recompute modules); use full.")
+                     "(its local spec has no selective recompute modules); use full (on a CUDA GPU).")
     elif args.recompute_granularity and not (report.machine.cuda or args.executor == "ray"):
         report.error(RECOMPUTE_NEEDS_CUDA)  # (a Ray run's training ranks check when they start)
+    idle = [f"--recompute-{name}" for name in ("method", "num-layers")
+            if not args.recompute_granularity and _given(args, f"recompute_{name.replace('-', '_')}")]
+    if idle:
+        report.warn(f"{', '.join(idle)} {'change' if len(idle) > 1 else 'changes'} nothing without "
+                    "--recompute-granularity full.")
     _check_architecture(args, report)
 
 
