@@ -505,3 +505,26 @@ def test_hooks_of_and_origin_describe_in_process_plugins(plugin_manager, registe
     assert plugin_manager.hooks_of("both") == ["filter", "reward"]
     assert plugin_manager.hooks_of("nobody") == []
     assert plugin_manager.origin("both") == "registered in-process"
+
+
+def test_a_distribution_whose_metadata_cannot_be_read_is_left_out(monkeypatch, tmp_path):
+    """A *.dist-info without METADATA (a broken install, or pip writing one in another process) stopped every
+    command with MetadataNotFound; it offers no plugin, and the others are still found."""
+    import importlib.metadata as md
+
+    from furlong.core.plugins import discovery
+
+    info = tmp_path / "half_written-1.0.dist-info"
+    info.mkdir()
+    (info / "entry_points.txt").write_text("[furlong]\nhalf = half_written:plugin\n")
+
+    class HalfWritten(md.PathDistribution):
+        def read_text(self, filename):
+            if filename in ("METADATA", "PKG-INFO", ""):
+                raise FileNotFoundError(filename)
+            return super().read_text(filename)
+
+    installed = list(md.distributions())
+    before = read_entry_points()
+    monkeypatch.setattr(discovery.md, "distributions", lambda: [HalfWritten(info), *installed])
+    assert read_entry_points() == before and "half" not in {r.name for r in before}

@@ -35,12 +35,15 @@ def read_entry_points(group: str = PROJECT) -> list[EntryRecord]:
     """Every entry point of ``group`` from every installed distribution, duplicates kept.
 
     A distribution found twice on ``sys.path`` (an editable install beside a stale copy)
-    is counted once.
+    is counted once; one whose metadata cannot be read is left out.
     """
     records: list[EntryRecord] = []
     seen: set[tuple[str, str, str]] = set()
     for dist in md.distributions():
-        dist_name = dist.metadata["Name"] or "?"
+        try:
+            dist_name = dist.metadata["Name"] or "?"
+        except OSError:  # a *.dist-info without its METADATA (a broken install, or pip writing one right now)
+            continue
         for ep in dist.entry_points:
             if ep.group != group:
                 continue
