@@ -141,7 +141,8 @@ def uniform_from_counter(seeds, counters):
 def sample_batch(logits, temperature, greedy, seeds, counters, *, top_k=None, top_p=None, banned=None):
     """Choose the next token of every row and its reported log-prob, without leaving the device.
 
-    :param logits: float32 ``[B, V]``, raw logits of each row's last position.
+    :param logits: ``[B, V]``, raw logits of each row's last position: float32, or the model's dtype
+        (bfloat16), which the first division promotes, so everything is computed in float32.
     :param temperature: float32 ``[B]`` (1 for greedy rows); :param greedy: bool ``[B]``.
     :param seeds: and :param counters: int64 ``[B]`` (see :func:`uniform_from_counter`).
     :param top_k: int64 ``[B]`` and :param top_p: float32 ``[B]``, or None when no row filters.
