@@ -333,6 +333,21 @@ def bench_kernels(folder: Path, opts) -> dict:
     ref, got = torch_path().float(), kernel_path().float()
     result = {"attention_max_abs_diff": (ref - got).abs().max().item(), "attention_max_abs": ref.abs().max().item(),
               "attention_ms": {"torch": timed(torch_path), "kernel": timed(kernel_path)}}
+    # launch options of the attention kernel, at this shape and at 64 rows of a 4,096-column cache
+    long_cache = SlotCache(1, kv_heads, dim, torch.bfloat16, torch.device(dev))
+    long_cache.ensure(64, 4096)
+    long_pos = torch.randint(2048, 4096, (64,), device=dev, generator=gen)
+    shapes = {"bench": (cache, query, key, value, pos),
+              "long": (long_cache, query[:64], key[:64], value[:64], long_pos)}
+    sweep = {}
+    for block_n in (32, 64, 128):
+        for warps in (2, 4, 8):
+            for stages in (1, 2, 3):
+                name = f"n{block_n}_w{warps}_s{stages}"
+                sweep[name] = {shape: timed(lambda c=c, q=q, k=k, v=v, p=p: decode_kernels.decode_attention(
+                    q, k, v, c.keys[0], c.values[0], p, dim ** -0.5, block_n=block_n, num_warps=warps,
+                    num_stages=stages)) for shape, (c, q, k, v, p) in shapes.items()}
+    result["attention_sweep_ms"] = sweep
     logits = (torch.randn(rows, 151936, device=dev, generator=gen) * 4).to(torch.bfloat16)
     temp = torch.full((rows,), 1.0, device=dev)
     greedy = torch.zeros(rows, dtype=torch.bool, device=dev)

@@ -59,6 +59,7 @@ from furlong.kit.moe import experts_modules
 
 from . import decode_kernels
 from .experts import SlotExperts, experts_kernels
+from .fused_projections import fuse_projections
 from .fusion import compile_model, compiled_sampler, uncompile_model
 from .sampling import SamplingParams, sample_batch
 from .slots import SlotCache, SlotPass, attention_shape, use_slot_attention
@@ -160,8 +161,11 @@ class SlotDecoder:
 
     ``kernels``: on CUDA with Triton, a plain decode step attends and samples with the kernels
     of :mod:`.decode_kernels` (``attention_kernel``, ``sampling_kernel``; attention only for the
-    head shapes :func:`~.decode_kernels.attention_fits` takes). Class default True; turned off
-    before building a decoder, the step runs torch's attention and sampler (benchmarks compare).
+    head shapes :func:`~.decode_kernels.attention_fits` takes), and the model's query/key/value
+    and gate/up projections run as one product each (:mod:`.fused_projections`,
+    ``fuses_projections``; the engine re-fuses after moving the model). Class default True;
+    turned off before building a decoder, the step runs torch's attention and sampler and the
+    separate projections (benchmarks compare).
     """
 
     share_prompts = True
@@ -190,6 +194,7 @@ class SlotDecoder:
         fast = self.kernels and self.device.type == "cuda" and decode_kernels.triton_available()
         self.attention_kernel = fast and decode_kernels.attention_fits(*attention_shape(model))
         self.sampling_kernel = fast
+        self.fuses_projections = fast and fuse_projections(model) > 0  # (before compiling: the layers' forward)
         self.bucket_widths = self.graphs_on and not self.attention_kernel
         self.overlap = self.graphs_on
         self.admitted_at = np.zeros(max_slots, dtype=np.int64)  # per slot: steps launched before its admission

@@ -144,7 +144,8 @@ if triton is not None:
         tl.store(lp_ptr + row, logit - log_norm)
 
 
-def decode_attention(query, key, value, k_cache, v_cache, positions, scale: float):
+def decode_attention(query, key, value, k_cache, v_cache, positions, scale: float, *, block_n: int | None = None,
+                     num_warps: int = 4, num_stages: int = 2):
     """Attention of one new token per row over its slot, writing the token's key and value into the slot.
 
     Row ``b`` is slot ``b``: its key and value go to column ``positions[b]`` of ``k_cache[b]`` and
@@ -155,6 +156,9 @@ def decode_attention(query, key, value, k_cache, v_cache, positions, scale: floa
     :param k_cache: and :param v_cache: ``[S >= B, H_kv, L + 1, D]``, last dimension contiguous.
     :param positions: int64 ``[B]`` on the device, each in ``0 .. L``.
     :param scale: the softmax scale (``D ** -0.5`` unless the model sets another).
+    :param block_n: cache columns per loop iteration (default 64, 32 above a head size of 128);
+        ``num_warps`` and ``num_stages`` are Triton's launch options (``benchmarks/bench_gpu.py``
+        part ``kernels`` times the choices).
     :returns: ``[B, 1, H, D]`` in the query's dtype (the layout transformers' attention functions return).
     """
     import torch
@@ -164,13 +168,14 @@ def decode_attention(query, key, value, k_cache, v_cache, positions, scale: floa
     group = heads // kv_heads
     out = torch.empty(batch, 1, heads, dim, dtype=query.dtype, device=query.device)
     q, k, v = query[:, :, 0], key[:, :, 0], value[:, :, 0]
-    block_n = 64 if dim <= 128 else 32
+    block_n = block_n or (64 if dim <= 128 else 32)
     _slot_decode_attention[(batch, kv_heads)](
         q, k, v, k_cache, v_cache, positions, out, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(2),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, D=dim,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32")  # (tf32 applies to float32 inputs only)
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # (tf32 applies to float32 inputs only)
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -20,6 +20,7 @@ from furlong.hooks import GenerateOutput, PluginError
 from furlong.kit.compute_thread import run_compute
 
 from .decode import Request, SlotDecoder
+from .fused_projections import fuse_projections, unfuse_projections
 from .sampling import SamplingParams
 from .weight_names import target_of
 
@@ -451,7 +452,10 @@ class EmbeddedEngine:
         self._use_device()
         with self._lock:
             self._decoder.release()
+            unfuse_projections(self.model)  # (.to() would give the fused weights' views storage of their own)
             self.model.to(device)
+            if self._decoder.fuses_projections and self._torch.device(device).type == "cuda":
+                fuse_projections(self.model)
             if self._torch.cuda.is_available():
                 self._torch.cuda.empty_cache()
 
