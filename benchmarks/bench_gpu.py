@@ -4,10 +4,14 @@ One command, from the repository root, on a machine with a CUDA GPU::
 
     python benchmarks/bench_gpu.py              # --json PATH writes every figure; --help for the rest
 
+0. **Kernels** (part ``kernels``): the engine's Triton decode attention and sampler against the torch
+   code they replace, in bfloat16 at this shape: largest differences, token agreement, milliseconds
+   per call, and the attention kernel's launch options timed (27 choices).
 1. **Engine**: ``--requests`` (256) requests of ``--prompt-len`` (128) random prompt tokens, each
    generating exactly ``--new-tokens`` (256) tokens (``ignore_eos``, temperature 1), all
    submitted at once to the embedded engine (``--embedded-max-batch-size`` = requests),
-   then to the engine with ``--embedded-torch-compile`` (part ``engine_compiled``), then
+   then to the engine with ``--embedded-torch-compile`` (part ``engine_compiled``), then the
+   same without the decode kernels and fused projections (part ``engine_compiled_torch``), then
    the same batch through transformers ``generate`` with a static cache
    (``cache_implementation="static"``, sampling, ``min_new_tokens`` = ``max_new_tokens``).
    Each is run once to warm up (CUDA graphs, compilation) and then timed; tok/s = new
@@ -279,8 +283,9 @@ def bench_engine_compiled(folder: Path, opts) -> dict:
 
 
 def bench_engine_compiled_torch(folder: Path, opts) -> dict:
-    """``engine_compiled`` with the decode step's attention and sampling in torch instead of furlong's Triton
-    kernels (``SlotDecoder.kernels = False``): what the kernels change."""
+    """``engine_compiled`` as before the decode kernels (``SlotDecoder.kernels = False``): torch's attention and
+    sampler instead of furlong's Triton kernels, and separate query/key/value and gate/up projections: what
+    the three change together (part ``kernels`` times the first two alone)."""
     return bench_engine(folder, opts, compile="inductor", kernels=False)
 
 
@@ -333,12 +338,14 @@ def bench_kernels(folder: Path, opts) -> dict:
     ref, got = torch_path().float(), kernel_path().float()
     result = {"attention_max_abs_diff": (ref - got).abs().max().item(), "attention_max_abs": ref.abs().max().item(),
               "attention_ms": {"torch": timed(torch_path), "kernel": timed(kernel_path)}}
-    # launch options of the attention kernel, at this shape and at 64 rows of a 4,096-column cache
+    # launch options of the attention kernel, at this shape and at 64 rows of a 4,096-column cache (at this
+    # shape a call is short enough that launch time dominates: the "long" figures rank the options)
+    long_rows = min(64, rows)
     long_cache = SlotCache(1, kv_heads, dim, torch.bfloat16, torch.device(dev))
-    long_cache.ensure(64, 4096)
-    long_pos = torch.randint(2048, 4096, (64,), device=dev, generator=gen)
+    long_cache.ensure(long_rows, 4096)
+    long_pos = torch.randint(2048, 4096, (long_rows,), device=dev, generator=gen)
     shapes = {"bench": (cache, query, key, value, pos),
-              "long": (long_cache, query[:64], key[:64], value[:64], long_pos)}
+              "long": (long_cache, query[:long_rows], key[:long_rows], value[:long_rows], long_pos)}
     sweep = {}
     for block_n in (32, 64, 128):
         for warps in (2, 4, 8):
@@ -412,9 +419,10 @@ OPT_IN = {"engine_profile"}
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=256, help="engine parts: requests submitted at once; "
+                        "GRPO runs: samples per rollout (groups of 8)")
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs after the warm-up (best is reported)")
     parser.add_argument("--rollouts", type=int, default=20, help="GRPO runs: rollouts per run (20 or more turns the "
                         "machine-default compilation on)")
@@ -424,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop", default=None, help="engine parts: a stop string on every request (one that never "
                                                      "occurs times the decoded-text checks without ending requests)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H200: 989)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=[*PARTS, "grpo"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=[*PARTS, "grpo"],
+                        help="parts not to run (all run by default except engine_profile, which --profile adds)")
     parser.add_argument("--profile", action="store_true", help="also profile one compiled engine run "
                         "(part engine_profile: GPU-busy share and top kernels)")
     parser.add_argument("--profile-top", type=int, default=15, help="engine_profile: kernels listed")

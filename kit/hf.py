@@ -15,8 +15,8 @@ from typing import Any, Sequence
 
 from furlong.hooks.errors import PluginError
 
-__all__ = ["compile_decoder_layers", "decoder_layers", "is_hf_dir", "load_causal_lm_weights", "load_tokenizer", "read_hf_weights",
-           "save_safetensors", "write_hf_checkpoint"]
+__all__ = ["compile_decoder_layers", "decoder_layers", "is_hf_dir", "load_causal_lm_weights", "load_tokenizer",
+           "non_full_attention", "read_hf_weights", "save_safetensors", "write_hf_checkpoint"]
 
 log = logging.getLogger("furlong")
 
@@ -261,3 +261,11 @@ def _weights_problem(path: str, exc: Exception) -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def non_full_attention(config) -> bool:
+    """True when a model of ``config`` has sliding-window or other layers that are not full causal attention
+    (the layers of transformers' ``DynamicCache`` for it are not all plain ``DynamicLayer``)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    return any(type(layer) is not DynamicLayer for layer in getattr(DynamicCache(config=config), "layers", []))

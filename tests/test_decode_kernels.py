@@ -103,6 +103,8 @@ for dtype in (torch.float32, torch.bfloat16):
         logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
         logits[3, 17] = 40.0  # a row that is almost greedy
         logits[4, : vocab // 2] = logits[4, vocab // 2 :][: vocab // 2]  # ties: the first maximum wins
+        logits[6, : min(vocab - 1, BLOCK)] = float("-inf")  # a whole block banned (masked vocabulary): no NaN
+        logits[9, 1:] = float("-inf")  # greedy over one allowed token
         temperature = torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0, 2.0, 1.0, 0.5, 1.0, 1.0, 1.1, 1.0])
         greedy = torch.zeros(rows, dtype=torch.bool)
         greedy[[2, 4, 9]] = True
@@ -126,7 +128,7 @@ def test_plain_sampling_kernels_draw_the_torch_sampler_s_tokens_and_log_probs():
         distinct = set()
         for ref_tokens, tokens, gap, tok_dtype, lp_dtype in draws:
             assert tokens == ref_tokens, case
-            assert gap < 2e-6 and (tok_dtype, lp_dtype) == ("torch.int64", "torch.float32"), case
+            assert gap < 2e-6 and (tok_dtype, lp_dtype) == ("torch.int64", "torch.float32"), case  # (NaN fails)
             distinct.update(tokens[k] for k in (0, 1, 5))
         assert len(distinct) > 3, case  # sampled rows draw different tokens at successive steps
 

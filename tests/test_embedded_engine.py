@@ -868,3 +868,26 @@ def test_a_prompt_held_by_a_moved_slot_is_shared_from_its_new_slot(tiny_dir):
     assert late.output_ids == alone.output_ids
     assert late.output_log_probs == pytest.approx(alone.output_log_probs, abs=1e-5)
     assert len(held.output_ids) == 40
+
+
+def test_a_model_with_sliding_window_layers_is_warned_about(tiny_dir, tmp_path, caplog):
+    """The engine attends to every earlier position; the trainer honours the window."""
+    import shutil
+
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    for sliding in (False, True):
+        folder = tmp_path / f"sliding-{sliding}"
+        config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=256,
+                             use_sliding_window=sliding, sliding_window=8 if sliding else None, max_window_layers=0)
+        Qwen2ForCausalLM(config).save_pretrained(folder)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (tiny_dir / name).exists():
+                shutil.copy(tiny_dir / name, folder / name)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="furlong.engines.embedded"):
+            embedded.load_engine(str(folder))
+        warned = [r.getMessage() for r in caplog.records if "sliding-window" in r.getMessage()]
+        assert len(warned) == int(sliding) and (not sliding or str(folder) in warned[0])

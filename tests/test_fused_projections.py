@@ -120,3 +120,12 @@ def test_a_decoder_without_cuda_does_not_fuse(tiny_model_dir):
     decoder = SlotDecoder(model, AutoTokenizer.from_pretrained(tiny_model_dir), max_slots=2, lock=threading.Lock())
     assert decoder.fuses_projections is False
     assert not any("_furlong_fused_weight" in m._buffers for m in model.modules())
+
+
+def test_a_remote_code_class_that_shares_a_listed_name_is_left_alone():
+    model = _model("llama")
+    mlp = model.model.layers[0].mlp
+    LlamaMLP = type("LlamaMLP", (type(mlp),), {"__module__": "transformers_modules.someone.modeling"})
+    mlp.__class__ = LlamaMLP
+    assert fuse_projections(model) == 3
+    assert "_furlong_fused_weight" not in mlp._buffers and "forward" not in mlp.__dict__

@@ -101,7 +101,7 @@ def packing_off_reason(model) -> str | None:
     import transformers
     from transformers import cache_utils, masking_utils
 
-    from .shared_prompts import non_full_attention
+    from furlong.kit.hf import non_full_attention
 
     if not (hasattr(masking_utils, "AttentionMaskInterface") and hasattr(cache_utils, "DynamicLayer")):
         return f"transformers {transformers.__version__} has no attention-mask interface or per-layer cache"

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 
 import attrs
 
-from furlong.kit.hf import decoder_layers
+from furlong.kit.hf import decoder_layers, non_full_attention
 
 from .lora import base_model
 
@@ -217,14 +217,6 @@ def sharing_off_reason(model, layout: str = TWO_PASSES) -> str | None:
     if non_full_attention(config):
         return "the model has sliding-window or other non-full attention layers"
     return None
-
-
-def non_full_attention(config) -> bool:
-    """True when a model of ``config`` has sliding-window or other layers that are not full causal attention
-    (the layers of transformers' ``DynamicCache`` for it are not all plain ``DynamicLayer``)."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    return any(type(layer) is not DynamicLayer for layer in getattr(DynamicCache(config=config), "layers", []))
 
 
 def all_ranks_share(shared: SharedPrompts | None, model, device) -> SharedPrompts | None:

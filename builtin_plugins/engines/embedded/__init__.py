@@ -13,7 +13,7 @@ import argparse
 import logging
 
 from furlong.hooks import PluginError, hookimpl
-from furlong.kit.hf import load_causal_lm_weights, load_tokenizer
+from furlong.kit.hf import load_causal_lm_weights, load_tokenizer, non_full_attention
 from furlong.kit.fp8 import fp8_quantization_config
 from furlong.kit.machine_budget import long_enough_to_compile
 
@@ -137,6 +137,10 @@ def load_engine(path: str | None, max_batch_size: int = 64, half: bool = True, f
         layers = install_fp8_layers(model, path, "cuda" if cuda else "cpu", fp8_gemm)
         log.info("embedded engine: %s: %d FP8 linear layers (e4m3, 128 x 128 blocks, %s)", path, layers,
                  "dynamic 1 x 128 activation scales" if cuda else "dequantised on the CPU")
+    if non_full_attention(model.config):
+        log.warning("embedded engine: %s has sliding-window (or other not fully causal) attention layers; the "
+                    "engine attends to every earlier position, so a response that outgrows the window is sampled "
+                    "with more context than the trainer's log-probs see.", path)
     if cuda:
         model = model.to("cuda")
     return EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size, seed=seed, compile=compile,

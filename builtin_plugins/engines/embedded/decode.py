@@ -194,7 +194,8 @@ class SlotDecoder:
         fast = self.kernels and self.device.type == "cuda" and decode_kernels.triton_available()
         self.attention_kernel = fast and decode_kernels.attention_fits(*attention_shape(model))
         self.sampling_kernel = fast
-        self.fuses_projections = fast and fuse_projections(model) > 0  # (before compiling: the layers' forward)
+        # (before compiling: the layers' forward changes)
+        self.fuses_projections = self.kernels and self.device.type == "cuda" and fuse_projections(model) > 0
         self.bucket_widths = self.graphs_on and not self.attention_kernel
         self.overlap = self.graphs_on
         self.admitted_at = np.zeros(max_slots, dtype=np.int64)  # per slot: steps launched before its admission

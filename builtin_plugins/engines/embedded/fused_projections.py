@@ -12,12 +12,14 @@ attention (or MLP) module and makes the separate ``nn.Linear`` weights views of 
 * the model's ``state_dict`` names and shapes do not change, and a weight copied into
   ``...q_proj.weight`` lands in the fused buffer (the views share its memory): weight updates by
   name need nothing new;
-* no memory is added: each group's separate weights are freed once the views replace them.
+* no memory is kept beyond the model's: each group's separate weights are freed once the views
+  replace them (while one group is fused, its weights exist twice, one group at a time).
 
-``module.to()`` gives every parameter storage of its own again (views are not kept), so the
-engine calls :func:`unfuse_projections` before moving the model and :func:`fuse_projections` after.
-Only plain ``nn.Linear`` projections of the listed classes are fused (not FP8 layers, not LoRA
-wrappers, not experts).
+A ``module.to()`` that moves or casts the model gives every parameter storage of its own (views are
+not kept), so the engine calls :func:`unfuse_projections` before moving the model and
+:func:`fuse_projections` after; the engine's move is the only place that moves or casts its model.
+Only plain ``nn.Linear`` projections of the listed transformers classes are fused (not FP8 layers,
+not LoRA wrappers, not experts, not remote-code classes that share a name).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def fuse_projections(model) -> int:
     count = 0
     for module in model.modules():
         kind = type(module).__name__
+        if not type(module).__module__.startswith("transformers.models."):  # (remote code may reuse a name)
+            continue
         if kind in ATTENTIONS:
             names, forward = ("q_proj", "k_proj", "v_proj"), _fused_attention_forward
         elif kind in MLPS:
@@ -102,7 +106,7 @@ def _fused_mlp_forward(self, x):
     return self.down_proj(self.act_fn(gate) * up)
 
 
-def _fused_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+def _fused_attention_forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
     import torch
 
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
