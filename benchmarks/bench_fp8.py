@@ -47,7 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import QWEN25_05B, print_part, prompts, run_part, save_json, write_word_tokenizer  # noqa: E402
+from bench_gpu import (QWEN25_05B, cuda_ms, print_part, prompts, run_part, save_json,  # noqa: E402
+                       write_word_tokenizer)
 
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -96,17 +97,6 @@ def part_kernels(bf16: Path, fp8: Path, opts) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = {"chosen_by_auto": K.choose_gemm("auto", "cuda"), "layers": []}
 
-    def time_ms(fn) -> float:
-        for _ in range(5):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(50):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 50
-
     for name, n, k in _linear_shapes(config):
         w = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
         wq, ws = quantize_blocks(w)
@@ -120,7 +110,7 @@ def part_kernels(bf16: Path, fp8: Path, opts) -> dict:
                                                   and torch.equal(xs, ts))
             ref = fp8_linear_reference(xq, xs, wq, ws)
             scale = ref.abs().max().item() or 1.0
-            row["bf16_ms"] = time_ms(lambda: torch.nn.functional.linear(x, w))
+            row["bf16_ms"] = cuda_ms(lambda: torch.nn.functional.linear(x, w))
             for gemm in ("scaled_mm", "triton"):
                 try:
                     got = K.fp8_matmul(xq, xs, wq, ws, gemm, torch.float32, store)
@@ -130,7 +120,7 @@ def part_kernels(bf16: Path, fp8: Path, opts) -> dict:
                         q, s = K.quantize_activations(x)
                         return K.fp8_matmul(q, s, wq, ws, gemm, torch.bfloat16, store)
 
-                    row[f"{gemm}_ms"] = time_ms(layer)
+                    row[f"{gemm}_ms"] = cuda_ms(layer)
                 except Exception as exc:  # noqa: BLE001 - recorded: which kernel does not run here
                     row[f"{gemm}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             out["layers"].append(row)

@@ -289,6 +289,22 @@ def bench_engine_compiled_torch(folder: Path, opts) -> dict:
     return bench_engine(folder, opts, compile="inductor", kernels=False)
 
 
+def cuda_ms(fn, warmup: int = 5, calls: int = 50) -> float:
+    """Milliseconds per call of ``fn`` on the current CUDA stream: ``warmup`` calls, then the mean of ``calls``
+    between two CUDA events (host launch time included where it exceeds the kernels')."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def bench_kernels(folder: Path, opts) -> dict:
     """The decode step's Triton kernels against the torch code they replace, in bfloat16 at the benchmark's
     shape (``--requests`` rows, 14 query and 2 key/value heads of 64, a cache of prompt + new tokens, each
@@ -324,20 +340,9 @@ def bench_kernels(folder: Path, opts) -> dict:
         step = SlotPass(cache=cache, rows=torch.arange(rows, device=dev), columns=pos[:, None], kernel=True)
         return slot_attention(module, query, key, value, None, slot_pass=step)[0]
 
-    def timed(fn) -> float:
-        for _ in range(5):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(50):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 50
-
     ref, got = torch_path().float(), kernel_path().float()
     result = {"attention_max_abs_diff": (ref - got).abs().max().item(), "attention_max_abs": ref.abs().max().item(),
-              "attention_ms": {"torch": timed(torch_path), "kernel": timed(kernel_path)}}
+              "attention_ms": {"torch": cuda_ms(torch_path), "kernel": cuda_ms(kernel_path)}}
     # launch options of the attention kernel, at this shape and at 64 rows of a 4,096-column cache (at this
     # shape a call is short enough that launch time dominates: the "long" figures rank the options)
     long_rows = min(64, rows)
@@ -351,7 +356,7 @@ def bench_kernels(folder: Path, opts) -> dict:
         for warps in (2, 4, 8):
             for stages in (1, 2, 3):
                 name = f"n{block_n}_w{warps}_s{stages}"
-                sweep[name] = {shape: timed(lambda c=c, q=q, k=k, v=v, p=p: decode_kernels.decode_attention(
+                sweep[name] = {shape: cuda_ms(lambda c=c, q=q, k=k, v=v, p=p: decode_kernels.decode_attention(
                     q, k, v, c.keys[0], c.values[0], p, dim ** -0.5, block_n=block_n, num_warps=warps,
                     num_stages=stages)) for shape, (c, q, k, v, p) in shapes.items()}
     result["attention_sweep_ms"] = sweep
@@ -365,8 +370,8 @@ def bench_kernels(folder: Path, opts) -> dict:
     tok, lp = decode_kernels.sample_plain(logits, temp, greedy, seeds, counters)
     result |= {"sampling_token_agreement": (tok_ref == tok).float().mean().item(),
                "sampling_max_abs_logprob_diff": (lp_ref - lp).abs().max().item(),
-               "sampling_ms": {"torch": timed(lambda: sample_batch(logits.float(), temp, greedy, seeds, counters)),
-                               "kernel": timed(lambda: decode_kernels.sample_plain(logits, temp, greedy, seeds,
+               "sampling_ms": {"torch": cuda_ms(lambda: sample_batch(logits.float(), temp, greedy, seeds, counters)),
+                               "kernel": cuda_ms(lambda: decode_kernels.sample_plain(logits, temp, greedy, seeds,
                                                                                    counters))}}
     return result
 
