@@ -198,6 +198,17 @@ def test_colocate_takes_turns_on_the_device_in_spec_order(tiny, tmp_path, plugin
     assert trainer == ["init", "offload", "begin_weights", "onload", "train", "offload", "begin_weights"]
 
 
+@pytest.mark.parametrize("flags, cleared", [((), 0), (("--colocate", "--no-offload-train"), 1)])
+def test_the_trainer_s_cache_is_emptied_only_for_engines_sharing_its_gpus(tiny, tmp_path, plugin_manager, recording,
+                                                                          flags, cleared):
+    config = _config(tiny, tmp_path, plugin_manager, "--executor", "recording", *flags, num_rollout=1)
+    asyncio.run(run(config, plugin_manager, resolve_selection(config, plugin_manager)))
+    methods = [m for m, _, _ in recording.calls]
+    assert methods.count("clear_memory") == cleared and methods.count("offload") == 0
+    if cleared:
+        assert methods.index("clear_memory") > methods.index("train")
+
+
 def test_an_executor_plugin_returning_the_wrong_object_is_named(tiny, tmp_path, plugin_manager, register_plugin):
     class Plugin:
         @hookimpl
