@@ -143,8 +143,9 @@ prompts = ["Hello there", "Q: 1+1=", "x", "abc", "Q: 1+1=", "a longer prompt of 
 params = [{"temperature": t, "max_new_tokens": n, "sampling_seed": 3 + i, "ignore_eos": True}
           for i, (t, n) in enumerate([(1.0, 9), (0.7, 20), (0, 5), (1.3, 14), (1.0, 9), (1.0, 12)])]
 outs = {}
+routing = sys.argv[2] == "routing"
 for name in ("torch", "kernels"):
-    eng = embedded.load_engine(sys.argv[1], max_batch_size=3)
+    eng = embedded.load_engine(sys.argv[1], max_batch_size=3, record_routing=routing)
     if name == "kernels":  # what a CUDA decoder chooses (the kernels run here in the interpreter)
         eng._decoder.attention_kernel = True
         eng._decoder._sample = decode_kernels.sample_plain
@@ -152,19 +153,25 @@ for name in ("torch", "kernels"):
     async def run():
         return await asyncio.gather(*[eng.generate(eng.tokenizer.encode(p), dict(q)) for p, q in zip(prompts, params)])
 
-    outs[name] = [[o.output_ids, o.output_log_probs, o.finish_reason] for o in asyncio.run(run())]
+    outs[name] = [[o.output_ids, o.output_log_probs, o.finish_reason,
+                   None if o.routed_experts is None else o.routed_experts.tolist()] for o in asyncio.run(run())]
 print(json.dumps(outs))
 """
 
 
-def test_an_engine_decoding_with_both_kernels_gives_the_torch_path_s_results(tiny_model_dir):
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_an_engine_decoding_with_both_kernels_gives_the_torch_path_s_results(model, tiny_model_dir,
+                                                                               tiny_moe_model_dir):
     """Continuous batching (6 requests in 3 slots: slots freed, refilled and compacted), shared prompts,
-    greedy and sampled rows: the same tokens and finish reasons, log-probs to float rounding."""
-    got = _interpreted(ENGINE, str(tiny_model_dir))
+    greedy and sampled rows: the same tokens and finish reasons, log-probs to float rounding; a
+    mixture-of-experts model with its routing recorded: the same experts at every fed token."""
+    folder, routing = (tiny_model_dir, "") if model == "dense" else (tiny_moe_model_dir, "routing")
+    got = _interpreted(ENGINE, str(folder), routing)
     assert len(got["torch"]) == 6
-    for (ids, lps, reason), (k_ids, k_lps, k_reason) in zip(got["torch"], got["kernels"]):
+    for (ids, lps, reason, routed), (k_ids, k_lps, k_reason, k_routed) in zip(got["torch"], got["kernels"]):
         assert k_ids == ids and k_reason == reason == "length"
         assert k_lps == pytest.approx(lps, abs=1e-5)
+        assert k_routed == routed and (routed is None) == (model == "dense")
 
 
 def test_a_decoder_without_cuda_uses_torch_s_attention_and_sampler(tiny_model_dir):
