@@ -191,3 +191,25 @@ def test_a_decoder_without_cuda_uses_torch_s_attention_and_sampler(tiny_model_di
                                          ((6, 4, 64), False)])
 def test_attention_kernel_takes_power_of_two_heads_of_16_to_256_and_whole_groups(shape, fits):
     assert decode_kernels.attention_fits(*shape) is (fits and decode_kernels.triton_available())
+
+
+def test_prefill_attention_with_repeated_key_value_heads_equals_grouped_attention():
+    """The CUDA prefill path (key/value heads repeated, memory-efficient kernel first) against
+    ``enable_gqa`` on the same inputs, run here on CPU tensors: left-padded rows, 14 query heads on 2."""
+    from furlong.builtin_plugins.engines.embedded.slots import prefill_attention
+
+    gen = torch.Generator().manual_seed(5)
+    rows, width, dim = 3, 9, 16
+    query = torch.randn(rows, 14, width, dim, generator=gen)
+    key, value = torch.randn(rows, 2, width, dim, generator=gen), torch.randn(rows, 2, width, dim, generator=gen)
+    valid = torch.ones(rows, width, dtype=torch.bool)
+    valid[1, :4] = valid[2, :7] = False
+    mask = ((torch.ones(width, width, dtype=torch.bool).tril()[None] & valid[:, None, :])
+            | torch.eye(width, dtype=torch.bool)[None])[:, None]
+    grouped = prefill_attention(query, key, value, mask, 0.25, cuda=False)
+    repeated = prefill_attention(query, key, value, mask, 0.25, cuda=True)
+    assert repeated.shape == (rows, 14, width, dim)
+    assert torch.allclose(repeated, grouped, atol=1e-6, rtol=0)
+    head = 9  # query head 9 reads key/value head 9 // 7 = 1
+    scores = (query[:, head] @ key[:, 1].transpose(-1, -2) * 0.25).masked_fill(~mask[:, 0], float("-inf"))
+    assert torch.allclose(grouped[:, head], scores.softmax(-1) @ value[:, 1], atol=1e-6, rtol=0)

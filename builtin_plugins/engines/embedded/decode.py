@@ -212,9 +212,9 @@ class SlotDecoder:
             layers = compile_model(model, compile)
             if not self.sampling_kernel:
                 self._sample = compiled_sampler(compile)
-            log.info("embedded engine: %d decoder layers and the sampler run through torch.compile (%s); the first "
-                     "steps of each new batch shape wait for the compilation (14 s for a 0.5B model on an H200, "
-                     "27-36 s for the demo model on a CPU).", layers, compile)
+            log.info("embedded engine: %d decoder layers%s run through torch.compile (%s); the first steps of each "
+                     "new batch shape wait for the compilation (14 s for a 0.5B model on an H200, 27-36 s for the "
+                     "demo model on a CPU).", layers, "" if self.sampling_kernel else " and the sampler", compile)
         self._graphs: dict[tuple[int, int], Any] = {}  # (batch bucket, width) -> CUDA graph, or False
         self._pool = None  # the graphs' shared memory pool
         # prompts held by busy slots: prompt -> (its last logits [V] float32, the slots holding its keys and values)

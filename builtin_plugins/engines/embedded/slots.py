@@ -23,7 +23,8 @@ from typing import Any
 
 import attrs
 
-__all__ = ["ATTENTION_NAME", "SlotCache", "attention_shape", "SlotPass", "slot_attention", "use_slot_attention"]
+__all__ = ["ATTENTION_NAME", "SlotCache", "SlotPass", "attention_shape", "prefill_attention", "slot_attention",
+           "use_slot_attention"]
 
 ATTENTION_NAME = "furlong_slots"
 
@@ -154,9 +155,7 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     v_buf[slots, :, step.columns] = value.transpose(1, 2)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if step.causal is not None:
-        with _prefill_backends(query.device):
-            out = sdpa(query, key, value, attn_mask=step.causal, scale=scaling,
-                       enable_gqa=query.shape[1] != key.shape[1])
+        out = prefill_attention(query, key, value, step.causal, scaling, cuda=query.device.type == "cuda")
         return out.transpose(1, 2).contiguous(), None
     batch, heads, _, dim = query.shape
     keys, values = k_buf[:batch, :, : step.width], v_buf[:batch, :, : step.width]
@@ -177,17 +176,34 @@ def _last_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _prefill_backends(device):
-    """Prefill attention without cuDNN's kernel on CUDA: before a 256 x 128-token prefill on an H100 its call
-    took 86 ms of host time with the GPU idle (most likely its per-shape execution plan; prefill shapes change
-    with every admission), a gap that left with it. The memory-efficient kernel takes arbitrary masks."""
-    import contextlib
+def prefill_attention(query, key, value, mask, scaling, *, cuda: bool):
+    """Attention of a prefill pass: ``query [B, H, q, D]``, ``key`` and ``value [B, H_kv, q, D]``, boolean
+    ``mask [B, 1, q, q]`` (True = attend); returns ``[B, H, q, D]``.
 
-    if device.type != "cuda":
-        return contextlib.nullcontext()
+    On CUDA the key/value heads are repeated to the query heads (query head ``h`` reads key/value head
+    ``h // (H / H_kv)``, as transformers' ``repeat_kv``) and torch's memory-efficient kernel is asked for
+    first: it takes any mask but not grouped heads, and without the repeat torch chose cuDNN, whose call took
+    86 ms of host time with the GPU idle before a 256 x 128-token prefill on an H100 (most likely its plan for
+    each new shape; prefill shapes change with every admission). cuDNN, then the math kernel, stay as
+    fallbacks. Elsewhere ``scaled_dot_product_attention`` with ``enable_gqa``.
+    """
+    import torch
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    groups = query.shape[1] // key.shape[1]
+    if not cuda:
+        return sdpa(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    order = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+    try:
+        backends = sdpa_kernel(order, set_priority=True)
+    except TypeError:  # a torch without priorities: the three enabled, in torch's own order
+        backends = sdpa_kernel(order)
+    with backends:
+        return sdpa(query, key, value, attn_mask=mask, scale=scaling)
 
 
 def use_slot_attention(model) -> None:
