@@ -142,6 +142,10 @@ torch.set_num_threads(1)
 prompts = ["Hello there", "Q: 1+1=", "x", "abc", "Q: 1+1=", "a longer prompt of text"]
 params = [{"temperature": t, "max_new_tokens": n, "sampling_seed": 3 + i, "ignore_eos": True}
           for i, (t, n) in enumerate([(1.0, 9), (0.7, 20), (0, 5), (1.3, 14), (1.0, 9), (1.0, 12)])]
+# steps with a filtering row (top-k, top-p) and a banning one (min_new_tokens before a stop token) run the torch
+# sampler on the kernel attention's logits
+params[1] |= {"top_k": 5, "top_p": 0.9}
+params[3] |= {"min_new_tokens": 6, "stop_token_ids": [7, 8, 9]}
 outs = {}
 routing = sys.argv[2] == "routing"
 for name in ("torch", "kernels"):
@@ -169,7 +173,7 @@ def test_an_engine_decoding_with_both_kernels_gives_the_torch_path_s_results(mod
     got = _interpreted(ENGINE, str(folder), routing)
     assert len(got["torch"]) == 6
     for (ids, lps, reason, routed), (k_ids, k_lps, k_reason, k_routed) in zip(got["torch"], got["kernels"]):
-        assert k_ids == ids and k_reason == reason == "length"
+        assert k_ids == ids and k_reason == reason and reason in ("length", "stop")
         assert k_lps == pytest.approx(lps, abs=1e-5)
         assert k_routed == routed and (routed is None) == (model == "dense")
 
