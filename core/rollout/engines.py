@@ -10,6 +10,7 @@ itself (:mod:`furlong.core.run.weight_sync`).
 from __future__ import annotations
 
 import asyncio
+import operator
 from typing import Any
 
 from furlong.hooks import GenerateOutput, PluginError, RolloutEngine, RunConfig
@@ -79,7 +80,8 @@ class EngineSet:
             self._in_flight[i] -= 1
 
     async def _all(self, method: str, *args) -> None:
-        await asyncio.gather(*(getattr(e, method)(*args) for e in self.engines))
+        call = operator.methodcaller(method, *args)
+        await asyncio.gather(*(call(e) for e in self.engines))
 
     async def abort(self) -> None:
         await self._all("abort")
