@@ -191,11 +191,11 @@ class SlotDecoder:
             routes = (len(self.experts.layout.moe_layers), self.experts.layout.topk, self.experts.route_dtype)
         self.cache = SlotCache.for_model(model, routes)
         self.graphs_on = graphs and self.device.type == "cuda"
-        fast = self.kernels and self.device.type == "cuda" and decode_kernels.triton_available()
-        self.attention_kernel = fast and decode_kernels.attention_fits(*attention_shape(model))
-        self.sampling_kernel = fast
-        # (before compiling: the layers' forward changes)
-        self.fuses_projections = self.kernels and self.device.type == "cuda" and fuse_projections(model) > 0
+        kernels = self.kernels and self.device.type == "cuda"
+        triton = kernels and decode_kernels.triton_available()
+        self.attention_kernel = triton and decode_kernels.attention_fits(*attention_shape(model))
+        self.sampling_kernel = triton
+        self.fuses_projections = kernels and fuse_projections(model) > 0  # (before compiling: forward changes)
         self.bucket_widths = self.graphs_on and not self.attention_kernel
         self.overlap = self.graphs_on
         self.admitted_at = np.zeros(max_slots, dtype=np.int64)  # per slot: steps launched before its admission
