@@ -103,10 +103,9 @@ def bench_engine(folder: Path, opts, compile: str | None = None, kernels: bool =
     import torch
 
     from furlong.builtin_plugins.engines import embedded
-    from furlong.builtin_plugins.engines.embedded.decode import SlotDecoder
 
-    SlotDecoder.kernels = kernels
-    engine = embedded.load_engine(str(folder), max_batch_size=opts.requests, seed=0, compile=compile)
+    engine = embedded.load_engine(str(folder), max_batch_size=opts.requests, seed=0, compile=compile,
+                                  decode_kernels=kernels)
     batch = prompts(opts.requests, opts.prompt_len)
     params = {"temperature": 1.0, "max_new_tokens": opts.new_tokens, "ignore_eos": True}
     if opts.stop:
@@ -283,7 +282,7 @@ def bench_engine_compiled(folder: Path, opts) -> dict:
 
 
 def bench_engine_compiled_torch(folder: Path, opts) -> dict:
-    """``engine_compiled`` as before the decode kernels (``SlotDecoder.kernels = False``): torch's attention and
+    """``engine_compiled`` as before the decode kernels (``--no-embedded-decode-kernels``): torch's attention and
     sampler instead of furlong's Triton kernels, and separate query/key/value and gate/up projections: what
     the three change together (part ``kernels`` times the first two alone)."""
     return bench_engine(folder, opts, compile="inductor", kernels=False)
@@ -446,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                         "chrome trace (kernels in order, with their CUDA graph) to this path")
     parser.add_argument("--train-flags", nargs=argparse.REMAINDER, default=[],
                         help="extra furlong train flags for every GRPO run (last on the line)")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="also write every figure to this file (after "
+                        "each part, so a run cut short keeps the parts that finished)")
     parser.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)

@@ -82,6 +82,16 @@ def test_add_arguments_defines_the_batch_size_and_compile_flags():
     assert parser.parse_args(["--embedded-max-batch-size", "8"]).embedded_max_batch_size == 8
     assert parser.parse_args([]).embedded_torch_compile is False
     assert parser.parse_args(["--embedded-torch-compile"]).embedded_torch_compile is True
+    assert parser.parse_args([]).embedded_decode_kernels is True
+    assert parser.parse_args(["--no-embedded-decode-kernels"]).embedded_decode_kernels is False
+
+
+def test_decode_kernels_flag_reaches_the_decoder_and_runs_nothing_without_cuda(tiny_dir):
+    for flag in (True, False):
+        config = launch_config(hf_checkpoint=str(tiny_dir), embedded_decode_kernels=flag)
+        decoder = embedded.rollout_engine(config=config, engine_index=0)._decoder
+        assert decoder.decode_kernels is flag
+        assert (decoder.attention_kernel, decoder.sampling_kernel, decoder.fuses_projections) == (False,) * 3
 
 
 def test_torch_compile_flag_reaches_the_decoder(tiny_dir):

@@ -28,7 +28,8 @@ PLUGIN = "embedded"
 
 @hookimpl
 def add_arguments(parser):
-    """Add ``--embedded-max-batch-size`` and ``--embedded-torch-compile`` (group "embedded")."""
+    """Add ``--embedded-max-batch-size``, ``--embedded-torch-compile`` and ``--embedded-decode-kernels`` (group
+    "embedded")."""
     group = parser.add_argument_group("embedded")
     group.add_argument(
         "--embedded-max-batch-size", type=int, default=64,
@@ -40,6 +41,13 @@ def add_arguments(parser):
              "graphs: fused kernels, a faster step on a GPU, for a compilation at the start (14 s for a 0.5B model "
              "on an H200, 27-36 s for the demo model on a CPU). On by default on a GPU for runs of 20 "
              "rollouts or more (--print-config: machine_defaults); --no-embedded-torch-compile keeps it off.",
+    )
+    group.add_argument(
+        "--embedded-decode-kernels", action=argparse.BooleanOptionalAction, default=True,
+        help="On CUDA, decode with furlong's Triton attention and sampling kernels and one product for each "
+             "layer's query/key/value and gate/up projections (1.5x tokens/s at a 0.5B model's shape on an "
+             "H100); --no-embedded-decode-kernels runs torch's attention and sampler and the separate "
+             "projections. No effect without CUDA.",
     )
 
 
@@ -81,7 +89,7 @@ def rollout_engine(config, engine_index):
     """Create the embedded engine from ``--hf-checkpoint`` (its own copy of the weights).
 
     Flags read: ``--hf-checkpoint``, ``--bf16``/``--fp16`` (CUDA only; CPU runs float32),
-    ``--embedded-max-batch-size``, ``--embedded-torch-compile``, ``--seed`` (engine ``engine_index``
+    ``--embedded-max-batch-size``, ``--embedded-torch-compile``, ``--embedded-decode-kernels``, ``--seed`` (engine ``engine_index``
     seeds its sampling with ``seed + engine_index``), ``--use-rollout-routing-replay`` (record
     each fed token's experts: ``GenerateOutput.routed_experts``).
 
@@ -98,18 +106,21 @@ def rollout_engine(config, engine_index):
         seed=config.seed + int(engine_index),
         compile="inductor" if own.embedded_torch_compile else None,
         record_routing=bool(config.use_rollout_routing_replay),
+        decode_kernels=bool(own.embedded_decode_kernels),
     )
 
 
 def load_engine(path: str | None, max_batch_size: int = 64, half: bool = True, fp16: bool = False,
                 seed: int = 0, compile: str | None = None, record_routing: bool = False,
-                experts: tuple[str, str] | None = None, fp8_gemm: str = "auto") -> EmbeddedEngine:
+                experts: tuple[str, str] | None = None, fp8_gemm: str = "auto",
+                decode_kernels: bool = True) -> EmbeddedEngine:
     """Load model and tokenizer from the Hugging Face directory ``path`` into an engine.
 
     On CUDA the model runs in bfloat16 when ``half`` (float16 when ``fp16``), else float32;
     on CPU always float32. Attention is ``sdpa`` when the model supports it, else eager.
     ``compile``: None, or the ``torch.compile`` backend of the decode step (see
-    :class:`~.decode.SlotDecoder`). ``record_routing`` and ``experts``: see :class:`EmbeddedEngine`.
+    :class:`~.decode.SlotDecoder`). ``record_routing``, ``experts`` and ``decode_kernels``
+    (``--embedded-decode-kernels``): see :class:`EmbeddedEngine`.
 
     A fine-grained FP8 checkpoint (``quantization_config`` with ``quant_method`` "fp8",
     :mod:`furlong.kit.fp8`) runs its quantised linear layers as FP8 layers (:mod:`.fp8`): FP8
@@ -144,4 +155,4 @@ def load_engine(path: str | None, max_batch_size: int = 64, half: bool = True, f
     if cuda:
         model = model.to("cuda")
     return EmbeddedEngine(model, tokenizer, max_batch_size=max_batch_size, seed=seed, compile=compile,
-                          record_routing=record_routing, experts=experts)
+                          record_routing=record_routing, experts=experts, decode_kernels=decode_kernels)

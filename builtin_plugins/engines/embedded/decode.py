@@ -159,21 +159,19 @@ class SlotDecoder:
     with graphs, where launching is asynchronous; tests turn it on to check that the lag
     changes no result).
 
-    ``kernels``: on CUDA with Triton, a plain decode step attends and samples with the kernels
-    of :mod:`.decode_kernels` (``attention_kernel``, ``sampling_kernel``; attention only for the
-    head shapes :func:`~.decode_kernels.attention_fits` takes), and the model's query/key/value
-    and gate/up projections run as one product each (:mod:`.fused_projections`,
-    ``fuses_projections``; the engine re-fuses after moving the model). Class default True;
-    turned off before building a decoder, the step runs torch's attention and sampler and the
-    separate projections (benchmarks compare).
+    :param kernels: ``--embedded-decode-kernels``: on CUDA, a decode step attends and samples with the
+        Triton kernels of :mod:`.decode_kernels` where Triton imports (``attention_kernel``,
+        ``sampling_kernel``; attention only for the head shapes :func:`~.decode_kernels.attention_fits`
+        takes), and the model's query/key/value and gate/up projections run as one product each
+        (:mod:`.fused_projections`, ``fuses_projections``; the engine re-fuses after moving the model).
+        False: torch's attention and sampler and the separate projections. No effect without CUDA.
     """
 
     share_prompts = True
-    kernels = True
 
     def __init__(self, model, tokenizer, *, max_slots: int, lock: threading.Lock, graphs: bool = True,
                  compile: str | None = None, record_routing: bool = False,
-                 experts: tuple[str, str] | None = None) -> None:
+                 experts: tuple[str, str] | None = None, kernels: bool = True) -> None:
         import torch
 
         use_slot_attention(model)
@@ -191,11 +189,20 @@ class SlotDecoder:
             routes = (len(self.experts.layout.moe_layers), self.experts.layout.topk, self.experts.route_dtype)
         self.cache = SlotCache.for_model(model, routes)
         self.graphs_on = graphs and self.device.type == "cuda"
-        kernels = self.kernels and self.device.type == "cuda"
+        self.decode_kernels = kernels  # as asked (--embedded-decode-kernels); they run on CUDA only
+        kernels = kernels and self.device.type == "cuda"
         triton = kernels and decode_kernels.triton_available()
         self.attention_kernel = triton and decode_kernels.attention_fits(*attention_shape(model))
         self.sampling_kernel = triton
-        self.fuses_projections = kernels and fuse_projections(model) > 0  # (before compiling: forward changes)
+        fused = fuse_projections(model) if kernels else 0  # (before compiling: the layers' forward changes)
+        self.fuses_projections = fused > 0
+        if kernels:
+            log.info("embedded engine: decode attention %s; plain sampling %s; %d attention and MLP modules with "
+                     "fused projections (--no-embedded-decode-kernels turns all three off).",
+                     "by furlong's Triton kernel" if self.attention_kernel else
+                     "by torch (" + ("Triton is not installed" if not triton else "this head shape is not one the "
+                                     "kernel takes: a head size of 16-256, a power of two") + ")",
+                     "by furlong's Triton kernels" if triton else "by torch (Triton is not installed)", fused)
         self.bucket_widths = self.graphs_on and not self.attention_kernel
         self.overlap = self.graphs_on
         self.admitted_at = np.zeros(max_slots, dtype=np.int64)  # per slot: steps launched before its admission

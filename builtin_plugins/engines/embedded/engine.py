@@ -44,12 +44,14 @@ class EmbeddedEngine:
         routed to, returned as ``GenerateOutput.routed_experts`` (``--use-rollout-routing-replay``).
     :param experts: ``(prefill, decode)`` experts kernels of an MoE model (default: chosen
         from the device and dtype, see :func:`~.experts.experts_kernels`).
+    :param decode_kernels: ``--embedded-decode-kernels`` (see :class:`~.decode.SlotDecoder`'s ``kernels``).
     :raises PluginError: ``max_batch_size`` below 1, or ``record_routing`` with a model that has
         no mixture-of-experts layer.
     """
 
     def __init__(self, model, tokenizer, max_batch_size: int = 64, seed: int = 0, compile: str | None = None,
-                 record_routing: bool = False, experts: tuple[str, str] | None = None) -> None:
+                 record_routing: bool = False, experts: tuple[str, str] | None = None,
+                 decode_kernels: bool = True) -> None:
         import torch
 
         from furlong.kit.moe import routing_layout
@@ -80,7 +82,7 @@ class EmbeddedEngine:
         self._inflight: set[Request] = set()  # taken by the decoder, not resolved yet
         self._queue_lock = threading.Lock()  # guards _pending and _inflight (event loop and decode thread)
         self._decoder = SlotDecoder(model, tokenizer, max_slots=max_batch_size, lock=self._lock, compile=compile,
-                                    record_routing=record_routing, experts=experts)
+                                    record_routing=record_routing, experts=experts, kernels=decode_kernels)
         self._by_rid: dict[str, Request] = {}  # requests given a rid, until they are resolved
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None

@@ -15,6 +15,11 @@ attention (or MLP) module and makes the separate ``nn.Linear`` weights views of 
 * no memory is kept beyond the model's: each group's separate weights are freed once the views
   replace them (while one group is fused, its weights exist twice, one group at a time).
 
+The fused attention forward is the engine's: a call with a key/value cache (transformers'
+``generate``, a plain ``model(ids)`` with ``use_cache`` on), in training, or with eager attention
+runs the class forward instead, on the same weights (the views), so only the MLP product is fused
+there; results are the same either way.
+
 A ``module.to()`` that moves or casts the model gives every parameter storage of its own (views are
 not kept), so the engine calls :func:`unfuse_projections` before moving the model and
 :func:`fuse_projections` after; the engine's move is the only place that moves or casts its model.
