@@ -46,6 +46,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -402,16 +403,33 @@ def bench_engine_profile(folder: Path, opts) -> dict:
         wall = time.perf_counter() - start
     if opts.trace:
         prof.export_chrome_trace(str(opts.trace))
-    events = prof.key_averages()
-    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+    tokens = sum(len(o.output_ids) for o in outs)
+    return {"tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall, **kernel_summary(prof, wall, opts.profile_top)}
+
+
+KERNEL_KINDS = (("gemm", re.compile(r"gemm|nvjet|cutlass|sm90_|sm80_|xmma|splitk", re.I)),
+                ("attention", re.compile(r"flash|fmha|attention|attn", re.I)),
+                ("triton", re.compile(r"^triton", re.I)),
+                ("copy", re.compile(r"copy|memcpy|memset|fill|cat", re.I)))
+
+
+def kernel_summary(prof, wall_s: float, top: int) -> dict:
+    """A ``torch.profiler`` run's CUDA kernels: their summed seconds, the GPU-busy share (kernel seconds / the
+    run's ``wall_s``; what is left is host time between kernels), seconds by kind (matrix products, attention,
+    Triton (inductor's fused element-wise kernels and ours), copies and fills, the rest), and the ``top``
+    kernels by total time."""
+    import torch
+
+    kernels = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.self_device_time_total, reverse=True)
     kernel_s = sum(e.self_device_time_total for e in kernels) / 1e6
-    tokens = sum(len(o.output_ids) for o in outs)
-    return {
-        "tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall, "kernel_s": kernel_s, "gpu_busy": kernel_s / wall,
-        "kernels": [{"name": e.key[:120], "s": e.self_device_time_total / 1e6, "calls": e.count}
-                    for e in kernels[:opts.profile_top]],
-    }
+    kinds = {name: 0.0 for name, _ in KERNEL_KINDS} | {"other": 0.0}
+    for e in kernels:
+        kind = next((name for name, pattern in KERNEL_KINDS if pattern.search(e.key)), "other")
+        kinds[kind] += e.self_device_time_total / 1e6
+    return {"kernel_s": kernel_s, "gpu_busy": kernel_s / wall_s, "kernel_s_by_kind": kinds,
+            "kernels": [{"name": e.key[:120], "s": e.self_device_time_total / 1e6, "calls": e.count}
+                        for e in kernels[:top]]}
 
 
 PARTS = {"kernels": bench_kernels, "engine": bench_engine, "engine_compiled": bench_engine_compiled,

@@ -15,10 +15,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_gpu  # noqa: E402
 
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
@@ -161,9 +166,12 @@ def part_mfu(path: str, micro_batch: int, samples: int, seq: int, steps: int, pr
         from torch.profiler import profile as torch_profile
 
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
             asyncio.run(backend.train(0, batch))
             torch.cuda.synchronize()
+            wall = time.perf_counter() - start
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+        print("profile:", json.dumps(bench_gpu.kernel_summary(prof, wall, 25)), flush=True)
     tokens = samples * seq
     flops = model_flops_per_token(backend, seq) * tokens
     torch.cuda.synchronize()

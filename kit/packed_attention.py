@@ -5,6 +5,11 @@ whole row is one flash-attention call (torch's ``varlen_attn``, which takes the 
 bounds ``cu_seqlens``); elsewhere it is one SDPA call per sequence, the same arithmetic.
 The megatron backend's core attention (``thd`` input) and the fsdp backend's packed
 micro-batches both attend through :func:`packed_causal_attention`.
+
+A segment's keys may also run longer than its queries (``key_cu_seqlens``): its queries are then
+the last tokens of its keys, and query ``i`` of ``n`` sees keys ``0 .. m - n + i`` of ``m``
+(causal, aligned to the bottom right, as flash attention aligns it). Prompt sharing uses this: a
+response's keys are its prompt's keys, computed once for the group, followed by its own.
 """
 
 from __future__ import annotations
@@ -41,18 +46,26 @@ def varlen_kernel(query) -> bool:
     return varlen_supported(query.device, query.dtype)
 
 
-def packed_causal_attention(query, key, value, cu_seqlens, max_length: int, scale: float, bounds=None):
+def packed_causal_attention(query, key, value, cu_seqlens, max_length: int, scale: float, bounds=None, *,
+                            key_cu_seqlens=None, key_max_length: int | None = None, key_bounds=None):
     """Causal grouped-query attention of packed sequences.
 
     :param query: ``[T, heads, d]``, the sequences' tokens one after another, RoPE applied.
-    :param key: and :param value: ``[T, groups, d]`` (``heads`` a multiple of ``groups``), not repeated per head.
+    :param key: and :param value: ``[T, groups, d]`` (``heads`` a multiple of ``groups``), not repeated per head;
+        ``[K, groups, d]`` with ``key_cu_seqlens``.
     :param cu_seqlens: int32 ``[n + 1]`` on ``query``'s device: ``0``, then each sequence's end.
     :param max_length: the longest sequence's length.
     :param scale: the softmax scale (usually ``d ** -0.5``).
     :param bounds: ``cu_seqlens`` as a list of ints, when the caller has it (saves a device read
         on the per-sequence path).
+    :param key_cu_seqlens: int32 ``[n + 1]``, each segment's end in ``key``, when keys run longer than
+        queries (the module docstring: a segment's queries are its last keys); None: the query bounds.
+    :param key_max_length: the longest key segment; :param key_bounds: ``key_cu_seqlens`` as host ints.
     :returns: ``[T, heads, d]`` in the query's dtype.
+    :raises ValueError: a key segment shorter than its query segment.
     """
+    if key_cu_seqlens is None:
+        key_cu_seqlens, key_max_length, key_bounds = cu_seqlens, max_length, bounds
     tokens, heads, _ = query.shape
     if varlen_kernel(query):
         from torch.nn.attention.varlen import varlen_attn
@@ -74,14 +87,22 @@ def packed_causal_attention(query, key, value, cu_seqlens, max_length: int, scal
             extra["window_size"] = (-1, 0)
         else:  # torch 2.10
             extra["is_causal"] = True
-        return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, int(max_length), int(max_length), scale=scale,
-                           **extra)
+        return varlen_attn(query, key, value, cu_seqlens, key_cu_seqlens, int(max_length), int(key_max_length),
+                           scale=scale, **extra)
     bounds = cu_seqlens.tolist() if bounds is None else bounds
+    key_bounds = key_cu_seqlens.tolist() if key_bounds is None else key_bounds
     parts = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b, ka, kb in zip(bounds[:-1], bounds[1:], key_bounds[:-1], key_bounds[1:]):
+        if kb - ka < b - a:
+            raise ValueError(f"packed attention: a segment of {b - a} queries has {kb - ka} keys (needs at least as many)")
         if b > a:
-            q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, h, n, d]
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != heads)
+            q = query[a:b].transpose(0, 1).unsqueeze(0)  # [1, h, n, d]
+            k, v = (x[ka:kb].transpose(0, 1).unsqueeze(0) for x in (key, value))  # [1, groups, m, d]
+            # is_causal aligns to the top left; the queries are the last keys, so the mask is shifted by m - n
+            mask = None if kb - ka == b - a else torch.ones(b - a, kb - ka, dtype=torch.bool,
+                                                            device=query.device).tril(kb - ka - (b - a))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                                 enable_gqa=k.shape[1] != heads)
             parts.append(out[0].transpose(0, 1))
     return torch.cat(parts, dim=0) if parts else query.new_zeros(0, heads, query.shape[2])
 

@@ -115,25 +115,22 @@ def forward_log_probs(
 
     seqs, ids = right_padded(tokens, response_lengths)
     split = _split_head(model)
-    config = getattr(base_model(model), "config", None)
-    shared = shared_prompts.plan_sharing(seqs, response_lengths, shared_prompts.attention_pair_cost(config),
-                                         shared_prompts.pass_cost(config)) if share_prompts else None
-    if shared is not None:
-        reason = shared_prompts.sharing_off_reason(model, shared.layout)
-        shared_prompts.log_choice(reason)
-        shared = None if reason else shared
-    shared = shared_prompts.all_ranks_share(shared, model, device)
+    packed = packing.packs(model)
+    shared = _sharing_plan(model, seqs, response_lengths, device, packed) if share_prompts else None
     with torch.set_grad_enabled(grad), autocast if autocast is not None else nullcontext():
-        if shared is not None:  # out[i, k] predicts ids[i, k + 1]; the response starts at k = 1
+        if shared is not None and not packed:  # out[i, k] predicts ids[i, k + 1]; the response starts at k = 1
             out, ids = shared_prompts.shared_forward(model, None if split is None else split[0], shared, device)
             rows = [(i, 0, t) for i, t in enumerate(response_lengths)]
-        elif packing.packs(model):
-            # one row [1, sum L_i]: out[0, k] predicts ids[0, k + 1]
-            ids, positions, spans = packing.pack(seqs, device)
+        elif packed:  # one row [1, T]: out[0, k] predicts ids[0, k + 1]
+            if shared is not None:  # each prompt once, then the suffixes that share it
+                ids, positions, spans, starts = packing.pack_shared(shared, device)
+                rows = [(0, start, t) for start, t in zip(starts, response_lengths)]
+            else:
+                ids, positions, spans = packing.pack(seqs, device)
+                rows = [(0, end - t - 1, t) for end, t in zip(spans.bounds[1:], response_lengths)]
             net = model if split is None else split[0]
             out = net(input_ids=ids, position_ids=positions, packed_spans=spans, use_cache=False)
             out = out.logits if split is None else out.last_hidden_state
-            rows = [(0, end - t - 1, t) for end, t in zip(spans.bounds[1:], response_lengths)]
         else:
             # no attention mask: the padding is on the right and attention is causal, so no real
             # position sees a pad token (and the model takes its flash kernels, with no padding check)
@@ -168,6 +165,25 @@ def forward_log_probs(
                                                    chunk=chunk_size if chunk_size > 0 else None)
     sizes = [t for _, _, t in rows]
     return SplitRows.of(log_probs, sizes), SplitRows.of(entropy, sizes)
+
+
+def _sharing_plan(model, seqs, response_lengths, device, packed: bool):
+    """How the micro-batch shares its prompts (:mod:`.shared_prompts`), or None. A packed model shares in its one
+    row whenever two samples share a prompt (every FSDP2 rank then still runs one pass); otherwise the cheapest
+    layout by estimate, where the model can run it, agreed across FSDP2 ranks."""
+    if packed:
+        shared = shared_prompts.group_by_prefix(seqs, response_lengths, shared_prompts.PACKED)
+        if shared is not None:
+            shared_prompts.log_choice(None)
+        return shared
+    config = getattr(base_model(model), "config", None)
+    shared = shared_prompts.plan_sharing(seqs, response_lengths, shared_prompts.attention_pair_cost(config),
+                                         shared_prompts.pass_cost(config))
+    if shared is not None:
+        reason = shared_prompts.sharing_off_reason(model, shared.layout)
+        shared_prompts.log_choice(reason)
+        shared = None if reason else shared
+    return shared_prompts.all_ranks_share(shared, model, device)
 
 
 def chunked_log_probs(head, states, targets, temperature: float, *, autocast: Any = None, entropy_grad: bool = True,

@@ -7,6 +7,11 @@ model runs with transformers' attention interface set to ``furlong_packed``
 (:func:`packed_attention`): with ``packed_spans`` each sequence attends only to itself
 (:func:`furlong.kit.packed_attention.packed_causal_attention`, one flash call on CUDA);
 without it the function is transformers' ``sdpa`` attention, and the model works as before.
+
+With prompt sharing (:func:`pack_shared`) the row holds each distinct prompt once, followed by the
+suffixes of the samples that share it; a suffix attends to its prompt's keys and then its own
+(``PackedSpans.key_index``), at the positions it has in its whole sequence, so its outputs are
+those of the unshared row up to float rounding.
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ from typing import Any, Sequence
 
 import attrs
 
+from furlong.kit.shared_rows import length_bound
 from furlong.kit.trainer import to_device
 
 from .lora import base_model
 
-__all__ = ["ATTENTION_NAME", "PackedSpans", "pack", "packed_attention", "packing_off_reason", "packs",
+__all__ = ["ATTENTION_NAME", "PackedSpans", "pack", "pack_shared", "packed_attention", "packing_off_reason", "packs",
            "use_packed_attention"]
 
 ATTENTION_NAME = "furlong_packed"
@@ -33,11 +39,20 @@ specialised on); set by :func:`use_packed_attention`."""
 class PackedSpans:
     """Where each sequence of a packed row lies: ``cu_seqlens`` (int32 ``[n + 1]`` on the model's
     device: 0, then each sequence's end), the same ``bounds`` as host ints, and ``max_length``, a
-    bound on the longest sequence's length."""
+    bound on the longest sequence's length.
+
+    With prompt sharing, each segment attends to keys gathered from the row: ``key_index`` (int64
+    ``[K]``, row positions, each segment's keys one after another), ``key_cu_seqlens`` and
+    ``key_bounds`` (their ends, as ``cu_seqlens`` and ``bounds``) and ``key_max_length``; a segment's
+    queries are its last keys. None: each segment attends to itself."""
 
     cu_seqlens: Any
     bounds: list
     max_length: int
+    key_index: Any = None
+    key_cu_seqlens: Any = None
+    key_bounds: list | None = None
+    key_max_length: int | None = None
 
 
 def pack(seqs: Sequence[Any], device) -> tuple[Any, Any, PackedSpans]:
@@ -49,12 +64,32 @@ def pack(seqs: Sequence[Any], device) -> tuple[Any, Any, PackedSpans]:
         bounds.append(bounds[-1] + len(s))
     ids = torch.cat(list(seqs)).unsqueeze(0)
     positions = torch.cat([torch.arange(len(s)) for s in seqs]).unsqueeze(0)
-    longest = max((len(s) for s in seqs), default=0)
-    # rounded up to a power of two (flash kernels take any bound at least the longest), so compiled
-    # layers see few distinct values rather than one per micro-batch
-    spans = PackedSpans(cu_seqlens=to_device(torch.tensor(bounds, dtype=torch.int32), device), bounds=bounds,
-                        max_length=1 << max(longest - 1, 0).bit_length())
+    spans = PackedSpans(cu_seqlens=_cu_seqlens(bounds, device), bounds=bounds, max_length=length_bound(bounds))
     return to_device(ids, device), to_device(positions, device), spans
+
+
+def pack_shared(shared, device) -> tuple[Any, Any, PackedSpans, list[int]]:
+    """The row of a micro-batch with shared prompts (:func:`furlong.kit.shared_rows.shared_row`) from ``shared``,
+    a :class:`.shared_prompts.SharedPrompts`.
+
+    :returns: ``(input_ids [1, T], position_ids [1, T], spans, starts)``: ``starts[i]`` is where sample
+        ``i``'s suffix begins in the row (its last prompt token, which predicts its first response token).
+    """
+    from furlong.kit.shared_rows import PrefixGroups, shared_row
+
+    row = shared_row(PrefixGroups(prefixes=shared.prefixes, owner=shared.owner, suffixes=shared.suffixes))
+    spans = PackedSpans(cu_seqlens=_cu_seqlens(row.bounds, device), bounds=row.bounds,
+                        max_length=length_bound(row.bounds), key_index=to_device(row.key_index, device),
+                        key_cu_seqlens=_cu_seqlens(row.key_bounds, device), key_bounds=row.key_bounds,
+                        key_max_length=length_bound(row.key_bounds))
+    return (to_device(row.ids.unsqueeze(0), device), to_device(row.positions.unsqueeze(0), device), spans,
+            row.starts)
+
+
+def _cu_seqlens(bounds: list[int], device):
+    import torch
+
+    return to_device(torch.tensor(bounds, dtype=torch.int32), device)
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -76,10 +111,15 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise ValueError("packed attention takes no attention mask and no attention dropout")
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T, heads, D]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    keys = {}
+    if spans.key_index is not None:  # prompt sharing: each suffix's keys are its prompt's, then its own
+        k, v = k.index_select(0, spans.key_index), v.index_select(0, spans.key_index)
+        keys = {"key_cu_seqlens": spans.key_cu_seqlens, "key_max_length": spans.key_max_length}
     if varlen_kernel(q):  # one kernel, traced into compiled decoder layers
-        out = packed_causal_attention(q, k, v, spans.cu_seqlens, spans.max_length, scale)
+        out = packed_causal_attention(q, k, v, spans.cu_seqlens, spans.max_length, scale, **keys)
     else:  # a loop over host ints, which torch.compile would specialise on
-        out = _per_sequence(q, k, v, spans.cu_seqlens, spans.max_length, scale, bounds=spans.bounds)
+        out = _per_sequence(q, k, v, spans.cu_seqlens, spans.max_length, scale, bounds=spans.bounds, **keys,
+                            **({"key_bounds": spans.key_bounds} if keys else {}))
     return out.unsqueeze(0), None
 
 
