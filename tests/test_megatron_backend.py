@@ -330,6 +330,48 @@ def test_only_the_positions_predicting_responses_reach_the_output_layer(packed, 
         torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1), rtol=0, atol=2e-5)
 
 
+def test_shared_prompts_in_a_packed_micro_batch_give_the_unshared_values_and_gradients(tmp_path, monkeypatch):
+    """Samples that share a prompt run it once (each prompt, then its samples' suffixes, which attend to its keys at
+    their own positions): log-probs, entropy and every gradient are those of the unshared packed row, and the
+    log-probs Hugging Face's."""
+    from furlong.builtin_plugins.backends.megatron import logprobs
+
+    hf, _, model = converted("qwen3-tied", tmp_path)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 100, (n,), generator=gen) for n in (6, 3)]
+    plan = [(0, 4), (1, 2), (0, 7), (0, 1), (1, 5)]
+    tokens = [torch.cat([prompts[p], torch.randint(0, 100, (t,), generator=gen)]) for p, t in plan]
+    responses = [t for _, t in plan]
+    rows = []
+    real = logprobs.shared_prompt_inputs
+    monkeypatch.setattr(logprobs, "shared_prompt_inputs", lambda *a: rows.append(real(*a)) or rows[-1])
+
+    def run(share):
+        model.zero_grad()
+        with cpu_shims(CPU):
+            lp, ent = logprobs.forward_log_probs(model, tokens, responses, 0.8, CPU, vocab_size=100, grad=True,
+                                                 entropy_grad=True, packed=True, share_prompts=share)
+            weights = [torch.linspace(-1, 1, len(x)) for x in lp]
+            sum((w * x).sum() + 0.3 * (w * e).sum() for w, x, e in zip(weights, lp, ent)).backward()
+        grads = {n: p.main_grad.clone() if getattr(p, "main_grad", None) is not None else p.grad.clone()
+                 for n, p in model.named_parameters() if p.requires_grad}
+        return [x.detach() for x in lp], [e.detach() for e in ent], grads
+
+    unshared = run(False)
+    assert not rows
+    shared = run(True)
+    assert rows and rows[0].ids.shape == (1, 5 + 2 + sum(t + 1 for t in responses))  # each prompt once
+    for a, b in zip(unshared[0] + unshared[1], shared[0] + shared[1]):
+        torch.testing.assert_close(b, a, rtol=0, atol=2e-5)
+    assert max(g.abs().max().item() for g in unshared[2].values()) > 1e-3
+    for name, grad in unshared[2].items():
+        torch.testing.assert_close(shared[2][name], grad, rtol=0, atol=2e-5, msg=name)
+    for seq, t, lp in zip(tokens, responses, shared[0]):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(seq[None]).logits[0, -t - 1:-1] / 0.8, dim=-1)
+        torch.testing.assert_close(lp, ref.gather(-1, seq[-t:, None]).squeeze(-1), rtol=0, atol=2e-5)
+
+
 def test_save_hf_writes_a_hugging_face_model_of_the_trained_weights(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,8 +87,15 @@ class SDPACoreAttention(MegatronModule):
             out = self._context_parallel_packed(query, key, value, packed_seq_params)
         else:
             tokens, heads, d = query.shape
+            keys = {}
+            key_index = getattr(packed_seq_params, "key_index", None)
+            if key_index is not None:  # shared prompts: each suffix attends to its prompt's keys, then its own
+                key, value = key.index_select(0, key_index), value.index_select(0, key_index)
+                keys = {"key_cu_seqlens": packed_seq_params.cu_seqlens_kv,
+                        "key_max_length": int(packed_seq_params.max_seqlen_kv)}
             out = packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
-                                          int(packed_seq_params.max_seqlen_q), self.scale).reshape(tokens, heads * d)
+                                          int(packed_seq_params.max_seqlen_q), self.scale,
+                                          **keys).reshape(tokens, heads * d)
         return out.unsqueeze(1) if one_row else out
 
     def _context_parallel_packed(self, query, key, value, params):
@@ -197,9 +205,15 @@ def angles_cos_sin(angles, dtype) -> tuple:
 class RotaryParams(PackedSeqParams):
     """``PackedSeqParams`` that also carry each token's RoPE ``((cos, sin) of the query, (cos, sin) of
     the key)``, ``[s, 1, 1, d]`` in the activations' dtype (:func:`angles_cos_sin`), for
-    :class:`SDPACoreAttention` to apply; ``cu_seqlens_q`` None for padded input."""
+    :class:`SDPACoreAttention` to apply; ``cu_seqlens_q`` None for padded input.
+
+    A packed row with shared prompts (:mod:`furlong.kit.shared_rows`) also carries ``positions`` (int64 ``[t]``,
+    each token's position in its whole sequence, in place of :func:`packed_positions`) and ``key_index`` (int64
+    ``[K]``, the row positions of each segment's keys, whose bounds are ``cu_seqlens_kv``)."""
 
     rotary: tuple | None = None
+    positions: Any = None
+    key_index: Any = None
 
 
 class RopeSelfAttention(SelfAttention):
@@ -229,8 +243,10 @@ class RopeSelfAttention(SelfAttention):
                 fields = {f.name: getattr(packed_seq_params, f.name) for f in dataclasses.fields(packed_seq_params)}
             if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
                 cp = self.config.context_parallel_size
-                positions = packed_positions(packed_seq_params.cu_seqlens_q, rows, cp,
-                                             context_parallel()[1] if cp > 1 else 0)
+                positions = getattr(packed_seq_params, "positions", None)
+                if positions is None:
+                    positions = packed_positions(packed_seq_params.cu_seqlens_q, rows, cp,
+                                                 context_parallel()[1] if cp > 1 else 0)
 
                 def mine(angles):
                     return angles.index_select(0, positions)

@@ -253,14 +253,16 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
 
     def _forward(self, model, batch: TrainBatch, ids: list[int], grad: bool):
         """Response log-probs and entropy of samples ``ids`` (vocab-parallel softmax, :mod:`.logprobs`);
-        packed (``thd``) or right-padded by :meth:`_packed`."""
+        packed (``thd``) or right-padded by :meth:`_packed`. A packed micro-batch of a dense model runs each prompt
+        its samples share once (prompt sharing); a model with experts runs every sample whole, so that its
+        routers (their load-balancing loss, their replay) see the tokens they see unshared."""
         tokens = [batch.tokens[i] for i in ids]
         packed = self._packed(tokens)
         with self._routing(model, batch, ids, grad, packed):
             return forward_log_probs(
                 model, tokens, [int(batch.response_lengths[i]) for i in ids], batch.temperature,
                 self.device, vocab_size=self.shape.vocab_size, grad=grad, entropy_grad=self._entropy_grad(grad),
-                packed=packed, chunk_rows=self._chunk_rows())
+                packed=packed, chunk_rows=self._chunk_rows(), share_prompts=not self.shape.moe_layers)
 
     def _packed(self, tokens) -> bool:
         """Pack this micro-batch? Always where packed attention is one ``varlen_attn`` flash call per layer

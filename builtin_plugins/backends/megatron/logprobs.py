@@ -25,12 +25,13 @@ import torch.nn.functional as F
 
 from furlong.kit import vocab_softmax as vs
 from furlong.hooks.rows import SplitRows
+from furlong.kit.shared_rows import PrefixGroups, length_bound, prefix_groups, shared_row
 from furlong.kit.trainer import concatenated_ranges, right_padded, to_device
 
 from .context import context_parallel, gather_sequence, local_chunks, padded_length
 
 __all__ = ["MicroBatchInputs", "forward_log_probs", "micro_batch_inputs", "model_extra", "projecting_rows",
-           "response_log_probs", "sequence_parallel_size", "vocab_parallel_log_probs"]
+           "response_log_probs", "sequence_parallel_size", "shared_prompt_inputs", "vocab_parallel_log_probs"]
 
 
 def _tp():
@@ -142,18 +143,24 @@ class MicroBatchInputs:
     padding: Any = None
 
 
-def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], device, *,
-                       packed: bool = False, sequence_parallel: int = 1) -> MicroBatchInputs:
-    """The model inputs of a micro-batch (see :func:`forward_log_probs` for the two layouts).
+def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], device, *, packed: bool = False,
+                       sequence_parallel: int = 1, share_prompts: bool = False) -> MicroBatchInputs:
+    """The model inputs of a micro-batch (see :func:`forward_log_probs` for the layouts).
 
     :param sequence_parallel: the TP size under sequence parallelism (else 1): the positions (each CP
         rank's share of them under CP) are padded to a multiple of it (packed: the last sequence's segment
         is lengthened; its pad tokens come after its real ones, which causal attention keeps them from
         reaching), and every position is projected.
+    :param share_prompts: packed, without context or sequence parallelism: samples that share a prompt run it
+        once (:func:`shared_prompt_inputs`).
     :raises ValueError: a response that starts at position 0 (no previous token).
     """
     seqs, ids = right_padded(tokens, response_lengths)
     cp, cp_rank, _ = context_parallel()
+    if share_prompts and packed and cp == 1 and sequence_parallel == 1:
+        groups = prefix_groups(seqs, response_lengths)
+        if groups is not None:
+            return shared_prompt_inputs(groups, response_lengths, device)
     extra: dict = {}
     segments = None
     # positions in all: a multiple of 2 CP (CP's chunks) whose share per CP rank is a multiple of TP (sequence parallel)
@@ -194,6 +201,25 @@ def micro_batch_inputs(tokens: Sequence[Any], response_lengths: Sequence[int], d
         ids, targets = (local_chunks(x, cp, cp_rank, 1, segments) for x in (ids, targets))
     return MicroBatchInputs(ids=ids, targets=targets, extra=extra, spans=spans, segments=segments if cp > 1 else None,
                             padding=padding)
+
+
+def shared_prompt_inputs(groups: PrefixGroups, response_lengths: Sequence[int], device) -> MicroBatchInputs:
+    """The packed (``thd``) inputs of a micro-batch whose samples share prompts: each prompt once, then the suffixes
+    of its samples (:func:`furlong.kit.shared_rows.shared_row`). :class:`~.attention.RotaryParams` carry each
+    token's position in its whole sequence and each segment's keys (``cu_seqlens_kv``: a suffix's keys are its
+    prompt's, then its own), so every output is that of the unshared row up to float rounding."""
+    from .attention import RotaryParams
+
+    row = shared_row(groups)
+    bounds, key_bounds = (to_device(torch.tensor(b, dtype=torch.int32), device) for b in (row.bounds, row.key_bounds))
+    # max_seqlen_kv also sizes megatron-core's RoPE table: a key segment is a whole sequence, so it covers every position
+    params = RotaryParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=key_bounds,
+                          max_seqlen_q=length_bound(row.bounds), max_seqlen_kv=length_bound(row.key_bounds),
+                          positions=to_device(row.positions, device), key_index=to_device(row.key_index, device))
+    ids = row.ids.unsqueeze(0)
+    spans = [(0, start, start + int(t)) for start, t in zip(row.starts, response_lengths)]
+    padding = to_device(torch.zeros_like(ids, dtype=torch.bool), device)
+    return attrs.evolve(_response_rows(ids, spans, device, {"packed_seq_params": params}), padding=padding)
 
 
 def _response_rows(ids, spans: list, device, extra: dict) -> MicroBatchInputs:
@@ -279,7 +305,7 @@ def response_log_probs(logits, inputs: MicroBatchInputs, temperature: float, *, 
 
 def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[int], temperature: float, device, *,
                       vocab_size: int, grad: bool, entropy_grad: bool, packed: bool = False,
-                      chunk_rows: int = -1) -> tuple[list, list]:
+                      chunk_rows: int = -1, share_prompts: bool = False) -> tuple[list, list]:
     """One GPTModel forward over a micro-batch; response log-probs and entropy per sample.
 
     Padded (``packed=False``): the sequences are right-padded into ``[B, L]``; no attention
@@ -291,7 +317,8 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
     ``[B, L]`` grid's rows; packed: each sequence, padded to a multiple of ``2 CP``) is split
     over the CP ranks (:mod:`.context`) and the output layer projects every position, as under
     sequence parallelism (the positions padded to a multiple of TP); otherwise it projects only the
-    positions that predict response tokens (:func:`projecting_rows`).
+    positions that predict response tokens (:func:`projecting_rows`). Packed without context or sequence
+    parallelism, ``share_prompts`` lets samples that share a prompt run it once (:func:`shared_prompt_inputs`).
 
     :param tokens: B sequences of prompt + response ids.
     :param response_lengths: B response lengths ``T_i`` (the last ``T_i`` tokens).
@@ -299,7 +326,7 @@ def forward_log_probs(model, tokens: Sequence[Any], response_lengths: Sequence[i
     :raises ValueError: a response that starts at position 0 (no previous token).
     """
     inputs = micro_batch_inputs(tokens, response_lengths, device, packed=packed,
-                                sequence_parallel=sequence_parallel_size(model))
+                                sequence_parallel=sequence_parallel_size(model), share_prompts=share_prompts)
     with torch.set_grad_enabled(grad), projecting_rows(model, inputs.head_rows):
         logits = model(input_ids=inputs.ids, position_ids=None, attention_mask=None, **model_extra(model, inputs))
         return response_log_probs(logits, inputs, temperature, vocab_size=vocab_size,
