@@ -62,7 +62,8 @@ def packed_causal_attention(query, key, value, cu_seqlens, max_length: int, scal
         queries (the module docstring: a segment's queries are its last keys); None: the query bounds.
     :param key_max_length: the longest key segment; :param key_bounds: ``key_cu_seqlens`` as host ints.
     :returns: ``[T, heads, d]`` in the query's dtype.
-    :raises ValueError: a key segment shorter than its query segment.
+    :raises ValueError: a key segment shorter than its query segment (checked on the per-sequence path; the flash
+        call is not given such bounds by the callers, whose key segments hold their query segments).
     """
     if key_cu_seqlens is None:
         key_cu_seqlens, key_max_length, key_bounds = cu_seqlens, max_length, bounds

@@ -372,6 +372,23 @@ def test_shared_prompts_in_a_packed_micro_batch_give_the_unshared_values_and_gra
         torch.testing.assert_close(lp, ref.gather(-1, seq[-t:, None]).squeeze(-1), rtol=0, atol=2e-5)
 
 
+def test_shared_prompts_need_a_packed_micro_batch_without_sequence_parallelism(monkeypatch):
+    from furlong.builtin_plugins.backends.megatron import logprobs
+
+    calls = []
+    monkeypatch.setattr(logprobs, "shared_prompt_inputs", lambda *a: calls.append(a))
+    prompt = torch.tensor([5, 6, 7, 8])
+    tokens, responses = [torch.cat([prompt, torch.tensor([9, 10])]), torch.cat([prompt, torch.tensor([11])])], [2, 1]
+    for packed, sequence_parallel in ((False, 1), (True, 2)):
+        inputs = logprobs.micro_batch_inputs(tokens, responses, CPU, packed=packed, sequence_parallel=sequence_parallel,
+                                             share_prompts=True)
+        assert inputs.ids.numel() >= 12 and not calls  # every sample whole
+    logprobs.micro_batch_inputs(tokens, responses, CPU, packed=True, share_prompts=False)
+    assert not calls
+    logprobs.micro_batch_inputs(tokens, responses, CPU, packed=True, share_prompts=True)
+    assert len(calls) == 1
+
+
 def test_save_hf_writes_a_hugging_face_model_of_the_trained_weights(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -112,6 +112,29 @@ def test_backend_log_probs_are_transformers(moe_dir):
         torch.testing.assert_close(lp, want, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("experts", [True, False])
+def test_only_a_dense_model_shares_prompts_in_a_packed_micro_batch(experts, moe_dir, tiny_model_dir, monkeypatch):
+    """A model with experts runs every sample whole (its routers, their load-balancing loss and routing replay see
+    the tokens they see unshared); a dense model runs the prompt two samples share once. Both give the same
+    log-probs as without sharing."""
+    from furlong.builtin_plugins.backends.megatron import logprobs
+
+    backend = megatron_backend(config=train_config(moe_dir if experts else tiny_model_dir))
+    asyncio.run(backend.init(backend.config))
+    batch = make_batch(AutoTokenizer.from_pretrained(moe_dir if experts else tiny_model_dir), [[[0, 1, 2, 3]]])
+    n0, n1 = batch.response_lengths[:2]
+    batch.tokens[1] = batch.tokens[0][:-n0] + batch.tokens[1][-n1:]  # samples 0 and 1 share a prompt
+    unshared = asyncio.run(backend.log_probs(batch))["log_probs"]
+    monkeypatch.setattr(backend, "_packed", lambda tokens: True)
+    calls = []
+    real = logprobs.shared_prompt_inputs
+    monkeypatch.setattr(logprobs, "shared_prompt_inputs", lambda *a: calls.append(a) or real(*a))
+    packed = asyncio.run(backend.log_probs(batch))["log_probs"]
+    assert bool(calls) is not experts
+    for a, b in zip(unshared, packed):
+        torch.testing.assert_close(b, a, rtol=0, atol=2e-5)
+
+
 # --- flags against config.json ---------------------------------------------------------------------------
 
 
