@@ -176,6 +176,13 @@ class TrainBackend(Protocol):
         """
         return False
 
+    def shares_prompts(self) -> bool:
+        """True when the samples of a micro-batch that share a prompt (a GRPO group) run it once (prompt sharing).
+        The core's token-budget planner (``--use-dynamic-batch-size``) then keeps a group's samples in one
+        micro-batch wherever the group fits. Optional; without it (or False) micro-batches are packed by length.
+        """
+        return False
+
     def layout(self) -> ParallelLayout:
         """This rank's place in the backend's parallelism; called after :meth:`init`.
 

@@ -162,3 +162,36 @@ def test_karmarkar_karp_pads_uneven_counts():
     parts = karmarkar_karp([5, 4, 3], 2)
     assert sorted(i for p in parts for i in p) == [0, 1, 2]
     assert sorted(len(p) for p in parts) == [1, 2]
+
+
+# --- prompt groups kept whole ----------------------------------------------------------------------------
+
+
+def _grouped(lengths, groups, cap, dp=1, rank=0):
+    return plan_steps(lengths, global_batch_size=len(lengths), num_steps=1, dp_size=dp, rank=rank, micro_batch_size=1,
+                      max_tokens_per_gpu=cap, dynamic=True, balance=False, groups=groups)
+
+
+def test_token_budget_keeps_each_prompt_group_in_one_micro_batch_where_it_fits():
+    # two groups of three samples whose lengths interleave: by length alone the groups are split
+    lengths = [9, 4, 2, 8, 5, 3]
+    groups = ["a", "a", "a", "b", "b", "b"]
+    # by length: 9 | 8 | 9 + 5 | 8 + 4 | 8 + 4 + 3 | 9 + 5 + 2
+    assert _plan(lengths, 6, 1, 1, 0, cap=16, dynamic=True) == [[[0, 2, 4], [1, 3, 5]]]
+    # by group: b (16 tokens) first, then a (15)
+    assert _grouped(lengths, groups, cap=16) == [[[3, 4, 5], [0, 1, 2]]]
+    # a group over the budget goes sample by sample (9, 8); the others stay whole (2 + 3 beside the 9)
+    assert _grouped([9, 8, 2, 3], ["a", "a", "b", "b"], cap=14) == [[[0, 2, 3], [1]]]
+    # every micro-batch within the budget, every sample once
+    plan = _grouped([7, 6, 5, 4, 3, 2, 1, 1], [0, 0, 1, 1, 2, 2, 3, 3], cap=10)[0]
+    assert sorted(i for mb in plan for i in mb) == list(range(8))
+    assert all(sum([7, 6, 5, 4, 3, 2, 1, 1][i] for i in mb) <= 10 for mb in plan)
+    # items: group (2, 3) of 9, then 7 and 6 (their group's 13 is over 10), group (4, 5) of 5, group (6, 7) of 2
+    assert plan == [[2, 3], [0, 6, 7], [1], [4, 5]]
+
+
+def test_prompt_groups_change_nothing_without_a_token_budget():
+    lengths, groups = [9, 4, 2, 8, 5, 3], [0, 0, 0, 1, 1, 1]
+    fixed = plan_steps(lengths, global_batch_size=6, num_steps=1, dp_size=2, rank=0, micro_batch_size=2,
+                       max_tokens_per_gpu=None, dynamic=False, balance=False, groups=groups)
+    assert fixed == _plan(lengths, 6, 1, 2, 0, mbs=2)

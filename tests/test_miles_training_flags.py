@@ -256,3 +256,35 @@ def test_custom_tis_function_runs_under_train_async_where_tis_is_on_by_default()
     args = parse_args(["--hf-checkpoint", str(DEMO / "model"), "--num-rollout", "1", "--rollout-batch-size", "4",
                        "--custom-tis-function-path", "miles_user_functions.vanilla_tis"], command="train-async")
     assert args.use_tis is True and args.custom_tis_function_path == "miles_user_functions.vanilla_tis"
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_token_packed_micro_batches_keep_prompt_groups_whole_for_a_backend_that_shares_prompts(
+        tmp_path, caplog, monkeypatch, backend):
+    """The fsdp backend runs a prompt its samples share once, so the planner keeps each group of 4 samples in one
+    micro-batch; the megatron backend on a CPU pads its micro-batches and shares nothing, so they are packed by
+    length alone."""
+    if backend == "megatron":
+        pytest.importorskip("megatron.core", reason="the megatron extra (megatron-core) is not installed")
+    from furlong.core.train import batching, group
+
+    plans = []
+
+    def recording(*args, **kwargs):
+        plan = batching.plan_steps(*args, **kwargs)
+        plans.append((kwargs["groups"], plan))
+        return plan
+
+    monkeypatch.setattr(group, "plan_steps", recording)
+    caplog.set_level("INFO", logger="furlong.train")
+    rows = demo_run(tmp_path, "--train-backend", backend, "--num-rollout", "2", "--use-dynamic-batch-size",
+                    "--max-tokens-per-gpu", "100")
+    assert len(rows) == 2 and plans
+    shares = backend == "fsdp"
+    assert ("micro-batches packed by tokens keep each prompt group whole" in caplog.text) is shares
+    for groups, plan in plans:
+        assert (groups == [0, 0, 0, 0, 1, 1, 1, 1]) if shares else groups is None
+        micro_batches = [mb for step in plan for mb in step]
+        assert sorted(i for mb in micro_batches for i in mb) == list(range(8))
+        if shares:  # each group (about 80 tokens) fits the budget: both whole, one micro-batch each
+            assert sorted(micro_batches) == [[0, 1, 2, 3], [4, 5, 6, 7]]

@@ -92,6 +92,7 @@ def plan_steps(
     balance: bool,
     trajectory_ids: list[int] | None = None,
     skip: Sequence[bool] | None = None,
+    groups: Sequence[Any] | None = None,
 ) -> list[list[list[int]]]:
     """Plan this rank's micro-batches: ``plan[s][m]`` = sample indices of micro-batch ``m`` of step ``s``.
 
@@ -109,6 +110,9 @@ def plan_steps(
         samples; skipped ones are added back, in order, only as far as the plan needs them
         (a step keeps at least one sample, so its optimizer step still runs, and the ranks
         need enough samples for the same number of micro-batches each).
+    :param groups: per sample, the key of its prompt group, or None: in dynamic mode a group's samples then go
+        into one micro-batch wherever the group fits whole (a backend that runs a shared prompt once,
+        ``shares_prompts()``, computes it once per micro-batch it lands in).
     :returns: ``S`` lists of micro-batches, each a non-empty ascending list of indices.
         Over all ranks every sample of step ``s`` (without ``skip``: every one not left out)
         appears in exactly one micro-batch, and every rank gets the same number of
@@ -118,7 +122,8 @@ def plan_steps(
     or by Karmarkar-Karp on lengths under ``balance``; each rank cuts its samples, in
     order, into micro-batches of ``micro_batch_size``. Dynamic mode:
     first-fit-decreasing into bins of at most ``C`` tokens (a sample longer than ``C`` gets
-    a bin of its own), the bin count raised to a multiple of ``D`` by halving the heaviest
+    a bin of its own; with ``groups``, each group is one item while it fits in ``C`` tokens, its samples
+    items of their own otherwise), the bin count raised to a multiple of ``D`` by halving the heaviest
     multi-sample bin, bins dealt to ranks round-robin or by Karmarkar-Karp on token sums.
 
     :raises ValueError: bad sizes, a step with fewer samples than ``D`` ranks can share, or
@@ -134,7 +139,7 @@ def plan_steps(
     for s, step in enumerate(split_steps(len(lengths), global_batch_size, num_steps, trajectory_ids)):
         if dynamic:
             per_rank = _fewest(step, skip, lambda ids: _dynamic_step(ids, lengths, max_tokens_per_gpu, dp_size,
-                                                                      balance, s))
+                                                                      balance, s, groups))
         else:
             per_rank = _fewest(step, skip, lambda ids: _fixed_step(ids, lengths, micro_batch_size, dp_size,
                                                                     balance, s))
@@ -185,19 +190,21 @@ def _even_chunks(items: list[int], count: int) -> list[list[int]]:
     return out
 
 
-def _dynamic_step(step: list[int], lengths, cap: int, dp: int, balance: bool, s: int) -> list[list[list[int]]]:
+def _dynamic_step(step: list[int], lengths, cap: int, dp: int, balance: bool, s: int,
+                  groups: Sequence[Any] | None = None) -> list[list[list[int]]]:
     """Per rank, the micro-batches of one step under dynamic batching."""
     bins: list[list[int]] = []  # each bin: sample indices
     sums: list[int] = []
-    for i in sorted(step, key=lambda k: (-lengths[k], k)):
+    for item in _items(step, lengths, cap, groups):
+        size = sum(lengths[i] for i in item)
         for b, total in enumerate(sums):
-            if total + lengths[i] <= cap:
-                bins[b].append(i)
-                sums[b] += lengths[i]
+            if total + size <= cap:
+                bins[b].extend(item)
+                sums[b] += size
                 break
         else:
-            bins.append([i])
-            sums.append(lengths[i])
+            bins.append(list(item))
+            sums.append(size)
     while len(bins) % dp:
         splittable = [b for b in range(len(bins)) if len(bins[b]) > 1]
         if not splittable:
@@ -219,6 +226,21 @@ def _dynamic_step(step: list[int], lengths, cap: int, dp: int, balance: bool, s:
         parts = karmarkar_karp(sums, dp)
         return [[bins[b] for b in sorted(part)] for part in parts]
     return [[bins[b] for b in range(r, len(bins), dp)] for r in range(dp)]
+
+
+def _items(step: list[int], lengths, cap: int, groups: Sequence[Any] | None) -> list[list[int]]:
+    """What first-fit-decreasing places, largest first (ties in order): each sample; with ``groups``, each group of
+    at most ``cap`` tokens whole and the samples of a larger one."""
+    if groups is None:
+        units = [[i] for i in step]
+    else:
+        members: dict[Any, list[int]] = {}
+        for i in step:
+            members.setdefault(groups[i], []).append(i)
+        units = []
+        for unit in members.values():
+            units.extend([unit] if sum(lengths[i] for i in unit) <= cap else [[i] for i in unit])
+    return sorted(units, key=lambda unit: (-sum(lengths[i] for i in unit), unit[0]))
 
 
 def karmarkar_karp(weights: Sequence[int], k: int) -> list[list[int]]:

@@ -62,6 +62,7 @@ class TrainGroup:
         self.layouts: list[ParallelLayout] = []
         self.reuse_old_log_probs = False  # decided in init (see _keeps_log_prob_pass)
         self.skip_zero_advantage = False  # decided in init (--skip-zero-advantage-samples)
+        self.whole_groups = False  # decided in init: token-packed micro-batches keep prompt groups whole
         self.synced_versions: list[int] = []  # --keep-old-actor: the last two weight versions synced
         # held by every operation on the workers (train, save, load, offload, onload, a whole
         # weight sync): a sync started by an engine's recovery (train-async) waits for the
@@ -113,6 +114,10 @@ class TrainGroup:
             log.info("samples with zero advantage on every trained token are left out of the forward and backward "
                      "passes (their loss is 0; the loss denominators still count them); metrics other than loss "
                      "and pg_loss are means over the trained samples; --no-skip-zero-advantage-samples trains them.")
+        self.whole_groups = self.config.use_dynamic_batch_size and all(await self._all("shares_prompts"))
+        if self.whole_groups:
+            log.info("--train-backend %s runs a prompt its samples share once per micro-batch: micro-batches packed "
+                     "by tokens keep each prompt group whole where it fits.", self.config.train_backend)
         packed = self.config.packed_by_default
         if packed:
             log.info("no --micro-batch-size or --use-dynamic-batch-size: micro-batches are packed by tokens, at most "
@@ -172,9 +177,10 @@ class TrainGroup:
         if batch.truncated is None:
             batch.truncated = truncated_flags(samples)
         tids = trajectory_ids(samples)
-        plans = self._plans(batch, gbs, num_steps, tids)
+        prompts = [g for g, group in enumerate(groups) for _ in group] if self.whole_groups else None
+        plans = self._plans(batch, gbs, num_steps, tids, prompts=prompts)
         shares = [_share(batch, plan) for plan in plans]
-        pass_shares = self._log_prob_shares(batch, gbs, num_steps, tids, shares)
+        pass_shares = self._log_prob_shares(batch, gbs, num_steps, tids, shares, prompts)
         metrics: dict = {}
         start = time.perf_counter()
         if self.needs_ref():
@@ -213,7 +219,8 @@ class TrainGroup:
             shares = [_share(batch, plan) for plan in plans]
         trained = None
         if self.skip_zero_advantage:
-            trained = self._plans(batch, gbs, num_steps, tids, zero_advantage(batch.advantages, batch.loss_masks))
+            trained = self._plans(batch, gbs, num_steps, tids, zero_advantage(batch.advantages, batch.loss_masks),
+                                  prompts=prompts)
             shares = [_share(batch, plan) for plan in trained]
             metrics["perf/skipped_samples"] = float(len(samples) - sum(len(share.sample_ids) for share in shares))
         denominators = _global_denominators(config, batch, tids, gbs, num_steps, trained)
@@ -278,7 +285,7 @@ class TrainGroup:
             return self._outputs(await self._call("train", self._per_rank(lambda s: (rollout_id, s), shares)))
 
     def _log_prob_shares(self, batch: TrainBatch, gbs: int, num_steps: int, tids: list[int],
-                         shares: list[WorkerShare]) -> list[WorkerShare]:
+                         shares: list[WorkerShare], prompts: list[int] | None = None) -> list[WorkerShare]:
         """The shares the forward-only passes (reference and pi_old) run: micro-batches packed under
         ``--log-probs-max-tokens-per-gpu`` when the run packs by tokens and that budget differs from
         ``--max-tokens-per-gpu`` (a pass keeps no activations for backward, so it may take more), else the
@@ -288,18 +295,21 @@ class TrainGroup:
         cap = config.log_probs_max_tokens_per_gpu
         if not config.use_dynamic_batch_size or not cap or cap == config.max_tokens_per_gpu:
             return shares
-        return [_share(batch, plan) for plan in self._plans(batch, gbs, num_steps, tids, max_tokens=cap)]
+        return [_share(batch, plan) for plan in self._plans(batch, gbs, num_steps, tids, max_tokens=cap,
+                                                            prompts=prompts)]
 
     def _plans(self, batch: TrainBatch, gbs: int, num_steps: int, tids: list[int], skip: list[bool] | None = None,
-               max_tokens: int | None = None):
+               max_tokens: int | None = None, prompts: list[int] | None = None):
         """Every data-parallel rank's micro-batches (:func:`~furlong.core.train.batching.plan_steps`), packed
-        under ``max_tokens`` (default ``--max-tokens-per-gpu``) when the run packs by tokens."""
+        under ``max_tokens`` (default ``--max-tokens-per-gpu``) when the run packs by tokens; ``prompts``: each
+        sample's prompt group, kept whole in a micro-batch where it fits (a backend that shares prompts)."""
         config = self.config
         return [plan_steps(
             lengths=[len(t) for t in batch.tokens], global_batch_size=gbs,
             num_steps=num_steps, dp_size=self.dp_size, rank=r,
             micro_batch_size=config.micro_batch_size, max_tokens_per_gpu=max_tokens or config.max_tokens_per_gpu,
             dynamic=config.use_dynamic_batch_size, balance=config.balance_data, trajectory_ids=tids, skip=skip,
+            groups=prompts,
         ) for r in range(self.dp_size)]
 
     async def _log_probs(self, shares: list[WorkerShare], n: int, model: str) -> tuple[list, list | None]:

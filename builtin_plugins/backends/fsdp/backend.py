@@ -196,6 +196,14 @@ class FSDPBackend(StepLoop):
             chunk_size=int(self.config.log_probs_chunk_size or -1),
         )
 
+    def shares_prompts(self) -> bool:
+        """True where a micro-batch's samples that share a prompt run it once: packed micro-batches (a GPU under
+        ``--bf16``), or right-padded ones whose model takes the masked layouts (:mod:`.shared_prompts`)."""
+        from . import packing, shared_prompts
+
+        model = self.compute_model
+        return packing.packs(model) or shared_prompts.sharing_off_reason(model, shared_prompts.ROWS) is None
+
     def train_forward_gives_old_log_probs(self) -> bool:
         """False when the training forward drops anything the log-prob pass keeps: LoRA dropout, or a
         dropout of the model's config under ``--gradient-checkpointing`` (which trains in train mode)."""

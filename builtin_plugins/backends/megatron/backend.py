@@ -326,6 +326,14 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
                 f"the moments of {mine:,} of {total:,} parameter elements ({8 * mine / 2**20:.1f} of "
                 f"{8 * total / 2**20:.1f} MiB in float32)")
 
+    def shares_prompts(self) -> bool:
+        """True where a micro-batch's samples that share a prompt run it once: a dense model whose micro-batches
+        are packed (CUDA in 16-bit), without context, sequence or pipeline parallelism."""
+        from furlong.kit.packed_attention import varlen_supported
+
+        return (not self.shape.moe_layers and self.cp == 1 and self.pp == 1 and not self._sequence_parallel()
+                and varlen_supported(self.device, self._dtype()))
+
     def train_forward_gives_old_log_probs(self) -> bool:
         """False with ``--lora-dropout`` > 0 (the training forward drops adapter inputs, the log-prob pass does not)."""
         return not (lora.enabled(self.config) and float(self.config.lora_dropout or 0.0) > 0)
