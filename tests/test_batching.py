@@ -195,3 +195,50 @@ def test_prompt_groups_change_nothing_without_a_token_budget():
     fixed = plan_steps(lengths, global_batch_size=6, num_steps=1, dp_size=2, rank=0, micro_batch_size=2,
                        max_tokens_per_gpu=None, dynamic=False, balance=False, groups=groups)
     assert fixed == _plan(lengths, 6, 1, 2, 0, mbs=2)
+
+
+def test_a_bin_halved_for_more_ranks_is_cut_between_its_groups():
+    plans = [plan_steps([10, 10, 10, 10], global_batch_size=4, num_steps=1, dp_size=2, rank=r, micro_batch_size=1,
+                        max_tokens_per_gpu=40, dynamic=True, balance=False, groups=[0, 0, 1, 1]) for r in range(2)]
+    assert plans == [[[[0, 1]]], [[[2, 3]]]]
+    # one group in the bin: its samples are dealt as before
+    plans = [plan_steps([10, 10, 10, 10], global_batch_size=4, num_steps=1, dp_size=2, rank=r, micro_batch_size=1,
+                        max_tokens_per_gpu=40, dynamic=True, balance=False, groups=[0] * 4) for r in range(2)]
+    assert plans == [[[[0, 2]]], [[[1, 3]]]]
+
+
+def test_a_step_whole_groups_cannot_spread_over_the_ranks_is_planned_by_sample():
+    lengths, tids, groups = [140, 84, 14, 169, 221, 250, 150], [0, 0, 1, 1, 2, 2, 3], [0, 0, 1, 1, 2, 2, 3]
+    for rank in range(4):
+        kwargs = dict(global_batch_size=4, num_steps=1, dp_size=4, rank=rank, micro_batch_size=1,
+                      max_tokens_per_gpu=302, dynamic=True, balance=False, trajectory_ids=tids)
+        assert plan_steps(lengths, groups=groups, **kwargs) == plan_steps(lengths, **kwargs)
+
+
+def test_grouped_plans_keep_every_sample_once_within_the_budget_and_whole_groups_on_one_rank():
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 24)
+        lengths = [rng.randint(1, 300) for _ in range(n)]
+        groups = [rng.randint(0, max(1, n // 3)) for _ in range(n)]
+        cap, dp, balance = rng.randint(100, 1500), rng.choice([1, 1, 2, 3]), rng.random() < 0.5
+        if n < dp:
+            continue
+        try:
+            plans = [plan_steps(lengths, global_batch_size=n, num_steps=1, dp_size=dp, rank=r, micro_batch_size=1,
+                                max_tokens_per_gpu=cap, dynamic=True, balance=balance, groups=groups)[0]
+                     for r in range(dp)]
+        except ValueError:  # as without groups: too few samples for a multiple of dp micro-batches
+            with pytest.raises(ValueError):
+                plan_steps(lengths, global_batch_size=n, num_steps=1, dp_size=dp, rank=0, micro_batch_size=1,
+                           max_tokens_per_gpu=cap, dynamic=True, balance=False)
+            continue
+        micro = [mb for plan in plans for mb in plan]
+        assert sorted(i for mb in micro for i in mb) == list(range(n))
+        assert len({len(plan) for plan in plans}) == 1
+        assert all(len(mb) == 1 or sum(lengths[i] for i in mb) <= cap for mb in micro)
+        if dp == 1:
+            for g in set(groups):
+                members = [i for i in range(n) if groups[i] == g]
+                if sum(lengths[i] for i in members) <= cap:
+                    assert any(set(members) <= set(mb) for mb in micro), (lengths, groups, cap)

@@ -262,8 +262,8 @@ def test_custom_tis_function_runs_under_train_async_where_tis_is_on_by_default()
 def test_token_packed_micro_batches_keep_prompt_groups_whole_for_a_backend_that_shares_prompts(
         tmp_path, caplog, monkeypatch, backend):
     """The fsdp backend runs a prompt its samples share once, so the planner keeps each group of 4 samples in one
-    micro-batch; the megatron backend on a CPU pads its micro-batches and shares nothing, so they are packed by
-    length alone."""
+    micro-batch; the megatron backend says it shares only where its micro-batches are always packed (a GPU), so
+    on a CPU they are packed by length alone."""
     if backend == "megatron":
         pytest.importorskip("megatron.core", reason="the megatron extra (megatron-core) is not installed")
     from furlong.core.train import batching, group
@@ -281,7 +281,7 @@ def test_token_packed_micro_batches_keep_prompt_groups_whole_for_a_backend_that_
                     "--max-tokens-per-gpu", "100")
     assert len(rows) == 2 and plans
     shares = backend == "fsdp"
-    assert ("micro-batches packed by tokens keep each prompt group whole" in caplog.text) is shares
+    assert ("micro-batches packed by tokens take each prompt group as one item" in caplog.text) is shares
     for groups, plan in plans:
         assert (groups == [0, 0, 0, 0, 1, 1, 1, 1]) if shares else groups is None
         micro_batches = [mb for step in plan for mb in step]

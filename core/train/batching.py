@@ -110,9 +110,12 @@ def plan_steps(
         samples; skipped ones are added back, in order, only as far as the plan needs them
         (a step keeps at least one sample, so its optimizer step still runs, and the ranks
         need enough samples for the same number of micro-batches each).
-    :param groups: per sample, the key of its prompt group, or None: in dynamic mode a group's samples then go
-        into one micro-batch wherever the group fits whole (a backend that runs a shared prompt once,
-        ``shares_prompts()``, computes it once per micro-batch it lands in).
+    :param groups: None, or per sample the key of its prompt group (a backend that runs a shared prompt once,
+        ``shares_prompts()``, computes it once per micro-batch it lands in): in dynamic mode each group that fits
+        in ``C`` tokens is one item of first-fit-decreasing, and a bin halved to reach a multiple of ``D`` is cut
+        between its groups while it holds several. On one rank a group that fits lands whole in one micro-batch;
+        across ranks halving can still cut one. Where whole groups leave too few bins to reach a multiple of
+        ``D``, the step is planned by sample, as without ``groups``.
     :returns: ``S`` lists of micro-batches, each a non-empty ascending list of indices.
         Over all ranks every sample of step ``s`` (without ``skip``: every one not left out)
         appears in exactly one micro-batch, and every rank gets the same number of
@@ -138,8 +141,8 @@ def plan_steps(
     plan = []
     for s, step in enumerate(split_steps(len(lengths), global_batch_size, num_steps, trajectory_ids)):
         if dynamic:
-            per_rank = _fewest(step, skip, lambda ids: _dynamic_step(ids, lengths, max_tokens_per_gpu, dp_size,
-                                                                      balance, s, groups))
+            per_rank = _fewest(step, skip, lambda ids: _grouped_or_not(ids, lengths, max_tokens_per_gpu, dp_size,
+                                                                        balance, s, groups))
         else:
             per_rank = _fewest(step, skip, lambda ids: _fixed_step(ids, lengths, micro_batch_size, dp_size,
                                                                     balance, s))
@@ -190,6 +193,18 @@ def _even_chunks(items: list[int], count: int) -> list[list[int]]:
     return out
 
 
+def _grouped_or_not(step: list[int], lengths, cap: int, dp: int, balance: bool, s: int,
+                    groups: Sequence[Any] | None) -> list[list[list[int]]]:
+    """:func:`_dynamic_step` with ``groups``, or without them where whole groups leave too few bins to split into a
+    multiple of ``dp`` (samples alone may still fill them)."""
+    if groups is not None:
+        try:
+            return _dynamic_step(step, lengths, cap, dp, balance, s, groups)
+        except ValueError:
+            pass
+    return _dynamic_step(step, lengths, cap, dp, balance, s)
+
+
 def _dynamic_step(step: list[int], lengths, cap: int, dp: int, balance: bool, s: int,
                   groups: Sequence[Any] | None = None) -> list[list[list[int]]]:
     """Per rank, the micro-batches of one step under dynamic batching."""
@@ -213,12 +228,15 @@ def _dynamic_step(step: list[int], lengths, cap: int, dp: int, balance: bool, s:
                 "use a global batch size with at least that many samples per step"
             )
         b = max(splittable, key=lambda k: (sums[k], -k))
+        units = _items(bins[b], lengths, cap, groups)
+        if len(units) < 2:  # one group: its samples
+            units = _items(bins[b], lengths, cap, None)
         halves: list[list[int]] = [[], []]
         half_sums = [0, 0]
-        for i in sorted(bins[b], key=lambda k: (-lengths[k], k)):
+        for unit in units:  # largest first, each into the lighter half (the first two one each)
             h = 1 if halves[0] and not halves[1] else int(half_sums[1] < half_sums[0])
-            halves[h].append(i)
-            half_sums[h] += lengths[i]
+            halves[h].extend(unit)
+            half_sums[h] += sum(lengths[i] for i in unit)
         bins[b:b + 1] = halves
         sums[b:b + 1] = half_sums
     bins = [sorted(b) for b in bins]

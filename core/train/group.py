@@ -117,7 +117,8 @@ class TrainGroup:
         self.whole_groups = bool(self.config.use_dynamic_batch_size) and all(await self._all("shares_prompts"))
         if self.whole_groups:
             log.info("--train-backend %s runs a prompt its samples share once per micro-batch: micro-batches packed "
-                     "by tokens keep each prompt group whole where it fits.", self.config.train_backend)
+                     "by tokens take each prompt group as one item while it fits (whole on one rank).",
+                     self.config.train_backend)
         packed = self.config.packed_by_default
         if packed:
             log.info("no --micro-batch-size or --use-dynamic-batch-size: micro-batches are packed by tokens, at most "
