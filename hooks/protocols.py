@@ -212,10 +212,6 @@ class TrainBackend(Protocol):
     # Optional: ``async def keep_synced_weights(self) -> None`` (``--keep-old-actor``): after each
     # weight sync (every rank) keep a copy of the weights just sent; ``log_probs(model="old_actor")``
     # then runs the copy kept at the sync before (StepLoop has it over two model copies).
-    # Optional: ``def shares_prompts(self) -> bool``: True when the samples of a micro-batch that share a
-    # prompt (a GRPO group) run it once (prompt sharing); the core's token-budget planner
-    # (``--use-dynamic-batch-size``) then places each group as one item (on one data-parallel rank it lands
-    # whole in a micro-batch wherever it fits). Without it, or False, micro-batches are packed by length.
 
 
 @runtime_checkable

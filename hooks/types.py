@@ -331,6 +331,10 @@ class ParallelLayout:
     micro-batches. ``returns_outputs``: whether this rank's log-probs and step metrics
     are the ones the core keeps (one rank per data-parallel rank, e.g. TP rank 0 on the
     last pipeline stage). ``rank``/``world``: the rank among all train ranks.
+    ``shares_prompts``: the samples of a micro-batch that share a prompt (a GRPO group) run it
+    once (prompt sharing), so the core's token-budget planner (``--use-dynamic-batch-size``)
+    places each group as one item (on one data-parallel rank it lands whole in a micro-batch
+    wherever it fits); False: micro-batches are packed by length.
     Plain values only: a layout travels from a remote worker to the driver.
     """
 
@@ -339,6 +343,7 @@ class ParallelLayout:
     returns_outputs: bool = True
     rank: int = 0
     world: int = 1
+    shares_prompts: bool = False
 
 
 @attrs.define(frozen=True)

@@ -111,7 +111,7 @@ def plan_steps(
         (a step keeps at least one sample, so its optimizer step still runs, and the ranks
         need enough samples for the same number of micro-batches each).
     :param groups: None, or per sample the key of its prompt group (a backend that runs a shared prompt once,
-        ``shares_prompts()``, computes it once per micro-batch it lands in): in dynamic mode each group that fits
+        ``ParallelLayout.shares_prompts``, computes it once per micro-batch it lands in): in dynamic mode each group that fits
         in ``C`` tokens is one item of first-fit-decreasing, and a bin halved to reach a multiple of ``D`` is cut
         between its groups while it holds several. On one rank a group that fits lands whole in one micro-batch;
         across ranks halving can still cut one. Where whole groups leave too few bins to reach a multiple of

@@ -114,7 +114,7 @@ class TrainGroup:
             log.info("samples with zero advantage on every trained token are left out of the forward and backward "
                      "passes (their loss is 0; the loss denominators still count them); metrics other than loss "
                      "and pg_loss are means over the trained samples; --no-skip-zero-advantage-samples trains them.")
-        self.whole_groups = bool(self.config.use_dynamic_batch_size) and all(await self._all("shares_prompts"))
+        self.whole_groups = bool(self.config.use_dynamic_batch_size) and all(lay.shares_prompts for lay in self.layouts)
         if self.whole_groups:
             log.info("--train-backend %s runs a prompt its samples share once per micro-batch: micro-batches packed "
                      "by tokens take each prompt group as one item while it fits (whole on one rank).",

@@ -140,12 +140,6 @@ class TrainWorker:
         """Whether the backend's training forward equals its log-prob pass (its ``train_forward_gives_old_log_probs()``)."""
         return bool(self.backend.train_forward_gives_old_log_probs())
 
-    async def shares_prompts(self) -> bool:
-        """Whether the backend runs a prompt its micro-batch's samples share once (its optional ``shares_prompts()``;
-        False without one)."""
-        method = getattr(self.backend, "shares_prompts", None)
-        return bool(method()) if callable(method) else False
-
     async def train(self, rollout_id: int, share: WorkerShare) -> list[dict]:
         """The rollout's optimizer steps on this share; per-step metrics (summed over ranks by the backend)."""
         if self.role == "critic":

@@ -196,7 +196,7 @@ class FSDPBackend(StepLoop):
             chunk_size=int(self.config.log_probs_chunk_size or -1),
         )
 
-    def shares_prompts(self) -> bool:
+    def _shares_prompts(self) -> bool:
         """True where a micro-batch's samples that share a prompt run it once: packed micro-batches (a GPU under
         ``--bf16``), or right-padded ones whose model takes the masked layouts (:mod:`.shared_prompts`)."""
         from . import packing, shared_prompts
@@ -259,7 +259,7 @@ class FSDPBackend(StepLoop):
     def layout(self) -> ParallelLayout:
         """Every rank is a data-parallel rank of its own (FSDP shards parameters, not data)."""
         return ParallelLayout(dp_rank=self.rank, dp_size=self.world, returns_outputs=True, rank=self.rank,
-                              world=self.world)
+                              world=self.world, shares_prompts=self._shares_prompts())
 
     async def iter_weights(self):
         """Yield ``(hf_name, tensor)`` one parameter or buffer at a time (tied aliases left out).

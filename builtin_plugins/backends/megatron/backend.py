@@ -253,16 +253,15 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
 
     def _forward(self, model, batch: TrainBatch, ids: list[int], grad: bool):
         """Response log-probs and entropy of samples ``ids`` (vocab-parallel softmax, :mod:`.logprobs`);
-        packed (``thd``) or right-padded by :meth:`_packed`. A packed micro-batch of a dense model runs each prompt
-        its samples share once (prompt sharing); a model with experts runs every sample whole, so that its
-        routers (their load-balancing loss, their replay) see the tokens they see unshared."""
+        packed (``thd``) or right-padded by :meth:`_packed`; a packed one runs each prompt its samples share once
+        where :meth:`_shares_packed_prompts`."""
         tokens = [batch.tokens[i] for i in ids]
         packed = self._packed(tokens)
         with self._routing(model, batch, ids, grad, packed):
             return forward_log_probs(
                 model, tokens, [int(batch.response_lengths[i]) for i in ids], batch.temperature,
                 self.device, vocab_size=self.shape.vocab_size, grad=grad, entropy_grad=self._entropy_grad(grad),
-                packed=packed, chunk_rows=self._chunk_rows(), share_prompts=not self.shape.moe_layers)
+                packed=packed, chunk_rows=self._chunk_rows(), share_prompts=self._shares_packed_prompts())
 
     def _packed(self, tokens) -> bool:
         """Pack this micro-batch? Always where packed attention is one ``varlen_attn`` flash call per layer
@@ -326,13 +325,11 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
                 f"the moments of {mine:,} of {total:,} parameter elements ({8 * mine / 2**20:.1f} of "
                 f"{8 * total / 2**20:.1f} MiB in float32)")
 
-    def shares_prompts(self) -> bool:
-        """True where a micro-batch's samples that share a prompt run it once: a dense model whose micro-batches
-        are packed (CUDA in 16-bit), without context, sequence or pipeline parallelism."""
-        from furlong.kit.packed_attention import varlen_supported
-
-        return (not self.shape.moe_layers and self.cp == 1 and self.pp == 1 and not self._sequence_parallel()
-                and varlen_supported(self.device, self._dtype()))
+    def _shares_packed_prompts(self) -> bool:
+        """True where a packed micro-batch's samples that share a prompt run it once: a dense model (the routers of
+        a model with experts, their load-balancing loss and routing replay see every sample whole), without
+        context, sequence or pipeline parallelism."""
+        return not self.shape.moe_layers and self.cp == 1 and self.pp == 1 and not self._sequence_parallel()
 
     def train_forward_gives_old_log_probs(self) -> bool:
         """False with ``--lora-dropout`` > 0 (the training forward drops adapter inputs, the log-prob pass does not)."""
@@ -457,11 +454,15 @@ class MegatronBackend(ExpertLayers, PipelineStages, StepLoop):
         TP and CP rank 0 of the last pipeline stage (which computes log-probs and the loss) returns the outputs."""
         from megatron.core import parallel_state
 
+        from furlong.kit.packed_attention import varlen_supported
+
         first_cp = parallel_state.get_context_parallel_rank() == 0
+        # shares prompts in every micro-batch only where every micro-batch is packed (CUDA in 16-bit)
+        shares = self._shares_packed_prompts() and varlen_supported(self.device, self._dtype())
         return ParallelLayout(dp_rank=parallel_state.get_data_parallel_rank(),
                               dp_size=parallel_state.get_data_parallel_world_size(),
                               returns_outputs=self._tp_rank() == 0 and first_cp and self.stage.last, rank=self.rank,
-                              world=self.world)
+                              world=self.world, shares_prompts=shares)
 
     async def iter_weights(self):
         """Yield ``(hf_name, tensor)`` one Hugging Face tensor at a time (:func:`~.convert.export_hf`).
