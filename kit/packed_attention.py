@@ -47,26 +47,29 @@ def varlen_kernel(query) -> bool:
 
 
 def packed_causal_attention(query, key, value, cu_seqlens, max_length: int, scale: float, bounds=None, *,
-                            key_cu_seqlens=None, key_max_length: int | None = None, key_bounds=None):
+                            key_index=None, key_cu_seqlens=None, key_max_length: int | None = None, key_bounds=None):
     """Causal grouped-query attention of packed sequences.
 
     :param query: ``[T, heads, d]``, the sequences' tokens one after another, RoPE applied.
-    :param key: and :param value: ``[T, groups, d]`` (``heads`` a multiple of ``groups``), not repeated per head;
-        ``[K, groups, d]`` with ``key_cu_seqlens``.
+    :param key: and :param value: ``[T, groups, d]`` (``heads`` a multiple of ``groups``), not repeated per head.
     :param cu_seqlens: int32 ``[n + 1]`` on ``query``'s device: ``0``, then each sequence's end.
     :param max_length: the longest sequence's length.
     :param scale: the softmax scale (usually ``d ** -0.5``).
     :param bounds: ``cu_seqlens`` as a list of ints, when the caller has it (saves a device read
         on the per-sequence path).
-    :param key_cu_seqlens: int32 ``[n + 1]``, each segment's end in ``key``, when keys run longer than
-        queries (the module docstring: a segment's queries are its last keys); None: the query bounds.
+    :param key_index: int64 ``[K]``, or None: the rows of ``key`` and ``value`` each segment attends to, one segment
+        after another, when keys run longer than queries (the module docstring: a segment's queries are its last
+        keys); None: each segment attends to its own tokens.
+    :param key_cu_seqlens: int32 ``[n + 1]``, each segment's end in ``key_index`` (with ``key_index``).
     :param key_max_length: the longest key segment; :param key_bounds: ``key_cu_seqlens`` as host ints.
     :returns: ``[T, heads, d]`` in the query's dtype.
     :raises ValueError: a key segment shorter than its query segment (checked on the per-sequence path; the flash
         call is not given such bounds by the callers, whose key segments hold their query segments).
     """
-    if key_cu_seqlens is None:
+    if key_index is None:
         key_cu_seqlens, key_max_length, key_bounds = cu_seqlens, max_length, bounds
+    else:
+        key, value = key.index_select(0, key_index), value.index_select(0, key_index)
     tokens, heads, _ = query.shape
     if varlen_kernel(query):
         from torch.nn.attention.varlen import varlen_attn

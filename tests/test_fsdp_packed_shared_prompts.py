@@ -17,9 +17,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from test_fsdp_packing import _qwen2  # noqa: E402
 
-from furlong.builtin_plugins.backends.fsdp import packing, shared_prompts  # noqa: E402
+from furlong.builtin_plugins.backends.fsdp import packing  # noqa: E402
 from furlong.builtin_plugins.backends.fsdp.logprobs import forward_log_probs  # noqa: E402
 from furlong.kit.packed_attention import packed_causal_attention  # noqa: E402
+from furlong.kit.shared_rows import prefix_groups  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -66,7 +67,7 @@ def test_shared_packed_row_gives_the_unshared_log_probs_entropy_and_gradients(mo
 def test_pack_shared_lays_out_prompts_suffixes_positions_and_keys():
     prompt = torch.tensor([10, 11, 12])
     tokens = [torch.cat([prompt, torch.tensor([20, 21])]), torch.tensor([30, 31, 40]), torch.cat([prompt, torch.tensor([22])])]
-    shared = shared_prompts.group_by_prefix(tokens, [2, 1, 1], shared_prompts.PACKED)
+    shared = prefix_groups(tokens, [2, 1, 1])
     assert shared.owner == [0, 1, 0]
     ids, positions, spans, starts = packing.pack_shared(shared, CPU)
     # prefix [10, 11], suffixes [12, 20, 21] and [12, 22]; then prefix [30], suffix [31, 40]
@@ -83,7 +84,7 @@ def test_packed_attention_with_longer_key_segments_is_causal_from_the_bottom_rig
     g = torch.Generator().manual_seed(3)
     q = torch.randn(5, 4, 8, generator=g, dtype=torch.float64)  # segments of 2 and 3 queries
     k, v = (torch.randn(9, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))  # 4 and 5 keys
-    out = packed_causal_attention(q, k, v, torch.tensor([0, 2, 5], dtype=torch.int32), 4, 0.3,
+    out = packed_causal_attention(q, k, v, torch.tensor([0, 2, 5], dtype=torch.int32), 4, 0.3, key_index=torch.arange(9),
                                   key_cu_seqlens=torch.tensor([0, 4, 9], dtype=torch.int32), key_max_length=8)
     for (a, b), (ka, kb) in zip(((0, 2), (2, 5)), ((0, 4), (4, 9))):
         for i in range(b - a):  # query i of n sees keys 0 .. m - n + i
@@ -92,7 +93,7 @@ def test_packed_attention_with_longer_key_segments_is_causal_from_the_bottom_rig
             ref = torch.einsum("hk,khd->hd", scores.softmax(-1), v[ka:ka + seen].repeat_interleave(2, 1))
             torch.testing.assert_close(out[a + i], ref, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="a segment of 3 queries has 2 keys"):
-        packed_causal_attention(q, k[:6], v[:6], torch.tensor([0, 2, 5], dtype=torch.int32), 4, 0.3,
+        packed_causal_attention(q, k, v, torch.tensor([0, 2, 5], dtype=torch.int32), 4, 0.3, key_index=torch.arange(6),
                                 key_cu_seqlens=torch.tensor([0, 4, 6], dtype=torch.int32), key_max_length=4)
 
 

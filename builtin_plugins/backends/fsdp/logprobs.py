@@ -22,6 +22,7 @@ from contextlib import nullcontext
 from typing import Any, Sequence
 
 from furlong.hooks.rows import SplitRows
+from furlong.kit.shared_rows import prefix_groups
 from furlong.kit.trainer import concatenated_ranges, right_padded, to_device
 
 from . import packing, shared_prompts
@@ -168,11 +169,12 @@ def forward_log_probs(
 
 
 def _sharing_plan(model, seqs, response_lengths, device, packed: bool):
-    """How the micro-batch shares its prompts (:mod:`.shared_prompts`), or None. A packed model shares in its one
-    row whenever two samples share a prompt (every FSDP2 rank then still runs one pass); otherwise the cheapest
-    layout by estimate, where the model can run it, agreed across FSDP2 ranks."""
+    """How the micro-batch shares its prompts, or None. A packed model shares in its one row whenever two samples
+    share a prompt (a :class:`furlong.kit.shared_rows.PrefixGroups`; every FSDP2 rank then still runs one pass);
+    otherwise a :class:`.shared_prompts.SharedPrompts` in the cheapest layout by estimate, where the model can run
+    it, agreed across FSDP2 ranks."""
     if packed:
-        shared = shared_prompts.group_by_prefix(seqs, response_lengths, shared_prompts.PACKED)
+        shared = prefix_groups(seqs, response_lengths)
         if shared is not None:
             shared_prompts.log_choice(None)
         return shared

@@ -68,16 +68,16 @@ def pack(seqs: Sequence[Any], device) -> tuple[Any, Any, PackedSpans]:
     return to_device(ids, device), to_device(positions, device), spans
 
 
-def pack_shared(shared, device) -> tuple[Any, Any, PackedSpans, list[int]]:
-    """The row of a micro-batch with shared prompts (:func:`furlong.kit.shared_rows.shared_row`) from ``shared``,
-    a :class:`.shared_prompts.SharedPrompts`.
+def pack_shared(groups, device) -> tuple[Any, Any, PackedSpans, list[int]]:
+    """The row of a micro-batch with shared prompts (:func:`furlong.kit.shared_rows.shared_row`) of ``groups``, a
+    :class:`furlong.kit.shared_rows.PrefixGroups`.
 
     :returns: ``(input_ids [1, T], position_ids [1, T], spans, starts)``: ``starts[i]`` is where sample
         ``i``'s suffix begins in the row (its last prompt token, which predicts its first response token).
     """
-    from furlong.kit.shared_rows import PrefixGroups, shared_row
+    from furlong.kit.shared_rows import shared_row
 
-    row = shared_row(PrefixGroups(prefixes=shared.prefixes, owner=shared.owner, suffixes=shared.suffixes))
+    row = shared_row(groups)
     spans = PackedSpans(cu_seqlens=_cu_seqlens(row.bounds, device), bounds=row.bounds,
                         max_length=length_bound(row.bounds), key_index=to_device(row.key_index, device),
                         key_cu_seqlens=_cu_seqlens(row.key_bounds, device), key_bounds=row.key_bounds,
@@ -111,15 +111,13 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise ValueError("packed attention takes no attention mask and no attention dropout")
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T, heads, D]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    keys = {}
-    if spans.key_index is not None:  # prompt sharing: each suffix's keys are its prompt's, then its own
-        k, v = k.index_select(0, spans.key_index), v.index_select(0, spans.key_index)
-        keys = {"key_cu_seqlens": spans.key_cu_seqlens, "key_max_length": spans.key_max_length}
+    # prompt sharing (key_index set): each suffix's keys are its prompt's, then its own
+    keys = {"key_index": spans.key_index, "key_cu_seqlens": spans.key_cu_seqlens, "key_max_length": spans.key_max_length}
     if varlen_kernel(q):  # one kernel, traced into compiled decoder layers
         out = packed_causal_attention(q, k, v, spans.cu_seqlens, spans.max_length, scale, **keys)
     else:  # a loop over host ints, which torch.compile would specialise on
-        out = _per_sequence(q, k, v, spans.cu_seqlens, spans.max_length, scale, bounds=spans.bounds, **keys,
-                            **({"key_bounds": spans.key_bounds} if keys else {}))
+        out = _per_sequence(q, k, v, spans.cu_seqlens, spans.max_length, scale, bounds=spans.bounds,
+                            key_bounds=spans.key_bounds, **keys)
     return out.unsqueeze(0), None
 
 

@@ -33,10 +33,11 @@ long responses make it quadratic in the group's total length); it also pads less
 group's responses are laid end to end rather than each padded to the longest.
 
 A model that runs packed attention (the fsdp backend's default on GPUs) takes neither: its
-micro-batch is one row without padding, so sharing there (``packed``, :func:`..packing.pack_shared`)
-puts each prefix in the row once and its samples' suffixes after it, and the attention kernel
-gathers each suffix's keys from its prefix and itself. It does strictly less work than the unshared
-row whenever two samples share a prefix, so it needs no estimate.
+micro-batch is one row without padding, so sharing there (:func:`..packing.pack_shared`) puts each
+prefix in the row once and its samples' suffixes after it, and the attention kernel gathers each
+suffix's keys from its prefix and itself. No mask is built, so it runs on CUDA and in compiled
+decoder layers; it does strictly less work than the unshared row whenever two samples share a
+prefix, so it needs no estimate.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ from furlong.kit.shared_rows import prefix_groups
 
 from .lora import base_model
 
-__all__ = ["ATTENTION_IMPLEMENTATIONS", "MODEL_TYPES", "PACKED", "PASS_OVERHEAD", "ROWS", "ROWS_MASK_LIMIT",
-           "TWO_PASSES", "SharedPrompts", "all_ranks_share", "attention_pair_cost", "group_by_prefix", "log_choice",
-           "pass_cost", "plan_sharing", "shared_forward", "sharing_off_reason"]
+__all__ = ["ATTENTION_IMPLEMENTATIONS", "MODEL_TYPES", "PASS_OVERHEAD", "ROWS", "ROWS_MASK_LIMIT", "TWO_PASSES",
+           "SharedPrompts", "all_ranks_share", "attention_pair_cost", "log_choice", "pass_cost", "plan_sharing",
+           "shared_forward", "sharing_off_reason"]
 
 log = logging.getLogger("furlong.backends.fsdp")
 
@@ -70,10 +71,6 @@ _logged: set[str] = set()
 
 ROWS = "rows"
 TWO_PASSES = "two_passes"
-PACKED = "packed"
-"""The layout of a model that runs packed attention (:func:`..packing.pack_shared`): one row without padding, each
-prefix once, then its samples' suffixes, which attend to the prefix's keys and their own through the flash kernel's
-key bounds. No mask is built, so it runs on CUDA and in compiled decoder layers."""
 
 PASS_OVERHEAD = 33_000_000
 """Multiply-adds per decoder layer that one more pass costs whatever its size: its kernels' fixed
@@ -155,7 +152,7 @@ def plan_sharing(seqs: Sequence[Any], response_lengths: Sequence[int], pair_cost
         while ``U R^2`` is at most :data:`ROWS_MASK_LIMIT`) and
         ``U P + B S + (U P^2 + B S (P + S)) c + pass_tokens`` (``two_passes``).
     """
-    grouped = group_by_prefix(seqs, response_lengths)
+    grouped = prefix_groups(seqs, response_lengths)
     if grouped is None:
         return None
     prefixes, owner, suffixes = grouped.prefixes, grouped.owner, grouped.suffixes
@@ -171,15 +168,6 @@ def plan_sharing(seqs: Sequence[Any], response_lengths: Sequence[int], pair_cost
     if costs[layout] >= n * whole + n * whole * whole * pair_cost:
         return None
     return SharedPrompts(prefixes=prefixes, owner=owner, suffixes=suffixes, layout=layout)
-
-
-def group_by_prefix(seqs: Sequence[Any], response_lengths: Sequence[int], layout: str = ROWS) -> SharedPrompts | None:
-    """The samples of a micro-batch grouped by prefix (:func:`furlong.kit.shared_rows.prefix_groups`), in
-    ``layout``; None when no two samples share a prefix or a sample's prompt is a single token."""
-    groups = prefix_groups(seqs, response_lengths)
-    if groups is None:
-        return None
-    return SharedPrompts(prefixes=groups.prefixes, owner=groups.owner, suffixes=groups.suffixes, layout=layout)
 
 
 def _row_lengths(prefixes, owner, suffixes) -> list[int]:

@@ -90,8 +90,7 @@ class SDPACoreAttention(MegatronModule):
             keys = {}
             key_index = getattr(packed_seq_params, "key_index", None)
             if key_index is not None:  # shared prompts: each suffix attends to its prompt's keys, then its own
-                key, value = key.index_select(0, key_index), value.index_select(0, key_index)
-                keys = {"key_cu_seqlens": packed_seq_params.cu_seqlens_kv,
+                keys = {"key_index": key_index, "key_cu_seqlens": packed_seq_params.cu_seqlens_kv,
                         "key_max_length": int(packed_seq_params.max_seqlen_kv)}
             out = packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
                                           int(packed_seq_params.max_seqlen_q), self.scale,
