@@ -181,7 +181,8 @@ class TrainBackend(Protocol):
 
         The core plans micro-batches per data-parallel rank and sends tensor/pipeline/
         context-parallel peers the same share; it keeps outputs of ranks with
-        ``returns_outputs`` only.
+        ``returns_outputs`` only. ``shares_prompts=True`` (default False) says the backend runs a
+        prompt its micro-batch's samples share once, so the planner keeps prompt groups together.
         """
 
     def iter_weights(self) -> AsyncIterator[tuple[str, Any]]:
