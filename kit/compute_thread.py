@@ -17,6 +17,14 @@ work through :func:`run_compute`; the event loop's thread then computes with one
 so a plugin doing heavy torch work on it (a reward model, say) should use :func:`run_compute` too.
 Elsewhere (``train-async``, tests calling a plugin directly) :func:`run_compute` is
 ``asyncio.to_thread``: an asynchronous run's engine decodes while the trainer trains.
+
+There the engine's decode steps and the trainer's passes run in two threads of one process, and
+:func:`compute_turn` keeps their host sides apart, one pass at a time (the GPU still runs what
+each has launched): ``torch.compile`` traces a model with ``torch.fx``, which patches
+``torch.nn.Module.__call__`` for the whole process, so a module called by another thread while a
+first call compiles fails ("Detected that you are using FX to symbolically trace a
+dynamo-optimized function"), and a CUDA graph capture fails when another thread's module work
+meets it.
 """
 
 from __future__ import annotations
@@ -25,12 +33,28 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-__all__ = ["run_compute", "shared_compute_thread"]
+__all__ = ["compute_turn", "run_compute", "shared_compute_thread"]
 
 _shared: ThreadPoolExecutor | None = None
+_turn = threading.RLock()
+
+
+def compute_turn() -> threading.RLock:
+    """The process's turn for one pass of torch module work: ``with compute_turn(): ...``.
+
+    Held by the built-in plugins around each pass that calls torch modules in-process (the
+    ``embedded`` engine per decode step or prefill, the trainer loop of :mod:`furlong.kit.trainer` per
+    forward, backward or optimizer step), never across a wait on another plugin. Re-entrant. In a
+    sync run everything already runs in one thread and the turn is never contended; in
+    ``train-async`` with the engine and the trainer in one process it keeps a first call that
+    compiles (``torch.compile``) or captures (CUDA graphs) from meeting the other thread's
+    passes. Taking it costs about a microsecond.
+    """
+    return _turn
 
 
 async def run_compute(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

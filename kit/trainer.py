@@ -13,7 +13,7 @@ import logging
 from collections import defaultdict
 from typing import Any, Sequence
 
-from .compute_thread import run_compute
+from .compute_thread import compute_turn, run_compute
 from furlong.hooks.errors import PluginError
 from furlong.hooks.rows import SplitRows, concat_rows, row_lengths
 from furlong.hooks.types import TrainBatch
@@ -175,14 +175,16 @@ class StepLoop:
 
     async def _in_thread(self, fn, *args, **kwargs):
         """Run ``fn`` in a worker thread (:func:`~furlong.kit.compute_thread.run_compute`) on this rank's
-        CUDA device (the current device is per thread)."""
+        CUDA device (the current device is per thread), holding the process's
+        :func:`~furlong.kit.compute_thread.compute_turn`."""
 
         def call():
             if self.device.type == "cuda":
                 import torch
 
                 torch.cuda.set_device(self.device)
-            return fn(*args, **kwargs)
+            with compute_turn():
+                return fn(*args, **kwargs)
 
         return await run_compute(call)
 

@@ -94,6 +94,33 @@ def test_train_async_is_one_step_off_policy_and_overlaps(tmp_path, tiny, plugin_
     assert leftover == []
 
 
+def test_every_module_pass_of_the_engine_and_the_trainer_holds_the_process_turn(tmp_path, tiny, plugin_manager,
+                                                                                register_plugin, monkeypatch):
+    """Engine and trainer share this process and run at once: a module called outside the turn could meet
+    the other thread's first compiled call (torch.fx patches ``Module.__call__`` process-wide) or a CUDA
+    graph capture."""
+    import threading
+
+    import torch
+
+    from furlong.kit.compute_thread import compute_turn
+
+    turn, plain_call = compute_turn(), torch.nn.Module.__call__
+    calls, outside = [], []
+
+    def recording_call(module, *args, **kwargs):
+        (calls if turn._is_owned() else outside).append((threading.current_thread().name, type(module).__name__))
+        return plain_call(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", recording_call)
+    register_plugin(Recorder(), "recorder")
+    rollouts, _ = _train_async(tmp_path, tiny, plugin_manager)
+    assert [r["rollout/step"] for r in rollouts] == [0, 1, 2]
+    assert outside == []
+    kinds = {name for _, name in calls}
+    assert {"Embedding", "Linear"} <= kinds and len(calls) > 100  # the engine's passes and the trainer's
+
+
 def test_update_weights_interval_syncs_every_k_rollouts(tmp_path, tiny, plugin_manager, register_plugin):
     recorder = register_plugin(Recorder(), "recorder")
     rollouts, _ = _train_async(tmp_path, tiny, plugin_manager, "--update-weights-interval", "2")

@@ -55,6 +55,7 @@ from typing import Any, Callable
 import attrs
 import numpy as np
 
+from furlong.kit.compute_thread import compute_turn
 from furlong.kit.moe import experts_modules
 
 from . import decode_kernels
@@ -130,7 +131,8 @@ class SlotDecoder:
 
     :param model: a transformers causal LM in eval mode (switched to slot attention).
     :param max_slots: most requests decoded together (``--embedded-max-batch-size``).
-    :param lock: held around every forward pass (weight updates take it between steps).
+    :param lock: held around every forward pass (weight updates take it between steps); each hold also
+        takes the process's :func:`~furlong.kit.compute_thread.compute_turn`.
     :param graphs: capture the decode step in CUDA graphs (CUDA only).
     :param compile: None, or the ``torch.compile`` backend of the decoder layers and the
         sampler (``"inductor"`` for ``--embedded-torch-compile``; tests use ``"aot_eager"``).
@@ -177,6 +179,7 @@ class SlotDecoder:
         use_slot_attention(model)
         _contiguous_head_input(model)
         self.model, self.tokenizer, self.max_slots, self.lock = model, tokenizer, max_slots, lock
+        self._turn = compute_turn()
         self.device = next(model.parameters()).device
         self.experts = None  # the MoE layers' SlotExperts
         if experts_modules(model) or record_routing:
@@ -277,20 +280,21 @@ class SlotDecoder:
                     in_flight = None
                     continue
                 launched = None
-                try:  # aborts, admission and the next launch under one hold of the lock
-                    for s, req in enumerate(self.requests):
-                        if req is not None and aborted(req):
-                            self._finish([s], ["abort"], on_finish)
-                    free = [s for s, r in enumerate(self.requests) if r is None]
-                    new = take(len(free)) if free else []
-                    if new:
-                        self._admit(new, free[: len(new)], on_finish)
-                    if not self.overlap:
-                        self._compact()
-                    busy = np.flatnonzero(self.busy)
-                    ahead = self.overlap and not self.banning
-                    if len(busy) and (in_flight is None or ahead):  # (else: plan with the counts up to date)
-                        launched = self._step(int(busy[-1]) + 1)
+                try:  # aborts, admission and the next launch under one hold of the lock and the process's turn
+                    with self._turn:
+                        for s, req in enumerate(self.requests):
+                            if req is not None and aborted(req):
+                                self._finish([s], ["abort"], on_finish)
+                        free = [s for s, r in enumerate(self.requests) if r is None]
+                        new = take(len(free)) if free else []
+                        if new:
+                            self._admit(new, free[: len(new)], on_finish)
+                        if not self.overlap:
+                            self._compact()
+                        busy = np.flatnonzero(self.busy)
+                        ahead = self.overlap and not self.banning
+                        if len(busy) and (in_flight is None or ahead):  # (else: plan with the counts up to date)
+                            launched = self._step(int(busy[-1]) + 1)
                 finally:
                     self.lock.release()
                 if in_flight is not None:
@@ -551,7 +555,8 @@ class SlotDecoder:
             graph = torch.cuda.CUDAGraph()
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # another thread's torch work (a trainer's loss, say) goes on: only this thread's calls may break capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self._device_step(n, width)
             restore()
             return graph

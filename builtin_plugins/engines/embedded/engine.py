@@ -17,7 +17,7 @@ from typing import Any, Callable
 import attrs
 
 from furlong.hooks import GenerateOutput, PluginError
-from furlong.kit.compute_thread import run_compute
+from furlong.kit.compute_thread import compute_turn, run_compute
 
 from .decode import Request, SlotDecoder
 from .fused_projections import fuse_projections, unfuse_projections
@@ -308,7 +308,7 @@ class EmbeddedEngine:
         def forward() -> list[float | None]:
             torch = self._torch
             self._use_device()
-            with self._lock, torch.no_grad():
+            with self._lock, compute_turn(), torch.no_grad():
                 ids = torch.tensor([input_ids], device=self.device)
                 log_probs = torch.log_softmax(self.model(ids).logits[0, :-1].float(), dim=-1)
                 picked = log_probs.gather(1, ids[0, 1:, None])[:, 0].tolist()
