@@ -145,10 +145,19 @@ def decoder_layers(model) -> list:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+COMPILED_VARIANTS = 64
+"""Compiled variants torch keeps per function (``torch._dynamo.config.cache_size_limit``, 8 by default) once a
+model's layers compile here. The engine's and the trainer's layers are the same classes, so their variants
+(prefill and decode shapes, with and without grad, the calls' argument forms) add up on the same functions:
+at 8 the demo's run with both compiled hit the limit by its fourth rollout, and every later variant ran
+uncompiled."""
+
+
 def compile_decoder_layers(model, flag: str, backend: str = "inductor", dynamic: bool | None = None) -> int:
     """Compile every decoder layer of ``model`` in place with ``torch.compile`` (regional compilation:
     the layers share one compiled code, their parameters are its inputs, so weights changed in
-    place reach it and the compilation costs one layer's, not the model's).
+    place reach it and the compilation costs one layer's, not the model's). Raises torch's limit of
+    compiled variants per function to at least :data:`COMPILED_VARIANTS` (process-wide).
 
     :param flag: the flag that asked for it, for the error message.
     :param dynamic: passed to ``torch.compile`` (True: sizes symbolic from the start, for inputs
@@ -160,6 +169,9 @@ def compile_decoder_layers(model, flag: str, backend: str = "inductor", dynamic:
     if not layers:
         raise PluginError(f"{flag}: {type(model).__name__} names no decoder layer class "
                           "(_no_split_modules), so there is nothing to compile; run without the flag.")
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, COMPILED_VARIANTS)
     for layer in layers:
         layer.compile(backend=backend, dynamic=dynamic)
     return len(layers)
