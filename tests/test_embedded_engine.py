@@ -589,6 +589,25 @@ def test_update_weights_reach_the_compiled_layers(tiny_dir):
     assert compiled.output_log_probs == pytest.approx(plain.output_log_probs, abs=1e-6)
 
 
+def test_compiled_layers_keep_every_variant_compiled(tiny_dir):
+    """Prefill and decode batches of several sizes and of one row make 10 variants of one function of the
+    layers (more with a compiled trainer's layers in the same process); past torch's default of 8 they ran
+    uncompiled. The decode runs in another thread, where the limit set around each call still holds."""
+    torch._dynamo.reset()  # variants of other tests' models count on the same functions
+    try:
+        with torch._dynamo.config.patch(cache_size_limit=8, fail_on_recompile_limit_hit=True):
+            eng = embedded.load_engine(str(tiny_dir), max_batch_size=8, compile="aot_eager")
+            tokens = _ids(eng, "12+3=")
+            params = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+            async def generate(n: int) -> list:
+                return await asyncio.gather(*(eng.generate(tokens[: 2 + i], dict(params)) for i in range(n)))
+
+            for n in (8, 3, 1, 8, 1):
+                assert [len(out.output_ids) for out in _run(generate(n))] == [6] * n
+    finally:
+        torch._dynamo.reset()
+
+
 def test_update_weights_rejects_unknown_names_and_shapes(engine):
     with pytest.raises(PluginError) as err:
         _run(engine.update_weights([("model.nope.weight", torch.zeros(1))], 1))

@@ -18,7 +18,6 @@ from tiny_model import TWO_RANK_FLAGS, make_batch, run_two_ranks, train_args, tr
 from furlong.builtin_plugins.backends.fsdp import FSDPBackend, train_backend  # noqa: E402
 from furlong.builtin_plugins.backends.fsdp.schedule import LRSchedule, lr_at  # noqa: E402
 from furlong.hooks import PluginError, TrainBackend  # noqa: E402
-from furlong.kit.hf import compile_decoder_layers  # noqa: E402
 
 ALL_IN_ONE = [[[0, 1, 2, 3]]]
 ONE_BY_ONE = [[[0], [1], [2], [3]]]
@@ -431,35 +430,6 @@ def test_compiled_decoder_layers_train_as_the_plain_model(tiny_dir):
     assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     wa, wb = _weights(plain), _weights(compiled)
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4  # Adam's first step is lr * sign(g): 1e-2
-
-
-def test_an_engine_and_a_trainer_compiled_in_one_process_keep_every_variant_compiled(tiny_dir):
-    """Their layers are the same classes, so their compiled variants add up on the same functions; torch's
-    default of 8 per function was too few (a variant past it runs uncompiled)."""
-    from furlong.builtin_plugins.engines import embedded
-
-    torch._dynamo.reset()  # variants of other tests' models count on the same functions
-    try:
-        with torch._dynamo.config.patch(cache_size_limit=8, fail_on_recompile_limit_hit=True):
-            engine = embedded.load_engine(str(tiny_dir), max_batch_size=8, compile="aot_eager")
-            trainer = _backend(tiny_dir)
-            compile_decoder_layers(trainer.model, "--train-torch-compile", backend="aot_eager", dynamic=True)
-            tokens = engine.tokenizer("12+3=")["input_ids"]
-            params = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
-
-            async def generate(n: int) -> list:
-                return await asyncio.gather(*(engine.generate(tokens[: 2 + i], dict(params)) for i in range(n)))
-
-            for n in (8, 3, 1):  # prefill and decode batches of several sizes, and of one row
-                assert all(len(out.output_ids) == 6 for out in asyncio.run(generate(n)))
-            for steps in ([[[0, 1, 2], [3]]], [[[0], [1, 2, 3]]]):
-                batch = make_batch(trainer.tokenizer, steps)
-                assert math.isfinite(asyncio.run(trainer.train(0, batch))[0]["loss"])
-                assert len(asyncio.run(trainer.log_probs(batch))["log_probs"]) == 4
-            for n in (8, 1):
-                assert len(asyncio.run(generate(n))) == n
-    finally:
-        torch._dynamo.reset()
 
 
 def test_compiled_layers_are_refused_across_ranks(tiny_dir):
