@@ -18,13 +18,14 @@ so a plugin doing heavy torch work on it (a reward model, say) should use :func:
 Elsewhere (``train-async``, tests calling a plugin directly) :func:`run_compute` is
 ``asyncio.to_thread``: an asynchronous run's engine decodes while the trainer trains.
 
-There the engine's decode steps and the trainer's passes run in two threads of one process, and
-:func:`compute_turn` keeps their host sides apart, one pass at a time (the GPU still runs what
-each has launched): ``torch.compile`` traces a model with ``torch.fx``, which patches
+There the engine's decode steps and the trainer's calls run in two threads of one process, and
+:func:`compute_turn` keeps their host sides apart, one at a time (the GPU still runs what each has
+launched): ``torch.compile`` traces a model with ``torch.fx``, which patches
 ``torch.nn.Module.__call__`` for the whole process, so a module called by another thread while a
 first call compiles fails ("Detected that you are using FX to symbolically trace a
-dynamo-optimized function"), and a CUDA graph capture fails when another thread's module work
-meets it.
+dynamo-optimized function"), and a CUDA graph captured while the other thread launches its own
+passes would be at risk too. (Torch work outside the turn, such as a loss computed on the event
+loop's thread, may still meet a capture: the engine captures in thread-local mode for that.)
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ _turn = threading.RLock()
 def compute_turn() -> threading.RLock:
     """The process's turn for one pass of torch module work: ``with compute_turn(): ...``.
 
-    Held by the built-in plugins around each pass that calls torch modules in-process (the
-    ``embedded`` engine per decode step or prefill, the trainer loop of :mod:`furlong.kit.trainer` per
-    forward, backward or optimizer step), never across a wait on another plugin. Re-entrant. In a
+    Held by the built-in plugins around their torch work in-process: the ``embedded`` engine per
+    decode step or prefill, the trainer loop of :mod:`furlong.kit.trainer` per call it runs in its
+    compute thread (a forward, a backward, clipping and the optimizer step, a weight gather, checkpoint
+    I/O). Never wait while holding it for work that takes it too. Re-entrant. In a
     sync run everything already runs in one thread and the turn is never contended; in
     ``train-async`` with the engine and the trainer in one process it keeps a first call that
     compiles (``torch.compile``) or captures (CUDA graphs) from meeting the other thread's

@@ -176,14 +176,18 @@ def compile_decoder_layers(model, flag: str, backend: str = "inductor", dynamic:
 
 
 def _keeping_variants(compiled):
-    """``compiled`` called with torch's limit of compiled variants per function at :data:`COMPILED_VARIANTS`.
-    Torch keeps that setting per context (thread or asyncio task), so it is set around each call, in whatever
-    thread the call runs (about 20 microseconds a call; a CUDA graph's replay makes none)."""
+    """``compiled`` called with torch's limit of compiled variants per function at least
+    :data:`COMPILED_VARIANTS`. Torch (2.13) keeps that setting per context (a thread's, an asyncio task's, a
+    ``contextvars`` copy's), so a call raises it in the context it runs in where it is lower, and leaves it
+    raised there (a read, about a microsecond, when it already is)."""
     import torch._dynamo
 
+    config = torch._dynamo.config
+
     def call(*args, **kwargs):
-        with torch._dynamo.config.patch(cache_size_limit=COMPILED_VARIANTS):
-            return compiled(*args, **kwargs)
+        if config.cache_size_limit < COMPILED_VARIANTS:
+            config.cache_size_limit = COMPILED_VARIANTS
+        return compiled(*args, **kwargs)
 
     return call
 

@@ -592,11 +592,15 @@ def test_update_weights_reach_the_compiled_layers(tiny_dir):
 def test_compiled_layers_keep_every_variant_compiled(tiny_dir):
     """Prefill and decode batches of several sizes and of one row make 10 variants of one function of the
     layers (more with a compiled trainer's layers in the same process); past torch's default of 8 they ran
-    uncompiled. The decode runs in another thread, where the limit set around each call still holds."""
+    uncompiled. Torch keeps the limit per context, and a run loads the engine in a context of its own (a
+    task's), so a limit set once while compiling would not reach the decode; the layers' calls set it."""
+    import contextvars
+
     torch._dynamo.reset()  # variants of other tests' models count on the same functions
     try:
         with torch._dynamo.config.patch(cache_size_limit=8, fail_on_recompile_limit_hit=True):
-            eng = embedded.load_engine(str(tiny_dir), max_batch_size=8, compile="aot_eager")
+            eng = contextvars.copy_context().run(embedded.load_engine, str(tiny_dir), max_batch_size=8,
+                                                 compile="aot_eager")
             tokens = _ids(eng, "12+3=")
             params = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
             async def generate(n: int) -> list:
