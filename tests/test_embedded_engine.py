@@ -924,3 +924,22 @@ def test_a_model_with_sliding_window_layers_is_warned_about(tiny_dir, tmp_path, 
             embedded.load_engine(str(folder))
         warned = [r.getMessage() for r in caplog.records if "sliding-window" in r.getMessage()]
         assert len(warned) == int(sliding) and (not sliding or str(folder) in warned[0])
+
+
+def test_prompt_log_probs_call_the_model_holding_the_process_turn(engine, monkeypatch):
+    """``furlong serve``'s prompt log-probs run in a worker thread beside any decode: their module calls hold the
+    process's turn (furlong.kit.compute_thread.compute_turn), as the decode steps' do."""
+    from furlong.kit.compute_thread import compute_turn
+
+    turn, plain_call = compute_turn(), torch.nn.Module.__call__
+    held = []
+
+    def recording_call(module, *args, **kwargs):
+        held.append(turn._is_owned())
+        return plain_call(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", recording_call)
+    ids = _ids(engine, "1+2=3")
+    log_probs = _run(engine.prompt_log_probs(ids, 0))
+    assert len(log_probs) == len(ids) and log_probs[0] is None
+    assert held and all(held)
