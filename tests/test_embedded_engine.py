@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_model import EOS_ID, train_config  # noqa: E402
+from tiny_model import EOS_ID, record_module_calls, train_config  # noqa: E402
 
 from furlong.builtin_plugins.backends.fsdp import train_backend  # noqa: E402
 from furlong.builtin_plugins.engines import embedded  # noqa: E402
@@ -929,17 +929,8 @@ def test_a_model_with_sliding_window_layers_is_warned_about(tiny_dir, tmp_path, 
 def test_prompt_log_probs_call_the_model_holding_the_process_turn(engine, monkeypatch):
     """``furlong serve``'s prompt log-probs run in a worker thread beside any decode: their module calls hold the
     process's turn (furlong.kit.compute_thread.compute_turn), as the decode steps' do."""
-    from furlong.kit.compute_thread import compute_turn
-
-    turn, plain_call = compute_turn(), torch.nn.Module.__call__
-    held = []
-
-    def recording_call(module, *args, **kwargs):
-        held.append(turn._is_owned())
-        return plain_call(module, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.Module, "__call__", recording_call)
+    held, outside = record_module_calls(monkeypatch)
     ids = _ids(engine, "1+2=3")
     log_probs = _run(engine.prompt_log_probs(ids, 0))
     assert len(log_probs) == len(ids) and log_probs[0] is None
-    assert held and all(held)
+    assert held and outside == []

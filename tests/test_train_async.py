@@ -15,7 +15,7 @@ from furlong.core.run.loop import run
 from furlong.core.plugins.selection import resolve_selection
 from furlong.hooks import hookimpl
 
-from .tiny_model import build_tiny_model
+from .tiny_model import build_tiny_model, record_module_calls
 
 
 @pytest.fixture(scope="module")
@@ -99,20 +99,7 @@ def test_every_module_pass_of_the_engine_and_the_trainer_holds_the_process_turn(
     """Engine and trainer share this process and run at once: a module called outside the turn could meet
     the other thread's first compiled call (torch.fx patches ``Module.__call__`` process-wide) or a CUDA
     graph capture."""
-    import threading
-
-    import torch
-
-    from furlong.kit.compute_thread import compute_turn
-
-    turn, plain_call = compute_turn(), torch.nn.Module.__call__
-    calls, outside = [], []
-
-    def recording_call(module, *args, **kwargs):
-        (calls if turn._is_owned() else outside).append((threading.current_thread().name, type(module).__name__))
-        return plain_call(module, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.Module, "__call__", recording_call)
+    calls, outside = record_module_calls(monkeypatch)
     register_plugin(Recorder(), "recorder")
     rollouts, _ = _train_async(tmp_path, tiny, plugin_manager)
     assert [r["rollout/step"] for r in rollouts] == [0, 1, 2]

@@ -323,3 +323,24 @@ def build_tiny_bf16_model_for_fp8(path: Path, seed: int = 0) -> Path:
     torch.random.set_rng_state(state)
     model.save_pretrained(path)
     return path
+
+
+def record_module_calls(monkeypatch) -> tuple[list, list]:
+    """Patch ``torch.nn.Module.__call__`` to record each call as ``(thread name, module class)``, in the first
+    list when the calling thread holds the process's compute turn (``furlong.kit.compute_thread``), else in
+    the second; returns both lists."""
+    import threading
+
+    import torch
+
+    from furlong.kit.compute_thread import compute_turn
+
+    turn, plain_call = compute_turn(), torch.nn.Module.__call__
+    held, outside = [], []
+
+    def recording_call(module, *args, **kwargs):
+        (held if turn._is_owned() else outside).append((threading.current_thread().name, type(module).__name__))
+        return plain_call(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", recording_call)
+    return held, outside
