@@ -50,11 +50,12 @@ def compute_turn() -> threading.RLock:
     Held by the built-in plugins around their torch work in-process: the ``embedded`` engine per
     decode step or prefill, the trainer loop of :mod:`furlong.kit.trainer` per call it runs in its
     compute thread (a forward, a backward, clipping and the optimizer step, a weight gather, checkpoint
-    I/O). Never wait while holding it for work that takes it too. Re-entrant. In a
-    sync run everything already runs in one thread and the turn is never contended; in
-    ``train-async`` with the engine and the trainer in one process it keeps a first call that
-    compiles (``torch.compile``) or captures (CUDA graphs) from meeting the other thread's
-    passes. Taking it costs about a microsecond.
+    I/O). Any other plugin calling torch modules in the run's process (a reward model) takes it around
+    those calls too; :func:`run_compute` does not take it. Never wait while holding it for work that
+    takes it too. Re-entrant. In a sync run generation and training never overlap and the turn is
+    never contended; in ``train-async`` with the engine and the trainer in one process it keeps a
+    first call that compiles (``torch.compile``) or captures (CUDA graphs) from meeting the other
+    thread's module calls, which failed in torch's compiler. Taking it costs about a microsecond.
     """
     return _turn
 

@@ -131,8 +131,8 @@ class SlotDecoder:
 
     :param model: a transformers causal LM in eval mode (switched to slot attention).
     :param max_slots: most requests decoded together (``--embedded-max-batch-size``).
-    :param lock: held around every forward pass (weight updates take it between steps); each hold also
-        takes the process's :func:`~furlong.kit.compute_thread.compute_turn`.
+    :param lock: held around every forward pass (weight updates take it between steps); each decode
+        step or prefill also takes the process's :func:`~furlong.kit.compute_thread.compute_turn`.
     :param graphs: capture the decode step in CUDA graphs (CUDA only).
     :param compile: None, or the ``torch.compile`` backend of the decoder layers and the
         sampler (``"inductor"`` for ``--embedded-torch-compile``; tests use ``"aot_eager"``).
