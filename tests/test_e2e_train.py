@@ -1,5 +1,6 @@
 """`furlong train` end to end on a real (tiny) Hugging Face model: metrics, eval, observers."""
 
+import gc
 import json
 
 import pytest
@@ -16,15 +17,23 @@ REQUIRED_KEYS = {
 }
 
 
+def is_frozen(obj) -> bool:
+    """Whether ``gc.freeze`` moved ``obj`` out of the collector's generations."""
+    return gc.is_tracked(obj) and not any(o is obj for generation in range(3) for o in gc.get_objects(generation))
+
+
 class Recorder:
     """An observer plugin registered in-process: records what the loop tells observers."""
 
     def __init__(self):
         self.calls = []
+        self.kept = []  # one object made and kept at each rollout's end
 
     @hookimpl
     def on_rollout_end(self, rollout_id, metrics):
         self.calls.append(("rollout", rollout_id, dict(metrics)))
+        self.calls.append(("frozen", rollout_id, [is_frozen(kept) for kept in self.kept]))
+        self.kept.append([rollout_id])  # a list stays tracked by the garbage collector
 
     @hookimpl
     def on_train_step_end(self, rollout_id, step, metrics):
@@ -41,7 +50,8 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory, tiny_model_dir, arithmetic_jsonl):
-    """Three rollouts, two optimizer steps each, KL loss on, eval every 2 rollouts, saves."""
+    """Three rollouts, two optimizer steps each, KL loss on, eval every 2 rollouts, saves; objects are frozen
+    after the first rollout only (``WARMUP_FREEZES`` 1)."""
     import asyncio
 
     from furlong.core.config.launch_args import launch_config
@@ -60,7 +70,9 @@ def short_run(tmp_path_factory, tiny_model_dir, arithmetic_jsonl):
     recorder = Recorder()
     pm.register(recorder, name="recorder")
     config = launch_config(*argv, pm=pm)
-    asyncio.run(run(config, pm, resolve_selection(config, pm)))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("furlong.core.run.loop.WARMUP_FREEZES", 1)
+        asyncio.run(run(config, pm, resolve_selection(config, pm)))
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     return save, rows, recorder.calls
 
@@ -101,6 +113,14 @@ def test_hook_on_rollout_end_and_other_observers_fire_with_the_logged_metrics(sh
     logged = next(r for r in rows if r.get("rollout/step") == 2)
     observed = next(c[2] for c in calls if c[0] == "rollout" and c[1] == 2)
     assert observed["rollout/raw_reward"] == logged["rollout/raw_reward"]
+
+
+def test_objects_that_survive_the_warm_up_rollouts_are_frozen_then_no_more(short_run):
+    """What the first rollouts made and kept (compiled graphs on a GPU; here the recorder's own records) leaves
+    the garbage collector's scans, so later full collections stay short; later rollouts freeze nothing."""
+    _, _, calls = short_run
+    assert [c[2] for c in calls if c[0] == "frozen"] == [[], [True], [True, False]]
+    assert gc.get_freeze_count() == 0  # the run unfroze everything when it returned
 
 
 def test_checkpoints_follow_the_save_cadence(short_run):

@@ -43,6 +43,10 @@ __all__ = ["run"]
 
 log = logging.getLogger("furlong")
 
+WARMUP_FREEZES = 3
+"""Rollouts of an invocation after which :func:`freeze_survivors` runs again (on one H100, compiled
+layers and CUDA graphs were made in the first two rollouts; each freeze costs one full collection)."""
+
 
 class Run:
     """Everything one run holds: executor, data, engines, train group, rollout manager, logs."""
@@ -74,6 +78,7 @@ class Run:
         # train-async: rollout id -> {generate,train}_{start,end}, seconds since the loop started
         self.timeline: dict[int, dict[str, float]] = {}
         self.pending_save: asyncio.Task | None = None  # --async-save: the checkpoint being written
+        self.warmup_freezes_left = WARMUP_FREEZES
 
     @property
     def is_driver(self) -> bool:
@@ -323,6 +328,9 @@ class Run:
             log.warning("%s", warning)
             self.warned_zero_spread = True
         await self.pm.notify("on_rollout_end", config=self.config, rollout_id=rollout_id, metrics=metrics)
+        if self.warmup_freezes_left:
+            self.warmup_freezes_left -= 1
+            freeze_survivors()
 
 
 async def run(config: RunConfig, pm: FurlongPluginManager, selection: Selection) -> None:
@@ -349,7 +357,7 @@ async def _run(config: RunConfig, pm: FurlongPluginManager, selection: Selection
         if not state.is_driver:
             return
         sync_time = await state.update_weights()
-        _freeze_startup_objects()
+        freeze_survivors()
         if config.num_rollout == 0 and config.eval_interval and state.has_eval:
             await state.evaluate(0, start=True)
         elif config.train_mode == "async":
@@ -592,11 +600,17 @@ def _checked_executor(executor, name: str, flag: str):
     return executor
 
 
-def _freeze_startup_objects() -> None:
-    """Keep the objects of the start (modules of torch and transformers, models, tokenizers) out of later
-    garbage collections: a full collection scans every tracked object, about 0.2 s in a process holding
-    transformers, and Python runs one every few rollouts on its own (``gc.freeze``; :func:`run`
-    unfreezes them when it returns)."""
+def freeze_survivors() -> None:
+    """Collect garbage, then keep every surviving object out of later collections (``gc.freeze``).
+
+    A full collection scans every tracked object: about 0.2 s in a process holding transformers, and
+    Python runs one about every rollout on its own. The run freezes what the start made (modules of
+    torch and transformers, models, tokenizers) and again after each of its first
+    :data:`WARMUP_FREEZES` rollouts, which compile (``torch.compile``'s graphs and guards, the
+    engine's CUDA graphs); :func:`run` unfreezes everything when it returns. Objects still alive at a
+    freeze are freed as usual by their reference counts; only a reference cycle formed among them
+    would stay.
+    """
     gc.collect()
     gc.freeze()
 
