@@ -242,6 +242,7 @@ ENGINE_ERRORS = [
     (["--rollout-external"],
      "--rollout-external and --rollout-external-engine-addrs attach to SGLang servers: they need "
      "--rollout-backend sglang."),
+    (["--embedded-max-batch-size", "0"], "--embedded-max-batch-size must be at least 1, got 0."),
 ]
 
 

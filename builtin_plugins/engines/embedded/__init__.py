@@ -64,6 +64,8 @@ def configure(args, report):
     if args.rollout_external or args.rollout_external_engine_addrs:
         report.error("--rollout-external and --rollout-external-engine-addrs attach to SGLang servers: they need "
                      "--rollout-backend sglang.")
+    if args.embedded_max_batch_size < 1:
+        report.error(f"--embedded-max-batch-size must be at least 1, got {args.embedded_max_batch_size}.")
     if not report.machine.cuda:
         return
     prompts = max(args.rollout_batch_size, args.over_sampling_batch_size or 0)
