@@ -68,7 +68,7 @@ def _settled(manager):
 def test_miles_rollout_function_path_selects_fully_async(tmp_path, plugin_manager):
     args = parse_args(["--num-rollout", "2", "--rollout-batch-size", "2", "--prompt-data", str(_data(tmp_path)),
                        "--rollout-function-path", "miles.rollout.fully_async_rollout.generate_rollout_fully_async"],
-                      command="train-async")
+                      plugin_manager, command="train-async")
     selection = resolve_selection(args, plugin_manager)
     assert selection.chosen["rollout"][0] == "fully_async"
     configure_plugins(args, plugin_manager, selection)  # the plugin derives its per-sample default
