@@ -62,6 +62,47 @@ def test_ctrl_c_inside_a_finalizer_still_interrupts():
     assert "Exception ignored" not in done.stderr
 
 
+IN_A_BACKGROUND_TASK = r"""
+import asyncio, gc, os, signal
+from furlong.core.cli import commands as cli
+
+cli._exit_on_signals()
+
+
+async def background():
+    await asyncio.sleep(0)
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(10000):  # the handler runs at a bytecode boundary inside this task
+        pass
+
+
+async def main():
+    task = asyncio.ensure_future(background())
+    await asyncio.sleep(10)
+
+
+try:
+    asyncio.run(cli.until_stopped(main()))
+except SystemExit as exc:
+    print("exit", exc.code)
+    gc.collect()  # the task that caught the signal is collected
+    raise
+"""
+
+
+def test_sigterm_inside_a_background_task_exits_143_with_no_lost_task_report():
+    done = _run_script(IN_A_BACKGROUND_TASK)
+    assert done.returncode == 128 + signal.SIGTERM, done.stdout + done.stderr
+    assert done.stdout.split() == ["exit", "143"]
+    assert done.stderr == ""
+
+
+def test_other_task_errors_still_reach_asyncios_report():
+    script = IN_A_BACKGROUND_TASK.replace("os.kill(os.getpid(), signal.SIGTERM)", "raise ValueError('lost')")
+    done = _run_script(script.replace("asyncio.sleep(10)", "asyncio.sleep(0.1)"))
+    assert "Task exception was never retrieved" in done.stderr and "ValueError: lost" in done.stderr
+
+
 STATE = ("import signal; handler = signal.getsignal(signal.SIGINT); "
          "print('ignored' if handler == signal.SIG_IGN else 'default' if handler is signal.default_int_handler "
          "else handler, *sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))")

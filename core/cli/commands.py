@@ -159,6 +159,24 @@ def _raise_where_it_propagates(signum: int, frame) -> None:
     sys.exit(128 + signum)
 
 
+async def until_stopped(main):
+    """Await ``main`` on a loop that reports a stop signal once.
+
+    SIGTERM and Ctrl-C raise inside whichever task runs when they land (:func:`_raise_where_it_propagates`).
+    asyncio re-raises the exception out of the loop, so the run stops through its clean-up, and also keeps
+    it in that task: when the task is collected, asyncio would print "Task exception was never retrieved" and a
+    traceback for a stop that went as asked. Those are dropped; every other report reaches asyncio's handler.
+    """
+    asyncio.get_running_loop().set_exception_handler(_drop_stop_signals)
+    return await main
+
+
+def _drop_stop_signals(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    if isinstance(context.get("exception"), (SystemExit, KeyboardInterrupt)):
+        return
+    loop.default_exception_handler(context)
+
+
 def _secondary_rank() -> bool:
     """A trainer rank other than 0 under ``torchrun`` (which sets ``RANK`` and ``WORLD_SIZE``)."""
     return launched_processes() > 1 and int(os.environ.get("RANK", "0") or 0) > 0
@@ -258,7 +276,7 @@ def _train(command: str, argv: list[str]) -> int:
     warn_broken(pm)
     from ..run.loop import run
 
-    asyncio.run(run(config, pm, selection))
+    asyncio.run(until_stopped(run(config, pm, selection)))
     return 0
 
 
