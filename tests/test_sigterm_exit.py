@@ -103,6 +103,28 @@ def test_other_task_errors_still_reach_asyncios_report():
     assert "Task exception was never retrieved" in done.stderr and "ValueError: lost" in done.stderr
 
 
+HANDLER_AT_PARSE = r"""
+import signal
+from furlong.core import config
+from furlong.core.cli import commands as cli
+
+
+def parse_args(*args, **kwargs):
+    print(signal.getsignal(signal.SIGTERM) is cli._raise_where_it_propagates)
+    raise SystemExit(0)
+
+
+config.parse_args = parse_args
+cli.main(["train", "--num-rollout", "1"])
+"""
+
+
+def test_the_stop_handlers_are_installed_before_the_flags_are_parsed():
+    """Parsing imports torch and the plugins, seconds in all: a stop signal sent then is not lost."""
+    done = _run_script(HANDLER_AT_PARSE)
+    assert done.stdout.split() == ["True"], done.stdout + done.stderr
+
+
 STATE = ("import signal; handler = signal.getsignal(signal.SIGINT); "
          "print('ignored' if handler == signal.SIG_IGN else 'default' if handler is signal.default_int_handler "
          "else handler, *sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))")

@@ -160,12 +160,14 @@ def _raise_where_it_propagates(signum: int, frame) -> None:
 
 
 async def until_stopped(main):
-    """Await ``main`` on a loop that reports a stop signal once.
+    """Await ``main`` on a loop that reports a stop once.
 
-    SIGTERM and Ctrl-C raise inside whichever task runs when they land (:func:`_raise_where_it_propagates`).
-    asyncio re-raises the exception out of the loop, so the run stops through its clean-up, and also keeps
-    it in that task: when the task is collected, asyncio would print "Task exception was never retrieved" and a
-    traceback for a stop that went as asked. Those are dropped; every other report reaches asyncio's handler.
+    SIGTERM and Ctrl-C raise SystemExit and KeyboardInterrupt inside whichever task runs when they land
+    (:func:`_raise_where_it_propagates`). asyncio re-raises the exception out of the loop, so the run stops
+    through its clean-up, and also keeps it in that task: when the task is collected, asyncio would print
+    "Task exception was never retrieved" and a traceback for a stop that went as asked. Reports of
+    SystemExit and KeyboardInterrupt (a signal's, or a ``sys.exit`` in a task, which stops the run the same
+    way) are dropped; every other report reaches asyncio's handler.
     """
     asyncio.get_running_loop().set_exception_handler(_drop_stop_signals)
     return await main
@@ -252,6 +254,7 @@ def _train(command: str, argv: list[str]) -> int:
     from ..config.parser import build_parser
     from ..plugins.selection import resolve_selection
 
+    _exit_on_signals()  # before the imports and the parse, which take seconds: a stop signal then is not lost
     pm = get_plugin_manager(_disable_list(argv))
     with held_notes():  # a run that selection or a plugin's configure rejects prints its errors alone
         try:
@@ -259,7 +262,6 @@ def _train(command: str, argv: list[str]) -> int:
         except ConfigError as exc:
             raise with_plugin_problems(exc, pm) from None
         args.train_mode = "async" if command == "train-async" else "sync"
-        _exit_on_signals()
         selection = resolve_selection(args, pm)
         configured = configure_plugins(args, pm, selection)
     config = freeze_config(args, build_parser(pm).plugin_flags, configured.derived)

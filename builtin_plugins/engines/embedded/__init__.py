@@ -102,7 +102,7 @@ def rollout_engine(config, engine_index):
     own = config.plugin_config(PLUGIN)
     return load_engine(
         config.hf_checkpoint,
-        max_batch_size=int(own.embedded_max_batch_size),  # 0 reaches the engine's check
+        max_batch_size=int(own.embedded_max_batch_size),
         half=not config.fp16 and config.bf16,
         fp16=config.fp16,
         seed=config.seed + int(engine_index),
