@@ -45,7 +45,8 @@ log = logging.getLogger("furlong")
 
 WARMUP_FREEZES = 3
 """Rollouts of an invocation after which :func:`freeze_survivors` runs again (on one H100, compiled
-layers and CUDA graphs were made in the first two rollouts; each freeze costs one full collection)."""
+layers and CUDA graphs were made in the first two rollouts; the third catches a late variant; each
+freeze costs one full collection)."""
 
 
 class Run:
@@ -603,8 +604,8 @@ def _checked_executor(executor, name: str, flag: str):
 def freeze_survivors() -> None:
     """Collect garbage, then keep every surviving object out of later collections (``gc.freeze``).
 
-    A full collection scans every tracked object: about 0.2 s in a process holding transformers, and
-    Python runs one about every rollout on its own. The run freezes what the start made (modules of
+    A full collection scans every tracked object: up to 0.2 s in a GPU run's process with nothing frozen,
+    about 80 ms with only the start frozen, and Python runs one as often as once a rollout on its own. The run freezes what the start made (modules of
     torch and transformers, models, tokenizers) and again after each of its first
     :data:`WARMUP_FREEZES` rollouts, which compile (``torch.compile``'s graphs and guards, the
     engine's CUDA graphs); :func:`run` unfreezes everything when it returns. Objects still alive at a
