@@ -123,6 +123,28 @@ def test_objects_that_survive_the_warm_up_rollouts_are_frozen_then_no_more(short
     assert gc.get_freeze_count() == 0  # the run unfroze everything when it returned
 
 
+def test_a_caller_that_froze_objects_keeps_them_frozen_after_a_run(tiny_model_dir, arithmetic_jsonl):
+    import asyncio
+
+    from furlong.core.config.launch_args import launch_config
+    from furlong.core.plugins.manager import get_plugin_manager
+    from furlong.core.plugins.selection import resolve_selection
+    from furlong.core.run.loop import run
+
+    pm = get_plugin_manager()
+    config = launch_config("--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(arithmetic_jsonl),
+                           "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--num-rollout", "1",
+                           "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len",
+                           "4", pm=pm)
+    mine = ["the embedding program's"]
+    gc.freeze()
+    try:
+        asyncio.run(run(config, pm, resolve_selection(config, pm)))
+        assert is_frozen(mine)
+    finally:
+        gc.unfreeze()
+
+
 def test_checkpoints_follow_the_save_cadence(short_run):
     save, _, _ = short_run
     assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == ["iter_0000001", "iter_0000002"]
