@@ -254,7 +254,7 @@ def _train(command: str, argv: list[str]) -> int:
     from ..config.parser import build_parser
     from ..plugins.selection import resolve_selection
 
-    _exit_on_signals()  # before the imports and the parse, which take seconds: a stop signal then is not lost
+    _exit_on_signals()  # before the plugins load and the flags parse (seconds: torch is imported): no signal lost
     pm = get_plugin_manager(_disable_list(argv))
     with held_notes():  # a run that selection or a plugin's configure rejects prints its errors alone
         try:
