@@ -63,7 +63,20 @@ ARGS=(
   --lr "${LR:-1e-4}" --weight-decay 0.0 --micro-batch-size 64
   --save "$OUT" --save-interval 1000
 )
-furlong "${COMMAND:-train}" "${ARGS[@]}" "$@"
+# The run goes in the background so that a SIGTERM sent to this script reaches it too (bash runs a trap only
+# once its foreground command has ended); Ctrl-C at a terminal reaches both already, and the script waits
+# for the run's clean-up either way.
+furlong "${COMMAND:-train}" "${ARGS[@]}" "$@" &
+run=$!
+trap 'kill -TERM "$run" 2>/dev/null' TERM
+trap : INT
+status=0
+until wait "$run"; do
+  status=$?
+  kill -0 "$run" 2>/dev/null || break
+done
+trap - TERM INT
+if [ "$status" -ne 0 ]; then exit "$status"; fi
 if [ -n "$CHECK_ONLY" ]; then exit 0; fi
 
 python - "$OUT/metrics.jsonl" <<'PY'
